@@ -1,0 +1,120 @@
+"""Peer addresses: one string that carries host, port and peer id.
+
+Format (multiaddr style, familiar to libp2p and hivemind users)::
+
+    /ip4/203.0.113.7/tcp/31337/p2p/<peer id>
+    /ip6/2001:db8::1/tcp/31337/p2p/<peer id>
+    /dns/node.example.org/tcp/31337/p2p/<peer id>      (also /dns4, /dns6)
+
+The ``/p2p/<peer id>`` part is what makes dialing safe: the handshake proves that the remote holds the
+key behind that id. An address without it can still be dialed (trust on first use), and the dialer
+logs that the remote's id was not verified.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+
+from ..identity import PeerID
+
+_DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """A dialable address: ``kind`` is ``ip4``, ``ip6`` or ``dns`` (``dns4``/``dns6`` accepted)."""
+
+    kind: str
+    host: str
+    port: int
+    peer_id: PeerID | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> PeerAddress:
+        """Parse the multiaddr form (or ``host:port``, ``[v6]:port``); ValueError says what is wrong."""
+        text = text.strip()
+        if not text.startswith("/"):
+            return cls._parse_hostport(text)
+        parts = text.split("/")[1:]
+        if len(parts) not in (4, 6) or parts[2] != "tcp":
+            raise ValueError(f"bad address {text!r}: expected /ip4|ip6|dns/HOST/tcp/PORT[/p2p/PEERID]")
+        kind, host, _, port_s = parts[:4]
+        peer_id = None
+        if len(parts) == 6:
+            if parts[4] != "p2p":
+                raise ValueError(f"bad address {text!r}: expected /p2p/PEERID after the port")
+            peer_id = PeerID.from_string(parts[5])
+        return cls(_check_kind(kind, host, text), host, _parse_port(port_s, text), peer_id)
+
+    @classmethod
+    def _parse_hostport(cls, text: str) -> PeerAddress:
+        m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", text)
+        if not m:
+            raise ValueError(f"bad address {text!r}: expected HOST:PORT or /ip4/HOST/tcp/PORT/p2p/ID")
+        host = m.group(1) or m.group(3)
+        port = _parse_port(m.group(2) or m.group(4), text)
+        return cls(_guess_kind(host, text), host, port, None)
+
+    @classmethod
+    def for_host(cls, host: str, port: int, peer_id: PeerID | None = None) -> PeerAddress:
+        return cls(_guess_kind(host, host), host, port, peer_id)
+
+    def with_peer(self, peer_id: PeerID) -> PeerAddress:
+        return PeerAddress(self.kind, self.host, self.port, peer_id)
+
+    def __str__(self) -> str:
+        s = f"/{self.kind}/{self.host}/tcp/{self.port}"
+        if self.peer_id is not None:
+            s += f"/p2p/{self.peer_id}"
+        return s
+
+
+def _parse_port(s: str, text: str) -> int:
+    if not s.isdigit() or not 0 < int(s) < 65536:
+        raise ValueError(f"bad address {text!r}: port must be 1-65535")
+    return int(s)
+
+
+def _check_kind(kind: str, host: str, text: str) -> str:
+    if kind == "ip4":
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"bad address {text!r}: {host!r} is not an IPv4 address") from None
+    elif kind == "ip6":
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"bad address {text!r}: {host!r} is not an IPv6 address") from None
+    elif kind in ("dns", "dns4", "dns6"):
+        if not all(_DNS_LABEL.match(label) for label in host.rstrip(".").split(".")):
+            raise ValueError(f"bad address {text!r}: {host!r} is not a DNS name")
+    else:
+        raise ValueError(f"bad address {text!r}: unknown protocol {kind!r} (ip4, ip6, dns)")
+    return kind
+
+
+def _guess_kind(host: str, text: str) -> str:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return _check_kind("dns", host, text)
+    return "ip4" if ip.version == 4 else "ip6"
+
+
+def outward_ip(family: int = socket.AF_INET) -> str | None:
+    """The local address the OS would use to reach the outside, or None.
+
+    A UDP socket's connect() only selects a route; it sends nothing.
+    """
+    probe = "198.18.0.1" if family == socket.AF_INET else "2001:db8::1"
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            ip: str = s.getsockname()[0]
+            return ip
+    except OSError:
+        return None

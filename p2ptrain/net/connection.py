@@ -1,0 +1,504 @@
+"""One authenticated connection: multiplexed RPC calls, streams, keepalive and idle close.
+
+Theory of operation: a connection runs one reader task that decodes every record and routes it, never
+blocking on an application: responses wake the waiting caller, ``Data`` goes into the stream's bounded
+buffer, requests start a handler task in the connection's own nursery (bounded in number). Sends from
+any task go through the channel's lock. Closing the connection (by either side, by keepalive timeout,
+or by a protocol violation) fails every pending call with :class:`ConnectionClosed` and cancels every
+handler, so nothing waits forever and no resource outlives the connection.
+
+Deadlines: the caller's timeout travels with the request; the handler runs under it, and the caller
+gives up (sending ``Cancel``) when it expires or when the caller itself is cancelled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Generic
+
+import trio
+
+from ..errors import (
+    CallRefused,
+    ConnectionClosed,
+    DeadlineExceeded,
+    LocalProtocolError,
+    P2PError,
+    RemoteCallError,
+    RemoteProtocolError,
+)
+from ..identity import PeerID
+from ..wire.schema import Message
+from .channel import MAX_CHUNK, SecureChannel
+from .rpc import (
+    CallContext,
+    Cancel,
+    Credit,
+    Data,
+    Error,
+    GoAway,
+    Method,
+    Ping,
+    Pong,
+    Reply,
+    Req,
+    Request,
+    Resp,
+    Response,
+    RpcRegistry,
+    decode_args,
+    decode_header,
+    encode_args,
+    encode_header,
+)
+from .streams import RpcStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """Per-connection limits and timers (seconds)."""
+
+    default_timeout: float = 30.0
+    keepalive_interval: float = 10.0
+    keepalive_timeout: float = 30.0
+    idle_timeout: float = 120.0
+    max_concurrent_calls: int = 2048
+    max_streams: int = 64
+    stream_window: int = 8 * MAX_CHUNK
+
+
+@dataclass
+class _OutCall:
+    method: Method[Any, Any]
+    done: trio.Event = field(default_factory=trio.Event)
+    result: bytes | None = None
+    body: memoryview | None = None
+    error: BaseException | None = None
+    stream: RpcStream | None = None
+
+
+@dataclass
+class _InCall:
+    scope: trio.CancelScope
+    stream: RpcStream | None = None
+
+
+class Connection:
+    """A live, authenticated connection to one peer. Created by :class:`~p2ptrain.net.host.Host`."""
+
+    def __init__(
+        self,
+        channel: SecureChannel,
+        peer: PeerID,
+        *,
+        outbound: bool,
+        remote_host: str,
+        remote_port: int,
+        registry: RpcRegistry,
+        config: ConnectionConfig,
+    ) -> None:
+        self.channel = channel
+        self.peer = peer
+        self.outbound = outbound
+        self.remote_host = remote_host
+        self.remote_port = remote_port
+        self.config = config
+        self.keep_open = False
+        self._registry = registry
+        self._ids = itertools.count(1 if outbound else 2, 2)
+        self._out: dict[int, _OutCall] = {}
+        self._in: dict[int, _InCall] = {}
+        self._nursery: trio.Nursery | None = None
+        self._closed = trio.Event()
+        self.close_reason = ""
+        self.opened_at = trio.current_time()
+        self._last_received = self.opened_at
+        self._last_busy = self.opened_at
+        self._pings = itertools.count()
+        self._pong_waiters: dict[int, trio.Event] = {}
+
+    # ---- status ----
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def active_calls(self) -> int:
+        return len(self._out) + len(self._in)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received on streams and not yet consumed by the application."""
+        streams = [c.stream for c in self._out.values()] + [c.stream for c in self._in.values()]
+        return sum(s.buffered for s in streams if s is not None)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.channel.framed.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.channel.framed.bytes_received
+
+    def __repr__(self) -> str:
+        arrow = "->" if self.outbound else "<-"
+        return f"Connection({arrow}{self.peer.short()} {self.remote_host}:{self.remote_port})"
+
+    # ---- lifecycle ----
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until it closes. Owned by the host's nursery."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._reader)
+                nursery.start_soon(self._keepalive)
+                task_status.started()
+                await self._closed.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._fail_pending(
+                ConnectionClosed(f"connection to {self.peer.short()} closed: {self.close_reason}")
+            )
+            with trio.CancelScope(shield=True):
+                await self.channel.aclose()
+
+    async def aclose(self, reason: str = "closed locally") -> None:
+        """Close gracefully: tell the remote why (best effort, 1 s), then close."""
+        if self.closed:
+            return
+        # Best effort: a remote that is gone already needs no explanation.
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(ConnectionClosed):
+            await self._send(GoAway(reason=reason[:256]))
+        self._close(reason)
+
+    def _close(self, reason: str) -> None:
+        if not self.closed:
+            self.close_reason = reason
+            self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for call in self._out.values():
+            call.error = call.error or error
+            if call.stream:
+                call.stream._fail(error)
+            call.done.set()
+        for inc in self._in.values():
+            inc.scope.cancel()
+            if inc.stream:
+                inc.stream._fail(error)
+        for ev in self._pong_waiters.values():
+            ev.set()
+
+    async def _send(self, header: Message, body: bytes | memoryview = b"") -> None:
+        if self.closed:
+            raise ConnectionClosed(f"connection to {self.peer.short()} is closed: {self.close_reason}")
+        try:
+            await self.channel.send(encode_header(header), body)
+        except ConnectionClosed as e:
+            self._close(str(e))
+            raise
+
+    # ---- outgoing calls ----
+
+    def _new_call(self, method: Method[Any, Any], streaming: bool) -> tuple[int, _OutCall]:
+        if self.closed:
+            raise ConnectionClosed(f"connection to {self.peer.short()} is closed: {self.close_reason}")
+        call_id = next(self._ids)
+        call = _OutCall(method)
+        if streaming:
+            call.stream = ClientStream(self, call_id, call)
+        self._out[call_id] = call
+        self._last_busy = trio.current_time()
+        return call_id, call
+
+    async def call(
+        self,
+        method: Method[Req, Resp],
+        request: Req,
+        *,
+        body: bytes | memoryview = b"",
+        timeout: float | None = None,
+    ) -> Resp:
+        """Call a unary method and return its response message."""
+        return (await self.call_with_body(method, request, body=body, timeout=timeout)).message
+
+    async def call_with_body(
+        self,
+        method: Method[Req, Resp],
+        request: Req,
+        *,
+        body: bytes | memoryview = b"",
+        timeout: float | None = None,
+    ) -> Reply[Resp]:
+        """Call a unary method; return the response message and its raw body."""
+        if method.streaming:
+            raise LocalProtocolError(f"{method.name} is streaming; use open_stream")
+        timeout = self.config.default_timeout if timeout is None else timeout
+        call_id, call = self._new_call(method, streaming=False)
+        try:
+            with trio.fail_after(timeout):
+                await self._send(self._request(call_id, method, request, timeout, False), body)
+                await call.done.wait()
+            return Reply(self._result(call_id, call), call.body if call.body is not None else b"")
+        except trio.TooSlowError:
+            raise DeadlineExceeded(
+                f"{method.name} to {self.peer.short()} timed out after {timeout:g} s"
+            ) from None
+        finally:
+            await self._finish_call(call_id, call)
+
+    @asynccontextmanager
+    async def open_stream(
+        self, method: Method[Req, Resp], request: Req, *, timeout: float | None = None
+    ) -> AsyncIterator[ClientStream[Resp]]:
+        """Open a streaming call. Leaving the block before the response arrives cancels the call."""
+        if not method.streaming:
+            raise LocalProtocolError(f"{method.name} is unary; use call")
+        if sum(1 for c in self._out.values() if c.stream) >= self.config.max_streams:
+            raise LocalProtocolError(f"too many open streams to {self.peer.short()}")
+        timeout = self.config.default_timeout if timeout is None else timeout
+        call_id, call = self._new_call(method, streaming=True)
+        try:
+            with trio.fail_after(timeout):
+                await self._send(self._request(call_id, method, request, timeout, True))
+                assert isinstance(call.stream, ClientStream)
+                yield call.stream
+        except trio.TooSlowError:
+            raise DeadlineExceeded(
+                f"{method.name} to {self.peer.short()} timed out after {timeout:g} s"
+            ) from None
+        finally:
+            await self._finish_call(call_id, call)
+
+    def _request(
+        self, call_id: int, method: Method[Any, Any], request: Message, timeout: float, streaming: bool
+    ) -> Request:
+        if not isinstance(request, method.request):
+            raise LocalProtocolError(f"{method.name} takes {method.request.__name__}")
+        return Request(call_id, method.name, timeout, streaming, encode_args(request))
+
+    def _result(self, call_id: int, call: _OutCall) -> Any:
+        if call.error is not None:
+            if isinstance(call.error, ConnectionClosed):
+                raise ConnectionClosed(str(call.error))
+            raise call.error
+        assert call.result is not None
+        try:
+            return decode_args(call.method.response, call.result)
+        except RemoteProtocolError as e:
+            raise RemoteProtocolError(
+                f"bad response to {call.method.name} from {self.peer.short()}: {e}"
+            ) from None
+
+    async def _finish_call(self, call_id: int, call: _OutCall) -> None:
+        self._out.pop(call_id, None)
+        self._last_busy = trio.current_time()
+        if call.stream is not None:
+            call.stream._fail(ConnectionClosed("call finished"))
+        if not call.done.is_set() and not self.closed:
+            # We gave up (timeout, cancellation, error): tell the remote to stop working on it.
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(ConnectionClosed):
+                await self._send(Cancel(id=call_id))
+
+    # ---- keepalive ----
+
+    async def ping(self, timeout: float = 10.0) -> float:
+        """Round-trip time of a keepalive ping, in seconds."""
+        nonce = next(self._pings)
+        ev = self._pong_waiters[nonce] = trio.Event()
+        start = trio.current_time()
+        try:
+            with trio.fail_after(timeout):
+                await self._send(Ping(nonce=nonce))
+                await ev.wait()
+        except trio.TooSlowError:
+            raise DeadlineExceeded(f"ping to {self.peer.short()} timed out") from None
+        finally:
+            self._pong_waiters.pop(nonce, None)
+        if self.closed:
+            raise ConnectionClosed(f"connection to {self.peer.short()} closed: {self.close_reason}")
+        return trio.current_time() - start
+
+    async def _keepalive(self) -> None:
+        cfg = self.config
+        while True:
+            await trio.sleep(min(cfg.keepalive_interval, cfg.idle_timeout) / 2)
+            now = trio.current_time()
+            if now - self._last_received > cfg.keepalive_timeout:
+                log.info("closing %r: no traffic for %.0f s", self, now - self._last_received)
+                self._close("keepalive timeout")
+                return
+            if not self.keep_open and self.active_calls == 0 and now - self._last_busy > cfg.idle_timeout:
+                log.debug("closing idle %r", self)
+                await self.aclose("idle")
+                return
+            if now - self._last_received > cfg.keepalive_interval:
+                try:
+                    await self._send(Ping(nonce=next(self._pings)))
+                except ConnectionClosed:
+                    return
+
+    # ---- incoming records ----
+
+    async def _reader(self) -> None:
+        try:
+            while True:
+                header, body = await self.channel.receive()
+                self._last_received = trio.current_time()
+                await self._dispatch(decode_header(header), body)
+        except ConnectionClosed as e:
+            if not self.closed:
+                log.info("connection to %s lost: %s", self.peer.short(), e)
+            self._close(str(e))
+        except RemoteProtocolError as e:
+            log.warning("closing connection to %s: protocol violation: %s", self.peer.short(), e)
+            self._close(f"protocol violation: {e}")
+
+    async def _dispatch(self, msg: Message, body: memoryview) -> None:
+        if isinstance(msg, Data):
+            stream = self._stream_of(msg.id)
+            if stream is not None:
+                stream._deliver(msg, body)
+            # Data for a call that just ended (cancel race) is dropped.
+        elif isinstance(msg, Credit):
+            stream = self._stream_of(msg.id)
+            if stream is not None:
+                stream._grant(msg.amount)
+        elif isinstance(msg, Response | Error):
+            self._on_reply(msg, body)
+        elif isinstance(msg, Request):
+            self._on_request(msg, body)
+        elif isinstance(msg, Cancel):
+            inc = self._in.get(msg.id)
+            if inc is not None:
+                inc.scope.cancel()
+        elif isinstance(msg, Ping):
+            await self._send(Pong(nonce=msg.nonce))
+        elif isinstance(msg, Pong):
+            ev = self._pong_waiters.get(msg.nonce)
+            if ev is not None:
+                ev.set()
+        elif isinstance(msg, GoAway):
+            log.info("%s is closing the connection: %s", self.peer.short(), msg.reason)
+            self._close(f"remote closed: {msg.reason}")
+
+    def _stream_of(self, call_id: int) -> RpcStream | None:
+        mine = (call_id % 2 == 1) == self.outbound
+        call = self._out.get(call_id) if mine else self._in.get(call_id)
+        return call.stream if call is not None else None
+
+    def _on_reply(self, msg: Response | Error, body: memoryview) -> None:
+        call = self._out.get(msg.id)
+        if call is None or call.done.is_set():
+            return  # reply to a call we already gave up on
+        if isinstance(msg, Response):
+            call.result, call.body = msg.result, body
+            if call.stream:
+                call.stream._end()  # the handler returned: no more data will follow
+        else:
+            call.error = RemoteCallError(self.peer.short(), call.method.name, msg.code, msg.message)
+            if call.stream:
+                call.stream._fail(call.error)
+        call.done.set()
+
+    def _on_request(self, req: Request, body: memoryview) -> None:
+        if (req.id % 2 == 1) == self.outbound:
+            raise RemoteProtocolError(f"request id {req.id} has the wrong parity")
+        if req.id in self._in:
+            raise RemoteProtocolError(f"request id {req.id} is already in use")
+        assert self._nursery is not None
+        scope = trio.CancelScope(deadline=trio.current_time() + req.timeout)
+        inc = _InCall(scope)
+        if req.streaming:
+            inc.stream = RpcStream(req.id, self._send, self.config.stream_window)
+        self._in[req.id] = inc
+        self._last_busy = trio.current_time()
+        self._nursery.start_soon(self._serve, req, body, inc)
+
+    async def _serve(self, req: Request, body: memoryview, inc: _InCall) -> None:
+        try:
+            with inc.scope:
+                await self._serve_inner(req, body, inc)
+            expired = trio.current_time() >= inc.scope.deadline
+            if inc.scope.cancelled_caught and expired and not self.closed:
+                await self._reply_error(req.id, "deadline", f"{req.method} exceeded its deadline")
+        except ConnectionClosed:
+            pass
+        finally:
+            self._in.pop(req.id, None)
+            if inc.stream:
+                inc.stream._fail(ConnectionClosed("call finished"))
+            self._last_busy = trio.current_time()
+
+    async def _serve_inner(self, req: Request, body: memoryview, inc: _InCall) -> None:
+        entry = self._registry.get(req.method)
+        if entry is None:
+            await self._reply_error(req.id, "unknown_method", f"no method {req.method!r} here")
+            return
+        if entry.method.streaming != req.streaming:
+            await self._reply_error(req.id, "bad_request", f"{req.method}: wrong call kind")
+            return
+        if len(self._in) > self.config.max_concurrent_calls or (
+            req.streaming and sum(1 for c in self._in.values() if c.stream) > self.config.max_streams
+        ):
+            await self._reply_error(req.id, "busy", "too many concurrent calls on this connection")
+            return
+        try:
+            args = decode_args(entry.method.request, req.args)
+        except RemoteProtocolError as e:
+            await self._reply_error(req.id, "bad_request", str(e))
+            return
+        ctx = CallContext(self.peer, self.remote_host, req.method, body, inc.scope.deadline)
+        try:
+            if req.streaming:
+                result = await entry.handler(ctx, args, inc.stream)
+            else:
+                result = await entry.handler(ctx, args)
+        except CallRefused as e:
+            await self._reply_error(req.id, e.code, e.message)
+            return
+        except (RemoteProtocolError, RemoteCallError) as e:
+            await self._reply_error(req.id, "bad_request", str(e))
+            return
+        except P2PError as e:
+            await self._reply_error(req.id, "refused", str(e))
+            return
+        except Exception as e:  # a handler bug must not take the connection down; Cancelled passes
+            log.exception("handler for %s failed", req.method)
+            await self._reply_error(req.id, "internal", f"{type(e).__name__}: {e}")
+            return
+        reply = result if isinstance(result, Reply) else Reply(result)
+        if not isinstance(reply.message, entry.method.response):
+            log.error("handler for %s returned %r", req.method, type(reply.message))
+            await self._reply_error(req.id, "internal", "handler returned the wrong type")
+            return
+        await self._send(Response(req.id, encode_args(reply.message)), reply.body)
+
+    async def _reply_error(self, call_id: int, code: str, message: str) -> None:
+        await self._send(Error(call_id, code[:32], message[:2048]))
+
+
+class ClientStream(RpcStream, Generic[Resp]):
+    """The caller's end of a streaming call: send and receive bytes, then await ``response()``."""
+
+    def __init__(self, conn: Connection, call_id: int, call: _OutCall) -> None:
+        super().__init__(call_id, conn._send, conn.config.stream_window)
+        self._conn = conn
+        self._call = call
+
+    async def response(self) -> Resp:
+        """Wait for the handler's final response message (raises the remote's error)."""
+        await self._call.done.wait()
+        result: Resp = self._conn._result(self.call_id, self._call)
+        return result

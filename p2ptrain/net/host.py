@@ -1,0 +1,336 @@
+"""The host: listeners, dialing, handshakes and the table of live connections.
+
+Theory of operation: a host owns one nursery in which its listeners and every connection run. Dialing
+a peer reuses a live connection when there is one, and concurrent dials to the same peer share one
+attempt. Inbound connections are admitted against caps (in total and per remote IP) before any
+cryptography is done, and a peer that does not finish the handshake in time is dropped. Refusals are
+sent to the remote as a reason it can print, then the socket is closed.
+
+Observers registered with :meth:`Host.on_connection` hear about every connection that opens and closes
+(the node logs them and keeps its status file from them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ..errors import (
+    ConnectionClosed,
+    DeadlineExceeded,
+    HandshakeRefused,
+    PeerUnavailable,
+    RemoteProtocolError,
+)
+from ..identity import Identity, PeerID
+from .address import PeerAddress
+from .channel import MAX_FRAME, FramedStream, SecureChannel
+from .connection import Connection, ConnectionConfig
+from .handshake import (
+    MAX_HANDSHAKE_FRAME,
+    PROTOCOL_VERSION,
+    HandshakeResult,
+    InitiatorHandshake,
+    ResponderHandshake,
+    reject_frame,
+)
+from .rpc import RpcRegistry
+from .transport import TcpTransport, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Limits and timers of a host (seconds)."""
+
+    connect_timeout: float = 10.0
+    handshake_timeout: float = 10.0
+    max_inbound: int = 512
+    max_inbound_per_ip: int = 32
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)
+    protocol_version: int = PROTOCOL_VERSION
+
+
+ConnectionObserver = Callable[[Connection, bool], None]
+"""Called with (connection, opened): True when it opens, False when it closes."""
+
+
+class Host:
+    """A p2ptrain network endpoint: an identity, listeners, and authenticated connections."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        *,
+        transport: Transport | None = None,
+        registry: RpcRegistry | None = None,
+        config: HostConfig | None = None,
+    ) -> None:
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.run_id = run_id
+        self.transport: Transport = transport or TcpTransport()
+        self.registry = registry or RpcRegistry()
+        self.config = config or HostConfig()
+        self.listen_addresses: list[PeerAddress] = []
+        self._conns: dict[PeerID, list[Connection]] = {}
+        self._dialing: dict[PeerID | tuple[str, int], trio.Event] = {}
+        self._inbound_by_ip: Counter[str] = Counter()
+        self._inbound = 0
+        self._observers: list[ConnectionObserver] = []
+        self._nursery: trio.Nursery | None = None
+
+    # ---- lifecycle ----
+
+    async def run(
+        self,
+        listen: list[tuple[str, int]] | None = None,
+        *,
+        task_status: trio.TaskStatus[Host] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen on ``listen`` [(host, port)] and serve until cancelled. Reports itself when ready.
+
+        When cancelled, every connection is first closed gracefully (the remote hears why), then the
+        listeners and connection tasks are torn down.
+        """
+        async with trio.open_nursery() as guard:
+            scope = await guard.start(self._serve, listen or [])
+            task_status.started(self)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(2.0):
+                        await self.close_all("shutting down")
+                    scope.cancel()
+
+    async def _serve(
+        self, listen: list[tuple[str, int]], *, task_status: trio.TaskStatus[trio.CancelScope]
+    ) -> None:
+        # Shielded: outside cancellation must not cut connections before run() has closed them.
+        async with trio.open_nursery() as nursery:
+            nursery.cancel_scope.shield = True
+            self._nursery = nursery
+            try:
+                for host, port in listen:
+                    bound = await nursery.start(self.transport.serve, host, port, self._accept)
+                    self.listen_addresses += [PeerAddress.for_host(h, p, self.peer_id) for h, p in bound]
+                task_status.started(nursery.cancel_scope)
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def close_all(self, reason: str) -> None:
+        """Close every connection gracefully (GoAway first)."""
+        async with trio.open_nursery() as nursery:
+            for conn in self.connections():
+                nursery.start_soon(conn.aclose, reason)
+
+    def on_connection(self, observer: ConnectionObserver) -> None:
+        self._observers.append(observer)
+
+    # ---- connections ----
+
+    def connections(self) -> list[Connection]:
+        return [c for conns in self._conns.values() for c in conns if not c.closed]
+
+    def connection(self, peer: PeerID) -> Connection | None:
+        """The newest live connection to ``peer``, if any."""
+        live = [c for c in self._conns.get(peer, []) if not c.closed]
+        return live[-1] if live else None
+
+    def connected_peers(self) -> list[PeerID]:
+        return [p for p in self._conns if self.connection(p) is not None]
+
+    async def connect(self, address: PeerAddress | str, *, timeout: float | None = None) -> Connection:
+        """Return a live connection to the peer at ``address``, dialing if needed.
+
+        Raises PeerUnavailable (unreachable, timed out), HandshakeRefused (run id, version, peer id),
+        or RemoteProtocolError (the remote broke the handshake).
+        """
+        addr = PeerAddress.parse(address) if isinstance(address, str) else address
+        if addr.peer_id == self.peer_id:
+            raise PeerUnavailable("refusing to dial ourselves")
+        key: PeerID | tuple[str, int] = addr.peer_id or (addr.host, addr.port)
+        while True:
+            if addr.peer_id is not None and (conn := self.connection(addr.peer_id)):
+                return conn
+            pending = self._dialing.get(key)
+            if pending is None:
+                break
+            await pending.wait()  # someone else is dialing the same peer: share the outcome
+            if addr.peer_id is None:
+                break
+        done = self._dialing[key] = trio.Event()
+        try:
+            return await self._dial(addr, timeout or self.config.connect_timeout)
+        finally:
+            del self._dialing[key]
+            done.set()
+
+    async def _dial(self, addr: PeerAddress, timeout: float) -> Connection:
+        if self._nursery is None:
+            raise PeerUnavailable("host is not running")
+        try:
+            with trio.fail_after(timeout):
+                stream = await self.transport.connect(addr.host, addr.port)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"{addr.host}:{addr.port} did not answer within {timeout:g} s") from None
+        except OSError as e:
+            raise PeerUnavailable(f"cannot reach {addr.host}:{addr.port}: {e.strerror or e}") from None
+        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        try:
+            with trio.fail_after(self.config.handshake_timeout):
+                result = await self._initiate(framed, addr.peer_id)
+        except trio.TooSlowError:
+            await _close_quietly(stream)
+            raise DeadlineExceeded(f"handshake with {addr.host}:{addr.port} timed out") from None
+        except (HandshakeRefused, RemoteProtocolError, ConnectionClosed):
+            await _close_quietly(stream)
+            raise
+        if addr.peer_id is None:
+            log.warning(
+                "connected to %s:%d without a peer id in the address: it claims to be %s "
+                "(not verified against what you meant to dial)",
+                addr.host,
+                addr.port,
+                result.remote_peer,
+            )
+        conn = self._make_connection(framed, result, True, addr.host, addr.port)
+        await self._nursery.start(self._run_connection, conn)
+        return conn
+
+    async def _initiate(self, framed: FramedStream, expected: PeerID | None) -> HandshakeResult:
+        hs = InitiatorHandshake(self.identity, self.run_id, expected, version=self.config.protocol_version)
+        await framed.send_frame(hs.start())
+        reply = await framed.receive_frame()
+        try:
+            finish = hs.receive(reply)
+        except HandshakeRefused as e:
+            if not e.by_remote:
+                with trio.move_on_after(1.0):
+                    await framed.send_frame(reject_frame(e.code, e.reason))
+            raise
+        await framed.send_frame(finish)
+        assert hs.result is not None
+        return hs.result
+
+    def _make_connection(
+        self, framed: FramedStream, result: HandshakeResult, outbound: bool, host: str, port: int
+    ) -> Connection:
+        framed.max_frame = MAX_FRAME
+        return Connection(
+            SecureChannel(framed, result),
+            result.remote_peer,
+            outbound=outbound,
+            remote_host=host,
+            remote_port=port,
+            registry=self.registry,
+            config=self.config.connection,
+        )
+
+    async def _run_connection(
+        self, conn: Connection, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        self._conns.setdefault(conn.peer, []).append(conn)
+        log.info(
+            "connected to %s (%s %s:%d)",
+            conn.peer.short(),
+            "outbound" if conn.outbound else "inbound",
+            conn.remote_host,
+            conn.remote_port,
+        )
+        self._notify(conn, True)
+        try:
+            await conn.run(task_status=task_status)
+        finally:
+            peers = self._conns.get(conn.peer, [])
+            if conn in peers:
+                peers.remove(conn)
+            if not peers:
+                self._conns.pop(conn.peer, None)
+            log.info("disconnected from %s: %s", conn.peer.short(), conn.close_reason or "closed")
+            self._notify(conn, False)
+
+    def _notify(self, conn: Connection, opened: bool) -> None:
+        for observer in self._observers:
+            observer(conn, opened)
+
+    # ---- inbound ----
+
+    async def _accept(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
+        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        cfg = self.config
+        if self._inbound >= cfg.max_inbound or self._inbound_by_ip[remote_host] >= cfg.max_inbound_per_ip:
+            log.warning("refusing connection from %s: connection limit reached", remote_host)
+            with trio.move_on_after(1.0):
+                await _send_quietly(framed, reject_frame("busy", "too many connections; try later"))
+            await _close_quietly(stream)
+            return
+        self._inbound += 1
+        self._inbound_by_ip[remote_host] += 1
+        try:
+            await self._accept_admitted(framed, remote_host, remote_port)
+        finally:
+            self._inbound -= 1
+            self._inbound_by_ip[remote_host] -= 1
+            if not self._inbound_by_ip[remote_host]:
+                del self._inbound_by_ip[remote_host]
+
+    async def _accept_admitted(self, framed: FramedStream, host: str, port: int) -> None:
+        hs = ResponderHandshake(self.identity, self.run_id, version=self.config.protocol_version)
+        try:
+            with trio.fail_after(self.config.handshake_timeout):
+                reply = hs.receive(await framed.receive_frame())
+                assert reply is not None
+                await framed.send_frame(reply)
+                hs.receive(await framed.receive_frame())
+        except trio.TooSlowError:
+            log.info(
+                "dropping %s:%d: handshake not completed within %g s",
+                host,
+                port,
+                self.config.handshake_timeout,
+            )
+            await _close_quietly(framed.stream)
+            return
+        except HandshakeRefused as e:
+            if e.by_remote:
+                log.warning("%s:%d refused our handshake (%s): %s", host, port, e.code, e.reason)
+            else:
+                log.warning("refused handshake from %s:%d (%s): %s", host, port, e.code, e.reason)
+                with trio.move_on_after(1.0):
+                    await _send_quietly(framed, reject_frame(e.code, e.reason))
+            await _close_quietly(framed.stream)
+            return
+        except RemoteProtocolError as e:
+            log.warning("dropping %s:%d: bad handshake: %s", host, port, e)
+            await _close_quietly(framed.stream)
+            return
+        except ConnectionClosed:
+            log.debug("%s:%d closed during the handshake", host, port)
+            await _close_quietly(framed.stream)
+            return
+        assert hs.result is not None
+        conn = self._make_connection(framed, hs.result, False, host, port)
+        await self._run_connection(conn)
+
+
+async def _send_quietly(framed: FramedStream, data: bytes) -> None:
+    with contextlib.suppress(ConnectionClosed):
+        await framed.send_frame(data)
+
+
+async def _close_quietly(stream: trio.abc.Stream) -> None:
+    with (
+        trio.CancelScope(shield=True),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
+    ):
+        await stream.aclose()

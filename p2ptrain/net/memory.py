@@ -1,0 +1,264 @@
+"""An in-memory network with latency, bandwidth, loss and partitions, behind the Transport interface.
+
+Theory of operation: each connection is a pair of one-way pipes. A write is stamped with the virtual
+time at which it would arrive: the link serializes writes at its bandwidth, adds its latency, and a
+"lost" write arrives one retransmission timeout later (a byte stream never loses data, it stalls, as
+TCP does). Pipes hold a bounded number of bytes in flight, so writers feel backpressure. A partition
+freezes delivery between the two sides and makes new dials hang, as a real network split does;
+:meth:`MemoryNetwork.kill` resets every connection of a host, as a crashed process would.
+
+It runs on trio's clock, so tests under ``trio.testing.MockClock`` see exact virtual times.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import trio
+
+from .transport import StreamHandler
+
+_PIPE_LIMIT = 4 * 1024 * 1024
+
+
+@dataclass
+class LinkProfile:
+    """Conditions on the path between two hosts (one direction)."""
+
+    latency: float = 0.0
+    bandwidth: float | None = None  # bytes per second; None = unlimited
+    loss: float = 0.0  # probability that a write needs a retransmission
+    rto: float = 0.2
+
+
+class _Pipe:
+    def __init__(self, net: MemoryNetwork, src: str, dst: str) -> None:
+        self.net, self.src, self.dst = net, src, dst
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.in_flight = 0
+        self.link_free_at = 0.0
+        self.last_arrival = 0.0
+        self.eof = False
+        self.broken = False
+        self.reader_gone = False
+        self.changed = trio.Event()
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def _wait(self, until: float | None = None) -> None:
+        ev = self.changed
+        if until is None:
+            await ev.wait()
+        else:
+            with trio.move_on_at(until):
+                await ev.wait()
+
+    async def write(self, data: bytes) -> None:
+        while self.in_flight >= _PIPE_LIMIT and not self.broken and not self.reader_gone:
+            await self._wait()
+        if self.broken or self.reader_gone:
+            raise trio.BrokenResourceError("connection reset")
+        now = trio.current_time()
+        prof = self.net.profile(self.src, self.dst)
+        start = max(now, self.link_free_at)
+        if prof.bandwidth:
+            start += len(data) / prof.bandwidth
+        self.link_free_at = start
+        arrival = start + prof.latency
+        if prof.loss and self.net.rng.random() < prof.loss:
+            arrival += prof.rto
+        self.last_arrival = max(self.last_arrival, arrival)
+        self.queue.append((self.last_arrival, data))
+        self.in_flight += len(data)
+        self._wake()
+        await trio.lowlevel.checkpoint()
+
+    async def read(self, max_bytes: int) -> bytes:
+        while True:
+            if self.broken:
+                raise trio.BrokenResourceError("connection reset")
+            blocked = self.net.blocked(self.src, self.dst)
+            if self.queue and not blocked:
+                arrival, data = self.queue[0]
+                if arrival <= trio.current_time():
+                    if len(data) > max_bytes:
+                        self.queue[0] = (arrival, data[max_bytes:])
+                        data = data[:max_bytes]
+                    else:
+                        self.queue.popleft()
+                    self.in_flight -= len(data)
+                    self._wake()
+                    return data
+                await self._wait(arrival)
+                continue
+            if self.eof and not self.queue:
+                return b""
+            await self._wait()
+
+
+class MemoryStream(trio.abc.HalfCloseableStream):
+    """One end of an in-memory connection."""
+
+    def __init__(self, out: _Pipe, inp: _Pipe) -> None:
+        self._out, self._in = out, inp
+        self._closed = False
+        self._sending = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("stream closed")
+        if self._out.eof:
+            raise trio.ClosedResourceError("send_eof was called")
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending")
+        self._sending = True
+        try:
+            await self._out.write(bytes(data))
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        self._out.eof = True
+        self._out._wake()
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._closed:
+            raise trio.ClosedResourceError("stream closed")
+        return await self._in.read(max_bytes or 65536)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._out.eof = True
+            self._out._wake()
+            self._in.reader_gone = True
+            self._in._wake()
+        await trio.lowlevel.checkpoint()
+
+
+class MemoryNetwork:
+    """A simulated network of named hosts. ``transport(host)`` gives a host its Transport."""
+
+    def __init__(self, *, default: LinkProfile | None = None, seed: int = 0) -> None:
+        self.default = default or LinkProfile()
+        self.links: dict[tuple[str, str], LinkProfile] = {}
+        self.rng = random.Random(seed)
+        self._listeners: dict[tuple[str, int], StreamHandler] = {}
+        self._serve_nurseries: dict[tuple[str, int], trio.Nursery] = {}
+        self._blocked: set[frozenset[str]] = set()
+        self._pipes: list[_Pipe] = []
+        self._changed = trio.Event()
+        self._next_port = 40000
+
+    # ---- conditions ----
+
+    def profile(self, src: str, dst: str) -> LinkProfile:
+        return self.links.get((src, dst), self.default)
+
+    def set_link(self, a: str, b: str, profile: LinkProfile, *, both_ways: bool = True) -> None:
+        self.links[(a, b)] = profile
+        if both_ways:
+            self.links[(b, a)] = profile
+
+    def blocked(self, a: str, b: str) -> bool:
+        return frozenset((a, b)) in self._blocked
+
+    def partition(self, side_a: set[str] | list[str], side_b: set[str] | list[str]) -> None:
+        """Cut every path between ``side_a`` and ``side_b`` until :meth:`heal`."""
+        for a in side_a:
+            for b in side_b:
+                self._blocked.add(frozenset((a, b)))
+        self._notify()
+
+    def heal(self) -> None:
+        self._blocked.clear()
+        self._notify()
+
+    def kill(self, host: str) -> None:
+        """Reset every connection of ``host`` and stop its listeners, as if its process died."""
+        for pipe in self._pipes:
+            if host in (pipe.src, pipe.dst):
+                pipe.broken = True
+                pipe._wake()
+        for key in [k for k in self._listeners if k[0] == host]:
+            del self._listeners[key]
+            self._serve_nurseries.pop(key).cancel_scope.cancel()
+
+    def _notify(self) -> None:
+        for pipe in self._pipes:
+            pipe._wake()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ---- transport ----
+
+    def transport(self, host: str) -> MemoryTransport:
+        return MemoryTransport(self, host)
+
+    async def _connect(self, src: str, host: str, port: int) -> MemoryStream:
+        while self.blocked(src, host):
+            await self._changed.wait()  # a dial into a partition hangs (SYN dropped)
+        handler = self._listeners.get((host, port))
+        await trio.sleep(self.profile(src, host).latency)  # the SYN's trip
+        if handler is None:
+            raise OSError(f"connection refused: nothing listens on {host}:{port}")
+        a_to_b, b_to_a = _Pipe(self, src, host), _Pipe(self, host, src)
+        self._pipes = [p for p in self._pipes if not (p.broken or (p.eof and p.reader_gone))]
+        self._pipes += [a_to_b, b_to_a]
+        client, server = MemoryStream(a_to_b, b_to_a), MemoryStream(b_to_a, a_to_b)
+        nursery = self._serve_nurseries[(host, port)]
+        self._next_port += 1
+        nursery.start_soon(handler, server, src, self._next_port)
+        return client
+
+    async def _serve(
+        self,
+        host: str,
+        port: int,
+        handler: StreamHandler,
+        task_status: trio.TaskStatus[list[tuple[str, int]]],
+    ) -> None:
+        if port == 0:
+            self._next_port += 1
+            port = self._next_port
+        key = (host, port)
+        if key in self._listeners:
+            raise OSError(f"address {host}:{port} already in use")
+        async with trio.open_nursery() as nursery:
+            self._listeners[key] = handler
+            self._serve_nurseries[key] = nursery
+            task_status.started([key])
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._listeners.pop(key, None)
+                self._serve_nurseries.pop(key, None)
+
+
+class MemoryTransport:
+    """The Transport of one named host on a :class:`MemoryNetwork`."""
+
+    def __init__(self, net: MemoryNetwork, host: str) -> None:
+        self.net = net
+        self.host = host
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        return await self.net._connect(self.host, host, port)
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        handler: StreamHandler,
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.net._serve(self.host, port, handler, task_status)

@@ -1,0 +1,211 @@
+"""RPC vocabulary: method specs, the explicit handler registry, and the frame headers on a channel.
+
+Theory of operation: a method is declared once as a :class:`Method` (name, request and response message
+classes, unary or streaming) and shared by caller and callee, so both sides agree on the schema. A node
+serves only the methods registered in its :class:`RpcRegistry`; an unknown method gets an
+``unknown_method`` error reply and the connection stays up.
+
+Frames on an encrypted channel are records whose header is one of the small messages below (tag ``k``)
+and whose body is raw bytes. Call ids are chosen by the caller: odd for the side that dialed the
+connection, even for the side that accepted it, so both can call at once without collisions.
+
+Streaming calls move bulk data as ``Data`` records of at most ``MAX_CHUNK`` bytes each. Each direction of
+a stream has a credit window: a sender may have at most ``window`` unconsumed bytes in flight, and the
+receiver returns ``Credit`` as its application consumes them. A slow consumer therefore stalls only its
+own stream, never the connection, and memory held per stream is bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ..errors import LocalProtocolError
+from ..wire.codec import MAX_HEADER_BYTES, pack, unpack
+from ..wire.schema import Message, bounded
+
+if TYPE_CHECKING:
+    from ..identity import PeerID
+    from .streams import RpcStream
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+MAX_METHOD_NAME = 64
+MAX_CALL_ID = 2**62
+
+
+@dataclass(frozen=True)
+class Method(Generic[Req, Resp]):
+    """An RPC method: its registry name, request and response message types, and its kind."""
+
+    name: str
+    request: type[Req]
+    response: type[Resp]
+    streaming: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.name) <= MAX_METHOD_NAME:
+            raise ValueError(f"method name must be 1-{MAX_METHOD_NAME} characters")
+
+
+@dataclass(frozen=True)
+class Reply(Generic[Resp]):
+    """A unary response message with an optional raw body (up to one chunk)."""
+
+    message: Resp
+    body: bytes | memoryview = b""
+
+
+@dataclass
+class CallContext:
+    """What a handler knows about the call it serves."""
+
+    peer: PeerID
+    remote_host: str
+    method: str
+    body: memoryview
+    deadline: float
+
+
+UnaryHandler = Callable[[CallContext, Any], Awaitable[Any]]
+StreamHandler = Callable[[CallContext, Any, "RpcStream"], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class _Registered:
+    method: Method[Any, Any]
+    handler: Callable[..., Awaitable[Any]]
+
+
+class RpcRegistry:
+    """The explicit set of methods a node serves."""
+
+    def __init__(self) -> None:
+        self._methods: dict[str, _Registered] = {}
+
+    def add_unary(
+        self, method: Method[Req, Resp], handler: Callable[[CallContext, Req], Awaitable[Resp | Reply[Resp]]]
+    ) -> None:
+        """Serve ``method``; the handler returns the response message (or a :class:`Reply`)."""
+        if method.streaming:
+            raise LocalProtocolError(f"{method.name} is a streaming method; use add_stream")
+        self._add(method, handler)
+
+    def add_stream(
+        self, method: Method[Req, Resp], handler: Callable[[CallContext, Req, RpcStream], Awaitable[Resp]]
+    ) -> None:
+        """Serve a streaming ``method``; the handler gets the stream and returns the final response."""
+        if not method.streaming:
+            raise LocalProtocolError(f"{method.name} is a unary method; use add_unary")
+        self._add(method, handler)
+
+    def _add(self, method: Method[Any, Any], handler: Callable[..., Awaitable[Any]]) -> None:
+        if method.name in self._methods:
+            raise LocalProtocolError(f"method {method.name!r} is already registered")
+        self._methods[method.name] = _Registered(method, handler)
+
+    def get(self, name: str) -> _Registered | None:
+        return self._methods.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._methods)
+
+
+# ---- frame headers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    id: int = bounded(ge=1, le=MAX_CALL_ID)
+    method: str = bounded(max_len=MAX_METHOD_NAME)
+    timeout: float = bounded(ge=0.0, le=7 * 86400.0)
+    streaming: bool = False
+    args: bytes = bounded(b"", max_len=MAX_HEADER_BYTES - 512)
+
+
+@dataclass(frozen=True)
+class Response(Message):
+    id: int = bounded(ge=1, le=MAX_CALL_ID)
+    result: bytes = bounded(b"", max_len=MAX_HEADER_BYTES - 512)
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    id: int = bounded(ge=1, le=MAX_CALL_ID)
+    code: str = bounded(max_len=32)
+    message: str = bounded(max_len=2048)
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    id: int = bounded(ge=1, le=MAX_CALL_ID)
+
+
+@dataclass(frozen=True)
+class Data(Message):
+    id: int = bounded(ge=1, le=MAX_CALL_ID)
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    id: int = bounded(ge=1, le=MAX_CALL_ID)
+    amount: int = bounded(ge=1, le=2**31)
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    nonce: int = bounded(ge=0, le=2**62)
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    nonce: int = bounded(ge=0, le=2**62)
+
+
+@dataclass(frozen=True)
+class GoAway(Message):
+    reason: str = bounded(max_len=256)
+
+
+FRAME_KINDS: dict[int, type[Message]] = {
+    1: Request,
+    2: Response,
+    3: Error,
+    4: Cancel,
+    5: Data,
+    6: Credit,
+    7: Ping,
+    8: Pong,
+    9: GoAway,
+}
+_KIND_OF = {cls: k for k, cls in FRAME_KINDS.items()}
+
+
+def encode_header(msg: Message) -> bytes:
+    obj = msg.to_obj()
+    obj["k"] = _KIND_OF[type(msg)]
+    return pack(obj)
+
+
+def decode_header(data: bytes | memoryview) -> Message:
+    """Decode and validate a frame header; RemoteProtocolError if malformed."""
+    from ..errors import RemoteProtocolError
+
+    obj = unpack(data)
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError("frame header is not a map")
+    cls = FRAME_KINDS.get(obj.get("k"))  # type: ignore[arg-type]
+    if cls is None:
+        raise RemoteProtocolError(f"unknown frame kind {obj.get('k')!r}")
+    return cls.from_obj(obj)
+
+
+def encode_args(msg: Message) -> bytes:
+    return pack(msg.to_obj())
+
+
+def decode_args(cls: type[Req], data: bytes) -> Req:
+    return cls.from_obj(unpack(data))

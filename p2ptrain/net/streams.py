@@ -1,0 +1,147 @@
+"""One bidirectional byte stream inside a streaming RPC call, with credit-based flow control.
+
+The connection's reader task hands incoming ``Data`` bodies to :meth:`RpcStream._deliver` without ever
+blocking (the sender may only send what we granted, so the buffer is bounded by the window); the
+application consumes them with :meth:`receive_some`, which returns credit to the sender. Sending waits
+for credit, which is the backpressure a slow receiver exerts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..errors import ConnectionClosed, LocalProtocolError, RemoteProtocolError
+from .channel import MAX_CHUNK
+from .rpc import Credit, Data
+
+if TYPE_CHECKING:
+    from ..wire.schema import Message
+
+DEFAULT_WINDOW = 8 * MAX_CHUNK
+
+SendFn = Callable[["Message", "bytes | memoryview"], Awaitable[None]]
+
+
+class RpcStream:
+    """The byte stream of one streaming call, as seen from one end."""
+
+    def __init__(self, call_id: int, send: SendFn, window: int = DEFAULT_WINDOW) -> None:
+        self.call_id = call_id
+        self._send = send
+        self._window = window
+        self._chunk = min(MAX_CHUNK, window)
+        # receive side
+        self._chunks: deque[memoryview] = deque()
+        self._arrived = trio.Event()
+        self._eof = False
+        self.buffered = 0
+        self._received_window = window
+        self._consumed = 0
+        # send side
+        self._credit = window
+        self._credit_changed = trio.Event()
+        self._sent_eof = False
+        self._error: BaseException | None = None
+
+    # ---- application side ----
+
+    async def send(self, data: bytes | memoryview) -> None:
+        """Send bytes, in chunks, waiting for the receiver's credit (backpressure)."""
+        if self._sent_eof:
+            raise LocalProtocolError("send after send_eof")
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self._chunk):
+            piece = view[start : start + self._chunk]
+            while self._credit < len(piece):
+                self._raise_if_failed()
+                await self._credit_changed.wait()
+            self._raise_if_failed()
+            self._credit -= len(piece)
+            await self._send(Data(id=self.call_id, end=False), piece)
+
+    async def send_eof(self) -> None:
+        """Tell the other end that nothing more will be sent."""
+        if not self._sent_eof:
+            self._sent_eof = True
+            self._raise_if_failed()
+            await self._send(Data(id=self.call_id, end=True), b"")
+
+    async def receive_some(self) -> memoryview:
+        """Return the next chunk, or an empty view once the other end sent EOF."""
+        while not self._chunks:
+            self._raise_if_failed()
+            if self._eof:
+                return memoryview(b"")
+            self._arrived = trio.Event()
+            await self._arrived.wait()
+        chunk = self._chunks.popleft()
+        self.buffered -= len(chunk)
+        self._consumed += len(chunk)
+        if self._consumed >= self._window // 4 and not self._eof:
+            grant, self._consumed = self._consumed, 0
+            self._received_window += grant
+            await self._send(Credit(id=self.call_id, amount=grant), b"")
+        return chunk
+
+    async def receive_all(self, limit: int) -> bytes:
+        """Read until EOF, refusing more than ``limit`` bytes."""
+        parts: list[memoryview] = []
+        total = 0
+        async for chunk in self:
+            total += len(chunk)
+            if total > limit:
+                raise RemoteProtocolError(f"stream exceeds the {limit}-byte limit")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        while True:
+            chunk = await self.receive_some()
+            if not chunk:
+                return
+            yield chunk
+
+    # ---- connection side ----
+
+    def _deliver(self, data: Data, body: memoryview) -> None:
+        if self._eof:
+            raise RemoteProtocolError(f"data after end of stream on call {self.call_id}")
+        if len(body):
+            if len(body) > self._received_window:
+                raise RemoteProtocolError(f"stream {self.call_id} sent beyond its credit window")
+            self._received_window -= len(body)
+            self._chunks.append(body)
+            self.buffered += len(body)
+        if data.end:
+            self._eof = True
+        self._arrived.set()
+
+    def _end(self) -> None:
+        self._eof = True
+        self._arrived.set()
+
+    def _grant(self, amount: int) -> None:
+        self._credit += amount
+        if self._credit > 2**40:
+            raise RemoteProtocolError("credit overflow")
+        self._credit_changed.set()
+        self._credit_changed = trio.Event()
+
+    def _fail(self, error: BaseException) -> None:
+        """Wake everything waiting on this stream with ``error``; drop buffered data."""
+        if self._error is None:
+            self._error = error
+        self._chunks.clear()
+        self.buffered = 0
+        self._arrived.set()
+        self._credit_changed.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            if isinstance(self._error, ConnectionClosed):
+                raise ConnectionClosed(str(self._error))
+            raise self._error
