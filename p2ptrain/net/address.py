@@ -73,7 +73,7 @@ class PeerAddress:
 
 
 def _parse_port(s: str, text: str) -> int:
-    if not s.isdigit() or not 0 < int(s) < 65536:
+    if not (s.isascii() and s.isdigit()) or not 0 < int(s) < 65536:
         raise ValueError(f"bad address {text!r}: port must be 1-65535")
     return int(s)
 
@@ -90,7 +90,7 @@ def _check_kind(kind: str, host: str, text: str) -> str:
         except ValueError:
             raise ValueError(f"bad address {text!r}: {host!r} is not an IPv6 address") from None
     elif kind in ("dns", "dns4", "dns6"):
-        if not all(_DNS_LABEL.match(label) for label in host.rstrip(".").split(".")):
+        if not all(_DNS_LABEL.fullmatch(label) for label in host.rstrip(".").split(".")):
             raise ValueError(f"bad address {text!r}: {host!r} is not a DNS name")
     else:
         raise ValueError(f"bad address {text!r}: unknown protocol {kind!r} (ip4, ip6, dns)")

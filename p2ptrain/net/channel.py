@@ -104,6 +104,8 @@ class FrameCipher:
         return sodium.crypto_aead_aegis256_encrypt(plaintext, None, self._next_nonce(), self._key)
 
     def open(self, ciphertext: bytes) -> bytes:
+        if len(ciphertext) < TAG_BYTES:
+            raise RemoteProtocolError("frame is shorter than its authentication tag")
         try:
             return sodium.crypto_aead_aegis256_decrypt(ciphertext, None, self._next_nonce(), self._key)
         except nacl.exceptions.CryptoError:

@@ -89,7 +89,7 @@ def decode_frame(data: bytes) -> Message:
     if len(data) > MAX_HANDSHAKE_FRAME:
         raise RemoteProtocolError("handshake frame too large")
     obj = unpack(data, max_bytes=MAX_HANDSHAKE_FRAME)
-    if not isinstance(obj, dict) or obj.get("t") not in _KINDS:
+    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str) or obj["t"] not in _KINDS:
         raise RemoteProtocolError("not a handshake frame")
     return _KINDS[obj["t"]].from_obj(obj.get("m"))
 
@@ -138,6 +138,8 @@ def _seal_proof(key: bytes, nonce: int, identity: Identity, role: bytes, th: byt
 
 def _open_proof(key: bytes, nonce: int, box: bytes, role: bytes, th: bytes) -> bytes:
     """Decrypt and verify a proof; return the prover's Ed25519 public key."""
+    if len(box) < sodium.crypto_aead_aegis256_ABYTES:
+        raise RemoteProtocolError("handshake proof is shorter than its authentication tag")
     try:
         plain = sodium.crypto_aead_aegis256_decrypt(box, th, _nonce(nonce), key)
     except nacl.exceptions.CryptoError:
@@ -269,20 +271,20 @@ class ResponderHandshake:
         if hello.version != self._version:
             raise HandshakeRefused(
                 "version",
-                f"remote speaks protocol version {hello.version}, this node speaks {self._version}",
+                f"the dialer speaks protocol version {hello.version}, the listener speaks {self._version}",
                 by_remote=False,
             )
         if hello.run_id != self._run_id:
             raise HandshakeRefused(
                 "run_id",
-                f"this node is in run {self._run_id!r}, the remote asked for run {hello.run_id!r}",
+                f"the listener is in run {self._run_id!r}, the dialer asked for run {hello.run_id!r}",
                 by_remote=False,
             )
         me = self._identity.peer_id
         if hello.dialed is not None and hello.dialed != me.digest:
             asked = PeerID(hello.dialed) if len(hello.dialed) == 32 else None
             raise HandshakeRefused(
-                "peer_id", f"the remote dialed peer {asked} but this is {me}", by_remote=False
+                "peer_id", f"the dialer asked for peer {asked}, but the listener is {me}", by_remote=False
             )
         if len(hello.ephemeral) != 32:
             raise RemoteProtocolError("malformed ephemeral key")

@@ -184,7 +184,8 @@ class Host:
         except trio.TooSlowError:
             raise PeerUnavailable(f"{addr.host}:{addr.port} did not answer within {timeout:g} s") from None
         except OSError as e:
-            raise PeerUnavailable(f"cannot reach {addr.host}:{addr.port}: {e.strerror or e}") from None
+            reason = _os_reason(e)
+            raise PeerUnavailable(f"cannot reach {addr.host}:{addr.port}: {reason}") from None
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
         try:
             with trio.fail_after(self.config.handshake_timeout):
@@ -321,6 +322,16 @@ class Host:
         assert hs.result is not None
         conn = self._make_connection(framed, hs.result, False, host, port)
         await self._run_connection(conn)
+
+
+def _os_reason(e: BaseException) -> str:
+    """The most specific reason inside an OSError (trio wraps per-address failures in a group)."""
+    for inner in (e.__cause__, e.__context__):
+        if isinstance(inner, BaseExceptionGroup):
+            inner = inner.exceptions[0]
+        if isinstance(inner, OSError) and inner.strerror:
+            return inner.strerror
+    return (e.strerror if isinstance(e, OSError) else None) or str(e)
 
 
 async def _send_quietly(framed: FramedStream, data: bytes) -> None:

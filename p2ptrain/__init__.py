@@ -1,0 +1,71 @@
+"""p2ptrain: decentralized peer-to-peer training over the WAN.
+
+The public API is what this module re-exports; everything else is internal and may change.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (
+    CallRefused,
+    ConfigError,
+    ConnectionClosed,
+    DeadlineExceeded,
+    HandshakeRefused,
+    IdentityError,
+    InvalidSignature,
+    LocalProtocolError,
+    P2PError,
+    PeerUnavailable,
+    RemoteCallError,
+    RemoteProtocolError,
+)
+from .identity import Identity, PeerID, SignedEnvelope, load_identity, save_identity
+from .net import (
+    CallContext,
+    Connection,
+    Host,
+    HostConfig,
+    MemoryNetwork,
+    Method,
+    PeerAddress,
+    Reply,
+    RpcRegistry,
+    RpcStream,
+)
+from .node import Node, NodeConfig
+from .wire import Message, bounded
+
+__all__ = [
+    "CallContext",
+    "CallRefused",
+    "ConfigError",
+    "Connection",
+    "ConnectionClosed",
+    "DeadlineExceeded",
+    "HandshakeRefused",
+    "Host",
+    "HostConfig",
+    "Identity",
+    "IdentityError",
+    "InvalidSignature",
+    "LocalProtocolError",
+    "MemoryNetwork",
+    "Message",
+    "Method",
+    "Node",
+    "NodeConfig",
+    "P2PError",
+    "PeerAddress",
+    "PeerID",
+    "PeerUnavailable",
+    "RemoteCallError",
+    "RemoteProtocolError",
+    "Reply",
+    "RpcRegistry",
+    "RpcStream",
+    "SignedEnvelope",
+    "__version__",
+    "bounded",
+    "load_identity",
+    "save_identity",
+]

@@ -1,0 +1,243 @@
+"""The ``p2ptrain`` command: keygen, id, node, ping, simulate.
+
+Every failure a user can cause (bad flag, unreadable key, unreachable peer, refused handshake) ends
+with one line on stderr that says what went wrong, and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+
+from . import __version__
+from .errors import ConfigError, IdentityError, P2PError
+from .identity import Identity, load_identity, load_or_create_identity, save_identity
+from .net.address import PeerAddress
+from .net.host import Host
+from .node import PING, Node, NodeConfig, PingRequest, default_data_dir, parse_listen, validate_run_id
+
+log = logging.getLogger("p2ptrain")
+T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """A command-line problem reported as one line, exit status 2."""
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def run_trio(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """``trio.run`` that re-raises a lone error instead of an exception group, for a one-line message."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _parse_address(text: str) -> PeerAddress:
+    try:
+        return PeerAddress.parse(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+# ---- keygen / id ---------------------------------------------------------------------------------
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    identity = Identity.generate()
+    save_identity(identity, args.out, overwrite=args.force)
+    print(identity.peer_id)
+    return 0
+
+
+def cmd_id(args: argparse.Namespace) -> int:
+    print(load_identity(args.keyfile).peer_id)
+    return 0
+
+
+# ---- node ------------------------------------------------------------------------------------------
+
+
+def _node_identity(args: argparse.Namespace) -> Identity:
+    if args.identity:
+        return load_identity(args.identity)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    identity, created = load_or_create_identity(data_dir / "identity.key")
+    if created:
+        log.info("created a new identity %s in %s", identity.peer_id, data_dir)
+    return identity
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    config = NodeConfig(
+        run_id=validate_run_id(args.run_id),
+        listen=tuple(parse_listen(x) for x in (args.listen or ["0.0.0.0:31337"])),
+        announce_host=args.announce,
+        join=tuple(_parse_address(x) for x in args.join or []),
+        status_file=Path(args.status_file) if args.status_file else None,
+    )
+    node = Node(_node_identity(args), config)
+    try:
+        run_trio(_serve_node, node)
+    except OSError as e:
+        listen = ", ".join(f"{h}:{p}" for h, p in config.listen)
+        raise UsageError(f"cannot listen on {listen}: {e.strerror or e}") from None
+    return 0
+
+
+async def _serve_node(node: Node) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            log.info(
+                "node %s is up in run %r; others join with --join and the address below",
+                node.peer_id.short(),
+                node.config.run_id,
+            )
+            for addr in node.addresses:
+                print(addr, flush=True)
+            async for signum in signals:
+                log.info("received %s: shutting down", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+    log.info("node stopped")
+
+
+# ---- ping ----------------------------------------------------------------------------------------
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    addr = _parse_address(args.address)
+    validate_run_id(args.run_id)
+    return run_trio(_ping, addr, args.run_id, args.count, args.timeout)
+
+
+async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> int:
+    host = Host(Identity.generate(), run_id)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run, [])
+        start = trio.current_time()
+        conn = await host.connect(addr, timeout=timeout)
+        setup = trio.current_time() - start
+        print(
+            f"connected to {conn.peer} at {addr.host}:{addr.port} (connect + handshake {setup * 1e3:.2f} ms)"
+        )
+        rtts = []
+        for i in range(count):
+            t0 = trio.current_time()
+            await conn.call(PING, PingRequest(b"p" * 32), timeout=timeout)
+            rtts.append(trio.current_time() - t0)
+            print(f"ping {i + 1}: rtt {rtts[-1] * 1e3:.3f} ms")
+        avg = sum(rtts) / len(rtts)
+        print(f"{count} pings: min/avg/max {min(rtts) * 1e3:.3f}/{avg * 1e3:.3f}/{max(rtts) * 1e3:.3f} ms")
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+# ---- simulate --------------------------------------------------------------------------------------
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate import run_simulation
+
+    return run_simulation(peers=args.peers, duration=args.duration, workdir=args.workdir, run_id=args.run_id)
+
+
+# ---- parser ----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="p2ptrain", description="Decentralized peer-to-peer training.")
+    p.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="default: info for node, else warning",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("keygen", help="create an Ed25519 identity (key file mode 0600)")
+    s.add_argument("--out", required=True, help="key file to create")
+    s.add_argument("--force", action="store_true", help="overwrite an existing key file")
+    s.set_defaults(func=cmd_keygen)
+
+    s = sub.add_parser("id", help="print the peer id of a key file")
+    s.add_argument("keyfile")
+    s.set_defaults(func=cmd_id)
+
+    s = sub.add_parser("node", help="run a node")
+    s.add_argument("--listen", action="append", metavar="HOST:PORT", help="default 0.0.0.0:31337; repeatable")
+    s.add_argument(
+        "--announce", metavar="HOST", help="host to put in the join address (behind NAT, in containers)"
+    )
+    s.add_argument("--join", action="append", metavar="ADDR", help="a peer's address; repeatable")
+    s.add_argument("--identity", metavar="KEYFILE", help="key file (default: one kept in the data directory)")
+    s.add_argument(
+        "--data-dir", metavar="DIR", help="default $XDG_DATA_HOME/p2ptrain or ~/.local/share/p2ptrain"
+    )
+    s.add_argument("--run-id", default="default", help="peers only talk within the same run id")
+    s.add_argument("--status-file", metavar="PATH", help="JSON status, rewritten atomically every second")
+    s.set_defaults(func=cmd_node)
+
+    s = sub.add_parser("ping", help="connect to a peer, complete the handshake, measure round trips")
+    s.add_argument("address", help="/ip4/HOST/tcp/PORT/p2p/PEERID (or HOST:PORT, unverified)")
+    s.add_argument("--run-id", default="default")
+    s.add_argument("--count", type=int, default=3)
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.set_defaults(func=cmd_ping)
+
+    s = sub.add_parser("simulate", help="run a local swarm of real node processes")
+    s.add_argument("--peers", type=int, default=3)
+    s.add_argument("--duration", type=float, default=10.0, help="seconds to run once the swarm is up")
+    s.add_argument("--workdir", metavar="DIR", help="keep node data, logs and status files here")
+    s.add_argument("--run-id", default="simulation")
+    s.set_defaults(func=cmd_simulate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level or ("info" if args.command in ("node", "simulate") else "warning"))
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"p2ptrain {args.command}: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, IdentityError) as e:
+        print(f"p2ptrain {args.command}: {e}", file=sys.stderr)
+        return 2
+    except P2PError as e:
+        print(f"p2ptrain {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"p2ptrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

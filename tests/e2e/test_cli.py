@@ -1,0 +1,204 @@
+"""End to end: real ``p2ptrain`` processes, driven only through the CLI, files and the network."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+CLI = [sys.executable, "-m", "p2ptrain"]
+STARTUP_TIMEOUT = 30.0
+
+
+def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(what: str, predicate: Callable[[], Any], timeout: float = STARTUP_TIMEOUT) -> Any:
+    """Poll a condition on the outside world (files written by another process) up to a deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+class NodeProc:
+    def __init__(self, tmp: Path, name: str, *extra: str) -> None:
+        self.folder = tmp / name
+        self.folder.mkdir(exist_ok=True)  # a node restarted on the same folder keeps its identity
+        self.status_file = self.folder / "status.json"
+        run = len(list(self.folder.glob("stdout*.log")))
+        self.log = open(self.folder / f"stderr{run}.log", "w+")  # noqa: SIM115
+        self.out = open(self.folder / f"stdout{run}.log", "w+")  # noqa: SIM115
+        args = ["node", "--listen", "127.0.0.1:0", "--data-dir", str(self.folder), "--run-id", "e2e"]
+        args += ["--status-file", str(self.status_file), *extra]
+        self.proc = subprocess.Popen([*CLI, *args], stdout=self.out, stderr=self.log, text=True)
+
+    def status(self) -> dict[str, Any] | None:
+        return read_json(self.status_file)
+
+    def address(self) -> str:
+        line = wait_until("the join address on stdout", lambda: Path(self.out.name).read_text().strip())
+        first = line.splitlines()[0]
+        assert first.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in first
+        return first
+
+    def stderr(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def stop(self, timeout: float = 5.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout)
+        self.log.close()
+        self.out.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Callable[..., NodeProc]]:
+    started: list[NodeProc] = []
+
+    def start(name: str, *extra: str) -> NodeProc:
+        node = NodeProc(tmp_path, name, *extra)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+def test_keygen_and_id(tmp_path: Path) -> None:
+    key = tmp_path / "node.key"
+    made = run_cli("keygen", "--out", str(key))
+    assert made.returncode == 0, made.stderr
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    shown = run_cli("id", str(key))
+    assert shown.returncode == 0 and shown.stdout.strip() == made.stdout.strip()
+
+    again = run_cli("keygen", "--out", str(key))
+    assert again.returncode != 0 and "refusing to overwrite" in again.stderr
+
+    key.chmod(0o644)
+    refused = run_cli("id", str(key))
+    assert refused.returncode != 0
+    assert "chmod 600" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_two_nodes_join_ping_and_stop(nodes: Callable[..., NodeProc], tmp_path: Path) -> None:
+    key = tmp_path / "a.key"
+    assert run_cli("keygen", "--out", str(key)).returncode == 0
+    peer_a = run_cli("id", str(key)).stdout.strip()
+    a = nodes("a", "--identity", str(key))
+    addr_a = a.address()
+    assert addr_a.endswith(f"/p2p/{peer_a}")
+
+    b = nodes("b", "--join", addr_a)
+    addr_b = b.address()
+    peer_b = addr_b.rsplit("/", 1)[1]
+    wait_until("a to list b", lambda: peer_b in ((a.status() or {}).get("connected_peers") or []))
+    wait_until("b to list a", lambda: peer_a in ((b.status() or {}).get("connected_peers") or []))
+    assert "joined the swarm through" in b.stderr()
+    assert "connected (it dialed)" in a.stderr()
+
+    ping = run_cli("ping", addr_b, "--run-id", "e2e", "--count", "2")
+    assert ping.returncode == 0, ping.stderr
+    assert f"connected to {peer_b}" in ping.stdout and "2 pings" in ping.stdout
+
+    # A restarted node keeps its id: b's key lives in its data directory.
+    assert (b.folder / "identity.key").exists()
+
+    assert b.stop() == 0
+    assert a.stop() == 0
+    final_a, final_b = a.status(), b.status()
+    assert final_a is not None and final_a["state"] == "stopped"
+    assert final_b is not None and final_b["state"] == "stopped"
+    assert "shutting down" in a.stderr()
+
+
+def test_node_keeps_identity_across_restarts(nodes: Callable[..., NodeProc]) -> None:
+    first = nodes("n")
+    peer1 = first.address().rsplit("/", 1)[1]
+    assert first.stop() == 0
+    second = nodes("n")
+    assert second.address().rsplit("/", 1)[1] == peer1
+    assert "created a new identity" in first.stderr() and "created a new identity" not in second.stderr()
+    assert second.stop() == 0
+
+
+@pytest.mark.parametrize("case", ["unreachable", "wrong_peer", "wrong_run"])
+def test_ping_failures_have_one_line_reasons(
+    case: str, nodes: Callable[..., NodeProc], tmp_path: Path
+) -> None:
+    a = nodes("a")
+    addr = a.address()
+    prefix, _peer = addr.rsplit("/p2p/", 1)
+    if case == "unreachable":
+        port = int(prefix.rsplit("/", 1)[1])
+        target, run_id, expect = (
+            f"/ip4/127.0.0.1/tcp/{port + 1 if port < 65535 else 1}",
+            "e2e",
+            "cannot reach",
+        )
+    elif case == "wrong_peer":
+        other = run_cli("keygen", "--out", str(tmp_path / "x.key")).stdout.strip()
+        target, run_id, expect = f"{prefix}/p2p/{other}", "e2e", "(peer_id)"
+    else:
+        target, run_id, expect = addr, "another-run", "(run_id)"
+    result = run_cli("ping", target, "--run-id", run_id, "--timeout", "5")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], result.stderr
+    if case != "unreachable":
+        wait_until("the listener to log the refusal", lambda: "refused handshake" in a.stderr())
+    assert a.stop() == 0
+
+
+def test_busy_port_is_a_clear_error(nodes: Callable[..., NodeProc]) -> None:
+    a = nodes("a")
+    port = a.address().split("/tcp/")[1].split("/")[0]
+    clash = run_cli("node", "--listen", f"127.0.0.1:{port}", "--data-dir", str(a.folder / "clash"))
+    assert clash.returncode != 0
+    assert clash.stderr.strip().splitlines()[-1].startswith("p2ptrain node: cannot listen on 127.0.0.1:")
+    assert a.stop() == 0
+
+
+def test_simulate_forms_a_swarm_and_stops_cleanly(tmp_path: Path) -> None:
+    env = {**os.environ, "COLUMNS": "160"}
+    result = subprocess.run(
+        [*CLI, "simulate", "--peers", "3", "--duration", "2", "--workdir", str(tmp_path / "sim")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "swarm formed" in result.stdout and "all 3 nodes stopped cleanly" in result.stdout
+    for i in range(3):
+        status = read_json(tmp_path / "sim" / f"node{i}" / "status.json")
+        assert status is not None and status["state"] == "stopped"
