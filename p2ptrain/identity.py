@@ -76,6 +76,8 @@ class PeerID:
     @classmethod
     def from_string(cls, text: str) -> PeerID:
         """Parse the base58 text form; raises ValueError with a reason."""
+        if len(text) > 64:  # 32 bytes are at most 44 base58 characters; refuse before decoding
+            raise ValueError("not a peer id: too long")
         try:
             raw = _b58decode(text)
         except ValueError as e:

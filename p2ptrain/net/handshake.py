@@ -254,7 +254,9 @@ class ResponderHandshake:
 
     def receive(self, data: bytes) -> bytes | None:
         """Process a frame; return the frame to send (``reply``), or None once done."""
+        state, self._state = self._state, "failed"  # any error below ends the handshake
         msg = decode_frame(data)
+        self._state = state
         _raise_if_reject(msg)
         if self._state == "start" and isinstance(msg, Hello):
             return self._on_hello(msg, data)

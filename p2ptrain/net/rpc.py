@@ -197,7 +197,8 @@ def decode_header(data: bytes | memoryview) -> Message:
     obj = unpack(data)
     if not isinstance(obj, dict):
         raise RemoteProtocolError("frame header is not a map")
-    cls = FRAME_KINDS.get(obj.get("k"))  # type: ignore[arg-type]
+    kind = obj.get("k")
+    cls = FRAME_KINDS.get(kind) if type(kind) is int else None
     if cls is None:
         raise RemoteProtocolError(f"unknown frame kind {obj.get('k')!r}")
     return cls.from_obj(obj)

@@ -1,0 +1,359 @@
+"""Frame ciphers, records, and length-prefixed framing over in-memory trio streams.
+
+The async tests run under ``autojump_clock``: if code under test waited for bytes that never come, the
+virtual clock jumps straight to the ``fail_after`` deadline and the test fails at once (no real waiting).
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from p2ptrain.errors import ConnectionClosed, LocalProtocolError, RemoteProtocolError
+from p2ptrain.identity import Identity
+from p2ptrain.net.channel import (
+    LENGTH,
+    MAX_CHUNK,
+    MAX_FRAME,
+    TAG_BYTES,
+    FrameCipher,
+    FramedStream,
+    SecureChannel,
+    decode_record,
+    encode_record,
+)
+from p2ptrain.net.handshake import HandshakeResult, InitiatorHandshake, ResponderHandshake
+from p2ptrain.wire.codec import MAX_HEADER_BYTES
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+DEADLINE = 5  # virtual seconds (autojump clock)
+
+
+def ciphers(key: bytes = KEY) -> tuple[FrameCipher, FrameCipher]:
+    return FrameCipher(key), FrameCipher(key)
+
+
+def flip(data: bytes, index: int) -> bytes:
+    b = bytearray(data)
+    b[index] ^= 0x01
+    return bytes(b)
+
+
+# ---- FrameCipher -------------------------------------------------------------------------------
+
+
+def test_cipher_round_trip() -> None:
+    tx, rx = ciphers()
+    messages = [b"", b"a", b"hello world", bytes(range(256)) * 40]
+    sealed = [tx.seal(m) for m in messages]
+    for m, c in zip(messages, sealed, strict=True):
+        assert len(c) == len(m) + TAG_BYTES
+    assert [rx.open(c) for c in sealed] == messages
+
+
+def test_same_plaintext_seals_differently_each_time() -> None:
+    tx, _ = ciphers()
+    first, second = tx.seal(b"same"), tx.seal(b"same")
+    assert first != second
+    assert b"same" not in first
+
+
+@pytest.mark.parametrize("key", [b"", b"\x00" * 31, b"\x00" * 33])
+def test_cipher_key_must_be_32_bytes(key: bytes) -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        FrameCipher(key)
+
+
+def test_tampered_ciphertext_fails_at_every_byte() -> None:
+    tx, _ = ciphers()
+    sealed = tx.seal(b"some payload")
+    for index in range(len(sealed)):
+        _, rx = ciphers()
+        with pytest.raises(RemoteProtocolError, match="failed authentication"):
+            rx.open(flip(sealed, index))
+
+
+def test_replayed_ciphertext_fails() -> None:
+    tx, rx = ciphers()
+    sealed = tx.seal(b"pay me once")
+    assert rx.open(sealed) == b"pay me once"
+    with pytest.raises(RemoteProtocolError, match="replayed"):
+        rx.open(sealed)
+
+
+def test_reordered_ciphertexts_fail() -> None:
+    tx, rx = ciphers()
+    first, second = tx.seal(b"first"), tx.seal(b"second")
+    with pytest.raises(RemoteProtocolError, match="reordered"):
+        rx.open(second)
+    # The same frames in order open fine with a fresh receiver.
+    _, rx = ciphers()
+    assert (rx.open(first), rx.open(second)) == (b"first", b"second")
+
+
+def test_dropped_ciphertext_makes_the_next_one_fail() -> None:
+    tx, rx = ciphers()
+    tx.seal(b"lost in transit")
+    with pytest.raises(RemoteProtocolError):
+        rx.open(tx.seal(b"arrives"))
+
+
+@pytest.mark.parametrize("keep", [0, 1, TAG_BYTES - 1, TAG_BYTES, TAG_BYTES + 4, -1])
+def test_truncated_ciphertext_fails(keep: int) -> None:
+    tx, rx = ciphers()
+    sealed = tx.seal(b"a payload longer than nothing")
+    with pytest.raises(RemoteProtocolError):
+        rx.open(sealed[:keep])
+
+
+def test_wrong_key_fails() -> None:
+    tx, _ = ciphers(KEY)
+    _, rx = ciphers(OTHER_KEY)
+    with pytest.raises(RemoteProtocolError):
+        rx.open(tx.seal(b"secret"))
+
+
+def test_nonce_counter_exhaustion_is_refused() -> None:
+    tx, _ = ciphers()
+    tx._counter = 2**64 - 1  # the last value is never used as a nonce
+    with pytest.raises(LocalProtocolError, match="nonce counter exhausted"):
+        tx.seal(b"x")
+
+
+# ---- records -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "body"),
+    [
+        (b"", b""),
+        (b"h", b""),
+        (b"", b"body"),
+        (b"\x81\xa1k\x01", bytes(range(256))),
+        (b"h" * MAX_HEADER_BYTES, b"b" * MAX_CHUNK),  # both limits are inclusive
+    ],
+)
+def test_record_round_trip(header: bytes, body: bytes) -> None:
+    record = encode_record(header, body)
+    assert len(record) == LENGTH.size + len(header) + len(body)
+    h, b = decode_record(record)
+    assert (bytes(h), bytes(b)) == (header, body)
+
+
+def test_record_accepts_memoryview_body() -> None:
+    h, b = decode_record(encode_record(b"hdr", memoryview(b"0123456789")[2:5]))
+    assert (bytes(h), bytes(b)) == (b"hdr", b"234")
+
+
+def test_encode_record_bounds() -> None:
+    with pytest.raises(LocalProtocolError, match="header too large"):
+        encode_record(b"h" * (MAX_HEADER_BYTES + 1))
+    with pytest.raises(LocalProtocolError, match=f"exceeds {MAX_CHUNK}"):
+        encode_record(b"h", b"b" * (MAX_CHUNK + 1))
+
+
+@pytest.mark.parametrize(
+    ("plain", "reason"),
+    [
+        (b"", "too short"),
+        (b"\x00\x00\x00", "too short"),
+        (LENGTH.pack(1), "out of bounds"),
+        (LENGTH.pack(5) + b"1234", "out of bounds"),
+        (LENGTH.pack(MAX_HEADER_BYTES + 1) + b"x" * (MAX_HEADER_BYTES + 1), "out of bounds"),
+        (LENGTH.pack(2**32 - 1), "out of bounds"),
+    ],
+)
+def test_decode_record_bounds(plain: bytes, reason: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=reason):
+        decode_record(plain)
+
+
+def test_decode_record_header_fills_the_record() -> None:
+    h, b = decode_record(LENGTH.pack(4) + b"1234")
+    assert (bytes(h), bytes(b)) == (b"1234", b"")
+
+
+# ---- FramedStream ------------------------------------------------------------------------------
+
+
+def framed_pair(max_frame: int = MAX_FRAME) -> tuple[FramedStream, FramedStream]:
+    left, right = trio.testing.memory_stream_pair()
+    return FramedStream(left, max_frame), FramedStream(right, max_frame)
+
+
+async def test_frames_round_trip(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = framed_pair()
+    big = bytes(range(256)) * 1024  # 256 KiB: the large-frame path that sends parts separately
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                await a.send_frame(b"one")
+                await a.send_frame(b"")
+                await a.send_frame(b"two", memoryview(b"-parts"), b"!")
+                await a.send_frame(big[:1000], big[1000:])
+
+            nursery.start_soon(send)
+            got = [await b.receive_frame() for _ in range(4)]
+    assert got == [b"one", b"", b"two-parts!", big]
+    total = 3 + 0 + 10 + len(big) + 4 * LENGTH.size
+    assert a.bytes_sent == total
+    assert b.bytes_received == total
+
+
+async def test_frames_arriving_byte_by_byte_and_back_to_back(autojump_clock: trio.testing.MockClock) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    receiver = FramedStream(right)
+    wire = LENGTH.pack(5) + b"hello" + LENGTH.pack(0) + LENGTH.pack(3) + b"abc"
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+
+            async def trickle() -> None:
+                for i in range(len(wire)):
+                    await left.send_all(wire[i : i + 1])
+
+            nursery.start_soon(trickle)
+            got = [await receiver.receive_frame() for _ in range(3)]
+    assert got == [b"hello", b"", b"abc"]
+
+    # Several frames in one chunk are all delivered, in order.
+    with trio.fail_after(DEADLINE):
+        await left.send_all(wire)
+        got = [await receiver.receive_frame() for _ in range(3)]
+    assert got == [b"hello", b"", b"abc"]
+
+
+async def test_frame_at_the_limit_is_accepted(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = framed_pair(max_frame=16)
+    with trio.fail_after(DEADLINE):
+        await a.send_frame(b"x" * 16)
+        assert await b.receive_frame() == b"x" * 16
+
+
+async def test_sending_an_oversized_frame_is_a_local_error(autojump_clock: trio.testing.MockClock) -> None:
+    a, _ = framed_pair(max_frame=16)
+    with trio.fail_after(DEADLINE):
+        with pytest.raises(LocalProtocolError, match="exceeds the 16-byte limit"):
+            await a.send_frame(b"x" * 10, b"y" * 7)
+    assert a.bytes_sent == 0
+
+
+@pytest.mark.parametrize("announced", [MAX_FRAME + 1, 2**31, 2**32 - 1])
+async def test_oversized_length_prefix_is_refused_before_reading_the_body(
+    autojump_clock: trio.testing.MockClock, announced: int
+) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    receiver = FramedStream(right)
+    with trio.fail_after(DEADLINE):
+        # Only the prefix is sent and the stream stays open: waiting for the body would hang until the
+        # deadline (TooSlowError), so the refusal must come from the 4 bytes alone.
+        await left.send_all(LENGTH.pack(announced))
+        with pytest.raises(RemoteProtocolError, match=f"frame length {announced} exceeds"):
+            await receiver.receive_frame()
+    assert receiver.bytes_received == LENGTH.size
+    assert trio.current_time() == 0  # refused without any (virtual) waiting
+
+
+async def test_eof_in_the_middle_of_a_frame(autojump_clock: trio.testing.MockClock) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    receiver = FramedStream(right)
+    with trio.fail_after(DEADLINE):
+        await left.send_all(LENGTH.pack(10) + b"abc")
+        await left.aclose()
+        with pytest.raises(RemoteProtocolError, match="middle of a frame"):
+            await receiver.receive_frame()
+
+
+async def test_eof_in_the_middle_of_a_length_prefix(autojump_clock: trio.testing.MockClock) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    receiver = FramedStream(right)
+    with trio.fail_after(DEADLINE):
+        await left.send_all(b"\x00\x00")
+        await left.aclose()
+        with pytest.raises(RemoteProtocolError, match="middle of a frame"):
+            await receiver.receive_frame()
+
+
+async def test_clean_eof_is_connection_closed(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = framed_pair()
+    with trio.fail_after(DEADLINE):
+        await a.send_frame(b"last words")
+        await a.stream.aclose()
+        assert await b.receive_frame() == b"last words"
+        with pytest.raises(ConnectionClosed, match="closed by the remote"):
+            await b.receive_frame()
+
+
+async def test_using_a_closed_stream_is_connection_closed(autojump_clock: trio.testing.MockClock) -> None:
+    a, _ = framed_pair()
+    with trio.fail_after(DEADLINE):
+        await a.stream.aclose()
+        with pytest.raises(ConnectionClosed, match="while sending"):
+            await a.send_frame(b"x")
+        with pytest.raises(ConnectionClosed, match="while receiving"):
+            await a.receive_frame()
+
+
+# ---- SecureChannel -----------------------------------------------------------------------------
+
+
+def handshake_keys() -> tuple[HandshakeResult, HandshakeResult]:
+    init = InitiatorHandshake(Identity.from_seed(b"\x01" * 32), "run", None)
+    resp = ResponderHandshake(Identity.from_seed(b"\x02" * 32), "run")
+    reply = resp.receive(init.start())
+    assert reply is not None
+    resp.receive(init.receive(reply))
+    assert init.result is not None
+    assert resp.result is not None
+    return init.result, resp.result
+
+
+async def test_secure_channel_both_directions(autojump_clock: trio.testing.MockClock) -> None:
+    a_framed, b_framed = framed_pair()
+    a_keys, b_keys = handshake_keys()
+    a, b = SecureChannel(a_framed, a_keys), SecureChannel(b_framed, b_keys)
+    with trio.fail_after(DEADLINE):
+        await a.send(b"hdr-1", b"body-1")
+        await a.send(b"hdr-2")
+        await b.send(b"reply", memoryview(b"xyz"))
+        assert [tuple(map(bytes, await b.receive())) for _ in range(2)] == [
+            (b"hdr-1", b"body-1"),
+            (b"hdr-2", b""),
+        ]
+        assert tuple(map(bytes, await a.receive())) == (b"reply", b"xyz")
+    # Only ciphertext crosses the wire.
+    assert a_framed.bytes_sent == (LENGTH.size * 2 + TAG_BYTES) * 2 + 5 + 6 + 5
+
+
+async def test_secure_channel_refuses_forged_and_replayed_frames(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    a_keys, b_keys = handshake_keys()
+    tap = FramedStream(left)  # an attacker writing raw frames to the receiver
+    b = SecureChannel(FramedStream(right), b_keys)
+    sealed = FrameCipher(a_keys.send_key).seal(encode_record(b"hdr", b"body"))
+    with trio.fail_after(DEADLINE):
+        await tap.send_frame(sealed)
+        assert tuple(map(bytes, await b.receive())) == (b"hdr", b"body")
+        await tap.send_frame(sealed)  # replay
+        with pytest.raises(RemoteProtocolError, match="failed authentication"):
+            await b.receive()
+
+
+async def test_secure_channel_keys_are_per_direction(autojump_clock: trio.testing.MockClock) -> None:
+    # A frame reflected back to its sender does not open: the two directions use different keys.
+    left, right = trio.testing.memory_stream_pair()
+    a_keys, _ = handshake_keys()
+    a = SecureChannel(FramedStream(left), a_keys)
+    reflector = FramedStream(right)
+    with trio.fail_after(DEADLINE):
+        await a.send(b"hdr")
+        await reflector.send_frame(await reflector.receive_frame())
+        with pytest.raises(RemoteProtocolError):
+            await a.receive()
+        await a.aclose()
+        with pytest.raises(ConnectionClosed):
+            await reflector.receive_frame()
