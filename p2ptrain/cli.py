@@ -7,21 +7,36 @@ with one line on stderr that says what went wrong, and a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import trio
+from rich.console import Console
+from rich.table import Table
 
 from . import __version__
-from .errors import ConfigError, IdentityError, P2PError
+from .dht.peers import Member, list_members
+from .dht.service import DHT, DHTConfig
+from .errors import ConfigError, IdentityError, P2PError, PeerUnavailable
 from .identity import Identity, load_identity, load_or_create_identity, save_identity
 from .net.address import PeerAddress
 from .net.host import Host
-from .node import PING, Node, NodeConfig, PingRequest, default_data_dir, parse_listen, validate_run_id
+from .node import (
+    PING,
+    Node,
+    NodeConfig,
+    PingRequest,
+    default_data_dir,
+    member_json,
+    parse_listen,
+    validate_run_id,
+)
 
 log = logging.getLogger("p2ptrain")
 T = TypeVar("T")
@@ -158,6 +173,46 @@ async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> i
     return 0
 
 
+# ---- peers -----------------------------------------------------------------------------------------
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    addr = _parse_address(args.address)
+    validate_run_id(args.run_id)
+    members = run_trio(_members_via, addr, args.run_id, args.timeout)
+    if args.json:
+        print(json.dumps([member_json(m) for m in members], indent=2))
+        return 0
+    table = Table(title=f"run {args.run_id!r}: {len(members)} peer(s)")
+    for col in ("peer id", "address", "reachable", "throughput", "last seen"):
+        table.add_column(col)
+    now = time.time()
+    for m in members:
+        table.add_row(
+            str(m.peer_id),
+            m.record.addresses[0] if m.record.addresses else "-",
+            "yes" if m.record.reachable else "client-only",
+            f"{m.record.throughput:.1f}/s",
+            f"{max(0.0, now - m.record.published):.0f} s ago",
+        )
+    Console(width=max(Console().width, 160)).print(table)
+    return 0
+
+
+async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[Member]:
+    """Ask the swarm at ``addr`` for the run's members, as a client-only DHT peer."""
+    host = Host(Identity.generate(), run_id)
+    dht = DHT(host, config=DHTConfig(client_only=True, rpc_timeout=timeout))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run, [])
+        with trio.fail_after(4 * timeout):
+            if not await dht.bootstrap([addr], attempts=1):
+                raise PeerUnavailable(f"no answer from {addr}")
+            members = await list_members(dht, run_id)
+        nursery.cancel_scope.cancel()
+    return members
+
+
 # ---- simulate --------------------------------------------------------------------------------------
 
 
@@ -209,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--count", type=int, default=3)
     s.add_argument("--timeout", type=float, default=5.0)
     s.set_defaults(func=cmd_ping)
+
+    s = sub.add_parser("peers", help="ask the swarm at ADDR who is in the run")
+    s.add_argument("address", help="any member's address")
+    s.add_argument("--run-id", default="default")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.set_defaults(func=cmd_peers)
 
     s = sub.add_parser("simulate", help="run a local swarm of real node processes")
     s.add_argument("--peers", type=int, default=3)

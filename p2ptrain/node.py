@@ -1,19 +1,20 @@
-"""The node: a host, its built-in methods, join maintenance and the status file, under one nursery.
+"""The node: a host, the DHT, built-in methods, join maintenance and the status file, in one nursery.
 
-Theory of operation: ``Node.run`` starts the host (listeners and connections), one task per join
-address that keeps a connection to it open (reconnecting with capped exponential backoff and jitter),
-and a task that rewrites the JSON status file atomically every ``status_interval`` seconds. Cancelling
-``run`` closes every connection gracefully (peers hear ``shutting down``) and writes a final status
-with ``state: "stopped"``.
+Theory of operation: ``Node.run`` starts the host (listeners and connections), the DHT (bootstrapped
+from the join addresses), one task per join address that keeps a connection to it open (reconnecting
+with capped exponential backoff and jitter), a task that announces this node in the run's peer list and
+reads the list back every ``members_interval`` seconds, and a task that rewrites the JSON status file
+atomically every ``status_interval`` seconds. Cancelling ``run`` closes every connection gracefully
+(peers hear ``shutting down``) and writes a final status with ``state: "stopped"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,11 @@ from typing import Any
 import trio
 
 from . import __version__
+from .dht.peers import Member, PeerRecord, announce, list_members
+from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, HandshakeRefused, P2PError
-from .identity import Identity
-from .net.address import PeerAddress, outward_ip
+from .identity import Identity, PeerID
+from .net.address import PeerAddress
 from .net.connection import Connection
 from .net.handshake import MAX_RUN_ID, PROTOCOL_VERSION
 from .net.host import Host, HostConfig
@@ -103,7 +106,10 @@ class NodeConfig:
     status_file: Path | None = None
     status_interval: float = 1.0
     host: HostConfig = field(default_factory=HostConfig)
+    dht: DHTConfig = field(default_factory=DHTConfig)
     reconnect_max_delay: float = 30.0
+    announce_ttl: float = 180.0
+    members_interval: float = 5.0
 
 
 class Node:
@@ -116,26 +122,27 @@ class Node:
         self.registry = RpcRegistry()
         self.registry.add_unary(PING, self._on_ping)
         self.registry.add_unary(INFO, self._on_info)
+        host_config = config.host
+        if config.announce_host:
+            host_config = dataclasses.replace(host_config, announce_host=config.announce_host)
         self.host = Host(
-            identity, config.run_id, transport=transport, registry=self.registry, config=config.host
+            identity, config.run_id, transport=transport, registry=self.registry, config=host_config
         )
         self.host.on_connection(self._on_connection)
+        self.dht = DHT(self.host, config=config.dht)
+        self.members: list[Member] = []
         self.state = "starting"
         self._started = time.time()
         self._joined: set[str] = set()
 
     @property
-    def peer_id(self) -> Any:
+    def peer_id(self) -> PeerID:
         return self.identity.peer_id
 
     @property
     def addresses(self) -> list[PeerAddress]:
-        """Addresses others can dial: wildcard listeners replaced by a concrete host."""
-        out = []
-        for a in self.host.listen_addresses:
-            host = self.config.announce_host or _concrete_host(a.host)
-            out.append(PeerAddress.for_host(host, a.port, self.peer_id))
-        return out
+        """Addresses others can dial."""
+        return self.host.advertised_addresses()
 
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -143,6 +150,8 @@ class Node:
                 await nursery.start(self.host.run, list(self.config.listen))
                 for addr in self.config.join:
                     nursery.start_soon(self._keep_joined, addr)
+                await nursery.start(self.dht.run, list(self.config.join))
+                nursery.start_soon(self._members_loop)
                 if self.config.status_file:
                     nursery.start_soon(self._status_loop)
                 self.state = "running"
@@ -174,6 +183,31 @@ class Node:
                 log.info("lost the connection to join peer %s; reconnecting", conn.peer.short())
             await trio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, self.config.reconnect_max_delay)
+
+    # ---- membership ----
+
+    def peer_record(self) -> PeerRecord:
+        return PeerRecord(
+            addresses=tuple(str(a) for a in self.addresses[:8]),
+            reachable=not self.dht.client_only,
+            throughput=0.0,
+            version=__version__,
+            published=time.time(),
+        )
+
+    async def _members_loop(self) -> None:
+        """Announce ourselves, then keep our view of the run's members fresh."""
+        await announce(self.dht, self.config.run_id, self.peer_record(), ttl=self.config.announce_ttl)
+        known = -1
+        while True:
+            try:
+                self.members = await list_members(self.dht, self.config.run_id)
+            except P2PError as e:
+                log.warning("cannot read the peer list: %s", e)
+            if len(self.members) != known:
+                known = len(self.members)
+                log.info("swarm: %d peer(s) known in run %r", known, self.config.run_id)
+            await trio.sleep(self.config.members_interval)
 
     def _on_connection(self, conn: Connection, opened: bool) -> None:
         if opened:
@@ -221,6 +255,9 @@ class Node:
             "addresses": [str(a) for a in self.addresses],
             "connected_peers": sorted({c["peer_id"] for c in conns}),
             "connections": conns,
+            "reachable": not self.dht.client_only,
+            "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},
+            "members": [member_json(m) for m in self.members],
             "started_at": self._started,
             "updated_at": time.time(),
         }
@@ -242,9 +279,14 @@ class Node:
             await trio.sleep(self.config.status_interval)
 
 
-def _concrete_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return outward_ip(socket.AF_INET) or "127.0.0.1"
-    if host == "::":
-        return outward_ip(socket.AF_INET6) or "::1"
-    return host
+def member_json(m: Member) -> dict[str, Any]:
+    """A member of the run as plain JSON (status file, ``p2ptrain peers --json``)."""
+    return {
+        "peer_id": str(m.peer_id),
+        "addresses": list(m.record.addresses),
+        "reachable": m.record.reachable,
+        "throughput": m.record.throughput,
+        "version": m.record.version,
+        "last_seen": m.record.published,
+        "expires": m.expiry,
+    }

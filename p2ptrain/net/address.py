@@ -118,3 +118,12 @@ def outward_ip(family: int = socket.AF_INET) -> str | None:
             return ip
     except OSError:
         return None
+
+
+def concrete_host(host: str) -> str:
+    """A dialable host for a listener bound to ``host`` (a wildcard becomes the outward address)."""
+    if host in ("0.0.0.0", ""):
+        return outward_ip(socket.AF_INET) or "127.0.0.1"
+    if host == "::":
+        return outward_ip(socket.AF_INET6) or "::1"
+    return host

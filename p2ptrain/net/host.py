@@ -24,11 +24,12 @@ from ..errors import (
     ConnectionClosed,
     DeadlineExceeded,
     HandshakeRefused,
+    P2PError,
     PeerUnavailable,
     RemoteProtocolError,
 )
 from ..identity import Identity, PeerID
-from .address import PeerAddress
+from .address import PeerAddress, concrete_host
 from .channel import MAX_FRAME, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
@@ -55,10 +56,20 @@ class HostConfig:
     max_inbound_per_ip: int = 32
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
+    announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
 
 
 ConnectionObserver = Callable[[Connection, bool], None]
 """Called with (connection, opened): True when it opens, False when it closes."""
+
+
+@dataclass
+class _Dial:
+    """A dial in progress; concurrent connect() calls to the same peer wait for its outcome."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    conn: Connection | None = None
+    error: P2PError | None = None
 
 
 class Host:
@@ -81,7 +92,7 @@ class Host:
         self.config = config or HostConfig()
         self.listen_addresses: list[PeerAddress] = []
         self._conns: dict[PeerID, list[Connection]] = {}
-        self._dialing: dict[PeerID | tuple[str, int], trio.Event] = {}
+        self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
         self._inbound_by_ip: Counter[str] = Counter()
         self._inbound = 0
         self._observers: list[ConnectionObserver] = []
@@ -138,6 +149,34 @@ class Host:
 
     # ---- connections ----
 
+    def advertised_addresses(self) -> list[PeerAddress]:
+        """Addresses others can dial: wildcard listeners replaced by a concrete (or announced) host."""
+        return [
+            PeerAddress.for_host(self.config.announce_host or concrete_host(a.host), a.port, self.peer_id)
+            for a in self.listen_addresses
+        ]
+
+    async def probe(self, address: PeerAddress, *, timeout: float | None = None) -> None:
+        """Dial ``address`` afresh (never reusing a connection), complete the handshake, hang up.
+
+        Proves that the peer named in the address is reachable there; raises PeerUnavailable,
+        HandshakeRefused or RemoteProtocolError otherwise.
+        """
+        if address.peer_id is None:
+            raise PeerUnavailable("a probe needs an address with a peer id")
+        with trio.fail_after(timeout or self.config.connect_timeout):
+            try:
+                stream = await self.transport.connect(address.host, address.port)
+            except OSError as e:
+                raise PeerUnavailable(
+                    f"cannot reach {address.host}:{address.port}: {_os_reason(e)}"
+                ) from None
+            try:
+                framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+                await self._initiate(framed, address.peer_id)
+            finally:
+                await _close_quietly(stream)
+
     def connections(self) -> list[Connection]:
         return [c for conns in self._conns.values() for c in conns if not c.closed]
 
@@ -165,15 +204,22 @@ class Host:
             pending = self._dialing.get(key)
             if pending is None:
                 break
-            await pending.wait()  # someone else is dialing the same peer: share the outcome
-            if addr.peer_id is None:
-                break
-        done = self._dialing[key] = trio.Event()
+            await pending.done.wait()  # someone else is dialing the same peer: share the outcome
+            if pending.error is not None:
+                raise pending.error  # not a fresh attempt per waiter: N waiters must not take N timeouts
+            if pending.conn is not None and not pending.conn.closed:
+                return pending.conn
+            # That dialer was cancelled, or its connection is gone already: dial ourselves.
+        dial = self._dialing[key] = _Dial()
         try:
-            return await self._dial(addr, timeout or self.config.connect_timeout)
+            dial.conn = await self._dial(addr, timeout or self.config.connect_timeout)
+            return dial.conn
+        except P2PError as e:
+            dial.error = e
+            raise
         finally:
             del self._dialing[key]
-            done.set()
+            dial.done.set()
 
     async def _dial(self, addr: PeerAddress, timeout: float) -> Connection:
         if self._nursery is None:

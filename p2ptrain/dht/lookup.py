@@ -1,0 +1,117 @@
+"""The iterative Kademlia lookup as a pure state machine.
+
+Theory of operation: a lookup keeps every candidate it has heard of, sorted by XOR distance to the
+target. The driver asks :meth:`Lookup.next_queries` for up to ``alpha`` contacts to query in parallel,
+and reports each answer (:meth:`on_response`, with the contacts it returned) or failure
+(:meth:`on_failure`). The lookup is finished when the ``k`` closest candidates that have not failed have
+all answered, or when no candidate is left to ask, or when the driver calls :meth:`stop` (a value lookup
+that has what it needs). Malformed or unhelpful answers cost one query, never the lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..identity import PeerID
+from .routing import Contact
+
+PENDING, IN_FLIGHT, ANSWERED, FAILED = "pending", "in-flight", "answered", "failed"
+
+
+@dataclass
+class _Candidate:
+    contact: Contact
+    distance: int
+    state: str = PENDING
+
+
+class Lookup:
+    def __init__(
+        self,
+        target: bytes,
+        seeds: list[Contact],
+        *,
+        local: PeerID,
+        k: int = 20,
+        alpha: int = 3,
+        max_candidates: int = 1000,
+    ) -> None:
+        self.target = target
+        self.k = k
+        self.alpha = alpha
+        self.local = local
+        self.max_candidates = max_candidates
+        self._t = int.from_bytes(target, "big")
+        self._cands: dict[PeerID, _Candidate] = {}
+        self._stopped = False
+        self.queries = 0
+        self._add(seeds)
+
+    def _add(self, contacts: list[Contact]) -> int:
+        added = 0
+        for c in contacts:
+            if c.peer_id == self.local or c.peer_id in self._cands:
+                continue
+            if len(self._cands) >= self.max_candidates:
+                break
+            self._cands[c.peer_id] = _Candidate(c, int.from_bytes(c.peer_id.digest, "big") ^ self._t)
+            added += 1
+        return added
+
+    def _frontier(self) -> list[_Candidate]:
+        """The k closest candidates that have not failed, closest first."""
+        alive = [c for c in self._cands.values() if c.state != FAILED]
+        alive.sort(key=lambda c: c.distance)
+        return alive[: self.k]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for c in self._cands.values() if c.state == IN_FLIGHT)
+
+    def next_queries(self) -> list[Contact]:
+        """Contacts to query now (marked in flight); empty when nothing more should start."""
+        if self._stopped:
+            return []
+        room = self.alpha - self.in_flight
+        out = []
+        for cand in self._frontier():
+            if room <= 0:
+                break
+            if cand.state == PENDING:
+                cand.state = IN_FLIGHT
+                out.append(cand.contact)
+                room -= 1
+        self.queries += len(out)
+        return out
+
+    def on_response(self, peer: PeerID, contacts: list[Contact]) -> int:
+        """``peer`` answered with ``contacts``; returns how many new candidates that added."""
+        cand = self._cands.get(peer)
+        if cand is None or cand.state != IN_FLIGHT:
+            return 0
+        cand.state = ANSWERED
+        return self._add(contacts)
+
+    def on_failure(self, peer: PeerID) -> None:
+        cand = self._cands.get(peer)
+        if cand is not None and cand.state == IN_FLIGHT:
+            cand.state = FAILED
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    @property
+    def finished(self) -> bool:
+        if self._stopped:
+            return self.in_flight == 0
+        front = self._frontier()
+        return all(c.state == ANSWERED for c in front)
+
+    def closest(self, count: int | None = None) -> list[Contact]:
+        """The closest contacts that answered, closest first."""
+        answered = [c for c in self._cands.values() if c.state == ANSWERED]
+        answered.sort(key=lambda c: c.distance)
+        return [c.contact for c in answered[: count or self.k]]
+
+    def failed(self) -> list[PeerID]:
+        return [p for p, c in self._cands.items() if c.state == FAILED]

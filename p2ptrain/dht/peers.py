@@ -1,0 +1,66 @@
+"""The run's peer list: one owner-signed DHT subkey per member.
+
+Each member publishes, under the key ``p2ptrain/<run id>/peers``, a subkey that only it may write
+(:func:`~p2ptrain.dht.records.owned_subkey`), holding its addresses, whether others can dial it, its
+advertised throughput and when it published. Readers verify every signature (the DHT does) and decode
+each value against the schema below, skipping anything malformed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RemoteProtocolError
+from ..identity import PEER_ID_BYTES, PeerID
+from ..wire.codec import pack, unpack
+from ..wire.schema import Message, bounded
+from .records import OWNER_TAG, owned_subkey
+from .service import DHT
+
+
+@dataclass(frozen=True)
+class PeerRecord(Message):
+    addresses: tuple[str, ...] = bounded((), max_len=8)
+    reachable: bool = True
+    throughput: float = bounded(0.0, ge=0.0, le=1e12)
+    version: str = bounded("", max_len=32)
+    published: float = bounded(0.0, ge=0.0)
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: PeerID
+    record: PeerRecord
+    expiry: float
+
+
+def peers_key(run_id: str) -> bytes:
+    return f"p2ptrain/{run_id}/peers".encode()
+
+
+async def announce(dht: DHT, run_id: str, record: PeerRecord, *, ttl: float) -> int:
+    """Publish (and keep re-publishing) our entry in the run's peer list; returns replicas reached."""
+    return await dht.store(
+        peers_key(run_id),
+        pack(record.to_obj()),
+        ttl=ttl,
+        subkey=owned_subkey(dht.peer_id),
+        sign=True,
+        republish=True,
+    )
+
+
+async def list_members(dht: DHT, run_id: str, *, quorum: int = 3) -> list[Member]:
+    """The run's members as the swarm knows them (signatures verified, malformed entries skipped)."""
+    entries = await dht.get(peers_key(run_id), quorum=quorum)
+    members = []
+    for subkey, entry in entries.items():
+        if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
+            continue
+        try:
+            record = PeerRecord.from_obj(unpack(entry.value))
+        except RemoteProtocolError:
+            continue
+        members.append(Member(PeerID(subkey[1:]), record, entry.expiry))
+    members.sort(key=lambda m: m.peer_id)
+    return members

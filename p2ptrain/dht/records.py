@@ -1,0 +1,245 @@
+"""DHT records: dictionary values with per-subkey expiry, owner signatures, validation and storage.
+
+Theory of operation: every key holds a small dictionary ``subkey -> (value, expiry)``; a plain value is
+the subkey ``b""``. Expiry is an absolute wall-clock time (seconds since the epoch) so that it means the
+same on every peer; the clock is passed in, never read here. For each subkey the entry with the later
+expiry wins (ties broken by the larger value, so every replica converges to the same entry).
+
+Ownership: a subkey of the form :func:`owned_subkey` (``b"\\x01" + peer id``), or a key that starts with
+that prefix, may only be written by that peer: the entry carries the owner's public key and an Ed25519
+signature over (key, subkey, value, expiry) in the ``dht-record`` domain. Storage checks it when the
+entry arrives, and readers check it again when they read it back, so a replica cannot forge it either.
+
+Bounds (``RecordLimits``) are enforced on every store, with a reason for each refusal: sizes of keys,
+subkeys and values, subkeys per key, bytes per key, expiry in the future but not beyond ``max_ttl``,
+records held per storing peer, and stores per peer per minute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from ..errors import InvalidSignature, P2PError
+from ..identity import PEER_ID_BYTES, Identity, PeerID, SignedEnvelope
+from ..wire.codec import pack
+from ..wire.schema import Message, bounded
+
+OWNER_TAG = b"\x01"
+SIGN_DOMAIN = "dht-record"
+
+
+def key_id(key: bytes) -> bytes:
+    """Where a key lives in the id space."""
+    return hashlib.blake2b(key, digest_size=PEER_ID_BYTES).digest()
+
+
+def owned_subkey(peer: PeerID) -> bytes:
+    """A subkey that only ``peer`` may write (for example its entry in a run's peer list)."""
+    return OWNER_TAG + peer.digest
+
+
+def owner_of(key: bytes, subkey: bytes) -> PeerID | None:
+    """Who alone may write (key, subkey): the key's owner if the key is owned, else the subkey's."""
+    if len(key) >= 1 + PEER_ID_BYTES and key[:1] == OWNER_TAG:
+        return PeerID(key[1 : 1 + PEER_ID_BYTES])
+    if len(subkey) == 1 + PEER_ID_BYTES and subkey[:1] == OWNER_TAG:
+        return PeerID(subkey[1:])
+    return None
+
+
+@dataclass(frozen=True)
+class Entry(Message):
+    """One subkey of one key, as stored and as sent on the wire."""
+
+    key: bytes = bounded(max_len=256)
+    subkey: bytes = bounded(b"", max_len=64)
+    value: bytes = bounded(b"", max_len=64 * 1024)
+    expiry: float = bounded(0.0, ge=0.0)
+    public_key: bytes = bounded(b"", max_len=32)
+    signature: bytes = bounded(b"", max_len=64)
+
+    def signed_payload(self) -> bytes:
+        return pack([self.key, self.subkey, self.value, self.expiry])
+
+    def sort_key(self) -> tuple[float, bytes]:
+        return (self.expiry, self.value)
+
+    def nbytes(self) -> int:
+        return len(self.key) + len(self.subkey) + len(self.value) + 112
+
+
+def make_entry(
+    key: bytes, value: bytes, expiry: float, *, subkey: bytes = b"", signer: Identity | None = None
+) -> Entry:
+    """Build an entry; signs it when ``signer`` is given (required for owned keys and subkeys)."""
+    entry = Entry(key, subkey, value, expiry)
+    if signer is None:
+        return entry
+    env = SignedEnvelope.seal(signer, SIGN_DOMAIN, entry.signed_payload())
+    return Entry(key, subkey, value, expiry, env.public_key, env.signature)
+
+
+def verify_entry(entry: Entry) -> None:
+    """Raise InvalidSignature if the entry is owned and not validly signed by its owner."""
+    owner = owner_of(entry.key, entry.subkey)
+    if owner is None and not entry.signature:
+        return
+    if not entry.public_key or not entry.signature:
+        raise InvalidSignature(f"entry owned by {owner.short() if owner else '?'} is not signed")
+    env = SignedEnvelope(SIGN_DOMAIN, entry.signed_payload(), entry.public_key, entry.signature)
+    env.open(SIGN_DOMAIN, expected_signer=owner)
+
+
+@dataclass(frozen=True)
+class RecordLimits:
+    max_key: int = 256
+    max_subkey: int = 64
+    max_value: int = 16 * 1024
+    max_subkeys: int = 4096
+    max_key_bytes: int = 768 * 1024
+    max_ttl: float = 24 * 3600.0
+    clock_skew: float = 60.0
+    max_records_per_peer: int = 20_000
+    max_stores_per_minute: int = 6_000
+    max_keys: int = 200_000
+
+
+class RecordRefused(P2PError):
+    """A store broke a bound or carried a bad signature; ``reason`` says which."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+def check_entry(entry: Entry, now: float, limits: RecordLimits) -> None:
+    """Raise RecordRefused with a reason unless ``entry`` may be stored at time ``now``."""
+    if not entry.key:
+        raise RecordRefused("empty key")
+    if len(entry.key) > limits.max_key:
+        raise RecordRefused(f"key of {len(entry.key)} bytes exceeds {limits.max_key}")
+    if len(entry.subkey) > limits.max_subkey:
+        raise RecordRefused(f"subkey of {len(entry.subkey)} bytes exceeds {limits.max_subkey}")
+    if len(entry.value) > limits.max_value:
+        raise RecordRefused(f"value of {len(entry.value)} bytes exceeds {limits.max_value}")
+    if entry.expiry <= now:
+        raise RecordRefused("record already expired")
+    if entry.expiry > now + limits.max_ttl + limits.clock_skew:
+        raise RecordRefused(
+            f"expiry {entry.expiry - now:.0f} s ahead exceeds the {limits.max_ttl:.0f} s limit"
+        )
+    try:
+        verify_entry(entry)
+    except InvalidSignature as e:
+        raise RecordRefused(f"bad signature: {e}") from None
+
+
+@dataclass
+class _Stored:
+    entry: Entry
+    stored_by: PeerID | None
+
+
+class RecordStore:
+    """The records this node holds for the DHT, with per-peer quotas (pure; time passed in)."""
+
+    def __init__(self, limits: RecordLimits | None = None) -> None:
+        self.limits = limits or RecordLimits()
+        self._data: dict[bytes, dict[bytes, _Stored]] = {}  # key id -> subkey -> stored
+        self._per_peer: defaultdict[PeerID, int] = defaultdict(int)
+        self._recent: defaultdict[PeerID, deque[float]] = defaultdict(deque)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._data.values())
+
+    def keys(self) -> list[bytes]:
+        return list(self._data)
+
+    def records_of(self, peer: PeerID) -> int:
+        return self._per_peer.get(peer, 0)
+
+    def put(self, entry: Entry, now: float, stored_by: PeerID | None) -> str:
+        """Store ``entry``; return what happened, or raise RecordRefused with the reason."""
+        check_entry(entry, now, self.limits)
+        if stored_by is not None:
+            self._rate_check(stored_by, now)
+        kid = key_id(entry.key)
+        record = self._data.get(kid)
+        if record is None:
+            if len(self._data) >= self.limits.max_keys:
+                raise RecordRefused("this node holds its maximum number of keys")
+            record = {}
+        else:
+            self._expire_key(kid, now)
+            record = self._data.get(kid, {})
+        old = record.get(entry.subkey)
+        if old is not None and old.entry.sort_key() >= entry.sort_key():
+            return "kept the existing entry (same or later expiry)"
+        if old is None and len(record) >= self.limits.max_subkeys:
+            raise RecordRefused(f"key already has {self.limits.max_subkeys} subkeys")
+        size = sum(s.entry.nbytes() for s in record.values()) - (old.entry.nbytes() if old else 0)
+        if size + entry.nbytes() > self.limits.max_key_bytes:
+            raise RecordRefused(f"key would exceed {self.limits.max_key_bytes} bytes")
+        gains = stored_by is not None and (old is None or old.stored_by != stored_by)
+        if gains and self._per_peer[stored_by] >= self.limits.max_records_per_peer:  # type: ignore[index]
+            raise RecordRefused(f"peer already stores {self.limits.max_records_per_peer} records here")
+        if old is not None:
+            self._uncount(old)
+        record[entry.subkey] = _Stored(entry, stored_by)
+        self._data[kid] = record
+        if stored_by is not None:
+            self._per_peer[stored_by] += 1
+        return "replaced an older entry" if old else "stored"
+
+    def _rate_check(self, peer: PeerID, now: float) -> None:
+        recent = self._recent[peer]
+        while recent and recent[0] <= now - 60.0:
+            recent.popleft()
+        if len(recent) >= self.limits.max_stores_per_minute:
+            raise RecordRefused(f"more than {self.limits.max_stores_per_minute} stores per minute")
+        recent.append(now)
+
+    def _uncount(self, stored: _Stored) -> None:
+        if stored.stored_by is not None:
+            self._per_peer[stored.stored_by] -= 1
+            if self._per_peer[stored.stored_by] <= 0:
+                del self._per_peer[stored.stored_by]
+
+    def _expire_key(self, kid: bytes, now: float) -> None:
+        record = self._data.get(kid)
+        if record is None:
+            return
+        for sub in [s for s, st in record.items() if st.entry.expiry <= now]:
+            self._uncount(record.pop(sub))
+        if not record:
+            del self._data[kid]
+
+    def get(self, kid: bytes, now: float) -> list[Entry]:
+        """Live entries under a key id."""
+        self._expire_key(kid, now)
+        return [st.entry for st in self._data.get(kid, {}).values()]
+
+    def expire(self, now: float) -> int:
+        """Drop expired entries everywhere; returns how many."""
+        before = len(self)
+        for kid in list(self._data):
+            self._expire_key(kid, now)
+        for peer in [p for p, q in self._recent.items() if not q or q[-1] <= now - 60.0]:
+            del self._recent[peer]
+        return before - len(self)
+
+    def all_entries(self, now: float) -> list[Entry]:
+        self.expire(now)
+        return [st.entry for rec in self._data.values() for st in rec.values()]
+
+
+def merge(entries: list[Entry]) -> dict[bytes, Entry]:
+    """Merge entries of one key from many replicas: for each subkey the latest expiry wins."""
+    out: dict[bytes, Entry] = {}
+    for e in entries:
+        cur = out.get(e.subkey)
+        if cur is None or e.sort_key() > cur.sort_key():
+            out[e.subkey] = e
+    return out

@@ -1,0 +1,517 @@
+"""The DHT service: Kademlia RPCs, iterative lookups, store/get, and maintenance, on a Host.
+
+Theory of operation: the pure pieces (routing table, lookup, record store) decide; this module only
+moves messages. Lookups run their ``alpha`` parallel queries in a nursery of their own and end when the
+pure lookup says so. Every RPC is bounded by ``rpc_timeout``; a peer that fails is reported to the
+routing table (which evicts it after repeated failures). A maintenance task expires records, refreshes
+stale buckets with lookups of random ids in them, makes owners re-publish what they published, and
+re-replicates held records to the closest peers known.
+
+Reachability: a node that joined through others asks one of them to dial its advertised address back.
+If nobody can, it runs client-only: it sends no contact in its requests (so nobody adds it to a routing
+table) and stores nothing for others, but it can still look up, store and read through the swarm.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ..errors import P2PError, RemoteProtocolError
+from ..identity import PeerID
+from ..net.address import PeerAddress
+from ..net.host import Host
+from ..net.rpc import CallContext, Reply
+from .lookup import Lookup
+from .protocol import (
+    DIAL_BACK,
+    FIND_NODE,
+    FIND_VALUE,
+    PING,
+    STORE,
+    ContactMsg,
+    DialBackReq,
+    DialBackResp,
+    FindNodeReq,
+    FindValueReq,
+    NodesResp,
+    PingReq,
+    PingResp,
+    StoreReq,
+    StoreResp,
+    decode_entries,
+    encode_entries,
+    parse_contacts,
+)
+from .records import (
+    Entry,
+    RecordLimits,
+    RecordRefused,
+    RecordStore,
+    check_entry,
+    key_id,
+    make_entry,
+    merge,
+    verify_entry,
+)
+from .routing import Contact, RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Kademlia parameters and timers (seconds)."""
+
+    k: int = 20
+    alpha: int = 3
+    replication: int = 20
+    rpc_timeout: float = 5.0
+    get_quorum: int = 2
+    refresh_interval: float = 600.0
+    republish_interval: float = 60.0
+    replicate_interval: float = 600.0
+    maintenance_interval: float = 10.0
+    max_per_subnet: int = 2
+    client_only: bool | None = None  # None: find out with a dial-back at bootstrap
+    limits: RecordLimits = field(default_factory=RecordLimits)
+
+
+@dataclass
+class _Published:
+    value: bytes
+    ttl: float
+    subkey: bytes
+    sign: bool
+    next_at: float
+
+
+class DHT:
+    """A Kademlia node on top of a :class:`~p2ptrain.net.host.Host`."""
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        config: DHTConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        seed: int | None = None,
+    ) -> None:
+        self.host = host
+        self.config = config or DHTConfig()
+        self.clock = clock
+        self.table = RoutingTable(host.peer_id, k=self.config.k, max_per_subnet=self.config.max_per_subnet)
+        self.records = RecordStore(self.config.limits)
+        self.client_only = bool(self.config.client_only)
+        self.rng = random.Random(seed)
+        self._published: dict[tuple[bytes, bytes], _Published] = {}
+        self._pinging: set[PeerID] = set()
+        self._nursery: trio.Nursery | None = None
+        reg = host.registry
+        reg.add_unary(PING, self._on_ping)
+        reg.add_unary(FIND_NODE, self._on_find_node)
+        reg.add_unary(FIND_VALUE, self._on_find_value)
+        reg.add_unary(STORE, self._on_store)
+        reg.add_unary(DIAL_BACK, self._on_dial_back)
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.host.peer_id
+
+    def my_contact(self) -> Contact | None:
+        if self.client_only or not self.host.listen_addresses:
+            return None
+        return Contact(self.peer_id, self.advertised_address())
+
+    def advertised_address(self) -> PeerAddress:
+        return self.host.advertised_addresses()[0]
+
+    def _sender(self) -> ContactMsg | None:
+        me = self.my_contact()
+        return ContactMsg.of(me) if me else None
+
+    # ---- lifecycle ----
+
+    async def run(
+        self,
+        bootstrap: list[PeerAddress] | None = None,
+        *,
+        task_status: trio.TaskStatus[DHT] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run maintenance (and bootstrap from ``bootstrap``) until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if bootstrap:
+                await self.bootstrap(bootstrap)
+            task_status.started(self)
+            await self._maintain()
+
+    async def bootstrap(self, addresses: list[PeerAddress], *, attempts: int = 5) -> int:
+        """Join through ``addresses`` (retrying with backoff); returns how many contacts we know."""
+        delay = 0.5
+        for attempt in range(attempts):
+            seeds = await self._contact_seeds(addresses)
+            if seeds:
+                if self.config.client_only is None:
+                    await self._check_reachability(seeds)
+                await self.find_node(self.peer_id.digest)
+                log.info(
+                    "DHT bootstrapped through %d peer(s): %d contacts known%s",
+                    len(seeds),
+                    len(self.table),
+                    " (client-only)" if self.client_only else "",
+                )
+                return len(self.table)
+            if attempt + 1 < attempts:
+                await trio.sleep(delay * self.rng.uniform(0.8, 1.2))
+                delay = min(delay * 2, 10.0)
+        log.warning("DHT bootstrap failed: none of %d join address(es) answered", len(addresses))
+        return len(self.table)
+
+    async def _contact_seeds(self, addresses: list[PeerAddress]) -> list[Contact]:
+        seeds: list[Contact] = []
+
+        async def one(addr: PeerAddress) -> None:
+            try:
+                with trio.fail_after(self.config.rpc_timeout):
+                    conn = await self.host.connect(addr)
+                    await conn.call(PING, PingReq(self._sender()), timeout=self.config.rpc_timeout)
+            except (P2PError, trio.TooSlowError) as e:
+                log.info("join address %s did not answer: %s", addr, e)
+                return
+            contact = Contact(conn.peer, addr.with_peer(conn.peer))
+            seeds.append(contact)
+            self.table.observe(contact, self.clock())
+
+        async with trio.open_nursery() as nursery:
+            for addr in addresses:
+                nursery.start_soon(one, addr)
+        return seeds
+
+    async def _check_reachability(self, seeds: list[Contact]) -> None:
+        if not self.host.listen_addresses:
+            self.client_only = True
+            return
+        mine = str(self.advertised_address())
+        for seed in seeds[:3]:
+            try:
+                conn = await self.host.connect(seed.address)
+                resp = await conn.call(DIAL_BACK, DialBackReq(mine), timeout=2 * self.config.rpc_timeout)
+            except P2PError:
+                continue
+            if resp.reachable:
+                self.client_only = False
+                return
+            log.info("%s could not dial us back at %s: %s", seed.peer_id.short(), mine, resp.reason)
+        self.client_only = True
+        log.warning(
+            "no peer can dial %s: running as a client-only peer (queries and stores go through "
+            "others; this node holds no records for the swarm)",
+            mine,
+        )
+
+    # ---- RPC handlers ----
+
+    def _heard_from(self, ctx: CallContext, sender: ContactMsg | None) -> None:
+        if sender is None or sender.peer != ctx.peer.digest:
+            return
+        try:
+            contact = sender.to_contact()
+        except ValueError:
+            return
+        if contact.address.host != ctx.remote_host and contact.address.kind in ("ip4", "ip6"):
+            return  # claimed address is not where the call came from: not verified, not added
+        self._observe(contact)
+
+    def _observe(self, contact: Contact) -> None:
+        obs = self.table.observe(contact, self.clock())
+        if obs.ping is not None and self._nursery is not None and obs.ping.peer_id not in self._pinging:
+            self._pinging.add(obs.ping.peer_id)
+            self._nursery.start_soon(self._ping_before_evict, obs.ping)
+
+    async def _ping_before_evict(self, contact: Contact) -> None:
+        try:
+            alive = await self.ping(contact)
+        finally:
+            self._pinging.discard(contact.peer_id)
+        self.table.ping_result(contact.peer_id, alive, self.clock())
+
+    async def _on_ping(self, ctx: CallContext, req: PingReq) -> PingResp:
+        self._heard_from(ctx, req.sender)
+        return PingResp(ctx.remote_host[:64])
+
+    async def _on_find_node(self, ctx: CallContext, req: FindNodeReq) -> NodesResp:
+        self._heard_from(ctx, req.sender)
+        return self._nodes_near(req.target, ctx.peer)
+
+    def _nodes_near(self, target: bytes, asker: PeerID) -> NodesResp:
+        if len(target) != 32:
+            raise RemoteProtocolError("target must be 32 bytes")
+        close = self.table.closest(target, self.config.k, exclude={asker})
+        return NodesResp(tuple(ContactMsg.of(c) for c in close))
+
+    async def _on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[NodesResp]:
+        self._heard_from(ctx, req.sender)
+        entries = self.records.get(req.key_id, self.clock())
+        return Reply(self._nodes_near(req.key_id, ctx.peer), encode_entries(entries))
+
+    async def _on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
+        self._heard_from(ctx, req.sender)
+        if self.client_only:
+            return StoreResp(0, ("this peer is client-only and holds no records",))
+        now, stored, refused = self.clock(), 0, []
+        for entry in decode_entries(ctx.body):
+            try:
+                self.records.put(entry, now, ctx.peer)
+                stored += 1
+            except RecordRefused as e:
+                refused.append(e.reason[:200])
+        if refused:
+            log.info("refused %d record(s) from %s: %s", len(refused), ctx.peer.short(), refused[0])
+        return StoreResp(stored, tuple(refused[:64]))
+
+    async def _on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:
+        try:
+            addr = PeerAddress.parse(req.addr)
+        except ValueError as e:
+            return DialBackResp(False, f"bad address: {e}")
+        if addr.peer_id != ctx.peer:
+            return DialBackResp(False, "the address must carry the asker's own peer id")
+        if addr.kind in ("ip4", "ip6") and addr.host != ctx.remote_host:
+            return DialBackResp(False, "dial-back only to the host the request came from")
+        try:
+            await self.host.probe(addr, timeout=self.config.rpc_timeout)
+        except P2PError as e:
+            return DialBackResp(False, str(e)[:500])
+        return DialBackResp(True, "reachable")
+
+    # ---- queries ----
+
+    async def ping(self, contact: Contact) -> bool:
+        try:
+            with trio.fail_after(self.config.rpc_timeout):
+                conn = await self.host.connect(contact.address)
+                await conn.call(PING, PingReq(self._sender()), timeout=self.config.rpc_timeout)
+        except (P2PError, trio.TooSlowError):
+            return False
+        return True
+
+    async def _query(self, contact: Contact, target: bytes, value: bool) -> tuple[list[Contact], list[Entry]]:
+        with trio.fail_after(self.config.rpc_timeout):
+            conn = await self.host.connect(contact.address)
+            if value:
+                reply = await conn.call_with_body(
+                    FIND_VALUE, FindValueReq(target, self._sender()), timeout=self.config.rpc_timeout
+                )
+                entries = decode_entries(reply.body)
+                contacts = parse_contacts(reply.message.contacts)
+            else:
+                resp = await conn.call(
+                    FIND_NODE, FindNodeReq(target, self._sender()), timeout=self.config.rpc_timeout
+                )
+                entries, contacts = [], parse_contacts(resp.contacts)
+        return contacts, entries
+
+    async def _lookup(
+        self, target: bytes, *, value: bool = False, quorum: int = 0
+    ) -> tuple[Lookup, list[Entry]]:
+        lookup = Lookup(
+            target,
+            self.table.closest(target, self.config.k),
+            local=self.peer_id,
+            k=self.config.k,
+            alpha=self.config.alpha,
+        )
+        found: list[Entry] = []
+        holders: set[PeerID] = set()
+        changed = trio.Event()
+
+        async def ask(contact: Contact) -> None:
+            nonlocal changed
+            try:
+                contacts, entries = await self._query(contact, target, value)
+            except (P2PError, trio.TooSlowError) as e:
+                log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
+                lookup.on_failure(contact.peer_id)
+                self.table.failed(contact.peer_id, self.clock())
+            else:
+                self._observe(contact)
+                good = _verified(entries, target)
+                if good:
+                    found.extend(good)
+                    holders.add(contact.peer_id)
+                    if quorum and len(holders) >= quorum:
+                        lookup.stop()
+                lookup.on_response(contact.peer_id, contacts)
+            changed.set()
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                for contact in lookup.next_queries():
+                    nursery.start_soon(ask, contact)
+                if lookup.finished:
+                    break
+                await changed.wait()
+                changed = trio.Event()
+        return lookup, found
+
+    async def find_node(self, target: bytes) -> list[Contact]:
+        """The k closest live contacts to ``target`` found by an iterative lookup."""
+        lookup, _ = await self._lookup(target)
+        return lookup.closest()
+
+    async def find_peer(self, peer: PeerID) -> Contact | None:
+        known = self.table.get(peer)
+        if known:
+            return known
+        for c in await self.find_node(peer.digest):
+            if c.peer_id == peer:
+                return c
+        return None
+
+    async def store(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        ttl: float,
+        subkey: bytes = b"",
+        sign: bool = False,
+        republish: bool = False,
+    ) -> int:
+        """Store on the ``replication`` closest peers (and here, if we are among them).
+
+        Returns how many replicas accepted it. With ``republish`` this node re-publishes the value
+        every ``republish_interval`` until :meth:`unpublish`.
+        """
+        now = self.clock()
+        entry = make_entry(key, value, now + ttl, subkey=subkey, signer=self.host.identity if sign else None)
+        check_entry(entry, now, self.config.limits)  # a record we could not store anywhere: say why now
+        if republish:
+            self._published[(key, subkey)] = _Published(
+                value, ttl, subkey, sign, now + self.config.republish_interval
+            )
+        return await self._store_entries(key_id(key), [entry])
+
+    def unpublish(self, key: bytes, subkey: bytes = b"") -> None:
+        self._published.pop((key, subkey), None)
+
+    async def _store_entries(self, kid: bytes, entries: list[Entry]) -> int:
+        targets = (await self.find_node(kid))[: self.config.replication]
+        accepted = 0
+        if not self.client_only and self._among_closest(kid, targets):
+            for e in entries:
+                self.records.put(e, self.clock(), None)
+                accepted += 1
+
+        async def push(contact: Contact) -> None:
+            nonlocal accepted
+            if await self._push(contact, entries):
+                accepted += 1
+
+        async with trio.open_nursery() as nursery:
+            for contact in targets:
+                nursery.start_soon(push, contact)
+        return accepted
+
+    def _among_closest(self, kid: bytes, targets: list[Contact]) -> bool:
+        if len(targets) < self.config.replication:
+            return True
+        t = int.from_bytes(kid, "big")
+        mine = int.from_bytes(self.peer_id.digest, "big") ^ t
+        return mine < int.from_bytes(targets[-1].peer_id.digest, "big") ^ t
+
+    async def _push(self, contact: Contact, entries: list[Entry]) -> bool:
+        try:
+            with trio.fail_after(self.config.rpc_timeout):
+                conn = await self.host.connect(contact.address)
+                resp = await conn.call(
+                    STORE,
+                    StoreReq(self._sender()),
+                    body=encode_entries(entries),
+                    timeout=self.config.rpc_timeout,
+                )
+        except (P2PError, trio.TooSlowError) as e:
+            log.debug("store on %s failed: %s", contact.peer_id.short(), e)
+            self.table.failed(contact.peer_id, self.clock())
+            return False
+        if resp.refused:
+            log.info(
+                "%s refused %d record(s): %s", contact.peer_id.short(), len(resp.refused), resp.refused[0]
+            )
+        return resp.stored > 0
+
+    async def get(self, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:
+        """Read a key: ``subkey -> entry`` (plain values under ``b""``), merged from the replicas reached.
+
+        Stops once ``quorum`` replicas answered with entries (default ``get_quorum``), else after the
+        lookup converges. Every entry's signature is checked again here.
+        """
+        kid = key_id(key)
+        local = self.records.get(kid, self.clock())
+        q = self.config.get_quorum if quorum is None else quorum
+        _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1))
+        return merge(_verified(local + found, kid))
+
+    # ---- maintenance ----
+
+    async def _maintain(self) -> None:
+        last_refresh = last_replicate = self.clock()
+        while True:
+            await trio.sleep(self.config.maintenance_interval)
+            now = self.clock()
+            self.records.expire(now)
+            await self._republish(now)
+            if now - last_refresh >= self.config.refresh_interval:
+                last_refresh = now
+                await self._refresh(now)
+            if now - last_replicate >= self.config.replicate_interval:
+                last_replicate = now
+                await self._replicate()
+
+    async def _republish(self, now: float) -> None:
+        for (key, subkey), pub in list(self._published.items()):
+            if now >= pub.next_at:
+                pub.next_at = now + self.config.republish_interval
+                try:
+                    await self.store(key, pub.value, ttl=pub.ttl, subkey=subkey, sign=pub.sign)
+                except RecordRefused as e:
+                    log.warning("cannot re-publish %r: %s", key[:40], e.reason)
+
+    async def _refresh(self, now: float) -> None:
+        for index in self.table.stale_buckets(now, self.config.refresh_interval):
+            await self.find_node(self.table.random_id_in_bucket(index, self.rng))
+
+    async def _replicate(self) -> None:
+        """Push every record we hold to the closest peers we know (they may have joined since)."""
+        batches: defaultdict[PeerID, list[Entry]] = defaultdict(list)
+        contacts: dict[PeerID, Contact] = {}
+        for entry in self.records.all_entries(self.clock()):
+            for c in self.table.closest(key_id(entry.key), self.config.replication):
+                batches[c.peer_id].append(entry)
+                contacts[c.peer_id] = c
+        async with trio.open_nursery() as nursery:
+            for peer, entries in batches.items():
+                for i in range(0, len(entries), 256):
+                    nursery.start_soon(self._push, contacts[peer], entries[i : i + 256])
+
+
+def _verified(entries: list[Entry], kid: bytes) -> list[Entry]:
+    """Entries that belong under ``kid`` and whose signatures check out (read-back verification)."""
+    out = []
+    for e in entries:
+        if key_id(e.key) != kid:
+            continue
+        try:
+            verify_entry(e)
+        except P2PError:
+            log.warning("dropping a record with a bad signature under %s", kid.hex()[:12])
+            continue
+        out.append(e)
+    return out
