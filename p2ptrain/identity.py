@@ -15,6 +15,7 @@ replayed for another), and an Ed25519 signature over the canonical encoding of b
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import stat
@@ -86,8 +87,17 @@ class PeerID:
             raise ValueError(f"not a peer id: decodes to {len(raw)} bytes, expected {PEER_ID_BYTES}")
         return cls(raw)
 
-    def to_string(self) -> str:
+    @functools.cached_property
+    def _text(self) -> str:
         return _b58encode(self.digest)
+
+    @functools.cached_property
+    def as_int(self) -> int:
+        """The id as an integer, for XOR distances."""
+        return int.from_bytes(self.digest, "big")
+
+    def to_string(self) -> str:
+        return self._text
 
     def short(self) -> str:
         """A short form for log lines."""

@@ -19,6 +19,7 @@ Every decision returns a human-readable reason beside its outcome.
 
 from __future__ import annotations
 
+import heapq
 import ipaddress
 import random
 from collections import OrderedDict
@@ -105,6 +106,7 @@ class RoutingTable:
         self.exempt_private = exempt_private
         self.max_failures = max_failures
         self.buckets = [Bucket() for _ in range(ID_BITS)]
+        self._index: dict[PeerID, Contact] = {}  # every contact in any bucket, for fast scans
 
     def bucket_index(self, peer: PeerID) -> int:
         d = distance(self.local.digest, peer.digest)
@@ -113,13 +115,13 @@ class RoutingTable:
         return d.bit_length() - 1
 
     def __len__(self) -> int:
-        return sum(len(b.entries) for b in self.buckets)
+        return len(self._index)
 
     def __contains__(self, peer: PeerID) -> bool:
         return peer != self.local and peer in self.buckets[self.bucket_index(peer)].entries
 
     def contacts(self) -> list[Contact]:
-        return [e.contact for b in self.buckets for e in b.entries.values()]
+        return list(self._index.values())
 
     def get(self, peer: PeerID) -> Contact | None:
         if peer == self.local:
@@ -138,12 +140,14 @@ class RoutingTable:
         entry = bucket.entries.get(contact.peer_id)
         if entry is not None:
             entry.contact, entry.last_seen, entry.failures = contact, now, 0
+            self._index[contact.peer_id] = contact
             bucket.entries.move_to_end(contact.peer_id)
             return Observation("refreshed", "known contact moved to the tail")
         if reason := self._subnet_refusal(bucket, contact):
             return Observation("refused", reason)
         if len(bucket.entries) < self.k:
             bucket.entries[contact.peer_id] = _Entry(contact, now)
+            self._index[contact.peer_id] = contact
             bucket.replacements.pop(contact.peer_id, None)
             return Observation("added", "bucket has room")
         bucket.replacements[contact.peer_id] = contact
@@ -195,10 +199,12 @@ class RoutingTable:
 
     def _evict(self, bucket: Bucket, peer: PeerID, now: float, why: str) -> str:
         del bucket.entries[peer]
+        del self._index[peer]
         while bucket.replacements:
             _, newest = bucket.replacements.popitem(last=True)
             if self._subnet_refusal(bucket, newest) is None:
                 bucket.entries[newest.peer_id] = _Entry(newest, now)
+                self._index[newest.peer_id] = newest
                 return f"evicted ({why}); promoted {newest.peer_id.short()} from the replacement cache"
         return f"evicted ({why})"
 
@@ -210,9 +216,8 @@ class RoutingTable:
         """The ``count`` (default k) known contacts closest to ``target`` by XOR distance."""
         t = int.from_bytes(target, "big")
         skip = exclude or set()
-        found = [c for c in self.contacts() if c.peer_id not in skip]
-        found.sort(key=lambda c: int.from_bytes(c.peer_id.digest, "big") ^ t)
-        return found[: count or self.k]
+        found = (c for p, c in self._index.items() if p not in skip)
+        return heapq.nsmallest(self.k if count is None else count, found, key=lambda c: c.peer_id.as_int ^ t)
 
     def stale_buckets(self, now: float, interval: float) -> list[int]:
         """Indexes of buckets untouched for ``interval``, from the nearest used one outwards."""

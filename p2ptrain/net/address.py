@@ -13,6 +13,7 @@ logs that the remote's id was not verified.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import socket
@@ -35,6 +36,10 @@ class PeerAddress:
     @classmethod
     def parse(cls, text: str) -> PeerAddress:
         """Parse the multiaddr form (or ``host:port``, ``[v6]:port``); ValueError says what is wrong."""
+        return _parse_cached(text) if cls is PeerAddress else cls._parse(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> PeerAddress:
         text = text.strip()
         if not text.startswith("/"):
             return cls._parse_hostport(text)
@@ -65,11 +70,21 @@ class PeerAddress:
     def with_peer(self, peer_id: PeerID) -> PeerAddress:
         return PeerAddress(self.kind, self.host, self.port, peer_id)
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def _text(self) -> str:
         s = f"/{self.kind}/{self.host}/tcp/{self.port}"
         if self.peer_id is not None:
             s += f"/p2p/{self.peer_id}"
         return s
+
+    def __str__(self) -> str:
+        return self._text
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_cached(text: str) -> PeerAddress:
+    # Addresses arrive again and again in DHT answers; parsing (regex, ipaddress, base58) is not free.
+    return PeerAddress._parse(text)
 
 
 def _parse_port(s: str, text: str) -> int:

@@ -15,7 +15,8 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, ClassVar, Self, TypeVar
+from collections.abc import Callable
+from typing import Any, Self, TypeVar
 
 from ..errors import RemoteProtocolError
 
@@ -44,8 +45,6 @@ def bounded(
 class Message:
     """Base class of wire messages. Subclasses are ``@dataclass(frozen=True)``."""
 
-    _hints: ClassVar[dict[type, dict[str, Any]]] = {}
-
     def to_obj(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
@@ -65,91 +64,120 @@ def _encode_value(v: Any) -> Any:
     return v
 
 
-def _hints_of(cls: type) -> dict[str, Any]:
-    cache = Message._hints
-    if cls not in cache:
-        cache[cls] = typing.get_type_hints(cls)
-    return cache[cls]
+Validator = Callable[[Any, str], Any]
+_compiled: dict[type, list[tuple[str, bool, Validator, str]]] = {}
+
+
+def _fields_of(cls: type) -> list[tuple[str, bool, Validator, str]]:
+    """Per class, once: (name, required, validator, path) for each field."""
+    fields = _compiled.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        fields = [
+            (
+                f.name,
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                _validator(hints[f.name], f.metadata, f"{cls.__name__}.{f.name}"),
+                f"{cls.__name__}.{f.name}",
+            )
+            for f in dataclasses.fields(cls)
+        ]
+        _compiled[cls] = fields
+    return fields
 
 
 def decode_message(cls: type[M], obj: Any, _path: str = "") -> M:
     """Validate ``obj`` (decoded msgpack) into an instance of ``cls``; RemoteProtocolError if invalid."""
-    where = _path or cls.__name__
     if not isinstance(obj, dict):
-        raise RemoteProtocolError(f"{where}: expected a map, got {type(obj).__name__}")
-    hints = _hints_of(cls)
+        raise RemoteProtocolError(f"{_path or cls.__name__}: expected a map, got {type(obj).__name__}")
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in obj:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RemoteProtocolError(f"{where}: missing field {f.name!r}")
-            continue
-        kwargs[f.name] = _check(hints[f.name], obj[f.name], f.metadata, f"{where}.{f.name}")
+    for name, required, check, path in _fields_of(cls):
+        if name in obj:
+            kwargs[name] = check(obj[name], _path + path[path.index(".") :] if _path else path)
+        elif required:
+            raise RemoteProtocolError(f"{_path or cls.__name__}: missing field {name!r}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise RemoteProtocolError(f"{where}: {e}") from None
+        raise RemoteProtocolError(f"{_path or cls.__name__}: {e}") from None
 
 
-def _check(tp: Any, v: Any, meta: Any, where: str) -> Any:
+def _validator(tp: Any, meta: Any, where: str) -> Validator:
+    """Build the check for one annotated type (unsupported types fail here, at import of the schema)."""
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
         args = typing.get_args(tp)
-        if v is None and type(None) in args:
-            return None
         inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1:
+        if len(inner) != 1 or type(None) not in args:
             raise TypeError(f"unsupported union in schema at {where}")
-        return _check(inner[0], v, meta, where)
+        check_inner = _validator(inner[0], meta, where)
+        return lambda v, w: None if v is None else check_inner(v, w)
     if origin is tuple:
-        item_tp = typing.get_args(tp)[0]
-        if not isinstance(v, list):
-            raise RemoteProtocolError(f"{where}: expected a list")
-        _check_len(v, meta, DEFAULT_MAX_ITEMS, where)
-        return tuple(_check(item_tp, x, {}, f"{where}[{i}]") for i, x in enumerate(v))
+        check_item = _validator(typing.get_args(tp)[0], {}, where)
+        limit = _limit(meta, DEFAULT_MAX_ITEMS)
+
+        def check_tuple(v: Any, w: str) -> Any:
+            if not isinstance(v, list):
+                raise RemoteProtocolError(f"{w}: expected a list")
+            if len(v) > limit:
+                raise RemoteProtocolError(f"{w}: length {len(v)} exceeds {limit}")
+            return tuple(check_item(x, f"{w}[{i}]") for i, x in enumerate(v))
+
+        return check_tuple
     if isinstance(tp, type) and issubclass(tp, Message):
-        return decode_message(tp, v, where)
+        return lambda v, w: decode_message(tp, v, w)
     if tp is bool:
-        if not isinstance(v, bool):
-            raise RemoteProtocolError(f"{where}: expected a bool")
-        return v
+        return _typed(bool, "a bool", meta)
     if tp is int:
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise RemoteProtocolError(f"{where}: expected an integer")
-        _check_range(v, meta, where)
-        return v
+        return _number(int, "an integer", meta)
     if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RemoteProtocolError(f"{where}: expected a number")
-        if not math.isfinite(v):
-            raise RemoteProtocolError(f"{where}: must be finite")
-        _check_range(v, meta, where)
-        return float(v)
+        return _number(float, "a number", meta)
     if tp is str:
-        if not isinstance(v, str):
-            raise RemoteProtocolError(f"{where}: expected a string")
-        _check_len(v, meta, DEFAULT_MAX_STR, where)
-        return v
+        return _sized(str, "a string", _limit(meta, DEFAULT_MAX_STR))
     if tp is bytes:
-        if not isinstance(v, bytes):
-            raise RemoteProtocolError(f"{where}: expected bytes")
-        _check_len(v, meta, DEFAULT_MAX_BYTES, where)
-        return v
+        return _sized(bytes, "bytes", _limit(meta, DEFAULT_MAX_BYTES))
     raise TypeError(f"unsupported type {tp!r} in schema at {where}")
 
 
-def _check_len(v: Any, meta: Any, default: int, where: str) -> None:
+def _limit(meta: Any, default: int) -> int:
     limit = meta.get("max_len") if meta else None
-    limit = default if limit is None else limit
-    if len(v) > limit:
-        raise RemoteProtocolError(f"{where}: length {len(v)} exceeds {limit}")
+    return default if limit is None else int(limit)
 
 
-def _check_range(v: float, meta: Any, where: str) -> None:
-    if not meta:
-        return
-    ge, le = meta.get("ge"), meta.get("le")
-    if ge is not None and v < ge:
-        raise RemoteProtocolError(f"{where}: {v} is below {ge}")
-    if le is not None and v > le:
-        raise RemoteProtocolError(f"{where}: {v} is above {le}")
+def _typed(tp: Any, name: str, meta: Any) -> Validator:
+    def check(v: Any, w: str) -> Any:
+        if type(v) is not tp:
+            raise RemoteProtocolError(f"{w}: expected {name}")
+        return v
+
+    return check
+
+
+def _sized(tp: Any, name: str, limit: int) -> Validator:
+    def check(v: Any, w: str) -> Any:
+        if type(v) is not tp:
+            raise RemoteProtocolError(f"{w}: expected {name}")
+        if len(v) > limit:
+            raise RemoteProtocolError(f"{w}: length {len(v)} exceeds {limit}")
+        return v
+
+    return check
+
+
+def _number(tp: type, name: str, meta: Any) -> Validator:
+    ge = meta.get("ge") if meta else None
+    le = meta.get("le") if meta else None
+    accepted = (int,) if tp is int else (int, float)
+
+    def check(v: Any, w: str) -> Any:
+        if isinstance(v, bool) or not isinstance(v, accepted):
+            raise RemoteProtocolError(f"{w}: expected {name}")
+        if tp is float and not math.isfinite(v):
+            raise RemoteProtocolError(f"{w}: must be finite")
+        if ge is not None and v < ge:
+            raise RemoteProtocolError(f"{w}: {v} is below {ge}")
+        if le is not None and v > le:
+            raise RemoteProtocolError(f"{w}: {v} is above {le}")
+        return float(v) if tp is float else v
+
+    return check
