@@ -202,3 +202,30 @@ def test_simulate_forms_a_swarm_and_stops_cleanly(tmp_path: Path) -> None:
     for i in range(3):
         status = read_json(tmp_path / "sim" / f"node{i}" / "status.json")
         assert status is not None and status["state"] == "stopped"
+
+
+def test_peers_lists_a_swarm_joined_through_a_chain(nodes: Callable[..., NodeProc]) -> None:
+    """Three nodes; the third joined only through the second; `peers` from the third lists all three."""
+    a = nodes("a")
+    b = nodes("b", "--join", a.address())
+    c = nodes("c", "--join", b.address())
+    addr_c = c.address()
+    ids = {n.address().rsplit("/", 1)[1] for n in (a, b, c)}
+
+    def members_seen_by_c() -> set[str]:
+        members = (c.status() or {}).get("members") or []
+        return {m["peer_id"] for m in members}
+
+    wait_until("c's status to list all three members", lambda: members_seen_by_c() == ids)
+    assert "swarm: 3 peer(s) known" in c.stderr()
+
+    listed = run_cli("peers", addr_c, "--run-id", "e2e", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert {r["peer_id"] for r in rows} == ids
+    assert all(r["reachable"] and r["addresses"][0].endswith(r["peer_id"]) for r in rows)
+
+    table = run_cli("peers", addr_c, "--run-id", "e2e")
+    assert table.returncode == 0 and all(i in table.stdout for i in ids)
+    for n in (c, b, a):
+        assert n.stop() == 0
