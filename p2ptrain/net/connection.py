@@ -32,6 +32,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..identity import PeerID
+from ..wire.codec import MAX_HEADER_BYTES
 from ..wire.schema import Message
 from .channel import MAX_CHUNK, SecureChannel
 from .rpc import (
@@ -55,9 +56,13 @@ from .rpc import (
     encode_args,
     encode_header,
 )
-from .streams import RpcStream
+from .streams import INITIAL_WINDOW, RpcStream
 
 log = logging.getLogger(__name__)
+
+_MAX_ARGS = MAX_HEADER_BYTES - 512
+"""The bound the receiver puts on ``Request.args`` and ``Response.result`` (see rpc.py): checked before
+sending, because a peer that receives more treats it as a protocol violation and drops the connection."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class ConnectionConfig:
     max_concurrent_calls: int = 2048
     max_streams: int = 64
     stream_window: int = 8 * MAX_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.stream_window < INITIAL_WINDOW:
+            raise ValueError(f"stream_window must be at least {INITIAL_WINDOW} bytes")
 
 
 @dataclass
@@ -164,6 +173,7 @@ class Connection:
                 await self._closed.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            self._close(self.close_reason or "connection task ended")
             self._fail_pending(
                 ConnectionClosed(f"connection to {self.peer.short()} closed: {self.close_reason}")
             )
@@ -270,14 +280,15 @@ class Connection:
         timeout = self.config.default_timeout if timeout is None else timeout
         call_id, call = self._new_call(method, streaming=True)
         try:
-            with trio.fail_after(timeout):
+            # move_on_after, not fail_after: a TooSlowError from the caller's own scope inside the block
+            # must pass through as it is, not be reported as this call's deadline.
+            with trio.move_on_after(timeout) as scope:
                 await self._send(self._request(call_id, method, request, timeout, True))
                 assert isinstance(call.stream, ClientStream)
+                await call.stream._open_window()
                 yield call.stream
-        except trio.TooSlowError:
-            raise DeadlineExceeded(
-                f"{method.name} to {self.peer.short()} timed out after {timeout:g} s"
-            ) from None
+            if scope.cancelled_caught:
+                raise DeadlineExceeded(f"{method.name} to {self.peer.short()} timed out after {timeout:g} s")
         finally:
             await self._finish_call(call_id, call)
 
@@ -286,7 +297,12 @@ class Connection:
     ) -> Request:
         if not isinstance(request, method.request):
             raise LocalProtocolError(f"{method.name} takes {method.request.__name__}")
-        return Request(call_id, method.name, timeout, streaming, encode_args(request))
+        args = encode_args(request)
+        if len(args) > _MAX_ARGS:
+            raise LocalProtocolError(
+                f"{method.name} request of {len(args)} bytes exceeds {_MAX_ARGS}; send bulk data as a body"
+            )
+        return Request(call_id, method.name, timeout, streaming, args)
 
     def _result(self, call_id: int, call: _OutCall) -> Any:
         if call.error is not None:
@@ -462,6 +478,8 @@ class Connection:
         ctx = CallContext(self.peer, self.remote_host, req.method, body, inc.scope.deadline)
         try:
             if req.streaming:
+                assert inc.stream is not None
+                await inc.stream._open_window()
                 result = await entry.handler(ctx, args, inc.stream)
             else:
                 result = await entry.handler(ctx, args)
@@ -483,7 +501,14 @@ class Connection:
             log.error("handler for %s returned %r", req.method, type(reply.message))
             await self._reply_error(req.id, "internal", "handler returned the wrong type")
             return
-        await self._send(Response(req.id, encode_args(reply.message)), reply.body)
+        result = encode_args(reply.message)
+        if len(result) > _MAX_ARGS or len(reply.body) > MAX_CHUNK:
+            # A handler bug must cost this call only: sent, it would break the connection (the caller
+            # drops an oversized header); raised, it would crash the connection's nursery and the host.
+            log.error("handler for %s returned a response too large for one record", req.method)
+            await self._reply_error(req.id, "internal", "response too large; stream it instead")
+            return
+        await self._send(Response(req.id, result), reply.body)
 
     async def _reply_error(self, call_id: int, code: str, message: str) -> None:
         await self._send(Error(call_id, code[:32], message[:2048]))

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from ..wire.schema import Message
 
 DEFAULT_WINDOW = 8 * MAX_CHUNK
+INITIAL_WINDOW = MAX_CHUNK
+"""Protocol constant: each end of a stream may send this much before hearing any Credit. An end with a
+larger window (its own choice, never assumed by the other end) grants the difference when the stream
+opens, so peers with different windows interoperate."""
 
 SendFn = Callable[["Message", "bytes | memoryview"], Awaitable[None]]
 
@@ -32,34 +36,51 @@ class RpcStream:
     def __init__(self, call_id: int, send: SendFn, window: int = DEFAULT_WINDOW) -> None:
         self.call_id = call_id
         self._send = send
+        if window < INITIAL_WINDOW:
+            raise LocalProtocolError(f"a stream window must be at least {INITIAL_WINDOW} bytes")
         self._window = window
-        self._chunk = min(MAX_CHUNK, window)
+        self._chunk = MAX_CHUNK
         # receive side
         self._chunks: deque[memoryview] = deque()
         self._arrived = trio.Event()
         self._eof = False
         self.buffered = 0
-        self._received_window = window
+        self._received_window = INITIAL_WINDOW  # what the remote may send before our first Credit
         self._consumed = 0
         # send side
-        self._credit = window
+        self._credit = INITIAL_WINDOW  # what we may send before the remote's first Credit
         self._credit_changed = trio.Event()
         self._sent_eof = False
+        self._answered = False  # the remote answered the call and reads no more of our data
         self._error: BaseException | None = None
+
+    async def _open_window(self) -> None:
+        """Grant the remote our window beyond the protocol's initial one (called once, at open)."""
+        extra = self._window - INITIAL_WINDOW
+        if extra > 0:
+            self._received_window += extra
+            await self._send(Credit(id=self.call_id, amount=extra), b"")
 
     # ---- application side ----
 
     async def send(self, data: bytes | memoryview) -> None:
-        """Send bytes, in chunks, waiting for the receiver's credit (backpressure)."""
+        """Send bytes, in chunks, waiting for the receiver's credit (backpressure).
+
+        Once the remote has answered the call it reads nothing more, so the rest is discarded and the
+        answer waits in ``response()`` (as an HTTP/2 server may answer before the request body ends).
+        """
         if self._sent_eof:
             raise LocalProtocolError("send after send_eof")
         view = memoryview(data).cast("B")
         for start in range(0, len(view), self._chunk):
             piece = view[start : start + self._chunk]
-            while self._credit < len(piece):
+            while self._credit < len(piece) and not self._answered:
                 self._raise_if_failed()
                 await self._credit_changed.wait()
             self._raise_if_failed()
+            if self._answered:
+                await trio.lowlevel.checkpoint()
+                return
             self._credit -= len(piece)
             await self._send(Data(id=self.call_id, end=False), piece)
 
@@ -68,7 +89,8 @@ class RpcStream:
         if not self._sent_eof:
             self._sent_eof = True
             self._raise_if_failed()
-            await self._send(Data(id=self.call_id, end=True), b"")
+            if not self._answered:
+                await self._send(Data(id=self.call_id, end=True), b"")
 
     async def receive_some(self) -> memoryview:
         """Return the next chunk, or an empty view once the other end sent EOF."""
@@ -121,8 +143,11 @@ class RpcStream:
         self._arrived.set()
 
     def _end(self) -> None:
+        """The remote answered the call: no more data will arrive, and it reads none of ours."""
         self._eof = True
         self._arrived.set()
+        self._answered = True
+        self._credit_changed.set()  # a sender waiting for credit would otherwise wait forever
 
     def _grant(self, amount: int) -> None:
         self._credit += amount
