@@ -52,11 +52,27 @@ class Lookup:
         for c in contacts:
             if c.peer_id == self.local or c.peer_id in self._cands:
                 continue
-            if len(self._cands) >= self.max_candidates:
-                break
-            self._cands[c.peer_id] = _Candidate(c, int.from_bytes(c.peer_id.digest, "big") ^ self._t)
+            d = int.from_bytes(c.peer_id.digest, "big") ^ self._t
+            if len(self._cands) >= self.max_candidates and not self._make_room(d):
+                continue
+            self._cands[c.peer_id] = _Candidate(c, d)
             added += 1
         return added
+
+    def _make_room(self, d: int) -> bool:
+        """At the cap, drop the farthest candidate neither in flight nor failed, if farther than ``d``.
+
+        Keeping the first ``max_candidates`` heard of instead would stop a full lookup from learning
+        closer contacts, and it would end on the wrong k. Failed candidates stay, so they are not retried.
+        """
+        evictable = [c for c in self._cands.values() if c.state in (PENDING, ANSWERED)]
+        if not evictable:
+            return False
+        far = max(evictable, key=lambda c: c.distance)
+        if far.distance <= d:
+            return False
+        del self._cands[far.contact.peer_id]
+        return True
 
     def _frontier(self) -> list[_Candidate]:
         """The k closest candidates that have not failed, closest first."""
@@ -111,7 +127,7 @@ class Lookup:
         """The closest contacts that answered, closest first."""
         answered = [c for c in self._cands.values() if c.state == ANSWERED]
         answered.sort(key=lambda c: c.distance)
-        return [c.contact for c in answered[: count or self.k]]
+        return [c.contact for c in answered[: self.k if count is None else count]]
 
     def failed(self) -> list[PeerID]:
         return [p for p, c in self._cands.items() if c.state == FAILED]

@@ -3,7 +3,8 @@
 Theory of operation: every key holds a small dictionary ``subkey -> (value, expiry)``; a plain value is
 the subkey ``b""``. Expiry is an absolute wall-clock time (seconds since the epoch) so that it means the
 same on every peer; the clock is passed in, never read here. For each subkey the entry with the later
-expiry wins (ties broken by the larger value, so every replica converges to the same entry).
+expiry wins (ties broken by the larger value, then by the signer fields, so every replica converges to
+the same entry).
 
 Ownership: a subkey of the form :func:`owned_subkey` (``b"\\x01" + peer id``), or a key that starts with
 that prefix, may only be written by that peer: the entry carries the owner's public key and an Ed25519
@@ -18,6 +19,7 @@ records held per storing peer, and stores per peer per minute.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -63,8 +65,10 @@ class Entry(Message):
     def signed_payload(self) -> bytes:
         return pack([self.key, self.subkey, self.value, self.expiry])
 
-    def sort_key(self) -> tuple[float, bytes]:
-        return (self.expiry, self.value)
+    def sort_key(self) -> tuple[float, bytes, bytes, bytes]:
+        # Expiry, then value; the signer fields settle the last ties so that replicas converge on one
+        # entry whatever the order they received copies (signed, unsigned, re-signed) in.
+        return (self.expiry, self.value, self.public_key, self.signature)
 
     def nbytes(self) -> int:
         return len(self.key) + len(self.subkey) + len(self.value) + 112
@@ -124,6 +128,8 @@ def check_entry(entry: Entry, now: float, limits: RecordLimits) -> None:
         raise RecordRefused(f"subkey of {len(entry.subkey)} bytes exceeds {limits.max_subkey}")
     if len(entry.value) > limits.max_value:
         raise RecordRefused(f"value of {len(entry.value)} bytes exceeds {limits.max_value}")
+    if not math.isfinite(entry.expiry):
+        raise RecordRefused("expiry must be a finite time")
     if entry.expiry <= now:
         raise RecordRefused("record already expired")
     if entry.expiry > now + limits.max_ttl + limits.clock_skew:
@@ -168,6 +174,8 @@ class RecordStore:
         kid = key_id(entry.key)
         record = self._data.get(kid)
         if record is None:
+            if len(self._data) >= self.limits.max_keys:
+                self.expire(now)  # expired keys give their slots back before we refuse
             if len(self._data) >= self.limits.max_keys:
                 raise RecordRefused("this node holds its maximum number of keys")
             record = {}
