@@ -117,6 +117,10 @@ class Lookup:
         self._stopped = True
 
     @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
     def finished(self) -> bool:
         if self._stopped:
             return self.in_flight == 0

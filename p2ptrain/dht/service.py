@@ -355,10 +355,12 @@ class DHT:
             while True:
                 for contact in lookup.next_queries():
                     nursery.start_soon(ask, contact)
-                if lookup.finished:
+                if lookup.finished or lookup.stopped:
                     break
                 await changed.wait()
                 changed = trio.Event()
+            # Converged (or has what it needs): queries still in flight cannot change the answer.
+            nursery.cancel_scope.cancel()
         return lookup, found
 
     async def find_node(self, target: bytes) -> list[Contact]:
