@@ -197,6 +197,7 @@ class Node:
 
     async def _members_loop(self) -> None:
         """Announce ourselves, then keep our view of the run's members fresh."""
+        await self.dht.bootstrapped.wait()
         await announce(self.dht, self.config.run_id, self.peer_record(), ttl=self.config.announce_ttl)
         known = -1
         while True:

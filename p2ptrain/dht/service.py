@@ -113,6 +113,7 @@ class DHT:
         self._published: dict[tuple[bytes, bytes], _Published] = {}
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
+        self.bootstrapped = trio.Event()
         reg = host.registry
         reg.add_unary(PING, self._on_ping)
         reg.add_unary(FIND_NODE, self._on_find_node)
@@ -144,18 +145,31 @@ class DHT:
         *,
         task_status: trio.TaskStatus[DHT] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Run maintenance (and bootstrap from ``bootstrap``) until cancelled."""
+        """Serve and maintain the DHT until cancelled; join through ``bootstrap`` in the background.
+
+        Reports readiness at once (a node whose join peers are down still starts, and keeps trying to
+        join with capped backoff); :attr:`bootstrapped` is set once it has joined.
+        """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            if bootstrap:
-                await self.bootstrap(bootstrap)
             task_status.started(self)
+            if bootstrap:
+                await self.bootstrap(bootstrap, attempts=None)
+            else:
+                self.bootstrapped.set()
             await self._maintain()
 
-    async def bootstrap(self, addresses: list[PeerAddress], *, attempts: int = 5) -> int:
-        """Join through ``addresses`` (retrying with backoff); returns how many contacts we know."""
-        delay = 0.5
-        for attempt in range(attempts):
+    async def bootstrap(self, addresses: list[PeerAddress], *, attempts: int | None = 5) -> int:
+        """Join through ``addresses``, retrying with capped backoff (``attempts=None``: until it works).
+
+        Returns how many contacts we know. Until a peer has dialed us back, we stay client-only, so a
+        node behind NAT never enters others' routing tables.
+        """
+        if self.config.client_only is None:
+            self.client_only = True
+        delay, attempt = 0.5, 0
+        while attempts is None or attempt < attempts:
+            attempt += 1
             seeds = await self._contact_seeds(addresses)
             if seeds:
                 if self.config.client_only is None:
@@ -167,10 +181,11 @@ class DHT:
                     len(self.table),
                     " (client-only)" if self.client_only else "",
                 )
+                self.bootstrapped.set()
                 return len(self.table)
-            if attempt + 1 < attempts:
-                await trio.sleep(delay * self.rng.uniform(0.8, 1.2))
-                delay = min(delay * 2, 10.0)
+            log.info("DHT: no join address answered yet; retrying in %.1f s", delay)
+            await trio.sleep(delay * self.rng.uniform(0.8, 1.2))
+            delay = min(delay * 2, 30.0)
         log.warning("DHT bootstrap failed: none of %d join address(es) answered", len(addresses))
         return len(self.table)
 
@@ -183,7 +198,7 @@ class DHT:
                     conn = await self.host.connect(addr)
                     await conn.call(PING, PingReq(self._sender()), timeout=self.config.rpc_timeout)
             except (P2PError, trio.TooSlowError) as e:
-                log.info("join address %s did not answer: %s", addr, e)
+                log.debug("join address %s did not answer: %s", addr, e)
                 return
             contact = Contact(conn.peer, addr.with_peer(conn.peer))
             seeds.append(contact)

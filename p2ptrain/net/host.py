@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -372,12 +374,21 @@ class Host:
 
 def _os_reason(e: BaseException) -> str:
     """The most specific reason inside an OSError (trio wraps per-address failures in a group)."""
-    for inner in (e.__cause__, e.__context__):
-        if isinstance(inner, BaseExceptionGroup):
-            inner = inner.exceptions[0]
-        if isinstance(inner, OSError) and inner.strerror:
-            return inner.strerror
-    return (e.strerror if isinstance(e, OSError) else None) or str(e)
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        exc = todo.pop(0)
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, socket.gaierror) and exc.strerror:
+            return f"cannot resolve the name: {exc.strerror}"
+        if isinstance(exc, OSError) and exc.errno:
+            return os.strerror(exc.errno)
+        if isinstance(exc, BaseExceptionGroup):
+            todo.extend(exc.exceptions)
+        todo.extend(x for x in (exc.__cause__, exc.__context__) if x is not None)
+    return str(e)
 
 
 async def _send_quietly(framed: FramedStream, data: bytes) -> None:
