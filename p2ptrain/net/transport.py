@@ -7,9 +7,7 @@ for both, which is what lets in-process tests exercise the real protocol code.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -36,22 +34,15 @@ class Transport(Protocol):
         ...
 
 
-_SOCKET_BUFFER = 4 * 1024 * 1024
-
-
-def _tune(sock: trio.socket.SocketType) -> None:
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
-
-
 class TcpTransport:
-    """Plain TCP (IPv4, IPv6, DNS names) with larger socket buffers for WAN links."""
+    """Plain TCP (IPv4, IPv6, DNS names).
+
+    Socket buffer sizes are left to the kernel: setting SO_RCVBUF turns off Linux's receive-buffer
+    auto-tuning and caps it at net.core.rmem_max, which would throttle long fat WAN paths.
+    """
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        stream = await trio.open_tcp_stream(host, port)
-        _tune(stream.socket)
-        return stream
+        return await trio.open_tcp_stream(host, port)
 
     async def serve(
         self,
@@ -68,7 +59,6 @@ class TcpTransport:
             bound.append((sockname[0], sockname[1]))
 
         async def on_stream(stream: trio.SocketStream) -> None:
-            _tune(stream.socket)
             try:
                 peer = stream.socket.getpeername()
             except OSError:
