@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,15 @@ class NodeConfig:
 class Node:
     """A running member of a swarm. Use :meth:`run` under a nursery (``await nursery.start(node.run)``)."""
 
-    def __init__(self, identity: Identity, config: NodeConfig, *, transport: Transport | None = None):
+    def __init__(
+        self,
+        identity: Identity,
+        config: NodeConfig,
+        *,
+        transport: Transport | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        """``clock`` is the wall clock for record expiry (tests pass ``trio.current_time``)."""
         self.identity = identity
         self.config = config
         validate_run_id(config.run_id)
@@ -129,10 +138,11 @@ class Node:
             identity, config.run_id, transport=transport, registry=self.registry, config=host_config
         )
         self.host.on_connection(self._on_connection)
-        self.dht = DHT(self.host, config=config.dht)
+        self.dht = DHT(self.host, config=config.dht, clock=clock)
         self.members: list[Member] = []
         self.state = "starting"
-        self._started = time.time()
+        self.clock = clock
+        self._started = clock()
         self._joined: set[str] = set()
 
     @property
@@ -192,7 +202,7 @@ class Node:
             reachable=not self.dht.client_only,
             throughput=0.0,
             version=__version__,
-            published=time.time(),
+            published=self.clock(),
         )
 
     async def _members_loop(self) -> None:
@@ -229,7 +239,7 @@ class Node:
             protocol=PROTOCOL_VERSION,
             addresses=tuple(str(a) for a in self.addresses[:16]),
             connected_peers=len(self.host.connected_peers()),
-            uptime=time.time() - self._started,
+            uptime=self.clock() - self._started,
         )
 
     # ---- status ----
@@ -260,7 +270,7 @@ class Node:
             "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},
             "members": [member_json(m) for m in self.members],
             "started_at": self._started,
-            "updated_at": time.time(),
+            "updated_at": self.clock(),
         }
 
     def write_status(self) -> None:

@@ -16,6 +16,8 @@ from ..identity import PeerID
 from .routing import Contact
 
 PENDING, IN_FLIGHT, ANSWERED, FAILED = "pending", "in-flight", "answered", "failed"
+MAX_TRIES = 2
+"""Addresses tried per candidate: the first heard, and one other if that one failed."""
 
 
 @dataclass
@@ -23,6 +25,7 @@ class _Candidate:
     contact: Contact
     distance: int
     state: str = PENDING
+    tries: int = 0
 
 
 class Lookup:
@@ -50,7 +53,11 @@ class Lookup:
     def _add(self, contacts: list[Contact]) -> int:
         added = 0
         for c in contacts:
-            if c.peer_id == self.local or c.peer_id in self._cands:
+            if c.peer_id == self.local:
+                continue
+            known = self._cands.get(c.peer_id)
+            if known is not None:
+                self._maybe_retry(known, c)
                 continue
             d = int.from_bytes(c.peer_id.digest, "big") ^ self._t
             if len(self._cands) >= self.max_candidates and not self._make_room(d):
@@ -58,6 +65,15 @@ class Lookup:
             self._cands[c.peer_id] = _Candidate(c, d)
             added += 1
         return added
+
+    def _maybe_retry(self, cand: _Candidate, contact: Contact) -> None:
+        """A failed candidate reported at another address gets one more try there.
+
+        Otherwise a liar who answers first with a false address for a true id would hide that peer
+        from the lookup for good. Tries are capped, so liars cannot make us query a peer forever.
+        """
+        if cand.state == FAILED and cand.tries < MAX_TRIES and contact.address != cand.contact.address:
+            cand.contact, cand.state = contact, PENDING
 
     def _make_room(self, d: int) -> bool:
         """At the cap, drop the farthest candidate neither in flight nor failed, if farther than ``d``.
@@ -95,6 +111,7 @@ class Lookup:
                 break
             if cand.state == PENDING:
                 cand.state = IN_FLIGHT
+                cand.tries += 1
                 out.append(cand.contact)
                 room -= 1
         self.queries += len(out)

@@ -26,6 +26,7 @@ import trio
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
+from ..net.connection import Connection
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from .lookup import Lookup
@@ -317,7 +318,10 @@ class DHT:
             return False
         return True
 
-    async def _query(self, contact: Contact, target: bytes, value: bool) -> tuple[list[Contact], list[Entry]]:
+    async def _query(
+        self, contact: Contact, target: bytes, value: bool
+    ) -> tuple[list[Contact], list[Entry], Contact | None]:
+        """Ask ``contact``; returns its contacts, its entries, and the contact the connection proved."""
         with trio.fail_after(self.config.rpc_timeout):
             conn = await self.host.connect(contact.address)
             if value:
@@ -331,11 +335,13 @@ class DHT:
                     FIND_NODE, FindNodeReq(target, self._sender()), timeout=self.config.rpc_timeout
                 )
                 entries, contacts = [], parse_contacts(resp.contacts)
-        return contacts, entries
+        return contacts, entries, _proven(conn)
 
     async def _lookup(
         self, target: bytes, *, value: bool = False, quorum: int = 0
-    ) -> tuple[Lookup, list[Entry]]:
+    ) -> tuple[list[Contact], list[Entry]]:
+        """Run an iterative lookup: the k closest peers that answered (at proven addresses where we
+        have them), and the verified entries found on the way (value lookups)."""
         lookup = Lookup(
             target,
             self.table.closest(target, self.config.k),
@@ -345,18 +351,29 @@ class DHT:
         )
         found: list[Entry] = []
         holders: set[PeerID] = set()
+        reached: dict[PeerID, Contact] = {}
         changed = trio.Event()
 
         async def ask(contact: Contact) -> None:
             nonlocal changed
+            # Peers' answers are hearsay: a liar can give true ids at false addresses. An address we
+            # verified ourselves (the routing table's) wins, and only a failure at that address counts
+            # against the peer in the table.
+            known = self.table.get(contact.peer_id)
             try:
-                contacts, entries = await self._query(contact, target, value)
+                contacts, entries, proven = await self._query(known or contact, target, value)
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
                 lookup.on_failure(contact.peer_id)
-                self.table.failed(contact.peer_id, self.clock())
+                if known is not None:
+                    self.table.failed(contact.peer_id, self.clock())
             else:
-                self._observe(contact)
+                # The query may have reused a connection dialed elsewhere: record the address the
+                # connection proved, never the one we were told.
+                if proven is not None:
+                    self._observe(proven)
+                if (verified := proven or known) is not None:
+                    reached[contact.peer_id] = verified
                 good = _verified(entries, target)
                 if good:
                     found.extend(good)
@@ -376,12 +393,12 @@ class DHT:
                 changed = trio.Event()
             # Converged (or has what it needs): queries still in flight cannot change the answer.
             nursery.cancel_scope.cancel()
-        return lookup, found
+        return [reached.get(c.peer_id, c) for c in lookup.closest()], found
 
     async def find_node(self, target: bytes) -> list[Contact]:
         """The k closest live contacts to ``target`` found by an iterative lookup."""
-        lookup, _ = await self._lookup(target)
-        return lookup.closest()
+        closest, _ = await self._lookup(target)
+        return closest
 
     async def find_peer(self, peer: PeerID) -> Contact | None:
         known = self.table.get(peer)
@@ -468,13 +485,17 @@ class DHT:
         """Read a key: ``subkey -> entry`` (plain values under ``b""``), merged from the replicas reached.
 
         Stops once ``quorum`` replicas answered with entries (default ``get_quorum``), else after the
-        lookup converges. Every entry's signature is checked again here.
+        lookup converges. Every entry's signature is checked again here, and entries that are expired
+        or claim an expiry beyond what any honest store accepts (which would let a liar's entry win
+        every merge) are dropped.
         """
         kid = key_id(key)
         local = self.records.get(kid, self.clock())
         q = self.config.get_quorum if quorum is None else quorum
         _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1))
-        return merge(_verified(local + found, kid))
+        now, limits = self.clock(), self.config.limits
+        latest = now + limits.max_ttl + limits.clock_skew
+        return merge([e for e in _verified(local + found, kid) if now < e.expiry <= latest])
 
     # ---- maintenance ----
 
@@ -517,6 +538,16 @@ class DHT:
             for peer, entries in batches.items():
                 for i in range(0, len(entries), 256):
                     nursery.start_soon(self._push, contacts[peer], entries[i : i + 256])
+
+
+def _proven(conn: Connection) -> Contact | None:
+    """The contact a connection proves: the address we dialed, where the handshake found that peer.
+
+    An accepted connection proves no address the peer can be dialed at.
+    """
+    if not conn.outbound:
+        return None
+    return Contact(conn.peer, PeerAddress.for_host(conn.remote_host, conn.remote_port, conn.peer))
 
 
 def _verified(entries: list[Entry], kid: bytes) -> list[Entry]:

@@ -1,0 +1,336 @@
+"""DHT swarms in one trio run over the in-memory network, under the autojump MockClock.
+
+What is proved here: a 64-node swarm routes (every node finds every other) and stores (500 keys written
+from random nodes are readable from every node, and still from every survivor after a quarter of the
+swarm dies); dictionary records merge subkeys from many writers; a client-only node works through others
+without ever entering a routing table; reachability is detected by dial-back at bootstrap; and Nodes
+joined in a chain all come to list the whole run in their peer list.
+
+Every node gets a deterministic identity and DHT seed, and ``clock=trio.current_time`` so that record
+expiry runs on the virtual clock. Timeouts cost no wall time under autojump.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+
+from p2ptrain.dht import DHT, DHTConfig, key_id, owned_subkey
+from p2ptrain.dht.peers import PeerRecord, announce, list_members
+from p2ptrain.identity import Identity, PeerID
+from p2ptrain.net import Host, HostConfig, MemoryNetwork, PeerAddress
+from p2ptrain.node import Node, NodeConfig
+
+RUN_ID = "dht-swarm"
+PORT = 1000
+
+
+def identity(name: str) -> Identity:
+    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+
+
+@dataclass
+class DhtNode:
+    """A Host and its DHT running under their own cancel scope, so a test can stop one node."""
+
+    name: str
+    host: Host
+    dht: DHT
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stopped: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def address(self) -> PeerAddress:
+        return self.dht.advertised_address()
+
+
+class Swarm:
+    """Starts DHT nodes on one MemoryNetwork inside a test's nursery."""
+
+    def __init__(self, nursery: trio.Nursery, net: MemoryNetwork, config: DHTConfig) -> None:
+        self.nursery = nursery
+        self.net = net
+        self.config = config
+        self.nodes: list[DhtNode] = []
+
+    async def start(
+        self,
+        name: str,
+        bootstrap: list[PeerAddress],
+        *,
+        config: DHTConfig | None = None,
+        listen: bool = True,
+        host_config: HostConfig | None = None,
+    ) -> DhtNode:
+        host = Host(identity(name), RUN_ID, transport=self.net.transport(name), config=host_config)
+        dht = DHT(host, config=config or self.config, clock=trio.current_time, seed=len(self.nodes))
+        node = DhtNode(name, host, dht)
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                with node.scope:
+                    async with trio.open_nursery() as inner:
+                        await inner.start(host.run, [(name, PORT)] if listen else [])
+                        await inner.start(dht.run, bootstrap)
+                        await dht.bootstrapped.wait()
+                        task_status.started()
+            finally:
+                node.stopped.set()
+
+        await self.nursery.start(run)
+        self.nodes.append(node)
+        return node
+
+    async def kill(self, node: DhtNode) -> None:
+        """Crash ``node``: every connection reset and its listener gone, then its tasks cancelled."""
+        self.net.kill(node.name)
+        node.scope.cancel()
+        await node.stopped.wait()
+
+
+@asynccontextmanager
+async def open_swarm(config: DHTConfig) -> AsyncIterator[Swarm]:
+    async with trio.open_nursery() as nursery:
+        yield Swarm(nursery, MemoryNetwork(seed=7), config)
+        nursery.cancel_scope.cancel()
+
+
+def tables_holding(swarm: Swarm, peer: PeerID) -> list[str]:
+    """The nodes whose routing table holds ``peer``."""
+    return [n.name for n in swarm.nodes if peer in n.dht.table]
+
+
+# ---- the 64-node swarm -------------------------------------------------------------------------
+
+SWARM_SIZE = 64
+KEYS = 500
+# k = 10 in a 64-node swarm leaves routing tables partial, so finding a peer often takes a multi-hop
+# lookup. Reads use one query at a time and one replica: a read is still an iterative lookup from the
+# reader's own routing table, but costs about one RPC instead of three, which keeps the 56,000 reads
+# (every key from every node, before and after the kill) to about a minute of CPU.
+SWARM_CONFIG = DHTConfig(k=10, replication=10, alpha=1)
+
+
+async def unreadable(node: DhtNode, keys: dict[bytes, bytes]) -> list[bytes]:
+    """The keys ``node`` cannot read back with the expected value."""
+    missing = []
+    for key, value in keys.items():
+        got = await node.dht.get(key, quorum=1)
+        if b"" not in got or got[b""].value != value:
+            missing.append(key)
+    return missing
+
+
+def holders(nodes: list[DhtNode], key: bytes) -> set[str]:
+    kid, now = key_id(key), trio.current_time()
+    return {n.name for n in nodes if n.dht.records.get(kid, now)}
+
+
+@pytest.mark.timeout(600)
+async def test_64_node_swarm_routes_stores_and_survives_losing_a_quarter(autojump_clock):
+    rng = random.Random(2024)
+    with trio.fail_after(3600):
+        async with open_swarm(SWARM_CONFIG) as swarm:
+            for i in range(SWARM_SIZE):
+                boot = [rng.choice(swarm.nodes).address] if swarm.nodes else []
+                await swarm.start(f"n{i}", boot)
+            nodes = swarm.nodes
+            assert not any(n.dht.client_only for n in nodes)
+
+            # Routing: every node finds every other, at the address that node advertises. Peers a node
+            # does not know yet take an iterative lookup; count those so the check is not vacuous.
+            looked_up = 0
+            for a in nodes:
+                for b in nodes:
+                    if a is b:
+                        continue
+                    looked_up += b.host.peer_id not in a.dht.table
+                    found = await a.dht.find_peer(b.host.peer_id)
+                    assert found is not None, f"{a.name} cannot find {b.name}"
+                    assert found.address == b.address
+            assert looked_up > SWARM_SIZE * 10  # routing tables are partial: many pairs took a lookup
+
+            # Storage: 500 keys, each from a random node, reach the full replication factor ...
+            keys = {f"key-{j}".encode(): f"value-{j}-{rng.random()}".encode() for j in range(KEYS)}
+            for key, value in keys.items():
+                accepted = await rng.choice(nodes).dht.store(key, value, ttl=3600)
+                assert accepted >= SWARM_CONFIG.replication, (key, accepted)
+            # ... and every node reads every key back.
+            for node in nodes:
+                assert await unreadable(node, keys) == [], f"{node.name} cannot read some keys"
+
+            # A quarter of the swarm crashes. Many keys lose replicas, none loses all of them, and the
+            # replicas left serve every key to every survivor.
+            dead = rng.sample(nodes, SWARM_SIZE // 4)
+            held = {key: holders(nodes, key) for key in keys}
+            dead_names = {n.name for n in dead}
+            assert sum(1 for h in held.values() if h & dead_names) > KEYS // 2
+            assert all(h - dead_names for h in held.values())
+            for node in dead:
+                await swarm.kill(node)
+            survivors = [n for n in nodes if n not in dead]
+            for node in survivors:
+                assert await unreadable(node, keys) == [], f"{node.name} lost keys after the kill"
+            assert trio.current_time() < SWARM_CONFIG.refresh_interval  # no re-replication was needed
+
+
+# ---- dictionary records --------------------------------------------------------------------------
+
+
+async def test_subkeys_from_many_writers_merge_on_every_node(autojump_clock):
+    key = b"run/dict-merge/progress"
+    with trio.fail_after(600):
+        async with open_swarm(DHTConfig()) as swarm:
+            for i in range(12):
+                await swarm.start(f"m{i}", [swarm.nodes[i // 2].address] if swarm.nodes else [])
+            writers = swarm.nodes[:8]
+
+            async def write(i: int, node: DhtNode) -> None:
+                assert await node.dht.store(key, f"step {i}".encode(), ttl=600, subkey=b"w%d" % i) > 0
+                owned = owned_subkey(node.host.peer_id)
+                assert await node.dht.store(key, b"mine", ttl=600, subkey=owned, sign=True) > 0
+
+            async with trio.open_nursery() as writes:  # concurrent writers of one key
+                for i, node in enumerate(writers):
+                    writes.start_soon(write, i, node)
+
+            # One subkey, two writers: the later expiry wins everywhere, whatever the arrival order.
+            a, b = swarm.nodes[8], swarm.nodes[9]
+            await b.dht.store(key, b"later", ttl=500, subkey=b"shared")
+            await a.dht.store(key, b"earlier", ttl=300, subkey=b"shared")
+
+            expected = {b"w%d" % i: f"step {i}".encode() for i in range(8)}
+            expected |= {owned_subkey(n.host.peer_id): b"mine" for n in writers}
+            expected[b"shared"] = b"later"
+            for node in swarm.nodes:
+                got = await node.dht.get(key)
+                assert {sub: e.value for sub, e in got.items()} == expected, node.name
+                for n in writers:  # owned subkeys come back signed by their owner
+                    assert got[owned_subkey(n.host.peer_id)].public_key == n.host.identity.public_key
+
+
+# ---- client-only peers ---------------------------------------------------------------------------
+
+
+async def test_client_only_node_works_through_others_and_enters_no_routing_table(autojump_clock):
+    run_id = "client-only-run"
+    with trio.fail_after(600):
+        async with open_swarm(DHTConfig()) as swarm:
+            for i in range(10):
+                await swarm.start(f"s{i}", [swarm.nodes[-1].address] if swarm.nodes else [])
+            servers = list(swarm.nodes)
+            client = await swarm.start(
+                "client",
+                [servers[3].address, servers[7].address],
+                config=DHTConfig(client_only=True),
+                listen=False,
+            )
+            assert client.dht.client_only and client.host.listen_addresses == []
+            assert len(client.dht.table) >= len(servers) // 2  # it learned the swarm
+
+            assert await client.dht.store(b"client/key", b"from the client", ttl=600) >= len(servers) // 2
+            assert (await servers[0].dht.get(b"client/key"))[b""].value == b"from the client"
+            await servers[5].dht.store(b"server/key", b"from a server", ttl=600)
+            assert (await client.dht.get(b"server/key"))[b""].value == b"from a server"
+
+            record = PeerRecord(addresses=(), reachable=False, version="test")
+            assert await announce(client.dht, run_id, record, ttl=300) > 0
+            for node in servers[:3]:
+                assert await announce(node.dht, run_id, PeerRecord(addresses=(str(node.address),)), ttl=300)
+            everyone = {client.host.peer_id} | {n.host.peer_id for n in servers[:3]}
+            for reader in (client, servers[9]):
+                members = await list_members(reader.dht, run_id)
+                assert {m.peer_id for m in members} == everyone
+                mine = next(m for m in members if m.peer_id == client.host.peer_id)
+                assert mine.record == record
+
+            # Keep running through two re-publications of its peer-list entry: still in no table,
+            # and it holds no records for others.
+            await trio.sleep(2 * DHTConfig().republish_interval + DHTConfig().maintenance_interval)
+            assert tables_holding(swarm, client.host.peer_id) == []
+            assert len(client.dht.records) == 0
+            members = await list_members(servers[9].dht, run_id)
+            assert client.host.peer_id in {m.peer_id for m in members}
+
+
+# ---- reachability (NAT detection) ----------------------------------------------------------------
+
+
+async def test_undialable_node_detects_it_and_runs_client_only(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, logger="p2ptrain.dht.service")
+    with trio.fail_after(600):
+        async with open_swarm(DHTConfig()) as swarm:
+            for i in range(4):
+                await swarm.start(f"s{i}", [swarm.nodes[-1].address] if swarm.nodes else [])
+            # It listens, but advertises a host nobody can reach (as behind a NAT without forwarding).
+            natted = await swarm.start(
+                "natted",
+                [swarm.nodes[0].address, swarm.nodes[2].address],
+                host_config=HostConfig(announce_host="nat-outside"),
+            )
+            assert natted.dht.config.client_only is None
+            assert natted.dht.client_only
+            assert natted.address.host == "nat-outside"
+            warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert any("client-only" in w and "nat-outside" in w for w in warnings), warnings
+            assert sum("could not dial us back" in r.getMessage() for r in caplog.records) == 2
+            assert tables_holding(swarm, natted.host.peer_id) == []
+            # It still takes part through others.
+            assert await natted.dht.store(b"nat/key", b"v", ttl=60) > 0
+            assert (await swarm.nodes[1].dht.get(b"nat/key"))[b""].value == b"v"
+
+
+async def test_dialable_node_detects_it_and_serves(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, logger="p2ptrain.dht.service")
+    with trio.fail_after(600):
+        async with open_swarm(DHTConfig()) as swarm:
+            for i in range(4):
+                await swarm.start(f"s{i}", [swarm.nodes[-1].address] if swarm.nodes else [])
+            node = await swarm.start("open", [swarm.nodes[0].address])
+            assert node.dht.config.client_only is None
+            assert not node.dht.client_only
+            assert not any("client-only" in r.getMessage() for r in caplog.records)
+            assert swarm.nodes[0].name in tables_holding(swarm, node.host.peer_id)
+
+
+# ---- the Node's peer list ------------------------------------------------------------------------
+
+
+async def test_five_chained_nodes_all_list_all_five_members(autojump_clock):
+    net = MemoryNetwork(seed=3)
+    interval = 2.0
+    nodes: list[Node] = []
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                config = NodeConfig(
+                    run_id="five",
+                    listen=((f"node{i}", PORT),),
+                    join=(nodes[-1].addresses[0],) if nodes else (),
+                    members_interval=interval,
+                )
+                node = Node(identity(f"node{i}"), config, transport=net.transport(f"node{i}"))
+                nodes.append(await nursery.start(node.run))
+            start = trio.current_time()
+            ids = {n.peer_id for n in nodes}
+            # The first node announced before anyone else existed; its re-publication (every
+            # republish_interval) reaches the others, so the lists converge within about that long.
+            bound = DHTConfig().republish_interval + DHTConfig().maintenance_interval + 2 * interval
+            with trio.fail_after(bound):
+                while True:  # the member lists change only every `interval`: look that often
+                    if all({m.peer_id for m in n.members} == ids for n in nodes):
+                        break
+                    await trio.sleep(interval)
+            assert trio.current_time() - start <= bound
+            for n in nodes:
+                assert not n.dht.client_only
+                assert all(m.record.reachable for m in n.members)
+                assert {m.record.addresses for m in n.members} == {(str(x.addresses[0]),) for x in nodes}
+            nursery.cancel_scope.cancel()
