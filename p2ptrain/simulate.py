@@ -93,7 +93,7 @@ async def _ping_all(host: Host, nodes: list[SimNode]) -> None:
 
 def _table(nodes: list[SimNode], elapsed: float, observer: str = "") -> Table:
     t = Table(title=f"p2ptrain local swarm: {len(nodes)} nodes, {elapsed:.0f} s")
-    for col in ("node", "peer id", "address", "state", "peers", "sent", "received", "ping"):
+    for col in ("node", "peer id", "address", "state", "members", "connected", "sent", "received", "ping"):
         t.add_column(col)
     for n in nodes:
         s = n.status
@@ -103,6 +103,7 @@ def _table(nodes: list[SimNode], elapsed: float, observer: str = "") -> Table:
             s.get("peer_id", "?")[:12],
             "/".join((s.get("addresses") or ["///?/?"])[0].split("/")[2:5:2]).replace("/", ":"),
             s.get("state", "starting"),
+            str(len(s.get("members", []))),
             str(len(set(s.get("connected_peers", [])) - {observer})),
             f"{sum(c['bytes_sent'] for c in conns) / 1e3:.1f} kB",
             f"{sum(c['bytes_received'] for c in conns) / 1e3:.1f} kB",
@@ -115,8 +116,13 @@ async def _watch(nodes: list[SimNode], run_id: str, duration: float, console: Co
     await _wait_for(nodes, lambda s: bool(s.get("addresses")), "start")
     await _wait_for(nodes, lambda s: len(s.get("connected_peers", [])) >= min(1, len(nodes) - 1), "connect")
     first = nodes[0]
-    await _wait_for([first], lambda s: len(s.get("connected_peers", [])) >= len(nodes) - 1, "form")
-    console.print(f"[green]swarm formed[/]: {len(nodes)} nodes joined through {first.status['addresses'][0]}")
+    await _wait_for(
+        nodes, lambda s: len(s.get("members", [])) >= len(nodes), "form (every node listing every member)"
+    )
+    console.print(
+        f"[green]swarm formed[/]: {len(nodes)} nodes joined through {first.status['addresses'][0]}, "
+        "and each lists every member through the DHT"
+    )
     host = Host(Identity.generate(), run_id)
     async with trio.open_nursery() as nursery:
         await nursery.start(host.run, [])
