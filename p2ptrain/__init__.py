@@ -5,6 +5,7 @@ The public API is what this module re-exports; everything else is internal and m
 
 __version__ = "0.1.0"
 
+from .dht import DHT, DHTConfig, owned_subkey
 from .errors import (
     CallRefused,
     ConfigError,
@@ -36,11 +37,13 @@ from .node import Node, NodeConfig
 from .wire import Message, bounded
 
 __all__ = [
+    "DHT",
     "CallContext",
     "CallRefused",
     "ConfigError",
     "Connection",
     "ConnectionClosed",
+    "DHTConfig",
     "DeadlineExceeded",
     "HandshakeRefused",
     "Host",
@@ -67,5 +70,6 @@ __all__ = [
     "__version__",
     "bounded",
     "load_identity",
+    "owned_subkey",
     "save_identity",
 ]
