@@ -1016,6 +1016,9 @@ def run_hivemind(m: int, plan: Plan, python: str) -> dict[str, Any]:
         booted = kids[0].expect("booted", time.monotonic() + plan.start_timeout + m * 2.0)
         log.info("hivemind m=%d bootstrapped: %s", m, booted["bootstrap"])
         result: dict[str, Any] = kids[0].expect("result", time.monotonic() + 2 * plan.phase_timeout)["result"]
+        # Let it stop its nodes (and their p2pd) itself; closing its stdin first would kill them at once.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            kids[0].proc.wait(60.0)
     result["load_before"] = load_before
     result["load_after"] = loadavg()
     result["total_s"] = round(time.perf_counter() - began, 2)

@@ -151,14 +151,17 @@ class DHT:
         Reports readiness at once (a node whose join peers are down still starts, and keeps trying to
         join with capped backoff); :attr:`bootstrapped` is set once it has joined.
         """
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started(self)
-            if bootstrap:
-                await self.bootstrap(bootstrap, attempts=None)
-            else:
-                self.bootstrapped.set()
-            await self._maintain()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started(self)
+                if bootstrap:
+                    await self.bootstrap(bootstrap, attempts=None)
+                else:
+                    self.bootstrapped.set()
+                await self._maintain()
+        finally:
+            self._nursery = None  # the host may still serve calls: they must not spawn into a closed nursery
 
     async def bootstrap(self, addresses: list[PeerAddress], *, attempts: int | None = 5) -> int:
         """Join through ``addresses``, retrying with capped backoff (``attempts=None``: until it works).
