@@ -74,7 +74,7 @@ class DHTConfig:
     alpha: int = 3
     replication: int = 20
     rpc_timeout: float = 5.0
-    get_quorum: int = 2
+    get_quorum: int = 1  # replicas with entries a get waits for; reads of merged peer lists ask for more
     refresh_interval: float = 600.0
     republish_interval: float = 60.0
     replicate_interval: float = 600.0
