@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import platform
 import selectors
 import socket
 import statistics
@@ -64,6 +63,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.net import Connection, Host, Method, RpcRegistry, RpcStream
 from p2ptrain.net.channel import MAX_CHUNK
 from p2ptrain.wire import Message, bounded
+from simulations.environment import environment as base_environment
 
 MODULE = "simulations.bench_transport"
 log = logging.getLogger(MODULE)  # not __name__: that is "__main__" under `python -m`
@@ -987,32 +987,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def environment() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return done.stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD")
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "git_commit": commit or None,
-        # Uncommitted changes to the code under test make the commit alone not reproduce the numbers.
-        "git_dirty": bool(git("status", "--porcelain", "--", "p2ptrain")) if commit else None,
-        "versions": {
-            d: version(d) for d in ("p2ptrain", "trio", "pynacl", "msgpack", "hivemind", "protobuf")
-        },
-        "aead_aegis256_seal_1mib_one_core": aead_ceiling(),
-    }
+    env = base_environment(("p2ptrain", "trio", "pynacl", "msgpack", "hivemind", "protobuf"))
+    env["aead_aegis256_seal_1mib_one_core"] = aead_ceiling()
+    return env
 
 
 # ---- the run --------------------------------------------------------------------------------------------
