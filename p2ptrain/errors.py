@@ -93,3 +93,15 @@ class GroupFormationFailed(P2PError):
 
 class RoundAborted(P2PError):
     """An averaging round was aborted on every member; each keeps its own tensors."""
+
+
+class GroupTooSmall(GroupFormationFailed):
+    """Fewer peers than the minimum group size were ready to average in time."""
+
+
+class SchemaMismatch(GroupFormationFailed):
+    """The peers ready to average hold tensors of other shapes, dtypes, or compression than ours."""
+
+
+class RoundTimedOut(RoundAborted):
+    """An averaging round reached its deadline before every partition arrived; nothing was applied."""

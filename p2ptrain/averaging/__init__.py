@@ -1,0 +1,1 @@
+"""Averaging: matchmaking, partitions, the butterfly all-reduce and compression."""

@@ -1,0 +1,541 @@
+"""One butterfly all-reduce round on trio: scatter, decide, gather, commit or abort.
+
+Theory of operation (member ``me`` of a group of ``n``, coordinator = member 0, round length ``T``):
+
+1. Scatter, until ``0.4 T``: stream my slice of partition ``j`` to its reducer ``j``, for every ``j`` at
+   once; as a reducer, accumulate the slices arriving for my partition. A reducer stops waiting once every
+   sender delivered or failed, or at the deadline (a straggler counts as failed).
+2. Decide, until ``0.5 T``: reducers report whom they received; the coordinator decides (see
+   ``agreement``) and answers every member's report call with the signed decision. Losing the
+   coordinator, a member asks the others for the decision until ``0.9 T``, then aborts.
+3. Re-reduce: for a reducer that did not report, every contributor streams that partition's slice again
+   to the replacement the decision names.
+4. Gather, until ``0.9 T``: each reducer computes the mean over exactly the decided contributors and
+   serves it; members fetch every partition. A member that cannot fetch a partition from its reducer asks
+   the other members, who relay it if they hold it.
+5. Commit when every partition is here: the averaged values are written into the caller's tensors. Else
+   abort: the caller's tensors are untouched.
+
+Only the reducer of a partition (or its single replacement) computes that partition's result, and it does
+so only after the decision, so every member that commits holds the same bits. Every wait is bounded by a
+deadline of the round; nothing waits forever. The round keeps serving fetches and relays after its own
+member commits, until every member has fetched or the round's time is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import trio
+
+from ..errors import P2PError, RemoteProtocolError, RoundAborted, RoundTimedOut
+from ..identity import PeerID
+from ..net.host import Host
+from ..net.rpc import CallContext, Reply
+from ..net.streams import RpcStream
+from .agreement import Coordinator, excluded_reasons
+from .compression import Compression, decode, encode
+from .partition import chunks, offsets
+from .protocol import (
+    FETCH,
+    PART,
+    RELAY_DECISION,
+    RELAY_RESULT,
+    REPORT,
+    Ack,
+    Decision,
+    DecisionResp,
+    FetchReq,
+    PartReq,
+    RelayDecisionReq,
+    ReportReq,
+    SignedManifest,
+    open_decision,
+    seal_decision,
+)
+from .reducer import PartitionReducer
+
+log = logging.getLogger(__name__)
+
+SCATTER, DECIDE, AWAIT_DECISION, GATHER = 0.4, 0.5, 0.6, 0.9  # phase deadlines, fractions of the round
+RELAY_RETRY = 0.25  # seconds between rounds of relay queries
+
+
+@dataclass
+class RoundResult:
+    """What an averaging round produced for this member."""
+
+    round: bytes  # the digest of the signed manifest
+    tensors: list[torch.Tensor]  # the caller's tensors, now holding the average
+    contributors: list[PeerID]
+    total_weight: float
+    group_size: int
+    excluded: dict[PeerID, str] = field(default_factory=dict)  # members left out, and why
+
+
+FaultHook = Callable[["AllReduceRound", str], Awaitable[None]]
+"""Awaited at each named point of a round (tests crash or delay a member there)."""
+
+
+class _Signal:
+    """A level-triggered 'something changed' for tasks that re-check a condition."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait_until(self, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self._event.wait()
+
+
+class AllReduceRound:
+    """A member's state for one round, and the round's RPC handlers (dispatched by the averager)."""
+
+    def __init__(
+        self,
+        host: Host,
+        signed: SignedManifest,
+        flat: torch.Tensor,
+        weight: float,
+        tensors: list[torch.Tensor],
+        *,
+        clock_start: float | None = None,
+        fault: FaultHook | None = None,
+    ) -> None:
+        self.fault = fault
+        m = signed.manifest
+        self.host, self.signed, self.manifest = host, signed, m
+        self.digest = signed.digest
+        self.peers = m.peers()
+        self.n = len(self.peers)
+        self.me = self.peers.index(host.identity.peer_id)
+        self.mode: Compression = m.mode()
+        self.sizes = list(m.sizes)
+        self.offsets = offsets(self.sizes)
+        self.flat, self.weight, self.tensors = flat, weight, tensors
+        start = trio.current_time() if clock_start is None else clock_start
+        self.start, self.end = start, start + m.timeout
+        self.deadline = {
+            k: start + f * m.timeout
+            for k, f in (
+                ("scatter", SCATTER),
+                ("decide", DECIDE),
+                ("await", AWAIT_DECISION),
+                ("gather", GATHER),
+            )
+        }
+        self.reducers: dict[int, PartitionReducer] = {}
+        if self.sizes[self.me] > 0:
+            own = PartitionReducer(self.sizes[self.me], self.mode)
+            own.add_local(self.me, self._slice(self.me), weight)
+            self.reducers[self.me] = own
+        self.scatter_open = True
+        self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
+        self.unreachable: set[int] = set()  # reducers my slices could not reach
+        self.coordinator = Coordinator(self.digest, self.sizes) if self.me == 0 else None
+        self.decision: Decision | None = None
+        self.decision_bytes = b""
+        self.decided = trio.Event()
+        self.finalized: dict[int, trio.Event] = {}
+        self.held: set[int] = set()  # partitions whose final values are in ``flat``
+        self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
+        self.finished = False  # this member's own part of the round is over (committed or aborted)
+        self.done = trio.Event()  # no one needs this round any more
+        self.changed = _Signal()
+
+    async def _point(self, name: str) -> None:
+        if self.fault is not None:
+            await self.fault(self, name)
+
+    def _slice(self, p: int) -> torch.Tensor:
+        return self.flat[self.offsets[p] : self.offsets[p + 1]]
+
+    def name(self, i: int) -> str:
+        return self.peers[i].short()
+
+    # ---- the member's side -------------------------------------------------------------------------
+
+    async def run(self) -> RoundResult:
+        """Drive the round for this member; raises RoundAborted (the caller's tensors unchanged)."""
+        try:
+            with trio.move_on_at(self.end):
+                return await self._run()
+            raise RoundTimedOut(f"this member did not finish the round in its {self.manifest.timeout:g} s")
+        finally:
+            self.finished = True
+            if self.fetches_left <= 0:
+                self.done.set()
+
+    async def _run(self) -> RoundResult:
+        await self._point("before_send")
+        with trio.move_on_at(self.deadline["scatter"]):
+            async with trio.open_nursery() as senders:
+                for j, size in enumerate(self.sizes):
+                    if size > 0 and j != self.me:
+                        senders.start_soon(self._send_slice, j, j)
+                if self.me in self.reducers:
+                    senders.start_soon(self._await_slices)
+        self.scatter_open = False
+        if self.coordinator is not None:
+            await self._point("decide")
+            await self._coordinate()
+        decision = await self._obtain_decision()
+        if decision.abort:
+            raise RoundAborted(f"round aborted by the coordinator: {decision.abort}")
+        async with trio.open_nursery() as nursery:
+            if self.me in decision.contributors:
+                for f, r in zip(decision.failed, decision.replacements, strict=True):
+                    if r != self.me:
+                        nursery.start_soon(self._send_slice, f, r, self.deadline["gather"])
+            for p in list(self.reducers):
+                nursery.start_soon(self._finalize, p, decision)
+            for p, size in enumerate(self.sizes):
+                if size > 0:
+                    nursery.start_soon(self._gather, p, self._holder(p, decision))
+        missing = [p for p, s in enumerate(self.sizes) if s > 0 and p not in self.held]
+        if missing:
+            raise RoundTimedOut(
+                f"partitions {missing} could not be fetched before the deadline; every member that"
+                " lacks them aborts, and none can have committed without them"
+            )
+        return self._commit(decision)
+
+    async def _send_slice(self, p: int, to: int, deadline: float | None = None) -> None:
+        """Stream my slice of partition ``p`` to member ``to``."""
+        addr = self.manifest.members[to].addr
+        values = self._slice(p)
+        try:
+            with trio.fail_after(max(0.0, (deadline or self.deadline["scatter"]) - trio.current_time())):
+                conn = await self.host.connect(addr)
+                async with conn.open_stream(
+                    PART, PartReq(self.digest, p, self.weight), timeout=_left(self.end)
+                ) as stream:
+                    for index, (a, b) in enumerate(chunks(self.sizes[p], self.mode)):
+                        await stream.send(_encoded(values[a:b], self.mode))
+                        if index == 0:
+                            await self._point("mid_send")
+                    await stream.send_eof()
+                    ack = await stream.response()
+            if not ack.ok:
+                log.info("%s refused my slice of partition %d: %s", self.name(to), p, ack.reason)
+        except (P2PError, trio.TooSlowError) as e:
+            log.info("could not deliver partition %d to %s: %s", p, self.name(to), e)
+            self.unreachable.add(to)
+            if self.coordinator is not None:
+                self.coordinator.unreachable.add(to)
+                self.changed.fire()
+
+    async def _await_slices(self) -> None:
+        own = self.reducers[self.me]
+        while True:
+            failed = self.failed_senders.get(self.me, set())
+            if all(i in own.delivered or i in failed for i in range(self.n)):
+                return
+            await self.changed.wait_until(self.deadline["scatter"])
+            if trio.current_time() >= self.deadline["scatter"]:
+                return
+
+    async def _coordinate(self) -> None:
+        """As coordinator: decide once every reducer reported, or at the decision deadline."""
+        assert self.coordinator is not None
+        own = self.reducers.get(self.me)
+        if own is not None:
+            self.coordinator.report(self.me, own.delivered)
+        while not self.coordinator.ready() and trio.current_time() < self.deadline["decide"]:
+            await self.changed.wait_until(self.deadline["decide"])
+        self._set_decision(self.coordinator.decide(), None)
+
+    def _set_decision(self, decision: Decision, signed: bytes | None) -> None:
+        if self.decision is not None:
+            return
+        if signed is None:
+            signed = seal_decision(self.host.identity, decision)
+        self.decision, self.decision_bytes = decision, signed
+        if not decision.abort:
+            self._prepare_replacements(decision)
+        self.decided.set()
+        self.changed.fire()
+
+    async def _obtain_decision(self) -> Decision:
+        if self.me != 0:
+            await self._report()
+            while self.decision is None and trio.current_time() < self.deadline["gather"]:
+                await self._ask_for_decision()
+        with trio.move_on_at(self.deadline["gather"]):
+            await self.decided.wait()
+        if self.decision is None:
+            raise RoundTimedOut("no decision from the coordinator or any member before the deadline")
+        return self.decision
+
+    async def _report(self) -> None:
+        own = self.reducers.get(self.me)
+        req = ReportReq(
+            self.digest,
+            tuple(sorted(own.delivered)) if own else None,
+            tuple(own.delivered[i] for i in sorted(own.delivered)) if own else (),
+            tuple(sorted(self.unreachable)),
+        )
+        try:
+            with trio.fail_after(max(0.0, self.deadline["await"] - trio.current_time())):
+                conn = await self.host.connect(self.manifest.members[0].addr)
+                reply = await conn.call_with_body(REPORT, req, timeout=_left(self.deadline["await"]))
+            if reply.message.known:
+                self._accept_decision(bytes(reply.body))
+        except (P2PError, trio.TooSlowError) as e:
+            log.info("no decision from the coordinator %s: %s", self.name(0), e)
+
+    async def _ask_for_decision(self) -> None:
+        async def ask(i: int) -> None:
+            try:
+                with trio.fail_after(max(0.0, min(self.deadline["gather"] - trio.current_time(), 5.0))):
+                    conn = await self.host.connect(self.manifest.members[i].addr)
+                    reply = await conn.call_with_body(RELAY_DECISION, RelayDecisionReq(self.digest))
+                if reply.message.known:
+                    self._accept_decision(bytes(reply.body))
+            except (P2PError, trio.TooSlowError):
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for i, m in enumerate(self.manifest.members):
+                if i != self.me and m.addr:
+                    nursery.start_soon(ask, i)
+        if self.decision is None:
+            await trio.sleep(RELAY_RETRY)
+
+    def _accept_decision(self, data: bytes) -> None:
+        try:
+            decision = open_decision(data, self.peers[0], self.digest, self.n)
+        except P2PError as e:
+            log.warning("ignoring a bad decision for round %s: %s", self.digest.hex()[:8], e)
+            return
+        self._set_decision(decision, data)
+
+    def _prepare_replacements(self, decision: Decision) -> None:
+        for f, r in zip(decision.failed, decision.replacements, strict=True):
+            if r == self.me and f not in self.reducers:
+                red = PartitionReducer(self.sizes[f], self.mode)
+                if self.me in decision.contributors:
+                    red.add_local(self.me, self._slice(f), self.weight)
+                self.reducers[f] = red
+        if self.me in decision.failed:  # we were too slow to report: our partition went elsewhere
+            self.reducers.pop(self.me, None)
+
+    def _holder(self, p: int, decision: Decision) -> int:
+        r = decision.replacement_of(p)
+        return p if r is None else r
+
+    async def _finalize(self, p: int, decision: Decision) -> None:
+        red = self.reducers[p]
+        event = self.finalized.setdefault(p, trio.Event())
+        while not all(i in red.delivered for i in decision.contributors):
+            if trio.current_time() >= self.deadline["gather"]:
+                log.info("partition %d: not every contributor re-sent its slice in time", p)
+                return
+            await self.changed.wait_until(self.deadline["gather"])
+        result = red.finalize(decision.contributors, decision.weights)
+        await self._point("after_reduce")
+        self._slice(p).copy_(result)
+        self.held.add(p)
+        self.fetches_left += self.n - 1
+        event.set()
+        self.changed.fire()
+
+    async def _gather(self, p: int, holder: int) -> None:
+        if holder == self.me:
+            event = self.finalized.setdefault(p, trio.Event())
+            with trio.move_on_at(self.deadline["gather"]):
+                await event.wait()
+            return
+        if await self._fetch(p, holder, FETCH):
+            return
+        while p not in self.held and trio.current_time() < self.deadline["gather"]:
+            async with trio.open_nursery() as nursery:
+                for i, m in enumerate(self.manifest.members):
+                    if i not in (self.me, holder) and m.addr:
+                        nursery.start_soon(self._relay_from, nursery.cancel_scope, p, i)
+            if p not in self.held:
+                await trio.sleep(RELAY_RETRY)
+
+    async def _relay_from(self, scope: trio.CancelScope, p: int, i: int) -> None:
+        if await self._fetch(p, i, RELAY_RESULT):
+            scope.cancel()
+
+    async def _fetch(self, p: int, frm: int, method: object) -> bool:
+        """Fetch partition ``p`` from member ``frm`` (its reducer, or a relay); True once held."""
+        relay = method is RELAY_RESULT
+        mode = Compression.NONE if relay else self.mode
+        target = self._slice(p)
+        spans = list(chunks(self.sizes[p], mode))
+        try:
+            with trio.fail_after(max(0.0, self.deadline["gather"] - trio.current_time())):
+                conn = await self.host.connect(self.manifest.members[frm].addr)
+                async with conn.open_stream(
+                    RELAY_RESULT if relay else FETCH,
+                    FetchReq(self.digest, p),
+                    timeout=_left(self.deadline["gather"]),
+                ) as stream:
+                    for a, b in spans:
+                        data = await stream.receive_some()
+                        if not data:
+                            ack = await stream.response()
+                            raise RemoteProtocolError(ack.reason or "the stream ended early")
+                        if p in self.held:  # another relay was faster; its bits are the same
+                            return True
+                        _store(target[a:b], data, mode)
+        except (P2PError, trio.TooSlowError) as e:
+            if not relay:
+                log.info("could not fetch partition %d from %s: %s", p, self.name(frm), e)
+            return False
+        self.held.add(p)
+        self.changed.fire()
+        return True
+
+    def _commit(self, decision: Decision) -> RoundResult:
+        off = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                k = t.numel()
+                t.copy_(self.flat[off : off + k].view(t.shape))
+                off += k
+        names = [self.name(i) for i in range(self.n)]
+        return RoundResult(
+            round=self.digest,
+            tensors=self.tensors,
+            contributors=[self.peers[i] for i in decision.contributors],
+            total_weight=math.fsum(decision.weights),
+            group_size=self.n,
+            excluded={self.peers[i]: why for i, why in excluded_reasons(decision, self.n, names).items()},
+        )
+
+    # ---- the serving side (handlers) ---------------------------------------------------------------
+
+    def _sender(self, ctx: CallContext) -> int:
+        try:
+            return self.peers.index(ctx.peer)
+        except ValueError:
+            raise RemoteProtocolError(f"{ctx.peer.short()} is not a member of this round") from None
+
+    async def on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
+        sender = self._sender(ctx)
+        p = req.partition
+        if not (math.isfinite(req.weight) and req.weight > 0):
+            return Ack(False, "the weight must be positive and finite")
+        if p >= self.n or self.sizes[p] == 0:
+            return Ack(False, f"partition {p} does not exist")
+        if p != self.me:  # a failed reducer's partition: only once the decision names us
+            with trio.move_on_at(self.deadline["gather"]):
+                await self.decided.wait()
+            if self.decision is None or self.decision.replacement_of(p) != self.me:
+                return Ack(False, f"this member does not reduce partition {p}")
+        elif not self.scatter_open:
+            return Ack(False, "too late: this reducer already reported")
+        red = self.reducers.get(p)
+        if red is None or sender in red.touched or sender == self.me:
+            return Ack(False, "duplicate or unexpected slice")
+        try:
+            for index in range(len(red.spans)):
+                data = await stream.receive_some()
+                if p == self.me and not self.scatter_open:
+                    return Ack(False, "too late: this reducer already reported")
+                if red.result is not None:
+                    return Ack(False, "too late: the partition is reduced")
+                red.add_chunk(sender, index, data, req.weight)
+                if index == 0:
+                    await self._point("mid_reduce")
+            if await stream.receive_some():
+                raise RemoteProtocolError("more data than the partition holds")
+            if p == self.me and not self.scatter_open:
+                return Ack(False, "too late: this reducer already reported")
+            red.complete(sender, req.weight)
+            return Ack(True)
+        except P2PError as e:
+            log.info("slice of partition %d from %s failed: %s", p, self.name(sender), e)
+            self.failed_senders.setdefault(p, set()).add(sender)
+            raise
+        finally:
+            self.changed.fire()
+
+    async def on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
+        member = self._sender(ctx)
+        if self.coordinator is None:
+            return Reply(DecisionResp(False))
+        if req.delivered is not None:
+            if len(req.weights) != len(req.delivered):
+                raise RemoteProtocolError("one weight per delivered sender")
+            why = self.coordinator.report(member, dict(zip(req.delivered, req.weights, strict=True)))
+            if why:
+                log.info("report from %s ignored: %s", self.name(member), why)
+            self.changed.fire()
+        with trio.move_on_at(self.deadline["await"]):
+            await self.decided.wait()
+        return Reply(DecisionResp(self.decision is not None), self.decision_bytes)
+
+    async def on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
+        self._sender(ctx)
+        return Reply(DecisionResp(self.decision is not None), self.decision_bytes)
+
+    async def on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        member = self._sender(ctx)
+        red = self.reducers.get(req.partition)
+        if red is None:
+            return Ack(False, f"this member does not reduce partition {req.partition}")
+        event = self.finalized.setdefault(req.partition, trio.Event())
+        with trio.move_on_at(self.deadline["gather"]):
+            await event.wait()
+        if red.encoded is None:
+            return Ack(False, f"partition {req.partition} was not reduced in time")
+        for index, piece in enumerate(red.encoded):
+            await stream.send(piece)
+            if index == 0:
+                await self._point("during_gather")
+        await stream.send_eof()
+        self._served(member)
+        return Ack(True)
+
+    async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        self._sender(ctx)
+        p = req.partition
+        if p >= self.n or p not in self.held:
+            return Ack(False, f"partition {p} is not held here")
+        values = self._slice(p)
+        for a, b in chunks(self.sizes[p], Compression.NONE):
+            await stream.send(_encoded(values[a:b], Compression.NONE))
+        await stream.send_eof()
+        return Ack(True)
+
+    def _served(self, member: int) -> None:
+        self.fetches_left -= 1
+        if self.finished and self.fetches_left <= 0:
+            self.done.set()
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` for a call's own timeout (an enclosing scope enforces the deadline)."""
+    return max(1e-3, deadline - trio.current_time())
+
+
+def _store(target: torch.Tensor, data: memoryview, mode: Compression) -> None:
+    """Decode a fetched chunk into its place; RemoteProtocolError if it is malformed or not finite."""
+    if mode is not Compression.NONE:
+        target.copy_(decode(data, mode, target.numel()))
+        return
+    if len(data) != 4 * target.numel():
+        raise RemoteProtocolError(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")
+    target.numpy()[:] = np.frombuffer(data, dtype=np.float32)
+    if not bool(torch.isfinite(target).all()):
+        raise RemoteProtocolError("a reduced partition holds NaN or infinite values")
+
+
+def _encoded(values: torch.Tensor, mode: Compression) -> bytes | memoryview:
+    if mode is Compression.NONE:
+        return values.view(torch.uint8).numpy().data  # zero-copy: the slice's own memory
+    return encode(values.contiguous(), mode)

@@ -1,0 +1,438 @@
+"""The averaging service of a node: matchmaking through the DHT, then one butterfly round per call.
+
+``await averager.average(tensors, weight=..., timeout=...)`` announces this peer under the run and the
+group key, follows or leads (see ``matchmaking``), checks the signed manifest against its own tensors
+before sending anything, and runs the round (see ``allreduce``). Outcomes are typed: a
+:class:`RoundResult`, or :class:`GroupTooSmall`, :class:`SchemaMismatch`, :class:`GroupFormationFailed`,
+:class:`RoundAborted` / :class:`RoundTimedOut`; in every error case the caller's tensors are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from ..dht.service import DHT
+from ..errors import (
+    GroupFormationFailed,
+    GroupTooSmall,
+    P2PError,
+    RemoteProtocolError,
+    SchemaMismatch,
+)
+from ..identity import PeerID
+from ..net.host import Host
+from ..net.rpc import CallContext, Reply
+from ..net.streams import RpcStream
+from ..wire.codec import pack
+from .allreduce import AllReduceRound, FaultHook, RoundResult
+from .compression import Compression, parse_compression
+from .matchmaking import Announcement, Gathering, Joiner, choose_leader
+from .partition import partition_sizes
+from .protocol import (
+    FETCH,
+    JOIN,
+    PART,
+    RELAY_DECISION,
+    RELAY_RESULT,
+    REPORT,
+    ROUND_ID_BYTES,
+    Ack,
+    DecisionResp,
+    FetchReq,
+    JoinReq,
+    JoinResp,
+    Manifest,
+    MemberMsg,
+    PartReq,
+    RelayDecisionReq,
+    ReportReq,
+    SignedManifest,
+    TensorSpec,
+)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+ROUND_WAIT = 10.0  # how long a call for a round we have not started yet waits for its manifest
+MAX_WAITING_CALLS = 256
+JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
+POLL = 0.5  # seconds between reads of the announcements while gathering or looking
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    target_size: int = 4
+    min_size: int = 2
+    matchmaking_time: float = 5.0  # how long a leader gathers before forming a smaller group
+    bandwidth: float = 100e6  # bytes per second this peer can move; sets its share of the reduction
+    compression: str = "none"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_size <= self.target_size <= 64:
+            raise ValueError("need 1 <= min_size <= target_size <= 64")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError("bandwidth must be positive")
+        if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
+            raise ValueError("matchmaking_time must be positive")
+        parse_compression(self.compression)
+
+
+def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
+    specs = []
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot average tensors of dtype {t.dtype}; use a floating point dtype")
+        specs.append(TensorSpec(tuple(t.shape), _DTYPES[t.dtype]))
+    return tuple(specs)
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0)
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("tensors to average hold NaN or infinite values")
+    return flat
+
+
+def schema_digest(schema: tuple[TensorSpec, ...], mode: Compression) -> bytes:
+    return hashlib.blake2b(pack([[s.to_obj() for s in schema], mode.value]), digest_size=16).digest()
+
+
+@dataclass
+class _Looking:
+    """This peer's matchmaking state while an ``average`` call looks for a group."""
+
+    me: Announcement
+    group_key: str
+    gathering: Gathering | None = None  # set while leading
+    following: Announcement | None = None
+    formed: trio.Event | None = None
+    manifest: SignedManifest | None = None
+    refusal: str = ""
+
+
+class Averager:
+    """Averages tensors with the peers of a run; one instance per node, serving its rounds."""
+
+    def __init__(
+        self,
+        host: Host,
+        dht: DHT | None,
+        config: AveragerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.host, self._dht = host, dht
+        self.config = config or AveragerConfig()
+        self.clock = clock
+        self._rounds: dict[bytes, AllReduceRound] = {}
+        self._round_started: dict[bytes, trio.Event] = {}
+        self._looking: _Looking | None = None
+        self._nursery: trio.Nursery | None = None
+        self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
+        reg = self.host.registry
+        reg.add_unary(JOIN, self._on_join)
+        reg.add_stream(PART, self._on_part)
+        reg.add_unary(REPORT, self._on_report)
+        reg.add_stream(FETCH, self._on_fetch)
+        reg.add_unary(RELAY_DECISION, self._on_relay_decision)
+        reg.add_stream(RELAY_RESULT, self._on_relay_result)
+
+    @property
+    def dht(self) -> DHT:
+        if self._dht is None:
+            raise RuntimeError("matchmaking needs a DHT; this averager only runs given manifests")
+        return self._dht
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the tasks that keep finished rounds serving their last fetches."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float = 1.0,
+        timeout: float = 60.0,
+        group_key: str = "default",
+        compression: str | None = None,
+    ) -> RoundResult:
+        """Average ``tensors`` in place with a group of peers; see the module docstring for outcomes."""
+        if self._nursery is None:
+            raise RuntimeError("start Averager.run in a nursery first")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError("weight must be positive and finite")
+        if self._looking is not None:
+            raise RuntimeError("an average() call is already in progress on this node")
+        mode = parse_compression(compression or self.config.compression)
+        tensors = list(tensors)
+        schema = schema_of(tensors)
+        flat = _flatten(tensors)
+        signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
+        return await self._run_round(signed, tensors, flat, weight)
+
+    async def run_round(
+        self, signed: SignedManifest, tensors: Sequence[torch.Tensor], *, weight: float = 1.0
+    ) -> RoundResult:
+        """Run one round of an already formed group (the manifest's members call this together)."""
+        if self._nursery is None:
+            raise RuntimeError("start Averager.run in a nursery first")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError("weight must be positive and finite")
+        tensors = list(tensors)
+        return await self._run_round(signed, tensors, _flatten(tensors), weight)
+
+    async def _run_round(
+        self, signed: SignedManifest, tensors: list[torch.Tensor], flat: torch.Tensor, weight: float
+    ) -> RoundResult:
+        m = signed.manifest
+        if m.schema != schema_of(tensors):
+            raise SchemaMismatch("the group's manifest describes other tensors than ours")
+        if self.host.identity.peer_id not in m.peers():
+            raise GroupFormationFailed("the manifest does not list this peer")
+        rnd = AllReduceRound(self.host, signed, flat, weight, tensors, fault=self.fault)
+        self._start_round(rnd)
+        return await rnd.run()
+
+    # ---- rounds ----
+
+    def _start_round(self, rnd: AllReduceRound) -> None:
+        self._rounds[rnd.digest] = rnd
+        started = self._round_started.pop(rnd.digest, None)
+        if started is not None:
+            started.set()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._retire, rnd)
+
+    async def _retire(self, rnd: AllReduceRound) -> None:
+        with trio.move_on_at(rnd.end):
+            await rnd.done.wait()
+        self._rounds.pop(rnd.digest, None)
+        for red in rnd.reducers.values():
+            red.drop()
+
+    async def _round(self, digest: bytes) -> AllReduceRound:
+        rnd = self._rounds.get(digest)
+        if rnd is not None:
+            return rnd
+        if len(self._round_started) >= MAX_WAITING_CALLS:
+            raise RemoteProtocolError("unknown round")
+        event = self._round_started.setdefault(digest, trio.Event())
+        with trio.move_on_after(ROUND_WAIT):
+            await event.wait()
+        rnd = self._rounds.get(digest)
+        if rnd is None:
+            if not event.is_set():
+                self._round_started.pop(digest, None)
+            raise RemoteProtocolError(f"unknown round {digest.hex()[:8]}")
+        return rnd
+
+    async def _on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
+        return await (await self._round(req.round)).on_part(ctx, req, stream)
+
+    async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
+        return await (await self._round(req.round)).on_report(ctx, req)
+
+    async def _on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        return await (await self._round(req.round)).on_fetch(ctx, req, stream)
+
+    async def _on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
+        rnd = self._rounds.get(req.round)
+        if rnd is None:
+            return Reply(DecisionResp(False))
+        return await rnd.on_relay_decision(ctx, req)
+
+    async def _on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        rnd = self._rounds.get(req.round)
+        if rnd is None:
+            return Ack(False, "unknown round")
+        return await rnd.on_relay_result(ctx, req, stream)
+
+    # ---- matchmaking ----
+
+    def _key(self, group_key: str) -> bytes:
+        return f"averaging/{self.host.run_id}/{group_key}".encode()
+
+    def _my_addr(self) -> str:
+        return "" if self.dht.client_only else str(self.dht.advertised_address())
+
+    async def _matchmake(
+        self, group_key: str, schema: tuple[TensorSpec, ...], digest: bytes, mode: Compression, timeout: float
+    ) -> SignedManifest:
+        cfg = self.config
+        me = Announcement(
+            self.host.identity.peer_id,
+            self._my_addr(),
+            self.clock() + cfg.matchmaking_time,
+            cfg.bandwidth,
+            digest,
+        )
+        looking = self._looking = _Looking(me, group_key)
+        key = self._key(group_key)
+        declined: set[PeerID] = set()
+        refusals: list[str] = []
+        try:
+            await self._announce(key, me)
+            give_up = me.deadline + JOIN_GRACE
+            while self.clock() < give_up:
+                seen = await self._announcements(key)
+                leader = choose_leader(me, seen, self.clock(), declined)
+                if leader is None and me.can_lead:
+                    signed = await self._lead(looking, key, declined, schema, mode, timeout)
+                    if signed is not None:
+                        return signed
+                    if looking.gathering is not None:  # formed, but too small
+                        raise GroupTooSmall(looking.refusal)
+                    continue  # a smaller leader appeared: follow it
+                if leader is None:
+                    await trio.sleep(POLL)  # client-only: wait for someone to lead
+                    continue
+                looking.following = leader
+                signed, why = await self._follow(leader, looking)
+                looking.following = None
+                if signed is not None:
+                    return signed
+                declined.add(leader.peer)
+                refusals.append(f"{leader.peer.short()}: {why}")
+            if any("schema mismatch" in r for r in refusals):
+                raise SchemaMismatch("; ".join(refusals[-4:]))
+            raise GroupFormationFailed(
+                "no group formed in time" + (f" (refusals: {'; '.join(refusals[-4:])})" if refusals else "")
+            )
+        finally:
+            self._looking = None
+            self.dht.unpublish(key, me.peer.digest)
+
+    async def _announce(self, key: bytes, me: Announcement) -> None:
+        ttl = me.deadline - self.clock() + JOIN_GRACE
+        try:
+            await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=me.peer.digest, sign=True)
+        except P2PError as e:
+            log.warning("could not announce readiness to average: %s", e)
+
+    async def _announcements(self, key: bytes) -> list[Announcement]:
+        out = []
+        try:
+            entries = await self.dht.get(key, quorum=3)
+        except P2PError as e:
+            log.info("reading announcements failed: %s", e)
+            return []
+        for sub, entry in entries.items():
+            try:
+                out.append(Announcement.from_bytes(PeerID(sub), entry.value))
+            except (P2PError, ValueError):
+                continue
+        return out
+
+    async def _lead(
+        self,
+        looking: _Looking,
+        key: bytes,
+        declined: set[PeerID],
+        schema: tuple[TensorSpec, ...],
+        mode: Compression,
+        timeout: float,
+    ) -> SignedManifest | None:
+        """Gather until full or the deadline; None if a smaller leader appeared first (joiners redirected)."""
+        me, cfg = looking.me, self.config
+        gathering = looking.gathering = Gathering(
+            Joiner(me.peer, me.addr, me.bandwidth), me.schema, cfg.target_size, cfg.min_size
+        )
+        looking.formed = trio.Event()
+        while not gathering.full() and self.clock() < me.deadline:
+            with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
+                await looking.formed.wait()  # set early by a joiner that fills the group
+            if gathering.full() or self.clock() >= me.deadline:
+                break
+            smaller = choose_leader(me, await self._announcements(key), self.clock(), declined)
+            if smaller is not None and not gathering.full():
+                looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"
+                looking.following = smaller
+                looking.formed.set()
+                return None
+        members = gathering.form()
+        if isinstance(members, str):
+            looking.refusal = members
+            looking.formed.set()
+            return None
+        sizes = partition_sizes(
+            sum(s.numel for s in schema), [m.bandwidth for m in members], [bool(m.addr) for m in members]
+        )
+        manifest = Manifest(
+            round_id=os.urandom(ROUND_ID_BYTES),
+            group_key=looking.group_key,
+            members=tuple(MemberMsg(m.peer.digest, m.addr, m.bandwidth) for m in members),
+            sizes=tuple(sizes),
+            schema=schema,
+            compression=mode.value,
+            timeout=timeout,
+        )
+        looking.manifest = SignedManifest.sign(self.host.identity, manifest)
+        looking.formed.set()
+        log.info("formed a group of %d for %s", len(members), looking.group_key)
+        return looking.manifest
+
+    async def _follow(self, leader: Announcement, looking: _Looking) -> tuple[SignedManifest | None, str]:
+        me = looking.me
+        wait = max(0.0, leader.deadline - self.clock()) + JOIN_GRACE
+        try:
+            with trio.fail_after(wait):
+                conn = await self.host.connect(leader.addr)
+                reply = await conn.call_with_body(
+                    JOIN, JoinReq(looking.group_key, me.schema, me.addr, me.bandwidth), timeout=wait
+                )
+        except (P2PError, trio.TooSlowError) as e:
+            return None, f"unreachable ({e})"
+        if not reply.message.accepted:
+            return None, reply.message.reason or "refused"
+        try:
+            signed = SignedManifest.verify(bytes(reply.body), leader.peer)
+        except P2PError as e:
+            log.warning("bad manifest from %s: %s", leader.peer.short(), e)
+            return None, f"bad manifest: {e}"
+        if me.peer not in signed.manifest.peers():
+            return None, "the manifest does not list us"
+        return signed, ""
+
+    async def _on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
+        looking = self._looking
+        if looking is None or looking.group_key != req.group_key:
+            return Reply(JoinResp(False, "not looking for a group under this key"))
+        if looking.following is not None:
+            return Reply(JoinResp(False, "following another leader", redirect=looking.following.addr))
+        gathering, formed = looking.gathering, looking.formed
+        if gathering is None or formed is None:
+            return Reply(JoinResp(False, "not gathering a group yet"))
+        why = gathering.offer(Joiner(ctx.peer, req.addr, req.bandwidth), req.schema_digest)
+        if why:
+            return Reply(JoinResp(False, why))
+        if gathering.full():
+            formed.set()
+        try:
+            await formed.wait()
+        finally:
+            gathering.withdraw(ctx.peer)  # no effect once formed
+        if looking.manifest is None or ctx.peer not in looking.manifest.manifest.peers():
+            return Reply(JoinResp(False, looking.refusal or "the group did not form"))
+        return Reply(JoinResp(True), looking.manifest.envelope)

@@ -1,0 +1,144 @@
+"""Matchmaking decisions: whom to follow, whom to admit, when to form the group (pure, no I/O).
+
+Theory of operation: a peer ready to average announces itself in the DHT under the run and a group key,
+with a deadline (when it would form a group of its own) and its bandwidth. Announcements are totally
+ordered by ``(deadline, peer id)``. Each peer follows the smallest announcement below its own that can
+lead (it accepts connections) and has not refused it; with none, it leads: it admits joiners until the
+group reaches its target size or its deadline passes, then sends each a manifest signed with its key.
+
+Why no deadlock is possible: a peer only ever waits for an answer from a peer strictly smaller in the
+order, and a leader waits for nobody: it answers every joiner by its own deadline. A chain of waits is
+therefore strictly decreasing, cannot close into a cycle, and ends at a leader whose deadline bounds it.
+A peer asked to admit a joiner while it follows someone else answers at once with a redirect to its own
+leader (smaller still), so requests flow down the order to the peer that gathers the group. hivemind's
+documented deadlock (leaders waiting on each other) needs a wait from a smaller peer to a larger one,
+which this rule forbids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..errors import RemoteProtocolError
+from ..identity import PeerID
+from ..wire.codec import pack, unpack
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A peer's readiness to average, as stored in the DHT (signed by the peer as the subkey owner)."""
+
+    peer: PeerID
+    addr: str  # "" when the peer is client-only: it can follow, never lead
+    deadline: float  # wall-clock seconds: when this peer forms a group of its own
+    bandwidth: float
+    schema: bytes  # digest of the tensors' schema and the compression
+
+    @property
+    def order(self) -> tuple[float, bytes]:
+        return (self.deadline, self.peer.digest)
+
+    @property
+    def can_lead(self) -> bool:
+        return bool(self.addr)
+
+    def to_bytes(self) -> bytes:
+        return pack([self.addr, self.deadline, self.bandwidth, self.schema])
+
+    @classmethod
+    def from_bytes(cls, peer: PeerID, data: bytes) -> Announcement:
+        try:
+            addr, deadline, bandwidth, schema = unpack(data)
+        except (TypeError, ValueError):
+            raise RemoteProtocolError("malformed announcement") from None
+        if not (
+            isinstance(addr, str)
+            and len(addr) <= 300
+            and isinstance(deadline, int | float)
+            and math.isfinite(deadline)
+            and isinstance(bandwidth, int | float)
+            and math.isfinite(bandwidth)
+            and bandwidth > 0
+            and isinstance(schema, bytes)
+            and len(schema) <= 32
+        ):
+            raise RemoteProtocolError("malformed announcement")
+        return cls(peer, addr, float(deadline), float(bandwidth), schema)
+
+
+def choose_leader(
+    me: Announcement, seen: Iterable[Announcement], now: float, declined: set[PeerID]
+) -> Announcement | None:
+    """The peer to ask for a place, or None when this peer should gather a group itself.
+
+    Candidates can lead, are still open (deadline in the future), have not refused us, and come before
+    us in the order. Peers with another schema are skipped: they could never admit us.
+    """
+    best: Announcement | None = None
+    for a in seen:
+        if (
+            a.peer == me.peer
+            or not a.can_lead
+            or a.deadline <= now
+            or a.peer in declined
+            or a.schema != me.schema
+            or (me.can_lead and a.order >= me.order)
+        ):
+            continue
+        if best is None or a.order < best.order:
+            best = a
+    return best
+
+
+@dataclass(frozen=True)
+class Joiner:
+    peer: PeerID
+    addr: str
+    bandwidth: float
+
+
+@dataclass
+class Gathering:
+    """A leader's group in the making."""
+
+    leader: Joiner
+    schema: bytes
+    target_size: int
+    min_size: int
+    joiners: list[Joiner] = field(default_factory=list)
+    formed: bool = False
+
+    def offer(self, joiner: Joiner, schema: bytes) -> str | None:
+        """Admit ``joiner``, or return why not."""
+        if self.formed:
+            return "the group is already formed"
+        if schema != self.schema:
+            return "schema mismatch: the leader averages tensors of other shapes, dtypes or compression"
+        if joiner.peer == self.leader.peer or any(j.peer == joiner.peer for j in self.joiners):
+            return "already in this group"
+        if self.full():
+            return "the group is full"
+        if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth > 0):
+            return "bandwidth must be positive and finite"
+        self.joiners.append(joiner)
+        return None
+
+    def withdraw(self, peer: PeerID) -> None:
+        """A joiner gave up before the group formed."""
+        if not self.formed:
+            self.joiners = [j for j in self.joiners if j.peer != peer]
+
+    def size(self) -> int:
+        return 1 + len(self.joiners)
+
+    def full(self) -> bool:
+        return self.size() >= self.target_size
+
+    def form(self) -> list[Joiner] | str:
+        """The members in order (leader first, then by peer id), or why the group cannot form."""
+        self.formed = True
+        if self.size() < self.min_size:
+            return f"only {self.size()} of at least {self.min_size} peers joined in time"
+        return [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]

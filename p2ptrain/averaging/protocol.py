@@ -1,0 +1,242 @@
+"""Averaging wire messages: the signed group manifest, the signed decision, and the round's calls.
+
+Theory of operation: a round is named by the digest of its signed manifest, so two manifests that differ
+in anything (members, partitions, schema, compression) are two different rounds and a message for one
+is never applied to the other. The manifest and the decision are signed by the leader, who is also the
+round's coordinator, because members relay them to each other. Every call below is member -> reducer or
+member -> coordinator: a client-only member only ever dials out.
+
+Calls of a round:
+- ``avg.join`` (unary, long-poll): a follower asks a leader for a place; the reply body is the signed
+  manifest, or the reply says why not (and may redirect to the leader the callee follows).
+- ``avg.part`` (stream): a member streams its slice of one partition to that partition's reducer.
+- ``avg.report`` (unary, long-poll): a reducer reports whom it received complete slices from (others
+  report nothing); the reply body is the coordinator's signed decision once made.
+- ``avg.fetch`` (stream): a member fetches a reduced partition, as the round's compression encodes it.
+- ``avg.relay_decision`` / ``avg.relay_result``: a member that lost its coordinator or a reducer asks the
+  others for the decision or a partition they already hold (a result travels relayed as raw float32, so
+  every member decodes the same bits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+from ..errors import RemoteProtocolError
+from ..identity import MAX_ENVELOPE_PAYLOAD, PEER_ID_BYTES, Identity, PeerID, SignedEnvelope
+from ..net.rpc import Method
+from ..wire.codec import pack, unpack
+from ..wire.schema import Message, bounded
+from .compression import Compression, parse_compression
+
+MAX_GROUP = 64
+MAX_TENSORS = 4096
+MAX_ELEMENTS = 1 << 36
+MAX_ROUND_TIMEOUT = 24 * 3600.0
+ROUND_ID_BYTES = 16
+MANIFEST_DOMAIN = "p2ptrain/averaging-manifest"
+DECISION_DOMAIN = "p2ptrain/averaging-decision"
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class TensorSpec(Message):
+    shape: tuple[int, ...] = bounded(max_len=16)
+    dtype: str = bounded(max_len=16)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class MemberMsg(Message):
+    peer: bytes = bounded(max_len=PEER_ID_BYTES)
+    addr: str = bounded("", max_len=300)  # "" for a client-only member: it reduces nothing
+    bandwidth: float = bounded(1.0, ge=0.0, le=1e15)
+
+
+@dataclass(frozen=True)
+class Manifest(Message):
+    """One round's group, signed by its leader (``members[0]``, the coordinator)."""
+
+    round_id: bytes = bounded(max_len=ROUND_ID_BYTES)
+    group_key: str = bounded(max_len=256)
+    members: tuple[MemberMsg, ...] = bounded(max_len=MAX_GROUP)
+    sizes: tuple[int, ...] = bounded(max_len=MAX_GROUP)
+    schema: tuple[TensorSpec, ...] = bounded(max_len=MAX_TENSORS)
+    compression: str = bounded("none", max_len=16)
+    timeout: float = bounded(60.0, ge=0.001, le=MAX_ROUND_TIMEOUT)
+
+    @property
+    def total(self) -> int:
+        return sum(s.numel for s in self.schema)
+
+    def peers(self) -> list[PeerID]:
+        return [PeerID(m.peer) for m in self.members]
+
+    def mode(self) -> Compression:
+        return parse_compression(self.compression)
+
+    def check(self) -> None:
+        """Internal consistency; RemoteProtocolError says what is wrong."""
+        n = len(self.members)
+        if n < 1 or len(self.sizes) != n:
+            raise RemoteProtocolError("a manifest needs members and one partition size per member")
+        if len(self.round_id) != ROUND_ID_BYTES:
+            raise RemoteProtocolError("bad round id")
+        if len({m.peer for m in self.members}) != n:
+            raise RemoteProtocolError("a member appears twice in the manifest")
+        for m in self.members:
+            if len(m.peer) != PEER_ID_BYTES:
+                raise RemoteProtocolError("bad member peer id")
+        for spec in self.schema:
+            if spec.dtype not in DTYPES or any(d < 0 for d in spec.shape):
+                raise RemoteProtocolError(f"bad tensor spec {spec.shape} {spec.dtype}")
+        if self.total > MAX_ELEMENTS:
+            raise RemoteProtocolError("the round's tensors are too large")
+        if any(s < 0 for s in self.sizes) or sum(self.sizes) != self.total:
+            raise RemoteProtocolError("partition sizes do not add up to the tensors' size")
+        if any(s > 0 and not m.addr for s, m in zip(self.sizes, self.members, strict=True)):
+            raise RemoteProtocolError("a client-only member cannot hold a partition")
+        try:
+            self.mode()
+        except ValueError as e:
+            raise RemoteProtocolError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    manifest: Manifest
+    envelope: bytes  # the signed bytes as they travel (a relay forwards these)
+    digest: bytes  # names the round in every later message
+
+    @classmethod
+    def sign(cls, identity: Identity, manifest: Manifest) -> SignedManifest:
+        env = SignedEnvelope.seal(identity, MANIFEST_DOMAIN, pack(manifest.to_obj())).to_bytes()
+        return cls(manifest, env, _digest(env))
+
+    @classmethod
+    def verify(cls, data: bytes, leader: PeerID | None = None) -> SignedManifest:
+        """Check the signature (by ``members[0]``, and by ``leader`` if given) and the contents."""
+        env = SignedEnvelope.from_bytes(bytes(data))
+        payload = env.open(MANIFEST_DOMAIN, leader)
+        manifest = Manifest.from_obj(unpack(payload, max_bytes=MAX_ENVELOPE_PAYLOAD))
+        manifest.check()
+        if PeerID(manifest.members[0].peer) != env.signer:
+            raise RemoteProtocolError("a manifest must be signed by its first member, the leader")
+        return cls(manifest, bytes(data), _digest(bytes(data)))
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class Decision(Message):
+    """The coordinator's verdict: the contributors, the replacement reducers, or an abort."""
+
+    round: bytes = bounded(max_len=16)
+    contributors: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
+    weights: tuple[float, ...] = bounded((), max_len=MAX_GROUP)  # each contributor's weight
+    failed: tuple[int, ...] = bounded((), max_len=MAX_GROUP)  # reducers that did not report
+    replacements: tuple[int, ...] = bounded((), max_len=MAX_GROUP)  # who re-reduces each failed one
+    abort: str = bounded("", max_len=512)  # non-empty: the round is aborted, and why
+
+    def check(self, n: int) -> None:
+        if self.abort:
+            return
+        if len(self.weights) != len(self.contributors) or len(self.failed) != len(self.replacements):
+            raise RemoteProtocolError("malformed decision")
+        if not self.contributors or list(self.contributors) != sorted(set(self.contributors)):
+            raise RemoteProtocolError("a decision's contributors must be sorted and distinct")
+        if any(not 0 <= i < n for i in (*self.contributors, *self.failed, *self.replacements)):
+            raise RemoteProtocolError("a decision names a member outside the group")
+        if any(not (math.isfinite(w) and w > 0) for w in self.weights):
+            raise RemoteProtocolError("a decision's weights must be positive and finite")
+        if set(self.failed) & set(self.replacements):
+            raise RemoteProtocolError("a failed reducer cannot be a replacement")
+
+    def replacement_of(self, partition: int) -> int | None:
+        for f, r in zip(self.failed, self.replacements, strict=True):
+            if f == partition:
+                return r
+        return None
+
+
+def seal_decision(identity: Identity, decision: Decision) -> bytes:
+    return SignedEnvelope.seal(identity, DECISION_DOMAIN, pack(decision.to_obj())).to_bytes()
+
+
+def open_decision(data: bytes, coordinator: PeerID, digest: bytes, n: int) -> Decision:
+    env = SignedEnvelope.from_bytes(bytes(data))
+    decision = Decision.from_obj(unpack(env.open(DECISION_DOMAIN, coordinator)))
+    if decision.round != digest:
+        raise RemoteProtocolError("the decision is for another round")
+    decision.check(n)
+    return decision
+
+
+# ---- calls ----
+
+
+@dataclass(frozen=True)
+class JoinReq(Message):
+    group_key: str = bounded(max_len=256)
+    schema_digest: bytes = bounded(max_len=32)
+    addr: str = bounded("", max_len=300)  # "" when client-only
+    bandwidth: float = bounded(1.0, ge=0.0, le=1e15)
+
+
+@dataclass(frozen=True)
+class JoinResp(Message):
+    accepted: bool = False
+    reason: str = bounded("", max_len=512)
+    redirect: str = bounded("", max_len=300)  # the address of the leader the callee follows
+
+
+@dataclass(frozen=True)
+class PartReq(Message):
+    round: bytes = bounded(max_len=16)
+    partition: int = bounded(ge=0, le=MAX_GROUP)
+    weight: float = bounded(ge=0.0, le=1e30)
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    ok: bool = True
+    reason: str = bounded("", max_len=512)
+
+
+@dataclass(frozen=True)
+class ReportReq(Message):
+    round: bytes = bounded(max_len=16)
+    delivered: tuple[int, ...] | None = bounded(None, max_len=MAX_GROUP)  # None: not a reducer
+    weights: tuple[float, ...] = bounded((), max_len=MAX_GROUP)
+    unreachable: tuple[int, ...] = bounded((), max_len=MAX_GROUP)  # reducers this member failed to reach
+
+
+@dataclass(frozen=True)
+class DecisionResp(Message):
+    known: bool = False  # the signed decision rides in the reply body
+
+
+@dataclass(frozen=True)
+class FetchReq(Message):
+    round: bytes = bounded(max_len=16)
+    partition: int = bounded(ge=0, le=MAX_GROUP)
+
+
+@dataclass(frozen=True)
+class RelayDecisionReq(Message):
+    round: bytes = bounded(max_len=16)
+
+
+JOIN = Method("avg.join", JoinReq, JoinResp)
+PART = Method("avg.part", PartReq, Ack, streaming=True)
+REPORT = Method("avg.report", ReportReq, DecisionResp)
+FETCH = Method("avg.fetch", FetchReq, Ack, streaming=True)
+RELAY_DECISION = Method("avg.relay_decision", RelayDecisionReq, DecisionResp)
+RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)

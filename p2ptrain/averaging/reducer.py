@@ -1,0 +1,106 @@
+"""One partition's reduction: accumulate slices as their chunks arrive, then the mean over the decision.
+
+Theory of operation: chunks are added into a float32 accumulator the moment they arrive (weight times
+value, multiply and add rounded separately, so the arithmetic is reproducible). The received chunks are
+also kept (they are the frames' own buffers, not copies) until the decision: when it leaves out a sender
+that had already sent part of its slice, or one that completed it, the reducer recomputes the sum over the
+decided contributors alone, in member order. Only this reducer computes its partition's result, so every
+member that fetches it gets the same bits, whatever order chunks arrived in.
+
+The result is encoded once with the round's compression and served as those bytes; the reducer's own copy
+is decoded from them, so with a lossy compression it holds exactly what the others decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import RemoteProtocolError
+from .compression import Compression, accumulate, decode, encode, encoded_size
+from .partition import chunks
+
+
+class PartitionReducer:
+    """Accumulates the slices of one partition from the members of a round."""
+
+    def __init__(self, size: int, mode: Compression) -> None:
+        self.size = size
+        self.mode = mode
+        self.spans = list(chunks(size, mode))
+        self.acc = torch.zeros(size, dtype=torch.float32)
+        self.touched: set[int] = set()  # senders with anything in ``acc``
+        self.delivered: dict[int, float] = {}  # sender -> weight, for complete slices
+        self._kept: dict[int, list[torch.Tensor | memoryview]] = {}
+        self.result: torch.Tensor | None = None
+        self.encoded: list[bytes | memoryview] | None = None
+
+    def chunk_bytes(self, index: int) -> int:
+        a, b = self.spans[index]
+        return encoded_size(self.mode, b - a)
+
+    def add_local(self, sender: int, values: torch.Tensor, weight: float) -> None:
+        """The reducer's own slice: uncompressed, never on the wire."""
+        if values.numel() != self.size:
+            raise ValueError("a slice must cover the whole partition")
+        self.touched.add(sender)
+        self.acc.add_(values * weight)
+        self._kept[sender] = [values]
+        self.delivered[sender] = weight
+
+    def add_chunk(self, sender: int, index: int, data: memoryview, weight: float) -> None:
+        """Chunk ``index`` of ``sender``'s slice; raises RemoteProtocolError if it is malformed."""
+        if not 0 <= index < len(self.spans):
+            raise RemoteProtocolError("more chunks than the partition has")
+        a, b = self.spans[index]
+        if len(data) != encoded_size(self.mode, b - a):
+            raise RemoteProtocolError(
+                f"chunk {index} has {len(data)} bytes, expected {self.chunk_bytes(index)}"
+            )
+        accumulate(self.acc[a:b], data, self.mode, weight)  # validates values before adding anything
+        self.touched.add(sender)
+        self._kept.setdefault(sender, []).append(data)
+
+    def complete(self, sender: int, weight: float) -> None:
+        self.delivered[sender] = weight
+
+    def finalize(self, contributors: Sequence[int], weights: Sequence[float]) -> torch.Tensor:
+        """The weighted mean over exactly ``contributors``; returns the values every member will hold."""
+        missing = [i for i in contributors if i not in self.delivered]
+        if missing:
+            raise ValueError(f"no complete slice from members {missing}")
+        if self.touched != set(contributors):
+            self.acc.zero_()
+            for i, w in zip(contributors, weights, strict=True):
+                self._replay(i, w)
+        mean = self.acc.div_(sum(weights))
+        self._kept.clear()
+        if self.mode is Compression.NONE:
+            self.result = mean
+            self.encoded = [_view(mean[a:b]) for a, b in self.spans]
+        else:
+            self.encoded = [bytes(encode(mean[a:b].contiguous(), self.mode)) for a, b in self.spans]
+            self.result = torch.cat(
+                [decode(e, self.mode, b - a) for e, (a, b) in zip(self.encoded, self.spans, strict=True)]
+            )
+        return self.result
+
+    def _replay(self, sender: int, weight: float) -> None:
+        kept = self._kept[sender]
+        if len(kept) == 1 and isinstance(kept[0], torch.Tensor):
+            self.acc.add_(kept[0] * weight)
+            return
+        for (a, b), data in zip(self.spans, kept, strict=True):
+            assert isinstance(data, memoryview)
+            accumulate(self.acc[a:b], data, self.mode, weight)
+
+    def drop(self) -> None:
+        """Free the buffers (the round ended)."""
+        self._kept.clear()
+        self.encoded = None
+        self.result = None
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    return t.view(torch.uint8).numpy().data  # zero-copy bytes of a contiguous float32 slice

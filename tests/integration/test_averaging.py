@@ -1,0 +1,358 @@
+"""Butterfly all-reduce rounds among in-process peers over the in-memory network (virtual clock).
+
+What is proved here: results are exact against a torch reference (odd sizes, many tensors, mixed
+dtypes, uneven bandwidths, client-only peers) and bit-identical on every member; every compression mode
+stays within its bound; and with a member crashed or stalled at each phase of a round, and in hundreds
+of randomized fault trials, the invariant holds: every surviving member commits the same bits, equal to
+the weighted mean over the decided contributors, or every surviving member aborts with its tensors
+untouched, and no member waits past the round's deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import trio
+
+from p2ptrain.averaging.allreduce import AllReduceRound, RoundResult
+from p2ptrain.averaging.averager import Averager, schema_of
+from p2ptrain.averaging.compression import Compression, error_bound
+from p2ptrain.averaging.partition import partition_sizes
+from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
+from p2ptrain.errors import RoundAborted, SchemaMismatch
+from p2ptrain.identity import Identity
+from p2ptrain.net import Host, LinkProfile, MemoryNetwork
+
+RUN_ID = "avg-test"
+PORT = 2000
+
+
+@dataclass
+class Peer:
+    name: str
+    host: Host
+    averager: Averager
+    listen: bool
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    round_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stopped: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def addr(self) -> str:
+        return str(self.host.advertised_addresses()[0]) if self.listen else ""
+
+
+class Group:
+    def __init__(self, nursery: trio.Nursery, net: MemoryNetwork) -> None:
+        self.nursery, self.net = nursery, net
+        self.peers: list[Peer] = []
+        self.crashed: set[str] = set()
+
+    async def start(self, name: str, *, listen: bool = True) -> Peer:
+        ident = Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+        host = Host(ident, RUN_ID, transport=self.net.transport(name))
+        peer = Peer(name, host, Averager(host, None, clock=trio.current_time), listen)
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                with peer.scope:
+                    async with trio.open_nursery() as inner:
+                        await inner.start(host.run, [(name, PORT)] if listen else [])
+                        await inner.start(peer.averager.run)
+                        task_status.started()
+            finally:
+                peer.stopped.set()
+
+        await self.nursery.start(run)
+        self.peers.append(peer)
+        return peer
+
+    def crash(self, peer: Peer) -> None:
+        """As if the process died: connections reset, listener gone, every task cancelled."""
+        self.crashed.add(peer.name)
+        self.net.kill(peer.name)
+        peer.scope.cancel()
+        peer.round_scope.cancel()
+
+
+@asynccontextmanager
+async def open_group(n: int, *, client_only: tuple[int, ...] = (), seed: int = 5) -> AsyncIterator[Group]:
+    async with trio.open_nursery() as nursery:
+        group = Group(nursery, MemoryNetwork(seed=seed, default=LinkProfile(latency=0.005)))
+        for i in range(n):
+            await group.start(f"p{i}", listen=i not in client_only)
+        yield group
+        nursery.cancel_scope.cancel()
+
+
+def sign_manifest(
+    peers: list[Peer],
+    tensors: list[torch.Tensor],
+    *,
+    bandwidths: list[float] | None = None,
+    compression: str = "none",
+    timeout: float = 30.0,
+) -> SignedManifest:
+    schema = schema_of(tensors)
+    total = sum(t.numel() for t in tensors)
+    bws = bandwidths or [1.0] * len(peers)
+    sizes = partition_sizes(total, bws, [p.listen for p in peers])
+    manifest = Manifest(
+        round_id=random.Random(len(peers)).randbytes(16),
+        group_key="test",
+        members=tuple(
+            MemberMsg(p.host.identity.peer_id.digest, p.addr, bw) for p, bw in zip(peers, bws, strict=True)
+        ),
+        sizes=tuple(sizes),
+        schema=schema,
+        compression=compression,
+        timeout=timeout,
+    )
+    return SignedManifest.sign(peers[0].host.identity, manifest)
+
+
+def make_tensors(seed: int, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+
+
+Outcome = RoundResult | BaseException | None  # None: the member was crashed
+
+
+async def run_round(
+    group: Group, signed: SignedManifest, inputs: list[list[torch.Tensor]], weights: list[float]
+) -> list[Outcome]:
+    outcomes: list[Outcome] = [None] * len(group.peers)
+
+    async def one(i: int, peer: Peer) -> None:
+        with peer.round_scope:
+            try:
+                outcomes[i] = await peer.averager.run_round(signed, inputs[i], weight=weights[i])
+            except RoundAborted as e:
+                outcomes[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i, peer in enumerate(group.peers):
+            nursery.start_soon(one, i, peer)
+    # a member that crashed is no survivor, even if it committed before it died
+    return [None if p.name in group.crashed else o for p, o in zip(group.peers, outcomes, strict=True)]
+
+
+def reference(
+    originals: list[list[torch.Tensor]], weights: list[float], members: list[int]
+) -> list[torch.Tensor]:
+    total = math.fsum(weights[i] for i in members)
+    out = []
+    for k in range(len(originals[0])):
+        acc = sum(originals[i][k].double() * weights[i] for i in members)
+        out.append(acc / total)
+    return out
+
+
+def check_invariant(
+    originals: list[list[torch.Tensor]],
+    inputs: list[list[torch.Tensor]],
+    weights: list[float],
+    outcomes: list[Outcome],
+    *,
+    atol: float = 1e-5,
+) -> str:
+    """'commit' or 'abort' for the survivors; fails the test on any divergence."""
+    survivors = [i for i, o in enumerate(outcomes) if o is not None]
+    committed = [i for i in survivors if isinstance(outcomes[i], RoundResult)]
+    aborted = [i for i in survivors if isinstance(outcomes[i], RoundAborted)]
+    assert len(committed) + len(aborted) == len(survivors), f"unexpected outcomes {outcomes}"
+    for i in aborted:  # an abort leaves the caller's tensors as they were
+        for got, orig in zip(inputs[i], originals[i], strict=True):
+            assert torch.equal(got, orig)
+    if not committed:
+        return "abort"
+    assert not aborted, (
+        f"members {committed} committed while {aborted} aborted: {[outcomes[i] for i in aborted]}"
+    )
+    first = outcomes[committed[0]]
+    assert isinstance(first, RoundResult)
+    peers_order = [r for r in first.contributors]
+    for i in committed[1:]:
+        res = outcomes[i]
+        assert isinstance(res, RoundResult)
+        assert res.contributors == peers_order
+        for a, b in zip(inputs[committed[0]], inputs[i], strict=True):
+            assert torch.equal(a, b), "members hold different bits"
+    return "commit"
+
+
+def contributors_of(group: Group, result: RoundResult) -> list[int]:
+    ids = [p.host.identity.peer_id for p in group.peers]
+    return [ids.index(c) for c in result.contributors]
+
+
+def assert_mean(group, originals, inputs, weights, outcomes, atol=1e-5):
+    res = next(o for o in outcomes if isinstance(o, RoundResult))
+    members = contributors_of(group, res)
+    ref = reference(originals, weights, members)
+    assert res.total_weight == pytest.approx(sum(weights[i] for i in members))
+    for i, o in enumerate(outcomes):
+        if isinstance(o, RoundResult):
+            for got, want in zip(inputs[i], ref, strict=True):
+                tol = atol if got.dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(got.double(), want.to(got.dtype).double(), atol=tol, rtol=tol)
+    return members
+
+
+# ---- exactness ----
+
+
+@pytest.mark.parametrize(
+    ("n", "client_only", "bandwidths"),
+    [(2, (), None), (4, (), [1, 2, 3, 10]), (5, (1, 3), [4, 1, 1, 1, 2]), (8, (7,), None)],
+)
+async def test_round_is_exact_and_identical_on_every_member(autojump_clock, n, client_only, bandwidths):
+    shapes = [(7,), (3, 5), (1,), (300_001,), (17, 3, 2)]
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.float32, torch.bfloat16]
+    async with open_group(n, client_only=client_only) as group:
+        originals = [make_tensors(i, shapes, dtypes) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [float(i + 1) for i in range(n)]
+        signed = sign_manifest(group.peers, inputs[0], bandwidths=bandwidths)
+        start = trio.current_time()
+        outcomes = await run_round(group, signed, inputs, weights)
+        assert trio.current_time() - start < 0.4 * 30  # no phase needed a deadline
+    assert check_invariant(originals, inputs, weights, outcomes) == "commit"
+    assert assert_mean(group, originals, inputs, weights, outcomes) == list(range(n))
+    for o in outcomes:
+        assert isinstance(o, RoundResult) and not o.excluded and o.group_size == n
+
+
+@pytest.mark.parametrize("mode", [m.value for m in Compression])
+async def test_every_compression_stays_within_its_bound(autojump_clock, mode):
+    n = 4
+    async with open_group(n) as group:
+        originals = [make_tensors(10 + i, [(200_003,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0, 2.0, 3.0, 4.0]
+        outcomes = await run_round(
+            group, sign_manifest(group.peers, inputs[0], compression=mode), inputs, weights
+        )
+    assert check_invariant(originals, inputs, weights, outcomes) == "commit"
+    ref = reference(originals, weights, list(range(n)))[0].float()
+    m = Compression(mode)
+    # each slice is compressed once on its way to the reducer, the mean once on its way back
+    bound = max(error_bound(o[0], m) for o in originals) + error_bound(ref, m) + 1e-6
+    err = (inputs[0][0] - ref).abs().max().item()
+    assert err <= bound, f"{mode}: error {err} above bound {bound}"
+    if m is Compression.NONE:
+        assert err < 1e-5
+
+
+async def test_manifest_for_other_tensors_is_refused_before_sending(autojump_clock):
+    async with open_group(2) as group:
+        mine = [torch.zeros(10)]
+        signed = sign_manifest(group.peers, [torch.zeros(11)])
+        with pytest.raises(SchemaMismatch), trio.fail_after(5):
+            await group.peers[1].averager.run_round(signed, mine)
+        assert all(not c.bytes_sent or c.bytes_sent < 1000 for c in group.peers[1].host.connections())
+
+
+# ---- faults ----
+
+PHASES = ["before_send", "mid_send", "mid_reduce", "decide", "after_reduce", "during_gather"]
+
+
+def crash_at(group: Group, victim: Peer, phase: str, *, stall: float | None = None) -> Callable:
+    """A fault hook: the victim crashes (or stalls ``stall`` seconds) the first time it reaches ``phase``."""
+    fired = []
+
+    async def hook(rnd: AllReduceRound, name: str) -> None:
+        if name != phase or fired:
+            return
+        fired.append(trio.current_time())
+        if stall is not None:
+            await trio.sleep(stall)
+            return
+        group.crash(victim)
+        await trio.sleep_forever()  # cancelled with the victim's scope
+
+    return hook
+
+
+async def fault_trial(
+    n: int,
+    victim_index: int,
+    phase: str,
+    *,
+    stall: float | None = None,
+    seed: int = 0,
+    size: int = 150_001,
+    client_only: tuple[int, ...] = (),
+) -> tuple[str, list[Outcome]]:
+    timeout = 20.0
+    async with open_group(n, client_only=client_only, seed=seed) as group:
+        originals = [
+            make_tensors(100 * seed + i, [(size,), (5, 3)], [torch.float32, torch.float32]) for i in range(n)
+        ]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0 + (i * 7 + seed) % 5 for i in range(n)]
+        victim = group.peers[victim_index]
+        victim.averager.fault = crash_at(group, victim, phase, stall=stall)
+        start = trio.current_time()
+        outcomes = await run_round(
+            group, sign_manifest(group.peers, inputs[0], timeout=timeout), inputs, weights
+        )
+        assert trio.current_time() - start <= timeout + 1e-6, "a member waited past the round's deadline"
+    if stall is not None and isinstance(outcomes[victim_index], RoundAborted):
+        outcomes[victim_index] = None  # a straggler that missed the round counts as failed, like a crash
+    verdict = check_invariant(originals, inputs, weights, outcomes)
+    if verdict == "commit":
+        assert_mean(group, originals, inputs, weights, outcomes)
+    return verdict, outcomes
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize(("n", "victim"), [(3, 0), (3, 2), (5, 1), (8, 4)])
+async def test_a_member_crashing_at_any_phase_never_splits_the_group(autojump_clock, phase, n, victim):
+    verdict, outcomes = await fault_trial(n, victim, phase)
+    survivors = [o for i, o in enumerate(outcomes) if i != victim]
+    if phase == "before_send" and victim != 0:
+        # a member that dies before sending anything is simply left out; the others still average
+        assert verdict == "commit"
+        res = next(o for o in survivors if isinstance(o, RoundResult))
+        assert len(res.contributors) == n - 1
+    assert all(o is not None for o in survivors)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+async def test_a_straggler_past_the_deadline_counts_as_failed(autojump_clock, phase):
+    verdict, outcomes = await fault_trial(4, 2, phase, stall=1000.0)
+    assert all(o is not None for i, o in enumerate(outcomes) if i != 2)
+    if phase in ("before_send", "mid_send"):  # left out, and the others go on without it
+        assert verdict == "commit"
+        res = outcomes[0]
+        assert isinstance(res, RoundResult) and len(res.contributors) == 3 and len(res.excluded) == 1
+
+
+async def test_randomized_fault_trials_never_diverge_or_hang(autojump_clock):
+    rng = random.Random(2026)
+    verdicts = {"commit": 0, "abort": 0}
+    for seed in range(120):
+        n = rng.randint(3, 8)
+        client_only = tuple(i for i in range(1, n) if rng.random() < 0.15)
+        stall = rng.choice([None, None, rng.uniform(0.0, 15.0)])
+        verdict, _ = await fault_trial(
+            n,
+            rng.randrange(n),
+            rng.choice(PHASES),
+            stall=stall,
+            seed=seed,
+            size=rng.randint(1, 40_000),
+            client_only=client_only,
+        )
+        verdicts[verdict] += 1
+    assert verdicts["commit"] > 0

@@ -1,0 +1,339 @@
+"""Pure averaging logic: partitions, matchmaking order and gathering, the coordinator's decision.
+
+Table-driven and synchronous: no event loop, no network.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from p2ptrain.averaging.agreement import Coordinator, excluded_reasons
+from p2ptrain.averaging.compression import Compression
+from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner, choose_leader
+from p2ptrain.averaging.partition import chunks, offsets, partition_sizes, wire_bytes
+from p2ptrain.averaging.protocol import (
+    Decision,
+    Manifest,
+    MemberMsg,
+    SignedManifest,
+    TensorSpec,
+    open_decision,
+    seal_decision,
+)
+from p2ptrain.averaging.reducer import PartitionReducer
+from p2ptrain.errors import InvalidSignature, RemoteProtocolError
+from p2ptrain.identity import Identity, PeerID
+from p2ptrain.net.channel import MAX_CHUNK
+
+# ---- partitions ----
+
+
+@pytest.mark.parametrize(
+    ("total", "bws", "reducers", "expected"),
+    [
+        (10, [1, 1], [True, True], [5, 5]),
+        (10, [1, 1, 1], [True, True, True], [4, 3, 3]),
+        (100, [1, 3], [True, True], [25, 75]),
+        (7, [5, 5, 5], [True, False, True], [4, 0, 3]),
+        (0, [1, 2], [True, True], [0, 0]),
+        (1, [1, 1, 1, 1], [True, True, True, True], [1, 0, 0, 0]),
+    ],
+)
+def test_partition_sizes_follow_bandwidth_and_skip_client_only(total, bws, reducers, expected):
+    assert partition_sizes(total, bws, reducers) == expected
+
+
+def test_partition_sizes_sum_and_stay_within_one_element_of_the_share():
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        bws = [rng.uniform(0.1, 1000) for _ in range(n)]
+        red = [rng.random() < 0.8 for _ in range(n)]
+        red[rng.randrange(n)] = True
+        total = rng.randint(0, 10**7)
+        sizes = partition_sizes(total, bws, red)
+        assert sum(sizes) == total
+        norm = sum(b for b, r in zip(bws, red, strict=True) if r)
+        for s, b, r in zip(sizes, bws, red, strict=True):
+            assert (s == 0) if not r else abs(s - total * b / norm) < 1.0 + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("bws", "reducers", "match"),
+    [
+        ([1, 1], [False, False], "at least one"),
+        ([0, 1], [True, True], "positive"),
+        ([1], [True, True], "one"),
+    ],
+)
+def test_partition_sizes_refuse_impossible_splits(bws, reducers, match):
+    with pytest.raises(ValueError, match=match):
+        partition_sizes(10, bws, reducers)
+
+
+@pytest.mark.parametrize("mode", list(Compression))
+@pytest.mark.parametrize("size", [0, 1, 1000, 262_144, 262_145, 3_000_001])
+def test_chunks_cover_the_partition_and_fit_one_frame(mode, size):
+    spans = list(chunks(size, mode))
+    assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]] if spans else size == 0
+    assert (spans[-1][1] if spans else 0) == size
+    assert wire_bytes(size, mode) <= size * 4 + 4 * len(spans) * 4
+    from p2ptrain.averaging.compression import encoded_size
+
+    assert all(encoded_size(mode, b - a) <= MAX_CHUNK for a, b in spans)
+
+
+def test_offsets():
+    assert offsets([3, 0, 2]) == [0, 3, 3, 5]
+
+
+# ---- matchmaking ----
+
+
+def pid(i: int) -> PeerID:
+    return PeerID(bytes([i]) * 32)
+
+
+def ann(i: int, deadline: float, addr: str = "x", schema: bytes = b"s") -> Announcement:
+    return Announcement(pid(i), addr, deadline, 1.0, schema)
+
+
+@pytest.mark.parametrize(
+    ("me", "seen", "now", "declined", "expected"),
+    [
+        (ann(5, 10), [ann(1, 9), ann(2, 8)], 0, set(), 2),  # the earliest deadline leads
+        (ann(5, 10), [ann(1, 8), ann(2, 8)], 0, set(), 1),  # equal deadlines: the smaller id
+        (ann(1, 8), [ann(2, 8), ann(3, 9)], 0, set(), None),  # nobody before us: we lead
+        (ann(5, 10), [ann(2, 8)], 8.5, set(), None),  # closed (deadline passed)
+        (ann(5, 10), [ann(2, 8), ann(3, 9)], 0, {pid(2)}, 3),  # refused us: next one
+        (ann(5, 10), [ann(2, 8, addr="")], 0, set(), None),  # client-only peers never lead
+        (ann(5, 10), [ann(2, 8, schema=b"t")], 0, set(), None),  # other tensors
+        (ann(5, 10, addr=""), [ann(6, 12)], 0, set(), 6),  # a client-only peer follows anyone open
+        (ann(5, 10), [ann(5, 10), ann(6, 12)], 0, set(), None),  # ourselves and later peers: lead
+    ],
+)
+def test_choose_leader(me, seen, now, declined, expected):
+    got = choose_leader(me, seen, now, declined)
+    assert (got.peer if got else None) == (pid(expected) if expected is not None else None)
+
+
+def test_waits_only_go_down_the_order_so_no_cycle_can_form():
+    """Whatever each peer has seen, the follow graph is acyclic: every edge goes to a smaller peer."""
+    rng = random.Random(11)
+    for _ in range(500):
+        anns = [ann(i, rng.choice([1.0, 2.0, 3.0]), addr=rng.choice(["x", "x", ""])) for i in range(1, 9)]
+        follows = {}
+        for a in anns:
+            seen = rng.sample(anns, rng.randint(0, len(anns)))
+            leader = choose_leader(a, seen, 0.0, set())
+            if leader is not None:
+                follows[a.peer] = leader
+                if a.can_lead:
+                    assert leader.order < a.order
+        for start in follows:  # walk the chain: it must end
+            node, steps = start, 0
+            while node in follows and steps <= len(anns):
+                node, steps = follows[node].peer, steps + 1
+            assert steps <= len(anns), "cycle in the follow graph"
+
+
+def test_announcement_round_trip_and_malformed():
+    a = ann(3, 12.5)
+    assert Announcement.from_bytes(a.peer, a.to_bytes()) == a
+    for bad in [b"\x90", b"\xc1", b"nonsense"]:
+        with pytest.raises(RemoteProtocolError):
+            Announcement.from_bytes(a.peer, bad)
+
+
+def test_gathering_admits_until_full_and_orders_members():
+    g = Gathering(Joiner(pid(9), "l", 1.0), b"s", target_size=3, min_size=2)
+    assert g.offer(Joiner(pid(5), "a", 1.0), b"t").startswith("schema mismatch")
+    assert g.offer(Joiner(pid(5), "a", 1.0), b"s") is None
+    assert g.offer(Joiner(pid(5), "a", 1.0), b"s") == "already in this group"
+    assert g.offer(Joiner(pid(2), "", 1.0), b"s") is None
+    assert g.full()
+    assert g.offer(Joiner(pid(3), "c", 1.0), b"s") == "the group is full"
+    members = g.form()
+    assert [m.peer for m in members] == [pid(9), pid(2), pid(5)]
+    assert g.offer(Joiner(pid(4), "d", 1.0), b"s") == "the group is already formed"
+
+
+def test_gathering_too_small_and_withdrawal():
+    g = Gathering(Joiner(pid(9), "l", 1.0), b"s", target_size=4, min_size=3)
+    g.offer(Joiner(pid(1), "a", 1.0), b"s")
+    g.offer(Joiner(pid(2), "b", 1.0), b"s")
+    g.withdraw(pid(2))
+    assert "only 2 of at least 3" in g.form()
+
+
+# ---- manifests and decisions ----
+
+
+def manifest(leader: Identity, others: list[Identity], total: int = 10) -> Manifest:
+    members = [leader, *others]
+    sizes = partition_sizes(total, [1.0] * len(members), [True] * len(members))
+    return Manifest(
+        round_id=b"r" * 16,
+        group_key="g",
+        members=tuple(MemberMsg(m.peer_id.digest, f"addr{i}", 1.0) for i, m in enumerate(members)),
+        sizes=tuple(sizes),
+        schema=(TensorSpec((2, 5), "float32"),),
+    )
+
+
+def test_signed_manifest_verifies_and_refuses_tampering_and_impostors():
+    leader, a, b = (Identity.from_seed(bytes([i]) * 32) for i in (1, 2, 3))
+    signed = SignedManifest.sign(leader, manifest(leader, [a, b]))
+    got = SignedManifest.verify(signed.envelope, leader.peer_id)
+    assert got.manifest == signed.manifest and got.digest == signed.digest
+    with pytest.raises(InvalidSignature):
+        SignedManifest.verify(signed.envelope, a.peer_id)
+    tampered = bytearray(signed.envelope)
+    tampered[-70] ^= 1
+    with pytest.raises(RemoteProtocolError):
+        SignedManifest.verify(bytes(tampered))
+    forged = SignedManifest.sign(a, manifest(leader, [a, b]))  # signed by someone not listed first
+    with pytest.raises(RemoteProtocolError, match="first member"):
+        SignedManifest.verify(forged.envelope)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"sizes": (5, 5, 1)}, "add up"),
+        ({"sizes": (5, 5)}, "one partition size"),
+        ({"compression": "zip"}, "zip"),
+        ({"schema": (TensorSpec((2, 5), "int64"),)}, "bad tensor spec"),
+        ({"round_id": b"short"}, "round id"),
+    ],
+)
+def test_manifest_check_refuses_inconsistent_manifests(change, match):
+    leader, a, b = (Identity.from_seed(bytes([i]) * 32) for i in (1, 2, 3))
+    m = manifest(leader, [a, b])
+    bad = Manifest(**{**{f: getattr(m, f) for f in m.__dataclass_fields__}, **change})
+    with pytest.raises(RemoteProtocolError, match=match):
+        bad.check()
+
+
+def test_decision_signed_by_the_coordinator_only():
+    coord, other = Identity.from_seed(b"\x01" * 32), Identity.from_seed(b"\x02" * 32)
+    d = Decision(b"d" * 16, contributors=(0, 2), weights=(1.0, 2.0))
+    assert open_decision(seal_decision(coord, d), coord.peer_id, b"d" * 16, 3) == d
+    with pytest.raises(InvalidSignature):
+        open_decision(seal_decision(other, d), coord.peer_id, b"d" * 16, 3)
+    with pytest.raises(RemoteProtocolError, match="another round"):
+        open_decision(seal_decision(coord, d), coord.peer_id, b"e" * 16, 3)
+    with pytest.raises(RemoteProtocolError, match="outside"):
+        open_decision(seal_decision(coord, d), coord.peer_id, b"d" * 16, 2)
+
+
+# ---- the coordinator ----
+
+
+def test_decision_with_every_report_keeps_everyone():
+    c = Coordinator(b"r", [3, 3, 4])
+    for r in range(3):
+        assert c.report(r, {0: 1.0, 1: 2.0, 2: 1.0}) is None
+    assert c.ready()
+    d = c.decide()
+    assert (d.contributors, d.weights, d.failed, d.abort) == ((0, 1, 2), (1.0, 2.0, 1.0), (), "")
+
+
+def test_partial_sender_is_left_out_everywhere():
+    c = Coordinator(b"r", [3, 3, 4])
+    c.report(0, {0: 1.0, 1: 1.0, 2: 1.0})
+    c.report(1, {0: 1.0, 1: 1.0})  # member 2 died before finishing its slice for reducer 1
+    c.report(2, {0: 1.0, 1: 1.0, 2: 1.0})
+    d = c.decide()
+    assert d.contributors == (0, 1)
+    assert "did not deliver" in excluded_reasons(d, 3, ["a", "b", "c"])[2]
+
+
+def test_silent_reducer_is_replaced_by_the_least_loaded_and_is_no_contributor():
+    c = Coordinator(b"r", [3, 5, 0, 4])
+    c.report(0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    c.report(3, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    assert not c.ready()
+    d = c.decide()
+    assert d.failed == (1,) and d.replacements == (0,)  # reducer 0 has 3 elements, reducer 3 has 4
+    assert d.contributors == (0, 2, 3)
+
+
+def test_inconsistent_weights_exclude_the_sender():
+    c = Coordinator(b"r", [2, 2])
+    c.report(0, {0: 1.0, 1: 5.0})
+    c.report(1, {0: 1.0, 1: 6.0})
+    assert c.decide().contributors == (0,)
+
+
+@pytest.mark.parametrize(
+    ("reports", "match"),
+    [({}, "no reducer reported"), ({0: {0: 1.0}, 1: {1: 1.0}}, "no member delivered")],
+)
+def test_abort_when_nothing_can_be_agreed(reports, match):
+    c = Coordinator(b"r", [2, 2])
+    for r, rep in reports.items():
+        c.report(r, rep)
+    assert match in c.decide().abort
+
+
+def test_reports_are_validated_and_the_decision_is_final():
+    c = Coordinator(b"r", [2, 0])
+    assert "reduces nothing" in c.report(1, {0: 1.0})
+    assert "invalid" in c.report(0, {7: 1.0})
+    assert "invalid" in c.report(0, {0: float("nan")})
+    assert c.report(0, {0: 1.0, 1: 1.0}) is None
+    assert "already reported" in c.report(0, {0: 1.0})
+    first = c.decide()
+    assert c.abort("late") is first
+    assert "already decided" in c.report(0, {0: 1.0})
+
+
+def test_unreachable_reducer_lets_the_coordinator_decide_early():
+    c = Coordinator(b"r", [2, 2])
+    c.report(0, {0: 1.0, 1: 1.0})
+    c.unreachable.add(1)
+    assert c.ready()
+    assert c.decide().failed == (1,)
+
+
+# ---- the reducer ----
+
+
+def test_reducer_recomputes_without_a_partial_sender_bit_for_bit():
+    mode = Compression.NONE
+    size = 300_000  # two chunks
+    xs = [torch.randn(size, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    red = PartitionReducer(size, mode)
+    red.add_local(0, xs[0], 1.0)
+    spans = red.spans
+    for sender in (1, 2):
+        for index, (a, b) in enumerate(spans):
+            if sender == 2 and index == 1:
+                break  # sender 2 died after its first chunk
+            red.add_chunk(sender, index, memoryview(bytearray(xs[sender][a:b].numpy().tobytes())), 2.0)
+        if sender == 1:
+            red.complete(1, 2.0)
+    got = red.finalize([0, 1], [1.0, 2.0])
+    clean = PartitionReducer(size, mode)
+    clean.add_local(0, xs[0], 1.0)
+    for index, (a, b) in enumerate(spans):
+        clean.add_chunk(1, index, memoryview(bytearray(xs[1][a:b].numpy().tobytes())), 2.0)
+    clean.complete(1, 2.0)
+    assert torch.equal(got, clean.finalize([0, 1], [1.0, 2.0]))
+    torch.testing.assert_close(got, (xs[0] + 2 * xs[1]) / 3)
+
+
+def test_reducer_refuses_malformed_chunks_without_touching_the_sum():
+    red = PartitionReducer(10, Compression.NONE)
+    with pytest.raises(RemoteProtocolError):
+        red.add_chunk(1, 0, memoryview(bytearray(12)), 1.0)
+    with pytest.raises(RemoteProtocolError):
+        red.add_chunk(1, 5, memoryview(bytearray(40)), 1.0)
+    nan = memoryview(bytearray(torch.full((10,), float("nan")).numpy().tobytes()))
+    with pytest.raises(RemoteProtocolError):
+        red.add_chunk(1, 0, nan, 1.0)
+    assert not red.touched and torch.equal(red.acc, torch.zeros(10))
