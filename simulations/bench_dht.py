@@ -120,6 +120,7 @@ class Plan:
     hivemind_nodes: int | None  # None: choose from the memory available
     hivemind_keys: int | None  # None: as many as p2ptrain attempted at the same size
     seed: int
+    replication: int = 5  # replicas per key on both sides: hivemind's default num_replicas
     gc: str = "relaxed"  # the workers' garbage collector: "relaxed" or Python's "default" (see GcClock)
     join_concurrency: int = 8  # p2ptrain nodes bootstrapping at once in each worker
     idle_timeout: float = 30.0  # p2ptrain connections idle this long close (bounds open sockets)
@@ -381,7 +382,7 @@ async def _p2ptrain_worker(
             host = Host(Identity.generate(), RUN_ID, config=host_cfg)
             host.on_connection(on_connection)
             await nursery.start(host.run, [(LOOPBACK, 0)])
-            dhts.append(DHT(host, config=DHTConfig()))
+            dhts.append(DHT(host, config=DHTConfig(replication=cfg["replication"])))
         emit({"ev": "listening", "addrs": [str(d.advertised_address()) for d in dhts], "fd_limit": fd_limit})
         async for cmd in commands:
             if cmd["cmd"] == "boot":
@@ -664,6 +665,7 @@ def run_p2ptrain(n: int, plan: Plan, log_info: bool, profile: str | None, gc_mod
         "profile": str(Path(profile).resolve()) if profile else None,
         "gc": gc_mode,
         "nodes": n,
+        "replication": plan.replication,
         "deadline_s": plan.start_timeout + 3 * plan.phase_timeout + 60,
     }
     argvs = [
@@ -809,7 +811,7 @@ def _hm_join(hivemind: Any, dhts: list[Any], cfg: dict[str, Any]) -> dict[str, A
     """Start the nodes in waves: each joins through the first node and a random node already running."""
     rng = random.Random(cfg["seed"])
     started = time.perf_counter()
-    dhts.append(hivemind.DHT(start=True, **HIVEMIND_LOOPBACK_ONLY))
+    dhts.append(hivemind.DHT(start=True, num_replicas=cfg["replication"], **HIVEMIND_LOOPBACK_ONLY))
     maddrs = [[str(m) for m in dhts[0].get_visible_maddrs()]]
     while len(dhts) < cfg["nodes"]:
         if mem_available_mb() < cfg["min_free_mb"]:
@@ -822,6 +824,7 @@ def _hm_join(hivemind: Any, dhts: list[Any], cfg: dict[str, Any]) -> dict[str, A
                     initial_peers=list(dict.fromkeys(peers)),
                     start=True,
                     await_ready=False,
+                    num_replicas=cfg["replication"],
                     **HIVEMIND_LOOPBACK_ONLY,
                 )
             )
@@ -998,6 +1001,7 @@ def run_hivemind(m: int, plan: Plan, python: str) -> dict[str, Any]:
         "nodes": m,
         "keys": plan.hivemind_keys or plan.keys,
         "seed": plan.seed,
+        "replication": plan.replication,
         "concurrency": plan.concurrency,
         "op_timeout": plan.op_timeout,
         "store_budget": plan.store_budget,
@@ -1264,6 +1268,9 @@ def main(argv: list[str] | None = None) -> int:
         default="relaxed",
         help="p2ptrain workers' garbage collector (relaxed: fewer full collections; see the module doc)",
     )
+    parser.add_argument(
+        "--replication", type=int, default=5, help="replicas per key, both systems (default 5, hivemind's)"
+    )
     parser.add_argument("--seed", type=int, default=1, help="random seed of the workload")
     parser.add_argument("--store-budget", type=float, help="seconds of stores per run (default 60)")
     parser.add_argument("--get-budget", type=float, help="seconds of gets per run (default 30)")
@@ -1299,6 +1306,7 @@ def main(argv: list[str] | None = None) -> int:
         hivemind_nodes=hm_nodes,
         hivemind_keys=args.hivemind_keys,
         seed=args.seed,
+        replication=args.replication,
         idle_timeout=args.idle_timeout,
         gc=args.gc,
     )
@@ -1310,6 +1318,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, get_budget=args.get_budget)
     base = f"python -m {MODULE}" + (" --quick" if args.quick else "")
     base += f" --keys {plan.keys} --procs {plan.procs} --concurrency {plan.concurrency}"
+    base += f" --replication {plan.replication}"
     base += "".join(
         f" --{k}-budget {v:g}" for k, v in (("store", args.store_budget), ("get", args.get_budget)) if v
     )
