@@ -5,12 +5,15 @@ The public API is what this module re-exports; everything else is internal and m
 
 __version__ = "0.1.0"
 
+from .averaging import Averager, AveragerConfig, Compression, RoundResult
 from .dht import DHT, DHTConfig, owned_subkey
 from .errors import (
     CallRefused,
     ConfigError,
     ConnectionClosed,
     DeadlineExceeded,
+    GroupFormationFailed,
+    GroupTooSmall,
     HandshakeRefused,
     IdentityError,
     InvalidSignature,
@@ -19,6 +22,9 @@ from .errors import (
     PeerUnavailable,
     RemoteCallError,
     RemoteProtocolError,
+    RoundAborted,
+    RoundTimedOut,
+    SchemaMismatch,
 )
 from .identity import Identity, PeerID, SignedEnvelope, load_identity, save_identity
 from .net import (
@@ -38,13 +44,18 @@ from .wire import Message, bounded
 
 __all__ = [
     "DHT",
+    "Averager",
+    "AveragerConfig",
     "CallContext",
     "CallRefused",
+    "Compression",
     "ConfigError",
     "Connection",
     "ConnectionClosed",
     "DHTConfig",
     "DeadlineExceeded",
+    "GroupFormationFailed",
+    "GroupTooSmall",
     "HandshakeRefused",
     "Host",
     "HostConfig",
@@ -64,8 +75,12 @@ __all__ = [
     "RemoteCallError",
     "RemoteProtocolError",
     "Reply",
+    "RoundAborted",
+    "RoundResult",
+    "RoundTimedOut",
     "RpcRegistry",
     "RpcStream",
+    "SchemaMismatch",
     "SignedEnvelope",
     "__version__",
     "bounded",

@@ -16,14 +16,16 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
 from . import __version__
+from .averaging import Averager, AveragerConfig, RoundResult
 from .dht.peers import Member, PeerRecord, announce, list_members
 from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, HandshakeRefused, P2PError
@@ -108,6 +110,7 @@ class NodeConfig:
     status_interval: float = 1.0
     host: HostConfig = field(default_factory=HostConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
+    averaging: AveragerConfig = field(default_factory=AveragerConfig)
     reconnect_max_delay: float = 30.0
     announce_ttl: float = 180.0
     members_interval: float = 5.0
@@ -139,6 +142,7 @@ class Node:
         )
         self.host.on_connection(self._on_connection)
         self.dht = DHT(self.host, config=config.dht, clock=clock)
+        self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
         self.members: list[Member] = []
         self.state = "starting"
         self.clock = clock
@@ -161,6 +165,7 @@ class Node:
                 for addr in self.config.join:
                     nursery.start_soon(self._keep_joined, addr)
                 await nursery.start(self.dht.run, list(self.config.join))
+                await nursery.start(self.averager.run)
                 nursery.start_soon(self._members_loop)
                 if self.config.status_file:
                     nursery.start_soon(self._status_loop)
@@ -170,6 +175,27 @@ class Node:
             self.state = "stopped"
             if self.config.status_file:
                 self.write_status()
+
+    async def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float = 1.0,
+        timeout: float = 60.0,
+        group_key: str = "default",
+        compression: str | None = None,
+    ) -> RoundResult:
+        """Average ``tensors`` in place with a group of this run's peers.
+
+        ``weight`` is this peer's share of the mean (for gradients, its sample count). Returns a
+        :class:`~p2ptrain.averaging.RoundResult` (contributors, total weight, who was left out and why).
+        Raises :class:`GroupTooSmall`, :class:`SchemaMismatch` or :class:`GroupFormationFailed` when no
+        group formed, :class:`RoundAborted` (or :class:`RoundTimedOut`) when the round failed; then the
+        tensors are unchanged.
+        """
+        return await self.averager.average(
+            tensors, weight=weight, timeout=timeout, group_key=group_key, compression=compression
+        )
 
     # ---- joining ----
 

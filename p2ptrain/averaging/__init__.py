@@ -1,1 +1,7 @@
-"""Averaging: matchmaking, partitions, the butterfly all-reduce and compression."""
+"""Averaging: matchmaking, bandwidth-weighted partitions, the butterfly all-reduce and compression."""
+
+from .allreduce import RoundResult
+from .averager import Averager, AveragerConfig
+from .compression import Compression
+
+__all__ = ["Averager", "AveragerConfig", "Compression", "RoundResult"]

@@ -109,6 +109,13 @@ def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
+def _mismatch(count: int, group_key: str) -> str:
+    return (
+        f"{count} peer(s) ready to average under {group_key!r} hold tensors of other shapes or dtypes,"
+        " or use another compression; no group with ours formed"
+    )
+
+
 def schema_digest(schema: tuple[TensorSpec, ...], mode: Compression) -> bytes:
     return hashlib.blake2b(pack([[s.to_obj() for s in schema], mode.value]), digest_size=16).digest()
 
@@ -121,7 +128,8 @@ class _Looking:
     group_key: str
     gathering: Gathering | None = None  # set while leading
     following: Announcement | None = None
-    formed: trio.Event | None = None
+    formed: trio.Event | None = None  # the leader decided: a manifest, a refusal, or a redirect
+    full: trio.Event | None = None  # wakes the leader: the last place was taken
     manifest: SignedManifest | None = None
     refusal: str = ""
 
@@ -292,17 +300,21 @@ class Averager:
         key = self._key(group_key)
         declined: set[PeerID] = set()
         refusals: list[str] = []
+        mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         try:
             await self._announce(key, me)
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
                 seen = await self._announcements(key)
+                mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = choose_leader(me, seen, self.clock(), declined)
                 if leader is None and me.can_lead:
                     signed = await self._lead(looking, key, declined, schema, mode, timeout)
                     if signed is not None:
                         return signed
                     if looking.gathering is not None:  # formed, but too small
+                        if mismatched:
+                            raise SchemaMismatch(_mismatch(len(mismatched), group_key))
                         raise GroupTooSmall(looking.refusal)
                     continue  # a smaller leader appeared: follow it
                 if leader is None:
@@ -315,8 +327,8 @@ class Averager:
                     return signed
                 declined.add(leader.peer)
                 refusals.append(f"{leader.peer.short()}: {why}")
-            if any("schema mismatch" in r for r in refusals):
-                raise SchemaMismatch("; ".join(refusals[-4:]))
+            if mismatched or any("schema mismatch" in r for r in refusals):
+                raise SchemaMismatch(_mismatch(len(mismatched), group_key) + " " + "; ".join(refusals[-4:]))
             raise GroupFormationFailed(
                 "no group formed in time" + (f" (refusals: {'; '.join(refusals[-4:])})" if refusals else "")
             )
@@ -359,10 +371,10 @@ class Averager:
         gathering = looking.gathering = Gathering(
             Joiner(me.peer, me.addr, me.bandwidth), me.schema, cfg.target_size, cfg.min_size
         )
-        looking.formed = trio.Event()
+        looking.formed, looking.full = trio.Event(), trio.Event()
         while not gathering.full() and self.clock() < me.deadline:
             with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
-                await looking.formed.wait()  # set early by a joiner that fills the group
+                await looking.full.wait()
             if gathering.full() or self.clock() >= me.deadline:
                 break
             smaller = choose_leader(me, await self._announcements(key), self.clock(), declined)
@@ -421,14 +433,14 @@ class Averager:
             return Reply(JoinResp(False, "not looking for a group under this key"))
         if looking.following is not None:
             return Reply(JoinResp(False, "following another leader", redirect=looking.following.addr))
-        gathering, formed = looking.gathering, looking.formed
-        if gathering is None or formed is None:
+        gathering, formed, full = looking.gathering, looking.formed, looking.full
+        if gathering is None or formed is None or full is None:
             return Reply(JoinResp(False, "not gathering a group yet"))
         why = gathering.offer(Joiner(ctx.peer, req.addr, req.bandwidth), req.schema_digest)
         if why:
             return Reply(JoinResp(False, why))
         if gathering.full():
-            formed.set()
+            full.set()
         try:
             await formed.wait()
         finally:

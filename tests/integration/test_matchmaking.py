@@ -1,0 +1,149 @@
+"""Matchmaking through the DHT, end to end: Nodes over the in-memory network on the virtual clock.
+
+What is proved here: peers that call ``average`` at different moments end up in one group led by the
+earliest, with exact results; more peers than the target size split into several complete groups and
+nobody waits forever (the deadlock-free order); a client-only peer joins and contributes; peers with other
+tensors get SchemaMismatch; too few peers get GroupTooSmall; and every outcome is typed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from p2ptrain import AveragerConfig, GroupTooSmall, Node, NodeConfig, RoundResult, SchemaMismatch
+from p2ptrain.errors import GroupFormationFailed
+from p2ptrain.identity import Identity
+from p2ptrain.net import MemoryNetwork
+
+PORT = 3000
+
+
+def identity(name: str) -> Identity:
+    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+
+
+@asynccontextmanager
+async def swarm(
+    n: int, avg: AveragerConfig, *, client_only: tuple[int, ...] = ()
+) -> AsyncIterator[list[Node]]:
+    net = MemoryNetwork(seed=4)
+    nodes: list[Node] = []
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            config = NodeConfig(
+                run_id="mm",
+                listen=() if i in client_only else ((f"n{i}", PORT),),
+                join=(nodes[0].addresses[0],) if nodes else (),
+                averaging=avg,
+            )
+            node = Node(identity(f"n{i}"), config, transport=net.transport(f"n{i}"), clock=trio.current_time)
+            nodes.append(await nursery.start(node.run))
+        for node in nodes:
+            await node.dht.bootstrapped.wait()
+        yield nodes
+        nursery.cancel_scope.cancel()
+
+
+def tensors_of(i: int) -> list[torch.Tensor]:
+    return [torch.full((1000,), float(i)), torch.arange(7, dtype=torch.float32) * (i + 1)]
+
+
+async def average_all(nodes: list[Node], delays: list[float], **kw) -> list[RoundResult | Exception]:
+    out: list[RoundResult | Exception] = [RuntimeError("not run")] * len(nodes)
+    inputs = [tensors_of(i) for i in range(len(nodes))]
+
+    async def one(i: int) -> None:
+        await trio.sleep(delays[i])
+        try:
+            out[i] = await nodes[i].average(inputs[i], weight=1.0, timeout=20.0, **kw)
+        except (GroupFormationFailed, SchemaMismatch) as e:
+            out[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(nodes)):
+            nursery.start_soon(one, i)
+    return out
+
+
+async def test_staggered_peers_form_one_group_with_exact_results(autojump_clock):
+    async with swarm(4, AveragerConfig(target_size=4, min_size=2, matchmaking_time=3.0)) as nodes:
+        with trio.fail_after(60):
+            results = await average_all(nodes, [0.0, 0.4, 0.9, 1.5])
+    for i, r in enumerate(results):
+        assert isinstance(r, RoundResult), f"node {i}: {r!r}"
+        assert r.group_size == 4 and len(r.contributors) == 4
+        assert torch.equal(r.tensors[0], torch.full((1000,), 1.5))
+        assert torch.allclose(r.tensors[1], torch.arange(7, dtype=torch.float32) * 2.5)
+    assert len({r.round for r in results}) == 1
+
+
+async def test_more_peers_than_the_target_split_into_groups_and_nobody_hangs(autojump_clock):
+    async with swarm(7, AveragerConfig(target_size=3, min_size=2, matchmaking_time=2.0)) as nodes:
+        with trio.fail_after(120):
+            results = await average_all(nodes, [0.1 * i for i in range(7)])
+    done = [r for r in results if isinstance(r, RoundResult)]
+    assert len(done) >= 6, results  # at most one peer is left without a partner
+    rounds: dict[bytes, list[RoundResult]] = {}
+    for r in done:
+        rounds.setdefault(r.round, []).append(r)
+    for members in rounds.values():
+        assert 2 <= len(members) <= 3
+        assert all(torch.equal(m.tensors[0], members[0].tensors[0]) for m in members)
+    for r in results:
+        assert isinstance(r, RoundResult | GroupFormationFailed)
+
+
+async def test_client_only_peer_joins_contributes_and_reduces_nothing(autojump_clock):
+    cfg = AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)
+    async with swarm(3, cfg, client_only=(2,)) as nodes:
+        assert nodes[2].dht.client_only
+        with trio.fail_after(60):
+            results = await average_all(nodes, [0.0, 0.2, 0.3])
+    for r in results:
+        assert isinstance(r, RoundResult), r
+        assert torch.equal(r.tensors[0], torch.full((1000,), 1.0))
+
+
+async def test_too_few_peers_is_a_typed_outcome_and_tensors_are_kept(autojump_clock):
+    async with swarm(2, AveragerConfig(target_size=4, min_size=3, matchmaking_time=2.0)) as nodes:
+        with trio.fail_after(60):
+            results = await average_all(nodes, [0.0, 0.1])
+    assert all(isinstance(r, GroupTooSmall | GroupFormationFailed) for r in results), results
+    assert any(isinstance(r, GroupTooSmall) for r in results)
+
+
+async def test_other_tensors_get_schema_mismatch(autojump_clock):
+    async with swarm(2, AveragerConfig(target_size=2, min_size=2, matchmaking_time=2.0)) as nodes:
+        out: list[object] = [None, None]
+
+        async def one(i: int, tensors: list[torch.Tensor]) -> None:
+            await trio.sleep(0.1 * i)
+            try:
+                out[i] = await nodes[i].average(tensors, timeout=10.0, compression="fp16" if i else "none")
+            except GroupFormationFailed as e:
+                out[i] = e
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, [torch.zeros(5)])
+                nursery.start_soon(one, 1, [torch.zeros(5)])
+    assert isinstance(out[1], SchemaMismatch), out
+    assert isinstance(out[0], GroupTooSmall | GroupFormationFailed), out
+
+
+async def test_bad_arguments_are_refused_before_any_network_traffic(autojump_clock):
+    async with swarm(1, AveragerConfig(target_size=2, min_size=2)) as nodes:
+        with pytest.raises(ValueError, match="weight"):
+            await nodes[0].average([torch.zeros(3)], weight=float("nan"))
+        with pytest.raises(ValueError, match="NaN"):
+            await nodes[0].average([torch.tensor([1.0, float("inf")])])
+        with pytest.raises(TypeError, match="dtype"):
+            await nodes[0].average([torch.zeros(3, dtype=torch.int64)])
+        with pytest.raises(ValueError, match="compression"):
+            await nodes[0].average([torch.zeros(3)], compression="zip")
