@@ -154,6 +154,11 @@ def _encode_int8(x: torch.Tensor) -> memoryview:
             raise ValueError("cannot encode a tensor that holds NaN or infinite values")
         scale = scales[row : row + rows.shape[0]]
         torch.div(absmax, 127.0, out=scale)
+        # near float32's max, absmax / 127 can round up so that decoding's scale * 127 overflows (and the
+        # decoder refuses it): step such scales down one ulp; the clamp below absorbs the tiny excess
+        too_big = torch.isinf(scale * 127)
+        if bool(too_big.any()):
+            scale.copy_(torch.where(too_big, torch.nextafter(scale, torch.zeros_like(scale)), scale))
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero blocks quantize to 0
         qrows.copy_(torch.div(rows, divisor[:, None]).round_().clamp_(-127, 127))
         row += rows.shape[0]

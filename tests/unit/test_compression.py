@@ -107,6 +107,16 @@ def test_bf16_clamps_values_that_would_round_to_infinity() -> None:
     assert max_error(x, y) <= error_bound(x, Compression.BF16)
 
 
+def test_int8_encodes_values_near_float32_max() -> None:
+    # FLT_MAX / 127 rounds up in float32, so the naive scale times 127 overflows and a decoder must
+    # refuse it: the encoder steps such a scale down instead and the round trip stays within the bound
+    x = torch.tensor([FLT_MAX, -FLT_MAX / 3, 1.0])
+    y = round_trip(x, Compression.INT8)
+    assert bool(torch.isfinite(y).all())
+    assert max_error(x, y) <= error_bound(x, Compression.INT8)
+    assert round_trip(torch.tensor([FLT_MAX]), Compression.INT8).item() > 0.99 * FLT_MAX
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_lossy_modes_match_torch_references(n: int) -> None:
     x = randn(n, seed=7) * 100
