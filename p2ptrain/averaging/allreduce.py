@@ -39,7 +39,7 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from .agreement import Coordinator, excluded_reasons
-from .compression import Compression, decode, encode
+from .compression import Compression, all_finite, decode, encode
 from .partition import chunks, offsets
 from .protocol import (
     FETCH,
@@ -76,6 +76,9 @@ class RoundResult:
     total_weight: float
     group_size: int
     excluded: dict[PeerID, str] = field(default_factory=dict)  # members left out, and why
+    round_seconds: float = 0.0  # from the manifest to holding the average
+    matchmaking_seconds: float = 0.0  # finding the group (0 when the caller brought the manifest)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds from the round's start to each phase
 
 
 FaultHook = Callable[["AllReduceRound", str], Awaitable[None]]
@@ -150,7 +153,12 @@ class AllReduceRound:
         self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
         self.finished = False  # this member's own part of the round is over (committed or aborted)
         self.done = trio.Event()  # no one needs this round any more
+        self.retired = trio.Event()  # the averager stopped serving it
         self.changed = _Signal()
+        self.phases: dict[str, float] = {}
+
+    def _mark(self, phase: str) -> None:
+        self.phases[phase] = round(trio.current_time() - self.start, 6)
 
     async def _point(self, name: str) -> None:
         if self.fault is not None:
@@ -185,10 +193,12 @@ class AllReduceRound:
                 if self.me in self.reducers:
                     senders.start_soon(self._await_slices)
         self.scatter_open = False
+        self._mark("scattered")
         if self.coordinator is not None:
             await self._point("decide")
             await self._coordinate()
         decision = await self._obtain_decision()
+        self._mark("decided")
         if decision.abort:
             raise RoundAborted(f"round aborted by the coordinator: {decision.abort}")
         async with trio.open_nursery() as nursery:
@@ -201,6 +211,7 @@ class AllReduceRound:
             for p, size in enumerate(self.sizes):
                 if size > 0:
                     nursery.start_soon(self._gather, p, self._holder(p, decision))
+        self._mark("gathered")
         missing = [p for p, s in enumerate(self.sizes) if s > 0 and p not in self.held]
         if missing:
             raise RoundTimedOut(
@@ -391,11 +402,15 @@ class AllReduceRound:
                         if p in self.held:  # another relay was faster; its bits are the same
                             return True
                         _store(target[a:b], data, mode)
+                    self.held.add(p)  # every byte is here: ours, whatever happens to the call now
+                    self.changed.fire()
+                    await stream.response()  # let the server finish (it counts who fetched)
         except (P2PError, trio.TooSlowError) as e:
+            if p in self.held:
+                return True
             if not relay:
                 log.info("could not fetch partition %d from %s: %s", p, self.name(frm), e)
             return False
-        self.held.add(p)
         self.changed.fire()
         return True
 
@@ -414,6 +429,8 @@ class AllReduceRound:
             total_weight=math.fsum(decision.weights),
             group_size=self.n,
             excluded={self.peers[i]: why for i, why in excluded_reasons(decision, self.n, names).items()},
+            round_seconds=trio.current_time() - self.start,
+            phases=self.phases,
         )
 
     # ---- the serving side (handlers) ---------------------------------------------------------------
@@ -531,7 +548,7 @@ def _store(target: torch.Tensor, data: memoryview, mode: Compression) -> None:
     if len(data) != 4 * target.numel():
         raise RemoteProtocolError(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")
     target.numpy()[:] = np.frombuffer(data, dtype=np.float32)
-    if not bool(torch.isfinite(target).all()):
+    if not all_finite(target):
         raise RemoteProtocolError("a reduced partition holds NaN or infinite values")
 
 

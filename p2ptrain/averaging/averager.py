@@ -34,7 +34,7 @@ from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from ..wire.codec import pack
 from .allreduce import AllReduceRound, FaultHook, RoundResult
-from .compression import Compression, parse_compression
+from .compression import Compression, all_finite, parse_compression
 from .matchmaking import Announcement, Gathering, Joiner, choose_leader
 from .partition import partition_sizes
 from .protocol import (
@@ -71,6 +71,7 @@ ROUND_WAIT = 10.0  # how long a call for a round we have not started yet waits f
 MAX_WAITING_CALLS = 256
 JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
 POLL = 0.5  # seconds between reads of the announcements while gathering or looking
+RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0)
     flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-    if not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise ValueError("tensors to average hold NaN or infinite values")
     return flat
 
@@ -197,8 +198,31 @@ class Averager:
         tensors = list(tensors)
         schema = schema_of(tensors)
         flat = _flatten(tensors)
+        began = trio.current_time()
         signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
-        return await self._run_round(signed, tensors, flat, weight)
+        matchmaking = trio.current_time() - began
+        result = await self._run_round(signed, tensors, flat, weight)
+        result.matchmaking_seconds = matchmaking
+        return result
+
+    async def form_group(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        timeout: float = 60.0,
+        group_key: str = "default",
+        compression: str | None = None,
+    ) -> SignedManifest:
+        """Only the matchmaking half of :meth:`average`: the signed manifest of the group found.
+
+        Every member must then call :meth:`run_round` with it soon (the others wait for a member's
+        slices only until the round's scatter deadline).
+        """
+        if self._looking is not None:
+            raise RuntimeError("an average() call is already in progress on this node")
+        mode = parse_compression(compression or self.config.compression)
+        schema = schema_of(list(tensors))
+        return await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
 
     async def run_round(
         self, signed: SignedManifest, tensors: Sequence[torch.Tensor], *, weight: float = 1.0
@@ -223,6 +247,15 @@ class Averager:
         self._start_round(rnd)
         return await rnd.run()
 
+    async def wait_idle(self) -> None:
+        """Wait until every round this node took part in is over for all its members (or timed out).
+
+        A member that committed may still be serving its partition to slower members; a process that
+        is about to exit calls this first.
+        """
+        while self._rounds:
+            await next(iter(self._rounds.values())).retired.wait()
+
     # ---- rounds ----
 
     def _start_round(self, rnd: AllReduceRound) -> None:
@@ -239,6 +272,7 @@ class Averager:
         self._rounds.pop(rnd.digest, None)
         for red in rnd.reducers.values():
             red.drop()
+        rnd.retired.set()
 
     async def _round(self, digest: bytes) -> AllReduceRound:
         rnd = self._rounds.get(digest)
@@ -298,7 +332,7 @@ class Averager:
         )
         looking = self._looking = _Looking(me, group_key)
         key = self._key(group_key)
-        declined: set[PeerID] = set()
+        declined: set[Announcement] = set()
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         try:
@@ -321,12 +355,16 @@ class Averager:
                     await trio.sleep(POLL)  # client-only: wait for someone to lead
                     continue
                 looking.following = leader
-                signed, why = await self._follow(leader, looking)
+                signed, why, retry = await self._follow(leader, looking)
                 looking.following = None
                 if signed is not None:
                     return signed
-                declined.add(leader.peer)
+                if retry:  # the leader is between states: ask again (or its own leader) shortly
+                    await trio.sleep(RETRY_JOIN)
+                    continue
+                declined.add(leader)
                 refusals.append(f"{leader.peer.short()}: {why}")
+                log.info("%s did not admit us to %s: %s", leader.peer.short(), group_key, why)
             if mismatched or any("schema mismatch" in r for r in refusals):
                 raise SchemaMismatch(_mismatch(len(mismatched), group_key) + " " + "; ".join(refusals[-4:]))
             raise GroupFormationFailed(
@@ -334,10 +372,11 @@ class Averager:
             )
         finally:
             self._looking = None
-            self.dht.unpublish(key, me.peer.digest)
+            if self._nursery is not None:  # so that nobody follows an announcement that is over
+                self._nursery.start_soon(self._announce, key, me.closed(), me.deadline + JOIN_GRACE + 1e-3)
 
-    async def _announce(self, key: bytes, me: Announcement) -> None:
-        ttl = me.deadline - self.clock() + JOIN_GRACE
+    async def _announce(self, key: bytes, me: Announcement, expiry: float | None = None) -> None:
+        ttl = (me.deadline + JOIN_GRACE if expiry is None else expiry) - self.clock()
         try:
             await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=me.peer.digest, sign=True)
         except P2PError as e:
@@ -361,7 +400,7 @@ class Averager:
         self,
         looking: _Looking,
         key: bytes,
-        declined: set[PeerID],
+        declined: set[Announcement],
         schema: tuple[TensorSpec, ...],
         mode: Compression,
         timeout: float,
@@ -405,7 +444,10 @@ class Averager:
         log.info("formed a group of %d for %s", len(members), looking.group_key)
         return looking.manifest
 
-    async def _follow(self, leader: Announcement, looking: _Looking) -> tuple[SignedManifest | None, str]:
+    async def _follow(
+        self, leader: Announcement, looking: _Looking
+    ) -> tuple[SignedManifest | None, str, bool]:
+        """Ask ``leader`` for a place: the manifest, or why not and whether asking again may help."""
         me = looking.me
         wait = max(0.0, leader.deadline - self.clock()) + JOIN_GRACE
         try:
@@ -415,27 +457,29 @@ class Averager:
                     JOIN, JoinReq(looking.group_key, me.schema, me.addr, me.bandwidth), timeout=wait
                 )
         except (P2PError, trio.TooSlowError) as e:
-            return None, f"unreachable ({e})"
+            return None, f"unreachable ({e})", False
         if not reply.message.accepted:
-            return None, reply.message.reason or "refused"
+            return None, reply.message.reason or "refused", reply.message.retry
         try:
             signed = SignedManifest.verify(bytes(reply.body), leader.peer)
         except P2PError as e:
             log.warning("bad manifest from %s: %s", leader.peer.short(), e)
-            return None, f"bad manifest: {e}"
+            return None, f"bad manifest: {e}", False
         if me.peer not in signed.manifest.peers():
-            return None, "the manifest does not list us"
-        return signed, ""
+            return None, "the manifest does not list us", False
+        return signed, "", False
 
     async def _on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
         looking = self._looking
         if looking is None or looking.group_key != req.group_key:
             return Reply(JoinResp(False, "not looking for a group under this key"))
         if looking.following is not None:
-            return Reply(JoinResp(False, "following another leader", redirect=looking.following.addr))
+            return Reply(
+                JoinResp(False, "following another leader", redirect=looking.following.addr, retry=True)
+            )
         gathering, formed, full = looking.gathering, looking.formed, looking.full
         if gathering is None or formed is None or full is None:
-            return Reply(JoinResp(False, "not gathering a group yet"))
+            return Reply(JoinResp(False, "not gathering a group yet", retry=True))
         why = gathering.offer(Joiner(ctx.peer, req.addr, req.bandwidth), req.schema_digest)
         if why:
             return Reply(JoinResp(False, why))

@@ -44,6 +44,10 @@ class Announcement:
     def can_lead(self) -> bool:
         return bool(self.addr)
 
+    def closed(self) -> Announcement:
+        """The same peer, no longer open: stored over the open announcement once a group formed."""
+        return Announcement(self.peer, self.addr, 0.0, self.bandwidth, self.schema)
+
     def to_bytes(self) -> bytes:
         return pack([self.addr, self.deadline, self.bandwidth, self.schema])
 
@@ -69,12 +73,14 @@ class Announcement:
 
 
 def choose_leader(
-    me: Announcement, seen: Iterable[Announcement], now: float, declined: set[PeerID]
+    me: Announcement, seen: Iterable[Announcement], now: float, declined: set[Announcement]
 ) -> Announcement | None:
     """The peer to ask for a place, or None when this peer should gather a group itself.
 
-    Candidates can lead, are still open (deadline in the future), have not refused us, and come before
-    us in the order. Peers with another schema are skipped: they could never admit us.
+    Candidates can lead, are still open (deadline in the future), have not refused us under this very
+    announcement (a peer that refused while it was busy with its previous round may be asked again once
+    it announces anew), and come before us in the order. Peers with another schema are skipped: they
+    could never admit us.
     """
     best: Announcement | None = None
     for a in seen:
@@ -82,7 +88,7 @@ def choose_leader(
             a.peer == me.peer
             or not a.can_lead
             or a.deadline <= now
-            or a.peer in declined
+            or a in declined
             or a.schema != me.schema
             or (me.can_lead and a.order >= me.order)
         ):

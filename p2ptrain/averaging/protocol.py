@@ -195,6 +195,7 @@ class JoinResp(Message):
     accepted: bool = False
     reason: str = bounded("", max_len=512)
     redirect: str = bounded("", max_len=300)  # the address of the leader the callee follows
+    retry: bool = False  # the refusal is transient (the callee is between states): ask again soon
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import RemoteProtocolError
-from .compression import Compression, accumulate, decode, encode, encoded_size
+from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
 
 
@@ -58,9 +58,20 @@ class PartitionReducer:
             raise RemoteProtocolError(
                 f"chunk {index} has {len(data)} bytes, expected {self.chunk_bytes(index)}"
             )
-        accumulate(self.acc[a:b], data, self.mode, weight)  # validates values before adding anything
+        self._add(index, data, weight)
         self.touched.add(sender)
         self._kept.setdefault(sender, []).append(data)
+
+    def _add(self, index: int, data: memoryview, weight: float) -> None:
+        """Add a well-sized chunk's values times ``weight``; nothing is added if any value is bad."""
+        a, b = self.spans[index]
+        if self.mode is Compression.NONE and len(data):  # straight from the frame: no decoded copy
+            values = torch.frombuffer(data, dtype=torch.float32)
+            if not all_finite(values):
+                raise RemoteProtocolError("a slice holds NaN or infinite values")
+            self.acc[a:b].add_(values if weight == 1.0 else values * weight)
+        else:
+            accumulate(self.acc[a:b], data, self.mode, weight)
 
     def complete(self, sender: int, weight: float) -> None:
         self.delivered[sender] = weight
@@ -91,9 +102,9 @@ class PartitionReducer:
         if len(kept) == 1 and isinstance(kept[0], torch.Tensor):
             self.acc.add_(kept[0] * weight)
             return
-        for (a, b), data in zip(self.spans, kept, strict=True):
+        for index, data in enumerate(kept):
             assert isinstance(data, memoryview)
-            accumulate(self.acc[a:b], data, self.mode, weight)
+            self._add(index, data, weight)
 
     def drop(self) -> None:
         """Free the buffers (the round ended)."""

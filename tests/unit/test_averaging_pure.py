@@ -108,7 +108,8 @@ def ann(i: int, deadline: float, addr: str = "x", schema: bytes = b"s") -> Annou
         (ann(5, 10), [ann(1, 8), ann(2, 8)], 0, set(), 1),  # equal deadlines: the smaller id
         (ann(1, 8), [ann(2, 8), ann(3, 9)], 0, set(), None),  # nobody before us: we lead
         (ann(5, 10), [ann(2, 8)], 8.5, set(), None),  # closed (deadline passed)
-        (ann(5, 10), [ann(2, 8), ann(3, 9)], 0, {pid(2)}, 3),  # refused us: next one
+        (ann(5, 10), [ann(2, 8), ann(3, 9)], 0, {ann(2, 8)}, 3),  # refused us: next one
+        (ann(5, 10), [ann(2, 9), ann(3, 9)], 0, {ann(2, 8)}, 2),  # refused, but announced anew since
         (ann(5, 10), [ann(2, 8, addr="")], 0, set(), None),  # client-only peers never lead
         (ann(5, 10), [ann(2, 8, schema=b"t")], 0, set(), None),  # other tensors
         (ann(5, 10, addr=""), [ann(6, 12)], 0, set(), 6),  # a client-only peer follows anyone open

@@ -13,6 +13,7 @@ from p2ptrain.averaging.compression import (
     INT8_BLOCK,
     Compression,
     accumulate,
+    all_finite,
     chunk_elements,
     decode,
     encode,
@@ -306,3 +307,12 @@ def test_error_never_exceeds_the_stated_bound(values: list[float], mode: Compres
     y = round_trip(x, mode)
     assert bool(torch.isfinite(y).all())
     assert max_error(x, y) <= error_bound(x, mode)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 1, 999])
+def test_all_finite_finds_any_nan_or_infinity(bad: float, where: int) -> None:
+    x = randn(1000, seed=11)
+    assert all_finite(x) and all_finite(torch.empty(0))
+    x[where] = bad
+    assert not all_finite(x)
