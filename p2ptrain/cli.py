@@ -1,4 +1,4 @@
-"""The ``p2ptrain`` command: keygen, id, node, ping, simulate.
+"""The ``p2ptrain`` command: keygen, id, node, average, ping, peers, simulate.
 
 Every failure a user can cause (bad flag, unreadable key, unreachable peer, refused handshake) ends
 with one line on stderr that says what went wrong, and a non-zero exit status.
@@ -16,11 +16,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 import trio
 from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from .averaging import AveragerConfig, Compression
 from .dht.peers import Member, list_members
 from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, IdentityError, P2PError, PeerUnavailable
@@ -107,21 +109,70 @@ def _node_identity(args: argparse.Namespace) -> Identity:
     return identity
 
 
-def cmd_node(args: argparse.Namespace) -> int:
-    config = NodeConfig(
+def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
+    return NodeConfig(
         run_id=validate_run_id(args.run_id),
         listen=tuple(parse_listen(x) for x in (args.listen or ["0.0.0.0:31337"])),
         announce_host=args.announce,
         join=tuple(_parse_address(x) for x in args.join or []),
         status_file=Path(args.status_file) if args.status_file else None,
+        averaging=averaging or AveragerConfig(),
     )
-    node = Node(_node_identity(args), config)
+
+
+def _run_node(fn: Callable[..., Awaitable[T]], node: Node, *args: object) -> T:
     try:
-        run_trio(_serve_node, node)
+        return run_trio(fn, node, *args)
     except OSError as e:
-        listen = ", ".join(f"{h}:{p}" for h, p in config.listen)
+        listen = ", ".join(f"{h}:{p}" for h, p in node.config.listen)
         raise UsageError(f"cannot listen on {listen}: {e.strerror or e}") from None
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    _run_node(_serve_node, Node(_node_identity(args), _node_config(args)))
     return 0
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    try:
+        averaging = AveragerConfig(
+            target_size=args.group_size,
+            min_size=args.min_size or args.group_size,
+            matchmaking_time=args.matchmaking_time,
+            bandwidth=args.bandwidth * 1e6,
+            compression=args.compression,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.mb < 0 or args.rounds < 0:
+        raise UsageError("--mb and --rounds must not be negative")
+    node = Node(_node_identity(args), _node_config(args, averaging))
+    committed = _run_node(_average_rounds, node, args)
+    return 0 if committed or args.rounds == 0 else 1
+
+
+async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
+    from .averaging.synthetic import run_rounds
+
+    # Chunk-sized tensor ops gain nothing from a thread pool, and pools of processes sharing cores
+    # spin against each other.
+    torch.set_num_threads(1)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        for addr in node.addresses:
+            print(addr, flush=True)
+        committed = await run_rounds(
+            node,
+            numel=int(args.mb * 1e6) // 4,
+            rounds=args.rounds,
+            timeout=args.timeout,
+            compression=args.compression,
+        )
+        with trio.move_on_after(args.timeout):  # slower members may still be fetching from us
+            await node.averager.wait_idle()
+        nursery.cancel_scope.cancel()
+    return committed
 
 
 async def _serve_node(node: Node) -> None:
@@ -225,6 +276,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 # ---- parser ----------------------------------------------------------------------------------------
 
 
+def _node_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--listen", action="append", metavar="HOST:PORT", help="default 0.0.0.0:31337; repeatable")
+    s.add_argument(
+        "--announce", metavar="HOST", help="host to put in the join address (behind NAT, in containers)"
+    )
+    s.add_argument("--join", action="append", metavar="ADDR", help="a peer's address; repeatable")
+    s.add_argument("--identity", metavar="KEYFILE", help="key file (default: one kept in the data directory)")
+    s.add_argument(
+        "--data-dir", metavar="DIR", help="default $XDG_DATA_HOME/p2ptrain or ~/.local/share/p2ptrain"
+    )
+    s.add_argument("--run-id", default="default", help="peers only talk within the same run id")
+    s.add_argument("--status-file", metavar="PATH", help="JSON status, rewritten atomically every second")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="p2ptrain", description="Decentralized peer-to-peer training.")
     p.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
@@ -245,18 +310,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_id)
 
     s = sub.add_parser("node", help="run a node")
-    s.add_argument("--listen", action="append", metavar="HOST:PORT", help="default 0.0.0.0:31337; repeatable")
-    s.add_argument(
-        "--announce", metavar="HOST", help="host to put in the join address (behind NAT, in containers)"
-    )
-    s.add_argument("--join", action="append", metavar="ADDR", help="a peer's address; repeatable")
-    s.add_argument("--identity", metavar="KEYFILE", help="key file (default: one kept in the data directory)")
-    s.add_argument(
-        "--data-dir", metavar="DIR", help="default $XDG_DATA_HOME/p2ptrain or ~/.local/share/p2ptrain"
-    )
-    s.add_argument("--run-id", default="default", help="peers only talk within the same run id")
-    s.add_argument("--status-file", metavar="PATH", help="JSON status, rewritten atomically every second")
+    _node_flags(s)
     s.set_defaults(func=cmd_node)
+
+    s = sub.add_parser(
+        "average",
+        help="run a node that averages synthetic tensors with its peers, round after round",
+        description="A check of connectivity and speed: each round prints one JSON line (time, group,"
+        " contributors, who was left out and why, error against the exact mean).",
+    )
+    _node_flags(s)
+    s.add_argument("--mb", type=float, default=10.0, help="megabytes of float32 to average (default 10)")
+    s.add_argument("--rounds", type=int, default=3, help="rounds to run; 0: until stopped (default 3)")
+    s.add_argument("--group-size", type=int, default=2, help="target group size (default 2)")
+    s.add_argument("--min-size", type=int, help="smallest group worth a round (default: the target)")
+    s.add_argument("--timeout", type=float, default=60.0, help="seconds one round may take (default 60)")
+    s.add_argument("--matchmaking-time", type=float, default=5.0, help="seconds a leader gathers (default 5)")
+    s.add_argument("--bandwidth", type=float, default=100.0, help="this host's MB/s, sets its share")
+    s.add_argument("--compression", default="none", choices=[c.value for c in Compression])
+    s.set_defaults(func=cmd_average)
 
     s = sub.add_parser("ping", help="connect to a peer, complete the handshake, measure round trips")
     s.add_argument("address", help="/ip4/HOST/tcp/PORT/p2p/PEERID (or HOST:PORT, unverified)")
@@ -284,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level or ("info" if args.command in ("node", "simulate") else "warning"))
+    verbose = args.command in ("node", "average", "simulate")
+    _setup_logging(args.log_level or ("info" if verbose else "warning"))
     try:
         return int(args.func(args))
     except UsageError as e:

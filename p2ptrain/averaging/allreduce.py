@@ -184,6 +184,8 @@ class AllReduceRound:
                 self.done.set()
 
     async def _run(self) -> RoundResult:
+        n = sum(x > 0 for x in self.sizes)
+        log.debug("round %s: scattering to %d reducers", self.digest.hex()[:8], n)
         await self._point("before_send")
         with trio.move_on_at(self.deadline["scatter"]):
             async with trio.open_nursery() as senders:
