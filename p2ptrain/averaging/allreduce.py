@@ -39,6 +39,7 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from .agreement import Coordinator, excluded_reasons
+from .buffers import BufferPool
 from .compression import Compression, all_finite, decode, encode
 from .partition import chunks, offsets
 from .protocol import (
@@ -113,8 +114,10 @@ class AllReduceRound:
         *,
         clock_start: float | None = None,
         fault: FaultHook | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         self.fault = fault
+        self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
         m = signed.manifest
         self.host, self.signed, self.manifest = host, signed, m
         self.digest = signed.digest
@@ -138,7 +141,7 @@ class AllReduceRound:
         }
         self.reducers: dict[int, PartitionReducer] = {}
         if self.sizes[self.me] > 0:
-            own = PartitionReducer(self.sizes[self.me], self.mode)
+            own = PartitionReducer(self.sizes[self.me], self.mode, self._buffer(self.sizes[self.me]))
             own.add_local(self.me, self._slice(self.me), weight)
             self.reducers[self.me] = own
         self.scatter_open = True
@@ -154,8 +157,28 @@ class AllReduceRound:
         self.finished = False  # this member's own part of the round is over (committed or aborted)
         self.done = trio.Event()  # no one needs this round any more
         self.retired = trio.Event()  # the averager stopped serving it
+        self.streaming = 0  # handlers sending from ``flat`` or an accumulator right now
+        self.released = False
         self.changed = _Signal()
         self.phases: dict[str, float] = {}
+
+    def _buffer(self, numel: int) -> torch.Tensor | None:
+        return None if self.pool is None else self.pool.take(numel)
+
+    def retire(self) -> None:
+        """No new call is served from now on; the buffers are released once the last stream ends."""
+        for red in self.reducers.values():
+            red.drop()
+        self.retired.set()
+        self._release()
+
+    def _release(self) -> None:
+        if self.pool is None or self.released or self.streaming or not self.retired.is_set():
+            return
+        self.released = True
+        for red in self.reducers.values():
+            self.pool.give(red.acc)
+        self.pool.give(self.flat)
 
     def _mark(self, phase: str) -> None:
         self.phases[phase] = round(trio.current_time() - self.start, 6)
@@ -335,7 +358,7 @@ class AllReduceRound:
     def _prepare_replacements(self, decision: Decision) -> None:
         for f, r in zip(decision.failed, decision.replacements, strict=True):
             if r == self.me and f not in self.reducers:
-                red = PartitionReducer(self.sizes[f], self.mode)
+                red = PartitionReducer(self.sizes[f], self.mode, self._buffer(self.sizes[f]))
                 if self.me in decision.contributors:
                     red.add_local(self.me, self._slice(f), self.weight)
                 self.reducers[f] = red
@@ -510,25 +533,35 @@ class AllReduceRound:
         event = self.finalized.setdefault(req.partition, trio.Event())
         with trio.move_on_at(self.deadline["gather"]):
             await event.wait()
-        if red.encoded is None:
+        if red.encoded is None or self.retired.is_set():
             return Ack(False, f"partition {req.partition} was not reduced in time")
-        for index, piece in enumerate(red.encoded):
-            await stream.send(piece)
-            if index == 0:
-                await self._point("during_gather")
-        await stream.send_eof()
+        self.streaming += 1
+        try:
+            for index, piece in enumerate(red.encoded):
+                await stream.send(piece)
+                if index == 0:
+                    await self._point("during_gather")
+            await stream.send_eof()
+        finally:
+            self.streaming -= 1
+            self._release()
         self._served(member)
         return Ack(True)
 
     async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         self._sender(ctx)
         p = req.partition
-        if p >= self.n or p not in self.held:
+        if p >= self.n or p not in self.held or self.retired.is_set():
             return Ack(False, f"partition {p} is not held here")
         values = self._slice(p)
-        for a, b in chunks(self.sizes[p], Compression.NONE):
-            await stream.send(_encoded(values[a:b], Compression.NONE))
-        await stream.send_eof()
+        self.streaming += 1
+        try:
+            for a, b in chunks(self.sizes[p], Compression.NONE):
+                await stream.send(_encoded(values[a:b], Compression.NONE))
+            await stream.send_eof()
+        finally:
+            self.streaming -= 1
+            self._release()
         return Ack(True)
 
     def _served(self, member: int) -> None:

@@ -34,6 +34,7 @@ from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from ..wire.codec import pack
 from .allreduce import AllReduceRound, FaultHook, RoundResult
+from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression
 from .matchmaking import Announcement, Gathering, Joiner, choose_leader
 from .partition import partition_sizes
@@ -71,6 +72,7 @@ ROUND_WAIT = 10.0  # how long a call for a round we have not started yet waits f
 MAX_WAITING_CALLS = 256
 JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
 POLL = 0.5  # seconds between reads of the announcements while gathering or looking
+EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
 RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
 
 
@@ -101,11 +103,16 @@ def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(0)
-    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> torch.Tensor:
+    """One float32 copy of ``tensors`` end to end, in a buffer from ``pool``; ValueError on NaN or inf."""
+    flat = pool.take(sum(t.numel() for t in tensors))
+    off = 0
+    with torch.no_grad():
+        for t in tensors:
+            flat[off : off + t.numel()].copy_(t.detach().reshape(-1))  # converts dtype and device
+            off += t.numel()
     if not all_finite(flat):
+        pool.give(flat)
         raise ValueError("tensors to average hold NaN or infinite values")
     return flat
 
@@ -150,6 +157,8 @@ class Averager:
         self.config = config or AveragerConfig()
         self.clock = clock
         self._rounds: dict[bytes, AllReduceRound] = {}
+        self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
+        self._pool = BufferPool()  # flat copies and accumulators, reused across rounds
         self._round_started: dict[bytes, trio.Event] = {}
         self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
@@ -197,7 +206,7 @@ class Averager:
         mode = parse_compression(compression or self.config.compression)
         tensors = list(tensors)
         schema = schema_of(tensors)
-        flat = _flatten(tensors)
+        flat = _flatten(tensors, self._pool)
         began = trio.current_time()
         signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
         matchmaking = trio.current_time() - began
@@ -233,7 +242,7 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
         tensors = list(tensors)
-        return await self._run_round(signed, tensors, _flatten(tensors), weight)
+        return await self._run_round(signed, tensors, _flatten(tensors, self._pool), weight)
 
     async def _run_round(
         self, signed: SignedManifest, tensors: list[torch.Tensor], flat: torch.Tensor, weight: float
@@ -243,7 +252,7 @@ class Averager:
             raise SchemaMismatch("the group's manifest describes other tensors than ours")
         if self.host.identity.peer_id not in m.peers():
             raise GroupFormationFailed("the manifest does not list this peer")
-        rnd = AllReduceRound(self.host, signed, flat, weight, tensors, fault=self.fault)
+        rnd = AllReduceRound(self.host, signed, flat, weight, tensors, fault=self.fault, pool=self._pool)
         self._start_round(rnd)
         return await rnd.run()
 
@@ -270,9 +279,7 @@ class Averager:
         with trio.move_on_at(rnd.end):
             await rnd.done.wait()
         self._rounds.pop(rnd.digest, None)
-        for red in rnd.reducers.values():
-            red.drop()
-        rnd.retired.set()
+        rnd.retire()
 
     async def _round(self, digest: bytes) -> AllReduceRound:
         rnd = self._rounds.get(digest)
@@ -336,7 +343,7 @@ class Averager:
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         try:
-            await self._announce(key, me)
+            await self._announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
                 seen = await self._announcements(key)
@@ -373,10 +380,25 @@ class Averager:
         finally:
             self._looking = None
             if self._nursery is not None:  # so that nobody follows an announcement that is over
-                self._nursery.start_soon(self._announce, key, me.closed(), me.deadline + JOIN_GRACE + 1e-3)
+                expiry = self._expiry(key, me.deadline + JOIN_GRACE)
+                self._nursery.start_soon(self._announce, key, me.closed(), expiry)
 
-    async def _announce(self, key: bytes, me: Announcement, expiry: float | None = None) -> None:
-        ttl = (me.deadline + JOIN_GRACE if expiry is None else expiry) - self.clock()
+    def _expiry(self, key: bytes, wanted: float) -> float:
+        """The expiry for our next announcement under ``key``: later than every earlier one.
+
+        The DHT keeps the entry with the latest expiry, and the stores run concurrently: a closed
+        announcement still in flight must not win over the next round's open one, however soon after
+        it comes (with a fast round, the deadlines alone can be too close to tell apart).
+        """
+        now = self.clock()
+        for k in [k for k, e in self._expiries.items() if e < now]:
+            del self._expiries[k]
+        expiry = max(wanted, self._expiries.get(key, 0.0) + EXPIRY_STEP)
+        self._expiries[key] = expiry
+        return expiry
+
+    async def _announce(self, key: bytes, me: Announcement, expiry: float) -> None:
+        ttl = expiry - self.clock()
         try:
             await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=me.peer.digest, sign=True)
         except P2PError as e:

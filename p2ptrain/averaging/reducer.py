@@ -25,11 +25,14 @@ from .partition import chunks
 class PartitionReducer:
     """Accumulates the slices of one partition from the members of a round."""
 
-    def __init__(self, size: int, mode: Compression) -> None:
+    def __init__(self, size: int, mode: Compression, buffer: torch.Tensor | None = None) -> None:
+        """``buffer``: ``size`` float32 elements to accumulate in (reused memory; it is cleared)."""
         self.size = size
         self.mode = mode
         self.spans = list(chunks(size, mode))
-        self.acc = torch.zeros(size, dtype=torch.float32)
+        if buffer is not None and (buffer.numel() != size or buffer.dtype != torch.float32):
+            raise ValueError(f"the accumulator must hold {size} float32 elements")
+        self.acc = torch.zeros(size, dtype=torch.float32) if buffer is None else buffer.zero_()
         self.touched: set[int] = set()  # senders with anything in ``acc``
         self.delivered: dict[int, float] = {}  # sender -> weight, for complete slices
         self._kept: dict[int, list[torch.Tensor | memoryview]] = {}
@@ -44,8 +47,11 @@ class PartitionReducer:
         """The reducer's own slice: uncompressed, never on the wire."""
         if values.numel() != self.size:
             raise ValueError("a slice must cover the whole partition")
+        if self.touched:
+            self.acc.add_(values * weight)
+        else:  # the first slice: no temporary the size of the partition
+            torch.mul(values, weight, out=self.acc)
         self.touched.add(sender)
-        self.acc.add_(values * weight)
         self._kept[sender] = [values]
         self.delivered[sender] = weight
 

@@ -147,3 +147,25 @@ async def test_bad_arguments_are_refused_before_any_network_traffic(autojump_clo
             await nodes[0].average([torch.zeros(3, dtype=torch.int64)])
         with pytest.raises(ValueError, match="compression"):
             await nodes[0].average([torch.zeros(3)], compression="zip")
+
+
+async def test_rounds_reuse_their_buffers(autojump_clock):
+    def kept(node: Node) -> set[int]:
+        return {t.data_ptr() for ts in node.averager._pool._free.values() for t in ts}
+
+    async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
+        with trio.fail_after(120):
+            first = await average_all(nodes, [0.0, 0.0, 0.0])
+            for node in nodes:
+                await node.averager.wait_idle()
+            after_first = [kept(node) for node in nodes]
+            second = await average_all(nodes, [0.0, 0.0, 0.0])  # at once: the announcements must not clash
+            for node in nodes:
+                await node.averager.wait_idle()
+            after_second = [kept(node) for node in nodes]
+    for a, b in zip(first, second, strict=True):
+        assert isinstance(a, RoundResult) and isinstance(b, RoundResult), (a, b)
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
+    # every member got its flat copy and accumulator back, and the second round used those very buffers
+    assert all(len(k) == 2 for k in after_first), after_first
+    assert after_second == after_first
