@@ -151,17 +151,19 @@ class DHT:
         Reports readiness at once (a node whose join peers are down still starts, and keeps trying to
         join with capped backoff); :attr:`bootstrapped` is set once it has joined.
         """
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
                 task_status.started(self)
                 if bootstrap:
                     await self.bootstrap(bootstrap, attempts=None)
                 else:
                     self.bootstrapped.set()
                 await self._maintain()
-        finally:
-            self._nursery = None  # the host may still serve calls: they must not spawn into a closed nursery
+            finally:
+                # The host may still serve calls, and they must not spawn into a closing nursery: trio
+                # closes it when its last child ends, and other tasks run before this one resumes.
+                self._nursery = None
 
     async def bootstrap(self, addresses: list[PeerAddress], *, attempts: int | None = 5) -> int:
         """Join through ``addresses``, retrying with capped backoff (``attempts=None``: until it works).
