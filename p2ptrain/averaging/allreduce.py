@@ -115,7 +115,10 @@ class AllReduceRound:
         clock_start: float | None = None,
         fault: FaultHook | None = None,
         pool: BufferPool | None = None,
+        source: torch.Tensor | None = None,
     ) -> None:
+        """``flat`` receives the averaged values (and holds this member's own values too unless
+        ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written)."""
         self.fault = fault
         self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
         m = signed.manifest
@@ -128,6 +131,7 @@ class AllReduceRound:
         self.sizes = list(m.sizes)
         self.offsets = offsets(self.sizes)
         self.flat, self.weight, self.tensors = flat, weight, tensors
+        self.source = flat if source is None else source
         start = trio.current_time() if clock_start is None else clock_start
         self.start, self.end = start, start + m.timeout
         self.deadline = {
@@ -142,7 +146,7 @@ class AllReduceRound:
         self.reducers: dict[int, PartitionReducer] = {}
         if self.sizes[self.me] > 0:
             own = PartitionReducer(self.sizes[self.me], self.mode, self._buffer(self.sizes[self.me]))
-            own.add_local(self.me, self._slice(self.me), weight)
+            own.add_local(self.me, self._own(self.me), weight)
             self.reducers[self.me] = own
         self.scatter_open = True
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
@@ -187,7 +191,12 @@ class AllReduceRound:
         if self.fault is not None:
             await self.fault(self, name)
 
+    def _own(self, p: int) -> torch.Tensor:
+        """This member's own values in partition ``p`` (what it sends)."""
+        return self.source[self.offsets[p] : self.offsets[p + 1]]
+
     def _slice(self, p: int) -> torch.Tensor:
+        """Where partition ``p``'s average goes (the same memory as ``_own`` unless a source was given)."""
         return self.flat[self.offsets[p] : self.offsets[p + 1]]
 
     def name(self, i: int) -> str:
@@ -248,7 +257,7 @@ class AllReduceRound:
     async def _send_slice(self, p: int, to: int, deadline: float | None = None) -> None:
         """Stream my slice of partition ``p`` to member ``to``."""
         addr = self.manifest.members[to].addr
-        values = self._slice(p)
+        values = self._own(p)
         try:
             with trio.fail_after(max(0.0, (deadline or self.deadline["scatter"]) - trio.current_time())):
                 conn = await self.host.connect(addr)
@@ -360,7 +369,7 @@ class AllReduceRound:
             if r == self.me and f not in self.reducers:
                 red = PartitionReducer(self.sizes[f], self.mode, self._buffer(self.sizes[f]))
                 if self.me in decision.contributors:
-                    red.add_local(self.me, self._slice(f), self.weight)
+                    red.add_local(self.me, self._own(f), self.weight)
                 self.reducers[f] = red
         if self.me in decision.failed:  # we were too slow to report: our partition went elsewhere
             self.reducers.pop(self.me, None)

@@ -103,18 +103,27 @@ def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> torch.Tensor:
-    """One float32 copy of ``tensors`` end to end, in a buffer from ``pool``; ValueError on NaN or inf."""
+def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(source, flat)``: the values to send as one float32 vector, and a buffer from ``pool`` for the
+    averages. A single contiguous float32 CPU tensor is sent from where it lies (no copy); anything else
+    is copied into ``flat``, which then serves as both. ValueError on NaN or infinity."""
     flat = pool.take(sum(t.numel() for t in tensors))
-    off = 0
-    with torch.no_grad():
-        for t in tensors:
-            flat[off : off + t.numel()].copy_(t.detach().reshape(-1))  # converts dtype and device
-            off += t.numel()
-    if not all_finite(flat):
+    if len(tensors) == 1 and _sendable_in_place(tensors[0]):
+        source = tensors[0].detach().view(-1)
+    else:
+        source, off = flat, 0
+        with torch.no_grad():
+            for t in tensors:
+                flat[off : off + t.numel()].copy_(t.detach().reshape(-1))  # converts dtype and device
+                off += t.numel()
+    if not all_finite(source):
         pool.give(flat)
         raise ValueError("tensors to average hold NaN or infinite values")
-    return flat
+    return source, flat
+
+
+def _sendable_in_place(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
 def _mismatch(count: int, group_key: str) -> str:
@@ -206,11 +215,11 @@ class Averager:
         mode = parse_compression(compression or self.config.compression)
         tensors = list(tensors)
         schema = schema_of(tensors)
-        flat = _flatten(tensors, self._pool)
+        source, flat = _flatten(tensors, self._pool)
         began = trio.current_time()
         signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
         matchmaking = trio.current_time() - began
-        result = await self._run_round(signed, tensors, flat, weight)
+        result = await self._run_round(signed, tensors, source, flat, weight)
         result.matchmaking_seconds = matchmaking
         return result
 
@@ -242,17 +251,24 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
         tensors = list(tensors)
-        return await self._run_round(signed, tensors, _flatten(tensors, self._pool), weight)
+        return await self._run_round(signed, tensors, *_flatten(tensors, self._pool), weight)
 
     async def _run_round(
-        self, signed: SignedManifest, tensors: list[torch.Tensor], flat: torch.Tensor, weight: float
+        self,
+        signed: SignedManifest,
+        tensors: list[torch.Tensor],
+        source: torch.Tensor,
+        flat: torch.Tensor,
+        weight: float,
     ) -> RoundResult:
         m = signed.manifest
         if m.schema != schema_of(tensors):
             raise SchemaMismatch("the group's manifest describes other tensors than ours")
         if self.host.identity.peer_id not in m.peers():
             raise GroupFormationFailed("the manifest does not list this peer")
-        rnd = AllReduceRound(self.host, signed, flat, weight, tensors, fault=self.fault, pool=self._pool)
+        rnd = AllReduceRound(
+            self.host, signed, flat, weight, tensors, fault=self.fault, pool=self._pool, source=source
+        )
         self._start_round(rnd)
         return await rnd.run()
 
