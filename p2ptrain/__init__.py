@@ -39,13 +39,14 @@ from .net import (
     RpcRegistry,
     RpcStream,
 )
-from .node import Node, NodeConfig
+from .node import BackgroundNode, Node, NodeConfig
 from .wire import Message, bounded
 
 __all__ = [
     "DHT",
     "Averager",
     "AveragerConfig",
+    "BackgroundNode",
     "CallContext",
     "CallRefused",
     "Compression",

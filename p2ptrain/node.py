@@ -10,11 +10,13 @@ atomically every ``status_interval`` seconds. Cancelling ``run`` closes every co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -327,3 +329,80 @@ def member_json(m: Member) -> dict[str, Any]:
         "last_seen": m.record.published,
         "expires": m.expiry,
     }
+
+
+class BackgroundNode:
+    """A :class:`Node` running in a thread of its own, for synchronous code such as a training loop.
+
+    ::
+
+        with BackgroundNode(identity, config) as node:      # starts the node, returns once it listens
+            print(node.addresses[0])
+            for batch in data:
+                loss = step(batch)
+                node.average([p.grad for p in params], weight=len(batch), timeout=30)
+
+    :meth:`average` blocks the calling thread until the round ends and raises what :meth:`Node.average`
+    raises; leaving the ``with`` block (or :meth:`close`) stops the node gracefully.
+    """
+
+    def __init__(self, identity: Identity, config: NodeConfig, **node_kwargs: Any) -> None:
+        self.node = Node(identity, config, **node_kwargs)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._main, name=f"p2ptrain-{identity.peer_id.short()}", daemon=True
+        )
+
+    def start(self, timeout: float = 60.0) -> BackgroundNode:
+        """Start the node's thread; returns once the node runs, raises why it could not start."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the node did not start within {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def addresses(self) -> list[PeerAddress]:
+        return self.node.addresses
+
+    def average(self, tensors: Sequence[torch.Tensor], **kwargs: Any) -> RoundResult:
+        """:meth:`Node.average`, from synchronous code (the same keyword arguments)."""
+        if self._token is None or not self._thread.is_alive():
+            raise RuntimeError("the node is not running: call start() (or use it as a context manager)")
+        return trio.from_thread.run(lambda: self.node.average(tensors, **kwargs), trio_token=self._token)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the node (peers are told) and wait for its thread."""
+        if self._token is not None and self._thread.is_alive() and self._stop is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as e:  # reported to the thread that called start()
+            while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+                e = e.exceptions[0]  # trio's nurseries wrap errors: the caller wants the one that happened
+            self._error = e
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.node.run)
+            self._token = trio.lowlevel.current_trio_token()
+            self._ready.set()
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
