@@ -407,6 +407,13 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
     cpu = [[m.get("cpu_seconds") for m in r["lines"]] for r in raw["rounds"][1:]]
     if cpu and all(c is not None for row in cpu for c in row):  # CPU per peer per round, all peers' median
         out["cpu_s_per_peer_round"] = round(statistics.median(c for row in cpu for c in row), 4)
+    phases = [[m.get("phases") for m in r["lines"]] for r in raw["rounds"][1:]]
+    if phases and all(isinstance(p, dict) and p for row in phases for p in row):
+        # when the last peer reached each phase, seconds from the go (median over rounds)
+        names = list(phases[0][0])
+        out["phases_s"] = {
+            n: round(statistics.median(max(p[n] for p in row) for row in phases), 4) for n in names
+        }
     if raw["notes"]:
         out["notes"] = raw["notes"]
     wire = [[m.get("wire_bytes") for m in r["lines"]] for r in raw["rounds"]]
