@@ -217,7 +217,11 @@ class Averager:
         schema = schema_of(tensors)
         source, flat = _flatten(tensors, self._pool)
         began = trio.current_time()
-        signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
+        try:
+            signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
+        except BaseException:
+            self._pool.give(flat)  # no round will use it
+            raise
         matchmaking = trio.current_time() - began
         result = await self._run_round(signed, tensors, source, flat, weight)
         result.matchmaking_seconds = matchmaking
@@ -263,8 +267,10 @@ class Averager:
     ) -> RoundResult:
         m = signed.manifest
         if m.schema != schema_of(tensors):
+            self._pool.give(flat)
             raise SchemaMismatch("the group's manifest describes other tensors than ours")
         if self.host.identity.peer_id not in m.peers():
+            self._pool.give(flat)
             raise GroupFormationFailed("the manifest does not list this peer")
         rnd = AllReduceRound(
             self.host, signed, flat, weight, tensors, fault=self.fault, pool=self._pool, source=source
