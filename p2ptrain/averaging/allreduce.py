@@ -4,7 +4,10 @@ Theory of operation (member ``me`` of a group of ``n``, coordinator = member 0, 
 
 1. Scatter, until ``0.4 T``: stream my slice of partition ``j`` to its reducer ``j``, for every ``j`` at
    once; as a reducer, accumulate the slices arriving for my partition. A reducer stops waiting once every
-   sender delivered or failed, or at the deadline (a straggler counts as failed).
+   sender delivered or failed, or at the deadline (a straggler counts as failed). A member whose every
+   connection with us closed and stayed closed for ``GONE_AFTER`` seconds counts as failed at once: a
+   dead peer costs the others that grace, not the phase's deadline (its streams cannot resume on a new
+   connection, so nothing it could still send is lost).
 2. Decide, until ``0.5 T``: reducers report whom they received; the coordinator decides (see
    ``agreement``) and answers every member's report call with the signed decision. Losing the
    coordinator, a member asks the others for the decision until ``0.9 T``, then aborts.
@@ -65,6 +68,8 @@ log = logging.getLogger(__name__)
 
 SCATTER, DECIDE, AWAIT_DECISION, GATHER = 0.4, 0.5, 0.6, 0.9  # phase deadlines, fractions of the round
 RELAY_RETRY = 0.25  # seconds between rounds of relay queries
+GONE_AFTER = 1.0  # seconds a member's connections must stay closed before it counts as failed
+WATCH_EVERY = 0.1  # seconds between looks at the members' connections
 
 
 @dataclass
@@ -151,6 +156,8 @@ class AllReduceRound:
         self.scatter_open = True
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
         self.unreachable: set[int] = set()  # reducers my slices could not reach
+        self.gone: set[int] = set()  # members whose connections closed for good during the round
+        self.seen: set[int] = set()  # members we were connected with during the round
         self.coordinator = Coordinator(self.digest, self.sizes) if self.me == 0 else None
         self.decision: Decision | None = None
         self.decision_bytes = b""
@@ -278,6 +285,40 @@ class AllReduceRound:
             if self.coordinator is not None:
                 self.coordinator.unreachable.add(to)
                 self.changed.fire()
+
+    async def watch_members(self) -> None:
+        """Mark members whose connections with us closed (and stayed closed) as gone, until the decision
+        (run beside :meth:`run` by the averager).
+
+        Only members we were connected with during the round count: one we never reached is the senders'
+        and the coordinator's business (an unreachable reducer, a slice that never came).
+        """
+        lost_at: dict[int, float] = {}
+        while self.decision is None and not self.finished and trio.current_time() < self.end:
+            now = trio.current_time()
+            live = {c.peer for c in self.host.connections() if not c.closed}
+            for i, peer in enumerate(self.peers):
+                if i == self.me or i in self.gone:
+                    continue
+                if peer in live:
+                    self.seen.add(i)
+                    lost_at.pop(i, None)
+                elif i in self.seen and now - lost_at.setdefault(i, now) >= GONE_AFTER:
+                    self._mark_gone(i)
+            await trio.sleep(WATCH_EVERY)
+
+    def _mark_gone(self, i: int) -> None:
+        log.info("%s is gone (no connection for %g s): counted as failed", self.name(i), GONE_AFTER)
+        self.gone.add(i)
+        if self.me in self.reducers and i not in self.reducers[self.me].delivered:
+            self.failed_senders.setdefault(self.me, set()).add(i)
+        if (
+            self.coordinator is not None
+            and i in self.coordinator.reducers
+            and i not in self.coordinator.reports
+        ):
+            self.coordinator.unreachable.add(i)
+        self.changed.fire()
 
     async def _await_slices(self) -> None:
         own = self.reducers[self.me]
@@ -471,9 +512,11 @@ class AllReduceRound:
 
     def _sender(self, ctx: CallContext) -> int:
         try:
-            return self.peers.index(ctx.peer)
+            i = self.peers.index(ctx.peer)
         except ValueError:
             raise RemoteProtocolError(f"{ctx.peer.short()} is not a member of this round") from None
+        self.seen.add(i)
+        return i
 
     async def on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
         sender = self._sender(ctx)

@@ -296,6 +296,7 @@ class Averager:
             started.set()
         assert self._nursery is not None
         self._nursery.start_soon(self._retire, rnd)
+        self._nursery.start_soon(rnd.watch_members)
 
     async def _retire(self, rnd: AllReduceRound) -> None:
         with trio.move_on_at(rnd.end):

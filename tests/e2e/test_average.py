@@ -1,6 +1,6 @@
 """End to end: four real ``p2ptrain average`` processes; one is killed with SIGKILL in the middle of a round.
 
-What must hold whatever moment the kill lands on: every round a survivor committed holds the exact mean
+What must hold whatever moment the kill lands on: every round a survivor committed holds the mean
 over the contributors it names (no half result), every survivor named as a contributor committed that same
 round with the same contributors (commit by agreement), a survivor whose round failed kept its own tensor,
 and the survivors go on averaging without the dead peer and exit cleanly (nothing waits forever).
@@ -121,7 +121,9 @@ def test_sigkill_mid_round_leaves_survivors_in_agreement(tmp_path: Path) -> None
             if "error" in row:
                 assert "TENSOR CHANGED" not in row["error"], (peer, row)
                 continue
-            assert row["max_err"] == 0.0, (peer, row)  # the exact mean of the contributors it names
+            # the mean of the contributors it names, to float32 rounding (dividing by 3 is inexact); a
+            # half result would be off by a difference of two peers' offsets, at least 1/64 / 4
+            assert row["max_err"] <= 1e-5, (peer, row)
             assert any(c.startswith(peer) for c in row["contributors"]), (peer, row)
             seen = committed.setdefault(row["round_id"], row)
             assert sorted(seen["contributors"]) == sorted(row["contributors"]), (peer, row, seen)
