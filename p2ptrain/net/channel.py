@@ -141,7 +141,7 @@ class FramedStream:
         while pos < n:
             try:
                 got = await self._sock.recv_into(view[pos:], n - pos)  # type: ignore[union-attr]
-            except OSError as e:
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 raise ConnectionClosed(f"connection lost while receiving: {e}") from None
             if not got:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
