@@ -158,21 +158,39 @@ async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
     # spin against each other.
     torch.set_num_threads(1)
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(node.run)
-        for addr in node.addresses:
-            print(addr, flush=True)
-        committed = await run_rounds(
-            node,
-            numel=int(args.mb * 1e6) // 4,
-            rounds=args.rounds,
-            timeout=args.timeout,
-            compression=args.compression,
-        )
-        with trio.move_on_after(args.timeout):  # slower members may still be fetching from us
-            await node.averager.wait_idle()
-        nursery.cancel_scope.cancel()
-    return committed
+    lines: list[dict[str, object]] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            for addr in node.addresses:
+                print(addr, flush=True)
+            with trio.CancelScope() as rounds:
+
+                async def stop_on_signal() -> None:
+                    async for signum in signals:
+                        log.info(
+                            "received %s: stopping (a round in progress is abandoned)",
+                            signal.Signals(signum).name,
+                        )
+                        rounds.cancel()
+                        return
+
+                nursery.start_soon(stop_on_signal)
+                numel = int(args.mb * 1e6) // 4
+                await run_rounds(
+                    node,
+                    numel=numel,
+                    rounds=args.rounds,
+                    timeout=args.timeout,
+                    compression=args.compression,
+                    lines=lines,
+                )
+            if not rounds.cancelled_caught:
+                with trio.move_on_after(args.timeout):  # slower members may still be fetching from us
+                    await node.averager.wait_idle()
+            nursery.cancel_scope.cancel()
+    log.info("averaging stopped")
+    return sum("error" not in line for line in lines)
 
 
 async def _serve_node(node: Node) -> None:

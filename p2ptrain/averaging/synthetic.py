@@ -45,8 +45,10 @@ async def run_rounds(
     timeout: float,
     compression: str,
     out: TextIO = sys.stdout,
+    lines: list[dict[str, Any]] | None = None,
 ) -> int:
-    """Average ``rounds`` times (0: until cancelled); return how many rounds committed."""
+    """Average ``rounds`` times (0: until cancelled); return how many rounds committed. Each round's
+    line is printed to ``out`` and, when given, appended to ``lines``."""
     base = pattern(numel)
     mine = offset_of(node.peer_id)
     committed, r = 0, 0
@@ -78,4 +80,6 @@ async def run_rounds(
                 "mb": round(numel * 4 / 1e6, 3),
             }
         print(json.dumps(line), file=out, flush=True)
+        if lines is not None:
+            lines.append(line)
     return committed

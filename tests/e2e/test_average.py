@@ -141,3 +141,18 @@ def test_sigkill_mid_round_leaves_survivors_in_agreement(tmp_path: Path) -> None
         ]
         assert len(later) >= 2, (peer, rows)
         assert all(r["group"] == 3 for r in later[-1:]), (peer, rows)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_average_until_stopped_ends_cleanly_on_a_signal(tmp_path: Path, sig: signal.Signals) -> None:
+    alone = Averaging(tmp_path, "alone")  # nobody to average with: each round ends in GroupTooSmall
+    try:
+        alone.address()
+        wait_for("a first round", lambda: alone.rounds(), timeout=60)
+        alone.proc.send_signal(sig)
+        assert alone.proc.wait(timeout=30) == 1  # a fixed number of rounds, none committed
+        err = alone.err_path.read_text()
+        assert "stopping (a round in progress is abandoned)" in err and "averaging stopped" in err, err
+        assert all("GroupTooSmall" in r["error"] for r in alone.rounds())
+    finally:
+        alone.close()
