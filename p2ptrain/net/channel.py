@@ -92,15 +92,20 @@ class FramedStream:
             self._buf += data
             self.bytes_received += len(data)
 
-    async def _next_length(self) -> int:
+    async def _peek_length(self) -> int:
+        """The next frame's length, checked against the limit before any of the frame is read."""
         await self._fill(LENGTH.size)
         (n,) = LENGTH.unpack_from(self._buf)
         if n > self.max_frame:
             raise RemoteProtocolError(
                 f"frame length {n} exceeds the {self.max_frame}-byte limit; refusing before reading it"
             )
-        await self._fill(LENGTH.size + n)
         return int(n)
+
+    async def _next_length(self) -> int:
+        n = await self._peek_length()
+        await self._fill(LENGTH.size + n)
+        return n
 
     async def receive_frame(self) -> bytes:
         n = await self._next_length()
@@ -114,16 +119,10 @@ class FramedStream:
         The rest of a large frame is read with ``recv_into`` into a reused buffer: one copy out of the
         kernel instead of two, and no allocation per read.
         """
-        if self._sock is not None:
-            await self._fill(LENGTH.size)
-            (n,) = LENGTH.unpack_from(self._buf)
-            if n > self.max_frame:
-                raise RemoteProtocolError(
-                    f"frame length {n} exceeds the {self.max_frame}-byte limit; refusing before reading it"
-                )
-            if n >= _DIRECT_READ and len(self._buf) < LENGTH.size + n:
-                return cipher.open(await self._read_direct(n))
-        n = await self._next_length()
+        n = await self._peek_length()
+        if self._sock is not None and n >= _DIRECT_READ and len(self._buf) < LENGTH.size + n:
+            return cipher.open(await self._read_direct(n))
+        await self._fill(LENGTH.size + n)
         with memoryview(self._buf) as view:
             plain = cipher.open(view[LENGTH.size : LENGTH.size + n])
         del self._buf[: LENGTH.size + n]
