@@ -46,12 +46,12 @@ async def run_rounds(
     compression: str,
     out: TextIO = sys.stdout,
     lines: list[dict[str, Any]] | None = None,
-) -> int:
-    """Average ``rounds`` times (0: until cancelled); return how many rounds committed. Each round's
-    line is printed to ``out`` and, when given, appended to ``lines``."""
+) -> None:
+    """Average ``rounds`` times (0: until cancelled). Each round's line is printed to ``out`` and, when
+    given, appended to ``lines`` (so a caller that cancels this still has every finished round)."""
     base = pattern(numel)
     mine = offset_of(node.peer_id)
-    committed, r = 0, 0
+    r = 0
     while rounds == 0 or r < rounds:
         r += 1
         tensor = base + mine
@@ -66,7 +66,6 @@ async def run_rounds(
             if not torch.equal(tensor, base + mine):
                 line["error"] += " (AND THE TENSOR CHANGED)"
         else:
-            committed += 1
             line |= {
                 "round_id": res.round.hex()[:16],
                 "seconds": round(time.perf_counter() - began, 4),
@@ -82,4 +81,3 @@ async def run_rounds(
         print(json.dumps(line), file=out, flush=True)
         if lines is not None:
             lines.append(line)
-    return committed
