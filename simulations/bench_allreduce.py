@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from simulations.environment import REPO_ROOT
+from simulations.environment import REPO_ROOT, write_report
 from simulations.environment import environment as base_environment
 from simulations.netns import NetnsLab, unavailable
 
@@ -659,16 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     base = f"python -m {MODULE}" + (" --quick" if args.quick else "")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: peers killed, lab deleted
     report, ok = run(plan, base)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(path)
-    else:
-        print(text)
-    print(format_table(report), file=sys.stderr)
+    write_report(report, args.json, format_table(report))
     return 0 if ok else 1
 
 

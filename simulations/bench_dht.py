@@ -85,6 +85,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from simulations.environment import write_report
+
 MODULE = "simulations.bench_dht"
 log = logging.getLogger(MODULE)  # not __name__: that is "__main__" under `python -m`
 
@@ -1323,16 +1325,7 @@ def main(argv: list[str] | None = None) -> int:
         f" --{k}-budget {v:g}" for k, v in (("store", args.store_budget), ("get", args.get_budget)) if v
     )
     report, ok = run(plan, base, args.hivemind_python, args.count_info_logs, args.profile)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(path)  # atomic: a reader never sees half a report
-    else:
-        print(text)
-    print(format_table(report), file=sys.stderr)
+    write_report(report, args.json, format_table(report))
     return 0 if ok else 1
 
 

@@ -64,6 +64,7 @@ from p2ptrain.net import Connection, Host, Method, RpcRegistry, RpcStream
 from p2ptrain.net.channel import MAX_CHUNK
 from p2ptrain.wire import Message, bounded
 from simulations.environment import environment as base_environment
+from simulations.environment import write_report
 
 MODULE = "simulations.bench_transport"
 log = logging.getLogger(MODULE)  # not __name__: that is "__main__" under `python -m`
@@ -1118,16 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     base_command = f"python -m {MODULE}" + (" --quick" if args.quick else "")
     report, ok = run(QUICK if args.quick else FULL, args.only, base_command, args.wait_idle)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(path)  # atomic: a reader never sees half a report
-    else:
-        print(text)
-    print(format_table(report), file=sys.stderr)
+    write_report(report, args.json, format_table(report))
     return 0 if ok else 1
 
 

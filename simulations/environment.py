@@ -1,11 +1,13 @@
-"""What a benchmark report records about the machine and the code it measured."""
+"""What a benchmark report records about the machine and the code it measured, and where it goes."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +41,18 @@ def environment(packages: tuple[str, ...]) -> dict[str, Any]:
         "git_dirty": bool(_git("status", "--porcelain", "--", "p2ptrain")) if commit else None,
         "versions": {d: package_version(d) for d in packages},
     }
+
+
+def write_report(report: dict[str, Any], json_path: str | None, table: str) -> None:
+    """The JSON report to ``json_path`` (atomically: a reader never sees half a report) or to stdout,
+    and the human table to stderr."""
+    text = json.dumps(report, indent=2)
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+    else:
+        print(text)
+    print(table, file=sys.stderr)
