@@ -111,7 +111,7 @@ def _node_identity(args: argparse.Namespace) -> Identity:
 
 def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
     return NodeConfig(
-        run_id=validate_run_id(args.run_id),
+        run_id=validate_run_id(args.run_id or "default"),
         listen=tuple(parse_listen(x) for x in (args.listen or ["0.0.0.0:31337"])),
         announce_host=args.announce,
         join=tuple(_parse_address(x) for x in args.join or []),
@@ -129,6 +129,10 @@ def _run_node(fn: Callable[..., Awaitable[T]], node: Node, *args: object) -> T:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    if args.config or args.task:
+        from .train_cli import train_node
+
+        return train_node(args)
     _run_node(_serve_node, Node(_node_identity(args), _node_config(args)))
     return 0
 
@@ -286,9 +290,28 @@ async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[M
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .simulate import run_simulation
+    from .simulate import SimulationOptions, run_simulation
 
-    return run_simulation(peers=args.peers, duration=args.duration, workdir=args.workdir, run_id=args.run_id)
+    try:
+        slowdown = tuple(float(x) for x in args.slowdown.split(",")) if args.slowdown else ()
+    except ValueError:
+        raise UsageError(
+            f"--slowdown {args.slowdown!r}: expected numbers separated by commas, e.g. 1,1,2,4"
+        ) from None
+    opts = SimulationOptions(
+        peers=args.peers,
+        config=args.config,
+        mode=args.mode,
+        max_steps=args.max_steps,
+        duration=args.duration,
+        slowdown=slowdown,
+        threads=args.threads,
+        workdir=args.workdir,
+        report=args.report,
+        run_id=args.run_id,
+        live=sys.stdout.isatty() and not args.no_live,
+    )
+    return run_simulation(opts)
 
 
 # ---- parser ----------------------------------------------------------------------------------------
@@ -304,8 +327,35 @@ def _node_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--data-dir", metavar="DIR", help="default $XDG_DATA_HOME/p2ptrain or ~/.local/share/p2ptrain"
     )
-    s.add_argument("--run-id", default="default", help="peers only talk within the same run id")
+    s.add_argument(
+        "--run-id", help="peers only talk within the same run id (default: the run file's, else default)"
+    )
     s.add_argument("--status-file", metavar="PATH", help="JSON status, rewritten atomically every second")
+
+
+def _training_flags(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("training")
+    g.add_argument("--config", metavar="TOML", help="the run file (e.g. configs/tiny-gpt.toml)")
+    g.add_argument("--task", metavar="MODULE:CALLABLE", help="train this task instead of the run file's")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
+    g.add_argument("--mode", choices=["sync", "diloco"], help="override the run file's training.mode")
+    g.add_argument("--resume", action="store_true", help="start from this node's newest checkpoint")
+    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N global steps")
+    g.add_argument(
+        "--duration", type=float, default=0.0, metavar="S", help="stop after S seconds of training"
+    )
+    g.add_argument("--threads", type=int, metavar="N", help="torch threads for compute")
+    g.add_argument("--slowdown", type=float, default=1.0, help="compute N times slower (simulations)")
+    g.add_argument("--metrics-file", metavar="PATH", help="append one JSON line of metrics per global step")
+    g.add_argument(
+        "--wait-peers", type=int, default=1, metavar="N", help="start training once N peers are in the run"
+    )
+    g.add_argument("--bandwidth", type=float, metavar="MB/S", help="this host's bandwidth, sets its share")
+    g.add_argument(
+        "--no-live",
+        action="store_true",
+        help="plain log lines instead of the live view (default off a terminal)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,8 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("keyfile")
     s.set_defaults(func=cmd_id)
 
-    s = sub.add_parser("node", help="run a node")
+    s = sub.add_parser(
+        "node",
+        help="run a node: train with the swarm (--config/--task), or only help others find each other",
+        description="With --config or --task the node trains the run's model with its swarm; without, it"
+        " is a bootstrap node: it keeps the DHT and the peer list but trains nothing.",
+    )
     _node_flags(s)
+    _training_flags(s)
     s.set_defaults(func=cmd_node)
 
     s = sub.add_parser(
@@ -362,11 +418,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=5.0)
     s.set_defaults(func=cmd_peers)
 
-    s = sub.add_parser("simulate", help="run a local swarm of real node processes")
-    s.add_argument("--peers", type=int, default=3)
-    s.add_argument("--duration", type=float, default=10.0, help="seconds to run once the swarm is up")
-    s.add_argument("--workdir", metavar="DIR", help="keep node data, logs and status files here")
-    s.add_argument("--run-id", default="simulation")
+    s = sub.add_parser(
+        "simulate",
+        help="train with a local swarm of real node processes, live, and write a report",
+        description="Starts --peers `p2ptrain node` processes on this machine that train the run's model"
+        " together (node 0 first, the others join it by its address), shows them live, and writes a report"
+        " folder: per-peer JSON metrics, loss.png, summary.json.",
+    )
+    s.add_argument("--peers", type=int, default=4, help="number of nodes (default 4)")
+    s.add_argument("--config", metavar="TOML", help="run file (default: the built-in tiny-gpt run)")
+    s.add_argument("--mode", choices=["sync", "diloco"], help="override the run file's training.mode")
+    s.add_argument(
+        "--max-steps", type=int, default=40, help="global steps to train (default 40; 0: no limit)"
+    )
+    s.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (default: none)")
+    s.add_argument("--slowdown", metavar="F,F,...", help="per-node compute slowdown, e.g. 1,1,2,4")
+    s.add_argument("--threads", type=int, default=1, help="torch threads per node (default 1)")
+    s.add_argument("--workdir", metavar="DIR", help="node folders (data, logs, status, metrics) go here")
+    s.add_argument("--report", metavar="DIR", help="report folder (default WORKDIR/report)")
+    s.add_argument("--run-id", help="default: the run file's")
+    s.add_argument("--no-live", action="store_true", help="print the table every 10 s instead of live")
     s.set_defaults(func=cmd_simulate)
     return p
 

@@ -150,6 +150,7 @@ class Node:
         self.clock = clock
         self._started = clock()
         self._joined: set[str] = set()
+        self.status_sections: dict[str, Callable[[], Any]] = {}  # more sections of the status file
 
     @property
     def peer_id(self) -> PeerID:
@@ -295,11 +296,12 @@ class Node:
             "connected_peers": sorted({c["peer_id"] for c in conns}),
             "connections": conns,
             "reachable": not self.dht.client_only,
+            "traffic": dict(zip(("bytes_sent", "bytes_received"), self.host.traffic(), strict=True)),
             "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},
             "members": [member_json(m) for m in self.members],
             "started_at": self._started,
             "updated_at": self.clock(),
-        }
+        } | {name: section() for name, section in self.status_sections.items()}
 
     def write_status(self) -> None:
         """Write the status file atomically (temp file in the same folder, then rename)."""

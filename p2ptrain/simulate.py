@@ -1,37 +1,65 @@
-"""``p2ptrain simulate``: a local swarm of real ``p2ptrain node`` processes on this machine.
+"""``p2ptrain simulate``: a local swarm of real ``p2ptrain node`` processes training one model together.
 
-Node 0 listens on a free loopback port; every other node joins it by its address (exactly what a user
-on another machine would paste). The simulation watches the nodes' status files, pings each node over
-the network from its own process, shows a live table, and at the end stops every node with SIGTERM and
-checks that each one shut down cleanly. It exits non-zero if the swarm did not form or a node failed.
+Node 0 listens on a free loopback port; every other node joins it by the address it printed (exactly
+what a user on another machine would paste). Each node trains the run's task, writes its status file
+every second and one line of metrics per global step. The simulation shows every node's row live
+(step, loss, samples/s here and in the swarm, rounds, bytes), ends when every node reached
+``--max-steps`` (or after ``--duration``, or on Ctrl-C: then it stops the nodes with SIGTERM, and each
+writes a last checkpoint), and writes a report folder: ``peer-N.json`` per node (its metrics and final
+status), ``loss.png`` (every peer's loss against time) and ``summary.json``. It exits non-zero when a node
+failed, or when the nodes that finished on the same step do not hold the same parameters.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
+import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import trio
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
-from .errors import P2PError
-from .identity import Identity
-from .net.address import PeerAddress
-from .net.host import Host
-from .node import PING, PingRequest
+from .errors import ConfigError, P2PError
+from .training.console import swarm_table
 
-FORM_TIMEOUT = 60.0
-STOP_TIMEOUT = 10.0
+FORM_TIMEOUT = 120.0  # seconds for node 0 to print its address
+STOP_TIMEOUT = 60.0  # seconds a node may take to stop after SIGTERM (a last round, a checkpoint)
+POLL = 0.5
+
+
+@dataclass(frozen=True)
+class SimulationOptions:
+    peers: int = 4
+    config: str | None = None  # run file; None: the built-in defaults
+    mode: str | None = None
+    max_steps: int = 40
+    duration: float = 0.0  # 0: until every node reached max_steps
+    slowdown: tuple[float, ...] = ()  # per node (cycled); empty: all 1
+    threads: int = 1  # torch threads per node: the nodes share this machine's cores
+    workdir: str | None = None
+    report: str | None = None  # default: WORKDIR/report
+    run_id: str | None = None  # None: the run file's
+    live: bool = True
+    extra: tuple[str, ...] = ()  # more flags for every node
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.peers <= 64:
+            raise ConfigError("--peers must be between 1 and 64")
+        if self.max_steps < 0 or self.duration < 0:
+            raise ConfigError("--max-steps and --duration must not be negative")
+        if not self.max_steps and not self.duration:
+            raise ConfigError("give --max-steps or --duration: the simulation must end")
+        if any(s < 1 for s in self.slowdown):
+            raise ConfigError("--slowdown factors must be at least 1")
 
 
 @dataclass
@@ -41,11 +69,14 @@ class SimNode:
     proc: subprocess.Popen[bytes]
     log_file: Any
     status: dict[str, Any] = field(default_factory=dict)
-    rtt_ms: float | None = None
 
     @property
     def status_file(self) -> Path:
         return self.folder / "status.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.folder / "metrics.jsonl"
 
     def read_status(self) -> dict[str, Any]:
         try:
@@ -54,89 +85,103 @@ class SimNode:
             pass  # not written yet, or being replaced: keep the last good one
         return self.status
 
+    def address(self) -> str | None:
+        """The join address the node printed on its first line of output."""
+        try:
+            for line in (self.folder / "stdout.log").read_text().splitlines():
+                if "/p2p/" in line:
+                    return line.strip()
+        except OSError:
+            pass
+        return None
 
-def _start(index: int, workdir: Path, run_id: str, join: str | None) -> SimNode:
-    folder = workdir / f"node{index}"
-    folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "p2ptrain", "node", "--listen", "127.0.0.1:0", "--run-id", run_id]
-    cmd += ["--data-dir", str(folder), "--status-file", str(folder / "status.json")]
+
+def _start(opts: SimulationOptions, index: int, folder: Path, join: str | None) -> SimNode:
+    sub = folder / f"node{index}"
+    sub.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "p2ptrain", "--log-level", "info", "node", "--listen", "127.0.0.1:0"]
+    cmd += [
+        "--data-dir",
+        str(sub),
+        "--status-file",
+        str(sub / "status.json"),
+        "--wait-peers",
+        str(opts.peers),
+    ]
+    cmd += ["--run-id", opts.run_id] if opts.run_id else []
+    cmd += ["--metrics-file", str(sub / "metrics.jsonl"), "--threads", str(opts.threads), "--no-live"]
+    cmd += ["--config", opts.config] if opts.config else ["--task", "tiny-gpt"]
+    if opts.mode:
+        cmd += ["--mode", opts.mode]
+    if opts.max_steps:
+        cmd += ["--max-steps", str(opts.max_steps)]
+    if opts.slowdown:
+        cmd += ["--slowdown", str(opts.slowdown[index % len(opts.slowdown)])]
     if join:
         cmd += ["--join", join]
-    log_file = open(folder / "node.log", "wb")  # noqa: SIM115 (closed in run_simulation)
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    return SimNode(index, folder, proc, log_file)
+    cmd += list(opts.extra)
+    stdout = open(sub / "stdout.log", "wb")  # noqa: SIM115 (closed in _stop)
+    env = {**os.environ, "OMP_NUM_THREADS": str(opts.threads)}
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=open(sub / "node.log", "wb"), env=env)  # noqa: SIM115
+    return SimNode(index, sub, proc, stdout)
 
 
-async def _wait_for(nodes: list[SimNode], ready: Any, what: str) -> None:
-    with trio.move_on_after(FORM_TIMEOUT) as scope:
-        while not all(ready(n.read_status()) for n in nodes):
-            for n in nodes:
-                if n.proc.poll() is not None:
-                    raise P2PError(
-                        f"node {n.index} exited with status {n.proc.returncode}; see {n.folder}/node.log"
-                    )
-            await trio.sleep(0.1)
-    if scope.cancelled_caught:
-        raise P2PError(f"the swarm did not {what} within {FORM_TIMEOUT:.0f} s")
+def _wait_address(node: SimNode) -> str:
+    deadline = time.monotonic() + FORM_TIMEOUT
+    while (addr := node.address()) is None:
+        if node.proc.poll() is not None:
+            raise P2PError(
+                f"node {node.index} exited with status {node.proc.returncode}; see {node.folder}/node.log"
+            )
+        if time.monotonic() > deadline:
+            raise P2PError(f"node {node.index} printed no address within {FORM_TIMEOUT:.0f} s")
+        time.sleep(0.1)
+    return addr
 
 
-async def _ping_all(host: Host, nodes: list[SimNode]) -> None:
-    for n in nodes:
-        try:
-            conn = await host.connect(PeerAddress.parse(n.status["addresses"][0]), timeout=5)
-            t0 = trio.current_time()
-            await conn.call(PING, PingRequest(b"x"), timeout=5)
-            n.rtt_ms = (trio.current_time() - t0) * 1e3
-        except P2PError:
-            n.rtt_ms = None
+def _watch(nodes: list[SimNode], opts: SimulationOptions, console: Console) -> None:
+    """Show the swarm until every node exited, or the duration passed."""
+    start = time.monotonic()
+
+    def table() -> Any:
+        for n in nodes:
+            n.read_status()
+        done = sum(n.proc.poll() is not None for n in nodes)
+        title = f"p2ptrain local swarm: {len(nodes)} nodes, {time.monotonic() - start:.0f} s"
+        return swarm_table([n.status for n in nodes], title + (f", {done} finished" if done else ""))
+
+    last_print = 0.0
+    with (
+        Live(table(), console=console, auto_refresh=False, transient=False) if opts.live else _Quiet() as live
+    ):
+        while any(n.proc.poll() is None for n in nodes):
+            if opts.duration and time.monotonic() - start >= opts.duration:
+                break
+            failed = [n for n in nodes if n.proc.poll() not in (None, 0)]
+            if failed:
+                raise P2PError(
+                    f"node {failed[0].index} exited with status {failed[0].proc.returncode}; "
+                    f"see {failed[0].folder}/node.log"
+                )
+            if opts.live:
+                live.update(table(), refresh=True)
+            elif time.monotonic() - last_print >= 10:
+                console.print(table())
+                last_print = time.monotonic()
+            time.sleep(POLL)
+        if opts.live:
+            live.update(table(), refresh=True)
 
 
-def _table(nodes: list[SimNode], elapsed: float, observer: str = "") -> Table:
-    t = Table(title=f"p2ptrain local swarm: {len(nodes)} nodes, {elapsed:.0f} s")
-    for col in ("node", "peer id", "address", "state", "members", "connected", "sent", "received", "ping"):
-        t.add_column(col)
-    for n in nodes:
-        s = n.status
-        conns = s.get("connections", [])
-        t.add_row(
-            str(n.index),
-            s.get("peer_id", "?")[:12],
-            "/".join((s.get("addresses") or ["///?/?"])[0].split("/")[2:5:2]).replace("/", ":"),
-            s.get("state", "starting"),
-            str(len(s.get("members", []))),
-            str(len(set(s.get("connected_peers", [])) - {observer})),
-            f"{sum(c['bytes_sent'] for c in conns) / 1e3:.1f} kB",
-            f"{sum(c['bytes_received'] for c in conns) / 1e3:.1f} kB",
-            f"{n.rtt_ms:.2f} ms" if n.rtt_ms is not None else "-",
-        )
-    return t
+class _Quiet:
+    def __enter__(self) -> _Quiet:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        return None
 
-async def _watch(nodes: list[SimNode], run_id: str, duration: float, console: Console) -> None:
-    await _wait_for(nodes, lambda s: bool(s.get("addresses")), "start")
-    await _wait_for(nodes, lambda s: len(s.get("connected_peers", [])) >= min(1, len(nodes) - 1), "connect")
-    first = nodes[0]
-    await _wait_for(
-        nodes, lambda s: len(s.get("members", [])) >= len(nodes), "form (every node listing every member)"
-    )
-    console.print(
-        f"[green]swarm formed[/]: {len(nodes)} nodes joined through {first.status['addresses'][0]}, "
-        "and each lists every member through the DHT"
-    )
-    host = Host(Identity.generate(), run_id)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(host.run, [])
-        start = trio.current_time()
-        with Live(_table(nodes, 0), console=console, auto_refresh=False) as live:
-            while (elapsed := trio.current_time() - start) < duration:
-                for n in nodes:
-                    n.read_status()
-                await _ping_all(host, nodes)
-                live.update(_table(nodes, elapsed, str(host.peer_id)), refresh=True)
-                await trio.sleep(1.0)
-        nursery.cancel_scope.cancel()
-    if any(n.rtt_ms is None for n in nodes):
-        raise P2PError("some nodes did not answer pings")
+    def update(self, *args: object, **kwargs: object) -> None:
+        return None
 
 
 def _stop(nodes: list[SimNode]) -> list[str]:
@@ -152,34 +197,140 @@ def _stop(nodes: list[SimNode]) -> list[str]:
             n.proc.wait()
             problems.append(f"node {n.index} did not stop within {STOP_TIMEOUT:.0f} s")
             continue
-        n.log_file.close()
+        finally:
+            n.log_file.close()
         if code != 0:
-            problems.append(f"node {n.index} exited with status {code}")
-        elif n.read_status().get("state") != "stopped":
-            problems.append(f"node {n.index} did not write its final status")
+            problems.append(f"node {n.index} exited with status {code}; see {n.folder}/node.log")
     return problems
 
 
-def run_simulation(*, peers: int, duration: float, workdir: str | None, run_id: str) -> int:
-    """Run the swarm; return the process exit status."""
-    if not 1 <= peers <= 64:
-        raise P2PError("--peers must be between 1 and 64")
-    console = Console()
-    logging.getLogger("p2ptrain.net").setLevel(logging.WARNING)  # keep the live table readable
-    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="p2ptrain-sim-"))
-    nodes = [_start(0, folder, run_id, None)]
+def run_simulation(opts: SimulationOptions) -> int:
+    """Run the swarm and write the report; return the process exit status."""
+    console = Console() if opts.live else Console(width=200)
+    logging.getLogger("p2ptrain.net").setLevel(logging.WARNING)
+    folder = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="p2ptrain-sim-"))
+    report = Path(opts.report) if opts.report else folder / "report"
+    started = time.time()
+    nodes = [_start(opts, 0, folder, None)]
+    problems: list[str] = []
     try:
-        trio.run(_wait_for, nodes, lambda s: bool(s.get("addresses")), "start")
-        join = nodes[0].status["addresses"][0]
-        nodes += [_start(i, folder, run_id, join) for i in range(1, peers)]
-        trio.run(_watch, nodes, run_id, duration, console)
+        join = _wait_address(nodes[0])
+        console.print(f"node 0 listens at [bold]{join}[/]; {opts.peers - 1} more join through it")
+        nodes += [_start(opts, i, folder, join) for i in range(1, opts.peers)]
+        _watch(nodes, opts, console)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping the nodes (each writes a last checkpoint)")
+    except P2PError as e:
+        problems.append(str(e))
     finally:
-        problems = _stop(nodes)
-        if not workdir:
-            shutil.rmtree(folder, ignore_errors=True)
-    for p in problems:
+        problems += _stop(nodes)
+    summary = write_report(nodes, report, started, opts)
+    for p in problems + summary["problems"]:
         console.print(f"[red]{p}[/]")
-    if problems:
-        return 1
-    console.print(f"[green]all {peers} nodes stopped cleanly[/]")
-    return 0
+    console.print(
+        f"report in {report}: {summary['finished']} of {len(nodes)} nodes reached step "
+        f"{summary['last_step']}, final loss {summary['final_loss']}, "
+        f"parameters identical: {summary['identical']}"
+    )
+    if not opts.workdir and not opts.report:
+        console.print(f"(node folders kept in {folder})")
+    return 1 if problems or summary["problems"] else 0
+
+
+def _metrics(node: SimNode) -> list[dict[str, Any]]:
+    try:
+        lines = node.metrics_file.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill
+    return out
+
+
+def write_report(
+    nodes: Sequence[SimNode], report: Path, started: float, opts: SimulationOptions
+) -> dict[str, Any]:
+    """peer-N.json, loss.png and summary.json; returns the summary."""
+    report.mkdir(parents=True, exist_ok=True)
+    series = []
+    for n in nodes:
+        metrics = _metrics(n)
+        final = n.read_status()
+        series.append(metrics)
+        (report / f"peer-{n.index}.json").write_text(
+            json.dumps(
+                {
+                    "index": n.index,
+                    "peer_id": final.get("peer_id"),
+                    "metrics": metrics,
+                    "final_status": final,
+                },
+                indent=1,
+            )
+        )
+    finals = [n.status.get("training") or {} for n in nodes]
+    steps = [f.get("step", 0) for f in finals]
+    last_step = max(steps, default=0)
+    at_last = [f for f in finals if f.get("step") == last_step]
+    digests = {f.get("digest") for f in at_last}
+    problems = []
+    if len(digests) > 1:
+        problems.append(f"nodes on step {last_step} hold different parameters: {sorted(map(str, digests))}")
+    losses = [float(f.get("val_loss") or f["loss"]) for f in at_last if f.get("loss") is not None]
+    summary = {
+        "peers": len(nodes),
+        "config": opts.config or "built-in tiny-gpt",
+        "mode": opts.mode or (finals[0].get("mode") if finals else None),
+        "seconds": round(time.time() - started, 1),
+        "last_step": last_step,
+        "finished": len(at_last),
+        "identical": len(digests) == 1,
+        "final_loss": round(min(losses), 4) if losses else None,
+        "steps": steps,
+        "samples_per_s": [round(f.get("samples_per_s", 0.0), 2) for f in finals],
+        "compute_utilization": [round(f.get("compute_utilization", 0.0), 3) for f in finals],
+        "rounds": [f.get("rounds") for f in finals],
+        "bytes_sent": [f.get("bytes_sent") for f in finals],
+        "problems": problems,
+    }
+    (report / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_losses(series, report / "loss.png", started)
+    return summary
+
+
+def plot_losses(series: Sequence[Sequence[dict[str, Any]]], path: Path, started: float) -> None:
+    """Every peer's training loss (and validation loss, dots) against seconds since the start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for i, metrics in enumerate(series):
+        pts = [
+            (m["time"] - started, m["loss"])
+            for m in metrics
+            if m.get("loss") is not None and "event" not in m
+        ]
+        if pts:
+            line = ax.plot(*zip(*pts, strict=True), label=f"peer {i}", linewidth=1.2)[0]
+            val, seen = [], None
+            for m in metrics:
+                if m.get("val_loss") is not None and m["val_loss"] != seen:  # each evaluation once
+                    seen = m["val_loss"]
+                    val.append((m["time"] - started, seen))
+            if val:
+                ax.plot(*zip(*val, strict=True), "o", color=line.get_color(), markersize=3)
+    ax.set_xlabel("seconds since the start")
+    ax.set_ylabel("loss (lines: training, dots: validation)")
+    ax.set_title("p2ptrain local swarm")
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

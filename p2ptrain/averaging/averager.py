@@ -133,6 +133,14 @@ def _mismatch(count: int, group_key: str) -> str:
     )
 
 
+def _sizes(config: AveragerConfig, target: int | None, minimum: int | None) -> tuple[int, int]:
+    target = config.target_size if target is None else target
+    minimum = min(config.min_size, target) if minimum is None else minimum
+    if not 1 <= minimum <= target <= 64:
+        raise ValueError("need 1 <= min_size <= target_size <= 64")
+    return target, minimum
+
+
 def schema_digest(schema: tuple[TensorSpec, ...], mode: Compression) -> bytes:
     return hashlib.blake2b(pack([[s.to_obj() for s in schema], mode.value]), digest_size=16).digest()
 
@@ -218,7 +226,10 @@ class Averager:
         source, flat = _flatten(tensors, self._pool)
         began = trio.current_time()
         try:
-            signed = await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
+            sizes = (self.config.target_size, self.config.min_size)
+            signed = await self._matchmake(
+                group_key, schema, schema_digest(schema, mode), mode, timeout, sizes
+            )
         except BaseException:
             self._pool.give(flat)  # no round will use it
             raise
@@ -234,17 +245,21 @@ class Averager:
         timeout: float = 60.0,
         group_key: str = "default",
         compression: str | None = None,
+        target_size: int | None = None,
+        min_size: int | None = None,
     ) -> SignedManifest:
         """Only the matchmaking half of :meth:`average`: the signed manifest of the group found.
 
         Every member must then call :meth:`run_round` with it soon (the others wait for a member's
-        slices only until the round's scatter deadline).
+        slices only until the round's scatter deadline). ``target_size`` and ``min_size`` override the
+        configured group sizes for this call (a training run sizes groups by the peers it sees).
         """
         if self._looking is not None:
             raise RuntimeError("an average() call is already in progress on this node")
         mode = parse_compression(compression or self.config.compression)
         schema = schema_of(list(tensors))
-        return await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout)
+        sizes = _sizes(self.config, target_size, min_size)
+        return await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout, sizes)
 
     async def run_round(
         self, signed: SignedManifest, tensors: Sequence[torch.Tensor], *, weight: float = 1.0
@@ -350,7 +365,13 @@ class Averager:
         return "" if self.dht.client_only else str(self.dht.advertised_address())
 
     async def _matchmake(
-        self, group_key: str, schema: tuple[TensorSpec, ...], digest: bytes, mode: Compression, timeout: float
+        self,
+        group_key: str,
+        schema: tuple[TensorSpec, ...],
+        digest: bytes,
+        mode: Compression,
+        timeout: float,
+        sizes: tuple[int, int],
     ) -> SignedManifest:
         cfg = self.config
         me = Announcement(
@@ -373,7 +394,7 @@ class Averager:
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = choose_leader(me, seen, self.clock(), declined)
                 if leader is None and me.can_lead:
-                    signed = await self._lead(looking, key, declined, schema, mode, timeout)
+                    signed = await self._lead(looking, key, declined, schema, mode, timeout, sizes)
                     if signed is not None:
                         return signed
                     if looking.gathering is not None:  # formed, but too small
@@ -402,6 +423,10 @@ class Averager:
             )
         finally:
             self._looking = None
+            if looking.formed is not None and not looking.formed.is_set():
+                # Cancelled while leading: answer the joiners now rather than at their deadlines.
+                looking.refusal = looking.refusal or "the leader stopped looking for a group"
+                looking.formed.set()
             if self._nursery is not None:  # so that nobody follows an announcement that is over
                 expiry = self._expiry(key, me.deadline + JOIN_GRACE)
                 self._nursery.start_soon(self._announce, key, me.closed(), expiry)
@@ -449,11 +474,12 @@ class Averager:
         schema: tuple[TensorSpec, ...],
         mode: Compression,
         timeout: float,
+        sizes: tuple[int, int],
     ) -> SignedManifest | None:
         """Gather until full or the deadline; None if a smaller leader appeared first (joiners redirected)."""
-        me, cfg = looking.me, self.config
+        me = looking.me
         gathering = looking.gathering = Gathering(
-            Joiner(me.peer, me.addr, me.bandwidth), me.schema, cfg.target_size, cfg.min_size
+            Joiner(me.peer, me.addr, me.bandwidth), me.schema, sizes[0], sizes[1]
         )
         looking.formed, looking.full = trio.Event(), trio.Event()
         while not gathering.full() and self.clock() < me.deadline:
@@ -472,14 +498,14 @@ class Averager:
             looking.refusal = members
             looking.formed.set()
             return None
-        sizes = partition_sizes(
+        shares = partition_sizes(
             sum(s.numel for s in schema), [m.bandwidth for m in members], [bool(m.addr) for m in members]
         )
         manifest = Manifest(
             round_id=os.urandom(ROUND_ID_BYTES),
             group_key=looking.group_key,
             members=tuple(MemberMsg(m.peer.digest, m.addr, m.bandwidth) for m in members),
-            sizes=tuple(sizes),
+            sizes=tuple(shares),
             schema=schema,
             compression=mode.value,
             timeout=timeout,

@@ -99,6 +99,7 @@ class Host:
         self._inbound = 0
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
+        self._closed_traffic = (0, 0)  # bytes sent and received over connections that have closed
 
     # ---- lifecycle ----
 
@@ -178,6 +179,13 @@ class Host:
                 await self._initiate(framed, address.peer_id)
             finally:
                 await _close_quietly(stream)
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received on the wire since the host started, over every connection."""
+        sent, received = self._closed_traffic
+        for conn in (c for conns in self._conns.values() for c in conns):  # closing ones too
+            sent, received = sent + conn.bytes_sent, received + conn.bytes_received
+        return sent, received
 
     def connections(self) -> list[Connection]:
         return [c for conns in self._conns.values() for c in conns if not c.closed]
@@ -305,6 +313,8 @@ class Host:
                 peers.remove(conn)
             if not peers:
                 self._conns.pop(conn.peer, None)
+            sent, received = self._closed_traffic
+            self._closed_traffic = (sent + conn.bytes_sent, received + conn.bytes_received)
             log.info("disconnected from %s: %s", conn.peer.short(), conn.close_reason or "closed")
             self._notify(conn, False)
 

@@ -1,0 +1,178 @@
+"""``p2ptrain node --config RUN.toml``: a node that trains with its swarm, with a live view.
+
+The run file says what is trained (task, mode, batch sizes, averaging); the flags say where and for how
+long (device, data directory, join address, max steps). Everything a user can get wrong (run file, task
+path, device) is checked before the node touches the network, and reported in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import trio
+from rich.console import Console, Group
+from rich.live import Live
+from rich.logging import RichHandler
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+from .averaging import AveragerConfig
+from .cli import UsageError, _node_config, _node_identity, _run_node
+from .config import RunConfig, load_config
+from .node import Node
+from .tasks import load_task
+from .training.console import node_table
+from .training.trainer import Trainer, TrainerOptions
+
+log = logging.getLogger("p2ptrain")
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run file with the command line's overrides applied."""
+    config = load_config(args.config) if args.config else RunConfig()
+    if args.task and args.task != config.task.name:
+        config = config.replace("task", name=args.task, options={})
+    if args.mode:
+        config = config.replace("training", mode=args.mode)
+    if args.threads is not None:
+        config = config.replace("training", threads=args.threads)
+    if args.bandwidth is not None:
+        config = config.replace("averaging", bandwidth=args.bandwidth)
+    return config
+
+
+def _device(name: str) -> str:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UsageError(f"--device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: this torch build sees no CUDA device")
+    return name
+
+
+def train_node(args: argparse.Namespace) -> int:
+    config = run_config(args)
+    task = load_task(config.task.name, config.task.options)
+    if args.slowdown < 1:
+        raise UsageError("--slowdown must be at least 1")
+    if args.wait_peers < 1:
+        raise UsageError("--wait-peers must be at least 1")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise UsageError("--max-steps must not be negative")
+    args.run_id = args.run_id or config.run.id
+    a = config.averaging
+    averaging = AveragerConfig(
+        target_size=a.max_group_size,
+        min_size=1,
+        matchmaking_time=a.matchmaking_time,
+        bandwidth=a.bandwidth * 1e6,
+        compression=a.compression,
+    )
+    identity = _node_identity(args)
+    node = Node(identity, _node_config(args, averaging))
+    data_dir = Path(args.data_dir) if args.data_dir else None
+    if data_dir is None and args.identity is None:
+        from .node import default_data_dir
+
+        data_dir = default_data_dir()
+    options = TrainerOptions(
+        device=_device(args.device),
+        data_dir=data_dir,
+        resume=args.resume,
+        max_steps=args.max_steps,
+        duration=args.duration,
+        slowdown=args.slowdown,
+        metrics_file=Path(args.metrics_file) if args.metrics_file else None,
+        wait_peers=args.wait_peers,
+    )
+    trainer = Trainer(node, config, task, options)
+    live = sys.stdout.isatty() and not args.no_live
+    _run_node(_train, node, trainer, live)
+    return 0
+
+
+async def _train(node: Node, trainer: Trainer, live: bool) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            for addr in node.addresses:
+                print(addr, flush=True)
+            log.info(
+                "node %s is up in run %r; others join with --join and the address above",
+                node.peer_id.short(),
+                node.config.run_id,
+            )
+            with trio.CancelScope() as training:
+
+                async def stop_on_signal() -> None:
+                    async for signum in signals:
+                        log.info("received %s: stopping after a last checkpoint", signal.Signals(signum).name)
+                        training.cancel()
+                        return
+
+                nursery.start_soon(stop_on_signal)
+                if live:
+                    await _train_live(node, trainer)
+                else:
+                    trainer.opt.on_download_progress = _log_progress()
+                    await trainer.run()
+            if not training.cancelled_caught:
+                with trio.move_on_after(trainer.config.averaging.timeout):
+                    await node.averager.wait_idle()  # slower members may still fetch from us
+            nursery.cancel_scope.cancel()
+    log.info("node stopped at step %d", trainer.opt.epoch)
+
+
+def _log_progress() -> Callable[[int, int], None]:
+    marks = [0.25, 0.5, 0.75, 1.0]
+
+    def report(got: int, total: int) -> None:
+        while marks and got >= marks[0] * total:
+            log.info("downloading the swarm's state: %.0f%% of %.1f MB", 100 * marks.pop(0), total / 1e6)
+        if got < total * 0.01:
+            marks[:] = [0.25, 0.5, 0.75, 1.0]
+
+    return report
+
+
+async def _train_live(node: Node, trainer: Trainer) -> None:
+    console = Console()
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    root.handlers = [RichHandler(console=console, show_path=False, log_time_format="%H:%M:%S")]
+    progress = Progress(
+        "state download", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console
+    )
+    bar = progress.add_task("download", total=None, visible=False)
+
+    def on_progress(got: int, total: int) -> None:
+        progress.update(bar, completed=got, total=total, visible=got < total)
+
+    trainer.opt.on_download_progress = on_progress
+    peer = node.peer_id.short()
+
+    def view() -> Group:
+        return Group(
+            node_table(peer, trainer.status(), f"p2ptrain node {peer}, run {node.config.run_id!r}"), progress
+        )
+
+    try:
+        with Live(view(), console=console, auto_refresh=False) as screen:
+            async with trio.open_nursery() as nursery:
+
+                async def refresh() -> None:
+                    while True:
+                        screen.update(view(), refresh=True)
+                        await trio.sleep(0.5)
+
+                nursery.start_soon(refresh)
+                await trainer.run()
+                nursery.cancel_scope.cancel()
+    finally:
+        root.handlers = handlers

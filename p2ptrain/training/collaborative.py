@@ -1,0 +1,607 @@
+"""CollaborativeOptimizer: many peers train one model, as if it were one optimizer with a huge batch.
+
+Theory of operation. The training loop calls ``await opt.step(samples)`` after each backward pass. A
+global step (an *epoch*) ends when the whole swarm has processed ``target_batch_size`` samples, which each
+peer judges from the others' signed progress records (see ``progress``): fast peers simply contribute
+more samples to an epoch than slow ones, and nobody waits for anybody until the target is reached.
+
+- **sync**: gradients accumulate locally (as sums over samples). When the swarm reaches the target, the
+  peers on this epoch form a group (matchmaking runs in the background while compute goes on); at the next
+  ``step`` after the group formed, each averages its mean gradient weighted by its sample count, and every
+  member applies the same averaged gradient with the same optimizer: parameters stay bit-identical.
+- **diloco**: each peer takes inner steps of its own optimizer; at the target the peers average their
+  pseudo-gradients (global parameters minus local ones), weighted by samples, and apply an outer Nesterov
+  SGD step to the global parameters; local parameters restart from the new global ones. With ``overlap``
+  the averaging of round t runs while round t+1 computes, and the local progress made meanwhile is kept
+  on top of the new global parameters when round t's result lands.
+
+Failures follow the all-reduce rule: a round that aborted changed nothing, and the peer goes on
+accumulating and tries again; a peer that missed a step (its round failed while others committed, it
+joined late, or its parameters diverged from the majority's) downloads the state from a peer that has
+it (see ``statesync``) and takes part from the next epoch. A peer alone on its epoch steps alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from ..averaging.allreduce import RoundResult
+from ..averaging.protocol import SignedManifest
+from ..config import RunConfig
+from ..dht.records import owned_subkey
+from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
+from ..identity import PEER_ID_BYTES, PeerID
+from ..node import Node
+from ..wire.codec import pack, unpack
+from . import state
+from .progress import PeerProgress, ProgressRecord, SwarmView, majority_digest, swarm_view
+from .statesync import Downloaded, ProgressFn, Snapshot, StateServer, download
+
+log = logging.getLogger(__name__)
+
+RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
+RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
+RATE_HALF_LIFE = 10.0  # seconds: how fast the advertised samples/s follows changes
+
+
+@dataclass
+class RoundStats:
+    """What the optimizer did so far (shown on the console, written to the metrics)."""
+
+    steps: int = 0  # global steps taken (averaged or alone)
+    averaged: int = 0  # global steps that averaged with others
+    solo: int = 0  # global steps taken alone (no other peer on the epoch)
+    aborted: int = 0  # rounds that aborted (nothing applied)
+    no_group: int = 0  # matchmaking attempts that formed no group
+    syncs: int = 0  # state downloads applied
+    last: dict[str, Any] = field(default_factory=dict)  # the last round's outcome
+
+
+class RateMeter:
+    """Samples per second, exponentially smoothed over time."""
+
+    def __init__(self, half_life: float = RATE_HALF_LIFE) -> None:
+        self.half_life = half_life
+        self.rate = 0.0
+        self._last: float | None = None
+        self._pending = 0
+
+    def add(self, samples: int, now: float) -> None:
+        if self._last is None:
+            self._last, self._pending = now, samples
+            return
+        self._pending += samples
+        dt = now - self._last
+        if dt < 0.2:  # too short to measure; carry the samples into the next interval
+            return
+        alpha = 1 - 0.5 ** (dt / self.half_life)
+        instant = self._pending / dt
+        self.rate = instant if self.rate == 0 else self.rate + alpha * (instant - self.rate)
+        self._last, self._pending = now, 0
+
+
+def run_fingerprint(config: RunConfig) -> bytes:
+    """The settings all peers of a run must share (records of peers with others are ignored)."""
+    shared = {
+        "run": config.run.id,
+        "seed": config.run.seed,
+        "task": config.task.name,
+        "options": dict(config.task.options),
+        "mode": config.training.mode,
+        "target": config.training.target_batch_size,
+    }
+    return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()
+
+
+class CollaborativeOptimizer:
+    """Wraps a torch optimizer; ``await step(samples)`` after every backward pass."""
+
+    def __init__(
+        self,
+        node: Node,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: RunConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node, self.model, self.optimizer, self.config = node, model, optimizer, config
+        self.clock = clock
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.diloco = config.training.mode == "diloco"
+        self.epoch = 0
+        self.samples = 0  # toward the current epoch, on this peer
+        self.inner_steps = 0
+        self.rate = RateMeter()
+        self.stats = RoundStats()
+        self.view: SwarmView | None = None
+        self.records: list[PeerProgress] = []
+        self.fingerprint = run_fingerprint(config)
+        self.key = f"p2ptrain/{node.config.run_id}/progress".encode()
+        if self.diloco:
+            self.global_params = [p.detach().clone() for p in self.params]
+            d = config.diloco
+            self.outer = torch.optim.SGD(
+                self.global_params, lr=d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0
+            )
+            self.averaged = [torch.zeros_like(p) for p in self.params]  # pseudo-gradients
+        else:
+            self.averaged = [torch.zeros_like(p) for p in self.params]  # gradient sums
+        self._snap: list[torch.Tensor] | None = None  # diloco overlap: local parameters at the snapshot
+        self._snap_samples = 0
+        self._overlap: trio.Event | None = None  # set when the background round ended
+        self._overlap_outcome: RoundResult | BaseException | None = None
+        self._formed: tuple[int, SignedManifest] | None = None
+        self._matchmaking = False
+        self._matchmaking_scope = trio.CancelScope()
+        self._retry_at = 0.0
+        self._sync_retry_at = 0.0
+        self._alone_since: float | None = None
+        self._started = 0.0
+        self._publish_now = trio.Event()
+        self._records_read = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._snapshot: Snapshot | None = None
+        self._version = 0  # bumped whenever the served state changes
+        self._snapshot_version = -1
+        self.digest = self._compute_digest()
+        self.on_download_progress: ProgressFn | None = None
+        self.server = StateServer(node.host.registry, self.snapshot)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish progress and read the swarm's, until cancelled (start it in the node's nursery)."""
+        self._started = self.clock()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._progress_loop)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def _progress_loop(self) -> None:
+        await self.node.dht.bootstrapped.wait()
+        interval = self.config.progress.interval
+        while True:
+            self._publish_now = trio.Event()
+            await self._publish()
+            await self.refresh()
+            with trio.move_on_after(interval):
+                await self._publish_now.wait()
+
+    def record(self) -> ProgressRecord:
+        addr = "" if self.node.dht.client_only else str(self.node.dht.advertised_address())
+        return ProgressRecord(
+            epoch=self.epoch,
+            samples=self.samples,
+            rate=self.rate.rate,
+            time=self.clock(),
+            digest=self.digest,
+            addr=addr,
+            run=self.fingerprint,
+            landing=self._overlap is not None,
+        )
+
+    async def _publish(self) -> None:
+        value = pack(self.record().to_obj())
+        try:
+            await self.node.dht.store(
+                self.key,
+                value,
+                ttl=self.config.progress.ttl,
+                subkey=owned_subkey(self.node.peer_id),
+                sign=True,
+            )
+        except P2PError as e:
+            log.warning("could not publish progress: %s", e)
+
+    async def refresh(self) -> None:
+        """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped)."""
+        try:
+            entries = await self.node.dht.get(self.key, quorum=3)
+        except P2PError as e:
+            log.info("could not read progress records: %s", e)
+            return
+        records = []
+        for subkey, entry in entries.items():
+            if len(subkey) != 1 + PEER_ID_BYTES:
+                continue
+            try:
+                rec = ProgressRecord.from_obj(unpack(entry.value))
+            except RemoteProtocolError:
+                continue
+            records.append(PeerProgress(PeerID(subkey[1:]), rec))
+        self.records = records
+        self._update_view()
+        self._records_read.set()
+        self._records_read = trio.Event()
+
+    def _update_view(self) -> SwarmView:
+        self.view = swarm_view(
+            self.node.peer_id,
+            self.record(),
+            self.records,
+            now=self.clock(),
+            target=self.config.training.target_batch_size,
+            horizon=2 * self.config.progress.interval,
+        )
+        return self.view
+
+    async def wait_for_peers(self, count: int, timeout: float) -> int:
+        """Wait until ``count`` peers (this one included) publish progress in the run, or ``timeout``;
+        returns how many did. Lets a swarm that starts together begin together."""
+        with trio.move_on_after(timeout):
+            while self._peers_seen() < count:
+                await self._records_read.wait()
+        return self._peers_seen()
+
+    def _peers_seen(self) -> int:
+        return 1 + sum(r.peer != self.node.peer_id for r in self.records)
+
+    # ---- the training loop's side ------------------------------------------------------------------
+
+    async def step(self, samples: int) -> bool:
+        """Account for a backward pass over ``samples`` samples; True when a global step was taken (or
+        the state was replaced by a download), so the caller may evaluate, checkpoint, log."""
+        if not (isinstance(samples, int) and samples > 0):
+            raise ValueError("samples must be a positive int")
+        if self._nursery is None:
+            raise RuntimeError("start CollaborativeOptimizer.run in a nursery first")
+        if self.diloco:
+            self._inner_step()
+        else:
+            self._accumulate(samples)
+        self.samples += samples
+        self.rate.add(samples, self.clock())
+        changed = self._land_overlapped()
+        if self._overlap is not None:  # a round is in flight: nothing else may touch the state
+            return changed
+        view = self._update_view()
+        if (view.behind or view.diverged(self.digest)) and self.clock() >= self._sync_retry_at:
+            return await self._catch_up(view) or changed
+        if self._formed is not None:
+            epoch, manifest = self._formed
+            self._formed = None
+            if epoch == self.epoch:
+                return await self._average(manifest) or changed
+        if view.ready and not self._matchmaking and self.clock() >= self._retry_at:
+            if view.peers > 1:
+                self._start_matchmaking()
+            elif self._may_step_alone(view):
+                self._solo_step()
+                return True
+        return changed
+
+    def _may_step_alone(self, view: SwarmView) -> bool:
+        """Alone on this epoch: step alone if no other peer is in the run, or if those catching up have
+        not reached this epoch within an averaging timeout (until then, keep accumulating: a step taken
+        now would leave them behind again, and the samples are not lost, only the batch grows)."""
+        now = self.clock()
+        if now - self._started < 2 * self.config.progress.interval:
+            return False  # the others' records may not have reached us yet
+        if view.others == 0:
+            self._alone_since = None
+            return True
+        if self._alone_since is None:
+            self._alone_since = now
+            log.info("alone on step %d while %d peer(s) catch up: waiting for them", self.epoch, view.others)
+        if now - self._alone_since >= self.config.averaging.timeout:
+            log.warning("peers did not catch up within %.0f s: stepping alone", self.config.averaging.timeout)
+            self._alone_since = None
+            return True
+        return False
+
+    def _accumulate(self, samples: int) -> None:
+        with torch.no_grad():
+            for p, acc in zip(self.params, self.averaged, strict=True):
+                if p.grad is not None:
+                    acc.add_(p.grad, alpha=samples)  # the loss is a mean: its gradient times samples
+                p.grad = None
+
+    def _inner_step(self) -> None:
+        self._set_lr(self.inner_steps)
+        self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.inner_steps += 1
+
+    def _set_lr(self, step: int) -> None:
+        t = self.config.training
+        lr = t.lr * min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else t.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _clip(self) -> None:
+        if self.config.training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.training.grad_clip)
+
+    # ---- global steps --------------------------------------------------------------------------------
+
+    def _start_matchmaking(self) -> None:
+        assert self._nursery is not None
+        self._matchmaking = True
+        self._matchmaking_scope = trio.CancelScope()
+        self._nursery.start_soon(self._matchmake, self.epoch, self._matchmaking_scope)
+
+    async def _matchmake(self, epoch: int, scope: trio.CancelScope) -> None:
+        try:
+            with scope:  # cancelled when this peer's epoch changes meanwhile (a download)
+                await self._form_group(epoch)
+        finally:
+            self._matchmaking = False
+
+    async def _form_group(self, epoch: int) -> None:
+        cfg = self.config.averaging
+        try:
+            await self.refresh()  # size the group by the freshest records: a peer that just caught up counts
+            assert self.view is not None
+            if self.view.behind or self.view.peers <= 1:
+                return  # step() catches up, or steps alone
+            target = min(self.view.peers, cfg.max_group_size)
+            minimum = min(target, self.view.peers // 2 + 1)  # a majority: two groups cannot both form
+            manifest = await self.node.averager.form_group(
+                self.averaged,
+                timeout=cfg.timeout,
+                group_key=f"{self.config.training.mode}-{epoch}",
+                target_size=target,
+                min_size=minimum,
+            )
+        except GroupFormationFailed as e:
+            log.info("no group for step %d: %s", epoch, e)
+            self.stats.no_group += 1
+            self.stats.last = {"epoch": epoch, "outcome": "no group", "reason": str(e)}
+            self._retry_at = self.clock() + RETRY_MATCHMAKING
+        else:
+            self._formed = (epoch, manifest)
+
+    async def _average(self, manifest: SignedManifest) -> bool:
+        """Run the formed group's round now; apply the result when it commits."""
+        weight = self.samples
+        if self.diloco:
+            with torch.no_grad():
+                for d, g, p in zip(self.averaged, self.global_params, self.params, strict=True):
+                    torch.sub(g, p.detach(), out=d)
+            if self.config.diloco.overlap:
+                self._start_overlapped(manifest, weight)
+                return False
+        else:
+            for acc in self.averaged:
+                acc.div_(weight)  # the mean gradient; the round weighs it by the sample count
+        try:
+            result = await self.node.averager.run_round(manifest, self.averaged, weight=weight)
+        except RoundAborted as e:
+            self._note_abort(e)
+            if not self.diloco:
+                for acc in self.averaged:
+                    acc.mul_(weight)  # back to sums: keep accumulating toward the retry
+            return False
+        if self.diloco:
+            self._outer_step()
+            for p, g in zip(self.params, self.global_params, strict=True):
+                p.data.copy_(g)
+        else:
+            self._apply_gradients()
+        self._advance(result, weight)
+        return True
+
+    def _apply_gradients(self) -> None:
+        self._set_lr(self.epoch)
+        for p, acc in zip(self.params, self.averaged, strict=True):
+            p.grad = acc
+        self._clip()
+        self.optimizer.step()
+        for p, acc in zip(self.params, self.averaged, strict=True):
+            p.grad = None
+            acc.zero_()
+
+    def _outer_step(self) -> None:
+        for g, d in zip(self.global_params, self.averaged, strict=True):
+            g.grad = d
+        self.outer.step()
+        for g in self.global_params:
+            g.grad = None
+
+    def _solo_step(self) -> None:
+        """No other peer on this epoch: the step is this peer's alone."""
+        if self.diloco:
+            with torch.no_grad():
+                for d, g, p in zip(self.averaged, self.global_params, self.params, strict=True):
+                    torch.sub(g, p.detach(), out=d)
+            self._outer_step()
+            for p, g in zip(self.params, self.global_params, strict=True):
+                p.data.copy_(g)
+        else:
+            for acc in self.averaged:
+                acc.div_(self.samples)
+            self._apply_gradients()
+        self.stats.solo += 1
+        self._advance(None, self.samples)
+
+    def _advance(self, result: RoundResult | None, weight: int) -> None:
+        self.stats.steps += 1
+        self._alone_since = None
+        if result is not None:
+            self.stats.averaged += 1
+            mine = self.node.peer_id in result.contributors
+            if not mine:
+                log.warning("step %d: our %d samples were left out of the round", self.epoch, weight)
+            self.stats.last = {
+                "epoch": self.epoch,
+                "outcome": "averaged",
+                "group": result.group_size,
+                "contributors": len(result.contributors),
+                "samples": int(result.total_weight),
+                "seconds": round(result.round_seconds, 3),
+                "excluded": {p.short(): why for p, why in result.excluded.items()},
+            }
+        else:
+            self.stats.last = {"epoch": self.epoch, "outcome": "alone", "samples": weight}
+        self.epoch += 1
+        self.samples -= weight
+        self._state_changed()
+
+    def _state_changed(self) -> None:
+        self._matchmaking_scope.cancel()  # a group for the epoch we left is no use
+        self._version += 1
+        self.digest = self._compute_digest()
+        self._publish_now.set()
+
+    def _note_abort(self, e: BaseException) -> None:
+        log.warning("step %d: averaging round aborted, nothing applied: %s", self.epoch, e)
+        self.stats.aborted += 1
+        self.stats.last = {"epoch": self.epoch, "outcome": "aborted", "reason": str(e)}
+
+    # ---- diloco overlap ------------------------------------------------------------------------------
+
+    def _start_overlapped(self, manifest: SignedManifest, weight: int) -> None:
+        assert self._nursery is not None
+        self._snap = [p.detach().clone() for p in self.params]
+        self._snap_samples = weight
+        self._overlap = done = trio.Event()
+        self._overlap_outcome = None
+        self._publish_now.set()  # others count this peer on the next epoch already (see ``landing``)
+
+        async def run() -> None:
+            try:
+                self._overlap_outcome = await self.node.averager.run_round(
+                    manifest, self.averaged, weight=weight
+                )
+            except RoundAborted as e:
+                self._overlap_outcome = e
+            finally:
+                done.set()
+
+        self._nursery.start_soon(run)
+
+    def _land_overlapped(self) -> bool:
+        """Apply a background round's result once it is in: keep the local progress made meanwhile."""
+        if self._overlap is None or not self._overlap.is_set():
+            return False
+        outcome, snap = self._overlap_outcome, self._snap
+        self._overlap, self._overlap_outcome, self._snap = None, None, None
+        if not isinstance(outcome, RoundResult):
+            self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
+            return False  # the pseudo-gradient's work is still in the local parameters
+        assert snap is not None
+        self._outer_step()
+        with torch.no_grad():
+            for p, g, s in zip(self.params, self.global_params, snap, strict=True):
+                p.add_(g - s)  # new global + (local now - local at the snapshot)
+        self._advance(outcome, self._snap_samples)
+        return True
+
+    # ---- state: digest, snapshots, downloads, checkpoints ------------------------------------------
+
+    def verified(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of a captured state that every peer must hold identically (its digest is published)."""
+        prefix = "extra.global." if self.diloco else "model."
+        return {k: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    def _compute_digest(self) -> bytes:
+        if self.diloco:
+            live = dict(zip((f"extra.global.{n}" for n in self.names), self.global_params, strict=True))
+        else:
+            live = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        return state.digest(live)
+
+    def capture(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The state to serve or checkpoint: model, optimizer (outer in diloco) and the epoch."""
+        if self.diloco:
+            extra = dict(zip((f"global.{n}" for n in self.names), self.global_params, strict=True))
+            tensors, meta = state.capture(self.model, {"outer": self.outer}, extra=extra)
+        else:
+            tensors, meta = state.capture(self.model, {"inner": self.optimizer})
+        meta["p2ptrain.epoch"] = str(self.epoch)
+        meta["p2ptrain.inner_steps"] = str(self.inner_steps)
+        return tensors, meta
+
+    def restore(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> None:
+        """Load a state from :meth:`capture` (a download or a checkpoint); everything is checked first."""
+        try:
+            epoch = int(meta.get("p2ptrain.epoch", ""))
+            inner_steps = int(meta.get("p2ptrain.inner_steps", "0"))
+        except ValueError:
+            raise RemoteProtocolError("the state does not say which step it is") from None
+        if not (0 <= epoch <= 2**53 and 0 <= inner_steps <= 2**53):
+            raise RemoteProtocolError(f"implausible step {epoch}")
+        if self.diloco:
+            names = [f"global.{n}" for n in self.names]
+            extra = state.restore(self.model, {"outer": self.outer}, tensors, meta, extra_names=names)
+            with torch.no_grad():
+                for g, p, n in zip(self.global_params, self.params, names, strict=True):
+                    g.copy_(extra[n])
+                    p.copy_(g)
+        else:
+            state.restore(self.model, {"inner": self.optimizer}, tensors, meta)
+            for acc in self.averaged:
+                acc.zero_()
+        self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
+        self._state_changed()
+
+    def snapshot(self) -> Snapshot | None:
+        """This epoch's state as bytes (taken once per state change, shared by concurrent downloads)."""
+        if self._overlap is not None and self._snapshot is not None:
+            return self._snapshot  # mid-round: the last stable state
+        if self._snapshot_version != self._version or self._snapshot is None:
+            tensors, meta = self.capture()
+            pieces = state.encode(tensors, meta)
+            self._snapshot = Snapshot(
+                self.epoch, state.digest(self.verified(tensors)), pieces, state.encoded_size(pieces)
+            )
+            self._snapshot_version = self._version
+        return self._snapshot
+
+    def max_state_bytes(self) -> int:
+        """The most a download of this model's state could need (bounds what a donor may send)."""
+        tensors, meta = self.capture()
+        return 2 * state.encoded_size(state.encode(tensors, meta)) + (1 << 20)
+
+    async def _catch_up(self, view: SwarmView) -> bool:
+        """Download the state most peers hold (we are behind, or diverged); True once applied."""
+        why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
+        log.info("catching up: %s", why)
+        try:
+            got = await self.download(view)
+            self.restore(got.tensors, got.metadata)
+        except P2PError as e:
+            log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
+            self._sync_retry_at = self.clock() + RETRY_SYNC
+            return False
+        self.stats.syncs += 1
+        self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.peer.short()}
+        log.info("now on step %d (state from %s)", self.epoch, got.donor.peer.short())
+        return True
+
+    async def download(self, view: SwarmView) -> Downloaded:
+        def expected(epoch: int) -> bytes:
+            return majority_digest(r.record for r in self.records if r.record.epoch == epoch)
+
+        return await download(
+            self.node.host,
+            view.donors,
+            max_size=self.max_state_bytes(),
+            verified=self.verified,
+            expected_digest=expected,
+            timeout=max(60.0, self.config.averaging.timeout),
+            on_progress=self.on_download_progress,
+        )
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def finite(self) -> bool:
+        return all(math.isfinite(float(p.detach().abs().max())) for p in self.params)

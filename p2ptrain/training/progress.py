@@ -1,0 +1,146 @@
+"""Progress records and the swarm's view of a global step (pure: records and ``now`` in, decisions out).
+
+Theory of operation: every training peer publishes, about once a second, a signed progress record in
+the DHT (one owned subkey per peer under the run's progress key): the global step (epoch) it works on,
+the samples it has processed toward that step, its smoothed samples per second, when it measured them,
+the digest of the state it started the epoch from, and where others may download that state.
+
+From the records of the live peers, :func:`swarm_view` decides, identically on every peer that sees the
+same records:
+
+- how many samples the swarm has done toward this epoch (each record extrapolated at its rate, for at
+  most ``horizon`` seconds, so a silent or lying clock cannot inflate it without bound), and therefore
+  whether the target is reached (time to average) and how soon it will be (time to start matchmaking);
+- how many peers work on this epoch (the size of the group to form), counting those whose averaging
+  round for the previous epoch is still landing (diloco with overlap);
+- whether this peer is behind (some peer is on a later epoch) or has diverged (the majority of the peers
+  on its epoch started it from another state): then it downloads the state, from ``donors`` in order.
+
+The majority digest of an epoch is the one most peers report, ties broken by the smaller digest, so every
+peer names the same winner. A peer's own samples are never extrapolated: it knows them exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..identity import PeerID
+from ..wire.schema import Message, bounded
+
+DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True)
+class ProgressRecord(Message):
+    """What a peer tells the swarm about its training (stored signed, one subkey per peer)."""
+
+    epoch: int = bounded(0, ge=0, le=2**53)  # the global step this peer works toward
+    samples: int = bounded(0, ge=0, le=2**53)  # samples it processed toward it
+    rate: float = bounded(0.0, ge=0.0, le=1e9)  # smoothed samples per second
+    time: float = bounded(0.0, ge=0.0, le=1e11)  # when it measured samples and rate (its wall clock)
+    digest: bytes = bounded(b"", max_len=DIGEST_BYTES)  # the state it started the epoch from
+    addr: str = bounded("", max_len=300)  # where to download that state; "" when client-only
+    run: bytes = bounded(b"", max_len=16)  # fingerprint of the run's settings: others are ignored
+    landing: bool = False  # a round for ``epoch`` is in flight (diloco overlap): next on ``epoch + 1``
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    peer: PeerID
+    record: ProgressRecord
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """What the records say about this peer's epoch; ``reason`` explains it in words."""
+
+    epoch: int
+    newest: int  # the latest epoch any live peer works on
+    peers: int  # peers working on ``epoch`` (or about to: their round for the one before is landing)
+    others: int  # other live peers of the run, on any epoch (some may be catching up)
+    samples: float  # estimated samples the swarm has done toward ``epoch``
+    rate: float  # the swarm's samples per second on ``epoch``
+    target: int
+    majority: bytes  # the state digest most peers on ``epoch`` started from
+    donors: tuple[PeerProgress, ...]  # where to download the newest majority state, best first
+    reason: str
+
+    @property
+    def ready(self) -> bool:
+        """The swarm has done the epoch's samples: time to average."""
+        return self.samples >= self.target
+
+    @property
+    def eta(self) -> float:
+        """Seconds until the target, at the current rate (0 when reached, inf with no progress)."""
+        if self.ready:
+            return 0.0
+        return (self.target - self.samples) / self.rate if self.rate > 0 else math.inf
+
+    @property
+    def behind(self) -> bool:
+        return self.newest > self.epoch
+
+    def diverged(self, digest: bytes) -> bool:
+        """This peer's state differs from the one most peers on its epoch started from."""
+        return bool(self.majority) and bool(digest) and digest != self.majority
+
+
+def majority_digest(records: Iterable[ProgressRecord]) -> bytes:
+    """The digest most records report (ties: the smallest), b"" when none reports one."""
+    counts = Counter(r.digest for r in records if r.digest)
+    if not counts:
+        return b""
+    return min(counts, key=lambda d: (-counts[d], d))
+
+
+def estimate(record: ProgressRecord, now: float, horizon: float) -> float:
+    """Samples a peer has done by ``now``: its count, plus its rate for at most ``horizon`` seconds."""
+    elapsed = min(max(now - record.time, 0.0), horizon)
+    return record.samples + record.rate * elapsed
+
+
+def swarm_view(
+    me: PeerID,
+    mine: ProgressRecord,
+    others: Iterable[PeerProgress],
+    *,
+    now: float,
+    target: int,
+    horizon: float,
+) -> SwarmView:
+    """Decide from the live records (``others`` excludes this peer; stale ones already dropped)."""
+    others = [o for o in others if o.peer != me and o.record.run == mine.run]
+    same = [o for o in others if o.record.epoch == mine.epoch]
+    newest = max([mine.epoch, *(o.record.epoch for o in others)])
+    samples = mine.samples + sum(estimate(o.record, now, horizon) for o in same)
+    rate = mine.rate + sum(o.record.rate for o in same)
+    majority = majority_digest([mine, *(o.record for o in same)])
+    at_newest = [o for o in others if o.record.epoch == newest]
+    best = majority_digest(o.record for o in at_newest)
+    donors = sorted(
+        (o for o in at_newest if o.record.addr and (not best or o.record.digest == best)),
+        key=lambda o: hashlib.blake2b(me.digest + o.peer.digest, digest_size=8).digest(),
+    )
+    landing = [o for o in others if o.record.landing and o.record.epoch + 1 == mine.epoch]
+    peers = 1 + len(same) + len(landing)
+    if newest > mine.epoch:
+        reason = f"behind: {len(at_newest)} peer(s) are on step {newest}, this one on {mine.epoch}"
+    else:
+        reason = f"{peers} peer(s) on step {mine.epoch}: {samples:.0f} of {target} samples at {rate:.1f}/s"
+    return SwarmView(
+        epoch=mine.epoch,
+        newest=newest,
+        peers=peers,
+        others=len(others),
+        samples=samples,
+        rate=rate,
+        target=target,
+        majority=majority,
+        donors=tuple(donors),
+        reason=reason,
+    )

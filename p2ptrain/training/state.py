@@ -1,0 +1,678 @@
+"""Training state as safetensors bytes: encode, strict decode, digest, capture and restore.
+
+Theory of operation
+-------------------
+A joining peer downloads the model and optimizer state from a donor that may be hostile, and a restarted
+node reads its own checkpoints from disk. Both go through one format, safetensors: an 8-byte
+little-endian header length ``N``, ``N`` bytes of JSON mapping each tensor name to its dtype, shape and
+``[begin, end)`` byte range in the data section (plus an optional ``"__metadata__"`` str->str map), then
+the raw little-endian tensor bytes. It carries no code, so reading it can never execute anything (no
+pickle, no ``torch.load``), and it is a published format that other tools read.
+
+:func:`decode` trusts nothing: the header length is bounded by :data:`MAX_HEADER` and the data, the JSON
+is strict (no duplicate keys, no NaN literals), every entry needs a known dtype, a bounded shape and
+offsets that tile the data section exactly (sorted by offset: contiguous from 0, no gap, no overlap,
+ending at the last byte) with ``end - begin == numel * itemsize``. Every violation raises
+:class:`StateError` (a :class:`RemoteProtocolError`) that says what is wrong. Tensors are copied out of
+the buffer, so the result never aliases memory the caller reuses.
+
+:func:`capture` snapshots a model, its optimizers and extra tensors into names and metadata:
+
+- ``model.<name>``: every ``model.state_dict()`` entry;
+- ``optim.<key>.<index>.<state>``: each tensor in an optimizer's per-parameter state (``index`` is the
+  parameter's position in the optimizer's groups, as in ``Optimizer.state_dict()``);
+- ``metadata["optim.<key>"]``: JSON with the group sizes, the group hyperparameters and any non-tensor
+  per-parameter state;
+- ``extra.<name>``: the caller's extra tensors (for example DiLoCo's global copy of the parameters).
+
+:func:`restore` validates the whole state against the local model and optimizers before touching either
+(rule 4 in spirit: nothing is half applied), then loads it. Model entries must match by name, shape and
+dtype. Optimizer group hyperparameters must have the local types and sane ranges; those that describe
+the local implementation (``foreach``, ``fused``, ...) stay local. Per-parameter state tensors must
+have the shape and dtype of their parameter (or of the local state they replace), be finite and, for
+second moments, non-negative; Adam's state must be complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import struct
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+
+if sys.byteorder != "little":  # safetensors is little-endian and encode() sends native memory as it is
+    raise ImportError("p2ptrain's state format needs a little-endian host")
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER: int = 16 << 20
+"""Largest JSON header (bytes) that :func:`decode` accepts."""
+
+MAX_NAME: int = 512
+"""Longest tensor name (characters)."""
+
+MAX_NDIM: int = 64
+"""Most dimensions a tensor may declare."""
+
+FORMAT_KEY = "p2ptrain.format"
+FORMAT_VERSION = "1"
+"""``metadata[FORMAT_KEY]`` written by :func:`capture` and required by :func:`restore`."""
+
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+)
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class StateError(RemoteProtocolError):
+    """State bytes are malformed, or a state does not fit the local model or optimizers."""
+
+
+# ---- codec ---------------------------------------------------------------------------------------
+
+
+def _check_name(name: object, error: type[Exception]) -> str:
+    if not isinstance(name, str) or not name:
+        raise error(f"tensor name {name!r} is not a non-empty string")
+    if len(name) > MAX_NAME:
+        raise error(f"tensor name {name[:40]!r}... is {len(name)} characters, over {MAX_NAME}")
+    # Control and format characters (zero-width spaces, bidi overrides, lone surrogates) would let two
+    # names that print alike differ, and break log lines; parameter names never need them.
+    if name == "__metadata__" or not name.isprintable():
+        raise error(f"tensor name {name!r} is reserved or has unprintable characters")
+    return name
+
+
+def _dtype_name(tensor: torch.Tensor, name: str) -> str:
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype_name is None:
+        raise LocalProtocolError(f"tensor {name!r} has dtype {tensor.dtype}, which the format cannot carry")
+    if tensor.layout != torch.strided:
+        raise LocalProtocolError(
+            f"tensor {name!r} has layout {tensor.layout}; only dense tensors are carried"
+        )
+    return dtype_name
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, zero-copy when it already is a contiguous CPU tensor.
+
+    The memoryview keeps the tensor alive (through the NumPy array it views), so it stays valid after
+    the caller drops the tensor; it reflects later in-place writes to the tensor, which is why callers
+    encode snapshots (:func:`capture` clones).
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def encode(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> list[memoryview | bytes]:
+    """Encode tensors (and str->str metadata) as safetensors pieces: the header, then each tensor's bytes.
+
+    Names are sorted, so equal inputs give equal bytes. Tensor pieces are zero-copy views of contiguous
+    CPU tensors (others are copied once); send them in order without joining. Empty tensors contribute
+    no piece. Raises :class:`LocalProtocolError` for names, dtypes or metadata the format cannot carry.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise LocalProtocolError(f"metadata must map str to str, got {key!r}: {type(value).__name__}")
+        header["__metadata__"] = dict(metadata)
+    pieces: list[memoryview | bytes] = []
+    offset = 0
+    for name in sorted(_check_name(n, LocalProtocolError) for n in tensors):
+        tensor = tensors[name]
+        dtype_name = _dtype_name(tensor, name)
+        raw = _raw_bytes(tensor)
+        header[name] = {
+            "dtype": dtype_name,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + raw.nbytes],
+        }
+        offset += raw.nbytes
+        if raw.nbytes:
+            pieces.append(raw)
+    try:
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LocalProtocolError(f"metadata is not valid Unicode: {exc}") from None
+    # Pad with spaces (valid JSON whitespace) so the data section starts 8-byte aligned, as the reference
+    # implementation does; readers that map the file can then view tensors in place.
+    text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER:
+        raise LocalProtocolError(f"state header is {len(text)} bytes, over the {MAX_HEADER}-byte limit")
+    return [struct.pack("<Q", len(text)) + text, *pieces]
+
+
+def encoded_size(pieces: Iterable[memoryview | bytes]) -> int:
+    """Total bytes of :func:`encode`'s pieces."""
+    return sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
+
+
+def _reject_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # a repeated name would be read differently by different parsers
+        names = [k for k, _ in pairs]
+        raise StateError(f"JSON object repeats the key {next(k for k in names if names.count(k) > 1)!r}")
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise StateError(f"JSON holds the non-standard constant {name}")
+
+
+def parse_json(raw: bytes, what: str) -> Any:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity; any failure is a :class:`StateError`."""
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_reject_pairs, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise StateError(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise StateError(f"{what} nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and int() beyond the digit limit
+        raise StateError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _int(value: object, what: str) -> int:
+    if type(value) is not int:  # bool is an int subclass, and JSON true is not a size
+        raise StateError(f"{what} is {value!r}, not an integer")
+    return value
+
+
+def _entry(name: str, entry: object, data_len: int) -> tuple[int, int, str, torch.dtype, list[int]]:
+    """Validate one header entry; return (begin, end, name, dtype, shape)."""
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise StateError(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets (got {keys})")
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise StateError(f"tensor {name!r}: unknown dtype {entry['dtype']!r} (known: {', '.join(DTYPES)})")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise StateError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} sizes")
+    for dim in shape:
+        if _int(dim, f"tensor {name!r}: a shape size") < 0 or dim >= 1 << 62:
+            raise StateError(f"tensor {name!r}: shape size {dim} is out of range")
+    # A zero-sized dimension makes numel 0 whatever the others are; torch still needs the product of
+    # the non-zero sizes to fit in int64 to build strides.
+    if math.prod(max(d, 1) for d in shape) >= 1 << 62:
+        raise StateError(f"tensor {name!r}: shape {shape} is too large")
+    offsets = entry["data_offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise StateError(f"tensor {name!r}: data_offsets must be a [begin, end] pair")
+    begin = _int(offsets[0], f"tensor {name!r}: data_offsets begin")
+    end = _int(offsets[1], f"tensor {name!r}: data_offsets end")
+    if not 0 <= begin <= end <= data_len:
+        raise StateError(f"tensor {name!r}: data_offsets [{begin}, {end}] outside the {data_len}-byte data")
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise StateError(
+            f"tensor {name!r}: {end - begin} bytes declared, but {entry['dtype']} {shape} needs {expected}"
+        )
+    return begin, end, name, dtype, shape
+
+
+def _header(mv: memoryview, max_tensors: int) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Parse and bound the header; return (data start, entries by name, metadata)."""
+    if mv.nbytes < 8:
+        raise StateError(f"state is {mv.nbytes} bytes, too short for the 8-byte header length")
+    (hlen,) = struct.unpack_from("<Q", mv, 0)
+    if hlen > MAX_HEADER:
+        raise StateError(f"header length {hlen} exceeds the {MAX_HEADER}-byte limit")
+    if hlen > mv.nbytes - 8:
+        raise StateError(f"header length {hlen} exceeds the {mv.nbytes - 8} bytes that follow it")
+    header = parse_json(bytes(mv[8 : 8 + hlen]), "state header")
+    if not isinstance(header, dict):
+        raise StateError(f"state header is a JSON {type(header).__name__}, not an object")
+    raw_meta = header.pop("__metadata__", None)
+    if raw_meta is None:
+        raw_meta = {}
+    if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
+        raise StateError("state __metadata__ must be an object of strings")
+    if len(header) > max_tensors:
+        raise StateError(f"state declares {len(header)} tensors, over the limit of {max_tensors}")
+    return 8 + hlen, header, raw_meta
+
+
+def decode(
+    data: bytes | bytearray | memoryview, *, max_tensors: int = 100_000
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Decode safetensors bytes into (tensors by name, metadata), validating everything.
+
+    Raises :class:`StateError` for any malformed input. The tensors are fresh CPU copies.
+    """
+    mv = memoryview(data)
+    if not mv.c_contiguous:
+        raise LocalProtocolError("decode() needs a contiguous buffer")
+    mv = mv.cast("B")
+    start, header, metadata = _header(mv, max_tensors)
+    data_len = mv.nbytes - start
+    entries = sorted(_entry(_check_name(n, StateError), e, data_len) for n, e in header.items())
+    cursor = 0
+    for begin, end, name, _, _ in entries:
+        if begin != cursor:
+            kind = "a gap" if begin > cursor else "an overlap"
+            raise StateError(f"tensor {name!r} starts at byte {begin}: {kind} after byte {cursor}")
+        cursor = end
+    if cursor != data_len:
+        raise StateError(f"data section is {data_len} bytes but the tensors cover {cursor}")
+    tensors: dict[str, torch.Tensor] = {}
+    for begin, end, name, dtype, shape in entries:
+        tensor = torch.empty(shape, dtype=dtype)
+        if end > begin:
+            # A copy into a fresh (aligned, writable) tensor: the result never aliases the caller's buffer,
+            # and no read-only buffer reaches torch.frombuffer (which warns about those).
+            raw = tensor.reshape(-1).view(torch.uint8)
+            raw.numpy().data[:] = mv[start + begin : start + end]
+            if dtype == torch.bool and bool((raw > 1).any()):
+                raise StateError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
+        tensors[name] = tensor
+    return dict(sorted(tensors.items())), metadata
+
+
+def digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """BLAKE2b-256 over the sorted names, dtypes, shapes and raw bytes: equal states <=> equal digests.
+
+    Every field is length-prefixed, so no two different states share an input stream. "Equal" is
+    bitwise: 0.0 and -0.0, or two NaN payloads, differ.
+    """
+    h = hashlib.blake2b(digest_size=32, person=b"p2ptrain-state1")
+    h.update(struct.pack("<Q", len(tensors)))
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        encoded = name.encode("utf-8", "surrogatepass")
+        dtype_name = _dtype_name(tensor, name).encode()
+        h.update(struct.pack("<QQ", len(encoded), len(dtype_name)) + encoded + dtype_name)
+        h.update(struct.pack(f"<Q{tensor.dim()}q", tensor.dim(), *tensor.shape))
+        h.update(_raw_bytes(tensor))  # hashlib releases the GIL for large buffers
+    return h.digest()
+
+
+# ---- capture -------------------------------------------------------------------------------------
+
+_OPTIM_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_INDEX = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical: "01" and "1" must not both name parameter 1
+
+
+def _snapshot(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    _dtype_name(tensor, name)
+    t = tensor.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to("cpu").contiguous()
+
+
+def _plain(value: object, where: str, *, nested: bool = False) -> object:
+    """A JSON-safe copy of a hyperparameter or non-tensor state value (tuples become lists)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise LocalProtocolError(f"{where} is {value}; only finite numbers can be captured")
+        return value
+    if isinstance(value, list | tuple) and not nested:
+        return [_plain(v, where, nested=True) for v in value]
+    raise LocalProtocolError(f"{where} is a {type(value).__name__}; only plain numbers, strings and lists")
+
+
+def _capture_optimizer(key: str, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> str:
+    """Add an optimizer's state tensors to ``tensors``; return the JSON for its other parts."""
+    if not _OPTIM_KEY.fullmatch(key):
+        raise LocalProtocolError(f"optimizer key {key!r} must be 1-64 letters, digits, '_' or '-'")
+    sd = opt.state_dict()
+    groups = []
+    for gi, group in enumerate(sd["param_groups"]):
+        hyper = {
+            k: _plain(v, f"optimizer {key!r} group {gi} {k!r}") for k, v in group.items() if k != "params"
+        }
+        groups.append({"size": len(group["params"]), "hyper": hyper})
+    scalars: dict[str, dict[str, object]] = {}
+    for index, state in sd["state"].items():
+        for skey, value in state.items():
+            where = f"optimizer {key!r} parameter #{index} state {skey!r}"
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{key}.{index}.{skey}"] = _snapshot(value, where)
+            elif isinstance(value, str):  # torch's load_state_dict would mangle it (it iterates strings)
+                raise LocalProtocolError(f"{where} is a string, which optimizers cannot reload")
+            else:
+                scalars.setdefault(str(index), {})[skey] = _plain(value, where, nested=True)
+    doc = {"groups": groups, "state": scalars}
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
+def capture(
+    model: torch.nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer] = _EMPTY,
+    *,
+    extra: Mapping[str, torch.Tensor] = _EMPTY,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Snapshot the model, optimizers and extra tensors: detached contiguous CPU clones, plus metadata.
+
+    Raises :class:`LocalProtocolError` for state the format cannot carry (non-tensor model state, tensor
+    hyperparameters, unsupported dtypes, bad names).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise LocalProtocolError(f"model state {name!r} is a {type(value).__name__}, not a tensor")
+        tensors[f"model.{name}"] = _snapshot(value, name)
+    metadata = {FORMAT_KEY: FORMAT_VERSION}
+    for key, opt in optimizers.items():
+        metadata[f"optim.{key}"] = _capture_optimizer(key, opt, tensors)
+    for name, value in extra.items():
+        tensors[f"extra.{name}"] = _snapshot(value, name)
+    for name in tensors:
+        _check_name(name, LocalProtocolError)
+    return tensors, metadata
+
+
+# ---- restore: validation ---------------------------------------------------------------------------
+
+# Group entries that describe this machine's implementation (CUDA kernels, autograd through the step),
+# not the training trajectory: a donor on a GPU must not switch a CPU joiner to fused kernels.
+_LOCAL_ONLY = frozenset(("foreach", "fused", "capturable", "differentiable", "param_names", "params"))
+_NON_NEGATIVE = frozenset(("lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening"))
+_SECOND_MOMENTS = frozenset(("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"))
+_MAX_KEY = 64
+_MAX_STR = 256
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)}"
+
+
+def _more(names: Sequence[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def _check_model(model: torch.nn.Module, part: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    local = model.state_dict()
+    missing = [n for n in local if n not in part]
+    if missing:
+        raise StateError(f"state lacks model entry {missing[0]!r}{_more(missing)}")
+    unexpected = sorted(set(part) - set(local))
+    if unexpected:
+        raise StateError(
+            f"state has model entry {unexpected[0]!r}{_more(unexpected)}, unknown to the local model"
+        )
+    for name, ref in local.items():
+        if not isinstance(ref, torch.Tensor):
+            raise LocalProtocolError(f"model state {name!r} is a {type(ref).__name__}, not a tensor")
+        if part[name].shape != ref.shape or part[name].dtype != ref.dtype:
+            raise StateError(f"model entry {name!r} is {_desc(part[name])}, the local model has {_desc(ref)}")
+    # Not moved to the model's device here: load_state_dict's copy_ moves each tensor straight into its
+    # parameter, without a second full copy of the model on the accelerator.
+    return {name: part[name] for name in local}
+
+
+def _like(value: object, ref: object, what: str) -> object:
+    """``value`` if it is of the kind of ``ref``, the local value it replaces (tuples stay tuples)."""
+    kind = type(value) if ref is None else type(ref)  # None locally (unset): any scalar may replace it
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int or kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif kind is str:
+        ok = isinstance(value, str) and len(value) <= _MAX_STR
+    elif ref is None:
+        ok = value is None
+    elif isinstance(ref, tuple | list):
+        if not isinstance(value, list) or len(value) != len(ref):
+            raise StateError(f"{what} is {value!r}, expected a list of {len(ref)}")
+        items = [_like(v, r, f"{what}[{i}]") for i, (v, r) in enumerate(zip(value, ref, strict=True))]
+        return tuple(items) if isinstance(ref, tuple) else items  # Adam unpacks betas; keep torch's tuple
+    else:
+        raise LocalProtocolError(f"local {what} is a {type(ref).__name__}, which restore cannot replace")
+    if not ok:
+        raise StateError(f"{what} is {value!r}, which does not match the local {ref!r}")
+    return value
+
+
+def _check_hyper(where: str, remote: object, local: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(remote, dict):
+        raise StateError(f"{where}: hyperparameters must be an object")
+    out: dict[str, Any] = {}
+    for name, ref in local.items():
+        if name in _LOCAL_ONLY:
+            out[name] = ref
+        elif name not in remote:
+            raise StateError(f"{where} lacks hyperparameter {name!r}")
+        else:
+            out[name] = _like(remote[name], ref, f"{where} {name!r}")
+    for name, value in remote.items():
+        if name in out or name in _LOCAL_ONLY:
+            continue
+        # Entries the local optimizer lacks (a scheduler's initial_lr): plain scalars only.
+        if len(name) > _MAX_KEY or not (value is None or isinstance(value, bool | int | float)):
+            raise StateError(f"{where} has an unexpected hyperparameter {name[:_MAX_KEY]!r}: {value!r}")
+        out[name] = value
+    for name in _NON_NEGATIVE & out.keys():
+        if isinstance(out[name], int | float) and out[name] < 0:
+            raise StateError(f"{where} {name!r} is {out[name]}, must not be negative")
+    betas = out.get("betas")
+    if isinstance(betas, tuple | list) and not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas):
+        raise StateError(f"{where} betas {betas} must lie in [0, 1)")
+    return out
+
+
+def _state_rules(
+    opt: torch.optim.Optimizer, group: Mapping[str, Any]
+) -> tuple[frozenset[str], frozenset[str] | None, frozenset[str]]:
+    """(keys a non-empty state must hold, keys it may hold or None for any, keys shaped like the param)."""
+    if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+        moments = {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+        keys = frozenset(moments | {"step"})
+        return keys, keys, frozenset(moments)
+    if isinstance(opt, torch.optim.SGD):
+        return frozenset(), frozenset({"momentum_buffer"}), frozenset({"momentum_buffer"})
+    return frozenset(), None, frozenset()
+
+
+def _check_state_tensor(
+    what: str, key: str, value: torch.Tensor, param: torch.Tensor, local: object, shaped: bool
+) -> None:
+    if isinstance(local, torch.Tensor) and (value.shape != local.shape or value.dtype != local.dtype):
+        raise StateError(f"{what} is {_desc(value)}, the local state has {_desc(local)}")
+    if key == "step":
+        if value.numel() != 1 or value.dtype == torch.bool:
+            raise StateError(f"{what} is {_desc(value)}, expected a single number")
+        step = float(value.double())
+        if not (math.isfinite(step) and step >= 0):
+            raise StateError(f"{what} is {step}, expected a finite count >= 0")
+        return
+    if shaped or (local is None and value.dim() > 0):
+        if value.shape != param.shape:
+            raise StateError(f"{what} has shape {list(value.shape)}, its parameter {list(param.shape)}")
+        if param.is_floating_point() and value.dtype != param.dtype:
+            raise StateError(f"{what} is {value.dtype}, its parameter {param.dtype}")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise StateError(f"{what} holds NaN or infinite values")
+    if key in _SECOND_MOMENTS and bool((value < 0).any()):
+        raise StateError(f"{what} holds negative values (a second moment)")
+
+
+def _check_param_state(
+    where: str,
+    param: torch.Tensor,
+    entry: Mapping[str, object],
+    local: Mapping[str, object],
+    rules: tuple[frozenset[str], frozenset[str] | None, frozenset[str]],
+) -> None:
+    required, allowed, shaped = rules
+    if entry and not required <= entry.keys():
+        raise StateError(f"{where} lacks state {sorted(required - entry.keys())[0]!r}")
+    if allowed is not None and not entry.keys() <= allowed:
+        raise StateError(f"{where} has unexpected state {sorted(entry.keys() - allowed)[0]!r}")
+    for key, value in entry.items():
+        what = f"{where} state {key!r}"
+        if isinstance(value, torch.Tensor):
+            _check_state_tensor(what, key, value, param, local.get(key), key in shaped)
+        elif isinstance(local.get(key), torch.Tensor) or key in shaped:
+            raise StateError(f"{what} is {value!r}, expected a tensor")
+        elif key == "step" and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+        ):
+            raise StateError(f"{what} is {value!r}, expected a count >= 0")
+        elif not (value is None or isinstance(value, bool | int | float)):
+            raise StateError(f"{what} is {value!r}, expected a number")
+
+
+def _merge_state(
+    where: str, scalars: object, tensors: Mapping[int, Mapping[str, torch.Tensor]]
+) -> dict[int, dict[str, object]]:
+    if not isinstance(scalars, dict):
+        raise StateError(f"{where}: per-parameter state must be an object")
+    merged: dict[int, dict[str, object]] = {i: dict(t) for i, t in tensors.items()}
+    for index, entry in scalars.items():
+        if not _INDEX.fullmatch(index) or not isinstance(entry, dict):
+            raise StateError(f"{where}: per-parameter state {index[:20]!r} is not an index with an object")
+        slot = merged.setdefault(int(index), {})
+        for key, value in entry.items():
+            if key in slot or len(key) > _MAX_KEY:
+                raise StateError(f"{where} parameter #{index}: state {key[:_MAX_KEY]!r} repeated or too long")
+            slot[key] = value
+    return merged
+
+
+def _check_optimizer(
+    key: str, opt: torch.optim.Optimizer, doc: object, tensors: Mapping[int, Mapping[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """Validate one optimizer's part of a state; return the state dict to load into it."""
+    where = f"optimizer {key!r}"
+    if not isinstance(doc, dict) or set(doc) != {"groups", "state"}:
+        raise StateError(f"{where}: metadata must be an object with groups and state")
+    groups = doc["groups"]
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+        count = len(groups) if isinstance(groups, list) else "no"
+        raise StateError(f"{where} has {count} parameter groups, the local one {len(opt.param_groups)}")
+    new_groups: list[dict[str, Any]] = []
+    params: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    for gi, (remote, local) in enumerate(zip(groups, opt.param_groups, strict=True)):
+        size = len(local["params"])
+        if not isinstance(remote, dict) or set(remote) != {"size", "hyper"} or remote["size"] != size:
+            got = remote.get("size") if isinstance(remote, dict) else remote
+            raise StateError(f"{where} group {gi} has {got!r} parameters, the local one {size}")
+        hyper = _check_hyper(f"{where} group {gi}", remote["hyper"], local)
+        hyper["params"] = list(range(len(params), len(params) + size))  # Optimizer.state_dict() numbering
+        new_groups.append(hyper)
+        params.extend((p, hyper) for p in local["params"])
+    state = _merge_state(where, doc["state"], tensors)
+    for index, entry in state.items():
+        if index >= len(params):
+            raise StateError(f"{where} has state for parameter #{index}, but only {len(params)} parameters")
+        param, group = params[index]
+        local_state = opt.state.get(param, {})  # .get: the state is a defaultdict; do not grow it
+        _check_param_state(f"{where} parameter #{index}", param, entry, local_state, _state_rules(opt, group))
+    return {"state": {i: e for i, e in sorted(state.items()) if e}, "param_groups": new_groups}
+
+
+def _check_extras(
+    part: Mapping[str, torch.Tensor], wanted: Sequence[str] | Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    missing = [n for n in wanted if n not in part]
+    if missing:
+        raise StateError(f"state lacks extra tensor {missing[0]!r}{_more(missing)}")
+    unexpected = sorted(set(part) - set(wanted))
+    if unexpected:
+        raise StateError(f"state has unexpected extra tensor {unexpected[0]!r}{_more(unexpected)}")
+    if isinstance(wanted, Mapping):
+        for name, ref in wanted.items():
+            if part[name].shape != ref.shape or part[name].dtype != ref.dtype:
+                raise StateError(f"extra tensor {name!r} is {_desc(part[name])}, expected {_desc(ref)}")
+    return {name: part[name] for name in wanted}
+
+
+def _split(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    extra: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        section, _, rest = name.partition(".")
+        if section == "model" and rest:
+            model[rest] = tensor
+        elif section == "extra" and rest:
+            extra[rest] = tensor
+        elif section == "optim":
+            parts = rest.split(".", 2)
+            if len(parts) != 3 or not _OPTIM_KEY.fullmatch(parts[0]) or not _INDEX.fullmatch(parts[1]):
+                raise StateError(f"tensor {name!r} is not optim.<key>.<parameter index>.<state>")
+            optim.setdefault(parts[0], {}).setdefault(int(parts[1]), {})[parts[2]] = tensor
+        else:
+            raise StateError(f"tensor {name!r} is not under model., optim. or extra.")
+    return model, optim, extra
+
+
+# ---- restore ---------------------------------------------------------------------------------------
+
+
+def restore(
+    model: torch.nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    *,
+    extra_names: Sequence[str] | Mapping[str, torch.Tensor] = (),
+) -> dict[str, torch.Tensor]:
+    """Validate a captured state against the local model and optimizers, then load it; return the extras.
+
+    ``extra_names`` lists the extra tensors the state must hold (no more, no fewer), returned under
+    those names; pass a mapping of name -> template tensor to also require each one's shape and dtype.
+    Any mismatch raises :class:`StateError` naming the offending entry before the model or any
+    optimizer is modified. Hyperparameters come from the state (learning rate, betas, ...), except
+    those that describe this machine's implementation (foreach, fused, capturable, differentiable).
+    """
+    if metadata.get(FORMAT_KEY) != FORMAT_VERSION:
+        raise StateError(f"state format is {metadata.get(FORMAT_KEY)!r}, expected {FORMAT_VERSION!r}")
+    model_part, optim_parts, extra_part = _split(tensors)
+    unknown = sorted(set(optim_parts) - set(optimizers))
+    unknown += sorted(k[6:] for k in metadata if k.startswith("optim.") and k[6:] not in optimizers)
+    if unknown:
+        raise StateError(f"state holds optimizer {unknown[0]!r}, which this node does not have")
+    model_sd = _check_model(model, model_part)
+    optim_sds = {}
+    for key, opt in optimizers.items():
+        raw = metadata.get(f"optim.{key}")
+        if raw is None:
+            raise StateError(f"state lacks optimizer {key!r}")
+        doc = parse_json(raw.encode("utf-8", "surrogatepass"), f"optimizer {key!r} metadata")
+        optim_sds[key] = _check_optimizer(key, opt, doc, optim_parts.get(key, {}))
+    extras = _check_extras(extra_part, extra_names)
+    # Everything is validated: from here on nothing is expected to raise, so nothing is half applied.
+    model.load_state_dict(model_sd, strict=True)
+    for key, opt in optimizers.items():
+        opt.load_state_dict(optim_sds[key])
+    return extras

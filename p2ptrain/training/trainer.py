@@ -1,0 +1,259 @@
+"""The training loop a node runs: a task's model and data, a CollaborativeOptimizer, metrics, checkpoints.
+
+Theory of operation: ``Trainer.run`` builds the task's model from the run's seed (every peer starts from
+the same weights), resumes from the newest checkpoint when asked, then loops: draw a batch, compute the
+loss and gradients in a worker thread (so the node keeps serving the network meanwhile), hand the sample
+count to the optimizer, which decides when the swarm steps. After every global step it evaluates (every
+``eval.every_steps``), checkpoints (every ``checkpoint.every_steps``) and appends one JSON line of metrics.
+It stops at ``max_steps`` global steps, after ``duration`` seconds, or when cancelled, and then writes a
+final checkpoint and a summary line.
+
+``slowdown`` (>= 1) makes this peer's compute that many times slower, by idling after each batch for the
+extra time: the simulations use it to emulate GPUs of different speeds on one machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from ..config import RunConfig
+from ..node import Node
+from ..tasks import Task
+from . import checkpoint
+from .collaborative import CollaborativeOptimizer
+
+log = logging.getLogger(__name__)
+
+LOSS_SMOOTHING = 0.9
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How one node runs the run's training (the run file says what is trained; this says where, how long)."""
+
+    device: str = "cpu"
+    data_dir: Path | None = None  # checkpoints go to data_dir/checkpoints
+    resume: bool = False
+    max_steps: int | None = None  # overrides training.max_steps
+    duration: float = 0.0  # seconds; 0: no limit
+    slowdown: float = 1.0
+    metrics_file: Path | None = None
+    wait_peers: int = 1  # wait until this many peers (this one included) are in the run
+    wait_timeout: float = 120.0
+
+
+class Trainer:
+    """Trains the task's model with the swarm; see the module docstring."""
+
+    def __init__(
+        self,
+        node: Node,
+        config: RunConfig,
+        task: Task,
+        options: TrainerOptions | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node, self.config, self.task = node, config, task
+        self.options = options or TrainerOptions()
+        if not (math.isfinite(self.options.slowdown) and self.options.slowdown >= 1):
+            raise ValueError("slowdown must be at least 1")
+        self.clock = clock
+        self.device = torch.device(self.options.device)
+        t = config.training
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        torch.manual_seed(config.run.seed)  # every peer builds the same initial weights
+        self.model = task.model().to(self.device)
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr,
+            betas=(0.9, 0.95),
+        )
+        self.opt = CollaborativeOptimizer(node, self.model, self.optimizer, config, clock=clock)
+        self.max_steps = t.max_steps if self.options.max_steps is None else self.options.max_steps
+        self.loss: float | None = None  # smoothed training loss
+        self.val_loss: float | None = None
+        self.compute_seconds = 0.0
+        self.started = 0.0
+        self.local_samples = 0
+        self.finished = False
+        self.node.status_sections["training"] = self.status
+
+    @property
+    def checkpoints(self) -> Path | None:
+        return self.options.data_dir / "checkpoints" if self.options.data_dir else None
+
+    def _data_seed(self) -> int:
+        """Different data on every peer, the same for a peer across restarts."""
+        h = hashlib.blake2b(self.node.peer_id.digest + str(self.config.run.seed).encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "little") & (2**62 - 1)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.options.resume:
+            self.resume()
+        batches = self.task.batches(self._data_seed(), self.config.training.batch_size)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.opt.run)
+            task_status.started()
+            try:
+                if self.options.wait_peers > 1:
+                    log.info("waiting for %d peers to start together", self.options.wait_peers)
+                    seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
+                    log.info("%d peer(s) in the run: starting", seen)
+                await self._loop(batches)
+            finally:  # no await here: this runs even when cancelled
+                self.finished = True
+                self.save_checkpoint()
+                self._write_metrics({"event": "stopped", **self.status()})
+            nursery.cancel_scope.cancel()
+
+    async def _loop(self, batches: Iterator[Any]) -> None:
+        self.started = self.clock()
+        log.info(
+            "training %s (%s mode) from step %d, %s",
+            self.task.name,
+            self.config.training.mode,
+            self.opt.epoch,
+            ", ".join(f"{k}={v}" for k, v in self.task.info.items()),
+        )
+        while not self._done():
+            batch = next(batches)
+            began = time.perf_counter()
+            loss = await trio.to_thread.run_sync(self._compute, batch)
+            spent = time.perf_counter() - began
+            if self.options.slowdown > 1:
+                await trio.sleep(spent * (self.options.slowdown - 1))
+            self.compute_seconds += spent * self.options.slowdown
+            samples = self.task.samples(batch)
+            self.local_samples += samples
+            self.loss = (
+                loss if self.loss is None else LOSS_SMOOTHING * self.loss + (1 - LOSS_SMOOTHING) * loss
+            )
+            if await self.opt.step(samples):
+                await self._after_step()
+
+    def _done(self) -> bool:
+        if self.max_steps and self.opt.epoch >= self.max_steps:
+            return True
+        return bool(self.options.duration) and self.clock() - self.started >= self.options.duration
+
+    def _compute(self, batch: Any) -> float:
+        self.model.train()
+        loss = self.task.loss(self.model, self.task.to_device(batch, self.device))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss is {float(loss)}: training diverged")
+        loss.backward()  # type: ignore[no-untyped-call]
+        return float(loss.detach())
+
+    async def _after_step(self) -> None:
+        epoch = self.opt.epoch
+        ev = self.config.eval
+        if ev.every_steps and self.task.validation is not None and epoch % ev.every_steps == 0:
+            self.val_loss = await trio.to_thread.run_sync(self.evaluate)
+        every = self.config.checkpoint.every_steps
+        if every and epoch % every == 0:
+            await trio.to_thread.run_sync(self.save_checkpoint)
+        self._write_metrics(self.status())
+        last = self.opt.stats.last
+        log.info(
+            "step %d: loss %.4f%s, %s, %.1f samples/s here, %.1f in the swarm",
+            epoch,
+            self.loss or 0.0,
+            f", val {self.val_loss:.4f}" if self.val_loss is not None else "",
+            last.get("outcome", "?"),
+            self.opt.rate.rate,
+            self.opt.view.rate if self.opt.view else 0.0,
+        )
+
+    def evaluate(self) -> float:
+        """Mean loss over the task's validation batches (the same on every peer)."""
+        assert self.task.validation is not None
+        self.model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for batch in self.task.validation(self.config.eval.batch_size):
+                n = self.task.samples(batch)
+                total += float(self.task.loss(self.model, self.task.to_device(batch, self.device))) * n
+                count += n
+        return total / max(count, 1)
+
+    # ---- checkpoints ----
+
+    def save_checkpoint(self) -> None:
+        folder = self.checkpoints
+        if folder is None:
+            return
+        tensors, meta = self.opt.capture()
+        info = {"peer": str(self.node.peer_id), "run": self.config.run.id, "time": self.clock()}
+        path = checkpoint.save(folder, self.opt.epoch, tensors, meta, info, keep=self.config.checkpoint.keep)
+        log.info("checkpoint of step %d written to %s", self.opt.epoch, path)
+
+    def resume(self) -> bool:
+        folder = self.checkpoints
+        found = checkpoint.latest(folder) if folder is not None else None
+        if found is None:
+            log.info("no checkpoint to resume from%s", f" in {folder}" if folder else "")
+            return False
+        step, tensors, meta, _ = found
+        self.opt.restore(tensors, meta)
+        log.info("resumed from the checkpoint of step %d", step)
+        return True
+
+    # ---- metrics ----
+
+    def status(self) -> dict[str, Any]:
+        opt, view = self.opt, self.opt.view
+        wall = self.clock() - self.started if self.started else 0.0
+        sent, received = self.node.host.traffic()
+        return {
+            "time": self.clock(),
+            "task": self.task.name,
+            "mode": self.config.training.mode,
+            "step": opt.epoch,
+            "loss": self.loss,
+            "val_loss": self.val_loss,
+            "lr": opt.lr(),
+            "samples_here": self.local_samples,
+            "samples_per_s": opt.rate.rate,
+            "swarm_samples_per_s": view.rate if view else 0.0,
+            "swarm_peers": view.peers if view else 1,
+            "epoch_samples": view.samples if view else 0.0,
+            "target": self.config.training.target_batch_size,
+            "compute_utilization": self.compute_seconds / wall if wall > 0 else 0.0,
+            "rounds": {
+                "averaged": opt.stats.averaged,
+                "alone": opt.stats.solo,
+                "aborted": opt.stats.aborted,
+                "no_group": opt.stats.no_group,
+                "synced": opt.stats.syncs,
+                "last": opt.stats.last,
+            },
+            "digest": opt.digest.hex()[:16],
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "finished": self.finished,
+        }
+
+    def _write_metrics(self, line: dict[str, Any]) -> None:
+        path = self.options.metrics_file
+        if path is None:
+            return
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:
+            log.warning("cannot write metrics to %s: %s", path, e)
