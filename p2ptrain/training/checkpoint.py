@@ -129,7 +129,8 @@ def save(
 ) -> Path:
     """Write ``folder/step-<step>`` atomically and durably, then prune to the newest ``keep``; return it.
 
-    ``info`` must be JSON-serializable. Saving a step that already exists replaces it. Raises
+    ``info`` must be JSON-serializable. Saving a step that already exists replaces it. One writer per
+    folder: a save removes the temporary directories it finds there as crash leftovers. Raises
     :class:`ValueError` for a bad step, keep or info; :class:`OSError` from the filesystem.
     """
     if type(step) is not int or not 0 <= step < 10**18:
@@ -148,18 +149,24 @@ def save(
     final = folder / f"step-{step:09d}"
     tmp = folder / f"{_TMP_PREFIX}step-{step:09d}-{secrets.token_hex(6)}"
     tmp.mkdir(mode=0o755)
+    displaced = None
     try:
         meta["file_size"], meta["file_blake2b"] = _write_file(tmp / STATE_FILE, pieces)
         meta["info"] = dict(info)
         _write_file(tmp / META_FILE, [json.dumps(meta, indent=1, sort_keys=True).encode() + b"\n"])
         _fsync_dir(tmp)
-        if final.exists():  # directories cannot be replaced in one rename when the target is not empty
-            _discard(final)
+        if final.exists():  # a directory cannot be renamed over a non-empty one: move the old one aside
+            displaced = folder / f"{_TMP_PREFIX}discard-{secrets.token_hex(6)}"
+            os.rename(final, displaced)
         os.rename(tmp, final)
     except BaseException:
+        if displaced is not None and not final.exists():
+            os.rename(displaced, final)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(folder)
+    if displaced is not None:
+        shutil.rmtree(displaced, ignore_errors=True)
     _prune(folder, step, keep)
     return final
 

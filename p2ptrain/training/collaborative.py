@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
 RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
 RATE_HALF_LIFE = 10.0  # seconds: how fast the advertised samples/s follows changes
+LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
 
 
 @dataclass
@@ -149,6 +150,7 @@ class CollaborativeOptimizer:
         self._sync_retry_at = 0.0
         self._alone_since: float | None = None
         self._started = 0.0
+        self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
         self._records_read = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -278,10 +280,10 @@ class CollaborativeOptimizer:
             self._formed = None
             if epoch == self.epoch:
                 return await self._average(manifest) or changed
-        if view.ready and not self._matchmaking and self.clock() >= self._retry_at:
-            if view.peers > 1:
-                self._start_matchmaking()
-            elif self._may_step_alone(view):
+        if not self._matchmaking and self.clock() >= self._retry_at:
+            if view.peers > 1 and view.samples + view.rate * self._lead >= view.target:
+                self._start_matchmaking()  # early by the time groups take to form: the round starts on target
+            elif view.peers <= 1 and view.ready and self._may_step_alone(view):
                 self._solo_step()
                 return True
         return changed
@@ -346,6 +348,7 @@ class CollaborativeOptimizer:
 
     async def _form_group(self, epoch: int) -> None:
         cfg = self.config.averaging
+        began = self.clock()
         try:
             await self.refresh()  # size the group by the freshest records: a peer that just caught up counts
             assert self.view is not None
@@ -367,6 +370,8 @@ class CollaborativeOptimizer:
             self._retry_at = self.clock() + RETRY_MATCHMAKING
         else:
             self._formed = (epoch, manifest)
+            took = min(self.clock() - began, cfg.matchmaking_time)
+            self._lead += LEAD_SMOOTHING * (took - self._lead)
 
     async def _average(self, manifest: SignedManifest) -> bool:
         """Run the formed group's round now; apply the result when it commits."""

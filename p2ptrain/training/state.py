@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import re
 import struct
@@ -52,8 +51,6 @@ from ..errors import LocalProtocolError, RemoteProtocolError
 
 if sys.byteorder != "little":  # safetensors is little-endian and encode() sends native memory as it is
     raise ImportError("p2ptrain's state format needs a little-endian host")
-
-log = logging.getLogger(__name__)
 
 MAX_HEADER: int = 16 << 20
 """Largest JSON header (bytes) that :func:`decode` accepts."""
@@ -181,10 +178,11 @@ def encoded_size(pieces: Iterable[memoryview | bytes]) -> int:
 
 
 def _reject_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):  # a repeated name would be read differently by different parsers
-        names = [k for k, _ in pairs]
-        raise StateError(f"JSON object repeats the key {next(k for k in names if names.count(k) > 1)!r}")
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # a repeated name would be read differently by different parsers
+            raise StateError(f"JSON object repeats the key {key[:MAX_NAME]!r}")
+        out[key] = value
     return out
 
 
@@ -192,11 +190,20 @@ def _reject_constant(name: str) -> Any:
     raise StateError(f"JSON holds the non-standard constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf without going through parse_constant
+        raise StateError(f"JSON number {text[:20]} is out of the float range")
+    return value
+
+
 def parse_json(raw: bytes, what: str) -> Any:
-    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity; any failure is a :class:`StateError`."""
+    """Strict JSON: UTF-8, no duplicate keys, finite numbers only; any failure is a :class:`StateError`."""
     try:
         text = raw.decode("utf-8")
-        return json.loads(text, object_pairs_hook=_reject_pairs, parse_constant=_reject_constant)
+        return json.loads(
+            text, object_pairs_hook=_reject_pairs, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except UnicodeDecodeError as exc:
         raise StateError(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     except RecursionError:
@@ -506,7 +513,7 @@ def _check_state_tensor(
     if isinstance(local, torch.Tensor) and (value.shape != local.shape or value.dtype != local.dtype):
         raise StateError(f"{what} is {_desc(value)}, the local state has {_desc(local)}")
     if key == "step":
-        if value.numel() != 1 or value.dtype == torch.bool:
+        if value.dim() != 0 or value.dtype == torch.bool:
             raise StateError(f"{what} is {_desc(value)}, expected a single number")
         step = float(value.double())
         if not (math.isfinite(step) and step >= 0):
@@ -539,6 +546,8 @@ def _check_param_state(
         what = f"{where} state {key!r}"
         if isinstance(value, torch.Tensor):
             _check_state_tensor(what, key, value, param, local.get(key), key in shaped)
+        elif value is None and key == "momentum_buffer":
+            pass  # SGD treats a None buffer as absent and starts a new one
         elif isinstance(local.get(key), torch.Tensor) or key in shaped:
             raise StateError(f"{what} is {value!r}, expected a tensor")
         elif key == "step" and not (
@@ -595,7 +604,13 @@ def _check_optimizer(
         param, group = params[index]
         local_state = opt.state.get(param, {})  # .get: the state is a defaultdict; do not grow it
         _check_param_state(f"{where} parameter #{index}", param, entry, local_state, _state_rules(opt, group))
-    return {"state": {i: e for i, e in sorted(state.items()) if e}, "param_groups": new_groups}
+    # Cloned: torch's load_state_dict keeps tensors that already have the parameter's device and dtype,
+    # and the optimizer must not share memory with tensors the caller still holds.
+    loaded = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+        for i, e in state.items()
+    }
+    return {"state": {i: e for i, e in sorted(loaded.items()) if e}, "param_groups": new_groups}
 
 
 def _check_extras(

@@ -113,6 +113,24 @@ def test_failed_save_leaves_nothing_behind(tmp_path: Path, monkeypatch: Any) -> 
     assert names(tmp_path) == ["step-000000001"]
 
 
+def test_failed_replacement_keeps_the_old_checkpoint(tmp_path: Path, monkeypatch: Any) -> None:
+    save_steps(tmp_path, 1)
+    real = os.rename
+
+    def rename_fails_into_place(src: Any, dst: Any) -> None:
+        if Path(src).name.startswith(".tmp-step-"):
+            raise OSError("disk full")
+        real(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", rename_fails_into_place)
+    with pytest.raises(OSError, match="disk full"):
+        save(tmp_path, 1, *state(2), {"v": 2})
+    monkeypatch.undo()
+    assert names(tmp_path) == ["step-000000001"]
+    found = latest(tmp_path)
+    assert found is not None and digest(found[1]) == digest(state(1)[0])
+
+
 def corrupt_truncate(path: Path) -> None:
     data = (path / STATE_FILE).read_bytes()
     (path / STATE_FILE).write_bytes(data[: len(data) // 2])

@@ -662,6 +662,11 @@ MISMATCHES: list[tuple[str, Edit, str]] = [
     ("lr string", hyper("lr", "fast"), "'lr' is 'fast'"),
     ("lr null", hyper("lr", None), "'lr' is None"),
     ("lr bool", hyper("lr", True), "'lr' is True"),
+    (
+        "lr overflow",
+        lambda t, m: m.__setitem__("optim.opt", m["optim.opt"].replace('"lr":0.01', '"lr":1e999')),
+        "1e999",
+    ),
     ("eps list", hyper("eps", [1]), "'eps'"),
     ("betas short", hyper("betas", [0.9]), "'betas' is \\[0.9\\], expected a list of 2"),
     ("betas beyond 1", hyper("betas", [0.9, 1.5]), "betas .* \\[0, 1\\)"),
@@ -719,6 +724,29 @@ def test_restore_refuses_a_differently_shaped_model() -> None:
         assert digest(capture(local)[0]) == before
 
 
+def test_restored_optimizer_state_does_not_alias_the_input() -> None:
+    donor, donor_opt = make(1)
+    train(donor, donor_opt, 1)
+    tensors, meta = transfer(donor, donor_opt)
+    local, local_opt = make(2)
+    restore(local, {"opt": local_opt}, tensors, meta)
+    before = fingerprint(local, local_opt)
+    for t in tensors.values():
+        t.zero_()
+    assert fingerprint(local, local_opt) == before
+
+
+def test_restore_accepts_a_none_momentum_buffer() -> None:
+    donor, donor_opt = make(1, "sgd_nesterov")
+    tensors, meta = transfer(donor, donor_opt)
+    meta["optim.opt"] = meta["optim.opt"].replace('"state":{}', '"state":{"0":{"momentum_buffer":null}}')
+    local, local_opt = make(2, "sgd_nesterov")
+    train(local, local_opt, 1)
+    restore(local, {"opt": local_opt}, tensors, meta)
+    assert local_opt.state_dict()["state"] == {0: {"momentum_buffer": None}}
+    train(local, local_opt, 1)
+
+
 def test_restore_sgd_state_checked_against_parameter() -> None:
     donor, donor_opt = make(1, "sgd_nesterov")
     train(donor, donor_opt, 1)
@@ -748,3 +776,20 @@ def test_restore_state_of_unknown_optimizer_class() -> None:
     tensors["optim.opt.0.square_avg"] = torch.zeros(2, 2)
     with pytest.raises(StateError, match=r"square_avg' (has shape|is torch.float32 \[2, 2\])"):
         restore(local, {"opt": local_opt}, tensors, meta)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_restore_across_devices() -> None:
+    donor, donor_opt = make(1)
+    train(donor, donor_opt, 2)
+    tensors, meta = transfer(donor, donor_opt)
+    torch.manual_seed(2)
+    local = Net().cuda()
+    local_opt = adamw(local)
+    restore(local, {"opt": local_opt}, tensors, meta)
+    assert fingerprint(local, local_opt) == fingerprint(donor, donor_opt)
+    assert all(p.device.type == "cuda" for p in local.parameters())
+    back, back_meta = transfer(local, local_opt)  # captured from the device, back to host memory
+    other, other_opt = make(3)
+    restore(other, {"opt": other_opt}, back, back_meta)
+    assert fingerprint(other, other_opt) == fingerprint(donor, donor_opt)

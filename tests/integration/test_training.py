@@ -1,0 +1,322 @@
+"""Collaborative training among in-process peers over the in-memory network, on the virtual clock.
+
+What is proved here: in sync mode and in DiLoCo mode (with and without overlap), every peer holds
+bit-identical parameters after every global step, and the first averaged step is the step a single
+optimizer would take on everyone's samples; a peer that joins mid-run downloads the state, then stays
+identical and contributes; a peer killed mid-run costs the others a bounded delay (within an averaging
+timeout plus the life of its progress record), never a wrong step; a donor that serves a state other than
+the one the majority holds is refused and another donor is used; a state captured and restored (the
+checkpoint path) gives the same parameters and the same next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import trio
+
+from p2ptrain import AveragerConfig, Node, NodeConfig
+from p2ptrain.config import RunConfig
+from p2ptrain.identity import Identity
+from p2ptrain.net import MemoryNetwork
+from p2ptrain.training import checkpoint, state
+from p2ptrain.training.collaborative import CollaborativeOptimizer
+from p2ptrain.training.progress import PeerProgress
+from p2ptrain.training.statesync import Snapshot, download
+
+PORT = 4000
+BATCH = 8
+TARGET = 48
+
+
+def identity(name: str) -> Identity:
+    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+
+
+def run_config(mode: str = "sync", overlap: bool = False) -> RunConfig:
+    return (
+        RunConfig()
+        .replace("training", mode=mode, target_batch_size=TARGET, warmup_steps=0, lr=0.01, grad_clip=0.0)
+        .replace("diloco", overlap=overlap)
+        .replace("averaging", timeout=10.0, matchmaking_time=2.0)
+        .replace("progress", interval=0.5, ttl=3.0)
+    )
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # as the trainer does: every peer starts from the same weights
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def make_optimizer(model: torch.nn.Module, sgd: bool) -> torch.optim.Optimizer:
+    # Plain SGD where a test checks the size of a step: Adam's steps hardly depend on the gradient's scale.
+    if sgd:
+        return torch.optim.SGD(model.parameters(), lr=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def batch_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peer i always computes on the same batch: the expected averaged gradient is easy to compute."""
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(BATCH, 4, generator=g)
+    return x, x.sum(1, keepdim=True) * (i + 1)
+
+
+def loss_of(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+@dataclass
+class Peer:
+    index: int
+    node: Node
+    model: torch.nn.Module
+    opt: CollaborativeOptimizer
+    compute: float  # virtual seconds per batch
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    steps: list[tuple[int, bytes, str, float]] = field(default_factory=list)  # epoch, digest, outcome, time
+    batches_before_first_step: int = 0
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+class Swarm:
+    def __init__(self, nursery: trio.Nursery, config: RunConfig, sgd: bool = False) -> None:
+        self.nursery, self.config, self.sgd = nursery, config, sgd
+        self.net = MemoryNetwork(seed=7)
+        self.peers: list[Peer] = []
+
+    async def start(self, compute: float = 0.1, *, train: bool = True) -> Peer:
+        i = len(self.peers)
+        name = f"t{i}"
+        node_config = NodeConfig(
+            run_id="train",
+            listen=((name, PORT),),
+            join=(self.peers[0].node.addresses[0],) if self.peers else (),
+            averaging=AveragerConfig(target_size=64, min_size=1, matchmaking_time=2.0),
+        )
+        node = Node(identity(name), node_config, transport=self.net.transport(name), clock=trio.current_time)
+        model = make_model()
+        inner = make_optimizer(model, self.sgd)
+        opt = CollaborativeOptimizer(node, model, inner, self.config, clock=trio.current_time)
+        peer = Peer(i, node, model, opt, compute)
+        self.peers.append(peer)
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with peer.scope:
+                async with trio.open_nursery() as inner_nursery:
+                    await inner_nursery.start(node.run)
+                    await inner_nursery.start(opt.run)
+                    task_status.started()
+                    if train:
+                        await self._train(peer)
+                    await trio.sleep_forever()  # a peer that does not train still serves
+
+        await self.nursery.start(run)
+        return peer
+
+    async def _train(self, peer: Peer) -> None:
+        batch = batch_of(peer.index)
+        while True:
+            loss_of(peer.model, batch).backward()
+            await trio.sleep(peer.compute)
+            if not peer.steps:
+                peer.batches_before_first_step += 1
+            if await peer.opt.step(BATCH):
+                last = peer.opt.stats.last
+                peer.steps.append((peer.opt.epoch, peer.opt.digest, last["outcome"], trio.current_time()))
+
+    def crash(self, peer: Peer) -> None:
+        """As if the process died: connections reset, every task cancelled, nothing said to anyone."""
+        self.net.kill(f"t{peer.index}")
+        peer.scope.cancel()
+
+    async def until(self, condition: object, timeout: float) -> None:
+        """Poll a condition on the virtual clock (the peers' loops change it on every batch)."""
+        with trio.fail_after(timeout):
+            while not condition():  # type: ignore[operator]  # noqa: ASYNC110
+                await trio.sleep(0.05)
+
+
+@asynccontextmanager
+async def swarm(config: RunConfig, *, sgd: bool = False) -> AsyncIterator[Swarm]:
+    async with trio.open_nursery() as nursery:
+        s = Swarm(nursery, config, sgd)
+        yield s
+        nursery.cancel_scope.cancel()
+
+
+def check_identical_per_epoch(peers: list[Peer]) -> dict[int, set[bytes]]:
+    """Every epoch any two peers both reached: the same digest (the parameters are the same bits)."""
+    by_epoch: dict[int, set[bytes]] = {}
+    for p in peers:
+        for epoch, digest, _, _ in p.steps:
+            by_epoch.setdefault(epoch, set()).add(digest)
+    diverged = {e: ds for e, ds in by_epoch.items() if len(ds) > 1}
+    assert not diverged, f"peers hold different parameters on steps {sorted(diverged)}"
+    return by_epoch
+
+
+def assert_same_bits(peers: list[Peer]) -> None:
+    first = peers[0].params()
+    for p in peers[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, p.params(), strict=True)), f"peer {p.index}"
+
+
+async def test_sync_peers_take_identical_steps_equal_to_one_big_batch(autojump_clock: object) -> None:
+    async with swarm(run_config("sync")) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15, 0.3)]
+        await s.until(lambda: all(p.opt.epoch >= 6 for p in peers), timeout=120)
+        check_identical_per_epoch(peers)
+        averaged = [p.opt.stats.averaged for p in peers]
+        assert min(averaged) >= 5, averaged  # the first step or so may be a download, never a lost step
+        last = peers[0].opt.stats.last
+        assert last["outcome"] == "averaged" and last["contributors"] == 3
+        # Fast peers contribute more samples per step than slow ones.
+        assert peers[0].batches_before_first_step > peers[2].batches_before_first_step
+
+
+async def test_the_first_sync_step_is_the_big_batch_step() -> None:
+    """The averaged step equals one optimizer step on the sample-weighted mean of every peer's gradient."""
+    async with swarm(run_config("sync"), sgd=True) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.2)]
+        await s.until(lambda: all(p.steps for p in peers), timeout=60)
+        for p in peers:
+            p.scope.cancel()
+        assert all(p.steps[0][2] == "averaged" for p in peers)
+        counts = [p.batches_before_first_step for p in peers]
+        model = make_model()
+        grads = []
+        for i, n in enumerate(counts):
+            model.zero_grad()
+            loss_of(model, batch_of(i)).backward()
+            grads.append([p.grad.clone() * n for p in model.parameters()])
+        ref_opt = make_optimizer(model, sgd=True)
+        for j, p in enumerate(model.parameters()):
+            p.grad = sum(g[j] for g in grads) / sum(counts)
+        ref_opt.step()
+        for p in peers:
+            for got, want in zip(p.params(), model.parameters(), strict=True):
+                torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])
+async def test_diloco_peers_hold_identical_global_parameters(autojump_clock: object, overlap: bool) -> None:
+    async with swarm(run_config("diloco", overlap)) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15, 0.3)]
+        await s.until(lambda: all(p.opt.epoch >= 5 for p in peers), timeout=120)
+        check_identical_per_epoch(peers)
+        globals_ = [[g.clone() for g in p.opt.global_params] for p in peers]
+        epochs = {p.opt.epoch for p in peers}
+        if len(epochs) == 1:  # all on one epoch right now: the global parameters are the same bits
+            for other in globals_[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(globals_[0], other, strict=True))
+        assert min(p.opt.stats.averaged for p in peers) >= 3
+
+
+async def test_a_joining_peer_downloads_the_state_then_stays_identical(autojump_clock: object) -> None:
+    async with swarm(run_config("sync")) as s:
+        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        await s.until(lambda: all(p.opt.epoch >= 3 for p in peers), timeout=60)
+        late = await s.start(compute=0.1)
+        await s.until(lambda: late.opt.stats.syncs >= 1, timeout=30)
+        joined_at = late.opt.epoch
+        assert joined_at >= 3
+        await s.until(lambda: late.opt.stats.averaged >= 3, timeout=60)
+        check_identical_per_epoch([*peers, late])
+        assert late.steps[0][2] == "synced"
+        assert any(outcome == "averaged" for _, _, outcome, _ in late.steps)
+        assert peers[0].opt.stats.last.get("group") == 3
+
+
+async def test_a_killed_peer_costs_the_others_a_bounded_delay(autojump_clock: object) -> None:
+    config = run_config("sync")
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1) for _ in range(3)]
+        await s.until(lambda: all(p.opt.epoch >= 2 for p in peers), timeout=60)
+        # Kill a peer while the others are matchmaking or averaging for the next step.
+        await s.until(lambda: peers[0].opt._matchmaking or peers[0].opt._formed is not None, timeout=30)
+        killed_at = trio.current_time()
+        s.crash(peers[2])
+        survivors = peers[:2]
+        epoch = max(p.opt.epoch for p in survivors)
+        # Within one averaging timeout plus the life of the dead peer's progress record, they step again.
+        bound = config.averaging.timeout + config.progress.ttl + config.averaging.matchmaking_time
+        await s.until(lambda: all(p.opt.epoch >= epoch + 1 for p in survivors), timeout=bound)
+        assert trio.current_time() - killed_at <= bound
+        await s.until(lambda: all(p.opt.epoch >= epoch + 3 for p in survivors), timeout=60)
+        check_identical_per_epoch(survivors)
+        assert survivors[0].opt.stats.last["contributors"] == 2
+
+
+async def test_a_donor_serving_another_state_is_refused(autojump_clock: object) -> None:
+    """A donor announces the majority's digest but streams other bytes: the download from it is refused
+    after the bytes are checked, and the next donor's state is taken."""
+    async with swarm(run_config("sync")) as s:
+        peers = [await s.start(train=False)]
+        take_local_steps(peers[0], 2)
+        honest = peers[0].opt
+        liar = await s.start(train=False)
+
+        def tampered() -> Snapshot:
+            tensors, meta = honest.capture()
+            key = next(k for k in tensors if k.startswith("model."))
+            tensors[key] = tensors[key] + 1.0
+            pieces = state.encode(tensors, meta)
+            return Snapshot(honest.epoch, honest.digest, pieces, state.encoded_size(pieces))
+
+        liar.opt.server._snapshot = tampered
+        joiner = await s.start(train=False)
+        record = honest.record()
+        donors = [
+            PeerProgress(liar.node.peer_id, dataclasses.replace(record, addr=str(liar.node.addresses[0]))),
+            PeerProgress(peers[0].node.peer_id, record),
+        ]
+        got = await download(
+            joiner.node.host,
+            donors,
+            max_size=joiner.opt.max_state_bytes(),
+            verified=joiner.opt.verified,
+            expected_digest=lambda epoch: honest.digest,
+            timeout=10,
+        )
+        assert got.donor.peer == peers[0].node.peer_id
+        assert liar.opt.server.served == 1  # it did stream its bytes: they were checked and refused
+        joiner.opt.restore(got.tensors, got.metadata)
+        assert joiner.opt.digest == honest.digest and joiner.opt.epoch == honest.epoch
+        assert_same_bits([peers[0], joiner])
+
+
+async def test_capture_restore_through_a_checkpoint_gives_the_same_next_step(tmp_path: object) -> None:
+    async with swarm(run_config("sync")) as s:
+        a = await s.start(train=False)
+        b = await s.start(train=False)
+        take_local_steps(a, 3)  # to give its optimizer some state
+        tensors, meta = a.opt.capture()
+        folder = tmp_path / "ckpt"  # type: ignore[operator]
+        checkpoint.save(folder, a.opt.epoch, tensors, meta, {"peer": "a"})
+        found = checkpoint.latest(folder)
+        assert found is not None
+        step, loaded, loaded_meta, _ = found
+        b.opt.restore(loaded, loaded_meta)
+        assert step == b.opt.epoch == a.opt.epoch == 3 and b.opt.digest == a.opt.digest
+        assert_same_bits([a, b])
+        for p in (a, b):  # the same next step: the optimizer state came along too
+            take_local_steps(p, 1)
+        assert_same_bits([a, b])
+
+
+def take_local_steps(peer: Peer, n: int) -> None:
+    """Steps of a peer on its own, driven directly (no swarm involved)."""
+    for _ in range(n):
+        loss_of(peer.model, batch_of(0)).backward()
+        peer.opt._accumulate(BATCH)
+        peer.opt.samples += BATCH
+        peer.opt._solo_step()

@@ -1,0 +1,473 @@
+"""Run configuration: TOML into frozen dataclasses, every refusal a ConfigError naming ``section.key``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2ptrain.config import (
+    AveragingSection,
+    CheckpointSection,
+    DilocoSection,
+    EvalSection,
+    ProgressSection,
+    RunConfig,
+    RunSection,
+    TaskSection,
+    TrainingSection,
+    load_config,
+    parse_config,
+)
+from p2ptrain.errors import ConfigError
+
+SECTIONS = ("run", "task", "training", "diloco", "averaging", "progress", "checkpoint", "eval")
+
+# ---- defaults ----------------------------------------------------------------------------------
+
+
+def test_empty_document_gives_the_defaults() -> None:
+    assert parse_config({}) == RunConfig()
+
+
+def test_empty_file_gives_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    assert load_config(path) == RunConfig()
+
+
+def test_empty_sections_give_the_defaults() -> None:
+    assert parse_config({name: {} for name in SECTIONS}) == RunConfig()
+
+
+DEFAULTS = {
+    "run.id": "tiny-gpt",
+    "run.seed": 0,
+    "task.name": "tiny-gpt",
+    "task.options": {},
+    "training.mode": "sync",
+    "training.batch_size": 16,
+    "training.target_batch_size": 256,
+    "training.lr": 1e-3,
+    "training.weight_decay": 0.01,
+    "training.warmup_steps": 10,
+    "training.grad_clip": 1.0,
+    "training.max_steps": 0,
+    "training.threads": 0,
+    "diloco.outer_lr": 0.7,
+    "diloco.outer_momentum": 0.9,
+    "diloco.overlap": False,
+    "averaging.timeout": 30.0,
+    "averaging.matchmaking_time": 3.0,
+    "averaging.compression": "none",
+    "averaging.bandwidth": 100.0,
+    "averaging.max_group_size": 64,
+    "progress.interval": 1.0,
+    "progress.ttl": 10.0,
+    "checkpoint.every_steps": 50,
+    "checkpoint.keep": 2,
+    "eval.every_steps": 10,
+    "eval.batch_size": 16,
+}
+
+
+@pytest.mark.parametrize(("key", "default"), DEFAULTS.items(), ids=list(DEFAULTS))
+def test_default_value(key: str, default: Any) -> None:
+    section, name = key.split(".")
+    value = getattr(getattr(RunConfig(), section), name)
+    assert value == default
+    assert type(value) is type(default)
+
+
+def test_every_setting_has_its_default_listed() -> None:
+    """A new setting must be added to DEFAULTS (and so to the tests)."""
+    config = RunConfig()
+    keys = {
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(config)
+        for f in dataclasses.fields(getattr(config, s.name))
+    }
+    assert keys == set(DEFAULTS)
+    assert tuple(f.name for f in dataclasses.fields(config)) == SECTIONS
+
+
+def test_sections_are_frozen() -> None:
+    config = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.training.lr = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.training = TrainingSection()  # type: ignore[misc]
+
+
+# ---- a full file -------------------------------------------------------------------------------
+
+FULL_TOML = """\
+[run]
+id = "wan-diloco"
+seed = 1234
+
+[task]
+name = "mypkg.tasks:make"
+options = { vocab = 256, layers = 4, name = "x", nested = { deep = true } }
+
+[training]
+mode = "diloco"
+batch_size = 8
+target_batch_size = 4096
+lr = 3e-4
+weight_decay = 0
+warmup_steps = 100
+grad_clip = 0.5
+max_steps = 1000
+threads = 4
+
+[diloco]
+outer_lr = 0.5
+outer_momentum = 0.0
+overlap = true
+
+[averaging]
+timeout = 120
+matchmaking_time = 7.5
+compression = "int8"
+bandwidth = 12.5
+max_group_size = 8
+
+[progress]
+interval = 2.0
+ttl = 30
+
+[checkpoint]
+every_steps = 0
+keep = 5
+
+[eval]
+every_steps = 0
+batch_size = 64
+"""
+
+FULL = RunConfig(
+    run=RunSection(id="wan-diloco", seed=1234),
+    task=TaskSection(
+        name="mypkg.tasks:make",
+        options={"vocab": 256, "layers": 4, "name": "x", "nested": {"deep": True}},
+    ),
+    training=TrainingSection(
+        mode="diloco",
+        batch_size=8,
+        target_batch_size=4096,
+        lr=3e-4,
+        weight_decay=0.0,
+        warmup_steps=100,
+        grad_clip=0.5,
+        max_steps=1000,
+        threads=4,
+    ),
+    diloco=DilocoSection(outer_lr=0.5, outer_momentum=0.0, overlap=True),
+    averaging=AveragingSection(
+        timeout=120.0, matchmaking_time=7.5, compression="int8", bandwidth=12.5, max_group_size=8
+    ),
+    progress=ProgressSection(interval=2.0, ttl=30.0),
+    checkpoint=CheckpointSection(every_steps=0, keep=5),
+    eval=EvalSection(every_steps=0, batch_size=64),
+)
+
+
+def test_full_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(FULL_TOML)
+    config = load_config(path)
+    assert config == FULL
+    assert config == load_config(str(path)) == parse_config(tomllib.loads(FULL_TOML))
+
+
+def test_full_file_sets_every_key() -> None:
+    """FULL differs from the defaults in every section, so no key silently fell back to its default."""
+    for name in SECTIONS:
+        assert getattr(FULL, name) != getattr(RunConfig(), name), name
+
+
+def test_integers_become_floats_for_float_keys(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(FULL_TOML)
+    config = load_config(path)
+    for value in (
+        config.training.weight_decay,
+        config.averaging.timeout,
+        config.progress.ttl,
+        config.diloco.outer_momentum,
+    ):
+        assert type(value) is float
+
+
+def test_task_options_are_a_plain_dict() -> None:
+    config = parse_config({"task": {"options": {"a": 1}}})
+    assert config.task.options == {"a": 1}
+    assert type(config.task.options) is dict
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "fragments"),
+    [
+        # structure
+        pytest.param({"trainig": {}}, ["[trainig]", "unknown section", *SECTIONS], id="unknown-section"),
+        pytest.param({"training": 5}, ["[training] must be a table"], id="section-not-table"),
+        pytest.param({"training": [1, 2]}, ["[training] must be a table"], id="section-array"),
+        pytest.param(
+            {"training": {"bach_size": 16}},
+            ["unknown key training.bach_size", "known:", "batch_size", "target_batch_size", "lr"],
+            id="unknown-key",
+        ),
+        pytest.param(
+            {"eval": {"every": 1}},
+            ["unknown key eval.every", "every_steps", "batch_size"],
+            id="unknown-key-eval",
+        ),
+        # types
+        pytest.param(
+            {"training": {"batch_size": "16"}}, ["training.batch_size must be an integer"], id="str-for-int"
+        ),
+        pytest.param(
+            {"training": {"batch_size": True}}, ["training.batch_size must be an integer"], id="bool-for-int"
+        ),
+        pytest.param(
+            {"training": {"batch_size": 16.0}}, ["training.batch_size must be an integer"], id="float-for-int"
+        ),
+        pytest.param({"run": {"seed": [1]}}, ["run.seed must be an integer"], id="array-for-int"),
+        pytest.param({"training": {"lr": "0.1"}}, ["training.lr must be a number"], id="str-for-float"),
+        pytest.param({"training": {"lr": True}}, ["training.lr must be a number"], id="bool-for-float"),
+        pytest.param({"training": {"lr": {"a": 1}}}, ["training.lr must be a number"], id="table-for-float"),
+        pytest.param({"training": {"lr": math.nan}}, ["training.lr must be finite"], id="nan"),
+        pytest.param({"averaging": {"timeout": math.inf}}, ["averaging.timeout must be finite"], id="inf"),
+        pytest.param(
+            {"training": {"weight_decay": -math.inf}},
+            ["training.weight_decay must be finite"],
+            id="minus-inf",
+        ),
+        pytest.param({"diloco": {"overlap": 1}}, ["diloco.overlap must be true or false"], id="int-for-bool"),
+        pytest.param(
+            {"diloco": {"overlap": "yes"}}, ["diloco.overlap must be true or false"], id="str-for-bool"
+        ),
+        pytest.param({"training": {"mode": 1}}, ["training.mode must be a string"], id="int-for-str"),
+        pytest.param({"run": {"id": ["a"]}}, ["run.id must be a string"], id="array-for-str"),
+        pytest.param({"task": {"options": "x"}}, ["task.options must be a table"], id="str-for-table"),
+        pytest.param({"task": {"options": [1]}}, ["task.options must be a table"], id="array-for-table"),
+        # ranges: training
+        pytest.param({"training": {"mode": "async"}}, ["training.mode", "sync", "diloco"], id="mode"),
+        pytest.param({"training": {"mode": "SYNC"}}, ["training.mode"], id="mode-case"),
+        pytest.param({"training": {"batch_size": 0}}, ["training.batch_size", "at least 1"], id="batch-size"),
+        pytest.param(
+            {"training": {"target_batch_size": 0}}, ["training.target_batch_size"], id="target-batch"
+        ),
+        pytest.param({"training": {"lr": 0}}, ["training.lr", "positive"], id="lr-zero"),
+        pytest.param({"training": {"lr": -1e-3}}, ["training.lr", "positive"], id="lr-negative"),
+        pytest.param({"training": {"weight_decay": -0.1}}, ["training.weight_decay"], id="weight-decay"),
+        pytest.param({"training": {"warmup_steps": -1}}, ["training.warmup_steps"], id="warmup"),
+        pytest.param({"training": {"grad_clip": -1}}, ["training.grad_clip"], id="grad-clip"),
+        pytest.param({"training": {"max_steps": -1}}, ["training.max_steps"], id="max-steps"),
+        pytest.param({"training": {"threads": -1}}, ["training.threads", "0 and 1024"], id="threads-low"),
+        pytest.param({"training": {"threads": 1025}}, ["training.threads", "0 and 1024"], id="threads-high"),
+        # ranges: diloco
+        pytest.param({"diloco": {"outer_lr": 0}}, ["diloco.outer_lr", "positive"], id="outer-lr"),
+        pytest.param(
+            {"diloco": {"outer_momentum": 1}}, ["diloco.outer_momentum", "[0, 1)"], id="momentum-one"
+        ),
+        pytest.param({"diloco": {"outer_momentum": -0.1}}, ["diloco.outer_momentum"], id="momentum-negative"),
+        # ranges: averaging
+        pytest.param({"averaging": {"timeout": 0}}, ["averaging.timeout", "positive"], id="timeout"),
+        pytest.param(
+            {"averaging": {"matchmaking_time": -1}}, ["averaging.matchmaking_time"], id="matchmaking"
+        ),
+        pytest.param({"averaging": {"bandwidth": 0}}, ["averaging.bandwidth"], id="bandwidth"),
+        pytest.param(
+            {"averaging": {"max_group_size": 1}}, ["averaging.max_group_size", "2 and 64"], id="group-1"
+        ),
+        pytest.param({"averaging": {"max_group_size": 65}}, ["averaging.max_group_size"], id="group-65"),
+        pytest.param(
+            {"averaging": {"compression": "int4"}},
+            ["averaging.compression", "int4", "none", "fp16", "bf16", "int8"],
+            id="compression",
+        ),
+        pytest.param({"averaging": {"compression": ""}}, ["averaging.compression"], id="compression-empty"),
+        # ranges: progress, checkpoint, eval
+        pytest.param({"progress": {"interval": 0}}, ["progress.interval", "positive"], id="interval"),
+        pytest.param({"progress": {"ttl": 1.0}}, ["progress.ttl", "progress.interval"], id="ttl-equal"),
+        pytest.param({"progress": {"interval": 5, "ttl": 4}}, ["progress.ttl"], id="ttl-shorter"),
+        pytest.param({"progress": {"interval": 20}}, ["progress.ttl"], id="interval-past-default-ttl"),
+        pytest.param({"checkpoint": {"every_steps": -1}}, ["checkpoint.every_steps"], id="checkpoint-every"),
+        pytest.param({"checkpoint": {"keep": 0}}, ["checkpoint.keep", "at least 1"], id="checkpoint-keep"),
+        pytest.param({"eval": {"every_steps": -1}}, ["eval.every_steps"], id="eval-every"),
+        pytest.param({"eval": {"batch_size": 0}}, ["eval.batch_size", "at least 1"], id="eval-batch"),
+    ],
+)
+def test_refused(data: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_unknown_key_lists_every_known_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"averaging": {"compresion": "int8"}})
+    known = str(info.value).split("known:", 1)[1]
+    assert [k.strip() for k in known.split(",")] == sorted(
+        f.name for f in dataclasses.fields(AveragingSection)
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "value"),
+    [
+        pytest.param({"training": {"threads": 0}}, "training.threads", 0, id="threads-0"),
+        pytest.param({"training": {"threads": 1024}}, "training.threads", 1024, id="threads-1024"),
+        pytest.param({"training": {"batch_size": 1}}, "training.batch_size", 1, id="batch-1"),
+        pytest.param({"training": {"lr": 1}}, "training.lr", 1.0, id="int-for-float"),
+        pytest.param({"training": {"grad_clip": 0}}, "training.grad_clip", 0.0, id="grad-clip-off"),
+        pytest.param({"training": {"weight_decay": 0.0}}, "training.weight_decay", 0.0, id="no-weight-decay"),
+        pytest.param({"diloco": {"outer_momentum": 0}}, "diloco.outer_momentum", 0.0, id="momentum-0"),
+        pytest.param(
+            {"diloco": {"outer_momentum": 0.999}}, "diloco.outer_momentum", 0.999, id="momentum-near-1"
+        ),
+        pytest.param({"averaging": {"max_group_size": 2}}, "averaging.max_group_size", 2, id="group-2"),
+        pytest.param({"averaging": {"max_group_size": 64}}, "averaging.max_group_size", 64, id="group-64"),
+        pytest.param({"averaging": {"compression": "bf16"}}, "averaging.compression", "bf16", id="bf16"),
+        pytest.param(
+            {"averaging": {"compression": "INT8"}}, "averaging.compression", "INT8", id="case-insensitive"
+        ),
+        pytest.param({"progress": {"ttl": 1.001}}, "progress.ttl", 1.001, id="ttl-just-longer"),
+        pytest.param(
+            {"progress": {"interval": 0.01, "ttl": 0.02}}, "progress.interval", 0.01, id="fast-progress"
+        ),
+        pytest.param({"run": {"seed": -(2**63)}}, "run.seed", -(2**63), id="seed-toml-min"),
+        pytest.param({"task": {"options": {}}}, "task.options", {}, id="empty-options"),
+    ],
+)
+def test_accepted(data: dict[str, Any], key: str, value: Any) -> None:
+    section, name = key.split(".")
+    got = getattr(getattr(parse_config(data), section), name)
+    assert got == value
+    assert type(got) is type(value)
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="cannot read config") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "No such file" in str(info.value)
+    assert info.value.__suppress_context__
+
+
+def test_directory_is_not_a_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config") as info:
+        load_config(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("[training\nlr = 1\n", id="unclosed-table"),
+        pytest.param("[training]\nlr = \n", id="missing-value"),
+        pytest.param("[training]\nlr = 1\nlr = 2\n", id="duplicate-key"),
+        pytest.param("[training]\n[training]\n", id="duplicate-table"),
+        pytest.param("lr: 1\n", id="yaml"),
+    ],
+)
+def test_invalid_toml(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="is not valid TOML") as info:
+        load_config(path)
+    assert f"config {path} is not valid TOML" in str(info.value)
+    assert "line" in str(info.value)  # where, from tomllib
+    assert info.value.__suppress_context__
+
+
+def test_invalid_value_in_file_names_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[training]\nlr = nan\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config {path}: training.lr must be finite"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="load_config reads with Path.read_text(): a file that is not UTF-8 raises UnicodeDecodeError "
+    "(a ValueError, not OSError), which escapes instead of a ConfigError naming the file",
+)
+def test_file_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[run]\nid = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+# ---- replace -----------------------------------------------------------------------------------
+
+
+def test_replace_changes_one_section() -> None:
+    before = RunConfig()
+    after = before.replace("training", lr=0.5, mode="diloco")
+    assert (after.training.lr, after.training.mode) == (0.5, "diloco")
+    assert after.training.batch_size == before.training.batch_size
+    assert before == RunConfig()  # unchanged
+    for name in SECTIONS:
+        if name != "training":
+            assert getattr(after, name) == getattr(before, name)
+
+
+def test_replace_keeps_earlier_changes() -> None:
+    config = FULL.replace("training", lr=0.25)
+    assert dataclasses.replace(config.training, lr=FULL.training.lr) == FULL.training
+    assert config.replace("task", name="other").task.options == FULL.task.options
+
+
+def test_replace_coerces_int_to_float() -> None:
+    lr = RunConfig().replace("training", lr=1).training.lr
+    assert lr == 1.0 and type(lr) is float
+
+
+@pytest.mark.parametrize(
+    ("section", "changes", "fragments"),
+    [
+        pytest.param("training", {"batch_size": 0}, ["training.batch_size"], id="range"),
+        pytest.param("training", {"batch_size": True}, ["training.batch_size must be an integer"], id="bool"),
+        pytest.param("training", {"lr": "fast"}, ["training.lr must be a number"], id="type"),
+        pytest.param("training", {"lr": math.inf}, ["training.lr must be finite"], id="inf"),
+        pytest.param("training", {"bach_size": 1}, ["unknown key training.bach_size"], id="unknown-key"),
+        pytest.param("progress", {"interval": 20}, ["progress.ttl"], id="against-unchanged-key"),
+        pytest.param("averaging", {"compression": "zip"}, ["averaging.compression"], id="compression"),
+        pytest.param("task", {"options": 3}, ["task.options must be a table"], id="options"),
+    ],
+)
+def test_replace_validates(section: str, changes: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig().replace(section, **changes)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RunConfig.replace does getattr(self, section) unchecked: an unknown section raises "
+    "AttributeError ('nosuch') or TypeError ('replace', a method), not a ConfigError",
+)
+@pytest.mark.parametrize("section", ["nosuch", "replace"])
+def test_replace_unknown_section(section: str) -> None:
+    with pytest.raises(ConfigError, match=section):
+        RunConfig().replace(section, x=1)
