@@ -6,6 +6,7 @@ The public API is what this module re-exports; everything else is internal and m
 __version__ = "0.1.0"
 
 from .averaging import Averager, AveragerConfig, Compression, RoundResult
+from .config import RunConfig, load_config
 from .dht import DHT, DHTConfig, owned_subkey
 from .errors import (
     CallRefused,
@@ -40,6 +41,8 @@ from .net import (
     RpcStream,
 )
 from .node import BackgroundNode, Node, NodeConfig
+from .tasks import Task, load_task
+from .training.collaborative import CollaborativeOptimizer, SyncCollaborativeOptimizer
 from .wire import Message, bounded
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "BackgroundNode",
     "CallContext",
     "CallRefused",
+    "CollaborativeOptimizer",
     "Compression",
     "ConfigError",
     "Connection",
@@ -81,11 +85,16 @@ __all__ = [
     "RoundTimedOut",
     "RpcRegistry",
     "RpcStream",
+    "RunConfig",
     "SchemaMismatch",
     "SignedEnvelope",
+    "SyncCollaborativeOptimizer",
+    "Task",
     "__version__",
     "bounded",
+    "load_config",
     "load_identity",
+    "load_task",
     "owned_subkey",
     "save_identity",
 ]

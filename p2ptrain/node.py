@@ -18,10 +18,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -41,6 +41,7 @@ from .net.transport import Transport
 from .wire.schema import Message, bounded
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # ---- built-in methods --------------------------------------------------------------------------
@@ -352,6 +353,7 @@ class BackgroundNode:
         self.node = Node(identity, config, **node_kwargs)
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -373,9 +375,23 @@ class BackgroundNode:
 
     def average(self, tensors: Sequence[torch.Tensor], **kwargs: Any) -> RoundResult:
         """:meth:`Node.average`, from synchronous code (the same keyword arguments)."""
+        return self.call(lambda: self.node.average(tensors, **kwargs))
+
+    def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``await fn()`` in the node's thread and return its result (blocks the calling thread)."""
         if self._token is None or not self._thread.is_alive():
             raise RuntimeError("the node is not running: call start() (or use it as a context manager)")
-        return trio.from_thread.run(lambda: self.node.average(tensors, **kwargs), trio_token=self._token)
+        return trio.from_thread.run(fn, trio_token=self._token)
+
+    def start_service(self, service: Callable[..., Awaitable[object]]) -> None:
+        """Start ``service`` (an async function taking ``task_status``) beside the node, in its nursery;
+        returns once it reports that it started. It stops with the node."""
+
+        async def start() -> None:
+            assert self._nursery is not None
+            await self._nursery.start(service)
+
+        self.call(start)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the node (peers are told) and wait for its thread."""
@@ -404,6 +420,7 @@ class BackgroundNode:
         self._stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.node.run)
+            self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
             self._ready.set()
             await self._stop.wait()

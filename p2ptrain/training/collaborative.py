@@ -41,7 +41,7 @@ from ..config import RunConfig
 from ..dht.records import owned_subkey
 from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
 from ..identity import PEER_ID_BYTES, PeerID
-from ..node import Node
+from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
 from . import state
 from .progress import PeerProgress, ProgressRecord, SwarmView, majority_digest, swarm_view
@@ -91,15 +91,17 @@ class RateMeter:
         self._last, self._pending = now, 0
 
 
-def run_fingerprint(config: RunConfig) -> bytes:
-    """The settings all peers of a run must share (records of peers with others are ignored)."""
+def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
+    """What all peers of a run must share: the run's identity and step rule, and the model's shape
+    (records of peers that differ are ignored). Task options that leave the model as it is (how much
+    text to read, say) do not split a run."""
     shared = {
         "run": config.run.id,
         "seed": config.run.seed,
         "task": config.task.name,
-        "options": dict(config.task.options),
         "mode": config.training.mode,
         "target": config.training.target_batch_size,
+        "model": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()],
     }
     return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()
 
@@ -128,7 +130,7 @@ class CollaborativeOptimizer:
         self.stats = RoundStats()
         self.view: SwarmView | None = None
         self.records: list[PeerProgress] = []
-        self.fingerprint = run_fingerprint(config)
+        self.fingerprint = run_fingerprint(config, model)
         self.key = f"p2ptrain/{node.config.run_id}/progress".encode()
         if self.diloco:
             self.global_params = [p.detach().clone() for p in self.params]
@@ -610,3 +612,44 @@ class CollaborativeOptimizer:
 
     def finite(self) -> bool:
         return all(math.isfinite(float(p.detach().abs().max())) for p in self.params)
+
+
+class SyncCollaborativeOptimizer:
+    """A :class:`CollaborativeOptimizer` for a plain synchronous training loop, on a
+    :class:`~p2ptrain.node.BackgroundNode`::
+
+        with BackgroundNode(identity, node_config) as node:
+            opt = SyncCollaborativeOptimizer(node, model, torch.optim.AdamW(model.parameters()), run_config)
+            for x, y in batches:
+                loss_fn(model(x), y).backward()
+                if opt.step(len(x)):          # True when the swarm took a global step
+                    print(opt.epoch, opt.stats.last)
+
+    ``step`` blocks while this peer averages with the others (sync mode) or downloads the state.
+    """
+
+    def __init__(
+        self,
+        node: BackgroundNode,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: RunConfig,
+    ) -> None:
+        async def build() -> CollaborativeOptimizer:  # in the node's thread: it registers RPC handlers
+            return CollaborativeOptimizer(node.node, model, optimizer, config)
+
+        self._node = node
+        self.optimizer = node.call(build)
+        node.start_service(self.optimizer.run)
+
+    def step(self, samples: int) -> bool:
+        """:meth:`CollaborativeOptimizer.step`, from synchronous code."""
+        return self._node.call(lambda: self.optimizer.step(samples))
+
+    @property
+    def epoch(self) -> int:
+        return self.optimizer.epoch
+
+    @property
+    def stats(self) -> RoundStats:
+        return self.optimizer.stats

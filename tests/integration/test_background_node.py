@@ -57,3 +57,55 @@ def test_a_node_that_cannot_start_says_why_and_a_stopped_one_refuses_to_average(
         first.close()
     with pytest.raises(RuntimeError, match="not running"):
         first.average([torch.zeros(3)])
+
+
+def test_plain_training_loops_in_threads_train_one_model_with_the_sync_optimizer() -> None:
+    from p2ptrain.config import RunConfig
+    from p2ptrain.training.collaborative import SyncCollaborativeOptimizer
+
+    run = (
+        RunConfig()
+        .replace("training", target_batch_size=32, warmup_steps=0)
+        .replace("progress", interval=0.2, ttl=2.0)
+        .replace("averaging", matchmaking_time=1.0, timeout=10.0)
+    )
+    steps = 3
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 1)
+
+    avg = AveragerConfig(target_size=64, min_size=1, matchmaking_time=1.0)
+    node_config = NodeConfig(run_id="sync", listen=(("127.0.0.1", 0),), averaging=avg)
+    with BackgroundNode(Identity.generate(), node_config) as a:  # noqa: SIM117 (b joins a's address)
+        with BackgroundNode(
+            Identity.generate(), NodeConfig(**{**node_config.__dict__, "join": (a.addresses[0],)})
+        ) as b:
+            models = {a: model(), b: model()}
+            opts = {
+                n: SyncCollaborativeOptimizer(n, m, torch.optim.SGD(m.parameters(), lr=0.1), run)
+                for n, m in models.items()
+            }
+            errors: list[BaseException] = []
+
+            def loop(n: BackgroundNode, seed: int) -> None:
+                g = torch.Generator().manual_seed(seed)
+                try:
+                    while opts[n].epoch < steps:
+                        x = torch.randn(8, 4, generator=g)
+                        torch.nn.functional.mse_loss(models[n](x), x.sum(1, keepdim=True)).backward()
+                        opts[n].step(8)
+                except BaseException as e:  # reported to the test below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=loop, args=(n, i)) for i, n in enumerate((a, b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(100)
+            assert not any(t.is_alive() for t in threads) and not errors, errors
+            # Both loops reached the step count together, averaging, and hold the same weights.
+            assert opts[a].epoch == opts[b].epoch == steps
+            assert opts[a].stats.averaged + opts[b].stats.averaged >= 2
+            pairs = zip(models[a].parameters(), models[b].parameters(), strict=True)
+            assert all(torch.equal(p, q) for p, q in pairs)
