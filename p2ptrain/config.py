@@ -20,6 +20,7 @@ from typing import Any
 
 from .averaging.compression import parse_compression
 from .errors import ConfigError
+from .net.handshake import MAX_RUN_ID
 
 MODES = ("sync", "diloco")
 
@@ -29,11 +30,18 @@ class RunSection:
     id: str = "tiny-gpt"  # peers only talk within the same run id
     seed: int = 0  # seeds the initial weights: every peer starts from the same ones
 
+    def __post_init__(self) -> None:
+        ok = 0 < len(self.id) <= MAX_RUN_ID and self.id.isprintable()
+        _check(ok, "run.id", f"must be 1-{MAX_RUN_ID} printable characters")
+
 
 @dataclass(frozen=True)
 class TaskSection:
     name: str = "tiny-gpt"  # the built-in task, or "module:callable" returning a Task
     options: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments of the task factory
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name.strip()), "task.name", "must not be empty")
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,9 @@ class RunConfig:
 
     def replace(self, section: str, **changes: Any) -> RunConfig:
         """A copy with some keys of one section changed (validated like the file's)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        if section not in names:
+            raise ConfigError(f"unknown section [{section}]; known: {', '.join(names)}")
         current = getattr(self, section)
         merged = {f.name: getattr(current, f.name) for f in dataclasses.fields(current)} | changes
         return dataclasses.replace(self, **{section: _section(type(current), merged, section)})
@@ -148,9 +159,11 @@ def _check(ok: bool, key: str, what: str) -> None:
 def load_config(path: str | Path) -> RunConfig:
     """Read and validate a run file."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")  # TOML is UTF-8, whatever the locale
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -38,7 +38,7 @@ import trio
 from ..averaging.allreduce import RoundResult
 from ..averaging.protocol import SignedManifest
 from ..config import RunConfig
-from ..dht.records import owned_subkey
+from ..dht.records import OWNER_TAG, owned_subkey
 from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
 from ..identity import PEER_ID_BYTES, PeerID
 from ..node import BackgroundNode, Node
@@ -222,8 +222,8 @@ class CollaborativeOptimizer:
             return
         records = []
         for subkey, entry in entries.items():
-            if len(subkey) != 1 + PEER_ID_BYTES:
-                continue
+            if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
+                continue  # only owned subkeys: the DHT checked that the peer named signed it
             try:
                 rec = ProgressRecord.from_obj(unpack(entry.value))
             except RemoteProtocolError:

@@ -38,10 +38,10 @@ DIGEST_BYTES = 32
 class ProgressRecord(Message):
     """What a peer tells the swarm about its training (stored signed, one subkey per peer)."""
 
-    epoch: int = bounded(0, ge=0, le=2**53)  # the global step this peer works toward
-    samples: int = bounded(0, ge=0, le=2**53)  # samples it processed toward it
-    rate: float = bounded(0.0, ge=0.0, le=1e9)  # smoothed samples per second
-    time: float = bounded(0.0, ge=0.0, le=1e11)  # when it measured samples and rate (its wall clock)
+    epoch: int = bounded(ge=0, le=2**53)  # the global step this peer works toward
+    samples: int = bounded(ge=0, le=2**53)  # samples it processed toward it
+    rate: float = bounded(ge=0.0, le=1e9)  # smoothed samples per second
+    time: float = bounded(ge=0.0, le=1e11)  # when it measured samples and rate (its wall clock)
     digest: bytes = bounded(b"", max_len=DIGEST_BYTES)  # the state it started the epoch from
     addr: str = bounded("", max_len=300)  # where to download that state; "" when client-only
     run: bytes = bounded(b"", max_len=16)  # fingerprint of the run's settings: others are ignored
@@ -117,8 +117,9 @@ def swarm_view(
     others = [o for o in others if o.peer != me and o.record.run == mine.run]
     same = [o for o in others if o.record.epoch == mine.epoch]
     newest = max([mine.epoch, *(o.record.epoch for o in others)])
-    samples = mine.samples + sum(estimate(o.record, now, horizon) for o in same)
-    rate = mine.rate + sum(o.record.rate for o in same)
+    # fsum: exact, so the verdict does not depend on the order the DHT returned the records in
+    samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in same)])
+    rate = math.fsum([mine.rate, *(o.record.rate for o in same)])
     majority = majority_digest([mine, *(o.record for o in same)])
     at_newest = [o for o in others if o.record.epoch == newest]
     best = majority_digest(o.record for o in at_newest)

@@ -25,3 +25,15 @@ def test_the_default_run_file_is_the_built_in_default() -> None:
     assert config.replace("task", options={}) == default
     # The file spells out the task's options; they are its defaults, so the model is the same.
     assert load_task(config.task.name, config.task.options).info == load_task(default.task.name).info
+
+
+def test_the_readme_task_example_is_the_one_the_tests_load() -> None:
+    """The README's 'bring your own task' module is exactly the module test_tasks.py writes and trains."""
+    tests = (Path(__file__).parent / "test_tasks.py").read_text()
+    marker = "EXAMPLE_TASK = '''\\\n"
+    begin = tests.index(marker) + len(marker)
+    example = tests[begin : tests.index("'''", begin)]
+    readme = (CONFIGS.parent / "README.md").read_text()
+    start = readme.index('"""example_task.py')
+    block = readme[start : readme.index("```", start)]
+    assert block.strip() == example.strip()
