@@ -109,11 +109,26 @@ def _node_identity(args: argparse.Namespace) -> Identity:
     return identity
 
 
+def _announce(text: str | None) -> tuple[str | None, int | None]:
+    """``HOST`` or ``HOST:PORT`` (``[V6]:PORT``) of --announce."""
+    if not text:
+        return None, None
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit() and "]" not in port and (host.endswith("]") or ":" not in host):
+        if not 0 < int(port) < 65536:
+            raise UsageError(f"--announce {text!r}: port out of range")
+        return host.strip("[]"), int(port)
+    return text.strip("[]"), None
+
+
 def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
+    announce_host, announce_port = _announce(args.announce)
     return NodeConfig(
         run_id=validate_run_id(args.run_id or "default"),
         listen=tuple(parse_listen(x) for x in (args.listen or ["0.0.0.0:31337"])),
-        announce_host=args.announce,
+        announce_host=announce_host,
+        announce_port=announce_port,
+        source_address=args.source_address,
         join=tuple(_parse_address(x) for x in args.join or []),
         status_file=Path(args.status_file) if args.status_file else None,
         averaging=averaging or AveragerConfig(),
@@ -320,7 +335,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _node_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--listen", action="append", metavar="HOST:PORT", help="default 0.0.0.0:31337; repeatable")
     s.add_argument(
-        "--announce", metavar="HOST", help="host to put in the join address (behind NAT, in containers)"
+        "--announce",
+        metavar="HOST[:PORT]",
+        help="host (and port) to put in the join address (behind NAT, in containers, behind a relay)",
+    )
+    s.add_argument(
+        "--source-address", metavar="IP", help="outgoing connections leave from this local address"
     )
     s.add_argument("--join", action="append", metavar="ADDR", help="a peer's address; repeatable")
     s.add_argument("--identity", metavar="KEYFILE", help="key file (default: one kept in the data directory)")

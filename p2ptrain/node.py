@@ -37,7 +37,7 @@ from .net.connection import Connection
 from .net.handshake import MAX_RUN_ID, PROTOCOL_VERSION
 from .net.host import Host, HostConfig
 from .net.rpc import CallContext, Method, RpcRegistry
-from .net.transport import Transport
+from .net.transport import TcpTransport, Transport
 from .wire.schema import Message, bounded
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,8 @@ class NodeConfig:
     run_id: str = "default"
     listen: tuple[tuple[str, int], ...] = (("0.0.0.0", 31337),)
     announce_host: str | None = None
+    announce_port: int | None = None
+    source_address: str | None = None  # outgoing connections leave from this local address
     join: tuple[PeerAddress, ...] = ()
     status_file: Path | None = None
     status_interval: float = 1.0
@@ -140,6 +142,10 @@ class Node:
         host_config = config.host
         if config.announce_host:
             host_config = dataclasses.replace(host_config, announce_host=config.announce_host)
+        if config.announce_port:
+            host_config = dataclasses.replace(host_config, announce_port=config.announce_port)
+        if transport is None:
+            transport = TcpTransport(config.source_address)
         self.host = Host(
             identity, config.run_id, transport=transport, registry=self.registry, config=host_config
         )

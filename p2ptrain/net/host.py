@@ -59,6 +59,7 @@ class HostConfig:
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
+    announce_port: int | None = None  # port to advertise instead of the listener's (port forwarding, relays)
 
 
 ConnectionObserver = Callable[[Connection, bool], None]
@@ -155,7 +156,11 @@ class Host:
     def advertised_addresses(self) -> list[PeerAddress]:
         """Addresses others can dial: wildcard listeners replaced by a concrete (or announced) host."""
         return [
-            PeerAddress.for_host(self.config.announce_host or concrete_host(a.host), a.port, self.peer_id)
+            PeerAddress.for_host(
+                self.config.announce_host or concrete_host(a.host),
+                self.config.announce_port or a.port,
+                self.peer_id,
+            )
             for a in self.listen_addresses
         ]
 

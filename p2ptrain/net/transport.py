@@ -39,10 +39,15 @@ class TcpTransport:
 
     Socket buffer sizes are left to the kernel: setting SO_RCVBUF turns off Linux's receive-buffer
     auto-tuning and caps it at net.core.rmem_max, which would throttle long fat WAN paths.
+    ``source_address`` makes outgoing connections leave from that local address (a multi-homed host,
+    or a network emulator that tells peers apart by address).
     """
 
+    def __init__(self, source_address: str | None = None) -> None:
+        self.source_address = source_address
+
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        return await trio.open_tcp_stream(host, port)
+        return await trio.open_tcp_stream(host, port, local_address=self.source_address)
 
     async def serve(
         self,

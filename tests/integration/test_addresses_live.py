@@ -64,3 +64,33 @@ async def test_dial_without_peer_id_logs_that_it_is_unverified(caplog: pytest.Lo
     with trio.fail_after(20):
         await _ping_via(("127.0.0.1", 0), lambda b: PeerAddress.parse(f"127.0.0.1:{b.port}"))
     assert any("without a peer id" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_node_announces_another_port_and_dials_from_its_source_address() -> None:
+    """What a relay in front of a node needs: the join address names the relay's port, and the node's own
+    outgoing connections leave from a chosen local address (the relay tells peers apart by it)."""
+    from p2ptrain import Identity, Node, NodeConfig
+
+    a = Node(Identity.generate(), NodeConfig(run_id="relay", listen=(("127.0.0.1", 0),), announce_port=40404))
+    b_config = NodeConfig(run_id="relay", listen=(("127.0.0.1", 0),), source_address="127.0.0.3")
+    b = Node(Identity.generate(), b_config)
+    inbound: list[str] = []
+    arrived = trio.Event()
+
+    def observe(conn: object, opened: bool) -> None:
+        if opened and not conn.outbound:  # type: ignore[attr-defined]
+            inbound.append(conn.remote_host)  # type: ignore[attr-defined]
+            arrived.set()
+
+    a.host.on_connection(observe)  # type: ignore[arg-type]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            await nursery.start(b.run)
+            assert [x.port for x in a.addresses] == [40404]
+            real = a.host.listen_addresses[0]
+            conn = await b.host.connect(f"/ip4/127.0.0.1/tcp/{real.port}/p2p/{a.peer_id}")
+            assert conn.peer == a.peer_id
+            await arrived.wait()
+            assert inbound == ["127.0.0.3"]
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,30 @@
+"""Command-line values parsed without starting anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.cli import UsageError, _announce
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, (None, None)),
+        ("203.0.113.7", ("203.0.113.7", None)),
+        ("203.0.113.7:4001", ("203.0.113.7", 4001)),
+        ("node.example.org:31337", ("node.example.org", 31337)),
+        ("[2001:db8::1]:31337", ("2001:db8::1", 31337)),
+        ("2001:db8::1", ("2001:db8::1", None)),
+        ("[2001:db8::1]", ("2001:db8::1", None)),
+    ],
+)
+def test_announce_is_a_host_and_an_optional_port(
+    text: str | None, expected: tuple[str | None, int | None]
+) -> None:
+    assert _announce(text) == expected
+
+
+def test_announce_port_out_of_range_is_refused() -> None:
+    with pytest.raises(UsageError, match="out of range"):
+        _announce("203.0.113.7:70000")
