@@ -1,4 +1,4 @@
-"""The ``p2ptrain`` command: keygen, id, node, average, ping, peers, simulate.
+"""The ``p2ptrain`` command: keygen, id, node, average, ping, peers, status, simulate.
 
 Every failure a user can cause (bad flag, unreadable key, unreachable peer, refused handshake) ends
 with one line on stderr that says what went wrong, and a non-zero exit status.
@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -25,15 +25,17 @@ from . import __version__
 from .averaging import AveragerConfig, Compression
 from .dht.peers import Member, list_members
 from .dht.service import DHT, DHTConfig
-from .errors import ConfigError, IdentityError, P2PError, PeerUnavailable
+from .errors import ConfigError, IdentityError, P2PError, PeerUnavailable, RemoteProtocolError
 from .identity import Identity, load_identity, load_or_create_identity, save_identity
 from .net.address import PeerAddress
 from .net.host import Host
 from .node import (
     PING,
+    STATUS,
     Node,
     NodeConfig,
     PingRequest,
+    StatusRequest,
     default_data_dir,
     member_json,
     parse_listen,
@@ -48,7 +50,27 @@ class UsageError(Exception):
     """A command-line problem reported as one line, exit status 2."""
 
 
-def _setup_logging(level: str) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: for log collectors (``--log-format json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    if fmt == "json":
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+        return
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
@@ -121,6 +143,14 @@ def _announce(text: str | None) -> tuple[str | None, int | None]:
     return text.strip("[]"), None
 
 
+def _metrics_address(port: int | None) -> tuple[str, int] | None:
+    if port is None:
+        return None
+    if not 0 <= port < 65536:
+        raise UsageError(f"--metrics-port {port}: out of range")
+    return ("0.0.0.0", port)
+
+
 def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
     announce_host, announce_port = _announce(args.announce)
     return NodeConfig(
@@ -131,6 +161,7 @@ def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = No
         source_address=args.source_address,
         join=tuple(_parse_address(x) for x in args.join or []),
         status_file=Path(args.status_file) if args.status_file else None,
+        metrics=_metrics_address(args.metrics_port),
         averaging=averaging or AveragerConfig(),
     )
 
@@ -301,6 +332,50 @@ async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[M
     return members
 
 
+# ---- status ----------------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    addr = _parse_address(args.address)
+    validate_run_id(args.run_id)
+    status = run_trio(_status_of, addr, args.run_id, args.timeout)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    from .training.console import node_table
+
+    console = Console(width=max(Console().width, 120))
+    peer = str(status.get("peer_id", "?"))
+    traffic = status.get("traffic", {})
+    connected, members = len(status.get("connected_peers", [])), len(status.get("members", []))
+    sent, received = traffic.get("bytes_sent", 0) / 1e6, traffic.get("bytes_received", 0) / 1e6
+    console.print(
+        f"node {peer} in run {status.get('run_id')!r}: {status.get('state')}, {connected} connected, "
+        f"{members} members known, {sent:.1f} MB sent, {received:.1f} MB received"
+    )
+    if status.get("training"):
+        console.print(node_table(peer[:12], status["training"]))
+    else:
+        console.print("(this node does not train)")
+    return 0
+
+
+async def _status_of(addr: PeerAddress, run_id: str, timeout: float) -> dict[str, Any]:
+    host = Host(Identity.generate(), run_id)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run, [])
+        conn = await host.connect(addr, timeout=timeout)
+        reply = await conn.call_with_body(STATUS, StatusRequest(), timeout=timeout)
+        nursery.cancel_scope.cancel()
+    try:
+        status = json.loads(bytes(reply.body))
+    except ValueError:
+        raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not JSON") from None
+    if not isinstance(status, dict):
+        raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not a JSON object")
+    return status
+
+
 # ---- simulate --------------------------------------------------------------------------------------
 
 
@@ -351,6 +426,13 @@ def _node_flags(s: argparse.ArgumentParser) -> None:
         "--run-id", help="peers only talk within the same run id (default: the run file's, else default)"
     )
     s.add_argument("--status-file", metavar="PATH", help="JSON status, rewritten atomically every second")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus /metrics and /healthz over HTTP here",
+    )
+    s.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
 
 
 def _training_flags(s: argparse.ArgumentParser) -> None:
@@ -438,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=5.0)
     s.set_defaults(func=cmd_peers)
 
+    s = sub.add_parser("status", help="ask a node how it is doing (step, loss, rounds, traffic)")
+    s.add_argument("address", help="the node's address")
+    s.add_argument("--run-id", default="default", help="the node's run id")
+    s.add_argument("--json", action="store_true", help="print its whole status as JSON")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.set_defaults(func=cmd_status)
+
     s = sub.add_parser(
         "simulate",
         help="train with a local swarm of real node processes, live, and write a report",
@@ -466,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     verbose = args.command in ("node", "average", "simulate")
-    _setup_logging(args.log_level or ("info" if verbose else "warning"))
+    _setup_logging(args.log_level or ("info" if verbose else "warning"), getattr(args, "log_format", "text"))
     try:
         return int(args.func(args))
     except UsageError as e:

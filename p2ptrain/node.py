@@ -32,11 +32,12 @@ from .dht.peers import Member, PeerRecord, announce, list_members
 from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, HandshakeRefused, P2PError
 from .identity import Identity, PeerID
+from .metrics import serve_http
 from .net.address import PeerAddress
 from .net.connection import Connection
 from .net.handshake import MAX_RUN_ID, PROTOCOL_VERSION
 from .net.host import Host, HostConfig
-from .net.rpc import CallContext, Method, RpcRegistry
+from .net.rpc import CallContext, Method, Reply, RpcRegistry
 from .net.transport import TcpTransport, Transport
 from .wire.schema import Message, bounded
 
@@ -73,8 +74,20 @@ class NodeInfo(Message):
     uptime: float = bounded(0.0, ge=0.0)
 
 
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class StatusResponse(Message):
+    format: str = bounded("json", max_len=16)  # the body: the node's status as JSON
+
+
 PING = Method("p2p.ping", PingRequest, PingResponse)
 INFO = Method("p2p.info", InfoRequest, NodeInfo)
+STATUS = Method("p2p.status", StatusRequest, StatusResponse)
+MAX_STATUS_BYTES = 512 * 1024
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -113,6 +126,7 @@ class NodeConfig:
     join: tuple[PeerAddress, ...] = ()
     status_file: Path | None = None
     status_interval: float = 1.0
+    metrics: tuple[str, int] | None = None  # (host, port) of the HTTP /metrics and /healthz server
     host: HostConfig = field(default_factory=HostConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     averaging: AveragerConfig = field(default_factory=AveragerConfig)
@@ -139,6 +153,7 @@ class Node:
         self.registry = RpcRegistry()
         self.registry.add_unary(PING, self._on_ping)
         self.registry.add_unary(INFO, self._on_info)
+        self.registry.add_unary(STATUS, self._on_status)
         host_config = config.host
         if config.announce_host:
             host_config = dataclasses.replace(host_config, announce_host=config.announce_host)
@@ -158,6 +173,7 @@ class Node:
         self._started = clock()
         self._joined: set[str] = set()
         self.status_sections: dict[str, Callable[[], Any]] = {}  # more sections of the status file
+        self.metrics_port: int | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -179,6 +195,8 @@ class Node:
                 nursery.start_soon(self._members_loop)
                 if self.config.status_file:
                     nursery.start_soon(self._status_loop)
+                if self.config.metrics is not None:
+                    self.metrics_port = await nursery.start(serve_http, *self.config.metrics, self.status)
                 self.state = "running"
                 task_status.started(self)
         finally:
@@ -278,6 +296,9 @@ class Node:
             uptime=self.clock() - self._started,
         )
 
+    async def _on_status(self, ctx: CallContext, req: StatusRequest) -> Reply[StatusResponse]:
+        return Reply(StatusResponse(), public_status(self.status()))
+
     # ---- status ----
 
     def status(self) -> dict[str, Any]:
@@ -303,6 +324,7 @@ class Node:
             "connected_peers": sorted({c["peer_id"] for c in conns}),
             "connections": conns,
             "reachable": not self.dht.client_only,
+            "metrics_port": self.metrics_port,
             "traffic": dict(zip(("bytes_sent", "bytes_received"), self.host.traffic(), strict=True)),
             "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},
             "members": [member_json(m) for m in self.members],
@@ -325,6 +347,25 @@ class Node:
         while True:
             self.write_status()
             await trio.sleep(self.config.status_interval)
+
+
+def public_status(status: dict[str, Any]) -> bytes:
+    """What a node tells anyone who asks (``p2ptrain status``): its status without the network addresses
+    of the peers it talks to, and at most ``MAX_STATUS_BYTES`` of it."""
+    shown = dict(status)
+    shown["connections"] = [
+        {k: v for k, v in c.items() if k != "remote"} for c in status.get("connections", [])
+    ]
+    shown.pop("pid", None)
+    data = json.dumps(shown).encode()
+    if len(data) > MAX_STATUS_BYTES:  # a crowded node: the first connections and members only
+        shown["connections"] = shown["connections"][:16]
+        shown["members"] = shown.get("members", [])[:64]
+        data = json.dumps(shown).encode()
+    if len(data) > MAX_STATUS_BYTES:
+        keep = ("peer_id", "run_id", "state", "version", "traffic", "training")
+        data = json.dumps({k: shown[k] for k in keep if k in shown}).encode()
+    return data
 
 
 def member_json(m: Member) -> dict[str, Any]:

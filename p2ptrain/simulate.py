@@ -32,7 +32,7 @@ from .errors import ConfigError, P2PError
 from .training.console import swarm_table
 
 FORM_TIMEOUT = 120.0  # seconds for node 0 to print its address
-STOP_TIMEOUT = 60.0  # seconds a node may take to stop after SIGTERM (a last round, a checkpoint)
+STOP_TIMEOUT = 120.0  # seconds a node may take to drain after SIGTERM (a last round, a checkpoint)
 POLL = 0.5
 
 

@@ -111,10 +111,22 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
             with trio.CancelScope() as training:
 
                 async def stop_on_signal() -> None:
+                    """First signal: drain (finish the batch and round in progress, checkpoint, tell the
+                    swarm); a second one, or a drain that takes too long, cuts it short."""
+                    grace = trainer.config.averaging.timeout + 30.0
                     async for signum in signals:
-                        log.info("received %s: stopping after a last checkpoint", signal.Signals(signum).name)
-                        training.cancel()
-                        return
+                        if trainer.stopping:
+                            log.warning("second %s: stopping now", signal.Signals(signum).name)
+                            break
+                        log.info(
+                            "received %s: draining (finishing the current step, up to %.0f s), then a last"
+                            " checkpoint",
+                            signal.Signals(signum).name,
+                            grace,
+                        )
+                        trainer.request_stop()
+                        training.deadline = trio.current_time() + grace
+                    training.cancel()
 
                 nursery.start_soon(stop_on_signal)
                 if live:

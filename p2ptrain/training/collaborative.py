@@ -161,6 +161,8 @@ class CollaborativeOptimizer:
         self._snapshot_version = -1
         self.digest = self._compute_digest()
         self.on_download_progress: ProgressFn | None = None
+        self.download_progress = (0, 0)  # bytes received and expected by the download in progress
+        self.leaving = False
         self.server = StateServer(node.host.registry, self.snapshot)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -198,6 +200,7 @@ class CollaborativeOptimizer:
             addr=addr,
             run=self.fingerprint,
             landing=self._overlap is not None,
+            leaving=self.leaving,
         )
 
     async def _publish(self) -> None:
@@ -244,6 +247,12 @@ class CollaborativeOptimizer:
             horizon=2 * self.config.progress.interval,
         )
         return self.view
+
+    async def leave(self, timeout: float = 5.0) -> None:
+        """Tell the swarm this peer stops (its record says so), so nobody waits for it in a group."""
+        self.leaving = True
+        with trio.move_on_after(timeout):
+            await self._publish()
 
     async def wait_for_peers(self, count: int, timeout: float) -> int:
         """Wait until ``count`` peers (this one included) publish progress in the run, or ``timeout``;
@@ -597,6 +606,11 @@ class CollaborativeOptimizer:
         def expected(epoch: int) -> bytes:
             return majority_digest(r.record for r in self.records if r.record.epoch == epoch)
 
+        def progress(got: int, total: int) -> None:
+            self.download_progress = (got, total)
+            if self.on_download_progress is not None:
+                self.on_download_progress(got, total)
+
         return await download(
             self.node.host,
             view.donors,
@@ -604,7 +618,7 @@ class CollaborativeOptimizer:
             verified=self.verified,
             expected_digest=expected,
             timeout=max(60.0, self.config.averaging.timeout),
-            on_progress=self.on_download_progress,
+            on_progress=progress,
         )
 
     def lr(self) -> float:

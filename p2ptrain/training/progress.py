@@ -12,7 +12,8 @@ same records:
   most ``horizon`` seconds, so a silent or lying clock cannot inflate it without bound), and therefore
   whether the target is reached (time to average) and how soon it will be (time to start matchmaking);
 - how many peers work on this epoch (the size of the group to form), counting those whose averaging
-  round for the previous epoch is still landing (diloco with overlap);
+  round for the previous epoch is still landing (diloco with overlap), and not those that said they are
+  leaving;
 - whether this peer is behind (some peer is on a later epoch) or has diverged (the majority of the peers
   on its epoch started it from another state): then it downloads the state, from ``donors`` in order.
 
@@ -46,6 +47,7 @@ class ProgressRecord(Message):
     addr: str = bounded("", max_len=300)  # where to download that state; "" when client-only
     run: bytes = bounded(b"", max_len=16)  # fingerprint of the run's settings: others are ignored
     landing: bool = False  # a round for ``epoch`` is in flight (diloco overlap): next on ``epoch + 1``
+    leaving: bool = False  # the peer is shutting down: count it no more
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def swarm_view(
     horizon: float,
 ) -> SwarmView:
     """Decide from the live records (``others`` excludes this peer; stale ones already dropped)."""
-    others = [o for o in others if o.peer != me and o.record.run == mine.run]
+    others = [o for o in others if o.peer != me and o.record.run == mine.run and not o.record.leaving]
     same = [o for o in others if o.record.epoch == mine.epoch]
     newest = max([mine.epoch, *(o.record.epoch for o in others)])
     # fsum: exact, so the verdict does not depend on the order the DHT returned the records in

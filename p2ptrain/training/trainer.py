@@ -91,6 +91,7 @@ class Trainer:
         self.started = 0.0
         self.local_samples = 0
         self.finished = False
+        self._stop_requested = False
         self.node.status_sections["training"] = self.status
 
     @property
@@ -115,6 +116,7 @@ class Trainer:
                     seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
                     log.info("%d peer(s) in the run: starting", seen)
                 await self._loop(batches)
+                await self.opt.leave()
             finally:  # no await here: this runs even when cancelled
                 self.finished = True
                 self.save_checkpoint()
@@ -146,7 +148,17 @@ class Trainer:
             if await self.opt.step(samples):
                 await self._after_step()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        """Stop after the batch (and the averaging round) in progress: a drain, not a cut."""
+        self._stop_requested = True
+
     def _done(self) -> bool:
+        if self._stop_requested:
+            return True
         if self.max_steps and self.opt.epoch >= self.max_steps:
             return True
         return bool(self.options.duration) and self.clock() - self.started >= self.options.duration
@@ -243,6 +255,7 @@ class Trainer:
                 "last": opt.stats.last,
             },
             "digest": opt.digest.hex()[:16],
+            "state_sync": dict(zip(("received", "total"), opt.download_progress, strict=True)),
             "bytes_sent": sent,
             "bytes_received": received,
             "finished": self.finished,

@@ -9,9 +9,13 @@ the report folder holds per-peer metrics, a PNG plot and a summary that say so.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +126,59 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
     assert "resumed from the checkpoint of step 2" in second.stderr
     steps = [json.loads(x)["step"] for x in (tmp_path / "m2.jsonl").read_text().splitlines()]
     assert steps[0] == 3 and steps[-1] == 4  # it went on from step 2, not from scratch
+
+
+def test_a_training_node_reports_status_metrics_and_health_then_drains_on_sigterm(tmp_path: Path) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_RUN)
+    status_file, err = tmp_path / "status.json", tmp_path / "stderr.log"
+    args = ["node", "--listen", "127.0.0.1:0", "--config", str(config), "--data-dir", str(tmp_path / "d")]
+    args += ["--status-file", str(status_file), "--metrics-port", "0", "--log-format", "json", "--no-live"]
+    with open(tmp_path / "stdout.log", "w") as out, open(err, "w") as errf:
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=errf, text=True)
+        try:
+            status = wait_for_json(status_file, lambda s: (s.get("training") or {}).get("step", 0) >= 2)
+            address = status["addresses"][0]
+            asked = subprocess.run(
+                [*CLI, "status", address, "--run-id", "e2e-train", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert asked.returncode == 0, asked.stderr
+            remote = json.loads(asked.stdout)
+            assert remote["peer_id"] == status["peer_id"] and remote["training"]["step"] >= 2
+            assert "pid" not in remote and all("remote" not in c for c in remote["connections"])
+            port = status["metrics_port"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+                assert r.status == 200
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                assert b"p2ptrain_global_step " in r.read()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=90) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines = [json.loads(x) for x in err.read_text().splitlines()]  # every log line is JSON
+    messages = [x["message"] for x in lines]
+    assert any("draining" in m for m in messages) and any(
+        m.startswith("checkpoint of step") for m in messages
+    )
+    final = json.loads(status_file.read_text())
+    assert final["state"] == "stopped" and final["training"]["finished"] is True
+    assert list((tmp_path / "d" / "checkpoints").glob("step-*"))
+
+
+def wait_for_json(path: Path, ready: Any, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll a JSON file another process rewrites until ``ready(content)``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError):
+            content = None
+        if content and ready(content):
+            return content  # type: ignore[no-any-return]
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never satisfied the condition within {timeout} s")

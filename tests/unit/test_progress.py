@@ -751,3 +751,14 @@ def test_decode_either_valid_or_remote_protocol_error(obj: dict[str, Any]) -> No
     assert 0.0 <= r.rate <= 1e9 and 0.0 <= r.time <= 1e11
     assert len(r.digest) <= DIGEST_BYTES and len(r.addr) <= 300 and len(r.run) <= 16
     assert type(r.landing) is bool
+
+
+def test_a_leaving_peer_counts_for_nothing() -> None:
+    """A peer that published it is shutting down is not waited for, not a donor, not a vote."""
+    leaving = peer(1, samples=50, rate=10.0, digest=B, addr=ADDR, leaving=True)
+    staying = peer(2, samples=5, rate=1.0, digest=A, addr=ADDR)
+    v = view(rec(digest=A), leaving, staying)
+    assert (v.peers, v.others, v.samples) == (2, 1, 5.0)
+    assert [d.peer for d in v.donors] == [pid(2)] and v.majority == A
+    ahead = view(rec(), peer(3, epoch=EPOCH + 5, leaving=True, addr=ADDR))
+    assert not ahead.behind and ahead.donors == ()
