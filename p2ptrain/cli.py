@@ -454,6 +454,9 @@ def _training_flags(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--bandwidth", type=float, metavar="MB/S", help="this host's bandwidth, sets its share")
     g.add_argument(
+        "--tracker", choices=["tensorboard", "mlflow"], help="also log the metrics there (if it is installed)"
+    )
+    g.add_argument(
         "--no-live",
         action="store_true",
         help="plain log lines instead of the live view (default off a terminal)",

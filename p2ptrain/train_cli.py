@@ -90,6 +90,7 @@ def train_node(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         metrics_file=Path(args.metrics_file) if args.metrics_file else None,
         wait_peers=args.wait_peers,
+        tracker=args.tracker,
     )
     trainer = Trainer(node, config, task, options)
     live = sys.stdout.isatty() and not args.no_live

@@ -32,6 +32,7 @@ from ..node import Node
 from ..tasks import Task
 from . import checkpoint
 from .collaborative import CollaborativeOptimizer
+from .trackers import Tracker, open_tracker, scalars
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class TrainerOptions:
     metrics_file: Path | None = None
     wait_peers: int = 1  # wait until this many peers (this one included) are in the run
     wait_timeout: float = 120.0
+    tracker: str | None = None  # "tensorboard" or "mlflow": the per-step metrics go there too
 
 
 class Trainer:
@@ -92,6 +94,7 @@ class Trainer:
         self.local_samples = 0
         self.finished = False
         self._stop_requested = False
+        self.tracker: Tracker | None = None
         self.node.status_sections["training"] = self.status
 
     @property
@@ -107,6 +110,11 @@ class Trainer:
         if self.options.resume:
             self.resume()
         batches = self.task.batches(self._data_seed(), self.config.training.batch_size)
+        folder = self.options.data_dir or Path.cwd()
+        params = {"task": self.task.name, "mode": self.config.training.mode, "peer": str(self.node.peer_id)}
+        self.tracker = open_tracker(
+            self.options.tracker, folder, f"{self.config.run.id}-{self.node.peer_id.short()}", params
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(self.opt.run)
             task_status.started()
@@ -121,6 +129,8 @@ class Trainer:
                 self.finished = True
                 self.save_checkpoint()
                 self._write_metrics({"event": "stopped", **self.status()})
+                if self.tracker is not None:
+                    self.tracker.close()
             nursery.cancel_scope.cancel()
 
     async def _loop(self, batches: Iterator[Any]) -> None:
@@ -179,7 +189,10 @@ class Trainer:
         every = self.config.checkpoint.every_steps
         if every and epoch % every == 0:
             await trio.to_thread.run_sync(self.save_checkpoint)
-        self._write_metrics(self.status())
+        status = self.status()
+        self._write_metrics(status)
+        if self.tracker is not None:
+            self.tracker.log(epoch, scalars(status))
         last = self.opt.stats.last
         log.info(
             "step %d: loss %.4f%s, %s, %.1f samples/s here, %.1f in the swarm",
