@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import trio
@@ -39,6 +39,27 @@ log = logging.getLogger(__name__)
 LOSS_SMOOTHING = 0.9
 
 
+class LocalWorkers(Protocol):
+    """This host's other data-parallel workers (several GPUs, one p2p identity), as the training loop
+    sees them. Both methods run in the compute thread and block until the workers answered; a worker
+    that fails is the implementation's business (it restarts its group and carries on)."""
+
+    def backward(
+        self, model: torch.nn.Module, compute: Callable[[Any], float], batch: Any
+    ) -> tuple[float, int]:
+        """Compute this worker's batch with ``compute`` (forward and backward), with the other workers
+        doing theirs; leave in ``model``'s gradients the sample-weighted mean over all of them; return
+        the mean loss and the total samples."""
+        ...
+
+    def publish(self, model: torch.nn.Module, changed: bool, stop: bool) -> None:
+        """After the optimizer's step: give the workers the parameters if ``changed``; tell them to stop
+        if ``stop``."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class TrainerOptions:
     """How one node runs the run's training (the run file says what is trained; this says where, how long)."""
@@ -53,6 +74,7 @@ class TrainerOptions:
     wait_peers: int = 1  # wait until this many peers (this one included) are in the run
     wait_timeout: float = 120.0
     tracker: str | None = None  # "tensorboard" or "mlflow": the per-step metrics go there too
+    local: LocalWorkers | None = None  # this host's other data-parallel workers, if it has several
 
 
 class Trainer:
@@ -131,6 +153,8 @@ class Trainer:
                 self._write_metrics({"event": "stopped", **self.status()})
                 if self.tracker is not None:
                     self.tracker.close()
+                if self.options.local is not None:
+                    self.options.local.close()
             nursery.cancel_scope.cancel()
 
     async def _loop(self, batches: Iterator[Any]) -> None:
@@ -142,20 +166,30 @@ class Trainer:
             self.opt.epoch,
             ", ".join(f"{k}={v}" for k, v in self.task.info.items()),
         )
+        local = self.options.local
         while not self._done():
             batch = next(batches)
             began = time.perf_counter()
-            loss = await trio.to_thread.run_sync(self._compute, batch)
+            if local is None:
+                loss = await trio.to_thread.run_sync(self._compute, batch)
+                samples = self.task.samples(batch)
+            else:  # this host's other workers computed too; the gradients are their sample-weighted mean
+                loss, samples = await trio.to_thread.run_sync(
+                    local.backward, self.model, self._compute, batch
+                )
             spent = time.perf_counter() - began
             if self.options.slowdown > 1:
                 await trio.sleep(spent * (self.options.slowdown - 1))
             self.compute_seconds += spent * self.options.slowdown
-            samples = self.task.samples(batch)
             self.local_samples += samples
             self.loss = (
                 loss if self.loss is None else LOSS_SMOOTHING * self.loss + (1 - LOSS_SMOOTHING) * loss
             )
-            if await self.opt.step(samples):
+            stepped = await self.opt.step(samples)
+            if local is not None:  # the workers compute the next batches on the parameters as they are now
+                changed = stepped or self.opt.diloco
+                await trio.to_thread.run_sync(local.publish, self.model, changed, self._done())
+            if stepped:
                 await self._after_step()
 
     @property
