@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .averaging.compression import parse_compression
+from .averaging.robust import parse_aggregation
 from .errors import ConfigError
 from .net.handshake import MAX_RUN_ID
 
@@ -86,6 +87,7 @@ class AveragingSection:
     compression: str = "none"  # none, fp16, bf16, int8
     bandwidth: float = 100.0  # this host's MB/s; sets its share of the reduction
     max_group_size: int = 64
+    aggregation: str = "mean"  # mean, or robust to hostile peers: trimmed_mean, centered_clip
 
     def __post_init__(self) -> None:
         _check(self.timeout > 0, "averaging.timeout", "must be positive")
@@ -96,6 +98,10 @@ class AveragingSection:
             parse_compression(self.compression)
         except ValueError as e:
             raise ConfigError(f"averaging.compression: {e}") from None
+        try:
+            parse_aggregation(self.aggregation)
+        except ValueError as e:
+            raise ConfigError(f"averaging.aggregation: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 from .averaging import AveragerConfig
+from .averaging.robust import parse_aggregation
 from .cli import UsageError, _node_config, _node_identity, _run_node
 from .config import RunConfig, load_config
 from .node import Node
@@ -73,6 +74,7 @@ def train_node(args: argparse.Namespace) -> int:
         matchmaking_time=a.matchmaking_time,
         bandwidth=a.bandwidth * 1e6,
         compression=a.compression,
+        aggregation=parse_aggregation(a.aggregation),
     )
     identity = _node_identity(args)
     node = Node(identity, _node_config(args, averaging))

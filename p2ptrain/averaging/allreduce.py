@@ -150,7 +150,9 @@ class AllReduceRound:
         }
         self.reducers: dict[int, PartitionReducer] = {}
         if self.sizes[self.me] > 0:
-            own = PartitionReducer(self.sizes[self.me], self.mode, self._buffer(self.sizes[self.me]))
+            own = PartitionReducer(
+                self.sizes[self.me], self.mode, self._buffer(self.sizes[self.me]), m.aggregation
+            )
             own.add_local(self.me, self._own(self.me), weight)
             self.reducers[self.me] = own
         self.scatter_open = True
@@ -408,7 +410,9 @@ class AllReduceRound:
     def _prepare_replacements(self, decision: Decision) -> None:
         for f, r in zip(decision.failed, decision.replacements, strict=True):
             if r == self.me and f not in self.reducers:
-                red = PartitionReducer(self.sizes[f], self.mode, self._buffer(self.sizes[f]))
+                red = PartitionReducer(
+                    self.sizes[f], self.mode, self._buffer(self.sizes[f]), self.manifest.aggregation
+                )
                 if self.me in decision.contributors:
                     red.add_local(self.me, self._own(f), self.weight)
                 self.reducers[f] = red

@@ -59,6 +59,7 @@ from .protocol import (
     SignedManifest,
     TensorSpec,
 )
+from .robust import parse_aggregation
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class AveragerConfig:
     matchmaking_time: float = 5.0  # how long a leader gathers before forming a smaller group
     bandwidth: float = 100e6  # bytes per second this peer can move; sets its share of the reduction
     compression: str = "none"
+    aggregation: str = "mean"  # or a robust rule (see ``robust``): every member of a group uses the same
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.target_size <= 64:
@@ -92,6 +94,8 @@ class AveragerConfig:
         if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
             raise ValueError("matchmaking_time must be positive")
         parse_compression(self.compression)
+        if parse_aggregation(self.aggregation) != self.aggregation:
+            raise ValueError(f"aggregation: write {parse_aggregation(self.aggregation)!r}")
 
 
 def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
@@ -141,8 +145,12 @@ def _sizes(config: AveragerConfig, target: int | None, minimum: int | None) -> t
     return target, minimum
 
 
-def schema_digest(schema: tuple[TensorSpec, ...], mode: Compression) -> bytes:
-    return hashlib.blake2b(pack([[s.to_obj() for s in schema], mode.value]), digest_size=16).digest()
+def schema_digest(schema: tuple[TensorSpec, ...], mode: Compression, aggregation: str = "mean") -> bytes:
+    """What peers must share to average together: the tensors, the compression and the rule."""
+    fields: list[object] = [[s.to_obj() for s in schema], mode.value]
+    if aggregation != "mean":  # the digest of a plain-mean group stays what it was before rules existed
+        fields.append(aggregation)
+    return hashlib.blake2b(pack(fields), digest_size=16).digest()
 
 
 @dataclass
@@ -228,7 +236,7 @@ class Averager:
         try:
             sizes = (self.config.target_size, self.config.min_size)
             signed = await self._matchmake(
-                group_key, schema, schema_digest(schema, mode), mode, timeout, sizes
+                group_key, schema, schema_digest(schema, mode, self.config.aggregation), mode, timeout, sizes
             )
         except BaseException:
             self._pool.give(flat)  # no round will use it
@@ -259,7 +267,9 @@ class Averager:
         mode = parse_compression(compression or self.config.compression)
         schema = schema_of(list(tensors))
         sizes = _sizes(self.config, target_size, min_size)
-        return await self._matchmake(group_key, schema, schema_digest(schema, mode), mode, timeout, sizes)
+        return await self._matchmake(
+            group_key, schema, schema_digest(schema, mode, self.config.aggregation), mode, timeout, sizes
+        )
 
     async def run_round(
         self, signed: SignedManifest, tensors: Sequence[torch.Tensor], *, weight: float = 1.0
@@ -509,6 +519,7 @@ class Averager:
             schema=schema,
             compression=mode.value,
             timeout=timeout,
+            aggregation=self.config.aggregation,
         )
         looking.manifest = SignedManifest.sign(self.host.identity, manifest)
         looking.formed.set()

@@ -30,6 +30,7 @@ from ..net.rpc import Method
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 from .compression import Compression, parse_compression
+from .robust import parse_aggregation
 
 MAX_GROUP = 64
 MAX_TENSORS = 4096
@@ -69,6 +70,7 @@ class Manifest(Message):
     schema: tuple[TensorSpec, ...] = bounded(max_len=MAX_TENSORS)
     compression: str = bounded("none", max_len=16)
     timeout: float = bounded(60.0, ge=0.001, le=MAX_ROUND_TIMEOUT)
+    aggregation: str = bounded("mean", max_len=32)  # the rule every reducer applies (see ``robust``)
 
     @property
     def total(self) -> int:
@@ -103,6 +105,8 @@ class Manifest(Message):
             raise RemoteProtocolError("a client-only member cannot hold a partition")
         try:
             self.mode()
+            if parse_aggregation(self.aggregation) != self.aggregation:
+                raise ValueError(f"aggregation {self.aggregation!r} is not in canonical form")
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
 

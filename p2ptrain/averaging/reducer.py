@@ -9,6 +9,9 @@ member that fetches it gets the same bits, whatever order chunks arrived in.
 
 The result is encoded once with the round's compression and served as those bytes; the reducer's own copy
 is decoded from them, so with a lossy compression it holds exactly what the others decode.
+
+With a robust aggregation rule (see ``robust``) the kept slices of the decided contributors are stacked in
+member order at the decision and the rule is applied to them instead of the running sum.
 """
 
 from __future__ import annotations
@@ -20,15 +23,19 @@ import torch
 from ..errors import RemoteProtocolError
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
+from .robust import aggregate
 
 
 class PartitionReducer:
     """Accumulates the slices of one partition from the members of a round."""
 
-    def __init__(self, size: int, mode: Compression, buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, size: int, mode: Compression, buffer: torch.Tensor | None = None, aggregation: str = "mean"
+    ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; it is cleared)."""
         self.size = size
         self.mode = mode
+        self.aggregation = aggregation
         self.spans = list(chunks(size, mode))
         if buffer is not None and (buffer.numel() != size or buffer.dtype != torch.float32):
             raise ValueError(f"the accumulator must hold {size} float32 elements")
@@ -87,11 +94,17 @@ class PartitionReducer:
         missing = [i for i in contributors if i not in self.delivered]
         if missing:
             raise ValueError(f"no complete slice from members {missing}")
+        if self.aggregation != "mean":
+            rows = torch.stack([self._slice_of(i) for i in contributors])
+            self.acc.copy_(aggregate(self.aggregation, rows))
+            return self._publish(self.acc)
         if self.touched != set(contributors):
             self.acc.zero_()
             for i, w in zip(contributors, weights, strict=True):
                 self._replay(i, w)
-        mean = self.acc.div_(sum(weights))
+        return self._publish(self.acc.div_(sum(weights)))
+
+    def _publish(self, mean: torch.Tensor) -> torch.Tensor:
         self._kept.clear()
         if self.mode is Compression.NONE:
             self.result = mean
@@ -102,6 +115,17 @@ class PartitionReducer:
                 [decode(e, self.mode, b - a) for e, (a, b) in zip(self.encoded, self.spans, strict=True)]
             )
         return self.result
+
+    def _slice_of(self, sender: int) -> torch.Tensor:
+        """A sender's whole slice as float32 (its kept chunks decoded; they were checked on arrival)."""
+        kept = self._kept[sender]
+        if len(kept) == 1 and isinstance(kept[0], torch.Tensor):
+            return kept[0].to(torch.float32)
+        parts = []
+        for (a, b), data in zip(self.spans, kept, strict=True):
+            assert isinstance(data, memoryview)
+            parts.append(decode(data, self.mode, b - a))
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
     def _replay(self, sender: int, weight: float) -> None:
         kept = self._kept[sender]

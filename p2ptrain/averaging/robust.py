@@ -1,0 +1,72 @@
+"""Robust aggregation rules: what a reducer computes from its partition's slices when some may be hostile.
+
+Theory of operation: with the plain weighted mean, one peer sending huge or garbage values moves the
+result anywhere it likes. A robust rule bounds each peer's influence. Each reducer applies the round's
+rule to its own partition (as BTARD's ButterflyClip applies CenteredClip per butterfly partition), so the
+work stays spread over the group and no member ever needs the whole of anyone's tensors.
+
+- ``trimmed_mean``: coordinate-wise, drop the ``TRIM`` fraction of largest and of smallest values (at
+  least one each way once there are three slices or more), and average the rest.
+- ``centered_clip``: start from the coordinate-wise median; repeat a few times: move toward the mean of
+  every slice's difference, each difference clipped to norm ``tau``, where ``tau`` is the median distance
+  of the slices to the median (a scale estimate that a minority of outliers cannot inflate).
+
+Both ignore the senders' weights (which a liar could inflate too); weights still decide who takes part.
+Both are deterministic for a given set of slices in member order, so every reducer computes the same bits
+as any other would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+TRIM = 0.25
+CLIP_ITERATIONS = 5
+
+
+def parse_aggregation(name: str) -> str:
+    """The rule's canonical name; ValueError naming the known ones."""
+    rule = name.strip().lower().replace("-", "_")
+    if rule not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {name!r}; known: {', '.join(AGGREGATIONS)}")
+    return rule
+
+
+def trimmed_count(k: int) -> int:
+    """How many values are dropped at each end, out of ``k``."""
+    return 0 if k < 3 else max(1, int(k * TRIM))
+
+
+def trimmed_mean(rows: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise trimmed mean of a (k, n) float32 matrix."""
+    k = rows.shape[0]
+    t = trimmed_count(k)
+    if t == 0:
+        return rows.mean(dim=0)
+    ordered = rows.sort(dim=0).values
+    return ordered[t : k - t].mean(dim=0)
+
+
+def centered_clip(rows: torch.Tensor, iterations: int = CLIP_ITERATIONS) -> torch.Tensor:
+    """CenteredClip of a (k, n) float32 matrix, started at the coordinate-wise median."""
+    if rows.shape[0] <= 2:
+        return rows.mean(dim=0)
+    v = rows.median(dim=0).values
+    tau = (rows - v).norm(dim=1).median()
+    if not torch.isfinite(tau) or tau == 0:
+        return v
+    for _ in range(iterations):
+        diffs = rows - v
+        scale = torch.clamp(tau / diffs.norm(dim=1).clamp_min(1e-30), max=1.0)
+        v = v + (diffs * scale.unsqueeze(1)).mean(dim=0)
+    return v
+
+
+def aggregate(rule: str, rows: torch.Tensor) -> torch.Tensor:
+    """Apply a robust ``rule`` (not ``mean``: the reducer streams that one) to a (k, n) matrix."""
+    if rule == "trimmed_mean":
+        return trimmed_mean(rows)
+    if rule == "centered_clip":
+        return centered_clip(rows)
+    raise ValueError(f"{rule!r} is not a robust aggregation rule")

@@ -1,0 +1,93 @@
+"""Rounds with a robust aggregation rule: one hostile member sends scaled values; every member still
+commits the same bits, and they stay close to the honest members' mean (the plain mean does not)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import trio
+
+from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.averaging.averager import Averager, schema_of
+from p2ptrain.averaging.partition import partition_sizes
+from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
+from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.identity import Identity
+from p2ptrain.net import Host, MemoryNetwork
+
+PORT = 2100
+N = 5
+
+
+async def run_round(aggregation: str, compression: str = "none") -> tuple[list[RoundResult], torch.Tensor]:
+    net = MemoryNetwork(seed=11)
+    g = torch.Generator().manual_seed(1)
+    inputs = [[1.0 + 0.1 * torch.randn(3001, generator=g)] for _ in range(N)]
+    honest_mean = torch.stack([x[0] for x in inputs[1:]]).mean(dim=0)
+    inputs[0][0] *= 100.0  # member 0 is hostile: it scales everything it sends
+    async with trio.open_nursery() as nursery:
+        hosts, averagers = [], []
+        for i in range(N):
+            ident = Identity.from_seed(hashlib.blake2b(f"r{i}".encode(), digest_size=32).digest())
+            host = Host(ident, "robust", transport=net.transport(f"r{i}"))
+            averager = Averager(host, None)
+            await nursery.start(host.run, [(f"r{i}", PORT)])
+            await nursery.start(averager.run)
+            hosts.append(host)
+            averagers.append(averager)
+        sizes = partition_sizes(3001, [1.0] * N, [True] * N)
+        manifest = Manifest(
+            round_id=bytes(16),
+            group_key="robust",
+            members=tuple(
+                MemberMsg(h.identity.peer_id.digest, str(h.advertised_addresses()[0]), 1.0) for h in hosts
+            ),
+            sizes=tuple(sizes),
+            schema=schema_of(inputs[0]),
+            compression=compression,
+            timeout=30.0,
+            aggregation=aggregation,
+        )
+        signed = SignedManifest.sign(hosts[1].identity, manifest)
+        results: list[RoundResult] = []
+
+        async def one(i: int) -> None:
+            results.append(await averagers[i].run_round(signed, inputs[i], weight=1.0 + i))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as rounds:
+                for i in range(N):
+                    rounds.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    assert len(results) == N
+    for x in inputs[1:]:
+        assert torch.equal(x[0], inputs[0][0]), "members hold different bits"
+    return results, (inputs[0][0] - honest_mean).abs()
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_a_robust_round_shrugs_off_a_scaled_contribution(rule: str, compression: str) -> None:
+    results, error = await run_round(rule, compression)
+    assert all(len(r.contributors) == N for r in results)
+    assert error.max() < 0.25, error.max()  # honest values are 1 +- 0.1 (int8 adds its own error)
+
+
+async def test_the_plain_mean_is_dragged_away_by_the_same_contribution() -> None:
+    _, error = await run_round("mean")
+    assert error.max() > 5.0
+
+
+def test_a_manifest_with_an_unknown_rule_is_refused() -> None:
+    manifest = Manifest(
+        round_id=bytes(16),
+        group_key="x",
+        members=(MemberMsg(bytes(32), "a", 1.0),),
+        sizes=(1,),
+        schema=schema_of([torch.zeros(1)]),
+        aggregation="median_of_means",
+    )
+    with pytest.raises(RemoteProtocolError, match="aggregation"):
+        manifest.check()

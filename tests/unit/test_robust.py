@@ -1,0 +1,75 @@
+"""Robust aggregation rules (pure): outliers move the result a bounded amount, honest agreement is kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.averaging.robust import (
+    aggregate,
+    centered_clip,
+    parse_aggregation,
+    trimmed_count,
+    trimmed_mean,
+)
+
+
+def honest(k: int, n: int = 1000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 1.0 + 0.1 * torch.randn(k, n, generator=g)
+
+
+@pytest.mark.parametrize(("k", "t"), [(1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (8, 2), (10, 2), (16, 4)])
+def test_trimmed_count(k: int, t: int) -> None:
+    assert trimmed_count(k) == t
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        lambda x: x * 100.0,  # scaled
+        lambda x: -50.0 * x,  # flipped and scaled
+        lambda x: torch.full_like(x, 1e6),  # a constant far away
+        lambda x: torch.randn(x.shape, generator=torch.Generator().manual_seed(9)) * 1e3,  # random
+    ],
+    ids=["x100", "flip", "constant", "random"],
+)
+@pytest.mark.parametrize(("k", "bad"), [(4, 1), (8, 2)], ids=["1-of-4", "2-of-8"])
+def test_a_minority_of_attackers_moves_the_result_little(rule: str, attack: object, k: int, bad: int) -> None:
+    rows = honest(k)
+    good_mean = rows[bad:].mean(dim=0)
+    for i in range(bad):
+        rows[i] = attack(rows[i])  # type: ignore[operator]
+    got = aggregate(rule, rows)
+    plain = rows.mean(dim=0)
+    assert (got - good_mean).abs().max() < 0.2  # honest values are 1 +- 0.1: stays among them
+    assert (plain - good_mean).abs().max() > 10  # while the plain mean is dragged away
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+def test_identical_slices_give_that_slice(rule: str) -> None:
+    row = torch.linspace(-3, 3, 101)
+    torch.testing.assert_close(aggregate(rule, row.repeat(5, 1)), row, rtol=1e-6, atol=1e-7)
+
+
+def test_with_two_or_fewer_slices_the_rules_are_the_mean() -> None:
+    rows = honest(2)
+    assert torch.equal(trimmed_mean(rows), rows.mean(dim=0))
+    assert torch.equal(centered_clip(rows), rows.mean(dim=0))
+
+
+def test_the_rules_are_deterministic() -> None:
+    rows = honest(7, seed=3)
+    rows[0] *= 100
+    assert torch.equal(centered_clip(rows), centered_clip(rows.clone()))
+    assert torch.equal(trimmed_mean(rows), trimmed_mean(rows.clone()))
+
+
+def test_parse_aggregation() -> None:
+    assert parse_aggregation("Trimmed-Mean") == "trimmed_mean"
+    assert parse_aggregation("mean") == "mean"
+    with pytest.raises(ValueError, match="known: mean, trimmed_mean, centered_clip"):
+        parse_aggregation("median-of-means")
+    with pytest.raises(ValueError):
+        aggregate("mean", honest(3))  # the reducer streams the mean; it is no robust rule
