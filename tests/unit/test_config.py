@@ -67,6 +67,7 @@ DEFAULTS = {
     "averaging.compression": "none",
     "averaging.bandwidth": 100.0,
     "averaging.max_group_size": 64,
+    "averaging.aggregation": "mean",
     "progress.interval": 1.0,
     "progress.ttl": 10.0,
     "checkpoint.every_steps": 50,
