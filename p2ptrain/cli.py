@@ -163,6 +163,7 @@ def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = No
         status_file=Path(args.status_file) if args.status_file else None,
         metrics=_metrics_address(args.metrics_port),
         averaging=averaging or AveragerConfig(),
+        **_membership_options(args),
     )
 
 
@@ -376,6 +377,111 @@ async def _status_of(addr: PeerAddress, run_id: str, timeout: float) -> dict[str
     return status
 
 
+# ---- authority -------------------------------------------------------------------------------------
+
+
+def _membership_options(args: argparse.Namespace) -> dict[str, Any]:
+    """NodeConfig's ``authority`` and ``certificate`` from --authority and --certificate."""
+    from .authority import load_certificate, parse_authority_key
+
+    authority, cert_file = getattr(args, "authority", None), getattr(args, "certificate", None)
+    if cert_file and not authority:
+        raise UsageError("--certificate needs --authority (the public key of the run's authority)")
+    return {
+        "authority": parse_authority_key(authority) if authority else None,
+        "certificate": load_certificate(cert_file) if cert_file else None,
+    }
+
+
+def cmd_authority(args: argparse.Namespace) -> int:
+    """``p2ptrain authority init | pubkey | issue | show``: keys and certificates of a private swarm."""
+    from . import authority as auth
+
+    if args.authority_command == "init":
+        key = Identity.generate()
+        save_identity(key, args.out, overwrite=args.force)
+        print(auth.authority_key_text(key.public_key))
+        return 0
+    if args.authority_command == "pubkey":
+        print(auth.authority_key_text(load_identity(args.keyfile).public_key))
+        return 0
+    if args.authority_command == "issue":
+        return _issue_certificate(args)
+    return _show_certificate(args)
+
+
+def _issue_certificate(args: argparse.Namespace) -> int:
+    from . import authority as auth
+    from .identity import PeerID
+
+    try:
+        peer = PeerID.from_string(args.peer)
+    except ValueError as e:
+        raise UsageError(f"--peer: {e}") from None
+    if args.run is not None:
+        validate_run_id(args.run)
+    lifetime = auth.parse_duration(args.expires)
+    key = load_identity(args.key)
+    now = float(int(time.time()))
+    data = auth.issue_certificate(key, peer, not_before=now, expires=now + lifetime, run=args.run or "")
+    auth.save_certificate(data, args.out, overwrite=args.force)
+    cert = auth.decode_certificate(data, key.public_key)
+    run = f"run {cert.run!r}" if cert.run else "any run of this authority"
+    print(f"{args.out}: peer {cert.peer} in {run}, expires {auth.format_time(cert.expires)}")
+    return 0
+
+
+def _show_certificate(args: argparse.Namespace) -> int:
+    from . import authority as auth
+
+    data = auth.load_certificate(args.certificate)
+    expected = auth.parse_authority_key(args.authority) if args.authority else None
+    cert = auth.decode_certificate(data, expected)  # CertificateRejected: one line, exit 1
+    now = time.time()
+    if now >= cert.expires:
+        state = f"expired on {auth.format_time(cert.expires)}"
+    elif now < cert.not_before - auth.NOT_BEFORE_SKEW:
+        state = f"not valid before {auth.format_time(cert.not_before)}"
+    else:
+        state = f"valid for {(cert.expires - now) / 86400:.1f} more days"
+    signature = "verified" + (" (issued by this authority)" if expected else "")
+    fields = cert.fields() | {"signature": signature, "state": state}
+    if args.json:
+        print(json.dumps(fields, indent=2))
+    else:
+        for name, value in fields.items():
+            print(f"{name + ':':<12}{value}")
+    return 0
+
+
+def _authority_parser(sub: Any) -> None:
+    s = sub.add_parser(
+        "authority",
+        help="a private swarm: the authority key and the members' certificates",
+        description="Nodes started with --authority PUBKEY refuse peers, DHT records and round members"
+        " without a valid membership certificate from that authority. Renew certificates before they"
+        " expire and restart the node with the new file.",
+    )
+    cmds = s.add_subparsers(dest="authority_command", required=True)
+    c = cmds.add_parser("init", help="create the authority key (mode 0600) and print its public key")
+    c.add_argument("--out", required=True, help="key file to create; keep it off the nodes")
+    c.add_argument("--force", action="store_true", help="overwrite an existing key file")
+    c = cmds.add_parser("pubkey", help="print the public key of an authority key file")
+    c.add_argument("keyfile")
+    c = cmds.add_parser("issue", help="issue a membership certificate to a peer")
+    c.add_argument("--key", required=True, help="the authority key file")
+    c.add_argument("--peer", required=True, metavar="PEERID", help="the member's peer id (`p2ptrain id`)")
+    c.add_argument("--expires", required=True, metavar="DURATION", help="e.g. 12h, 30d, 2w")
+    c.add_argument("--run", metavar="RUNID", help="only this run (default: any run of this authority)")
+    c.add_argument("--out", required=True, help="certificate file to write")
+    c.add_argument("--force", action="store_true", help="overwrite an existing certificate file")
+    c = cmds.add_parser("show", help="print a certificate's fields and whether it is valid now")
+    c.add_argument("certificate", help="certificate file")
+    c.add_argument("--authority", metavar="PUBKEY", help="also check that this authority issued it")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_authority)
+
+
 # ---- simulate --------------------------------------------------------------------------------------
 
 
@@ -433,6 +539,13 @@ def _node_flags(s: argparse.ArgumentParser) -> None:
         help="serve Prometheus /metrics and /healthz over HTTP here",
     )
     s.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
+    s.add_argument(
+        "--authority",
+        metavar="PUBKEY",
+        help="a private run: its authority's public key (`p2ptrain authority init` prints it); peers"
+        " without a valid membership certificate are refused",
+    )
+    s.add_argument("--certificate", metavar="FILE", help="this node's membership certificate (private runs)")
 
 
 def _training_flags(s: argparse.ArgumentParser) -> None:
@@ -529,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print its whole status as JSON")
     s.add_argument("--timeout", type=float, default=5.0)
     s.set_defaults(func=cmd_status)
+
+    _authority_parser(sub)
 
     s = sub.add_parser(
         "simulate",

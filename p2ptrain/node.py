@@ -133,6 +133,8 @@ class NodeConfig:
     reconnect_max_delay: float = 30.0
     announce_ttl: float = 180.0
     members_interval: float = 5.0
+    authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
+    certificate: bytes | None = None  # this node's membership certificate (private runs)
 
 
 class Node:
@@ -159,10 +161,19 @@ class Node:
             host_config = dataclasses.replace(host_config, announce_host=config.announce_host)
         if config.announce_port:
             host_config = dataclasses.replace(host_config, announce_port=config.announce_port)
+        if config.authority is not None or config.certificate is not None:
+            host_config = dataclasses.replace(
+                host_config, authority=config.authority, certificate=config.certificate
+            )
         if transport is None:
             transport = TcpTransport(config.source_address)
         self.host = Host(
-            identity, config.run_id, transport=transport, registry=self.registry, config=host_config
+            identity,
+            config.run_id,
+            transport=transport,
+            registry=self.registry,
+            config=host_config,
+            clock=clock,
         )
         self.host.on_connection(self._on_connection)
         self.dht = DHT(self.host, config=config.dht, clock=clock)

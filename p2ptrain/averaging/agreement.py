@@ -8,7 +8,9 @@ coordinator (the leader, ``members[0]``) collects one report per reducer and dec
 - a reducer that did not report (dead or too slow) is failed: its own slices died with it, so it is no
   contributor, and its partition goes to a surviving reducer, to which every contributor sends its
   slice again (each member still holds its own tensors);
-- with no contributor or no surviving reducer, the round aborts.
+- with no contributor or no surviving reducer, the round aborts;
+- a contributor's weight is capped at what the coordinator's ``caps`` allow (for sample counts: what the
+  sender's own signed progress records make plausible), so a peer cannot buy influence by lying.
 
 The decision is signed and is the only thing that turns reduced partitions into results: a reducer
 computes the mean over exactly the decided contributors, so every member that commits holds the same
@@ -33,6 +35,8 @@ class Coordinator:
     reports: dict[int, dict[int, float]] = field(default_factory=dict)
     unreachable: set[int] = field(default_factory=set)  # reducers some member could not reach
     decision: Decision | None = None
+    caps: dict[int, float] = field(default_factory=dict)  # the most weight each member may carry
+    capped: dict[int, tuple[float, float]] = field(default_factory=dict)  # member -> (claimed, allowed)
 
     @property
     def reducers(self) -> list[int]:
@@ -78,8 +82,12 @@ class Coordinator:
         for i in sorted(senders):
             ws = {self.reports[r][i] for r in live}
             if len(ws) == 1:  # a sender that told reducers different weights is left out
+                claimed = ws.pop()
+                allowed = self.caps.get(i, claimed)
+                if claimed > allowed:
+                    self.capped[i] = (claimed, allowed)
                 contributors.append(i)
-                weights.append(ws.pop())
+                weights.append(min(claimed, allowed))
         if not contributors:
             return Decision(self.round, abort="no member delivered its slices to every reducer")
         # each failed partition goes to the live reducer with the least to do so far

@@ -341,6 +341,14 @@ class AllReduceRound:
         while not self.coordinator.ready() and trio.current_time() < self.deadline["decide"]:
             await self.changed.wait_until(self.deadline["decide"])
         self._set_decision(self.coordinator.decide(), None)
+        for i, (claimed, allowed) in self.coordinator.capped.items():
+            log.warning(
+                "round %s: %s claimed weight %g, more than its records make plausible: counted as %g",
+                self.digest.hex()[:8],
+                self.name(i),
+                claimed,
+                allowed,
+            )
 
     def _set_decision(self, decision: Decision, signed: bytes | None) -> None:
         if self.decision is not None:

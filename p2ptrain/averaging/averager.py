@@ -188,6 +188,8 @@ class Averager:
         self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
+        # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
+        self.weight_cap: Callable[[PeerID], float | None] | None = None
         reg = self.host.registry
         reg.add_unary(JOIN, self._on_join)
         reg.add_stream(PART, self._on_part)
@@ -300,6 +302,11 @@ class Averager:
         rnd = AllReduceRound(
             self.host, signed, flat, weight, tensors, fault=self.fault, pool=self._pool, source=source
         )
+        if rnd.coordinator is not None and self.weight_cap is not None:
+            for i, peer in enumerate(rnd.peers):
+                cap = self.weight_cap(peer) if i != rnd.me else None
+                if cap is not None:
+                    rnd.coordinator.caps[i] = cap
         self._start_round(rnd)
         return await rnd.run()
 

@@ -98,7 +98,8 @@ class PartitionReducer:
             rows = torch.stack([self._slice_of(i) for i in contributors])
             self.acc.copy_(aggregate(self.aggregation, rows))
             return self._publish(self.acc)
-        if self.touched != set(contributors):
+        streamed = all(self.delivered[i] == w for i, w in zip(contributors, weights, strict=True))
+        if self.touched != set(contributors) or not streamed:  # others left out, or weights capped
             self.acc.zero_()
             for i, w in zip(contributors, weights, strict=True):
                 self._replay(i, w)

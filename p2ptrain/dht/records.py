@@ -14,6 +14,13 @@ entry arrives, and readers check it again when they read it back, so a replica c
 Bounds (``RecordLimits``) are enforced on every store, with a reason for each refusal: sizes of keys,
 subkeys and values, subkeys per key, bytes per key, expiry in the future but not beyond ``max_ttl``,
 records held per storing peer, and stores per peer per minute.
+
+Private runs (a store given a :class:`~p2ptrain.authority.Membership`): records are relayed, so the
+handshake's check of the peer that sends a STORE says nothing about who wrote each entry. Every entry
+must therefore be signed, and carry its author's membership certificate (the ``cert`` field, outside
+the signed payload: the certificate authenticates itself, and names the key that signed the entry).
+The store refuses entries whose author is not a member and serves only entries whose author still is;
+readers check again. In open runs the field is absent from the encoding, so the wire is unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import hashlib
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Any
 
+from ..authority import MAX_CERT_BYTES, CertificateRejected, Membership
 from ..errors import InvalidSignature, P2PError
 from ..identity import PEER_ID_BYTES, Identity, PeerID, SignedEnvelope
 from ..wire.codec import pack
@@ -61,28 +70,42 @@ class Entry(Message):
     expiry: float = bounded(0.0, ge=0.0)
     public_key: bytes = bounded(b"", max_len=32)
     signature: bytes = bounded(b"", max_len=64)
+    cert: bytes = bounded(b"", max_len=MAX_CERT_BYTES)  # private runs: the author's certificate
+
+    def to_obj(self) -> dict[str, Any]:
+        obj = super().to_obj()
+        if not self.cert:
+            del obj["cert"]  # open runs: what peers without the field send
+        return obj
 
     def signed_payload(self) -> bytes:
         return pack([self.key, self.subkey, self.value, self.expiry])
 
-    def sort_key(self) -> tuple[float, bytes, bytes, bytes]:
+    def sort_key(self) -> tuple[float, bytes, bytes, bytes, bytes]:
         # Expiry, then value; the signer fields settle the last ties so that replicas converge on one
         # entry whatever the order they received copies (signed, unsigned, re-signed) in.
-        return (self.expiry, self.value, self.public_key, self.signature)
+        return (self.expiry, self.value, self.public_key, self.signature, self.cert)
 
     def nbytes(self) -> int:
-        return len(self.key) + len(self.subkey) + len(self.value) + 112
+        return len(self.key) + len(self.subkey) + len(self.value) + len(self.cert) + 112
 
 
 def make_entry(
-    key: bytes, value: bytes, expiry: float, *, subkey: bytes = b"", signer: Identity | None = None
+    key: bytes,
+    value: bytes,
+    expiry: float,
+    *,
+    subkey: bytes = b"",
+    signer: Identity | None = None,
+    cert: bytes = b"",
 ) -> Entry:
-    """Build an entry; signs it when ``signer`` is given (required for owned keys and subkeys)."""
+    """Build an entry; signs it when ``signer`` is given (required for owned keys and subkeys, and for
+    every entry of a private run, which also carries the signer's membership certificate ``cert``)."""
     entry = Entry(key, subkey, value, expiry)
     if signer is None:
         return entry
     env = SignedEnvelope.seal(signer, SIGN_DOMAIN, entry.signed_payload())
-    return Entry(key, subkey, value, expiry, env.public_key, env.signature)
+    return Entry(key, subkey, value, expiry, env.public_key, env.signature, cert)
 
 
 def verify_entry(entry: Entry) -> None:
@@ -94,6 +117,32 @@ def verify_entry(entry: Entry) -> None:
         raise InvalidSignature(f"entry owned by {owner.short() if owner else '?'} is not signed")
     env = SignedEnvelope(SIGN_DOMAIN, entry.signed_payload(), entry.public_key, entry.signature)
     env.open(SIGN_DOMAIN, expected_signer=owner)
+
+
+def check_author(entry: Entry, membership: Membership, now: float) -> None:
+    """A private run: raise RecordRefused unless ``entry`` (signature already verified) was written by a
+    member, as its certificate shows at ``now``."""
+    if not entry.public_key or not entry.signature:
+        raise RecordRefused("unsigned record: this run is private and keeps only records signed by members")
+    try:
+        author = PeerID.from_public_key(entry.public_key)
+        membership.check(entry.cert or None, author, now)
+    except ValueError:
+        raise RecordRefused("malformed author key") from None
+    except CertificateRejected as e:
+        reason = e.reason if e.kind == "missing" else f"author {author}: {e.reason}"
+        raise RecordRefused(f"record not written by a member: {reason}") from None
+
+
+def admitted(entry: Entry, membership: Membership | None, now: float) -> bool:
+    """Whether a stored (verified) entry may be served or used: always in open runs."""
+    if membership is None:
+        return True
+    try:
+        check_author(entry, membership, now)
+    except RecordRefused:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -118,8 +167,9 @@ class RecordRefused(P2PError):
         super().__init__(reason)
 
 
-def check_entry(entry: Entry, now: float, limits: RecordLimits) -> None:
-    """Raise RecordRefused with a reason unless ``entry`` may be stored at time ``now``."""
+def check_entry(entry: Entry, now: float, limits: RecordLimits, membership: Membership | None = None) -> None:
+    """Raise RecordRefused with a reason unless ``entry`` may be stored at time ``now`` (in a private
+    run when ``membership`` is given)."""
     if not entry.key:
         raise RecordRefused("empty key")
     if len(entry.key) > limits.max_key:
@@ -140,6 +190,8 @@ def check_entry(entry: Entry, now: float, limits: RecordLimits) -> None:
         verify_entry(entry)
     except InvalidSignature as e:
         raise RecordRefused(f"bad signature: {e}") from None
+    if membership is not None:
+        check_author(entry, membership, now)
 
 
 @dataclass
@@ -151,8 +203,9 @@ class _Stored:
 class RecordStore:
     """The records this node holds for the DHT, with per-peer quotas (pure; time passed in)."""
 
-    def __init__(self, limits: RecordLimits | None = None) -> None:
+    def __init__(self, limits: RecordLimits | None = None, membership: Membership | None = None) -> None:
         self.limits = limits or RecordLimits()
+        self.membership = membership  # a private run: only members' entries are stored and served
         self._data: dict[bytes, dict[bytes, _Stored]] = {}  # key id -> subkey -> stored
         self._per_peer: defaultdict[PeerID, int] = defaultdict(int)
         self._recent: defaultdict[PeerID, deque[float]] = defaultdict(deque)
@@ -168,7 +221,7 @@ class RecordStore:
 
     def put(self, entry: Entry, now: float, stored_by: PeerID | None) -> str:
         """Store ``entry``; return what happened, or raise RecordRefused with the reason."""
-        check_entry(entry, now, self.limits)
+        check_entry(entry, now, self.limits, self.membership)
         if stored_by is not None:
             self._rate_check(stored_by, now)
         kid = key_id(entry.key)
@@ -225,9 +278,10 @@ class RecordStore:
             del self._data[kid]
 
     def get(self, kid: bytes, now: float) -> list[Entry]:
-        """Live entries under a key id."""
+        """Live entries under a key id (in a private run, of authors who are still members)."""
         self._expire_key(kid, now)
-        return [st.entry for st in self._data.get(kid, {}).values()]
+        stored = self._data.get(kid, {}).values()
+        return [st.entry for st in stored if admitted(st.entry, self.membership, now)]
 
     def expire(self, now: float) -> int:
         """Drop expired entries everywhere; returns how many."""
@@ -240,7 +294,12 @@ class RecordStore:
 
     def all_entries(self, now: float) -> list[Entry]:
         self.expire(now)
-        return [st.entry for rec in self._data.values() for st in rec.values()]
+        return [
+            st.entry
+            for rec in self._data.values()
+            for st in rec.values()
+            if admitted(st.entry, self.membership, now)
+        ]
 
 
 def merge(entries: list[Entry]) -> dict[bytes, Entry]:

@@ -10,6 +10,11 @@ re-replicates held records to the closest peers known.
 Reachability: a node that joined through others asks one of them to dial its advertised address back.
 If nobody can, it runs client-only: it sends no contact in its requests (so nobody adds it to a routing
 table) and stores nothing for others, but it can still look up, store and read through the swarm.
+
+Private runs (the host has a :class:`~p2ptrain.authority.Membership`): the handshake already keeps
+non-members off every connection; for the records they might still author (relayed by a member), this
+node signs every entry it writes and attaches its certificate, its store keeps and serves only entries
+whose author's certificate is valid (see :mod:`p2ptrain.dht.records`), and reads drop any other.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..authority import Membership
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
@@ -55,6 +61,7 @@ from .records import (
     RecordLimits,
     RecordRefused,
     RecordStore,
+    check_author,
     check_entry,
     key_id,
     make_entry,
@@ -108,7 +115,7 @@ class DHT:
         self.config = config or DHTConfig()
         self.clock = clock
         self.table = RoutingTable(host.peer_id, k=self.config.k, max_per_subnet=self.config.max_per_subnet)
-        self.records = RecordStore(self.config.limits)
+        self.records = RecordStore(self.config.limits, membership=host.membership)
         self.client_only = bool(self.config.client_only)
         self.rng = random.Random(seed)
         self._published: dict[tuple[bytes, bytes], _Published] = {}
@@ -379,7 +386,7 @@ class DHT:
                     self._observe(proven)
                 if (verified := proven or known) is not None:
                     reached[contact.peer_id] = verified
-                good = _verified(entries, target)
+                good = _verified(entries, target, self.host.membership, self.clock())
                 if good:
                     found.extend(good)
                     holders.add(contact.peer_id)
@@ -429,8 +436,10 @@ class DHT:
         Returns how many replicas accepted it. With ``republish`` this node re-publishes the value
         every ``republish_interval`` until :meth:`unpublish`.
         """
-        now = self.clock()
-        entry = make_entry(key, value, now + ttl, subkey=subkey, signer=self.host.identity if sign else None)
+        now, private = self.clock(), self.host.membership
+        signer = self.host.identity if sign or private is not None else None  # private: members sign all
+        cert = (private.certificate or b"") if private is not None else b""
+        entry = make_entry(key, value, now + ttl, subkey=subkey, signer=signer, cert=cert)
         check_entry(entry, now, self.config.limits)  # a record we could not store anywhere: say why now
         if republish:
             self._published[(key, subkey)] = _Published(
@@ -446,7 +455,11 @@ class DHT:
         accepted = 0
         if not self.client_only and self._among_closest(kid, targets):
             for e in entries:
-                self.records.put(e, self.clock(), None)
+                try:
+                    self.records.put(e, self.clock(), None)
+                except RecordRefused as refused:  # private runs: our own certificate has expired
+                    log.warning("cannot store a record here: %s", refused.reason)
+                    continue
                 accepted += 1
 
         async def push(contact: Contact) -> None:
@@ -500,7 +513,8 @@ class DHT:
         _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1))
         now, limits = self.clock(), self.config.limits
         latest = now + limits.max_ttl + limits.clock_skew
-        return merge([e for e in _verified(local + found, kid) if now < e.expiry <= latest])
+        good = _verified(local + found, kid, self.host.membership, now)
+        return merge([e for e in good if now < e.expiry <= latest])
 
     # ---- maintenance ----
 
@@ -555,8 +569,9 @@ def _proven(conn: Connection) -> Contact | None:
     return Contact(conn.peer, PeerAddress.for_host(conn.remote_host, conn.remote_port, conn.peer))
 
 
-def _verified(entries: list[Entry], kid: bytes) -> list[Entry]:
-    """Entries that belong under ``kid`` and whose signatures check out (read-back verification)."""
+def _verified(entries: list[Entry], kid: bytes, membership: Membership | None, now: float) -> list[Entry]:
+    """Entries that belong under ``kid`` and whose signatures check out (read-back verification); in a
+    private run, only those written by members."""
     out = []
     for e in entries:
         if key_id(e.key) != kid:
@@ -566,5 +581,11 @@ def _verified(entries: list[Entry], kid: bytes) -> list[Entry]:
         except P2PError:
             log.warning("dropping a record with a bad signature under %s", kid.hex()[:12])
             continue
+        if membership is not None:
+            try:
+                check_author(e, membership, now)
+            except RecordRefused as refused:
+                log.warning("dropping a record under %s: %s", kid.hex()[:12], refused.reason)
+                continue
         out.append(e)
     return out

@@ -21,10 +21,22 @@ closes the connection.
 
 Frames during the handshake are plaintext msgpack maps of at most ``MAX_HANDSHAKE_FRAME`` bytes.
 A ``reject`` frame (code + human-readable reason) may replace any message, in either direction.
+
+Private runs (see :mod:`p2ptrain.authority`): each side also puts its membership certificate inside its
+encrypted proof, and the responder names its run's authority in its proof. The initiator checks the
+responder's certificate when it reads the reply; the responder checks the initiator's when it reads the
+finish, and only then, because the initiator's identity is revealed in the finish, answers with a 4th
+frame: ``accept`` (an empty AEAD box under the handshake key, bound to the whole transcript) or a
+``reject`` with code ``membership``. An initiator waits for that verdict only when the responder's
+proof named an authority. In open runs nothing changes on the wire: the new proof fields are omitted,
+not sent empty, so an open-run proof is byte for byte what version-1 peers send, and version-1 peers
+(which ignore unknown fields anyway) interoperate unchanged. Older peers cannot join a private run:
+they send no certificate and are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -33,6 +45,7 @@ from dataclasses import dataclass
 import nacl.bindings as sodium
 import nacl.exceptions
 
+from ..authority import MAX_CERT_BYTES, Certificate, CertificateRejected, Membership
 from ..errors import HandshakeRefused, InvalidSignature, LocalProtocolError, RemoteProtocolError
 from ..identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
 from ..wire.codec import pack, unpack
@@ -42,6 +55,7 @@ PROTOCOL_NAME = "p2ptrain"
 PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_FRAME = 4096
 MAX_RUN_ID = 128
+MAX_PROOF_BOX = 2048  # a proof with a certificate of MAX_CERT_BYTES (was 512 before private runs)
 _HS_LABEL = b"p2ptrain-handshake/1"
 
 
@@ -57,12 +71,19 @@ class Hello(Message):
 @dataclass(frozen=True)
 class Reply(Message):
     ephemeral: bytes = bounded(max_len=32)
-    box: bytes = bounded(max_len=512)
+    box: bytes = bounded(max_len=MAX_PROOF_BOX)
 
 
 @dataclass(frozen=True)
 class Finish(Message):
-    box: bytes = bounded(max_len=512)
+    box: bytes = bounded(max_len=MAX_PROOF_BOX)
+
+
+@dataclass(frozen=True)
+class Accept(Message):
+    """A private-run responder's verdict on the initiator's certificate: admitted (sealed, empty)."""
+
+    box: bytes = bounded(max_len=64)
 
 
 @dataclass(frozen=True)
@@ -75,9 +96,18 @@ class Reject(Message):
 class _Proof(Message):
     public_key: bytes = bounded(max_len=PUBLIC_KEY_BYTES)
     signature: bytes = bounded(max_len=SIGNATURE_BYTES)
+    # Private runs only; left out of the encoding when None (see the theory of operation).
+    cert: bytes | None = bounded(None, max_len=MAX_CERT_BYTES)  # the prover's membership certificate
+    authority: bytes | None = bounded(None, max_len=PUBLIC_KEY_BYTES)  # responder: "I will judge yours"
 
 
-_KINDS: dict[str, type[Message]] = {"hello": Hello, "reply": Reply, "finish": Finish, "reject": Reject}
+_KINDS: dict[str, type[Message]] = {
+    "hello": Hello,
+    "reply": Reply,
+    "finish": Finish,
+    "accept": Accept,
+    "reject": Reject,
+}
 
 
 def encode_frame(msg: Message) -> bytes:
@@ -108,6 +138,7 @@ class HandshakeResult:
     send_key: bytes
     recv_key: bytes
     transcript: bytes
+    remote_certificate: Certificate | None = None  # private runs: what admitted the remote
 
 
 def _h(*parts: bytes) -> bytes:
@@ -131,13 +162,23 @@ def _dh(private: bytes, public: bytes) -> bytes:
     return shared
 
 
-def _seal_proof(key: bytes, nonce: int, identity: Identity, role: bytes, th: bytes) -> bytes:
-    proof = _Proof(public_key=identity.public_key, signature=identity.sign(role + th))
-    return sodium.crypto_aead_aegis256_encrypt(pack(proof.to_obj()), th, _nonce(nonce), key)
+def _seal_proof(
+    key: bytes,
+    nonce: int,
+    identity: Identity,
+    role: bytes,
+    th: bytes,
+    *,
+    cert: bytes | None = None,
+    authority: bytes | None = None,
+) -> bytes:
+    proof = _Proof(identity.public_key, identity.sign(role + th), cert, authority)
+    fields = {k: v for k, v in proof.to_obj().items() if v is not None}
+    return sodium.crypto_aead_aegis256_encrypt(pack(fields), th, _nonce(nonce), key)
 
 
-def _open_proof(key: bytes, nonce: int, box: bytes, role: bytes, th: bytes) -> bytes:
-    """Decrypt and verify a proof; return the prover's Ed25519 public key."""
+def _open_proof(key: bytes, nonce: int, box: bytes, role: bytes, th: bytes) -> _Proof:
+    """Decrypt and verify a proof; return it (the prover's Ed25519 public key and what it carries)."""
     if len(box) < sodium.crypto_aead_aegis256_ABYTES:
         raise RemoteProtocolError("handshake proof is shorter than its authentication tag")
     try:
@@ -151,7 +192,22 @@ def _open_proof(key: bytes, nonce: int, box: bytes, role: bytes, th: bytes) -> b
         verify_signature(proof.public_key, role + th, proof.signature)
     except InvalidSignature:
         raise RemoteProtocolError("handshake signature does not verify") from None
-    return proof.public_key
+    return proof
+
+
+def _admit(membership: Membership, cert: bytes | None, peer: PeerID, now: float) -> Certificate:
+    """The remote's certificate if it admits ``peer`` to this private run, else a ``membership`` refusal."""
+    try:
+        return membership.check(cert, peer, now)
+    except CertificateRejected as e:
+        reason = e.reason if e.kind == "missing" else f"peer {peer}: {e.reason}"
+        raise HandshakeRefused("membership", reason, by_remote=False) from None
+
+
+def _private(membership: Membership | None, now: float | None) -> float:
+    if membership is not None and now is None:
+        raise LocalProtocolError("a private run's handshake needs the current time to check certificates")
+    return now or 0.0
 
 
 def _nonce(counter: int) -> bytes:
@@ -169,7 +225,12 @@ def _raise_if_reject(msg: Message) -> None:
 
 
 class InitiatorHandshake:
-    """The dialing side. ``start()`` gives the first frame; feed each frame received to ``receive()``."""
+    """The dialing side. ``start()`` gives the first frame; feed each frame received to ``receive()``.
+
+    In a private run (``membership``, checked at time ``now``) the responder's certificate must admit it.
+    When the responder judges ours (``expects_verdict`` after ``receive``), feed its next frame to
+    ``receive_verdict()``; ``result`` is set once the handshake is complete.
+    """
 
     def __init__(
         self,
@@ -179,15 +240,26 @@ class InitiatorHandshake:
         *,
         version: int = PROTOCOL_VERSION,
         rng: Callable[[int], bytes] = os.urandom,
+        membership: Membership | None = None,
+        now: float | None = None,
     ) -> None:
         self._identity = identity
         self._expected = expected_peer
+        self._membership = membership
+        self._now = _private(membership, now)
         self._eph_pub, self._eph_priv = _ephemeral(rng)
         dialed = expected_peer.digest if expected_peer else None
         hello = Hello(PROTOCOL_NAME, version, run_id, self._eph_pub, dialed)
         self._hello = encode_frame(hello)
         self._state = "start"
+        self._k_hs = b""
+        self._pending: HandshakeResult | None = None  # complete once the responder accepts us
         self.result: HandshakeResult | None = None
+
+    @property
+    def expects_verdict(self) -> bool:
+        """True after ``receive()`` when the responder (a private run's) will accept or refuse us."""
+        return self._state == "sent-finish"
 
     def start(self) -> bytes:
         if self._state != "start":
@@ -196,7 +268,8 @@ class InitiatorHandshake:
         return self._hello
 
     def receive(self, data: bytes) -> bytes:
-        """Process the responder's reply; return the ``finish`` frame to send. Sets ``result``."""
+        """Process the responder's reply; return the ``finish`` frame to send. Sets ``result`` (unless
+        ``expects_verdict``)."""
         if self._state != "sent-hello":
             raise LocalProtocolError(f"unexpected handshake frame in state {self._state}")
         self._state = "failed"
@@ -209,30 +282,53 @@ class InitiatorHandshake:
         secret = _dh(self._eph_priv, msg.ephemeral)
         th1 = _h(_HS_LABEL, self._hello, msg.ephemeral)
         k_hs = _kdf(secret, th1, b"p2pt-hs")
-        remote_key = _open_proof(k_hs, 0, msg.box, b"responder", th1)
-        remote = PeerID.from_public_key(remote_key)
+        proof = _open_proof(k_hs, 0, msg.box, b"responder", th1)
+        remote = PeerID.from_public_key(proof.public_key)
         if self._expected is not None and remote != self._expected:
             raise HandshakeRefused(
                 "peer_id",
                 f"dialed {self._expected} but the remote proved it is {remote}",
                 by_remote=False,
             )
+        m = self._membership
+        remote_cert = _admit(m, proof.cert, remote, self._now) if m is not None else None
         th2 = _h(th1, data)
-        finish = encode_frame(Finish(_seal_proof(k_hs, 1, self._identity, b"initiator", th2)))
+        own = m.certificate if m is not None else None
+        finish = encode_frame(Finish(_seal_proof(k_hs, 1, self._identity, b"initiator", th2, cert=own)))
         th3 = _h(th2, finish)
-        self.result = HandshakeResult(
+        result = HandshakeResult(
             remote_peer=remote,
-            remote_public_key=remote_key,
+            remote_public_key=proof.public_key,
             send_key=_kdf(secret, th3, b"p2pt-i2r"),
             recv_key=_kdf(secret, th3, b"p2pt-r2i"),
             transcript=th3,
+            remote_certificate=remote_cert,
         )
-        self._state = "done"
+        if proof.authority is not None:  # a private responder: it judges our certificate first
+            self._k_hs, self._pending, self._state = k_hs, result, "sent-finish"
+        else:
+            self.result, self._state = result, "done"
         return finish
+
+    def receive_verdict(self, data: bytes) -> None:
+        """Process a private responder's verdict: sets ``result``, or raises its refusal."""
+        if self._state != "sent-finish" or self._pending is None:
+            raise LocalProtocolError(f"unexpected handshake verdict in state {self._state}")
+        self._state = "failed"
+        msg = decode_frame(data)
+        _raise_if_reject(msg)
+        if not isinstance(msg, Accept):
+            raise RemoteProtocolError(f"expected an accept, got {type(msg).__name__}")
+        _open_accept(self._k_hs, msg.box, self._pending.transcript)
+        self.result, self._state = self._pending, "done"
 
 
 class ResponderHandshake:
-    """The accepting side. Feed frames to ``receive()``; it returns frames to send back."""
+    """The accepting side. Feed frames to ``receive()``; it returns frames to send back.
+
+    In a private run (``membership``, checked at time ``now``) the initiator's certificate must admit it:
+    ``receive(finish)`` then returns the ``accept`` frame to send, or raises a ``membership`` refusal.
+    """
 
     def __init__(
         self,
@@ -241,11 +337,15 @@ class ResponderHandshake:
         *,
         version: int = PROTOCOL_VERSION,
         rng: Callable[[int], bytes] = os.urandom,
+        membership: Membership | None = None,
+        now: float | None = None,
     ) -> None:
         self._identity = identity
         self._run_id = run_id
         self._version = version
         self._rng = rng
+        self._membership = membership
+        self._now = _private(membership, now)
         self._state = "start"
         self._secret = b""
         self._k_hs = b""
@@ -253,7 +353,8 @@ class ResponderHandshake:
         self.result: HandshakeResult | None = None
 
     def receive(self, data: bytes) -> bytes | None:
-        """Process a frame; return the frame to send (``reply``), or None once done."""
+        """Process a frame; return the frame to send (``reply``; ``accept`` in a private run), or None
+        once done."""
         state, self._state = self._state, "failed"  # any error below ends the handshake
         msg = decode_frame(data)
         self._state = state
@@ -261,8 +362,7 @@ class ResponderHandshake:
         if self._state == "start" and isinstance(msg, Hello):
             return self._on_hello(msg, data)
         if self._state == "sent-reply" and isinstance(msg, Finish):
-            self._on_finish(msg, data)
-            return None
+            return self._on_finish(msg, data)
         state, self._state = self._state, "failed"
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} in handshake state {state}")
 
@@ -294,21 +394,50 @@ class ResponderHandshake:
         self._secret = _dh(eph_priv, hello.ephemeral)
         th1 = _h(_HS_LABEL, raw, eph_pub)
         self._k_hs = _kdf(self._secret, th1, b"p2pt-hs")
-        reply = encode_frame(Reply(eph_pub, _seal_proof(self._k_hs, 0, self._identity, b"responder", th1)))
+        m = self._membership
+        box = _seal_proof(
+            self._k_hs,
+            0,
+            self._identity,
+            b"responder",
+            th1,
+            cert=m.certificate if m is not None else None,
+            authority=m.authority if m is not None else None,
+        )
+        reply = encode_frame(Reply(eph_pub, box))
         self._th2 = _h(th1, reply)
         self._state = "sent-reply"
         return reply
 
-    def _on_finish(self, finish: Finish, raw: bytes) -> None:
+    def _on_finish(self, finish: Finish, raw: bytes) -> bytes | None:
         self._state = "failed"
-        remote_key = _open_proof(self._k_hs, 1, finish.box, b"initiator", self._th2)
-        remote = PeerID.from_public_key(remote_key)
+        proof = _open_proof(self._k_hs, 1, finish.box, b"initiator", self._th2)
+        remote = PeerID.from_public_key(proof.public_key)
+        m = self._membership
+        remote_cert = _admit(m, proof.cert, remote, self._now) if m is not None else None
         th3 = _h(self._th2, raw)
         self.result = HandshakeResult(
             remote_peer=remote,
-            remote_public_key=remote_key,
+            remote_public_key=proof.public_key,
             send_key=_kdf(self._secret, th3, b"p2pt-r2i"),
             recv_key=_kdf(self._secret, th3, b"p2pt-i2r"),
             transcript=th3,
+            remote_certificate=remote_cert,
         )
         self._state = "done"
+        if m is None:
+            return None
+        return encode_frame(Accept(_seal_accept(self._k_hs, th3)))
+
+
+def _seal_accept(key: bytes, th3: bytes) -> bytes:
+    return sodium.crypto_aead_aegis256_encrypt(b"", th3, _nonce(2), key)
+
+
+def _open_accept(key: bytes, box: bytes, th3: bytes) -> None:
+    plain = None
+    if len(box) >= sodium.crypto_aead_aegis256_ABYTES:
+        with contextlib.suppress(nacl.exceptions.CryptoError):
+            plain = sodium.crypto_aead_aegis256_decrypt(box, th3, _nonce(2), key)
+    if plain != b"":
+        raise RemoteProtocolError("handshake acceptance does not authenticate (transcript mismatch)")

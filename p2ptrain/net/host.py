@@ -8,6 +8,10 @@ sent to the remote as a reason it can print, then the socket is closed.
 
 Observers registered with :meth:`Host.on_connection` hear about every connection that opens and closes
 (the node logs them and keeps its status file from them).
+
+Private runs (``HostConfig.authority``): the handshake admits only peers with a valid membership
+certificate (refusal code ``membership``, logged on both sides), and a connection is closed when the
+remote's certificate expires. The certificates are checked against ``clock`` (wall-clock seconds).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
 
+from ..authority import Membership
 from ..errors import (
+    ConfigError,
     ConnectionClosed,
     DeadlineExceeded,
     HandshakeRefused,
@@ -60,6 +67,8 @@ class HostConfig:
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
     announce_port: int | None = None  # port to advertise instead of the listener's (port forwarding, relays)
+    authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
+    certificate: bytes | None = None  # this host's membership certificate (private runs)
 
 
 ConnectionObserver = Callable[[Connection, bool], None]
@@ -86,13 +95,17 @@ class Host:
         transport: Transport | None = None,
         registry: RpcRegistry | None = None,
         config: HostConfig | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock`` is the wall clock certificates are checked against (tests pass trio.current_time)."""
         self.identity = identity
         self.peer_id = identity.peer_id
         self.run_id = run_id
         self.transport: Transport = transport or TcpTransport()
         self.registry = registry or RpcRegistry()
         self.config = config or HostConfig()
+        self.clock = clock
+        self.membership = _membership(self.config, identity.peer_id, run_id, clock)
         self.listen_addresses: list[PeerAddress] = []
         self._conns: dict[PeerID, list[Connection]] = {}
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
@@ -266,21 +279,32 @@ class Host:
                 result.remote_peer,
             )
         conn = self._make_connection(framed, result, True, addr.host, addr.port)
-        await self._nursery.start(self._run_connection, conn)
+        await self._nursery.start(self._run_connection, conn, result)
         return conn
 
     async def _initiate(self, framed: FramedStream, expected: PeerID | None) -> HandshakeResult:
-        hs = InitiatorHandshake(self.identity, self.run_id, expected, version=self.config.protocol_version)
+        hs = InitiatorHandshake(
+            self.identity,
+            self.run_id,
+            expected,
+            version=self.config.protocol_version,
+            membership=self.membership,
+            now=self.clock() if self.membership is not None else None,
+        )
         await framed.send_frame(hs.start())
         reply = await framed.receive_frame()
         try:
             finish = hs.receive(reply)
         except HandshakeRefused as e:
             if not e.by_remote:
+                if e.code == "membership":
+                    log.warning("refused to connect (%s): %s", e.code, e.reason)
                 with trio.move_on_after(1.0):
                     await framed.send_frame(reject_frame(e.code, e.reason))
             raise
         await framed.send_frame(finish)
+        if hs.expects_verdict:  # a private run's listener judges our certificate
+            hs.receive_verdict(await framed.receive_frame())
         assert hs.result is not None
         return hs.result
 
@@ -299,7 +323,11 @@ class Host:
         )
 
     async def _run_connection(
-        self, conn: Connection, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        conn: Connection,
+        result: HandshakeResult,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         self._conns.setdefault(conn.peer, []).append(conn)
         log.info(
@@ -311,7 +339,11 @@ class Host:
         )
         self._notify(conn, True)
         try:
-            await conn.run(task_status=task_status)
+            async with trio.open_nursery() as nursery:
+                if result.remote_certificate is not None:
+                    nursery.start_soon(self._close_at_expiry, conn, result.remote_certificate.expires)
+                await conn.run(task_status=task_status)
+                nursery.cancel_scope.cancel()
         finally:
             peers = self._conns.get(conn.peer, [])
             if conn in peers:
@@ -322,6 +354,12 @@ class Host:
             self._closed_traffic = (sent + conn.bytes_sent, received + conn.bytes_received)
             log.info("disconnected from %s: %s", conn.peer.short(), conn.close_reason or "closed")
             self._notify(conn, False)
+
+    async def _close_at_expiry(self, conn: Connection, expires: float) -> None:
+        """A private run: the remote is a member only while its certificate is valid."""
+        await trio.sleep(max(0.0, expires - self.clock()))
+        log.warning("closing the connection to %s: its membership certificate expired", conn.peer.short())
+        await conn.aclose("membership certificate expired")
 
     def _notify(self, conn: Connection, opened: bool) -> None:
         for observer in self._observers:
@@ -349,13 +387,21 @@ class Host:
                 del self._inbound_by_ip[remote_host]
 
     async def _accept_admitted(self, framed: FramedStream, host: str, port: int) -> None:
-        hs = ResponderHandshake(self.identity, self.run_id, version=self.config.protocol_version)
+        hs = ResponderHandshake(
+            self.identity,
+            self.run_id,
+            version=self.config.protocol_version,
+            membership=self.membership,
+            now=self.clock() if self.membership is not None else None,
+        )
         try:
             with trio.fail_after(self.config.handshake_timeout):
                 reply = hs.receive(await framed.receive_frame())
                 assert reply is not None
                 await framed.send_frame(reply)
-                hs.receive(await framed.receive_frame())
+                verdict = hs.receive(await framed.receive_frame())
+                if verdict is not None:  # a private run: the initiator's certificate admitted it
+                    await framed.send_frame(verdict)
         except trio.TooSlowError:
             log.info(
                 "dropping %s:%d: handshake not completed within %g s",
@@ -384,7 +430,23 @@ class Host:
             return
         assert hs.result is not None
         conn = self._make_connection(framed, hs.result, False, host, port)
-        await self._run_connection(conn)
+        await self._run_connection(conn, hs.result)
+
+
+def _membership(
+    config: HostConfig, peer: PeerID, run_id: str, clock: Callable[[], float]
+) -> Membership | None:
+    """The admission rule of a private run (None: open), with this host's own certificate checked."""
+    if config.authority is None:
+        if config.certificate is not None:
+            raise ConfigError("a membership certificate needs the run's authority public key as well")
+        return None
+    membership = Membership(config.authority, run_id, config.certificate)
+    if membership.check_own(peer, clock()) is None:
+        log.warning(
+            "this run is private but this node has no membership certificate: its peers will refuse it"
+        )
+    return membership
 
 
 def _os_reason(e: BaseException) -> str:

@@ -44,7 +44,14 @@ from ..identity import PEER_ID_BYTES, PeerID
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
 from . import state
-from .progress import PeerProgress, ProgressRecord, SwarmView, majority_digest, swarm_view
+from .progress import (
+    PeerProgress,
+    ProgressRecord,
+    SwarmView,
+    majority_digest,
+    plausible_samples,
+    swarm_view,
+)
 from .statesync import Downloaded, ProgressFn, Snapshot, StateServer, download
 
 log = logging.getLogger(__name__)
@@ -163,6 +170,8 @@ class CollaborativeOptimizer:
         self.on_download_progress: ProgressFn | None = None
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress
         self.leaving = False
+        self._epoch_began = clock()
+        node.averager.weight_cap = self._weight_cap
         self.server = StateServer(node.host.registry, self.snapshot)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -201,6 +210,7 @@ class CollaborativeOptimizer:
             run=self.fingerprint,
             landing=self._overlap is not None,
             leaving=self.leaving,
+            since=self._epoch_began,
         )
 
     async def _publish(self) -> None:
@@ -470,7 +480,18 @@ class CollaborativeOptimizer:
         self.samples -= weight
         self._state_changed()
 
+    def _weight_cap(self, peer: PeerID) -> float | None:
+        """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
+        records make plausible; the whole target for a peer without records."""
+        target = float(self.config.training.target_batch_size)
+        record = next((r.record for r in self.records if r.peer == peer), None)
+        if record is None or record.epoch != self.epoch:
+            return target
+        horizon = 2 * self.config.progress.interval
+        return plausible_samples(record, self.clock(), horizon, slack=target / 8)
+
     def _state_changed(self) -> None:
+        self._epoch_began = self.clock()
         self._matchmaking_scope.cancel()  # a group for the epoch we left is no use
         self._version += 1
         self.digest = self._compute_digest()

@@ -48,6 +48,7 @@ class ProgressRecord(Message):
     run: bytes = bounded(b"", max_len=16)  # fingerprint of the run's settings: others are ignored
     landing: bool = False  # a round for ``epoch`` is in flight (diloco overlap): next on ``epoch + 1``
     leaving: bool = False  # the peer is shutting down: count it no more
+    since: float = bounded(0.0, ge=0.0, le=1e11)  # when it began ``epoch`` (its wall clock)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,17 @@ def estimate(record: ProgressRecord, now: float, horizon: float) -> float:
     """Samples a peer has done by ``now``: its count, plus its rate for at most ``horizon`` seconds."""
     elapsed = min(max(now - record.time, 0.0), horizon)
     return record.samples + record.rate * elapsed
+
+
+PLAUSIBLE_RATE = 2.0  # a peer may do this many times its advertised samples per second (rates lag)
+
+
+def plausible_samples(record: ProgressRecord, now: float, horizon: float, slack: float) -> float:
+    """The most samples a peer's own records make plausible for its current epoch: its advertised rate
+    (doubled) over the time it has been on the epoch, plus ``slack``. Times come from the peer's own
+    clock, extrapolated for at most ``horizon``, so clock skew does not widen it."""
+    elapsed = max(record.time - record.since, 0.0) + min(max(now - record.time, 0.0), horizon)
+    return PLAUSIBLE_RATE * record.rate * elapsed + slack
 
 
 def swarm_view(

@@ -91,3 +91,49 @@ def test_a_manifest_with_an_unknown_rule_is_refused() -> None:
     )
     with pytest.raises(RemoteProtocolError, match="aggregation"):
         manifest.check()
+
+
+async def test_the_coordinator_counts_a_liar_at_its_plausible_weight() -> None:
+    """Member 4 claims weight 1000; the coordinator (member 0) allows it 5: every member holds the
+    mean with weight 5 for it, computed the same way (the reducers replay their slices)."""
+    net = MemoryNetwork(seed=12)
+    values = [torch.full((2000,), float(i)) for i in range(N)]
+    weights = [1.0, 2.0, 3.0, 4.0, 1000.0]
+    async with trio.open_nursery() as nursery:
+        hosts, averagers = [], []
+        for i in range(N):
+            ident = Identity.from_seed(hashlib.blake2b(f"w{i}".encode(), digest_size=32).digest())
+            host = Host(ident, "caps", transport=net.transport(f"w{i}"))
+            averager = Averager(host, None)
+            await nursery.start(host.run, [(f"w{i}", PORT)])
+            await nursery.start(averager.run)
+            hosts.append(host)
+            averagers.append(averager)
+        liar = hosts[4].identity.peer_id
+        averagers[0].weight_cap = lambda peer: 5.0 if peer == liar else None
+        manifest = Manifest(
+            round_id=bytes(16),
+            group_key="caps",
+            members=tuple(
+                MemberMsg(h.identity.peer_id.digest, str(h.advertised_addresses()[0]), 1.0) for h in hosts
+            ),
+            sizes=tuple(partition_sizes(2000, [1.0] * N, [True] * N)),
+            schema=schema_of([values[0]]),
+            timeout=30.0,
+        )
+        signed = SignedManifest.sign(hosts[0].identity, manifest)
+        results: list[RoundResult] = []
+
+        async def one(i: int) -> None:
+            results.append(await averagers[i].run_round(signed, [values[i]], weight=weights[i]))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as rounds:
+                for i in range(N):
+                    rounds.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    expected = (0 * 1 + 1 * 2 + 2 * 3 + 3 * 4 + 4 * 5) / (1 + 2 + 3 + 4 + 5)
+    assert all(r.total_weight == 15.0 for r in results)
+    for v in values:
+        torch.testing.assert_close(v, torch.full((2000,), expected), rtol=1e-6, atol=1e-6)
+        assert torch.equal(v, values[0])

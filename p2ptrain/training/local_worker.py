@@ -1,0 +1,313 @@
+"""A local data-parallel worker, and the protocol every rank of a local group speaks.
+
+Rank 0 (:class:`~.local_group.LocalGroup`, in the node process) starts the workers as ``python -m
+p2ptrain.training.local_worker --rank R --world-size N --store HOST:PORT ...`` (see
+``LocalGroup._worker_command``); nobody runs this by hand.
+
+Theory of operation: a worker builds the task and the model exactly as the trainer does (the run's
+seed, then ``task.model()``), draws batches from its own data seed, writes ``ready/R`` to rank 0's store
+and waits for ``go``; joins the process group; then obeys rank 0's numbered commands (``ctrl/0``,
+``ctrl/1``, ...) in order: PARAMS (receive rank 0's parameters), DIGEST (write a digest of its own to the
+store), STOP (leave), COMPUTE (compute the next batch, join the gradient all-reduce). Waiting for a
+command has no timeout (rank 0 may be in a long averaging round); the collectives after it have the
+group's. Any error ends the process with a traceback on stderr and a non-zero status: rank 0 notices, and
+restarts its group. A watchdog thread ends the process as soon as rank 0's process is gone.
+
+The collectives below (:func:`reduce_gradients`, :func:`broadcast_tensors`) are run by every rank, rank 0
+included, with the same arguments in the same order: that is what keeps the ranks in lockstep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore, where mypy sees its types
+
+from ..errors import ConfigError
+from ..tasks import load_task
+from .state import digest as state_digest
+
+log = logging.getLogger(__name__)
+
+# Command flags, written by rank 0 as the value of ctrl/<seq>; a worker handles them in this order.
+PARAMS = 1  # rank 0 broadcasts its parameters (and floating-point buffers)
+DIGEST = 2  # each worker writes a digest of its parameters to digest/<seq>/<rank>
+STOP = 4  # leave the group and exit
+COMPUTE = 8  # compute the next batch and join the gradient all-reduce
+
+GO_KEY = "go"  # rank 0 writes "run" (join the process group) or "stop" once every worker is ready
+BUCKET_BYTES = 64 << 20  # gradients and parameters travel in collectives of at most this size
+
+Wait = Callable[[Any], None]  # waits for a collective's Work to finish (or raises)
+
+
+def ctrl_key(seq: int) -> str:
+    return f"ctrl/{seq}"
+
+
+def ready_key(rank: int) -> str:
+    return f"ready/{rank}"
+
+
+def digest_key(seq: int, rank: int) -> str:
+    return f"digest/{seq}/{rank}"
+
+
+def backend_for(devices: Sequence[str]) -> str:
+    """NCCL for CUDA devices, gloo for CPU ones; a mix is refused."""
+    kinds = {torch.device(d).type for d in devices}
+    if kinds == {"cpu"}:
+        return "gloo"
+    if kinds == {"cuda"}:
+        return "nccl"
+    raise ConfigError(f"local devices must be all CPU or all CUDA, not {', '.join(devices)}")
+
+
+# ---- what both sides do: flat buffers, the gradient all-reduce, the parameter broadcast -------------
+
+
+def sync_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What rank 0 gives its workers: every parameter and every floating-point buffer (BatchNorm's
+    running statistics, say). Integer and boolean buffers (masks, counters) are left alone."""
+    return list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+
+
+def grad_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def parameter_digest(model: torch.nn.Module) -> bytes:
+    """A digest of the tensors a LocalGroup keeps equal on every rank (see :func:`sync_tensors`)."""
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
+    named.update((f"buffer:{n}", b) for n, b in model.named_buffers() if b.is_floating_point())
+    return state_digest(named)
+
+
+class FlatSpace:
+    """Tensors laid end to end in one buffer per dtype on one device, so a collective moves them all in
+    a few big calls instead of one per tensor."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+        sizes: dict[torch.dtype, int] = {}
+        self.slots: list[tuple[torch.dtype, int, int]] = []
+        for t in tensors:
+            offset = sizes.get(t.dtype, 0)
+            self.slots.append((t.dtype, offset, t.numel()))
+            sizes[t.dtype] = offset + t.numel()
+        self.buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+
+    def view(self, i: int) -> torch.Tensor:
+        dtype, offset, n = self.slots[i]
+        return self.buffers[dtype][offset : offset + n]
+
+    def buckets(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for buf in self.buffers.values():
+            step = max(1, BUCKET_BYTES // buf.element_size())
+            out.extend(buf[i : i + step] for i in range(0, buf.numel(), step))
+        return out
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """One batch over the whole local group."""
+
+    samples: int  # on all ranks together
+    loss: float  # the sample-weighted mean over the ranks
+    nonfinite: int  # ranks whose loss was NaN or infinite: then no gradient was reduced
+
+
+def reduce_gradients(
+    params: Sequence[torch.Tensor],
+    space: FlatSpace,
+    loss: float,
+    samples: int,
+    device: torch.device,
+    wait: Wait,
+) -> Reduced:
+    """All-reduce the sample counts, then the gradients scaled by this rank's share of the samples, into
+    ``space`` (the callers' gradients are read, never written: see :func:`unpack_gradients`)."""
+    finite = math.isfinite(loss)
+    stats = [float(samples), loss * samples if finite else 0.0, 0.0 if finite else 1.0]
+    counts = torch.tensor(stats, dtype=torch.float64, device=device)
+    wait(dist.all_reduce(counts, async_op=True))
+    total, loss_sum, nonfinite = counts.tolist()
+    reduced = Reduced(round(total), loss_sum / total if total > 0 else 0.0, round(nonfinite))
+    if nonfinite or total <= 0:
+        return reduced  # every rank sees the same counts, so every rank skips the same way
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if p.grad is None:
+                space.view(i).zero_()
+            else:
+                space.view(i).copy_(p.grad.reshape(-1))
+        for buf in space.buffers.values():
+            buf.mul_(samples / total)
+    for work in [dist.all_reduce(b, async_op=True) for b in space.buckets()]:
+        wait(work)
+    return reduced
+
+
+def unpack_gradients(params: Sequence[torch.Tensor], space: FlatSpace) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            mean = space.view(i).view_as(p)
+            if p.grad is not None:
+                p.grad.copy_(mean)
+            elif bool(mean.any()):  # a parameter unused here but used on another rank
+                p.grad = mean.clone()
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], space: FlatSpace, wait: Wait, *, root: bool) -> None:
+    """Rank 0's ``tensors`` into every rank's ``tensors``."""
+    with torch.no_grad():
+        if root:
+            for i, t in enumerate(tensors):
+                space.view(i).copy_(t.reshape(-1))
+        for work in [dist.broadcast(b, src=0, async_op=True) for b in space.buckets()]:
+            wait(work)
+        if not root:
+            for i, t in enumerate(tensors):
+                t.copy_(space.view(i).view_as(t))
+
+
+# ---- the worker ------------------------------------------------------------------------------------
+
+IDLE_WAIT = datetime.timedelta(minutes=10)  # one store wait; a timeout just means: wait again
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m p2ptrain.training.local_worker", description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--store", required=True, help="HOST:PORT of rank 0's TCPStore")
+    p.add_argument("--parent", type=int, required=True, help="rank 0's pid: exit when it is gone")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--task", required=True)
+    p.add_argument("--task-options", default="{}", help="JSON object")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed (initial weights)")
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--data-seed", type=int, required=True)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--sys-path", default="[]", help="JSON list: rank 0's import path")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def watch_parent(parent: int) -> None:
+    """End this process when rank 0's is gone (this one was re-parented), even mid-collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class Worker:
+    """One worker rank: its model, its batches, its end of rank 0's store."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.rank, self.world_size = args.rank, args.world_size
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.task = load_task(args.task, json.loads(args.task_options))
+        torch.manual_seed(args.seed)  # as the trainer does; rank 0's parameters follow anyway
+        self.model = self.task.model().to(self.device)
+        self.batches = self.task.batches(args.data_seed, args.batch_size)
+        self.sync = sync_tensors(self.model)
+        self.grads = grad_params(self.model)
+        self.param_space = FlatSpace(self.sync, self.device)
+        self.grad_space = FlatSpace(self.grads, self.device)
+        host, _, port = args.store.rpartition(":")
+        timeout = datetime.timedelta(seconds=args.timeout)
+        self.store = TCPStore(host, int(port), self.world_size, is_master=False, timeout=timeout)
+        self.backend = backend_for([args.device])
+        self.timeout = timeout
+
+    def wait_key(self, key: str) -> bytes:
+        while True:
+            try:
+                self.store.wait([key], IDLE_WAIT)
+                return self.store.get(key)
+            except dist.DistStoreError:  # a timeout: rank 0 is busy elsewhere (a lost store raises otherwise)
+                continue
+
+    def run(self) -> int:
+        self.store.set(ready_key(self.rank), str(os.getpid()))
+        if self.wait_key(GO_KEY) != b"run":
+            return 0
+        dist.init_process_group(
+            self.backend, store=self.store, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+        )
+        log.info("joined the local group as rank %d of %d on %s", self.rank, self.world_size, self.device)
+        seq = 0
+        while True:
+            flags = int(self.wait_key(ctrl_key(seq)))
+            if flags & PARAMS:
+                broadcast_tensors(self.sync, self.param_space, _wait, root=False)
+            if flags & DIGEST:
+                self.store.set(digest_key(seq, self.rank), parameter_digest(self.model).hex())
+            if flags & STOP:
+                dist.destroy_process_group()  # only here: after an error, exiting is the cleanup
+                return 0
+            if flags & COMPUTE:
+                loss, samples = self.compute()
+                reduce_gradients(self.grads, self.grad_space, loss, samples, self.device, _wait)
+            seq += 1
+
+    def compute(self) -> tuple[float, int]:
+        """This rank's next batch, forward and backward, as the trainer computes rank 0's. A non-finite
+        loss is reported (rank 0 raises), not applied."""
+        batch = next(self.batches)
+        self.model.zero_grad(set_to_none=True)
+        self.model.train()
+        loss = self.task.loss(self.model, self.task.to_device(batch, self.device))
+        value = float(loss.detach())
+        if math.isfinite(value):
+            loss.backward()  # type: ignore[no-untyped-call]
+        return value, self.task.samples(batch)
+
+
+def _wait(work: Any) -> None:
+    work.wait()  # bounded by the process group's timeout (gloo), or by NCCL's watchdog
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s local worker {args.rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    watch_parent(args.parent)
+    for entry in json.loads(args.sys_path):  # rank 0's task module may live on a path added at run time
+        if isinstance(entry, str) and entry not in sys.path:
+            sys.path.append(entry)
+    try:
+        return Worker(args).run()
+    except dist.DistNetworkError as e:  # rank 0's store is gone: rank 0 ended or restarts its group
+        log.info("rank 0 is gone (%s): leaving", str(e).splitlines()[0] if str(e) else e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
