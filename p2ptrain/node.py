@@ -332,6 +332,7 @@ class Node:
             "pid": os.getpid(),
             "version": __version__,
             "addresses": [str(a) for a in self.addresses],
+            "listening": [str(a) for a in self.host.listen_addresses],  # differs behind --announce
             "connected_peers": sorted({c["peer_id"] for c in conns}),
             "connections": conns,
             "reachable": not self.dht.client_only,

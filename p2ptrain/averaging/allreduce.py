@@ -42,6 +42,15 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from .agreement import Coordinator, excluded_reasons
+from .audit import (
+    Attestation,
+    hash_pieces,
+    new_hasher,
+    open_attestation,
+    open_commit,
+    seal_attestation,
+    seal_commit,
+)
 from .buffers import BufferPool
 from .compression import Compression, all_finite, decode, encode
 from .partition import chunks, offsets
@@ -85,6 +94,23 @@ class RoundResult:
     round_seconds: float = 0.0  # from the manifest to holding the average
     matchmaking_seconds: float = 0.0  # finding the group (0 when the caller brought the manifest)
     phases: dict[str, float] = field(default_factory=dict)  # seconds from the round's start to each phase
+    evidence: RoundEvidence | None = None  # audited rounds: what this member needs to audit and be audited
+
+
+@dataclass
+class RoundEvidence:
+    """What an audited round leaves behind on a member for the audit after it (see ``audit``)."""
+
+    digest: bytes
+    peers: list[PeerID]
+    addresses: list[str]  # "" for client-only members
+    sizes: list[int]
+    mode: Compression
+    aggregation: str
+    holders: dict[int, int]  # partition -> the member that reduced it
+    attestations: dict[int, bytes]  # partition -> the signed attestation fetched with its result
+    sent: dict[int, bytes]  # partition -> the bytes this member sent its reducer (as committed)
+    local: dict[int, bytes]  # partition this member reduced -> its own slice, raw float32 (as committed)
 
 
 FaultHook = Callable[["AllReduceRound", str], Awaitable[None]]
@@ -149,12 +175,12 @@ class AllReduceRound:
             )
         }
         self.reducers: dict[int, PartitionReducer] = {}
+        self.audit = m.audit
+        self.sent: dict[int, tuple[list[bytes], bytes]] = {}  # audited: partition -> (pieces, commitment)
+        self.local: dict[int, bytes] = {}  # audited: partition reduced here -> own raw slice
+        self.attestations: dict[int, bytes] = {}
         if self.sizes[self.me] > 0:
-            own = PartitionReducer(
-                self.sizes[self.me], self.mode, self._buffer(self.sizes[self.me]), m.aggregation
-            )
-            own.add_local(self.me, self._own(self.me), weight)
-            self.reducers[self.me] = own
+            self.reducers[self.me] = self._new_reducer(self.me, weight)
         self.scatter_open = True
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
         self.unreachable: set[int] = set()  # reducers my slices could not reach
@@ -177,6 +203,36 @@ class AllReduceRound:
 
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
+
+    def _new_reducer(self, p: int, weight: float | None) -> PartitionReducer:
+        """A reducer for partition ``p``, holding this member's own slice if ``weight`` is given."""
+        size = self.sizes[p]
+        red = PartitionReducer(
+            size, self.mode, self._buffer(size), self.manifest.aggregation, canonical=self.audit
+        )
+        if weight is not None:
+            own = self._own(p)
+            red.add_local(self.me, own, weight)
+            if self.audit:
+                raw = bytes(_encoded(own, Compression.NONE))
+                self.local[p] = raw
+                red.commits[self.me] = seal_commit(
+                    self.host.identity, self.digest, p, weight, hash_pieces([raw])
+                )
+        return red
+
+    def _pieces(self, p: int) -> tuple[list[bytes | memoryview], bytes]:
+        """The encoded chunks of this member's slice of ``p``, and its signed commitment (audited rounds:
+        computed once, kept for the audit)."""
+        values = self._own(p)
+        if not self.audit:
+            return [_encoded(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)], b""
+        if p not in self.sent:
+            pieces = [bytes(_encoded(values[a:b], self.mode)) for a, b in chunks(self.sizes[p], self.mode)]
+            commit = seal_commit(self.host.identity, self.digest, p, self.weight, hash_pieces(pieces))
+            self.sent[p] = (pieces, commit)
+        pieces, commit = self.sent[p]
+        return list(pieces), commit
 
     def retire(self) -> None:
         """No new call is served from now on; the buffers are released once the last stream ends."""
@@ -266,15 +322,15 @@ class AllReduceRound:
     async def _send_slice(self, p: int, to: int, deadline: float | None = None) -> None:
         """Stream my slice of partition ``p`` to member ``to``."""
         addr = self.manifest.members[to].addr
-        values = self._own(p)
+        pieces, commit = self._pieces(p)
         try:
             with trio.fail_after(max(0.0, (deadline or self.deadline["scatter"]) - trio.current_time())):
                 conn = await self.host.connect(addr)
                 async with conn.open_stream(
-                    PART, PartReq(self.digest, p, self.weight), timeout=_left(self.end)
+                    PART, PartReq(self.digest, p, self.weight, commit), timeout=_left(self.end)
                 ) as stream:
-                    for index, (a, b) in enumerate(chunks(self.sizes[p], self.mode)):
-                        await stream.send(_encoded(values[a:b], self.mode))
+                    for index, piece in enumerate(pieces):
+                        await stream.send(piece)
                         if index == 0:
                             await self._point("mid_send")
                     await stream.send_eof()
@@ -418,12 +474,8 @@ class AllReduceRound:
     def _prepare_replacements(self, decision: Decision) -> None:
         for f, r in zip(decision.failed, decision.replacements, strict=True):
             if r == self.me and f not in self.reducers:
-                red = PartitionReducer(
-                    self.sizes[f], self.mode, self._buffer(self.sizes[f]), self.manifest.aggregation
-                )
-                if self.me in decision.contributors:
-                    red.add_local(self.me, self._own(f), self.weight)
-                self.reducers[f] = red
+                own = self.weight if self.me in decision.contributors else None
+                self.reducers[f] = self._new_reducer(f, own)
         if self.me in decision.failed:  # we were too slow to report: our partition went elsewhere
             self.reducers.pop(self.me, None)
 
@@ -439,13 +491,43 @@ class AllReduceRound:
                 log.info("partition %d: not every contributor re-sent its slice in time", p)
                 return
             await self.changed.wait_until(self.deadline["gather"])
-        result = red.finalize(decision.contributors, decision.weights)
-        await self._point("after_reduce")
-        self._slice(p).copy_(result)
+        red.finalize(decision.contributors, decision.weights)
+        await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
+        if self.audit:
+            red.attestation = self._attest(p, red, decision)
+        assert red.result is not None
+        self._slice(p).copy_(red.result)
         self.held.add(p)
         self.fetches_left += self.n - 1
         event.set()
         self.changed.fire()
+
+    def _attest(self, p: int, red: PartitionReducer, decision: Decision) -> bytes:
+        assert red.encoded is not None
+        att = Attestation(
+            round=self.digest,
+            partition=p,
+            contributors=decision.contributors,
+            weights=decision.weights,
+            commits=tuple(red.commits[c] for c in decision.contributors),
+            result=hash_pieces(red.encoded),
+        )
+        return seal_attestation(self.host.identity, att)
+
+    def _check_attestation(self, p: int, frm: int, data: bytes, result_hash: bytes) -> None:
+        """The reducer's attestation fits the decision, the bytes it served, and this member's own
+        commitment; RemoteProtocolError says what does not."""
+        decision = self.decision
+        assert decision is not None
+        att = open_attestation(data, self.peers[frm], self.digest, p, self.n)
+        if att.contributors != decision.contributors or att.weights != decision.weights:
+            raise RemoteProtocolError("its attestation names other contributors or weights than the decision")
+        if att.result != result_hash:
+            raise RemoteProtocolError("the result it served is not the one it attested")
+        # (Ed25519 signatures are deterministic: our commitment, made again, is the same bytes)
+        if self.me in att.contributors and att.commits[att.contributors.index(self.me)] != self._pieces(p)[1]:
+            raise RemoteProtocolError("its attestation does not carry this member's commitment")
+        self.attestations[p] = bytes(data)
 
     async def _gather(self, p: int, holder: int) -> None:
         if holder == self.me:
@@ -481,6 +563,7 @@ class AllReduceRound:
                     FetchReq(self.digest, p),
                     timeout=_left(self.deadline["gather"]),
                 ) as stream:
+                    hasher = new_hasher() if self.audit and not relay else None
                     for a, b in spans:
                         data = await stream.receive_some()
                         if not data:
@@ -489,6 +572,14 @@ class AllReduceRound:
                         if p in self.held:  # another relay was faster; its bits are the same
                             return True
                         _store(target[a:b], data, mode)
+                        if hasher is not None:
+                            hasher.update(data)
+                    if hasher is not None:  # held only once the reducer's signed attestation checks out
+                        ack = await stream.response()
+                        self._check_attestation(p, frm, ack.attestation, hasher.digest())
+                        self.held.add(p)
+                        self.changed.fire()
+                        return True
                     self.held.add(p)  # every byte is here: ours, whatever happens to the call now
                     self.changed.fire()
                     await stream.response()  # let the server finish (it counts who fetched)
@@ -518,6 +609,21 @@ class AllReduceRound:
             excluded={self.peers[i]: why for i, why in excluded_reasons(decision, self.n, names).items()},
             round_seconds=trio.current_time() - self.start,
             phases=self.phases,
+            evidence=self._evidence(decision) if self.audit else None,
+        )
+
+    def _evidence(self, decision: Decision) -> RoundEvidence:
+        return RoundEvidence(
+            digest=self.digest,
+            peers=self.peers,
+            addresses=[m.addr for m in self.manifest.members],
+            sizes=self.sizes,
+            mode=self.mode,
+            aggregation=self.manifest.aggregation,
+            holders={p: self._holder(p, decision) for p, s in enumerate(self.sizes) if s > 0},
+            attestations=dict(self.attestations),
+            sent={p: b"".join(pieces) for p, (pieces, _) in self.sent.items()},
+            local=dict(self.local),
         )
 
     # ---- the serving side (handlers) ---------------------------------------------------------------
@@ -548,6 +654,12 @@ class AllReduceRound:
         if red is None or sender in red.touched or sender == self.me:
             return Ack(False, "duplicate or unexpected slice")
         try:
+            hasher = None
+            if self.audit:  # the sender signed what it sends: check it as it arrives
+                commit = open_commit(req.commit, ctx.peer, self.digest, p)
+                if commit.weight != req.weight:
+                    raise RemoteProtocolError("the commitment's weight is not the one sent")
+                hasher = new_hasher()
             for index in range(len(red.spans)):
                 data = await stream.receive_some()
                 if p == self.me and not self.scatter_open:
@@ -555,10 +667,16 @@ class AllReduceRound:
                 if red.result is not None:
                     return Ack(False, "too late: the partition is reduced")
                 red.add_chunk(sender, index, data, req.weight)
+                if hasher is not None:
+                    hasher.update(data)
                 if index == 0:
                     await self._point("mid_reduce")
             if await stream.receive_some():
                 raise RemoteProtocolError("more data than the partition holds")
+            if hasher is not None:
+                if hasher.digest() != commit.hash:
+                    raise RemoteProtocolError("the slice does not match its sender's commitment")
+                red.commits[sender] = req.commit
             if p == self.me and not self.scatter_open:
                 return Ack(False, "too late: this reducer already reported")
             red.complete(sender, req.weight)
@@ -610,7 +728,7 @@ class AllReduceRound:
             self.streaming -= 1
             self._release()
         self._served(member)
-        return Ack(True)
+        return Ack(True, attestation=red.attestation)
 
     async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         self._sender(ctx)

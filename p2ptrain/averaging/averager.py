@@ -33,7 +33,8 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from ..wire.codec import pack
-from .allreduce import AllReduceRound, FaultHook, RoundResult
+from .allreduce import AllReduceRound, FaultHook, RoundEvidence, RoundResult
+from .auditor import AUDIT_WINDOW, Auditor
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression
 from .matchmaking import Announcement, Gathering, Joiner, choose_leader
@@ -85,6 +86,8 @@ class AveragerConfig:
     bandwidth: float = 100e6  # bytes per second this peer can move; sets its share of the reduction
     compression: str = "none"
     aggregation: str = "mean"  # or a robust rule (see ``robust``): every member of a group uses the same
+    audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
+    ban_quorum: int = 2  # distinct accusers whose published bans we adopt
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.target_size <= 64:
@@ -145,11 +148,13 @@ def _sizes(config: AveragerConfig, target: int | None, minimum: int | None) -> t
     return target, minimum
 
 
-def schema_digest(schema: tuple[TensorSpec, ...], mode: Compression, aggregation: str = "mean") -> bytes:
-    """What peers must share to average together: the tensors, the compression and the rule."""
+def schema_digest(
+    schema: tuple[TensorSpec, ...], mode: Compression, aggregation: str = "mean", audit: bool = False
+) -> bytes:
+    """What peers must share to average together: the tensors, the compression, the rule, the audit."""
     fields: list[object] = [[s.to_obj() for s in schema], mode.value]
-    if aggregation != "mean":  # the digest of a plain-mean group stays what it was before rules existed
-        fields.append(aggregation)
+    if aggregation != "mean" or audit:  # a plain group's digest stays what it was before these existed
+        fields += [aggregation, audit]
     return hashlib.blake2b(pack(fields), digest_size=16).digest()
 
 
@@ -190,6 +195,7 @@ class Averager:
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
         # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
         self.weight_cap: Callable[[PeerID], float | None] | None = None
+        self.auditor = Auditor(host, quorum=self.config.ban_quorum)
         reg = self.host.registry
         reg.add_unary(JOIN, self._on_join)
         reg.add_stream(PART, self._on_part)
@@ -238,7 +244,12 @@ class Averager:
         try:
             sizes = (self.config.target_size, self.config.min_size)
             signed = await self._matchmake(
-                group_key, schema, schema_digest(schema, mode, self.config.aggregation), mode, timeout, sizes
+                group_key,
+                schema,
+                schema_digest(schema, mode, self.config.aggregation, self.config.audit),
+                mode,
+                timeout,
+                sizes,
             )
         except BaseException:
             self._pool.give(flat)  # no round will use it
@@ -270,7 +281,12 @@ class Averager:
         schema = schema_of(list(tensors))
         sizes = _sizes(self.config, target_size, min_size)
         return await self._matchmake(
-            group_key, schema, schema_digest(schema, mode, self.config.aggregation), mode, timeout, sizes
+            group_key,
+            schema,
+            schema_digest(schema, mode, self.config.aggregation, self.config.audit),
+            mode,
+            timeout,
+            sizes,
         )
 
     async def run_round(
@@ -308,7 +324,22 @@ class Averager:
                 if cap is not None:
                     rnd.coordinator.caps[i] = cap
         self._start_round(rnd)
-        return await rnd.run()
+        result = await rnd.run()
+        if result.evidence is not None and self._nursery is not None:
+            self.auditor.keep(result.evidence)
+            self._nursery.start_soon(self._audit, result.evidence)
+        return result
+
+    async def _audit(self, evidence: RoundEvidence) -> None:
+        """Audit what this member was chosen for, then keep the evidence for the others' audits a while."""
+        try:
+            await self.auditor.audit(evidence)
+        except P2PError as e:
+            log.warning("the audit of round %s failed: %s", evidence.digest.hex()[:8], e)
+        try:
+            await trio.sleep(AUDIT_WINDOW)
+        finally:
+            self.auditor.forget(evidence.digest)
 
     async def wait_idle(self) -> None:
         """Wait until every round this node took part in is over for all its members (or timed out).
@@ -478,9 +509,11 @@ class Averager:
             return []
         for sub, entry in entries.items():
             try:
-                out.append(Announcement.from_bytes(PeerID(sub), entry.value))
+                announcement = Announcement.from_bytes(PeerID(sub), entry.value)
             except (P2PError, ValueError):
                 continue
+            if announcement.peer not in self.auditor.banned:  # never follow or wait for a banned peer
+                out.append(announcement)
         return out
 
     async def _lead(
@@ -527,6 +560,7 @@ class Averager:
             compression=mode.value,
             timeout=timeout,
             aggregation=self.config.aggregation,
+            audit=self.config.audit,
         )
         looking.manifest = SignedManifest.sign(self.host.identity, manifest)
         looking.formed.set()
@@ -569,6 +603,8 @@ class Averager:
         gathering, formed, full = looking.gathering, looking.formed, looking.full
         if gathering is None or formed is None or full is None:
             return Reply(JoinResp(False, "not gathering a group yet", retry=True))
+        if ctx.peer in self.auditor.banned:
+            return Reply(JoinResp(False, f"banned here: {self.auditor.banned[ctx.peer]}"))
         why = gathering.offer(Joiner(ctx.peer, req.addr, req.bandwidth), req.schema_digest)
         if why:
             return Reply(JoinResp(False, why))

@@ -16,6 +16,8 @@ Calls of a round:
 - ``avg.relay_decision`` / ``avg.relay_result``: a member that lost its coordinator or a reducer asks the
   others for the decision or a partition they already hold (a result travels relayed as raw float32, so
   every member decodes the same bits).
+- ``avg.audit_slice`` (stream), in audited rounds only: after the round, a partition's auditor fetches a
+  contributor's slice as it was sent, to recompute the reducer's result (see ``audit``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ MAX_ROUND_TIMEOUT = 24 * 3600.0
 ROUND_ID_BYTES = 16
 MANIFEST_DOMAIN = "p2ptrain/averaging-manifest"
 DECISION_DOMAIN = "p2ptrain/averaging-decision"
+MAX_COMMIT_ENVELOPE = 384
+MAX_ATTESTATION = MAX_GROUP * MAX_COMMIT_ENVELOPE + 1024
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -71,6 +75,7 @@ class Manifest(Message):
     compression: str = bounded("none", max_len=16)
     timeout: float = bounded(60.0, ge=0.001, le=MAX_ROUND_TIMEOUT)
     aggregation: str = bounded("mean", max_len=32)  # the rule every reducer applies (see ``robust``)
+    audit: bool = False  # members commit to their slices, reducers attest their results (see ``audit``)
 
     @property
     def total(self) -> int:
@@ -207,12 +212,14 @@ class PartReq(Message):
     round: bytes = bounded(max_len=16)
     partition: int = bounded(ge=0, le=MAX_GROUP)
     weight: float = bounded(ge=0.0, le=1e30)
+    commit: bytes = bounded(b"", max_len=MAX_COMMIT_ENVELOPE)  # audited rounds: the signed commitment
 
 
 @dataclass(frozen=True)
 class Ack(Message):
     ok: bool = True
     reason: str = bounded("", max_len=512)
+    attestation: bytes = bounded(b"", max_len=MAX_ATTESTATION)  # audited fetches: the reducer's signature
 
 
 @dataclass(frozen=True)
@@ -245,3 +252,4 @@ REPORT = Method("avg.report", ReportReq, DecisionResp)
 FETCH = Method("avg.fetch", FetchReq, Ack, streaming=True)
 RELAY_DECISION = Method("avg.relay_decision", RelayDecisionReq, DecisionResp)
 RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
+AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)

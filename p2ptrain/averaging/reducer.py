@@ -30,12 +30,21 @@ class PartitionReducer:
     """Accumulates the slices of one partition from the members of a round."""
 
     def __init__(
-        self, size: int, mode: Compression, buffer: torch.Tensor | None = None, aggregation: str = "mean"
+        self,
+        size: int,
+        mode: Compression,
+        buffer: torch.Tensor | None = None,
+        aggregation: str = "mean",
+        *,
+        canonical: bool = False,
     ) -> None:
-        """``buffer``: ``size`` float32 elements to accumulate in (reused memory; it is cleared)."""
+        """``buffer``: ``size`` float32 elements to accumulate in (reused memory; it is cleared).
+        ``canonical``: always sum in member order at the end (an auditor can then redo it bit for bit),
+        not in the order chunks happened to arrive."""
         self.size = size
         self.mode = mode
         self.aggregation = aggregation
+        self.canonical = canonical
         self.spans = list(chunks(size, mode))
         if buffer is not None and (buffer.numel() != size or buffer.dtype != torch.float32):
             raise ValueError(f"the accumulator must hold {size} float32 elements")
@@ -45,6 +54,8 @@ class PartitionReducer:
         self._kept: dict[int, list[torch.Tensor | memoryview]] = {}
         self.result: torch.Tensor | None = None
         self.encoded: list[bytes | memoryview] | None = None
+        self.commits: dict[int, bytes] = {}  # audited rounds: sender -> its signed commitment
+        self.attestation = b""  # audited rounds: this reducer's signed attestation of its result
 
     def chunk_bytes(self, index: int) -> int:
         a, b = self.spans[index]
@@ -99,7 +110,7 @@ class PartitionReducer:
             self.acc.copy_(aggregate(self.aggregation, rows))
             return self._publish(self.acc)
         streamed = all(self.delivered[i] == w for i, w in zip(contributors, weights, strict=True))
-        if self.touched != set(contributors) or not streamed:  # others left out, or weights capped
+        if self.canonical or self.touched != set(contributors) or not streamed:
             self.acc.zero_()
             for i, w in zip(contributors, weights, strict=True):
                 self._replay(i, w)

@@ -1,0 +1,161 @@
+"""Audited rounds: a reducer that returns a wrong result, or a contributor that disowns what it sent, is
+identified by the partition's auditor and banned; honest audited rounds ban nobody and average exactly.
+
+The hostile members here are honest processes with one method replaced: the reducer signs an
+attestation of a garbled result (a consistent liar: its attestation matches what it serves), and the
+contributor answers the auditor with other bytes than those it committed to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import trio
+
+from p2ptrain.averaging.allreduce import AllReduceRound, RoundResult
+from p2ptrain.averaging.averager import Averager, schema_of
+from p2ptrain.averaging.partition import partition_sizes
+from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
+from p2ptrain.identity import Identity
+from p2ptrain.net import Host, MemoryNetwork
+
+PORT = 2200
+N = 4
+SIZE = 4001
+
+
+async def audited_round(
+    *,
+    liar_reducer: int | None = None,
+    liar_contributor: int | None = None,
+    compression: str = "none",
+    expected_verdicts: int = N,
+) -> tuple[list[RoundResult], list[Averager], list[Host], list[torch.Tensor]]:
+    net = MemoryNetwork(seed=21)
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(SIZE, generator=g) for _ in range(N)]
+    originals = [v.clone() for v in values]
+    hosts, averagers = [], []
+    results: list[RoundResult] = []
+    async with trio.open_nursery() as nursery:
+        for i in range(N):
+            ident = Identity.from_seed(hashlib.blake2b(f"a{i}".encode(), digest_size=32).digest())
+            host = Host(ident, "audit", transport=net.transport(f"a{i}"))
+            averager = Averager(host, None)
+            await nursery.start(host.run, [(f"a{i}", PORT)])
+            await nursery.start(averager.run)
+            hosts.append(host)
+            averagers.append(averager)
+        manifest = Manifest(
+            round_id=bytes(16),
+            group_key="audit",
+            members=tuple(
+                MemberMsg(h.identity.peer_id.digest, str(h.advertised_addresses()[0]), 1.0) for h in hosts
+            ),
+            sizes=tuple(partition_sizes(SIZE, [1.0] * N, [True] * N)),
+            schema=schema_of([values[0]]),
+            compression=compression,
+            timeout=30.0,
+            audit=True,
+        )
+        signed = SignedManifest.sign(hosts[0].identity, manifest)
+
+        async def one(i: int) -> None:
+            results.append(await averagers[i].run_round(signed, [values[i]], weight=1.0 + i))
+
+        with trio.fail_after(60):
+            if liar_reducer is not None:
+                garble_reductions_of(averagers[liar_reducer])
+            if liar_contributor is not None:
+                disown_slices_of(averagers[liar_contributor])
+            async with trio.open_nursery() as rounds:
+                for i in range(N):
+                    rounds.start_soon(one, i)
+            # the audits run in the averagers' nurseries right after each commit: wait for their verdicts
+            while sum(len(a.auditor.verdicts) for a in averagers) < expected_verdicts:  # noqa: ASYNC110 (virtual clock)
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    return results, averagers, hosts, originals
+
+
+def garble_reductions_of(averager: Averager) -> None:
+    """This member adds 1 to every partition it reduces, and attests the garbled bytes it serves: a
+    consistent liar (what it signs matches what it sends; only a recomputation can tell)."""
+
+    async def fault(rnd: AllReduceRound, point: str) -> None:
+        if point == "after_reduce":
+            for red in rnd.reducers.values():
+                if red.result is not None:  # uncompressed: the served bytes are views of the result
+                    red.result.add_(1.0)
+
+    averager.fault = fault
+
+
+def disown_slices_of(averager: Averager) -> None:
+    """This member answers auditors with other bytes than it committed to."""
+    kept = averager.auditor._kept
+
+    class Lying(dict):  # type: ignore[type-arg]
+        def __setitem__(self, key, ev):  # type: ignore[no-untyped-def]
+            ev.sent = {p: bytes(b ^ 1 for b in data[:8]) + data[8:] for p, data in ev.sent.items()}
+            super().__setitem__(key, ev)
+
+    averager.auditor._kept = Lying(kept)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_an_honest_audited_round_is_exact_and_bans_nobody(
+    autojump_clock: object, compression: str
+) -> None:
+    results, averagers, _, originals = await audited_round(compression=compression)
+    assert len(results) == N
+    expected = sum(o * (1.0 + i) for i, o in enumerate(originals)) / sum(1.0 + i for i in range(N))
+    tolerance = 1e-5 if compression == "none" else 0.05
+    for r in results:
+        torch.testing.assert_close(r.tensors[0], expected, rtol=tolerance, atol=tolerance)
+        assert torch.equal(r.tensors[0], results[0].tensors[0])
+    verdicts = [v for a in averagers for _, _, v in a.auditor.verdicts]
+    assert len(verdicts) == N  # every partition audited exactly once, by one member
+    assert all(v.ok and v.offender is None for v in verdicts), verdicts
+    assert not any(a.auditor.banned for a in averagers)
+
+
+async def test_a_reducer_serving_a_wrong_result_is_identified_and_banned(autojump_clock: object) -> None:
+    liar = 2
+    _results, averagers, hosts, _ = await audited_round(liar_reducer=liar)
+    liar_id = hosts[liar].identity.peer_id
+    accusers = [i for i, a in enumerate(averagers) if liar_id in a.auditor.banned]
+    assert accusers and liar not in accusers
+    reason = averagers[accusers[0]].auditor.banned[liar_id]
+    assert "reducer of partition 2" in reason and "does not match" in reason
+    # nobody else was blamed
+    assert all(set(a.auditor.banned) <= {liar_id} for a in averagers)
+
+
+async def test_a_contributor_disowning_its_slice_is_identified_and_banned(autojump_clock: object) -> None:
+    liar = 1
+    _, averagers, hosts, _ = await audited_round(liar_contributor=liar)
+    liar_id = hosts[liar].identity.peer_id
+    banned_by = [i for i, a in enumerate(averagers) if liar_id in a.auditor.banned]
+    assert banned_by, [a.auditor.verdicts for a in averagers]
+    assert "contributor" in averagers[banned_by[0]].auditor.banned[liar_id]
+    assert all(set(a.auditor.banned) <= {liar_id} for a in averagers)
+
+
+def test_published_bans_are_adopted_only_from_enough_distinct_accusers() -> None:
+    from p2ptrain.averaging.auditor import Auditor
+    from p2ptrain.identity import PeerID
+
+    host = Host(Identity.generate(), "audit")
+    auditor = Auditor(host, quorum=2)
+    x, y, a, b, c = (PeerID(bytes([i]) * 32) for i in range(1, 6))
+    assert auditor.weigh({a: [(x, "bad result")]}) == []
+    assert auditor.weigh({a: [(x, "bad result")], b: [(x, "bad result"), (y, "other")]}) == [x]
+    assert "accused by 2 peers" in auditor.banned[x] and y not in auditor.banned
+    auditor.ban(c, "caught lying")
+    assert (
+        auditor.weigh({c: [(y, "framed")], a: [(y, "framed")]}) == []
+    )  # a banned accuser counts for nothing
+    assert auditor.weigh({a: [(host.peer_id, "me")], b: [(host.peer_id, "me")]}) == []  # never ourselves
