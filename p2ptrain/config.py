@@ -88,12 +88,15 @@ class AveragingSection:
     bandwidth: float = 100.0  # this host's MB/s; sets its share of the reduction
     max_group_size: int = 64
     aggregation: str = "mean"  # mean, or robust to hostile peers: trimmed_mean, centered_clip
+    audit: bool = False  # commitments, attestations and an auditor per partition; offenders banned
+    ban_quorum: int = 2  # distinct peers whose published bans of a peer make this one ban it too
 
     def __post_init__(self) -> None:
         _check(self.timeout > 0, "averaging.timeout", "must be positive")
         _check(self.matchmaking_time > 0, "averaging.matchmaking_time", "must be positive")
         _check(self.bandwidth > 0, "averaging.bandwidth", "must be positive")
         _check(2 <= self.max_group_size <= 64, "averaging.max_group_size", "must be between 2 and 64")
+        _check(1 <= self.ban_quorum <= 64, "averaging.ban_quorum", "must be between 1 and 64")
         try:
             parse_compression(self.compression)
         except ValueError as e:

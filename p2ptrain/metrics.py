@@ -119,6 +119,9 @@ def render(status: Mapping[str, Any]) -> str:
             "Members of the last round",
             [(last.get("group"), None)],
         )
+        metric(
+            "p2ptrain_banned_peers", "gauge", "Peers banned here", [(len(training.get("banned", {})), None)]
+        )
         excluded = last.get("excluded", {})
         metric(
             "p2ptrain_last_round_excluded",

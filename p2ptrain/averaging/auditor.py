@@ -39,6 +39,7 @@ class Auditor:
         self.host = host
         self.quorum = quorum
         self.banned: dict[PeerID, str] = {}  # peer -> why (our own verdict, or the accusers')
+        self.own: set[PeerID] = set()  # the bans that are our own verdicts
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self.on_ban: Callable[[PeerID, str], None] | None = None
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
@@ -46,13 +47,17 @@ class Auditor:
 
     # ---- bans ----
 
-    def ban(self, peer: PeerID, reason: str) -> None:
+    def ban(self, peer: PeerID, reason: str, *, own: bool = True) -> None:
+        """Ban ``peer``. ``own``: our own verdict (published through ``on_ban``); an adopted ban is not
+        published again, or one accusation echoed by every peer would look like a crowd of them."""
         if peer in self.banned or peer == self.host.peer_id or len(self.banned) >= MAX_BANS:
             return
         self.banned[peer] = reason
         log.error("banned %s: %s", peer.short(), reason)
-        if self.on_ban is not None:
-            self.on_ban(peer, reason)
+        if own:
+            self.own.add(peer)
+            if self.on_ban is not None:
+                self.on_ban(peer, reason)
 
     def weigh(self, accusations: Mapping[PeerID, Sequence[tuple[PeerID, str]]]) -> list[PeerID]:
         """Adopt the bans that ``quorum`` distinct peers published (an accuser we banned does not count;
@@ -70,7 +75,7 @@ class Auditor:
         for accused, who in accusers.items():
             if len(who) >= self.quorum and accused not in self.banned and accused != self.host.peer_id:
                 names = ", ".join(sorted(p.short() for p in who))
-                self.ban(accused, f"accused by {len(who)} peers ({names}): {reasons[accused]}")
+                self.ban(accused, f"accused by {len(who)} peers ({names}): {reasons[accused]}", own=False)
                 adopted.append(accused)
         return adopted
 

@@ -23,6 +23,7 @@ it (see ``statesync``) and takes part from the next epoch. A peer alone on its e
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ import trio
 
 from ..averaging.allreduce import RoundResult
 from ..averaging.protocol import SignedManifest
+from ..averaging.robust import parse_aggregation
 from ..config import RunConfig
 from ..dht.records import OWNER_TAG, owned_subkey
 from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
@@ -60,6 +62,30 @@ RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed
 RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
 RATE_HALF_LIFE = 10.0  # seconds: how fast the advertised samples/s follows changes
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
+BAN_READ_INTERVAL = 10.0  # seconds between reads of the swarm's ban records
+BAN_TTL = 3600.0
+MAX_BANS_PUBLISHED = 64
+MAX_BAN_REASON = 240
+
+
+def _parse_bans(value: bytes) -> list[tuple[PeerID, str]]:
+    """A peer's published verdicts: [[accused peer id, reason], ...]; malformed entries are skipped."""
+    try:
+        items = unpack(value)
+    except RemoteProtocolError:
+        return []
+    out = []
+    if isinstance(items, list):
+        for item in items[:MAX_BANS_PUBLISHED]:
+            if (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], bytes)
+                and len(item[0]) == PEER_ID_BYTES
+                and isinstance(item[1], str)
+            ):
+                out.append((PeerID(item[0]), item[1][:MAX_BAN_REASON]))
+    return out
 
 
 @dataclass
@@ -171,7 +197,20 @@ class CollaborativeOptimizer:
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress
         self.leaving = False
         self._epoch_began = clock()
+        a = config.averaging
+        # The run decides how its rounds go, whatever the node was started with.
+        node.averager.config = dataclasses.replace(
+            node.averager.config,
+            compression=a.compression,
+            aggregation=parse_aggregation(a.aggregation),
+            audit=a.audit,
+            ban_quorum=a.ban_quorum,
+            matchmaking_time=a.matchmaking_time,
+        )
+        node.averager.auditor.quorum = a.ban_quorum
         node.averager.weight_cap = self._weight_cap
+        node.averager.auditor.on_ban = self._on_ban
+        self.bans_key = f"p2ptrain/{node.config.run_id}/bans".encode()
         self.server = StateServer(node.host.registry, self.snapshot)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -191,12 +230,54 @@ class CollaborativeOptimizer:
     async def _progress_loop(self) -> None:
         await self.node.dht.bootstrapped.wait()
         interval = self.config.progress.interval
+        next_bans = self.clock()
         while True:
             self._publish_now = trio.Event()
             await self._publish()
             await self.refresh()
+            if self.clock() >= next_bans:
+                await self._read_bans()
+                next_bans = self.clock() + BAN_READ_INTERVAL
             with trio.move_on_after(interval):
                 await self._publish_now.wait()
+
+    # ---- bans ----
+
+    def _on_ban(self, peer: PeerID, reason: str) -> None:
+        """Our auditor caught ``peer``: publish our verdicts (others weigh them, see ``Auditor.weigh``)."""
+        assert self._nursery is not None
+        self._nursery.start_soon(self._publish_bans)
+
+    async def _publish_bans(self) -> None:
+        auditor = self.node.averager.auditor
+        verdicts = [[p.digest, auditor.banned[p][:MAX_BAN_REASON]] for p in sorted(auditor.own)][
+            :MAX_BANS_PUBLISHED
+        ]
+        try:
+            await self.node.dht.store(
+                self.bans_key,
+                pack(verdicts),
+                ttl=BAN_TTL,
+                subkey=owned_subkey(self.node.peer_id),
+                sign=True,
+                republish=True,
+            )
+        except P2PError as e:
+            log.warning("could not publish our bans: %s", e)
+
+    async def _read_bans(self) -> None:
+        try:
+            entries = await self.node.dht.get(self.bans_key, quorum=3)
+        except P2PError as e:
+            log.info("could not read ban records: %s", e)
+            return
+        accusations: dict[PeerID, list[tuple[PeerID, str]]] = {}
+        for subkey, entry in entries.items():
+            if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
+                continue
+            accusations[PeerID(subkey[1:])] = _parse_bans(entry.value)
+        for peer in self.node.averager.auditor.weigh(accusations):
+            log.warning("adopted the swarm's ban of %s", peer.short())
 
     def record(self) -> ProgressRecord:
         addr = "" if self.node.dht.client_only else str(self.node.dht.advertised_address())

@@ -67,6 +67,9 @@ def node_table(peer: str, training: Mapping[str, Any], title: str = "") -> Table
         ("sent / received", f"{_mb(training.get('bytes_sent'))} / {_mb(training.get('bytes_received'))}"),
         ("compute utilization", f"{100 * training.get('compute_utilization', 0):.0f}%"),
     ]
+    banned = training.get("banned") or {}
+    if banned:
+        rows.append(("banned peers", "; ".join(f"{p}: {why[:60]}" for p, why in banned.items())))
     for k, v in rows:
         t.add_row(k, v)
     return t

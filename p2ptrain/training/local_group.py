@@ -6,11 +6,12 @@ p2ptrain.training.local_worker``, ranks 1..N-1, one per other device), joined by
 inside the host: NCCL when the devices are CUDA, gloo on CPU. The swarm sees one peer whose batches are
 N times bigger, as INTELLECT-1's ElasticDeviceMesh keeps the WAN group apart from the local one.
 
-- **Commands go through the store, tensors through collectives.** Rank 0 hosts a TCPStore on 127.0.0.1
-  and writes numbered commands to it (``ctrl/0``, ``ctrl/1``, ... : PARAMS, COMPUTE, DIGEST, STOP
-  flags). Idle workers wait on the store, without a timeout, so rank 0 may spend minutes in an averaging
-  round or an evaluation; only once a command is out do all ranks enter the collectives it names, so
-  every collective is bounded by the group's (short) timeout.
+- **Commands go through the store, tensors through collectives.** Rank 0 hosts a TCPStore that listens
+  on 127.0.0.1 only (gloo, too, is bound to the loopback interface) and writes numbered commands to it
+  (``ctrl/0``, ``ctrl/1``, ... : PARAMS, COMPUTE, DIGEST, STOP flags). Idle workers wait on the store,
+  without a timeout, so rank 0 may spend minutes in an averaging round or an evaluation; only once a
+  command is out do all ranks enter the collectives it names, so every collective is bounded by the
+  group's (short) timeout.
 - **Lockstep per batch.** ``backward`` sends COMPUTE (with PARAMS first when rank 0's parameters moved
   since they were last sent), computes rank 0's own batch while the workers compute theirs, then
   all-reduces the sample counts and the gradients, each rank's scaled by its share of the samples, in
@@ -19,8 +20,9 @@ N times bigger, as INTELLECT-1's ElasticDeviceMesh keeps the WAN group apart fro
   next batch is computed on the same weights everywhere.
 - **A worker that fails costs a restart, never the swarm.** Rank 0 waits on every collective in short
   slices and looks at its workers' processes between them (gloo also raises at once when a peer's
-  connection drops; NCCL ops are polled, never waited on blindly), so a dead worker is noticed within
-  ``POLL``, a hung one after ``timeout``. Rank 0 then kills the rest, destroys the process group and
+  connection drops; NCCL ops are polled, never waited on blindly): a worker that dies is noticed at
+  once by gloo or within ``POLL`` (if it died while idle, in the next batch's collective), a hung one
+  after ``timeout``. Rank 0 then kills the rest, destroys the process group and
   starts a new generation: a new store on a new port (a restarted group never meets stale workers), new
   processes, the parameters broadcast again once they are ready. Meanwhile rank 0 trains alone; the
   batch in progress counts with rank 0's own gradients only (they are copied into the flat buffer, and
@@ -30,13 +32,15 @@ N times bigger, as INTELLECT-1's ElasticDeviceMesh keeps the WAN group apart fro
   only, which drains); they are killed by process group on close, on failure, at interpreter exit, and
   they end themselves when rank 0's process is gone.
 
-One LocalGroup per process: it uses torch.distributed's default process group.
+One LocalGroup per process: it uses torch.distributed's default process group. Memory: each rank keeps a
+flat copy of the parameters and one of the gradients (for the collectives) beside the model's own.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import datetime
 import hashlib
 import json
@@ -45,11 +49,12 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from typing import Any
 
@@ -83,6 +88,8 @@ log = logging.getLogger(__name__)
 
 POLL = datetime.timedelta(milliseconds=200)  # rank 0 looks at its workers this often during a collective
 STOP_GRACE = 5.0  # seconds workers get to exit after STOP before they are killed
+NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # rank 0 sets 0: an NCCL error raises, not aborts
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"  # gloo listens on this interface: loopback, for a group inside a host
 
 
 def worker_data_seed(data_seed: int, rank: int, generation: int) -> int:
@@ -154,6 +161,8 @@ class LocalGroup:
             raise ConfigError("local group timeouts must be positive and max_restarts not negative")
         self.config, self.task, self.devices = config, task, list(devices)
         self.backend = backend_for(self.devices)
+        if dist.is_initialized():
+            raise ConfigError("a local group needs torch.distributed's default process group, already in use")
         for rank, name in enumerate(self.devices[1:], 1):
             if torch.device(name).type == "cuda" and torch.device(name).index is None:
                 raise ConfigError(f"local rank {rank}'s device {name!r} needs an index (cuda:{rank})")
@@ -181,6 +190,7 @@ class LocalGroup:
         self._failures: collections.deque[float] = collections.deque()
         self._model: torch.nn.Module | None = None
         self._atexit = False
+        self._nccl_errors = os.environ.get(NCCL_ERRORS)
 
     # ---- the LocalWorkers protocol ----
 
@@ -262,6 +272,7 @@ class LocalGroup:
             "ranks": self.world_size,
             "state": self._state.value,
             "restarts": self.restarts,
+            "generation": self._generation,
             "params_sent": self.params_sent,
         }
 
@@ -419,18 +430,18 @@ class LocalGroup:
                 torch.set_num_threads(self.threads)
         self._generation += 1
         self._state = _State.STARTING  # from here on, a failure tears down what was started
-        self._store = TCPStore(
-            "127.0.0.1",
-            0,
-            self.world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
+        self._store = _loopback_store(self.world_size, self.timeout)
         port = self._store.port
+        env = dict(os.environ)  # without the NCCL setting rank 0 made for itself (see _join)
+        env.pop(NCCL_ERRORS, None)
+        if self._nccl_errors is not None:
+            env[NCCL_ERRORS] = self._nccl_errors
+        if self.backend == "gloo" and (lo := _loopback_interface()):
+            env[GLOO_INTERFACE] = lo
         for rank in range(1, self.world_size):
             command = self._worker_command(rank, port)
-            self._procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True))
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            self._procs.append(proc)
         self._spawned_at = time.monotonic()
         log.info(
             "starting %d local worker(s) on %s (generation %d, pids %s)",
@@ -457,7 +468,7 @@ class LocalGroup:
             "--threads": self.threads,
             "--timeout": self.timeout,
             "--sys-path": json.dumps([os.path.abspath(p) if p else os.getcwd() for p in sys.path]),
-            "--log-level": logging.getLevelName(log.getEffectiveLevel()),
+            "--log-level": log.getEffectiveLevel(),
         }
         command = [sys.executable, "-m", "p2ptrain.training.local_worker"]
         for flag, value in args.items():
@@ -479,11 +490,12 @@ class LocalGroup:
             raise _Failure("torch.distributed's default process group is already in use in this process")
         self._store.set(GO_KEY, "run")
         if self.backend == "nccl":  # a failed collective must raise here, not tear the node process down
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+            os.environ[NCCL_ERRORS] = "0"
         timeout = datetime.timedelta(seconds=self.timeout)
-        dist.init_process_group(
-            self.backend, store=self._store, rank=0, world_size=self.world_size, timeout=timeout
-        )
+        with _gloo_on_loopback(self.backend):
+            dist.init_process_group(
+                self.backend, store=self._store, rank=0, world_size=self.world_size, timeout=timeout
+            )
         self._pg_up = True
         self._seq = self._forgotten = 0
         self._state = _State.UP
@@ -492,7 +504,7 @@ class LocalGroup:
 
     def _failed(self, reason: str) -> None:
         """The group broke: tear it down and start a new generation, unless that happened too often."""
-        log.warning("local group: %s%s; restarting it", reason, self._casualties())
+        reason += self._casualties()
         self._teardown(graceful=False)
         self._state = _State.OFF
         now = self.clock()
@@ -501,13 +513,15 @@ class LocalGroup:
         self._failures.append(now)
         if len(self._failures) > self.max_restarts:
             log.error(
-                "local group failed %d times in %.0f s: this process trains on alone, without its local "
-                "workers",
+                "local group: %s; it failed %d times in %.0f s: this process trains on alone, without "
+                "its local workers",
+                reason,
                 len(self._failures),
                 self.restart_window,
             )
             self._state = _State.ALONE
             return
+        log.warning("local group: %s; restarting it", reason)
         self.restarts += 1
         try:
             self._spawn()
@@ -575,6 +589,62 @@ class LocalGroup:
         procs, self._procs = self._procs, []
         for proc in procs:
             _kill(proc)
+
+
+def _loopback_store(world_size: int, timeout: float) -> TCPStore:
+    """Rank 0's TCPStore on a fresh port of 127.0.0.1 only: left to itself, the store listens on every
+    interface, and anyone who reaches the port could write commands for the workers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    wait = datetime.timedelta(seconds=timeout)
+    try:  # the store owns the socket from here on (and closes it)
+        return TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=True,
+            timeout=wait,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except RuntimeError as e:  # listening sockets can be handed over on Linux only
+        os.close(fd)
+        log.warning("the local group's store listens on every interface (%s)", _first_line(e))
+        return TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=wait, wait_for_workers=False)
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback(backend: str) -> Iterator[None]:
+    """Without this, gloo listens on the address the host name resolves to, often one the LAN reaches.
+    Only the process group's creation reads the variable, so it is set for that moment alone."""
+    lo = _loopback_interface() if backend == "gloo" else None
+    if lo is None:
+        yield
+        return
+    before = os.environ.get(GLOO_INTERFACE)
+    os.environ[GLOO_INTERFACE] = lo
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_INTERFACE, None)
+        else:
+            os.environ[GLOO_INTERFACE] = before
 
 
 def _peek(proc: subprocess.Popen[bytes]) -> int | None:

@@ -204,7 +204,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--sys-path", default="[]", help="JSON list: rank 0's import path")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", type=int, default=logging.WARNING, help="a logging level number")
     return p.parse_args(argv)
 
 

@@ -303,6 +303,7 @@ class Trainer:
             },
             "digest": opt.digest.hex()[:16],
             "state_sync": dict(zip(("received", "total"), opt.download_progress, strict=True)),
+            "banned": {p.short(): why for p, why in self.node.averager.auditor.banned.items()},
             "bytes_sent": sent,
             "bytes_received": received,
             "finished": self.finished,

@@ -322,3 +322,32 @@ def take_local_steps(peer: Peer, n: int) -> None:
         peer.opt._accumulate(BATCH)
         peer.opt.samples += BATCH
         peer.opt._solo_step()
+
+
+async def test_a_reducer_returning_garbage_is_banned_and_training_goes_on(autojump_clock: object) -> None:
+    """Audited sync training among four peers, one of which adds garbage to every partition it reduces.
+    Its auditors ban it (naming it and why), publish the verdict, the others adopt it, and the three
+    honest peers go on averaging without it, with identical parameters."""
+    config = run_config("sync").replace("averaging", audit=True, ban_quorum=1)
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1) for _ in range(4)]
+        liar = peers[3]
+
+        async def garble(rnd: object, point: str) -> None:
+            if point == "after_reduce":
+                for red in rnd.reducers.values():  # type: ignore[attr-defined]
+                    if red.result is not None:
+                        red.result.add_(100.0)  # uncompressed: what it serves are views of this
+
+        liar.node.averager.fault = garble
+        honest = peers[:3]
+        liar_id = liar.node.peer_id
+        await s.until(lambda: all(liar_id in p.node.averager.auditor.banned for p in honest), timeout=120)
+        reasons = [p.node.averager.auditor.banned[liar_id] for p in honest]
+        assert any("reducer of partition" in r for r in reasons), reasons
+        banned_at = min(p.opt.epoch for p in honest)
+        await s.until(lambda: all(p.opt.epoch >= banned_at + 3 for p in honest), timeout=120)
+        check_identical_per_epoch(honest)
+        last = honest[0].opt.stats.last
+        assert last["outcome"] == "averaged" and last["group"] == 3  # the liar is no longer in any group
+        assert all(p.node.averager.auditor.banned.keys() == {liar_id} for p in honest)

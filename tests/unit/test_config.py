@@ -68,6 +68,8 @@ DEFAULTS = {
     "averaging.bandwidth": 100.0,
     "averaging.max_group_size": 64,
     "averaging.aggregation": "mean",
+    "averaging.audit": False,
+    "averaging.ban_quorum": 2,
     "progress.interval": 1.0,
     "progress.ttl": 10.0,
     "checkpoint.every_steps": 50,
