@@ -9,7 +9,9 @@ that would escape the connection's error handling.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import pkgutil
 import types
 import typing
 from typing import Any
@@ -19,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import p2ptrain
 from p2ptrain.errors import InvalidSignature, RemoteProtocolError
 from p2ptrain.identity import Identity, SignedEnvelope
 from p2ptrain.net import rpc
@@ -231,7 +234,30 @@ def test_invalid_signature_is_a_remote_protocol_error() -> None:
 
 # ---- schemas -----------------------------------------------------------------------------------
 
-SCHEMAS: list[type[Message]] = [Hello, Reply, Reject, rpc.Request, rpc.Error, rpc.Credit, rpc.GoAway]
+
+def _all_message_classes() -> list[type[Message]]:
+    """Every wire message the package defines (all its modules imported): none can be forgotten here."""
+    for info in pkgutil.walk_packages(p2ptrain.__path__, "p2ptrain."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    found: set[type[Message]] = set()
+    todo = list(Message.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.add(cls)
+            todo.extend(cls.__subclasses__())
+    return sorted((c for c in found if c.__module__.startswith("p2ptrain.")), key=lambda c: c.__qualname__)
+
+
+SCHEMAS: list[type[Message]] = _all_message_classes()
+
+
+def test_every_message_schema_is_fuzzed() -> None:
+    names = {c.__name__ for c in SCHEMAS}
+    for expected in ("Hello", "Request", "Manifest", "PartReq", "ProgressRecord", "StateInfo", "Attestation"):
+        assert expected in names
+    assert len(SCHEMAS) >= 40
 
 
 @FUZZ
@@ -251,3 +277,37 @@ def test_decode_message_near_valid_maps(data: st.DataObject) -> None:
         return
     # Whatever was accepted re-encodes and decodes to the same message.
     assert decode_message(cls, unpack(pack(msg.to_obj()))) == msg
+
+
+# ---- decoders of signed and relayed things ---------------------------------------------------------
+
+
+def _decoders() -> list[Any]:
+    from p2ptrain.averaging.audit import open_attestation, open_commit
+    from p2ptrain.averaging.matchmaking import Announcement
+    from p2ptrain.averaging.protocol import SignedManifest, open_decision
+    from p2ptrain.training.collaborative import _parse_bans
+
+    peer = SIGNER.peer_id
+    return [
+        lambda d: Announcement.from_bytes(peer, d),
+        lambda d: open_commit(d, peer, b"r" * 16, 0),
+        lambda d: open_attestation(d, peer, b"r" * 16, 0, 4),
+        lambda d: open_decision(d, peer, b"r" * 16, 4),
+        lambda d: SignedManifest.verify(d, peer),
+        lambda d: _parse_bans(d) and None,
+    ]
+
+
+@FUZZ
+@given(
+    index=st.integers(0, 5),
+    data=st.one_of(
+        hostile_bytes,
+        st.binary(max_size=300).map(
+            lambda p: SignedEnvelope.seal(SIGNER, "p2ptrain/averaging-commit", p).to_bytes()
+        ),
+    ),
+)
+def test_relayed_record_decoders_only_raise_remote_protocol_error(index: int, data: bytes) -> None:
+    _only_remote_errors(_decoders()[index], data)
