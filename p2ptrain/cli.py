@@ -400,7 +400,10 @@ def cmd_authority(args: argparse.Namespace) -> int:
     if args.authority_command == "init":
         key = Identity.generate()
         save_identity(key, args.out, overwrite=args.force)
-        print(auth.authority_key_text(key.public_key))
+        text = auth.authority_key_text(key.public_key)
+        with open(args.out, "a") as f:  # what to paste into --authority, beside the key
+            f.write(f"# authority public key: {text}\n")
+        print(text)
         return 0
     if args.authority_command == "pubkey":
         print(auth.authority_key_text(load_identity(args.keyfile).public_key))
@@ -553,6 +556,17 @@ def _training_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="TOML", help="the run file (e.g. configs/tiny-gpt.toml)")
     g.add_argument("--task", metavar="MODULE:CALLABLE", help="train this task instead of the run file's")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
+    g.add_argument(
+        "--local-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more data-parallel workers on this host (its other GPUs; CPU processes on a CPU)",
+    )
+    g.add_argument(
+        "--devices", metavar="LIST", help="one device per local worker, this one first: cuda:0,cuda:1"
+    )
+    g.add_argument("--local-timeout", type=float, default=30.0, help="seconds a local collective may take")
     g.add_argument("--mode", choices=["sync", "diloco"], help="override the run file's training.mode")
     g.add_argument("--resume", action="store_true", help="start from this node's newest checkpoint")
     g.add_argument("--max-steps", type=int, metavar="N", help="stop after N global steps")

@@ -57,6 +57,23 @@ def _device(name: str) -> str:
     return name
 
 
+def _devices(args: argparse.Namespace) -> list[str]:
+    """One device per local rank, rank 0 (this process) first: --devices, else --device and, with
+    --local-workers N, N more (the host's other GPUs, or CPU processes)."""
+    if args.devices:
+        names = [d.strip() for d in args.devices.split(",") if d.strip()]
+        if not names:
+            raise UsageError("--devices: give a comma-separated list, e.g. cuda:0,cuda:1")
+        return [_device(d) for d in names]
+    if args.local_workers < 0:
+        raise UsageError("--local-workers must not be negative")
+    if args.local_workers == 0:
+        return [_device(args.device)]
+    from .training.local_group import local_devices
+
+    return [_device(d) for d in local_devices(args.local_workers + 1, args.device)]
+
+
 def train_node(args: argparse.Namespace) -> int:
     config = run_config(args)
     task = load_task(config.task.name, config.task.options)
@@ -85,8 +102,14 @@ def train_node(args: argparse.Namespace) -> int:
         from .node import default_data_dir
 
         data_dir = default_data_dir()
+    devices = _devices(args)
+    local = None
+    if len(devices) > 1:
+        from .training.local_group import LocalGroup
+
+        local = LocalGroup(config, task, devices, timeout=args.local_timeout)
     options = TrainerOptions(
-        device=_device(args.device),
+        device=devices[0],
         data_dir=data_dir,
         resume=args.resume,
         max_steps=args.max_steps,
@@ -95,6 +118,7 @@ def train_node(args: argparse.Namespace) -> int:
         metrics_file=Path(args.metrics_file) if args.metrics_file else None,
         wait_peers=args.wait_peers,
         tracker=args.tracker,
+        local=local,
     )
     trainer = Trainer(node, config, task, options)
     live = sys.stdout.isatty() and not args.no_live

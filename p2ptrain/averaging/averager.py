@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ _DTYPES = {
 }
 ROUND_WAIT = 10.0  # how long a call for a round we have not started yet waits for its manifest
 MAX_WAITING_CALLS = 256
+MAX_WAITING_PER_PEER = 8  # calls one peer may have waiting for rounds we have not started
 JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
 POLL = 0.5  # seconds between reads of the announcements while gathering or looking
 EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
@@ -190,6 +192,7 @@ class Averager:
         self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
         self._pool = BufferPool()  # flat copies and accumulators, reused across rounds
         self._round_started: dict[bytes, trio.Event] = {}
+        self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
@@ -367,15 +370,24 @@ class Averager:
         self._rounds.pop(rnd.digest, None)
         rnd.retire()
 
-    async def _round(self, digest: bytes) -> AllReduceRound:
+    async def _round(self, digest: bytes, peer: PeerID) -> AllReduceRound:
+        """The round ``digest``, waiting a little for it to start: a member may call us before our own
+        copy of the manifest arrived. Until then its stream holds at most the protocol's initial window
+        of data here, and one peer may have only a few such calls waiting."""
         rnd = self._rounds.get(digest)
         if rnd is not None:
             return rnd
-        if len(self._round_started) >= MAX_WAITING_CALLS:
-            raise RemoteProtocolError("unknown round")
+        if len(self._round_started) >= MAX_WAITING_CALLS or self._waiting[peer] >= MAX_WAITING_PER_PEER:
+            raise RemoteProtocolError("unknown round (and too many calls waiting for unknown rounds)")
         event = self._round_started.setdefault(digest, trio.Event())
-        with trio.move_on_after(ROUND_WAIT):
-            await event.wait()
+        self._waiting[peer] += 1
+        try:
+            with trio.move_on_after(ROUND_WAIT):
+                await event.wait()
+        finally:
+            self._waiting[peer] -= 1
+            if not self._waiting[peer]:
+                del self._waiting[peer]
         rnd = self._rounds.get(digest)
         if rnd is None:
             if not event.is_set():
@@ -384,13 +396,13 @@ class Averager:
         return rnd
 
     async def _on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round)).on_part(ctx, req, stream)
+        return await (await self._round(req.round, ctx.peer)).on_part(ctx, req, stream)
 
     async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
-        return await (await self._round(req.round)).on_report(ctx, req)
+        return await (await self._round(req.round, ctx.peer)).on_report(ctx, req)
 
     async def _on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round)).on_fetch(ctx, req, stream)
+        return await (await self._round(req.round, ctx.peer)).on_fetch(ctx, req, stream)
 
     async def _on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
         rnd = self._rounds.get(req.round)

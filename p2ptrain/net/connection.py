@@ -285,7 +285,6 @@ class Connection:
             with trio.move_on_after(timeout) as scope:
                 await self._send(self._request(call_id, method, request, timeout, True))
                 assert isinstance(call.stream, ClientStream)
-                await call.stream._open_window()
                 yield call.stream
             if scope.cancelled_caught:
                 raise DeadlineExceeded(f"{method.name} to {self.peer.short()} timed out after {timeout:g} s")
@@ -479,7 +478,6 @@ class Connection:
         try:
             if req.streaming:
                 assert inc.stream is not None
-                await inc.stream._open_window()
                 result = await entry.handler(ctx, args, inc.stream)
             else:
                 result = await entry.handler(ctx, args)

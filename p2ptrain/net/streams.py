@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 DEFAULT_WINDOW = 8 * MAX_CHUNK
 INITIAL_WINDOW = MAX_CHUNK
 """Protocol constant: each end of a stream may send this much before hearing any Credit. An end with a
-larger window (its own choice, never assumed by the other end) grants the difference when the stream
-opens, so peers with different windows interoperate."""
+larger window (its own choice, never assumed by the other end) grants the difference when its
+application first reads, so peers with different windows interoperate, and a stream nobody reads yet
+(a call waiting for its round to start, say) holds at most this much of the sender's data."""
 
 SendFn = Callable[["Message", "bytes | memoryview"], Awaitable[None]]
 
@@ -46,6 +47,7 @@ class RpcStream:
         self._eof = False
         self.buffered = 0
         self._received_window = INITIAL_WINDOW  # what the remote may send before our first Credit
+        self._window_open = False
         self._consumed = 0
         # send side
         self._credit = INITIAL_WINDOW  # what we may send before the remote's first Credit
@@ -55,9 +57,12 @@ class RpcStream:
         self._error: BaseException | None = None
 
     async def _open_window(self) -> None:
-        """Grant the remote our window beyond the protocol's initial one (called once, at open)."""
+        """Grant the remote our window beyond the protocol's initial one (once, at the first read)."""
+        if self._window_open:
+            return
+        self._window_open = True
         extra = self._window - INITIAL_WINDOW
-        if extra > 0:
+        if extra > 0 and not self._eof and self._error is None:
             self._received_window += extra
             await self._send(Credit(id=self.call_id, amount=extra), b"")
 
@@ -94,6 +99,8 @@ class RpcStream:
 
     async def receive_some(self) -> memoryview:
         """Return the next chunk, or an empty view once the other end sent EOF."""
+        if not self._window_open:
+            await self._open_window()
         while not self._chunks:
             self._raise_if_failed()
             if self._eof:

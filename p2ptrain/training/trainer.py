@@ -52,6 +52,13 @@ class LocalWorkers(Protocol):
         the mean loss and the total samples."""
         ...
 
+    def start(self, model: torch.nn.Module, data_seed: int) -> bool:
+        """Start the workers from ``model``'s parameters (they draw data from seeds derived from
+        ``data_seed``); True once they are up."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
+
     def publish(self, model: torch.nn.Module, changed: bool, stop: bool) -> None:
         """After the optimizer's step: give the workers the parameters if ``changed``; tell them to stop
         if ``stop``."""
@@ -141,6 +148,8 @@ class Trainer:
             await nursery.start(self.opt.run)
             task_status.started()
             try:
+                if self.options.local is not None:  # after a resume: the workers start from its weights
+                    await trio.to_thread.run_sync(self.options.local.start, self.model, self._data_seed())
                 if self.options.wait_peers > 1:
                     log.info("waiting for %d peers to start together", self.options.wait_peers)
                     seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
@@ -304,6 +313,7 @@ class Trainer:
             "digest": opt.digest.hex()[:16],
             "state_sync": dict(zip(("received", "total"), opt.download_progress, strict=True)),
             "banned": {p.short(): why for p, why in self.node.averager.auditor.banned.items()},
+            "local": self.options.local.status() if self.options.local is not None else None,
             "bytes_sent": sent,
             "bytes_received": received,
             "finished": self.finished,
