@@ -137,3 +137,41 @@ async def test_the_coordinator_counts_a_liar_at_its_plausible_weight() -> None:
     for v in values:
         torch.testing.assert_close(v, torch.full((2000,), expected), rtol=1e-6, atol=1e-6)
         assert torch.equal(v, values[0])
+
+
+async def test_a_peer_may_keep_only_a_few_calls_waiting_for_unknown_rounds(autojump_clock: object) -> None:
+    """Calls for a round the callee has not started wait for it a while, holding the sender's data: one
+    peer gets eight such calls at most; the rest are refused at once, and the waiting ones give up."""
+    from p2ptrain.averaging.averager import MAX_WAITING_PER_PEER, ROUND_WAIT
+    from p2ptrain.averaging.protocol import PART, PartReq
+    from p2ptrain.errors import RemoteCallError
+
+    net = MemoryNetwork(seed=13)
+    async with trio.open_nursery() as nursery:
+        server = Host(Identity.generate(), "wait", transport=net.transport("s"))
+        await nursery.start(server.run, [("s", PORT)])
+        await nursery.start(Averager(server, None).run)
+        client = Host(Identity.generate(), "wait", transport=net.transport("c"))
+        await nursery.start(client.run, [])
+        conn = await client.connect(server.advertised_addresses()[0])
+        outcomes: list[tuple[float, str]] = []
+
+        async def call(i: int) -> None:
+            start = trio.current_time()
+            try:
+                async with conn.open_stream(PART, PartReq(bytes([i]) * 16, 0, 1.0), timeout=60) as stream:
+                    await stream.send(b"\0" * 4096)
+                    await stream.response()
+                outcomes.append((trio.current_time() - start, "answered"))
+            except RemoteCallError as e:
+                outcomes.append((trio.current_time() - start, e.message))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as calls:
+                for i in range(MAX_WAITING_PER_PEER + 3):
+                    calls.start_soon(call, i)
+        nursery.cancel_scope.cancel()
+    refused_at_once = [o for o in outcomes if "too many" in o[1] and o[0] < 1.0]
+    waited = [o for o in outcomes if "unknown round" in o[1] and "too many" not in o[1]]
+    assert len(refused_at_once) == 3
+    assert len(waited) == MAX_WAITING_PER_PEER and all(t >= ROUND_WAIT for t, _ in waited)
