@@ -583,6 +583,7 @@ def _training_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tracker", choices=["tensorboard", "mlflow"], help="also log the metrics there (if it is installed)"
     )
+    g.add_argument("--adversary", help=argparse.SUPPRESS)  # simulations only: see p2ptrain.testing.adversary
     g.add_argument(
         "--no-live",
         action="store_true",

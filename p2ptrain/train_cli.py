@@ -121,6 +121,14 @@ def train_node(args: argparse.Namespace) -> int:
         local=local,
     )
     trainer = Trainer(node, config, task, options)
+    if args.adversary:  # simulations of hostile peers only (a hidden flag)
+        from .testing.adversary import install
+
+        try:
+            install(args.adversary, node.averager)
+        except ValueError as e:
+            raise UsageError(f"--adversary: {e}") from None
+        log.warning("this node attacks its swarm on purpose: %s", args.adversary)
     live = sys.stdout.isatty() and not args.no_live
     _run_node(_train, node, trainer, live)
     return 0

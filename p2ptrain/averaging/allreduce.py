@@ -592,6 +592,21 @@ class AllReduceRound:
         self.changed.fire()
         return True
 
+    def blame(self) -> dict[PeerID, str]:
+        """After an abort: the members this round failed on, as far as this member can tell (the
+        coordinator if no decision came, else the holders of the partitions it never got)."""
+        if self.decision is None:
+            return {} if self.me == 0 else {self.peers[0]: "its decision never came"}
+        if self.decision.abort:
+            return {}
+        out = {}
+        for p, size in enumerate(self.sizes):
+            if size and p not in self.held:
+                holder = self._holder(p, self.decision)
+                if holder != self.me:
+                    out[self.peers[holder]] = f"partition {p} never came from it"
+        return out
+
     def _commit(self, decision: Decision) -> RoundResult:
         off = 0
         with torch.no_grad():

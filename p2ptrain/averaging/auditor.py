@@ -26,6 +26,7 @@ from .protocol import AUDIT_SLICE, Ack, FetchReq
 
 log = logging.getLogger(__name__)
 
+STRIKES = 3  # rounds in a row that failed on the same peer before it is banned here
 AUDIT_WINDOW = 120.0  # seconds a round's evidence is kept for its auditors
 MAX_KEPT = 4  # rounds of evidence kept at most (each is about one copy of this member's contribution)
 FETCH_TIMEOUT = 30.0
@@ -40,6 +41,7 @@ class Auditor:
         self.quorum = quorum
         self.banned: dict[PeerID, str] = {}  # peer -> why (our own verdict, or the accusers')
         self.own: set[PeerID] = set()  # the bans that are our own verdicts
+        self.strikes: dict[PeerID, int] = {}  # rounds in a row that failed on a peer
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self.on_ban: Callable[[PeerID, str], None] | None = None
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
@@ -58,6 +60,21 @@ class Auditor:
             self.own.add(peer)
             if self.on_ban is not None:
                 self.on_ban(peer, reason)
+
+    def strike(self, peer: PeerID, reason: str) -> None:
+        """A round failed on ``peer`` (its partition never came, it never decided). Once is bad luck or
+        a bad link; ``STRIKES`` rounds in a row and we stop grouping with it (not published: from here a
+        withholding peer and a broken link look alike)."""
+        if peer == self.host.peer_id or peer in self.banned:
+            return
+        self.strikes[peer] = self.strikes.get(peer, 0) + 1
+        if self.strikes[peer] >= STRIKES:
+            self.ban(peer, f"{self.strikes[peer]} rounds in a row failed on it ({reason})", own=False)
+
+    def cleared(self, peers: Sequence[PeerID]) -> None:
+        """A round with ``peers`` committed: their strikes are forgiven."""
+        for peer in peers:
+            self.strikes.pop(peer, None)
 
     def weigh(self, accusations: Mapping[PeerID, Sequence[tuple[PeerID, str]]]) -> list[PeerID]:
         """Adopt the bans that ``quorum`` distinct peers published (an accuser we banned does not count;

@@ -27,6 +27,7 @@ from ..errors import (
     GroupTooSmall,
     P2PError,
     RemoteProtocolError,
+    RoundAborted,
     SchemaMismatch,
 )
 from ..identity import PeerID
@@ -327,7 +328,13 @@ class Averager:
                 if cap is not None:
                     rnd.coordinator.caps[i] = cap
         self._start_round(rnd)
-        result = await rnd.run()
+        try:
+            result = await rnd.run()
+        except RoundAborted:
+            for peer, why in rnd.blame().items():
+                self.auditor.strike(peer, why)
+            raise
+        self.auditor.cleared(result.contributors)
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)

@@ -351,3 +351,55 @@ async def test_a_reducer_returning_garbage_is_banned_and_training_goes_on(autoju
         last = honest[0].opt.stats.last
         assert last["outcome"] == "averaged" and last["group"] == 3  # the liar is no longer in any group
         assert all(p.node.averager.auditor.banned.keys() == {liar_id} for p in honest)
+
+
+def validation_loss(model: torch.nn.Module) -> float:
+    g = torch.Generator().manual_seed(999)
+    x = torch.randn(256, 4, generator=g)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True) * 2.0))
+
+
+async def train_with(kind: str | None, steps: int = 12) -> tuple[float, list[Peer]]:
+    """Four peers, one of them (peer 3) hostile of ``kind``; the honest peers' validation loss after
+    ``steps`` global steps, and the peers. (Peer i fits targets i + 1 times the inputs' sum: the honest
+    peers' mean, the validation target, is twice the sum.)"""
+    from p2ptrain.testing.adversary import install
+
+    config = run_config("sync").replace(
+        "averaging", aggregation="trimmed_mean", audit=kind == "garbage-reducer"
+    )
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1) for _ in range(4)]
+        if kind is not None:
+            install(kind, peers[3].node.averager)
+        honest = peers[:3]
+        await s.until(lambda: all(p.opt.epoch >= steps for p in honest), timeout=300)
+        check_identical_per_epoch(honest)
+        losses = [validation_loss(p.model) for p in honest if p.opt.epoch == steps]
+        return min(losses), peers
+
+
+CLEAN_RUN: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("kind", ["nan", "scale", "random", "inflate", "garbage-reducer"])
+async def test_honest_peers_train_on_through_one_hostile_peer_in_four(
+    autojump_clock: object, kind: str
+) -> None:
+    """With robust aggregation (and audits against a lying reducer) the honest peers keep learning near
+    the no-attack run's pace, they stay identical, and the offender is named where it can be."""
+    if "clean" not in CLEAN_RUN:  # the same for every attack: run it once
+        CLEAN_RUN["clean"] = (await train_with(None))[0]
+    clean = CLEAN_RUN["clean"]
+    attacked, peers = await train_with(kind)
+    start = validation_loss(make_model())
+    # The honest peers keep most of the progress the clean run made (the garbage reducer's first round
+    # lands before its audit: it costs some); without defences each attack undoes all of it.
+    assert start - attacked >= 0.5 * (start - clean) > 0, (start, clean, attacked)
+    honest = peers[:3]
+    if kind == "garbage-reducer":  # its auditors banned it (the others adopt it once two did: see above)
+        assert any(peers[3].node.peer_id in p.node.averager.auditor.own for p in honest)
+    if kind == "nan":
+        last = honest[0].opt.stats.last
+        assert last.get("contributors") == 3  # the NaN sender is left out of every round
