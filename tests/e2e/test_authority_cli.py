@@ -1,0 +1,175 @@
+"""End to end: a private swarm made and run only through the CLI (``p2ptrain authority``, ``node``).
+
+What is proved here: ``authority init`` makes a 0600 key and prints its public key; ``authority issue``
+writes certificates and prints their expiry; ``authority show`` prints a certificate's fields and checks
+its issuer; two ``p2ptrain node`` processes with ``--authority``/``--certificate`` connect, while a third
+without a certificate is refused, with one log line on each side that names the ``membership`` reason;
+and a certificate without ``--authority`` is a one-line error. Each process imports torch, so commands
+that do not depend on each other run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+CLI = [sys.executable, "-m", "p2ptrain"]
+TIMEOUT = 60.0
+
+
+def run_all(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """Run CLI commands side by side; their results in order."""
+    procs = [
+        subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args in commands
+    ]
+    out = []
+    for args, proc in zip(commands, procs, strict=True):
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    return out
+
+
+def wait_until(what: str, predicate: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    """Poll the outside world (files other processes write) up to a deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class NodeProc:
+    def __init__(self, tmp: Path, name: str, *extra: str) -> None:
+        self.folder = tmp / name
+        self.folder.mkdir()
+        self.status_file = self.folder / "status.json"
+        self.err_path, self.out_path = self.folder / "stderr.log", self.folder / "stdout.log"
+        self.err, self.out = open(self.err_path, "w"), open(self.out_path, "w")  # noqa: SIM115
+        args = ["node", "--listen", "127.0.0.1:0", "--data-dir", str(self.folder), "--run-id", "e2e"]
+        args += ["--status-file", str(self.status_file), *extra]
+        self.proc = subprocess.Popen([*CLI, *args], stdout=self.out, stderr=self.err, text=True)
+
+    def address(self) -> str:
+        text = wait_until("the join address on stdout", lambda: self.out_path.read_text().strip())
+        return str(text.splitlines()[0])
+
+    def connected(self) -> list[str]:
+        try:
+            return list(json.loads(self.status_file.read_text()).get("connected_peers", []))
+        except (OSError, ValueError):
+            return []
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=10)
+        finally:
+            self.err.close()
+            self.out.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Callable[..., NodeProc]]:
+    started: list[NodeProc] = []
+
+    def start(name: str, *extra: str) -> NodeProc:
+        started.append(NodeProc(tmp_path, name, *extra))
+        return started[-1]
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_private_swarm_through_the_cli(tmp_path: Path, nodes: Callable[..., NodeProc]) -> None:
+    key, a_key, b_key = tmp_path / "authority.key", tmp_path / "a.key", tmp_path / "b.key"
+    init, made_a, made_b, no_authority = run_all(
+        ["authority", "init", "--out", str(key)],
+        ["keygen", "--out", str(a_key)],
+        ["keygen", "--out", str(b_key)],
+        ["--log-level", "warning", "node", "--data-dir", str(tmp_path / "x"), "--certificate", "x.cert"],
+    )
+    assert init.returncode == 0, init.stderr
+    authority = init.stdout.strip()
+    assert 40 <= len(authority) <= 44 and authority.isalnum()
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert f"# authority public key: {authority}" in key.read_text()
+    peer_a, peer_b = made_a.stdout.strip(), made_b.stdout.strip()
+    assert no_authority.returncode == 2
+    assert one_line(no_authority) == (
+        "p2ptrain node: --certificate needs --authority (the public key of the run's authority)"
+    )
+
+    a_cert, b_cert = tmp_path / "a.cert", tmp_path / "b.cert"
+    issue = ["authority", "issue", "--key", str(key), "--peer"]
+    issue_a, issue_b = run_all(
+        [*issue, peer_a, "--expires", "30d", "--out", str(a_cert)],
+        [*issue, peer_b, "--expires", "12h", "--run", "e2e", "--out", str(b_cert)],
+    )
+    assert issue_a.returncode == 0, issue_a.stderr
+    assert f"peer {peer_a} in any run of this authority, expires 20" in issue_a.stdout
+    assert issue_b.returncode == 0, issue_b.stderr
+    assert "in run 'e2e'" in issue_b.stdout and "UTC" in issue_b.stdout
+
+    # Two members connect; an outsider (no certificate) is refused.
+    member = ["--authority", authority, "--certificate"]
+    a = nodes("a", "--identity", str(a_key), *member, str(a_cert))
+    addr_a = a.address()
+    b = nodes("b", "--identity", str(b_key), *member, str(b_cert), "--join", addr_a)
+    c = nodes("c", "--join", addr_a)
+    shown, wrong_issuer = run_all(
+        ["authority", "show", str(b_cert), "--authority", authority],
+        ["authority", "show", str(a_cert), "--authority", peer_a],  # a peer id is not the authority's key
+    )
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(line.split(":", 1) for line in shown.stdout.strip().splitlines())
+    assert fields["peer"].strip() == peer_b
+    assert fields["run"].strip() == "e2e"
+    assert fields["authority"].strip() == authority
+    assert fields["signature"].strip() == "verified (issued by this authority)"
+    assert fields["state"].strip().startswith("valid for 0.5 more days")
+    assert wrong_issuer.returncode == 1
+    assert "issued by another authority" in one_line(wrong_issuer)
+
+    wait_until("a and b to connect", lambda: peer_b in a.connected() and peer_a in b.connected())
+    refusal = "has no membership certificate (this run is private"
+    wait_until("a to refuse c", lambda: refusal in a.stderr())
+    wait_until("c to hear why", lambda: refusal in c.stderr())
+    on_a = [ln.split(": ", 1)[1] for ln in a.stderr().splitlines() if "refused handshake from" in ln]
+    assert on_a
+    assert all(ln.startswith("refused handshake from 127.0.0.1:") for ln in on_a)
+    assert all("(membership): peer " in ln and refusal in ln for ln in on_a)
+    on_c = [ln for ln in c.stderr().splitlines() if "refused" in ln and refusal in ln]
+    assert "remote refused the handshake (membership)" in on_c[0]
+    assert a.connected() == [peer_b]
+    assert c.connected() == []
+    for node in (c, b, a):
+        assert node.stop() == 0
