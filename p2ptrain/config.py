@@ -30,6 +30,7 @@ MODES = ("sync", "diloco")
 class RunSection:
     id: str = "tiny-gpt"  # peers only talk within the same run id
     seed: int = 0  # seeds the initial weights: every peer starts from the same ones
+    authority: str = ""  # a private swarm: its authority's public key (p2ptrain authority init); "": open
 
     def __post_init__(self) -> None:
         ok = 0 < len(self.id) <= MAX_RUN_ID and self.id.isprintable()

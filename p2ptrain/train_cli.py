@@ -84,6 +84,8 @@ def train_node(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 0:
         raise UsageError("--max-steps must not be negative")
     args.run_id = args.run_id or config.run.id
+    if config.run.authority and not args.authority:  # a private run names its authority in the run file
+        args.authority = config.run.authority
     a = config.averaging
     averaging = AveragerConfig(
         target_size=a.max_group_size,

@@ -48,6 +48,7 @@ def test_empty_sections_give_the_defaults() -> None:
 DEFAULTS = {
     "run.id": "tiny-gpt",
     "run.seed": 0,
+    "run.authority": "",
     "task.name": "tiny-gpt",
     "task.options": {},
     "training.mode": "sync",
