@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Generic
@@ -111,8 +111,11 @@ class Connection:
         remote_port: int,
         registry: RpcRegistry,
         config: ConnectionConfig,
+        admit: Callable[[PeerID], bool] | None = None,
     ) -> None:
+        """``admit(peer)`` is asked before each incoming call is served (a per-peer rate limit)."""
         self.channel = channel
+        self._admit = admit
         self.peer = peer
         self.outbound = outbound
         self.remote_host = remote_host
@@ -468,6 +471,9 @@ class Connection:
             req.streaming and sum(1 for c in self._in.values() if c.stream) > self.config.max_streams
         ):
             await self._reply_error(req.id, "busy", "too many concurrent calls on this connection")
+            return
+        if self._admit is not None and not self._admit(self.peer):
+            await self._reply_error(req.id, "busy", "too many calls from this peer: slow down")
             return
         try:
             args = decode_args(entry.method.request, req.args)

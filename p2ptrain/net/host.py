@@ -69,7 +69,10 @@ class HostConfig:
     announce_port: int | None = None  # port to advertise instead of the listener's (port forwarding, relays)
     authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
     certificate: bytes | None = None  # this host's membership certificate (private runs)
+    max_calls_per_minute: int = 60_000  # incoming RPCs one peer may make (bursts of a tenth); 0: no limit
 
+
+MAX_TRACKED_PEERS = 10_000
 
 ConnectionObserver = Callable[[Connection, bool], None]
 """Called with (connection, opened): True when it opens, False when it closes."""
@@ -114,6 +117,8 @@ class Host:
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
         self._closed_traffic = (0, 0)  # bytes sent and received over connections that have closed
+        self._call_tokens: dict[PeerID, tuple[float, float]] = {}  # peer -> (tokens, when counted)
+        self._throttled: dict[PeerID, bool] = {}
 
     # ---- lifecycle ----
 
@@ -320,7 +325,34 @@ class Host:
             remote_port=port,
             registry=self.registry,
             config=self.config.connection,
+            admit=self._admit_call if self.config.max_calls_per_minute else None,
         )
+
+    def _admit_call(self, peer: PeerID) -> bool:
+        """A token bucket per peer (over all its connections): a call costs a token; tokens come back at
+        ``max_calls_per_minute`` a minute, up to a tenth of that in reserve."""
+        now = trio.current_time()
+        rate = self.config.max_calls_per_minute / 60.0
+        burst = max(1.0, self.config.max_calls_per_minute / 10.0)
+        tokens, last = self._call_tokens.get(peer, (burst, now))
+        tokens = min(burst, tokens + (now - last) * rate)
+        if len(self._call_tokens) > MAX_TRACKED_PEERS:  # forget peers whose buckets are full again
+            self._call_tokens = {
+                p: v for p, v in self._call_tokens.items() if v[0] + (now - v[1]) * rate < burst
+            }
+        if tokens < 1.0:
+            self._call_tokens[peer] = (tokens, now)
+            if not self._throttled.get(peer):
+                log.warning(
+                    "peer %s makes more than %d calls a minute: refusing some",
+                    peer.short(),
+                    self.config.max_calls_per_minute,
+                )
+                self._throttled[peer] = True
+            return False
+        self._call_tokens[peer] = (tokens - 1.0, now)
+        self._throttled.pop(peer, None)
+        return True
 
     async def _run_connection(
         self,

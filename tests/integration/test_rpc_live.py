@@ -431,3 +431,29 @@ async def test_peers_with_different_stream_windows_interoperate(mem_cluster, aut
         await server.service.until(lambda: server.service.entered["hold"] == 1)
         await trio.testing.wait_all_tasks_blocked()
         assert not conn.closed
+
+
+async def test_a_peer_making_too_many_calls_is_slowed_down_then_served_again(
+    mem_cluster, kit, autojump_clock
+):
+    """A per-peer token bucket: a burst of a tenth of the minute's allowance, then 'busy' refusals
+    (the connection stays up), and calls are served again as tokens come back."""
+    from p2ptrain.errors import RemoteCallError
+    from p2ptrain.net import HostConfig
+
+    with trio.fail_after(120):
+        server = await mem_cluster.start("s", config=HostConfig(max_calls_per_minute=600))
+        client = await mem_cluster.start("c")
+        conn = await client.host.connect(server.address)
+        outcomes = []
+        for i in range(70):
+            try:
+                await conn.call(kit.ECHO, kit.Text(str(i)))
+                outcomes.append("ok")
+            except RemoteCallError as e:
+                outcomes.append(e.code)
+        assert outcomes[:60] == ["ok"] * 60  # the burst: 600 / 10
+        assert set(outcomes[60:]) == {"busy"}
+        assert not conn.closed and server.service.entered["echo"] == 60
+        await trio.sleep(1.0)  # ten calls a second come back
+        assert (await conn.call(kit.ECHO, kit.Text("again"))).text == "again"
