@@ -6,9 +6,12 @@ peer judges from the others' signed progress records (see ``progress``): fast pe
 more samples to an epoch than slow ones, and nobody waits for anybody until the target is reached.
 
 - **sync**: gradients accumulate locally (as sums over samples). When the swarm reaches the target, the
-  peers on this epoch form a group (matchmaking runs in the background while compute goes on); at the next
-  ``step`` after the group formed, each averages its mean gradient weighted by its sample count, and every
-  member applies the same averaged gradient with the same optimizer: parameters stay bit-identical.
+  peers on this epoch form a group (matchmaking runs in the background while compute goes on). As soon
+  as the group forms, each member hands its accumulated gradients to the round (its mean gradient,
+  weighted by its sample count) and goes on computing into a fresh accumulator: nobody waits for a slow
+  peer's batch in progress (it counts toward the next step). At the first ``step`` after the round
+  committed, every member applies the same averaged gradient with the same optimizer: parameters stay
+  bit-identical. An aborted round's gradients go back into the accumulator.
 - **diloco**: each peer takes inner steps of its own optimizer; at the target the peers average their
   pseudo-gradients (global parameters minus local ones), weighted by samples, and apply an outer Nesterov
   SGD step to the global parameters; local parameters restart from the new global ones. With ``overlap``
@@ -86,6 +89,16 @@ def _parse_bans(value: bytes) -> list[tuple[PeerID, str]]:
             ):
                 out.append((PeerID(item[0]), item[1][:MAX_BAN_REASON]))
     return out
+
+
+@dataclass
+class _InFlight:
+    """A round running in the background: what it averages, and its outcome once ``done``."""
+
+    done: trio.Event
+    tensors: list[torch.Tensor]
+    weight: int
+    outcome: RoundResult | BaseException | None = None
 
 
 @dataclass
@@ -175,9 +188,9 @@ class CollaborativeOptimizer:
         else:
             self.averaged = [torch.zeros_like(p) for p in self.params]  # gradient sums
         self._snap: list[torch.Tensor] | None = None  # diloco overlap: local parameters at the snapshot
-        self._snap_samples = 0
-        self._overlap: trio.Event | None = None  # set when the background round ended
-        self._overlap_outcome: RoundResult | BaseException | None = None
+        self._in_flight: _InFlight | None = None  # a round running in the background
+        self._spare: list[torch.Tensor] | None = None  # sync: the accumulator the last round gave back
+        self._catching_up = False
         self._formed: tuple[int, SignedManifest] | None = None
         self._matchmaking = False
         self._matchmaking_scope = trio.CancelScope()
@@ -289,7 +302,7 @@ class CollaborativeOptimizer:
             digest=self.digest,
             addr=addr,
             run=self.fingerprint,
-            landing=self._overlap is not None,
+            landing=self._in_flight is not None,
             leaving=self.leaving,
             since=self._epoch_began,
         )
@@ -371,8 +384,8 @@ class CollaborativeOptimizer:
             self._accumulate(samples)
         self.samples += samples
         self.rate.add(samples, self.clock())
-        changed = self._land_overlapped()
-        if self._overlap is not None:  # a round is in flight: nothing else may touch the state
+        changed = self._land()
+        if self._in_flight is not None:  # a round is in flight: nothing else may touch the state
             return changed
         view = self._update_view()
         if (view.behind or view.diverged(self.digest)) and self.clock() >= self._sync_retry_at:
@@ -471,49 +484,46 @@ class CollaborativeOptimizer:
             self.stats.last = {"epoch": epoch, "outcome": "no group", "reason": str(e)}
             self._retry_at = self.clock() + RETRY_MATCHMAKING
         else:
-            self._formed = (epoch, manifest)
             took = min(self.clock() - began, cfg.matchmaking_time)
             self._lead += LEAD_SMOOTHING * (took - self._lead)
+            if self.diloco and not self.config.diloco.overlap:
+                self._formed = (epoch, manifest)  # step() runs it, with compute paused
+            elif self.epoch == epoch and self._in_flight is None and not self._catching_up:
+                self._start_in_background(manifest)
 
     async def _average(self, manifest: SignedManifest) -> bool:
-        """Run the formed group's round now; apply the result when it commits."""
+        """DiLoCo without overlap: run the formed group's round now, compute paused; apply it if it
+        commits (an abort changes nothing: the work is still in the local parameters)."""
         weight = self.samples
-        if self.diloco:
-            with torch.no_grad():
-                for d, g, p in zip(self.averaged, self.global_params, self.params, strict=True):
-                    torch.sub(g, p.detach(), out=d)
-            if self.config.diloco.overlap:
-                self._start_overlapped(manifest, weight)
-                return False
-        else:
-            for acc in self.averaged:
-                acc.div_(weight)  # the mean gradient; the round weighs it by the sample count
+        self._pseudo_gradients()
         try:
             result = await self.node.averager.run_round(manifest, self.averaged, weight=weight)
         except RoundAborted as e:
             self._note_abort(e)
-            if not self.diloco:
-                for acc in self.averaged:
-                    acc.mul_(weight)  # back to sums: keep accumulating toward the retry
             return False
-        if self.diloco:
-            self._outer_step()
-            for p, g in zip(self.params, self.global_params, strict=True):
-                p.data.copy_(g)
-        else:
-            self._apply_gradients()
+        self._outer_step()
+        for p, g in zip(self.params, self.global_params, strict=True):
+            p.data.copy_(g)
+        self.samples -= weight
         self._advance(result, weight)
         return True
 
-    def _apply_gradients(self) -> None:
+    def _pseudo_gradients(self) -> None:
+        """DiLoCo: global minus local parameters, into ``averaged``."""
+        with torch.no_grad():
+            for d, g, p in zip(self.averaged, self.global_params, self.params, strict=True):
+                torch.sub(g, p.detach(), out=d)
+
+    def _apply_gradients(self, grads: list[torch.Tensor]) -> None:
+        """One optimizer step with ``grads`` (then zeroed, for reuse as an accumulator)."""
         self._set_lr(self.epoch)
-        for p, acc in zip(self.params, self.averaged, strict=True):
-            p.grad = acc
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
         self._clip()
         self.optimizer.step()
-        for p, acc in zip(self.params, self.averaged, strict=True):
+        for p, g in zip(self.params, grads, strict=True):
             p.grad = None
-            acc.zero_()
+            g.zero_()
 
     def _outer_step(self) -> None:
         for g, d in zip(self.global_params, self.averaged, strict=True):
@@ -524,19 +534,19 @@ class CollaborativeOptimizer:
 
     def _solo_step(self) -> None:
         """No other peer on this epoch: the step is this peer's alone."""
+        weight = self.samples
         if self.diloco:
-            with torch.no_grad():
-                for d, g, p in zip(self.averaged, self.global_params, self.params, strict=True):
-                    torch.sub(g, p.detach(), out=d)
+            self._pseudo_gradients()
             self._outer_step()
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.data.copy_(g)
         else:
             for acc in self.averaged:
-                acc.div_(self.samples)
-            self._apply_gradients()
+                acc.div_(weight)
+            self._apply_gradients(self.averaged)
+        self.samples = 0
         self.stats.solo += 1
-        self._advance(None, self.samples)
+        self._advance(None, weight)
 
     def _advance(self, result: RoundResult | None, weight: int) -> None:
         self.stats.steps += 1
@@ -558,7 +568,6 @@ class CollaborativeOptimizer:
         else:
             self.stats.last = {"epoch": self.epoch, "outcome": "alone", "samples": weight}
         self.epoch += 1
-        self.samples -= weight
         self._state_changed()
 
     def _weight_cap(self, peer: PeerID) -> float | None:
@@ -583,43 +592,75 @@ class CollaborativeOptimizer:
         self.stats.aborted += 1
         self.stats.last = {"epoch": self.epoch, "outcome": "aborted", "reason": str(e)}
 
-    # ---- diloco overlap ------------------------------------------------------------------------------
+    # ---- rounds in the background (sync, and diloco with overlap) -----------------------------------
 
-    def _start_overlapped(self, manifest: SignedManifest, weight: int) -> None:
+    def _start_in_background(self, manifest: SignedManifest) -> None:
+        """Hand what this peer has done so far to the formed group's round and go on computing.
+
+        sync: the accumulated gradients leave in the round (as the mean gradient, weighted by the
+        samples); a fresh accumulator takes the batches computed meanwhile. diloco: the pseudo-gradient
+        of the local parameters as they are now; local progress made meanwhile is kept on top of the new
+        global parameters when the round lands.
+        """
         assert self._nursery is not None
-        self._snap = [p.detach().clone() for p in self.params]
-        self._snap_samples = weight
-        self._overlap = done = trio.Event()
-        self._overlap_outcome = None
+        weight = self.samples
+        if weight <= 0:
+            return  # nothing to contribute yet: the group goes on without us, we catch up after
+        if self.diloco:
+            self._pseudo_gradients()
+            tensors = self.averaged
+            self._snap = [p.detach().clone() for p in self.params]
+        else:
+            tensors = self.averaged
+            self.averaged = self._spare or [torch.zeros_like(t) for t in tensors]
+            self._spare = None
+            for t in tensors:
+                t.div_(weight)  # the mean gradient; the round weighs it by the sample count
+            self.samples = 0  # the batches computed from now on count toward the next step
+        done = trio.Event()
+        self._in_flight = _InFlight(done, tensors, weight)
         self._publish_now.set()  # others count this peer on the next epoch already (see ``landing``)
 
-        async def run() -> None:
+        async def run(flight: _InFlight) -> None:
             try:
-                self._overlap_outcome = await self.node.averager.run_round(
-                    manifest, self.averaged, weight=weight
-                )
+                flight.outcome = await self.node.averager.run_round(manifest, flight.tensors, weight=weight)
             except RoundAborted as e:
-                self._overlap_outcome = e
+                flight.outcome = e
             finally:
                 done.set()
 
-        self._nursery.start_soon(run)
+        self._nursery.start_soon(run, self._in_flight)
 
-    def _land_overlapped(self) -> bool:
-        """Apply a background round's result once it is in: keep the local progress made meanwhile."""
-        if self._overlap is None or not self._overlap.is_set():
+    def _land(self) -> bool:
+        """Apply a background round's result once it is in (between batches: compute is not running)."""
+        flight = self._in_flight
+        if flight is None or not flight.done.is_set():
             return False
-        outcome, snap = self._overlap_outcome, self._snap
-        self._overlap, self._overlap_outcome, self._snap = None, None, None
+        self._in_flight = None
+        outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
         if not isinstance(outcome, RoundResult):
             self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
-            return False  # the pseudo-gradient's work is still in the local parameters
-        assert snap is not None
-        self._outer_step()
-        with torch.no_grad():
-            for p, g, s in zip(self.params, self.global_params, snap, strict=True):
-                p.add_(g - s)  # new global + (local now - local at the snapshot)
-        self._advance(outcome, self._snap_samples)
+            if not self.diloco:  # the gradients go back: the next round counts them
+                for acc, t in zip(self.averaged, tensors, strict=True):
+                    acc.add_(t, alpha=weight)
+                    t.zero_()
+                self.samples += weight
+                self._spare = tensors
+            self._snap = None  # diloco: the work is still in the local parameters
+            return False
+        if self.diloco:
+            snap = self._snap
+            assert snap is not None
+            self._snap = None
+            self._outer_step()
+            with torch.no_grad():
+                for p, g, s in zip(self.params, self.global_params, snap, strict=True):
+                    p.add_(g - s)  # new global + (local now - local at the snapshot)
+            self.samples -= weight
+        else:
+            self._apply_gradients(tensors)
+            self._spare = tensors
+        self._advance(outcome, weight)
         return True
 
     # ---- state: digest, snapshots, downloads, checkpoints ------------------------------------------
@@ -672,7 +713,7 @@ class CollaborativeOptimizer:
 
     def snapshot(self) -> Snapshot | None:
         """This epoch's state as bytes (taken once per state change, shared by concurrent downloads)."""
-        if self._overlap is not None and self._snapshot is not None:
+        if self._in_flight is not None and self._snapshot is not None:
             return self._snapshot  # mid-round: the last stable state
         if self._snapshot_version != self._version or self._snapshot is None:
             tensors, meta = self.capture()
@@ -684,14 +725,20 @@ class CollaborativeOptimizer:
         return self._snapshot
 
     def max_state_bytes(self) -> int:
-        """The most a download of this model's state could need (bounds what a donor may send)."""
-        tensors, meta = self.capture()
-        return 2 * state.encoded_size(state.encode(tensors, meta)) + (1 << 20)
+        """The most a download of this model's state could need (bounds what a donor may send): the model,
+        up to three optimizer states per parameter (Adam's moments, amsgrad's maximum) and DiLoCo's
+        global copy and momentum, plus headers. Not our own state's size: a joiner's optimizer has no
+        state yet."""
+        entries = self.model.state_dict()
+        model_bytes: int = sum(t.numel() * t.element_size() for t in entries.values())
+        headers = (len(entries) + 5 * len(self.params)) * 1024
+        return 6 * model_bytes + headers + (1 << 20)
 
     async def _catch_up(self, view: SwarmView) -> bool:
         """Download the state most peers hold (we are behind, or diverged); True once applied."""
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
         log.info("catching up: %s", why)
+        self._catching_up = True
         try:
             got = await self.download(view)
             self.restore(got.tensors, got.metadata)
@@ -699,6 +746,8 @@ class CollaborativeOptimizer:
             log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
             self._sync_retry_at = self.clock() + RETRY_SYNC
             return False
+        finally:
+            self._catching_up = False
         self.stats.syncs += 1
         self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.peer.short()}
         log.info("now on step %d (state from %s)", self.epoch, got.donor.peer.short())

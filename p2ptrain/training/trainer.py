@@ -8,8 +8,10 @@ count to the optimizer, which decides when the swarm steps. After every global s
 It stops at ``max_steps`` global steps, after ``duration`` seconds, or when cancelled, and then writes a
 final checkpoint and a summary line.
 
-``slowdown`` (>= 1) makes this peer's compute that many times slower, by idling after each batch for the
-extra time: the simulations use it to emulate GPUs of different speeds on one machine.
+``slowdown`` (>= 1) makes this peer's compute that many times slower than this machine at its best (the
+quickest batch seen), by idling after each batch for the difference: the simulations use it to emulate
+GPUs of different speeds on one machine. Measured against the best batch rather than the last one, the
+emulated speed does not also drop when the peers contend for the same cores (the idling absorbs it).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class Trainer:
         self.started = 0.0
         self.local_samples = 0
         self.finished = False
+        self._fastest = math.inf  # the quickest batch so far: this machine's speed without contention
         self._stop_requested = False
         self.tracker: Tracker | None = None
         self.node.status_sections["training"] = self.status
@@ -187,9 +190,12 @@ class Trainer:
                     local.backward, self.model, self._compute, batch
                 )
             spent = time.perf_counter() - began
-            if self.options.slowdown > 1:
-                await trio.sleep(spent * (self.options.slowdown - 1))
-            self.compute_seconds += spent * self.options.slowdown
+            if self.options.slowdown > 1:  # a device ``slowdown`` times slower than this one at its best
+                self._fastest = min(self._fastest, spent)
+                emulated = max(spent, self._fastest * self.options.slowdown)
+                await trio.sleep(emulated - spent)
+                spent = emulated
+            self.compute_seconds += spent
             self.local_samples += samples
             self.loss = (
                 loss if self.loss is None else LOSS_SMOOTHING * self.loss + (1 - LOSS_SMOOTHING) * loss
