@@ -235,6 +235,7 @@ async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
                     timeout=args.timeout,
                     compression=args.compression,
                     lines=lines,
+                    wait_peers=args.wait_peers,
                 )
             if not rounds.cancelled_caught:
                 with trio.move_on_after(args.timeout):  # slower members may still be fetching from us
@@ -635,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--matchmaking-time", type=float, default=5.0, help="seconds a leader gathers (default 5)")
     s.add_argument("--bandwidth", type=float, default=100.0, help="this host's MB/s, sets its share")
     s.add_argument("--compression", default="none", choices=[c.value for c in Compression])
+    s.add_argument("--wait-peers", type=int, default=1, help="start once this many members are known")
     s.set_defaults(func=cmd_average)
 
     s = sub.add_parser("ping", help="connect to a peer, complete the handshake, measure round trips")

@@ -15,6 +15,7 @@ import time
 from typing import Any, TextIO
 
 import torch
+import trio
 
 from ..errors import GroupFormationFailed, RoundAborted
 from ..identity import PeerID
@@ -46,9 +47,15 @@ async def run_rounds(
     compression: str,
     out: TextIO = sys.stdout,
     lines: list[dict[str, Any]] | None = None,
+    wait_peers: int = 1,
+    wait_timeout: float = 120.0,
 ) -> None:
     """Average ``rounds`` times (0: until cancelled). Each round's line is printed to ``out`` and, when
-    given, appended to ``lines`` (so a caller that cancels this still has every finished round)."""
+    given, appended to ``lines`` (so a caller that cancels this still has every finished round). With
+    ``wait_peers``, the first round waits (at most ``wait_timeout``) until that many members are known."""
+    with trio.move_on_after(wait_timeout):
+        while len(node.members) < wait_peers:  # noqa: ASYNC110 (the node re-reads the list every few s)
+            await trio.sleep(0.2)
     base = pattern(numel)
     mine = offset_of(node.peer_id)
     r = 0

@@ -88,12 +88,12 @@ def wait_for(what: str, predicate: Any, timeout: float = 60.0) -> Any:
 
 
 def test_sigkill_mid_round_leaves_survivors_in_agreement(tmp_path: Path) -> None:
-    first = Averaging(tmp_path, "a")
+    first = Averaging(tmp_path, "a", "--wait-peers", "4")  # (the others may take a while to start)
     procs = [first]
     try:
         join = first.address()
-        procs += [Averaging(tmp_path, n, "--join", join) for n in "bc"]
-        victim = Averaging(tmp_path, "victim", "--join", join, log_level="debug")
+        procs += [Averaging(tmp_path, n, "--join", join, "--wait-peers", "4") for n in "bc"]
+        victim = Averaging(tmp_path, "victim", "--join", join, "--wait-peers", "4", log_level="debug")
         procs.append(victim)
         victim_id = victim.peer()[:6]  # shortened ids, as the JSON lines print them
         ids = {p: p.peer()[:6] for p in procs}
