@@ -14,8 +14,9 @@ Theory of operation (member ``me`` of a group of ``n``, coordinator = member 0, 
 3. Re-reduce: for a reducer that did not report, every contributor streams that partition's slice again
    to the replacement the decision names.
 4. Gather, until ``0.9 T``: each reducer computes the mean over exactly the decided contributors and
-   serves it; members fetch every partition. A member that cannot fetch a partition from its reducer asks
-   the other members, who relay it if they hold it.
+   serves it; members fetch every partition. A member that cannot fetch a partition from its reducer, or
+   whose fetch stalls for ``STALLED_AFTER`` seconds, asks the other members too, who relay it if they hold
+   it (a reducer that serves some members and then hangs cannot split the group).
 5. Commit when every partition is here: the averaged values are written into the caller's tensors. Else
    abort: the caller's tensors are untouched.
 
@@ -78,6 +79,7 @@ log = logging.getLogger(__name__)
 SCATTER, DECIDE, AWAIT_DECISION, GATHER = 0.4, 0.5, 0.6, 0.9  # phase deadlines, fractions of the round
 RELAY_RETRY = 0.25  # seconds between rounds of relay queries
 GONE_AFTER = 1.0  # seconds a member's connections must stay closed before it counts as failed
+STALLED_AFTER = 2.0  # seconds a fetch may receive nothing before the other members are asked too
 WATCH_EVERY = 0.1  # seconds between looks at the members' connections
 
 
@@ -192,6 +194,7 @@ class AllReduceRound:
         self.decided = trio.Event()
         self.finalized: dict[int, trio.Event] = {}
         self.held: set[int] = set()  # partitions whose final values are in ``flat``
+        self.progress: dict[int, float] = {}  # partition -> when its fetch last received something
         self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
         self.finished = False  # this member's own part of the round is over (committed or aborted)
         self.done = trio.Event()  # no one needs this round any more
@@ -239,6 +242,7 @@ class AllReduceRound:
         for red in self.reducers.values():
             red.drop()
         self.retired.set()
+        self.changed.fire()
         self._release()
 
     def _release(self) -> None:
@@ -535,15 +539,40 @@ class AllReduceRound:
             with trio.move_on_at(self.deadline["gather"]):
                 await event.wait()
             return
-        if await self._fetch(p, holder, FETCH):
-            return
-        while p not in self.held and trio.current_time() < self.deadline["gather"]:
-            async with trio.open_nursery() as nursery:
-                for i, m in enumerate(self.manifest.members):
-                    if i not in (self.me, holder) and m.addr:
-                        nursery.start_soon(self._relay_from, nursery.cancel_scope, p, i)
-            if p not in self.held:
-                await trio.sleep(RELAY_RETRY)
+        self.progress[p] = trio.current_time()
+        direct_failed = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._fetch_from_holder, nursery.cancel_scope, p, holder, direct_failed)
+            # The others fetch from the holder too: once the direct fetch failed, or stalled (a reducer
+            # that serves some members and then hangs), ask them as well; each answers once it holds it.
+            with trio.move_on_at(self.deadline["gather"]):
+                while not direct_failed.is_set():
+                    stalled_at = self.progress[p] + STALLED_AFTER
+                    if trio.current_time() >= stalled_at:
+                        break
+                    with trio.move_on_at(stalled_at):
+                        await direct_failed.wait()
+                while p not in self.held:
+                    async with trio.open_nursery() as relays:
+                        for i, m in enumerate(self.manifest.members):
+                            if i not in (self.me, holder) and m.addr:
+                                relays.start_soon(self._relay_from, relays.cancel_scope, p, i)
+                    if p not in self.held:
+                        await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
+            nursery.cancel_scope.cancel()
+
+    async def _fetch_from_holder(
+        self, scope: trio.CancelScope, p: int, holder: int, failed: trio.Event
+    ) -> None:
+        """Fetch partition ``p`` from its reducer, again after a pause if that failed while it lives."""
+        while trio.current_time() < self.deadline["gather"]:
+            if await self._fetch(p, holder, FETCH):
+                scope.cancel()
+                return
+            failed.set()
+            if holder in self.gone:
+                return
+            await trio.sleep(STALLED_AFTER)
 
     async def _relay_from(self, scope: trio.CancelScope, p: int, i: int) -> None:
         if await self._fetch(p, i, RELAY_RESULT):
@@ -572,6 +601,7 @@ class AllReduceRound:
                         if p in self.held:  # another relay was faster; its bits are the same
                             return True
                         _store(target[a:b], data, mode)
+                        self.progress[p] = trio.current_time()
                         if hasher is not None:
                             hasher.update(data)
                     if hasher is not None:  # held only once the reducer's signed attestation checks out
@@ -724,6 +754,9 @@ class AllReduceRound:
 
     async def on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         member = self._sender(ctx)
+        if req.partition not in self.reducers and self.decision is None:
+            with trio.move_on_at(self.deadline["gather"]):  # a replacement learns it is one from the decision
+                await self.decided.wait()
         red = self.reducers.get(req.partition)
         if red is None:
             return Ack(False, f"this member does not reduce partition {req.partition}")
@@ -748,7 +781,12 @@ class AllReduceRound:
     async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         self._sender(ctx)
         p = req.partition
-        if p >= self.n or p not in self.held or self.retired.is_set():
+        if p >= self.n:
+            return Ack(False, f"partition {p} is not held here")
+        end = self.deadline["gather"]
+        while p not in self.held and not self.retired.is_set() and trio.current_time() < end:
+            await self.changed.wait_until(end)  # answer once we hold it ourselves
+        if p not in self.held or self.retired.is_set():
             return Ack(False, f"partition {p} is not held here")
         values = self._slice(p)
         self.streaming += 1
