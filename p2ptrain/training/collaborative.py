@@ -562,11 +562,12 @@ class CollaborativeOptimizer:
                 "group": result.group_size,
                 "contributors": len(result.contributors),
                 "samples": int(result.total_weight),
+                "mine": weight if mine else 0,  # this peer's samples in the average
                 "seconds": round(result.round_seconds, 3),
                 "excluded": {p.short(): why for p, why in result.excluded.items()},
             }
         else:
-            self.stats.last = {"epoch": self.epoch, "outcome": "alone", "samples": weight}
+            self.stats.last = {"epoch": self.epoch, "outcome": "alone", "samples": weight, "mine": weight}
         self.epoch += 1
         self._state_changed()
 
@@ -577,6 +578,11 @@ class CollaborativeOptimizer:
         record = next((r.record for r in self.records if r.peer == peer), None)
         if record is None or record.epoch != self.epoch:
             return target
+        if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer
+            fastest = max((r.record.rate for r in self.records if r.record.epoch == self.epoch), default=0.0)
+            if fastest <= 0:
+                return target
+            record = dataclasses.replace(record, rate=max(fastest, self.rate.rate))
         horizon = 2 * self.config.progress.interval
         return plausible_samples(record, self.clock(), horizon, slack=target / 8)
 

@@ -82,6 +82,7 @@ class Peer:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     steps: list[tuple[int, bytes, str, float]] = field(default_factory=list)  # epoch, digest, outcome, time
     batches_before_first_step: int = 0
+    first_contribution: int = 0  # samples this peer put into its first global step
 
     def params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
@@ -131,6 +132,8 @@ class Swarm:
                 peer.batches_before_first_step += 1
             if await peer.opt.step(BATCH):
                 last = peer.opt.stats.last
+                if not peer.steps:
+                    peer.first_contribution = last.get("mine", 0)
                 peer.steps.append((peer.opt.epoch, peer.opt.digest, last["outcome"], trio.current_time()))
 
     def crash(self, peer: Peer) -> None:
@@ -184,14 +187,16 @@ async def test_sync_peers_take_identical_steps_equal_to_one_big_batch(autojump_c
 
 
 async def test_the_first_sync_step_is_the_big_batch_step() -> None:
-    """The averaged step equals one optimizer step on the sample-weighted mean of every peer's gradient."""
+    """The averaged step equals one optimizer step on the sample-weighted mean of every peer's gradient
+    (over the batches each peer had done when the group formed: later ones count toward the next step)."""
     async with swarm(run_config("sync"), sgd=True) as s:
         peers = [await s.start(compute=c) for c in (0.1, 0.2)]
         await s.until(lambda: all(p.steps for p in peers), timeout=60)
         for p in peers:
             p.scope.cancel()
         assert all(p.steps[0][2] == "averaged" for p in peers)
-        counts = [p.batches_before_first_step for p in peers]
+        counts = [p.first_contribution // BATCH for p in peers]
+        assert all(c >= 1 for c in counts), counts
         model = make_model()
         grads = []
         for i, n in enumerate(counts):
