@@ -30,6 +30,8 @@ STRIKES = 3  # rounds in a row that failed on the same peer before it is banned 
 AUDIT_WINDOW = 120.0  # seconds a round's evidence is kept for its auditors
 MAX_KEPT = 4  # rounds of evidence kept at most (each is about one copy of this member's contribution)
 FETCH_TIMEOUT = 30.0
+NOT_KEPT = "nothing kept for this round"
+ASK_AGAIN = 0.25  # seconds: a member that has not kept the round yet may still be finishing it
 MAX_BANS = 1024
 
 
@@ -109,7 +111,7 @@ class Auditor:
     async def _on_audit_slice(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         ev = self._kept.get(req.round)
         if ev is None:
-            return Ack(False, "nothing kept for this round")
+            return Ack(False, NOT_KEPT)
         if ctx.peer not in ev.peers:
             raise RemoteProtocolError(f"{ctx.peer.short()} is not a member of this round")
         me = ev.peers.index(self.host.peer_id)
@@ -168,10 +170,13 @@ class Auditor:
         try:
             with trio.fail_after(FETCH_TIMEOUT):
                 conn = await self.host.connect(self._address(ev, c))
-                async with conn.open_stream(AUDIT_SLICE, FetchReq(ev.digest, p)) as stream:
-                    data = await stream.receive_all(_limit(ev, p))
-                    ack = await stream.response()
-            return data if ack.ok else None
+                while True:
+                    async with conn.open_stream(AUDIT_SLICE, FetchReq(ev.digest, p)) as stream:
+                        data = await stream.receive_all(_limit(ev, p))
+                        ack = await stream.response()
+                    if ack.ok or ack.reason != NOT_KEPT:
+                        return data if ack.ok else None
+                    await trio.sleep(ASK_AGAIN)  # it commits the round a moment after us
         except (P2PError, trio.TooSlowError) as e:
             log.info("audit: no slice of partition %d from %s: %s", p, ev.peers[c].short(), e)
             return None
