@@ -92,6 +92,15 @@ def _parse_bans(value: bytes) -> list[tuple[PeerID, str]]:
 
 
 @dataclass
+class _Download:
+    """A state download running in the background (see ``_start_download``)."""
+
+    done: trio.Event
+    carry_from: int | None  # diloco: the epoch whose local progress is carried onto the downloaded state
+    outcome: Downloaded | P2PError | None = None
+
+
+@dataclass
 class _InFlight:
     """A round running in the background: what it averages, and its outcome once ``done``."""
 
@@ -191,6 +200,7 @@ class CollaborativeOptimizer:
         self._in_flight: _InFlight | None = None  # a round running in the background
         self._spare: list[torch.Tensor] | None = None  # sync: the accumulator the last round gave back
         self._catching_up = False
+        self._download: _Download | None = None  # a state download running in the background
         self._formed: tuple[int, SignedManifest] | None = None
         self._matchmaking = False
         self._matchmaking_scope = trio.CancelScope()
@@ -385,11 +395,13 @@ class CollaborativeOptimizer:
         self.samples += samples
         self.rate.add(samples, self.clock())
         changed = self._land()
-        if self._in_flight is not None:  # a round is in flight: nothing else may touch the state
-            return changed
+        changed = self._land_download() or changed
+        if self._in_flight is not None or self._download is not None:
+            return changed  # a round or a download is in flight: nothing else may touch the state
         view = self._update_view()
         if (view.behind or view.diverged(self.digest)) and self.clock() >= self._sync_retry_at:
-            return await self._catch_up(view) or changed
+            self._start_download(view)
+            return changed
         if self._formed is not None:
             epoch, manifest = self._formed
             self._formed = None
@@ -740,23 +752,61 @@ class CollaborativeOptimizer:
         headers = (len(entries) + 5 * len(self.params)) * 1024
         return 6 * model_bytes + headers + (1 << 20)
 
-    async def _catch_up(self, view: SwarmView) -> bool:
-        """Download the state most peers hold (we are behind, or diverged); True once applied."""
+    def _start_download(self, view: SwarmView) -> None:
+        """Download the state most peers hold (we are behind, or diverged), in the background: compute
+        goes on meanwhile, and ``step`` applies the state between two batches once it is in."""
+        assert self._nursery is not None
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
         log.info("catching up: %s", why)
+        # DiLoCo, one step behind (this peer missed the last round): its local progress since the global
+        # parameters it holds is carried onto the new ones, so the work rolls into the next round.
+        carry = self.diloco and view.behind and view.newest == self.epoch + 1
+        flight = self._download = _Download(trio.Event(), self.epoch if carry else None)
         self._catching_up = True
+
+        async def run() -> None:
+            try:
+                flight.outcome = await self.download(view)
+            except P2PError as e:
+                flight.outcome = e
+            finally:
+                flight.done.set()
+
+        self._nursery.start_soon(run)
+
+    def _land_download(self) -> bool:
+        """Apply a background download once it is in; True when the state was replaced."""
+        flight = self._download
+        if flight is None or not flight.done.is_set():
+            return False
+        self._download, self._catching_up = None, False
+        got = flight.outcome
         try:
-            got = await self.download(view)
+            if not isinstance(got, Downloaded):
+                raise got or P2PError("the download ended without an outcome")
+            local: list[torch.Tensor] = []
+            if flight.carry_from is not None:
+                local = [p - g for p, g in zip(self.params, self.global_params, strict=True)]
+            samples = self.samples
             self.restore(got.tensors, got.metadata)
         except P2PError as e:
             log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
             self._sync_retry_at = self.clock() + RETRY_SYNC
             return False
-        finally:
-            self._catching_up = False
+        carried = flight.carry_from is not None and self.epoch == flight.carry_from + 1
+        if carried:
+            with torch.no_grad():
+                for p, d in zip(self.params, local, strict=True):
+                    p.add_(d)
+            self.samples = samples
         self.stats.syncs += 1
         self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.peer.short()}
-        log.info("now on step %d (state from %s)", self.epoch, got.donor.peer.short())
+        log.info(
+            "now on step %d (state from %s)%s",
+            self.epoch,
+            got.donor.peer.short(),
+            f"; {self.samples} samples of local progress carried into it" if carried else "",
+        )
         return True
 
     async def download(self, view: SwarmView) -> Downloaded:
@@ -796,7 +846,8 @@ class SyncCollaborativeOptimizer:
                 if opt.step(len(x)):          # True when the swarm took a global step
                     print(opt.epoch, opt.stats.last)
 
-    ``step`` blocks while this peer averages with the others (sync mode) or downloads the state.
+    ``step`` blocks while this peer averages with the others when a round cannot run in the background
+    (DiLoCo without overlap); state downloads always run in the background.
     """
 
     def __init__(

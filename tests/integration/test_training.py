@@ -23,6 +23,7 @@ import trio
 
 from p2ptrain import AveragerConfig, Node, NodeConfig
 from p2ptrain.config import RunConfig
+from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.training import checkpoint, state
@@ -241,13 +242,74 @@ async def test_a_joining_peer_downloads_the_state_then_stays_identical(autojump_
         assert peers[0].opt.stats.last.get("group") == 3
 
 
+async def test_a_diloco_peer_that_missed_a_round_carries_its_work_into_the_next(
+    autojump_clock: object,
+) -> None:
+    """It downloads the new global parameters in the background (computing on meanwhile) and keeps its
+    local progress on top of them: its samples count in the next round instead of being thrown away."""
+    async with swarm(run_config("diloco", overlap=True)) as s:
+        # steps of about a second: it notices it is behind (records every 0.5 s) while one step behind
+        peers = [await s.start(compute=0.5) for _ in range(3)]
+        late = peers[2]
+        real_form_group = late.node.averager.form_group
+        missed: list[int] = []
+
+        async def left_out(*args: object, **kwargs: object) -> object:
+            if not missed and late.opt.epoch >= 1:
+                missed.append(late.opt.epoch)
+            if missed and late.opt.epoch == missed[0]:  # every group of this step forms without it
+                raise GroupFormationFailed("left out on purpose")
+            return await real_form_group(*args, **kwargs)  # type: ignore[arg-type]
+
+        late.node.averager.form_group = left_out  # type: ignore[method-assign]
+        seen: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        real_land = late.opt._land_download
+
+        def local_progress() -> tuple[int, list[torch.Tensor]]:
+            opt = late.opt
+            return opt.samples, [p.detach() - g for p, g in zip(opt.params, opt.global_params, strict=True)]
+
+        def watched() -> bool:
+            flight = late.opt._download
+            before = local_progress() if flight is not None and flight.done.is_set() else None
+            replaced = real_land()
+            if replaced and before is not None and "after" not in seen:
+                seen["before"], seen["after"] = before, local_progress()
+            return replaced
+
+        late.opt._land_download = watched  # type: ignore[method-assign]
+        await s.until(lambda: "after" in seen, timeout=120)
+        assert late.opt.stats.last["outcome"] == "synced" and late.opt.epoch == missed[0] + 1
+        (samples_before, before), (samples_after, after) = seen["before"], seen["after"]
+        assert samples_after == samples_before > 0  # the missed round's samples and those done meanwhile
+        assert any(d.abs().max() > 0 for d in after)
+        for a, b in zip(before, after, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the same progress, on the new globals
+        await s.until(
+            lambda: late.opt.stats.averaged >= 2 and peers[0].opt.epoch >= missed[0] + 3, timeout=120
+        )
+        check_identical_per_epoch(peers)
+        # its next round weighed everything it had done since the globals it missed
+        assert any(outcome == "averaged" for e, _, outcome, _ in late.steps if e > missed[0] + 1)
+
+
 async def test_a_killed_peer_costs_the_others_a_bounded_delay(autojump_clock: object) -> None:
     config = run_config("sync")
     async with swarm(config) as s:
         peers = [await s.start(compute=0.1) for _ in range(3)]
         await s.until(lambda: all(p.opt.epoch >= 2 for p in peers), timeout=60)
-        # Kill a peer while the others are matchmaking or averaging for the next step.
-        await s.until(lambda: peers[0].opt._matchmaking or peers[0].opt._formed is not None, timeout=30)
+        # Kill a peer as the others start matchmaking for the next step (on the virtual clock, groups
+        # form in no time: polling for it could miss it).
+        matchmaking = trio.Event()
+        form_group = peers[0].node.averager.form_group
+
+        async def watched(*args: object, **kwargs: object) -> object:
+            matchmaking.set()
+            return await form_group(*args, **kwargs)  # type: ignore[arg-type]
+
+        peers[0].node.averager.form_group = watched  # type: ignore[method-assign]
+        with trio.fail_after(30):
+            await matchmaking.wait()
         killed_at = trio.current_time()
         s.crash(peers[2])
         survivors = peers[:2]
