@@ -402,7 +402,9 @@ class AllReduceRound:
             await self.changed.wait_until(self.deadline["decide"])
         self._set_decision(self.coordinator.decide(), None)
         for i, (claimed, allowed) in self.coordinator.capped.items():
-            log.warning(
+            # (rates lag: honest peers overshoot a little; a liar claims far more)
+            log.log(
+                logging.WARNING if claimed > 2 * allowed else logging.INFO,
                 "round %s: %s claimed weight %g, more than its records make plausible: counted as %g",
                 self.digest.hex()[:8],
                 self.name(i),
@@ -496,6 +498,16 @@ class AllReduceRound:
                 return
             await self.changed.wait_until(self.deadline["gather"])
         red.finalize(decision.contributors, decision.weights)
+        for sender, ratio in red.outliers:
+            log.warning(
+                "round %s: the slice of partition %d from %s is an outlier (%s the median distance to "
+                "the %s result): its influence was bounded",
+                self.digest.hex()[:8],
+                p,
+                self.name(sender),
+                "NaN times" if math.isnan(ratio) else f"{ratio:.0f}x",
+                red.aggregation,
+            )
         await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
         if self.audit:
             red.attestation = self._attest(p, red, decision)

@@ -23,7 +23,7 @@ import torch
 from ..errors import RemoteProtocolError
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
-from .robust import aggregate
+from .robust import aggregate, outliers
 
 
 class PartitionReducer:
@@ -56,6 +56,7 @@ class PartitionReducer:
         self.encoded: list[bytes | memoryview] | None = None
         self.commits: dict[int, bytes] = {}  # audited rounds: sender -> its signed commitment
         self.attestation = b""  # audited rounds: this reducer's signed attestation of its result
+        self.outliers: list[tuple[int, float]] = []  # robust rules: senders far from the result (see robust)
 
     def chunk_bytes(self, index: int) -> int:
         a, b = self.spans[index]
@@ -108,6 +109,7 @@ class PartitionReducer:
         if self.aggregation != "mean":
             rows = torch.stack([self._slice_of(i) for i in contributors])
             self.acc.copy_(aggregate(self.aggregation, rows))
+            self.outliers = [(contributors[k], ratio) for k, ratio in outliers(rows, self.acc)]
             return self._publish(self.acc)
         streamed = all(self.delivered[i] == w for i, w in zip(contributors, weights, strict=True))
         if self.canonical or self.touched != set(contributors) or not streamed:

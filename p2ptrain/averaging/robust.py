@@ -23,6 +23,7 @@ import torch
 AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
 TRIM = 0.25
 CLIP_ITERATIONS = 5
+OUTLIER_FACTOR = 5.0  # a slice this many times farther from the result than the median slice is named
 
 
 def parse_aggregation(name: str) -> str:
@@ -61,6 +62,22 @@ def centered_clip(rows: torch.Tensor, iterations: int = CLIP_ITERATIONS) -> torc
         scale = torch.clamp(tau / diffs.norm(dim=1).clamp_min(1e-30), max=1.0)
         v = v + (diffs * scale.unsqueeze(1)).mean(dim=0)
     return v
+
+
+def outliers(
+    rows: torch.Tensor, result: torch.Tensor, factor: float = OUTLIER_FACTOR
+) -> list[tuple[int, float]]:
+    """The rows far from a robust ``result``: (row, its distance over the median row's distance) for
+    every row more than ``factor`` times as far as the median one (none with fewer than three rows: no
+    majority to measure against). The rule already bounded their influence; this names them."""
+    if rows.shape[0] < 3:
+        return []
+    distances = (rows - result).norm(dim=1)
+    median = distances.median()
+    if not torch.isfinite(median) or median <= 0:
+        return []
+    ratios = (distances / median).tolist()
+    return [(k, r) for k, r in enumerate(ratios) if not r <= factor]  # (a NaN distance counts as far)
 
 
 def aggregate(rule: str, rows: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ commits the same bits, and they stay close to the honest members' mean (the plai
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import pytest
 import torch
@@ -69,10 +70,17 @@ async def run_round(aggregation: str, compression: str = "none") -> tuple[list[R
 
 @pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
 @pytest.mark.parametrize("compression", ["none", "int8"])
-async def test_a_robust_round_shrugs_off_a_scaled_contribution(rule: str, compression: str) -> None:
-    results, error = await run_round(rule, compression)
+async def test_a_robust_round_shrugs_off_a_scaled_contribution(
+    rule: str, compression: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.averaging.allreduce"):
+        results, error = await run_round(rule, compression)
     assert all(len(r.contributors) == N for r in results)
     assert error.max() < 0.25, error.max()  # honest values are 1 +- 0.1 (int8 adds its own error)
+    # every reducer names the scaling member in its log, and nobody else
+    named = [r.getMessage() for r in caplog.records if "is an outlier" in r.getMessage()]
+    hostile = Identity.from_seed(hashlib.blake2b(b"r0", digest_size=32).digest()).peer_id.short()
+    assert len(named) == N and all(hostile in m for m in named), named
 
 
 async def test_the_plain_mean_is_dragged_away_by_the_same_contribution() -> None:

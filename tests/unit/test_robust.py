@@ -8,6 +8,7 @@ import torch
 from p2ptrain.averaging.robust import (
     aggregate,
     centered_clip,
+    outliers,
     parse_aggregation,
     trimmed_count,
     trimmed_mean,
@@ -45,6 +46,18 @@ def test_a_minority_of_attackers_moves_the_result_little(rule: str, attack: obje
     plain = rows.mean(dim=0)
     assert (got - good_mean).abs().max() < 0.2  # honest values are 1 +- 0.1: stays among them
     assert (plain - good_mean).abs().max() > 10  # while the plain mean is dragged away
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+@pytest.mark.parametrize(("k", "bad"), [(4, 1), (8, 2)], ids=["1-of-4", "2-of-8"])
+def test_the_attackers_and_only_they_are_named_as_outliers(rule: str, k: int, bad: int) -> None:
+    rows = honest(k) - 1.0  # centred on zero, as gradients are
+    rows[:bad] *= 100.0
+    found = outliers(rows, aggregate(rule, rows))
+    assert [row for row, _ in found] == list(range(bad))
+    assert all(ratio > 20 for _, ratio in found)
+    assert outliers(honest(k) - 1.0, aggregate(rule, honest(k) - 1.0)) == []  # honest spread: nobody
+    assert outliers(rows[:2], rows[:2].mean(dim=0)) == []  # two rows: no majority to measure against
 
 
 @pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
