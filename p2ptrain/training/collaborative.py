@@ -199,7 +199,6 @@ class CollaborativeOptimizer:
         self._snap: list[torch.Tensor] | None = None  # diloco overlap: local parameters at the snapshot
         self._in_flight: _InFlight | None = None  # a round running in the background
         self._spare: list[torch.Tensor] | None = None  # sync: the accumulator the last round gave back
-        self._catching_up = False
         self._download: _Download | None = None  # a state download running in the background
         self._formed: tuple[int, SignedManifest] | None = None
         self._matchmaking = False
@@ -500,7 +499,7 @@ class CollaborativeOptimizer:
             self._lead += LEAD_SMOOTHING * (took - self._lead)
             if self.diloco and not self.config.diloco.overlap:
                 self._formed = (epoch, manifest)  # step() runs it, with compute paused
-            elif self.epoch == epoch and self._in_flight is None and not self._catching_up:
+            elif self.epoch == epoch and self._in_flight is None and self._download is None:
                 self._start_in_background(manifest)
 
     async def _average(self, manifest: SignedManifest) -> bool:
@@ -762,7 +761,6 @@ class CollaborativeOptimizer:
         # parameters it holds is carried onto the new ones, so the work rolls into the next round.
         carry = self.diloco and view.behind and view.newest == self.epoch + 1
         flight = self._download = _Download(trio.Event(), self.epoch if carry else None)
-        self._catching_up = True
 
         async def run() -> None:
             try:
@@ -779,7 +777,7 @@ class CollaborativeOptimizer:
         flight = self._download
         if flight is None or not flight.done.is_set():
             return False
-        self._download, self._catching_up = None, False
+        self._download = None
         got = flight.outcome
         try:
             if not isinstance(got, Downloaded):
