@@ -248,8 +248,8 @@ async def test_a_diloco_peer_that_missed_a_round_carries_its_work_into_the_next(
     """It downloads the new global parameters in the background (computing on meanwhile) and keeps its
     local progress on top of them: its samples count in the next round instead of being thrown away."""
     async with swarm(run_config("diloco", overlap=True)) as s:
-        # steps of about a second: it notices it is behind (records every 0.5 s) while one step behind
-        peers = [await s.start(compute=0.5) for _ in range(3)]
+        # steps of a few seconds: it notices it is behind (records every 0.5 s) while one step behind
+        peers = [await s.start(compute=1.0) for _ in range(3)]
         late = peers[2]
         real_form_group = late.node.averager.form_group
         missed: list[int] = []
