@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import trio
 
-from ..errors import P2PError, RemoteProtocolError, RoundAborted, RoundTimedOut
+from ..errors import P2PError, RemoteCallError, RemoteProtocolError, RoundAborted, RoundTimedOut
 from ..identity import PeerID
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
@@ -57,6 +57,7 @@ from .compression import Compression, all_finite, decode, encode
 from .partition import chunks, offsets
 from .protocol import (
     FETCH,
+    LEFT_ROUND,
     PART,
     RELAY_DECISION,
     RELAY_RESULT,
@@ -343,6 +344,8 @@ class AllReduceRound:
                 log.info("%s refused my slice of partition %d: %s", self.name(to), p, ack.reason)
         except (P2PError, trio.TooSlowError) as e:
             log.info("could not deliver partition %d to %s: %s", p, self.name(to), e)
+            if isinstance(e, RemoteCallError) and e.code == LEFT_ROUND and to not in self.gone:
+                self._mark_gone(to, "it left the round before it started")  # it sends nothing either
             self.unreachable.add(to)
             if self.coordinator is not None:
                 self.coordinator.unreachable.add(to)
@@ -366,11 +369,11 @@ class AllReduceRound:
                     self.seen.add(i)
                     lost_at.pop(i, None)
                 elif i in self.seen and now - lost_at.setdefault(i, now) >= GONE_AFTER:
-                    self._mark_gone(i)
+                    self._mark_gone(i, f"no connection for {GONE_AFTER:g} s")
             await trio.sleep(WATCH_EVERY)
 
-    def _mark_gone(self, i: int) -> None:
-        log.info("%s is gone (no connection for %g s): counted as failed", self.name(i), GONE_AFTER)
+    def _mark_gone(self, i: int, why: str) -> None:
+        log.info("%s is gone (%s): counted as failed", self.name(i), why)
         self.gone.add(i)
         if self.me in self.reducers and i not in self.reducers[self.me].delivered:
             self.failed_senders.setdefault(self.me, set()).add(i)

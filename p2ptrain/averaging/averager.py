@@ -23,6 +23,7 @@ import trio
 
 from ..dht.service import DHT
 from ..errors import (
+    CallRefused,
     GroupFormationFailed,
     GroupTooSmall,
     P2PError,
@@ -44,12 +45,14 @@ from .partition import partition_sizes
 from .protocol import (
     FETCH,
     JOIN,
+    LEFT_ROUND,
     PART,
     RELAY_DECISION,
     RELAY_RESULT,
     REPORT,
     ROUND_ID_BYTES,
     Ack,
+    Decision,
     DecisionResp,
     FetchReq,
     JoinReq,
@@ -61,6 +64,7 @@ from .protocol import (
     ReportReq,
     SignedManifest,
     TensorSpec,
+    seal_decision,
 )
 from .robust import parse_aggregation
 
@@ -193,6 +197,9 @@ class Averager:
         self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
         self._pool = BufferPool()  # flat copies and accumulators, reused across rounds
         self._round_started: dict[bytes, trio.Event] = {}
+        # Rounds this member will not run -> when to forget them, and (if it coordinates them) its
+        # signed abort decision, given to the members that ask for the decision.
+        self._declined: dict[bytes, tuple[float, bytes]] = {}
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
@@ -304,6 +311,26 @@ class Averager:
         tensors = list(tensors)
         return await self._run_round(signed, tensors, *_flatten(tensors, self._pool), weight)
 
+    def decline(self, signed: SignedManifest) -> None:
+        """Take no part in the round of a formed group after all (the caller's state moved on).
+
+        The other members learn it from their first call to this member, at once, instead of waiting
+        for its slices until the scatter deadline: they leave it out and go on without it.
+        """
+        now = trio.current_time()
+        for digest in [d for d, (until, _) in self._declined.items() if until < now]:
+            del self._declined[digest]
+        abort = b""
+        if signed.manifest.peers()[0] == self.host.identity.peer_id:  # the coordinator: abort it for all
+            why = "the coordinator left the group before the round started"
+            abort = seal_decision(self.host.identity, Decision(round=signed.digest, abort=why))
+        if len(self._declined) < MAX_WAITING_CALLS:
+            self._declined[signed.digest] = (now + signed.manifest.timeout + JOIN_GRACE, abort)
+        started = self._round_started.pop(signed.digest, None)
+        if started is not None:
+            started.set()  # calls already waiting for it get the answer now
+        log.info("left the group formed for %s before its round started", signed.manifest.group_key)
+
     async def _run_round(
         self,
         signed: SignedManifest,
@@ -384,6 +411,8 @@ class Averager:
         rnd = self._rounds.get(digest)
         if rnd is not None:
             return rnd
+        if digest in self._declined:
+            raise CallRefused(LEFT_ROUND, f"this member left round {digest.hex()[:8]} before it started")
         if len(self._round_started) >= MAX_WAITING_CALLS or self._waiting[peer] >= MAX_WAITING_PER_PEER:
             raise RemoteProtocolError("unknown round (and too many calls waiting for unknown rounds)")
         event = self._round_started.setdefault(digest, trio.Event())
@@ -399,6 +428,8 @@ class Averager:
         if rnd is None:
             if not event.is_set():
                 self._round_started.pop(digest, None)
+            if digest in self._declined:
+                raise CallRefused(LEFT_ROUND, f"this member left round {digest.hex()[:8]} before it started")
             raise RemoteProtocolError(f"unknown round {digest.hex()[:8]}")
         return rnd
 
@@ -406,6 +437,8 @@ class Averager:
         return await (await self._round(req.round, ctx.peer)).on_part(ctx, req, stream)
 
     async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
+        if self._declined.get(req.round, (0.0, b""))[1]:
+            return Reply(DecisionResp(True), self._declined[req.round][1])
         return await (await self._round(req.round, ctx.peer)).on_report(ctx, req)
 
     async def _on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
@@ -414,7 +447,8 @@ class Averager:
     async def _on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
         rnd = self._rounds.get(req.round)
         if rnd is None:
-            return Reply(DecisionResp(False))
+            abort = self._declined.get(req.round, (0.0, b""))[1]
+            return Reply(DecisionResp(bool(abort)), abort)
         return await rnd.on_relay_decision(ctx, req)
 
     async def _on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
@@ -473,11 +507,13 @@ class Averager:
                     await trio.sleep(POLL)  # client-only: wait for someone to lead
                     continue
                 looking.following = leader
+                log.debug("asking %s for a place in %s", leader.peer.short(), group_key)
                 signed, why, retry = await self._follow(leader, looking)
                 looking.following = None
                 if signed is not None:
                     return signed
                 if retry:  # the leader is between states: ask again (or its own leader) shortly
+                    log.debug("%s did not admit us to %s yet: %s", leader.peer.short(), group_key, why)
                     await trio.sleep(RETRY_JOIN)
                     continue
                 declined.add(leader)
@@ -488,6 +524,9 @@ class Averager:
             raise GroupFormationFailed(
                 "no group formed in time" + (f" (refusals: {'; '.join(refusals[-4:])})" if refusals else "")
             )
+        except trio.Cancelled:
+            log.debug("stopped looking for a group in %s (cancelled)", group_key)
+            raise
         finally:
             self._looking = None
             if looking.formed is not None and not looking.formed.is_set():
@@ -627,10 +666,14 @@ class Averager:
         why = gathering.offer(Joiner(ctx.peer, req.addr, req.bandwidth), req.schema_digest)
         if why:
             return Reply(JoinResp(False, why))
+        log.debug("admitted %s to %s (%d so far)", ctx.peer.short(), req.group_key, gathering.size())
         if gathering.full():
             full.set()
         try:
             await formed.wait()
+        except trio.Cancelled:
+            log.debug("%s left %s before it formed", ctx.peer.short(), req.group_key)
+            raise
         finally:
             gathering.withdraw(ctx.peer)  # no effect once formed
         if looking.manifest is None or ctx.peer not in looking.manifest.manifest.peers():

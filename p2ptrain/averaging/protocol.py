@@ -246,6 +246,9 @@ class RelayDecisionReq(Message):
     round: bytes = bounded(max_len=16)
 
 
+LEFT_ROUND = "left_round"
+"""The error code of a call to a member that left the round before it started (see Averager.decline)."""
+
 JOIN = Method("avg.join", JoinReq, JoinResp)
 PART = Method("avg.part", PartReq, Ack, streaming=True)
 REPORT = Method("avg.report", ReportReq, DecisionResp)

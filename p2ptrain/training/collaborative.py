@@ -406,9 +406,14 @@ class CollaborativeOptimizer:
             self._formed = None
             if epoch == self.epoch:
                 return await self._average(manifest) or changed
+            self.node.averager.decline(manifest)
         if not self._matchmaking and self.clock() >= self._retry_at:
             if view.peers > 1 and view.samples + view.rate * self._lead >= view.target:
-                self._start_matchmaking()  # early by the time groups take to form: the round starts on target
+                # Early by the time groups take to form: the round starts on target. Not before this
+                # peer's first batch (just synced): it would have nothing to send, and its group would
+                # wait for it in vain.
+                if self.samples > 0:
+                    self._start_matchmaking()
             elif view.peers <= 1 and view.ready and self._may_step_alone(view):
                 self._solo_step()
                 return True
@@ -501,6 +506,8 @@ class CollaborativeOptimizer:
                 self._formed = (epoch, manifest)  # step() runs it, with compute paused
             elif self.epoch == epoch and self._in_flight is None and self._download is None:
                 self._start_in_background(manifest)
+            else:  # the state moved on meanwhile: tell the group at once rather than let it wait for us
+                self.node.averager.decline(manifest)
 
     async def _average(self, manifest: SignedManifest) -> bool:
         """DiLoCo without overlap: run the formed group's round now, compute paused; apply it if it
@@ -621,8 +628,9 @@ class CollaborativeOptimizer:
         """
         assert self._nursery is not None
         weight = self.samples
-        if weight <= 0:
-            return  # nothing to contribute yet: the group goes on without us, we catch up after
+        if weight <= 0:  # nothing to contribute (not expected: matchmaking waits for a first batch)
+            self.node.averager.decline(manifest)
+            return
         if self.diloco:
             self._pseudo_gradients()
             tensors = self.averaged

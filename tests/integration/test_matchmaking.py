@@ -17,7 +17,8 @@ import torch
 import trio
 
 from p2ptrain import AveragerConfig, GroupTooSmall, Node, NodeConfig, RoundResult, SchemaMismatch
-from p2ptrain.errors import GroupFormationFailed
+from p2ptrain.averaging.protocol import SignedManifest
+from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 
@@ -169,3 +170,53 @@ async def test_rounds_reuse_their_buffers(autojump_clock):
     # every member got its flat copy and accumulator back, and the second round used those very buffers
     assert all(len(k) == 2 for k in after_first), after_first
     assert after_second == after_first
+
+
+
+@pytest.mark.parametrize("who", ["a member", "the coordinator"])
+async def test_a_member_that_declines_its_group_is_left_out_at_once(autojump_clock, who):
+    """A member whose state moved on after its group formed declines the round: the others learn it
+    from their first call to it, instead of waiting for its slices until the scatter deadline. Without
+    a member, they finish without it; without the coordinator, they get its signed abort."""
+    async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
+        inputs = [tensors_of(i) for i in range(3)]
+        signed: list[SignedManifest] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+
+                    async def form(i: int = i) -> None:
+                        signed.append(await nodes[i].averager.form_group(inputs[i], timeout=20.0))
+
+                    nursery.start_soon(form)
+        assert len({s.digest for s in signed}) == 1
+        order = signed[0].manifest.peers()
+        gone = order[0] if who == "the coordinator" else order[1]
+        stay = [i for i, n in enumerate(nodes) if n.peer_id != gone]
+        quitter = next(n for n in nodes if n.peer_id == gone)
+        quitter.averager.decline(signed[0])
+        results: dict[int, RoundResult | RoundAborted] = {}
+        began = trio.current_time()
+
+        async def run(i: int) -> None:
+            try:
+                results[i] = await nodes[i].averager.run_round(signed[0], inputs[i])
+            except RoundAborted as e:
+                results[i] = e
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in stay:
+                    nursery.start_soon(run, i)
+        took = trio.current_time() - began
+    round_wait = 10.0  # what a member that never heard of the round would make the others wait
+    assert took < round_wait / 4, took
+    for i in stay:
+        r = results[i]
+        if who == "the coordinator":
+            assert isinstance(r, RoundAborted) and "coordinator left" in str(r), r
+            assert torch.equal(inputs[i][0], torch.full((1000,), float(i)))  # its tensors untouched
+        else:
+            assert isinstance(r, RoundResult) and len(r.contributors) == 2 and gone in r.excluded, r
+            mean = sum(float(j) for j in stay) / 2  # the mean of the two that stayed
+            assert torch.equal(r.tensors[0], torch.full((1000,), mean))
