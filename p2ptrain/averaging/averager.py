@@ -5,6 +5,10 @@ group key, follows or leads (see ``matchmaking``), checks the signed manifest ag
 before sending anything, and runs the round (see ``allreduce``). Outcomes are typed: a
 :class:`RoundResult`, or :class:`GroupTooSmall`, :class:`SchemaMismatch`, :class:`GroupFormationFailed`,
 :class:`RoundAborted` / :class:`RoundTimedOut`; in every error case the caller's tensors are unchanged.
+
+A training loop that overlaps averaging with compute splits the call: ``form_group`` (matchmaking
+only), then ``run_round`` with the manifest; if its state moved on in between it calls ``decline``
+instead, so that the group learns at once that this member will not take part.
 """
 
 from __future__ import annotations
