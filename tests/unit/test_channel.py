@@ -357,3 +357,44 @@ async def test_secure_channel_keys_are_per_direction(autojump_clock: trio.testin
         await a.aclose()
         with pytest.raises(ConnectionClosed):
             await reflector.receive_frame()
+
+
+async def test_over_tcp_a_large_frame_in_pieces_then_a_small_record_arrive() -> None:
+    """Over a real TCP socket, the reader of a large frame asks to be woken only once much of the rest
+    is buffered (SO_RCVLOWAT): a frame that arrives in pieces still comes whole, and a small record sent
+    after it is not held back (between frames the threshold is one byte again). Real time: a reader
+    stuck waiting for bytes that never come fails at the deadline."""
+    a_keys, b_keys = handshake_keys()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    cipher = FrameCipher(a_keys.send_key)  # the sender's side, sealed by hand to send it in pieces
+
+    def frame(header: bytes, body: bytes) -> bytes:
+        sealed = cipher.seal(encode_record(header, body))
+        return LENGTH.pack(len(sealed)) + sealed
+
+    body = bytes(range(256)) * 4096  # 1 MiB
+    big = frame(b"big", body)
+    got: list[tuple[bytes, bytes]] = []
+    with trio.fail_after(10):
+        raw = await trio.open_tcp_stream("127.0.0.1", port)
+        receiver = SecureChannel(FramedStream(await listeners[0].accept()), b_keys)
+        assert receiver.framed._sock is not None  # the recv_into path is the one under test
+
+        async def read(n: int) -> None:
+            for _ in range(n):
+                got.append(tuple(map(bytes, await receiver.receive())))  # type: ignore[arg-type]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, 2)
+            await raw.send_all(big[:300_000])
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits for the rest of the frame
+            await raw.send_all(big[300_000:])
+            while not got:
+                await trio.testing.wait_all_tasks_blocked()
+            await raw.send_all(frame(b"small", b"x"))  # to a reader waiting on an empty socket
+        await raw.aclose()
+        await receiver.aclose()
+        for listener in listeners:
+            await listener.aclose()
+    assert got == [(b"big", body), (b"small", b"x")]
