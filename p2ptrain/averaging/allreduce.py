@@ -57,6 +57,7 @@ from .compression import Compression, all_finite, decode, encode
 from .partition import chunks, offsets
 from .protocol import (
     FETCH,
+    FETCH_EARLY,
     LEFT_ROUND,
     PART,
     RELAY_DECISION,
@@ -182,8 +183,17 @@ class AllReduceRound:
         self.sent: dict[int, tuple[list[bytes], bytes]] = {}  # audited: partition -> (pieces, commitment)
         self.local: dict[int, bytes] = {}  # audited: partition reduced here -> own raw slice
         self.attestations: dict[int, bytes] = {}
+        # Pipelined rounds (plain means, not audited): each reducer serves its partition's mean chunk by
+        # chunk while the scatter is still running, and members fetch it early (see on_fetch_early).
+        self.pipelined = m.aggregation == "mean" and not self.audit
+        self.early_done: dict[int, trio.Event] = {}  # partition -> its early fetch has ended
+        self.early_scopes: dict[int, trio.CancelScope] = {}
+        self.overwritten: set[int] = set()  # partitions whose early results overwrote our own values
+        self.published = _Signal()  # a reducer here published early chunks, decided, or retired
         if self.sizes[self.me] > 0:
             self.reducers[self.me] = self._new_reducer(self.me, weight)
+            if self.pipelined:
+                self.reducers[self.me].expect(range(self.n))
         self.scatter_open = True
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
         self.unreachable: set[int] = set()  # reducers my slices could not reach
@@ -244,6 +254,7 @@ class AllReduceRound:
             red.drop()
         self.retired.set()
         self.changed.fire()
+        self.published.fire()
         self._release()
 
     def _release(self) -> None:
@@ -263,7 +274,22 @@ class AllReduceRound:
 
     def _own(self, p: int) -> torch.Tensor:
         """This member's own values in partition ``p`` (what it sends)."""
+        if p in self.overwritten:  # early results went where we send from: take them from the tensors
+            return self._own_from_tensors(p)
         return self.source[self.offsets[p] : self.offsets[p + 1]]
+
+    def _own_from_tensors(self, p: int) -> torch.Tensor:
+        """Our values of partition ``p`` as float32, from the caller's tensors (left alone until commit)."""
+        lo, hi = self.offsets[p], self.offsets[p + 1]
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        off = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                a, b = max(lo, off), min(hi, off + t.numel())
+                if a < b:
+                    out[a - lo : b - lo].copy_(t.detach().reshape(-1)[a - off : b - off])
+                off += t.numel()
+        return out
 
     def _slice(self, p: int) -> torch.Tensor:
         """Where partition ``p``'s average goes (the same memory as ``_own`` unless a source was given)."""
@@ -286,6 +312,23 @@ class AllReduceRound:
                 self.done.set()
 
     async def _run(self) -> RoundResult:
+        failure: Exception | None = None
+        async with trio.open_nursery() as early:
+            if self.pipelined:
+                for p, size in enumerate(self.sizes):
+                    if size > 0 and p != self.me:
+                        self.early_done[p], self.early_scopes[p] = trio.Event(), trio.CancelScope()
+                        early.start_soon(self._fetch_early, p)
+            try:
+                result = await self._phases()
+            except Exception as e:  # raised as itself, not inside the nursery's exception group
+                failure = e
+            early.cancel_scope.cancel()  # (a gather waits for its early fetch: none is left after one)
+        if failure is not None:
+            raise failure
+        return result
+
+    async def _phases(self) -> RoundResult:
         n = sum(x > 0 for x in self.sizes)
         log.debug("round %s: scattering to %d reducers", self.digest.hex()[:8], n)
         await self._point("before_send")
@@ -305,6 +348,10 @@ class AllReduceRound:
         self._mark("decided")
         if decision.abort:
             raise RoundAborted(f"round aborted by the coordinator: {decision.abort}")
+        for f in decision.failed:  # its reducer failed: whatever it served early is void
+            if f in self.early_scopes:
+                self.early_scopes[f].cancel()
+                await self.early_done[f].wait()
         async with trio.open_nursery() as nursery:
             if self.me in decision.contributors:
                 for f, r in zip(decision.failed, decision.replacements, strict=True):
@@ -425,6 +472,7 @@ class AllReduceRound:
             self._prepare_replacements(decision)
         self.decided.set()
         self.changed.fire()
+        self.published.fire()
 
     async def _obtain_decision(self) -> Decision:
         if self.me != 0:
@@ -555,6 +603,19 @@ class AllReduceRound:
                 await event.wait()
             return
         self.progress[p] = trio.current_time()
+        if p in self.early_done:
+            # The early fetch confirms once its reducer has the decision: wait while it makes progress.
+            done = self.early_done[p]
+            while holder == p and not done.is_set():
+                stalled_at = min(self.progress[p] + STALLED_AFTER, self.deadline["gather"])
+                if trio.current_time() >= stalled_at:
+                    break
+                with trio.move_on_at(stalled_at):
+                    await done.wait()
+            self.early_scopes[p].cancel()
+            await done.wait()
+            if p in self.held:
+                return
         direct_failed = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._fetch_from_holder, nursery.cancel_scope, p, holder, direct_failed)
@@ -636,6 +697,39 @@ class AllReduceRound:
             return False
         self.changed.fire()
         return True
+
+    async def _fetch_early(self, p: int) -> None:
+        """Fetch partition ``p``'s mean from its reducer chunk by chunk while the scatter runs, into
+        ``flat``; held once the reducer confirms the chunks are the round's result (else the gather
+        fetches it again)."""
+        target, spans = self._slice(p), list(chunks(self.sizes[p], self.mode))
+        got = 0
+        try:
+            with (
+                self.early_scopes[p],
+                trio.fail_after(max(0.0, self.deadline["gather"] - trio.current_time())),
+            ):
+                conn = await self.host.connect(self.manifest.members[p].addr)
+                async with conn.open_stream(
+                    FETCH_EARLY, FetchReq(self.digest, p), timeout=_left(self.deadline["gather"])
+                ) as stream:
+                    for a, b in spans:
+                        data = await stream.receive_some()
+                        if not data:
+                            break
+                        if self.source is self.flat:
+                            self.overwritten.add(p)
+                        _store(target[a:b], data, self.mode)
+                        self.progress[p] = trio.current_time()
+                        got += 1
+                    ack = await stream.response()
+                if ack.ok and got == len(spans):
+                    self.held.add(p)
+                    self.changed.fire()
+        except (P2PError, trio.TooSlowError) as e:
+            log.debug("no early result of partition %d from %s: %s", p, self.name(p), e)
+        finally:
+            self.early_done[p].set()
 
     def blame(self) -> dict[PeerID, str]:
         """After an abort: the members this round failed on, as far as this member can tell (the
@@ -726,7 +820,8 @@ class AllReduceRound:
                     return Ack(False, "too late: this reducer already reported")
                 if red.result is not None:
                     return Ack(False, "too late: the partition is reduced")
-                red.add_chunk(sender, index, data, req.weight)
+                if red.add_chunk(sender, index, data, req.weight):
+                    self.published.fire()
                 if hasher is not None:
                     hasher.update(data)
                 if index == 0:
@@ -792,6 +887,43 @@ class AllReduceRound:
             self._release()
         self._served(member)
         return Ack(True, attestation=red.attestation)
+
+    async def on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        """Serve this reducer's partition chunk by chunk as each is published (every member's copy of it
+        is in), then answer, once the decision is in, whether those chunks are the result. They are
+        unless the decision leaves someone out or changes a weight; then the member fetches again."""
+        member = self._sender(ctx)
+        p = req.partition
+        red = self.reducers.get(p)
+        if p != self.me or red is None or red.early is None:
+            return Ack(False, f"no early results of partition {p} here")
+        end = self.deadline["gather"]
+        sent = 0
+        self.streaming += 1
+        try:
+            while sent < len(red.spans):
+                while red.ready <= sent and self.decision is None and trio.current_time() < end:
+                    if self.retired.is_set():
+                        break
+                    await self.published.wait_until(end)
+                if red.ready <= sent or red.early_final is False or self.reducers.get(p) is not red:
+                    break  # no more will be published (the decision is in), or they are void
+                assert red.early is not None
+                await stream.send(red.early[sent])
+                if sent == 0:
+                    await self._point("during_gather")
+                sent += 1
+            if sent == len(red.spans):
+                with trio.move_on_at(end):
+                    await self.finalized.setdefault(p, trio.Event()).wait()
+            await stream.send_eof()
+        finally:
+            self.streaming -= 1
+            self._release()
+        if sent == len(red.spans) and red.early_final and not self.retired.is_set():
+            self._served(member)
+            return Ack(True)
+        return Ack(False, f"the early results of partition {p} are not the round's; fetch it again")
 
     async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         self._sender(ctx)

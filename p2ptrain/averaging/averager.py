@@ -48,6 +48,7 @@ from .matchmaking import Announcement, Gathering, Joiner, choose_leader
 from .partition import partition_sizes
 from .protocol import (
     FETCH,
+    FETCH_EARLY,
     JOIN,
     LEFT_ROUND,
     PART,
@@ -204,6 +205,9 @@ class Averager:
         # Rounds this member will not run -> when to forget them, and (if it coordinates them) its
         # signed abort decision, given to the members that ask for the decision.
         self._declined: dict[bytes, tuple[float, bytes]] = {}
+        # Rounds over here -> when to forget them, and their signed decision: a member may still ask
+        # for it (it fetched its results early, and this member served the last of its fetches first).
+        self._decided: dict[bytes, tuple[float, bytes]] = {}
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
@@ -216,6 +220,7 @@ class Averager:
         reg.add_stream(PART, self._on_part)
         reg.add_unary(REPORT, self._on_report)
         reg.add_stream(FETCH, self._on_fetch)
+        reg.add_stream(FETCH_EARLY, self._on_fetch_early)
         reg.add_unary(RELAY_DECISION, self._on_relay_decision)
         reg.add_stream(RELAY_RESULT, self._on_relay_result)
 
@@ -407,6 +412,11 @@ class Averager:
             await rnd.done.wait()
         self._rounds.pop(rnd.digest, None)
         rnd.retire()
+        now = trio.current_time()
+        for digest in [d for d, (until, _) in self._decided.items() if until < now]:
+            del self._decided[digest]
+        if rnd.decision_bytes and len(self._decided) < MAX_WAITING_CALLS:
+            self._decided[rnd.digest] = (rnd.end + JOIN_GRACE, rnd.decision_bytes)
 
     async def _round(self, digest: bytes, peer: PeerID) -> AllReduceRound:
         """The round ``digest``, waiting a little for it to start: a member may call us before our own
@@ -440,19 +450,26 @@ class Averager:
     async def _on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
         return await (await self._round(req.round, ctx.peer)).on_part(ctx, req, stream)
 
+    def _known_decision(self, digest: bytes) -> bytes:
+        """The signed decision of a round declined or over here, if it had one (else empty)."""
+        return self._declined.get(digest, (0.0, b""))[1] or self._decided.get(digest, (0.0, b""))[1]
+
     async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
-        if self._declined.get(req.round, (0.0, b""))[1]:
-            return Reply(DecisionResp(True), self._declined[req.round][1])
+        if req.round not in self._rounds and (decision := self._known_decision(req.round)):
+            return Reply(DecisionResp(True), decision)
         return await (await self._round(req.round, ctx.peer)).on_report(ctx, req)
 
     async def _on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         return await (await self._round(req.round, ctx.peer)).on_fetch(ctx, req, stream)
 
+    async def _on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        return await (await self._round(req.round, ctx.peer)).on_fetch_early(ctx, req, stream)
+
     async def _on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
         rnd = self._rounds.get(req.round)
         if rnd is None:
-            abort = self._declined.get(req.round, (0.0, b""))[1]
-            return Reply(DecisionResp(bool(abort)), abort)
+            decision = self._known_decision(req.round)
+            return Reply(DecisionResp(bool(decision)), decision)
         return await rnd.on_relay_decision(ctx, req)
 
     async def _on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:

@@ -57,6 +57,14 @@ class PartitionReducer:
         self.commits: dict[int, bytes] = {}  # audited rounds: sender -> its signed commitment
         self.attestation = b""  # audited rounds: this reducer's signed attestation of its result
         self.outliers: list[tuple[int, float]] = []  # robust rules: senders far from the result (see robust)
+        # Early results (see expect): chunks of the mean published before the decision.
+        self._expected: tuple[int, ...] | None = None
+        self._counts: dict[int, int] = {}  # sender -> chunks of its slice added so far
+        self._weights: dict[int, float] = {}  # sender -> the weight it sent with its slice
+        self._total = 0.0
+        self._divided = 0  # chunks of ``acc`` divided in place (published early): a sum no longer
+        self.early: list[bytes | memoryview] | None = None  # encoded mean chunks published so far
+        self.early_final: bool | None = None  # set by finalize: are the early chunks the result?
 
     def chunk_bytes(self, index: int) -> int:
         a, b = self.spans[index]
@@ -73,11 +81,26 @@ class PartitionReducer:
         self.touched.add(sender)
         self._kept[sender] = [values]
         self.delivered[sender] = weight
+        self._counts[sender], self._weights[sender] = len(self.spans), weight
+        self._advance()
 
-    def add_chunk(self, sender: int, index: int, data: memoryview, weight: float) -> None:
-        """Chunk ``index`` of ``sender``'s slice; raises RemoteProtocolError if it is malformed."""
-        if not 0 <= index < len(self.spans):
-            raise RemoteProtocolError("more chunks than the partition has")
+    def expect(self, senders: Sequence[int]) -> None:
+        """Publish the mean chunk by chunk, before any decision (plain means only): chunk k goes to
+        ``early`` once every one of ``senders`` has sent chunk k, divided by the sum of their weights.
+        Those chunks are the result only if the decision names exactly these senders with the weights
+        they sent; ``finalize`` says so in ``early_final`` (else it recomputes, and the early chunks are
+        void). No chunk can change once published: each sender sends each chunk once, in order."""
+        if self.aggregation != "mean" or self.canonical:
+            return
+        self._expected = tuple(sorted(senders))
+        self.early = []
+        self._advance()
+
+    def add_chunk(self, sender: int, index: int, data: memoryview, weight: float) -> bool:
+        """Chunk ``index`` of ``sender``'s slice; raises RemoteProtocolError if it is malformed.
+        Returns whether early chunks were published (see expect)."""
+        if not 0 <= index < len(self.spans) or index != self._counts.get(sender, 0):
+            raise RemoteProtocolError("a chunk out of order, or more chunks than the partition has")
         a, b = self.spans[index]
         if len(data) != encoded_size(self.mode, b - a):
             raise RemoteProtocolError(
@@ -86,6 +109,35 @@ class PartitionReducer:
         self._add(index, data, weight)
         self.touched.add(sender)
         self._kept.setdefault(sender, []).append(data)
+        self._counts[sender], self._weights[sender] = index + 1, weight
+        return self._advance()
+
+    def _advance(self) -> bool:
+        """Publish the early chunks every expected sender has now sent; True if there were any."""
+        if self._expected is None or self.early is None or self.result is not None:
+            return False
+        ready = min(self._counts.get(i, 0) for i in self._expected)
+        if ready <= len(self.early):
+            return False
+        if len(self.early) == 0:  # summed in member order, as finalize sums the decision's weights
+            self._total = sum(self._weights[i] for i in self._expected)
+        for a, b in self.spans[len(self.early) : ready]:
+            mean = self.acc[a:b].div_(self._total)
+            self._divided += 1
+            if self.mode is Compression.NONE:
+                self.early.append(_view(mean))
+                continue
+            try:
+                self.early.append(encode(mean, self.mode))
+            except ValueError:  # the sum overflowed: no early results (finalize decides what happens)
+                self.early = None
+                return True
+        return True
+
+    @property
+    def ready(self) -> int:
+        """How many early chunks are published."""
+        return 0 if self.early is None else len(self.early)
 
     def _add(self, index: int, data: memoryview, weight: float) -> None:
         """Add a well-sized chunk's values times ``weight``; nothing is added if any value is bad."""
@@ -111,8 +163,25 @@ class PartitionReducer:
             self.acc.copy_(aggregate(self.aggregation, rows))
             self.outliers = [(contributors[k], ratio) for k, ratio in outliers(rows, self.acc)]
             return self._publish(self.acc)
+        if self._expected is not None:
+            self.early_final = (
+                self.early is not None
+                and len(self.early) == len(self.spans)
+                and tuple(contributors) == self._expected
+                and all(
+                    self._weights[i] == self.delivered[i] == w
+                    for i, w in zip(contributors, weights, strict=True)
+                )
+                and sum(weights) == self._total
+            )
+            if self.early_final:  # the chunks already published are the mean: acc holds them too
+                assert self.early is not None
+                self._kept.clear()
+                self.encoded = self.early
+                self.result = self.acc if self.mode is Compression.NONE else self._decoded(self.early)
+                return self.result
         streamed = all(self.delivered[i] == w for i, w in zip(contributors, weights, strict=True))
-        if self.canonical or self.touched != set(contributors) or not streamed:
+        if self.canonical or self.touched != set(contributors) or not streamed or self._divided:
             self.acc.zero_()
             for i, w in zip(contributors, weights, strict=True):
                 self._replay(i, w)
@@ -125,10 +194,12 @@ class PartitionReducer:
             self.encoded = [_view(mean[a:b]) for a, b in self.spans]
         else:
             self.encoded = [bytes(encode(mean[a:b].contiguous(), self.mode)) for a, b in self.spans]
-            self.result = torch.cat(
-                [decode(e, self.mode, b - a) for e, (a, b) in zip(self.encoded, self.spans, strict=True)]
-            )
+            self.result = self._decoded(self.encoded)
         return self.result
+
+    def _decoded(self, encoded: Sequence[bytes | memoryview]) -> torch.Tensor:
+        """The values members hold after decoding ``encoded`` (the compressed mean, chunk by chunk)."""
+        return torch.cat([decode(e, self.mode, b - a) for e, (a, b) in zip(encoded, self.spans, strict=True)])
 
     def _slice_of(self, sender: int) -> torch.Tensor:
         """A sender's whole slice as float32 (its kept chunks decoded; they were checked on arrival)."""
@@ -155,6 +226,7 @@ class PartitionReducer:
         self._kept.clear()
         self.encoded = None
         self.result = None
+        self.early = None
 
 
 def _view(t: torch.Tensor) -> memoryview:

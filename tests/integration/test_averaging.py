@@ -364,6 +364,42 @@ async def test_randomized_fault_trials_never_diverge_or_hang(autojump_clock):
     assert verdicts["commit"] > 0 and verdicts["abort"] > 0, verdicts
 
 
+async def test_members_hold_the_mean_before_the_decision_which_only_confirms_it(autojump_clock):
+    """The gather is pipelined behind the scatter: while the coordinator holds its decision back, every
+    member already has each other partition's final bits, and after the decision no bulk data moves."""
+    n = 4
+    async with open_group(n) as group:
+        originals = [make_tensors(i, [(150_001,), (5, 3)], [torch.float32] * 2) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        early: dict[int, torch.Tensor] = {}
+        sent_at_decision: list[int] = []
+
+        def sent() -> int:
+            return sum(c.bytes_sent for peer in group.peers for c in peer.host.connections())
+
+        async def hold_decision(rnd: AllReduceRound, name: str) -> None:
+            if name == "decide":
+                await trio.sleep(5.0)  # the members fetch meanwhile
+                for i, peer in enumerate(group.peers[1:], start=1):
+                    early[i] = peer.averager._rounds[rnd.digest].flat.clone()
+                sent_at_decision.append(sent())
+
+        group.peers[0].averager.fault = hold_decision
+        signed = sign_manifest(group.peers, inputs[0])
+        with trio.fail_after(60):
+            outcomes = await run_round(group, signed, inputs, [1.0, 2.0, 3.0, 4.0])
+        assert check_invariant(originals, inputs, [1.0, 2.0, 3.0, 4.0], outcomes) == "commit"
+        after = sent() - sent_at_decision[0]
+    sizes = signed.manifest.sizes
+    bounds = [sum(sizes[:p]) for p in range(n + 1)]
+    for i, flat in early.items():
+        final = torch.cat([t.reshape(-1) for t in inputs[i]])
+        for p in range(n):
+            if p != i:  # (its own partition it reduces itself, once the decision is in)
+                assert torch.equal(flat[bounds[p] : bounds[p + 1]], final[bounds[p] : bounds[p + 1]]), (i, p)
+    assert after < 4 * min(sizes) / 10, f"{after} bytes sent after the decision"
+
+
 @pytest.mark.parametrize("victim", [1, 3])
 async def test_a_dead_member_costs_the_others_its_grace_not_the_phase_deadline(autojump_clock, victim):
     from p2ptrain.averaging.allreduce import GONE_AFTER, SCATTER

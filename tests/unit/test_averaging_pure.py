@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2ptrain.averaging.agreement import Coordinator, excluded_reasons
-from p2ptrain.averaging.compression import Compression
+from p2ptrain.averaging.compression import Compression, encode
 from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner, choose_leader
 from p2ptrain.averaging.partition import chunks, offsets, partition_sizes, wire_bytes
 from p2ptrain.averaging.protocol import (
@@ -338,3 +338,72 @@ def test_reducer_refuses_malformed_chunks_without_touching_the_sum():
     with pytest.raises(RemoteProtocolError):
         red.add_chunk(1, 0, nan, 1.0)
     assert not red.touched and torch.equal(red.acc, torch.zeros(10))
+
+
+def _feed(red: PartitionReducer, sender: int, x: torch.Tensor, w: float, upto: int | None = None) -> None:
+    """Add ``sender``'s slice ``x`` chunk by chunk (the first ``upto`` chunks only, if given)."""
+    for index, (a, b) in enumerate(red.spans[:upto]):
+        red.add_chunk(sender, index, memoryview(bytearray(encode(x[a:b].contiguous(), red.mode))), w)
+    if upto is None:
+        red.complete(sender, w)
+
+
+@pytest.mark.parametrize("mode", [Compression.NONE, Compression.FP16, Compression.INT8])
+def test_reducer_publishes_each_chunk_once_every_member_sent_it_and_that_is_the_result(mode):
+    size = 2 * MAX_CHUNK + 12_345  # three chunks at least, in every mode
+    xs = [torch.randn(size, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    red, plain = PartitionReducer(size, mode), PartitionReducer(size, mode)
+    red.expect([0, 1, 2])
+    assert len(red.spans) >= 3 and red.ready == 0
+    for r in (red, plain):
+        r.add_local(0, xs[0], 1.0)
+        _feed(r, 1, xs[1], 2.0)
+    assert red.ready == 0  # member 2 sent nothing yet
+    _feed(red, 2, xs[2], 3.0, upto=1)
+    assert red.ready == 1 and red.early is not None
+    _feed(plain, 2, xs[2], 3.0)
+    for index, (a, b) in enumerate(red.spans[1:], start=1):
+        red.add_chunk(2, index, memoryview(bytearray(encode(xs[2][a:b].contiguous(), mode))), 3.0)
+        assert red.ready == index + 1
+    red.complete(2, 3.0)
+    got = red.finalize([0, 1, 2], [1.0, 2.0, 3.0])
+    want = plain.finalize([0, 1, 2], [1.0, 2.0, 3.0])
+    assert red.early_final is True
+    assert torch.equal(got, want)  # the same bits as reducing after the decision
+    assert [bytes(e) for e in red.encoded or []] == [bytes(e) for e in plain.encoded or []]
+    torch.testing.assert_close(got, (xs[0] + 2 * xs[1] + 3 * xs[2]) / 6, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    ("contributors", "weights"),
+    [([0, 1], [1.0, 2.0]), ([0, 1, 2], [1.0, 2.0, 2.5])],
+    ids=["a member left out", "a weight capped"],
+)
+def test_early_chunks_are_void_when_the_decision_differs_and_the_mean_is_recomputed(contributors, weights):
+    size = MAX_CHUNK // 4 + 1000  # two chunks
+    xs = [torch.randn(size, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    red = PartitionReducer(size, Compression.NONE)
+    red.expect([0, 1, 2])
+    red.add_local(0, xs[0], 1.0)
+    _feed(red, 1, xs[1], 2.0)
+    _feed(red, 2, xs[2], 3.0)
+    assert red.ready == len(red.spans)  # everything was published early, divided in place
+    got = red.finalize(contributors, weights)
+    assert red.early_final is False
+    clean = PartitionReducer(size, Compression.NONE)
+    for i, w in zip(contributors, weights, strict=True):
+        if i == 0:
+            clean.add_local(0, xs[0], w)
+        else:
+            _feed(clean, i, xs[i], w)
+    assert torch.equal(got, clean.finalize(contributors, weights))
+    want = sum(w * xs[i] for i, w in zip(contributors, weights, strict=True)) / sum(weights)
+    torch.testing.assert_close(got, want)
+
+
+def test_reducer_refuses_a_chunk_out_of_order():
+    red = PartitionReducer(MAX_CHUNK // 4 + 10, Compression.NONE)
+    red.expect([0, 1])
+    with pytest.raises(RemoteProtocolError, match="out of order"):
+        red.add_chunk(1, 1, memoryview(bytearray(40)), 1.0)
+    assert not red.touched and red.ready == 0
