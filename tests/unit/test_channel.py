@@ -6,6 +6,8 @@ virtual clock jumps straight to the ``fail_after`` deadline and the test fails a
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import trio
 import trio.testing
@@ -17,6 +19,7 @@ from p2ptrain.net.channel import (
     MAX_CHUNK,
     MAX_FRAME,
     TAG_BYTES,
+    UNSENT_BYTES,
     FrameCipher,
     FramedStream,
     SecureChannel,
@@ -398,3 +401,20 @@ async def test_over_tcp_a_large_frame_in_pieces_then_a_small_record_arrive() -> 
         for listener in listeners:
             await listener.aclose()
     assert got == [(b"big", body), (b"small", b"x")]
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="no TCP_NOTSENT_LOWAT here")
+async def test_over_tcp_the_kernel_may_hold_a_whole_frame_not_yet_sent() -> None:
+    """trio lets a TCP socket hold only 16 KiB not yet sent, which starves a bulk stream whenever the
+    event loop is a little late; a framed stream raises that to a whole frame, on both ends."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(10):
+        dialed = FramedStream(await trio.open_tcp_stream("127.0.0.1", port))
+        accepted = FramedStream(await listeners[0].accept())
+        for framed in (dialed, accepted):
+            sock = framed.stream.socket  # type: ignore[attr-defined]
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == UNSENT_BYTES >= MAX_CHUNK
+            await framed.stream.aclose()
+        for listener in listeners:
+            await listener.aclose()
