@@ -282,6 +282,7 @@ class Plan:
     hivemind_dial: str  # "auto" (quick: try without first), "always", "never"
     start_timeout: float = 180.0  # a peer's start (hivemind: a Go daemon, a DHT, an averager process)
     ready_timeout: float = 120.0  # from the previous round to every peer ready (hivemind: matchmaking)
+    congestion: str | None = None  # TCP congestion control in the lab (None: the namespaces' default)
 
 
 def mb_of(sc: Scenario, plan: Plan) -> float:
@@ -323,7 +324,8 @@ def run_peers(
     ]
     began = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        lab = stack.enter_context(NetnsLab(sc.peers, sc.rate_mbit)) if sc.netns else None
+        lab = NetnsLab(sc.peers, sc.rate_mbit, congestion=plan.congestion) if sc.netns else None
+        congestion = stack.enter_context(lab).congestion_control(0) if lab else None
         logdir = os.environ.get("BENCH_LOGDIR") or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="bench-allreduce-")
         )
@@ -375,7 +377,7 @@ def run_peers(
             tails = {p.name: p.log_tail() for p in peers}
             raise PeerFailure(f"{type(e).__name__}: {e}", tails) from e
     notes = sorted({str(n) for m in hello for n in m.get("notes") or ()})
-    return {"setup_s": setup_s, "rounds": rounds, "mb": mb, "notes": notes}
+    return {"setup_s": setup_s, "rounds": rounds, "mb": mb, "notes": notes, "congestion": congestion}
 
 
 class PeerFailure(RuntimeError):
@@ -395,6 +397,7 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         "mb": raw["mb"],
         "bytes_per_peer": nbytes,
         "compression": sc.compression,
+        "tcp_congestion": raw.get("congestion"),
         "setup_s": round(raw["setup_s"], 3),
         "first_round_s": round(times[0], 4),
         "median_s": round(median, 4),
@@ -649,14 +652,26 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="hivemind peers dial each other first (auto: in the lab; quick runs try without)",
     )
+    parser.add_argument(
+        "--congestion",
+        metavar="NAME",
+        help="TCP congestion control in the netns lab, e.g. cubic or bbr (default: the system's)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the JSON report here instead of stdout")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
     plan = Plan(
-        args.scenario, args.systems, args.rounds, args.quick, args.hivemind_python, args.hivemind_dial
+        args.scenario,
+        args.systems,
+        args.rounds,
+        args.quick,
+        args.hivemind_python,
+        args.hivemind_dial,
+        congestion=args.congestion,
     )
     base = f"python -m {MODULE}" + (" --quick" if args.quick else "")
+    base += f" --congestion {args.congestion}" if args.congestion else ""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: peers killed, lab deleted
     report, ok = run(plan, base)
     write_report(report, args.json, format_table(report))

@@ -168,11 +168,14 @@ class NetnsLab:
         burst_kb: float | None = None,
         latency_ms: float = DEFAULT_LATENCY_MS,
         prefix: str = "p2pb",
+        congestion: str | None = None,
     ) -> None:
         """``rates``: per peer, one rate (Mbit/s, both directions) or (upload, download); else ``rate_mbit``.
 
         ``burst_kb``: the token bucket (default: DEFAULT_BURST_MS of the link's rate, at least
         MIN_BURST_KB); ``latency_ms``: the longest a packet may wait in the shaper's queue.
+        ``congestion``: the TCP congestion control inside the peers' namespaces (``cubic``, ``bbr``...;
+        default: what a new namespace gets here). It decides how competing flows share a shaped link.
         """
         if not 1 <= n <= MAX_PEERS:
             raise ValueError(f"1 to {MAX_PEERS} peers")
@@ -183,6 +186,7 @@ class NetnsLab:
         self.n = n
         self.prefix = prefix
         self.latency_ms = latency_ms
+        self.congestion = congestion
         self._burst_kb = burst_kb
         self.rates: list[tuple[float, float]] = [
             (float(r), float(r)) if isinstance(r, int | float) else (float(r[0]), float(r[1]))
@@ -246,6 +250,16 @@ class NetnsLab:
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", PEER_DEV)
             _ip("-n", ns, "link", "set", PEER_DEV, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            if self.congestion:
+                _ip(
+                    "netns",
+                    "exec",
+                    ns,
+                    "sysctl",
+                    "-q",
+                    "-w",
+                    f"net.ipv4.tcp_congestion_control={self.congestion}",
+                )
             up, down = self.rates[i]
             self._shape(ns, PEER_DEV, up)
             self._shape(self.hub, hub_dev, down)
@@ -309,6 +323,11 @@ class NetnsLab:
         done = _ip("-n", self.netns_name(i), "-s", "-j", "link", "show", "dev", PEER_DEV)
         stats = json.loads(done.stdout)[0]["stats64"]
         return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
+
+    def congestion_control(self, i: int) -> str:
+        """The TCP congestion control peer i's connections use."""
+        done = _ip("netns", "exec", self.netns_name(i), "cat", "/proc/sys/net/ipv4/tcp_congestion_control")
+        return done.stdout.strip()
 
     def exists(self) -> bool:
         names = set(list_namespaces())
