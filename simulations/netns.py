@@ -50,6 +50,7 @@ PEER_DEV = "eth0"
 BRIDGE = "br0"
 IP_TIMEOUT = 20.0  # seconds for one ip/tc command (they take milliseconds; the machine may be loaded)
 MAX_PEERS = 250
+ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 # tbf: the bucket must hold a few milliseconds of traffic (a few GSO packets of up to 64 KB): a bucket
 # of one packet under-shoots the rate badly. The queue behind it (``latency``) is kept short: a long one
@@ -187,6 +188,7 @@ class NetnsLab:
         self.prefix = prefix
         self.latency_ms = latency_ms
         self.congestion = congestion
+        self._allowed_before: str | None = None  # the host's allowed list, to restore (see _allow)
         self._burst_kb = burst_kb
         self.rates: list[tuple[float, float]] = [
             (float(r), float(r)) if isinstance(r, int | float) else (float(r[0]), float(r[1]))
@@ -251,6 +253,7 @@ class NetnsLab:
             _ip("-n", ns, "link", "set", PEER_DEV, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             if self.congestion:
+                self._allow(self.congestion)
                 _ip(
                     "netns",
                     "exec",
@@ -285,6 +288,18 @@ class NetnsLab:
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 _delete(name)
         self._created.clear()
+        if self._allowed_before is not None:
+            with contextlib.suppress(OSError):
+                ALLOWED_CC.write_text(self._allowed_before)
+            self._allowed_before = None
+
+    def _allow(self, name: str) -> None:
+        """A namespace may only pick a congestion control the host allows: allow ``name`` for the lab's
+        lifetime (the host's own default is untouched; close restores the list)."""
+        allowed = ALLOWED_CC.read_text().split()
+        if name not in allowed and self._allowed_before is None:
+            self._allowed_before = " ".join(allowed)
+            ALLOWED_CC.write_text(" ".join([*allowed, name]))
 
     # ---- using the lab ----
 
