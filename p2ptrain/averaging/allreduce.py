@@ -20,8 +20,16 @@ Theory of operation (member ``me`` of a group of ``n``, coordinator = member 0, 
 5. Commit when every partition is here: the averaged values are written into the caller's tensors. Else
    abort: the caller's tensors are untouched.
 
-Only the reducer of a partition (or its single replacement) computes that partition's result, and it does
-so only after the decision, so every member that commits holds the same bits. Every wait is bounded by a
+Pipelined gather (plain means, rounds not audited): from the start of the round each member also fetches
+every other partition early, and its reducer serves chunk ``k`` of the mean as soon as every member's
+chunk ``k`` is in (their sum divided by all their weights). Once the decision is in, the reducer answers
+whether those chunks are the result: they are when the decision names every member with the weight it
+sent, the usual round, and then nothing is sent again. Otherwise they are void and the member fetches as
+in 4. So the links do not idle between the phases.
+
+Only the reducer of a partition (or its single replacement) computes that partition's result, and the
+decision settles which result it is (computed after it, or confirmed by it), so every member that commits
+holds the same bits. Every wait is bounded by a
 deadline of the round; nothing waits forever. The round keeps serving fetches and relays after its own
 member commits, until every member has fetched or the round's time is up.
 """
