@@ -4,12 +4,19 @@ Theory of operation: every frame on the socket is a 4-byte big-endian length fol
 bytes. The length is checked against a hard maximum *before* anything is allocated, so a peer that
 announces a 4 GiB frame is cut off after 4 bytes.
 
-After the handshake each frame is one AEAD ciphertext (AEGIS-256, 32-byte tag). The nonce is a counter
-per direction, never sent: the receiver expects counter n for its n-th frame, so a replayed, dropped or
-reordered frame fails authentication and the channel is closed. Inside, a *record* is a msgpack header
-(small, validated by the RPC layer) and a raw body (bulk bytes, never msgpack-encoded)::
+After the handshake each frame carries one *record*: a msgpack header (small, validated by the RPC
+layer) and a raw body (bulk bytes, never msgpack-encoded), sealed as two AEAD boxes (AEGIS-256, 32-byte
+tags)::
 
-    plaintext = u32 header length | header | body
+    frame = u32 n | u32 h | header box (h bytes) | body box (n - 4 - h bytes; none if the body is empty)
+
+The header box authenticates the frame's first 8 bytes (n and h) as associated data, so the split and
+the presence of a body box cannot be altered. The nonce is a counter per direction, never sent: the
+header box takes the next value and the body box the one after, and the receiver expects exactly the
+same sequence, so a replayed, dropped, reordered or altered frame fails authentication and the channel
+is closed. Sealing the body as a box of its own lets the cipher read it where it lies (a slice of a
+tensor) instead of first copying header and body into one plaintext: at 1 MiB per record that copy was
+a tenth of a loopback all-reduce's CPU time.
 """
 
 from __future__ import annotations
@@ -31,13 +38,13 @@ LENGTH = struct.Struct(">I")
 TAG_BYTES = 32
 MAX_CHUNK = 1 << 20
 """Largest body in one record; bigger payloads are streamed in chunks of at most this size."""
-MAX_FRAME = MAX_CHUNK + MAX_HEADER_BYTES + LENGTH.size + TAG_BYTES
+MAX_FRAME = LENGTH.size + MAX_HEADER_BYTES + TAG_BYTES + MAX_CHUNK + TAG_BYTES
 _RECV_SIZE = 120 * 1024
 """Bytes asked of the socket per read: below glibc's default mmap threshold (128 KiB), so the buffer
 each read allocates comes from the heap instead of a fresh mapping (measured: mapping and unmapping
 1 MiB buffers per frame cost more than the cipher)."""
 _DIRECT_READ = 256 * 1024
-"""Frames at least this large are read with recv_into (see FramedStream.receive_open)."""
+"""Frames at least this large are read with recv_into (see FramedStream.receive_record)."""
 _WAKE_BYTES = 128 * 1024
 """While the rest of a large frame is arriving, the reader wakes up once this much of it is buffered
 (or all of it, if less is left; the sender has committed to the whole frame, so it comes or the
@@ -131,37 +138,39 @@ class FramedStream:
         del self._buf[: LENGTH.size + n]
         return frame
 
-    async def receive_open(self, cipher: FrameCipher) -> memoryview:
-        """Receive one encrypted frame and decrypt it straight out of the read buffer.
+    async def receive_record(self, cipher: FrameCipher) -> tuple[memoryview, memoryview]:
+        """Receive one sealed record and open it straight out of the read buffer: (header, body).
 
         The rest of a large frame is read with ``recv_into`` into a reused buffer: one copy out of the
         kernel instead of two, and no allocation per read.
         """
         n = await self._peek_length()
         if self._sock is not None and n >= _DIRECT_READ and len(self._buf) < LENGTH.size + n:
-            return cipher.open(await self._read_direct(n))
+            return open_record(cipher, await self._read_direct(n))
         await self._fill(LENGTH.size + n)
         with memoryview(self._buf) as view:
-            plain = cipher.open(view[LENGTH.size : LENGTH.size + n])
+            record = open_record(cipher, view[: LENGTH.size + n])
         del self._buf[: LENGTH.size + n]
-        return plain
+        return record
 
     async def _read_direct(self, n: int) -> memoryview:
-        """The ``n`` bytes of the frame whose length prefix starts the buffer, most of them via recv_into."""
+        """The frame (its length prefix, which starts the buffer, and ``n`` bytes), most of it read with
+        recv_into."""
         if self._frame_buf is None:
-            self._frame_buf = bytearray(self.max_frame)
-        view = memoryview(self._frame_buf)[:n]
-        have = len(self._buf) - LENGTH.size
-        view[:have] = memoryview(self._buf)[LENGTH.size :]
+            self._frame_buf = bytearray(LENGTH.size + self.max_frame)
+        end = LENGTH.size + n
+        view = memoryview(self._frame_buf)[:end]
+        have = len(self._buf)
+        view[:have] = self._buf
         self._buf.clear()
         pos = have
         try:
-            while pos < n:
+            while pos < end:
                 # The rest of the frame is on its way: wake up once a good part of it is here, not for
                 # every few packets (on a slow link that is thousands of wake-ups a second).
-                self._wake_at(min(n - pos, _WAKE_BYTES))
+                self._wake_at(min(end - pos, _WAKE_BYTES))
                 try:
-                    got = await self._sock.recv_into(view[pos:], n - pos)  # type: ignore[union-attr]
+                    got = await self._sock.recv_into(view[pos:], end - pos)  # type: ignore[union-attr]
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                     raise ConnectionClosed(f"connection lost while receiving: {e}") from None
                 if not got:
@@ -205,8 +214,11 @@ class FrameCipher:
         self._counter += 1
         return nonce
 
-    def seal_into(self, out: bytearray, offset: int, plaintext: bytes | bytearray | memoryview) -> int:
-        """Write the ciphertext of ``plaintext`` at ``out[offset:]``; return its length."""
+    def seal_into(
+        self, out: bytearray, offset: int, plaintext: bytes | bytearray | memoryview, ad: bytes = b""
+    ) -> int:
+        """Write the ciphertext of ``plaintext`` (authenticating ``ad`` too) at ``out[offset:]``; return
+        its length."""
         need = len(plaintext) + TAG_BYTES
         if len(out) - offset < need:
             raise LocalProtocolError("output buffer too small")
@@ -217,8 +229,8 @@ class FrameCipher:
                 self._len,
                 _ffi.from_buffer(plaintext),
                 len(plaintext),
-                _ffi.NULL,
-                0,
+                ad,
+                len(ad),
                 _ffi.NULL,
                 nonce,
                 self._key,
@@ -227,12 +239,12 @@ class FrameCipher:
             raise LocalProtocolError("encryption failed")
         return need
 
-    def seal(self, plaintext: bytes | bytearray | memoryview) -> bytes:
+    def seal(self, plaintext: bytes | bytearray | memoryview, ad: bytes = b"") -> bytes:
         out = bytearray(len(plaintext) + TAG_BYTES)
-        self.seal_into(out, 0, plaintext)
+        self.seal_into(out, 0, plaintext, ad)
         return bytes(out)
 
-    def open(self, ciphertext: bytes | bytearray | memoryview) -> memoryview:
+    def open(self, ciphertext: bytes | bytearray | memoryview, ad: bytes = b"") -> memoryview:
         """Decrypt into a fresh buffer (the caller keeps views into it); RemoteProtocolError if forged.
 
         The buffer is allocated uninitialized (numpy), not zero-filled as a bytearray is: decryption
@@ -248,8 +260,8 @@ class FrameCipher:
             _ffi.NULL,
             _ffi.from_buffer(ciphertext),
             len(ciphertext),
-            _ffi.NULL,
-            0,
+            ad,
+            len(ad),
             nonce,
             self._key,
         )
@@ -260,30 +272,69 @@ class FrameCipher:
         return plain
 
 
-def encode_record(header: bytes, body: bytes | memoryview = b"") -> bytes:
+RECORD_OVERHEAD = 2 * LENGTH.size + 2 * TAG_BYTES
+"""Bytes a frame adds to a record's header and body (at most: a record without a body has one box)."""
+
+
+def sealed_size(header_len: int, body_len: int) -> int:
+    """The whole frame's size (length prefix included) for a record of these sizes."""
+    return 2 * LENGTH.size + header_len + TAG_BYTES + (body_len + TAG_BYTES if body_len else 0)
+
+
+def seal_record_into(
+    cipher: FrameCipher, out: bytearray, header: bytes, body: bytes | bytearray | memoryview = b""
+) -> int:
+    """Write one whole frame (length prefix included) for the record at the start of ``out``; return its
+    length. The body is sealed from where it lies, never copied."""
     if len(header) > MAX_HEADER_BYTES:
         raise LocalProtocolError("record header too large")
     if len(body) > MAX_CHUNK:
         raise LocalProtocolError(f"record body of {len(body)} bytes exceeds {MAX_CHUNK}")
-    return b"".join((LENGTH.pack(len(header)), header, body))
+    total = sealed_size(len(header), len(body))
+    if len(out) < total:
+        raise LocalProtocolError("output buffer too small")
+    hbox = len(header) + TAG_BYTES
+    LENGTH.pack_into(out, 0, total - LENGTH.size)
+    LENGTH.pack_into(out, LENGTH.size, hbox)
+    cipher.seal_into(out, 2 * LENGTH.size, header, bytes(out[: 2 * LENGTH.size]))
+    if body:
+        cipher.seal_into(out, 2 * LENGTH.size + hbox, body)
+    return total
 
 
-def decode_record(plain: bytes | bytearray | memoryview) -> tuple[memoryview, memoryview]:
-    """Split a decrypted record into (header, body) views."""
-    if len(plain) < LENGTH.size:
-        raise RemoteProtocolError("record too short")
-    (hlen,) = LENGTH.unpack_from(plain)
-    if hlen > MAX_HEADER_BYTES or LENGTH.size + hlen > len(plain):
-        raise RemoteProtocolError("record header length out of bounds")
-    view = memoryview(plain)
-    return view[LENGTH.size : LENGTH.size + hlen], view[LENGTH.size + hlen :]
+def seal_record(cipher: FrameCipher, header: bytes, body: bytes | bytearray | memoryview = b"") -> bytes:
+    """One whole frame (length prefix included) for the record."""
+    out = bytearray(sealed_size(len(header), len(body)) if len(body) <= MAX_CHUNK else 0)
+    return bytes(out[: seal_record_into(cipher, out, header, body)])
+
+
+def open_record(cipher: FrameCipher, frame: bytes | bytearray | memoryview) -> tuple[memoryview, memoryview]:
+    """Open one whole frame (length prefix included): (header, body), each in a fresh buffer.
+
+    RemoteProtocolError if the layout is malformed or a box fails authentication.
+    """
+    view = memoryview(frame)
+    if len(view) < 2 * LENGTH.size + TAG_BYTES:
+        raise RemoteProtocolError("frame too short for a record")
+    (n,) = LENGTH.unpack_from(view)
+    (hbox,) = LENGTH.unpack_from(view, LENGTH.size)
+    rest = n - LENGTH.size - hbox
+    if n != len(view) - LENGTH.size or not TAG_BYTES <= hbox <= MAX_HEADER_BYTES + TAG_BYTES or rest < 0:
+        raise RemoteProtocolError("record header box out of bounds")
+    if 0 < rest <= TAG_BYTES or rest > MAX_CHUNK + TAG_BYTES:
+        raise RemoteProtocolError("record body box out of bounds")
+    start = 2 * LENGTH.size
+    header = cipher.open(view[start : start + hbox], bytes(view[:start]))
+    if not rest:
+        return header, memoryview(b"")
+    return header, cipher.open(view[start + hbox :])
 
 
 class SecureChannel:
     """Encrypted records over a framed stream. Sends are serialized; one reader at a time.
 
-    Sending reuses two buffers per channel (the record, then length + ciphertext), grown to the
-    largest record sent so far, so bulk transfers do not allocate per chunk.
+    Sending reuses one buffer per channel for the sealed frame, grown to the largest record sent so
+    far, so bulk transfers do not allocate per chunk.
     """
 
     def __init__(self, framed: FramedStream, keys: HandshakeResult) -> None:
@@ -291,7 +342,6 @@ class SecureChannel:
         self._send_cipher = FrameCipher(keys.send_key)
         self._recv_cipher = FrameCipher(keys.recv_key)
         self._send_lock = trio.Lock()
-        self._plain = bytearray()
         self._out = bytearray()
 
     async def send(self, header: bytes, body: bytes | bytearray | memoryview = b"") -> None:
@@ -300,29 +350,23 @@ class SecureChannel:
             raise LocalProtocolError("record header too large")
         if b > MAX_CHUNK:
             raise LocalProtocolError(f"record body of {b} bytes exceeds {MAX_CHUNK}")
-        n = LENGTH.size + h + b
+        n = sealed_size(h, b)
         async with self._send_lock:
             # Seal under the lock: the nonce order must equal the order on the wire.
-            if len(self._plain) < n:
-                self._plain = bytearray(n)
-                self._out = bytearray(LENGTH.size + n + TAG_BYTES)
-            plain, out = self._plain, self._out
-            LENGTH.pack_into(plain, 0, h)
-            plain[LENGTH.size : LENGTH.size + h] = header
-            plain[LENGTH.size + h : n] = body
-            with memoryview(plain) as view:
-                clen = self._send_cipher.seal_into(out, LENGTH.size, view[:n])
-            LENGTH.pack_into(out, 0, clen)
+            if len(self._out) < n:
+                self._out = bytearray(n)
+            out = self._out
+            seal_record_into(self._send_cipher, out, header, body)
             with trio.CancelScope(shield=True) as scope:
                 scope.deadline = trio.current_time() + SEND_TIMEOUT
                 with memoryview(out) as view:
-                    await self.framed.send_raw(view[: LENGTH.size + clen])
+                    await self.framed.send_raw(view[:n])
             if scope.cancelled_caught:
                 await self.aclose()
                 raise ConnectionClosed(f"the remote read nothing for {SEND_TIMEOUT:g} s")
 
     async def receive(self) -> tuple[memoryview, memoryview]:
-        return decode_record(await self.framed.receive_open(self._recv_cipher))
+        return await self.framed.receive_record(self._recv_cipher)
 
     async def aclose(self) -> None:
         await self.framed.stream.aclose()

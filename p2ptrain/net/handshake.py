@@ -28,10 +28,11 @@ responder's certificate when it reads the reply; the responder checks the initia
 finish, and only then, because the initiator's identity is revealed in the finish, answers with a 4th
 frame: ``accept`` (an empty AEAD box under the handshake key, bound to the whole transcript) or a
 ``reject`` with code ``membership``. An initiator waits for that verdict only when the responder's
-proof named an authority. In open runs nothing changes on the wire: the new proof fields are omitted,
-not sent empty, so an open-run proof is byte for byte what version-1 peers send, and version-1 peers
-(which ignore unknown fields anyway) interoperate unchanged. Older peers cannot join a private run:
-they send no certificate and are refused.
+proof named an authority. In open runs the proof fields for private runs are omitted, not sent empty.
+Peers without certificates cannot join a private run: they send none and are refused.
+
+Versions: 2 seals each record as two AEAD boxes (see :mod:`p2ptrain.net.channel`); version-1 peers
+sealed one, so the two cannot talk, and the hello refuses the mismatch before any key is derived.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 
 PROTOCOL_NAME = "p2ptrain"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HANDSHAKE_FRAME = 4096
 MAX_RUN_ID = 128
 MAX_PROOF_BOX = 2048  # a proof with a certificate of MAX_CERT_BYTES (was 512 before private runs)

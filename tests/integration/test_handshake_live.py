@@ -11,6 +11,7 @@ import trio.testing
 from p2ptrain.errors import HandshakeRefused
 from p2ptrain.identity import Identity
 from p2ptrain.net import HostConfig, PeerAddress
+from p2ptrain.net.handshake import PROTOCOL_VERSION
 
 HOST_LOG = "p2ptrain.net.host"
 
@@ -76,7 +77,7 @@ async def test_wrong_protocol_version_is_refused(cluster, caplog):
     caplog.set_level(logging.WARNING, logger=HOST_LOG)
     with trio.fail_after(10):
         server = await cluster.start()
-        future = await cluster.start(config=HostConfig(protocol_version=2))
+        future = await cluster.start(config=HostConfig(protocol_version=PROTOCOL_VERSION + 1))
         with pytest.raises(HandshakeRefused) as info:
             await future.host.connect(server.address)
         assert info.value.code == "version"

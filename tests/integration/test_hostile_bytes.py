@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, Method, RpcRegistry
-from p2ptrain.net.channel import LENGTH, MAX_FRAME, FramedStream, SecureChannel, encode_record
+from p2ptrain.net.channel import LENGTH, MAX_FRAME, FramedStream, SecureChannel, seal_record
 from p2ptrain.net.handshake import MAX_HANDSHAKE_FRAME, InitiatorHandshake
 from p2ptrain.net.rpc import Credit, Data, Ping, Pong, Request, decode_header, encode_args, encode_header
 from p2ptrain.wire import Message, bounded, pack
@@ -218,9 +218,9 @@ async def _hostile_session(tcp_cluster, kit, caplog, attack) -> str:
 
 async def test_tampered_ciphertext_closes_only_that_connection(tcp_cluster, kit, caplog):
     async def attack(framed: FramedStream, channel: SecureChannel) -> None:
-        frame = bytearray(channel._send_cipher.seal(encode_record(encode_header(Ping(nonce=8)))))
+        frame = bytearray(seal_record(channel._send_cipher, encode_header(Ping(nonce=8))))
         frame[len(frame) // 2] ^= 0x01
-        await framed.send_frame(bytes(frame))
+        await framed.send_raw(memoryview(frame))
 
     with trio.fail_after(10):
         reason = await _hostile_session(tcp_cluster, kit, caplog, attack)
@@ -229,9 +229,9 @@ async def test_tampered_ciphertext_closes_only_that_connection(tcp_cluster, kit,
 
 async def test_replayed_frame_closes_only_that_connection(tcp_cluster, kit, caplog):
     async def attack(framed: FramedStream, channel: SecureChannel) -> None:
-        frame = channel._send_cipher.seal(encode_record(encode_header(Ping(nonce=9))))
-        await framed.send_frame(frame)
-        await framed.send_frame(frame)  # the same bytes again: the counter nonce has moved on
+        frame = memoryview(seal_record(channel._send_cipher, encode_header(Ping(nonce=9))))
+        await framed.send_raw(frame)
+        await framed.send_raw(frame)  # the same bytes again: the counter nonce has moved on
 
     with trio.fail_after(10):
         reason = await _hostile_session(tcp_cluster, kit, caplog, attack)

@@ -23,8 +23,8 @@ from p2ptrain.net.channel import (
     FrameCipher,
     FramedStream,
     SecureChannel,
-    decode_record,
-    encode_record,
+    open_record,
+    seal_record,
 )
 from p2ptrain.net.handshake import HandshakeResult, InitiatorHandshake, ResponderHandshake
 from p2ptrain.wire.codec import MAX_HEADER_BYTES
@@ -139,43 +139,72 @@ def test_nonce_counter_exhaustion_is_refused() -> None:
     ],
 )
 def test_record_round_trip(header: bytes, body: bytes) -> None:
-    record = encode_record(header, body)
-    assert len(record) == LENGTH.size + len(header) + len(body)
-    h, b = decode_record(record)
+    tx, rx = ciphers()
+    frame = seal_record(tx, header, body)
+    boxes = 2 if body else 1  # an empty body takes no box at all
+    assert len(frame) == 2 * LENGTH.size + len(header) + len(body) + boxes * TAG_BYTES
+    assert LENGTH.unpack_from(frame)[0] == len(frame) - LENGTH.size <= MAX_FRAME
+    h, b = open_record(rx, frame)
     assert (bytes(h), bytes(b)) == (header, body)
+    assert body not in frame[2 * LENGTH.size :] or not body  # sealed, not copied in the clear
+    # the next record uses the next nonces on both sides
+    assert tuple(map(bytes, open_record(rx, seal_record(tx, b"next", b"b")))) == (b"next", b"b")
 
 
-def test_record_accepts_memoryview_body() -> None:
-    h, b = decode_record(encode_record(b"hdr", memoryview(b"0123456789")[2:5]))
+def test_record_seals_a_memoryview_body_where_it_lies() -> None:
+    tx, rx = ciphers()
+    source = bytearray(b"0123456789")
+    h, b = open_record(rx, seal_record(tx, b"hdr", memoryview(source)[2:5]))
     assert (bytes(h), bytes(b)) == (b"hdr", b"234")
 
 
-def test_encode_record_bounds() -> None:
+def test_seal_record_bounds() -> None:
+    tx, _ = ciphers()
     with pytest.raises(LocalProtocolError, match="header too large"):
-        encode_record(b"h" * (MAX_HEADER_BYTES + 1))
+        seal_record(tx, b"h" * (MAX_HEADER_BYTES + 1))
     with pytest.raises(LocalProtocolError, match=f"exceeds {MAX_CHUNK}"):
-        encode_record(b"h", b"b" * (MAX_CHUNK + 1))
+        seal_record(tx, b"h", b"b" * (MAX_CHUNK + 1))
+
+
+def _reframed(frame: bytes, hbox: int | None = None, cut: int = 0) -> bytes:
+    """``frame`` with its header-box length replaced and/or ``cut`` bytes dropped from its end, the
+    length prefix made to match (what an attacker on the path can do)."""
+    body = bytearray(frame[: len(frame) - cut] if cut else frame)
+    if hbox is not None:
+        LENGTH.pack_into(body, LENGTH.size, hbox)
+    LENGTH.pack_into(body, 0, len(body) - LENGTH.size)
+    return bytes(body)
 
 
 @pytest.mark.parametrize(
-    ("plain", "reason"),
+    ("mangle", "reason"),
     [
-        (b"", "too short"),
-        (b"\x00\x00\x00", "too short"),
-        (LENGTH.pack(1), "out of bounds"),
-        (LENGTH.pack(5) + b"1234", "out of bounds"),
-        (LENGTH.pack(MAX_HEADER_BYTES + 1) + b"x" * (MAX_HEADER_BYTES + 1), "out of bounds"),
-        (LENGTH.pack(2**32 - 1), "out of bounds"),
+        (lambda f: f[:7], "too short"),
+        (lambda f: f[: 2 * LENGTH.size + TAG_BYTES - 1], "too short"),
+        (lambda f: LENGTH.pack(len(f)) + f[LENGTH.size :], "out of bounds"),  # prefix != length
+        (lambda f: _reframed(f, hbox=TAG_BYTES - 1), "out of bounds"),
+        (lambda f: _reframed(f, hbox=MAX_HEADER_BYTES + TAG_BYTES + 1), "out of bounds"),
+        (lambda f: _reframed(f, hbox=len(f)), "out of bounds"),
+        (lambda f: _reframed(f, cut=len(b"body")), "body box out of bounds"),  # a body box of a tag
+        (lambda f: _reframed(f, hbox=3 + TAG_BYTES), "failed authentication"),  # split moved
+        (lambda f: _reframed(f, cut=len(b"body") + TAG_BYTES), "failed authentication"),  # body cut
+        (lambda f: _reframed(f, cut=1), "failed authentication"),
     ],
 )
-def test_decode_record_bounds(plain: bytes, reason: str) -> None:
+def test_open_record_refuses_malformed_and_altered_frames(mangle, reason: str) -> None:
+    tx, rx = ciphers()
+    frame = seal_record(tx, b"header", b"body")
     with pytest.raises(RemoteProtocolError, match=reason):
-        decode_record(plain)
+        open_record(rx, mangle(frame))
 
 
-def test_decode_record_header_fills_the_record() -> None:
-    h, b = decode_record(LENGTH.pack(4) + b"1234")
-    assert (bytes(h), bytes(b)) == (b"1234", b"")
+def test_open_record_refuses_a_body_box_moved_to_another_frame() -> None:
+    # Each box has its own nonce: a body box swapped between two frames fails even with a valid header.
+    tx, rx = ciphers()
+    first, second = seal_record(tx, b"one", b"AAAA"), seal_record(tx, b"two", b"BBBB")
+    hbox = 2 * LENGTH.size + len(b"one") + TAG_BYTES
+    with pytest.raises(RemoteProtocolError, match="failed authentication"):
+        open_record(rx, first[:hbox] + second[hbox:])
 
 
 # ---- FramedStream ------------------------------------------------------------------------------
@@ -327,7 +356,8 @@ async def test_secure_channel_both_directions(autojump_clock: trio.testing.MockC
         ]
         assert tuple(map(bytes, await a.receive())) == (b"reply", b"xyz")
     # Only ciphertext crosses the wire.
-    assert a_framed.bytes_sent == (LENGTH.size * 2 + TAG_BYTES) * 2 + 5 + 6 + 5
+    # Only ciphertext crosses the wire: two records with a body (two boxes), one without.
+    assert a_framed.bytes_sent == LENGTH.size * 2 * 2 + TAG_BYTES * 3 + 5 + 6 + 5
 
 
 async def test_secure_channel_refuses_forged_and_replayed_frames(
@@ -337,11 +367,11 @@ async def test_secure_channel_refuses_forged_and_replayed_frames(
     a_keys, b_keys = handshake_keys()
     tap = FramedStream(left)  # an attacker writing raw frames to the receiver
     b = SecureChannel(FramedStream(right), b_keys)
-    sealed = FrameCipher(a_keys.send_key).seal(encode_record(b"hdr", b"body"))
+    sealed = seal_record(FrameCipher(a_keys.send_key), b"hdr", b"body")
     with trio.fail_after(DEADLINE):
-        await tap.send_frame(sealed)
+        await tap.send_raw(memoryview(sealed))
         assert tuple(map(bytes, await b.receive())) == (b"hdr", b"body")
-        await tap.send_frame(sealed)  # replay
+        await tap.send_raw(memoryview(sealed))  # replay
         with pytest.raises(RemoteProtocolError, match="failed authentication"):
             await b.receive()
 
@@ -373,8 +403,7 @@ async def test_over_tcp_a_large_frame_in_pieces_then_a_small_record_arrive() -> 
     cipher = FrameCipher(a_keys.send_key)  # the sender's side, sealed by hand to send it in pieces
 
     def frame(header: bytes, body: bytes) -> bytes:
-        sealed = cipher.seal(encode_record(header, body))
-        return LENGTH.pack(len(sealed)) + sealed
+        return seal_record(cipher, header, body)
 
     body = bytes(range(256)) * 4096  # 1 MiB
     big = frame(b"big", body)

@@ -18,14 +18,14 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import p2ptrain
 from p2ptrain.errors import InvalidSignature, RemoteProtocolError
 from p2ptrain.identity import Identity, SignedEnvelope
 from p2ptrain.net import rpc
-from p2ptrain.net.channel import decode_record
+from p2ptrain.net.channel import FrameCipher, open_record, seal_record
 from p2ptrain.net.handshake import Finish, Hello, Reject, Reply, decode_frame
 from p2ptrain.wire.codec import pack, unpack
 from p2ptrain.wire.schema import Message, decode_message
@@ -192,12 +192,26 @@ def test_envelope_from_bytes_only_raises_remote_protocol_error(data: bytes) -> N
 
 @FUZZ
 @given(st.binary(max_size=300))
-def test_decode_record_only_raises_remote_protocol_error(data: bytes) -> None:
-    try:
-        header, body = decode_record(data)
-    except RemoteProtocolError:
-        return
-    assert bytes(header) + bytes(body) == data[4:]
+def test_open_record_only_raises_remote_protocol_error(data: bytes) -> None:
+    # Bytes nobody sealed with the key never open, whatever their layout.
+    with pytest.raises(RemoteProtocolError):
+        open_record(FrameCipher(bytes(32)), data)
+
+
+@FUZZ
+@given(
+    st.binary(max_size=40),
+    st.binary(max_size=200),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=3),
+)
+def test_open_record_refuses_every_altered_frame(header: bytes, body: bytes, flips) -> None:
+    sealed = seal_record(FrameCipher(bytes(32)), header, body)
+    frame = bytearray(sealed)
+    for index, mask in flips:
+        frame[index % len(frame)] ^= mask
+    assume(frame != sealed)  # two flips of one byte may cancel out
+    with pytest.raises(RemoteProtocolError):
+        open_record(FrameCipher(bytes(32)), frame)
 
 
 # ---- signed envelopes --------------------------------------------------------------------------
