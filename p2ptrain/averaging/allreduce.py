@@ -721,12 +721,14 @@ class AllReduceRound:
                 async with conn.open_stream(
                     FETCH_EARLY, FetchReq(self.digest, p), timeout=_left(self.deadline["gather"])
                 ) as stream:
+                    if self.source is self.flat:
+                        self.overwritten.add(p)
+                    if self.mode is Compression.NONE:  # decrypted straight into place: no copy
+                        stream.land_in(target[a:b].numpy().data for a, b in spans)
                     for a, b in spans:
                         data = await stream.receive_some()
                         if not data:
                             break
-                        if self.source is self.flat:
-                            self.overwritten.add(p)
                         _store(target[a:b], data, self.mode)
                         self.progress[p] = trio.current_time()
                         got += 1
@@ -972,7 +974,9 @@ def _store(target: torch.Tensor, data: memoryview, mode: Compression) -> None:
         return
     if len(data) != 4 * target.numel():
         raise RemoteProtocolError(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")
-    target.numpy()[:] = np.frombuffer(data, dtype=np.float32)
+    place, values = target.numpy(), np.frombuffer(data, dtype=np.float32)
+    if values.ctypes.data != place.ctypes.data:  # not decrypted in place (RpcStream.land_in): copy
+        place[:] = values
     if not all_finite(target):
         raise RemoteProtocolError("a reduced partition holds NaN or infinite values")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 
 import nacl.bindings  # noqa: F401  (importing it initializes libsodium: CPU feature detection)
 import numpy as np
@@ -138,18 +139,21 @@ class FramedStream:
         del self._buf[: LENGTH.size + n]
         return frame
 
-    async def receive_record(self, cipher: FrameCipher) -> tuple[memoryview, memoryview]:
-        """Receive one sealed record and open it straight out of the read buffer: (header, body).
+    async def receive_record(
+        self, cipher: FrameCipher, sink: BodySink | None = None
+    ) -> tuple[memoryview, memoryview]:
+        """Receive one sealed record and open it straight out of the read buffer: (header, body); the
+        body goes where ``sink`` says (see :func:`open_record`).
 
         The rest of a large frame is read with ``recv_into`` into a reused buffer: one copy out of the
         kernel instead of two, and no allocation per read.
         """
         n = await self._peek_length()
         if self._sock is not None and n >= _DIRECT_READ and len(self._buf) < LENGTH.size + n:
-            return open_record(cipher, await self._read_direct(n))
+            return open_record(cipher, await self._read_direct(n), sink)
         await self._fill(LENGTH.size + n)
         with memoryview(self._buf) as view:
-            record = open_record(cipher, view[: LENGTH.size + n])
+            record = open_record(cipher, view[: LENGTH.size + n], sink)
         del self._buf[: LENGTH.size + n]
         return record
 
@@ -252,10 +256,22 @@ class FrameCipher:
         """
         if len(ciphertext) < TAG_BYTES:
             raise RemoteProtocolError("frame is shorter than its authentication tag")
-        nonce = self._next_nonce()
         plain = np.empty(len(ciphertext) - TAG_BYTES, dtype=np.uint8).data
+        self.open_into(ciphertext, plain, ad)
+        return plain
+
+    def open_into(
+        self, ciphertext: bytes | bytearray | memoryview, out: memoryview, ad: bytes = b""
+    ) -> None:
+        """Decrypt into ``out`` (exactly the plaintext's size); RemoteProtocolError if forged, and then
+        ``out`` holds no plaintext (libsodium clears it)."""
+        if len(ciphertext) < TAG_BYTES:
+            raise RemoteProtocolError("frame is shorter than its authentication tag")
+        if len(out) != len(ciphertext) - TAG_BYTES:
+            raise LocalProtocolError("output buffer of the wrong size")
+        nonce = self._next_nonce()
         rc = _lib.crypto_aead_aegis256_decrypt(
-            _ffi.from_buffer(plain),
+            _ffi.from_buffer(out, require_writable=True),
             self._len,
             _ffi.NULL,
             _ffi.from_buffer(ciphertext),
@@ -269,7 +285,6 @@ class FrameCipher:
             raise RemoteProtocolError(
                 "frame failed authentication (tampered, replayed, reordered or truncated)"
             )
-        return plain
 
 
 RECORD_OVERHEAD = 2 * LENGTH.size + 2 * TAG_BYTES
@@ -308,8 +323,16 @@ def seal_record(cipher: FrameCipher, header: bytes, body: bytes | bytearray | me
     return bytes(out[: seal_record_into(cipher, out, header, body)])
 
 
-def open_record(cipher: FrameCipher, frame: bytes | bytearray | memoryview) -> tuple[memoryview, memoryview]:
-    """Open one whole frame (length prefix included): (header, body), each in a fresh buffer.
+BodySink = Callable[[memoryview, int], "memoryview | None"]
+"""Where a record's body may be decrypted: called with the opened header and the body's size, it
+returns a writable buffer of exactly that size, or None for a fresh one."""
+
+
+def open_record(
+    cipher: FrameCipher, frame: bytes | bytearray | memoryview, sink: BodySink | None = None
+) -> tuple[memoryview, memoryview]:
+    """Open one whole frame (length prefix included): (header, body). The header comes in a fresh
+    buffer; the body too, unless ``sink`` names a place for it once the header is open.
 
     RemoteProtocolError if the layout is malformed or a box fails authentication.
     """
@@ -327,7 +350,12 @@ def open_record(cipher: FrameCipher, frame: bytes | bytearray | memoryview) -> t
     header = cipher.open(view[start : start + hbox], bytes(view[:start]))
     if not rest:
         return header, memoryview(b"")
-    return header, cipher.open(view[start + hbox :])
+    box = view[start + hbox :]
+    target = sink(header, rest - TAG_BYTES) if sink is not None else None
+    if target is None:
+        return header, cipher.open(box)
+    cipher.open_into(box, target)
+    return header, target
 
 
 class SecureChannel:
@@ -365,8 +393,9 @@ class SecureChannel:
                 await self.aclose()
                 raise ConnectionClosed(f"the remote read nothing for {SEND_TIMEOUT:g} s")
 
-    async def receive(self) -> tuple[memoryview, memoryview]:
-        return await self.framed.receive_record(self._recv_cipher)
+    async def receive(self, sink: BodySink | None = None) -> tuple[memoryview, memoryview]:
+        """The next record: (header, body); the body goes where ``sink`` says (see :func:`open_record`)."""
+        return await self.framed.receive_record(self._recv_cipher, sink)
 
     async def aclose(self) -> None:
         await self.framed.stream.aclose()

@@ -370,11 +370,24 @@ class Connection:
     # ---- incoming records ----
 
     async def _reader(self) -> None:
+        opened: list[Message] = []
+
+        def sink(header: memoryview, size: int) -> memoryview | None:
+            """A stream's data may be decrypted straight where its reader wants it (RpcStream.land_in)."""
+            msg = decode_header(header)
+            opened.append(msg)
+            if isinstance(msg, Data):
+                stream = self._stream_of(msg.id)
+                if stream is not None:
+                    return stream._sink(size)
+            return None
+
         try:
             while True:
-                header, body = await self.channel.receive()
+                opened.clear()
+                header, body = await self.channel.receive(sink)
                 self._last_received = trio.current_time()
-                await self._dispatch(decode_header(header), body)
+                await self._dispatch(opened[0] if opened else decode_header(header), body)
         except ConnectionClosed as e:
             if not self.closed:
                 log.info("connection to %s lost: %s", self.peer.short(), e)

@@ -9,7 +9,7 @@ for credit, which is the backpressure a slow receiver exerts.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import trio
@@ -43,6 +43,7 @@ class RpcStream:
         self._chunk = MAX_CHUNK
         # receive side
         self._chunks: deque[memoryview] = deque()
+        self._targets: deque[memoryview] = deque()  # where the next chunks are to land (land_in)
         self._arrived = trio.Event()
         self._eof = False
         self.buffered = 0
@@ -97,6 +98,14 @@ class RpcStream:
             if not self._answered:
                 await self._send(Data(id=self.call_id, end=True), b"")
 
+    def land_in(self, targets: Iterable[memoryview]) -> None:
+        """Have the next chunks, one per target and in order, decrypted straight into ``targets``
+        instead of fresh buffers: :meth:`receive_some` then returns the target itself, and the caller
+        saves a copy. A chunk of another size than its target arrives in a buffer of its own, as usual
+        (check with ``shares_memory``). What a target held is lost once its chunk arrives, even if the
+        chunk turns out forged (the connection then closes); call this before the first chunk comes."""
+        self._targets.extend(memoryview(t).cast("B") for t in targets)
+
     async def receive_some(self) -> memoryview:
         """Return the next chunk, or an empty view once the other end sent EOF."""
         if not self._window_open:
@@ -136,12 +145,22 @@ class RpcStream:
 
     # ---- connection side ----
 
+    def _sink(self, size: int) -> memoryview | None:
+        """Where the next chunk (``size`` bytes, about to be decrypted) may land: its target from
+        :meth:`land_in`, if it has one of exactly that size and the chunk is not out of bounds."""
+        if not self._targets or self._eof or self._error is not None or size > self._received_window:
+            return None
+        target = self._targets[0]
+        return target if len(target) == size else None
+
     def _deliver(self, data: Data, body: memoryview) -> None:
         if self._eof:
             raise RemoteProtocolError(f"data after end of stream on call {self.call_id}")
         if len(body):
             if len(body) > self._received_window:
                 raise RemoteProtocolError(f"stream {self.call_id} sent beyond its credit window")
+            if self._targets:
+                self._targets.popleft()  # landed there, or (another size) in a buffer of its own
             self._received_window -= len(body)
             self._chunks.append(body)
             self.buffered += len(body)

@@ -19,6 +19,7 @@ from p2ptrain.errors import (
     RemoteCallError,
 )
 from p2ptrain.net import Method
+from p2ptrain.net.channel import MAX_CHUNK
 from p2ptrain.wire import Message, bounded
 
 
@@ -217,6 +218,28 @@ async def test_64_mib_upload_and_download_arrive_intact(tcp_cluster, kit):
         await trio.testing.wait_all_tasks_blocked()
         assert conn.active_calls == inbound.active_calls == 0
         assert conn.buffered_bytes == inbound.buffered_bytes == 0
+
+
+async def test_stream_chunks_land_where_the_reader_asked(tcp_cluster, kit):
+    """RpcStream.land_in: chunks are decrypted straight into the reader's buffers, in order; a chunk of
+    another size than its target arrives in a buffer of its own and uses that target up."""
+    chunk = MAX_CHUNK
+    size = 3 * chunk + 1000  # three full chunks, then a short one
+    want = kit.payload(size, seed=21)
+    with trio.fail_after(30):
+        _server, _client, conn, _inbound = await pair(tcp_cluster)
+        places = [bytearray(chunk) for _ in range(3)] + [bytearray(7)]  # the last: the wrong size
+        got: list[memoryview] = []
+        async with conn.open_stream(kit.SOURCE, kit.Size(size, seed=21), timeout=20) as stream:
+            stream.land_in(memoryview(p) for p in places)
+            async for data in stream:
+                got.append(data)
+            reply = await stream.response()
+    assert reply.hash == kit.digest(want)
+    assert b"".join(got) == want
+    assert [d.obj is p for d, p in zip(got, places, strict=True)] == [True, True, True, False]
+    assert places[:3] == [want[i * chunk : (i + 1) * chunk] for i in range(3)]
+    assert places[3] == bytearray(7)  # untouched
 
 
 async def test_cancelling_an_upload_mid_transfer_frees_both_ends(mem_cluster, autojump_clock, nursery, kit):

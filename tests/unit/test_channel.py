@@ -207,6 +207,40 @@ def test_open_record_refuses_a_body_box_moved_to_another_frame() -> None:
         open_record(rx, first[:hbox] + second[hbox:])
 
 
+def test_open_record_decrypts_the_body_where_the_sink_says() -> None:
+    tx, rx = ciphers()
+    place = bytearray(b"?" * 4)
+    asked: list[tuple[bytes, int]] = []
+
+    def sink(header: memoryview, size: int) -> memoryview | None:
+        asked.append((bytes(header), size))
+        return memoryview(place)
+
+    h, b = open_record(rx, seal_record(tx, b"hdr", b"body"), sink)
+    assert (bytes(h), bytes(place), asked) == (b"hdr", b"body", [(b"hdr", 4)])
+    assert b.obj is place  # the body is the sink's buffer itself, not a copy of it
+    # A record without a body never asks; a sink that declines gets a fresh buffer.
+    assert tuple(map(bytes, open_record(rx, seal_record(tx, b"bare"), sink))) == (b"bare", b"")
+    h, b = open_record(rx, seal_record(tx, b"fresh", b"xyz"), lambda header, size: None)
+    assert (bytes(h), bytes(b), len(asked)) == (b"fresh", b"xyz", 1)
+
+
+def test_a_forged_body_leaves_no_plaintext_in_the_sink() -> None:
+    tx, rx = ciphers()
+    frame = bytearray(seal_record(tx, b"hdr", b"secret body"))
+    frame[-1] ^= 0x01  # the body box's tag
+    place = bytearray(len(b"secret body"))
+    with pytest.raises(RemoteProtocolError, match="failed authentication"):
+        open_record(rx, frame, lambda header, size: memoryview(place))
+    assert b"secret" not in place
+
+
+def test_open_into_refuses_a_buffer_of_the_wrong_size() -> None:
+    tx, rx = ciphers()
+    with pytest.raises(LocalProtocolError, match="wrong size"):
+        rx.open_into(tx.seal(b"four"), memoryview(bytearray(3)))
+
+
 # ---- FramedStream ------------------------------------------------------------------------------
 
 
