@@ -287,12 +287,13 @@ class FrameCipher:
             )
 
 
-RECORD_OVERHEAD = 2 * LENGTH.size + 2 * TAG_BYTES
-"""Bytes a frame adds to a record's header and body (at most: a record without a body has one box)."""
-
-
 def sealed_size(header_len: int, body_len: int) -> int:
-    """The whole frame's size (length prefix included) for a record of these sizes."""
+    """The whole frame's size (length prefix included) for a record of these sizes; LocalProtocolError
+    if a record may not be that large (checked before any buffer is sized for it)."""
+    if header_len > MAX_HEADER_BYTES:
+        raise LocalProtocolError("record header too large")
+    if body_len > MAX_CHUNK:
+        raise LocalProtocolError(f"record body of {body_len} bytes exceeds {MAX_CHUNK}")
     return 2 * LENGTH.size + header_len + TAG_BYTES + (body_len + TAG_BYTES if body_len else 0)
 
 
@@ -301,10 +302,6 @@ def seal_record_into(
 ) -> int:
     """Write one whole frame (length prefix included) for the record at the start of ``out``; return its
     length. The body is sealed from where it lies, never copied."""
-    if len(header) > MAX_HEADER_BYTES:
-        raise LocalProtocolError("record header too large")
-    if len(body) > MAX_CHUNK:
-        raise LocalProtocolError(f"record body of {len(body)} bytes exceeds {MAX_CHUNK}")
     total = sealed_size(len(header), len(body))
     if len(out) < total:
         raise LocalProtocolError("output buffer too small")
@@ -319,7 +316,7 @@ def seal_record_into(
 
 def seal_record(cipher: FrameCipher, header: bytes, body: bytes | bytearray | memoryview = b"") -> bytes:
     """One whole frame (length prefix included) for the record."""
-    out = bytearray(sealed_size(len(header), len(body)) if len(body) <= MAX_CHUNK else 0)
+    out = bytearray(sealed_size(len(header), len(body)))
     return bytes(out[: seal_record_into(cipher, out, header, body)])
 
 
@@ -373,12 +370,7 @@ class SecureChannel:
         self._out = bytearray()
 
     async def send(self, header: bytes, body: bytes | bytearray | memoryview = b"") -> None:
-        h, b = len(header), len(body)
-        if h > MAX_HEADER_BYTES:
-            raise LocalProtocolError("record header too large")
-        if b > MAX_CHUNK:
-            raise LocalProtocolError(f"record body of {b} bytes exceeds {MAX_CHUNK}")
-        n = sealed_size(h, b)
+        n = sealed_size(len(header), len(body))  # refuses an oversized record before growing _out
         async with self._send_lock:
             # Seal under the lock: the nonce order must equal the order on the wire.
             if len(self._out) < n:

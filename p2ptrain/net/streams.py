@@ -102,8 +102,9 @@ class RpcStream:
         """Have the next chunks, one per target and in order, decrypted straight into ``targets``
         instead of fresh buffers: :meth:`receive_some` then returns the target itself, and the caller
         saves a copy. A chunk of another size than its target arrives in a buffer of its own, as usual
-        (check with ``shares_memory``). What a target held is lost once its chunk arrives, even if the
-        chunk turns out forged (the connection then closes); call this before the first chunk comes."""
+        (compare the returned view's address with the target's). What a target held is lost once its
+        chunk arrives, even if the chunk turns out forged (the connection then closes); call this
+        before the first chunk comes."""
         self._targets.extend(memoryview(t).cast("B") for t in targets)
 
     async def receive_some(self) -> memoryview:
