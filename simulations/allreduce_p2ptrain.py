@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import os
+import resource
 import sys
 import time
 import traceback
@@ -69,14 +70,17 @@ async def run(args: Any, commands: Commands) -> None:
             )
             emit("ready", round=r)
             await trio.to_thread.run_sync(functools.partial(commands.wait, "go", args.timeout, round=r))
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             before, began, cpu = sent_bytes(node), time.perf_counter(), time.process_time()
             result = await node.averager.run_round(signed, [tensor])
             seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             emit(
                 "round",
                 round=r,
                 seconds=seconds,
                 cpu_seconds=cpu,
+                page_faults=faults,  # pages first touched: fresh allocations cost the kernel's time
                 wire_bytes=sent_bytes(node) - before,
                 phases=result.phases,
                 group=result.group_size,

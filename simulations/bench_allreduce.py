@@ -33,9 +33,11 @@ Peer program contract (one JSON object per line; stdout lines that are not JSON 
 * for each round r: the peer prints ``{"ev":"ready","round":r}`` when it can start the round at once
   (connected, grouped, input in place); when all are ready the harness writes ``{"cmd":"go","round":r}``;
   the peer averages, then prints ``{"ev":"round","round":r,"seconds":t,"wire_bytes":b}`` (t from the
-  "go" to holding the average; b: bytes it sent that round, or null); once every peer has, the harness
-  writes ``{"cmd":"check","round":r}`` and the peer prints ``{"ev":"checked","round":r,"max_err":e}``
-  (checking apart, so that a peer that finished early does not take the CPU from those still at it);
+  "go" to holding the average; b: bytes it sent that round, or null; optional: ``cpu_seconds``, its
+  process's CPU time in the round, and ``page_faults``, its minor page faults); once every peer has,
+  the harness writes ``{"cmd":"check","round":r}`` and the peer prints
+  ``{"ev":"checked","round":r,"max_err":e}`` (checking apart, so that a peer that finished early does
+  not take the CPU from those still at it);
 * ``listening`` may carry ``"notes"`` (strings: what the peer changed or worked around), which the report
   keeps; other extra fields are ignored;
 * at the end ``{"ev":"done"}``; on failure ``{"ev":"error","error":"..."}``. A peer exits when its stdin
@@ -410,6 +412,9 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
     cpu = [[m.get("cpu_seconds") for m in r["lines"]] for r in raw["rounds"][1:]]
     if cpu and all(c is not None for row in cpu for c in row):  # CPU per peer per round, all peers' median
         out["cpu_s_per_peer_round"] = round(statistics.median(c for row in cpu for c in row), 4)
+    faults = [[m.get("page_faults") for m in r["lines"]] for r in raw["rounds"][1:]]
+    if faults and all(f is not None for row in faults for f in row):  # minor faults, per peer per round
+        out["page_faults_per_peer_round"] = int(statistics.median(f for row in faults for f in row))
     phases = [[m.get("phases") for m in r["lines"]] for r in raw["rounds"][1:]]
     if phases and all(isinstance(p, dict) and p for row in phases for p in row):
         # when the last peer reached each phase, seconds from the go (median over rounds)

@@ -39,7 +39,7 @@ from ..errors import (
 )
 from ..identity import Identity, PeerID
 from .address import PeerAddress, concrete_host
-from .channel import MAX_FRAME, FramedStream, SecureChannel
+from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
     MAX_HANDSHAKE_FRAME,
@@ -114,6 +114,7 @@ class Host:
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
         self._inbound_by_ip: Counter[str] = Counter()
         self._inbound = 0
+        self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
         self._closed_traffic = (0, 0)  # bytes sent and received over connections that have closed
@@ -318,7 +319,7 @@ class Host:
     ) -> Connection:
         framed.max_frame = MAX_FRAME
         return Connection(
-            SecureChannel(framed, result),
+            SecureChannel(framed, result, self._bodies),
             result.remote_peer,
             outbound=outbound,
             remote_host=host,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -20,6 +22,7 @@ from p2ptrain.net.channel import (
     MAX_FRAME,
     TAG_BYTES,
     UNSENT_BYTES,
+    BodyBuffers,
     FrameCipher,
     FramedStream,
     SecureChannel,
@@ -481,3 +484,91 @@ async def test_over_tcp_the_kernel_may_hold_a_whole_frame_not_yet_sent() -> None
             await framed.stream.aclose()
         for listener in listeners:
             await listener.aclose()
+
+
+# ---- reused body buffers ----------------------------------------------------------------------------
+
+
+async def test_body_buffers_hand_a_buffer_out_again_only_once_no_view_of_it_lives(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = BodyBuffers(keep=2, size=1 << 16, min_size=1 << 10)
+    first = pool.take(1 << 16)
+    assert first is not None
+    first_address = address(first)
+    # Every kind of view a reader makes keeps the buffer out of the pool.
+    for view in (
+        first[10:20],
+        torch.frombuffer(first, dtype=torch.float32),
+        np.frombuffer(first, dtype=np.uint8).reshape(16, -1),
+    ):
+        del first
+        second = pool.take(1 << 16)
+        assert second is not None and address(second) != first_address
+        assert pool.take(1 << 16) is None  # both kept buffers are in use: the caller allocates
+        del second
+        first = view  # type: ignore[assignment]  # only the view refers to the first buffer now
+    del first, view
+    again = pool.take(4096)  # a smaller body: a prefix of a free buffer
+    assert again is not None and len(again) == 4096
+    assert address(again) == first_address
+    assert len(pool) == 2
+
+
+async def test_body_buffers_leave_small_and_oversized_bodies_to_the_allocator(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = BodyBuffers(keep=4, size=1 << 16, min_size=1 << 10)
+    assert pool.take(100) is None
+    assert pool.take((1 << 16) + 1) is None
+    assert len(pool) == 0
+
+
+async def test_body_buffers_drop_a_free_buffer_idle_for_long(autojump_clock: trio.testing.MockClock) -> None:
+    pool = BodyBuffers(keep=4, idle=10.0, size=1 << 16, min_size=1 << 10)
+    first, second = pool.take(1 << 16), pool.take(1 << 16)
+    del first, second
+    await trio.sleep(5)
+    assert pool.take(1 << 16) is not None  # the first serves; the second is idle 5 s: kept
+    assert len(pool) == 2
+    await trio.sleep(6)
+    assert pool.take(1 << 16) is not None  # the second has been idle 11 s: dropped
+    assert len(pool) == 1
+    busy = pool.take(1 << 16)
+    held = pool.take(1 << 16)  # the last buffer, held for long
+    del busy
+    await trio.sleep(11)
+    assert pool.take(1 << 16) is not None  # the first serves; the last is idle 11 s but in use: kept
+    assert len(pool) == 2 and held is not None
+    del held
+    assert pool.take(1 << 16) is not None  # and once free, it goes
+    assert len(pool) == 1
+
+
+async def test_a_received_body_kept_by_its_reader_is_never_overwritten(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Bodies land in reused buffers; one the reader still holds keeps its bytes while more arrive, and
+    one it let go is reused for the next body."""
+    a_framed, b_framed = framed_pair()
+    a_keys, b_keys = handshake_keys()
+    a = SecureChannel(a_framed, a_keys)
+    b = SecureChannel(b_framed, b_keys, BodyBuffers(keep=2))
+    bodies = [bytes([i]) * MAX_CHUNK for i in range(5)]
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+            for body in bodies:
+                nursery.start_soon(a.send, b"h", body)
+                await trio.testing.wait_all_tasks_blocked()
+            kept = [(await b.receive())[1] for _ in range(3)]  # the third needs a fresh buffer
+            let_go = address(kept[1])
+            del kept[1]
+            reused = (await b.receive())[1]
+            fresh = (await b.receive())[1]  # both kept buffers are held again: a fresh one
+    assert [bytes(v) for v in (*kept, reused, fresh)] == [bodies[0], bodies[2], bodies[3], bodies[4]]
+    assert address(reused) == let_go
+    assert len({address(v) for v in (*kept, reused, fresh)}) == 4
+
+
+def address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
