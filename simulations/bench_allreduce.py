@@ -388,6 +388,15 @@ class PeerFailure(RuntimeError):
         self.log_tails = log_tails
 
 
+def _per_peer_round(raw: dict[str, Any], field: str) -> float | None:
+    """The median of a field every peer reports every round (the first round left out), or None when
+    some peer or round lacks it."""
+    values = [m.get(field) for r in raw["rounds"][1:] for m in r["lines"]]
+    if not values or any(v is None for v in values):
+        return None
+    return float(statistics.median(values))
+
+
 def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
     nbytes = numel_for(raw["mb"]) * 4
     times = [max(float(m["seconds"]) for m in r["lines"]) for r in raw["rounds"]]
@@ -409,12 +418,12 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         "max_err": max(float(m["max_err"]) for r in raw["rounds"] for m in r["lines"]),
         "bytes_averaged_per_s": round(nbytes / median),
     }
-    cpu = [[m.get("cpu_seconds") for m in r["lines"]] for r in raw["rounds"][1:]]
-    if cpu and all(c is not None for row in cpu for c in row):  # CPU per peer per round, all peers' median
-        out["cpu_s_per_peer_round"] = round(statistics.median(c for row in cpu for c in row), 4)
-    faults = [[m.get("page_faults") for m in r["lines"]] for r in raw["rounds"][1:]]
-    if faults and all(f is not None for row in faults for f in row):  # minor faults, per peer per round
-        out["page_faults_per_peer_round"] = int(statistics.median(f for row in faults for f in row))
+    cpu = _per_peer_round(raw, "cpu_seconds")
+    if cpu is not None:
+        out["cpu_s_per_peer_round"] = round(cpu, 4)
+    faults = _per_peer_round(raw, "page_faults")
+    if faults is not None:
+        out["page_faults_per_peer_round"] = int(faults)
     phases = [[m.get("phases") for m in r["lines"]] for r in raw["rounds"][1:]]
     if phases and all(isinstance(p, dict) and p for row in phases for p in row):
         # when the last peer reached each phase, seconds from the go (median over rounds)
