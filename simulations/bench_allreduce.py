@@ -431,6 +431,10 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         out["phases_s"] = {
             n: round(statistics.median(max(p[n] for p in row) for row in phases), 4) for n in names
         }
+        if {"scattered", "decided"} <= set(names):
+            # control messages under load: from the last member's scatter to the last one's decision
+            gaps = [max(p["decided"] for p in row) - max(p["scattered"] for p in row) for row in phases]
+            out["decision_gap_s"] = round(statistics.median(gaps), 4)
     if raw["notes"]:
         out["notes"] = raw["notes"]
     wire = [[m.get("wire_bytes") for m in r["lines"]] for r in raw["rounds"]]

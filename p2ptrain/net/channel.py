@@ -24,6 +24,7 @@ from __future__ import annotations
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 
 import nacl.bindings  # noqa: F401  (importing it initializes libsodium: CPU feature detection)
@@ -53,15 +54,52 @@ _WAKE_BYTES = 128 * 1024
 connection closes). Fewer, larger reads: on a shaped 100 Mbit/s link data otherwise trickles in a few
 packets per wake-up."""
 UNSENT_BYTES = MAX_CHUNK
-"""TCP_NOTSENT_LOWAT of every connection: how much not yet sent data the kernel takes before a send
-waits. trio sets 16 KiB, which suits chatty sockets; a bulk stream then runs dry whenever the event loop
-is a millisecond late (16 KiB is 1.3 ms at 100 Mbit/s), and a link shaped to 100 Mbit/s carried 80% of
-its rate instead of 86% (cubic, the all-reduce benchmark's netns lab). A frame is up to this size anyway:
-a small message waits behind at most twice as much."""
+"""The most TCP_NOTSENT_LOWAT of a connection may be (and where it starts): how much not yet sent data
+the kernel takes before a send waits. trio sets 16 KiB, which suits chatty sockets; a bulk stream then
+runs dry whenever the event loop is a millisecond late (16 KiB is 1.3 ms at 100 Mbit/s), and a link
+shaped to 100 Mbit/s carried 80% of its rate instead of 86% (cubic, the all-reduce benchmark's netns
+lab). A connection lowers it to what it drains in UNSENT_SECONDS (see :class:`UnsentBudget`)."""
+MIN_UNSENT_BYTES = 64 * 1024
+UNSENT_SECONDS = 0.025
+"""A connection lets the kernel hold about this long of not yet sent data, at the rate it drains:
+enough that a bulk stream does not run dry when the event loop is late, little enough that a control
+message sent behind it waits about this long. At a fixed 1 MiB, in the 100 Mbit/s lab where three flows
+share each link, a member's report to the coordinator waited up to a quarter of a second."""
+_TIMED_SEND = 256 * 1024  # sends at least this large measure how fast the connection drains
 _MAX_COUNTER = 2**64 - 1
 SEND_TIMEOUT = 60.0
 """A frame, once started, is sent whole even if its sender is cancelled (a half frame would break the
 channel); if the remote reads nothing for this long, the connection is closed instead."""
+
+
+class UnsentBudget:
+    """How much not yet sent data a connection lets the kernel hold (pure: sends in, a size out).
+
+    A large send returns once the kernel has taken all of it, and it had to take as much out first, so
+    its bytes over its duration sample the rate the connection drains at (a send that did not have to
+    wait samples a high rate: the link keeps up). The rate is smoothed, and the budget is what drains
+    in UNSENT_SECONDS, between MIN_UNSENT_BYTES and UNSENT_BYTES.
+    """
+
+    ALPHA = 0.25  # weight of a new sample
+    _CAP = 2 * UNSENT_BYTES / UNSENT_SECONDS  # samples above it count as it (twice the rate that
+    # gives the largest budget, so that a smoothed rate coming back up reaches it)
+
+    def __init__(self) -> None:
+        self.rate = self._CAP
+        self.value = UNSENT_BYTES
+
+    def sent(self, nbytes: int, seconds: float) -> int | None:
+        """Account for a send of ``nbytes`` that took ``seconds``: the new budget when it changed by
+        more than a quarter (worth a system call) or reached a bound, else None."""
+        sample = min(nbytes / seconds, self._CAP) if seconds > 0 else self._CAP
+        self.rate += self.ALPHA * (sample - self.rate)
+        want = int(min(max(self.rate * UNSENT_SECONDS, MIN_UNSENT_BYTES), UNSENT_BYTES))
+        at_bound = want in (MIN_UNSENT_BYTES, UNSENT_BYTES)
+        if want == self.value or (abs(want - self.value) <= self.value // 4 and not at_bound):
+            return None
+        self.value = want
+        return want
 
 
 class FramedStream:
@@ -75,9 +113,11 @@ class FramedStream:
         sock = getattr(stream, "socket", None)  # a trio.SocketStream's socket, for recv_into
         self._sock = sock if hasattr(sock, "recv_into") else None
         self._lowat = 1  # the socket's SO_RCVLOWAT (see _wake_at)
+        self._unsent: UnsentBudget | None = None  # its TCP_NOTSENT_LOWAT, where it has one
         if self._sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
             try:
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES)
+                self._unsent = UnsentBudget()
             except OSError:  # not TCP: nothing to tune
                 pass
         self.bytes_sent = 0
@@ -100,11 +140,24 @@ class FramedStream:
 
     async def send_raw(self, data: memoryview) -> None:
         """Send bytes that already carry their length prefix (the encrypted channel's frames)."""
+        timed = self._unsent is not None and len(data) >= _TIMED_SEND
+        began = time.perf_counter() if timed else 0.0
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionClosed(f"connection lost while sending: {e}") from None
         self.bytes_sent += len(data)
+        if timed:
+            self._retune(len(data), time.perf_counter() - began)
+
+    def _retune(self, nbytes: int, seconds: float) -> None:
+        assert self._unsent is not None and self._sock is not None
+        budget = self._unsent.sent(nbytes, seconds)
+        if budget is not None:
+            try:
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, budget)
+            except OSError:  # closed meanwhile: nothing to tune
+                self._unsent = None
 
     async def _fill(self, need: int) -> None:
         while len(self._buf) < need:
@@ -417,8 +470,51 @@ class BodyBuffers:
             self._taken.pop()
 
 
+BULK_BODY = 64 * 1024
+"""Records with a body at least this large are bulk data: waiting to be sent, they let smaller ones go
+first (see :class:`SendGate`)."""
+
+
+class SendGate:
+    """One sender at a time; among those waiting, small records (control messages) go before bulk ones.
+
+    Why: a control message queued behind bulk records waits for each of them to drain at its flow's
+    rate (in the 100 Mbit/s lab a member's report to the coordinator queued behind a reducer's 1 MiB
+    result records). Ownership passes straight from the holder to the next waiter (as with
+    ``trio.Lock``), so the order of turns is the order of sealing, which must be the order on the wire.
+    After ``max_run`` small records in a row while bulk ones wait, a bulk one goes: small records
+    cannot starve bulk ones.
+    """
+
+    def __init__(self, max_run: int = 32) -> None:
+        self.max_run = max_run
+        self._held = False
+        self._urgent = trio.lowlevel.ParkingLot()
+        self._bulk = trio.lowlevel.ParkingLot()
+        self._run = 0  # small records let through in a row while bulk ones waited
+
+    async def acquire(self, urgent: bool) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._held:
+            self._held = True
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        await (self._urgent if urgent else self._bulk).park()  # the releaser made us the holder
+
+    def release(self) -> None:
+        if self._urgent and (self._run < self.max_run or not self._bulk):
+            self._run = self._run + 1 if self._bulk else 0
+            self._urgent.unpark()
+        elif self._bulk:
+            self._run = 0
+            self._bulk.unpark()
+        else:
+            self._held = False
+
+
 class SecureChannel:
-    """Encrypted records over a framed stream. Sends are serialized; one reader at a time.
+    """Encrypted records over a framed stream. Sends are serialized, small records first (see
+    :class:`SendGate`); one reader at a time.
 
     Sending reuses one buffer per channel for the sealed frame, grown to the largest record sent so
     far, so bulk transfers do not allocate per chunk.
@@ -430,14 +526,15 @@ class SecureChannel:
         self.framed = framed
         self._send_cipher = FrameCipher(keys.send_key)
         self._recv_cipher = FrameCipher(keys.recv_key)
-        self._send_lock = trio.Lock()
+        self._gate = SendGate()
         self._out = bytearray()
         self._bodies = BodyBuffers(keep=8) if bodies is None else bodies  # a host shares one
 
     async def send(self, header: bytes, body: bytes | bytearray | memoryview = b"") -> None:
         n = sealed_size(len(header), len(body))  # refuses an oversized record before growing _out
-        async with self._send_lock:
-            # Seal under the lock: the nonce order must equal the order on the wire.
+        await self._gate.acquire(urgent=len(body) < BULK_BODY)
+        try:
+            # Seal while holding the gate: the nonce order must equal the order on the wire.
             if len(self._out) < n:
                 self._out = bytearray(n)
             out = self._out
@@ -449,6 +546,8 @@ class SecureChannel:
             if scope.cancelled_caught:
                 await self.aclose()
                 raise ConnectionClosed(f"the remote read nothing for {SEND_TIMEOUT:g} s")
+        finally:
+            self._gate.release()
 
     async def receive(self, sink: BodySink | None = None) -> tuple[memoryview, memoryview]:
         """The next record: (header, body); the body goes where ``sink`` says (see :func:`open_record`),

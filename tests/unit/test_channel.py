@@ -17,15 +17,20 @@ import trio.testing
 from p2ptrain.errors import ConnectionClosed, LocalProtocolError, RemoteProtocolError
 from p2ptrain.identity import Identity
 from p2ptrain.net.channel import (
+    BULK_BODY,
     LENGTH,
     MAX_CHUNK,
     MAX_FRAME,
+    MIN_UNSENT_BYTES,
     TAG_BYTES,
     UNSENT_BYTES,
+    UNSENT_SECONDS,
     BodyBuffers,
     FrameCipher,
     FramedStream,
     SecureChannel,
+    SendGate,
+    UnsentBudget,
     open_record,
     seal_record,
 )
@@ -472,7 +477,8 @@ async def test_over_tcp_a_large_frame_in_pieces_then_a_small_record_arrive() -> 
 @pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="no TCP_NOTSENT_LOWAT here")
 async def test_over_tcp_the_kernel_may_hold_a_whole_frame_not_yet_sent() -> None:
     """trio lets a TCP socket hold only 16 KiB not yet sent, which starves a bulk stream whenever the
-    event loop is a little late; a framed stream raises that to a whole frame, on both ends."""
+    event loop is a little late; a framed stream starts at a whole frame, on both ends (and lowers it
+    only on a connection that drains slowly, see below)."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     with trio.fail_after(10):
@@ -484,6 +490,107 @@ async def test_over_tcp_the_kernel_may_hold_a_whole_frame_not_yet_sent() -> None
             await framed.stream.aclose()
         for listener in listeners:
             await listener.aclose()
+
+
+# ---- sending: small records first, and how much the kernel holds ----------------------------------
+
+
+async def test_a_small_record_waiting_to_be_sent_goes_before_waiting_bulk_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    left, right = trio.testing.lockstep_stream_pair()  # a send waits until the other end has read it
+    a_keys, b_keys = handshake_keys()
+    a, b = SecureChannel(FramedStream(left), a_keys), SecureChannel(FramedStream(right), b_keys)
+    bulk = bytes(BULK_BODY)
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+            for header, body in ((b"bulk-1", bulk), (b"bulk-2", bulk), (b"small", b"x")):
+                nursery.start_soon(a.send, header, body)  # the first is on the wire, unread
+                await trio.testing.wait_all_tasks_blocked()
+            got = [bytes((await b.receive())[0]) for _ in range(3)]  # and every one opens: in order
+    assert got == [b"bulk-1", b"small", b"bulk-2"]
+
+
+async def test_send_gate_lets_bulk_through_after_a_run_of_small_records(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = SendGate(max_run=2)
+    order: list[str] = []
+
+    async def send(name: str, urgent: bool) -> None:
+        await gate.acquire(urgent)
+        order.append(name)
+        await trio.sleep(1)
+        gate.release()
+
+    with trio.fail_after(DEADLINE * 4):
+        async with trio.open_nursery() as nursery:
+            for name in ("first", "bulk", *(f"small-{i}" for i in range(4))):
+                nursery.start_soon(send, name, name.startswith("small"))
+                await trio.testing.wait_all_tasks_blocked()
+    assert order == ["first", "small-0", "small-1", "bulk", "small-2", "small-3"]
+
+
+async def test_send_gate_waiter_cancelled_takes_no_turn(autojump_clock: trio.testing.MockClock) -> None:
+    gate = SendGate()
+    await gate.acquire(urgent=False)
+    with trio.move_on_after(1) as waited:
+        await gate.acquire(urgent=True)
+    assert waited.cancelled_caught
+    gate.release()  # nobody waits: the gate is free
+    with trio.fail_after(1):
+        await gate.acquire(urgent=False)
+    gate.release()
+
+
+def test_unsent_budget_follows_the_rate_a_connection_drains_at() -> None:
+    budget = UnsentBudget()
+    assert budget.value == UNSENT_BYTES
+    assert all(budget.sent(MAX_CHUNK, 0.001) is None for _ in range(5))  # a fast link: the most
+    slow = MAX_CHUNK / 0.25  # 4 MB/s: a 100 Mbit/s link that three flows share
+    changes = [b for _ in range(30) if (b := budget.sent(MAX_CHUNK, 0.25)) is not None]
+    assert changes == sorted(changes, reverse=True) and len(changes) < 15  # few system calls
+    assert budget.value == pytest.approx(slow * UNSENT_SECONDS, rel=0.3)
+    for _ in range(30):
+        budget.sent(MAX_CHUNK, 100.0)  # a reader that stalls: never below the least
+    assert budget.value == MIN_UNSENT_BYTES
+    for _ in range(30):
+        budget.sent(MAX_CHUNK, 0.0)  # a send that did not wait: the link keeps up again
+    assert budget.value == UNSENT_BYTES
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="no TCP_NOTSENT_LOWAT here")
+async def test_over_tcp_a_connection_drained_slowly_lets_the_kernel_hold_less_not_yet_sent() -> None:
+    """Real time: a reader paced to at most 13 MB/s (128 KiB per 10 ms) behind a small receive buffer
+    makes the sender's large records wait; the sender then lowers TCP_NOTSENT_LOWAT towards what
+    drains in UNSENT_SECONDS (a slower machine only drains slower: lower still)."""
+    a_keys, _ = handshake_keys()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(30):
+        sender = SecureChannel(FramedStream(await trio.open_tcp_stream("127.0.0.1", port)), a_keys)
+        raw = await listeners[0].accept()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock = sender.framed.stream.socket  # type: ignore[attr-defined]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == UNSENT_BYTES
+
+        async def paced_reader() -> None:
+            while True:
+                if not await raw.receive_some(128 * 1024):
+                    return
+                await trio.sleep(0.01)  # the pace: at most 128 KiB per 10 ms
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(paced_reader)
+            for _ in range(20):
+                await sender.send(b"h", bytes(MAX_CHUNK))
+            lowat = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+            nursery.cancel_scope.cancel()
+        await sender.aclose()
+        await raw.aclose()
+        for listener in listeners:
+            await listener.aclose()
+    assert MIN_UNSENT_BYTES <= lowat < UNSENT_BYTES // 2
 
 
 # ---- reused body buffers ----------------------------------------------------------------------------
