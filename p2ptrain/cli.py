@@ -580,7 +580,9 @@ def _training_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--wait-peers", type=int, default=1, metavar="N", help="start training once N peers are in the run"
     )
-    g.add_argument("--bandwidth", type=float, metavar="MB/S", help="this host's bandwidth, sets its share")
+    g.add_argument(
+        "--bandwidth", type=float, metavar="MB/S", help="this host's MB/s, sets its share (0: measure it)"
+    )
     g.add_argument(
         "--tracker", choices=["tensorboard", "mlflow"], help="also log the metrics there (if it is installed)"
     )
@@ -634,7 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-size", type=int, help="smallest group worth a round (default: the target)")
     s.add_argument("--timeout", type=float, default=60.0, help="seconds one round may take (default 60)")
     s.add_argument("--matchmaking-time", type=float, default=5.0, help="seconds a leader gathers (default 5)")
-    s.add_argument("--bandwidth", type=float, default=100.0, help="this host's MB/s, sets its share")
+    s.add_argument(
+        "--bandwidth", type=float, default=0.0, help="this host's MB/s, sets its share (default 0: measure)"
+    )
     s.add_argument("--compression", default="none", choices=[c.value for c in Compression])
     s.add_argument("--wait-peers", type=int, default=1, help="start once this many members are known")
     s.set_defaults(func=cmd_average)

@@ -86,7 +86,7 @@ class AveragingSection:
     timeout: float = 30.0  # seconds one averaging round may take
     matchmaking_time: float = 3.0  # seconds a leader gathers a group
     compression: str = "none"  # none, fp16, bf16, int8
-    bandwidth: float = 100.0  # this host's MB/s; sets its share of the reduction
+    bandwidth: float = 0.0  # this host's MB/s, sets its share of the reduction; 0: measured in its rounds
     max_group_size: int = 64
     aggregation: str = "mean"  # mean, or robust to hostile peers: trimmed_mean, centered_clip
     audit: bool = False  # commitments, attestations and an auditor per partition; offenders banned
@@ -95,7 +95,11 @@ class AveragingSection:
     def __post_init__(self) -> None:
         _check(self.timeout > 0, "averaging.timeout", "must be positive")
         _check(self.matchmaking_time > 0, "averaging.matchmaking_time", "must be positive")
-        _check(self.bandwidth > 0, "averaging.bandwidth", "must be positive")
+        _check(
+            math.isfinite(self.bandwidth) and self.bandwidth >= 0,
+            "averaging.bandwidth",
+            "must be positive, or 0 to measure it",
+        )
         _check(2 <= self.max_group_size <= 64, "averaging.max_group_size", "must be between 2 and 64")
         _check(1 <= self.ban_quorum <= 64, "averaging.ban_quorum", "must be between 1 and 64")
         try:

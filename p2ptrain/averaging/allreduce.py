@@ -60,6 +60,7 @@ from .audit import (
     seal_attestation,
     seal_commit,
 )
+from .bandwidth import RateMeter, Rates
 from .buffers import BufferPool
 from .compression import Compression, all_finite, decode, encode
 from .partition import chunks, offsets
@@ -102,11 +103,13 @@ class RoundResult:
     contributors: list[PeerID]
     total_weight: float
     group_size: int
+    reduced: int = 0  # elements of the flat vector this member reduced (its share, from its bandwidth)
     excluded: dict[PeerID, str] = field(default_factory=dict)  # members left out, and why
     round_seconds: float = 0.0  # from the manifest to holding the average
     matchmaking_seconds: float = 0.0  # finding the group (0 when the caller brought the manifest)
     phases: dict[str, float] = field(default_factory=dict)  # seconds from the round's start to each phase
     evidence: RoundEvidence | None = None  # audited rounds: what this member needs to audit and be audited
+    rates: Rates = field(default_factory=Rates)  # what this member's links carried (see ``bandwidth``)
 
 
 @dataclass
@@ -222,6 +225,7 @@ class AllReduceRound:
         self.released = False
         self.changed = _Signal()
         self.phases: dict[str, float] = {}
+        self.meter = RateMeter(host.delivered_traffic, trio.current_time)
 
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
@@ -395,7 +399,9 @@ class AllReduceRound:
                             await self._point("mid_send")
                     await stream.send_eof()
                     ack = await stream.response()
-            if not ack.ok:
+            if ack.ok:
+                self.meter.flow_done("upload")
+            else:
                 log.info("%s refused my slice of partition %d: %s", self.name(to), p, ack.reason)
         except (P2PError, trio.TooSlowError) as e:
             log.info("could not deliver partition %d to %s: %s", p, self.name(to), e)
@@ -695,6 +701,7 @@ class AllReduceRound:
                         self.changed.fire()
                         return True
                     self.held.add(p)  # every byte is here: ours, whatever happens to the call now
+                    self.meter.flow_done("download")
                     self.changed.fire()
                     await stream.response()  # let the server finish (it counts who fetched)
         except (P2PError, trio.TooSlowError) as e:
@@ -732,6 +739,8 @@ class AllReduceRound:
                         _store(target[a:b], data, self.mode)
                         self.progress[p] = trio.current_time()
                         got += 1
+                    if got == len(spans):
+                        self.meter.flow_done("download")
                     ack = await stream.response()
                 if ack.ok and got == len(spans):
                     self.held.add(p)
@@ -770,10 +779,12 @@ class AllReduceRound:
             contributors=[self.peers[i] for i in decision.contributors],
             total_weight=math.fsum(decision.weights),
             group_size=self.n,
+            reduced=self.sizes[self.me],
             excluded={self.peers[i]: why for i, why in excluded_reasons(decision, self.n, names).items()},
             round_seconds=trio.current_time() - self.start,
             phases=self.phases,
             evidence=self._evidence(decision) if self.audit else None,
+            rates=self.meter.rates,
         )
 
     def _evidence(self, decision: Decision) -> RoundEvidence:
@@ -845,6 +856,7 @@ class AllReduceRound:
             if p == self.me and not self.scatter_open:
                 return Ack(False, "too late: this reducer already reported")
             red.complete(sender, req.weight)
+            self.meter.flow_done("download")
             return Ack(True)
         except P2PError as e:
             log.info("slice of partition %d from %s failed: %s", p, self.name(sender), e)
@@ -892,6 +904,7 @@ class AllReduceRound:
                 if index == 0:
                     await self._point("during_gather")
             await stream.send_eof()
+            self.meter.flow_done("upload")
         finally:
             self.streaming -= 1
             self._release()
@@ -924,6 +937,7 @@ class AllReduceRound:
                     await self._point("during_gather")
                 sent += 1
             if sent == len(red.spans):
+                self.meter.flow_done("upload")
                 with trio.move_on_at(end):
                     await self.finalized.setdefault(p, trio.Event()).wait()
             await stream.send_eof()

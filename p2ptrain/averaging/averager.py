@@ -42,6 +42,7 @@ from ..net.streams import RpcStream
 from ..wire.codec import pack
 from .allreduce import AllReduceRound, FaultHook, RoundEvidence, RoundResult
 from .auditor import AUDIT_WINDOW, Auditor
+from .bandwidth import BandwidthEstimate, fill_unknown
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression
 from .matchmaking import Announcement, Gathering, Joiner, choose_leader
@@ -95,7 +96,7 @@ class AveragerConfig:
     target_size: int = 4
     min_size: int = 2
     matchmaking_time: float = 5.0  # how long a leader gathers before forming a smaller group
-    bandwidth: float = 100e6  # bytes per second this peer can move; sets its share of the reduction
+    bandwidth: float = 0.0  # bytes per second this peer can move (its share of a reduction); 0: measure it
     compression: str = "none"
     aggregation: str = "mean"  # or a robust rule (see ``robust``): every member of a group uses the same
     audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
@@ -104,8 +105,8 @@ class AveragerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.target_size <= 64:
             raise ValueError("need 1 <= min_size <= target_size <= 64")
-        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
-            raise ValueError("bandwidth must be positive")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
+            raise ValueError("bandwidth must be positive, or 0 to measure it")
         if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
             raise ValueError("matchmaking_time must be positive")
         parse_compression(self.compression)
@@ -215,6 +216,7 @@ class Averager:
         # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
         self.weight_cap: Callable[[PeerID], float | None] | None = None
         self.auditor = Auditor(host, quorum=self.config.ban_quorum)
+        self.measured = BandwidthEstimate()  # from this member's rounds (see ``bandwidth``)
         reg = self.host.registry
         reg.add_unary(JOIN, self._on_join)
         reg.add_stream(PART, self._on_part)
@@ -229,6 +231,12 @@ class Averager:
         if self._dht is None:
             raise RuntimeError("matchmaking needs a DHT; this averager only runs given manifests")
         return self._dht
+
+    @property
+    def bandwidth(self) -> float:
+        """The bytes per second this member announces: the configured bandwidth, else what its recent
+        rounds measured, else 0 (not known yet: a leader gives it a typical share)."""
+        return self.config.bandwidth or self.measured.value() or 0.0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the tasks that keep finished rounds serving their last fetches."""
@@ -370,6 +378,8 @@ class Averager:
             for peer, why in rnd.blame().items():
                 self.auditor.strike(peer, why)
             raise
+        finally:
+            self.measured.add(rnd.meter.rates)  # (an aborted round's flows measured the links too)
         self.auditor.cleared(result.contributors)
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
@@ -500,7 +510,7 @@ class Averager:
             self.host.identity.peer_id,
             self._my_addr(),
             self.clock() + cfg.matchmaking_time,
-            cfg.bandwidth,
+            self.bandwidth,
             digest,
         )
         looking = self._looking = _Looking(me, group_key)
@@ -627,13 +637,14 @@ class Averager:
             looking.refusal = members
             looking.formed.set()
             return None
-        shares = partition_sizes(
-            sum(s.numel for s in schema), [m.bandwidth for m in members], [bool(m.addr) for m in members]
-        )
+        bandwidths = fill_unknown([m.bandwidth for m in members])
+        shares = partition_sizes(sum(s.numel for s in schema), bandwidths, [bool(m.addr) for m in members])
         manifest = Manifest(
             round_id=os.urandom(ROUND_ID_BYTES),
             group_key=looking.group_key,
-            members=tuple(MemberMsg(m.peer.digest, m.addr, m.bandwidth) for m in members),
+            members=tuple(
+                MemberMsg(m.peer.digest, m.addr, bw) for m, bw in zip(members, bandwidths, strict=True)
+            ),
             sizes=tuple(shares),
             schema=schema,
             compression=mode.value,

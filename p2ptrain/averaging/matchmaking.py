@@ -1,7 +1,8 @@
 """Matchmaking decisions: whom to follow, whom to admit, when to form the group (pure, no I/O).
 
 Theory of operation: a peer ready to average announces itself in the DHT under the run and a group key,
-with a deadline (when it would form a group of its own) and its bandwidth. Announcements are totally
+with a deadline (when it would form a group of its own) and its bandwidth (0 until it measured it, see
+``bandwidth``). Announcements are totally
 ordered by ``(deadline, peer id)``. Each peer follows the smallest announcement below its own that can
 lead (it accepts connections) and has not refused it; with none, it leads: it admits joiners until the
 group reaches its target size or its deadline passes, then sends each a manifest signed with its key.
@@ -64,7 +65,7 @@ class Announcement:
             and math.isfinite(deadline)
             and isinstance(bandwidth, int | float)
             and math.isfinite(bandwidth)
-            and bandwidth > 0
+            and 0 <= bandwidth <= 1e15  # 0: the peer has not measured its own yet
             and isinstance(schema, bytes)
             and len(schema) <= 32
         ):
@@ -126,8 +127,8 @@ class Gathering:
             return "already in this group"
         if self.full():
             return "the group is full"
-        if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth > 0):
-            return "bandwidth must be positive and finite"
+        if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth >= 0):
+            return "bandwidth must be finite and not negative (0: not measured yet)"
         self.joiners.append(joiner)
         return None
 

@@ -21,9 +21,11 @@ a tenth of a loopback all-reduce's CPU time.
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import struct
 import sys
+import termios
 import time
 from collections.abc import Callable
 
@@ -67,6 +69,8 @@ message sent behind it waits about this long. At a fixed 1 MiB, in the 100 Mbit/
 share each link, a member's report to the coordinator waited up to a quarter of a second."""
 _TIMED_SEND = 256 * 1024  # sends at least this large measure how fast the connection drains
 _MAX_COUNTER = 2**64 - 1
+_LINUX = sys.platform.startswith("linux")  # where TIOCOUTQ on a TCP socket is SIOCOUTQ
+_OUTQ = struct.Struct("i")
 SEND_TIMEOUT = 60.0
 """A frame, once started, is sent whole even if its sender is cancelled (a half frame would break the
 channel); if the remote reads nothing for this long, the connection is closed instead."""
@@ -149,6 +153,20 @@ class FramedStream:
         self.bytes_sent += len(data)
         if timed:
             self._retune(len(data), time.perf_counter() - began)
+
+    def undelivered(self) -> int:
+        """Bytes sent that the remote has not yet acknowledged (TCP) or read (the in-memory network): 0
+        where the transport cannot tell."""
+        if self._sock is not None:
+            if not _LINUX:
+                return 0
+            try:
+                out = fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, _OUTQ.pack(0))
+            except (OSError, ValueError):  # closed, or not a socket that keeps a send queue
+                return 0
+            return int(_OUTQ.unpack(out)[0])
+        count = getattr(self.stream, "undelivered", None)
+        return int(count()) if callable(count) else 0
 
     def _retune(self, nbytes: int, seconds: float) -> None:
         assert self._unsent is not None and self._sock is not None
@@ -314,9 +332,7 @@ class FrameCipher:
         self.open_into(ciphertext, plain, ad)
         return plain
 
-    def open_into(
-        self, ciphertext: bytes | bytearray | memoryview, out: memoryview, ad: bytes = b""
-    ) -> None:
+    def open_into(self, ciphertext: bytes | bytearray | memoryview, out: memoryview, ad: bytes = b"") -> None:
         """Decrypt into ``out`` (exactly the plaintext's size); RemoteProtocolError if forged, and then
         ``out`` holds no plaintext (libsodium clears it)."""
         if len(ciphertext) < TAG_BYTES:

@@ -211,6 +211,15 @@ class Host:
             sent, received = sent + conn.bytes_sent, received + conn.bytes_received
         return sent, received
 
+    def delivered_traffic(self) -> tuple[int, int]:
+        """Like :meth:`traffic`, but only the bytes sent that the remotes have acknowledged so far (the
+        kernel's send queues hold the rest), so that a rate measured from it is the network's, not how
+        fast the kernel takes data in."""
+        sent, received = self.traffic()
+        for conn in self.connections():
+            sent -= conn.channel.framed.undelivered()
+        return sent, received
+
     def connections(self) -> list[Connection]:
         return [c for conns in self._conns.values() for c in conns if not c.closed]
 

@@ -124,6 +124,10 @@ class MemoryStream(trio.abc.HalfCloseableStream):
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
 
+    def undelivered(self) -> int:
+        """Bytes sent on this stream that the other end has not read yet (a TCP socket's SIOCOUTQ)."""
+        return 0 if self._out.broken else self._out.in_flight
+
     async def send_eof(self) -> None:
         self._out.eof = True
         self._out._wake()

@@ -20,6 +20,10 @@ def _mb(n: Any) -> str:
     return f"{(n or 0) / 1e6:.1f} MB"
 
 
+def _bandwidth(bps: Any) -> str:
+    return f"{bps / 1e6:.1f} MB/s" if bps else "not measured (no round long enough yet)"
+
+
 def outcome(last: Mapping[str, Any]) -> str:
     """The last round in a few words."""
     what = last.get("outcome")
@@ -65,6 +69,7 @@ def node_table(peer: str, training: Mapping[str, Any], title: str = "") -> Table
         ("rounds", rounds(r)),
         ("last round", outcome(r.get("last", {}))),
         ("sent / received", f"{_mb(training.get('bytes_sent'))} / {_mb(training.get('bytes_received'))}"),
+        ("bandwidth announced", _bandwidth(training.get("bandwidth"))),
         ("compute utilization", f"{100 * training.get('compute_utilization', 0):.0f}%"),
     ]
     banned = training.get("banned") or {}

@@ -322,6 +322,7 @@ class Trainer:
             "local": self.options.local.status() if self.options.local is not None else None,
             "bytes_sent": sent,
             "bytes_received": received,
+            "bandwidth": self.node.averager.bandwidth,
             "finished": self.finished,
         }
 

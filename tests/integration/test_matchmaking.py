@@ -20,7 +20,7 @@ from p2ptrain import AveragerConfig, GroupTooSmall, Node, NodeConfig, RoundResul
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
-from p2ptrain.net import MemoryNetwork
+from p2ptrain.net import LinkProfile, MemoryNetwork
 
 PORT = 3000
 
@@ -31,9 +31,9 @@ def identity(name: str) -> Identity:
 
 @asynccontextmanager
 async def swarm(
-    n: int, avg: AveragerConfig, *, client_only: tuple[int, ...] = ()
+    n: int, avg: AveragerConfig, *, client_only: tuple[int, ...] = (), net: MemoryNetwork | None = None
 ) -> AsyncIterator[list[Node]]:
-    net = MemoryNetwork(seed=4)
+    net = net or MemoryNetwork(seed=4)
     nodes: list[Node] = []
     async with trio.open_nursery() as nursery:
         for i in range(n):
@@ -172,7 +172,6 @@ async def test_rounds_reuse_their_buffers(autojump_clock):
     assert after_second == after_first
 
 
-
 @pytest.mark.parametrize("who", ["a member", "the coordinator"])
 async def test_a_member_that_declines_its_group_is_left_out_at_once(autojump_clock, who):
     """A member whose state moved on after its group formed declines the round: the others learn it
@@ -220,3 +219,40 @@ async def test_a_member_that_declines_its_group_is_left_out_at_once(autojump_clo
             assert isinstance(r, RoundResult) and len(r.contributors) == 2 and gone in r.excluded, r
             mean = sum(float(j) for j in stay) / 2  # the mean of the two that stayed
             assert torch.equal(r.tensors[0], torch.full((1000,), mean))
+
+
+async def test_members_measure_their_bandwidth_and_a_slow_one_reduces_less(autojump_clock):
+    """n3's links run at a quarter of the others' rate. Nobody has a configured bandwidth: the first
+    round splits the vector evenly (nothing measured yet); from then on every member announces what its
+    rounds measured, and the leader splits the next round's vector in proportion: n3 reduces less."""
+    fast, slow = 10e6, 2.5e6
+    net = MemoryNetwork(seed=4)
+    for i in range(3):
+        net.set_link(f"n{i}", "n3", LinkProfile(bandwidth=slow))
+        for j in range(i + 1, 3):
+            net.set_link(f"n{i}", f"n{j}", LinkProfile(bandwidth=fast))
+    numel = 1 << 22  # 4 MB slices: 4 records per flow (the in-memory links deliver whole records)
+    announced: list[list[float]] = []
+    shares: list[list[float]] = []
+    async with swarm(4, AveragerConfig(target_size=4, min_size=4, matchmaking_time=2.0), net=net) as nodes:
+        for r in range(2):
+            announced.append([node.averager.bandwidth for node in nodes])
+            results: list[RoundResult] = [None] * 4  # type: ignore[list-item]
+            inputs = [[torch.full((numel,), float(i + r))] for i in range(4)]
+
+            async def one(i: int) -> None:
+                results[i] = await nodes[i].average(inputs[i], weight=1.0, timeout=60.0)  # noqa: B023
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i)
+            assert all(torch.equal(res.tensors[0], torch.full((numel,), 1.5 + r)) for res in results)
+            shares.append([res.reduced / numel for res in results])
+    assert announced[0] == [0.0] * 4  # nothing measured yet
+    assert max(shares[0]) - min(shares[0]) < 1e-5  # so even shares
+    bws = announced[1]
+    assert all(0 < bw <= 3 * fast for bw in bws)  # no member moves more than its links carry
+    assert bws[3] <= 3 * slow and bws[3] < 0.6 * min(bws[:3])
+    for share, bw in zip(shares[1], bws, strict=True):
+        assert share == pytest.approx(bw / sum(bws), abs=1e-5)

@@ -7,6 +7,7 @@ virtual clock jumps straight to the ``fail_after`` deadline and the test fails a
 from __future__ import annotations
 
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from p2ptrain.net.channel import (
     seal_record,
 )
 from p2ptrain.net.handshake import HandshakeResult, InitiatorHandshake, ResponderHandshake
+from p2ptrain.net.memory import LinkProfile, MemoryNetwork
 from p2ptrain.wire.codec import MAX_HEADER_BYTES
 
 KEY = bytes(range(32))
@@ -591,6 +593,61 @@ async def test_over_tcp_a_connection_drained_slowly_lets_the_kernel_hold_less_no
         for listener in listeners:
             await listener.aclose()
     assert MIN_UNSENT_BYTES <= lowat < UNSENT_BYTES // 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIOCOUTQ is Linux's")
+async def test_over_tcp_bytes_sent_count_as_delivered_only_once_acknowledged() -> None:
+    """A reader that reads nothing (behind a small receive buffer) leaves most of what was sent in the
+    sender's queue, unacknowledged: the stream reports it undelivered until the reader takes it."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    total = 3 * MAX_CHUNK // 2
+    with trio.fail_after(30):
+        sender = FramedStream(await trio.open_tcp_stream("127.0.0.1", port))
+        raw = await listeners[0].accept()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        assert sender.undelivered() == 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.send_raw, memoryview(bytes(total)))
+            while sender.undelivered() < total // 2:  # noqa: ASYNC110 (the kernel's queue: no event)
+                await trio.sleep(0.005)
+            got = 0
+            while got < total:
+                got += len(await raw.receive_some(1 << 16))
+        while sender.undelivered():  # noqa: ASYNC110 (the last acknowledgements are on their way)
+            await trio.sleep(0.005)
+        assert sender.bytes_sent == total
+        await sender.stream.aclose()
+        await raw.aclose()
+        for listener in listeners:
+            await listener.aclose()
+
+
+async def test_in_memory_bytes_sent_count_as_delivered_once_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    net.set_link("a", "b", LinkProfile(latency=0.01, bandwidth=1e6))
+    async with trio.open_nursery() as nursery:
+        accepted: list[trio.abc.Stream] = []
+        arrived = trio.Event()
+
+        async def on_stream(stream: trio.abc.Stream, host: str, port: int) -> None:
+            accepted.append(stream)
+            arrived.set()
+            await trio.sleep_forever()
+
+        await nursery.start(net.transport("b").serve, "b", 1, on_stream)
+        sender = FramedStream(await net.transport("a").connect("b", 1))
+        with trio.fail_after(10):
+            await sender.send_raw(memoryview(bytes(300_000)))
+            assert sender.undelivered() == 300_000  # written, not read
+            await arrived.wait()
+            got = 0
+            while got < 300_000:
+                got += len(await accepted[0].receive_some(1 << 16))
+                assert sender.undelivered() == 300_000 - got
+        nursery.cancel_scope.cancel()
 
 
 # ---- reused body buffers ----------------------------------------------------------------------------

@@ -66,7 +66,7 @@ DEFAULTS = {
     "averaging.timeout": 30.0,
     "averaging.matchmaking_time": 3.0,
     "averaging.compression": "none",
-    "averaging.bandwidth": 100.0,
+    "averaging.bandwidth": 0.0,
     "averaging.max_group_size": 64,
     "averaging.aggregation": "mean",
     "averaging.audit": False,
@@ -292,7 +292,8 @@ def test_task_options_are_copied_into_a_plain_dict() -> None:
         pytest.param(
             {"averaging": {"matchmaking_time": -1}}, ["averaging.matchmaking_time"], id="matchmaking"
         ),
-        pytest.param({"averaging": {"bandwidth": 0}}, ["averaging.bandwidth"], id="bandwidth"),
+        pytest.param({"averaging": {"bandwidth": -1}}, ["averaging.bandwidth"], id="bandwidth"),
+        pytest.param({"averaging": {"bandwidth": float("inf")}}, ["averaging.bandwidth"], id="bandwidth-inf"),
         pytest.param(
             {"averaging": {"max_group_size": 1}}, ["averaging.max_group_size", "2 and 64"], id="group-1"
         ),
