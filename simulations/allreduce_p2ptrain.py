@@ -50,6 +50,7 @@ async def run(args: Any, commands: Commands) -> None:
             min_size=args.peers,
             matchmaking_time=min(args.timeout, 30.0),
             compression=args.compression,
+            bandwidth=args.bandwidth * 1e6,
         ),
     )
     numel = numel_for(args.mb)
@@ -84,6 +85,8 @@ async def run(args: Any, commands: Commands) -> None:
                 wire_bytes=sent_bytes(node) - before,
                 phases=result.phases,
                 group=result.group_size,
+                share=result.reduced / numel,  # of the vector this peer reduced
+                announced_mb_s=round(node.averager.bandwidth / 1e6, 3),  # what it will announce next
             )
             check = functools.partial(commands.wait, "check", args.timeout, round=r)
             await trio.to_thread.run_sync(check)  # the others are done: checking costs no one
@@ -96,7 +99,9 @@ async def run(args: Any, commands: Commands) -> None:
 
 
 def main() -> int:
-    args = peer_parser("p2ptrain peer of the all-reduce benchmark").parse_args()
+    parser = peer_parser("p2ptrain peer of the all-reduce benchmark")
+    parser.add_argument("--bandwidth", type=float, default=0.0, help="MB/s to announce (0: measure it)")
+    args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("P2PTRAIN_BENCH_LOG", "WARNING"), stream=sys.stderr)
     torch.set_num_threads(1)  # chunk-sized tensor ops: a thread pool per process only adds contention
     commands = Commands()

@@ -5,7 +5,11 @@ Scenarios (``--scenario``, default all):
 * ``loopback``: 4 peers on 127.0.0.1, 100 MB of fp32 each (``--quick``: 8 MB);
 * ``netns``: 4 peers in a network-namespace lab (``simulations.netns``), every link shaped to 100 Mbit/s in
   both directions, 25 MB each (quick: 4 MB). Needs root; otherwise the scenario says why it did not run;
-* ``netns-int8``: the same with int8 compression (p2ptrain; hivemind with its Uniform8BitQuantization).
+* ``netns-int8``: the same with int8 compression (p2ptrain; hivemind with its Uniform8BitQuantization);
+* ``netns-uneven``: the lab with one slow peer: three links at 100 Mbit/s, the fourth at 25 Mbit/s. p2ptrain
+  peers measure their bandwidth and reduce shares in proportion (``--p2ptrain-bandwidth MB/S``: every
+  peer announces that instead, so equal shares, for comparison); the first round, before any measurement,
+  is the one the median leaves out.
 
 Systems (``--systems``): ``floor`` (``simulations.allreduce_floor``: raw TCP, threads, numpy: what the
 machine itself allows), ``p2ptrain`` (``simulations.allreduce_p2ptrain``, reported as not available while
@@ -18,7 +22,8 @@ the peers' own times, each measured from the "go" to the peer holding the averag
 come before the "go"). The report gives the first round apart (connections warm up, buffers are
 allocated) and the median and minimum of the others, the bytes averaged per second (S / round time), and
 how the time compares with a bound: on links of B bytes/s the butterfly needs at least
-2 (N-1)/N * S / B; on loopback the bound is the floor's own median round. In the lab, each peer's link
+2 (N-1)/N * S / B (uneven links: see :func:`link_bound_s`); on loopback the bound is the floor's own
+median round. In the lab, each peer's link
 counters give the bytes each round put on the wire (``link_tx_bytes``: headers and control traffic
 included); peers report what they sent themselves (``wire_bytes``) where they know it.
 
@@ -96,12 +101,14 @@ class Scenario:
     netns: bool
     compression: str = "none"
     rate_mbit: float = 100.0
+    rates: tuple[float, ...] | None = None  # Mbit/s per peer (both directions), instead of rate_mbit
 
 
 SCENARIOS = {
     "loopback": Scenario("loopback", 4, 100.0, 8.0, netns=False),
     "netns": Scenario("netns", 4, 25.0, 4.0, netns=True),
     "netns-int8": Scenario("netns-int8", 4, 25.0, 4.0, netns=True, compression="int8"),
+    "netns-uneven": Scenario("netns-uneven", 4, 25.0, 4.0, netns=True, rates=(100.0, 100.0, 100.0, 25.0)),
 }
 
 
@@ -285,6 +292,7 @@ class Plan:
     start_timeout: float = 180.0  # a peer's start (hivemind: a Go daemon, a DHT, an averager process)
     ready_timeout: float = 120.0  # from the previous round to every peer ready (hivemind: matchmaking)
     congestion: str | None = None  # TCP congestion control in the lab (None: the namespaces' default)
+    p2ptrain_bandwidth: float | None = None  # MB/s every p2ptrain peer announces (None: each measures)
 
 
 def mb_of(sc: Scenario, plan: Plan) -> float:
@@ -292,7 +300,31 @@ def mb_of(sc: Scenario, plan: Plan) -> float:
 
 
 def link_bound_s(sc: Scenario, nbytes: float) -> float:
-    return 2 * (sc.peers - 1) / sc.peers * nbytes / (sc.rate_mbit * 1e6 / 8)
+    """The shortest round a butterfly allows over the scenario's links, whatever the partition.
+
+    A member with share p of the vector (S bytes) and a link of B bytes/s each way sends (1 - p) S of
+    its own and (N - 1) p S of results, and receives as much: it needs (1 + (N - 2) p) S / B. The bound
+    is the least T for which shares summing to 1 all fit: 2 (N-1)/N * S / B on equal links; on uneven
+    ones a slow member may get no share and still needs S / B.
+    """
+    rates = [r * 1e6 / 8 for r in (sc.rates or (sc.rate_mbit,) * sc.peers)]
+    n = sc.peers
+    if n <= 2:
+        return nbytes / min(rates)
+
+    def fits(t: float) -> bool:
+        return sum(max(0.0, (t * b / nbytes - 1) / (n - 2)) for b in rates) >= 1
+
+    lo = nbytes / min(rates)
+    if fits(lo):
+        return lo
+    hi = lo
+    while not fits(hi):
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def round_timeout(sc: Scenario, plan: Plan) -> float:
@@ -326,7 +358,8 @@ def run_peers(
     ]
     began = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        lab = NetnsLab(sc.peers, sc.rate_mbit, congestion=plan.congestion) if sc.netns else None
+        rates = list(sc.rates) if sc.rates else None
+        lab = NetnsLab(sc.peers, sc.rate_mbit, rates=rates, congestion=plan.congestion) if sc.netns else None
         congestion = stack.enter_context(lab).congestion_control(0) if lab else None
         logdir = os.environ.get("BENCH_LOGDIR") or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="bench-allreduce-")
@@ -435,6 +468,10 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
             # control messages under load: from the last member's scatter to the last one's decision
             gaps = [max(p["decided"] for p in row) - max(p["scattered"] for p in row) for row in phases]
             out["decision_gap_s"] = round(statistics.median(gaps), 4)
+    last = raw["rounds"][-1]["lines"]
+    if all("share" in m for m in last):  # how the last round split the vector, and why
+        out["shares_last_round"] = [round(float(m["share"]), 4) for m in last]
+        out["announced_mb_s"] = [m.get("announced_mb_s") for m in last]
     if raw["notes"]:
         out["notes"] = raw["notes"]
     wire = [[m.get("wire_bytes") for m in r["lines"]] for r in raw["rounds"]]
@@ -447,7 +484,7 @@ def summarize(sc: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         bound = link_bound_s(sc, nbytes)
         out["link_bound_s"] = round(bound, 4)
         out["fraction_of_link_bound"] = round(bound / median, 3)
-        if "link_tx_bytes_per_peer_round" in out:  # the bound for the bytes it did put on the wire
+        if "link_tx_bytes_per_peer_round" in out and not sc.rates:  # the bound for the bytes on the wire
             wire_bound = out["link_tx_bytes_per_peer_round"] / (sc.rate_mbit * 1e6 / 8)
             out["fraction_of_wire_bound"] = round(wire_bound / median, 3)
     return out
@@ -484,6 +521,9 @@ def run_system(sc: Scenario, system: str, plan: Plan, base: str) -> dict[str, An
     if system == "p2ptrain" and not (REPO_ROOT / "simulations" / "allreduce_p2ptrain.py").exists():
         return head | {"status": "not available (simulations/allreduce_p2ptrain.py does not exist yet)"}
     extra: list[str] = []
+    if system == "p2ptrain" and plan.p2ptrain_bandwidth is not None:
+        extra = ["--bandwidth", f"{plan.p2ptrain_bandwidth:g}"]
+        head["command"] += f" --p2ptrain-bandwidth {plan.p2ptrain_bandwidth:g}"
     attempts: list[tuple[list[str], float | None]] = [([], None)]
     if system == "hivemind":
         python_or_none, version = find_hivemind_python(plan.hivemind_python)
@@ -675,8 +715,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="TCP congestion control in the netns lab, e.g. cubic or bbr (default: the system's)",
     )
+    parser.add_argument(
+        "--p2ptrain-bandwidth",
+        type=float,
+        metavar="MB/S",
+        help="every p2ptrain peer announces this bandwidth instead of measuring its own (equal shares)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the JSON report here instead of stdout")
     args = parser.parse_args(argv)
+    if args.p2ptrain_bandwidth is not None and not args.p2ptrain_bandwidth > 0:
+        parser.error("--p2ptrain-bandwidth: must be positive")
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
     plan = Plan(
@@ -687,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hivemind_python,
         args.hivemind_dial,
         congestion=args.congestion,
+        p2ptrain_bandwidth=args.p2ptrain_bandwidth,
     )
     base = f"python -m {MODULE}" + (" --quick" if args.quick else "")
     base += f" --congestion {args.congestion}" if args.congestion else ""

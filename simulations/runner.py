@@ -373,9 +373,7 @@ class Runner:
         cmd += ["--threads", "1", "--no-live"]
         if peer.spec.slowdown != 1:
             cmd += ["--slowdown", f"{peer.spec.slowdown:g}"]
-        rate = min(peer.spec.up_mbit, peer.spec.down_mbit)
-        if math.isfinite(rate) and self.scenario.emulation != "none":
-            cmd += ["--bandwidth", f"{rate / 8:g}"]  # MB/s: this peer's share of a reduction
+        # No --bandwidth: each peer measures its own from its rounds, as on real links.
         if wait > 1:
             cmd += ["--wait-peers", str(wait)]
         if peer.spec.adversary:  # a hostile peer on purpose (a hidden flag); every restart keeps it
