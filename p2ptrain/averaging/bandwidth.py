@@ -31,6 +31,10 @@ MIN_BYTES = 1 << 20
 """Nor does a window that moved less than this."""
 KEEP = 5
 """Rounds whose rates the estimate remembers (the best of them counts)."""
+MAX_SPREAD = 16.0
+"""A leader counts no member's bandwidth above this many times the group's lower median: a member that
+claims a huge one (the wire allows up to 1e15 B/s) would otherwise reduce nearly everything, and every
+round would wait for it."""
 
 
 @dataclass
@@ -87,9 +91,12 @@ class BandwidthEstimate:
 
 
 def fill_unknown(bandwidths: list[float]) -> list[float]:
-    """Bandwidths for a partition, where 0 (a member that has not measured its own yet) becomes the
-    median of the others' (1.0 if nobody knows theirs): a newcomer gets a typical share, not an
-    extreme one, until its first rounds tell."""
+    """The bandwidths a leader splits a round by, from those its members announced: 0 (a member that
+    has not measured its own yet) becomes the median of the others' (1.0 if nobody knows theirs), so a
+    newcomer gets a typical share, not an extreme one, until its first rounds tell; and none counts for
+    more than MAX_SPREAD times the lower median."""
     known = sorted(b for b in bandwidths if b > 0)
-    typical = known[len(known) // 2] if known else 1.0
-    return [b if b > 0 else typical for b in bandwidths]
+    if not known:
+        return [1.0] * len(bandwidths)
+    typical, low = known[len(known) // 2], known[(len(known) - 1) // 2]
+    return [min(b, MAX_SPREAD * low) if b > 0 else typical for b in bandwidths]

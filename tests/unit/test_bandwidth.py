@@ -8,6 +8,7 @@ import math
 import pytest
 
 from p2ptrain.averaging.bandwidth import (
+    MAX_SPREAD,
     MIN_BYTES,
     MIN_SECONDS,
     BandwidthEstimate,
@@ -101,6 +102,14 @@ def test_members_that_have_not_measured_get_the_median_share():
     assert max(sizes) - min(sizes) <= 1
     # the unknown one gets the median of 1.0 and 4.0 (the upper one): 4.0
     assert partition_sizes(1000, fill_unknown([4.0, 1.0, 0.0]), [True, True, True]) == [445, 111, 444]
+
+
+def test_no_member_counts_for_more_than_the_spread_allows():
+    assert fill_unknown([10.0, 12.0, 1e15]) == [10.0, 12.0, MAX_SPREAD * 12.0]
+    assert fill_unknown([10.0, 1e15]) == [10.0, MAX_SPREAD * 10.0]  # two members: the lower one
+    assert fill_unknown([10.0, 100.0, 0.0]) == [10.0, 100.0, 100.0]  # a real 10x spread stays
+    sizes = partition_sizes(1700, fill_unknown([10.0, 1e15]), [True, True])
+    assert sizes == [100, 1600]
 
 
 def _pid(i: int) -> PeerID:
