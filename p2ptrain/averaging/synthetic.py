@@ -84,6 +84,8 @@ async def run_rounds(
                 "excluded": {p.short(): why for p, why in res.excluded.items()},
                 "max_err": max_error(tensor, base, res.contributors),
                 "mb": round(numel * 4 / 1e6, 3),
+                "share": round(res.reduced / numel, 4) if numel else 0.0,  # of the vector reduced here
+                "announced_mb_s": round(node.averager.bandwidth / 1e6, 3),  # next round (0: not measured)
             }
         print(json.dumps(line), file=out, flush=True)
         if lines is not None:
