@@ -3,7 +3,8 @@
 What is proved here: peers that call ``average`` at different moments end up in one group led by the
 earliest, with exact results; more peers than the target size split into several complete groups and
 nobody waits forever (the deadlock-free order); a client-only peer joins and contributes; peers with other
-tensors get SchemaMismatch; too few peers get GroupTooSmall; and every outcome is typed.
+tensors get SchemaMismatch; too few peers get GroupTooSmall; every outcome is typed; and members
+measure the bandwidth they announce, so a member on slow links reduces a smaller share.
 """
 
 from __future__ import annotations
