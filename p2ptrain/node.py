@@ -339,6 +339,7 @@ class Node:
             "metrics_port": self.metrics_port,
             "traffic": dict(zip(("bytes_sent", "bytes_received"), self.host.traffic(), strict=True)),
             "bandwidth": self.averager.bandwidth,  # bytes/s it announces (0: not measured yet)
+            "measured": dataclasses.asdict(self.averager.measured.best()),  # bytes/s each way, or None
             "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},
             "members": [member_json(m) for m in self.members],
             "started_at": self._started,

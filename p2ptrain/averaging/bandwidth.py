@@ -84,10 +84,15 @@ class BandwidthEstimate:
         if rates.download is not None:
             self.download.append(rates.download)
 
+    def best(self) -> Rates:
+        """The best recent rate in each direction (None where none was measured)."""
+        return Rates(max(self.upload, default=None), max(self.download, default=None))
+
     def value(self) -> float | None:
         """Bytes per second, or None before any round measured anything."""
-        best = [max(d) for d in (self.upload, self.download) if d]
-        return min(best) if best else None
+        best = self.best()
+        known = [r for r in (best.upload, best.download) if r is not None]
+        return min(known) if known else None
 
 
 def fill_unknown(bandwidths: list[float]) -> list[float]:

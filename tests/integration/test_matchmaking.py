@@ -250,6 +250,8 @@ async def test_members_measure_their_bandwidth_and_a_slow_one_reduces_less(autoj
                         nursery.start_soon(one, i)
             assert all(torch.equal(res.tensors[0], torch.full((numel,), 1.5 + r)) for res in results)
             shares.append([res.reduced / numel for res in results])
+        status = nodes[3].status()  # what a person sees: the announced value, and each direction
+    assert status["bandwidth"] == min(status["measured"].values()) > 0
     assert announced[0] == [0.0] * 4  # nothing measured yet
     assert max(shares[0]) - min(shares[0]) < 1e-5  # so even shares
     bws = announced[1]

@@ -93,6 +93,7 @@ def test_the_estimate_is_the_best_recent_rate_of_the_slower_direction():
     assert est.value() == 12e6
     est.add(Rates(upload=6e6, download=7e6))
     assert est.value() == 6e6  # upload's last three: 5, 5, 6
+    assert est.best() == Rates(upload=6e6, download=30e6)  # rounds without a download sample keep 30
 
 
 def test_members_that_have_not_measured_get_the_median_share():
