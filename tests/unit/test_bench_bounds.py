@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from simulations.bench_allreduce import SCENARIOS, Scenario, link_bound_s
@@ -27,3 +29,31 @@ def test_moderately_uneven_links_share_out_so_that_every_member_finishes_togethe
     assert all(p > 0 for p in shares)
     assert sum(shares) == pytest.approx(1.0, rel=1e-9)
     assert t == pytest.approx(S * 6 / sum(rates), rel=1e-9)  # S (2N - 2) / sum(B) when nobody is left out
+
+
+def test_the_summary_row_of_uneven_links_names_them_and_claims_no_equal_link_target(tmp_path):
+    from simulations.suite import allreduce_rows
+
+    sc = SCENARIOS["netns-uneven"]
+    report = {
+        "plan": {"rounds": 6},
+        "scenarios": {
+            sc.name: {"mb": sc.mb, "netns": True, "rates": list(sc.rates or ()), "compression": "none"}
+        },
+        "results": [
+            {
+                "scenario": sc.name,
+                "system": "p2ptrain",
+                "status": "ok",
+                "median_s": 11.0,
+                "link_bound_s": 8.0,
+                "fraction_of_link_bound": 0.727,
+                "shares_last_round": [0.306, 0.306, 0.31, 0.078],
+            }
+        ],
+    }
+    (tmp_path / "allreduce.json").write_text(json.dumps(report))
+    (row,) = allreduce_rows(tmp_path)
+    assert "links 100/100/100/25 Mbit/s" in row["metric"] and "73% of the bound 8" in row["metric"]
+    assert "shares 0.31/0.31/0.31/0.08" in row["metric"]
+    assert row["target"] == "-" and row["met"] is None
