@@ -42,7 +42,7 @@ from ..net.streams import RpcStream
 from ..wire.codec import pack
 from .allreduce import AllReduceRound, FaultHook, RoundEvidence, RoundResult
 from .auditor import AUDIT_WINDOW, Auditor
-from .bandwidth import BandwidthEstimate, fill_unknown
+from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression
 from .matchmaking import Announcement, Gathering, Joiner, choose_leader
@@ -637,7 +637,7 @@ class Averager:
             looking.refusal = members
             looking.formed.set()
             return None
-        bandwidths = fill_unknown([m.bandwidth for m in members])
+        bandwidths = partition_bandwidths([m.bandwidth for m in members])
         shares = partition_sizes(sum(s.numel for s in schema), bandwidths, [bool(m.addr) for m in members])
         manifest = Manifest(
             round_id=os.urandom(ROUND_ID_BYTES),

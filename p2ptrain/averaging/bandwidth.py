@@ -95,7 +95,7 @@ class BandwidthEstimate:
         return min(known) if known else None
 
 
-def fill_unknown(bandwidths: list[float]) -> list[float]:
+def partition_bandwidths(bandwidths: list[float]) -> list[float]:
     """The bandwidths a leader splits a round by, from those its members announced: 0 (a member that
     has not measured its own yet) becomes the median of the others' (1.0 if nobody knows theirs), so a
     newcomer gets a typical share, not an extreme one, until its first rounds tell; and none counts for

@@ -157,16 +157,16 @@ class FramedStream:
     def undelivered(self) -> int:
         """Bytes sent that the remote has not yet acknowledged (TCP) or read (the in-memory network): 0
         where the transport cannot tell."""
-        if self._sock is not None:
-            if not _LINUX:
-                return 0
-            try:
-                out = fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, _OUTQ.pack(0))
-            except (OSError, ValueError):  # closed, or not a socket that keeps a send queue
-                return 0
-            return int(_OUTQ.unpack(out)[0])
-        count = getattr(self.stream, "undelivered", None)
-        return int(count()) if callable(count) else 0
+        if self._sock is None:
+            count = getattr(self.stream, "undelivered", None)
+            return int(count()) if callable(count) else 0
+        if not _LINUX:
+            return 0
+        try:
+            out = fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, _OUTQ.pack(0))
+        except (OSError, ValueError):  # closed, or not a socket that keeps a send queue
+            return 0
+        return int(_OUTQ.unpack(out)[0])
 
     def _retune(self, nbytes: int, seconds: float) -> None:
         assert self._unsent is not None and self._sock is not None

@@ -14,7 +14,7 @@ from p2ptrain.averaging.bandwidth import (
     BandwidthEstimate,
     RateMeter,
     Rates,
-    fill_unknown,
+    partition_bandwidths,
 )
 from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner
 from p2ptrain.averaging.partition import partition_sizes
@@ -97,19 +97,19 @@ def test_the_estimate_is_the_best_recent_rate_of_the_slower_direction():
 
 
 def test_members_that_have_not_measured_get_the_median_share():
-    assert fill_unknown([10.0, 0.0, 30.0, 20.0]) == [10.0, 20.0, 30.0, 20.0]
-    assert fill_unknown([0.0, 0.0]) == [1.0, 1.0]  # nobody knows: equal shares
-    sizes = partition_sizes(1000, fill_unknown([0.0, 0.0, 0.0]), [True, True, True])
+    assert partition_bandwidths([10.0, 0.0, 30.0, 20.0]) == [10.0, 20.0, 30.0, 20.0]
+    assert partition_bandwidths([0.0, 0.0]) == [1.0, 1.0]  # nobody knows: equal shares
+    sizes = partition_sizes(1000, partition_bandwidths([0.0, 0.0, 0.0]), [True, True, True])
     assert max(sizes) - min(sizes) <= 1
     # the unknown one gets the median of 1.0 and 4.0 (the upper one): 4.0
-    assert partition_sizes(1000, fill_unknown([4.0, 1.0, 0.0]), [True, True, True]) == [445, 111, 444]
+    assert partition_sizes(1000, partition_bandwidths([4.0, 1.0, 0.0]), [True, True, True]) == [445, 111, 444]
 
 
 def test_no_member_counts_for_more_than_the_spread_allows():
-    assert fill_unknown([10.0, 12.0, 1e15]) == [10.0, 12.0, MAX_SPREAD * 12.0]
-    assert fill_unknown([10.0, 1e15]) == [10.0, MAX_SPREAD * 10.0]  # two members: the lower one
-    assert fill_unknown([10.0, 100.0, 0.0]) == [10.0, 100.0, 100.0]  # a real 10x spread stays
-    sizes = partition_sizes(1700, fill_unknown([10.0, 1e15]), [True, True])
+    assert partition_bandwidths([10.0, 12.0, 1e15]) == [10.0, 12.0, MAX_SPREAD * 12.0]
+    assert partition_bandwidths([10.0, 1e15]) == [10.0, MAX_SPREAD * 10.0]  # two members: the lower one
+    assert partition_bandwidths([10.0, 100.0, 0.0]) == [10.0, 100.0, 100.0]  # a real 10x spread stays
+    sizes = partition_sizes(1700, partition_bandwidths([10.0, 1e15]), [True, True])
     assert sizes == [100, 1600]
 
 
