@@ -178,6 +178,9 @@ class AllReduceRound:
         self.offsets = offsets(self.sizes)
         self.flat, self.weight, self.tensors = flat, weight, tensors
         self.source = flat if source is None else source
+        # Our own partition's mean ends up in ``flat``: accumulate it there (no copy at the end), unless
+        # ``flat`` is also what we send from, which must stay intact until the decision.
+        self.reduce_in_flat = self.source is not flat
         start = trio.current_time() if clock_start is None else clock_start
         self.start, self.end = start, start + m.timeout
         self.deadline = {
@@ -233,9 +236,8 @@ class AllReduceRound:
     def _new_reducer(self, p: int, weight: float | None) -> PartitionReducer:
         """A reducer for partition ``p``, holding this member's own slice if ``weight`` is given."""
         size = self.sizes[p]
-        red = PartitionReducer(
-            size, self.mode, self._buffer(size), self.manifest.aggregation, canonical=self.audit
-        )
+        buffer = self._slice(p) if p == self.me and self.reduce_in_flat else self._buffer(size)
+        red = PartitionReducer(size, self.mode, buffer, self.manifest.aggregation, canonical=self.audit)
         if weight is not None:
             own = self._own(p)
             red.add_local(self.me, own, weight)
@@ -273,8 +275,9 @@ class AllReduceRound:
         if self.pool is None or self.released or self.streaming or not self.retired.is_set():
             return
         self.released = True
-        for red in self.reducers.values():
-            self.pool.give(red.acc)
+        for p, red in self.reducers.items():
+            if not (p == self.me and self.reduce_in_flat):  # (that accumulator is part of ``flat``)
+                self.pool.give(red.acc)
         self.pool.give(self.flat)
 
     def _mark(self, phase: str) -> None:
@@ -577,7 +580,8 @@ class AllReduceRound:
         if self.audit:
             red.attestation = self._attest(p, red, decision)
         assert red.result is not None
-        self._slice(p).copy_(red.result)
+        if red.result.data_ptr() != self._slice(p).data_ptr():  # (not reduced in place)
+            self._slice(p).copy_(red.result)
         self.held.add(p)
         self.fetches_left += self.n - 1
         event.set()

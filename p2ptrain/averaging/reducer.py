@@ -38,7 +38,8 @@ class PartitionReducer:
         *,
         canonical: bool = False,
     ) -> None:
-        """``buffer``: ``size`` float32 elements to accumulate in (reused memory; it is cleared).
+        """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
+        overwritten by the first slice added).
         ``canonical``: always sum in member order at the end (an auditor can then redo it bit for bit),
         not in the order chunks happened to arrive."""
         self.size = size
@@ -48,7 +49,7 @@ class PartitionReducer:
         self.spans = list(chunks(size, mode))
         if buffer is not None and (buffer.numel() != size or buffer.dtype != torch.float32):
             raise ValueError(f"the accumulator must hold {size} float32 elements")
-        self.acc = torch.zeros(size, dtype=torch.float32) if buffer is None else buffer.zero_()
+        self.acc = torch.zeros(size, dtype=torch.float32) if buffer is None else buffer
         self.touched: set[int] = set()  # senders with anything in ``acc``
         self.delivered: dict[int, float] = {}  # sender -> weight, for complete slices
         self._kept: dict[int, list[torch.Tensor | memoryview]] = {}
@@ -106,6 +107,8 @@ class PartitionReducer:
             raise RemoteProtocolError(
                 f"chunk {index} has {len(data)} bytes, expected {self.chunk_bytes(index)}"
             )
+        if not self.touched:  # the first slice adds to zeros (add_local writes its product instead)
+            self.acc.zero_()
         self._add(index, data, weight)
         self.touched.add(sender)
         self._kept.setdefault(sender, []).append(data)

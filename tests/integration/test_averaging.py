@@ -319,10 +319,15 @@ async def fault_trial(
     return verdict, outcomes
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["copied", "in place"])
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize(("n", "victim"), [(3, 0), (3, 2), (5, 1), (8, 4)])
-async def test_a_member_crashing_at_any_phase_never_splits_the_group(autojump_clock, phase, n, victim):
-    verdict, outcomes = await fault_trial(n, victim, phase)
+async def test_a_member_crashing_at_any_phase_never_splits_the_group(
+    autojump_clock, phase, n, victim, single
+):
+    """``in place``: each member sends from its one tensor and reduces its own partition where the
+    mean goes; ``copied``: two tensors, copied into the buffer the mean then overwrites."""
+    verdict, outcomes = await fault_trial(n, victim, phase, single=single)
     survivors = [o for i, o in enumerate(outcomes) if i != victim]
     if phase == "before_send" and victim != 0:
         # a member that dies before sending anything is simply left out; the others still average

@@ -9,6 +9,7 @@ measure the bandwidth they announce, so a member on slow links reduces a smaller
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -153,7 +154,7 @@ async def test_bad_arguments_are_refused_before_any_network_traffic(autojump_clo
 
 async def test_rounds_reuse_their_buffers(autojump_clock):
     def kept(node: Node) -> set[int]:
-        return {t.data_ptr() for ts in node.averager._pool._free.values() for t in ts}
+        return {t.data_ptr() for t in node.averager._pool._free}
 
     async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
         with trio.fail_after(120):
@@ -170,6 +171,34 @@ async def test_rounds_reuse_their_buffers(autojump_clock):
         assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
     # every member got its flat copy and accumulator back, and the second round used those very buffers
     assert all(len(k) == 2 for k in after_first), after_first
+    assert after_second == after_first
+
+
+async def test_a_tensor_sent_in_place_takes_one_buffer_reused_every_round(autojump_clock):
+    """One float32 tensor is sent from where it lies, and a member reduces its own partition right
+    where the mean goes: a round takes one buffer from the pool, and the next round that same one."""
+    inputs = [torch.arange(10_001, dtype=torch.float32) * (i + 1) for i in range(3)]
+    expected = sum(inputs) / 3
+
+    async def average(nodes: list[Node]) -> list[torch.Tensor]:
+        mine = [t.clone() for t in inputs]
+        async with trio.open_nursery() as nursery:
+            for node, t in zip(nodes, mine, strict=True):
+                nursery.start_soon(functools.partial(node.average, [t], weight=1.0, timeout=20.0))
+        for node in nodes:
+            await node.averager.wait_idle()
+        return mine
+
+    async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
+        with trio.fail_after(120):
+            first = await average(nodes)
+            after_first = [[t.data_ptr() for t in node.averager._pool._free] for node in nodes]
+            second = await average(nodes)
+            after_second = [[t.data_ptr() for t in node.averager._pool._free] for node in nodes]
+    for got in first + second:
+        assert torch.allclose(got, expected, rtol=0, atol=1e-3)
+    assert all(torch.equal(got, first[0]) for got in first + second)
+    assert all(len(k) == 1 for k in after_first), after_first
     assert after_second == after_first
 
 

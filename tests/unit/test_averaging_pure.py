@@ -340,6 +340,23 @@ def test_reducer_refuses_malformed_chunks_without_touching_the_sum():
     assert not red.touched and torch.equal(red.acc, torch.zeros(10))
 
 
+@pytest.mark.parametrize("first", ["own slice", "a received slice"])
+def test_a_reused_buffer_holding_anything_is_overwritten_by_the_first_slice(first):
+    # a reused accumulator is not cleared up front: the first slice must overwrite whatever it holds
+    size = 1000
+    xs = [torch.randn(size, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    red = PartitionReducer(size, Compression.NONE, buffer=torch.full((size,), float("nan")))
+    chunk = memoryview(bytearray(xs[1].numpy().tobytes()))
+    if first == "own slice":
+        red.add_local(0, xs[0], 1.0)
+        red.add_chunk(1, 0, chunk, 3.0)
+    else:
+        red.add_chunk(1, 0, chunk, 3.0)
+        red.add_local(0, xs[0], 1.0)
+    red.complete(1, 3.0)
+    torch.testing.assert_close(red.finalize([0, 1], [1.0, 3.0]), (xs[0] + 3 * xs[1]) / 4)
+
+
 def _feed(red: PartitionReducer, sender: int, x: torch.Tensor, w: float, upto: int | None = None) -> None:
     """Add ``sender``'s slice ``x`` chunk by chunk (the first ``upto`` chunks only, if given)."""
     for index, (a, b) in enumerate(red.spans[:upto]):
