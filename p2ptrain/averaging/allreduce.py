@@ -178,9 +178,6 @@ class AllReduceRound:
         self.offsets = offsets(self.sizes)
         self.flat, self.weight, self.tensors = flat, weight, tensors
         self.source = flat if source is None else source
-        # Our own partition's mean ends up in ``flat``: accumulate it there (no copy at the end), unless
-        # ``flat`` is also what we send from, which must stay intact until the decision.
-        self.reduce_in_flat = self.source is not flat
         start = trio.current_time() if clock_start is None else clock_start
         self.start, self.end = start, start + m.timeout
         self.deadline = {
@@ -233,10 +230,15 @@ class AllReduceRound:
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
 
+    def _reduced_in_flat(self, p: int) -> bool:
+        """Partition ``p`` accumulates right where its mean goes, in ``flat`` (no copy at the end): our
+        own partition, unless ``flat`` is also what we send from (it must stay intact until the decision)."""
+        return p == self.me and self.source is not self.flat
+
     def _new_reducer(self, p: int, weight: float | None) -> PartitionReducer:
         """A reducer for partition ``p``, holding this member's own slice if ``weight`` is given."""
         size = self.sizes[p]
-        buffer = self._slice(p) if p == self.me and self.reduce_in_flat else self._buffer(size)
+        buffer = self._slice(p) if self._reduced_in_flat(p) else self._buffer(size)
         red = PartitionReducer(size, self.mode, buffer, self.manifest.aggregation, canonical=self.audit)
         if weight is not None:
             own = self._own(p)
@@ -276,7 +278,7 @@ class AllReduceRound:
             return
         self.released = True
         for p, red in self.reducers.items():
-            if not (p == self.me and self.reduce_in_flat):  # (that accumulator is part of ``flat``)
+            if not self._reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
                 self.pool.give(red.acc)
         self.pool.give(self.flat)
 
@@ -580,7 +582,7 @@ class AllReduceRound:
         if self.audit:
             red.attestation = self._attest(p, red, decision)
         assert red.result is not None
-        if red.result.data_ptr() != self._slice(p).data_ptr():  # (not reduced in place)
+        if red.result.data_ptr() != self._slice(p).data_ptr():  # (compressed, or not reduced in flat)
             self._slice(p).copy_(red.result)
         self.held.add(p)
         self.fetches_left += self.n - 1
