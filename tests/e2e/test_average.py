@@ -21,7 +21,11 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 CLI = [sys.executable, "-m", "p2ptrain"]
-ROUNDS = 7
+ROUNDS = 14
+"""Enough that the survivors still have rounds to share after the worst stall the kill can cause: if the
+victim dies right after leading a group, a survivor that got its manifest waits out the round (about 18
+s of the 20 s timeout), while the others, without it, fail a round every 3 s (matchmaking time, fewer
+than ``--min-size``). At 7 rounds they could use up all of theirs in that time (seen once in CI)."""
 
 
 class Averaging:
