@@ -123,6 +123,17 @@ class ProgressSection:
 
 
 @dataclass(frozen=True)
+class StateSyncSection:
+    chunk_timeout: float = 30.0  # seconds a donor may go without delivering a chunk before it is dropped
+    max_donors: int = 4  # donors a joiner downloads from at once
+    serve: bool = True  # serve this peer's state to joiners
+
+    def __post_init__(self) -> None:
+        _check(self.chunk_timeout > 0, "statesync.chunk_timeout", "must be positive")
+        _check(1 <= self.max_donors <= 16, "statesync.max_donors", "must be between 1 and 16")
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     every_steps: int = 50  # 0: no periodic checkpoints (one is still written on a clean stop)
     keep: int = 2
@@ -152,6 +163,7 @@ class RunConfig:
     diloco: DilocoSection = field(default_factory=DilocoSection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
     progress: ProgressSection = field(default_factory=ProgressSection)
+    statesync: StateSyncSection = field(default_factory=StateSyncSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
 

@@ -21,7 +21,14 @@ more samples to an epoch than slow ones, and nobody waits for anybody until the 
 Failures follow the all-reduce rule: a round that aborted changed nothing, and the peer goes on
 accumulating and tries again; a peer that missed a step (its round failed while others committed, it
 joined late, or its parameters diverged from the majority's) downloads the state from a peer that has
-it (see ``statesync``) and takes part from the next epoch. A peer alone on its epoch steps alone.
+it (see ``fetch``) and takes part from the next epoch. A peer alone on its epoch steps alone.
+
+The state peers agree on (and serve to joiners) is the model with, in DiLoCo, the global parameters in
+place of the local ones, plus the optimizer state that global steps change (the inner optimizer in sync
+mode, the outer one in DiLoCo); its digest (``layout.root``) commits to every byte. Only global steps and
+downloads change it, and only between batches. Hashing it after each change, and writing a snapshot for
+joiners, read the live tensors in a worker thread when the state is large: meanwhile the state is *held*
+(a finished round or download waits to be applied until the hold ends), never copied in memory.
 """
 
 from __future__ import annotations
@@ -48,7 +55,9 @@ from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundA
 from ..identity import PEER_ID_BYTES, PeerID
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
+from . import layout as lay
 from . import state
+from .fetch import Downloaded, Fetcher, ProgressFn
 from .progress import (
     PeerProgress,
     ProgressRecord,
@@ -57,7 +66,7 @@ from .progress import (
     plausible_samples,
     swarm_view,
 )
-from .statesync import Downloaded, ProgressFn, Snapshot, StateServer, download
+from .statesync import THREAD_BYTES, LiveState, Snapshot, StateServer, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +220,11 @@ class CollaborativeOptimizer:
         self._publish_now = trio.Event()
         self._records_read = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self._snapshot: Snapshot | None = None
-        self._version = 0  # bumped whenever the served state changes
-        self._snapshot_version = -1
-        self.digest = self._compute_digest()
+        self._version = 0  # bumped whenever the state changes
+        self._holds = 0  # threads reading the live state: nothing may change it meanwhile
+        self._released = trio.Event()
+        self._hashes: tuple[int, list[bytes]] | None = None  # the chunk hashes of a state version
+        self.digest = b""  # the root of the current state; b"" while it is being hashed
         self.on_download_progress: ProgressFn | None = None
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress
         self.leaving = False
@@ -233,7 +243,16 @@ class CollaborativeOptimizer:
         node.averager.weight_cap = self._weight_cap
         node.averager.auditor.on_ban = self._on_ban
         self.bans_key = f"p2ptrain/{node.config.run_id}/bans".encode()
-        self.server = StateServer(node.host.registry, self.snapshot)
+        s = config.statesync
+        self.server = StateServer(node.host.registry, self._prepare_snapshot) if s.serve else None
+        self.fetcher = Fetcher(
+            node.host,
+            max_size=self.max_state_bytes(),
+            chunk_timeout=s.chunk_timeout,
+            max_donors=s.max_donors,
+            on_progress=self._on_download_progress,
+        )
+        self._rehash()
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -243,6 +262,8 @@ class CollaborativeOptimizer:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._progress_loop)
+            if self.server is not None:
+                nursery.start_soon(self.server.run)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -414,7 +435,7 @@ class CollaborativeOptimizer:
                 # wait for it in vain.
                 if self.samples > 0:
                     self._start_matchmaking()
-            elif view.peers <= 1 and view.ready and self._may_step_alone(view):
+            elif view.peers <= 1 and view.ready and not self._holds and self._may_step_alone(view):
                 self._solo_step()
                 return True
         return changed
@@ -519,6 +540,7 @@ class CollaborativeOptimizer:
         except RoundAborted as e:
             self._note_abort(e)
             return False
+        await self.unheld()
         self._outer_step()
         for p, g in zip(self.params, self.global_params, strict=True):
             p.data.copy_(g)
@@ -608,7 +630,9 @@ class CollaborativeOptimizer:
         self._epoch_began = self.clock()
         self._matchmaking_scope.cancel()  # a group for the epoch we left is no use
         self._version += 1
-        self.digest = self._compute_digest()
+        if self.server is not None:
+            self.server.invalidate()
+        self._rehash()
         self._publish_now.set()
 
     def _note_abort(self, e: BaseException) -> None:
@@ -659,7 +683,7 @@ class CollaborativeOptimizer:
     def _land(self) -> bool:
         """Apply a background round's result once it is in (between batches: compute is not running)."""
         flight = self._in_flight
-        if flight is None or not flight.done.is_set():
+        if flight is None or not flight.done.is_set() or self._holds:
             return False
         self._in_flight = None
         outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
@@ -690,64 +714,111 @@ class CollaborativeOptimizer:
 
     # ---- state: digest, snapshots, downloads, checkpoints ------------------------------------------
 
-    def verified(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The part of a captured state that every peer must hold identically (its digest is published)."""
-        prefix = "extra.global." if self.diloco else "model."
-        return {k: v for k, v in tensors.items() if k.startswith(prefix)}
-
-    def _compute_digest(self) -> bytes:
+    def _captured(self, copy: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if self.diloco:
-            live = dict(zip((f"extra.global.{n}" for n in self.names), self.global_params, strict=True))
+            global_values = dict(zip(self.names, self.global_params, strict=True))
+            tensors, meta = state.capture(self.model, {"outer": self.outer}, values=global_values, copy=copy)
         else:
-            live = {f"model.{k}": v for k, v in self.model.state_dict().items()}
-        return state.digest(live)
-
-    def capture(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """The state to serve or checkpoint: model, optimizer (outer in diloco) and the epoch."""
-        if self.diloco:
-            extra = dict(zip((f"global.{n}" for n in self.names), self.global_params, strict=True))
-            tensors, meta = state.capture(self.model, {"outer": self.outer}, extra=extra)
-        else:
-            tensors, meta = state.capture(self.model, {"inner": self.optimizer})
+            tensors, meta = state.capture(self.model, {"inner": self.optimizer}, copy=copy)
         meta["p2ptrain.epoch"] = str(self.epoch)
         meta["p2ptrain.inner_steps"] = str(self.inner_steps)
         return tensors, meta
 
-    def restore(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> None:
-        """Load a state from :meth:`capture` (a download or a checkpoint); everything is checked first."""
+    def capture(self, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The state to serve or checkpoint: the model (with DiLoCo's global parameters in place of the
+        local ones), the optimizer whose state global steps change (inner in sync, outer in DiLoCo) and
+        the epoch. ``copy=False`` returns the live tensors, for a caller that reads them before the next
+        ``step``."""
+        return self._captured(copy)
+
+    def _live(self) -> LiveState:
+        tensors, meta = self._captured(copy=False)
+        layout = lay.Layout.of(tensors)
+        hashes = self._hashes[1] if self._hashes and self._hashes[0] == self._version else None
+        return LiveState(self.epoch, layout, [tensors[e.name] for e in layout.entries], meta, hashes)
+
+    # ---- holding the state still while threads read it ----
+
+    async def unheld(self) -> None:
+        """Wait until no thread reads the live state (then it may change)."""
+        while self._holds:
+            await self._released.wait()
+
+    async def _read_in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._holds += 1
         try:
-            epoch = int(meta.get("p2ptrain.epoch", ""))
+            return await trio.to_thread.run_sync(fn, *args)
+        finally:
+            self._holds -= 1
+            if not self._holds:
+                self._released.set()
+                self._released = trio.Event()
+
+    def _rehash(self) -> None:
+        """The state changed: its digest is computed now (small states) or in a thread (large ones)."""
+        live = self._live()
+        if live.layout.size < THREAD_BYTES or self._nursery is None:
+            self._set_digest(live, lay.hash_chunks(live.layout, live.tensors))
+            return
+        self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
+        self._nursery.start_soon(self._hash_in_thread, live, self._version)
+
+    async def _hash_in_thread(self, live: LiveState, version: int) -> None:
+        hashes = await self._read_in_thread(lay.hash_chunks, live.layout, live.tensors)
+        if version == self._version:
+            self._set_digest(live, hashes)
+
+    def _set_digest(self, live: LiveState, hashes: list[bytes]) -> None:
+        self._hashes = (self._version, hashes)
+        self.digest = lay.root(live.epoch, live.layout, hashes)
+        self._publish_now.set()
+
+    async def _prepare_snapshot(self) -> Snapshot | None:
+        """A snapshot of the state as it is now, for joiners (see ``StateServer``)."""
+        live = self._live()
+        if live.layout.size < THREAD_BYTES:
+            snap = write_snapshot(live)
+        else:
+            snap = await self._read_in_thread(write_snapshot, live)
+        return snap
+
+    def restore(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, str],
+        *,
+        epoch: int | None = None,
+        owned: bool = False,
+    ) -> None:
+        """Load a state from :meth:`capture` (a download or a checkpoint); everything is checked first.
+        ``epoch``: the step the state is known to be (a download's verified root commits to it), instead
+        of the one its metadata claims. ``owned``: the tensors are handed over, not copied."""
+        try:
+            claimed = int(meta.get("p2ptrain.epoch", ""))
             inner_steps = int(meta.get("p2ptrain.inner_steps", "0"))
         except ValueError:
             raise RemoteProtocolError("the state does not say which step it is") from None
+        epoch = claimed if epoch is None else epoch
         if not (0 <= epoch <= 2**53 and 0 <= inner_steps <= 2**53):
             raise RemoteProtocolError(f"implausible step {epoch}")
         if self.diloco:
-            names = [f"global.{n}" for n in self.names]
-            extra = state.restore(self.model, {"outer": self.outer}, tensors, meta, extra_names=names)
+            # Older checkpoints kept the global parameters apart ("extra.global.*"), the local ones as
+            # the model's; now the model entries are the global parameters.
+            old = [f"global.{n}" for n in self.names] if "extra.global." + self.names[0] in tensors else []
+            extra = state.restore(
+                self.model, {"outer": self.outer}, tensors, meta, extra_names=old, owned=owned
+            )
             with torch.no_grad():
-                for g, p, n in zip(self.global_params, self.params, names, strict=True):
-                    g.copy_(extra[n])
-                    p.copy_(g)
+                for i, (g, p) in enumerate(zip(self.global_params, self.params, strict=True)):
+                    if old:
+                        p.copy_(extra[old[i]])
+                    g.copy_(p)
         else:
-            state.restore(self.model, {"inner": self.optimizer}, tensors, meta)
+            state.restore(self.model, {"inner": self.optimizer}, tensors, meta, owned=owned)
             for acc in self.averaged:
                 acc.zero_()
         self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
         self._state_changed()
-
-    def snapshot(self) -> Snapshot | None:
-        """This epoch's state as bytes (taken once per state change, shared by concurrent downloads)."""
-        if self._in_flight is not None and self._snapshot is not None:
-            return self._snapshot  # mid-round: the last stable state
-        if self._snapshot_version != self._version or self._snapshot is None:
-            tensors, meta = self.capture()
-            pieces = state.encode(tensors, meta)
-            self._snapshot = Snapshot(
-                self.epoch, state.digest(self.verified(tensors)), pieces, state.encoded_size(pieces)
-            )
-            self._snapshot_version = self._version
-        return self._snapshot
 
     def max_state_bytes(self) -> int:
         """The most a download of this model's state could need (bounds what a donor may send): the model,
@@ -769,10 +840,14 @@ class CollaborativeOptimizer:
         # parameters it holds is carried onto the new ones, so the work rolls into the next round.
         carry = self.diloco and view.behind and view.newest == self.epoch + 1
         flight = self._download = _Download(trio.Event(), self.epoch if carry else None)
+        want = view.newest if view.behind else self.epoch
+
+        def expected(epoch: int) -> bytes:  # what the others report; our own digest vouches for nothing
+            return majority_digest(r.record for r in self.records if r.record.epoch == epoch)
 
         async def run() -> None:
             try:
-                flight.outcome = await self.download(view)
+                flight.outcome = await self.fetcher.fetch(view.donors, want_epoch=want, expected=expected)
             except P2PError as e:
                 flight.outcome = e
             finally:
@@ -783,7 +858,7 @@ class CollaborativeOptimizer:
     def _land_download(self) -> bool:
         """Apply a background download once it is in; True when the state was replaced."""
         flight = self._download
-        if flight is None or not flight.done.is_set():
+        if flight is None or not flight.done.is_set() or self._holds:
             return False
         self._download = None
         got = flight.outcome
@@ -794,7 +869,7 @@ class CollaborativeOptimizer:
             if flight.carry_from is not None:
                 local = [p - g for p, g in zip(self.params, self.global_params, strict=True)]
             samples = self.samples
-            self.restore(got.tensors, got.metadata)
+            self.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
         except P2PError as e:
             log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
             self._sync_retry_at = self.clock() + RETRY_SYNC
@@ -806,39 +881,51 @@ class CollaborativeOptimizer:
                     p.add_(d)
             self.samples = samples
         self.stats.syncs += 1
-        self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.peer.short()}
+        self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.short()}
         log.info(
             "now on step %d (state from %s)%s",
             self.epoch,
-            got.donor.peer.short(),
+            got.donor.short(),
             f"; {self.samples} samples of local progress carried into it" if carried else "",
         )
         return True
 
-    async def download(self, view: SwarmView) -> Downloaded:
-        def expected(epoch: int) -> bytes:
-            return majority_digest(r.record for r in self.records if r.record.epoch == epoch)
-
-        def progress(got: int, total: int) -> None:
-            self.download_progress = (got, total)
-            if self.on_download_progress is not None:
-                self.on_download_progress(got, total)
-
-        return await download(
-            self.node.host,
-            view.donors,
-            max_size=self.max_state_bytes(),
-            verified=self.verified,
-            expected_digest=expected,
-            timeout=max(60.0, self.config.averaging.timeout),
-            on_progress=progress,
-        )
+    def _on_download_progress(self, got: int, total: int) -> None:
+        self.download_progress = (got, total)
+        if self.on_download_progress is not None:
+            self.on_download_progress(got, total)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def finite(self) -> bool:
         return all(math.isfinite(float(p.detach().abs().max())) for p in self.params)
+
+    async def drain(self, timeout: float) -> None:
+        """Finish the averaging round this peer takes part in, before it stops (the training loop calls
+        ``step`` no more): its group would otherwise lose the round, or its coordinator.
+
+        A group being formed forms (or gives up, within the matchmaking time and the joiners' grace); a
+        formed group's round runs now (DiLoCo without overlap); a round running in the background is
+        waited for. A result is applied as ``step`` would apply it; nothing new starts. Returns after
+        ``timeout`` seconds at the latest: what still runs then is cut when the caller cancels.
+        """
+        with trio.move_on_after(timeout) as waited:
+            while self._matchmaking:  # noqa: ASYNC110  (no event marks its end; it ends on its own)
+                await trio.sleep(0.05)
+            if self._formed is not None:
+                epoch, manifest = self._formed
+                self._formed = None
+                if epoch == self.epoch and self._in_flight is None and self._download is None:
+                    await self._average(manifest)
+                else:
+                    self.node.averager.decline(manifest)
+            flight = self._in_flight
+            if flight is not None:
+                await flight.done.wait()
+                self._land()
+        if waited.cancelled_caught:
+            log.warning("stopped waiting for the averaging round in progress after %g s", timeout)
 
 
 class SyncCollaborativeOptimizer:

@@ -61,6 +61,9 @@ MAX_NAME: int = 512
 MAX_NDIM: int = 64
 """Most dimensions a tensor may declare."""
 
+TIED_KEY = "p2ptrain.tied"
+"""``metadata[TIED_KEY]``: JSON mapping a model entry stored once to the entry it shares memory with."""
+
 FORMAT_KEY = "p2ptrain.format"
 FORMAT_VERSION = "1"
 """``metadata[FORMAT_KEY]`` written by :func:`capture` and required by :func:`restore`."""
@@ -333,9 +336,11 @@ _OPTIM_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _INDEX = re.compile(r"0|[1-9][0-9]{0,8}")  # canonical: "01" and "1" must not both name parameter 1
 
 
-def _snapshot(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def _snapshot(tensor: torch.Tensor, name: str, copy: bool = True) -> torch.Tensor:
     _dtype_name(tensor, name)
     t = tensor.detach()
+    if not copy:
+        return t if t.is_contiguous() else t.contiguous()
     if t.device.type == "cpu":
         return t.clone(memory_format=torch.contiguous_format)
     return t.to("cpu").contiguous()
@@ -354,7 +359,9 @@ def _plain(value: object, where: str, *, nested: bool = False) -> object:
     raise LocalProtocolError(f"{where} is a {type(value).__name__}; only plain numbers, strings and lists")
 
 
-def _capture_optimizer(key: str, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> str:
+def _capture_optimizer(
+    key: str, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], copy: bool
+) -> str:
     """Add an optimizer's state tensors to ``tensors``; return the JSON for its other parts."""
     if not _OPTIM_KEY.fullmatch(key):
         raise LocalProtocolError(f"optimizer key {key!r} must be 1-64 letters, digits, '_' or '-'")
@@ -370,7 +377,7 @@ def _capture_optimizer(key: str, opt: torch.optim.Optimizer, tensors: dict[str, 
         for skey, value in state.items():
             where = f"optimizer {key!r} parameter #{index} state {skey!r}"
             if isinstance(value, torch.Tensor):
-                tensors[f"optim.{key}.{index}.{skey}"] = _snapshot(value, where)
+                tensors[f"optim.{key}.{index}.{skey}"] = _snapshot(value, where, copy)
             elif isinstance(value, str):  # torch's load_state_dict would mangle it (it iterates strings)
                 raise LocalProtocolError(f"{where} is a string, which optimizers cannot reload")
             else:
@@ -379,27 +386,46 @@ def _capture_optimizer(key: str, opt: torch.optim.Optimizer, tensors: dict[str, 
     return json.dumps(doc, separators=(",", ":"), sort_keys=True, allow_nan=False)
 
 
+def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride())
+
+
 def capture(
     model: torch.nn.Module,
     optimizers: Mapping[str, torch.optim.Optimizer] = _EMPTY,
     *,
     extra: Mapping[str, torch.Tensor] = _EMPTY,
+    values: Mapping[str, torch.Tensor] = _EMPTY,
+    copy: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Snapshot the model, optimizers and extra tensors: detached contiguous CPU clones, plus metadata.
 
+    A model entry that is the very tensor of an earlier one (tied weights: GPT-2's token embedding and
+    LM head) is stored once: ``metadata[TIED_KEY]`` maps its name to the one it shares. ``values``
+    replaces model entries by name (DiLoCo's global parameters). With ``copy=False`` the result holds
+    the live tensors themselves (on their devices), for a caller that reads them before they change.
     Raises :class:`LocalProtocolError` for state the format cannot carry (non-tensor model state, tensor
     hyperparameters, unsupported dtypes, bad names).
     """
     tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[object, ...], str] = {}
+    tied: dict[str, str] = {}
     for name, value in model.state_dict().items():
         if not isinstance(value, torch.Tensor):
             raise LocalProtocolError(f"model state {name!r} is a {type(value).__name__}, not a tensor")
-        tensors[f"model.{name}"] = _snapshot(value, name)
+        storage = _storage_key(value)
+        if value.numel() and storage in seen:
+            tied[name] = seen[storage]
+            continue
+        seen.setdefault(storage, name)
+        tensors[f"model.{name}"] = _snapshot(values.get(name, value), name, copy)
     metadata = {FORMAT_KEY: FORMAT_VERSION}
+    if tied:
+        metadata[TIED_KEY] = json.dumps(tied, separators=(",", ":"), sort_keys=True)
     for key, opt in optimizers.items():
-        metadata[f"optim.{key}"] = _capture_optimizer(key, opt, tensors)
+        metadata[f"optim.{key}"] = _capture_optimizer(key, opt, tensors, copy)
     for name, value in extra.items():
-        tensors[f"extra.{name}"] = _snapshot(value, name)
+        tensors[f"extra.{name}"] = _snapshot(value, name, copy)
     for name in tensors:
         _check_name(name, LocalProtocolError)
     return tensors, metadata
@@ -424,8 +450,32 @@ def _more(names: Sequence[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def _check_model(model: torch.nn.Module, part: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _untie(
+    local: Mapping[str, torch.Tensor], part: Mapping[str, torch.Tensor], raw: str | None
+) -> dict[str, torch.Tensor]:
+    """``part`` with the entries a state stores once (tied weights) filled in from the ones they share;
+    only where the local model ties them too."""
+    out = dict(part)
+    if raw is None:
+        return out
+    tied = parse_json(raw.encode("utf-8", "surrogatepass"), "tied-weights metadata")
+    if not isinstance(tied, dict) or len(tied) > len(local):
+        raise StateError("tied-weights metadata must map model entries to model entries")
+    for alias, target in tied.items():
+        ref, src = local.get(alias), local.get(target) if isinstance(target, str) else None
+        if ref is None or src is None or target not in part or alias in part:
+            raise StateError(f"state ties {alias!r} to {target!r}, which the local model cannot take")
+        if _storage_key(ref) != _storage_key(src):
+            raise StateError(f"state ties {alias!r} to {target!r}; the local model keeps them apart")
+        out[alias] = part[target]
+    return out
+
+
+def _check_model(
+    model: torch.nn.Module, part: Mapping[str, torch.Tensor], tied: str | None = None
+) -> dict[str, torch.Tensor]:
     local = model.state_dict()
+    part = _untie(local, part, tied)
     missing = [n for n in local if n not in part]
     if missing:
         raise StateError(f"state lacks model entry {missing[0]!r}{_more(missing)}")
@@ -576,7 +626,11 @@ def _merge_state(
 
 
 def _check_optimizer(
-    key: str, opt: torch.optim.Optimizer, doc: object, tensors: Mapping[int, Mapping[str, torch.Tensor]]
+    key: str,
+    opt: torch.optim.Optimizer,
+    doc: object,
+    tensors: Mapping[int, Mapping[str, torch.Tensor]],
+    owned: bool = False,
 ) -> dict[str, Any]:
     """Validate one optimizer's part of a state; return the state dict to load into it."""
     where = f"optimizer {key!r}"
@@ -607,7 +661,7 @@ def _check_optimizer(
     # Cloned: torch's load_state_dict keeps tensors that already have the parameter's device and dtype,
     # and the optimizer must not share memory with tensors the caller still holds.
     loaded = {
-        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+        i: {k: v.clone() if isinstance(v, torch.Tensor) and not owned else v for k, v in e.items()}
         for i, e in state.items()
     }
     return {"state": {i: e for i, e in sorted(loaded.items()) if e}, "param_groups": new_groups}
@@ -661,6 +715,7 @@ def restore(
     metadata: Mapping[str, str],
     *,
     extra_names: Sequence[str] | Mapping[str, torch.Tensor] = (),
+    owned: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Validate a captured state against the local model and optimizers, then load it; return the extras.
 
@@ -669,6 +724,8 @@ def restore(
     Any mismatch raises :class:`StateError` naming the offending entry before the model or any
     optimizer is modified. Hyperparameters come from the state (learning rate, betas, ...), except
     those that describe this machine's implementation (foreach, fused, capturable, differentiable).
+    ``owned``: the caller hands the tensors over (a fresh download), so optimizer state is loaded
+    without a copy.
     """
     if metadata.get(FORMAT_KEY) != FORMAT_VERSION:
         raise StateError(f"state format is {metadata.get(FORMAT_KEY)!r}, expected {FORMAT_VERSION!r}")
@@ -677,17 +734,35 @@ def restore(
     unknown += sorted(k[6:] for k in metadata if k.startswith("optim.") and k[6:] not in optimizers)
     if unknown:
         raise StateError(f"state holds optimizer {unknown[0]!r}, which this node does not have")
-    model_sd = _check_model(model, model_part)
+    model_sd = _check_model(model, model_part, metadata.get(TIED_KEY))
     optim_sds = {}
     for key, opt in optimizers.items():
         raw = metadata.get(f"optim.{key}")
         if raw is None:
             raise StateError(f"state lacks optimizer {key!r}")
         doc = parse_json(raw.encode("utf-8", "surrogatepass"), f"optimizer {key!r} metadata")
-        optim_sds[key] = _check_optimizer(key, opt, doc, optim_parts.get(key, {}))
+        optim_sds[key] = _check_optimizer(key, opt, doc, optim_parts.get(key, {}), owned)
     extras = _check_extras(extra_part, extra_names)
     # Everything is validated: from here on nothing is expected to raise, so nothing is half applied.
     model.load_state_dict(model_sd, strict=True)
     for key, opt in optimizers.items():
         opt.load_state_dict(optim_sds[key])
     return extras
+
+
+# ---- helpers shared with the chunked layout (layout.py) -------------------------------------------
+
+
+def dtype_name(tensor: torch.Tensor, name: str) -> str:
+    """The safetensors name of ``tensor``'s dtype; :class:`LocalProtocolError` if it has none."""
+    return _dtype_name(tensor, name)
+
+
+def check_name(name: object) -> str:
+    """A tensor name from the network, checked (:class:`StateError` if unusable)."""
+    return _check_name(name, StateError)
+
+
+def check_entry(name: str, entry: object, data_len: int) -> tuple[int, int, str, torch.dtype, list[int]]:
+    """One header entry from the network, checked: (begin, end, name, dtype, shape)."""
+    return _entry(name, entry, data_len)

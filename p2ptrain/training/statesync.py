@@ -1,194 +1,290 @@
-"""State download: a joining or lagging peer fetches model and optimizer state from a peer that has it.
+"""State download, the donor's side: serve one consistent snapshot of the state, chunk by chunk.
 
-Theory of operation: a donor serves two methods. ``train.state_info`` answers which epoch it can serve,
-the digest of that state's verified part (the parameters every peer must agree on; the same digest its
-signed progress record carries), and its size in bytes. ``train.state`` then streams exactly that
-snapshot (safetensors bytes, see ``state``), refusing if the donor has moved on meanwhile. A snapshot is
-taken once per epoch and shared by every concurrent download; at most ``MAX_DOWNLOADS`` run at once, so
-a crowd of joiners spreads over several donors (each joiner orders the donors differently) instead of
-choking one.
+Theory of operation: a peer that joins late, missed a step or diverged downloads the model and optimizer
+state from peers that have it (``fetch``). A state may be many gigabytes and a joiner's link slow, so
+nothing here bounds a whole transfer; every piece is small and checked on arrival.
 
-The receiver trusts nothing: it refuses a size above what its own model could need, reads at most the
-announced size, decodes strictly (never unpickling), recomputes the digest and compares it with the
-announced one and with the digest most peers reported for that epoch. Only then is anything applied,
-by the caller. A donor that fails any check is logged and the next one is tried.
+A donor serves three methods:
+
+- ``train.state_info``: which state it offers (epoch, root digest, size, chunk count, header and
+  metadata lengths). Asked for an epoch it still holds a snapshot of, it offers that one (so a joiner
+  finishing a long download keeps its donors after they moved on); otherwise it offers its current state.
+- ``train.state_manifest`` (stream): the layout header, the chunk hashes and the metadata (optimizer
+  hyperparameters, ...) of a snapshot named by its root.
+- ``train.state_chunks`` (stream): a range of chunks of a snapshot named by its root.
+
+A snapshot is taken only when a joiner asks: the caller's ``prepare`` writes the live state to an
+unnamed temporary file (deleted by the system when closed, even after a crash), in a worker thread, while
+the training loop holds back anything that would change the state; the event loop keeps answering
+meanwhile. One snapshot serves every concurrent joiner; it is released once no joiner has read it for
+``LINGER`` seconds. Its bytes live in the page cache and on disk, not in the process's memory, and each
+chunk is read from the file when it is sent. At most ``MAX_SNAPSHOTS`` are held, and at most
+``MAX_STREAMS`` chunk streams run at once (``MAX_STREAMS_PER_PEER`` per joiner).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import trio
 
-from ..errors import CallRefused, P2PError, PeerUnavailable, RemoteProtocolError
-from ..net.host import Host
+from ..errors import CallRefused
+from ..identity import PeerID
 from ..net.rpc import CallContext, Method, RpcRegistry
 from ..net.streams import RpcStream
 from ..wire.schema import Message, bounded
-from . import state
-from .progress import DIGEST_BYTES, PeerProgress
+from . import layout as lay
+from .layout import MAX_CHUNKS, Layout
+from .progress import DIGEST_BYTES
 
 log = logging.getLogger(__name__)
 
-MAX_DOWNLOADS = 4  # concurrent downloads one donor serves
-MAX_STATE_BYTES = 1 << 40
+MAX_STATE_BYTES = 1 << 42
+MAX_META_BYTES = 16 << 20
+MAX_RANGE = 64  # chunks one request may ask for
+MAX_SNAPSHOTS = 2
+MAX_STREAMS = 16
+MAX_STREAMS_PER_PEER = 4
+LINGER = 60.0  # seconds a snapshot nobody reads is kept
+THREAD_BYTES = 8 << 20
+"""States at least this large are hashed and written in a worker thread; smaller ones inline (a few
+milliseconds), which keeps tests on a virtual clock deterministic."""
 
 
 @dataclass(frozen=True)
 class StateInfoReq(Message):
-    pass
+    epoch: int = bounded(0, ge=0, le=2**53)  # the epoch the joiner wants, if the donor still holds it
 
 
 @dataclass(frozen=True)
 class StateInfo(Message):
     epoch: int = bounded(ge=0, le=2**53)
-    digest: bytes = bounded(max_len=DIGEST_BYTES)
+    root: bytes = bounded(max_len=DIGEST_BYTES)
     size: int = bounded(ge=0, le=MAX_STATE_BYTES)
+    chunks: int = bounded(ge=0, le=MAX_CHUNKS)
+    header: int = bounded(ge=0, le=16 << 20)  # header bytes
+    meta: int = bounded(ge=0, le=MAX_META_BYTES)  # metadata bytes
 
 
 @dataclass(frozen=True)
-class StateReq(Message):
-    epoch: int = bounded(ge=0, le=2**53)
+class ManifestReq(Message):
+    root: bytes = bounded(max_len=DIGEST_BYTES)
 
 
 @dataclass(frozen=True)
-class StateDone(Message):
+class ChunksReq(Message):
+    root: bytes = bounded(max_len=DIGEST_BYTES)
+    first: int = bounded(ge=0, le=MAX_CHUNKS)
+    count: int = bounded(ge=1, le=MAX_RANGE)
+
+
+@dataclass(frozen=True)
+class StreamDone(Message):
     ok: bool = True
 
 
 STATE_INFO = Method("train.state_info", StateInfoReq, StateInfo)
-STATE = Method("train.state", StateReq, StateDone, streaming=True)
+STATE_MANIFEST = Method("train.state_manifest", ManifestReq, StreamDone, streaming=True)
+STATE_CHUNKS = Method("train.state_chunks", ChunksReq, StreamDone, streaming=True)
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """One epoch's state as the bytes a donor streams."""
+class LiveState:
+    """The state as it is now: tensors in layout order (read in place), metadata, and the chunk hashes
+    if they are already known for exactly these bytes."""
 
     epoch: int
-    digest: bytes
-    pieces: list[bytes | memoryview]
-    size: int
-
-
-@dataclass(frozen=True)
-class Downloaded:
-    epoch: int
-    tensors: dict[str, torch.Tensor]
+    layout: Layout
+    tensors: Sequence[torch.Tensor]
     metadata: dict[str, str]
-    donor: PeerProgress
+    hashes: Sequence[bytes] | None = None
+
+
+@dataclass
+class Snapshot:
+    """One epoch's state in a file, served to any number of joiners."""
+
+    epoch: int
+    root: bytes
+    layout: Layout
+    hashes: list[bytes]
+    meta: bytes
+    fd: int
+    last_used: float
+    readers: int = 0
+    served: Counter[PeerID] = field(default_factory=Counter)
+
+    def info(self) -> StateInfo:
+        return StateInfo(
+            self.epoch,
+            self.root,
+            self.layout.size,
+            self.layout.chunks,
+            len(self.layout.header),
+            len(self.meta),
+        )
+
+    def read(self, i: int) -> bytes:
+        size = self.layout.chunk_size(i)
+        data = os.pread(self.fd, size, i * lay.CHUNK)
+        if len(data) != size:
+            raise OSError(f"snapshot file is short at chunk {i}")
+        return data
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write_snapshot(live: LiveState, folder: str | None = None) -> Snapshot:
+    """Write ``live`` to an unnamed temporary file, hashing what is not hashed yet (blocking: call it in
+    a worker thread for large states, with the state held still)."""
+    fd, path = tempfile.mkstemp(prefix="p2ptrain-snapshot-", dir=folder)
+    os.unlink(path)  # unnamed from now on: the system frees it when closed, even after a crash
+    try:
+        hashes = []
+        offset = 0
+        for i in range(live.layout.chunks):
+            pieces = lay.chunk_pieces(live.layout, live.tensors, i)
+            if live.hashes is None:
+                hashes.append(lay.hash_chunk(pieces))
+            for piece in pieces:
+                offset += os.pwrite(fd, piece, offset)
+        if offset != live.layout.size:
+            raise OSError(f"wrote {offset} of {live.layout.size} snapshot bytes")
+        final = list(live.hashes) if live.hashes is not None else hashes
+        meta = json.dumps(live.metadata, separators=(",", ":"), sort_keys=True).encode()
+        root = lay.root(live.epoch, live.layout, final)
+        return Snapshot(live.epoch, root, live.layout, final, meta, fd, last_used=0.0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class StateServer:
-    """Serves this peer's state; ``snapshot()`` returns the current epoch's (taken lazily, cached)."""
+    """Serves this peer's state. ``prepare`` returns a new snapshot of the current state (None if it
+    has none to serve), or the current one's root if one was already taken of this very state."""
 
-    def __init__(self, registry: RpcRegistry, snapshot: Callable[[], Snapshot | None]) -> None:
-        self._snapshot = snapshot
-        self._slots = trio.Semaphore(MAX_DOWNLOADS)
-        self.served = 0
+    def __init__(self, registry: RpcRegistry, prepare: Callable[[], Awaitable[Snapshot | None]]) -> None:
+        self._prepare = prepare
+        self._snapshots: list[Snapshot] = []
+        self._preparing = trio.Lock()
+        self._streams: Counter[PeerID] = Counter()
+        self._current: Snapshot | None = None  # the snapshot of the state as it is now, once taken
+        self.served_bytes = 0
+        self.served_chunks = 0
         registry.add_unary(STATE_INFO, self._on_info)
-        registry.add_stream(STATE, self._on_state)
+        registry.add_stream(STATE_MANIFEST, self._on_manifest)
+        registry.add_stream(STATE_CHUNKS, self._on_chunks)
 
-    def _current(self) -> Snapshot:
-        snap = self._snapshot()
-        if snap is None:
-            raise CallRefused("unavailable", "this peer has no state to serve yet")
-        return snap
+    @property
+    def snapshots(self) -> list[Snapshot]:
+        return list(self._snapshots)
+
+    async def run(self) -> None:
+        """Release snapshots nobody has read for ``LINGER`` seconds (until cancelled)."""
+        try:
+            while True:
+                await trio.sleep(LINGER / 4)
+                self.sweep(trio.current_time())
+        finally:
+            for snap in self._snapshots:
+                snap.close()
+            self._snapshots.clear()
+
+    def sweep(self, now: float) -> None:
+        for snap in list(self._snapshots):
+            if snap.readers == 0 and now - snap.last_used >= LINGER:
+                log.info("released step %d's snapshot (%s)", snap.epoch, snap.layout.describe())
+                self._drop(snap)
+
+    def _drop(self, snap: Snapshot) -> None:
+        self._snapshots.remove(snap)
+        snap.close()
+
+    def invalidate(self) -> None:
+        """The state changed: a snapshot of it must be taken anew (older ones still serve their joiners)."""
+        self._current = None
 
     async def _on_info(self, ctx: CallContext, req: StateInfoReq) -> StateInfo:
-        snap = self._current()
-        return StateInfo(snap.epoch, snap.digest, snap.size)
+        for snap in self._snapshots:
+            if snap.epoch == req.epoch and snap.fd >= 0:
+                snap.last_used = trio.current_time()
+                return snap.info()
+        async with self._preparing:
+            if self._current is None or self._current.fd < 0:
+                self._make_room()
+                taken = await self._prepare()
+                if taken is None:
+                    raise CallRefused("unavailable", "this peer has no state to serve yet")
+                try:
+                    self._make_room()
+                except CallRefused:
+                    taken.close()
+                    raise
+                taken.last_used = trio.current_time()
+                self._snapshots.append(taken)
+                self._current = taken
+                log.info("took a snapshot of step %d to serve (%s)", taken.epoch, taken.layout.describe())
+            self._current.last_used = trio.current_time()
+            return self._current.info()
 
-    async def _on_state(self, ctx: CallContext, req: StateReq, stream: RpcStream) -> StateDone:
-        snap = self._current()
-        if snap.epoch != req.epoch:
-            raise CallRefused("moved_on", f"this peer now serves step {snap.epoch}, not {req.epoch}")
+    def _make_room(self) -> None:
+        """Release the least recently read idle snapshots until one more fits, or refuse."""
+        while len(self._snapshots) >= MAX_SNAPSHOTS:
+            idle = [s for s in self._snapshots if s.readers == 0]
+            if not idle:
+                raise CallRefused("busy", f"already serving {MAX_SNAPSHOTS} snapshots")
+            self._drop(min(idle, key=lambda s: s.last_used))
+
+    def _find(self, root: bytes) -> Snapshot:
+        for snap in self._snapshots:
+            if snap.root == root and snap.fd >= 0:
+                return snap
+        raise CallRefused("moved_on", "this peer no longer holds that state")
+
+    def _admit(self, peer: PeerID) -> None:
+        if sum(self._streams.values()) >= MAX_STREAMS:
+            raise CallRefused("busy", f"already serving {MAX_STREAMS} state streams")
+        if self._streams[peer] >= MAX_STREAMS_PER_PEER:
+            raise CallRefused("busy", f"at most {MAX_STREAMS_PER_PEER} state streams per peer")
+
+    async def _on_manifest(self, ctx: CallContext, req: ManifestReq, stream: RpcStream) -> StreamDone:
+        snap = self._find(req.root)
+        snap.last_used = trio.current_time()
+        await stream.send(snap.layout.header)
+        await stream.send(b"".join(snap.hashes))
+        await stream.send(snap.meta)
+        await stream.send_eof()
+        return StreamDone(True)
+
+    async def _on_chunks(self, ctx: CallContext, req: ChunksReq, stream: RpcStream) -> StreamDone:
+        snap = self._find(req.root)
+        if req.first + req.count > snap.layout.chunks:
+            raise CallRefused("bad_request", f"chunks {req.first}+{req.count} beyond {snap.layout.chunks}")
+        self._admit(ctx.peer)
+        self._streams[ctx.peer] += 1
+        snap.readers += 1
         try:
-            self._slots.acquire_nowait()
-        except trio.WouldBlock:
-            raise CallRefused("busy", f"already serving {MAX_DOWNLOADS} downloads") from None
-        try:
-            log.info("serving step %d's state (%.1f MB) to %s", snap.epoch, snap.size / 1e6, ctx.peer.short())
-            for piece in snap.pieces:
-                await stream.send(piece)
+            for i in range(req.first, req.first + req.count):
+                data = snap.read(i)
+                await stream.send(data)
+                snap.last_used = trio.current_time()
+                snap.served[ctx.peer] += len(data)
+                self.served_bytes += len(data)
+                self.served_chunks += 1
             await stream.send_eof()
-            self.served += 1
         finally:
-            self._slots.release()
-        return StateDone(True)
-
-
-ProgressFn = Callable[[int, int], None]
-"""Called with (bytes received, bytes expected) as a download proceeds."""
-
-
-async def download(
-    host: Host,
-    donors: Sequence[PeerProgress],
-    *,
-    max_size: int,
-    verified: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
-    expected_digest: Callable[[int], bytes],
-    timeout: float,
-    on_progress: ProgressFn | None = None,
-) -> Downloaded:
-    """Download state from the first donor that delivers a state that checks out.
-
-    ``verified`` picks, from the decoded tensors, the part whose digest peers publish;
-    ``expected_digest(epoch)`` is the digest most peers reported for that epoch (b"" if unknown).
-    Raises :class:`PeerUnavailable` when no donor delivered.
-    """
-    failures = []
-    for donor in donors:
-        try:
-            with trio.fail_after(timeout):
-                return await _download_from(
-                    host, donor, max_size, verified, expected_digest, on_progress or (lambda a, b: None)
-                )
-        except (P2PError, trio.TooSlowError) as e:
-            why = str(e) or "timed out"
-            log.warning("state download from %s failed: %s", donor.peer.short(), why)
-            failures.append(f"{donor.peer.short()}: {why}")
-    raise PeerUnavailable(
-        "no peer delivered a valid state" + (f" ({'; '.join(failures[-4:])})" if failures else " (no donors)")
-    )
-
-
-async def _download_from(
-    host: Host,
-    donor: PeerProgress,
-    max_size: int,
-    verified: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
-    expected_digest: Callable[[int], bytes],
-    on_progress: ProgressFn,
-) -> Downloaded:
-    conn = await host.connect(donor.record.addr)
-    if conn.peer != donor.peer:
-        raise RemoteProtocolError("the donor's address leads to another peer")
-    info = await conn.call(STATE_INFO, StateInfoReq())
-    if info.size > max_size:
-        raise RemoteProtocolError(
-            f"announced {info.size} bytes, more than this model could need ({max_size})"
-        )
-    expected = expected_digest(info.epoch)
-    if expected and info.digest != expected:
-        raise RemoteProtocolError(f"offers a state for step {info.epoch} that most peers did not start from")
-    buf = bytearray(info.size)
-    got = 0
-    async with conn.open_stream(STATE, StateReq(info.epoch)) as stream:
-        async for chunk in stream:
-            if got + len(chunk) > info.size:
-                raise RemoteProtocolError(f"sent more than the {info.size} bytes it announced")
-            buf[got : got + len(chunk)] = chunk
-            got += len(chunk)
-            on_progress(got, info.size)
-        await stream.response()
-    if got != info.size:
-        raise RemoteProtocolError(f"sent {got} of the {info.size} bytes it announced")
-    tensors, metadata = state.decode(buf)
-    if state.digest(verified(tensors)) != info.digest:
-        raise RemoteProtocolError("the state's digest does not match the one announced")
-    log.info("downloaded step %d's state (%.1f MB) from %s", info.epoch, got / 1e6, donor.peer.short())
-    return Downloaded(info.epoch, tensors, metadata, donor)
+            snap.readers -= 1
+            self._streams[ctx.peer] -= 1
+            if not self._streams[ctx.peer]:
+                del self._streams[ctx.peer]
+        return StreamDone(True)

@@ -4,14 +4,12 @@ What is proved here: in sync mode and in DiLoCo mode (with and without overlap),
 bit-identical parameters after every global step, and the first averaged step is the step a single
 optimizer would take on everyone's samples; a peer that joins mid-run downloads the state, then stays
 identical and contributes; a peer killed mid-run costs the others a bounded delay (within an averaging
-timeout and a matchmaking time), never a wrong step; a donor that serves a state other than
-the one the majority holds is refused and another donor is used; a state captured and restored (the
-checkpoint path) gives the same parameters and the same next step.
+timeout and a matchmaking time), never a wrong step; a state captured and restored (the checkpoint
+path) gives the same parameters and the same next step. (Downloads themselves: test_statesync.py.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,10 +24,8 @@ from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
-from p2ptrain.training import checkpoint, state
+from p2ptrain.training import checkpoint
 from p2ptrain.training.collaborative import CollaborativeOptimizer
-from p2ptrain.training.progress import PeerProgress
-from p2ptrain.training.statesync import Snapshot, download
 
 PORT = 4000
 BATCH = 8
@@ -230,7 +226,10 @@ async def test_diloco_peers_hold_identical_global_parameters(autojump_clock: obj
 
 
 async def test_a_joining_peer_downloads_the_state_then_stays_identical(autojump_clock: object) -> None:
-    async with swarm(run_config("sync")) as s:
+    # Steps of a few progress intervals: a joiner learns the others moved on from their records (read
+    # every interval), and the others size a step's group when they reach it; with a step per interval
+    # or less, a joiner that just landed a step's state is always one group too late.
+    async with swarm(run_config("sync").replace("training", target_batch_size=4 * TARGET)) as s:
         peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
         await s.until(lambda: all(p.opt.epoch >= 3 for p in peers), timeout=60)
         late = await s.start(compute=0.1)
@@ -325,44 +324,6 @@ async def test_a_killed_peer_costs_the_others_a_bounded_delay(autojump_clock: ob
         await s.until(lambda: all(p.opt.epoch >= epoch + 3 for p in survivors), timeout=60)
         check_identical_per_epoch(survivors)
         assert survivors[0].opt.stats.last["contributors"] == 2
-
-
-async def test_a_donor_serving_another_state_is_refused(autojump_clock: object) -> None:
-    """A donor announces the majority's digest but streams other bytes: the download from it is refused
-    after the bytes are checked, and the next donor's state is taken."""
-    async with swarm(run_config("sync")) as s:
-        peers = [await s.start(train=False)]
-        take_local_steps(peers[0], 2)
-        honest = peers[0].opt
-        liar = await s.start(train=False)
-
-        def tampered() -> Snapshot:
-            tensors, meta = honest.capture()
-            key = next(k for k in tensors if k.startswith("model."))
-            tensors[key] = tensors[key] + 1.0
-            pieces = state.encode(tensors, meta)
-            return Snapshot(honest.epoch, honest.digest, pieces, state.encoded_size(pieces))
-
-        liar.opt.server._snapshot = tampered
-        joiner = await s.start(train=False)
-        record = honest.record()
-        donors = [
-            PeerProgress(liar.node.peer_id, dataclasses.replace(record, addr=str(liar.node.addresses[0]))),
-            PeerProgress(peers[0].node.peer_id, record),
-        ]
-        got = await download(
-            joiner.node.host,
-            donors,
-            max_size=joiner.opt.max_state_bytes(),
-            verified=joiner.opt.verified,
-            expected_digest=lambda epoch: honest.digest,
-            timeout=10,
-        )
-        assert got.donor.peer == peers[0].node.peer_id
-        assert liar.opt.server.served == 1  # it did stream its bytes: they were checked and refused
-        joiner.opt.restore(got.tensors, got.metadata)
-        assert joiner.opt.digest == honest.digest and joiner.opt.epoch == honest.epoch
-        assert_same_bits([peers[0], joiner])
 
 
 async def test_capture_restore_through_a_checkpoint_gives_the_same_next_step(tmp_path: object) -> None:

@@ -19,6 +19,7 @@ from p2ptrain.config import (
     ProgressSection,
     RunConfig,
     RunSection,
+    StateSyncSection,
     TaskSection,
     TrainingSection,
     load_config,
@@ -26,7 +27,7 @@ from p2ptrain.config import (
 )
 from p2ptrain.errors import ConfigError
 
-SECTIONS = ("run", "task", "training", "diloco", "averaging", "progress", "checkpoint", "eval")
+SECTIONS = ("run", "task", "training", "diloco", "averaging", "progress", "statesync", "checkpoint", "eval")
 
 # ---- defaults ----------------------------------------------------------------------------------
 
@@ -73,6 +74,9 @@ DEFAULTS = {
     "averaging.ban_quorum": 2,
     "progress.interval": 1.0,
     "progress.ttl": 10.0,
+    "statesync.chunk_timeout": 30.0,
+    "statesync.max_donors": 4,
+    "statesync.serve": True,
     "checkpoint.every_steps": 50,
     "checkpoint.keep": 2,
     "eval.every_steps": 10,
@@ -146,6 +150,11 @@ max_group_size = 8
 interval = 2.0
 ttl = 30
 
+[statesync]
+chunk_timeout = 120
+max_donors = 2
+serve = false
+
 [checkpoint]
 every_steps = 0
 keep = 5
@@ -177,6 +186,7 @@ FULL = RunConfig(
         timeout=120.0, matchmaking_time=7.5, compression="int8", bandwidth=12.5, max_group_size=8
     ),
     progress=ProgressSection(interval=2.0, ttl=30.0),
+    statesync=StateSyncSection(chunk_timeout=120.0, max_donors=2, serve=False),
     checkpoint=CheckpointSection(every_steps=0, keep=5),
     eval=EvalSection(every_steps=0, batch_size=64),
 )

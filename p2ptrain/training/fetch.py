@@ -1,0 +1,391 @@
+"""State download, the joiner's side: many donors at once, every chunk checked on arrival, resumable.
+
+Theory of operation: :class:`Fetcher` downloads one state (named by its root digest) and keeps what it
+has across attempts, so a broken connection or a failed attempt never costs a byte already received.
+
+1. *Offers*: every candidate donor is asked (concurrently) what it offers for the wanted epoch. An offer
+   counts only if its epoch is at least the wanted one, its size fits what this model could need, and
+   its root is the digest the swarm's progress records report for that epoch (``expected``). Among the
+   acceptable roots the one already partly downloaded wins, then the newest epoch, then the one most
+   donors offer.
+2. *Manifest*: the layout header, the chunk hashes and the metadata, from one donor of that root; the
+   root is recomputed from them (it commits to the epoch, the layout and every hash), so a donor cannot
+   change any of it. Destination tensors are allocated from the layout (pages untouched until written).
+3. *Chunks*: each donor of the root gets ``STREAMS_PER_DONOR`` workers that take runs of missing chunks
+   from one shared queue (fast donors simply take more), stream them, hash each chunk the moment it is
+   complete and copy it into the destination tensors. A donor that goes ``chunk_timeout`` seconds
+   without completing a chunk, fails, or sends a chunk whose hash is wrong (it is named in the log) is
+   dropped, and its unfinished chunks go back to the queue for the others. No deadline bounds the whole
+   transfer: a slow link that keeps delivering is never cut.
+
+When every donor is gone with chunks still missing, :class:`PeerUnavailable` is raised and the next
+attempt (same root) resumes where this one stopped. Nothing is applied here: the caller restores the
+verified tensors (and the epoch the root commits to).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from ..errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocolError
+from ..identity import PeerID
+from ..net.connection import Connection
+from ..net.host import Host
+from ..net.streams import RpcStream
+from . import layout as lay
+from . import state
+from .layout import HASH_BYTES, Layout
+from .progress import PeerProgress
+from .statesync import (
+    MAX_META_BYTES,
+    STATE_CHUNKS,
+    STATE_INFO,
+    STATE_MANIFEST,
+    ChunksReq,
+    ManifestReq,
+    StateInfo,
+    StateInfoReq,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_ASKED = 16  # donors asked for an offer per attempt
+STREAMS_PER_DONOR = 2  # two ranges in flight per donor hide the gap between requests
+RANGE = 16  # chunks per request
+BUSY_BACKOFF = 1.0  # seconds before asking a busy donor again
+MAX_BUSY = 30  # busy answers in a row before a donor is given up
+
+ProgressFn = Callable[[int, int], None]
+"""Called with (bytes received, bytes expected) as a download proceeds."""
+
+
+class BadChunk(RemoteProtocolError):
+    """A donor sent a chunk whose hash is not the one its state's root commits to."""
+
+
+@dataclass
+class Offer:
+    donor: PeerProgress
+    conn: Connection
+    info: StateInfo
+    delivered: int = 0
+
+
+@dataclass
+class Partial:
+    """A download in progress: what is known of the state and which chunks are in."""
+
+    epoch: int
+    root: bytes
+    layout: Layout
+    hashes: list[bytes]
+    metadata: dict[str, str]
+    tensors: list[torch.Tensor]
+    have: bytearray
+    received: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.layout.size
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    epoch: int  # the epoch the verified root commits to
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    donors: tuple[PeerID, ...]  # the donors that delivered chunks, most bytes first
+    seconds: float = 0.0
+
+    @property
+    def donor(self) -> PeerID:
+        return self.donors[0]
+
+
+@dataclass
+class _Queue:
+    """Missing chunks not being fetched, sorted; woken whenever chunks come back or a worker ends."""
+
+    missing: list[int]
+    busy: int = 0  # ranges in flight
+    changed: trio.Event = field(default_factory=trio.Event)
+    dropped: set[PeerID] = field(default_factory=set)
+
+    def take(self, most: int) -> list[int]:
+        if not self.missing:
+            return []
+        run = [self.missing[0]]
+        while len(run) < most and len(run) < len(self.missing) and self.missing[len(run)] == run[-1] + 1:
+            run.append(self.missing[len(run)])
+        del self.missing[: len(run)]
+        return run
+
+    def put_back(self, chunks: Sequence[int]) -> None:
+        for i in chunks:
+            bisect.insort(self.missing, i)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class _Reader:
+    """Exact-size reads from a stream, through one reusable chunk buffer when a read spans records."""
+
+    def __init__(self, stream: RpcStream) -> None:
+        self._stream = stream
+        self._left = memoryview(b"")
+        self._buf = bytearray(lay.CHUNK)
+
+    async def read(self, n: int) -> memoryview:
+        if not self._left:
+            self._left = await self._stream.receive_some()
+        if len(self._left) >= n:  # the usual case: one chunk, one record
+            out, self._left = self._left[:n], self._left[n:]
+            return out
+        buf = self._buf if n <= len(self._buf) else bytearray(n)
+        filled = 0
+        while filled < n:
+            if not self._left:
+                self._left = await self._stream.receive_some()
+                if not self._left:
+                    raise RemoteProtocolError(f"stream ended {n - filled} bytes early")
+            take = min(n - filled, len(self._left))
+            buf[filled : filled + take] = self._left[:take]
+            self._left = self._left[take:]
+            filled += take
+        return memoryview(buf)[:n]
+
+
+class Fetcher:
+    """Downloads the swarm's state for one peer; keeps partial progress across :meth:`fetch` calls."""
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        max_size: int,
+        chunk_timeout: float,
+        max_donors: int,
+        on_progress: ProgressFn | None = None,
+    ) -> None:
+        self.host = host
+        self.max_size = max_size
+        self.chunk_timeout = chunk_timeout
+        self.max_donors = max_donors
+        self.on_progress = on_progress or (lambda got, total: None)
+        self.partial: Partial | None = None
+        self.failures: list[str] = []
+
+    def _fail(self, peer: PeerID, why: str) -> None:
+        log.warning("state download from %s: %s", peer.short(), why)
+        self.failures.append(f"{peer.short()}: {why}")
+
+    async def fetch(
+        self, donors: Sequence[PeerProgress], *, want_epoch: int, expected: Callable[[int], bytes]
+    ) -> Downloaded:
+        """Download the state of an epoch >= ``want_epoch`` whose root is ``expected(epoch)``."""
+        self.failures = []
+        began = time.monotonic()
+        offers = await self._offers(donors, want_epoch)
+        chosen = self._choose(offers, want_epoch, expected)
+        if not chosen:
+            raise PeerUnavailable("no peer offered the swarm's state" + self._why())
+        partial = self.partial
+        if partial is None or partial.root != chosen[0].info.root:
+            self.partial = None  # a state nobody serves any more: its memory goes
+            partial = await self._manifest(chosen)
+            self.partial = partial
+        await self._chunks(partial, chosen[: self.max_donors])
+        if not partial.complete:
+            missing = partial.layout.chunks - sum(partial.have)
+            raise PeerUnavailable(
+                f"{missing} of {partial.layout.chunks} chunks still missing; kept the rest" + self._why()
+            )
+        self.partial = None
+        lay.check_bool_entries(partial.layout, partial.tensors)
+        used = sorted((o for o in chosen if o.delivered), key=lambda o: -o.delivered)
+        took = time.monotonic() - began
+        log.info(
+            "downloaded step %d's state (%.1f MB) from %d donor(s) in %.1f s (%.1f MB/s): %s",
+            partial.epoch,
+            partial.layout.size / 1e6,
+            len(used),
+            took,
+            partial.layout.size / 1e6 / max(took, 1e-9),
+            ", ".join(f"{o.donor.peer.short()} {o.delivered / 1e6:.1f} MB" for o in used),
+        )
+        return Downloaded(
+            partial.epoch,
+            lay.as_dict(partial.layout, partial.tensors),
+            partial.metadata,
+            tuple(o.donor.peer for o in used),
+            took,
+        )
+
+    def _why(self) -> str:
+        return f" ({'; '.join(self.failures[-4:])})" if self.failures else ""
+
+    # ---- offers and manifest ----
+
+    async def _offers(self, donors: Sequence[PeerProgress], want_epoch: int) -> list[Offer]:
+        offers: list[Offer] = []
+
+        async def ask(donor: PeerProgress) -> None:
+            try:
+                # A donor takes its snapshot before it answers: that may take a while for a large state.
+                with trio.fail_after(2 * self.chunk_timeout):
+                    conn = await self.host.connect(donor.record.addr)
+                    if conn.peer != donor.peer:
+                        raise RemoteProtocolError("its address leads to another peer")
+                    info = await conn.call(
+                        STATE_INFO, StateInfoReq(want_epoch), timeout=2 * self.chunk_timeout
+                    )
+                offers.append(Offer(donor, conn, info))
+            except trio.TooSlowError:
+                self._fail(donor.peer, "no offer in time")
+            except P2PError as e:
+                self._fail(donor.peer, str(e))
+
+        async with trio.open_nursery() as nursery:
+            for donor in donors[:MAX_ASKED]:
+                nursery.start_soon(ask, donor)
+        return offers
+
+    def _choose(self, offers: list[Offer], want_epoch: int, expected: Callable[[int], bytes]) -> list[Offer]:
+        ok = []
+        for o in offers:
+            i = o.info
+            if i.epoch < want_epoch:
+                self._fail(o.donor.peer, f"offers step {i.epoch}, older than step {want_epoch}")
+            elif i.size > self.max_size:
+                self._fail(o.donor.peer, f"offers {i.size} bytes, more than this model could need")
+            elif not expected(i.epoch):
+                self._fail(o.donor.peer, f"offers step {i.epoch}, for which no peer published a digest")
+            elif i.root != expected(i.epoch):
+                self._fail(
+                    o.donor.peer, f"offers a state for step {i.epoch} that most peers did not start from"
+                )
+            else:
+                ok.append(o)
+        if not ok:
+            return []
+        roots: dict[bytes, list[Offer]] = {}
+        for o in ok:
+            roots.setdefault(o.info.root, []).append(o)
+        if self.partial is not None and self.partial.root in roots:
+            return roots[self.partial.root]
+        return max(roots.values(), key=lambda group: (group[0].info.epoch, len(group)))
+
+    async def _manifest(self, offers: list[Offer]) -> Partial:
+        for offer in offers:
+            try:
+                return await self._manifest_from(offer)
+            except (P2PError, trio.TooSlowError) as e:
+                self._fail(offer.donor.peer, f"manifest: {e or 'no progress'}")
+        raise PeerUnavailable("no donor delivered the state's manifest" + self._why())
+
+    async def _manifest_from(self, offer: Offer) -> Partial:
+        i = offer.info
+        if i.header > state.MAX_HEADER or i.meta > MAX_META_BYTES or i.chunks != -(-i.size // lay.CHUNK):
+            raise RemoteProtocolError(f"implausible manifest sizes {i.header}/{i.chunks}/{i.meta}")
+        total = i.header + i.chunks * HASH_BYTES + i.meta
+        async with offer.conn.open_stream(
+            STATE_MANIFEST, ManifestReq(i.root), timeout=self.chunk_timeout * (2 + total // lay.CHUNK)
+        ) as stream:
+            reader = _Reader(stream)
+            parts = []
+            for size in (i.header, i.chunks * HASH_BYTES, i.meta):
+                got = bytearray()
+                while len(got) < size:
+                    with trio.fail_after(self.chunk_timeout):
+                        got += await reader.read(min(lay.CHUNK, size - len(got)))
+                parts.append(bytes(got))
+            await stream.response()
+        layout = Layout.parse(parts[0])
+        if layout.size != i.size:
+            raise RemoteProtocolError(f"layout of {layout.size} bytes, {i.size} announced")
+        hashes = lay.split_hashes(parts[1], layout.chunks)
+        if lay.root(i.epoch, layout, hashes) != i.root:
+            raise RemoteProtocolError("its manifest does not match the state's digest")
+        meta = state.parse_json(parts[2], "state metadata")
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise RemoteProtocolError("state metadata must be an object of strings")
+        log.info("downloading step %d's state: %s", i.epoch, layout.describe())
+        tensors = lay.empty_like(layout)
+        return Partial(i.epoch, i.root, layout, hashes, meta, tensors, bytearray(layout.chunks))
+
+    # ---- chunks ----
+
+    async def _chunks(self, partial: Partial, offers: list[Offer]) -> None:
+        queue = _Queue([i for i in range(partial.layout.chunks) if not partial.have[i]])
+        self.on_progress(partial.received, partial.layout.size)
+        async with trio.open_nursery() as nursery:
+            for offer in offers:
+                for _ in range(STREAMS_PER_DONOR):
+                    nursery.start_soon(self._worker, partial, offer, queue)
+
+    async def _worker(self, partial: Partial, offer: Offer, queue: _Queue) -> None:
+        peer = offer.donor.peer
+        busy = 0
+        while peer not in queue.dropped:
+            run = queue.take(RANGE)
+            if not run:
+                if not queue.busy:
+                    return
+                await queue.changed.wait()
+                continue
+            queue.busy += 1
+            backoff = False
+            try:
+                await self._range(partial, offer, run)
+                busy = 0
+            except RemoteCallError as e:
+                backoff = e.code == "busy" and busy < MAX_BUSY
+                busy += 1
+                if not backoff:
+                    self._drop(queue, peer, str(e))
+            except trio.TooSlowError:
+                self._drop(queue, peer, f"no chunk for {self.chunk_timeout:g} s")
+            except BadChunk as e:
+                self._drop(queue, peer, f"{e}; its chunks go to others")
+            except P2PError as e:
+                self._drop(queue, peer, str(e))
+            finally:
+                queue.busy -= 1
+                queue.put_back([i for i in run if not partial.have[i]])
+                queue.notify()
+            if backoff:
+                await trio.sleep(BUSY_BACKOFF)
+
+    def _drop(self, queue: _Queue, peer: PeerID, why: str) -> None:
+        queue.dropped.add(peer)
+        self._fail(peer, f"{why} (dropped)")
+
+    async def _range(self, partial: Partial, offer: Offer, run: list[int]) -> None:
+        timeout = self.chunk_timeout * (len(run) + 1)  # never reached before a chunk stalls
+        request = ChunksReq(partial.root, run[0], len(run))
+        async with offer.conn.open_stream(STATE_CHUNKS, request, timeout=timeout) as stream:
+            reader = _Reader(stream)
+            for i in run:
+                size = partial.layout.chunk_size(i)
+                with trio.fail_after(self.chunk_timeout):
+                    data = await reader.read(size)
+                if partial.have[i]:
+                    continue  # fetched meanwhile by another worker (not expected: ranges are disjoint)
+                if lay.hash_chunk([data]) != partial.hashes[i]:
+                    raise BadChunk(f"sent a corrupted chunk {i} of step {partial.epoch}'s state")
+                lay.place(partial.layout, partial.tensors, i, data)
+                partial.have[i] = 1
+                partial.received += size
+                offer.delivered += size
+                self.on_progress(partial.received, partial.layout.size)
+            with trio.fail_after(self.chunk_timeout):
+                await stream.response()
