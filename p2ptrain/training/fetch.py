@@ -102,6 +102,7 @@ class Downloaded:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     donors: tuple[PeerID, ...]  # the donors that delivered chunks, most bytes first
+    delivered: dict[PeerID, int] = field(default_factory=dict)  # checked bytes from each, this attempt
     seconds: float = 0.0
 
     @property
@@ -183,6 +184,7 @@ class Fetcher:
         self.on_progress = on_progress or (lambda got, total: None)
         self.partial: Partial | None = None
         self.failures: list[str] = []
+        self.blamed: set[PeerID] = set()  # donors that sent a chunk their own manifest refutes
 
     def _fail(self, peer: PeerID, why: str) -> None:
         log.warning("state download from %s: %s", peer.short(), why)
@@ -227,6 +229,7 @@ class Fetcher:
             lay.as_dict(partial.layout, partial.tensors),
             partial.metadata,
             tuple(o.donor.peer for o in used),
+            {o.donor.peer: o.delivered for o in used},
             took,
         )
 
@@ -253,9 +256,11 @@ class Fetcher:
                 self._fail(donor.peer, "no offer in time")
             except P2PError as e:
                 self._fail(donor.peer, str(e))
+            except ValueError as e:  # an address from its record that does not parse
+                self._fail(donor.peer, f"unusable address: {e}")
 
         async with trio.open_nursery() as nursery:
-            for donor in donors[:MAX_ASKED]:
+            for donor in [d for d in donors if d.peer not in self.blamed][:MAX_ASKED]:
                 nursery.start_soon(ask, donor)
         return offers
 
@@ -355,6 +360,7 @@ class Fetcher:
             except trio.TooSlowError:
                 self._drop(queue, peer, f"no chunk for {self.chunk_timeout:g} s")
             except BadChunk as e:
+                self.blamed.add(peer)
                 self._drop(queue, peer, f"{e}; its chunks go to others")
             except P2PError as e:
                 self._drop(queue, peer, str(e))

@@ -1,0 +1,234 @@
+"""State downloads between in-process peers over the in-memory network, on the virtual clock.
+
+What is proved here: a state of several chunks downloads from several donors; a donor killed mid-transfer
+leaves the rest to another donor without a chunk fetched twice; a donor serving a corrupted chunk is
+caught on that chunk, named, and the download resumes elsewhere from where it stopped; a transfer over a
+link so slow that it takes minutes completes (no deadline bounds a whole transfer, only each chunk); a
+donor's event loop keeps answering while it writes a snapshot in a worker thread; an offer of an older
+step than the one wanted is refused (the download loop of a peer behind); tied weights travel once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+import test_training
+import torch
+import trio
+from test_training import Peer, Swarm, run_config, swarm, take_local_steps
+
+from p2ptrain.errors import PeerUnavailable
+from p2ptrain.net.memory import LinkProfile
+from p2ptrain.training import collaborative, layout, statesync
+from p2ptrain.training.fetch import Fetcher
+
+WIDTH = 768  # ~0.6M parameters: with AdamW's moments the state is 7 chunks
+
+
+def big_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 1)
+    )
+
+
+@pytest.fixture(autouse=True)
+def bigger_models(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(test_training, "make_model", big_model)
+    yield
+
+
+async def donors_and_joiner(s: Swarm, donors: int) -> tuple[list[Peer], Peer]:
+    first = await s.start(train=False)
+    take_local_steps(first, 2)
+    others = [await s.start(train=False) for _ in range(donors - 1)]
+    for peer in others:
+        peer.opt.restore(*first.opt.capture())
+        assert peer.opt.digest == first.opt.digest
+    joiner = await s.start(train=False)
+    return [first, *others], joiner
+
+
+def fetcher(joiner: Peer, *, max_donors: int = 4, chunk_timeout: float = 5.0) -> Fetcher:
+    return Fetcher(
+        joiner.node.host,
+        max_size=joiner.opt.max_state_bytes(),
+        chunk_timeout=chunk_timeout,
+        max_donors=max_donors,
+    )
+
+
+def records(peers: list[Peer]) -> list[collaborative.PeerProgress]:
+    """Their progress records, as a joiner reads them (with the address to download from)."""
+    return [
+        collaborative.PeerProgress(
+            p.node.peer_id, dataclasses.replace(p.opt.record(), addr=str(p.node.addresses[0]))
+        )
+        for p in peers
+    ]
+
+
+def chunks_served(peer: Peer) -> int:
+    assert peer.opt.server is not None
+    return peer.opt.server.served_chunks
+
+
+async def test_a_donor_killed_mid_transfer_leaves_the_rest_to_another(autojump_clock: object) -> None:
+    async with swarm(run_config("sync")) as s:
+        (a, b), joiner = await donors_and_joiner(s, 2)
+        f = fetcher(joiner)
+        victim: list[Peer] = []
+
+        def kill_the_donor_after_three_chunks(got: int, size: int) -> None:
+            if got >= 3 * layout.CHUNK and not victim:
+                victim.append(next(p for p in (a, b) if chunks_served(p)))  # one range holds every chunk
+                s.crash(victim[0])
+
+        f.on_progress = kill_the_donor_after_three_chunks
+        got = await f.fetch(records([a, b]), want_epoch=2, expected=lambda e: a.opt.digest)
+        survivor = b if victim[0] is a else a
+        assert got.delivered[victim[0].node.peer_id] >= 3 * layout.CHUNK
+        assert survivor.opt.server is not None
+        assert survivor.opt.server.served_bytes == got.delivered[survivor.node.peer_id] > 0  # none twice
+        assert sum(got.delivered.values()) == sum(t.numel() * t.element_size() for t in got.tensors.values())
+        joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert joiner.opt.digest == survivor.opt.digest and joiner.opt.epoch == 2
+
+
+async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with swarm(run_config("sync")) as s:
+        (honest, liar), joiner = await donors_and_joiner(s, 2)
+        assert liar.opt.server is not None
+        prepare = liar.opt.server._prepare
+
+        async def corrupting() -> statesync.Snapshot | None:
+            snap = await prepare()
+            assert snap is not None
+            read = snap.read
+
+            def bad_read(i: int) -> bytes:
+                data = read(i)
+                return data[:100] + bytes([data[100] ^ 1]) + data[101:] if i == 3 else data
+
+            snap.read = bad_read  # type: ignore[method-assign]
+            return snap
+
+        liar.opt.server._prepare = corrupting
+        f = fetcher(joiner)
+        with caplog.at_level(logging.WARNING, "p2ptrain.training.fetch"), pytest.raises(PeerUnavailable):
+            await f.fetch(records([liar]), want_epoch=2, expected=lambda e: honest.opt.digest)
+        assert f"{liar.node.peer_id.short()}: sent a corrupted chunk 3" in caplog.text
+        assert f.partial is not None and list(f.partial.have[:4]) == [1, 1, 1, 0]  # kept what checked out
+        total = f.partial.layout.chunks
+        served_by_liar = chunks_served(liar)
+        # the liar is not asked again; the honest donor sends only what is still missing
+        got = await f.fetch(records([liar, honest]), want_epoch=2, expected=lambda e: honest.opt.digest)
+        assert chunks_served(honest) == total - 3 and chunks_served(liar) == served_by_liar
+        joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert joiner.opt.digest == honest.opt.digest
+
+
+async def test_a_transfer_far_longer_than_any_fixed_deadline_completes(autojump_clock: object) -> None:
+    """7 MB at 50 kB/s: about 150 s, five times the old whole-transfer deadline; each chunk ~21 s."""
+    async with swarm(run_config("sync")) as s:
+        (donor,), joiner = await donors_and_joiner(s, 1)
+        s.net.set_link("t0", "t1", LinkProfile(bandwidth=50_000))
+        f = fetcher(joiner, chunk_timeout=30.0)
+        began = trio.current_time()
+        got = await f.fetch(records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest)
+        took = trio.current_time() - began
+        size = sum(t.numel() * t.element_size() for t in got.tensors.values())
+        assert took >= size / 50_000 > 120
+        joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert joiner.opt.digest == donor.opt.digest
+
+
+async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot is written in a worker thread (states over THREAD_BYTES; lowered here), held up
+    until the test has pinged the donor: the ping is answered meanwhile, then the download completes."""
+    monkeypatch.setattr(collaborative, "THREAD_BYTES", 1)
+    release = threading.Event()
+    entered = threading.Event()
+    real_write = statesync.write_snapshot
+
+    def slow_write(live: statesync.LiveState) -> statesync.Snapshot:
+        entered.set()
+        assert release.wait(timeout=60)
+        return real_write(live)
+
+    monkeypatch.setattr(collaborative, "write_snapshot", slow_write)
+    async with swarm(run_config("sync")) as s:
+        (donor,), joiner = await donors_and_joiner(s, 1)
+        await s.until(lambda: bool(donor.opt.digest), timeout=30)  # hashed in a thread too
+        f = fetcher(joiner, chunk_timeout=600.0)
+        result: list[object] = []
+
+        async def download() -> None:
+            result.append(await f.fetch(records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(download)
+            while not entered.is_set():  # noqa: ASYNC110  (a thread sets it)
+                await trio.sleep(0.01)
+            conn = await joiner.node.host.connect(donor.node.addresses[0])
+            await conn.ping(timeout=5)
+            assert not release.is_set() and not result  # answered while the snapshot is being written
+            assert donor.opt._holds == 1  # and the state is held still meanwhile
+            release.set()
+        assert result and donor.opt._holds == 0
+
+
+async def test_an_offer_older_than_the_wanted_step_is_refused(autojump_clock: object) -> None:
+    """A peer behind on step 3 must not download step 2 again (and again): the download loop of a donor
+    whose record was newer than the state it served."""
+    async with swarm(run_config("sync")) as s:
+        (donor,), joiner = await donors_and_joiner(s, 1)
+        f = fetcher(joiner)
+        with pytest.raises(PeerUnavailable, match="offers step 2, older than step 3"):
+            await f.fetch(records([donor]), want_epoch=3, expected=lambda e: donor.opt.digest)
+        with pytest.raises(PeerUnavailable, match="most peers did not start from"):
+            await f.fetch(records([donor]), want_epoch=2, expected=lambda e: b"\x01" * 32)
+        assert chunks_served(donor) == 0
+
+
+async def test_tied_weights_travel_once(autojump_clock: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    def tied_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    monkeypatch.setattr(test_training, "make_model", tied_model)
+    async with swarm(run_config("sync")) as s:
+        donor = await s.start(train=False)
+        tensors, meta = donor.opt.capture()
+        assert "model.1.weight" not in tensors and "p2ptrain.tied" in meta
+        joiner = await s.start(train=False)
+        got = await fetcher(joiner).fetch(records([donor]), want_epoch=0, expected=lambda e: donor.opt.digest)
+        assert sum(t.numel() for t in got.tensors.values()) == 256 * 64
+        joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert joiner.model[1].weight is joiner.model[0].weight
+        assert joiner.opt.digest == donor.opt.digest
+
+
+async def test_a_late_joiner_behind_a_slow_link_catches_up(autojump_clock: object) -> None:
+    """The whole path: a training joiner finds itself behind, downloads 7 MB over 50 kB/s links from
+    two donors (over a minute; a whole-transfer deadline of 30 s cut such downloads forever) and lands
+    the state, computing on meanwhile."""
+    async with swarm(run_config("sync")) as s:
+        donors, _ = await donors_and_joiner(s, 2)
+        joiner = await s.start(compute=1.0)
+        for donor in donors:
+            s.net.set_link(f"t{donor.index}", f"t{joiner.index}", LinkProfile(bandwidth=50_000))
+        began = trio.current_time()
+        await s.until(lambda: joiner.opt.stats.syncs >= 1, timeout=600)
+        assert trio.current_time() - began > 60  # both links together: 100 kB/s for 7 MB
+        assert joiner.opt.epoch == 2 and joiner.opt.digest == donors[0].opt.digest
