@@ -151,8 +151,9 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
 
                 async def stop_on_signal() -> None:
                     """First signal: drain (finish the batch and round in progress, checkpoint, tell the
-                    swarm); a second one, or a drain that takes too long, cuts it short."""
-                    grace = trainer.config.averaging.timeout + 30.0
+                    swarm); a second one, or a drain that takes too long, cuts it short. The grace is
+                    the round's own bound plus time for the batch in progress."""
+                    grace = trainer.drain_timeout + 30.0
                     async for signum in signals:
                         if trainer.stopping:
                             log.warning("second %s: stopping now", signal.Signals(signum).name)

@@ -923,6 +923,7 @@ class CollaborativeOptimizer:
             flight = self._in_flight
             if flight is not None:
                 await flight.done.wait()
+                await self.unheld()  # a thread reading the state (a donor's snapshot) delays the step
                 self._land()
         if waited.cancelled_caught:
             log.warning("stopped waiting for the averaging round in progress after %g s", timeout)

@@ -6,7 +6,10 @@ loss and gradients in a worker thread (so the node keeps serving the network mea
 count to the optimizer, which decides when the swarm steps. After every global step it evaluates (every
 ``eval.every_steps``), checkpoints (every ``checkpoint.every_steps``) and appends one JSON line of metrics.
 It stops at ``max_steps`` global steps, after ``duration`` seconds, or when cancelled, and then writes a
-final checkpoint and a summary line.
+final checkpoint and a summary line. Stopped before ``max_steps`` (``request_stop``, SIGTERM; or
+``duration``), it drains first: the averaging round it takes part in (a group forming or formed, a round
+running in the background) finishes on every member and is applied here, within ``drain_timeout``, so
+the last checkpoint holds the state after it and the group loses neither the round nor its coordinator.
 
 ``slowdown`` (>= 1) makes this peer's compute that many times slower than this machine at its best (the
 quickest batch seen), by idling after each batch for the difference: the simulations use it to emulate
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 import torch
 import trio
 
+from ..averaging.averager import JOIN_GRACE
 from ..config import RunConfig
 from ..node import Node
 from ..tasks import Task
@@ -158,6 +162,7 @@ class Trainer:
                     seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
                     log.info("%d peer(s) in the run: starting", seen)
                 await self._loop(batches)
+                await self._drain()
                 await self.opt.leave()
             finally:  # no await here: this runs even when cancelled
                 self.finished = True
@@ -206,6 +211,24 @@ class Trainer:
                 await trio.to_thread.run_sync(local.publish, self.model, changed, self._done())
             if stepped:
                 await self._after_step()
+
+    @property
+    def drain_timeout(self) -> float:
+        """The longest a drain waits for its round: a group being formed forms or gives up within the
+        matchmaking time and the joiners' grace, and a round ends within the averaging timeout."""
+        a = self.config.averaging
+        return a.matchmaking_time + JOIN_GRACE + a.timeout
+
+    async def _drain(self) -> None:
+        """Stopping early: let the round in progress finish (see ``CollaborativeOptimizer.drain``); if
+        it took a step, that step is logged and counted like any other. At ``max_steps`` a round for the
+        next step is none of this peer's business."""
+        if self.max_steps and self.opt.epoch >= self.max_steps:
+            return
+        epoch = self.opt.epoch
+        await self.opt.drain(self.drain_timeout)
+        if self.opt.epoch != epoch:
+            await self._after_step()
 
     @property
     def stopping(self) -> bool:
