@@ -116,6 +116,7 @@ class _InFlight:
     done: trio.Event
     tensors: list[torch.Tensor]
     weight: int
+    since: float  # when the batch in progress at the handoff began: later samples count toward the next
     outcome: RoundResult | BaseException | None = None
 
 
@@ -228,7 +229,8 @@ class CollaborativeOptimizer:
         self.on_download_progress: ProgressFn | None = None
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress
         self.leaving = False
-        self._epoch_began = clock()
+        self._epoch_began = clock()  # since when ``samples`` counts (see ``_counting_from``)
+        self._next_batch = clock()
         a = config.averaging
         # The run decides how its rounds go, whatever the node was started with.
         node.averager.config = dataclasses.replace(
@@ -408,6 +410,7 @@ class CollaborativeOptimizer:
             raise ValueError("samples must be a positive int")
         if self._nursery is None:
             raise RuntimeError("start CollaborativeOptimizer.run in a nursery first")
+        self._next_batch = self.clock()  # the training loop computes its next batch from about now
         if self.diloco:
             self._inner_step()
         else:
@@ -545,6 +548,7 @@ class CollaborativeOptimizer:
         for p, g in zip(self.params, self.global_params, strict=True):
             p.data.copy_(g)
         self.samples -= weight
+        self._counting_from()
         self._advance(result, weight)
         return True
 
@@ -585,6 +589,7 @@ class CollaborativeOptimizer:
                 acc.div_(weight)
             self._apply_gradients(self.averaged)
         self.samples = 0
+        self._counting_from()
         self.stats.solo += 1
         self._advance(None, weight)
 
@@ -626,8 +631,12 @@ class CollaborativeOptimizer:
         horizon = 2 * self.config.progress.interval
         return plausible_samples(record, self.clock(), horizon, slack=target / 8)
 
+    def _counting_from(self, when: float | None = None) -> None:
+        """``self.samples`` counts what was computed from ``when`` on (default: now): the start of the
+        time over which others judge how many samples this peer could have done (``since``)."""
+        self._epoch_began = self.clock() if when is None else when
+
     def _state_changed(self) -> None:
-        self._epoch_began = self.clock()
         self._matchmaking_scope.cancel()  # a group for the epoch we left is no use
         self._version += 1
         if self.server is not None:
@@ -667,7 +676,10 @@ class CollaborativeOptimizer:
                 t.div_(weight)  # the mean gradient; the round weighs it by the sample count
             self.samples = 0  # the batches computed from now on count toward the next step
         done = trio.Event()
-        self._in_flight = _InFlight(done, tensors, weight)
+        # What is computed from here on counts toward the next step, the batch in progress included.
+        self._in_flight = _InFlight(done, tensors, weight, since=self._next_batch)
+        if not self.diloco:
+            self._counting_from(self._next_batch)
         self._publish_now.set()  # others count this peer on the next epoch already (see ``landing``)
 
         async def run(flight: _InFlight) -> None:
@@ -706,6 +718,7 @@ class CollaborativeOptimizer:
                 for p, g, s in zip(self.params, self.global_params, snap, strict=True):
                     p.add_(g - s)  # new global + (local now - local at the snapshot)
             self.samples -= weight
+            self._counting_from(flight.since)
         else:
             self._apply_gradients(tensors)
             self._spare = tensors
@@ -818,6 +831,7 @@ class CollaborativeOptimizer:
             for acc in self.averaged:
                 acc.zero_()
         self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
+        self._counting_from()
         self._state_changed()
 
     def max_state_bytes(self) -> int:
@@ -868,7 +882,7 @@ class CollaborativeOptimizer:
             local: list[torch.Tensor] = []
             if flight.carry_from is not None:
                 local = [p - g for p, g in zip(self.params, self.global_params, strict=True)]
-            samples = self.samples
+            samples, counting_since = self.samples, self._epoch_began
             self.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
         except P2PError as e:
             log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
@@ -880,6 +894,7 @@ class CollaborativeOptimizer:
                 for p, d in zip(self.params, local, strict=True):
                     p.add_(d)
             self.samples = samples
+            self._counting_from(counting_since)
         self.stats.syncs += 1
         self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.short()}
         log.info(

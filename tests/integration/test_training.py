@@ -11,6 +11,7 @@ path) gives the same parameters and the same next step. (Downloads themselves: t
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -450,3 +451,17 @@ async def test_honest_peers_train_on_through_one_hostile_peer_in_four(
     if kind == "nan":
         last = honest[0].opt.stats.last
         assert last.get("contributors") == 3  # the NaN sender is left out of every round
+
+
+@pytest.mark.parametrize("slow", [0.1, 2.2], ids=["equal-peers", "one-slow-peer"])
+async def test_honest_peers_are_counted_at_their_full_weight(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture, slow: float
+) -> None:
+    """The plausibility cap judges a peer's samples over the time it computed them: in sync mode that
+    starts with the batch in progress when it handed its gradients to the round, not when the round
+    landed (which counted an honest peer's 8 samples as 6)."""
+    with caplog.at_level(logging.INFO, "p2ptrain.averaging"):
+        async with swarm(run_config("sync")) as s:
+            peers = [await s.start(compute=0.1), await s.start(compute=slow)]
+            await s.until(lambda: min(p.opt.stats.averaged for p in peers) >= 4, timeout=300)
+    assert "more than its records make plausible" not in caplog.text
