@@ -294,7 +294,9 @@ class Trainer:
         folder = self.checkpoints
         if folder is None:
             return
-        tensors, meta = self.opt.capture()
+        # The live tensors, not a copy (3x the parameters in sync mode): this runs while the training
+        # loop waits for it, and nothing else changes the state between two of its steps.
+        tensors, meta = self.opt.capture(copy=False)
         info = {"peer": str(self.node.peer_id), "run": self.config.run.id, "time": self.clock()}
         path = checkpoint.save(folder, self.opt.epoch, tensors, meta, info, keep=self.config.checkpoint.keep)
         log.info("checkpoint of step %d written to %s", self.opt.epoch, path)
@@ -306,7 +308,7 @@ class Trainer:
             log.info("no checkpoint to resume from%s", f" in {folder}" if folder else "")
             return False
         step, tensors, meta, _ = found
-        self.opt.restore(tensors, meta)
+        self.opt.restore(tensors, meta, owned=True)
         log.info("resumed from the checkpoint of step %d", step)
         return True
 

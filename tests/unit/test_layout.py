@@ -1,0 +1,137 @@
+"""The chunked state layout: spans, hashes, the root digest, and strict parsing of a donor's header."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from p2ptrain.training import layout as lay
+from p2ptrain.training import state
+from p2ptrain.training.layout import CHUNK, Layout
+from p2ptrain.training.state import StateError
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "a.big": torch.randn(CHUNK // 4 + 1000, generator=g),  # spills into a second chunk
+        "b.small": torch.arange(7, dtype=torch.int64),
+        "c.half": torch.randn(300_000, generator=g).half(),
+        "d.flag": torch.tensor([True, False]),
+        "e.empty": torch.zeros(0, 3),
+    }
+
+
+def test_spans_tile_the_data_section_and_place_rebuilds_every_tensor() -> None:
+    src = tensors()
+    layout = Layout.of(src)
+    live = [src[e.name] for e in layout.entries]
+    assert layout.size == sum(t.numel() * t.element_size() for t in src.values())
+    assert layout.chunks == -(-layout.size // CHUNK) == 2
+    covered = 0
+    for i in range(layout.chunks):
+        spans = list(layout.spans(i))
+        assert spans[0].offset == 0
+        assert sum(s.hi - s.lo for s in spans) == layout.chunk_size(i)
+        covered += layout.chunk_size(i)
+    assert covered == layout.size
+    out = lay.empty_like(layout)
+    for i in reversed(range(layout.chunks)):  # any order
+        data = b"".join(bytes(p) for p in lay.chunk_pieces(layout, live, i))
+        lay.place(layout, out, i, memoryview(data))
+    for e, t in zip(layout.entries, out, strict=True):
+        assert torch.equal(t, src[e.name]) and t.dtype == src[e.name].dtype
+
+
+def test_the_root_commits_to_epoch_layout_and_every_byte() -> None:
+    src = tensors()
+    layout = Layout.of(src)
+    live = [src[e.name] for e in layout.entries]
+    hashes = lay.hash_chunks(layout, live)
+    root = lay.root(3, layout, hashes)
+    assert root == lay.root(3, Layout.of(dict(src)), lay.hash_chunks(layout, live))  # deterministic
+    assert lay.root(4, layout, hashes) != root
+    src["c.half"][-1] += 1  # one byte in the last chunk
+    assert lay.root(3, layout, lay.hash_chunks(layout, live)) != root
+    renamed = {("z" if k == "b.small" else k): v for k, v in src.items()}
+    assert lay.root(3, Layout.of(renamed), lay.hash_chunks(layout, live)) != root
+    with pytest.raises(Exception, match="chunk hashes"):
+        lay.root(3, layout, hashes[:1])
+
+
+def test_a_parsed_header_is_the_layout_it_describes() -> None:
+    layout = Layout.of(tensors())
+    again = Layout.parse(layout.header)
+    assert again.entries == layout.entries and again.size == layout.size and again.header == layout.header
+
+
+def header(entries: dict[str, object]) -> bytes:
+    return json.dumps(entries).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"[]", "not an object"),
+        (b'{"a": 1, "a": 2}', "repeats the key"),
+        (header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}), "starts at byte 8"),
+        (
+            header(
+                {
+                    "a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                }
+            ),
+            "out of name order",
+        ),
+        (header({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}), "needs 12"),
+        (header({"a": {"dtype": "X9", "shape": [2], "data_offsets": [0, 8]}}), "unknown dtype"),
+        (header({"__metadata__": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}), "reserved"),
+        (header({"a": {"dtype": "U8", "shape": [1 << 43], "data_offsets": [0, 1 << 43]}}), "chunks"),
+    ],
+)
+def test_a_hostile_header_is_refused(raw: bytes, match: str) -> None:
+    with pytest.raises(StateError, match=match):
+        Layout.parse(raw)
+
+
+def test_hash_lists_of_the_wrong_length_are_refused() -> None:
+    assert lay.split_hashes(b"x" * 64, 2) == [b"x" * 32, b"x" * 32]
+    with pytest.raises(StateError, match="hash list"):
+        lay.split_hashes(b"x" * 63, 2)
+
+
+def test_bool_bytes_other_than_0_and_1_are_refused() -> None:
+    src = {"f": torch.tensor([True, False])}
+    layout = Layout.of(src)
+    out = lay.empty_like(layout)
+    lay.place(layout, out, 0, memoryview(bytes([1, 7])))
+    with pytest.raises(StateError, match="BOOL"):
+        lay.check_bool_entries(layout, out)
+
+
+def test_tied_weights_are_captured_once_and_restored_only_into_a_model_that_ties_them() -> None:
+    def model(tied: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 16, bias=False))
+        if tied:
+            m[1].weight = m[0].weight
+        return m
+
+    src = model(True)
+    tensors_, meta = state.capture(src)
+    assert list(tensors_) == ["model.0.weight"] and json.loads(meta[state.TIED_KEY]) == {
+        "1.weight": "0.weight"
+    }
+    dst = model(True)
+    with torch.no_grad():
+        dst[0].weight.zero_()
+    state.restore(dst, {}, tensors_, meta)
+    assert torch.equal(dst[1].weight, src[0].weight) and dst[1].weight is dst[0].weight
+    untied = model(False)
+    with pytest.raises(StateError, match="keeps them apart"):
+        state.restore(untied, {}, tensors_, meta)
+    with pytest.raises(StateError, match="lacks model entry"):
+        state.restore(untied, {}, tensors_, {k: v for k, v in meta.items() if k != state.TIED_KEY})
