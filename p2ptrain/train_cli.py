@@ -11,6 +11,7 @@ import argparse
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import trio
 from rich.console import Console, Group
 from rich.live import Live
 from rich.logging import RichHandler
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from .averaging import AveragerConfig
 from .averaging.robust import parse_aggregation
@@ -182,13 +183,25 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
 
 
 def _log_progress() -> Callable[[int, int], None]:
-    marks = [0.25, 0.5, 0.75, 1.0]
+    """A log line at every tenth of a state download: how far, how fast, and how long it still takes."""
+    marks: list[float] = []
+    began = [0.0, 0.0]  # when the download began, and the bytes it already had then (a resumed one)
 
     def report(got: int, total: int) -> None:
+        if not marks or got < began[1]:  # a new download (or a resumed one)
+            marks[:] = [i / 10 for i in range(1, 11)]
+            began[:] = [time.monotonic(), float(got)]
         while marks and got >= marks[0] * total:
-            log.info("downloading the swarm's state: %.0f%% of %.1f MB", 100 * marks.pop(0), total / 1e6)
-        if got < total * 0.01:
-            marks[:] = [0.25, 0.5, 0.75, 1.0]
+            marks.pop(0)
+            rate = (got - began[1]) / max(time.monotonic() - began[0], 1e-3)
+            eta = (total - got) / rate if rate > 0 else float("inf")
+            log.info(
+                "downloading the swarm's state: %.0f%% of %.1f MB at %.1f MB/s, %.0f s to go",
+                100 * got / total,
+                total / 1e6,
+                rate / 1e6,
+                eta,
+            )
 
     return report
 
@@ -199,7 +212,12 @@ async def _train_live(node: Node, trainer: Trainer) -> None:
     handlers = root.handlers[:]
     root.handlers = [RichHandler(console=console, show_path=False, log_time_format="%H:%M:%S")]
     progress = Progress(
-        "state download", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console
+        "state download",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
     )
     bar = progress.add_task("download", total=None, visible=False)
 

@@ -7,8 +7,11 @@ the token embedding's (tied, as in GPT-2: fewer parameters to average, and a bet
 
 Every peer must start from bit-identical weights. The caller seeds torch (``torch.manual_seed``) before
 building the model; the constructor then draws every initial value from torch's default generator in a
-fixed order (module creation order, then :meth:`GPT._init_weights` in ``named_modules`` order), so the
-same seed gives the same weights on every machine.
+fixed order (:meth:`GPT._init_weights`, in ``named_modules`` order), so the same seed gives the same
+weights on every machine. Its linear layers and embeddings are created uninitialized (``_Linear``,
+``_Embedding``): torch's own default initialization would fill every matrix once only for
+``_init_weights`` to fill it again, drawing random numbers for nothing and making a model of hundreds of
+millions of parameters take half again as long to build. Storage is allocated once, where it stays.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True``,
 which picks the fastest kernel the device has (flash or memory-efficient attention on GPUs).
@@ -54,6 +57,20 @@ class GPTConfig:
         return self.vocab_size * c + self.block_size * c + self.n_layer * per_block + 2 * c
 
 
+class _Linear(nn.Linear):
+    """``nn.Linear`` whose weight and bias are left uninitialized: :meth:`GPT._init_weights` fills them."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(nn.Embedding):
+    """``nn.Embedding`` whose weight is left uninitialized: :meth:`GPT._init_weights` fills it."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees only itself and earlier positions."""
 
@@ -61,8 +78,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.qkv = _Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = _Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,8 +99,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.fc = _Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = _Linear(4 * config.n_embd, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,19 +130,21 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wte = _Embedding(config.vocab_size, config.n_embd)
+        self.wpe = _Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = _Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one tensor, counted and averaged once
         self._init_weights()
 
     def _init_weights(self) -> None:
         # GPT-2's initialization: N(0, 0.02) everywhere, with the projections that write into the
         # residual stream (each block's attn.proj and mlp.proj) scaled down by 1/sqrt(2 * n_layer), so
-        # the stream's variance does not grow with depth. The tied lm_head is the embedding: skipped.
+        # the stream's variance does not grow with depth; LayerNorms start as the identity. The tied
+        # lm_head is the embedding: skipped. Every other tensor is written here, in this order: the
+        # constructor left the matrices uninitialized and drew nothing.
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module is not self.lm_head:
@@ -135,6 +154,9 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
 
     def num_parameters(self) -> int:
         """The number of distinct parameter values (the tied embedding counted once)."""
