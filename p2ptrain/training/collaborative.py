@@ -216,6 +216,7 @@ class CollaborativeOptimizer:
         self._retry_at = 0.0
         self._sync_retry_at = 0.0
         self._alone_since: float | None = None
+        self._others_seen = False  # another peer of the run was seen once: stepping alone waits
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
@@ -382,6 +383,7 @@ class CollaborativeOptimizer:
             target=self.config.training.target_batch_size,
             horizon=2 * self.config.progress.interval,
         )
+        self._others_seen = self._others_seen or self.view.others > 0
         return self.view
 
     async def leave(self, timeout: float = 5.0) -> None:
@@ -444,20 +446,24 @@ class CollaborativeOptimizer:
         return changed
 
     def _may_step_alone(self, view: SwarmView) -> bool:
-        """Alone on this epoch: step alone if no other peer is in the run, or if those catching up have
-        not reached this epoch within an averaging timeout (until then, keep accumulating: a step taken
-        now would leave them behind again, and the samples are not lost, only the batch grows)."""
+        """Alone on this epoch: step alone if no other peer was ever seen in the run, or if the others
+        (catching up, or gone from the records) have not reached this epoch within an averaging timeout
+        (until then, keep accumulating: a step taken now would leave them behind, and the samples are
+        not lost, only the batch grows). Records can vanish for a while when the DHT is slow under load
+        (a record that arrives after its expiry is refused): a peer that stepped on alone at once would
+        fork the swarm at the first such gap."""
         now = self.clock()
         if now - self._started < 2 * self.config.progress.interval:
             return False  # the others' records may not have reached us yet
-        if view.others == 0:
+        if not self._others_seen:
             self._alone_since = None
             return True
         if self._alone_since is None:
             self._alone_since = now
-            log.info("alone on step %d while %d peer(s) catch up: waiting for them", self.epoch, view.others)
+            what = f"{view.others} peer(s) catch up" if view.others else "the others' records are missing"
+            log.info("alone on step %d while %s: waiting for them", self.epoch, what)
         if now - self._alone_since >= self.config.averaging.timeout:
-            log.warning("peers did not catch up within %.0f s: stepping alone", self.config.averaging.timeout)
+            log.warning("no peer joined within %.0f s: stepping alone", self.config.averaging.timeout)
             self._alone_since = None
             return True
         return False

@@ -465,3 +465,36 @@ async def test_honest_peers_are_counted_at_their_full_weight(
             peers = [await s.start(compute=0.1), await s.start(compute=slow)]
             await s.until(lambda: min(p.opt.stats.averaged for p in peers) >= 4, timeout=300)
     assert "more than its records make plausible" not in caplog.text
+
+
+async def test_peers_that_lose_sight_of_each_other_for_a_while_do_not_step_apart(
+    autojump_clock: object,
+) -> None:
+    """Under load the DHT refuses records that arrive after their expiry: for a few seconds each peer
+    reads no record of the other. They wait (up to an averaging timeout) instead of each stepping alone
+    under the same step numbers, and average together once they see each other again."""
+    config = run_config("sync")
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        await s.until(lambda: all(p.opt.stats.averaged >= 1 for p in peers), timeout=60)
+        blind = trio.Event()
+        for p in peers:
+            real = p.opt.refresh
+
+            async def refresh(p: Peer = p, real: object = real) -> None:
+                if blind.is_set():
+                    p.opt.records = []  # as if every record of the run had expired
+                    p.opt._update_view()
+                    return
+                await real()  # type: ignore[operator]
+
+            p.opt.refresh = refresh  # type: ignore[method-assign]
+        blind.set()
+        await trio.sleep(config.averaging.timeout / 2)
+        assert all(p.opt.stats.solo == 0 for p in peers)
+        for p in peers:
+            del p.opt.refresh  # the records are back
+        epoch = max(p.opt.epoch for p in peers)
+        await s.until(lambda: all(p.opt.stats.averaged >= 3 and p.opt.epoch > epoch for p in peers), 60)
+        assert all(p.opt.stats.solo == 0 for p in peers)
+        check_identical_per_epoch(peers)
