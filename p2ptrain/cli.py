@@ -7,8 +7,10 @@ with one line on stderr that says what went wrong, and a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -690,7 +692,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fewer_malloc_arenas(arenas: int = 2) -> None:
+    """glibc gives every thread that allocates its own heap (up to 8 per core); the compute, hashing
+    and snapshot threads each grew one to the size of a model's tensors, and freed memory stayed
+    spread over them: a 124M-parameter node peaked at 10.9x its fp32 parameter bytes, 8.2-8.9x with
+    two arenas. Same as MALLOC_ARENA_MAX=2, which, if set, wins. No effect on other C libraries."""
+    if sys.platform != "linux" or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _fewer_malloc_arenas()
     parser = build_parser()
     args = parser.parse_args(argv)
     verbose = args.command in ("node", "average", "simulate")
