@@ -421,6 +421,13 @@ class CollaborativeOptimizer:
         self.rate.add(samples, self.clock())
         changed = self._land()
         changed = self._land_download() or changed
+        flight = self._download
+        if flight is not None and flight.carry_from is None and self._in_flight is None:
+            # Nothing computed meanwhile would survive the download (sync accumulators are reset, and
+            # DiLoCo carries local progress only one step): the link and the CPU are the download's.
+            await flight.done.wait()
+            await self.unheld()
+            changed = self._land_download() or changed
         if self._in_flight is not None or self._download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self._update_view()
