@@ -25,7 +25,7 @@ from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
-from p2ptrain.training import checkpoint
+from p2ptrain.training import checkpoint, collaborative
 from p2ptrain.training.collaborative import CollaborativeOptimizer
 
 PORT = 4000
@@ -498,3 +498,34 @@ async def test_peers_that_lose_sight_of_each_other_for_a_while_do_not_step_apart
         await s.until(lambda: all(p.opt.stats.averaged >= 3 and p.opt.epoch > epoch for p in peers), 60)
         assert all(p.opt.stats.solo == 0 for p in peers)
         check_identical_per_epoch(peers)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])
+async def test_large_model_paths_in_worker_threads_keep_peers_identical(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """With every state treated as large (inner steps, digests and snapshots in worker threads, the
+    state held still meanwhile), DiLoCo peers still publish one digest per step, and a late joiner
+    downloads the state and averages with them."""
+    monkeypatch.setattr(collaborative, "THREAD_BYTES", 1)
+    digests: dict[int, set[bytes]] = {}
+
+    def watch(peer: Peer) -> None:
+        real = peer.opt._set_digest
+
+        def set_digest(live: object, hashes: list[bytes]) -> None:
+            real(live, hashes)  # type: ignore[arg-type]
+            digests.setdefault(peer.opt.epoch, set()).add(peer.opt.digest)
+
+        peer.opt._set_digest = set_digest  # type: ignore[method-assign]
+
+    async with swarm(run_config("diloco", overlap).replace("training", target_batch_size=2 * TARGET)) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15)]
+        for p in peers:
+            watch(p)
+        await s.until(lambda: all(p.opt.epoch >= 3 for p in peers), timeout=120)
+        late = await s.start(compute=0.1)
+        watch(late)
+        await s.until(lambda: late.opt.stats.syncs >= 1 and late.opt.stats.averaged >= 2, timeout=120)
+        forks = {e: ds for e, ds in digests.items() if len(ds) > 1}
+        assert not forks and len(digests) >= 4
