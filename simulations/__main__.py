@@ -8,6 +8,7 @@
         [--emulation userspace|netns|none] [--out DIR] [--workdir DIR] [--quiet]
     python -m simulations report simulations/reports/lan-4-...     # analyse a run's folder again
     python -m simulations bench [--quick] [--only transport,dht,...] [--results DIR] [--table-only]
+    python -m simulations bench --only scale,state-sync   # memory at 124M/350M; a late joiner's download
 
 ``run`` exits 0 when every check of the scenario passed, 1 when one failed (or the run was interrupted),
 2 when the scenario is invalid or cannot run here. A scenario may also be named without its path

@@ -22,6 +22,10 @@ Benchmarks (``--only``, comma list; default all):
 - ``hostile``: ``python -m simulations.bench_hostile --peers 4`` -> ``hostile.json`` (every attack and a
   no-attack run of ``hostile-4``), and in the full run ``--peers 8`` -> ``hostile-8.json``; one row per
   attack: the honest peers' validation loss against the no-attack run's, offender named, kept training
+- ``scale``: ``python -m simulations.bench_scale`` -> ``scale.json``: peak RSS of 2 nodes over the fp32
+  parameter bytes at 124M and 350M, sync and DiLoCo (``--quick``: the 10m model)
+- ``state-sync``: ``python -m simulations.bench_statesync`` -> ``statesync.json``: a late joiner of the 124M
+  model over 100 Mbit/s links from 1 and 3 donors (``--quick``: the 10m model, 1 donor)
 
 ``--quick`` shrinks everything (each benchmark's own ``--quick``; scenarios cut to 2 minutes) and writes
 to ``simulations/results/quick/`` unless ``--results`` says otherwise, so that a smoke run never replaces
@@ -55,7 +59,7 @@ from .scenario import REPO_ROOT
 
 RESULTS = REPO_ROOT / "simulations" / "results"
 TRAINING = ("equivalence", "heterogeneity", "utilization", "late-joiner")
-NAMES = ("transport", "dht", "allreduce", *TRAINING, "churn", "wan", "hostile")
+NAMES = ("transport", "dht", "allreduce", *TRAINING, "churn", "wan", "hostile", "scale", "state-sync")
 BEGIN, END = "<!-- simulations-bench:begin -->", "<!-- simulations-bench:end -->"
 QUICK_SCENARIO_S = 120.0
 
@@ -138,6 +142,11 @@ def plan(quick: bool, only: tuple[str, ...], results: Path, tmp: Path) -> list[S
             name = "hostile.json" if peers == 4 else f"hostile-{peers}.json"
             argv = ("simulations.bench_hostile", "--peers", str(peers), *q, "--json", f"{rel}/{name}")
             steps.append(Step("hostile", argv, 2400 if quick else 3600))
+    if "scale" in only:
+        steps.append(Step("scale", ("simulations.bench_scale", *q, "--json", f"{rel}/scale.json"), 5400))
+    if "state-sync" in only:
+        argv = ("simulations.bench_statesync", *q, "--json", f"{rel}/statesync.json")
+        steps.append(Step("state-sync", argv, 1800 if quick else 3600))
     for name, label, extra in runs:
         scenario = "wan-continents" if label.startswith("wan") else label
         out, work = tmp / label, tmp / f"{label}-nodes"
@@ -578,11 +587,72 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
     return out
 
 
+def scale_rows(results: Path) -> list[dict[str, Any]]:
+    d = _load(results, "scale.json")
+    if d is None:
+        return [not_run("scale", "python -m simulations.bench_scale")]
+    out = []
+    for r in d.get("results", []):
+        cmd = r.get("command", d.get("command", ""))
+        bench = f"scale: {r.get('size')} {r.get('mode')}"
+        peaks = [n["multiple"] for n in r.get("nodes", []) if n.get("multiple") is not None]
+        if r.get("status") == "aborted" and peaks:  # killed for memory: the peaks so far bound it from below
+            low = max(peaks)
+            metric = f"{r.get('error')}: worst node at least {low:.2f}x (lower is better)"
+            met = False if low > r["target"] else None
+            out.append(row(bench, metric, f">= {low:.2f}x", None, f"<= {r['target']:g}x", met, cmd))
+            continue
+        if r.get("status") not in ("ok", "incomplete") or r.get("max_multiple") is None:
+            out.append(not_run(bench, cmd, f"{r.get('status')}: {r.get('error', '-')}"))
+            continue
+        steps = "; ".join(
+            f"{n}: " + ", ".join(f"{k} {v}" for k, v in c.items())
+            for n, c in (r.get("outcomes") or {}).items()
+        )
+        metric = (
+            f"peak RSS - footprint over fp32 params, worst of {r.get('peers')} nodes (lower is better; "
+            f"median round {_fmt(r.get('round_seconds_median'), 's')}; steps {steps or '-'})"
+        )
+        out.append(
+            row(bench, metric, r["max_multiple"], None, f"<= {r['target']:g}x", r.get("met"), cmd, "x")
+        )
+    return out
+
+
+def statesync_rows(results: Path) -> list[dict[str, Any]]:
+    d = _load(results, "statesync.json")
+    if d is None:
+        return [not_run("state sync", "python -m simulations.bench_statesync")]
+    out = []
+    for r in d.get("results", []):
+        cmd = r.get("command", d.get("command", ""))
+        bench = f"state sync: {r.get('size')}, {r.get('donors')} donor(s)"
+        dl = r.get("download") or {}
+        target = ">= 85%" if r.get("donors") == 1 else "-"
+        if not dl:
+            why = f"{r.get('status')}: {str(r.get('reason') or r.get('error'))[:200]}"
+            if r.get("status") == "failed":  # the joiner never got the state: a miss, not a broken run
+                out.append(row(bench, f"download: {why}", "failed", None, target, r.get("met"), cmd))
+            else:
+                out.append(not_run(bench, cmd, why))
+            continue
+        frac = dl.get("fraction_of_link")
+        metric = (
+            f"download rate, fraction of the {r.get('rate_mbit', 0):g} Mbit/s link "
+            f"({dl['bytes'] / 1e6:.0f} MB in {dl['seconds']:.1f} s; first contribution "
+            f"{_fmt(r.get('first_contribution_s'), 's')}; "
+            f"{r.get('status')})"
+        )
+        out.append(row(bench, metric, _pct(frac), None, target, r.get("met"), cmd))
+    return out
+
+
 def build_table(results: Path) -> tuple[str, list[dict[str, Any]]]:
     rows = transport_rows(results) + dht_rows(results) + allreduce_rows(results) + training_rows(results)
     for label in ("churn", "wan-continents", "wan-continents-sync"):
         rows += scenario_rows(results, label)
     rows += hostile_rows(results)
+    rows += scale_rows(results) + statesync_rows(results)
     lines = [
         "| benchmark | metric | p2ptrain | hivemind | p2ptrain / hivemind | target | met? | command |",
         "|---|---|---|---|---|---|---|---|",
