@@ -225,8 +225,8 @@ class CollaborativeOptimizer:
         self._version = 0  # bumped whenever the state changes
         self._holds = 0  # threads reading the live state: nothing may change it meanwhile
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        self._inner_running = trio.Event()  # set when no inner step runs in a thread
-        self._inner_running.set()
+        self._inner_idle = trio.Event()  # set while no inner step runs in a worker thread
+        self._inner_idle.set()
         self._released = trio.Event()
         self._hashes: tuple[int, list[bytes]] | None = None  # the chunk hashes of a state version
         self.digest = b""  # the root of the current state; b"" while it is being hashed
@@ -494,11 +494,11 @@ class CollaborativeOptimizer:
         if self._param_bytes < THREAD_BYTES:
             self._local_step()
         else:
-            self._inner_running = trio.Event()
+            self._inner_idle = trio.Event()
             try:
                 await trio.to_thread.run_sync(self._local_step)
             finally:
-                self._inner_running.set()
+                self._inner_idle.set()
         self.inner_steps += 1
 
     def _local_step(self) -> None:
@@ -559,7 +559,7 @@ class CollaborativeOptimizer:
             if self.diloco and not self.config.diloco.overlap:
                 self._formed = (epoch, manifest)  # step() runs it, with compute paused
             elif self.epoch == epoch and self._in_flight is None and self._download is None:
-                await self._inner_running.wait()  # an inner step in a thread changes what we would send
+                await self._inner_idle.wait()  # an inner step in a thread changes what we would send
                 if self.epoch == epoch and self._in_flight is None and self._download is None:
                     self._start_in_background(manifest)
                 else:
