@@ -23,25 +23,18 @@ accumulating and tries again; a peer that missed a step (its round failed while 
 joined late, or its parameters diverged from the majority's) downloads the state from a peer that has
 it (see ``fetch``) and takes part from the next epoch. A peer alone on its epoch steps alone.
 
-The state peers agree on (and serve to joiners) is the model with, in DiLoCo, the global parameters in
-place of the local ones, plus the optimizer state that global steps change (the inner optimizer in sync
-mode, the outer one in DiLoCo); its digest (``layout.root``) commits to every byte. Only global steps and
-downloads change it, and only between batches. Hashing it after each change, and writing a snapshot for
-joiners, read the live tensors in a worker thread when the state is large: meanwhile the state is *held*
-(a finished round or download waits to be applied until the hold ends), never copied in memory.
+The shared state (its digest, snapshots for joiners, downloads) is ``swarm_state``'s; the swarm's ban
+verdicts are ``bans``'.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -55,58 +48,24 @@ from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundA
 from ..identity import PEER_ID_BYTES, PeerID
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
-from . import layout as lay
-from . import state
-from .fetch import Downloaded, Fetcher, ProgressFn
+from . import statesync
+from .bans import BAN_READ_INTERVAL, BanRecords
+from .bookkeeping import RateMeter, RoundStats, run_fingerprint
+from .fetch import Fetcher, ProgressFn
 from .progress import (
     PeerProgress,
     ProgressRecord,
     SwarmView,
-    majority_digest,
     plausible_samples,
     swarm_view,
 )
-from .statesync import THREAD_BYTES, LiveState, Snapshot, StateServer, write_snapshot
+from .statesync import StateServer
+from .swarm_state import SwarmState, _Download
 
 log = logging.getLogger(__name__)
 
 RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
-RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
-RATE_HALF_LIFE = 10.0  # seconds: how fast the advertised samples/s follows changes
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
-BAN_READ_INTERVAL = 10.0  # seconds between reads of the swarm's ban records
-BAN_TTL = 3600.0
-MAX_BANS_PUBLISHED = 64
-MAX_BAN_REASON = 240
-
-
-def _parse_bans(value: bytes) -> list[tuple[PeerID, str]]:
-    """A peer's published verdicts: [[accused peer id, reason], ...]; malformed entries are skipped."""
-    try:
-        items = unpack(value)
-    except RemoteProtocolError:
-        return []
-    out = []
-    if isinstance(items, list):
-        for item in items[:MAX_BANS_PUBLISHED]:
-            if (
-                isinstance(item, list)
-                and len(item) == 2
-                and isinstance(item[0], bytes)
-                and len(item[0]) == PEER_ID_BYTES
-                and isinstance(item[1], str)
-            ):
-                out.append((PeerID(item[0]), item[1][:MAX_BAN_REASON]))
-    return out
-
-
-@dataclass
-class _Download:
-    """A state download running in the background (see ``_start_download``)."""
-
-    done: trio.Event
-    carry_from: int | None  # diloco: the epoch whose local progress is carried onto the downloaded state
-    outcome: Downloaded | P2PError | None = None
 
 
 @dataclass
@@ -120,58 +79,7 @@ class _InFlight:
     outcome: RoundResult | BaseException | None = None
 
 
-@dataclass
-class RoundStats:
-    """What the optimizer did so far (shown on the console, written to the metrics)."""
-
-    steps: int = 0  # global steps taken (averaged or alone)
-    averaged: int = 0  # global steps that averaged with others
-    solo: int = 0  # global steps taken alone (no other peer on the epoch)
-    aborted: int = 0  # rounds that aborted (nothing applied)
-    no_group: int = 0  # matchmaking attempts that formed no group
-    syncs: int = 0  # state downloads applied
-    last: dict[str, Any] = field(default_factory=dict)  # the last round's outcome
-
-
-class RateMeter:
-    """Samples per second, exponentially smoothed over time."""
-
-    def __init__(self, half_life: float = RATE_HALF_LIFE) -> None:
-        self.half_life = half_life
-        self.rate = 0.0
-        self._last: float | None = None
-        self._pending = 0
-
-    def add(self, samples: int, now: float) -> None:
-        if self._last is None:
-            self._last, self._pending = now, samples
-            return
-        self._pending += samples
-        dt = now - self._last
-        if dt < 0.2:  # too short to measure; carry the samples into the next interval
-            return
-        alpha = 1 - 0.5 ** (dt / self.half_life)
-        instant = self._pending / dt
-        self.rate = instant if self.rate == 0 else self.rate + alpha * (instant - self.rate)
-        self._last, self._pending = now, 0
-
-
-def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
-    """What all peers of a run must share: the run's identity and step rule, and the model's shape
-    (records of peers that differ are ignored). Task options that leave the model as it is (how much
-    text to read, say) do not split a run."""
-    shared = {
-        "run": config.run.id,
-        "seed": config.run.seed,
-        "task": config.task.name,
-        "mode": config.training.mode,
-        "target": config.training.target_batch_size,
-        "model": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()],
-    }
-    return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()
-
-
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(SwarmState, BanRecords):
     """Wraps a torch optimizer; ``await step(samples)`` after every backward pass."""
 
     def __init__(
@@ -289,44 +197,6 @@ class CollaborativeOptimizer:
                 next_bans = self.clock() + BAN_READ_INTERVAL
             with trio.move_on_after(interval):
                 await self._publish_now.wait()
-
-    # ---- bans ----
-
-    def _on_ban(self, peer: PeerID, reason: str) -> None:
-        """Our auditor caught ``peer``: publish our verdicts (others weigh them, see ``Auditor.weigh``)."""
-        assert self._nursery is not None
-        self._nursery.start_soon(self._publish_bans)
-
-    async def _publish_bans(self) -> None:
-        auditor = self.node.averager.auditor
-        verdicts = [[p.digest, auditor.banned[p][:MAX_BAN_REASON]] for p in sorted(auditor.own)][
-            :MAX_BANS_PUBLISHED
-        ]
-        try:
-            await self.node.dht.store(
-                self.bans_key,
-                pack(verdicts),
-                ttl=BAN_TTL,
-                subkey=owned_subkey(self.node.peer_id),
-                sign=True,
-                republish=True,
-            )
-        except P2PError as e:
-            log.warning("could not publish our bans: %s", e)
-
-    async def _read_bans(self) -> None:
-        try:
-            entries = await self.node.dht.get(self.bans_key, quorum=3)
-        except P2PError as e:
-            log.info("could not read ban records: %s", e)
-            return
-        accusations: dict[PeerID, list[tuple[PeerID, str]]] = {}
-        for subkey, entry in entries.items():
-            if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
-                continue
-            accusations[PeerID(subkey[1:])] = _parse_bans(entry.value)
-        for peer in self.node.averager.auditor.weigh(accusations):
-            log.warning("adopted the swarm's ban of %s", peer.short())
 
     def record(self) -> ProgressRecord:
         addr = "" if self.node.dht.client_only else str(self.node.dht.advertised_address())
@@ -491,7 +361,7 @@ class CollaborativeOptimizer:
         (a donor's upload ran at 58% of its link). Meanwhile nothing reads the local parameters: the
         training loop waits for ``step``, and a round that forms waits (``_inner_idle``)."""
         self._set_lr(self.inner_steps)
-        if self._param_bytes < THREAD_BYTES:
+        if self._param_bytes < statesync.THREAD_BYTES:
             self._local_step()
         else:
             self._inner_idle = trio.Event()
@@ -665,19 +535,6 @@ class CollaborativeOptimizer:
         horizon = 2 * self.config.progress.interval
         return plausible_samples(record, self.clock(), horizon, slack=target / 8)
 
-    def _counting_from(self, when: float | None = None) -> None:
-        """``self.samples`` counts what was computed from ``when`` on (default: now): the start of the
-        time over which others judge how many samples this peer could have done (``since``)."""
-        self._epoch_began = self.clock() if when is None else when
-
-    def _state_changed(self) -> None:
-        self._matchmaking_scope.cancel()  # a group for the epoch we left is no use
-        self._version += 1
-        if self.server is not None:
-            self.server.invalidate()
-        self._rehash()
-        self._publish_now.set()
-
     def _note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.epoch, e)
         self.stats.aborted += 1
@@ -758,191 +615,6 @@ class CollaborativeOptimizer:
             self._spare = tensors
         self._advance(outcome, weight)
         return True
-
-    # ---- state: digest, snapshots, downloads, checkpoints ------------------------------------------
-
-    def _captured(self, copy: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        if self.diloco:
-            global_values = dict(zip(self.names, self.global_params, strict=True))
-            tensors, meta = state.capture(self.model, {"outer": self.outer}, values=global_values, copy=copy)
-        else:
-            tensors, meta = state.capture(self.model, {"inner": self.optimizer}, copy=copy)
-        meta["p2ptrain.epoch"] = str(self.epoch)
-        meta["p2ptrain.inner_steps"] = str(self.inner_steps)
-        return tensors, meta
-
-    def capture(self, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """The state to serve or checkpoint: the model (with DiLoCo's global parameters in place of the
-        local ones), the optimizer whose state global steps change (inner in sync, outer in DiLoCo) and
-        the epoch. ``copy=False`` returns the live tensors, for a caller that reads them before the next
-        ``step``."""
-        return self._captured(copy)
-
-    def _live(self) -> LiveState:
-        tensors, meta = self._captured(copy=False)
-        layout = lay.Layout.of(tensors)
-        hashes = self._hashes[1] if self._hashes and self._hashes[0] == self._version else None
-        return LiveState(self.epoch, layout, [tensors[e.name] for e in layout.entries], meta, hashes)
-
-    # ---- holding the state still while threads read it ----
-
-    async def unheld(self) -> None:
-        """Wait until no thread reads the live state (then it may change)."""
-        while self._holds:
-            await self._released.wait()
-
-    async def _read_in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        self._holds += 1
-        try:
-            return await trio.to_thread.run_sync(fn, *args)
-        finally:
-            self._holds -= 1
-            if not self._holds:
-                self._released.set()
-                self._released = trio.Event()
-
-    def _rehash(self) -> None:
-        """The state changed: its digest is computed now (small states) or in a thread (large ones)."""
-        live = self._live()
-        if live.layout.size < THREAD_BYTES or self._nursery is None:
-            self._set_digest(live, lay.hash_chunks(live.layout, live.tensors))
-            return
-        self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
-        self._nursery.start_soon(self._hash_in_thread, live, self._version)
-
-    async def _hash_in_thread(self, live: LiveState, version: int) -> None:
-        hashes = await self._read_in_thread(lay.hash_chunks, live.layout, live.tensors)
-        if version == self._version:
-            self._set_digest(live, hashes)
-
-    def _set_digest(self, live: LiveState, hashes: list[bytes]) -> None:
-        self._hashes = (self._version, hashes)
-        self.digest = lay.root(live.epoch, live.layout, hashes)
-        self._publish_now.set()
-
-    async def _prepare_snapshot(self) -> Snapshot | None:
-        """A snapshot of the state as it is now, for joiners (see ``StateServer``)."""
-        live = self._live()
-        if live.layout.size < THREAD_BYTES:
-            snap = write_snapshot(live)
-        else:
-            snap = await self._read_in_thread(write_snapshot, live)
-        return snap
-
-    def restore(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        meta: Mapping[str, str],
-        *,
-        epoch: int | None = None,
-        owned: bool = False,
-    ) -> None:
-        """Load a state from :meth:`capture` (a download or a checkpoint); everything is checked first.
-        ``epoch``: the step the state is known to be (a download's verified root commits to it), instead
-        of the one its metadata claims. ``owned``: the tensors are handed over, not copied."""
-        try:
-            claimed = int(meta.get("p2ptrain.epoch", ""))
-            inner_steps = int(meta.get("p2ptrain.inner_steps", "0"))
-        except ValueError:
-            raise RemoteProtocolError("the state does not say which step it is") from None
-        epoch = claimed if epoch is None else epoch
-        if not (0 <= epoch <= 2**53 and 0 <= inner_steps <= 2**53):
-            raise RemoteProtocolError(f"implausible step {epoch}")
-        if self.diloco:
-            # Older checkpoints kept the global parameters apart ("extra.global.*"), the local ones as
-            # the model's; now the model entries are the global parameters.
-            old = [f"global.{n}" for n in self.names] if "extra.global." + self.names[0] in tensors else []
-            extra = state.restore(
-                self.model, {"outer": self.outer}, tensors, meta, extra_names=old, owned=owned
-            )
-            with torch.no_grad():
-                for i, (g, p) in enumerate(zip(self.global_params, self.params, strict=True)):
-                    if old:
-                        p.copy_(extra[old[i]])
-                    g.copy_(p)
-        else:
-            state.restore(self.model, {"inner": self.optimizer}, tensors, meta, owned=owned)
-            for acc in self.averaged:
-                acc.zero_()
-        self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
-        self._counting_from()
-        self._state_changed()
-
-    def max_state_bytes(self) -> int:
-        """The most a download of this model's state could need (bounds what a donor may send): the model,
-        up to three optimizer states per parameter (Adam's moments, amsgrad's maximum) and DiLoCo's
-        global copy and momentum, plus headers. Not our own state's size: a joiner's optimizer has no
-        state yet."""
-        entries = self.model.state_dict()
-        model_bytes: int = sum(t.numel() * t.element_size() for t in entries.values())
-        headers = (len(entries) + 5 * len(self.params)) * 1024
-        return 6 * model_bytes + headers + (1 << 20)
-
-    def _start_download(self, view: SwarmView) -> None:
-        """Download the state most peers hold (we are behind, or diverged), in the background: compute
-        goes on meanwhile, and ``step`` applies the state between two batches once it is in."""
-        assert self._nursery is not None
-        why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
-        log.info("catching up: %s", why)
-        # DiLoCo, one step behind (this peer missed the last round): its local progress since the global
-        # parameters it holds is carried onto the new ones, so the work rolls into the next round.
-        carry = self.diloco and view.behind and view.newest == self.epoch + 1
-        flight = self._download = _Download(trio.Event(), self.epoch if carry else None)
-        want = view.newest if view.behind else self.epoch
-
-        def expected(epoch: int) -> bytes:  # what the others report; our own digest vouches for nothing
-            return majority_digest(r.record for r in self.records if r.record.epoch == epoch)
-
-        async def run() -> None:
-            try:
-                flight.outcome = await self.fetcher.fetch(view.donors, want_epoch=want, expected=expected)
-            except P2PError as e:
-                flight.outcome = e
-            finally:
-                flight.done.set()
-
-        self._nursery.start_soon(run)
-
-    def _land_download(self) -> bool:
-        """Apply a background download once it is in; True when the state was replaced."""
-        flight = self._download
-        if flight is None or not flight.done.is_set() or self._holds:
-            return False
-        self._download = None
-        got = flight.outcome
-        try:
-            if not isinstance(got, Downloaded):
-                raise got or P2PError("the download ended without an outcome")
-            local: list[torch.Tensor] = []
-            if flight.carry_from is not None:
-                local = [p - g for p, g in zip(self.params, self.global_params, strict=True)]
-            samples, counting_since = self.samples, self._epoch_began
-            self.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
-        except P2PError as e:
-            log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
-            self._sync_retry_at = self.clock() + RETRY_SYNC
-            return False
-        carried = flight.carry_from is not None and self.epoch == flight.carry_from + 1
-        if carried:
-            with torch.no_grad():
-                for p, d in zip(self.params, local, strict=True):
-                    p.add_(d)
-            self.samples = samples
-            self._counting_from(counting_since)
-        self.stats.syncs += 1
-        self.stats.last = {"epoch": self.epoch, "outcome": "synced", "from": got.donor.short()}
-        log.info(
-            "now on step %d (state from %s)%s",
-            self.epoch,
-            got.donor.short(),
-            f"; {self.samples} samples of local progress carried into it" if carried else "",
-        )
-        return True
-
-    def _on_download_progress(self, got: int, total: int) -> None:
-        self.download_progress = (got, total)
-        if self.on_download_progress is not None:
-            self.on_download_progress(got, total)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

@@ -61,6 +61,8 @@ STREAMS_PER_DONOR = 2  # two ranges in flight per donor hide the gap between req
 RANGE = 16  # chunks per request
 BUSY_BACKOFF = 1.0  # seconds before asking a busy donor again
 MAX_BUSY = 30  # busy answers in a row before a donor is given up
+UNKNOWN_RETRIES = 5  # looks at the offers again when they name a step no record names yet...
+UNKNOWN_WAIT = 1.0  # ...this many seconds apart
 
 ProgressFn = Callable[[int, int], None]
 """Called with (bytes received, bytes expected) as a download proceeds."""
@@ -198,6 +200,13 @@ class Fetcher:
         began = time.monotonic()
         offers = await self._offers(donors, want_epoch)
         chosen = self._choose(offers, want_epoch, expected)
+        for _ in range(UNKNOWN_RETRIES):
+            # A donor that stepped since we read the records offers a state no record names yet: the
+            # caller's records catch up within a progress interval or two.
+            if chosen or not any(o.info.epoch >= want_epoch and not expected(o.info.epoch) for o in offers):
+                break
+            await trio.sleep(UNKNOWN_WAIT)
+            chosen = self._choose(offers, want_epoch, expected)
         if not chosen:
             raise PeerUnavailable("no peer offered the swarm's state" + self._why())
         partial = self.partial

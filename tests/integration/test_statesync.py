@@ -23,8 +23,9 @@ from test_training import Peer, Swarm, run_config, swarm, take_local_steps
 
 from p2ptrain.errors import PeerUnavailable
 from p2ptrain.net.memory import LinkProfile
-from p2ptrain.training import collaborative, layout, statesync
+from p2ptrain.training import layout, statesync
 from p2ptrain.training.fetch import Fetcher
+from p2ptrain.training.progress import PeerProgress
 
 WIDTH = 768  # ~0.6M parameters: with AdamW's moments the state is 7 chunks
 
@@ -62,12 +63,10 @@ def fetcher(joiner: Peer, *, max_donors: int = 4, chunk_timeout: float = 5.0) ->
     )
 
 
-def records(peers: list[Peer]) -> list[collaborative.PeerProgress]:
+def records(peers: list[Peer]) -> list[PeerProgress]:
     """Their progress records, as a joiner reads them (with the address to download from)."""
     return [
-        collaborative.PeerProgress(
-            p.node.peer_id, dataclasses.replace(p.opt.record(), addr=str(p.node.addresses[0]))
-        )
+        PeerProgress(p.node.peer_id, dataclasses.replace(p.opt.record(), addr=str(p.node.addresses[0])))
         for p in peers
     ]
 
@@ -154,7 +153,7 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
 ) -> None:
     """The snapshot is written in a worker thread (states over THREAD_BYTES; lowered here), held up
     until the test has pinged the donor: the ping is answered meanwhile, then the download completes."""
-    monkeypatch.setattr(collaborative, "THREAD_BYTES", 1)
+    monkeypatch.setattr(statesync, "THREAD_BYTES", 1)
     release = threading.Event()
     entered = threading.Event()
     real_write = statesync.write_snapshot
@@ -164,7 +163,7 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
         assert release.wait(timeout=60)
         return real_write(live)
 
-    monkeypatch.setattr(collaborative, "write_snapshot", slow_write)
+    monkeypatch.setattr(statesync, "write_snapshot", slow_write)
     async with swarm(run_config("sync")) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         # hashed in threads too (one per step taken): wait until the last of them is done
@@ -233,3 +232,20 @@ async def test_a_late_joiner_behind_a_slow_link_catches_up(autojump_clock: objec
         await s.until(lambda: joiner.opt.stats.syncs >= 1, timeout=600)
         assert trio.current_time() - began > 60  # both links together: 100 kB/s for 7 MB
         assert joiner.opt.epoch == 2 and joiner.opt.digest == donors[0].opt.digest
+
+
+async def test_an_offer_newer_than_the_records_is_taken_once_they_name_it(autojump_clock: object) -> None:
+    """A donor that stepped since the joiner read the records offers a step no record names yet: the
+    joiner looks again as its records catch up (a second here), instead of failing the attempt; a step
+    that no record ever names is never taken."""
+    async with swarm(run_config("sync")) as s:
+        (donor,), joiner = await donors_and_joiner(s, 1)
+        known_from = trio.current_time() + 1.5
+
+        def records_catch_up(epoch: int) -> bytes:
+            return donor.opt.digest if trio.current_time() >= known_from else b""
+
+        got = await fetcher(joiner).fetch(records([donor]), want_epoch=2, expected=records_catch_up)
+        assert got.epoch == 2 and trio.current_time() >= known_from
+        with pytest.raises(PeerUnavailable, match="no peer published a digest"):
+            await fetcher(joiner).fetch(records([donor]), want_epoch=2, expected=lambda e: b"")

@@ -25,7 +25,7 @@ from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
-from p2ptrain.training import checkpoint, collaborative
+from p2ptrain.training import checkpoint, statesync
 from p2ptrain.training.collaborative import CollaborativeOptimizer
 
 PORT = 4000
@@ -507,7 +507,7 @@ async def test_large_model_paths_in_worker_threads_keep_peers_identical(
     """With every state treated as large (inner steps, digests and snapshots in worker threads, the
     state held still meanwhile), DiLoCo peers still publish one digest per step, and a late joiner
     downloads the state and averages with them."""
-    monkeypatch.setattr(collaborative, "THREAD_BYTES", 1)
+    monkeypatch.setattr(statesync, "THREAD_BYTES", 1)
     digests: dict[int, set[bytes]] = {}
 
     def watch(peer: Peer) -> None:
