@@ -185,7 +185,8 @@ class SwarmState:
         if self.diloco:
             # Older checkpoints kept the global parameters apart ("extra.global.*"), the local ones as
             # the model's; now the model entries are the global parameters.
-            old = [f"global.{n}" for n in self.names] if "extra.global." + self.names[0] in tensors else []
+            legacy = bool(self.names) and f"extra.global.{self.names[0]}" in tensors
+            old = [f"global.{n}" for n in self.names] if legacy else []
             extra = state.restore(
                 self.model, {"outer": self.outer}, tensors, meta, extra_names=old, owned=owned
             )

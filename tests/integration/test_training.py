@@ -25,7 +25,7 @@ from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
-from p2ptrain.training import checkpoint, statesync
+from p2ptrain.training import checkpoint, state, statesync
 from p2ptrain.training.collaborative import CollaborativeOptimizer
 
 PORT = 4000
@@ -529,3 +529,21 @@ async def test_large_model_paths_in_worker_threads_keep_peers_identical(
         await s.until(lambda: late.opt.stats.syncs >= 1 and late.opt.stats.averaged >= 2, timeout=120)
         forks = {e: ds for e, ds in digests.items() if len(ds) > 1}
         assert not forks and len(digests) >= 4
+
+
+async def test_a_diloco_checkpoint_of_the_earlier_layout_still_restores() -> None:
+    """Checkpoints written before the state put DiLoCo's global parameters in the model's entries kept
+    them apart as extra.global.*, with the local parameters as the model's: the global ones win."""
+    async with swarm(run_config("diloco")) as s:
+        a = await s.start(train=False)
+        b = await s.start(train=False)
+        with torch.no_grad():
+            for g in a.opt.global_params:
+                g.add_(0.5)  # global parameters that differ from the local ones
+        extra = {f"global.{n}": g for n, g in zip(a.opt.names, a.opt.global_params, strict=True)}
+        tensors, meta = state.capture(a.model, {"outer": a.opt.outer}, extra=extra)
+        meta["p2ptrain.epoch"] = "4"
+        b.opt.restore(tensors, meta)
+        assert b.opt.epoch == 4
+        for g_a, g_b, p_b in zip(a.opt.global_params, b.opt.global_params, b.opt.params, strict=True):
+            assert torch.equal(g_a, g_b) and torch.equal(p_b, g_b)
