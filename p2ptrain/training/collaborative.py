@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
@@ -133,8 +134,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._version = 0  # bumped whenever the state changes
         self._holds = 0  # threads reading the live state: nothing may change it meanwhile
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        self._inner_idle = trio.Event()  # set while no inner step runs in a worker thread
-        self._inner_idle.set()
+        self._local_idle = trio.Event()  # set while no step work runs in a worker thread (_off_loop)
+        self._local_idle.set()
         self._released = trio.Event()
         self._hashes: tuple[int, list[bytes]] | None = None  # the chunk hashes of a state version
         self.digest = b""  # the root of the current state; b"" while it is being hashed
@@ -289,10 +290,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if self.diloco:
             await self._inner_step()
         else:
-            self._accumulate(samples)
+            await self._off_loop(self._accumulate, samples)
         self.samples += samples
         self.rate.add(samples, self.clock())
-        changed = self._land()
+        changed = await self._land()
         changed = self._land_download() or changed
         flight = self._download
         if flight is not None and flight.carry_from is None and self._in_flight is None:
@@ -355,20 +356,25 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                     acc.add_(p.grad, alpha=samples)  # the loss is a mean: its gradient times samples
                 p.grad = None
 
-    async def _inner_step(self) -> None:
-        """DiLoCo's local step. For a large model it runs in a worker thread: AdamW over 124M
-        parameters takes about a second of CPU, which the event loop would not serve the network in
-        (a donor's upload ran at 58% of its link). Meanwhile nothing reads the local parameters: the
-        training loop waits for ``step``, and a round that forms waits (``_inner_idle``)."""
-        self._set_lr(self.inner_steps)
+    async def _off_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` (work over the whole model: an inner step, accumulating gradients, applying a
+        round) in a worker thread when the model is large: AdamW over 124M parameters takes about a
+        second of CPU, which the event loop would not serve the network in (a donor's upload ran at 58%
+        of its link). Meanwhile the training loop waits for ``step``, and a round that forms and a
+        snapshot wait for ``_local_idle``."""
         if self._param_bytes < statesync.THREAD_BYTES:
-            self._local_step()
-        else:
-            self._inner_idle = trio.Event()
-            try:
-                await trio.to_thread.run_sync(self._local_step)
-            finally:
-                self._inner_idle.set()
+            fn(*args)
+            return
+        self._local_idle = trio.Event()
+        try:
+            await trio.to_thread.run_sync(fn, *args)
+        finally:
+            self._local_idle.set()
+
+    async def _inner_step(self) -> None:
+        """DiLoCo's local step."""
+        self._set_lr(self.inner_steps)
+        await self._off_loop(self._local_step)
         self.inner_steps += 1
 
     def _local_step(self) -> None:
@@ -429,7 +435,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             if self.diloco and not self.config.diloco.overlap:
                 self._formed = (epoch, manifest)  # step() runs it, with compute paused
             elif self.epoch == epoch and self._in_flight is None and self._download is None:
-                await self._inner_idle.wait()  # an inner step in a thread changes what we would send
+                await self._local_idle.wait()  # work in a thread changes what we would send
                 if self.epoch == epoch and self._in_flight is None and self._download is None:
                     self._start_in_background(manifest)
                 else:
@@ -583,7 +589,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
 
         self._nursery.start_soon(run, self._in_flight)
 
-    def _land(self) -> bool:
+    async def _land(self) -> bool:
         """Apply a background round's result once it is in (between batches: compute is not running)."""
         flight = self._in_flight
         if flight is None or not flight.done.is_set() or self._holds:
@@ -604,14 +610,18 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             snap = self._snap
             assert snap is not None
             self._snap = None
-            self._outer_step()
-            with torch.no_grad():
-                for p, g, s in zip(self.params, self.global_params, snap, strict=True):
-                    p.add_(g - s)  # new global + (local now - local at the snapshot)
+
+            def outer_step() -> None:
+                self._outer_step()
+                with torch.no_grad():
+                    for p, g, s in zip(self.params, self.global_params, snap, strict=True):
+                        p.add_(g - s)  # new global + (local now - local at the snapshot)
+
+            await self._off_loop(outer_step)
             self.samples -= weight
             self._counting_from(flight.since)
         else:
-            self._apply_gradients(tensors)
+            await self._off_loop(self._apply_gradients, tensors)
             self._spare = tensors
         self._advance(outcome, weight)
         return True
@@ -645,7 +655,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             if flight is not None:
                 await flight.done.wait()
                 await self.unheld()  # a thread reading the state (a donor's snapshot) delays the step
-                self._land()
+                await self._land()
         if waited.cancelled_caught:
             log.warning("stopped waiting for the averaging round in progress after %g s", timeout)
 

@@ -84,6 +84,7 @@ class SwarmState:
     _download: _Download | None
     _sync_retry_at: float
     _epoch_began: float
+    _local_idle: trio.Event
 
     def _counting_from(self, when: float | None = None) -> None:
         """``self.samples`` counts what was computed from ``when`` on (default: now): the start of the
@@ -156,6 +157,7 @@ class SwarmState:
 
     async def _prepare_snapshot(self) -> Snapshot | None:
         """A snapshot of the state as it is now, for joiners (see ``StateServer``)."""
+        await self._local_idle.wait()  # a round being applied in a worker thread changes the state
         live = self._live()
         if live.layout.size < statesync.THREAD_BYTES:
             snap = statesync.write_snapshot(live)

@@ -500,13 +500,17 @@ async def test_peers_that_lose_sight_of_each_other_for_a_while_do_not_step_apart
         check_identical_per_epoch(peers)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])
+@pytest.mark.parametrize(
+    ("mode", "overlap"),
+    [("sync", False), ("diloco", False), ("diloco", True)],
+    ids=["sync", "diloco", "overlap"],
+)
 async def test_large_model_paths_in_worker_threads_keep_peers_identical(
-    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, overlap: bool
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, mode: str, overlap: bool
 ) -> None:
-    """With every state treated as large (inner steps, digests and snapshots in worker threads, the
-    state held still meanwhile), DiLoCo peers still publish one digest per step, and a late joiner
-    downloads the state and averages with them."""
+    """With every state treated as large (accumulating, inner steps, applying rounds, digests and
+    snapshots in worker threads, the state held still meanwhile), peers still publish one digest per
+    step, and a late joiner downloads the state and averages with them."""
     monkeypatch.setattr(statesync, "THREAD_BYTES", 1)
     digests: dict[int, set[bytes]] = {}
 
@@ -519,7 +523,8 @@ async def test_large_model_paths_in_worker_threads_keep_peers_identical(
 
         peer.opt._set_digest = set_digest  # type: ignore[method-assign]
 
-    async with swarm(run_config("diloco", overlap).replace("training", target_batch_size=2 * TARGET)) as s:
+    config = run_config(mode, overlap).replace("training", target_batch_size=2 * TARGET)
+    async with swarm(config) as s:
         peers = [await s.start(compute=c) for c in (0.1, 0.15)]
         for p in peers:
             watch(p)
