@@ -672,7 +672,8 @@ class SyncCollaborativeOptimizer:
                     print(opt.epoch, opt.stats.last)
 
     ``step`` blocks while this peer averages with the others when a round cannot run in the background
-    (DiLoCo without overlap); state downloads always run in the background.
+    (DiLoCo without overlap), and while it downloads a state that what it computes meanwhile could not
+    be carried onto (DiLoCo one step behind computes on: its work rolls into the next round).
     """
 
     def __init__(
