@@ -125,7 +125,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._retry_at = 0.0
         self._sync_retry_at = 0.0
         self._alone_since: float | None = None
-        self._others_seen = False  # another peer of the run was seen once: stepping alone waits
+        self._others_seen = False  # others were seen and did not say they left: stepping alone waits
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
@@ -257,7 +257,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             target=self.config.training.target_batch_size,
             horizon=2 * self.config.progress.interval,
         )
-        self._others_seen = self._others_seen or self.view.others > 0
+        if self.view.others:
+            self._others_seen = True
+        elif any(r.record.leaving and r.peer != self.node.peer_id for r in self.records):
+            self._others_seen = False  # they said they left: no gap in the records to wait out
         return self.view
 
     async def leave(self, timeout: float = 5.0) -> None:

@@ -552,3 +552,21 @@ async def test_a_diloco_checkpoint_of_the_earlier_layout_still_restores() -> Non
         assert b.opt.epoch == 4
         for g_a, g_b, p_b in zip(a.opt.global_params, b.opt.global_params, b.opt.params, strict=True):
             assert torch.equal(g_a, g_b) and torch.equal(p_b, g_b)
+
+
+async def test_a_peer_whose_partner_left_cleanly_steps_on_without_waiting(autojump_clock: object) -> None:
+    """A partner that said it leaves (its record says so) is not waited for: the peer left alone steps
+    on at once, unlike one whose partner's records merely vanished."""
+    config = run_config("sync")
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        await s.until(lambda: all(p.opt.stats.averaged >= 1 for p in peers), timeout=60)
+        await peers[1].opt.drain(config.averaging.timeout)  # as SIGTERM does: its round ends first
+        await peers[1].opt.leave()
+        peers[1].scope.cancel()
+        first = peers[0]
+        await s.until(lambda: first.opt._in_flight is None and first.opt.view is not None, timeout=60)
+        await s.until(lambda: first.opt.view is not None and first.opt.view.others == 0, timeout=60)
+        alone_at = trio.current_time()
+        await s.until(lambda: first.opt.stats.solo >= 1, timeout=60)
+        assert trio.current_time() - alone_at < config.averaging.timeout / 2
