@@ -125,7 +125,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._retry_at = 0.0
         self._sync_retry_at = 0.0
         self._alone_since: float | None = None
-        self._others_seen = False  # others were seen and did not say they left: stepping alone waits
+        # Peers of the run seen live that did not say they left: while any is missing from the records,
+        # stepping alone waits (once) for it. Keyed by id: a record can only say its own peer left.
+        self._partners: set[PeerID] = set()
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
@@ -257,10 +259,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             target=self.config.training.target_batch_size,
             horizon=2 * self.config.progress.interval,
         )
-        if self.view.others:
-            self._others_seen = True
-        elif any(r.record.leaving and r.peer != self.node.peer_id for r in self.records):
-            self._others_seen = False  # they said they left: no gap in the records to wait out
+        for r in self.records:
+            if r.peer == self.node.peer_id or r.record.run != self.fingerprint:
+                continue
+            if r.record.leaving:
+                self._partners.discard(r.peer)
+            else:
+                self._partners.add(r.peer)
         return self.view
 
     async def leave(self, timeout: float = 5.0) -> None:
@@ -339,7 +344,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         now = self.clock()
         if now - self._started < 2 * self.config.progress.interval:
             return False  # the others' records may not have reached us yet
-        if not self._others_seen:
+        if not self._partners:
             self._alone_since = None
             return True
         if self._alone_since is None:
@@ -349,6 +354,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if now - self._alone_since >= self.config.averaging.timeout:
             log.warning("no peer joined within %.0f s: stepping alone", self.config.averaging.timeout)
             self._alone_since = None
+            # Those still missing from the records are gone: later steps do not wait for them again.
+            live = {r.peer for r in self.records if r.record.run == self.fingerprint and not r.record.leaving}
+            self._partners &= live
             return True
         return False
 
