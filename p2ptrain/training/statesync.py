@@ -18,8 +18,9 @@ unnamed temporary file (deleted by the system when closed, even after a crash), 
 the training loop holds back anything that would change the state; the event loop keeps answering
 meanwhile. One snapshot serves every concurrent joiner; it is released once no joiner has read it for
 ``LINGER`` seconds. Its bytes live in the page cache and on disk, not in the process's memory, and each
-chunk is read from the file when it is sent. At most ``MAX_SNAPSHOTS`` are held, and at most
-``MAX_STREAMS`` chunk streams run at once (``MAX_STREAMS_PER_PEER`` per joiner).
+chunk is read from the file when it is sent (in a worker thread for a large state). At most
+``MAX_SNAPSHOTS`` are held, and at most ``MAX_STREAMS`` chunk streams run at once
+(``MAX_STREAMS_PER_PEER`` per joiner).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -119,7 +120,6 @@ class Snapshot:
     fd: int
     last_used: float
     readers: int = 0
-    served: Counter[PeerID] = field(default_factory=Counter)
 
     def info(self) -> StateInfo:
         return StateInfo(
@@ -184,10 +184,6 @@ class StateServer:
         registry.add_unary(STATE_INFO, self._on_info)
         registry.add_stream(STATE_MANIFEST, self._on_manifest)
         registry.add_stream(STATE_CHUNKS, self._on_chunks)
-
-    @property
-    def snapshots(self) -> list[Snapshot]:
-        return list(self._snapshots)
 
     async def run(self) -> None:
         """Release snapshots nobody has read for ``LINGER`` seconds (until cancelled)."""
@@ -275,10 +271,12 @@ class StateServer:
         snap.readers += 1
         try:
             for i in range(req.first, req.first + req.count):
-                data = snap.read(i)
+                if snap.layout.size < THREAD_BYTES:
+                    data = snap.read(i)
+                else:  # a large state need not be in the page cache: a disk read may take a while
+                    data = await trio.to_thread.run_sync(snap.read, i)
                 await stream.send(data)
                 snap.last_used = trio.current_time()
-                snap.served[ctx.peer] += len(data)
                 self.served_bytes += len(data)
                 self.served_chunks += 1
             await stream.send_eof()
