@@ -2,7 +2,8 @@
 
 Theory of operation: chunks are added into a float32 accumulator the moment they arrive (weight times
 value, multiply and add rounded separately, so the arithmetic is reproducible). The received chunks are
-also kept (they are the frames' own buffers, not copies) until the decision: when it leaves out a sender
+also kept until the decision (small partitions keep the frames' own buffers, large ones write them to a
+spill file, see ``spill``): when it leaves out a sender
 that had already sent part of its slice, or one that completed it, the reducer recomputes the sum over the
 decided contributors alone, in member order. Only this reducer computes its partition's result, so every
 member that fetches it gets the same bits, whatever order chunks arrived in.
@@ -24,6 +25,7 @@ from ..errors import RemoteProtocolError
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
 from .robust import aggregate, outliers
+from .spill import SPILL_BYTES, SpillFile, Spilled
 
 
 class PartitionReducer:
@@ -37,11 +39,14 @@ class PartitionReducer:
         aggregation: str = "mean",
         *,
         canonical: bool = False,
+        spill: bool | None = None,
     ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
         overwritten by the first slice added).
         ``canonical``: always sum in member order at the end (an auditor can then redo it bit for bit),
-        not in the order chunks happened to arrive."""
+        not in the order chunks happened to arrive.
+        ``spill``: keep received chunks in a spill file rather than in memory (default: for partitions
+        of ``SPILL_BYTES`` or more)."""
         self.size = size
         self.mode = mode
         self.aggregation = aggregation
@@ -52,7 +57,8 @@ class PartitionReducer:
         self.acc = torch.zeros(size, dtype=torch.float32) if buffer is None else buffer
         self.touched: set[int] = set()  # senders with anything in ``acc``
         self.delivered: dict[int, float] = {}  # sender -> weight, for complete slices
-        self._kept: dict[int, list[torch.Tensor | memoryview]] = {}
+        self._kept: dict[int, list[torch.Tensor | memoryview | Spilled]] = {}
+        self._spill = SpillFile() if (size * 4 >= SPILL_BYTES if spill is None else spill) else None
         self.result: torch.Tensor | None = None
         self.encoded: list[bytes | memoryview] | None = None
         self.commits: dict[int, bytes] = {}  # audited rounds: sender -> its signed commitment
@@ -111,7 +117,7 @@ class PartitionReducer:
             self.acc.zero_()
         self._add(index, data, weight)
         self.touched.add(sender)
-        self._kept.setdefault(sender, []).append(data)
+        self._kept.setdefault(sender, []).append(self._keep(data))
         self._counts[sender], self._weights[sender] = index + 1, weight
         return self._advance()
 
@@ -153,6 +159,11 @@ class PartitionReducer:
         else:
             accumulate(self.acc[a:b], data, self.mode, weight)
 
+    def _keep(self, data: memoryview) -> memoryview | Spilled:
+        if self._spill is None or self._spill.closed:  # (closed: the result is out, nothing reads it)
+            return data
+        return self._spill.put(data)
+
     def complete(self, sender: int, weight: float) -> None:
         self.delivered[sender] = weight
 
@@ -179,9 +190,9 @@ class PartitionReducer:
             )
             if self.early_final:  # the chunks already published are the mean: acc holds them too
                 assert self.early is not None
-                self._kept.clear()
+                self._forget()
                 self.encoded = self.early
-                self.result = self.acc if self.mode is Compression.NONE else self._decoded(self.early)
+                self.result = self.acc if self.mode is Compression.NONE else self._decode_into_acc(self.early)
                 return self.result
         streamed = all(self.delivered[i] == w for i, w in zip(contributors, weights, strict=True))
         if self.canonical or self.touched != set(contributors) or not streamed or self._divided:
@@ -190,19 +201,28 @@ class PartitionReducer:
                 self._replay(i, w)
         return self._publish(self.acc.div_(sum(weights)))
 
-    def _publish(self, mean: torch.Tensor) -> torch.Tensor:
+    def _forget(self) -> None:
+        """Drop the kept slices (the result is computed: nothing reads them again)."""
         self._kept.clear()
+        if self._spill is not None:
+            self._spill.close()
+
+    def _publish(self, mean: torch.Tensor) -> torch.Tensor:
+        self._forget()
         if self.mode is Compression.NONE:
             self.result = mean
             self.encoded = [_view(mean[a:b]) for a, b in self.spans]
         else:
             self.encoded = [bytes(encode(mean[a:b].contiguous(), self.mode)) for a, b in self.spans]
-            self.result = self._decoded(self.encoded)
+            self.result = self._decode_into_acc(self.encoded)
         return self.result
 
-    def _decoded(self, encoded: Sequence[bytes | memoryview]) -> torch.Tensor:
-        """The values members hold after decoding ``encoded`` (the compressed mean, chunk by chunk)."""
-        return torch.cat([decode(e, self.mode, b - a) for e, (a, b) in zip(encoded, self.spans, strict=True)])
+    def _decode_into_acc(self, encoded: Sequence[bytes | memoryview]) -> torch.Tensor:
+        """``acc`` set to the values members hold after decoding ``encoded`` (the compressed mean), chunk
+        by chunk: no second buffer the size of the partition."""
+        for e, (a, b) in zip(encoded, self.spans, strict=True):
+            self.acc[a:b].copy_(decode(e, self.mode, b - a))
+        return self.acc
 
     def _slice_of(self, sender: int) -> torch.Tensor:
         """A sender's whole slice as float32 (its kept chunks decoded; they were checked on arrival)."""
@@ -211,8 +231,7 @@ class PartitionReducer:
             return kept[0].to(torch.float32)
         parts = []
         for (a, b), data in zip(self.spans, kept, strict=True):
-            assert isinstance(data, memoryview)
-            parts.append(decode(data, self.mode, b - a))
+            parts.append(decode(_bytes(data), self.mode, b - a))
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
     def _replay(self, sender: int, weight: float) -> None:
@@ -221,15 +240,22 @@ class PartitionReducer:
             self.acc.add_(kept[0] * weight)
             return
         for index, data in enumerate(kept):
-            assert isinstance(data, memoryview)
-            self._add(index, data, weight)
+            self._add(index, _bytes(data), weight)
 
     def drop(self) -> None:
         """Free the buffers (the round ended)."""
-        self._kept.clear()
+        self._forget()
         self.encoded = None
         self.result = None
         self.early = None
+
+
+def _bytes(data: torch.Tensor | memoryview | Spilled) -> memoryview:
+    """A kept chunk's bytes (read back from the spill file if it went there)."""
+    if isinstance(data, Spilled):
+        return memoryview(data.read())
+    assert isinstance(data, memoryview)
+    return data
 
 
 def _view(t: torch.Tensor) -> memoryview:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import trio
 
+from p2ptrain.averaging import reducer, spill
 from p2ptrain.averaging.allreduce import AllReduceRound, RoundResult
 from p2ptrain.averaging.averager import Averager, schema_of
 from p2ptrain.averaging.compression import Compression, error_bound
@@ -335,6 +336,23 @@ async def test_a_member_crashing_at_any_phase_never_splits_the_group(
         res = next(o for o in survivors if isinstance(o, RoundResult))
         assert len(res.contributors) == n - 1
     assert all(o is not None for o in survivors)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+async def test_reducers_that_spill_what_they_receive_recover_from_a_crash_alike(
+    autojump_clock, monkeypatch, phase
+):
+    """Reducers of large partitions keep the received chunks in a file, not in memory (see ``spill``):
+    a recomputation over the decided contributors reads them back and gives the same guarantees."""
+    monkeypatch.setattr(reducer, "SPILL_BYTES", 0)
+    spilled = []
+    put = spill.SpillFile.put
+    monkeypatch.setattr(spill.SpillFile, "put", lambda self, data: spilled.append(len(data)) or put(self, data))
+    verdict, outcomes = await fault_trial(5, 1, phase)
+    assert spilled  # (the reducers did keep their chunks in files)
+    assert all(o is not None for i, o in enumerate(outcomes) if i != 1)
+    if phase == "before_send":
+        assert verdict == "commit"
 
 
 @pytest.mark.parametrize("phase", PHASES)

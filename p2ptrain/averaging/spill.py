@@ -1,0 +1,78 @@
+"""Spill files: bytes a round must keep but will most likely never read again.
+
+Why: a reducer keeps every chunk its partition receives until the round's decision, in case the decision
+leaves out a sender (it then sums again over the decided contributors, see ``reducer``). Held in memory,
+that is (n - 1) / n of the model's bytes on every member, a round after round, for a recomputation that
+almost never happens: at 124M parameters in a group of two, half a gigabyte of host RAM per peer. Written
+to an unnamed temporary file instead, a chunk costs one copy into the page cache, which the kernel writes
+out or drops when memory runs short (and simply discards when the file is closed first: the usual end of
+a round); the rare recomputation reads it back.
+
+The file lives in the temporary folder (``TMPDIR``): on a system whose ``/tmp`` is a RAM disk, point
+``TMPDIR`` at a disk. It is unnamed from the moment it exists, so the system frees it when it is closed,
+even after a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+SPILL_BYTES = 8 * 1024 * 1024
+"""Partitions of at least this many bytes keep what they receive in a spill file; smaller ones in memory."""
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """Where a piece went: ``length`` bytes at ``offset`` of ``file``."""
+
+    file: SpillFile
+    offset: int
+    length: int
+
+    def read(self) -> bytearray:
+        return self.file.read(self.offset, self.length)
+
+
+class SpillFile:
+    """An append-only unnamed temporary file, created on the first write."""
+
+    def __init__(self, folder: str | None = None) -> None:
+        self.folder = folder
+        self.fd = -1
+        self.size = 0
+        self.closed = False
+
+    def put(self, data: bytes | bytearray | memoryview) -> Spilled:
+        """Append ``data``; the returned handle reads it back (the caller may reuse ``data`` at once)."""
+        if self.closed:
+            raise ValueError("the spill file is closed")
+        if self.fd < 0:
+            fd, path = tempfile.mkstemp(prefix="p2ptrain-spill-", dir=self.folder)
+            os.unlink(path)
+            self.fd = fd
+        view = memoryview(data).cast("B")
+        offset, done = self.size, 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        self.size += len(view)
+        return Spilled(self, offset, len(view))
+
+    def read(self, offset: int, length: int) -> bytearray:
+        if self.closed:
+            raise ValueError("the spill file is closed")
+        out = bytearray(length)
+        view, done = memoryview(out), 0
+        while done < length:
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"the spill file is short at byte {offset + done}")
+            done += n
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
