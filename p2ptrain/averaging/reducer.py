@@ -25,7 +25,7 @@ from ..errors import RemoteProtocolError
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
 from .robust import aggregate, outliers
-from .spill import SPILL_BYTES, SpillFile, Spilled
+from .spill import SPILL_BYTES, Spilled, SpillFile
 
 
 class PartitionReducer:

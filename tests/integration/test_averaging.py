@@ -347,7 +347,7 @@ async def test_reducers_that_spill_what_they_receive_recover_from_a_crash_alike(
     monkeypatch.setattr(reducer, "SPILL_BYTES", 0)
     spilled = []
     put = spill.SpillFile.put
-    monkeypatch.setattr(spill.SpillFile, "put", lambda self, data: spilled.append(len(data)) or put(self, data))
+    monkeypatch.setattr(spill.SpillFile, "put", lambda f, data: spilled.append(len(data)) or put(f, data))
     verdict, outcomes = await fault_trial(5, 1, phase)
     assert spilled  # (the reducers did keep their chunks in files)
     assert all(o is not None for i, o in enumerate(outcomes) if i != 1)
