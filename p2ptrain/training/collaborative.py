@@ -52,6 +52,7 @@ from ..wire.codec import pack, unpack
 from . import statesync
 from .bans import BAN_READ_INTERVAL, BanRecords
 from .bookkeeping import RateMeter, RoundStats, run_fingerprint
+from .buffers import ParamBuffer
 from .fetch import Fetcher, ProgressFn
 from .progress import (
     PeerProgress,
@@ -74,7 +75,7 @@ class _InFlight:
     """A round running in the background: what it averages, and its outcome once ``done``."""
 
     done: trio.Event
-    tensors: list[torch.Tensor]
+    tensors: ParamBuffer
     weight: int
     since: float  # when the batch in progress at the handoff began: later samples count toward the next
     outcome: RoundResult | BaseException | None = None
@@ -91,12 +92,19 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         config: RunConfig,
         *,
         clock: Callable[[], float] = time.time,
+        summed_grads: bool = False,
     ) -> None:
+        """``summed_grads`` (sync mode): the training loop scales each batch's loss by its sample count
+        and never clears the parameters' ``.grad``: backward passes then add up right in the gradient
+        accumulator, whose views are the ``.grad`` (one model-sized tensor less than copying each batch's
+        mean gradient into it). Otherwise each backward pass leaves the batch's mean gradient, which
+        ``step`` adds to the accumulator, weighted by the batch's samples."""
         self.node, self.model, self.optimizer, self.config = node, model, optimizer, config
         self.clock = clock
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.diloco = config.training.mode == "diloco"
+        self.summed = summed_grads and not self.diloco
         self.epoch = 0
         self.samples = 0  # toward the current epoch, on this peer
         self.inner_steps = 0
@@ -112,12 +120,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self.outer = torch.optim.SGD(
                 self.global_params, lr=d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0
             )
-            self.averaged = [torch.zeros_like(p) for p in self.params]  # pseudo-gradients
-        else:
-            self.averaged = [torch.zeros_like(p) for p in self.params]  # gradient sums
+        # DiLoCo: pseudo-gradients; sync: gradient sums (the parameters' .grad when summed)
+        self.averaged = ParamBuffer(self.params)
+        if self.summed:
+            self._attach()
         self._snap: list[torch.Tensor] | None = None  # diloco overlap: local parameters at the snapshot
         self._in_flight: _InFlight | None = None  # a round running in the background
-        self._spare: list[torch.Tensor] | None = None  # sync: the accumulator the last round gave back
+        self._spare: ParamBuffer | None = None  # sync: the accumulator the last round gave back
         self._download: _Download | None = None  # a state download running in the background
         self._formed: tuple[int, SignedManifest] | None = None
         self._matchmaking = False
@@ -319,8 +328,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if self._formed is not None:
             epoch, manifest = self._formed
             self._formed = None
-            if epoch == self.epoch:
+            if epoch == self.epoch and self.diloco:
                 return await self._average(manifest) or changed
+            if epoch == self.epoch:  # summed gradients: handed over between two backward passes
+                self._start_in_background(manifest)
+                return changed
             self.node.averager.decline(manifest)
         if not self._matchmaking and self.clock() >= self._retry_at:
             if view.peers > 1 and view.samples + view.rate * self._lead >= view.target:
@@ -361,8 +373,18 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         return False
 
     def _accumulate(self, samples: int) -> None:
+        if self.summed:  # the backward pass added into the accumulator itself
+            for p, acc in zip(self.params, self.averaged.views, strict=True):
+                if p.grad is None:  # (cleared, and not used by this batch)
+                    p.grad = acc
+                elif p.grad.data_ptr() != acc.data_ptr():
+                    raise RuntimeError(
+                        "summed_grads: a parameter's .grad was replaced (cleared by the training loop?):"
+                        " the gradients accumulated so far are no longer where backward adds"
+                    )
+            return
         with torch.no_grad():
-            for p, acc in zip(self.params, self.averaged, strict=True):
+            for p, acc in zip(self.params, self.averaged.views, strict=True):
                 if p.grad is not None:
                     acc.add_(p.grad, alpha=samples)  # the loss is a mean: its gradient times samples
                 p.grad = None
@@ -429,7 +451,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             target = min(self.view.peers, cfg.max_group_size)
             minimum = min(target, self.view.peers // 2 + 1)  # a majority: two groups cannot both form
             manifest = await self.node.averager.form_group(
-                self.averaged,
+                self.averaged.tensors,
                 timeout=cfg.timeout,
                 group_key=f"{self.config.training.mode}-{epoch}",
                 target_size=target,
@@ -443,8 +465,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         else:
             took = min(self.clock() - began, cfg.matchmaking_time)
             self._lead += LEAD_SMOOTHING * (took - self._lead)
-            if self.diloco and not self.config.diloco.overlap:
-                self._formed = (epoch, manifest)  # step() runs it, with compute paused
+            if (self.diloco and not self.config.diloco.overlap) or self.summed:
+                # step() runs it, with compute paused; or, summed, hands the gradients over between two
+                # backward passes (one may be adding to them right now)
+                self._formed = (epoch, manifest)
             elif self.epoch == epoch and self._in_flight is None and self._download is None:
                 await self._local_idle.wait()  # work in a thread changes what we would send
                 if self.epoch == epoch and self._in_flight is None and self._download is None:
@@ -460,7 +484,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         weight = self.samples
         self._pseudo_gradients()
         try:
-            result = await self.node.averager.run_round(manifest, self.averaged, weight=weight)
+            result = await self.node.averager.run_round(manifest, self.averaged.tensors, weight=weight)
         except RoundAborted as e:
             self._note_abort(e)
             return False
@@ -476,22 +500,28 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
     def _pseudo_gradients(self) -> None:
         """DiLoCo: global minus local parameters, into ``averaged``."""
         with torch.no_grad():
-            for d, g, p in zip(self.averaged, self.global_params, self.params, strict=True):
+            for d, g, p in zip(self.averaged.views, self.global_params, self.params, strict=True):
                 torch.sub(g, p.detach(), out=d)
 
-    def _apply_gradients(self, grads: list[torch.Tensor]) -> None:
+    def _apply_gradients(self, grads: ParamBuffer) -> None:
         """One optimizer step with ``grads`` (then zeroed, for reuse as an accumulator)."""
         self._set_lr(self.epoch)
-        for p, g in zip(self.params, grads, strict=True):
+        held = [p.grad for p in self.params]  # summed: the accumulator of the next step
+        for p, g in zip(self.params, grads.views, strict=True):
             p.grad = g
         self._clip()
         self.optimizer.step()
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = None
-            g.zero_()
+        for p, h in zip(self.params, held, strict=True):
+            p.grad = h
+        grads.zero_()
+
+    def _attach(self) -> None:
+        """Summed gradients: the accumulator's views become the parameters' .grad."""
+        for p, acc in zip(self.params, self.averaged.views, strict=True):
+            p.grad = acc
 
     def _outer_step(self) -> None:
-        for g, d in zip(self.global_params, self.averaged, strict=True):
+        for g, d in zip(self.global_params, self.averaged.views, strict=True):
             g.grad = d
         self.outer.step()
         for g in self.global_params:
@@ -506,8 +536,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.data.copy_(g)
         else:
-            for acc in self.averaged:
-                acc.div_(weight)
+            self.averaged.div_(weight)
             self._apply_gradients(self.averaged)
         self.samples = 0
         self._counting_from()
@@ -578,10 +607,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._snap = [p.detach().clone() for p in self.params]
         else:
             tensors = self.averaged
-            self.averaged = self._spare or [torch.zeros_like(t) for t in tensors]
+            self.averaged = self._spare or ParamBuffer(self.params)
             self._spare = None
-            for t in tensors:
-                t.div_(weight)  # the mean gradient; the round weighs it by the sample count
+            if self.summed:
+                self._attach()
+            tensors.div_(weight)  # the mean gradient; the round weighs it by the sample count
             self.samples = 0  # the batches computed from now on count toward the next step
         done = trio.Event()
         # What is computed from here on counts toward the next step, the batch in progress included.
@@ -592,7 +622,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
 
         async def run(flight: _InFlight) -> None:
             try:
-                flight.outcome = await self.node.averager.run_round(manifest, flight.tensors, weight=weight)
+                flight.outcome = await self.node.averager.run_round(
+                    manifest, flight.tensors.tensors, weight=weight
+                )
             except RoundAborted as e:
                 flight.outcome = e
             finally:
@@ -610,9 +642,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if not isinstance(outcome, RoundResult):
             self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
             if not self.diloco:  # the gradients go back: the next round counts them
-                for acc, t in zip(self.averaged, tensors, strict=True):
-                    acc.add_(t, alpha=weight)
-                    t.zero_()
+                self.averaged.add_(tensors, alpha=weight)
+                tensors.zero_()
                 self.samples += weight
                 self._spare = tensors
             self._snap = None  # diloco: the work is still in the local parameters
@@ -658,10 +689,12 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             if self._formed is not None:
                 epoch, manifest = self._formed
                 self._formed = None
-                if epoch == self.epoch and self._in_flight is None and self._download is None:
-                    await self._average(manifest)
-                else:
+                if epoch != self.epoch or self._in_flight is not None or self._download is not None:
                     self.node.averager.decline(manifest)
+                elif self.diloco:
+                    await self._average(manifest)
+                else:  # summed gradients, handed over now (no backward pass runs any more)
+                    self._start_in_background(manifest)
             flight = self._in_flight
             if flight is not None:
                 await flight.done.wait()

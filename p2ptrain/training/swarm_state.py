@@ -30,6 +30,7 @@ from . import layout as lay
 from . import state, statesync
 from .fetch import Downloaded, Fetcher
 from .progress import PeerProgress, SwarmView, majority_digest
+from .buffers import ParamBuffer
 from .statesync import LiveState, Snapshot, StateServer
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class SwarmState:
     names: list[str]
     global_params: list[torch.Tensor]
     outer: torch.optim.SGD
-    averaged: list[torch.Tensor]
+    averaged: ParamBuffer
     epoch: int
     inner_steps: int
     samples: int
@@ -199,8 +200,7 @@ class SwarmState:
                     g.copy_(p)
         else:
             state.restore(self.model, {"inner": self.optimizer}, tensors, meta, owned=owned)
-            for acc in self.averaged:
-                acc.zero_()
+            self.averaged.zero_()
         self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
         self._counting_from()
         self._state_changed()

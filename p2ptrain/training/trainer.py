@@ -120,7 +120,13 @@ class Trainer:
             lr=t.lr,
             betas=(0.9, 0.95),
         )
-        self.opt = CollaborativeOptimizer(node, self.model, self.optimizer, config, clock=clock)
+        # Sync mode on one worker: each backward adds samples x its mean gradient straight into the
+        # swarm's accumulator (the parameters' .grad), no separate gradient tensor. (Local workers hand
+        # over their mean gradient instead.)
+        self.summed = t.mode == "sync" and self.options.local is None
+        self.opt = CollaborativeOptimizer(
+            node, self.model, self.optimizer, config, clock=clock, summed_grads=self.summed
+        )
         self.max_steps = t.max_steps if self.options.max_steps is None else self.options.max_steps
         self.loss: float | None = None  # smoothed training loss
         self.val_loss: float | None = None
@@ -188,8 +194,8 @@ class Trainer:
             batch = next(batches)
             began = time.perf_counter()
             if local is None:
-                loss = await trio.to_thread.run_sync(self._compute, batch)
                 samples = self.task.samples(batch)
+                loss = await trio.to_thread.run_sync(self._compute, batch, samples if self.summed else 1)
             else:  # this host's other workers computed too; the gradients are their sample-weighted mean
                 loss, samples = await trio.to_thread.run_sync(
                     local.backward, self.model, self._compute, batch
@@ -245,12 +251,13 @@ class Trainer:
             return True
         return bool(self.options.duration) and self.clock() - self.started >= self.options.duration
 
-    def _compute(self, batch: Any) -> float:
+    def _compute(self, batch: Any, scale: int = 1) -> float:
+        """Forward and backward over ``batch``; the gradient is the mean loss's, times ``scale``."""
         self.model.train()
         loss = self.task.loss(self.model, self.task.to_device(batch, self.device))
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {float(loss)}: training diverged")
-        loss.backward()  # type: ignore[no-untyped-call]
+        (loss * scale if scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 
     async def _after_step(self) -> None:

@@ -87,8 +87,12 @@ class Peer:
 
 
 class Swarm:
-    def __init__(self, nursery: trio.Nursery, config: RunConfig, sgd: bool = False) -> None:
-        self.nursery, self.config, self.sgd = nursery, config, sgd
+    def __init__(
+        self, nursery: trio.Nursery, config: RunConfig, sgd: bool = False, summed: bool = False
+    ) -> None:
+        """``summed``: the peers scale each batch's loss by its samples and keep their gradients in the
+        optimizer's accumulator (``summed_grads``); peer i's batches then have BATCH - i samples."""
+        self.nursery, self.config, self.sgd, self.summed = nursery, config, sgd, summed
         self.net = MemoryNetwork(seed=7)
         self.peers: list[Peer] = []
 
@@ -104,7 +108,9 @@ class Swarm:
         node = Node(identity(name), node_config, transport=self.net.transport(name), clock=trio.current_time)
         model = make_model()
         inner = make_optimizer(model, self.sgd)
-        opt = CollaborativeOptimizer(node, model, inner, self.config, clock=trio.current_time)
+        opt = CollaborativeOptimizer(
+            node, model, inner, self.config, clock=trio.current_time, summed_grads=self.summed
+        )
         peer = Peer(i, node, model, opt, compute)
         self.peers.append(peer)
 
@@ -123,12 +129,14 @@ class Swarm:
 
     async def _train(self, peer: Peer) -> None:
         batch = batch_of(peer.index)
+        samples = BATCH - peer.index if self.summed else BATCH
+        batch = (batch[0][:samples], batch[1][:samples])
         while True:
-            loss_of(peer.model, batch).backward()
+            (loss_of(peer.model, batch) * (samples if self.summed else 1)).backward()
             await trio.sleep(peer.compute)
             if not peer.steps:
                 peer.batches_before_first_step += 1
-            if await peer.opt.step(BATCH):
+            if await peer.opt.step(samples):
                 last = peer.opt.stats.last
                 if not peer.steps:
                     peer.first_contribution = last.get("mine", 0)
@@ -147,9 +155,9 @@ class Swarm:
 
 
 @asynccontextmanager
-async def swarm(config: RunConfig, *, sgd: bool = False) -> AsyncIterator[Swarm]:
+async def swarm(config: RunConfig, *, sgd: bool = False, summed: bool = False) -> AsyncIterator[Swarm]:
     async with trio.open_nursery() as nursery:
-        s = Swarm(nursery, config, sgd)
+        s = Swarm(nursery, config, sgd, summed)
         yield s
         nursery.cancel_scope.cancel()
 
@@ -173,8 +181,11 @@ def assert_same_bits(peers: list[Peer]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(first, p.params(), strict=True)), f"peer {p.index}"
 
 
-async def test_sync_peers_take_identical_steps_equal_to_one_big_batch(autojump_clock: object) -> None:
-    async with swarm(run_config("sync")) as s:
+@pytest.mark.parametrize("summed", [False, True], ids=["mean gradients", "summed gradients"])
+async def test_sync_peers_take_identical_steps_equal_to_one_big_batch(
+    autojump_clock: object, summed: bool
+) -> None:
+    async with swarm(run_config("sync"), summed=summed) as s:
         peers = [await s.start(compute=c) for c in (0.1, 0.15, 0.3)]
         await s.until(lambda: all(p.opt.epoch >= 6 for p in peers), timeout=120)
         check_identical_per_epoch(peers)
@@ -186,30 +197,45 @@ async def test_sync_peers_take_identical_steps_equal_to_one_big_batch(autojump_c
         assert peers[0].batches_before_first_step > peers[2].batches_before_first_step
 
 
-async def test_the_first_sync_step_is_the_big_batch_step() -> None:
+@pytest.mark.parametrize("summed", [False, True], ids=["mean gradients", "summed gradients"])
+async def test_the_first_sync_step_is_the_big_batch_step(summed: bool) -> None:
     """The averaged step equals one optimizer step on the sample-weighted mean of every peer's gradient
-    (over the batches each peer had done when the group formed: later ones count toward the next step)."""
-    async with swarm(run_config("sync"), sgd=True) as s:
+    (over the batches each peer had done when the group formed: later ones count toward the next step).
+    Summed: the backward passes add up in the optimizer's accumulator itself, batches of unequal sizes."""
+    async with swarm(run_config("sync"), sgd=True, summed=summed) as s:
         peers = [await s.start(compute=c) for c in (0.1, 0.2)]
         await s.until(lambda: all(p.steps for p in peers), timeout=60)
         for p in peers:
             p.scope.cancel()
         assert all(p.steps[0][2] == "averaged" for p in peers)
-        counts = [p.first_contribution // BATCH for p in peers]
+        sizes = [BATCH - i if summed else BATCH for i in range(len(peers))]
+        counts = [p.first_contribution // k for p, k in zip(peers, sizes, strict=True)]
         assert all(c >= 1 for c in counts), counts
         model = make_model()
         grads = []
         for i, n in enumerate(counts):
             model.zero_grad()
-            loss_of(model, batch_of(i)).backward()
-            grads.append([p.grad.clone() * n for p in model.parameters()])
+            x, y = batch_of(i)
+            loss_of(model, (x[: sizes[i]], y[: sizes[i]])).backward()
+            grads.append([p.grad.clone() * n * sizes[i] for p in model.parameters()])
         ref_opt = make_optimizer(model, sgd=True)
         for j, p in enumerate(model.parameters()):
-            p.grad = sum(g[j] for g in grads) / sum(counts)
+            p.grad = sum(g[j] for g in grads) / sum(n * k for n, k in zip(counts, sizes, strict=True))
         ref_opt.step()
         for p in peers:
             for got, want in zip(p.params(), model.parameters(), strict=True):
                 torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+async def test_summed_gradients_refuse_a_loop_that_clears_them(autojump_clock: object) -> None:
+    async with swarm(run_config("sync"), summed=True) as s:
+        peer = await s.start(train=False)
+        (loss_of(peer.model, batch_of(0)) * BATCH).backward()
+        assert await peer.opt.step(BATCH) is False
+        peer.model.zero_grad()  # the accumulated gradients are gone from where backward adds
+        (loss_of(peer.model, batch_of(0)) * BATCH).backward()
+        with pytest.raises(RuntimeError, match="replaced"):
+            await peer.opt.step(BATCH)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])
@@ -524,7 +550,7 @@ async def test_large_model_paths_in_worker_threads_keep_peers_identical(
         peer.opt._set_digest = set_digest  # type: ignore[method-assign]
 
     config = run_config(mode, overlap).replace("training", target_batch_size=2 * TARGET)
-    async with swarm(config) as s:
+    async with swarm(config, summed=mode == "sync") as s:  # (the trainer's way in sync mode)
         peers = [await s.start(compute=c) for c in (0.1, 0.15)]
         for p in peers:
             watch(p)
