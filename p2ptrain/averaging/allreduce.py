@@ -84,6 +84,7 @@ from .protocol import (
     seal_decision,
 )
 from .reducer import PartitionReducer
+from .spill import SPILL_BYTES, Spilled, SpillFile
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class RoundResult:
     phases: dict[str, float] = field(default_factory=dict)  # seconds from the round's start to each phase
     evidence: RoundEvidence | None = None  # audited rounds: what this member needs to audit and be audited
     rates: Rates = field(default_factory=Rates)  # what this member's links carried (see ``bandwidth``)
+    # Set once no member can read this member's tensors any more (an in-place round relays from them).
+    retired: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass
@@ -162,9 +165,16 @@ class AllReduceRound:
         fault: FaultHook | None = None,
         pool: BufferPool | None = None,
         source: torch.Tensor | None = None,
+        backup: SpillFile | None = None,
     ) -> None:
         """``flat`` receives the averaged values (and holds this member's own values too unless
-        ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written)."""
+        ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
+
+        ``backup`` (an in-place round): ``flat`` is the caller's own tensor (``tensors`` is ``[flat]``),
+        not the pool's. Own values that early results overwrite go to ``backup`` first (a failed
+        reducer's replacement needs them again), and the caller must not change the tensor before
+        ``retired`` is set: the round relays held partitions from it. After an abort it holds a mix of
+        own values and averages."""
         self.fault = fault
         self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
         m = signed.manifest
@@ -178,6 +188,8 @@ class AllReduceRound:
         self.offsets = offsets(self.sizes)
         self.flat, self.weight, self.tensors = flat, weight, tensors
         self.source = flat if source is None else source
+        self.backup = backup
+        self.saved: dict[int, Spilled] = {}  # in place: partition -> own values overwritten by results
         start = trio.current_time() if clock_start is None else clock_start
         self.start, self.end = start, start + m.timeout
         self.deadline = {
@@ -274,13 +286,19 @@ class AllReduceRound:
         self._release()
 
     def _release(self) -> None:
-        if self.pool is None or self.released or self.streaming or not self.retired.is_set():
+        if self.released or self.streaming or not self.retired.is_set():
             return
         self.released = True
+        if self.backup is not None:
+            self.backup.close()
+            self.saved.clear()
+        if self.pool is None:
+            return
         for p, red in self.reducers.items():
             if not self._reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
                 self.pool.give(red.acc)
-        self.pool.give(self.flat)
+        if self.backup is None:  # (in place, ``flat`` is the caller's)
+            self.pool.give(self.flat)
 
     def _mark(self, phase: str) -> None:
         self.phases[phase] = round(trio.current_time() - self.start, 6)
@@ -291,6 +309,8 @@ class AllReduceRound:
 
     def _own(self, p: int) -> torch.Tensor:
         """This member's own values in partition ``p`` (what it sends)."""
+        if p in self.saved:  # (read back on the rare path that needs them: a failed reducer's replacement)
+            return torch.frombuffer(self.saved[p].read(), dtype=torch.float32)
         if p in self.overwritten:  # early results went where we send from: take them from the tensors
             return self._own_from_tensors(p)
         return self.source[self.offsets[p] : self.offsets[p + 1]]
@@ -734,6 +754,8 @@ class AllReduceRound:
                 async with conn.open_stream(
                     FETCH_EARLY, FetchReq(self.digest, p), timeout=_left(self.deadline["gather"])
                 ) as stream:
+                    if self.backup is not None and p not in self.saved:
+                        await self._save(p)
                     if self.source is self.flat:
                         self.overwritten.add(p)
                     if self.mode is Compression.NONE:  # decrypted straight into place: no copy
@@ -756,6 +778,17 @@ class AllReduceRound:
         finally:
             self.early_done[p].set()
 
+    async def _save(self, p: int) -> None:
+        """In place: this member's values of partition ``p`` to the backup, before results overwrite them
+        (in a worker thread when large; nothing writes into the partition meanwhile)."""
+        assert self.backup is not None
+        data = _encoded(self._slice(p), Compression.NONE)
+        if len(data) >= SPILL_BYTES:
+            saved = await trio.to_thread.run_sync(self.backup.put, data)
+        else:
+            saved = self.backup.put(data)
+        self.saved[p] = saved
+
     def blame(self) -> dict[PeerID, str]:
         """After an abort: the members this round failed on, as far as this member can tell (the
         coordinator if no decision came, else the holders of the partitions it never got)."""
@@ -776,7 +809,8 @@ class AllReduceRound:
         with torch.no_grad():
             for t in self.tensors:
                 k = t.numel()
-                t.copy_(self.flat[off : off + k].view(t.shape))
+                if t.data_ptr() != self.flat[off:].data_ptr():  # (in place: already there)
+                    t.copy_(self.flat[off : off + k].view(t.shape))
                 off += k
         names = [self.name(i) for i in range(self.n)]
         return RoundResult(
@@ -791,6 +825,7 @@ class AllReduceRound:
             phases=self.phases,
             evidence=self._evidence(decision) if self.audit else None,
             rates=self.meter.rates,
+            retired=self.retired,
         )
 
     def _evidence(self, decision: Decision) -> RoundEvidence:

@@ -73,6 +73,7 @@ from .protocol import (
     seal_decision,
 )
 from .robust import parse_aggregation
+from .spill import SpillFile
 
 log = logging.getLogger(__name__)
 
@@ -318,15 +319,32 @@ class Averager:
         )
 
     async def run_round(
-        self, signed: SignedManifest, tensors: Sequence[torch.Tensor], *, weight: float = 1.0
+        self,
+        signed: SignedManifest,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float = 1.0,
+        in_place: bool = False,
     ) -> RoundResult:
-        """Run one round of an already formed group (the manifest's members call this together)."""
+        """Run one round of an already formed group (the manifest's members call this together).
+
+        ``in_place``: ``tensors`` is one contiguous float32 CPU tensor, and the averages go straight into
+        it as they arrive: no model-sized buffer besides it. The price: after an abort it holds a mix of
+        its values and averages (discard it), and it must stay unchanged until the result's ``retired``
+        is set (the round may relay averages from it to slower members until then)."""
         if self._nursery is None:
             raise RuntimeError("start Averager.run in a nursery first")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
         tensors = list(tensors)
-        return await self._run_round(signed, tensors, *_flatten(tensors, self._pool), weight)
+        if not in_place:
+            return await self._run_round(signed, tensors, *_flatten(tensors, self._pool), weight)
+        if len(tensors) != 1 or not _sendable_in_place(tensors[0]):
+            raise ValueError("an in-place round takes one contiguous float32 CPU tensor")
+        flat = tensors[0].detach().view(-1)
+        if not all_finite(flat):
+            raise ValueError("tensors to average hold NaN or infinite values")
+        return await self._run_round(signed, tensors, flat, flat, weight, backup=SpillFile())
 
     def decline(self, signed: SignedManifest) -> None:
         """Take no part in the round of a formed group after all (the caller's state moved on).
@@ -355,16 +373,28 @@ class Averager:
         source: torch.Tensor,
         flat: torch.Tensor,
         weight: float,
+        backup: SpillFile | None = None,
     ) -> RoundResult:
         m = signed.manifest
+        problem: P2PError | None = None
         if m.schema != schema_of(tensors):
-            self._pool.give(flat)
-            raise SchemaMismatch("the group's manifest describes other tensors than ours")
-        if self.host.identity.peer_id not in m.peers():
-            self._pool.give(flat)
-            raise GroupFormationFailed("the manifest does not list this peer")
+            problem = SchemaMismatch("the group's manifest describes other tensors than ours")
+        elif self.host.identity.peer_id not in m.peers():
+            problem = GroupFormationFailed("the manifest does not list this peer")
+        if problem is not None:
+            if backup is None:  # (in place, ``flat`` is the caller's)
+                self._pool.give(flat)
+            raise problem
         rnd = AllReduceRound(
-            self.host, signed, flat, weight, tensors, fault=self.fault, pool=self._pool, source=source
+            self.host,
+            signed,
+            flat,
+            weight,
+            tensors,
+            fault=self.fault,
+            pool=self._pool,
+            source=source,
+            backup=backup,
         )
         if rnd.coordinator is not None and self.weight_cap is not None:
             for i, peer in enumerate(rnd.peers):

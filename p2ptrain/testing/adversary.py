@@ -38,8 +38,8 @@ def install(kind: str, averager: Averager, *, seed: int = 0) -> None:
     if kind == "inflate":
         honest = averager.run_round
 
-        async def run_round(signed: Any, tensors: Any, *, weight: float = 1.0) -> Any:
-            return await honest(signed, tensors, weight=weight * FACTOR)
+        async def run_round(signed: Any, tensors: Any, *, weight: float = 1.0, in_place: bool = False) -> Any:
+            return await honest(signed, tensors, weight=weight * FACTOR, in_place=in_place)
 
         averager.run_round = run_round  # type: ignore[method-assign]
         return

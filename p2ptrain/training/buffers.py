@@ -39,6 +39,11 @@ class ParamBuffer:
             self.views = [torch.zeros_like(p) for p in params]
 
     @property
+    def sendable(self) -> bool:
+        """Whether a round can average ``flat`` in place (one contiguous float32 tensor in host memory)."""
+        return self.flat is not None and self.flat.dtype == torch.float32 and self.flat.device.type == "cpu"
+
+    @property
     def tensors(self) -> list[torch.Tensor]:
         """What an averaging round takes: the flat tensor alone when there is one."""
         return [self.flat] if self.flat is not None else self.views

@@ -127,6 +127,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._snap: list[torch.Tensor] | None = None  # diloco overlap: local parameters at the snapshot
         self._in_flight: _InFlight | None = None  # a round running in the background
         self._spare: ParamBuffer | None = None  # sync: the accumulator the last round gave back
+        self._relaying: trio.Event | None = None  # set once the last round stopped reading ``averaged``
         self._download: _Download | None = None  # a state download running in the background
         self._formed: tuple[int, SignedManifest] | None = None
         self._matchmaking = False
@@ -484,10 +485,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         weight = self.samples
         self._pseudo_gradients()
         try:
-            result = await self.node.averager.run_round(manifest, self.averaged.tensors, weight=weight)
+            result = await self.node.averager.run_round(
+                manifest, self.averaged.tensors, weight=weight, in_place=self.averaged.sendable
+            )
         except RoundAborted as e:
             self._note_abort(e)
             return False
+        self._relaying = result.retired
         await self.unheld()
         self._outer_step()
         for p, g in zip(self.params, self.global_params, strict=True):
@@ -498,12 +502,16 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         return True
 
     def _pseudo_gradients(self) -> None:
-        """DiLoCo: global minus local parameters, into ``averaged``."""
+        """DiLoCo: global minus local parameters, into ``averaged`` (a new one if the last round may
+        still relay averages from it to slower members)."""
+        if self._relaying is not None and not self._relaying.is_set():
+            self.averaged = ParamBuffer(self.params)
+        self._relaying = None
         with torch.no_grad():
             for d, g, p in zip(self.averaged.views, self.global_params, self.params, strict=True):
                 torch.sub(g, p.detach(), out=d)
 
-    def _apply_gradients(self, grads: ParamBuffer) -> None:
+    def _apply_gradients(self, grads: ParamBuffer, zero: bool = True) -> None:
         """One optimizer step with ``grads`` (then zeroed, for reuse as an accumulator)."""
         self._set_lr(self.epoch)
         held = [p.grad for p in self.params]  # summed: the accumulator of the next step
@@ -513,7 +521,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.optimizer.step()
         for p, h in zip(self.params, held, strict=True):
             p.grad = h
-        grads.zero_()
+        if zero:
+            grads.zero_()
 
     def _attach(self) -> None:
         """Summed gradients: the accumulator's views become the parameters' .grad."""
@@ -607,7 +616,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._snap = [p.detach().clone() for p in self.params]
         else:
             tensors = self.averaged
-            self.averaged = self._spare or ParamBuffer(self.params)
+            self.averaged = self._spare or ParamBuffer(self.params)  # (a spare only when not in place)
             self._spare = None
             if self.summed:
                 self._attach()
@@ -623,7 +632,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         async def run(flight: _InFlight) -> None:
             try:
                 flight.outcome = await self.node.averager.run_round(
-                    manifest, flight.tensors.tensors, weight=weight
+                    manifest, flight.tensors.tensors, weight=weight, in_place=flight.tensors.sendable
                 )
             except RoundAborted as e:
                 flight.outcome = e
@@ -641,7 +650,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
         if not isinstance(outcome, RoundResult):
             self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
-            if not self.diloco:  # the gradients go back: the next round counts them
+            if not self.diloco and tensors.sendable:  # averaged in place: they are spoilt
+                log.warning(
+                    "step %d: the %d samples handed to the aborted round are dropped", self.epoch, weight
+                )
+            elif not self.diloco:  # the gradients go back: the next round counts them
                 self.averaged.add_(tensors, alpha=weight)
                 tensors.zero_()
                 self.samples += weight
@@ -660,8 +673,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                         p.add_(g - s)  # new global + (local now - local at the snapshot)
 
             await self._off_loop(outer_step)
+            self._relaying = outcome.retired
             self.samples -= weight
             self._counting_from(flight.since)
+        elif tensors.sendable:  # averaged in place: the round may relay from them a while; then freed
+            await self._off_loop(self._apply_gradients, tensors, False)
         else:
             await self._off_loop(self._apply_gradients, tensors)
             self._spare = tensors

@@ -28,9 +28,9 @@ from ..errors import P2PError, RemoteProtocolError
 from ..node import Node
 from . import layout as lay
 from . import state, statesync
+from .buffers import ParamBuffer
 from .fetch import Downloaded, Fetcher
 from .progress import PeerProgress, SwarmView, majority_digest
-from .buffers import ParamBuffer
 from .statesync import LiveState, Snapshot, StateServer
 
 if TYPE_CHECKING:

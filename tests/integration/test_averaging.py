@@ -129,14 +129,20 @@ Outcome = RoundResult | BaseException | None  # None: the member was crashed
 
 
 async def run_round(
-    group: Group, signed: SignedManifest, inputs: list[list[torch.Tensor]], weights: list[float]
+    group: Group,
+    signed: SignedManifest,
+    inputs: list[list[torch.Tensor]],
+    weights: list[float],
+    in_place: bool = False,
 ) -> list[Outcome]:
     outcomes: list[Outcome] = [None] * len(group.peers)
 
     async def one(i: int, peer: Peer) -> None:
         with peer.round_scope:
             try:
-                outcomes[i] = await peer.averager.run_round(signed, inputs[i], weight=weights[i])
+                outcomes[i] = await peer.averager.run_round(
+                    signed, inputs[i], weight=weights[i], in_place=in_place
+                )
             except RoundAborted as e:
                 outcomes[i] = e
 
@@ -165,13 +171,15 @@ def check_invariant(
     outcomes: list[Outcome],
     *,
     atol: float = 1e-5,
+    in_place: bool = False,
 ) -> str:
-    """'commit' or 'abort' for the survivors; fails the test on any divergence."""
+    """'commit' or 'abort' for the survivors; fails the test on any divergence. (In place, an abort may
+    leave the caller's tensor spoilt: that is the bargain.)"""
     survivors = [i for i, o in enumerate(outcomes) if o is not None]
     committed = [i for i in survivors if isinstance(outcomes[i], RoundResult)]
     aborted = [i for i in survivors if isinstance(outcomes[i], RoundAborted)]
     assert len(committed) + len(aborted) == len(survivors), f"unexpected outcomes {outcomes}"
-    for i in aborted:  # an abort leaves the caller's tensors as they were
+    for i in [] if in_place else aborted:  # an abort leaves the caller's tensors as they were
         for got, orig in zip(inputs[i], originals[i], strict=True):
             assert torch.equal(got, orig)
     if not committed:
@@ -297,9 +305,12 @@ async def fault_trial(
     size: int = 150_001,
     client_only: tuple[int, ...] = (),
     single: bool = False,
+    in_place: bool = False,
 ) -> tuple[str, list[Outcome]]:
-    """``single``: each member averages one float32 tensor, which a round sends from in place."""
+    """``single``: each member averages one float32 tensor, which a round sends from in place;
+    ``in_place``: and averages in place (see ``Averager.run_round``)."""
     timeout = 20.0
+    single = single or in_place
     shapes = [(size,)] if single else [(size,), (5, 3)]
     async with open_group(n, client_only=client_only, seed=seed) as group:
         originals = [make_tensors(100 * seed + i, shapes, [torch.float32] * len(shapes)) for i in range(n)]
@@ -309,26 +320,27 @@ async def fault_trial(
         victim.averager.fault = crash_at(group, victim, phase, stall=stall)
         start = trio.current_time()
         outcomes = await run_round(
-            group, sign_manifest(group.peers, inputs[0], timeout=timeout), inputs, weights
+            group, sign_manifest(group.peers, inputs[0], timeout=timeout), inputs, weights, in_place
         )
         assert trio.current_time() - start <= timeout + 1e-6, "a member waited past the round's deadline"
     if stall is not None and isinstance(outcomes[victim_index], RoundAborted):
         outcomes[victim_index] = None  # a straggler that missed the round counts as failed, like a crash
-    verdict = check_invariant(originals, inputs, weights, outcomes)
+    verdict = check_invariant(originals, inputs, weights, outcomes, in_place=in_place)
     if verdict == "commit":
         assert_mean(group, originals, inputs, weights, outcomes)
     return verdict, outcomes
 
 
-@pytest.mark.parametrize("single", [False, True], ids=["copied", "in place"])
+@pytest.mark.parametrize("how", ["copied", "sent in place", "averaged in place"])
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize(("n", "victim"), [(3, 0), (3, 2), (5, 1), (8, 4)])
-async def test_a_member_crashing_at_any_phase_never_splits_the_group(
-    autojump_clock, phase, n, victim, single
-):
-    """``in place``: each member sends from its one tensor and reduces its own partition where the
-    mean goes; ``copied``: two tensors, copied into the buffer the mean then overwrites."""
-    verdict, outcomes = await fault_trial(n, victim, phase, single=single)
+async def test_a_member_crashing_at_any_phase_never_splits_the_group(autojump_clock, phase, n, victim, how):
+    """``sent in place``: each member sends from its one tensor and reduces its own partition where the
+    mean goes; ``copied``: two tensors, copied into the buffer the mean then overwrites; ``averaged in
+    place``: one tensor that the averages overwrite as they arrive (own values that a failed reducer's
+    replacement needs again are read back from the backup)."""
+    single, in_place = how != "copied", how == "averaged in place"
+    verdict, outcomes = await fault_trial(n, victim, phase, single=single, in_place=in_place)
     survivors = [o for i, o in enumerate(outcomes) if i != victim]
     if phase == "before_send" and victim != 0:
         # a member that dies before sending anything is simply left out; the others still average
@@ -336,6 +348,20 @@ async def test_a_member_crashing_at_any_phase_never_splits_the_group(
         res = next(o for o in survivors if isinstance(o, RoundResult))
         assert len(res.contributors) == n - 1
     assert all(o is not None for o in survivors)
+
+
+async def test_a_reducer_dying_after_serving_early_averages_in_place_is_replaced_from_the_backup(
+    autojump_clock, monkeypatch
+):
+    """Averaged in place, the members that took the dead reducer's first averages lost their own values
+    there: they send their replacement the backup's copy, and the round commits the exact mean."""
+    reads = []
+    real = spill.Spilled.read
+    monkeypatch.setattr(spill.Spilled, "read", lambda h: reads.append(h.length) or real(h))
+    verdict, outcomes = await fault_trial(4, 2, "during_gather", in_place=True)
+    assert verdict == "commit" and reads  # (assert_mean checked the values)
+    res = next(o for o in outcomes if isinstance(o, RoundResult))
+    assert len(res.contributors) == 3
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -382,6 +408,7 @@ async def test_randomized_fault_trials_never_diverge_or_hang(autojump_clock):
             size=rng.randint(1, 40_000),
             client_only=client_only,
             single=rng.random() < 0.5,
+            in_place=rng.random() < 0.3,
         )
         verdicts[verdict] += 1
     assert verdicts["commit"] > 0 and verdicts["abort"] > 0, verdicts
