@@ -71,6 +71,9 @@ class SpillFile:
             done += n
         return out
 
+    def __del__(self) -> None:  # (a round cancelled midway: its file goes when its last handle does)
+        self.close()
+
     def close(self) -> None:
         self.closed = True
         if self.fd >= 0:

@@ -43,6 +43,7 @@ import trio
 from ..averaging.allreduce import RoundResult
 from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
+from ..averaging.spill import Spilled, SpillFile
 from ..config import RunConfig
 from ..dht.records import OWNER_TAG, owned_subkey
 from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
@@ -79,6 +80,7 @@ class _InFlight:
     weight: int
     since: float  # when the batch in progress at the handoff began: later samples count toward the next
     outcome: RoundResult | BaseException | None = None
+    own: list[Spilled] | None = None  # diloco: this peer's pseudo-gradient, before the round averaged it
 
 
 class CollaborativeOptimizer(SwarmState, BanRecords):
@@ -124,7 +126,6 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.averaged = ParamBuffer(self.params)
         if self.summed:
             self._attach()
-        self._snap: list[torch.Tensor] | None = None  # diloco overlap: local parameters at the snapshot
         self._in_flight: _InFlight | None = None  # a round running in the background
         self._spare: ParamBuffer | None = None  # sync: the accumulator the last round gave back
         self._relaying: trio.Event | None = None  # set once the last round stopped reading ``averaged``
@@ -613,7 +614,6 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if self.diloco:
             self._pseudo_gradients()
             tensors = self.averaged
-            self._snap = [p.detach().clone() for p in self.params]
         else:
             tensors = self.averaged
             self.averaged = self._spare or ParamBuffer(self.params)  # (a spare only when not in place)
@@ -631,6 +631,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
 
         async def run(flight: _InFlight) -> None:
             try:
+                if self.diloco:  # kept for the landing, where the local progress since now goes on top
+                    flight.own = await self._keep_aside(flight.tensors)
                 flight.outcome = await self.node.averager.run_round(
                     manifest, flight.tensors.tensors, weight=weight, in_place=flight.tensors.sendable
                 )
@@ -648,6 +650,19 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             return False
         self._in_flight = None
         outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
+        try:
+            return await self._land_flight(flight, outcome, tensors, weight)
+        finally:
+            if flight.own:
+                flight.own[0].file.close()
+
+    async def _land_flight(
+        self,
+        flight: _InFlight,
+        outcome: RoundResult | BaseException | None,
+        tensors: ParamBuffer,
+        weight: int,
+    ) -> bool:
         if not isinstance(outcome, RoundResult):
             self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
             if not self.diloco and tensors.sendable:  # averaged in place: they are spoilt
@@ -659,18 +674,21 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 tensors.zero_()
                 self.samples += weight
                 self._spare = tensors
-            self._snap = None  # diloco: the work is still in the local parameters
-            return False
+            return False  # diloco: the work is still in the local parameters
         if self.diloco:
-            snap = self._snap
-            assert snap is not None
-            self._snap = None
+            own = flight.own
+            assert own is not None
 
             def outer_step() -> None:
+                # new global + the local progress since the handoff: local now - (old global - own
+                # pseudo-gradient), the local parameters at the handoff
+                with torch.no_grad():
+                    for p, g, h in zip(self.params, self.global_params, own, strict=True):
+                        p.sub_(g).add_(torch.frombuffer(h.read(), dtype=p.dtype).view(p.shape))
                 self._outer_step()
                 with torch.no_grad():
-                    for p, g, s in zip(self.params, self.global_params, snap, strict=True):
-                        p.add_(g - s)  # new global + (local now - local at the snapshot)
+                    for p, g in zip(self.params, self.global_params, strict=True):
+                        p.add_(g)
 
             await self._off_loop(outer_step)
             self._relaying = outcome.retired
@@ -683,6 +701,18 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._spare = tensors
         self._advance(outcome, weight)
         return True
+
+    async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled]:
+        """``buffer``'s values in a spill file (a worker thread's job when large): a model-sized copy
+        that the landing reads once, so it need not stay in memory meanwhile."""
+        file = SpillFile()
+
+        def write() -> list[Spilled]:
+            return [file.put(v.detach().contiguous().view(torch.uint8).numpy().data) for v in buffer.views]
+
+        if self._param_bytes < statesync.THREAD_BYTES:
+            return write()
+        return await trio.to_thread.run_sync(write)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

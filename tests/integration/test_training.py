@@ -252,6 +252,44 @@ async def test_diloco_peers_hold_identical_global_parameters(autojump_clock: obj
         assert min(p.opt.stats.averaged for p in peers) >= 3
 
 
+async def test_diloco_overlap_keeps_the_local_progress_made_while_the_round_ran(
+    autojump_clock: object,
+) -> None:
+    """When a background round lands, the local parameters become the new global ones plus the progress
+    made since the handoff (now minus at the handoff), whatever the peer kept aside to compute it."""
+    async with swarm(run_config("diloco", overlap=True), sgd=True) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15)]
+        opt = peers[0].opt
+        at_handoff: list[list[torch.Tensor]] = []
+        checked: list[float] = []
+        real_pseudo, real_land = opt._pseudo_gradients, opt._land_flight
+
+        def pseudo() -> None:
+            real_pseudo()
+            at_handoff.append([p.detach().clone() for p in opt.params])
+
+        async def land(flight, outcome, tensors, weight):  # type: ignore[no-untyped-def]
+            before = [p.detach().clone() for p in opt.params]
+            landed = await real_land(flight, outcome, tensors, weight)
+            if landed and opt.diloco:
+                for p, g, now, then in zip(
+                    opt.params, opt.global_params, before, at_handoff[-1], strict=True
+                ):
+                    torch.testing.assert_close(p.detach(), g + (now - then), rtol=1e-5, atol=1e-5)
+                checked.append(
+                    max(
+                        float((now - then).abs().max())
+                        for now, then in zip(before, at_handoff[-1], strict=True)
+                    )
+                )
+            return landed
+
+        opt._pseudo_gradients = pseudo  # type: ignore[method-assign]
+        opt._land_flight = land  # type: ignore[method-assign]
+        await s.until(lambda: len(checked) >= 3, timeout=120)
+        assert max(checked) > 0  # (some rounds landed after local steps were taken meanwhile)
+
+
 async def test_a_joining_peer_downloads_the_state_then_stays_identical(autojump_clock: object) -> None:
     # Steps of a few progress intervals: a joiner learns the others moved on from their records (read
     # every interval), and the others size a step's group when they reach it; with a step per interval
