@@ -166,6 +166,7 @@ class AllReduceRound:
         pool: BufferPool | None = None,
         source: torch.Tensor | None = None,
         backup: SpillFile | None = None,
+        own_saved: Spilled | None = None,
     ) -> None:
         """``flat`` receives the averaged values (and holds this member's own values too unless
         ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
@@ -174,7 +175,8 @@ class AllReduceRound:
         not the pool's. Own values that early results overwrite go to ``backup`` first (a failed
         reducer's replacement needs them again), and the caller must not change the tensor before
         ``retired`` is set: the round relays held partitions from it. After an abort it holds a mix of
-        own values and averages."""
+        own values and averages. ``own_saved``: this member's values of its own partition, already in
+        ``backup``: the partition is then reduced right where its mean goes, in ``flat``."""
         self.fault = fault
         self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
         m = signed.manifest
@@ -190,6 +192,8 @@ class AllReduceRound:
         self.source = flat if source is None else source
         self.backup = backup
         self.saved: dict[int, Spilled] = {}  # in place: partition -> own values overwritten by results
+        if own_saved is not None:
+            self.saved[self.me] = own_saved
         start = trio.current_time() if clock_start is None else clock_start
         self.start, self.end = start, start + m.timeout
         self.deadline = {
@@ -245,7 +249,7 @@ class AllReduceRound:
     def _reduced_in_flat(self, p: int) -> bool:
         """Partition ``p`` accumulates right where its mean goes, in ``flat`` (no copy at the end): our
         own partition, unless ``flat`` is also what we send from (it must stay intact until the decision)."""
-        return p == self.me and self.source is not self.flat
+        return p == self.me and (self.source is not self.flat or p in self.saved)
 
     def _new_reducer(self, p: int, weight: float | None) -> PartitionReducer:
         """A reducer for partition ``p``, holding this member's own slice if ``weight`` is given."""
@@ -253,14 +257,17 @@ class AllReduceRound:
         buffer = self._slice(p) if self._reduced_in_flat(p) else self._buffer(size)
         red = PartitionReducer(size, self.mode, buffer, self.manifest.aggregation, canonical=self.audit)
         if weight is not None:
-            own = self._own(p)
-            red.add_local(self.me, own, weight)
+            # Reduced in place: its own values are in ``flat``, where the mean goes, and in the backup. (A
+            # failed reducer's partition we replace: in the backup alone, if early averages overwrote them.)
+            in_place = self._reduced_in_flat(p) and p in self.saved
+            own = self._slice(p) if in_place else self._own(p)
             if self.audit:
                 raw = bytes(_encoded(own, Compression.NONE))
                 self.local[p] = raw
                 red.commits[self.me] = seal_commit(
                     self.host.identity, self.digest, p, weight, hash_pieces([raw])
                 )
+            red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
         return red
 
     def _pieces(self, p: int) -> tuple[list[bytes | memoryview], bytes]:

@@ -46,7 +46,7 @@ from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression
 from .matchmaking import Announcement, Gathering, Joiner, choose_leader
-from .partition import partition_sizes
+from .partition import offsets, partition_sizes
 from .protocol import (
     FETCH,
     FETCH_EARLY,
@@ -73,7 +73,7 @@ from .protocol import (
     seal_decision,
 )
 from .robust import parse_aggregation
-from .spill import SpillFile
+from .spill import SPILL_BYTES, Spilled, SpillFile
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,18 @@ class Averager:
         flat = tensors[0].detach().view(-1)
         if not all_finite(flat):
             raise ValueError("tensors to average hold NaN or infinite values")
-        return await self._run_round(signed, tensors, flat, flat, weight, backup=SpillFile())
+        backup, own = SpillFile(), None
+        m = signed.manifest
+        if self.host.identity.peer_id in m.peers() and sum(m.sizes) == flat.numel():
+            # Our own partition is reduced where its mean goes: its values go to the backup first
+            at = offsets(list(m.sizes))
+            me = m.peers().index(self.host.identity.peer_id)
+            mine = flat[at[me] : at[me + 1]].view(torch.uint8).numpy().data
+            if len(mine) >= SPILL_BYTES:
+                own = await trio.to_thread.run_sync(backup.put, mine)
+            else:
+                own = backup.put(mine)
+        return await self._run_round(signed, tensors, flat, flat, weight, backup=backup, own_saved=own)
 
     def decline(self, signed: SignedManifest) -> None:
         """Take no part in the round of a formed group after all (the caller's state moved on).
@@ -374,6 +385,7 @@ class Averager:
         flat: torch.Tensor,
         weight: float,
         backup: SpillFile | None = None,
+        own_saved: Spilled | None = None,
     ) -> RoundResult:
         m = signed.manifest
         problem: P2PError | None = None
@@ -395,6 +407,7 @@ class Averager:
             pool=self._pool,
             source=source,
             backup=backup,
+            own_saved=own_saved,
         )
         if rnd.coordinator is not None and self.weight_cap is not None:
             for i, peer in enumerate(rnd.peers):

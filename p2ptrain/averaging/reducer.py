@@ -18,6 +18,7 @@ member order at the decision and the rule is applied to them instead of the runn
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -57,7 +58,7 @@ class PartitionReducer:
         self.acc = torch.zeros(size, dtype=torch.float32) if buffer is None else buffer
         self.touched: set[int] = set()  # senders with anything in ``acc``
         self.delivered: dict[int, float] = {}  # sender -> weight, for complete slices
-        self._kept: dict[int, list[torch.Tensor | memoryview | Spilled]] = {}
+        self._kept: dict[int, list[torch.Tensor | memoryview | Spilled | _Local]] = {}
         self._spill = SpillFile() if (size * 4 >= SPILL_BYTES if spill is None else spill) else None
         self.result: torch.Tensor | None = None
         self.encoded: list[bytes | memoryview] | None = None
@@ -77,8 +78,11 @@ class PartitionReducer:
         a, b = self.spans[index]
         return encoded_size(self.mode, b - a)
 
-    def add_local(self, sender: int, values: torch.Tensor, weight: float) -> None:
-        """The reducer's own slice: uncompressed, never on the wire."""
+    def add_local(
+        self, sender: int, values: torch.Tensor, weight: float, kept: Spilled | None = None
+    ) -> None:
+        """The reducer's own slice: uncompressed, never on the wire. ``kept``: a copy of ``values`` in a
+        spill file (raw float32), to recompute from: then ``values`` may be ``acc`` itself."""
         if values.numel() != self.size:
             raise ValueError("a slice must cover the whole partition")
         if self.touched:
@@ -86,7 +90,7 @@ class PartitionReducer:
         else:  # the first slice: no temporary the size of the partition
             torch.mul(values, weight, out=self.acc)
         self.touched.add(sender)
-        self._kept[sender] = [values]
+        self._kept[sender] = [values if kept is None else _Local(kept)]
         self.delivered[sender] = weight
         self._counts[sender], self._weights[sender] = len(self.spans), weight
         self._advance()
@@ -227,8 +231,8 @@ class PartitionReducer:
     def _slice_of(self, sender: int) -> torch.Tensor:
         """A sender's whole slice as float32 (its kept chunks decoded; they were checked on arrival)."""
         kept = self._kept[sender]
-        if len(kept) == 1 and isinstance(kept[0], torch.Tensor):
-            return kept[0].to(torch.float32)
+        if len(kept) == 1 and isinstance(kept[0], torch.Tensor | _Local):
+            return _values(kept[0]).to(torch.float32)
         parts = []
         for (a, b), data in zip(self.spans, kept, strict=True):
             parts.append(decode(_bytes(data), self.mode, b - a))
@@ -236,8 +240,8 @@ class PartitionReducer:
 
     def _replay(self, sender: int, weight: float) -> None:
         kept = self._kept[sender]
-        if len(kept) == 1 and isinstance(kept[0], torch.Tensor):
-            self.acc.add_(kept[0] * weight)
+        if len(kept) == 1 and isinstance(kept[0], torch.Tensor | _Local):
+            self.acc.add_(_values(kept[0]) * weight)
             return
         for index, data in enumerate(kept):
             self._add(index, _bytes(data), weight)
@@ -250,7 +254,20 @@ class PartitionReducer:
         self.early = None
 
 
-def _bytes(data: torch.Tensor | memoryview | Spilled) -> memoryview:
+@dataclass(frozen=True)
+class _Local:
+    """The reducer's own slice, kept in a spill file as raw float32."""
+
+    spilled: Spilled
+
+
+def _values(kept: torch.Tensor | _Local) -> torch.Tensor:
+    if isinstance(kept, _Local):
+        return torch.frombuffer(kept.spilled.read(), dtype=torch.float32)
+    return kept
+
+
+def _bytes(data: torch.Tensor | memoryview | Spilled | _Local) -> memoryview:
     """A kept chunk's bytes (read back from the spill file if it went there)."""
     if isinstance(data, Spilled):
         return memoryview(data.read())
