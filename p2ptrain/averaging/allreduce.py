@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -270,12 +270,13 @@ class AllReduceRound:
             red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
         return red
 
-    def _pieces(self, p: int) -> tuple[list[bytes | memoryview], bytes]:
+    def _pieces(self, p: int) -> tuple[Iterable[bytes | memoryview], bytes]:
         """The encoded chunks of this member's slice of ``p``, and its signed commitment (audited rounds:
-        computed once, kept for the audit)."""
+        computed once, kept for the audit). Else encoded as they are sent: a compressed copy of the whole
+        slice would cost memory for nothing."""
         values = self._own(p)
         if not self.audit:
-            return [_encoded(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)], b""
+            return (_encoded(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)), b""
         if p not in self.sent:
             pieces = [bytes(_encoded(values[a:b], self.mode)) for a, b in chunks(self.sizes[p], self.mode)]
             commit = seal_commit(self.host.identity, self.digest, p, self.weight, hash_pieces(pieces))
