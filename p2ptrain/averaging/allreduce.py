@@ -300,13 +300,17 @@ class AllReduceRound:
         if self.backup is not None:
             self.backup.close()
             self.saved.clear()
-        if self.pool is None:
-            return
-        for p, red in self.reducers.items():
-            if not self._reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
-                self.pool.give(red.acc)
-        if self.backup is None:  # (in place, ``flat`` is the caller's)
-            self.pool.give(self.flat)
+        if self.pool is not None:
+            for p, red in self.reducers.items():
+                if not self._reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
+                    self.pool.give(red.acc)
+            if self.backup is None:  # (in place, ``flat`` is the caller's)
+                self.pool.give(self.flat)
+        # Whatever still refers to this round object (a late call's context, a log record) must not keep
+        # the caller's tensors or the buffers alive: they are model-sized.
+        self.flat = self.source = torch.empty(0)
+        self.tensors = []
+        self.reducers.clear()
 
     def _mark(self, phase: str) -> None:
         self.phases[phase] = round(trio.current_time() - self.start, 6)
