@@ -766,8 +766,8 @@ class AllReduceRound:
                 async with conn.open_stream(
                     FETCH_EARLY, FetchReq(self.digest, p), timeout=_left(self.deadline["gather"])
                 ) as stream:
-                    if self.backup is not None and p not in self.saved:
-                        await self._save(p)
+                    if self.backup is not None and p not in self.saved and not await self._save(p):
+                        return  # no backup, no early averages: the gather fetches them after the decision
                     if self.source is self.flat:
                         self.overwritten.add(p)
                     if self.mode is Compression.NONE:  # decrypted straight into place: no copy
@@ -790,16 +790,22 @@ class AllReduceRound:
         finally:
             self.early_done[p].set()
 
-    async def _save(self, p: int) -> None:
+    async def _save(self, p: int) -> bool:
         """In place: this member's values of partition ``p`` to the backup, before results overwrite them
-        (in a worker thread when large; nothing writes into the partition meanwhile)."""
+        (in a worker thread when large; nothing writes into the partition meanwhile). False if the
+        backup cannot be written (a full disk)."""
         assert self.backup is not None
         data = _encoded(self._slice(p), Compression.NONE)
-        if len(data) >= SPILL_BYTES:
-            saved = await trio.to_thread.run_sync(self.backup.put, data)
-        else:
-            saved = self.backup.put(data)
+        try:
+            if len(data) >= SPILL_BYTES:
+                saved = await trio.to_thread.run_sync(self.backup.put, data)
+            else:
+                saved = self.backup.put(data)
+        except OSError as e:
+            log.warning("cannot back partition %d up (%s): fetching its average after the decision", p, e)
+            return False
         self.saved[p] = saved
+        return True
 
     def blame(self) -> dict[PeerID, str]:
         """After an abort: the members this round failed on, as far as this member can tell (the

@@ -351,10 +351,13 @@ class Averager:
             at = offsets(list(m.sizes))
             me = m.peers().index(self.host.identity.peer_id)
             mine = flat[at[me] : at[me + 1]].view(torch.uint8).numpy().data
-            if len(mine) >= SPILL_BYTES:
-                own = await trio.to_thread.run_sync(backup.put, mine)
-            else:
-                own = backup.put(mine)
+            try:
+                if len(mine) >= SPILL_BYTES:
+                    own = await trio.to_thread.run_sync(backup.put, mine)
+                else:
+                    own = backup.put(mine)
+            except OSError as e:  # (a full disk): our partition is reduced in a buffer of its own
+                log.warning("cannot back our partition up (%s): reducing it in a separate buffer", e)
         return await self._run_round(signed, tensors, flat, flat, weight, backup=backup, own_saved=own)
 
     def decline(self, signed: SignedManifest) -> None:

@@ -17,6 +17,7 @@ member order at the decision and the rule is applied to them instead of the runn
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from .compression import Compression, accumulate, all_finite, decode, encode, en
 from .partition import chunks
 from .robust import aggregate, outliers
 from .spill import SPILL_BYTES, Spilled, SpillFile
+
+log = logging.getLogger(__name__)
 
 
 class PartitionReducer:
@@ -166,7 +169,13 @@ class PartitionReducer:
     def _keep(self, data: memoryview) -> memoryview | Spilled:
         if self._spill is None or self._spill.closed:  # (closed: the result is out, nothing reads it)
             return data
-        return self._spill.put(data)
+        try:
+            return self._spill.put(data)
+        except OSError as e:  # (a full disk): kept in memory from now on
+            log.warning("cannot spill received chunks (%s): keeping them in memory", e)
+            self._spill.close()
+            self._spill = None
+            return data
 
     def complete(self, sender: int, weight: float) -> None:
         self.delivered[sender] = weight

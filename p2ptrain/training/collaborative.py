@@ -80,7 +80,9 @@ class _InFlight:
     weight: int
     since: float  # when the batch in progress at the handoff began: later samples count toward the next
     outcome: RoundResult | BaseException | None = None
-    own: list[Spilled] | None = None  # diloco: this peer's pseudo-gradient, before the round averaged it
+    own: list[Spilled | torch.Tensor] | None = (
+        None  # diloco: this peer's pseudo-gradient, before the round averaged it
+    )
 
 
 class CollaborativeOptimizer(SwarmState, BanRecords):
@@ -653,8 +655,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         try:
             return await self._land_flight(flight, outcome, tensors, weight)
         finally:
-            if flight.own:
-                flight.own[0].file.close()
+            for kept in flight.own or ():
+                if isinstance(kept, Spilled):
+                    kept.file.close()
 
     async def _land_flight(
         self,
@@ -684,7 +687,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 # pseudo-gradient), the local parameters at the handoff
                 with torch.no_grad():
                     for p, g, h in zip(self.params, self.global_params, own, strict=True):
-                        p.sub_(g).add_(torch.frombuffer(h.read(), dtype=p.dtype).view(p.shape))
+                        kept = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
+                        p.sub_(g).add_(kept.view(p.shape))
                 self._outer_step()
                 with torch.no_grad():
                     for p, g in zip(self.params, self.global_params, strict=True):
@@ -702,13 +706,21 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._advance(outcome, weight)
         return True
 
-    async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled]:
+    async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
         """``buffer``'s values in a spill file (a worker thread's job when large): a model-sized copy
-        that the landing reads once, so it need not stay in memory meanwhile."""
+        that the landing reads once, so it need not stay in memory meanwhile (in memory if the file
+        cannot be written: a full disk)."""
         file = SpillFile()
 
-        def write() -> list[Spilled]:
-            return [file.put(v.detach().contiguous().view(torch.uint8).numpy().data) for v in buffer.views]
+        def write() -> list[Spilled | torch.Tensor]:
+            try:
+                return [
+                    file.put(v.detach().contiguous().view(torch.uint8).numpy().data) for v in buffer.views
+                ]
+            except OSError as e:
+                log.warning("cannot spill the pseudo-gradient (%s): keeping a copy in memory", e)
+                file.close()
+                return [v.detach().clone() for v in buffer.views]
 
         if self._param_bytes < statesync.THREAD_BYTES:
             return write()

@@ -480,3 +480,18 @@ async def test_a_dead_member_costs_the_others_its_grace_not_the_phase_deadline(a
     # left out once its connections stayed closed for GONE_AFTER: the scatter phase alone is 0.4 T = 8 s
     slowest = max(o.round_seconds for o in survivors if isinstance(o, RoundResult))
     assert slowest < GONE_AFTER + 1.0 < SCATTER * timeout, slowest
+
+
+async def test_rounds_go_on_without_spill_files_when_the_disk_is_full(autojump_clock, monkeypatch):
+    """A spill that cannot be written (ENOSPC) costs memory, not the round: reducers keep their chunks in
+    memory, and an in-place member fetches the averages after the decision instead of early."""
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reducer, "SPILL_BYTES", 0)
+    monkeypatch.setattr(spill.SpillFile, "put", full)
+    for phase in ("before_send", "mid_send"):
+        verdict, outcomes = await fault_trial(4, 1, phase, in_place=True)
+        assert all(o is not None for i, o in enumerate(outcomes) if i != 1)
+        assert verdict == "commit"  # (fault_trial checked the mean)
