@@ -297,15 +297,15 @@ class AllReduceRound:
         if self.released or self.streaming or not self.retired.is_set():
             return
         self.released = True
-        if self.backup is not None:
-            self.backup.close()
-            self.saved.clear()
         if self.pool is not None:
             for p, red in self.reducers.items():
                 if not self._reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
                     self.pool.give(red.acc)
             if self.backup is None:  # (in place, ``flat`` is the caller's)
                 self.pool.give(self.flat)
+        if self.backup is not None:  # (after the above: what was reduced in place depends on it)
+            self.backup.close()
+            self.saved.clear()
         # Whatever still refers to this round object (a late call's context, a log record) must not keep
         # the caller's tensors or the buffers alive: they are model-sized.
         self.flat = self.source = torch.empty(0)

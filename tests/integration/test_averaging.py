@@ -495,3 +495,19 @@ async def test_rounds_go_on_without_spill_files_when_the_disk_is_full(autojump_c
         verdict, outcomes = await fault_trial(4, 1, phase, in_place=True)
         assert all(o is not None for i, o in enumerate(outcomes) if i != 1)
         assert verdict == "commit"  # (fault_trial checked the mean)
+
+
+async def test_an_in_place_round_never_gives_the_callers_tensor_to_the_buffer_pool(autojump_clock):
+    """The pool hands its buffers to later rounds: a caller's tensor there would be overwritten under it."""
+    n = 3
+    async with open_group(n) as group:
+        inputs = [make_tensors(i, [(150_001,)], [torch.float32]) for i in range(n)]
+        signed = sign_manifest(group.peers, inputs[0], timeout=20.0)
+        outcomes = await run_round(group, signed, inputs, [1.0] * n, in_place=True)
+        with trio.fail_after(30):
+            for o in outcomes:
+                assert isinstance(o, RoundResult)
+                await o.retired.wait()
+        for peer, tensors in zip(group.peers, inputs, strict=True):
+            mine = tensors[0].untyped_storage().data_ptr()
+            assert all(t.untyped_storage().data_ptr() != mine for t in peer.averager._pool._free)
