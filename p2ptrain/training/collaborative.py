@@ -688,7 +688,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 with torch.no_grad():
                     for p, g, h in zip(self.params, self.global_params, own, strict=True):
                         kept = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
-                        p.sub_(g).add_(kept.view(p.shape))
+                        p.sub_(g).add_(kept.view(p.shape).to(p.device))
                 self._outer_step()
                 with torch.no_grad():
                     for p, g in zip(self.params, self.global_params, strict=True):
@@ -714,9 +714,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
 
         def write() -> list[Spilled | torch.Tensor]:
             try:
-                return [
-                    file.put(v.detach().contiguous().view(torch.uint8).numpy().data) for v in buffer.views
-                ]
+                return [file.put(_host_bytes(v)) for v in buffer.views]
             except OSError as e:
                 log.warning("cannot spill the pseudo-gradient (%s): keeping a copy in memory", e)
                 file.close()
@@ -760,6 +758,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 await self._land()
         if waited.cancelled_caught:
             log.warning("stopped waiting for the averaging round in progress after %g s", timeout)
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in host memory (copied there from a device)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
 
 
 class SyncCollaborativeOptimizer:
