@@ -250,7 +250,16 @@ class PartitionReducer:
     def _replay(self, sender: int, weight: float) -> None:
         kept = self._kept[sender]
         if len(kept) == 1 and isinstance(kept[0], torch.Tensor | _Local):
-            self.acc.add_(_values(kept[0]) * weight)
+            own = kept[0]
+            for a, b in self.spans:  # chunk by chunk: no partition-sized temporary
+                if isinstance(own, _Local):
+                    part = own.spilled
+                    values = torch.frombuffer(
+                        part.file.read(part.offset + 4 * a, 4 * (b - a)), dtype=torch.float32
+                    )
+                else:
+                    values = own[a:b]
+                self.acc[a:b].add_(values * weight)
             return
         for index, data in enumerate(kept):
             self._add(index, _bytes(data), weight)
