@@ -106,8 +106,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.large_models", description=__doc__)
     parser.add_argument("--peers", type=int, default=8, help="peers in a round (default 8)")
-    parser.add_argument("--rss-sync", type=float, default=6.6, help="measured RSS multiple, sync mode")
-    parser.add_argument("--rss-diloco", type=float, default=8.0, help="measured RSS multiple, DiLoCo")
+    parser.add_argument("--rss-sync", type=float, default=5.5, help="measured RSS multiple, sync mode")
+    parser.add_argument("--rss-diloco", type=float, default=7.8, help="measured RSS multiple, DiLoCo")
     parser.add_argument("--allreduce-efficiency", type=float, default=0.81, help="fraction of the link bound")
     parser.add_argument("--sync-efficiency", type=float, default=0.93, help="state download, of the link")
     args = parser.parse_args(argv)
