@@ -11,7 +11,8 @@ more samples to an epoch than slow ones, and nobody waits for anybody until the 
   weighted by its sample count) and goes on computing into a fresh accumulator: nobody waits for a slow
   peer's batch in progress (it counts toward the next step). At the first ``step`` after the round
   committed, every member applies the same averaged gradient with the same optimizer: parameters stay
-  bit-identical. An aborted round's gradients go back into the accumulator.
+  bit-identical. An aborted round's gradients go back into the accumulator (unless the round averaged
+  them in place, as it does the flat accumulator of a model in host memory: then they are dropped).
 - **diloco**: each peer takes inner steps of its own optimizer; at the target the peers average their
   pseudo-gradients (global parameters minus local ones), weighted by samples, and apply an outer Nesterov
   SGD step to the global parameters; local parameters restart from the new global ones. With ``overlap``
@@ -80,9 +81,8 @@ class _InFlight:
     weight: int
     since: float  # when the batch in progress at the handoff began: later samples count toward the next
     outcome: RoundResult | BaseException | None = None
-    own: list[Spilled | torch.Tensor] | None = (
-        None  # diloco: this peer's pseudo-gradient, before the round averaged it
-    )
+    # diloco: this peer's pseudo-gradient, before the round averaged it (see ``_keep_aside``)
+    own: list[Spilled | torch.Tensor] | None = None
 
 
 class CollaborativeOptimizer(SwarmState, BanRecords):
@@ -493,6 +493,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             )
         except RoundAborted as e:
             self._note_abort(e)
+            self._after_abort(self.averaged)
             return False
         self._relaying = result.retired
         await self.unheld()
@@ -526,6 +527,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             p.grad = h
         if zero:
             grads.zero_()
+
+    def _after_abort(self, tensors: ParamBuffer) -> None:
+        """DiLoCo: an aborted in-place round may still relay the averages it holds to members that
+        commit: its buffer is left to it, and the next pseudo-gradient goes into a new one."""
+        if self.diloco and tensors.sendable and tensors is self.averaged:
+            self.averaged = ParamBuffer(self.params)
+            self._relaying = None
 
     def _attach(self) -> None:
         """Summed gradients: the accumulator's views become the parameters' .grad."""
@@ -677,6 +685,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 tensors.zero_()
                 self.samples += weight
                 self._spare = tensors
+            self._after_abort(tensors)
             return False  # diloco: the work is still in the local parameters
         if self.diloco:
             own = flight.own

@@ -22,7 +22,7 @@ import trio
 
 from p2ptrain import AveragerConfig, Node, NodeConfig
 from p2ptrain.config import RunConfig
-from p2ptrain.errors import GroupFormationFailed
+from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.training import checkpoint, state, statesync
@@ -288,6 +288,28 @@ async def test_diloco_overlap_keeps_the_local_progress_made_while_the_round_ran(
         opt._land_flight = land  # type: ignore[method-assign]
         await s.until(lambda: len(checked) >= 3, timeout=120)
         assert max(checked) > 0  # (some rounds landed after local steps were taken meanwhile)
+
+
+async def test_a_diloco_peer_leaves_an_aborted_in_place_round_its_buffer(autojump_clock: object) -> None:
+    """An aborted round may still relay the averages it holds from the buffer it averaged in place: the
+    next pseudo-gradient goes into a new buffer, not over them."""
+    async with swarm(run_config("diloco", overlap=True)) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15)]
+        opt = peers[0].opt
+        real = opt.node.averager.run_round
+        spoilt: list[torch.Tensor] = []
+
+        async def abort_once(manifest, tensors, *, weight, in_place=False):  # type: ignore[no-untyped-def]
+            if not spoilt:
+                spoilt.append(tensors[0])
+                raise RoundAborted("aborted on purpose")
+            return await real(manifest, tensors, weight=weight, in_place=in_place)
+
+        opt.node.averager.run_round = abort_once  # type: ignore[method-assign]
+        await s.until(lambda: opt.stats.aborted >= 1 and opt._in_flight is None, timeout=60)
+        assert spoilt and all(t is not spoilt[0] for t in opt.averaged.tensors)
+        await s.until(lambda: all(p.opt.stats.averaged >= 2 for p in peers), timeout=120)
+        check_identical_per_epoch(peers)
 
 
 async def test_a_joining_peer_downloads_the_state_then_stays_identical(autojump_clock: object) -> None:
