@@ -116,9 +116,7 @@ def pids_of(report: Path) -> list[int]:
 
 def test_a_short_scenario_with_a_kill_and_a_restart_writes_its_report(tmp_path: Path) -> None:
     scenario = tmp_path / "kill-restart.toml"
-    # 51 s after the restart: on a busy 2-core machine a restarted process can take half a minute to
-    # start, download the state and take a step (29 s were "inconclusive" under load)
-    scenario.write_text(SCENARIO.format(duration=80, link=18, kill=24, restart=29, cut=40))
+    scenario.write_text(SCENARIO.format(duration=58, link=18, kill=24, restart=29, cut=40))
     report = tmp_path / "report"
     done = subprocess.run(
         [sys.executable, "-m", "simulations", "run", str(scenario), "--out", str(report), "--quiet"],
