@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import RemoteProtocolError
-from ..identity import PEER_ID_BYTES, PeerID
+from ..identity import PeerID
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
-from .records import OWNER_TAG, owned_subkey
+from .records import owned_subkey, subkey_owner
 from .service import DHT
 
 
@@ -55,12 +55,13 @@ async def list_members(dht: DHT, run_id: str, *, quorum: int = 3) -> list[Member
     entries = await dht.get(peers_key(run_id), quorum=quorum)
     members = []
     for subkey, entry in entries.items():
-        if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
+        owner = subkey_owner(subkey)
+        if owner is None:
             continue
         try:
             record = PeerRecord.from_obj(unpack(entry.value))
         except RemoteProtocolError:
             continue
-        members.append(Member(PeerID(subkey[1:]), record, entry.expiry))
+        members.append(Member(owner, record, entry.expiry))
     members.sort(key=lambda m: m.peer_id)
     return members

@@ -51,13 +51,18 @@ def owned_subkey(peer: PeerID) -> bytes:
     return OWNER_TAG + peer.digest
 
 
+def subkey_owner(subkey: bytes) -> PeerID | None:
+    """The peer whose :func:`owned_subkey` this is (the DHT checked that it signed the entry), or None."""
+    if len(subkey) == 1 + PEER_ID_BYTES and subkey[:1] == OWNER_TAG:
+        return PeerID(subkey[1:])
+    return None
+
+
 def owner_of(key: bytes, subkey: bytes) -> PeerID | None:
     """Who alone may write (key, subkey): the key's owner if the key is owned, else the subkey's."""
     if len(key) >= 1 + PEER_ID_BYTES and key[:1] == OWNER_TAG:
         return PeerID(key[1 : 1 + PEER_ID_BYTES])
-    if len(subkey) == 1 + PEER_ID_BYTES and subkey[:1] == OWNER_TAG:
-        return PeerID(subkey[1:])
-    return None
+    return subkey_owner(subkey)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import logging
 
 import trio
 
-from ..dht.records import OWNER_TAG, owned_subkey
+from ..dht.records import owned_subkey, subkey_owner
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PEER_ID_BYTES, PeerID
 from ..node import Node
@@ -83,8 +83,8 @@ class BanRecords:
             return
         accusations: dict[PeerID, list[tuple[PeerID, str]]] = {}
         for subkey, entry in entries.items():
-            if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
-                continue
-            accusations[PeerID(subkey[1:])] = _parse_bans(entry.value)
+            accuser = subkey_owner(subkey)
+            if accuser is not None:
+                accusations[accuser] = _parse_bans(entry.value)
         for peer in self.node.averager.auditor.weigh(accusations):
             log.warning("adopted the swarm's ban of %s", peer.short())

@@ -46,9 +46,9 @@ from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
 from ..averaging.spill import Spilled, SpillFile
 from ..config import RunConfig
-from ..dht.records import OWNER_TAG, owned_subkey
+from ..dht.records import owned_subkey, subkey_owner
 from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
-from ..identity import PEER_ID_BYTES, PeerID
+from ..identity import PeerID
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
 from . import statesync
@@ -251,13 +251,14 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             return
         records = []
         for subkey, entry in entries.items():
-            if len(subkey) != 1 + PEER_ID_BYTES or subkey[:1] != OWNER_TAG:
+            peer = subkey_owner(subkey)
+            if peer is None:
                 continue  # only owned subkeys: the DHT checked that the peer named signed it
             try:
                 rec = ProgressRecord.from_obj(unpack(entry.value))
             except RemoteProtocolError:
                 continue
-            records.append(PeerProgress(PeerID(subkey[1:]), rec))
+            records.append(PeerProgress(peer, rec))
         self.records = records
         self._update_view()
         self._records_read.set()
