@@ -50,6 +50,7 @@ from ..identity import PeerID
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
+from . import spill
 from .agreement import Coordinator, excluded_reasons
 from .audit import (
     Attestation,
@@ -84,7 +85,7 @@ from .protocol import (
     seal_decision,
 )
 from .reducer import PartitionReducer
-from .spill import SPILL_BYTES, Spilled, SpillFile
+from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
 
@@ -797,10 +798,7 @@ class AllReduceRound:
         assert self.backup is not None
         data = _encoded(self._slice(p), Compression.NONE)
         try:
-            if len(data) >= SPILL_BYTES:
-                saved = await trio.to_thread.run_sync(self.backup.put, data)
-            else:
-                saved = self.backup.put(data)
+            saved = await spill.put(self.backup, data)
         except OSError as e:
             log.warning("cannot back partition %d up (%s): fetching its average after the decision", p, e)
             return False

@@ -40,6 +40,7 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from ..wire.codec import pack
+from . import spill
 from .allreduce import AllReduceRound, FaultHook, RoundEvidence, RoundResult
 from .auditor import AUDIT_WINDOW, Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
@@ -73,7 +74,7 @@ from .protocol import (
     seal_decision,
 )
 from .robust import parse_aggregation
-from .spill import SPILL_BYTES, Spilled, SpillFile
+from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
 
@@ -352,10 +353,7 @@ class Averager:
             me = m.peers().index(self.host.identity.peer_id)
             mine = flat[at[me] : at[me + 1]].view(torch.uint8).numpy().data
             try:
-                if len(mine) >= SPILL_BYTES:
-                    own = await trio.to_thread.run_sync(backup.put, mine)
-                else:
-                    own = backup.put(mine)
+                own = await spill.put(backup, mine)
             except OSError as e:  # (a full disk): our partition is reduced in a buffer of its own
                 log.warning("cannot back our partition up (%s): reducing it in a separate buffer", e)
         return await self._run_round(signed, tensors, flat, flat, weight, backup=backup, own_saved=own)

@@ -19,6 +19,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import trio
+
 SPILL_BYTES = 8 * 1024 * 1024
 """Partitions of at least this many bytes keep what they receive in a spill file; smaller ones in memory."""
 
@@ -79,3 +81,11 @@ class SpillFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+async def put(file: SpillFile, data: bytes | bytearray | memoryview) -> Spilled:
+    """``file.put(data)``, in a worker thread when ``data`` is large (copying hundreds of megabytes into
+    the page cache would hold the event loop). The caller must not change ``data`` meanwhile."""
+    if len(memoryview(data).cast("B")) >= SPILL_BYTES:
+        return await trio.to_thread.run_sync(file.put, data)
+    return file.put(data)

@@ -63,6 +63,7 @@ from .progress import (
     plausible_samples,
     swarm_view,
 )
+from .state import raw_bytes
 from .statesync import StateServer
 from .swarm_state import SwarmState, _Download
 
@@ -724,7 +725,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
 
         def write() -> list[Spilled | torch.Tensor]:
             try:
-                return [file.put(_host_bytes(v)) for v in buffer.views]
+                return [file.put(raw_bytes(v)) for v in buffer.views]
             except OSError as e:
                 log.warning("cannot spill the pseudo-gradient (%s): keeping a copy in memory", e)
                 file.close()
@@ -768,11 +769,6 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 await self._land()
         if waited.cancelled_caught:
             log.warning("stopped waiting for the averaging round in progress after %g s", timeout)
-
-
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes in host memory (copied there from a device)."""
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
 
 
 class SyncCollaborativeOptimizer:

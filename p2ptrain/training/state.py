@@ -117,7 +117,7 @@ def _dtype_name(tensor: torch.Tensor, name: str) -> str:
     return dtype_name
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, zero-copy when it already is a contiguous CPU tensor.
 
     The memoryview keeps the tensor alive (through the NumPy array it views), so it stays valid after
@@ -154,7 +154,7 @@ def encode(
     for name in sorted(_check_name(n, LocalProtocolError) for n in tensors):
         tensor = tensors[name]
         dtype_name = _dtype_name(tensor, name)
-        raw = _raw_bytes(tensor)
+        raw = raw_bytes(tensor)
         header[name] = {
             "dtype": dtype_name,
             "shape": list(tensor.shape),
@@ -326,7 +326,7 @@ def digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
         dtype_name = _dtype_name(tensor, name).encode()
         h.update(struct.pack("<QQ", len(encoded), len(dtype_name)) + encoded + dtype_name)
         h.update(struct.pack(f"<Q{tensor.dim()}q", tensor.dim(), *tensor.shape))
-        h.update(_raw_bytes(tensor))  # hashlib releases the GIL for large buffers
+        h.update(raw_bytes(tensor))  # hashlib releases the GIL for large buffers
     return h.digest()
 
 
