@@ -271,11 +271,13 @@ class AllReduceRound:
             red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
         return red
 
-    def _pieces(self, p: int) -> tuple[Iterable[bytes | memoryview], bytes]:
-        """The encoded chunks of this member's slice of ``p``, and its signed commitment (audited rounds:
-        computed once, kept for the audit). Else encoded as they are sent: a compressed copy of the whole
-        slice would cost memory for nothing."""
-        values = self._own(p)
+    def _pieces(
+        self, p: int, values: torch.Tensor | None = None
+    ) -> tuple[Iterable[bytes | memoryview], bytes]:
+        """The encoded chunks of this member's slice of ``p`` (``values``, else read by ``_own``), and its
+        signed commitment (audited rounds: computed once, kept for the audit). Else encoded as they are
+        sent: a compressed copy of the whole slice would cost memory for nothing."""
+        values = self._own(p) if values is None else values
         if not self.audit:
             return (_encoded(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)), b""
         if p not in self.sent:
@@ -424,7 +426,10 @@ class AllReduceRound:
     async def _send_slice(self, p: int, to: int, deadline: float | None = None) -> None:
         """Stream my slice of partition ``p`` to member ``to``."""
         addr = self.manifest.members[to].addr
-        pieces, commit = self._pieces(p)
+        own = None
+        if p in self.saved and p not in self.sent:  # read back from the backup: a worker thread's job
+            own = await trio.to_thread.run_sync(self._own, p)
+        pieces, commit = self._pieces(p, own)
         try:
             with trio.fail_after(max(0.0, (deadline or self.deadline["scatter"]) - trio.current_time())):
                 conn = await self.host.connect(addr)
