@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .net.handshake import MAX_RUN_ID
 
 MODES = ("sync", "diloco")
+OUTER_STATES = ("auto", "memory", "file")
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,16 @@ class DilocoSection:
     outer_lr: float = 0.7  # OpenDiLoCo's outer Nesterov settings
     outer_momentum: float = 0.9
     overlap: bool = False  # average round t's pseudo-gradient while computing round t+1
+    # Where the global parameters and the outer momentum live: "memory"; "file": a file in TMPDIR mapped
+    # into memory, held by the page cache, off the process's resident set between rounds (2x the fp32
+    # parameter bytes less RAM at the peak); "auto": "file" for a large model on the CPU, else "memory"
+    outer_state: str = "auto"
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.outer_lr) and self.outer_lr > 0, "diloco.outer_lr", "must be positive")
         _check(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "must be in [0, 1)")
+        states = ", ".join(OUTER_STATES)
+        _check(self.outer_state in OUTER_STATES, "diloco.outer_state", f"must be one of {states}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -126,12 +127,14 @@ def save(
     info: Mapping[str, Any],
     *,
     keep: int = 2,
+    source: state.Source | None = None,
 ) -> Path:
     """Write ``folder/step-<step>`` atomically and durably, then prune to the newest ``keep``; return it.
 
     ``info`` must be JSON-serializable. Saving a step that already exists replaces it. One writer per
     folder: a save removes the temporary directories it finds there as crash leftovers. Raises
-    :class:`ValueError` for a bad step, keep or info; :class:`OSError` from the filesystem.
+    :class:`ValueError` for a bad step, keep or info; :class:`OSError` from the filesystem. The tensors
+    ``source`` owns are read through it (file-backed ones: see ``offheap``).
     """
     if type(step) is not int or not 0 <= step < 10**18:
         raise ValueError(f"checkpoint step must be an int in [0, 1e18), got {step!r}")
@@ -140,8 +143,11 @@ def save(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(folder)
-    pieces = state.encode(tensors, metadata)  # before touching the disk: bad names or dtypes raise here
-    meta: dict[str, Any] = {"format": FORMAT, "step": step, "digest": state.digest(tensors).hex()}
+    encoded = state.encode(tensors, metadata)  # before touching the disk: bad names or dtypes raise here
+    # encode's pieces: the header, then each non-empty tensor's bytes in name order
+    streamed = (state.pieces_of(tensors[n], source) for n in sorted(tensors) if tensors[n].numel())
+    pieces = itertools.chain(encoded[:1], itertools.chain.from_iterable(streamed))
+    meta: dict[str, Any] = {"format": FORMAT, "step": step, "digest": state.digest(tensors, source).hex()}
     try:
         json.dumps(dict(info))
     except (TypeError, ValueError) as exc:

@@ -45,9 +45,9 @@ from ..averaging.allreduce import RoundResult
 from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
 from ..averaging.spill import Spilled, SpillFile
-from ..config import RunConfig
+from ..config import DilocoSection, RunConfig
 from ..dht.records import owned_subkey, subkey_owner
-from ..errors import GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
+from ..errors import ConfigError, GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
 from ..identity import PeerID
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
@@ -56,6 +56,7 @@ from .bans import BAN_READ_INTERVAL, BanRecords
 from .bookkeeping import RateMeter, RoundStats, run_fingerprint
 from .buffers import ParamBuffer
 from .fetch import Fetcher, ProgressFn
+from .offheap import FileTensors
 from .progress import (
     PeerProgress,
     ProgressRecord,
@@ -119,12 +120,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.records: list[PeerProgress] = []
         self.fingerprint = run_fingerprint(config, model)
         self.key = f"p2ptrain/{node.config.run_id}/progress".encode()
+        self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.outer_file: FileTensors | None = None
+        self.momentum: list[torch.Tensor] = []
         if self.diloco:
-            self.global_params = [p.detach().clone() for p in self.params]
-            d = config.diloco
-            self.outer = torch.optim.SGD(
-                self.global_params, lr=d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0
-            )
+            self._init_outer(config.diloco)
         # DiLoCo: pseudo-gradients; sync: gradient sums (the parameters' .grad when summed)
         self.averaged = ParamBuffer(self.params)
         if self.summed:
@@ -149,7 +149,6 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._nursery: trio.Nursery | None = None
         self._version = 0  # bumped whenever the state changes
         self._holds = 0  # threads reading the live state: nothing may change it meanwhile
-        self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self._local_idle = trio.Event()  # set while no step work runs in a worker thread (_off_loop)
         self._local_idle.set()
         self._released = trio.Event()
@@ -499,9 +498,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             return False
         self._relaying = result.retired
         await self.unheld()
-        self._outer_step()
-        for p, g in zip(self.params, self.global_params, strict=True):
-            p.data.copy_(g)
+        self._outer_step(after=self._reset_local)
         self.samples -= weight
         self._counting_from()
         self._advance(result, weight)
@@ -516,6 +513,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         with torch.no_grad():
             for d, g, p in zip(self.averaged.views, self.global_params, self.params, strict=True):
                 torch.sub(g, p.detach(), out=d)
+                self._release(g)
 
     def _apply_gradients(self, grads: ParamBuffer, zero: bool = True) -> None:
         """One optimizer step with ``grads`` (then zeroed, for reuse as an accumulator)."""
@@ -542,21 +540,66 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         for p, acc in zip(self.params, self.averaged.views, strict=True):
             p.grad = acc
 
-    def _outer_step(self) -> None:
-        for g, d in zip(self.global_params, self.averaged.views, strict=True):
+    def _init_outer(self, d: DilocoSection) -> None:
+        """The global parameters and the outer Nesterov SGD, whose momentum buffers exist from the start
+        (zeros: the first step's result is the same as from none) so that they can live in a file."""
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        large = self._param_bytes >= statesync.THREAD_BYTES
+        if d.outer_state == "file" and not on_cpu:
+            raise ConfigError("diloco.outer_state = 'file' needs the parameters on the CPU")
+        if d.outer_state == "file" or (d.outer_state == "auto" and on_cpu and large):
+            n = len(self.params) if d.outer_momentum > 0 else 0
+            self.outer_file = FileTensors(self.params + self.params[:n])
+            self.global_params = self.outer_file.tensors[: len(self.params)]
+            self.momentum = self.outer_file.tensors[len(self.params) :]
+            with torch.no_grad():
+                for g, p in zip(self.global_params, self.params, strict=True):
+                    g.copy_(p)
+            self.outer_file.release()
+        else:
+            self.global_params = [p.detach().clone() for p in self.params]
+            if d.outer_momentum > 0:
+                self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.outer = torch.optim.SGD(
+            self.global_params, lr=d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0
+        )
+        for g, m in zip(self.global_params, self.momentum, strict=True) if self.momentum else ():
+            self.outer.state[g]["momentum_buffer"] = m
+
+    def _reset_local(self, i: int) -> None:
+        """The local parameter ``i`` restarts from the new global one."""
+        with torch.no_grad():
+            self.params[i].copy_(self.global_params[i])
+
+    def _release(self, *tensors: torch.Tensor) -> None:
+        if self.outer_file is not None:
+            self.outer_file.release(tensors)
+
+    def _outer_step(
+        self,
+        before: Callable[[int], None] | None = None,
+        after: Callable[[int], None] | None = None,
+    ) -> None:
+        """The outer step of the global parameters with the averaged pseudo-gradients, one parameter at a
+        time: ``before(i)`` runs ahead of parameter i's update, ``after(i)`` right after it (the local
+        parameters' side), then a file-backed outer state's pages of parameter i leave the resident set.
+        (SGD updates only the parameters that have a gradient.)"""
+        for i, (g, d) in enumerate(zip(self.global_params, self.averaged.views, strict=True)):
+            if before is not None:
+                before(i)
             g.grad = d
-        self.outer.step()
-        for g in self.global_params:
+            self.outer.step()
             g.grad = None
+            if after is not None:
+                after(i)
+            self._release(g, *self.momentum[i : i + 1])
 
     def _solo_step(self) -> None:
         """No other peer on this epoch: the step is this peer's alone."""
         weight = self.samples
         if self.diloco:
             self._pseudo_gradients()
-            self._outer_step()
-            for p, g in zip(self.params, self.global_params, strict=True):
-                p.data.copy_(g)
+            self._outer_step(after=self._reset_local)
         else:
             self.averaged.div_(weight)
             self._apply_gradients(self.averaged)
@@ -693,19 +736,19 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             own = flight.own
             assert own is not None
 
-            def outer_step() -> None:
-                # new global + the local progress since the handoff: local now - (old global - own
-                # pseudo-gradient), the local parameters at the handoff
+            # new global + the local progress since the handoff: local now - (old global - own
+            # pseudo-gradient), the local parameters at the handoff
+            def progress(i: int) -> None:
+                p, g, h = self.params[i], self.global_params[i], own[i]
+                kept = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
                 with torch.no_grad():
-                    for p, g, h in zip(self.params, self.global_params, own, strict=True):
-                        kept = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
-                        p.sub_(g).add_(kept.view(p.shape).to(p.device))
-                self._outer_step()
-                with torch.no_grad():
-                    for p, g in zip(self.params, self.global_params, strict=True):
-                        p.add_(g)
+                    p.sub_(g).add_(kept.view(p.shape).to(p.device))
 
-            await self._off_loop(outer_step)
+            def on_top(i: int) -> None:
+                with torch.no_grad():
+                    self.params[i].add_(self.global_params[i])
+
+            await self._off_loop(self._outer_step, progress, on_top)
             self._relaying = outcome.retired
             self.samples -= weight
             self._counting_from(flight.since)

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import LocalProtocolError
 from . import state
-from .state import StateError
+from .state import Source, StateError
 
 CHUNK = 1 << 20
 """Bytes per chunk: one channel record, so a chunk travels (and is decrypted) in one piece."""
@@ -145,13 +145,21 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def chunk_pieces(layout: Layout, tensors: Sequence[torch.Tensor], i: int) -> list[memoryview]:
-    """Chunk ``i``'s bytes as host memoryviews (views of CPU tensors; GPU bytes copied, one span at a time).
+def chunk_pieces(
+    layout: Layout, tensors: Sequence[torch.Tensor], i: int, source: Source | None = None
+) -> list[memoryview | bytes]:
+    """Chunk ``i``'s bytes as host memoryviews (views of CPU tensors; GPU bytes copied, one span at a time;
+    the tensors ``source`` owns read through it: file-backed ones, whose pages reading in place would map
+    into the process).
 
     ``tensors`` are in layout order."""
-    out = []
+    out: list[memoryview | bytes] = []
     for span in layout.spans(i):
-        raw = _bytes_of(tensors[span.index])[span.lo : span.hi]
+        t = tensors[span.index]
+        if source is not None and source.owns(t):
+            out.append(source.read(t, span.lo, span.hi))
+            continue
+        raw = _bytes_of(t)[span.lo : span.hi]
         if raw.device.type != "cpu":
             raw = raw.cpu()
         out.append(raw.numpy().data)
@@ -165,9 +173,9 @@ def hash_chunk(pieces: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
-def hash_chunks(layout: Layout, tensors: Sequence[torch.Tensor]) -> list[bytes]:
+def hash_chunks(layout: Layout, tensors: Sequence[torch.Tensor], source: Source | None = None) -> list[bytes]:
     """Every chunk's hash (reads the tensors in place; run it in a thread for large states)."""
-    return [hash_chunk(chunk_pieces(layout, tensors, i)) for i in range(layout.chunks)]
+    return [hash_chunk(chunk_pieces(layout, tensors, i, source)) for i in range(layout.chunks)]
 
 
 def root(epoch: int, layout: Layout, hashes: Sequence[bytes]) -> bytes:

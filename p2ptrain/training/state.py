@@ -41,9 +41,9 @@ import math
 import re
 import struct
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -115,6 +115,30 @@ def _dtype_name(tensor: torch.Tensor, name: str) -> str:
             f"tensor {name!r} has layout {tensor.layout}; only dense tensors are carried"
         )
     return dtype_name
+
+
+class Source(Protocol):
+    """Tensors read from elsewhere than their memory (see ``offheap.FileTensors``): file-backed ones,
+    whose pages reading them in place would map into the process."""
+
+    def owns(self, t: torch.Tensor) -> bool: ...
+
+    def read(self, t: torch.Tensor, lo: int, hi: int) -> bytes: ...
+
+
+READ_PIECE = 1 << 20
+"""Bytes per read when a :class:`Source` supplies a tensor's bytes."""
+
+
+def pieces_of(tensor: torch.Tensor, source: Source | None = None) -> Iterator[memoryview | bytes]:
+    """The tensor's bytes: :func:`raw_bytes` in one piece, or read through ``source`` piece by piece
+    when it owns the tensor."""
+    if source is None or not source.owns(tensor):
+        yield raw_bytes(tensor)
+        return
+    nbytes = tensor.numel() * tensor.element_size()
+    for lo in range(0, nbytes, READ_PIECE):
+        yield source.read(tensor, lo, min(lo + READ_PIECE, nbytes))
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -312,11 +336,11 @@ def decode(
     return dict(sorted(tensors.items())), metadata
 
 
-def digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
+def digest(tensors: Mapping[str, torch.Tensor], source: Source | None = None) -> bytes:
     """BLAKE2b-256 over the sorted names, dtypes, shapes and raw bytes: equal states <=> equal digests.
 
     Every field is length-prefixed, so no two different states share an input stream. "Equal" is
-    bitwise: 0.0 and -0.0, or two NaN payloads, differ.
+    bitwise: 0.0 and -0.0, or two NaN payloads, differ. The tensors ``source`` owns are read through it.
     """
     h = hashlib.blake2b(digest_size=32, person=b"p2ptrain-state1")
     h.update(struct.pack("<Q", len(tensors)))
@@ -326,7 +350,8 @@ def digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
         dtype_name = _dtype_name(tensor, name).encode()
         h.update(struct.pack("<QQ", len(encoded), len(dtype_name)) + encoded + dtype_name)
         h.update(struct.pack(f"<Q{tensor.dim()}q", tensor.dim(), *tensor.shape))
-        h.update(raw_bytes(tensor))  # hashlib releases the GIL for large buffers
+        for piece in pieces_of(tensor, source):
+            h.update(piece)  # hashlib releases the GIL for large buffers
     return h.digest()
 
 

@@ -44,6 +44,7 @@ from ..wire.schema import Message, bounded
 from . import layout as lay
 from .layout import MAX_CHUNKS, Layout
 from .progress import DIGEST_BYTES
+from .state import Source
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class LiveState:
     tensors: Sequence[torch.Tensor]
     metadata: dict[str, str]
     hashes: Sequence[bytes] | None = None
+    source: Source | None = None  # reads the file-backed tensors among ``tensors``
 
 
 @dataclass
@@ -153,7 +155,7 @@ def write_snapshot(live: LiveState, folder: str | None = None) -> Snapshot:
         hashes = []
         offset = 0
         for i in range(live.layout.chunks):
-            pieces = lay.chunk_pieces(live.layout, live.tensors, i)
+            pieces = lay.chunk_pieces(live.layout, live.tensors, i, live.source)
             if live.hashes is None:
                 hashes.append(lay.hash_chunk(pieces))
             for piece in pieces:

@@ -30,6 +30,7 @@ from . import layout as lay
 from . import state, statesync
 from .buffers import ParamBuffer
 from .fetch import Downloaded, Fetcher
+from .offheap import FileTensors
 from .progress import PeerProgress, SwarmView, majority_digest
 from .statesync import LiveState, Snapshot, StateServer
 
@@ -64,6 +65,8 @@ class SwarmState:
     names: list[str]
     global_params: list[torch.Tensor]
     outer: torch.optim.SGD
+    outer_file: FileTensors | None
+    momentum: list[torch.Tensor]
     averaged: ParamBuffer
     epoch: int
     inner_steps: int
@@ -118,7 +121,8 @@ class SwarmState:
         tensors, meta = self.capture(copy=False)
         layout = lay.Layout.of(tensors)
         hashes = self._hashes[1] if self._hashes and self._hashes[0] == self._version else None
-        return LiveState(self.epoch, layout, [tensors[e.name] for e in layout.entries], meta, hashes)
+        ordered = [tensors[e.name] for e in layout.entries]
+        return LiveState(self.epoch, layout, ordered, meta, hashes, source=self.outer_file)
 
     # ---- holding the state still while threads read it ----
 
@@ -141,13 +145,13 @@ class SwarmState:
         """The state changed: its digest is computed now (small states) or in a thread (large ones)."""
         live = self._live()
         if live.layout.size < statesync.THREAD_BYTES or self._nursery is None:
-            self._set_digest(live, lay.hash_chunks(live.layout, live.tensors))
+            self._set_digest(live, lay.hash_chunks(live.layout, live.tensors, live.source))
             return
         self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
         self._nursery.start_soon(self._hash_in_thread, live, self._version)
 
     async def _hash_in_thread(self, live: LiveState, version: int) -> None:
-        hashes = await self._read_in_thread(lay.hash_chunks, live.layout, live.tensors)
+        hashes = await self._read_in_thread(lay.hash_chunks, live.layout, live.tensors, live.source)
         if version == self._version:
             self._set_digest(live, hashes)
 
@@ -198,12 +202,33 @@ class SwarmState:
                     if old:
                         p.copy_(extra[old[i]])
                     g.copy_(p)
+            self._rehome_momentum()
         else:
             state.restore(self.model, {"inner": self.optimizer}, tensors, meta, owned=owned)
             self.averaged.zero_()
         self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
         self._counting_from()
         self._state_changed()
+
+    def _rehome_momentum(self) -> None:
+        """After the outer optimizer loaded a state: its momentum goes back into this peer's own buffers
+        (file-backed ones stay file-backed; a state without momentum, an older format's first step,
+        means zeros), and what the restore touched leaves the resident set."""
+        with torch.no_grad():
+            for g, m in zip(self.global_params, self.momentum, strict=True) if self.momentum else ():
+                slot = self.outer.state[g]
+                loaded = slot.get("momentum_buffer")
+                if loaded is None:
+                    m.zero_()
+                elif loaded is not m:
+                    m.copy_(loaded)
+                slot["momentum_buffer"] = m
+        self.release_outer()
+
+    def release_outer(self) -> None:
+        """DiLoCo with a file-backed outer state: drop the pages this process touched (see ``offheap``)."""
+        if self.outer_file is not None:
+            self.outer_file.release()
 
     def max_state_bytes(self) -> int:
         """The most a download of this model's state could need (bounds what a donor may send): the model,
@@ -253,6 +278,7 @@ class SwarmState:
             local: list[torch.Tensor] = []
             if flight.carry_from is not None:
                 local = [p - g for p, g in zip(self.params, self.global_params, strict=True)]
+                self.release_outer()
             samples, counting_since = self.samples, self._epoch_began
             self.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
         except P2PError as e:

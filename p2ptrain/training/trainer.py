@@ -305,7 +305,11 @@ class Trainer:
         # loop waits for it, and nothing else changes the state between two of its steps.
         tensors, meta = self.opt.capture(copy=False)
         info = {"peer": str(self.node.peer_id), "run": self.config.run.id, "time": self.clock()}
-        path = checkpoint.save(folder, self.opt.epoch, tensors, meta, info, keep=self.config.checkpoint.keep)
+        keep = self.config.checkpoint.keep
+        # (a file-backed outer state is read from its file, not through its mapping: see offheap)
+        path = checkpoint.save(
+            folder, self.opt.epoch, tensors, meta, info, keep=keep, source=self.opt.outer_file
+        )
         log.info("checkpoint of step %d written to %s", self.opt.epoch, path)
 
     def resume(self) -> bool:

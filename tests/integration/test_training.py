@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,7 +97,11 @@ class Swarm:
         self.net = MemoryNetwork(seed=7)
         self.peers: list[Peer] = []
 
-    async def start(self, compute: float = 0.1, *, train: bool = True) -> Peer:
+    async def start(
+        self, compute: float = 0.1, *, train: bool = True, config: RunConfig | None = None
+    ) -> Peer:
+        """A new peer; ``config``: its own run file instead of the swarm's (settings that are a peer's
+        own business, where its outer state lives say)."""
         i = len(self.peers)
         name = f"t{i}"
         node_config = NodeConfig(
@@ -109,7 +114,7 @@ class Swarm:
         model = make_model()
         inner = make_optimizer(model, self.sgd)
         opt = CollaborativeOptimizer(
-            node, model, inner, self.config, clock=trio.current_time, summed_grads=self.summed
+            node, model, inner, config or self.config, clock=trio.current_time, summed_grads=self.summed
         )
         peer = Peer(i, node, model, opt, compute)
         self.peers.append(peer)
@@ -173,6 +178,23 @@ def check_identical_per_epoch(peers: list[Peer], since: int = 0) -> dict[int, se
     diverged = {e: ds for e, ds in by_epoch.items() if len(ds) > 1}
     assert not diverged, f"peers hold different parameters on steps {sorted(diverged)}"
     return by_epoch
+
+
+SMAPS = Path("/proc/self/smaps")
+HAS_SMAPS = SMAPS.exists()
+
+
+def mapped_bytes(t: torch.Tensor) -> int:
+    """How much of the mapping that holds ``t`` is in this process's resident set (``/proc/self/smaps``)."""
+    inside = False
+    for line in SMAPS.read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= t.data_ptr() < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
 
 
 def assert_same_bits(peers: list[Peer]) -> None:
@@ -250,6 +272,63 @@ async def test_diloco_peers_hold_identical_global_parameters(autojump_clock: obj
             for other in globals_[1:]:
                 assert all(torch.equal(a, b) for a, b in zip(globals_[0], other, strict=True))
         assert min(p.opt.stats.averaged for p in peers) >= 3
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])
+async def test_peers_with_the_outer_state_in_a_file_or_in_memory_take_identical_steps(
+    autojump_clock: object, overlap: bool
+) -> None:
+    """Where a peer keeps its global parameters and outer momentum (a mapped file, or memory) is its own
+    business: the steps, the digests (hashed through the file for the one, in memory for the other) and
+    the global parameters are the same bits; the file-backed peer holds none of its pages between steps."""
+    config = run_config("diloco", overlap)
+    in_file = config.replace("diloco", outer_state="file")
+    async with swarm(config.replace("diloco", outer_state="memory")) as s:
+        peers = [
+            await s.start(compute=0.1, config=in_file),
+            await s.start(compute=0.15),
+            await s.start(compute=0.3, config=in_file),
+        ]
+        assert peers[0].opt.outer_file is not None and peers[1].opt.outer_file is None
+        await s.until(lambda: all(p.opt.epoch >= 5 for p in peers), timeout=120)
+        check_identical_per_epoch(peers)
+        assert min(p.opt.stats.averaged for p in peers) >= 3
+        for p in peers:
+            p.scope.cancel()
+        opt = peers[0].opt
+        assert all(
+            opt.outer.state[g]["momentum_buffer"] is m
+            for g, m in zip(opt.global_params, opt.momentum, strict=True)
+        )
+        if HAS_SMAPS:  # (before anything here reads the tensors through the mapping)
+            assert mapped_bytes(opt.global_params[0]) == 0
+        assert any(bool(m.any()) for m in opt.momentum)  # the outer steps wrote it
+
+
+async def test_a_restored_state_lands_in_the_file_backed_outer_state() -> None:
+    """A download or checkpoint (the same path) replaces the global parameters and the momentum; a
+    file-backed peer keeps them in its file, and its next capture is the restored state."""
+    memory = run_config("diloco").replace("diloco", outer_state="memory")
+    async with swarm(memory) as s:
+        a = await s.start(train=False)
+        b = await s.start(train=False, config=memory.replace("diloco", outer_state="file"))
+        with torch.no_grad():
+            for i, (g, m) in enumerate(zip(a.opt.global_params, a.opt.momentum, strict=True)):
+                g.add_(0.5 + i)
+                m.fill_(0.25 * (i + 1))
+        tensors, meta = a.opt.capture()
+        meta["p2ptrain.epoch"] = "7"
+        b.opt.restore(tensors, meta)
+        assert b.opt.epoch == 7 and b.opt.outer_file is not None
+        for g, m in zip(b.opt.global_params, b.opt.momentum, strict=True):
+            assert b.opt.outer_file.owns(g) and b.opt.outer_file.owns(m)
+            assert b.opt.outer.state[g]["momentum_buffer"] is m
+        mine, _ = b.opt.capture()
+        assert sorted(mine) == sorted(tensors)
+        assert all(torch.equal(mine[k], tensors[k]) for k in tensors)
+        a.opt.epoch = 7
+        a.opt._state_changed()
+        assert b.opt.digest == a.opt.digest  # hashed through the file, and in memory: the same root
 
 
 async def test_diloco_overlap_keeps_the_local_progress_made_while_the_round_ran(
