@@ -64,6 +64,7 @@ DEFAULTS = {
     "diloco.outer_lr": 0.7,
     "diloco.outer_momentum": 0.9,
     "diloco.overlap": False,
+    "diloco.outer_state": "auto",
     "averaging.timeout": 30.0,
     "averaging.matchmaking_time": 3.0,
     "averaging.compression": "none",
@@ -297,6 +298,11 @@ def test_task_options_are_copied_into_a_plain_dict() -> None:
             {"diloco": {"outer_momentum": 1}}, ["diloco.outer_momentum", "[0, 1)"], id="momentum-one"
         ),
         pytest.param({"diloco": {"outer_momentum": -0.1}}, ["diloco.outer_momentum"], id="momentum-negative"),
+        pytest.param(
+            {"diloco": {"outer_state": "disk"}},
+            ["diloco.outer_state", "auto, memory, file"],
+            id="outer-state",
+        ),
         # ranges: averaging
         pytest.param({"averaging": {"timeout": 0}}, ["averaging.timeout", "positive"], id="timeout"),
         pytest.param(

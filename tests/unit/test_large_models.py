@@ -20,6 +20,9 @@ def test_a_row_is_the_link_bound_over_the_measured_efficiency(
     assert r["round_s_100mbit"] == pytest.approx(wire / (12.5e6 * 0.8), abs=0.1)
     assert r["state_sync_s_1000mbit"] == pytest.approx(8e9 / (125e6 * 0.5), abs=0.1)  # params + momentum
     assert rows[("1B", "sync", "none")]["state_gb"] == 12.0  # params + AdamW's two moments
+    # DiLoCo's global parameters and outer momentum in a mapped file: in the page cache, not the RSS
+    assert r["cpu_page_cache_gb"] == 8.0 and rows[("1B", "sync", "fp16")]["cpu_page_cache_gb"] == 0
+    assert r["cpu_host_ram_gb"] == 11.8 * 4.0
 
 
 def table_rows_from(peers: int, allreduce: float, sync: float) -> list[dict[str, object]]:
