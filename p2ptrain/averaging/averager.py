@@ -20,7 +20,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -74,6 +74,7 @@ from .protocol import (
     seal_decision,
 )
 from .robust import parse_aggregation
+from .rules import RoundRules, check_manifest
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ MAX_WAITING_PER_PEER = 8  # calls one peer may have waiting for rounds we have n
 JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
 POLL = 0.5  # seconds between reads of the announcements while gathering or looking
 EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
+BAD_MANIFEST = "a manifest that breaks the run's rules"
 RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
 
 
@@ -185,6 +187,8 @@ class _Looking:
     full: trio.Event | None = None  # wakes the leader: the last place was taken
     manifest: SignedManifest | None = None
     refusal: str = ""
+    rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
+    announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
 
 
 class Averager:
@@ -557,16 +561,19 @@ class Averager:
             self.bandwidth,
             digest,
         )
-        looking = self._looking = _Looking(me, group_key)
+        rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
+        looking = self._looking = _Looking(me, group_key, rules=rules)
         key = self._key(group_key)
         declined: set[Announcement] = set()
+        distrusted: set[PeerID] = set()  # leaders that sent a manifest breaking the rules: never again
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         try:
             await self._announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
-                seen = await self._announcements(key)
+                seen = [a for a in await self._announcements(key) if a.peer not in distrusted]
+                looking.announced.update((a.peer, a.bandwidth) for a in seen)
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = choose_leader(me, seen, self.clock(), declined)
                 if leader is None and me.can_lead:
@@ -592,6 +599,8 @@ class Averager:
                     await trio.sleep(RETRY_JOIN)
                     continue
                 declined.add(leader)
+                if why.startswith(BAD_MANIFEST):
+                    distrusted.add(leader.peer)
                 refusals.append(f"{leader.peer.short()}: {why}")
                 log.info("%s did not admit us to %s: %s", leader.peer.short(), group_key, why)
             if mismatched or any("schema mismatch" in r for r in refusals):
@@ -719,11 +728,12 @@ class Averager:
             return None, reply.message.reason or "refused", reply.message.retry
         try:
             signed = SignedManifest.verify(bytes(reply.body), leader.peer)
+            assert looking.rules is not None
+            announced = {**looking.announced, me.peer: me.bandwidth}
+            check_manifest(signed.manifest, looking.rules, me.peer, me.addr, announced)
         except P2PError as e:
-            log.warning("bad manifest from %s: %s", leader.peer.short(), e)
-            return None, f"bad manifest: {e}", False
-        if me.peer not in signed.manifest.peers():
-            return None, "the manifest does not list us", False
+            log.warning("%s from %s: %s", BAD_MANIFEST, leader.peer.short(), e)
+            return None, f"{BAD_MANIFEST}: {e}", False
         return signed, "", False
 
     async def _on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:

@@ -99,9 +99,10 @@ def partition_bandwidths(bandwidths: list[float]) -> list[float]:
     """The bandwidths a leader splits a round by, from those its members announced: 0 (a member that
     has not measured its own yet) becomes the median of the others' (1.0 if nobody knows theirs), so a
     newcomer gets a typical share, not an extreme one, until its first rounds tell; and none counts for
-    more than MAX_SPREAD times the lower median."""
+    more than MAX_SPREAD times the lower median. The result is its own image (applying this again
+    changes nothing), which is how a member checks that a leader's manifest follows this rule."""
     known = sorted(b for b in bandwidths if b > 0)
     if not known:
         return [1.0] * len(bandwidths)
     typical, low = known[len(known) // 2], known[(len(known) - 1) // 2]
-    return [min(b, MAX_SPREAD * low) if b > 0 else typical for b in bandwidths]
+    return [min(b if b > 0 else typical, MAX_SPREAD * low) for b in bandwidths]

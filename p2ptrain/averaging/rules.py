@@ -1,0 +1,89 @@
+"""What a member checks in a leader's manifest before it takes part: the run's rules, not the leader's.
+
+Theory of operation. A group's leader signs the manifest that every member then follows: the tensors,
+the compression, the aggregation rule, whether the round is audited, the round's timeout, the members
+and each one's partition. Leading is cheap (any peer that announces the earliest deadline leads), so a
+hostile leader could otherwise sign a round that quietly drops the run's defences: a plain mean in a
+run that aggregates with a trimmed mean, no audit in an audited run, every partition to itself. A member
+therefore checks the signed manifest against what it expects itself (:class:`RoundRules`: the settings
+of its own run and call) and refuses anything that differs, with the reason:
+
+- the group key, the tensors' schema, the compression, the aggregation rule, the audit flag and the
+  timeout must be exactly the member's own;
+- the member must be listed with the address it offered (an honest leader never changes it);
+- the partitions must be the ones the leader's rule gives for the listed bandwidths
+  (``partition_bandwidths`` then ``partition_sizes``): so no member holds more than its bandwidth's share,
+  and no listed bandwidth is above ``MAX_SPREAD`` times the group's lower median;
+- no member is listed with more bandwidth than it announced itself (a signed DHT announcement the
+  member saw; the rule only ever lowers an announced bandwidth, or fills in a typical one for a member
+  that has not measured its own).
+
+All of it is pure: :func:`check_manifest` raises :class:`RemoteProtocolError` saying what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import RemoteProtocolError
+from ..identity import PeerID
+from .bandwidth import partition_bandwidths
+from .partition import partition_sizes
+from .protocol import Manifest, TensorSpec
+
+
+@dataclass(frozen=True)
+class RoundRules:
+    """What a member expects of any manifest for its round."""
+
+    group_key: str
+    schema: tuple[TensorSpec, ...]
+    compression: str
+    aggregation: str
+    audit: bool
+    timeout: float
+
+
+def check_manifest(
+    m: Manifest,
+    rules: RoundRules,
+    me: PeerID,
+    my_addr: str,
+    announced: Mapping[PeerID, float],
+) -> None:
+    """Raise :class:`RemoteProtocolError` unless ``m`` follows ``rules`` and the partition rule.
+
+    ``announced``: the bandwidth each peer announced for itself, where this member saw it (its own
+    included); a member announced with 0 has not measured its own yet."""
+    for what, got, want in (
+        ("group key", m.group_key, rules.group_key),
+        ("compression", m.compression, rules.compression),
+        ("aggregation", m.aggregation, rules.aggregation),
+        ("audit", m.audit, rules.audit),
+        ("timeout", m.timeout, rules.timeout),
+    ):
+        if got != want:
+            raise RemoteProtocolError(f"the manifest's {what} is {got!r}, the run's is {want!r}")
+    if m.schema != rules.schema:
+        raise RemoteProtocolError("the manifest's tensors are not the ones this member averages")
+    peers = m.peers()
+    if me not in peers:
+        raise RemoteProtocolError("the manifest does not list us")
+    if m.members[peers.index(me)].addr != my_addr:
+        raise RemoteProtocolError("the manifest lists us under another address than we offered")
+    listed = [mm.bandwidth for mm in m.members]
+    if partition_bandwidths(listed) != listed:
+        raise RemoteProtocolError(f"the listed bandwidths {listed} do not follow the partition rule")
+    try:
+        sizes = partition_sizes(m.total, listed, [bool(mm.addr) for mm in m.members])
+    except ValueError as e:
+        raise RemoteProtocolError(f"the manifest's partitions: {e}") from None
+    if list(m.sizes) != sizes:
+        raise RemoteProtocolError(f"the partitions {list(m.sizes)} are not the bandwidths' shares {sizes}")
+    for peer, bw in zip(peers, listed, strict=True):
+        own = announced.get(peer, 0.0)
+        if own > 0 and bw > own:
+            raise RemoteProtocolError(
+                f"the manifest lists {peer.short()} at {bw:g} B/s, more than the {own:g} it announced"
+            )

@@ -1,0 +1,102 @@
+"""A hostile group leader cannot downgrade a round (issue: open swarms, "a group leader downgrades the
+run's defences"). Nodes over the in-memory network on the virtual clock.
+
+What is proved here: a leader that signs a manifest with a plain mean and no audit in a run that
+aggregates with a trimmed mean and audits, every partition to itself, is refused by every honest member
+(the reason logged), never asked again in that matchmaking, and the honest members form their own group
+whose result holds none of the leader's values. On the code before the check, they took part in its round
+and applied its mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
+from p2ptrain.averaging.protocol import Manifest, SignedManifest
+from p2ptrain.errors import GroupFormationFailed
+from p2ptrain.identity import Identity
+from p2ptrain.net import MemoryNetwork
+
+PORT = 3100
+HUGE = 1e4
+
+
+def identity(name: str) -> Identity:
+    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+
+
+@asynccontextmanager
+async def swarm(n: int, avg: AveragerConfig) -> AsyncIterator[list[Node]]:
+    net = MemoryNetwork(seed=5)
+    nodes: list[Node] = []
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            config = NodeConfig(
+                run_id="hostile",
+                listen=((f"h{i}", PORT),),
+                join=(nodes[0].addresses[0],) if nodes else (),
+                averaging=avg,
+            )
+            node = Node(identity(f"h{i}"), config, transport=net.transport(f"h{i}"), clock=trio.current_time)
+            nodes.append(await nursery.start(node.run))
+        for node in nodes:
+            await node.dht.bootstrapped.wait()
+        yield nodes
+        nursery.cancel_scope.cancel()
+
+
+def downgrade(m: Manifest) -> Manifest:
+    """What the attacker signs: a plain mean, no audit, every partition to itself (member 0)."""
+    return dataclasses.replace(
+        m, aggregation="mean", audit=False, sizes=(m.total,) + (0,) * (len(m.sizes) - 1)
+    )
+
+
+async def test_honest_members_refuse_a_downgraded_manifest_and_average_without_its_leader(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    attacker = identity("h0").peer_id
+    real_sign = SignedManifest.sign.__func__  # type: ignore[attr-defined]
+
+    def sign(cls: type[SignedManifest], who: Identity, manifest: Manifest) -> SignedManifest:
+        return real_sign(cls, who, downgrade(manifest) if who.peer_id == attacker else manifest)
+
+    monkeypatch.setattr(SignedManifest, "sign", classmethod(sign))
+    cfg = AveragerConfig(
+        target_size=3, min_size=2, matchmaking_time=3.0, aggregation="trimmed_mean", audit=True
+    )
+    out: list[RoundResult | Exception | None] = [None, None, None]
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.averaging.averager"):
+        async with swarm(3, cfg) as nodes:
+
+            async def one(i: int, delay: float) -> None:
+                await trio.sleep(delay)
+                values = [torch.full((1000,), HUGE if i == 0 else float(i))]
+                try:
+                    out[i] = await nodes[i].average(values, weight=1.0, timeout=20.0)
+                except GroupFormationFailed as e:
+                    out[i] = e
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for i, delay in enumerate((0.0, 0.4, 0.9)):  # the attacker announces first: it leads
+                        nursery.start_soon(one, i, delay)
+    honest = [out[1], out[2]]
+    for r in honest:
+        assert isinstance(r, RoundResult), r
+        assert attacker not in r.contributors and r.group_size == 2
+        assert torch.equal(r.tensors[0], torch.full((1000,), 1.5))  # the two honest values, nothing else
+    mine = out[0]  # nobody took part in the attacker's round: at most it averaged with itself
+    assert not isinstance(mine, RoundResult) or list(mine.contributors) == [attacker], mine
+    refused = [r for r in caplog.records if "breaks the run's rules" in r.getMessage()]
+    assert refused and all("aggregation is 'mean'" in r.getMessage() for r in refused)
+    assert len(refused) == 2  # each honest member asked it once, then never again
