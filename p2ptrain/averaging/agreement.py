@@ -10,9 +10,7 @@ coordinator (the leader, ``members[0]``) collects one report per reducer and dec
   slice again (each member still holds its own tensors);
 - with no contributor or no surviving reducer, the round aborts;
 - a contributor's weight is capped at what the coordinator's ``caps`` allow (for sample counts: what the
-  sender's own signed progress records make plausible), so a peer cannot buy influence by lying; and
-  since the coordinator may lie itself (it counts its own weight), every member checks the decision's
-  weights against its own view of the same records (:func:`overweight`) and refuses one far above it.
+  sender's own signed progress records make plausible), so a peer cannot buy influence by lying.
 
 The decision is signed and is the only thing that turns reduced partitions into results: a reducer
 computes the mean over exactly the decided contributors, so every member that commits holds the same
@@ -22,7 +20,7 @@ bits. Members that lose the coordinator ask each other for the decision (see ``a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .protocol import Decision
@@ -119,19 +117,3 @@ def excluded_reasons(decision: Decision, n: int, names: Sequence[str]) -> dict[i
         else:
             out[i] = f"{names[i]} did not deliver every slice in time (or sent inconsistent weights)"
     return out
-
-
-WEIGHT_SLACK = 2.0
-"""A member refuses a decision that counts a contributor for more than this many times the weight the
-member itself finds plausible for it: members judge from the same signed progress records a little apart
-in time, so honest views differ a little, never by this much."""
-
-
-def overweight(decision: Decision, caps: Mapping[int, float], slack: float = WEIGHT_SLACK) -> str:
-    """Why a member must not apply ``decision`` (it counts someone for far more than ``caps`` allow), or
-    "" (pure; ``caps``: member index -> the most weight this member finds plausible for it)."""
-    for i, w in zip(decision.contributors, decision.weights, strict=True):
-        cap = caps.get(i)
-        if cap is not None and w > slack * cap:
-            return f"counts member {i} for {w:g}, above {slack:g} x the {cap:g} plausible for it"
-    return ""

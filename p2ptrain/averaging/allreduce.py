@@ -51,7 +51,7 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from . import spill
-from .agreement import Coordinator, excluded_reasons, overweight
+from .agreement import Coordinator, excluded_reasons
 from .audit import (
     Attestation,
     hash_pieces,
@@ -228,8 +228,6 @@ class AllReduceRound:
         self.gone: set[int] = set()  # members whose connections closed for good during the round
         self.seen: set[int] = set()  # members we were connected with during the round
         self.coordinator = Coordinator(self.digest, self.sizes) if self.me == 0 else None
-        self.caps: dict[int, float] = {}  # the most weight this member finds plausible per member
-        self.refused: str = ""  # why this member refused the coordinator's decision (see ``overweight``)
         self.decision: Decision | None = None
         self.decision_bytes = b""
         self.decided = trio.Event()
@@ -542,10 +540,6 @@ class AllReduceRound:
             await self.decided.wait()
         if self.decision is None:
             raise RoundTimedOut("no decision from the coordinator or any member before the deadline")
-        why = "" if self.decision.abort or self.me == 0 else overweight(self.decision, self.caps)
-        if why:
-            self.refused = f"its decision {why}"
-            raise RoundAborted(f"refused the coordinator's decision: it {why}")
         return self.decision
 
     async def _report(self) -> None:

@@ -414,20 +414,15 @@ class Averager:
             backup=backup,
             own_saved=own_saved,
         )
-        if self.weight_cap is not None:
+        if rnd.coordinator is not None and self.weight_cap is not None:
             for i, peer in enumerate(rnd.peers):
                 cap = self.weight_cap(peer) if i != rnd.me else None
                 if cap is not None:
-                    rnd.caps[i] = cap
-                    if rnd.coordinator is not None:
-                        rnd.coordinator.caps[i] = cap
+                    rnd.coordinator.caps[i] = cap
         self._start_round(rnd)
         try:
             result = await rnd.run()
         except RoundAborted:
-            if rnd.refused:  # a signed decision far from what its records make plausible: not followed again
-                self.auditor.ban(rnd.peers[0], rnd.refused, own=False)
-                raise
             for peer, why in rnd.blame().items():
                 self.auditor.strike(peer, why)
             raise

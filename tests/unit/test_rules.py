@@ -1,11 +1,9 @@
-"""A member's checks of a leader's manifest (``averaging.rules``) and of a coordinator's decision
-(``agreement.overweight``), table-driven.
+"""A member's checks of a leader's manifest (``averaging.rules``), table-driven.
 
 What is proved here: the manifest an honest leader builds passes; a manifest that changes any rule of
 the run (group key, tensors, compression, aggregation, audit, timeout), lists the member under another
 address, hands out partitions other than the bandwidths' shares, lists bandwidths outside the partition
-rule, or lists a member above the bandwidth it announced is refused, and the error says which; so is a
-decision that counts a contributor far above the weight the member finds plausible for it.
+rule, or lists a member above the bandwidth it announced is refused, and the error says which.
 """
 
 from __future__ import annotations
@@ -15,10 +13,9 @@ import hashlib
 
 import pytest
 
-from p2ptrain.averaging.agreement import WEIGHT_SLACK, overweight
 from p2ptrain.averaging.bandwidth import MAX_SPREAD, partition_bandwidths
 from p2ptrain.averaging.partition import partition_sizes
-from p2ptrain.averaging.protocol import Decision, Manifest, MemberMsg, TensorSpec
+from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
 from p2ptrain.averaging.rules import RoundRules, check_manifest
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity
@@ -120,13 +117,3 @@ def test_the_partition_rule_is_its_own_image() -> None:
     for raw in ([0.0, 0.0, 10.0, 1.0], [0.0, 100.0, 1.0], [1e15, 3.0, 0.0, 7.0, 2.0], [0.0, 0.0], [5.0]):
         out = partition_bandwidths(raw)
         assert partition_bandwidths(out) == out, raw
-
-
-def test_a_decision_far_above_the_weights_a_member_finds_plausible_is_refused() -> None:
-    decision = Decision(bytes(16), contributors=(0, 1, 2), weights=(1e9, 8.0, 8.0))
-    caps = {0: 64.0, 2: 10.0}  # (no cap for 1: the member itself)
-    assert "member 0 for 1e+09" in overweight(decision, caps)
-    assert overweight(decision, {2: 10.0}) == ""  # nothing known of member 0: nothing to hold against it
-    near = Decision(bytes(16), contributors=(0, 2), weights=(WEIGHT_SLACK * 64.0, 8.0))
-    assert overweight(near, caps) == ""  # honest views differ a little: within the slack
-    assert overweight(Decision(bytes(16), abort="no reducer reported"), caps) == ""
