@@ -429,6 +429,8 @@ class Averager:
         finally:
             self.measured.add(rnd.meter.rates)  # (an aborted round's flows measured the links too)
         self.auditor.cleared(result.contributors)
+        for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
+            self.host.protect(peer)
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)

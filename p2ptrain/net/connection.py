@@ -146,6 +146,11 @@ class Connection:
         return len(self._out) + len(self._in)
 
     @property
+    def last_busy(self) -> float:
+        """When a call last ran on this connection (or it opened): its idleness, on trio's clock."""
+        return self._last_busy
+
+    @property
     def buffered_bytes(self) -> int:
         """Bytes received on streams and not yet consumed by the application."""
         streams = [c.stream for c in self._out.values()] + [c.stream for c in self._in.values()]

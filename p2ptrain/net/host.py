@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import time
-from collections import Counter
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..identity import Identity, PeerID
 from .address import PeerAddress, concrete_host
+from .admission import Limits, Slot, admit, subnet_of
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
@@ -63,6 +64,8 @@ class HostConfig:
     handshake_timeout: float = 10.0
     max_inbound: int = 512
     max_inbound_per_ip: int = 32
+    max_inbound_per_subnet: int = 64  # per IPv4 /24 or IPv6 /64 (see ``admission``)
+    reserved_inbound: int = 32  # beyond max_inbound: only for peers this node trained with (``protect``)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
@@ -73,6 +76,21 @@ class HostConfig:
 
 
 MAX_TRACKED_PEERS = 10_000
+MAX_PROTECTED = 256  # peers this node trained with, whose connections a flood never evicts
+
+
+@dataclass
+class _Inbound:
+    """An inbound connection holding a slot: in its handshake until ``conn`` is set."""
+
+    key: int
+    ip: str
+    arrived: float
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    conn: Connection | None = None
+    probation: bool = False
+    evicted: str = ""
+
 
 ConnectionObserver = Callable[[Connection, bool], None]
 """Called with (connection, opened): True when it opens, False when it closes."""
@@ -112,8 +130,9 @@ class Host:
         self.listen_addresses: list[PeerAddress] = []
         self._conns: dict[PeerID, list[Connection]] = {}
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
-        self._inbound_by_ip: Counter[str] = Counter()
-        self._inbound = 0
+        self._slots: dict[int, _Inbound] = {}
+        self._next_slot = 0
+        self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
         self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
@@ -409,26 +428,69 @@ class Host:
 
     # ---- inbound ----
 
+    def protect(self, peer: PeerID) -> None:
+        """``peer`` trained with this node: its inbound connections are never evicted for a newcomer's,
+        and it may use the reserved slots (the most recent ``MAX_PROTECTED`` such peers)."""
+        seen = self._protected.pop(peer, set())
+        seen.update(c.remote_host for c in self._conns.get(peer, []))
+        self._protected[peer] = set(list(seen)[-8:])
+        while len(self._protected) > MAX_PROTECTED:
+            self._protected.popitem(last=False)
+
+    def _slot_views(self) -> list[Slot]:
+        out = []
+        for e in self._slots.values():
+            if e.evicted:
+                continue
+            c = e.conn
+            since = e.arrived if c is None else c.last_busy
+            protected = c is not None and c.peer in self._protected
+            busy = c is not None and c.active_calls > 0
+            out.append(Slot(e.key, e.ip, subnet_of(e.ip), since, c is not None, protected, busy))
+        return out
+
+    def _evict(self, key: int, reason: str) -> None:
+        victim = self._slots[key]
+        victim.evicted = reason
+        who = victim.conn.peer.short() if victim.conn is not None else "a connection in its handshake"
+        log.warning("evicting %s from %s: %s", who, victim.ip, reason)
+        if victim.conn is not None and self._nursery is not None:
+            self._nursery.start_soon(victim.conn.aclose, f"evicted: {reason}")
+        else:
+            victim.scope.cancel()
+
     async def _accept(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
         cfg = self.config
-        if self._inbound >= cfg.max_inbound or self._inbound_by_ip[remote_host] >= cfg.max_inbound_per_ip:
-            log.warning("refusing connection from %s: connection limit reached", remote_host)
+        limits = Limits(
+            cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound
+        )
+        known = any(remote_host in ips for ips in self._protected.values())
+        verdict = admit(self._slot_views(), remote_host, trio.current_time(), limits, reserve=known)
+        if verdict.verdict == "refuse":
+            log.warning(
+                "refusing connection from %s: connection limit reached (%s)", remote_host, verdict.reason
+            )
             with trio.move_on_after(1.0):
                 await _send_quietly(framed, reject_frame("busy", "too many connections; try later"))
             await _close_quietly(stream)
             return
-        self._inbound += 1
-        self._inbound_by_ip[remote_host] += 1
+        if verdict.victim is not None:
+            self._evict(verdict.victim.key, verdict.reason)
+        self._next_slot += 1
+        entry = _Inbound(
+            self._next_slot, remote_host, trio.current_time(), probation=verdict.verdict == "probation"
+        )
+        self._slots[entry.key] = entry
         try:
-            await self._accept_admitted(framed, remote_host, remote_port)
+            with entry.scope:
+                await self._accept_admitted(framed, remote_host, remote_port, entry)
         finally:
-            self._inbound -= 1
-            self._inbound_by_ip[remote_host] -= 1
-            if not self._inbound_by_ip[remote_host]:
-                del self._inbound_by_ip[remote_host]
+            del self._slots[entry.key]
+            if entry.scope.cancelled_caught:
+                await _close_quietly(stream)
 
-    async def _accept_admitted(self, framed: FramedStream, host: str, port: int) -> None:
+    async def _accept_admitted(self, framed: FramedStream, host: str, port: int, entry: _Inbound) -> None:
         hs = ResponderHandshake(
             self.identity,
             self.run_id,
@@ -471,7 +533,16 @@ class Host:
             await _close_quietly(framed.stream)
             return
         assert hs.result is not None
+        if entry.probation and hs.result.remote_peer not in self._protected:
+            log.warning(
+                "closing %s from %s: slots are full and it never trained with us",
+                hs.result.remote_peer.short(),
+                host,
+            )
+            await _close_quietly(framed.stream)
+            return
         conn = self._make_connection(framed, hs.result, False, host, port)
+        entry.conn = conn
         await self._run_connection(conn, hs.result)
 
 

@@ -1,0 +1,113 @@
+"""Which inbound connection gets a slot when slots run short: pure, no I/O.
+
+Theory of operation. A node accepts a bounded number of inbound connections, and an address costs an
+attacker little: a host has many, and a whole IPv4 /24 or IPv6 /64 is one operator more often than not.
+So limits count addresses *and* subnets, and a full table does not simply turn newcomers away (which
+lets whoever fills it first keep everyone else out for good): a newcomer takes the slot of a connection
+that is worth less, in this order:
+
+1. a connection still in its handshake (unauthenticated: it has proved nothing yet), the oldest first:
+   an honest handshake takes a round trip or two, so what lingers there is what a flood left behind;
+2. an authenticated connection with no call in flight for at least ``idle_after`` seconds, idle the
+   longest, that is not a peer this node has trained with (*protected*: peers the swarm cannot afford
+   to lose to a flood). A connection in use now and then is never evicted: a flood of fresh connections
+   cannot push out the peers a node talks to.
+
+Victims come from the subnet that holds the most slots, so a flood from one subnet pays for itself.
+A subnet or an address at its own limit can only lose its own connections to a newcomer of its own.
+When nothing may be evicted, a few *reserved* slots beyond the limit still admit a connection from an
+address a protected peer was seen at, on probation: it keeps its slot only if its handshake shows a
+protected peer. Otherwise the answer is "busy", with the reason.
+
+:func:`subnet_of` groups addresses: /24 for IPv4, /64 for IPv6; anything else (the in-memory
+network's names) stands for itself.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def subnet_of(host: str) -> str:
+    """The subnet limits count ``host`` in: its /24 (IPv4) or /64 (IPv6); a non-IP name as it is."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    prefix = 24 if ip.version == 4 else 64
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+
+
+@dataclass(frozen=True)
+class Limits:
+    total: int = 512
+    per_ip: int = 32
+    per_subnet: int = 64
+    reserve: int = 32  # slots beyond ``total`` for connections on probation (see the module docstring)
+    idle_after: float = 30.0  # seconds without a call before an authenticated connection may be evicted
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An inbound connection as admission sees it."""
+
+    key: int
+    ip: str
+    subnet: str
+    since: float  # unauthenticated: when it arrived; authenticated: when it was last busy
+    authenticated: bool = False
+    protected: bool = False  # a peer this node has trained with
+    busy: bool = False  # calls in flight
+
+    def evictable(self, now: float, idle_after: float) -> bool:
+        if not self.authenticated:
+            return True
+        return not (self.protected or self.busy) and now - self.since >= idle_after
+
+
+@dataclass(frozen=True)
+class Admission:
+    """``verdict``: "accept", "evict" (accept, after closing ``victim``), "probation" or "refuse"."""
+
+    verdict: str
+    victim: Slot | None = None
+    reason: str = ""
+
+
+def _victim(candidates: Sequence[Slot], by_subnet: Counter[str], now: float, limits: Limits) -> Slot | None:
+    pool = [s for s in candidates if s.evictable(now, limits.idle_after)]
+    if not pool:
+        return None
+    # handshaking before authenticated; then the most crowded subnet; then the oldest (or longest idle)
+    return min(pool, key=lambda s: (s.authenticated, -by_subnet[s.subnet], s.since, s.key))
+
+
+def admit(slots: Sequence[Slot], ip: str, now: float, limits: Limits, *, reserve: bool = False) -> Admission:
+    """What to do with a new inbound connection from ``ip`` at ``now``, given the ``slots`` in use;
+    ``reserve``: a protected peer was seen at ``ip`` (it may use the reserved slots)."""
+    subnet = subnet_of(ip)
+    by_subnet = Counter(s.subnet for s in slots)
+    same_ip = [s for s in slots if s.ip == ip]
+    if len(same_ip) >= limits.per_ip:
+        victim = _victim(same_ip, by_subnet, now, limits)
+        if victim is None:
+            return Admission("refuse", reason=f"{len(same_ip)} connections from this address already")
+        return Admission("evict", victim, f"over {limits.per_ip} connections from {ip}")
+    if by_subnet[subnet] >= limits.per_subnet:
+        victim = _victim([s for s in slots if s.subnet == subnet], by_subnet, now, limits)
+        if victim is None:
+            return Admission("refuse", reason=f"{by_subnet[subnet]} connections from {subnet} already")
+        return Admission("evict", victim, f"over {limits.per_subnet} connections from {subnet}")
+    if len(slots) >= limits.total:
+        victim = _victim(slots, by_subnet, now, limits)
+        if victim is not None:
+            return Admission("evict", victim, f"over {limits.total} inbound connections")
+        if reserve and len(slots) < limits.total + limits.reserve:
+            return Admission("probation", reason="only peers this node trained with may use the reserve")
+        return Admission("refuse", reason="too many connections; try later")
+    return Admission("accept")

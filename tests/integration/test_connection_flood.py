@@ -1,0 +1,62 @@
+"""Connection floods (issue: open swarms, "connection exhaustion"), over the in-memory network on the
+virtual clock, where a host's name is the address its peers see (so names can be IP addresses).
+
+What is proved here: silent sockets that fill every inbound slot no longer keep an honest peer out (the
+newcomer takes the oldest silent socket's slot); one subnet cannot hold more than its share of slots;
+and under a flood, a peer this node trained with keeps its connection while an idle stranger's is
+evicted. On the code before admission, the honest peer was refused "busy" in each case.
+"""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from p2ptrain.net import HostConfig
+
+
+async def test_silent_sockets_filling_every_slot_do_not_keep_an_honest_peer_out(
+    mem_cluster, autojump_clock, kit
+):
+    with trio.fail_after(30):
+        server = await mem_cluster.start(config=HostConfig(max_inbound=8, handshake_timeout=10.0))
+        silent = [await mem_cluster.dial_raw(server, src=f"198.18.{7 + k % 4}.{k}") for k in range(8)]
+        await trio.testing.wait_all_tasks_blocked()
+        honest = await mem_cluster.start("198.18.1.1")
+        conn = await honest.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("in"))).text == "in"
+        assert await silent[0].receive_some() == b""  # the oldest silent socket lost its slot
+
+
+async def test_one_subnet_cannot_take_more_than_its_share(mem_cluster, autojump_clock, kit):
+    config = HostConfig(max_inbound=16, max_inbound_per_subnet=4, handshake_timeout=10.0)
+    with trio.fail_after(30):
+        server = await mem_cluster.start(config=config)
+        flood = [await mem_cluster.dial_raw(server, src=f"198.18.7.{k}") for k in range(1, 6)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert await flood[0].receive_some() == b""  # the fifth from 198.18.7.0/24 took the first's slot
+        with trio.move_on_after(1.0):
+            await flood[1].receive_some()
+            raise AssertionError("a socket within the subnet's share was closed")
+        honest = await mem_cluster.start("198.18.1.1")
+        conn = await honest.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("in"))).text == "in"
+
+
+async def test_a_peer_we_trained_with_keeps_its_connection_under_a_flood(mem_cluster, autojump_clock, kit):
+    with trio.fail_after(120):
+        server = await mem_cluster.start(config=HostConfig(max_inbound=2, handshake_timeout=10.0))
+        friend = await mem_cluster.start("198.18.1.1")
+        stranger = await mem_cluster.start("198.18.2.1")
+        await friend.host.connect(server.address)
+        await stranger.host.connect(server.address)
+        friend_in = await server.wait_conn_to(friend)
+        stranger_in = await server.wait_conn_to(stranger)
+        server.host.protect(friend.peer_id)
+        await trio.sleep(60)  # both idle for a minute
+        newcomer = await mem_cluster.start("198.18.3.1")
+        conn = await newcomer.host.connect(server.address)  # takes the idle stranger's slot
+        assert (await conn.call(kit.ECHO, kit.Text("in"))).text == "in"
+        await stranger_in.wait_closed()
+        assert stranger_in.close_reason.startswith("evicted")
+        assert not friend_in.closed

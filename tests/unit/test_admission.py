@@ -1,0 +1,97 @@
+"""Inbound admission (``net.admission``), table-driven: who gets a slot when slots run short.
+
+What is proved here: addresses group into /24 and /64 subnets; a newcomer to a full table takes the slot
+of the oldest connection still in its handshake, from the most crowded subnet; an authenticated
+connection is evicted only when it has been idle long enough and is not a peer this node trained with;
+a subnet or an address at its limit loses only its own connections; the reserve admits, on probation,
+only a newcomer from an address a protected peer was seen at; otherwise the answer is "refuse".
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.net.admission import Limits, Slot, admit, subnet_of
+
+LIMITS = Limits(total=4, per_ip=3, per_subnet=3, reserve=1, idle_after=30.0)
+NOW = 100.0
+
+
+def slot(key: int, ip: str, since: float, **kw: bool) -> Slot:
+    return Slot(key, ip, subnet_of(ip), since, **kw)
+
+
+@pytest.mark.parametrize(
+    ("host", "subnet"),
+    [
+        ("198.18.0.7", "198.18.0.0/24"),
+        ("198.18.1.7", "198.18.1.0/24"),
+        ("2001:db8:1:2::7", "2001:db8:1:2::/64"),
+        ("::ffff:198.18.0.9", "198.18.0.0/24"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("h3", "h3"),
+    ],
+)
+def test_addresses_are_counted_by_subnet(host: str, subnet: str) -> None:
+    assert subnet_of(host) == subnet
+
+
+def test_room_left_is_accepted() -> None:
+    assert admit([slot(1, "198.18.0.1", 1.0)], "198.18.1.1", NOW, LIMITS).verdict == "accept"
+
+
+def test_a_full_table_gives_up_its_oldest_handshake_from_the_most_crowded_subnet() -> None:
+    slots = [
+        slot(1, "198.18.5.1", 1.0),  # the oldest, but its subnet holds one slot
+        slot(2, "198.18.7.1", 2.0),
+        slot(3, "198.18.7.2", 3.0),
+        slot(4, "198.18.1.1", 0.5, authenticated=True),  # idle for long, but handshakes go first
+    ]
+    got = admit(slots, "198.18.9.9", NOW, LIMITS)
+    assert got.verdict == "evict" and got.victim is not None and got.victim.key == 2, got
+
+
+@pytest.mark.parametrize(
+    ("kw", "since", "evicted"),
+    [
+        ({}, NOW - 31.0, True),  # idle past idle_after, nobody we trained with
+        ({}, NOW - 5.0, False),  # used a moment ago
+        ({"busy": True}, NOW - 31.0, False),  # a call in flight
+        ({"protected": True}, NOW - 300.0, False),  # a peer we trained with
+    ],
+    ids=["idle", "recent", "busy", "protected"],
+)
+def test_an_authenticated_connection_is_evicted_only_when_idle_and_unprotected(
+    kw: dict[str, bool], since: float, evicted: bool
+) -> None:
+    slots = [slot(1, "198.18.0.1", since, authenticated=True, **kw)]
+    slots += [slot(k, f"198.18.{k}.1", NOW - 1.0, authenticated=True) for k in (2, 3, 4)]
+    got = admit(slots, "198.18.9.9", NOW, LIMITS)
+    if evicted:
+        assert got.verdict == "evict" and got.victim is not None and got.victim.key == 1
+    else:
+        assert got.verdict == "refuse" and "too many connections" in got.reason
+
+
+def test_a_subnet_at_its_limit_loses_only_its_own() -> None:
+    slots = [slot(k, f"198.18.7.{k}", float(k)) for k in (1, 2, 3)]
+    got = admit(slots, "198.18.7.9", NOW, LIMITS)
+    assert got.verdict == "evict" and got.victim is not None and got.victim.key == 1
+    assert "198.18.7.0/24" in got.reason
+    others = [slot(k, f"198.18.7.{k}", NOW, authenticated=True) for k in (1, 2, 3)]
+    assert admit(others, "198.18.7.9", NOW, LIMITS).verdict == "refuse"
+    assert admit(others, "198.18.8.1", NOW, LIMITS).verdict == "accept"  # another subnet: room left
+
+
+def test_an_address_at_its_limit_loses_only_its_own() -> None:
+    mine = [slot(k, "198.18.7.1", float(k)) for k in (1, 2, 3)]
+    got = admit(mine, "198.18.7.1", NOW, Limits(total=9, per_ip=3, per_subnet=9))
+    assert got.verdict == "evict" and got.victim is not None and got.victim.key == 1
+
+
+def test_the_reserve_admits_only_where_a_peer_we_trained_with_was_seen() -> None:
+    full = [slot(k, f"198.18.{k}.1", NOW, authenticated=True, busy=True) for k in (1, 2, 3, 4)]
+    assert admit(full, "198.18.9.9", NOW, LIMITS).verdict == "refuse"
+    assert admit(full, "198.18.9.9", NOW, LIMITS, reserve=True).verdict == "probation"
+    over = [*full, slot(5, "198.18.5.1", NOW, authenticated=True, busy=True)]
+    assert admit(over, "198.18.9.9", NOW, LIMITS, reserve=True).verdict == "refuse"
