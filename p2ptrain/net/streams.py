@@ -184,10 +184,14 @@ class RpcStream:
         self._credit_changed = trio.Event()
 
     def _fail(self, error: BaseException) -> None:
-        """Wake everything waiting on this stream with ``error``; drop buffered data."""
+        """Wake everything waiting on this stream with ``error``; drop buffered data, and the targets
+        chunks would have landed in (views of the caller's buffers: a finished call sits in a reference
+        cycle with its stream until the cyclic collector runs, and a view would keep a model-sized
+        buffer alive that long)."""
         if self._error is None:
             self._error = error
         self._chunks.clear()
+        self._targets.clear()
         self.buffered = 0
         self._arrived.set()
         self._credit_changed.set()
