@@ -36,6 +36,7 @@ from ..errors import (
     SchemaMismatch,
 )
 from ..identity import PeerID
+from ..net.admission import subnet_of
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
@@ -88,6 +89,7 @@ _DTYPES = {
 ROUND_WAIT = 10.0  # how long a call for a round we have not started yet waits for its manifest
 MAX_WAITING_CALLS = 256
 MAX_WAITING_PER_PEER = 8  # calls one peer may have waiting for rounds we have not started
+MAX_WAITING_PER_SUBNET = 32  # ... and one subnet (/24, /64): ids are free, subnets are not
 JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
 POLL = 0.5  # seconds between reads of the announcements while gathering or looking
 EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
@@ -216,6 +218,7 @@ class Averager:
         # for it (it fetched its results early, and this member served the last of its fetches first).
         self._decided: dict[bytes, tuple[float, bytes]] = {}
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
+        self._waiting_subnet: Counter[str] = Counter()  # ... per caller's subnet
         self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
@@ -478,26 +481,32 @@ class Averager:
         if rnd.decision_bytes and len(self._decided) < MAX_WAITING_CALLS:
             self._decided[rnd.digest] = (rnd.end + JOIN_GRACE, rnd.decision_bytes)
 
-    async def _round(self, digest: bytes, peer: PeerID) -> AllReduceRound:
+    async def _round(self, digest: bytes, ctx: CallContext) -> AllReduceRound:
         """The round ``digest``, waiting a little for it to start: a member may call us before our own
         copy of the manifest arrived. Until then its stream holds at most the protocol's initial window
-        of data here, and one peer may have only a few such calls waiting."""
+        of data here, and one peer, or one subnet, may have only a few such calls waiting."""
+        peer, subnet = ctx.peer, subnet_of(ctx.remote_host)
         rnd = self._rounds.get(digest)
         if rnd is not None:
             return rnd
         if digest in self._declined:
             raise CallRefused(LEFT_ROUND, f"this member left round {digest.hex()[:8]} before it started")
-        if len(self._round_started) >= MAX_WAITING_CALLS or self._waiting[peer] >= MAX_WAITING_PER_PEER:
+        if (
+            len(self._round_started) >= MAX_WAITING_CALLS
+            or self._waiting[peer] >= MAX_WAITING_PER_PEER
+            or self._waiting_subnet[subnet] >= MAX_WAITING_PER_SUBNET
+        ):
             raise RemoteProtocolError("unknown round (and too many calls waiting for unknown rounds)")
         event = self._round_started.setdefault(digest, trio.Event())
         self._waiting[peer] += 1
+        self._waiting_subnet[subnet] += 1
         try:
             with trio.move_on_after(ROUND_WAIT):
                 await event.wait()
         finally:
             self._waiting[peer] -= 1
-            if not self._waiting[peer]:
-                del self._waiting[peer]
+            self._waiting_subnet[subnet] -= 1
+            self._waiting, self._waiting_subnet = +self._waiting, +self._waiting_subnet  # (drop zeros)
         rnd = self._rounds.get(digest)
         if rnd is None:
             if not event.is_set():
@@ -508,7 +517,7 @@ class Averager:
         return rnd
 
     async def _on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round, ctx.peer)).on_part(ctx, req, stream)
+        return await (await self._round(req.round, ctx)).on_part(ctx, req, stream)
 
     def _known_decision(self, digest: bytes) -> bytes:
         """The signed decision of a round declined or over here, if it had one (else empty)."""
@@ -517,13 +526,13 @@ class Averager:
     async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
         if req.round not in self._rounds and (decision := self._known_decision(req.round)):
             return Reply(DecisionResp(True), decision)
-        return await (await self._round(req.round, ctx.peer)).on_report(ctx, req)
+        return await (await self._round(req.round, ctx)).on_report(ctx, req)
 
     async def _on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round, ctx.peer)).on_fetch(ctx, req, stream)
+        return await (await self._round(req.round, ctx)).on_fetch(ctx, req, stream)
 
     async def _on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round, ctx.peer)).on_fetch_early(ctx, req, stream)
+        return await (await self._round(req.round, ctx)).on_fetch_early(ctx, req, stream)
 
     async def _on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
         rnd = self._rounds.get(req.round)

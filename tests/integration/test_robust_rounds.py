@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import trio
+import trio.testing
 
 from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.averaging.averager import Averager, schema_of
@@ -16,7 +17,7 @@ from p2ptrain.averaging.partition import partition_sizes
 from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity
-from p2ptrain.net import Host, MemoryNetwork
+from p2ptrain.net import Connection, Host, MemoryNetwork
 
 PORT = 2100
 N = 5
@@ -183,3 +184,48 @@ async def test_a_peer_may_keep_only_a_few_calls_waiting_for_unknown_rounds(autoj
     waited = [o for o in outcomes if "unknown round" in o[1] and "too many" not in o[1]]
     assert len(refused_at_once) == 3
     assert len(waited) == MAX_WAITING_PER_PEER and all(t >= ROUND_WAIT for t, _ in waited)
+
+
+async def test_ids_from_one_subnet_share_its_few_waiting_calls(autojump_clock: object) -> None:
+    """Ids are free: six ids from one /24 keep at most MAX_WAITING_PER_SUBNET calls waiting for unknown
+    rounds (32 ids x 8 calls used to fill all 256), and a peer from another subnet still gets its turn."""
+    from p2ptrain.averaging.averager import MAX_WAITING_PER_PEER, MAX_WAITING_PER_SUBNET
+    from p2ptrain.averaging.protocol import PART, PartReq
+    from p2ptrain.errors import RemoteCallError
+
+    net = MemoryNetwork(seed=14)
+    outcomes: dict[str, list[str]] = {"flood": [], "honest": []}
+    async with trio.open_nursery() as nursery:
+        server = Host(Identity.generate(), "wait", transport=net.transport("198.18.0.1"))
+        await nursery.start(server.run, [("198.18.0.1", PORT)])
+        await nursery.start(Averager(server, None).run)
+
+        async def client(name: str) -> Connection:
+            host = Host(Identity.generate(), "wait", transport=net.transport(name))
+            await nursery.start(host.run, [])
+            return await host.connect(server.advertised_addresses()[0])
+
+        async def call(conn: Connection, i: int, who: str) -> None:
+            try:
+                async with conn.open_stream(
+                    PART, PartReq(bytes([i % 256]) * 16, 0, 1.0), timeout=60
+                ) as stream:
+                    await stream.send(b"\0" * 1024)
+                    await stream.response()
+                outcomes[who].append("answered")
+            except RemoteCallError as e:
+                outcomes[who].append("refused" if "too many" in e.message else "waited")
+
+        flood = [await client(f"198.18.7.{k}") for k in range(1, 7)]
+        honest = await client("198.18.9.1")
+        with trio.fail_after(60):
+            async with trio.open_nursery() as calls:
+                for k, conn in enumerate(flood):
+                    for i in range(MAX_WAITING_PER_PEER):
+                        calls.start_soon(call, conn, 16 * k + i, "flood")
+                await trio.testing.wait_all_tasks_blocked()
+                calls.start_soon(call, honest, 200, "honest")
+        nursery.cancel_scope.cancel()
+    assert outcomes["flood"].count("waited") == MAX_WAITING_PER_SUBNET
+    assert outcomes["flood"].count("refused") == 6 * MAX_WAITING_PER_PEER - MAX_WAITING_PER_SUBNET
+    assert outcomes["honest"] == ["waited"]  # it got a place (its round simply never started here)
