@@ -10,7 +10,11 @@ coordinator (the leader, ``members[0]``) collects one report per reducer and dec
   slice again (each member still holds its own tensors);
 - with no contributor or no surviving reducer, the round aborts;
 - a contributor's weight is capped at what the coordinator's ``caps`` allow (for sample counts: what the
-  sender's own signed progress records make plausible), so a peer cannot buy influence by lying.
+  sender's own signed progress records make plausible), so a peer cannot buy influence by lying. The
+  coordinator does not cap itself: every reducer refuses a slice whose weight is more than
+  :data:`WEIGHT_SLACK` times what the reducer finds plausible for its sender, so a hostile coordinator's
+  own slice is left out like anyone's (a reducer that refused it reports it undelivered; a decision
+  that counts it anyway cannot be finalized and the round aborts for all).
 
 The decision is signed and is the only thing that turns reduced partitions into results: a reducer
 computes the mean over exactly the decided contributors, so every member that commits holds the same
@@ -117,3 +121,9 @@ def excluded_reasons(decision: Decision, n: int, names: Sequence[str]) -> dict[i
         else:
             out[i] = f"{names[i]} did not deliver every slice in time (or sent inconsistent weights)"
     return out
+
+
+WEIGHT_SLACK = 2.0
+"""A reducer refuses a slice that claims more than this many times the weight it finds plausible for
+its sender: honest peers claim no more than their own records make plausible, and reducers read the
+same signed records a little apart in time, so honest views differ a little, never by this much."""

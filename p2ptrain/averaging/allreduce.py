@@ -51,7 +51,7 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from . import spill
-from .agreement import Coordinator, excluded_reasons
+from .agreement import WEIGHT_SLACK, Coordinator, excluded_reasons
 from .audit import (
     Attestation,
     hash_pieces,
@@ -228,6 +228,7 @@ class AllReduceRound:
         self.gone: set[int] = set()  # members whose connections closed for good during the round
         self.seen: set[int] = set()  # members we were connected with during the round
         self.coordinator = Coordinator(self.digest, self.sizes) if self.me == 0 else None
+        self.caps: dict[int, float] = {}  # the most weight this member finds plausible per member
         self.decision: Decision | None = None
         self.decision_bytes = b""
         self.decided = trio.Event()
@@ -878,6 +879,19 @@ class AllReduceRound:
         p = req.partition
         if not (math.isfinite(req.weight) and req.weight > 0):
             return Ack(False, "the weight must be positive and finite")
+        cap = self.caps.get(sender)
+        if cap is not None and req.weight > WEIGHT_SLACK * cap:
+            log.warning(
+                "round %s: %s claims weight %g, over %g x the %g its records make plausible: slice refused",
+                self.digest.hex()[:8],
+                self.name(sender),
+                req.weight,
+                WEIGHT_SLACK,
+                cap,
+            )
+            return Ack(
+                False, f"weight {req.weight:g} is over {WEIGHT_SLACK:g} x the {cap:g} plausible for you"
+            )
         if p >= self.n or self.sizes[p] == 0:
             return Ack(False, f"partition {p} does not exist")
         if p != self.me:  # a failed reducer's partition: only once the decision names us

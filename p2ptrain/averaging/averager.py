@@ -417,11 +417,13 @@ class Averager:
             backup=backup,
             own_saved=own_saved,
         )
-        if rnd.coordinator is not None and self.weight_cap is not None:
+        if self.weight_cap is not None:  # the coordinator caps weights; every reducer refuses far-off ones
             for i, peer in enumerate(rnd.peers):
                 cap = self.weight_cap(peer) if i != rnd.me else None
                 if cap is not None:
-                    rnd.coordinator.caps[i] = cap
+                    rnd.caps[i] = cap
+                    if rnd.coordinator is not None:
+                        rnd.coordinator.caps[i] = cap
         self._start_round(rnd)
         try:
             result = await rnd.run()

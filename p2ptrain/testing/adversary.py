@@ -7,8 +7,8 @@ others behave):
 - ``nan``: its slices are NaN (the reducers refuse them: it is left out of every round);
 - ``scale``: its slices are multiplied by 100;
 - ``random``: its slices are noise a hundred times larger than its values;
-- ``inflate``: it claims a hundred times the samples it did (the coordinator caps the weight at what
-  its progress records make plausible);
+- ``inflate``: it claims a hundred times the samples it did (far above what its progress records make
+  plausible: every reducer refuses its slices, so it is left out of the rounds);
 - ``garbage-reducer``: it adds noise to every partition it reduces, and serves that (an audit catches it).
 
 Start a node with ``p2ptrain node ... --adversary KIND`` (a hidden flag, for simulations only).

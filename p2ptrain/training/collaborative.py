@@ -490,7 +490,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._pseudo_gradients()
         try:
             result = await self.node.averager.run_round(
-                manifest, self.averaged.tensors, weight=weight, in_place=self.averaged.sendable
+                manifest, self.averaged.tensors, weight=self._claim(weight), in_place=self.averaged.sendable
             )
         except RoundAborted as e:
             self._note_abort(e)
@@ -631,6 +631,14 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.epoch += 1
         self._state_changed()
 
+    def _claim(self, samples: int) -> float:
+        """The weight this peer claims for ``samples`` in a round: no more than the whole target batch,
+        nor than its own signed records make plausible (what the others' caps allow: every reducer
+        refuses a slice far above them). Samples beyond it still went into the values sent."""
+        cap = self._weight_cap(self.node.peer_id)
+        target = float(self.config.training.target_batch_size)
+        return min(float(samples), target, target if cap is None else cap)
+
     def _weight_cap(self, peer: PeerID) -> float | None:
         """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
         records make plausible; the whole target for a peer without records."""
@@ -689,7 +697,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 if self.diloco:  # kept for the landing, where the local progress since now goes on top
                     flight.own = await self._keep_aside(flight.tensors)
                 flight.outcome = await self.node.averager.run_round(
-                    manifest, flight.tensors.tensors, weight=weight, in_place=flight.tensors.sendable
+                    manifest,
+                    flight.tensors.tensors,
+                    weight=self._claim(weight),
+                    in_place=flight.tensors.sendable,
                 )
             except RoundAborted as e:
                 flight.outcome = e

@@ -22,7 +22,7 @@ import trio
 
 from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
 from p2ptrain.averaging.protocol import Manifest, SignedManifest
-from p2ptrain.errors import GroupFormationFailed
+from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 
@@ -100,3 +100,35 @@ async def test_honest_members_refuse_a_downgraded_manifest_and_average_without_i
     refused = [r for r in caplog.records if "breaks the run's rules" in r.getMessage()]
     assert refused and all("aggregation is 'mean'" in r.getMessage() for r in refused)
     assert len(refused) == 2  # each honest member asked it once, then never again
+
+
+async def test_a_coordinator_claiming_a_billion_samples_is_left_out_of_its_own_round(
+    autojump_clock: object,
+) -> None:
+    """The coordinator caps every member's weight at what its records make plausible, except its own: a
+    hostile one claims a billion samples. Every other reducer refuses its slice (far above what they find
+    plausible for it), so the decision can only leave it out: the honest members commit the mean of their
+    own values, identical everywhere."""
+    cfg = AveragerConfig(target_size=3, min_size=2, matchmaking_time=3.0)
+    async with swarm(3, cfg) as nodes:
+        attacker = nodes[0].peer_id
+        for node in nodes:
+            node.averager.weight_cap = lambda peer: 10.0  # what everyone's records make plausible
+        out: list[RoundResult | Exception | None] = [None, None, None]
+
+        async def one(i: int, delay: float) -> None:
+            await trio.sleep(delay)
+            values = [torch.full((1000,), HUGE if i == 0 else float(i))]
+            try:
+                out[i] = await nodes[i].average(values, weight=1e9 if i == 0 else 1.0, timeout=20.0)
+            except (GroupFormationFailed, RoundAborted) as e:
+                out[i] = e
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i, delay in enumerate((0.0, 0.4, 0.9)):  # the attacker announces first: it leads
+                    nursery.start_soon(one, i, delay)
+    for r in out:
+        assert isinstance(r, RoundResult), r
+        assert r.group_size == 3 and attacker not in r.contributors and r.total_weight == 2.0
+        assert torch.equal(r.tensors[0], torch.full((1000,), 1.5))

@@ -102,12 +102,14 @@ def test_a_manifest_with_an_unknown_rule_is_refused() -> None:
         manifest.check()
 
 
-async def test_the_coordinator_counts_a_liar_at_its_plausible_weight() -> None:
-    """Member 4 claims weight 1000; the coordinator (member 0) allows it 5: every member holds the
-    mean with weight 5 for it, computed the same way (the reducers replay their slices)."""
+@pytest.mark.parametrize("claimed", [8.0, 1000.0], ids=["within-slack", "far-above"])
+async def test_the_coordinator_counts_a_liar_at_its_plausible_weight(claimed: float) -> None:
+    """Member 4 claims more weight than the 5 the coordinator (member 0) allows it. Within twice that,
+    every member holds the mean with weight 5 for it, computed the same way (the reducers replay their
+    slices); far above (1000), the coordinator's partition refuses its slice and it is left out."""
     net = MemoryNetwork(seed=12)
     values = [torch.full((2000,), float(i)) for i in range(N)]
-    weights = [1.0, 2.0, 3.0, 4.0, 1000.0]
+    weights = [1.0, 2.0, 3.0, 4.0, claimed]
     async with trio.open_nursery() as nursery:
         hosts, averagers = [], []
         for i in range(N):
@@ -141,8 +143,12 @@ async def test_the_coordinator_counts_a_liar_at_its_plausible_weight() -> None:
                 for i in range(N):
                     rounds.start_soon(one, i)
         nursery.cancel_scope.cancel()
-    expected = (0 * 1 + 1 * 2 + 2 * 3 + 3 * 4 + 4 * 5) / (1 + 2 + 3 + 4 + 5)
-    assert all(r.total_weight == 15.0 for r in results)
+    if claimed > 2 * 5.0:
+        expected = (0 * 1 + 1 * 2 + 2 * 3 + 3 * 4) / (1 + 2 + 3 + 4)
+        assert all(r.total_weight == 10.0 and liar not in r.contributors for r in results)
+    else:
+        expected = (0 * 1 + 1 * 2 + 2 * 3 + 3 * 4 + 4 * 5) / (1 + 2 + 3 + 4 + 5)
+        assert all(r.total_weight == 15.0 for r in results)
     for v in values:
         torch.testing.assert_close(v, torch.full((2000,), expected), rtol=1e-6, atol=1e-6)
         assert torch.equal(v, values[0])
