@@ -889,6 +889,9 @@ class AllReduceRound:
                 WEIGHT_SLACK,
                 cap,
             )
+            if p == self.me:  # its slice will not come: this reducer need not wait for it to report
+                self.failed_senders.setdefault(p, set()).add(sender)
+                self.changed.fire()
             return Ack(
                 False, f"weight {req.weight:g} is over {WEIGHT_SLACK:g} x the {cap:g} plausible for you"
             )
