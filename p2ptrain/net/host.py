@@ -85,6 +85,7 @@ class _Inbound:
 
     key: int
     ip: str
+    subnet: str
     arrived: float
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     conn: Connection | None = None
@@ -446,7 +447,7 @@ class Host:
             since = e.arrived if c is None else c.last_busy
             protected = c is not None and c.peer in self._protected
             busy = c is not None and c.active_calls > 0
-            out.append(Slot(e.key, e.ip, subnet_of(e.ip), since, c is not None, protected, busy))
+            out.append(Slot(e.key, e.ip, e.subnet, since, c is not None, protected, busy))
         return out
 
     def _evict(self, key: int, reason: str) -> None:
@@ -479,7 +480,11 @@ class Host:
             self._evict(verdict.victim.key, verdict.reason)
         self._next_slot += 1
         entry = _Inbound(
-            self._next_slot, remote_host, trio.current_time(), probation=verdict.verdict == "probation"
+            self._next_slot,
+            remote_host,
+            subnet_of(remote_host),
+            trio.current_time(),
+            probation=verdict.verdict == "probation",
         )
         self._slots[entry.key] = entry
         try:
