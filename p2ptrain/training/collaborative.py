@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import trio
 
+from ..averaging.agreement import WEIGHT_SLACK
 from ..averaging.allreduce import RoundResult
 from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
@@ -632,12 +633,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._state_changed()
 
     def _claim(self, samples: int) -> float:
-        """The weight this peer claims for ``samples`` in a round: no more than the whole target batch,
-        nor than its own signed records make plausible (what the others' caps allow: every reducer
-        refuses a slice far above them). Samples beyond it still went into the values sent."""
+        """The weight this peer claims for ``samples`` in a round: the true count, but no more than a
+        reducer accepts for what this peer's own signed records make plausible (every reducer refuses a
+        slice over ``WEIGHT_SLACK`` times that: the peer would be left out). The coordinator then caps
+        it at what it finds plausible itself. Samples beyond the claim still went into the values sent."""
         cap = self._weight_cap(self.node.peer_id)
         target = float(self.config.training.target_batch_size)
-        return min(float(samples), target, target if cap is None else cap)
+        return min(float(samples), WEIGHT_SLACK * (target if cap is None else cap))
 
     def _weight_cap(self, peer: PeerID) -> float | None:
         """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
