@@ -125,5 +125,5 @@ def excluded_reasons(decision: Decision, n: int, names: Sequence[str]) -> dict[i
 
 WEIGHT_SLACK = 2.0
 """A reducer refuses a slice that claims more than this many times the weight it finds plausible for
-its sender: honest peers claim no more than their own records make plausible, and reducers read the
-same signed records a little apart in time, so honest views differ a little, never by this much."""
+its sender: honest peers claim no more than this over what their own records make plausible, and
+reducers read the same signed records a little apart in time, so honest views differ a little."""
