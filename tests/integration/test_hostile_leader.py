@@ -11,47 +11,20 @@ and applied its mean.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
 import trio
+from test_matchmaking import identity, swarm
 
-from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
+from p2ptrain import AveragerConfig, RoundResult
 from p2ptrain.averaging.protocol import Manifest, SignedManifest
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 
-PORT = 3100
 HUGE = 1e4
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
-
-
-@asynccontextmanager
-async def swarm(n: int, avg: AveragerConfig) -> AsyncIterator[list[Node]]:
-    net = MemoryNetwork(seed=5)
-    nodes: list[Node] = []
-    async with trio.open_nursery() as nursery:
-        for i in range(n):
-            config = NodeConfig(
-                run_id="hostile",
-                listen=((f"h{i}", PORT),),
-                join=(nodes[0].addresses[0],) if nodes else (),
-                averaging=avg,
-            )
-            node = Node(identity(f"h{i}"), config, transport=net.transport(f"h{i}"), clock=trio.current_time)
-            nodes.append(await nursery.start(node.run))
-        for node in nodes:
-            await node.dht.bootstrapped.wait()
-        yield nodes
-        nursery.cancel_scope.cancel()
 
 
 def downgrade(m: Manifest) -> Manifest:
@@ -64,7 +37,7 @@ def downgrade(m: Manifest) -> Manifest:
 async def test_honest_members_refuse_a_downgraded_manifest_and_average_without_its_leader(
     autojump_clock: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    attacker = identity("h0").peer_id
+    attacker = identity("n0").peer_id
     real_sign = SignedManifest.sign.__func__  # type: ignore[attr-defined]
 
     def sign(cls: type[SignedManifest], who: Identity, manifest: Manifest) -> SignedManifest:
@@ -76,7 +49,7 @@ async def test_honest_members_refuse_a_downgraded_manifest_and_average_without_i
     )
     out: list[RoundResult | Exception | None] = [None, None, None]
     with caplog.at_level(logging.WARNING, logger="p2ptrain.averaging.averager"):
-        async with swarm(3, cfg) as nodes:
+        async with swarm(3, cfg, net=MemoryNetwork(seed=5)) as nodes:
 
             async def one(i: int, delay: float) -> None:
                 await trio.sleep(delay)
@@ -110,7 +83,7 @@ async def test_a_coordinator_claiming_a_billion_samples_is_left_out_of_its_own_r
     plausible for it), so the decision can only leave it out: the honest members commit the mean of their
     own values, identical everywhere, without waiting for the refused slices."""
     cfg = AveragerConfig(target_size=3, min_size=2, matchmaking_time=3.0)
-    async with swarm(3, cfg) as nodes:
+    async with swarm(3, cfg, net=MemoryNetwork(seed=5)) as nodes:
         attacker = nodes[0].peer_id
         for node in nodes:
             node.averager.weight_cap = lambda peer: 10.0  # what everyone's records make plausible
