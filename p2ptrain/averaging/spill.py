@@ -64,14 +64,7 @@ class SpillFile:
     def read(self, offset: int, length: int) -> bytearray:
         if self.closed:
             raise ValueError("the spill file is closed")
-        out = bytearray(length)
-        view, done = memoryview(out), 0
-        while done < length:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"the spill file is short at byte {offset + done}")
-            done += n
-        return out
+        return read_exact(self.fd, offset, length, "the spill file")
 
     def __del__(self) -> None:  # (a round cancelled midway: its file goes when its last handle does)
         self.close()
@@ -81,6 +74,19 @@ class SpillFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def read_exact(fd: int, offset: int, length: int, what: str) -> bytearray:
+    """``length`` bytes of ``fd`` from ``offset`` (page cache or disk), read straight into the buffer
+    returned; OSError naming ``what`` if the file ends first."""
+    out = bytearray(length)
+    view, done = memoryview(out), 0
+    while done < length:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{what} is short at byte {offset + done}")
+        done += n
+    return out
 
 
 async def put(file: SpillFile, data: bytes | bytearray | memoryview) -> Spilled:

@@ -59,7 +59,7 @@ class CheckpointCorrupt(P2PError):
 # ---- writing -------------------------------------------------------------------------------------
 
 
-def _write_file(path: Path, pieces: Iterable[memoryview | bytes]) -> tuple[int, str]:
+def _write_file(path: Path, pieces: Iterable[memoryview | bytes | bytearray]) -> tuple[int, str]:
     """Write, flush and fsync a new file; return its size and BLAKE2b-256 hex digest."""
     h = hashlib.blake2b(digest_size=32)
     size = 0
@@ -68,7 +68,7 @@ def _write_file(path: Path, pieces: Iterable[memoryview | bytes]) -> tuple[int, 
         for piece in pieces:
             f.write(piece)
             h.update(piece)
-            size += len(piece) if isinstance(piece, bytes) else piece.nbytes
+            size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
         f.flush()
         os.fsync(f.fileno())
     return size, h.hexdigest()

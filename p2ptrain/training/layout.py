@@ -147,13 +147,13 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def chunk_pieces(
     layout: Layout, tensors: Sequence[torch.Tensor], i: int, source: Source | None = None
-) -> list[memoryview | bytes]:
+) -> list[memoryview | bytes | bytearray]:
     """Chunk ``i``'s bytes as host memoryviews (views of CPU tensors; GPU bytes copied, one span at a time;
     the tensors ``source`` owns read through it: file-backed ones, whose pages reading in place would map
     into the process).
 
     ``tensors`` are in layout order."""
-    out: list[memoryview | bytes] = []
+    out: list[memoryview | bytes | bytearray] = []
     for span in layout.spans(i):
         t = tensors[span.index]
         if source is not None and source.owns(t):
@@ -166,7 +166,7 @@ def chunk_pieces(
     return out
 
 
-def hash_chunk(pieces: Sequence[memoryview | bytes]) -> bytes:
+def hash_chunk(pieces: Sequence[memoryview | bytes | bytearray]) -> bytes:
     h = hashlib.blake2b(digest_size=HASH_BYTES, person=_CHUNK_PERSON)
     for piece in pieces:
         h.update(piece)

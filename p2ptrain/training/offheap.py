@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..averaging.spill import read_exact
+
 PAGE = mmap.PAGESIZE
 
 
@@ -74,19 +76,12 @@ class FileTensors:
     def owns(self, t: torch.Tensor) -> bool:
         return self._span_of(t) is not None
 
-    def read(self, t: torch.Tensor, lo: int, hi: int) -> bytes:
+    def read(self, t: torch.Tensor, lo: int, hi: int) -> bytearray:
         """Bytes ``[lo, hi)`` of ``t`` (one of ours) from the page cache, without mapping a page in."""
         span = self._span_of(t)
         if span is None or not 0 <= lo <= hi <= span[1] - span[0]:
             raise ValueError("not bytes of a file-backed tensor")
-        out = bytearray(hi - lo)
-        view, done = memoryview(out), 0
-        while done < len(out):
-            n = os.preadv(self._fd, [view[done:]], span[0] + lo + done)
-            if n <= 0:
-                raise OSError(f"the outer-state file is short at byte {span[0] + lo + done}")
-            done += n
-        return bytes(out)
+        return read_exact(self._fd, span[0] + lo, hi - lo, "the outer-state file")
 
     def release(self, which: Sequence[torch.Tensor] | None = None) -> None:
         """Drop this process's hold on the pages of ``which`` (default: all): they leave the resident set

@@ -123,14 +123,14 @@ class Source(Protocol):
 
     def owns(self, t: torch.Tensor) -> bool: ...
 
-    def read(self, t: torch.Tensor, lo: int, hi: int) -> bytes: ...
+    def read(self, t: torch.Tensor, lo: int, hi: int) -> bytes | bytearray: ...
 
 
 READ_PIECE = 1 << 20
 """Bytes per read when a :class:`Source` supplies a tensor's bytes."""
 
 
-def pieces_of(tensor: torch.Tensor, source: Source | None = None) -> Iterator[memoryview | bytes]:
+def pieces_of(tensor: torch.Tensor, source: Source | None = None) -> Iterator[memoryview | bytes | bytearray]:
     """The tensor's bytes: :func:`raw_bytes` in one piece, or read through ``source`` piece by piece
     when it owns the tensor."""
     if source is None or not source.owns(tensor):
