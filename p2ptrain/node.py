@@ -183,6 +183,8 @@ class Node:
         self.clock = clock
         self._started = clock()
         self._joined: set[str] = set()
+        # The peers the user told this node to join through (named in the address, or met there).
+        self.join_peers: set[PeerID] = {a.peer_id for a in config.join if a.peer_id is not None}
         self.status_sections: dict[str, Callable[[], Any]] = {}  # more sections of the status file
         self.metrics_port: int | None = None
 
@@ -251,6 +253,7 @@ class Node:
             else:
                 delay = 1.0
                 conn.keep_open = True
+                self.join_peers.add(conn.peer)
                 if str(addr) not in self._joined:
                     self._joined.add(str(addr))
                     log.info("joined the swarm through %s", addr)

@@ -93,6 +93,7 @@ MAX_WAITING_PER_SUBNET = 32  # ... and one subnet (/24, /64): ids are free, subn
 JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
 POLL = 0.5  # seconds between reads of the announcements while gathering or looking
 EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
+MAX_PARTNERS = 4096  # peers remembered as ones we averaged with (see ``Averager.partners``)
 BAD_MANIFEST = "a manifest that breaks the run's rules"
 RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
 
@@ -225,6 +226,9 @@ class Averager:
         # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
         self.weight_cap: Callable[[PeerID], float | None] | None = None
         self.auditor = Auditor(host, quorum=self.config.ban_quorum)
+        # Peers whose contributions went into a round we committed: they held our state then (trained
+        # with us, and paid for it in compute); the trainer trusts their records of later states.
+        self.partners: set[PeerID] = set()
         self.measured = BandwidthEstimate()  # from this member's rounds (see ``bandwidth``)
         reg = self.host.registry
         reg.add_unary(JOIN, self._on_join)
@@ -436,6 +440,8 @@ class Averager:
         self.auditor.cleared(result.contributors)
         for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
             self.host.protect(peer)
+            if peer != self.host.peer_id and len(self.partners) < MAX_PARTNERS:
+                self.partners.add(peer)
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)

@@ -273,6 +273,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             now=self.clock(),
             target=self.config.training.target_batch_size,
             horizon=2 * self.config.progress.interval,
+            trusted=self.trusted(),
         )
         for r in self.records:
             if r.peer == self.node.peer_id or r.record.run != self.fingerprint:
@@ -282,6 +283,18 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             else:
                 self._partners.add(r.peer)
         return self.view
+
+    def trusted(self) -> frozenset[PeerID] | None:
+        """The peers whose progress records may move this one to another state (see ``progress``): the
+        join peers and the peers it has averaged with. None (every record) in a private swarm, whose
+        members the authority vouches for, and on a peer that has no anchor at all: started without a
+        join address, it has never averaged (the swarm's first peer, or one restarted without
+        ``--join`` and without the partners its checkpoints remember)."""
+        node = self.node
+        anchors = node.join_peers | node.averager.partners
+        if node.config.authority is not None or not anchors:
+            return None
+        return frozenset(anchors)
 
     async def leave(self, timeout: float = 5.0) -> None:
         """Tell the swarm this peer stops (its record says so), so nobody waits for it in a group."""
@@ -347,7 +360,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 # wait for it in vain.
                 if self.samples > 0:
                     self._start_matchmaking()
-            elif view.peers <= 1 and view.ready and not self._holds and self._may_step_alone(view):
+            elif (
+                view.peers <= 1
+                and view.ready
+                and not view.behind
+                and not self._holds
+                and self._may_step_alone(view)
+            ):
                 self._solo_step()
                 return True
         return changed

@@ -14,11 +14,26 @@ same records:
 - how many peers work on this epoch (the size of the group to form), counting those whose averaging
   round for the previous epoch is still landing (diloco with overlap), and not those that said they are
   leaving;
-- whether this peer is behind (some peer is on a later epoch) or has diverged (the majority of the peers
-  on its epoch started it from another state): then it downloads the state, from ``donors`` in order.
+- whether this peer is behind or has diverged: then it downloads the state, from ``donors`` in order.
 
-The majority digest of an epoch is the one most peers report, ties broken by the smaller digest, so every
-peer names the same winner. A peer's own samples are never extrapolated: it knows them exactly.
+Which states a peer adopts is a question of trust, not of numbers: identities are free, so a record's
+step and digest are claims, and a thousand records saying the same are a thousand claims of one key
+generator. Only the records of *trusted* peers (``trusted``) can move a peer to another state: the peers
+the user told it to join through, and the peers it has averaged with (their contributions went into a
+round it committed, so they held its state then). A private swarm's members all are. Among the trusted
+records and its own:
+
+- the epoch to be on is the upper median of their epochs (never below its own): a peer that missed a
+  round follows the trusted majority that moved on, while one trusted peer that lies about a far
+  future step is outvoted by the others (with a single trusted peer, that peer decides: it is the one
+  the user named, or the only one this peer ever trained with);
+- the digest of an epoch is the one most of them report, ties broken by the smaller digest, so every
+  peer that trusts the same peers names the same winner; the peer has diverged when it holds another.
+
+Any peer, trusted or not, may serve the chosen state as a donor: every chunk is checked against the
+trusted digest on arrival. Untrusted records still count toward the group size and the samples of this
+peer's epoch (bounded elsewhere: see the plausible-weight caps). A peer's own samples are never
+extrapolated: it knows them exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from ..identity import PeerID
@@ -62,14 +77,14 @@ class SwarmView:
     """What the records say about this peer's epoch; ``reason`` explains it in words."""
 
     epoch: int
-    newest: int  # the latest epoch any live peer works on
+    newest: int  # the epoch the trusted peers' records say to be on (>= ``epoch``)
     peers: int  # peers working on ``epoch`` (or about to: their round for the one before is landing)
     others: int  # other live peers of the run, on any epoch (some may be catching up)
     samples: float  # estimated samples the swarm has done toward ``epoch``
     rate: float  # the swarm's samples per second on ``epoch``
     target: int
-    majority: bytes  # the state digest most peers on ``epoch`` started from
-    donors: tuple[PeerProgress, ...]  # where to download the newest majority state, best first
+    majority: bytes  # the state digest most trusted peers on ``epoch`` started from (this one included)
+    donors: tuple[PeerProgress, ...]  # where to download the trusted state of ``newest``, best first
     reason: str
 
     @property
@@ -101,6 +116,19 @@ def majority_digest(records: Iterable[ProgressRecord]) -> bytes:
     return min(counts, key=lambda d: (-counts[d], d))
 
 
+def vouched_digest(records: Iterable[PeerProgress], epoch: int, trusted: Collection[PeerID] | None) -> bytes:
+    """The digest most trusted records of ``epoch`` report (see :func:`majority_digest`)."""
+    return majority_digest(
+        r.record for r in records if r.record.epoch == epoch and (trusted is None or r.peer in trusted)
+    )
+
+
+def upper_median(values: Iterable[int]) -> int:
+    """The middle value, the larger of the two middle ones for an even count."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def estimate(record: ProgressRecord, now: float, horizon: float) -> float:
     """Samples a peer has done by ``now``: its count, plus its rate for at most ``horizon`` seconds."""
     elapsed = min(max(now - record.time, 0.0), horizon)
@@ -126,25 +154,30 @@ def swarm_view(
     now: float,
     target: int,
     horizon: float,
+    trusted: Collection[PeerID] | None,
 ) -> SwarmView:
-    """Decide from the live records (``others`` excludes this peer; stale ones already dropped)."""
+    """Decide from the live records (``others`` excludes this peer; stale ones already dropped).
+    ``trusted``: the peers whose records may move this one to another state (None: every peer's, as in
+    a private swarm whose members are all vouched for)."""
     others = [o for o in others if o.peer != me and o.record.run == mine.run and not o.record.leaving]
+    vouched = [o for o in others if trusted is None or o.peer in trusted]
     same = [o for o in others if o.record.epoch == mine.epoch]
-    newest = max([mine.epoch, *(o.record.epoch for o in others)])
+    newest = max(mine.epoch, upper_median([mine.epoch, *(o.record.epoch for o in vouched)]))
     # fsum: exact, so the verdict does not depend on the order the DHT returned the records in
     samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in same)])
     rate = math.fsum([mine.rate, *(o.record.rate for o in same)])
-    majority = majority_digest([mine, *(o.record for o in same)])
+    majority = majority_digest([mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)])
     at_newest = [o for o in others if o.record.epoch == newest]
-    best = majority_digest(o.record for o in at_newest)
+    best = vouched_digest(vouched, newest, None)  # what the others hold: ours vouches for nothing
     donors = sorted(
-        (o for o in at_newest if o.record.addr and (not best or o.record.digest == best)),
+        (o for o in at_newest if o.record.addr and best and o.record.digest == best),
         key=lambda o: hashlib.blake2b(me.digest + o.peer.digest, digest_size=8).digest(),
     )
     landing = [o for o in others if o.record.landing and o.record.epoch + 1 == mine.epoch]
     peers = 1 + len(same) + len(landing)
     if newest > mine.epoch:
-        reason = f"behind: {len(at_newest)} peer(s) are on step {newest}, this one on {mine.epoch}"
+        ahead = sum(o.record.epoch == newest for o in vouched)
+        reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"
     else:
         reason = f"{peers} peer(s) on step {mine.epoch}: {samples:.0f} of {target} samples at {rate:.1f}/s"
     return SwarmView(

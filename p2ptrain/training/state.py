@@ -656,6 +656,7 @@ def _check_optimizer(
     doc: object,
     tensors: Mapping[int, Mapping[str, torch.Tensor]],
     owned: bool = False,
+    tensors_only: bool = False,
 ) -> dict[str, Any]:
     """Validate one optimizer's part of a state; return the state dict to load into it."""
     where = f"optimizer {key!r}"
@@ -673,9 +674,13 @@ def _check_optimizer(
             got = remote.get("size") if isinstance(remote, dict) else remote
             raise StateError(f"{where} group {gi} has {got!r} parameters, the local one {size}")
         hyper = _check_hyper(f"{where} group {gi}", remote["hyper"], local)
+        if tensors_only:  # the run's settings, not the sender's word
+            hyper = {k: v for k, v in local.items() if k != "params"}
         hyper["params"] = list(range(len(params), len(params) + size))  # Optimizer.state_dict() numbering
         new_groups.append(hyper)
         params.extend((p, hyper) for p in local["params"])
+    if tensors_only and doc["state"]:
+        raise StateError(f"{where} carries non-tensor state, which a state's digest does not cover")
     state = _merge_state(where, doc["state"], tensors)
     for index, entry in state.items():
         if index >= len(params):
@@ -741,6 +746,7 @@ def restore(
     *,
     extra_names: Sequence[str] | Mapping[str, torch.Tensor] = (),
     owned: bool = False,
+    tensors_only: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Validate a captured state against the local model and optimizers, then load it; return the extras.
 
@@ -750,7 +756,9 @@ def restore(
     optimizer is modified. Hyperparameters come from the state (learning rate, betas, ...), except
     those that describe this machine's implementation (foreach, fused, capturable, differentiable).
     ``owned``: the caller hands the tensors over (a fresh download), so optimizer state is loaded
-    without a copy.
+    without a copy. ``tensors_only``: take from the state only what its digest covers, the tensors
+    (a download, checked against a digest): the hyperparameters stay the local optimizer's (the run's
+    settings), and non-tensor per-parameter state is refused.
     """
     if metadata.get(FORMAT_KEY) != FORMAT_VERSION:
         raise StateError(f"state format is {metadata.get(FORMAT_KEY)!r}, expected {FORMAT_VERSION!r}")
@@ -766,7 +774,7 @@ def restore(
         if raw is None:
             raise StateError(f"state lacks optimizer {key!r}")
         doc = parse_json(raw.encode("utf-8", "surrogatepass"), f"optimizer {key!r} metadata")
-        optim_sds[key] = _check_optimizer(key, opt, doc, optim_parts.get(key, {}), owned)
+        optim_sds[key] = _check_optimizer(key, opt, doc, optim_parts.get(key, {}), owned, tensors_only)
     extras = _check_extras(extra_part, extra_names)
     # Everything is validated: from here on nothing is expected to raise, so nothing is half applied.
     model.load_state_dict(model_sd, strict=True)

@@ -25,13 +25,14 @@ import trio
 
 from ..config import RunConfig
 from ..errors import P2PError, RemoteProtocolError
+from ..identity import PeerID
 from ..node import Node
 from . import layout as lay
 from . import state, statesync
 from .buffers import ParamBuffer
 from .fetch import Downloaded, Fetcher
 from .offheap import FileTensors
-from .progress import PeerProgress, SwarmView, majority_digest
+from .progress import PeerProgress, SwarmView, vouched_digest
 from .statesync import LiveState, Snapshot, StateServer
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class SwarmState:
     inner_steps: int
     samples: int
     records: list[PeerProgress]
+    fingerprint: bytes
+    trusted: Callable[[], frozenset[PeerID] | None]
     stats: RoundStats
     digest: bytes
     server: StateServer | None
@@ -180,7 +183,10 @@ class SwarmState:
     ) -> None:
         """Load a state from :meth:`capture` (a download or a checkpoint); everything is checked first.
         ``epoch``: the step the state is known to be (a download's verified root commits to it), instead
-        of the one its metadata claims. ``owned``: the tensors are handed over, not copied."""
+        of the one its metadata claims; a download takes nothing else from its metadata either (its
+        optimizer's hyperparameters and this peer's inner step count stay local: the root does not
+        cover them, see ``state.restore``). ``owned``: the tensors are handed over, not copied."""
+        verified = epoch is not None
         try:
             claimed = int(meta.get("p2ptrain.epoch", ""))
             inner_steps = int(meta.get("p2ptrain.inner_steps", "0"))
@@ -195,7 +201,13 @@ class SwarmState:
             legacy = bool(self.names) and f"extra.global.{self.names[0]}" in tensors
             old = [f"global.{n}" for n in self.names] if legacy else []
             extra = state.restore(
-                self.model, {"outer": self.outer}, tensors, meta, extra_names=old, owned=owned
+                self.model,
+                {"outer": self.outer},
+                tensors,
+                meta,
+                extra_names=old,
+                owned=owned,
+                tensors_only=verified,
             )
             with torch.no_grad():
                 for i, (g, p) in enumerate(zip(self.global_params, self.params, strict=True)):
@@ -204,9 +216,13 @@ class SwarmState:
                     g.copy_(p)
             self._rehome_momentum()
         else:
-            state.restore(self.model, {"inner": self.optimizer}, tensors, meta, owned=owned)
+            state.restore(
+                self.model, {"inner": self.optimizer}, tensors, meta, owned=owned, tensors_only=verified
+            )
             self.averaged.zero_()
-        self.epoch, self.inner_steps, self.samples = epoch, max(self.inner_steps, inner_steps), 0
+        if not verified:
+            self.inner_steps = max(self.inner_steps, inner_steps)
+        self.epoch, self.samples = epoch, 0
         self._counting_from()
         self._state_changed()
 
@@ -252,8 +268,9 @@ class SwarmState:
         flight = self._download = _Download(trio.Event(), self.epoch if carry else None)
         want = view.newest if view.behind else self.epoch
 
-        def expected(epoch: int) -> bytes:  # what the others report; our own digest vouches for nothing
-            return majority_digest(r.record for r in self.records if r.record.epoch == epoch)
+        def expected(epoch: int) -> bytes:  # what the trusted report; our own digest vouches for nothing
+            live = [r for r in self.records if r.record.run == self.fingerprint and not r.record.leaving]
+            return vouched_digest(live, epoch, self.trusted())
 
         async def run() -> None:
             try:

@@ -32,8 +32,9 @@ from typing import Any, Protocol
 import torch
 import trio
 
-from ..averaging.averager import JOIN_GRACE
+from ..averaging.averager import JOIN_GRACE, MAX_PARTNERS
 from ..config import RunConfig
+from ..identity import PeerID
 from ..node import Node
 from ..tasks import Task
 from . import checkpoint
@@ -304,7 +305,13 @@ class Trainer:
         # The live tensors, not a copy (3x the parameters in sync mode): this runs while the training
         # loop waits for it, and nothing else changes the state between two of its steps.
         tensors, meta = self.opt.capture(copy=False)
-        info = {"peer": str(self.node.peer_id), "run": self.config.run.id, "time": self.clock()}
+        info = {
+            "peer": str(self.node.peer_id),
+            "run": self.config.run.id,
+            "time": self.clock(),
+            # whom a restart may trust to move it to a later state (see CollaborativeOptimizer.trusted)
+            "partners": sorted(str(p) for p in self.node.averager.partners)[:MAX_PARTNERS],
+        }
         keep = self.config.checkpoint.keep
         # (a file-backed outer state is read from its file, not through its mapping: see offheap)
         path = checkpoint.save(
@@ -318,8 +325,14 @@ class Trainer:
         if found is None:
             log.info("no checkpoint to resume from%s", f" in {folder}" if folder else "")
             return False
-        step, tensors, meta, _ = found
+        step, tensors, meta, info = found
         self.opt.restore(tensors, meta, owned=True)
+        partners = info.get("partners")
+        for text in partners[:MAX_PARTNERS] if isinstance(partners, list) else ():
+            try:
+                self.node.averager.partners.add(PeerID.from_string(text))
+            except (TypeError, ValueError):
+                log.warning("the checkpoint names a partner %r that is no peer id", text)
         log.info("resumed from the checkpoint of step %d", step)
         return True
 

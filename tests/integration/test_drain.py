@@ -267,3 +267,22 @@ async def test_a_drain_whose_group_hangs_ends_within_the_drain_timeout(
         stats = stopper.trainer.opt.stats
         assert (stopper.trainer.opt.epoch, stats.averaged, stats.aborted) == (0, 0, 1)
         assert stopper.last_checkpoint() == 0  # nothing half applied
+
+
+async def test_a_restarted_peer_trusts_the_partners_its_checkpoint_remembers(
+    autojump_clock: object, tmp_path: Path
+) -> None:
+    """The swarm's first peer has no join address: after a restart, the partners its checkpoint names
+    are whom it may follow to a later state (a fresh key's far-ahead record moves it nowhere)."""
+    async with swarm(run_config("sync"), tmp_path) as s:
+        first, second = [await s.start(max_steps=1) for _ in range(2)]
+        with trio.fail_after(DEADLINE):
+            for p in (first, second):
+                await p.exited.wait()
+        assert first.trainer.opt.stats.averaged == 1
+        node = Node(identity(first.name), first.node.config, transport=s.net.transport("again"))
+        options = TrainerOptions(data_dir=tmp_path / first.name)
+        again = Trainer(node, s.config, make_task(), options, clock=trio.current_time)
+        assert again.opt.trusted() is None  # nothing resumed yet: no anchor at all
+        assert again.resume()
+        assert again.opt.trusted() == {second.node.peer_id}

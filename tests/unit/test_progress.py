@@ -27,6 +27,7 @@ from p2ptrain.training.progress import (
     estimate,
     majority_digest,
     swarm_view,
+    upper_median,
 )
 from p2ptrain.wire.codec import pack, unpack
 
@@ -63,8 +64,9 @@ def view(
     target: int = TARGET,
     now: float = NOW,
     horizon: float = HORIZON,
+    trusted: set[PeerID] | None = None,
 ) -> SwarmView:
-    return swarm_view(me, mine, others, now=now, target=target, horizon=horizon)
+    return swarm_view(me, mine, others, now=now, target=target, horizon=horizon, trusted=trusted)
 
 
 # ---- estimate ----------------------------------------------------------------------------------
@@ -262,7 +264,9 @@ def test_samples_rate_peers(
 
 def test_accepts_any_iterable_of_others() -> None:
     """``others`` may be a generator: it is read once."""
-    v = swarm_view(ME, MINE, (p for p in [peer(1, samples=20)]), now=NOW, target=TARGET, horizon=HORIZON)
+    v = swarm_view(
+        ME, MINE, (p for p in [peer(1, samples=20)]), now=NOW, target=TARGET, horizon=HORIZON, trusted=None
+    )
     assert (v.samples, v.peers, v.others) == (30.0, 2, 1)
 
 
@@ -275,7 +279,14 @@ def test_accepts_any_iterable_of_others() -> None:
         pytest.param([], EPOCH, False, id="alone"),
         pytest.param([peer(1)], EPOCH, False, id="same-epoch"),
         pytest.param([peer(1, epoch=EPOCH - 3)], EPOCH, False, id="others-behind"),
-        pytest.param([peer(1, epoch=EPOCH + 1), peer(2, epoch=EPOCH + 3)], EPOCH + 3, True, id="ahead"),
+        pytest.param([peer(1, epoch=EPOCH + 3)], EPOCH + 3, True, id="ahead"),
+        pytest.param(
+            [peer(1, epoch=EPOCH + 1), peer(2, epoch=EPOCH + 3)], EPOCH + 1, True, id="median-ahead"
+        ),
+        pytest.param([peer(1), peer(2, epoch=EPOCH + 10**6)], EPOCH, False, id="one-far-ahead-outvoted"),
+        pytest.param(
+            [peer(1, epoch=EPOCH + 1), peer(2, epoch=EPOCH + 1), peer(3)], EPOCH + 1, True, id="half-ahead"
+        ),
         pytest.param([peer(1, epoch=EPOCH + 9, run=OTHER_RUN)], EPOCH, False, id="other-run-ahead"),
         pytest.param([PeerProgress(ME, rec(epoch=EPOCH + 9))], EPOCH, False, id="own-record-ahead"),
     ],
@@ -375,8 +386,8 @@ def test_diverged(mine: ProgressRecord, others: list[PeerProgress], digest: byte
                 peer(2, epoch=EPOCH + 1, digest=B, addr=ADDR),
                 peer(3, digest=B, addr=ADDR),
             ],
-            {1},
-            id="newest-epoch-only",
+            {2},
+            id="median-epoch-only",
         ),
         pytest.param(
             MINE,
@@ -401,8 +412,8 @@ def test_diverged(mine: ProgressRecord, others: list[PeerProgress], digest: byte
         pytest.param(
             MINE,
             [peer(1, epoch=EPOCH + 1, addr=ADDR), peer(2, epoch=EPOCH + 1, addr=ADDR)],
-            {1, 2},
-            id="no-digest-at-newest-any-with-address",
+            set(),
+            id="no-digest-at-newest-nothing-to-check-against",
         ),
         pytest.param(
             MINE,
@@ -530,7 +541,7 @@ def test_ready_and_eta(
         ),
         pytest.param(
             [peer(1, epoch=EPOCH + 2), peer(2, epoch=EPOCH + 2), peer(3, epoch=EPOCH + 1)],
-            ["behind", "2 peer(s) are on step 7", "this one on 5"],
+            ["behind", "2 trusted peer(s) are on step 7", "this one on 5"],
             id="behind",
         ),
     ],
@@ -692,14 +703,14 @@ PROPS = settings(max_examples=200, deadline=None)
 def test_view_invariants(
     mine: ProgressRecord, others: list[PeerProgress], now: float, target: int, horizon: float
 ) -> None:
-    v = swarm_view(ME, mine, others, now=now, target=target, horizon=horizon)
+    v = swarm_view(ME, mine, others, now=now, target=target, horizon=horizon, trusted=None)
     live = [o for o in others if o.peer != ME and o.record.run == RUN]
     assert v.samples >= mine.samples
     assert v.rate >= mine.rate
     assert v.others == len(live)
     assert 1 <= v.peers <= 1 + v.others
     assert v.newest >= v.epoch == mine.epoch
-    assert v.behind == any(o.record.epoch > mine.epoch for o in live)
+    assert v.behind == (upper_median([mine.epoch, *(o.record.epoch for o in live)]) > mine.epoch)
     assert v.eta >= 0.0 and (v.eta == 0.0) == v.ready
     assert all(d in live and d.record.epoch == v.newest and d.record.addr for d in v.donors)
     assert len({d.peer for d in v.donors}) == len(v.donors)
@@ -762,3 +773,51 @@ def test_a_leaving_peer_counts_for_nothing() -> None:
     assert [d.peer for d in v.donors] == [pid(2)] and v.majority == A
     ahead = view(rec(), peer(3, epoch=EPOCH + 5, leaving=True, addr=ADDR))
     assert not ahead.behind and ahead.donors == ()
+
+
+# ---- trust: which records may move this peer to another state ------------------------------------
+
+
+def test_a_fresh_key_far_ahead_moves_nobody() -> None:
+    """One key's record of step 1,000,000 with its own digest: not behind, nobody to download from."""
+    liar = peer(9, epoch=10**6, digest=C, addr=ADDR)
+    v = view(rec(digest=A), peer(1, digest=A, addr=ADDR), liar, trusted={pid(1)})
+    assert (v.newest, v.behind) == (EPOCH, False)
+    assert [d.peer for d in v.donors] == [pid(1)]  # of this step's trusted state; never the liar
+    # ... while trusting every record (the old rule, a private swarm's) it would have moved everyone
+    assert view(rec(digest=A), liar, trusted=None).behind
+
+
+def test_many_fresh_keys_on_my_step_do_not_outvote_the_trusted() -> None:
+    sybils = [peer(n, digest=C, addr=ADDR) for n in range(10, 20)]
+    v = view(rec(digest=A), peer(1, digest=A), *sybils, trusted={pid(1)})
+    assert v.majority == A and not v.diverged(A)
+    assert v.peers == 12  # still counted toward the group and the samples (bounded by the weight caps)
+
+
+def test_the_trusted_peers_state_may_come_from_any_donor() -> None:
+    """The trusted record names the state (its digest); who serves it does not matter: chunks are checked."""
+    v = view(
+        rec(digest=A),
+        peer(1, epoch=EPOCH + 1, digest=B),  # trusted, client-only: serves nothing
+        peer(2, epoch=EPOCH + 1, digest=B, addr=ADDR),  # untrusted holder of the same state
+        peer(3, epoch=EPOCH + 1, digest=C, addr=ADDR),  # untrusted holder of another state
+        trusted={pid(1)},
+    )
+    assert v.behind and v.newest == EPOCH + 1
+    assert [d.peer for d in v.donors] == [pid(2)]
+
+
+def test_one_trusted_liar_is_outvoted_by_the_other_trusted() -> None:
+    liar = peer(1, epoch=10**6, digest=C, addr=ADDR)
+    honest = peer(2, digest=A, addr=ADDR)
+    assert not view(rec(digest=A), liar, honest, trusted={pid(1), pid(2)}).behind
+    # the only trusted peer decides: the one the user named, or the only one this peer trained with
+    assert view(rec(digest=A), liar, honest, trusted={pid(1)}).behind
+
+
+def test_a_trusted_majority_that_moved_on_is_followed() -> None:
+    """A peer that missed a round follows the trusted peers that took it."""
+    ahead = [peer(n, epoch=EPOCH + 1, digest=B, addr=ADDR) for n in (1, 2)]
+    v = view(rec(digest=A), *ahead, peer(3, digest=A), trusted={pid(1), pid(2), pid(3)})
+    assert v.behind and v.newest == EPOCH + 1 and {d.peer for d in v.donors} == {pid(1), pid(2)}

@@ -1,0 +1,82 @@
+"""Free identities cannot rewrite the honest peers' model (issue: open swarms, "one fresh key rewrites
+every honest peer's model"). Collaborative peers over the in-memory network on the virtual clock.
+
+What is proved here:
+
+- sybil-epoch: a fresh key that publishes a progress record of step 1,000,000 and serves a state of that
+  step whose every parameter is 1000 moves no honest peer; they train on together, identical. On the
+  code before trust, every honest peer downloaded and restored that state.
+- sybil-majority: three fresh keys, outnumbering the two honest peers, publish records of the honest
+  peers' own step with their (other) state's digest and serve that state. No honest peer "repairs" onto
+  it. Before, the majority digest was theirs and both honest peers restored it.
+
+The attackers are real nodes that joined through an honest peer (so their records, their state servers
+and their connections are the real thing); only their state and step numbers are forged.
+"""
+
+from __future__ import annotations
+
+import torch
+import trio
+from test_training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
+
+FORGED = 1000.0
+
+
+def forge(peer: Peer, epoch: int) -> None:
+    """Make ``peer`` hold a state of ``epoch`` whose every parameter is FORGED, and publish it."""
+    with torch.no_grad():
+        for p in peer.model.parameters():
+            p.fill_(FORGED)
+    peer.opt.epoch = epoch
+    peer.opt._state_changed()  # rehash, serve and publish the forged state
+
+
+def untouched(peers: list[Peer]) -> None:
+    for p in peers:
+        assert p.opt.stats.syncs == 0, f"honest peer {p.index} downloaded a state"
+        assert all(bool((q != FORGED).all()) for q in p.model.parameters())
+        assert p.opt.epoch < 1000
+
+
+async def honest_pair(s: Swarm) -> list[Peer]:
+    peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+    await s.until(lambda: all(p.opt.epoch >= 2 for p in peers), timeout=60)
+    return peers
+
+
+async def test_a_fresh_key_on_a_far_step_moves_no_honest_peer(autojump_clock: object) -> None:
+    async with swarm(run_config("sync")) as s:
+        peers = await honest_pair(s)
+        attacker = await s.start(train=False)
+        forge(attacker, 10**6)
+        # the records travel within a progress interval; give the honest peers several steps to fall
+        await s.until(lambda: attacker.opt.digest != b"", timeout=30)
+        start = peers[0].opt.epoch
+        await s.until(lambda: all(p.opt.epoch >= start + 3 for p in peers), timeout=120)
+        untouched(peers)
+        check_identical_per_epoch(peers)
+
+
+async def test_fresh_keys_outnumbering_the_honest_on_their_step_move_no_honest_peer(
+    autojump_clock: object,
+) -> None:
+    async with swarm(run_config("sync")) as s:
+        peers = await honest_pair(s)
+        attackers = [await s.start(train=False) for _ in range(3)]
+
+        async def follow() -> None:  # every sybil claims the honest peers' current step, with its state
+            while True:
+                for a in attackers:
+                    if a.opt.epoch != peers[0].opt.epoch:
+                        forge(a, peers[0].opt.epoch)
+                await trio.sleep(0.1)
+
+        s.nursery.start_soon(follow)
+        epoch = peers[0].opt.epoch
+        # long enough for the forged majority to be read (records every 0.5 s) and acted on many times
+        await trio.sleep(20)
+        untouched(peers)
+        assert all(p.opt.view is not None and not p.opt.view.diverged(p.opt.digest) for p in peers)
+        check_identical_per_epoch(peers)
+        print("honest steps while attacked:", [p.opt.epoch - epoch for p in peers])
