@@ -793,3 +793,32 @@ def test_restore_across_devices() -> None:
     other, other_opt = make(3)
     restore(other, {"opt": other_opt}, back, back_meta)
     assert fingerprint(other, other_opt) == fingerprint(donor, donor_opt)
+
+
+def test_a_download_takes_the_tensors_and_keeps_the_local_hyperparameters() -> None:
+    """A donor's metadata is not covered by the state's digest: with ``tensors_only`` its learning rate
+    and betas are not adopted (without, they are: a checkpoint of our own carries them)."""
+    donor, donor_opt = make(1)
+    train(donor, donor_opt, 2)
+    for group in donor_opt.param_groups:
+        group["lr"], group["betas"] = 1e6, (0.0, 0.0)
+    tensors, meta = transfer(donor, donor_opt)
+    local, local_opt = make(2)
+    restore(local, {"opt": local_opt}, tensors, meta, tensors_only=True)
+    assert [g["lr"] for g in local_opt.param_groups] == [1e-2, 1e-2]
+    assert all(g["betas"] == (0.9, 0.999) for g in local_opt.param_groups)
+    assert digest(capture(local, {"opt": local_opt})[0]) == digest(tensors)  # every tensor came across
+    restore(local, {"opt": local_opt}, tensors, meta)
+    assert [g["lr"] for g in local_opt.param_groups] == [1e6, 1e6]
+
+
+def test_a_download_refuses_non_tensor_optimizer_state() -> None:
+    donor, donor_opt = make(1)
+    train(donor, donor_opt, 1)
+    tensors, meta = transfer(donor, donor_opt)
+    doc = json.loads(meta["optim.opt"])
+    doc["state"] = {"0": {"unchecked": 1.0}}
+    meta = {**meta, "optim.opt": json.dumps(doc)}
+    local, local_opt = make(2)
+    with pytest.raises(StateError, match="non-tensor state"):
+        restore(local, {"opt": local_opt}, tensors, meta, tensors_only=True)
