@@ -9,6 +9,7 @@ never silently falls back to a default. ``configs/tiny-gpt.toml`` is the documen
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import tomllib
 import types
@@ -97,7 +98,6 @@ class AveragingSection:
     max_group_size: int = 64
     aggregation: str = "mean"  # mean, or robust to hostile peers: trimmed_mean, centered_clip
     audit: bool = False  # commitments, attestations and an auditor per partition; offenders banned
-    ban_quorum: int = 2  # distinct peers whose published bans of a peer make this one ban it too
 
     def __post_init__(self) -> None:
         _check(self.timeout > 0, "averaging.timeout", "must be positive")
@@ -108,7 +108,6 @@ class AveragingSection:
             "must be positive, or 0 to measure it",
         )
         _check(2 <= self.max_group_size <= 64, "averaging.max_group_size", "must be between 2 and 64")
-        _check(1 <= self.ban_quorum <= 64, "averaging.ban_quorum", "must be between 1 and 64")
         try:
             parse_compression(self.compression)
         except ValueError as e:
@@ -225,11 +224,22 @@ def _type(f: dataclasses.Field[Any]) -> type:
     return typing.cast(type, hints[f.name])
 
 
+log = logging.getLogger(__name__)
+
+RETIRED = {
+    "averaging.ban_quorum": "a ban is adopted when its proof checks out, whatever the number of accusers",
+}
+"""Settings that older run files may hold and that no longer mean anything (ignored with a warning)."""
+
+
 def _section(cls: type, table: Mapping[str, Any], name: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {}
     for key, value in table.items():
+        if f"{name}.{key}" in RETIRED:
+            log.warning("%s.%s is ignored: %s", name, key, RETIRED[f"{name}.{key}"])
+            continue
         if key not in fields:
             raise ConfigError(f"unknown key {name}.{key}; known: {', '.join(sorted(fields))}")
         values[key] = _coerce(value, hints[key], f"{name}.{key}")

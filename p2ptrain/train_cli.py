@@ -96,7 +96,6 @@ def train_node(args: argparse.Namespace) -> int:
         compression=a.compression,
         aggregation=parse_aggregation(a.aggregation),
         audit=a.audit,
-        ban_quorum=a.ban_quorum,
     )
     identity = _node_identity(args)
     node = Node(identity, _node_config(args, averaging))

@@ -121,6 +121,7 @@ class RoundEvidence:
     """What an audited round leaves behind on a member for the audit after it (see ``audit``)."""
 
     digest: bytes
+    manifest: bytes  # the signed manifest (its hash is ``digest``): part of a proof against a reducer
     peers: list[PeerID]
     addresses: list[str]  # "" for client-only members
     sizes: list[int]
@@ -853,6 +854,7 @@ class AllReduceRound:
     def _evidence(self, decision: Decision) -> RoundEvidence:
         return RoundEvidence(
             digest=self.digest,
+            manifest=self.signed.envelope,
             peers=self.peers,
             addresses=[m.addr for m in self.manifest.members],
             sizes=self.sizes,

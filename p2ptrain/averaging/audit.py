@@ -15,9 +15,16 @@ Theory of operation, in rounds whose manifest says ``audit``:
    attested one. A mismatch names the reducer (its signed attestation cannot be explained by the
    contributors' signed slices); a slice that does not match its own author's commitment names that
    author. Members keep what they sent for a short while so that an auditor can ask for it.
-4. The verdict bans the offender locally (no more groups with it) and is published as a signed ban
-   record; other peers adopt a ban once enough distinct peers published one (they weigh, they do not
-   blindly follow).
+4. The verdict bans the offender locally (no more groups with it). A verdict against a reducer is
+   provable to anyone: the signed manifest (its hash names the round: the members, the partition sizes,
+   the compression and the aggregation), the reducer's signed attestation and the contributors' slices,
+   each matching its author's signed commitment inside the attestation, are a :class:`Proof` that
+   :func:`check_proof` re-checks without trusting whoever sent it. Only such verdicts are published
+   (a ban record names the round and partition; the accuser serves the proof). Other peers fetch the
+   proof and re-check it before they ban: a proof that convicts bans the reducer, one that does not
+   bans the accuser (its own signed record makes a claim its own evidence refutes). The number of
+   accusers counts for nothing. A verdict against a contributor (it gave the auditor other bytes than it
+   committed to) rests on what the auditor received, which nobody else can check: it stays local.
 
 The cost: hashing what is sent and received, one signature per slice, one retained copy of this peer's
 contribution for the audit window, and per partition one auditor fetching every contributor's slice of
@@ -38,7 +45,7 @@ from ..identity import Identity, PeerID, SignedEnvelope
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 from .compression import Compression
-from .protocol import MAX_COMMIT_ENVELOPE, MAX_GROUP
+from .protocol import MAX_COMMIT_ENVELOPE, MAX_GROUP, SignedManifest
 from .reducer import PartitionReducer
 
 COMMIT_DOMAIN = "p2ptrain/averaging-commit"
@@ -197,3 +204,53 @@ def judge(
     if result != attestation.result:
         return Verdict(False, holder, "its result does not match the contributors' committed slices")
     return Verdict(True, None, "the result matches the committed slices")
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What convicts a partition's reducer, checkable by anyone (see :func:`check_proof`)."""
+
+    manifest: bytes  # the round's signed manifest
+    holder: int  # the member that reduced the partition (signed the attestation)
+    partition: int
+    attestation: bytes  # the reducer's signed attestation
+    slices: tuple[bytes, ...]  # each contributor's committed slice, in the attestation's order
+
+
+def check_proof(proof: Proof, accused: PeerID, round_: bytes) -> Verdict:
+    """Re-run a partition's audit from a proof. The proof convicts ``accused`` when the verdict's
+    ``offender`` is ``proof.holder``; any other verdict means it does not. RemoteProtocolError: the
+    proof is malformed, of another round or against another peer (it convicts nobody either)."""
+    signed = SignedManifest.verify(proof.manifest)
+    if signed.digest != round_:
+        raise RemoteProtocolError("the proof's manifest is of another round")
+    m = signed.manifest
+    peers, p, holder = m.peers(), proof.partition, proof.holder
+    if not (0 <= p < len(peers) and 0 <= holder < len(peers)):
+        raise RemoteProtocolError("the proof names a partition or reducer outside the group")
+    if peers[holder] != accused:
+        raise RemoteProtocolError("the proof is against another peer")
+    att = open_attestation(proof.attestation, accused, round_, p, len(peers))
+    if len(proof.slices) != len(att.contributors):
+        raise RemoteProtocolError("the proof lacks contributors' slices")
+    authors = [peers[c] for c in att.contributors]
+    for k, c in enumerate(att.contributors):
+        # The slices come from the accuser, not from their authors: one that does not match its signed
+        # commitment proves nothing against anybody (``judge`` would blame its author).
+        try:
+            commit = open_commit(att.commits[k], authors[k], round_, p)
+        except RemoteProtocolError:
+            break  # the reducer signed a bad commitment: judge convicts it on that alone
+        if att.weights[k] > commit.weight:
+            break  # ... or a raised weight
+        if hash_pieces([proof.slices[k]]) != commit.hash:
+            return Verdict(True, None, f"the proof's slice of member {c} is not the one it committed to")
+    return judge(
+        att,
+        list(proof.slices),
+        authors,
+        size=m.sizes[p],
+        mode=m.mode(),
+        aggregation=m.aggregation,
+        holder=holder,
+    )

@@ -2,16 +2,19 @@
 it was chosen for, and keep the list of banned peers (see ``audit`` for the theory of operation).
 
 Evidence of a round is kept for ``AUDIT_WINDOW`` seconds (at most ``MAX_KEPT`` rounds), long enough for
-every auditor to fetch what it needs. A verdict against a peer bans it here at once; ``on_ban`` lets the
-owner publish it. Bans others published count only once ``quorum`` distinct peers (not banned
-themselves) accused the same peer (see :meth:`Auditor.weigh`).
+every auditor to fetch what it needs. A verdict against a peer bans it here at once. A verdict against a
+reducer also keeps its :class:`~p2ptrain.averaging.audit.Proof` (at most ``MAX_PROOFS``), served to
+anyone who asks, and ``on_ban`` lets the owner publish the accusation. A ban someone else published is
+adopted only once its proof, fetched from the accuser, convicts (:meth:`Auditor.examine`); a proof that
+does not convict bans the accuser.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import trio
 
@@ -21,8 +24,8 @@ from ..net.host import Host
 from ..net.rpc import CallContext
 from ..net.streams import RpcStream
 from .allreduce import RoundEvidence
-from .audit import Verdict, auditor_of, judge, open_attestation
-from .protocol import AUDIT_SLICE, Ack, FetchReq
+from .audit import Proof, Verdict, auditor_of, check_proof, judge, open_attestation
+from .protocol import AUDIT_SLICE, PROOF, PROOF_HEAD, Ack, FetchReq, ProofHead, SignedManifest
 
 log = logging.getLogger(__name__)
 
@@ -33,33 +36,50 @@ FETCH_TIMEOUT = 30.0
 NOT_KEPT = "nothing kept for this round"
 ASK_AGAIN = 0.25  # seconds: a member that has not kept the round yet may still be finishing it
 MAX_BANS = 1024
+MAX_PROOFS = 4  # proofs kept to serve (each about one partition's slices of every contributor)
+MAX_EXAMINED = 4096  # accusations examined once (whatever the outcome), not again
+PROOF_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Accusation:
+    """A published ban: ``accused`` reduced ``partition`` of ``round`` wrongly, says its accuser."""
+
+    accused: PeerID
+    reason: str
+    round: bytes
+    partition: int
 
 
 class Auditor:
     """One per averager: evidence, audits, bans."""
 
-    def __init__(self, host: Host, *, quorum: int = 2) -> None:
+    def __init__(self, host: Host) -> None:
         self.host = host
-        self.quorum = quorum
-        self.banned: dict[PeerID, str] = {}  # peer -> why (our own verdict, or the accusers')
-        self.own: set[PeerID] = set()  # the bans that are our own verdicts
+        self.banned: dict[PeerID, str] = {}  # peer -> why
+        self.accusations: dict[PeerID, Accusation] = {}  # our provable verdicts, to publish
+        self.proofs: OrderedDict[tuple[bytes, int], Proof] = OrderedDict()  # (round, partition) -> proof
+        self.examined: set[tuple[PeerID, PeerID, bytes, int]] = set()  # (accuser, accused, round, p)
         self.strikes: dict[PeerID, int] = {}  # rounds in a row that failed on a peer
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self.on_ban: Callable[[PeerID, str], None] | None = None
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
         host.registry.add_stream(AUDIT_SLICE, self._on_audit_slice)
+        host.registry.add_unary(PROOF_HEAD, self._on_proof_head)
+        host.registry.add_stream(PROOF, self._on_proof)
 
     # ---- bans ----
 
-    def ban(self, peer: PeerID, reason: str, *, own: bool = True) -> None:
-        """Ban ``peer``. ``own``: our own verdict (published through ``on_ban``); an adopted ban is not
-        published again, or one accusation echoed by every peer would look like a crowd of them."""
+    def ban(self, peer: PeerID, reason: str, *, accusation: Accusation | None = None) -> None:
+        """Ban ``peer``. ``accusation``: our own provable verdict (its proof kept), published through
+        ``on_ban``; bans from anything else (strikes, a contributor's disowned slice, an examined proof)
+        stay local: nobody else could check them, or the accuser serves the proof."""
         if peer in self.banned or peer == self.host.peer_id or len(self.banned) >= MAX_BANS:
             return
         self.banned[peer] = reason
         log.error("banned %s: %s", peer.short(), reason)
-        if own:
-            self.own.add(peer)
+        if accusation is not None:
+            self.accusations[peer] = accusation
             if self.on_ban is not None:
                 self.on_ban(peer, reason)
 
@@ -71,32 +91,91 @@ class Auditor:
             return
         self.strikes[peer] = self.strikes.get(peer, 0) + 1
         if self.strikes[peer] >= STRIKES:
-            self.ban(peer, f"{self.strikes[peer]} rounds in a row failed on it ({reason})", own=False)
+            self.ban(peer, f"{self.strikes[peer]} rounds in a row failed on it ({reason})")
 
     def cleared(self, peers: Sequence[PeerID]) -> None:
         """A round with ``peers`` committed: their strikes are forgiven."""
         for peer in peers:
             self.strikes.pop(peer, None)
 
-    def weigh(self, accusations: Mapping[PeerID, Sequence[tuple[PeerID, str]]]) -> list[PeerID]:
-        """Adopt the bans that ``quorum`` distinct peers published (an accuser we banned does not count;
-        nobody can make us ban ourselves). ``accusations``: accuser -> [(accused, reason)]. Returns the
-        peers newly banned."""
-        accusers: dict[PeerID, set[PeerID]] = {}
-        reasons: dict[PeerID, str] = {}
-        for accuser, accused_list in accusations.items():
-            if accuser in self.banned or accuser == self.host.peer_id:
-                continue
-            for accused, reason in accused_list:
-                accusers.setdefault(accused, set()).add(accuser)
-                reasons.setdefault(accused, reason)
-        adopted = []
-        for accused, who in accusers.items():
-            if len(who) >= self.quorum and accused not in self.banned and accused != self.host.peer_id:
-                names = ", ".join(sorted(p.short() for p in who))
-                self.ban(accused, f"accused by {len(who)} peers ({names}): {reasons[accused]}", own=False)
-                adopted.append(accused)
-        return adopted
+    async def examine(self, accuser: PeerID, address: str, accusation: Accusation) -> str:
+        """Fetch the proof of someone's published ban from the accuser (at ``address``) and re-check it:
+        ban the accused if it convicts, the accuser if it does not; nothing if the accuser cannot be
+        asked or keeps no proof any more (an honest accuser may have left). Examined once. Returns what
+        came of it, in words."""
+        key = (accuser, accusation.accused, accusation.round, accusation.partition)
+        me = self.host.peer_id
+        if key in self.examined or accusation.accused in self.banned or accuser in self.banned:
+            return "already settled"
+        if me in (accuser, accusation.accused):
+            return "not ours to judge"
+        if len(self.examined) >= MAX_EXAMINED:
+            return "too many accusations examined"
+        self.examined.add(key)
+        try:
+            with trio.fail_after(PROOF_TIMEOUT):
+                proof = await self._fetch_proof(accuser, address, accusation)
+        except (P2PError, trio.TooSlowError, ValueError) as e:
+            return f"no proof from {accuser.short()}: {e}"
+        if proof is None:
+            return f"{accuser.short()} keeps no proof of it"
+        try:
+            verdict = check_proof(proof, accusation.accused, accusation.round)
+        except RemoteProtocolError as e:
+            verdict = Verdict(False, None, str(e))
+        if verdict.offender == proof.holder:
+            self.ban(
+                accusation.accused,
+                f"proven by {accuser.short()}: reducer of partition {accusation.partition} in round "
+                f"{accusation.round.hex()[:8]}: {verdict.reason}",
+            )
+            return "convicted"
+        self.ban(
+            accuser, f"false accusation of {accusation.accused.short()}: its proof shows {verdict.reason}"
+        )
+        return "false accusation"
+
+    async def _fetch_proof(self, accuser: PeerID, address: str, accusation: Accusation) -> Proof | None:
+        conn = await self.host.connect(address)
+        if conn.peer != accuser:
+            raise RemoteProtocolError(f"{address} is not the accuser")
+        req = FetchReq(accusation.round, accusation.partition)
+        head = await conn.call(PROOF_HEAD, req)
+        if not head.manifest:
+            return None
+        # Bounds before any slice arrives: no slice of the round's partition is larger than raw float32.
+        signed = SignedManifest.verify(head.manifest)
+        sizes = signed.manifest.sizes
+        if signed.digest != accusation.round or not 0 <= accusation.partition < len(sizes):
+            raise RemoteProtocolError("the proof's manifest is of another round")
+        limit = 4 * sizes[accusation.partition] + 1024
+        if any(not 0 <= n <= limit for n in head.lengths):
+            raise RemoteProtocolError("a slice in the proof is larger than its partition")
+        async with conn.open_stream(PROOF, req) as stream:
+            data = await stream.receive_all(sum(head.lengths))
+            ack = await stream.response()
+        if not ack.ok or len(data) != sum(head.lengths):
+            return None
+        slices, offset = [], 0
+        for n in head.lengths:
+            slices.append(data[offset : offset + n])
+            offset += n
+        return Proof(head.manifest, head.holder, accusation.partition, head.attestation, tuple(slices))
+
+    async def _on_proof_head(self, ctx: CallContext, req: FetchReq) -> ProofHead:
+        proof = self.proofs.get((req.round, req.partition))
+        if proof is None:
+            return ProofHead()
+        return ProofHead(proof.manifest, proof.holder, proof.attestation, tuple(len(x) for x in proof.slices))
+
+    async def _on_proof(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        proof = self.proofs.get((req.round, req.partition))
+        if proof is None:
+            return Ack(False, "no proof kept")
+        for piece in proof.slices:
+            await stream.send(piece)
+        await stream.send_eof()
+        return Ack(True)
 
     # ---- evidence ----
 
@@ -154,10 +233,15 @@ class Auditor:
             if verdict.offender is not None:
                 offender = evidence.peers[verdict.offender]
                 role = "reducer" if verdict.offender == holder else "contributor"
-                self.ban(
-                    offender,
-                    f"{role} of partition {p} in round {evidence.digest.hex()[:8]}: {verdict.reason}",
-                )
+                reason = f"{role} of partition {p} in round {evidence.digest.hex()[:8]}: {verdict.reason}"
+                accusation = None
+                if verdict.offender == holder:  # provable: keep the proof, publish the accusation
+                    given = tuple(x or b"" for x in slices)
+                    self.proofs[(evidence.digest, p)] = Proof(evidence.manifest, holder, p, data, given)
+                    while len(self.proofs) > MAX_PROOFS:
+                        self.proofs.popitem(last=False)
+                    accusation = Accusation(offender, reason, evidence.digest, p)
+                self.ban(offender, reason, accusation=accusation)
             else:
                 log.info(
                     "audit of partition %d in round %s: %s", p, evidence.digest.hex()[:8], verdict.reason

@@ -107,7 +107,6 @@ class AveragerConfig:
     compression: str = "none"
     aggregation: str = "mean"  # or a robust rule (see ``robust``): every member of a group uses the same
     audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
-    ban_quorum: int = 2  # distinct accusers whose published bans we adopt
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.target_size <= 64:
@@ -225,7 +224,7 @@ class Averager:
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
         # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
         self.weight_cap: Callable[[PeerID], float | None] | None = None
-        self.auditor = Auditor(host, quorum=self.config.ban_quorum)
+        self.auditor = Auditor(host)
         # Peers whose contributions went into a round we committed: they held our state then (trained
         # with us, and paid for it in compute); the trainer trusts their records of later states.
         self.partners: set[PeerID] = set()

@@ -18,6 +18,9 @@ Calls of a round:
   every member decodes the same bits).
 - ``avg.audit_slice`` (stream), in audited rounds only: after the round, a partition's auditor fetches a
   contributor's slice as it was sent, to recompute the reducer's result (see ``audit``).
+
+Calls about a published ban (any peer, not only members): ``avg.proof_head`` (unary) and ``avg.proof``
+(stream) fetch from an accuser the proof that convicts a reducer, for the caller to re-check.
 """
 
 from __future__ import annotations
@@ -246,6 +249,17 @@ class RelayDecisionReq(Message):
     round: bytes = bounded(max_len=16)
 
 
+@dataclass(frozen=True)
+class ProofHead(Message):
+    """What a proof holds besides the slices (``avg.proof`` streams those, back to back); an empty
+    ``manifest`` when the callee keeps no proof of that round and partition."""
+
+    manifest: bytes = bounded(b"", max_len=MAX_ENVELOPE_PAYLOAD + 4096)  # the round's signed manifest
+    holder: int = bounded(0, ge=0, le=MAX_GROUP)  # the member that reduced the partition
+    attestation: bytes = bounded(b"", max_len=MAX_ATTESTATION)  # its signed attestation
+    lengths: tuple[int, ...] = bounded((), max_len=MAX_GROUP)  # each contributor's slice, in bytes
+
+
 LEFT_ROUND = "left_round"
 """The error code of a call to a member that left the round before it started (see Averager.decline)."""
 
@@ -259,3 +273,5 @@ says whether those chunks are the round's result (see AllReduceRound.on_fetch_ea
 RELAY_DECISION = Method("avg.relay_decision", RelayDecisionReq, DecisionResp)
 RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
 AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)
+PROOF_HEAD = Method("avg.proof_head", FetchReq, ProofHead)
+PROOF = Method("avg.proof", FetchReq, Ack, streaming=True)

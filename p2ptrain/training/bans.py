@@ -1,9 +1,14 @@
-"""Bans the swarm publishes: this peer's own verdicts out, others' read and weighed.
+"""Bans the swarm publishes: this peer's provable verdicts out, others' read and re-checked.
 
-Theory of operation: when this peer's auditor catches a peer (see ``averaging.auditor``), it publishes
-its verdicts under the run's ban key (one owned subkey per accuser, signed); every ``BAN_READ_INTERVAL``
-it reads everyone's and lets its auditor weigh them (``Auditor.weigh``). :class:`BanRecords` is a mixin
-of :class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`.
+Theory of operation: when this peer's auditor convicts a reducer (see ``averaging.auditor``), it keeps
+the proof and publishes the accusation under the run's ban key (one owned subkey per accuser, signed):
+where to ask for the proof (the accuser's address) and, per accused peer, the round and partition. Every
+``BAN_READ_INTERVAL`` it reads everyone's and lets its auditor examine the accusations it has not seen:
+fetch the proof from the accuser and re-check it, banning the accused if it convicts and the accuser if
+it does not (``Auditor.examine``). Nothing is adopted because of who, or how many, published it. Proofs
+are fetched one at a time, at most ``MAX_EXAMINED_PER_READ`` per read: each can be as large as one
+partition's slices of every contributor. :class:`BanRecords` is a mixin of
+:class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 
 import trio
 
+from ..averaging.auditor import Accusation
 from ..dht.records import owned_subkey, subkey_owner
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PEER_ID_BYTES, PeerID
@@ -24,26 +30,35 @@ BAN_READ_INTERVAL = 10.0  # seconds between reads of the swarm's ban records
 BAN_TTL = 3600.0
 MAX_BANS_PUBLISHED = 64
 MAX_BAN_REASON = 240
+MAX_EXAMINED_PER_READ = 2
+ROUND_BYTES = 16
 
 
-def _parse_bans(value: bytes) -> list[tuple[PeerID, str]]:
-    """A peer's published verdicts: [[accused peer id, reason], ...]; malformed entries are skipped."""
+def _parse_bans(value: bytes) -> tuple[str, list[Accusation]]:
+    """An accuser's record: {"addr": where to fetch proofs, "bans": [[accused, reason, round, partition],
+    ...]}; malformed entries are skipped (a record of the older form, without proofs, holds none)."""
     try:
-        items = unpack(value)
+        doc = unpack(value)
     except RemoteProtocolError:
-        return []
+        return "", []
+    if not isinstance(doc, dict) or not isinstance(doc.get("addr"), str) or len(doc["addr"]) > 300:
+        return "", []
+    items = doc.get("bans")
     out = []
-    if isinstance(items, list):
-        for item in items[:MAX_BANS_PUBLISHED]:
-            if (
-                isinstance(item, list)
-                and len(item) == 2
-                and isinstance(item[0], bytes)
-                and len(item[0]) == PEER_ID_BYTES
-                and isinstance(item[1], str)
-            ):
-                out.append((PeerID(item[0]), item[1][:MAX_BAN_REASON]))
-    return out
+    for item in items[:MAX_BANS_PUBLISHED] if isinstance(items, list) else ():
+        if (
+            isinstance(item, list)
+            and len(item) == 4
+            and isinstance(item[0], bytes)
+            and len(item[0]) == PEER_ID_BYTES
+            and isinstance(item[1], str)
+            and isinstance(item[2], bytes)
+            and len(item[2]) == ROUND_BYTES
+            and type(item[3]) is int
+            and 0 <= item[3] < 64
+        ):
+            out.append(Accusation(PeerID(item[0]), item[1][:MAX_BAN_REASON], item[2], item[3]))
+    return doc["addr"], out
 
 
 class BanRecords:
@@ -52,21 +67,27 @@ class BanRecords:
     node: Node
     bans_key: bytes
     _nursery: trio.Nursery | None
+    _examining: bool
 
     def _on_ban(self, peer: PeerID, reason: str) -> None:
-        """Our auditor caught ``peer``: publish our verdicts (others weigh them, see ``Auditor.weigh``)."""
+        """Our auditor convicted ``peer``: publish our accusations (others re-check their proofs)."""
         assert self._nursery is not None
         self._nursery.start_soon(self._publish_bans)
 
     async def _publish_bans(self) -> None:
         auditor = self.node.averager.auditor
-        verdicts = [[p.digest, auditor.banned[p][:MAX_BAN_REASON]] for p in sorted(auditor.own)][
-            :MAX_BANS_PUBLISHED
-        ]
+        if self.node.dht.client_only:
+            log.info("client-only: nobody can fetch our proofs, so our bans stay ours")
+            return
+        bans = [
+            [a.accused.digest, a.reason[:MAX_BAN_REASON], a.round, a.partition]
+            for a in auditor.accusations.values()
+        ][-MAX_BANS_PUBLISHED:]
+        record = {"addr": str(self.node.dht.advertised_address()), "bans": bans}
         try:
             await self.node.dht.store(
                 self.bans_key,
-                pack(verdicts),
+                pack(record),
                 ttl=BAN_TTL,
                 subkey=owned_subkey(self.node.peer_id),
                 sign=True,
@@ -81,10 +102,27 @@ class BanRecords:
         except P2PError as e:
             log.info("could not read ban records: %s", e)
             return
-        accusations: dict[PeerID, list[tuple[PeerID, str]]] = {}
+        auditor = self.node.averager.auditor
+        todo: list[tuple[PeerID, str, Accusation]] = []
         for subkey, entry in entries.items():
             accuser = subkey_owner(subkey)
-            if accuser is not None:
-                accusations[accuser] = _parse_bans(entry.value)
-        for peer in self.node.averager.auditor.weigh(accusations):
-            log.warning("adopted the swarm's ban of %s", peer.short())
+            if accuser is None:
+                continue
+            addr, accusations = _parse_bans(entry.value)
+            for a in accusations:
+                key = (accuser, a.accused, a.round, a.partition)
+                if key not in auditor.examined and not {accuser, a.accused} & auditor.banned.keys():
+                    todo.append((accuser, addr, a))
+        if todo and not self._examining and self._nursery is not None:
+            self._examining = True  # in the background: a proof may take a while to fetch
+            self._nursery.start_soon(self._examine, todo[:MAX_EXAMINED_PER_READ])
+
+    async def _examine(self, todo: list[tuple[PeerID, str, Accusation]]) -> None:
+        try:
+            for accuser, addr, accusation in todo:
+                outcome = await self.node.averager.auditor.examine(accuser, addr, accusation)
+                log.warning(
+                    "examined %s's accusation of %s: %s", accuser.short(), accusation.accused.short(), outcome
+                )
+        finally:
+            self._examining = False

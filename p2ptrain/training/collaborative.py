@@ -167,13 +167,12 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             compression=a.compression,
             aggregation=parse_aggregation(a.aggregation),
             audit=a.audit,
-            ban_quorum=a.ban_quorum,
             matchmaking_time=a.matchmaking_time,
         )
-        node.averager.auditor.quorum = a.ban_quorum
         node.averager.weight_cap = self._weight_cap
         node.averager.auditor.on_ban = self._on_ban
         self.bans_key = f"p2ptrain/{node.config.run_id}/bans".encode()
+        self._examining = False  # an examination of published bans runs (see ``bans``)
         s = config.statesync
         self.server = StateServer(node.host.registry, self._prepare_snapshot) if s.serve else None
         self.fetcher = Fetcher(

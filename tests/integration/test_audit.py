@@ -9,12 +9,15 @@ contributor answers the auditor with other bytes than those it committed to.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 import trio
 
 from p2ptrain.averaging.allreduce import AllReduceRound, RoundResult
+from p2ptrain.averaging.audit import Proof, check_proof, open_attestation
+from p2ptrain.averaging.auditor import Accusation, Auditor
 from p2ptrain.averaging.averager import Averager, schema_of
 from p2ptrain.averaging.partition import partition_sizes
 from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
@@ -32,6 +35,7 @@ async def audited_round(
     liar_contributor: int | None = None,
     compression: str = "none",
     expected_verdicts: int = N,
+    after: Callable[[list[Averager], list[Host], MemoryNetwork], Awaitable[None]] | None = None,
 ) -> tuple[list[RoundResult], list[Averager], list[Host], list[torch.Tensor]]:
     net = MemoryNetwork(seed=21)
     g = torch.Generator().manual_seed(5)
@@ -76,6 +80,8 @@ async def audited_round(
             # the audits run in the averagers' nurseries right after each commit: wait for their verdicts
             while sum(len(a.auditor.verdicts) for a in averagers) < expected_verdicts:  # noqa: ASYNC110 (virtual clock)
                 await trio.sleep(0.05)
+            if after is not None:  # while every host still serves
+                await after(averagers, hosts, net)
         nursery.cancel_scope.cancel()
     return results, averagers, hosts, originals
 
@@ -144,18 +150,61 @@ async def test_a_contributor_disowning_its_slice_is_identified_and_banned(autoju
     assert all(set(a.auditor.banned) <= {liar_id} for a in averagers)
 
 
-def test_published_bans_are_adopted_only_from_enough_distinct_accusers() -> None:
-    from p2ptrain.averaging.auditor import Auditor
-    from p2ptrain.identity import PeerID
+async def outsider(net: MemoryNetwork, nursery: trio.Nursery) -> Auditor:
+    """A peer that took no part in the round: it reads a published accusation and examines it."""
+    host = Host(Identity.generate(), "audit", transport=net.transport("outsider"))
+    await nursery.start(host.run, [("outsider", PORT)])
+    return Auditor(host)
 
-    host = Host(Identity.generate(), "audit")
-    auditor = Auditor(host, quorum=2)
-    x, y, a, b, c = (PeerID(bytes([i]) * 32) for i in range(1, 6))
-    assert auditor.weigh({a: [(x, "bad result")]}) == []
-    assert auditor.weigh({a: [(x, "bad result")], b: [(x, "bad result"), (y, "other")]}) == [x]
-    assert "accused by 2 peers" in auditor.banned[x] and y not in auditor.banned
-    auditor.ban(c, "caught lying")
-    assert (
-        auditor.weigh({c: [(y, "framed")], a: [(y, "framed")]}) == []
-    )  # a banned accuser counts for nothing
-    assert auditor.weigh({a: [(host.peer_id, "me")], b: [(host.peer_id, "me")]}) == []  # never ourselves
+
+async def test_a_proof_convicts_the_lying_reducer_for_anyone_who_examines_it(autojump_clock: object) -> None:
+    liar = 2
+    outcomes: list[str] = []
+
+    async def examine(averagers: list[Averager], hosts: list[Host], net: MemoryNetwork) -> None:
+        liar_id = hosts[liar].identity.peer_id
+        accuser = next(i for i, a in enumerate(averagers) if liar_id in a.auditor.accusations)
+        accusation = averagers[accuser].auditor.accusations[liar_id]
+        proof = averagers[accuser].auditor.proofs[(accusation.round, accusation.partition)]
+        assert check_proof(proof, liar_id, accusation.round).offender == proof.holder
+        accuser_id = hosts[accuser].identity.peer_id
+        async with trio.open_nursery() as nursery:
+            judge = await outsider(net, nursery)
+            addr = str(hosts[accuser].advertised_addresses()[0])
+            outcomes.append(await judge.examine(accuser_id, addr, accusation))
+            assert set(judge.banned) == {liar_id} and "proven by" in judge.banned[liar_id]
+            assert await judge.examine(accuser_id, addr, accusation) == "already settled"  # fetched once
+            nursery.cancel_scope.cancel()
+
+    await audited_round(liar_reducer=liar, after=examine)
+    assert outcomes == ["convicted"]
+
+
+async def test_a_false_accusation_bans_the_accuser_not_the_accused(autojump_clock: object) -> None:
+    """Member 1 accuses the honest reducer of partition 0, serving the real manifest and attestation with
+    made-up slices: the examiner's recomputation clears the reducer and bans member 1. An accusation whose
+    proof nobody serves bans nobody (an honest accuser may simply have left)."""
+    outcomes: list[str] = []
+
+    async def accuse(averagers: list[Averager], hosts: list[Host], net: MemoryNetwork) -> None:
+        accuser = averagers[1].auditor
+        evidence = next(iter(accuser._kept.values()))
+        att = open_attestation(evidence.attestations[0], evidence.peers[0], evidence.digest, 0, N)
+        made_up = tuple(bytes(4 * evidence.sizes[0]) for _ in att.contributors)
+        accuser.proofs[(evidence.digest, 0)] = Proof(
+            evidence.manifest, 0, 0, evidence.attestations[0], made_up
+        )
+        ids = [h.identity.peer_id for h in hosts]
+        async with trio.open_nursery() as nursery:
+            judge = await outsider(net, nursery)
+            false = Accusation(ids[0], "reducer of partition 0: made up", evidence.digest, 0)
+            addr = str(hosts[1].advertised_addresses()[0])
+            outcomes.append(await judge.examine(ids[1], addr, false))
+            assert set(judge.banned) == {ids[1]} and "false accusation" in judge.banned[ids[1]]
+            unproven = Accusation(ids[3], "no proof", evidence.digest, 3)
+            outcomes.append(await judge.examine(ids[2], str(hosts[2].advertised_addresses()[0]), unproven))
+            assert set(judge.banned) == {ids[1]}
+            nursery.cancel_scope.cancel()
+
+    await audited_round(after=accuse)
+    assert outcomes[0] == "false accusation" and "keeps no proof" in outcomes[1], outcomes

@@ -6,6 +6,8 @@ What is proved here:
 - sybil-epoch: a fresh key that publishes a progress record of step 1,000,000 and serves a state of that
   step whose every parameter is 1000 moves no honest peer; they train on together, identical. On the
   code before trust, every honest peer downloaded and restored that state.
+- false accusation: fresh keys that publish bans of an honest peer without a proof ban nobody. Before,
+  two such records made every peer ban it.
 - sybil-majority: three fresh keys, outnumbering the two honest peers, publish records of the honest
   peers' own step with their (other) state's digest and serve that state. No honest peer "repairs" onto
   it. Before, the majority digest was theirs and both honest peers restored it.
@@ -19,6 +21,10 @@ from __future__ import annotations
 import torch
 import trio
 from test_training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
+
+from p2ptrain.dht.records import owned_subkey
+from p2ptrain.training.bans import BAN_READ_INTERVAL
+from p2ptrain.wire.codec import pack
 
 FORGED = 1000.0
 
@@ -80,3 +86,30 @@ async def test_fresh_keys_outnumbering_the_honest_on_their_step_move_no_honest_p
         assert all(p.opt.view is not None and not p.opt.view.diverged(p.opt.digest) for p in peers)
         check_identical_per_epoch(peers)
         print("honest steps while attacked:", [p.opt.epoch - epoch for p in peers])
+
+
+async def test_fresh_keys_accusing_an_honest_peer_ban_nobody(autojump_clock: object) -> None:
+    """Two fresh keys publish bans of an honest peer in the old form (a peer id and a reason: two distinct
+    accusers used to make everyone adopt it), a third in the current one (naming a round and partition
+    whose proof it cannot produce). No honest peer bans anyone; both train on together."""
+    async with swarm(run_config("sync")) as s:
+        peers = await honest_pair(s)
+        victim = peers[1].node.peer_id
+        for n in range(3):
+            attacker = await s.start(train=False)
+            await attacker.node.dht.bootstrapped.wait()
+            addr = str(attacker.node.dht.advertised_address())
+            old_form = [[victim.digest, "lies"]]
+            new_form = {"addr": addr, "bans": [[victim.digest, "lies", bytes(16), 0]]}
+            await attacker.node.dht.store(
+                peers[0].opt.bans_key,
+                pack(old_form if n < 2 else new_form),
+                ttl=3600.0,
+                subkey=owned_subkey(attacker.node.peer_id),
+                sign=True,
+            )
+        start = peers[0].opt.epoch
+        await s.until(lambda: all(p.opt.epoch >= start + 3 for p in peers), timeout=120)
+        await trio.sleep(2 * BAN_READ_INTERVAL)  # every peer read the records at least once meanwhile
+        assert not any(p.node.averager.auditor.banned for p in peers)
+        check_identical_per_epoch(peers)

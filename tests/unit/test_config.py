@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import tomllib
 import types
@@ -72,7 +73,6 @@ DEFAULTS = {
     "averaging.max_group_size": 64,
     "averaging.aggregation": "mean",
     "averaging.audit": False,
-    "averaging.ban_quorum": 2,
     "progress.interval": 1.0,
     "progress.ttl": 10.0,
     "statesync.chunk_timeout": 30.0,
@@ -337,6 +337,14 @@ def test_refused(data: dict[str, Any], fragments: list[str]) -> None:
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message
+
+
+def test_a_retired_key_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Run files written for an older version still load: ban_quorum meant something once."""
+    with caplog.at_level(logging.WARNING):
+        config = parse_config({"averaging": {"ban_quorum": 2, "audit": True}})
+    assert config.averaging.audit
+    assert "averaging.ban_quorum is ignored" in caplog.text
 
 
 def test_unknown_key_lists_every_known_key() -> None:
