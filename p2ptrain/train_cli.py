@@ -127,7 +127,7 @@ def train_node(args: argparse.Namespace) -> int:
         from .testing.adversary import install
 
         try:
-            install(args.adversary, node.averager)
+            install(args.adversary, node.averager, trainer=trainer)
         except ValueError as e:
             raise UsageError(f"--adversary: {e}") from None
         log.warning("this node attacks its swarm on purpose: %s", args.adversary)

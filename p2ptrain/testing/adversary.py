@@ -11,29 +11,52 @@ others behave):
   plausible: every reducer refuses its slices, so it is left out of the rounds);
 - ``garbage-reducer``: it adds noise to every partition it reduces, and serves that (an audit catches it).
 
+Attacks on the swarm's state and bans (they need the node's trainer, ``install(..., trainer=)``):
+
+- ``sybil-epoch``: after its first batch it flips the sign of every parameter, claims step 1,000,000
+  for that state, publishes it in its progress records and serves it to anyone who asks, and stops
+  training (its forged state stays what it serves);
+- ``false-accusation``: after each audited round it takes part in, it accuses that round's reducer of
+  partition 0 (honest or not) and serves a proof with made-up slices: the run's real manifest and
+  attestation, the slices zeros.
+
 Start a node with ``p2ptrain node ... --adversary KIND`` (a hidden flag, for simulations only).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import trio
 
-from ..averaging.allreduce import AllReduceRound
+from ..averaging.allreduce import AllReduceRound, RoundEvidence
+from ..averaging.audit import Proof, open_attestation
+from ..averaging.auditor import Accusation
 from ..averaging.averager import Averager
 from ..averaging.compression import Compression, encode
 from ..averaging.partition import chunks
 
-ADVERSARIES = ("nan", "scale", "random", "inflate", "garbage-reducer")
+if TYPE_CHECKING:
+    from ..training.trainer import Trainer
+
+ADVERSARIES = ("nan", "scale", "random", "inflate", "garbage-reducer", "sybil-epoch", "false-accusation")
 FACTOR = 100.0
+FAR = 1_000_000  # the step a sybil-epoch adversary claims
 
 
-def install(kind: str, averager: Averager, *, seed: int = 0) -> None:
-    """Make ``averager`` attack every round it takes part in (see the module docstring)."""
+def install(kind: str, averager: Averager, *, seed: int = 0, trainer: Trainer | None = None) -> None:
+    """Make ``averager`` attack every round it takes part in, or its node's trainer attack the swarm's
+    state and bans (see the module docstring)."""
     if kind not in ADVERSARIES:
         raise ValueError(f"unknown adversary {kind!r}; known: {', '.join(ADVERSARIES)}")
+    if kind == "sybil-epoch":
+        _far_epoch(_needs(kind, trainer))
+        return
+    if kind == "false-accusation":
+        _accuse_falsely(_needs(kind, trainer).opt.node.averager)
+        return
     generator = torch.Generator().manual_seed(seed)
     if kind == "inflate":
         honest = averager.run_round
@@ -83,3 +106,55 @@ def _garble(rnd: AllReduceRound, generator: torch.Generator) -> None:
             red.encoded = [
                 bytes(encode(red.result[a:b].contiguous(), red.mode)) for a, b in chunks(red.size, red.mode)
             ]
+
+
+def _needs(kind: str, trainer: Trainer | None) -> Trainer:
+    if trainer is None:
+        raise ValueError(f"{kind} attacks the swarm's state: it needs the node's trainer")
+    return trainer
+
+
+def _far_epoch(trainer: Trainer) -> None:
+    opt = trainer.opt
+    trainer.max_steps = 0  # it would stop at once at step 1,000,000
+
+    async def step(samples: int) -> bool:
+        if opt.epoch == FAR:
+            await trio.sleep(0.05)  # trains no more: the forged state stays the one it serves
+            return False
+        with torch.no_grad():
+            for p in opt.params:
+                p.neg_()
+            for g in opt.global_params if opt.diloco else ():
+                g.neg_()
+        opt.release_outer()
+        opt.epoch = FAR
+        opt._state_changed()  # hashed, served and published as the state of step FAR
+        return True
+
+    opt.step = step  # type: ignore[method-assign]
+
+
+def _accuse_falsely(averager: Averager) -> None:
+    auditor = averager.auditor
+    keep = auditor.keep
+
+    def accuse(evidence: RoundEvidence) -> None:
+        keep(evidence)
+        accused = evidence.peers[evidence.holders.get(0, 0)]
+        if 0 not in evidence.attestations or accused == auditor.host.peer_id:
+            return
+        holder = evidence.peers.index(accused)
+        att = open_attestation(evidence.attestations[0], accused, evidence.digest, 0, len(evidence.peers))
+        made_up = tuple(bytes(4 * evidence.sizes[0]) for _ in att.contributors)
+        auditor.proofs[(evidence.digest, 0)] = Proof(
+            evidence.manifest, holder, 0, evidence.attestations[0], made_up
+        )
+        auditor.banned.pop(accused, None)  # ban() again: this time with the (false) accusation published
+        auditor.ban(
+            accused,
+            "reducer of partition 0: made up",
+            accusation=Accusation(accused, "made up", evidence.digest, 0),
+        )
+
+    auditor.keep = accuse  # type: ignore[method-assign]

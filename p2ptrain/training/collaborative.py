@@ -72,6 +72,8 @@ from .swarm_state import SwarmState, _Download
 log = logging.getLogger(__name__)
 
 RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
+FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is refused out loud
+MAX_REFUSED = 1024
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
 
 
@@ -143,6 +145,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         # Peers of the run seen live that did not say they left: while any is missing from the records,
         # stepping alone waits (once) for it. Keyed by id: a record can only say its own peer left.
         self._partners: set[PeerID] = set()
+        self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
@@ -265,6 +268,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._records_read = trio.Event()
 
     def _update_view(self) -> SwarmView:
+        trusted = self.trusted()
         self.view = swarm_view(
             self.node.peer_id,
             self.record(),
@@ -272,8 +276,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             now=self.clock(),
             target=self.config.training.target_batch_size,
             horizon=2 * self.config.progress.interval,
-            trusted=self.trusted(),
+            trusted=trusted,
         )
+        if trusted is not None:
+            self._note_refused_claims(trusted)
         for r in self.records:
             if r.peer == self.node.peer_id or r.record.run != self.fingerprint:
                 continue
@@ -282,6 +288,24 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             else:
                 self._partners.add(r.peer)
         return self.view
+
+    def _note_refused_claims(self, trusted: frozenset[PeerID]) -> None:
+        """Say once per peer when an untrusted record claims a step far past the trusted peers' (an
+        honest newcomer is at most a step or two ahead: this is a forged step, or a swarm this peer has
+        lost touch with)."""
+        assert self.view is not None
+        for r in self.records:
+            far = r.record.epoch > self.view.newest + FAR_CLAIM
+            if far and r.peer not in trusted | self._refused and r.record.run == self.fingerprint:
+                if len(self._refused) >= MAX_REFUSED:
+                    return
+                self._refused.add(r.peer)
+                log.warning(
+                    "refused %s's claim of step %d: not a peer this one trusts (the trusted are on step %d)",
+                    r.peer.short(),
+                    r.record.epoch,
+                    self.view.newest,
+                )
 
     def trusted(self) -> frozenset[PeerID] | None:
         """The peers whose progress records may move this one to another state (see ``progress``): the

@@ -18,6 +18,9 @@ and their connections are the real thing); only their state and step numbers are
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 import trio
 from test_training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
@@ -51,7 +54,10 @@ async def honest_pair(s: Swarm) -> list[Peer]:
     return peers
 
 
-async def test_a_fresh_key_on_a_far_step_moves_no_honest_peer(autojump_clock: object) -> None:
+async def test_a_fresh_key_on_a_far_step_moves_no_honest_peer(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "p2ptrain.training")
     async with swarm(run_config("sync")) as s:
         peers = await honest_pair(s)
         attacker = await s.start(train=False)
@@ -62,6 +68,8 @@ async def test_a_fresh_key_on_a_far_step_moves_no_honest_peer(autojump_clock: ob
         await s.until(lambda: all(p.opt.epoch >= start + 3 for p in peers), timeout=120)
         untouched(peers)
         check_identical_per_epoch(peers)
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert any(attacker.node.peer_id.short() in m and "step 1000000" in m for m in refusals), refusals
 
 
 async def test_fresh_keys_outnumbering_the_honest_on_their_step_move_no_honest_peer(
