@@ -15,6 +15,14 @@ Bounds (``RecordLimits``) are enforced on every store, with a reason for each re
 subkeys and values, subkeys per key, bytes per key, expiry in the future but not beyond ``max_ttl``,
 records held per storing peer, and stores per peer per minute.
 
+Fair shares of a full key: ids are free, so a key's subkeys and bytes are shared by *origin*, the
+subnet a store came from (:func:`origin_of`: a /24 or /64; each loopback address on its own, so a
+swarm on one machine behaves like one spread over the internet). A store that would overflow a key
+evicts the entries of the origin holding the most of it, earliest expiry first, as long as that origin
+holds more than the newcomer's would with the new entry. So a flooder fills a key only while nobody
+else needs it: every other origin can always claim as much as the flooder keeps, and the flood
+cannot outlast the honest records by long TTLs.
+
 Private runs (a store given a :class:`~p2ptrain.authority.Membership`): records are relayed, so the
 handshake's check of the peer that sends a STORE says nothing about who wrote each entry. Every entry
 must therefore be signed, and carry its author's membership certificate (the ``cert`` field, outside
@@ -26,6 +34,7 @@ readers check again. In open runs the field is absent from the encoding, so the 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -34,6 +43,7 @@ from typing import Any
 from ..authority import MAX_CERT_BYTES, CertificateRejected, Membership
 from ..errors import InvalidSignature, P2PError
 from ..identity import PEER_ID_BYTES, Identity, PeerID, SignedEnvelope
+from ..net.admission import subnet_of
 from ..wire.codec import pack
 from ..wire.schema import Message, bounded
 
@@ -203,6 +213,20 @@ def check_entry(entry: Entry, now: float, limits: RecordLimits, membership: Memb
 class _Stored:
     entry: Entry
     stored_by: PeerID | None
+    origin: str | None = None  # the subnet the store came from (None: this node's own)
+
+
+def origin_of(host: str) -> str:
+    """Whose share of a full key a store from ``host`` counts against: its /24 (IPv4) or /64 (IPv6);
+    a loopback address on its own (peers on one machine are told apart by address); a non-IP name as
+    it is."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.is_loopback:
+        return str(ip)
+    return subnet_of(host)
 
 
 class RecordStore:
@@ -224,8 +248,9 @@ class RecordStore:
     def records_of(self, peer: PeerID) -> int:
         return self._per_peer.get(peer, 0)
 
-    def put(self, entry: Entry, now: float, stored_by: PeerID | None) -> str:
-        """Store ``entry``; return what happened, or raise RecordRefused with the reason."""
+    def put(self, entry: Entry, now: float, stored_by: PeerID | None, origin: str | None = None) -> str:
+        """Store ``entry`` (sent by ``stored_by`` from the subnet ``origin``, see :func:`origin_of`);
+        return what happened, or raise RecordRefused with the reason."""
         check_entry(entry, now, self.limits, self.membership)
         if stored_by is not None:
             self._rate_check(stored_by, now)
@@ -243,21 +268,54 @@ class RecordStore:
         old = record.get(entry.subkey)
         if old is not None and old.entry.sort_key() >= entry.sort_key():
             return "kept the existing entry (same or later expiry)"
-        if old is None and len(record) >= self.limits.max_subkeys:
-            raise RecordRefused(f"key already has {self.limits.max_subkeys} subkeys")
-        size = sum(s.entry.nbytes() for s in record.values()) - (old.entry.nbytes() if old else 0)
-        if size + entry.nbytes() > self.limits.max_key_bytes:
-            raise RecordRefused(f"key would exceed {self.limits.max_key_bytes} bytes")
         gains = stored_by is not None and (old is None or old.stored_by != stored_by)
         if gains and self._per_peer[stored_by] >= self.limits.max_records_per_peer:  # type: ignore[index]
             raise RecordRefused(f"peer already stores {self.limits.max_records_per_peer} records here")
+        evicted = self._make_room(record, entry, old, origin)
+        if old is None and len(record) - len(evicted) >= self.limits.max_subkeys:
+            raise RecordRefused(f"key already has {self.limits.max_subkeys} subkeys")
+        staying = [st for sub, st in record.items() if sub not in evicted and st is not old]
+        size = sum(st.entry.nbytes() for st in staying)
+        if size + entry.nbytes() > self.limits.max_key_bytes:
+            raise RecordRefused(f"key would exceed {self.limits.max_key_bytes} bytes")
+        for sub in evicted:
+            self._uncount(record.pop(sub))
         if old is not None:
             self._uncount(old)
-        record[entry.subkey] = _Stored(entry, stored_by)
+        record[entry.subkey] = _Stored(entry, stored_by, origin)
         self._data[kid] = record
         if stored_by is not None:
             self._per_peer[stored_by] += 1
+        if evicted:
+            return f"stored, evicting {len(evicted)} entries of the origin that held the most of the key"
         return "replaced an older entry" if old else "stored"
+
+    def _make_room(
+        self, record: dict[bytes, _Stored], entry: Entry, old: _Stored | None, origin: str | None
+    ) -> list[bytes]:
+        """The subkeys to evict so that ``entry`` fits (see the module docstring: fair shares); they are
+        only removed once the store is sure to succeed. May leave it short: the caller refuses then."""
+        if origin is None:
+            return []
+        kept = {sub: st for sub, st in record.items() if st is not old}
+        held: defaultdict[str | None, int] = defaultdict(int)
+        for st in kept.values():
+            held[st.origin] += st.entry.nbytes()
+        evicted: list[bytes] = []
+
+        def full() -> bool:
+            over_bytes = sum(held.values()) + entry.nbytes() > self.limits.max_key_bytes
+            return over_bytes or (old is None and len(kept) >= self.limits.max_subkeys)
+
+        while full():
+            mine = held[origin] + entry.nbytes()
+            top = max((o for o in held if o != origin and held[o] > 0), key=lambda o: held[o], default=None)
+            if top is None or held[top] <= mine:
+                break
+            sub = min((s for s, st in kept.items() if st.origin == top), key=lambda s: kept[s].entry.expiry)
+            held[top] -= kept.pop(sub).entry.nbytes()
+            evicted.append(sub)
+        return evicted
 
     def _rate_check(self, peer: PeerID, now: float) -> None:
         recent = self._recent[peer]

@@ -66,6 +66,7 @@ from .records import (
     key_id,
     make_entry,
     merge,
+    origin_of,
     verify_entry,
 )
 from .routing import Contact, RoutingTable
@@ -296,7 +297,7 @@ class DHT:
         now, stored, refused = self.clock(), 0, []
         for entry in decode_entries(ctx.body):
             try:
-                self.records.put(entry, now, ctx.peer)
+                self.records.put(entry, now, ctx.peer, origin_of(ctx.remote_host))
                 stored += 1
             except RecordRefused as e:
                 refused.append(e.reason[:200])

@@ -512,3 +512,36 @@ async def test_lookup_finds_peers_a_faster_liar_gave_false_addresses_for(autojum
             assert poisoner.calls > 0
             responsive = [n.peer_id for n in honest] + [poisoner.peer_id]
             assert [c.peer_id for c in found] == closest(responsive, target, config.k)
+
+
+async def test_a_key_flooded_for_a_day_still_takes_the_honest_records(autojump_clock):
+    """One host stores day-long 16 KiB entries under many fresh keys until the run's progress key is
+    full on every replica (the issue's 49 records). An honest node's short-lived record is still stored
+    and read back: each replica evicts the flooder's entries to give another subnet its share. Before,
+    the honest record was refused ("key would exceed 786432 bytes") for the day."""
+    key = b"p2ptrain/run/progress"
+    with trio.fail_after(600):
+        async with open_swarm() as swarm:
+            nodes = await swarm.start_many(3)
+            flooder = await swarm.start_host("flooder")
+            day = trio.current_time() + 24 * 3600
+            flood = [
+                make_entry(key, bytes(16 * 1024 - 200), day, subkey=owned_subkey(k.peer_id), signer=k)
+                for k in (identity(f"sybil{i}") for i in range(49))
+            ]
+            for node in nodes:  # the flood reaches every replica, a few entries per call
+                for i in range(0, len(flood), 8):
+                    await push(flooder, node, flood[i : i + 8])
+                # topped up with small entries to the last byte (plain subkeys: no signature needed)
+                for i in range(200):
+                    top_up = make_entry(key, bytes(40), day, subkey=f"pad{i}".encode())
+                    if not (await push(flooder, node, [top_up])).stored:
+                        break
+            assert all(len(n.dht.records.get(key_id(key), trio.current_time())) >= 47 for n in nodes)
+            honest = nodes[0]
+            stored = await honest.dht.store(
+                key, b"my progress", ttl=10.0, subkey=owned_subkey(honest.peer_id), sign=True
+            )
+            assert stored >= 1
+            got = await nodes[2].dht.get(key, quorum=3)
+            assert got[owned_subkey(honest.peer_id)].value == b"my progress"

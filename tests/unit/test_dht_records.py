@@ -18,6 +18,7 @@ from p2ptrain.dht.records import (
     key_id,
     make_entry,
     merge,
+    origin_of,
     owned_subkey,
     owner_of,
     verify_entry,
@@ -463,3 +464,67 @@ def test_store_and_merge_agree_whatever_the_arrival_order() -> None:
         for e in pool:
             s.put(e, NOW, stored_by=None)
         assert {e.subkey: e for e in s.get(key_id(b"k"), NOW)} == expected
+
+
+# ---- fair shares of a full key (per origin) -------------------------------------------------------
+
+FLOOD, HONEST, OTHER = "203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24"
+
+
+def test_a_flooded_key_still_takes_an_honest_record() -> None:
+    """One subnet filled the key with day-long entries; a record from another subnet evicts the
+    flooder's earliest-expiring entry instead of being refused ("key would exceed", before)."""
+    s = store(max_key_bytes=1000)
+    for i, ttl in enumerate((5 * HOUR, 2 * HOUR)):
+        s.put(make_entry(b"k", b"v" * 300, NOW + ttl, subkey=bytes([i])), NOW, P, FLOOD)
+    got = s.put(make_entry(b"k", b"v" * 300, NOW + 10, subkey=b"h"), NOW, Q, HONEST)
+    assert got.startswith("stored, evicting 1")
+    assert {e.subkey for e in s.get(key_id(b"k"), NOW)} == {b"\x00", b"h"}  # the 2 h entry went
+    assert s.records_of(P) == 1 and s.records_of(Q) == 1
+
+
+def test_an_origin_claims_as_much_as_the_biggest_holder_keeps_and_no_more() -> None:
+    s = store(max_key_bytes=1700)  # four entries of 414 bytes fit
+    for i in range(4):
+        s.put(make_entry(b"k", b"v" * 300, NOW + HOUR, subkey=bytes([i])), NOW, P, FLOOD)
+    for sub in (b"h1", b"h2"):
+        s.put(make_entry(b"k", b"v" * 300, NOW + 10, subkey=sub), NOW, Q, HONEST)
+    # 2 and 2 now: a third honest entry would hold more than the flooder keeps
+    with pytest.raises(RecordRefused, match="key would exceed"):
+        s.put(make_entry(b"k", b"v" * 300, NOW + 10, subkey=b"h3"), NOW, Q, HONEST)
+    # ... and the flooder cannot take back what it lost either (nobody holds more than it would)
+    with pytest.raises(RecordRefused, match="key would exceed"):
+        s.put(make_entry(b"k", b"v" * 300, NOW + HOUR, subkey=b"x"), NOW, P, FLOOD)
+    # a third origin takes its share from the biggest holder (either, 2 each: the earliest expiry goes)
+    s.put(make_entry(b"k", b"v" * 300, NOW + 10, subkey=b"o"), NOW, Q, OTHER)
+    assert len(s.get(key_id(b"k"), NOW)) == 4
+
+
+def test_fair_shares_of_the_subkey_count() -> None:
+    s = store(max_subkeys=4)
+    for i in range(4):
+        s.put(make_entry(b"k", b"", NOW + HOUR, subkey=bytes([i])), NOW, P, FLOOD)
+    assert s.put(make_entry(b"k", b"", NOW + 10, subkey=b"h"), NOW, Q, HONEST).startswith("stored, evicting")
+    assert len(s.get(key_id(b"k"), NOW)) == 4
+
+
+def test_this_nodes_own_entries_evict_nobody() -> None:
+    s = store(max_key_bytes=1000)
+    for i in range(2):
+        s.put(make_entry(b"k", b"v" * 300, NOW + HOUR, subkey=bytes([i])), NOW, P, FLOOD)
+    with pytest.raises(RecordRefused, match="key would exceed"):
+        s.put(make_entry(b"k", b"v" * 300, NOW + 10, subkey=b"mine"), NOW, None)
+
+
+@pytest.mark.parametrize(
+    ("host", "origin"),
+    [
+        ("203.0.113.77", "203.0.113.0/24"),
+        ("2001:db8:1:2:3::9", "2001:db8:1:2::/64"),
+        ("127.0.0.12", "127.0.0.12"),  # peers on one machine are told apart by address
+        ("::1", "::1"),
+        ("t3", "t3"),  # the in-memory network's names
+    ],
+)
+def test_origin_of(host: str, origin: str) -> None:
+    assert origin_of(host) == origin

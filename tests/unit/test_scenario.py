@@ -397,7 +397,8 @@ ERRORS = [
     (TWO + "[run_overrides.gpu]\nx = 1", "run_overrides.gpu is not a run-file section"),
     (
         TEN + "[[peers]]\n[[peers]]\nadversary = 'evil'",
-        r"peers\[1\]\.adversary must be one of nan, scale, random, inflate, garbage-reducer, not 'evil'",
+        r"peers\[1\]\.adversary must be one of nan, scale, random, inflate, garbage-reducer, sybil-epoch, "
+        r"false-accusation, not 'evil'",
     ),
     (TEN + "[[peers]]\n[[peers]]\nadversary = 3", r"peers\[1\]\.adversary must be one of .*, not 3"),
     (TEN + "[[peers]]\n[[peers]]\nadversary = ''", r"peers\[1\]\.adversary must be one of"),
