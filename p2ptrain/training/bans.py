@@ -32,6 +32,7 @@ MAX_BANS_PUBLISHED = 64
 MAX_BAN_REASON = 240
 MAX_EXAMINED_PER_READ = 2
 ROUND_BYTES = 16
+SETTLED = ("convicted", "false accusation")  # examinations that banned someone (said out loud)
 
 
 def _parse_bans(value: bytes) -> tuple[str, list[Accusation]]:
@@ -121,8 +122,8 @@ class BanRecords:
         try:
             for accuser, addr, accusation in todo:
                 outcome = await self.node.averager.auditor.examine(accuser, addr, accusation)
-                log.warning(
-                    "examined %s's accusation of %s: %s", accuser.short(), accusation.accused.short(), outcome
-                )
+                level = logging.WARNING if outcome in SETTLED else logging.INFO
+                what = (accuser.short(), accusation.accused.short(), outcome)
+                log.log(level, "examined %s's accusation of %s: %s", *what)
         finally:
             self._examining = False

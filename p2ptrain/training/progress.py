@@ -31,9 +31,10 @@ records and its own:
   peer that trusts the same peers names the same winner; the peer has diverged when it holds another.
 
 Any peer, trusted or not, may serve the chosen state as a donor: every chunk is checked against the
-trusted digest on arrival. Untrusted records still count toward the group size and the samples of this
-peer's epoch (bounded elsewhere: see the plausible-weight caps). A peer's own samples are never
-extrapolated: it knows them exactly.
+trusted digest on arrival. Untrusted records still count toward the group size, and toward the samples
+of this peer's epoch for at most as much as this peer's and the trusted records together (fresh keys
+that claim any number of samples at most halve the batch a step is taken with). A peer's own samples
+are never extrapolated: it knows them exactly.
 """
 
 from __future__ import annotations
@@ -163,9 +164,15 @@ def swarm_view(
     vouched = [o for o in others if trusted is None or o.peer in trusted]
     same = [o for o in others if o.record.epoch == mine.epoch]
     newest = max(mine.epoch, upper_median([mine.epoch, *(o.record.epoch for o in vouched)]))
-    # fsum: exact, so the verdict does not depend on the order the DHT returned the records in
-    samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in same)])
-    rate = math.fsum([mine.rate, *(o.record.rate for o in same)])
+    # fsum: exact, so the verdict does not depend on the order the DHT returned the records in. The
+    # untrusted count for at most as much as this peer and the trusted do: any number of fresh keys
+    # claiming 2**53 samples at most halves the batch a step is taken with.
+    sure = [o for o in same if trusted is None or o.peer in trusted]
+    unsure = [o for o in same if not (trusted is None or o.peer in trusted)]
+    samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in sure)])
+    samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
+    rate = math.fsum([mine.rate, *(o.record.rate for o in sure)])
+    rate += min(math.fsum(o.record.rate for o in unsure), rate)
     majority = majority_digest([mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)])
     at_newest = [o for o in others if o.record.epoch == newest]
     best = vouched_digest(vouched, newest, None)  # what the others hold: ours vouches for nothing

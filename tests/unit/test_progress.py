@@ -821,3 +821,15 @@ def test_a_trusted_majority_that_moved_on_is_followed() -> None:
     ahead = [peer(n, epoch=EPOCH + 1, digest=B, addr=ADDR) for n in (1, 2)]
     v = view(rec(digest=A), *ahead, peer(3, digest=A), trusted={pid(1), pid(2), pid(3)})
     assert v.behind and v.newest == EPOCH + 1 and {d.peer for d in v.donors} == {pid(1), pid(2)}
+
+
+def test_fresh_keys_claiming_huge_progress_at_most_double_what_counts() -> None:
+    """A record of 2**53 samples at 1e9/s made the swarm ready at once (an honest peer with 10 of 100
+    samples matchmade); untrusted claims now add at most what this peer and the trusted have done."""
+    liar = peer(9, samples=2**53, rate=1e9)
+    mine = rec(samples=10, rate=5.0)
+    v = view(mine, peer(1, samples=20, rate=5.0), liar, trusted={pid(1)})
+    assert (v.samples, v.rate, v.ready) == (60.0, 20.0, False)
+    honest_newcomer = peer(2, samples=5, rate=1.0)  # counted in full while within the bound
+    assert view(mine, peer(1, samples=20, rate=5.0), honest_newcomer, trusted={pid(1)}).samples == 35.0
+    assert view(mine, liar, trusted=None).ready  # a private swarm's members are believed
