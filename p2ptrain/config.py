@@ -22,6 +22,7 @@ from typing import Any
 from .averaging.compression import parse_compression
 from .averaging.robust import parse_aggregation
 from .errors import ConfigError
+from .idwork import MAX_WORK_BITS
 from .net.handshake import MAX_RUN_ID
 
 MODES = ("sync", "diloco")
@@ -33,10 +34,12 @@ class RunSection:
     id: str = "tiny-gpt"  # peers only talk within the same run id
     seed: int = 0  # seeds the initial weights: every peer starts from the same ones
     authority: str = ""  # a private swarm: its authority's public key (p2ptrain authority init); "": open
+    id_work: int = 0  # bits of proof of work every peer id must carry (see p2ptrain.idwork); 0: ids are free
 
     def __post_init__(self) -> None:
         ok = 0 < len(self.id) <= MAX_RUN_ID and self.id.isprintable()
         _check(ok, "run.id", f"must be 1-{MAX_RUN_ID} printable characters")
+        _check(0 <= self.id_work <= MAX_WORK_BITS, "run.id_work", f"must be between 0 and {MAX_WORK_BITS}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ path, device) is checked before the node touches the network, and reported in on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -26,6 +27,8 @@ from .averaging import AveragerConfig
 from .averaging.robust import parse_aggregation
 from .cli import UsageError, _node_config, _node_identity, _run_node
 from .config import RunConfig, load_config
+from .identity import Identity
+from .idwork import find_work, work_bits
 from .node import Node
 from .tasks import load_task
 from .training.console import node_table
@@ -98,12 +101,17 @@ def train_node(args: argparse.Namespace) -> int:
         audit=a.audit,
     )
     identity = _node_identity(args)
-    node = Node(identity, _node_config(args, averaging))
     data_dir = Path(args.data_dir) if args.data_dir else None
     if data_dir is None and args.identity is None:
         from .node import default_data_dir
 
         data_dir = default_data_dir()
+    node_config = _node_config(args, averaging)
+    if config.run.id_work:  # the run prices ids: ours carries the work (found once, kept with the key)
+        work = _id_work(identity, config.run.id_work, data_dir)
+        host = dataclasses.replace(node_config.host, id_work=config.run.id_work, work=work)
+        node_config = dataclasses.replace(node_config, host=host)
+    node = Node(identity, node_config)
     devices = _devices(args)
     local = None
     if len(devices) > 1:
@@ -134,6 +142,28 @@ def train_node(args: argparse.Namespace) -> int:
     live = sys.stdout.isatty() and not args.no_live
     _run_node(_train, node, trainer, live)
     return 0
+
+
+def _id_work(identity: Identity, bits: int, data_dir: Path | None) -> bytes:
+    """This id's work nonce for ``bits`` (see ``idwork``): read from ``data_dir/identity.work``, or found
+    (about ``2**bits`` hashes) and kept there."""
+    path = data_dir / "identity.work" if data_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            nonce = bytes.fromhex(path.read_text().strip())
+        except (OSError, ValueError):
+            nonce = b""
+        if work_bits(identity.peer_id, nonce) >= bits:
+            return nonce
+    log.info("the run asks for %d bits of work on each peer id: finding them for ours (once)", bits)
+    nonce = find_work(identity.peer_id, bits)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(nonce.hex() + "\n")
+        except OSError as e:
+            log.warning("cannot keep the id work in %s: %s", path, e)
+    return nonce
 
 
 async def _train(node: Node, trainer: Trainer, live: bool) -> None:

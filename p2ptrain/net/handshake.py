@@ -31,6 +31,12 @@ frame: ``accept`` (an empty AEAD box under the handshake key, bound to the whole
 proof named an authority. In open runs the proof fields for private runs are omitted, not sent empty.
 Peers without certificates cannot join a private run: they send none and are refused.
 
+Runs that price ids (``[run] id_work``, see :mod:`p2ptrain.idwork`): each proof carries its prover's id
+work nonce, and the responder's proof says how many bits it asks of dialers (``needs``). Each side
+refuses a remote whose id carries less (code ``id_work``); an initiator that carries less than the
+responder asks refuses itself with :class:`WorkRefused`, which says how much, so its host can do the
+work and dial again. Without id work these fields are omitted too.
+
 Versions: 2 seals each record as two AEAD boxes (see :mod:`p2ptrain.net.channel`); version-1 peers
 sealed one, so the two cannot talk, and the hello refuses the mismatch before any key is derived.
 """
@@ -49,6 +55,7 @@ import nacl.exceptions
 from ..authority import MAX_CERT_BYTES, Certificate, CertificateRejected, Membership
 from ..errors import HandshakeRefused, InvalidSignature, LocalProtocolError, RemoteProtocolError
 from ..identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
+from ..idwork import MAX_WORK_BITS, WORK_BYTES, work_bits
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 
@@ -100,6 +107,9 @@ class _Proof(Message):
     # Private runs only; left out of the encoding when None (see the theory of operation).
     cert: bytes | None = bounded(None, max_len=MAX_CERT_BYTES)  # the prover's membership certificate
     authority: bytes | None = bounded(None, max_len=PUBLIC_KEY_BYTES)  # responder: "I will judge yours"
+    # Runs that price ids (see ``idwork``); left out when None, so the wire is unchanged without them.
+    work: bytes | None = bounded(None, max_len=WORK_BYTES)  # the prover's id work nonce
+    needs: int | None = bounded(None, ge=0, le=MAX_WORK_BITS)  # responder: the id work it asks of dialers
 
 
 _KINDS: dict[str, type[Message]] = {
@@ -172,8 +182,10 @@ def _seal_proof(
     *,
     cert: bytes | None = None,
     authority: bytes | None = None,
+    work: bytes | None = None,
+    needs: int | None = None,
 ) -> bytes:
-    proof = _Proof(identity.public_key, identity.sign(role + th), cert, authority)
+    proof = _Proof(identity.public_key, identity.sign(role + th), cert, authority, work, needs)
     fields = {k: v for k, v in proof.to_obj().items() if v is not None}
     return sodium.crypto_aead_aegis256_encrypt(pack(fields), th, _nonce(nonce), key)
 
@@ -194,6 +206,24 @@ def _open_proof(key: bytes, nonce: int, box: bytes, role: bytes, th: bytes) -> _
     except InvalidSignature:
         raise RemoteProtocolError("handshake signature does not verify") from None
     return proof
+
+
+class WorkRefused(HandshakeRefused):
+    """This node's id carries less work than the listener asks (``needs`` bits): do the work, dial again."""
+
+    def __init__(self, needs: int, reason: str) -> None:
+        super().__init__("id_work", reason, by_remote=False)
+        self.needs = needs
+
+
+def _check_work(peer: PeerID, nonce: bytes | None, required: int, who: str) -> None:
+    got = work_bits(peer, nonce)
+    if got < required:
+        raise HandshakeRefused(
+            "id_work",
+            f"the {who}'s id carries {got} bits of work, this run asks for {required}",
+            by_remote=False,
+        )
 
 
 def _admit(membership: Membership, cert: bytes | None, peer: PeerID, now: float) -> Certificate:
@@ -243,8 +273,12 @@ class InitiatorHandshake:
         rng: Callable[[int], bytes] = os.urandom,
         membership: Membership | None = None,
         now: float | None = None,
+        work: bytes | None = None,
+        required_work: int = 0,
     ) -> None:
+        """``work``: this node's id work nonce; ``required_work``: the bits the listener's id must carry."""
         self._identity = identity
+        self._work, self._required_work = work, required_work
         self._expected = expected_peer
         self._membership = membership
         self._now = _private(membership, now)
@@ -291,11 +325,14 @@ class InitiatorHandshake:
                 f"dialed {self._expected} but the remote proved it is {remote}",
                 by_remote=False,
             )
+        _check_work(remote, proof.work, self._required_work, "listener")
+        self._check_own_work(proof.needs)
         m = self._membership
         remote_cert = _admit(m, proof.cert, remote, self._now) if m is not None else None
         th2 = _h(th1, data)
         own = m.certificate if m is not None else None
-        finish = encode_frame(Finish(_seal_proof(k_hs, 1, self._identity, b"initiator", th2, cert=own)))
+        box = _seal_proof(k_hs, 1, self._identity, b"initiator", th2, cert=own, work=self._work)
+        finish = encode_frame(Finish(box))
         th3 = _h(th2, finish)
         result = HandshakeResult(
             remote_peer=remote,
@@ -310,6 +347,13 @@ class InitiatorHandshake:
         else:
             self.result, self._state = result, "done"
         return finish
+
+    def _check_own_work(self, needs: int | None) -> None:
+        own = work_bits(self._identity.peer_id, self._work)
+        if needs is not None and own < needs:
+            raise WorkRefused(
+                needs, f"the listener asks for {needs} bits of id work, this node's id carries {own}"
+            )
 
     def receive_verdict(self, data: bytes) -> None:
         """Process a private responder's verdict: sets ``result``, or raises its refusal."""
@@ -340,8 +384,12 @@ class ResponderHandshake:
         rng: Callable[[int], bytes] = os.urandom,
         membership: Membership | None = None,
         now: float | None = None,
+        work: bytes | None = None,
+        required_work: int = 0,
     ) -> None:
+        """``work``: this node's id work nonce; ``required_work``: the bits a dialer's id must carry."""
         self._identity = identity
+        self._work, self._required_work = work, required_work
         self._run_id = run_id
         self._version = version
         self._rng = rng
@@ -404,6 +452,8 @@ class ResponderHandshake:
             th1,
             cert=m.certificate if m is not None else None,
             authority=m.authority if m is not None else None,
+            work=self._work,
+            needs=self._required_work or None,
         )
         reply = encode_frame(Reply(eph_pub, box))
         self._th2 = _h(th1, reply)
@@ -414,6 +464,7 @@ class ResponderHandshake:
         self._state = "failed"
         proof = _open_proof(self._k_hs, 1, finish.box, b"initiator", self._th2)
         remote = PeerID.from_public_key(proof.public_key)
+        _check_work(remote, proof.work, self._required_work, "dialer")
         m = self._membership
         remote_cert = _admit(m, proof.cert, remote, self._now) if m is not None else None
         th3 = _h(self._th2, raw)

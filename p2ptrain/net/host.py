@@ -38,6 +38,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..identity import Identity, PeerID
+from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
 from .admission import Limits, Slot, admit, subnet_of
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
@@ -48,6 +49,7 @@ from .handshake import (
     HandshakeResult,
     InitiatorHandshake,
     ResponderHandshake,
+    WorkRefused,
     reject_frame,
 )
 from .rpc import RpcRegistry
@@ -73,9 +75,12 @@ class HostConfig:
     authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
     certificate: bytes | None = None  # this host's membership certificate (private runs)
     max_calls_per_minute: int = 60_000  # incoming RPCs one peer may make (bursts of a tenth); 0: no limit
+    id_work: int = 0  # bits of id work asked of every remote (and done for our own id: see ``idwork``)
+    work: bytes | None = None  # our id's work nonce when already found (else found at start if needed)
 
 
 MAX_TRACKED_PEERS = 10_000
+MAX_WORK_ON_DEMAND = 28  # bits of id work a dialer does when a listener asks (minutes of a core at most)
 MAX_PROTECTED = 256  # peers this node trained with, whose connections a flood never evicts
 
 
@@ -128,6 +133,9 @@ class Host:
         self.config = config or HostConfig()
         self.clock = clock
         self.membership = _membership(self.config, identity.peer_id, run_id, clock)
+        self.work = self.config.work  # this id's work nonce (see ``idwork``)
+        if work_bits(identity.peer_id, self.work) < self.config.id_work:
+            self.work = find_work(identity.peer_id, self.config.id_work)
         self.listen_addresses: list[PeerAddress] = []
         self._conns: dict[PeerID, list[Connection]] = {}
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
@@ -275,7 +283,13 @@ class Host:
             # That dialer was cancelled, or its connection is gone already: dial ourselves.
         dial = self._dialing[key] = _Dial()
         try:
-            dial.conn = await self._dial(addr, timeout or self.config.connect_timeout)
+            try:
+                dial.conn = await self._dial(addr, timeout or self.config.connect_timeout)
+            except WorkRefused as e:
+                if e.needs > MAX_WORK_ON_DEMAND:
+                    raise
+                await self._do_work(e.needs)  # the listener asks more of our id than we did: do it, once
+                dial.conn = await self._dial(addr, timeout or self.config.connect_timeout)
             return dial.conn
         except P2PError as e:
             dial.error = e
@@ -283,6 +297,12 @@ class Host:
         finally:
             del self._dialing[key]
             dial.done.set()
+
+    async def _do_work(self, bits: int) -> None:
+        if work_bits(self.peer_id, self.work) >= bits:
+            return
+        log.info("a peer asks for %d bits of id work: computing it (about 2**%d hashes)", bits, bits)
+        self.work = await trio.to_thread.run_sync(find_work, self.peer_id, bits)
 
     async def _dial(self, addr: PeerAddress, timeout: float) -> Connection:
         if self._nursery is None:
@@ -325,6 +345,8 @@ class Host:
             version=self.config.protocol_version,
             membership=self.membership,
             now=self.clock() if self.membership is not None else None,
+            work=self.work,
+            required_work=self.config.id_work,
         )
         await framed.send_frame(hs.start())
         reply = await framed.receive_frame()
@@ -502,6 +524,8 @@ class Host:
             version=self.config.protocol_version,
             membership=self.membership,
             now=self.clock() if self.membership is not None else None,
+            work=self.work,
+            required_work=self.config.id_work,
         )
         try:
             with trio.fail_after(self.config.handshake_timeout):

@@ -50,6 +50,7 @@ from ..config import DilocoSection, RunConfig
 from ..dht.records import owned_subkey, subkey_owner
 from ..errors import ConfigError, GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
 from ..identity import PeerID
+from ..idwork import work_bits
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
 from . import statesync
@@ -109,6 +110,12 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         mean gradient into it). Otherwise each backward pass leaves the batch's mean gradient, which
         ``step`` adds to the accumulator, weighted by the batch's samples."""
         self.node, self.model, self.optimizer, self.config = node, model, optimizer, config
+        if work_bits(node.peer_id, node.host.work) < config.run.id_work:
+            raise ConfigError(
+                f"run.id_work asks for {config.run.id_work} bits of work on each peer id and this node's id"
+                f" carries {work_bits(node.peer_id, node.host.work)}: start its node with"
+                f" HostConfig(id_work={config.run.id_work}) (p2ptrain node does)"
+            )
         self.clock = clock
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -230,6 +237,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             landing=self._in_flight is not None,
             leaving=self.leaving,
             since=self._epoch_began,
+            work=self.node.host.work or b"",
         )
 
     async def _publish(self) -> None:
@@ -277,6 +285,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             target=self.config.training.target_batch_size,
             horizon=2 * self.config.progress.interval,
             trusted=trusted,
+            min_work=self.config.run.id_work,
         )
         if trusted is not None:
             self._note_refused_claims(trusted)

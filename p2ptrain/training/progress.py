@@ -46,6 +46,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from ..identity import PeerID
+from ..idwork import WORK_BYTES, work_bits
 from ..wire.schema import Message, bounded
 
 DIGEST_BYTES = 32
@@ -65,6 +66,7 @@ class ProgressRecord(Message):
     landing: bool = False  # a round for ``epoch`` is in flight (diloco overlap): next on ``epoch + 1``
     leaving: bool = False  # the peer is shutting down: count it no more
     since: float = bounded(0.0, ge=0.0, le=1e11)  # when it began ``epoch`` (its wall clock)
+    work: bytes = bounded(b"", max_len=WORK_BYTES)  # its id's work nonce (runs that price ids: ``idwork``)
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,20 @@ def swarm_view(
     target: int,
     horizon: float,
     trusted: Collection[PeerID] | None,
+    min_work: int = 0,
 ) -> SwarmView:
     """Decide from the live records (``others`` excludes this peer; stale ones already dropped).
     ``trusted``: the peers whose records may move this one to another state (None: every peer's, as in
-    a private swarm whose members are all vouched for)."""
-    others = [o for o in others if o.peer != me and o.record.run == mine.run and not o.record.leaving]
+    a private swarm whose members are all vouched for). ``min_work``: the bits of id work the run asks
+    for; a record of an id without them counts for nothing."""
+    others = [
+        o
+        for o in others
+        if o.peer != me
+        and o.record.run == mine.run
+        and not o.record.leaving
+        and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
+    ]
     vouched = [o for o in others if trusted is None or o.peer in trusted]
     same = [o for o in others if o.record.epoch == mine.epoch]
     newest = max(mine.epoch, upper_median([mine.epoch, *(o.record.epoch for o in vouched)]))

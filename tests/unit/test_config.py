@@ -51,6 +51,7 @@ DEFAULTS = {
     "run.id": "tiny-gpt",
     "run.seed": 0,
     "run.authority": "",
+    "run.id_work": 0,
     "task.name": "tiny-gpt",
     "task.options": {},
     "training.mode": "sync",

@@ -11,6 +11,7 @@ import pytest
 
 from p2ptrain.errors import HandshakeRefused, LocalProtocolError, RemoteProtocolError
 from p2ptrain.identity import Identity, PeerID
+from p2ptrain.idwork import find_work
 from p2ptrain.net.handshake import (
     MAX_HANDSHAKE_FRAME,
     MAX_RUN_ID,
@@ -22,6 +23,7 @@ from p2ptrain.net.handshake import (
     Reject,
     Reply,
     ResponderHandshake,
+    WorkRefused,
     decode_frame,
     encode_frame,
     reject_frame,
@@ -530,3 +532,52 @@ def test_decode_frame_errors(data: bytes, reason: str) -> None:
 )
 def test_encode_decode_frame_round_trip(msg: Hello | Reply | Finish | Reject) -> None:
     assert decode_frame(encode_frame(msg)) == msg
+
+
+# ---- id work (runs that price ids) -------------------------------------------------------------------
+
+BITS = 10
+ALICE_WORK, BOB_WORK = find_work(ALICE.peer_id, BITS), find_work(BOB.peer_id, BITS)
+
+
+def test_peers_whose_ids_carry_the_work_complete_the_handshake() -> None:
+    init = InitiatorHandshake(ALICE, RUN, None, work=ALICE_WORK, required_work=BITS)
+    resp = ResponderHandshake(BOB, RUN, work=BOB_WORK, required_work=BITS)
+    complete(init, resp)
+    assert init.result is not None and resp.result is not None
+
+
+def test_a_dialer_without_the_work_learns_how_much_the_listener_asks() -> None:
+    init = InitiatorHandshake(ALICE, RUN, None)
+    resp = ResponderHandshake(BOB, RUN, work=BOB_WORK, required_work=BITS)
+    reply = resp.receive(init.start())
+    assert reply is not None
+    with pytest.raises(WorkRefused) as info:
+        init.receive(reply)
+    assert info.value.needs == BITS and info.value.code == "id_work"
+
+
+class CarelessDialer(InitiatorHandshake):
+    """A hostile dialer: it ignores what the listener asks and sends its finish anyway."""
+
+    def _check_own_work(self, needs: int | None) -> None:
+        pass
+
+
+def test_a_listener_refuses_a_dialer_that_finishes_without_the_work() -> None:
+    init = CarelessDialer(ALICE, RUN, None, work=BOB_WORK)  # Bob's nonce earns Alice nothing
+    resp = ResponderHandshake(BOB, RUN, work=BOB_WORK, required_work=BITS)
+    reply = resp.receive(init.start())
+    assert reply is not None
+    with pytest.raises(HandshakeRefused, match="dialer's id carries 0 bits of work, this run asks for 10"):
+        resp.receive(init.receive(reply))
+    assert resp.result is None
+
+
+def test_a_dialer_refuses_a_listener_without_the_work() -> None:
+    init = InitiatorHandshake(ALICE, RUN, None, work=ALICE_WORK, required_work=BITS)
+    resp = ResponderHandshake(BOB, RUN)
+    reply = resp.receive(init.start())
+    assert reply is not None
+    with pytest.raises(HandshakeRefused, match="listener's id carries"):
+        init.receive(reply)

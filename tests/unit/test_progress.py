@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import PeerID
+from p2ptrain.idwork import find_work
 from p2ptrain.training.progress import (
     DIGEST_BYTES,
     PeerProgress,
@@ -65,8 +66,11 @@ def view(
     now: float = NOW,
     horizon: float = HORIZON,
     trusted: set[PeerID] | None = None,
+    min_work: int = 0,
 ) -> SwarmView:
-    return swarm_view(me, mine, others, now=now, target=target, horizon=horizon, trusted=trusted)
+    return swarm_view(
+        me, mine, others, now=now, target=target, horizon=horizon, trusted=trusted, min_work=min_work
+    )
 
 
 # ---- estimate ----------------------------------------------------------------------------------
@@ -833,3 +837,14 @@ def test_fresh_keys_claiming_huge_progress_at_most_double_what_counts() -> None:
     honest_newcomer = peer(2, samples=5, rate=1.0)  # counted in full while within the bound
     assert view(mine, peer(1, samples=20, rate=5.0), honest_newcomer, trusted={pid(1)}).samples == 35.0
     assert view(mine, liar, trusted=None).ready  # a private swarm's members are believed
+
+
+def test_records_of_ids_without_the_runs_work_count_for_nothing() -> None:
+    """In a run that prices ids, a fresh key's record is not a peer, nor samples, nor a vote."""
+    priced = pid(1)
+    work = find_work(priced, 8)
+    paid = PeerProgress(priced, rec(samples=20, digest=B, work=work))
+    free = [peer(n, samples=50, digest=B) for n in range(2, 6)]
+    v = view(rec(samples=10, digest=A), paid, *free, trusted=None, min_work=8)
+    assert (v.peers, v.others, v.samples) == (2, 1, 30.0)
+    assert view(rec(samples=10, digest=A), paid, *free, trusted=None).peers == 6  # free ids count: no price
