@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,6 +72,8 @@ from .records import (
 from .routing import Contact, RoutingTable
 
 log = logging.getLogger(__name__)
+
+MAX_SEEN = 32  # recently known contacts kept to bootstrap from when the table runs empty
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,8 @@ class DHT:
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
         self.bootstrapped = trio.Event()
+        self._join: list[PeerAddress] = []  # the join addresses, to bootstrap again from
+        self._seen: OrderedDict[PeerID, PeerAddress] = OrderedDict()  # recently known contacts, newest last
         reg = host.registry
         reg.add_unary(PING, self._on_ping)
         reg.add_unary(FIND_NODE, self._on_find_node)
@@ -163,6 +167,7 @@ class DHT:
             self._nursery = nursery
             try:
                 task_status.started(self)
+                self._join = list(bootstrap or [])
                 if bootstrap:
                     await self.bootstrap(bootstrap, attempts=None)
                 else:
@@ -200,7 +205,8 @@ class DHT:
             log.info("DHT: no join address answered yet; retrying in %.1f s", delay)
             await trio.sleep(delay * self.rng.uniform(0.8, 1.2))
             delay = min(delay * 2, 30.0)
-        log.warning("DHT bootstrap failed: none of %d join address(es) answered", len(addresses))
+        level = logging.INFO if attempts == 1 else logging.WARNING  # (a retry in maintenance: said quietly)
+        log.log(level, "DHT bootstrap failed: none of %d address(es) answered", len(addresses))
         return len(self.table)
 
     async def _contact_seeds(self, addresses: list[PeerAddress]) -> list[Contact]:
@@ -519,11 +525,24 @@ class DHT:
 
     # ---- maintenance ----
 
+    def recent_contacts(self) -> list[PeerAddress]:
+        """The addresses of the peers this node knew most recently (newest first), for a bootstrap."""
+        return list(reversed(self._seen.values()))
+
     async def _maintain(self) -> None:
         last_refresh = last_replicate = self.clock()
         while True:
             await trio.sleep(self.config.maintenance_interval)
             now = self.clock()
+            for c in self.table.contacts():
+                self._seen[c.peer_id] = c.address
+                self._seen.move_to_end(c.peer_id)
+            while len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
+            if not len(self.table) and (self._join or self._seen):
+                # Out of contacts (every peer we knew left, or our link went down): a swarm that comes
+                # back, at a join address or at an address we knew, is found again.
+                await self.bootstrap([*self._join, *self.recent_contacts()], attempts=1)
             self.records.expire(now)
             await self._republish(now)
             if now - last_refresh >= self.config.refresh_interval:
