@@ -98,6 +98,10 @@ def test_plain_training_loops_in_threads_train_one_model_with_the_sync_optimizer
                 except BaseException as e:  # reported to the test below
                     errors.append(e)
 
+            # As a trainer does (--wait-peers): a peer that sees nobody yet would step alone, and two
+            # peers that each stepped alone before seeing the other repair the fork a step later.
+            for n in (a, b):
+                assert n.call(lambda n=n: opts[n].optimizer.wait_for_peers(2, timeout=60)) == 2
             threads = [threading.Thread(target=loop, args=(n, i)) for i, n in enumerate((a, b))]
             for t in threads:
                 t.start()
@@ -108,4 +112,4 @@ def test_plain_training_loops_in_threads_train_one_model_with_the_sync_optimizer
             assert opts[a].epoch == opts[b].epoch == steps
             assert opts[a].stats.averaged + opts[b].stats.averaged >= 2
             pairs = zip(models[a].parameters(), models[b].parameters(), strict=True)
-            assert all(torch.equal(p, q) for p, q in pairs)
+            assert all(torch.equal(p, q) for p, q in pairs), [opts[n].stats for n in (a, b)]
