@@ -60,6 +60,9 @@ class Auditor:
         self.accusations: dict[PeerID, Accusation] = {}  # our provable verdicts, to publish
         self.proofs: OrderedDict[tuple[bytes, int], Proof] = OrderedDict()  # (round, partition) -> proof
         self.examined: set[tuple[PeerID, PeerID, bytes, int]] = set()  # (accuser, accused, round, p)
+        # The most bytes a proof may take to fetch (None: only the per-slice bound): an accuser signs
+        # the manifest its proof names, so without it one could make us download any size.
+        self.max_proof_bytes: int | None = None
         self.strikes: dict[PeerID, int] = {}  # rounds in a row that failed on a peer
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self.on_ban: Callable[[PeerID, str], None] | None = None
@@ -151,6 +154,9 @@ class Auditor:
         limit = 4 * sizes[accusation.partition] + 1024
         if any(not 0 <= n <= limit for n in head.lengths):
             raise RemoteProtocolError("a slice in the proof is larger than its partition")
+        if self.max_proof_bytes is not None and sum(head.lengths) > self.max_proof_bytes:
+            # larger than any proof about this run's model: not fetched, and nobody banned for it
+            raise RemoteProtocolError(f"a proof of {sum(head.lengths)} bytes, over {self.max_proof_bytes}")
         async with conn.open_stream(PROOF, req) as stream:
             data = await stream.receive_all(sum(head.lengths))
             ack = await stream.response()

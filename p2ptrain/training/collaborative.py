@@ -181,6 +181,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         )
         node.averager.weight_cap = self._weight_cap
         node.averager.auditor.on_ban = self._on_ban
+        # A proof of this run's rounds is about one fp32 copy of the model (a partition's slices from
+        # each contributor); twice that covers uneven partitions.
+        model_bytes = 4 * sum(p.numel() for p in self.params)
+        node.averager.auditor.max_proof_bytes = 2 * model_bytes + (1 << 20)
         self.bans_key = f"p2ptrain/{node.config.run_id}/bans".encode()
         self._examining = False  # an examination of published bans runs (see ``bans``)
         s = config.statesync

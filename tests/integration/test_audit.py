@@ -150,10 +150,10 @@ async def test_a_contributor_disowning_its_slice_is_identified_and_banned(autoju
     assert all(set(a.auditor.banned) <= {liar_id} for a in averagers)
 
 
-async def outsider(net: MemoryNetwork, nursery: trio.Nursery) -> Auditor:
+async def outsider(net: MemoryNetwork, nursery: trio.Nursery, name: str = "outsider") -> Auditor:
     """A peer that took no part in the round: it reads a published accusation and examines it."""
-    host = Host(Identity.generate(), "audit", transport=net.transport("outsider"))
-    await nursery.start(host.run, [("outsider", PORT)])
+    host = Host(Identity.generate(), "audit", transport=net.transport(name))
+    await nursery.start(host.run, [(name, PORT)])
     return Auditor(host)
 
 
@@ -174,6 +174,11 @@ async def test_a_proof_convicts_the_lying_reducer_for_anyone_who_examines_it(aut
             outcomes.append(await judge.examine(accuser_id, addr, accusation))
             assert set(judge.banned) == {liar_id} and "proven by" in judge.banned[liar_id]
             assert await judge.examine(accuser_id, addr, accusation) == "already settled"  # fetched once
+            # a proof larger than the examiner's bound is not fetched, and bans nobody
+            wary = await outsider(net, nursery, "wary")
+            wary.max_proof_bytes = 1000
+            got = await wary.examine(accuser_id, addr, accusation)
+            assert "over 1000" in got and not wary.banned
             nursery.cancel_scope.cancel()
 
     await audited_round(liar_reducer=liar, after=examine)
