@@ -399,7 +399,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             elif (
                 view.peers <= 1
                 and view.ready
-                and not view.behind
+                and not view.overtaken
                 and not self._holds
                 and self._may_step_alone(view)
             ):

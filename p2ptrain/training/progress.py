@@ -87,6 +87,7 @@ class SwarmView:
     rate: float  # the swarm's samples per second on ``epoch``
     target: int
     majority: bytes  # the state digest most trusted peers on ``epoch`` started from (this one included)
+    overtaken: bool  # trusted peers, leaving ones included, took the swarm past ``epoch``: no step alone
     donors: tuple[PeerProgress, ...]  # where to download the trusted state of ``newest``, best first
     reason: str
 
@@ -169,12 +170,20 @@ def swarm_view(
         for o in others
         if o.peer != me
         and o.record.run == mine.run
-        and not o.record.leaving
         and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
     ]
+    # Peers that said they leave count for nothing but this: the trusted among them may have taken the
+    # swarm past this peer's step, and a step taken alone now would start a second lineage under the
+    # swarm's step numbers (a peer catching up while the others shut down).
+    left = [o.record.epoch for o in others if o.record.leaving and (trusted is None or o.peer in trusted)]
+    others = [o for o in others if not o.record.leaving]
     vouched = [o for o in others if trusted is None or o.peer in trusted]
     same = [o for o in others if o.record.epoch == mine.epoch]
     newest = max(mine.epoch, upper_median([mine.epoch, *(o.record.epoch for o in vouched)]))
+    overtaken = (
+        newest > mine.epoch
+        or upper_median([mine.epoch, *(o.record.epoch for o in vouched), *left]) > mine.epoch
+    )
     # fsum: exact, so the verdict does not depend on the order the DHT returned the records in. The
     # untrusted count for at most as much as this peer and the trusted do: any number of fresh keys
     # claiming 2**53 samples at most halves the batch a step is taken with.
@@ -207,6 +216,7 @@ def swarm_view(
         rate=rate,
         target=target,
         majority=majority,
+        overtaken=overtaken,
         donors=tuple(donors),
         reason=reason,
     )

@@ -848,3 +848,15 @@ def test_records_of_ids_without_the_runs_work_count_for_nothing() -> None:
     v = view(rec(samples=10, digest=A), paid, *free, trusted=None, min_work=8)
     assert (v.peers, v.others, v.samples) == (2, 1, 30.0)
     assert view(rec(samples=10, digest=A), paid, *free, trusted=None).peers == 6  # free ids count: no price
+
+
+def test_trusted_peers_that_left_ahead_forbid_a_step_alone() -> None:
+    """The swarm shuts down while this peer catches up: the others' records say they leave, on a later
+    step. Nobody to wait for or download from, but a step alone now would be a second lineage under
+    the swarm's step numbers (the kill-restart scenario's last step)."""
+    gone = [peer(n, epoch=EPOCH + 50, digest=B, addr=ADDR, leaving=True) for n in (1, 2)]
+    v = view(rec(digest=A), *gone, trusted={pid(1), pid(2)})
+    assert (v.behind, v.donors, v.peers, v.overtaken) == (False, (), 1, True)
+    assert not view(rec(digest=A), *gone, trusted={pid(9)}).overtaken  # strangers leaving: no matter
+    behind = view(rec(digest=A), peer(1, epoch=EPOCH + 1, digest=B), trusted={pid(1)})
+    assert behind.behind and behind.overtaken
