@@ -142,7 +142,7 @@ class Verdict:
 
 def recompute(
     attestation: Attestation,
-    slices: Sequence[bytes],
+    slices: Sequence[bytes | memoryview],
     *,
     size: int,
     mode: Compression,
@@ -174,7 +174,7 @@ def recompute(
 
 def judge(
     attestation: Attestation,
-    slices: Sequence[bytes | None],
+    slices: Sequence[bytes | memoryview | None],
     authors: Sequence[PeerID],
     *,
     size: int,
@@ -214,7 +214,7 @@ class Proof:
     holder: int  # the member that reduced the partition (signed the attestation)
     partition: int
     attestation: bytes  # the reducer's signed attestation
-    slices: tuple[bytes, ...]  # each contributor's committed slice, in the attestation's order
+    slices: tuple[bytes | memoryview, ...]  # each contributor's committed slice, in the attestation's order
 
 
 def check_proof(proof: Proof, accused: PeerID, round_: bytes) -> Verdict:

@@ -36,7 +36,7 @@ FETCH_TIMEOUT = 30.0
 NOT_KEPT = "nothing kept for this round"
 ASK_AGAIN = 0.25  # seconds: a member that has not kept the round yet may still be finishing it
 MAX_BANS = 1024
-MAX_PROOFS = 4  # proofs kept to serve (each about one partition's slices of every contributor)
+MAX_PROOFS = 2  # proofs kept to serve (each about one fp32 copy of the model: a partition's slices)
 MAX_EXAMINED = 4096  # accusations examined once (whatever the outcome), not again
 PROOF_TIMEOUT = 60.0
 
@@ -162,9 +162,9 @@ class Auditor:
             ack = await stream.response()
         if not ack.ok or len(data) != sum(head.lengths):
             return None
-        slices, offset = [], 0
+        slices, offset, view = [], 0, memoryview(data)  # views: a proof can be a model's size
         for n in head.lengths:
-            slices.append(data[offset : offset + n])
+            slices.append(view[offset : offset + n])
             offset += n
         return Proof(head.manifest, head.holder, accusation.partition, head.attestation, tuple(slices))
 

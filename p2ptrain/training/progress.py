@@ -172,12 +172,16 @@ def swarm_view(
         and o.record.run == mine.run
         and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
     ]
+
     # Peers that said they leave count for nothing but this: the trusted among them may have taken the
     # swarm past this peer's step, and a step taken alone now would start a second lineage under the
     # swarm's step numbers (a peer catching up while the others shut down).
-    left = [o.record.epoch for o in others if o.record.leaving and (trusted is None or o.peer in trusted)]
+    def vouches(o: PeerProgress) -> bool:
+        return trusted is None or o.peer in trusted
+
+    left = [o.record.epoch for o in others if o.record.leaving and vouches(o)]
     others = [o for o in others if not o.record.leaving]
-    vouched = [o for o in others if trusted is None or o.peer in trusted]
+    vouched = [o for o in others if vouches(o)]
     same = [o for o in others if o.record.epoch == mine.epoch]
     newest = max(mine.epoch, upper_median([mine.epoch, *(o.record.epoch for o in vouched)]))
     overtaken = (
@@ -187,8 +191,8 @@ def swarm_view(
     # fsum: exact, so the verdict does not depend on the order the DHT returned the records in. The
     # untrusted count for at most as much as this peer and the trusted do: any number of fresh keys
     # claiming 2**53 samples at most halves the batch a step is taken with.
-    sure = [o for o in same if trusted is None or o.peer in trusted]
-    unsure = [o for o in same if not (trusted is None or o.peer in trusted)]
+    sure = [o for o in same if vouches(o)]
+    unsure = [o for o in same if not vouches(o)]
     samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in sure)])
     samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
     rate = math.fsum([mine.rate, *(o.record.rate for o in sure)])
