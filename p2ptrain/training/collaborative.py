@@ -510,7 +510,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             if self.view.behind or self.view.peers <= 1:
                 return  # step() catches up, or steps alone
             target = min(self.view.peers, cfg.max_group_size)
-            minimum = min(target, self.view.peers // 2 + 1)  # a majority: two groups cannot both form
+            minimum = min(target, self.view.quorum)  # a majority: two groups cannot both form
             manifest = await self.node.averager.form_group(
                 self.averaged.tensors,
                 timeout=cfg.timeout,

@@ -13,7 +13,9 @@ same records:
   whether the target is reached (time to average) and how soon it will be (time to start matchmaking);
 - how many peers work on this epoch (the size of the group to form), counting those whose averaging
   round for the previous epoch is still landing (diloco with overlap), and not those that said they are
-  leaving;
+  leaving; and the majority of them a group needs (``quorum``), where untrusted records count for at
+  most as many as the trusted ones (ids that publish records and never join a group slow a round down
+  to the leader's deadline, but cannot make a group impossible);
 - whether this peer is behind or has diverged: then it downloads the state, from ``donors`` in order.
 
 Which states a peer adopts is a question of trust, not of numbers: identities are free, so a record's
@@ -31,7 +33,7 @@ records and its own:
   peer that trusts the same peers names the same winner; the peer has diverged when it holds another.
 
 Any peer, trusted or not, may serve the chosen state as a donor: every chunk is checked against the
-trusted digest on arrival. Untrusted records still count toward the group size, and toward the samples
+trusted digest on arrival. Untrusted records still count toward the group size (capped in its quorum, above), and toward the samples
 of this peer's epoch for at most as much as this peer's and the trusted records together (fresh keys
 that claim any number of samples at most halve the batch a step is taken with). A peer's own samples
 are never extrapolated: it knows them exactly.
@@ -82,6 +84,7 @@ class SwarmView:
     epoch: int
     newest: int  # the epoch the trusted peers' records say to be on (>= ``epoch``)
     peers: int  # peers working on ``epoch`` (or about to: their round for the one before is landing)
+    quorum: int  # the fewest peers a group of ``epoch`` needs: a majority of those this peer can vouch for
     others: int  # other live peers of the run, on any epoch (some may be catching up)
     samples: float  # estimated samples the swarm has done toward ``epoch``
     rate: float  # the swarm's samples per second on ``epoch``
@@ -206,6 +209,12 @@ def swarm_view(
     )
     landing = [o for o in others if o.record.landing and o.record.epoch + 1 == mine.epoch]
     peers = 1 + len(same) + len(landing)
+    # A group must be a majority of the epoch's peers (two groups cannot both commit it), but records of
+    # ids that never join a group would raise that majority past the honest peers: untrusted ones count
+    # toward it for at most as many as the trusted. The group a leader waits for still counts them all
+    # (it gathers until its deadline, then goes with those who came).
+    sure_n = 1 + sum(vouches(o) for o in (*same, *landing))
+    quorum = (sure_n + min(peers - sure_n, sure_n - 1)) // 2 + 1
     if newest > mine.epoch:
         ahead = sum(o.record.epoch == newest for o in vouched)
         reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"
@@ -215,6 +224,7 @@ def swarm_view(
         epoch=mine.epoch,
         newest=newest,
         peers=peers,
+        quorum=quorum,
         others=len(others),
         samples=samples,
         rate=rate,

@@ -713,6 +713,7 @@ def test_view_invariants(
     assert v.rate >= mine.rate
     assert v.others == len(live)
     assert 1 <= v.peers <= 1 + v.others
+    assert v.quorum == v.peers // 2 + 1  # every record vouched for: a majority of all
     assert v.newest >= v.epoch == mine.epoch
     assert v.behind == (upper_median([mine.epoch, *(o.record.epoch for o in live)]) > mine.epoch)
     assert v.eta >= 0.0 and (v.eta == 0.0) == v.ready
@@ -860,3 +861,17 @@ def test_trusted_peers_that_left_ahead_forbid_a_step_alone() -> None:
     assert not view(rec(digest=A), *gone, trusted={pid(9)}).overtaken  # strangers leaving: no matter
     behind = view(rec(digest=A), peer(1, epoch=EPOCH + 1, digest=B), trusted={pid(1)})
     assert behind.behind and behind.overtaken
+
+
+def test_fresh_keys_that_never_average_cannot_raise_the_quorum_past_the_trusted() -> None:
+    """Records of ids that never join a group made the majority a group needs unreachable for the
+    honest peers (2 honest + 3 such ids: a group of 3 needed); they now count toward it for at most as
+    many as the trusted, while the group waited for still counts everyone."""
+    idle = [peer(n) for n in range(5, 8)]
+    v = view(rec(), peer(1), *idle, trusted={pid(1)})
+    assert (v.peers, v.quorum) == (5, 2)
+    assert view(rec(), *idle, trusted={pid(1)}).quorum == 1  # alone among strangers: a group of one will do
+    many = [peer(n) for n in (1, 2, 3)]
+    idle.append(peer(9))
+    assert view(rec(), *many, *idle, trusted={pid(1), pid(2), pid(3)}).quorum == 4  # of 4 vouched + 3 of 4
+    assert view(rec(), *many, *idle, trusted=None).quorum == 5  # a private swarm: a majority of all 8
