@@ -3,7 +3,7 @@
 For ``--peers 4`` (``simulations/scenarios/hostile-4.toml``: peer 3 hostile) or ``--peers 8``
 (``hostile-8.toml``: peers 6 and 7 hostile), it runs the scenario once with no attack (every peer
 honest: the baseline) and once per attack of ``--kinds`` (the scenario's hostile peers all run that one;
-default every kind of ``p2ptrain.testing.adversary``: nan, scale, random, inflate, garbage-reducer), with
+default every kind of ``p2ptrain.testing.adversary``), with
 real ``p2ptrain node`` processes through ``simulations.runner``, one run after the other. Robust
 aggregation and audits are on in both files, in the baseline too, so that the attack is the only
 difference. From each run's ``summary.json`` it reports:
@@ -12,7 +12,8 @@ difference. From each run's ``summary.json`` it reports:
   this run and the baseline (at the last evaluation of each when they share none), and its difference
   relative to the baseline's. Target: at most 5% above it (a lower loss passes);
 - whether every adversary was *named*: accused by its short peer id in at least one honest peer's log
-  (``simulations.report`` says which lines count);
+  (``simulations.report`` says which lines count); not asked for attacks made through records of fresh
+  keys (``ANONYMOUS``: nothing ties those to the attacking peer);
 - whether the honest peers *kept training*: none exited by itself and each took a global step within the
   last ``max(30 s, a quarter of the duration)``;
 - the scenario's own checks (the honest peers hold identical parameters, their loss falls, no crashes).
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.errors import ConfigError
+from p2ptrain.testing import sybils
 from p2ptrain.testing.adversary import ADVERSARIES
 
 from .environment import REPO_ROOT, environment, write_report
@@ -56,6 +58,9 @@ SCENARIOS = {4: "hostile-4", 8: "hostile-8"}
 TOLERANCE = 0.05  # the honest peers' validation loss at most this much above the no-attack run's
 QUICK_S = 90.0
 BASELINE = "no attack"
+# Attacks through records signed by fresh keys: they leave the honest peers nothing that ties them to the
+# attacking peer's id, so naming it is not asked of them (judged by the loss and by training going on).
+ANONYMOUS = frozenset(sybils.KINDS)
 OFFENDER_KEYS = ("peer", "peer_id", "named_by", "accusing_lines", "excluded_rounds", "banned_by")
 
 
@@ -129,9 +134,10 @@ def assess(
     offenders = summary.get("offenders") or []
     honest = summary.get("honest") or {}
     named = all(o.get("named") for o in offenders) if offenders else None
+    anonymous = kind in ANONYMOUS
     kept = honest.get("kept_training")
     cmp = compare(_points(baseline), _points(summary), tolerance)
-    met: bool | None = cmp["within"] is True and named is True and kept is True
+    met: bool | None = cmp["within"] is True and (anonymous or named is True) and kept is True
     if cmp["within"] is None and named is not False and kept is not False:
         met = None  # nothing to compare the loss with, and nothing else failed
     failed = [c["check"] for c in summary.get("checks", []) if c.get("passed") is False]
@@ -139,7 +145,7 @@ def assess(
         "kind": kind,
         "met": met,
         "comparison": cmp,
-        "named": named,
+        "named": "anonymous" if anonymous else named,
         "offenders": [_offender(o) for o in offenders],
         "kept_training": kept,
         "final_step": honest.get("final_step"),
@@ -161,7 +167,7 @@ def _loss(v: Any, step: Any) -> str:
 
 
 def _yes(v: Any) -> str:
-    return {True: "yes", False: "NO", None: "-"}[v]
+    return {True: "yes", False: "NO", None: "-"}.get(v, str(v))
 
 
 def table_rows(report: dict[str, Any]) -> list[list[str]]:

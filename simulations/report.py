@@ -314,6 +314,7 @@ ACCUSING_FORMS = (  # the node's own accusing log lines; {id}: the accused peer'
     r"slice of partition \d+ from {id} failed",
     r"report from {id} ignored",
     r"bad manifest from {id}",
+    r"breaks the run's rules from {id}",
     r"connection to {id}: protocol violation",
     r"peer {id} makes more than",
     r"record\(s\) from {id}",

@@ -18,13 +18,19 @@ Attacks on the swarm's state and bans (they need the node's trainer, ``install(.
   training (its forged state stays what it serves);
 - ``false-accusation``: after each audited round it takes part in, it accuses that round's reducer of
   partition 0 (honest or not) and serves a proof with made-up slices: the run's real manifest and
-  attestation, the slices zeros.
+  attestation, the slices zeros;
+- ``manifest-downgrade``: every group it leads gets a manifest with a plain mean, no audit and every
+  partition to itself, and it announces with a short deadline so that it leads often.
+
+Attacks by many free identities from one host (``sybil-majority``, ``fake-progress``, ``dht-flood``,
+``conn-flood``): see :mod:`p2ptrain.testing.sybils`.
 
 Start a node with ``p2ptrain node ... --adversary KIND`` (a hidden flag, for simulations only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +43,25 @@ from ..averaging.auditor import Accusation
 from ..averaging.averager import Averager
 from ..averaging.compression import Compression, encode
 from ..averaging.partition import chunks
+from ..averaging.protocol import Manifest, SignedManifest
+from ..identity import Identity
+from . import sybils
 
 if TYPE_CHECKING:
     from ..training.trainer import Trainer
 
-ADVERSARIES = ("nan", "scale", "random", "inflate", "garbage-reducer", "sybil-epoch", "false-accusation")
+ADVERSARIES = (
+    "nan",
+    "scale",
+    "random",
+    "inflate",
+    "garbage-reducer",
+    "sybil-epoch",
+    "false-accusation",
+    "manifest-downgrade",
+    *sybils.KINDS,
+)
+LEAD_TIME = 0.5  # the matchmaking time a manifest-downgrade attacker announces with (honest: seconds)
 FACTOR = 100.0
 FAR = 1_000_000  # the step a sybil-epoch adversary claims
 
@@ -56,6 +76,12 @@ def install(kind: str, averager: Averager, *, seed: int = 0, trainer: Trainer | 
         return
     if kind == "false-accusation":
         _accuse_falsely(_needs(kind, trainer).opt.node.averager)
+        return
+    if kind in sybils.KINDS:
+        sybils.install(kind, _needs(kind, trainer).opt)
+        return
+    if kind == "manifest-downgrade":
+        _downgrade(averager)
         return
     generator = torch.Generator().manual_seed(seed)
     if kind == "inflate":
@@ -158,3 +184,21 @@ def _accuse_falsely(averager: Averager) -> None:
         )
 
     auditor.keep = accuse  # type: ignore[method-assign]
+
+
+def _downgrade(averager: Averager) -> None:
+    """Sign a downgraded manifest for every group this node leads (this process's signer is patched)."""
+    me = averager.host.identity.peer_id
+    real = SignedManifest.sign.__func__  # type: ignore[attr-defined]
+
+    def sign(cls: type[SignedManifest], who: Identity, manifest: Manifest) -> SignedManifest:
+        if who.peer_id == me:
+            rest = (0,) * (len(manifest.sizes) - 1)
+            manifest = dataclasses.replace(
+                manifest, aggregation="mean", audit=False, sizes=(manifest.total, *rest)
+            )
+        signed: SignedManifest = real(cls, who, manifest)
+        return signed
+
+    SignedManifest.sign = classmethod(sign)  # type: ignore[assignment,method-assign]
+    averager.config = dataclasses.replace(averager.config, matchmaking_time=LEAD_TIME)

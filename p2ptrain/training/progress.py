@@ -33,10 +33,10 @@ records and its own:
   peer that trusts the same peers names the same winner; the peer has diverged when it holds another.
 
 Any peer, trusted or not, may serve the chosen state as a donor: every chunk is checked against the
-trusted digest on arrival. Untrusted records still count toward the group size (capped in its quorum, above), and toward the samples
-of this peer's epoch for at most as much as this peer's and the trusted records together (fresh keys
-that claim any number of samples at most halve the batch a step is taken with). A peer's own samples
-are never extrapolated: it knows them exactly.
+trusted digest on arrival. Untrusted records still count toward the group size (capped in its quorum,
+above), and toward the samples of this peer's epoch for at most as much as this peer's and the trusted
+records together (fresh keys that claim any number of samples at most halve the batch a step is taken
+with). A peer's own samples are never extrapolated: it knows them exactly.
 """
 
 from __future__ import annotations

@@ -123,7 +123,9 @@ async def test_fresh_keys_accusing_an_honest_peer_ban_nobody(autojump_clock: obj
         check_identical_per_epoch(peers)
 
 
-async def test_fresh_keys_on_the_honest_step_that_never_average_do_not_stall_it(autojump_clock: object) -> None:
+async def test_fresh_keys_on_the_honest_step_that_never_average_do_not_stall_it(
+    autojump_clock: object,
+) -> None:
     """Three fresh keys publish records of the honest peers' own step (with their own, unforged state)
     and never join a group. Counted as peers, they made the group everyone waits for 5 strong, with a
     majority of 3: the honest pair could never form one again (no global step at all). Untrusted records
@@ -142,7 +144,9 @@ async def test_fresh_keys_on_the_honest_step_that_never_average_do_not_stall_it(
                 await trio.sleep(0.1)
 
         s.nursery.start_soon(follow)
-        await s.until(lambda: all(p.opt.view is not None and p.opt.view.peers == 5 for p in peers), timeout=30)
+        await s.until(
+            lambda: all(p.opt.view is not None and p.opt.view.peers == 5 for p in peers), timeout=30
+        )
         start = max(p.opt.epoch for p in peers)
         await s.until(lambda: all(p.opt.epoch >= start + 3 for p in peers), timeout=120)
         assert all(p.opt.stats.syncs == 0 for p in peers)

@@ -95,6 +95,8 @@ def test_an_attack_meets_the_target_only_with_the_loss_close_the_offender_named_
     assert nan["met"] is False and nan["comparison"]["within"] is False
     assert assess("nan", summary([], True, True), base)["met"] is None  # nothing to compare
     assert assess("nan", None, base)["met"] is None  # the run failed
+    anonymous = assess("fake-progress", summary([[20, 2.05]], False, True), base)  # fresh keys' records:
+    assert anonymous["met"] is True and anonymous["named"] == "anonymous"  # nothing ties them to peer 3
 
 
 def test_the_table_has_a_row_per_attack() -> None:

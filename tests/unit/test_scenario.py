@@ -398,7 +398,8 @@ ERRORS = [
     (
         TEN + "[[peers]]\n[[peers]]\nadversary = 'evil'",
         r"peers\[1\]\.adversary must be one of nan, scale, random, inflate, garbage-reducer, sybil-epoch, "
-        r"false-accusation, not 'evil'",
+        r"false-accusation, manifest-downgrade, sybil-majority, fake-progress, dht-flood, conn-flood, "
+        r"not 'evil'",
     ),
     (TEN + "[[peers]]\n[[peers]]\nadversary = 3", r"peers\[1\]\.adversary must be one of .*, not 3"),
     (TEN + "[[peers]]\n[[peers]]\nadversary = ''", r"peers\[1\]\.adversary must be one of"),

@@ -1,0 +1,236 @@
+"""Attacks by many free identities from one host, for the hostile-peers benchmark (``adversary.install``).
+
+The attacking node trains (or pretends to) as usual and, besides its own id, mints ``SYBILS`` fresh keys
+in memory: they never open a connection of their own. It writes DHT records signed by them (the DHT checks
+that the owner of a subkey signed it, not who carried it), so to every honest peer they are as many more
+peers, all on the attacker's address. With ``install(kind, averager, trainer=)``:
+
+- ``sybil-majority``: the node stops training and holds a state whose every parameter's sign is flipped,
+  claimed as the state of the honest peers' current step (it follows them); it and its fresh keys publish
+  records of that step with that state's digest (a majority of the records on the honest step), and it
+  serves that state. None of them joins a group: they also raise the group size every peer waits for;
+- ``fake-progress``: the node trains honestly; its fresh keys publish records of the honest step that
+  claim 2**53 samples at 1e9 samples/s (the most a record may say);
+- ``dht-flood``: the node trains honestly; ``FLOOD_IDS`` fresh keys store day-long 16 KiB records under
+  the run's progress key and the matchmaking keys of the next steps, again every few seconds (more than
+  a key holds);
+- ``conn-flood``: the node trains honestly and keeps ``CONN_FLOOD`` silent TCP connections open to every
+  honest peer it sees in the records, from its own address, reopening those that are closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from ..dht.records import key_id, make_entry, owned_subkey
+from ..errors import P2PError
+from ..identity import Identity
+from ..net.address import PeerAddress
+from ..training.progress import ProgressRecord
+from ..wire.codec import pack
+
+if TYPE_CHECKING:
+    from ..training.collaborative import CollaborativeOptimizer
+
+log = logging.getLogger(__name__)
+
+KINDS = ("sybil-majority", "fake-progress", "dht-flood", "conn-flood")
+SYBILS = 8  # fresh identities per attacking host
+FLOOD_IDS = 64  # 64 x 16 KiB: more than the 768 KiB a DHT key holds
+FLOOD_TTL = 24 * 3600.0
+FLOOD_STEPS = 4  # matchmaking keys of this many steps ahead are filled too
+CONN_FLOOD = 600  # silent connections per honest peer (more than a node's 512 inbound)
+REPORT_EVERY = 30.0
+EVERY = 1.0  # seconds between two rounds of forged records (about the honest peers' progress interval)
+
+
+@dataclass
+class Attack:
+    """What the attack has cost so far (logged by the attacking node every ``REPORT_EVERY`` seconds)."""
+
+    kind: str
+    keys: int = 0  # identities minted
+    stores: int = 0  # records the DHT's replicas accepted (one per replica)
+    bytes: int = 0  # bytes of records sent (values and signatures, once per store call)
+    connections: int = 0  # TCP connections opened
+    _reported: float = field(default=0.0, repr=False)
+
+    def mint(self, n: int) -> list[Identity]:
+        self.keys += n
+        return [Identity.generate() for _ in range(n)]
+
+    def report(self, now: float) -> None:
+        if now - self._reported >= REPORT_EVERY:
+            self._reported = now
+            log.warning(
+                "attack %s so far: %d keys, %d records stored (%d bytes sent), %d connections",
+                self.kind,
+                self.keys,
+                self.stores,
+                self.bytes,
+                self.connections,
+            )
+
+
+def install(kind: str, opt: CollaborativeOptimizer) -> Attack:
+    """Make the node of ``opt`` attack with many identities (see the module docstring); the attack
+    starts with its first call to ``opt.step``. Returns its running costs."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown attack {kind!r}; known: {', '.join(KINDS)}")
+    if kind == "sybil-majority":
+        _hold_forged_state(opt)
+    attack = {
+        "sybil-majority": _majority,
+        "fake-progress": _fake_progress,
+        "dht-flood": _flood_dht,
+        "conn-flood": _flood_connections,
+    }[kind]
+    step = opt.step
+    started = False
+
+    async def first_step(samples: int) -> bool:  # the background attack starts with training
+        nonlocal started
+        if not started:
+            started = True
+            assert opt._nursery is not None
+            opt._nursery.start_soon(attack, opt, costs)
+        return await step(samples)
+
+    costs = Attack(kind)
+    opt.step = first_step  # type: ignore[method-assign]
+    return costs
+
+
+def honest_epoch(opt: CollaborativeOptimizer) -> int:
+    """The step most other peers' records are on (this node's own when it sees none)."""
+    epochs = sorted(p.record.epoch for p in opt.records if p.peer != opt.node.peer_id)
+    return epochs[len(epochs) // 2] if epochs else opt.epoch
+
+
+async def publish_as(
+    opt: CollaborativeOptimizer, costs: Attack, who: Identity, key: bytes, value: bytes, ttl: float
+) -> None:
+    """Store ``value`` under ``key`` in ``who``'s owned subkey, signed by ``who``, from this node (a
+    refused store is counted as nothing: the attack goes on)."""
+    entry = make_entry(key, value, opt.clock() + ttl, subkey=owned_subkey(who.peer_id), signer=who)
+    costs.bytes += len(entry.value) + len(entry.signature or b"")
+    try:
+        costs.stores += await opt.node.dht._store_entries(key_id(key), [entry])
+    except P2PError as e:
+        log.debug("a store was refused: %s", e)
+    costs.report(opt.clock())
+
+
+async def _publish_records(
+    opt: CollaborativeOptimizer, costs: Attack, ids: list[Identity], record: ProgressRecord
+) -> None:
+    value = pack(record.to_obj())
+    async with trio.open_nursery() as nursery:
+        for who in ids:
+            nursery.start_soon(publish_as, opt, costs, who, opt.key, value, opt.config.progress.ttl)
+
+
+def _hold_forged_state(opt: CollaborativeOptimizer) -> None:
+    """The node trains no more and holds a sign-flipped state, claimed for the honest peers' step."""
+    flipped = False
+
+    async def step(samples: int) -> bool:
+        nonlocal flipped
+        if not flipped:
+            with torch.no_grad():
+                for p in opt.params:
+                    p.neg_()
+                for g in opt.global_params if opt.diloco else ():
+                    g.neg_()
+            opt.release_outer()
+            flipped = True
+        target = honest_epoch(opt)
+        if target != opt.epoch:
+            opt.epoch = target
+            opt._state_changed()  # hashed, served and published as the state of the honest step
+        await trio.sleep(0.2)
+        return False
+
+    opt.step = step  # type: ignore[method-assign]
+
+
+async def _majority(opt: CollaborativeOptimizer, costs: Attack) -> None:
+    ids = costs.mint(SYBILS)
+    while True:
+        await _publish_records(opt, costs, ids, opt.record())  # the forged state's digest, served here
+        await trio.sleep(EVERY)
+
+
+async def _fake_progress(opt: CollaborativeOptimizer, costs: Attack) -> None:
+    ids = costs.mint(SYBILS)
+    while True:
+        record = ProgressRecord(
+            epoch=honest_epoch(opt),
+            samples=2**53,
+            rate=1e9,
+            time=opt.clock(),
+            digest=opt.digest,
+            addr="",
+            run=opt.fingerprint,
+            since=opt.clock(),
+        )
+        await _publish_records(opt, costs, ids, record)
+        await trio.sleep(EVERY)
+
+
+async def _flood_dht(opt: CollaborativeOptimizer, costs: Attack) -> None:
+    ids = costs.mint(FLOOD_IDS)
+    limit = opt.node.dht.config.limits.max_value
+    junk = os.urandom(limit - 64)  # a value as large as a record may be, once packed and signed
+    mode = opt.config.training.mode
+    while True:
+        epoch = honest_epoch(opt)
+        keys = [opt.key] + [opt.node.averager._key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
+        for key in keys:  # one store after the other: the flood's rate is what the replicas take
+            for who in ids:
+                await publish_as(opt, costs, who, key, junk, FLOOD_TTL)
+        await trio.sleep(5 * EVERY)
+
+
+async def _flood_connections(opt: CollaborativeOptimizer, costs: Attack) -> None:
+    source = opt.node.config.source_address
+    flooded: set[tuple[str, int]] = set()
+    async with trio.open_nursery() as nursery:
+        while True:
+            for p in opt.records:
+                if p.peer == opt.node.peer_id or not p.record.addr:
+                    continue
+                try:
+                    addr = PeerAddress.parse(p.record.addr)
+                except ValueError:
+                    continue
+                if (addr.host, addr.port) not in flooded:
+                    flooded.add((addr.host, addr.port))
+                    for _ in range(CONN_FLOOD):
+                        nursery.start_soon(_hold_silent, costs, addr.host, addr.port, source)
+            costs.report(opt.clock())
+            await trio.sleep(5 * EVERY)
+
+
+async def _hold_silent(costs: Attack, host: str, port: int, source: str | None) -> None:
+    """One connection that never says a word, opened again whenever the peer closes it."""
+    while True:
+        try:
+            stream = await trio.open_tcp_stream(host, port, local_address=source)
+        except OSError:
+            await trio.sleep(5 * EVERY)  # refused (or out of ports): try again later
+            continue
+        costs.connections += 1
+        async with stream:
+            try:
+                while await stream.receive_some(4096):
+                    pass  # whatever it says (its handshake), we say nothing
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.sleep(EVERY)

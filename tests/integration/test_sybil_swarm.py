@@ -1,0 +1,39 @@
+"""Many free identities from one host change nothing for the honest peers (issue: open swarms). The
+attacks of ``p2ptrain.testing.sybils`` (the hostile-peers benchmark runs them with real processes) on
+collaborative peers over the in-memory network, on the virtual clock.
+
+For each attack, three honest peers and one attacker that mints fresh keys and writes DHT records under
+them: the honest peers keep taking global steps together (identical on every step), download no state,
+and their records stay readable among the attacker's. Each attack made the code before it fail: the
+forged majority (nine records of the honest step with another digest) was restored by every honest
+peer, and its records of ids that never average made a group impossible (no step at all).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_training import check_identical_per_epoch, run_config, swarm
+
+from p2ptrain.testing import sybils
+
+
+@pytest.mark.parametrize("kind", ["sybil-majority", "fake-progress", "dht-flood"])
+async def test_the_honest_peers_train_on_together_through_many_fresh_keys(
+    autojump_clock: object, kind: str
+) -> None:
+    async with swarm(run_config("sync")) as s:
+        honest = [await s.start(compute=0.1) for _ in range(3)]
+        await s.until(lambda: all(p.opt.epoch >= 2 for p in honest), timeout=120)
+        attacker = await s.start(compute=0.1)
+        attack = sybils.install(kind, attacker.opt)
+        ids = sybils.FLOOD_IDS if kind == "dht-flood" else sybils.SYBILS
+        await s.until(lambda: attack.stores >= ids, timeout=120)  # (from the attacker's first step)
+        if kind != "dht-flood":  # the honest peers read the forged records (the flood's do not decode)
+            await s.until(lambda: all(len(p.opt.records) >= len(honest) + ids for p in honest), 120)
+        start = max(p.opt.epoch for p in honest)
+        await s.until(lambda: all(p.opt.epoch >= start + 4 for p in honest), timeout=300)
+        check_identical_per_epoch(honest)
+        assert all(p.opt.stats.syncs == 0 for p in honest)
+        mine = {p.node.peer_id for p in honest}
+        for p in honest:  # every honest record still read back, among the attacker's
+            assert mine - {p.node.peer_id} <= {r.peer for r in p.opt.records}
