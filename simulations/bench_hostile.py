@@ -36,6 +36,7 @@ when one could not run or was interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import signal
@@ -75,7 +76,10 @@ def variant(base: Scenario, kind: str | None, duration: float | None = None) -> 
     """The scenario with its hostile peers running ``kind`` (None: every peer honest)."""
     hostile = base.adversaries
     kinds = [kind if p.index in hostile else None for p in base.peers]
-    return base.with_changes(duration=duration, adversaries=kinds)
+    out = base.with_changes(duration=duration, adversaries=kinds)
+    if kind in ANONYMOUS:  # nothing ties the fresh keys' records to the attacking peer: not asked
+        out = dataclasses.replace(out, checks=dataclasses.replace(out.checks, offenders_named=False))
+    return out
 
 
 # ---- the comparison (pure) -------------------------------------------------------------------------

@@ -59,11 +59,14 @@ class Attack:
     stores: int = 0  # records the DHT's replicas accepted (one per replica)
     bytes: int = 0  # bytes of records sent (values and signatures, once per store call)
     connections: int = 0  # TCP connections opened
+    ids: list[Identity] = field(default_factory=list, repr=False)
     _reported: float = field(default=0.0, repr=False)
 
     def mint(self, n: int) -> list[Identity]:
+        minted = [Identity.generate() for _ in range(n)]
         self.keys += n
-        return [Identity.generate() for _ in range(n)]
+        self.ids += minted
+        return minted
 
     def report(self, now: float) -> None:
         if now - self._reported >= REPORT_EVERY:
@@ -83,8 +86,9 @@ def install(kind: str, opt: CollaborativeOptimizer) -> Attack:
     starts with its first call to ``opt.step``. Returns its running costs."""
     if kind not in KINDS:
         raise ValueError(f"unknown attack {kind!r}; known: {', '.join(KINDS)}")
+    costs = Attack(kind)
     if kind == "sybil-majority":
-        _hold_forged_state(opt)
+        _hold_forged_state(opt, costs)
     attack = {
         "sybil-majority": _majority,
         "fake-progress": _fake_progress,
@@ -102,14 +106,14 @@ def install(kind: str, opt: CollaborativeOptimizer) -> Attack:
             opt._nursery.start_soon(attack, opt, costs)
         return await step(samples)
 
-    costs = Attack(kind)
     opt.step = first_step  # type: ignore[method-assign]
     return costs
 
 
-def honest_epoch(opt: CollaborativeOptimizer) -> int:
-    """The step most other peers' records are on (this node's own when it sees none)."""
-    epochs = sorted(p.record.epoch for p in opt.records if p.peer != opt.node.peer_id)
+def honest_epoch(opt: CollaborativeOptimizer, costs: Attack) -> int:
+    """The step most honest peers' records are on (this node's own when it sees none)."""
+    ours = {opt.node.peer_id, *(who.peer_id for who in costs.ids)}
+    epochs = sorted(p.record.epoch for p in opt.records if p.peer not in ours)
     return epochs[len(epochs) // 2] if epochs else opt.epoch
 
 
@@ -136,7 +140,7 @@ async def _publish_records(
             nursery.start_soon(publish_as, opt, costs, who, opt.key, value, opt.config.progress.ttl)
 
 
-def _hold_forged_state(opt: CollaborativeOptimizer) -> None:
+def _hold_forged_state(opt: CollaborativeOptimizer, costs: Attack) -> None:
     """The node trains no more and holds a sign-flipped state, claimed for the honest peers' step."""
     flipped = False
 
@@ -149,9 +153,9 @@ def _hold_forged_state(opt: CollaborativeOptimizer) -> None:
                 for g in opt.global_params if opt.diloco else ():
                     g.neg_()
             opt.release_outer()
+        target = honest_epoch(opt, costs)
+        if target != opt.epoch or not flipped:
             flipped = True
-        target = honest_epoch(opt)
-        if target != opt.epoch:
             opt.epoch = target
             opt._state_changed()  # hashed, served and published as the state of the honest step
         await trio.sleep(0.2)
@@ -171,7 +175,7 @@ async def _fake_progress(opt: CollaborativeOptimizer, costs: Attack) -> None:
     ids = costs.mint(SYBILS)
     while True:
         record = ProgressRecord(
-            epoch=honest_epoch(opt),
+            epoch=honest_epoch(opt, costs),
             samples=2**53,
             rate=1e9,
             time=opt.clock(),
@@ -190,7 +194,7 @@ async def _flood_dht(opt: CollaborativeOptimizer, costs: Attack) -> None:
     junk = os.urandom(limit - 64)  # a value as large as a record may be, once packed and signed
     mode = opt.config.training.mode
     while True:
-        epoch = honest_epoch(opt)
+        epoch = honest_epoch(opt, costs)
         keys = [opt.key] + [opt.node.averager._key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
         for key in keys:  # one store after the other: the flood's rate is what the replicas take
             for who in ids:

@@ -323,14 +323,18 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
     def trusted(self) -> frozenset[PeerID] | None:
         """The peers whose progress records may move this one to another state (see ``progress``): the
         join peers and the peers it has averaged with. None (every record) in a private swarm, whose
-        members the authority vouches for, and on a peer that has no anchor at all: started without a
-        join address, it has never averaged (the swarm's first peer, or one restarted without
-        ``--join`` and without the partners its checkpoints remember)."""
+        members the authority vouches for.
+
+        A peer with no anchor at all (started without a join address, it has never averaged: the
+        swarm's first peer, or one restarted without ``--join`` and without the partners its checkpoints
+        remember) trusts the peers connected to it now: each passed a handshake with it (and paid the
+        run's id work), while a record needs no more than a key. Fresh keys that only write records
+        cannot outvote the peers that joined through it before its first round."""
         node = self.node
-        anchors = node.join_peers | node.averager.partners
-        if node.config.authority is not None or not anchors:
+        if node.config.authority is not None:
             return None
-        return frozenset(anchors)
+        anchors = node.join_peers | node.averager.partners
+        return frozenset(anchors or node.host.connected_peers())
 
     async def leave(self, timeout: float = 5.0) -> None:
         """Tell the swarm this peer stops (its record says so), so nobody waits for it in a group."""

@@ -26,6 +26,7 @@ import trio
 from test_training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
 
 from p2ptrain.dht.records import owned_subkey
+from p2ptrain.testing import sybils
 from p2ptrain.training.bans import BAN_READ_INTERVAL
 from p2ptrain.wire.codec import pack
 
@@ -151,3 +152,30 @@ async def test_fresh_keys_on_the_honest_step_that_never_average_do_not_stall_it(
         await s.until(lambda: all(p.opt.epoch >= start + 3 for p in peers), timeout=120)
         assert all(p.opt.stats.syncs == 0 for p in peers)
         check_identical_per_epoch(peers)
+
+
+async def test_the_swarms_first_peer_before_its_first_round_is_not_outvoted_by_fresh_keys(
+    autojump_clock: object,
+) -> None:
+    """The swarm's first peer has no anchor until its first round: nobody to join through, nobody
+    averaged with. It trusted every record then: an attacking peer that joined and wrote records of its
+    sign-flipped state under eight fresh keys made that state its majority (the benchmark's first peer
+    never took a step). It now trusts the peers connected to it; the fresh keys never connected."""
+    async with swarm(run_config("sync")) as s:
+        first = await s.start(train=False)
+        other = await s.start(train=False)
+        attacker = await s.start(compute=0.1)  # joins through the first peer, as the honest one did
+        attack = sybils.install("sybil-majority", attacker.opt)
+        await s.until(lambda: attacker.opt.digest not in (b"", first.opt.digest), timeout=60)
+        forged = attacker.opt.digest
+
+        def read_them() -> bool:
+            forgers = {attacker.node.peer_id, *(who.peer_id for who in attack.ids)}
+            records = {r.peer: r.record.digest for r in first.opt.records}
+            return len(forgers) == 1 + sybils.SYBILS and all(records.get(f) == forged for f in forgers)
+
+        await s.until(read_them, timeout=60)
+        view = first.opt.view
+        assert view is not None and first.node.averager.partners == set()
+        assert view.majority == first.opt.digest == other.opt.digest != forged
+        assert not view.diverged(first.opt.digest) and first.opt.stats.syncs == 0
