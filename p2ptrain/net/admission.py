@@ -26,9 +26,10 @@ network's names) stands for itself.
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def subnet_of(host: str) -> str:
@@ -111,3 +112,27 @@ def admit(slots: Sequence[Slot], ip: str, now: float, limits: Limits, *, reserve
             return Admission("probation", reason="only peers this node trained with may use the reserve")
         return Admission("refuse", reason="too many connections; try later")
     return Admission("accept")
+
+
+@dataclass
+class Tally:
+    """Which admission decisions are worth a log line: the first for an address, then at most one per
+    ``every`` seconds, which stands for the ones since (a flood of connections, each evicting the one
+    before, must not become a flood of log lines: one WARNING per evicted socket wrote ~190 lines a
+    second per node in the hostile-peers benchmark). Remembers at most ``size`` addresses."""
+
+    every: float = 60.0
+    size: int = 1024
+    _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    def note(self, address: str, now: float) -> int:
+        """Count one decision about ``address``; the number a line written now stands for (0: stay
+        quiet, 1: just this one, n: this one and the n - 1 kept quiet since the last line)."""
+        logged, quiet = self._seen.pop(address, (-math.inf, 0))
+        if now - logged < self.every:
+            self._seen[address] = (logged, quiet + 1)  # (re-inserted: the most recent address last)
+            return 0
+        self._seen[address] = (now, 0)
+        while len(self._seen) > self.size:
+            del self._seen[next(iter(self._seen))]
+        return quiet + 1

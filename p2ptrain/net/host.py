@@ -40,7 +40,7 @@ from ..errors import (
 from ..identity import Identity, PeerID
 from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
-from .admission import Limits, Slot, admit, subnet_of
+from .admission import Limits, Slot, Tally, admit, subnet_of
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
@@ -142,6 +142,7 @@ class Host:
         self._slots: dict[int, _Inbound] = {}
         self._next_slot = 0
         self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
+        self._tally = Tally()  # evictions and refusals worth a log line (one a minute per address)
         self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
@@ -476,7 +477,7 @@ class Host:
         victim = self._slots[key]
         victim.evicted = reason
         who = victim.conn.peer.short() if victim.conn is not None else "a connection in its handshake"
-        log.warning("evicting %s from %s: %s", who, victim.ip, reason)
+        _say(self._tally.note(victim.ip, self.clock()), "evicting %s from %s: %s", who, victim.ip, reason)
         if victim.conn is not None and self._nursery is not None:
             self._nursery.start_soon(victim.conn.aclose, f"evicted: {reason}")
         else:
@@ -491,8 +492,11 @@ class Host:
         known = any(remote_host in ips for ips in self._protected.values())
         verdict = admit(self._slot_views(), remote_host, trio.current_time(), limits, reserve=known)
         if verdict.verdict == "refuse":
-            log.warning(
-                "refusing connection from %s: connection limit reached (%s)", remote_host, verdict.reason
+            _say(
+                self._tally.note(remote_host, self.clock()),
+                "refusing connection from %s: connection limit reached (%s)",
+                remote_host,
+                verdict.reason,
             )
             with trio.move_on_after(1.0):
                 await _send_quietly(framed, reject_frame("busy", "too many connections; try later"))
@@ -621,3 +625,12 @@ async def _close_quietly(stream: trio.abc.Stream) -> None:
         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
     ):
         await stream.aclose()
+
+
+def _say(count: int, message: str, *args: object) -> None:
+    """An admission decision: a WARNING when ``count`` (from :class:`Tally`) says so, else DEBUG."""
+    if count:
+        suffix = f" ({count - 1} more like it since the last such line)" if count > 1 else ""
+        log.warning(message + suffix, *args)
+    else:
+        log.debug(message, *args)

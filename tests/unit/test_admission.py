@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.net.admission import Limits, Slot, admit, subnet_of
+from p2ptrain.net.admission import Limits, Slot, Tally, admit, subnet_of
 
 LIMITS = Limits(total=4, per_ip=3, per_subnet=3, reserve=1, idle_after=30.0)
 NOW = 100.0
@@ -95,3 +95,14 @@ def test_the_reserve_admits_only_where_a_peer_we_trained_with_was_seen() -> None
     assert admit(full, "198.18.9.9", NOW, LIMITS, reserve=True).verdict == "probation"
     over = [*full, slot(5, "198.18.5.1", NOW, authenticated=True, busy=True)]
     assert admit(over, "198.18.9.9", NOW, LIMITS, reserve=True).verdict == "refuse"
+
+
+def test_a_flood_of_decisions_about_one_address_is_one_log_line_a_minute() -> None:
+    tally = Tally(every=60.0, size=2)
+    assert tally.note("198.18.0.9", 0.0) == 1  # the first: said at once
+    assert [tally.note("198.18.0.9", t) for t in (1.0, 2.0, 59.0)] == [0, 0, 0]
+    assert tally.note("198.18.0.7", 3.0) == 1  # another address is not kept quiet by the first
+    assert tally.note("198.18.0.9", 60.0) == 4  # a minute later: this one and the three kept quiet
+    assert tally.note("198.18.0.9", 61.0) == 0
+    tally.note("198.18.0.5", 62.0)  # a third address: the least recent (198.18.0.7) is forgotten
+    assert tally.note("198.18.0.7", 63.0) == 1 and tally.note("198.18.0.5", 64.0) == 0
