@@ -339,8 +339,9 @@ class DHT:
 
     async def _query(
         self, contact: Contact, target: bytes, value: bool
-    ) -> tuple[list[Contact], list[Entry], Contact | None]:
-        """Ask ``contact``; returns its contacts, its entries, and the contact the connection proved."""
+    ) -> tuple[list[Contact], list[Entry], Contact | None, str]:
+        """Ask ``contact``; returns its contacts, its entries, the contact the connection proved, and
+        the address the connection runs to (whatever the contact claimed)."""
         with trio.fail_after(self.config.rpc_timeout):
             conn = await self.host.connect(contact.address)
             if value:
@@ -354,7 +355,7 @@ class DHT:
                     FIND_NODE, FindNodeReq(target, self._sender()), timeout=self.config.rpc_timeout
                 )
                 entries, contacts = [], parse_contacts(resp.contacts)
-        return contacts, entries, _proven(conn)
+        return contacts, entries, _proven(conn), conn.remote_host
 
     async def _lookup(
         self, target: bytes, *, value: bool = False, quorum: int = 0
@@ -369,7 +370,10 @@ class DHT:
             alpha=self.config.alpha,
         )
         found: list[Entry] = []
-        holders: set[PeerID] = set()
+        # Who answered with entries, by origin (/24, /64; a loopback address alone): ids are free, so
+        # three ids of one subnet next to a key are one answer, not a quorum that ends the lookup on
+        # what they chose to show (they cannot forge signed entries, but they can leave some out).
+        holders: set[str] = set()
         reached: dict[PeerID, Contact] = {}
         changed = trio.Event()
 
@@ -380,7 +384,7 @@ class DHT:
             # against the peer in the table.
             known = self.table.get(contact.peer_id)
             try:
-                contacts, entries, proven = await self._query(known or contact, target, value)
+                contacts, entries, proven, remote = await self._query(known or contact, target, value)
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
                 lookup.on_failure(contact.peer_id)
@@ -396,7 +400,7 @@ class DHT:
                 good = _verified(entries, target, self.host.membership, self.clock())
                 if good:
                     found.extend(good)
-                    holders.add(contact.peer_id)
+                    holders.add(origin_of(remote))
                     if quorum and len(holders) >= quorum:
                         lookup.stop()
                 lookup.on_response(contact.peer_id, contacts)
@@ -509,10 +513,10 @@ class DHT:
     async def get(self, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:
         """Read a key: ``subkey -> entry`` (plain values under ``b""``), merged from the replicas reached.
 
-        Stops once ``quorum`` replicas answered with entries (default ``get_quorum``), else after the
-        lookup converges. Every entry's signature is checked again here, and entries that are expired
-        or claim an expiry beyond what any honest store accepts (which would let a liar's entry win
-        every merge) are dropped.
+        Stops once replicas of ``quorum`` origins (default ``get_quorum``; an origin is a /24 or /64,
+        so ids of one subnet count once) answered with entries, else after the lookup converges. Every
+        entry's signature is checked again here, and entries that are expired or claim an expiry beyond
+        what any honest store accepts (which would let a liar's entry win every merge) are dropped.
         """
         kid = key_id(key)
         local = self.records.get(kid, self.clock())

@@ -545,3 +545,55 @@ async def test_a_key_flooded_for_a_day_still_takes_the_honest_records(autojump_c
             assert stored >= 1
             got = await nodes[2].dht.get(key, quorum=3)
             assert got[owned_subkey(honest.peer_id)].value == b"my progress"
+
+
+def nearer_than(target: bytes, bound: int, tag: str) -> Identity:
+    """An identity whose id is nearer ``target`` than ``bound`` (ids cost one key generation each)."""
+    for n in range(1_000_000):
+        ident = identity(f"{tag}-{n}")
+        if distance(ident.peer_id.digest, target) < bound:
+            return ident
+    raise AssertionError("no id found near the target")
+
+
+@pytest.mark.timeout(300)
+async def test_ids_of_one_subnet_next_to_a_key_are_one_answer_not_a_quorum(autojump_clock):
+    """Three ids on one host, the nearest to a key, that show readers only their own entries there: a
+    get with quorum 3 ended on their three answers, and the honest writer's record was never read.
+    Answers count by origin now (/24, /64; a name of the in-memory network alone), so the lookup goes
+    on to the honest replicas."""
+    config = DHTConfig(k=6, replication=6)
+    key = b"p2ptrain/run/progress"
+    kid = key_id(key)
+    with trio.fail_after(600):
+        async with open_swarm() as swarm:
+            honest = await swarm.start_many(8, config)
+            reader = max(honest, key=lambda n: distance(n.peer_id.digest, kid))  # holds no replica
+            nearest = min(distance(n.peer_id.digest, kid) for n in honest)
+            censors = []
+            for i in range(3):
+                ident = nearer_than(kid, nearest, f"censor{i}")
+                host = Host(ident, RUN_ID, transport=swarm.net.transport("evil"))
+                dht = DHT(host, config=config, clock=trio.current_time, seed=100 + i)
+                await swarm.nursery.start(host.run, [("evil", PORT + 1 + i)])
+                await swarm.nursery.start(dht.run, [reader.address])  # the reader knows them first
+                await dht.bootstrapped.wait()
+                own = owned_subkey(ident.peer_id)
+                dht.records.get = (  # type: ignore[method-assign]
+                    lambda kid, now, real=dht.records.get, own=own: [
+                        e for e in real(kid, now) if e.subkey == own
+                    ]
+                )
+                await dht.store(key, b"censor", ttl=3600, subkey=own, sign=True)
+                censors.append(dht)
+            writer = min(honest, key=lambda n: distance(n.peer_id.digest, kid))
+            stored = await writer.dht.store(
+                key, b"honest", ttl=3600, subkey=owned_subkey(writer.peer_id), sign=True
+            )
+            assert stored >= 4  # the censors took it too (and show it to nobody)
+            for n in honest:  # the honest replicas answer a little later than the censors next door
+                if n is not reader:
+                    swarm.net.set_link(reader.name, n.name, LinkProfile(latency=0.05))
+            got = await reader.dht.get(key, quorum=3)
+            assert len([s for s in got if got[s].value == b"censor"]) == 3  # the censors did answer
+            assert got[owned_subkey(writer.peer_id)].value == b"honest"
