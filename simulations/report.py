@@ -675,8 +675,14 @@ def evaluate_checks(sc: Scenario, s: dict[str, Any], mode: str) -> list[dict[str
             f"falls, never rises more than {_pct(c.loss_jump_max)} between evaluations",
         )
     if c.no_crashes:
-        crashes = [p for p in s["problems"] if "exited by itself" in p or "did not stop" in p]
-        add("no crashes", not crashes, f"{len(crashes)} unexpected exits or hangs", "none")
+        # an adversary that brings itself down (the NaN sender's own loss) is no failure of the swarm
+        theirs = tuple(f"peer {i} " for i in sc.adversaries)
+        crashes = [
+            p
+            for p in s["problems"]
+            if ("exited by itself" in p or "did not stop" in p) and not p.startswith(theirs)
+        ]
+        add("no crashes" + who, not crashes, f"{len(crashes)} unexpected exits or hangs", "none")
     if c.offenders_named:
         off, wrong = s.get("offenders") or [], s.get("false_accusations") or []
         falsely = f"; honest peers accused: {', '.join(str(x['peer']) for x in wrong)}" if wrong else ""

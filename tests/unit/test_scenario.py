@@ -568,6 +568,24 @@ offenders_named = true
 """
 
 
+def test_an_adversary_that_brings_itself_down_is_no_crash_of_the_swarm() -> None:
+    """The NaN sender's own loss diverges and it exits: that failed the hostile run's "no crashes"
+    check, which is about the honest peers."""
+    s = parse(HOSTILE)
+    loss = {"finite": True, "first": 3.0, "last": 2.0, "largest_rise": 0.0, "kind": "validation"}
+    summary = {"divergence": divergence([]), "last_step": 7, "problems": [], "loss": loss, "offenders": []}
+
+    def crashes(problems: list[str]) -> bool | None:
+        checks = {
+            c["check"]: c["passed"] for c in evaluate_checks(s, summary | {"problems": problems}, "sync")
+        }
+        return checks["no crashes (honest peers)"]
+
+    assert crashes(["peer 3 exited by itself with status 1 at 20 s; see its node.log"]) is True
+    assert crashes(["peer 1 exited by itself with status 1 at 20 s; see its node.log"]) is False
+    assert crashes(["peer 0 did not stop within 20 s of SIGTERM"]) is False
+
+
 def short(i: int) -> str:
     return PeerID(bytes([i + 1]) * 32).short()
 
