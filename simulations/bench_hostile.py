@@ -76,10 +76,15 @@ def variant(base: Scenario, kind: str | None, duration: float | None = None) -> 
     """The scenario with its hostile peers running ``kind`` (None: every peer honest)."""
     hostile = base.adversaries
     kinds = [kind if p.index in hostile else None for p in base.peers]
-    out = base.with_changes(duration=duration, adversaries=kinds)
-    if kind in ANONYMOUS:  # nothing ties the fresh keys' records to the attacking peer: not asked
-        out = dataclasses.replace(out, checks=dataclasses.replace(out.checks, offenders_named=False))
-    return out
+    return unnamed(base.with_changes(duration=duration, adversaries=kinds), kind)
+
+
+def unnamed(scenario: Scenario, kind: str | None) -> Scenario:
+    """Nothing ties the fresh keys' records of an ``ANONYMOUS`` attack to the attacking peer: its
+    scenario does not ask the honest peers to name it."""
+    if kind not in ANONYMOUS:
+        return scenario
+    return dataclasses.replace(scenario, checks=dataclasses.replace(scenario.checks, offenders_named=False))
 
 
 # ---- the comparison (pure) -------------------------------------------------------------------------
@@ -246,13 +251,15 @@ def run_one(scenario: Scenario, out: Path) -> tuple[str, dict[str, Any] | None, 
     return ("interrupted" if summary.get("interrupted") else "ok"), summary, seconds
 
 
-def reanalyse_one(out: Path) -> tuple[str, dict[str, Any] | None, float]:
+def reanalyse_one(out: Path, kind: str | None) -> tuple[str, dict[str, Any] | None, float]:
     """Analyse a run folder again (its logs are scanned again too); (status, summary.json, seconds)."""
     from .report import load_run, render
 
     if not (out / "run.json").exists():
         return f"no run in {out}", None, 0.0
-    render(load_run(out), out)
+    data = load_run(out)
+    data["scenario"] = unnamed(data["scenario"], kind)
+    render(data, out)
     summary = json.loads((out / "summary.json").read_text())
     return ("interrupted" if summary.get("interrupted") else "ok"), summary, float(summary.get("seconds", 0))
 
@@ -351,7 +358,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _run(report: dict[str, Any], label: str, scenario: Scenario, out: Path) -> dict[str, Any]:
     if report["reanalysed"]:
-        status, summary, seconds = reanalyse_one(out)
+        status, summary, seconds = reanalyse_one(out, None if label == BASELINE else label)
     else:
         what = f"running {report['scenario']}: {label} ({scenario.duration:g} s) ..."
         print(what, file=sys.stderr, flush=True)

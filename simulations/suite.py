@@ -569,17 +569,20 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
             c = r.get("comparison") or {}
             rel = c.get("relative")
             step = f"step {c['step']}" if c.get("step") is not None else "no step"
+            anonymous = r.get("named") == "anonymous"  # records under fresh keys only: not asked
             metric = (
                 f"{r['kind']}: honest val loss vs no attack ({step}, {c.get('how') or '-'}); offender named: "
-                f"{_fmt(r.get('named'))}; honest peers kept training: {_fmt(r.get('kept_training'))}"
+                f"{_fmt(r.get('named'))}; honest peers kept training: {_fmt(r.get('kept_training'))}; "
+                f"global steps {r.get('final_step', '-')} (no attack: {r.get('baseline_final_step', '-')})"
             )
+            named = "" if anonymous else ", offender named"
             out.append(
                 row(
                     bench,
                     metric if r.get("status") == "ok" else f"{r['kind']}: {r.get('status')}",
                     "-" if rel is None else f"{100 * rel:+.1f}%",
                     None,
-                    f"<= +{100 * d.get('tolerance', 0.05):g}%, offender named, kept training",
+                    f"<= +{100 * d.get('tolerance', 0.05):g}%{named}, kept training",
                     r.get("met"),
                     f"{cmd} --kinds {r['kind']}{quick}",
                 )

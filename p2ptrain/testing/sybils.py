@@ -3,7 +3,8 @@
 The attacking node trains (or pretends to) as usual and, besides its own id, mints ``SYBILS`` fresh keys
 in memory: they never open a connection of their own. It writes DHT records signed by them (the DHT checks
 that the owner of a subkey signed it, not who carried it), so to every honest peer they are as many more
-peers, all on the attacker's address. With ``install(kind, averager, trainer=)``:
+peers, all on the attacker's address. With ``install(kind, opt)`` (for a node:
+``adversary.install(kind, averager, trainer=)``):
 
 - ``sybil-majority``: the node stops training and holds a state whose every parameter's sign is flipped,
   claimed as the state of the honest peers' current step (it follows them); it and its fresh keys publish

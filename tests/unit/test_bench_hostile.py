@@ -151,9 +151,18 @@ def test_the_suite_runs_the_benchmark_and_puts_a_row_per_attack_in_its_table(tmp
     assert "offender named: yes" in row["metric"] and "kept training: yes" in row["metric"]
     assert row["command"] == "python -m simulations.bench_hostile --peers 4 --kinds scale --quick"
     assert missing["benchmark"] == "hostile peers (8)" and missing["metric"] == "not run"
+    assert "global steps 20 (no attack: 20)" in row["metric"]  # what the attack cost the honest peers
+    assert row["target"] == f"<= +{100 * TOLERANCE:g}%, offender named, kept training"
+    flood = {"kind": "dht-flood", "status": "ok"} | assess(
+        "dht-flood", summary([[20, 2.0]], False, True), base
+    )
+    (tmp_path / "hostile.json").write_text(json.dumps(data | {"results": [flood]}))
+    row = hostile_rows(tmp_path)[0]  # records under fresh keys: naming the attacker is not asked
+    assert row["met"] is True and row["target"] == f"<= +{100 * TOLERANCE:g}%, kept training"
+    assert "offender named: anonymous" in row["metric"]
 
 
 @pytest.mark.timeout(30)
 def test_reanalysing_a_folder_without_a_run_says_so(tmp_path: Path) -> None:
-    status, summary, seconds = reanalyse_one(tmp_path / "scale")
+    status, summary, seconds = reanalyse_one(tmp_path / "scale", "scale")
     assert status.startswith("no run in") and summary is None and seconds == 0.0
