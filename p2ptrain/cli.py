@@ -155,6 +155,7 @@ def _metrics_address(port: int | None) -> tuple[str, int] | None:
 
 def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
     announce_host, announce_port = _announce(args.announce)
+    data_dir = Path(args.data_dir) if args.data_dir else None if args.identity else default_data_dir()
     return NodeConfig(
         run_id=validate_run_id(args.run_id or "default"),
         listen=tuple(parse_listen(x) for x in (args.listen or ["0.0.0.0:31337"])),
@@ -163,6 +164,7 @@ def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = No
         source_address=args.source_address,
         join=tuple(_parse_address(x) for x in args.join or []),
         status_file=Path(args.status_file) if args.status_file else None,
+        peer_cache=data_dir / "peers.json" if data_dir is not None else None,
         metrics=_metrics_address(args.metrics_port),
         averaging=averaging or AveragerConfig(),
         **_membership_options(args),

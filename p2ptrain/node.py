@@ -3,9 +3,11 @@
 Theory of operation: ``Node.run`` starts the host (listeners and connections), the DHT (bootstrapped
 from the join addresses), one task per join address that keeps a connection to it open (reconnecting
 with capped exponential backoff and jitter), a task that announces this node in the run's peer list and
-reads the list back every ``members_interval`` seconds, and a task that rewrites the JSON status file
-atomically every ``status_interval`` seconds. Cancelling ``run`` closes every connection gracefully
-(peers hear ``shutting down``) and writes a final status with ``state: "stopped"``.
+reads the list back every ``members_interval`` seconds, a task that rewrites the JSON status file
+atomically every ``status_interval`` seconds, and one that keeps the peers known recently in
+``peer_cache`` (read at the start: a restarted node finds its swarm again without its join address).
+Cancelling ``run`` closes every connection gracefully (peers hear ``shutting down``) and writes a final
+status with ``state: "stopped"``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from . import __version__
+from . import __version__, peercache
 from .averaging import Averager, AveragerConfig, RoundResult
 from .dht.peers import Member, PeerRecord, announce, list_members
 from .dht.service import DHT, DHTConfig
@@ -126,6 +128,7 @@ class NodeConfig:
     join: tuple[PeerAddress, ...] = ()
     status_file: Path | None = None
     status_interval: float = 1.0
+    peer_cache: Path | None = None  # where the peers known recently are kept across restarts (peercache)
     metrics: tuple[str, int] | None = None  # (host, port) of the HTTP /metrics and /healthz server
     host: HostConfig = field(default_factory=HostConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
@@ -203,6 +206,9 @@ class Node:
                 await nursery.start(self.host.run, list(self.config.listen))
                 for addr in self.config.join:
                     nursery.start_soon(self._keep_joined, addr)
+                if self.config.peer_cache is not None:
+                    self.dht.remember(peercache.load(self.config.peer_cache))
+                    nursery.start_soon(self._cache_loop, self.config.peer_cache)
                 await nursery.start(self.dht.run, list(self.config.join))
                 await nursery.start(self.averager.run)
                 nursery.start_soon(self._members_loop)
@@ -216,6 +222,8 @@ class Node:
             self.state = "stopped"
             if self.config.status_file:
                 self.write_status()
+            if self.config.peer_cache is not None and (known := self.dht.recent_contacts()):
+                peercache.save(self.config.peer_cache, known)
 
     async def average(
         self,
@@ -359,6 +367,12 @@ class Node:
             os.replace(tmp, path)
         except OSError as e:
             log.warning("cannot write status file %s: %s", path, e)
+
+    async def _cache_loop(self, path: Path) -> None:
+        while True:
+            await trio.sleep(peercache.SAVE_EVERY)
+            if known := self.dht.recent_contacts():  # (never an empty list over a useful cache)
+                peercache.save(path, known)
 
     async def _status_loop(self) -> None:
         while True:

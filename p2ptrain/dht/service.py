@@ -168,9 +168,9 @@ class DHT:
             try:
                 task_status.started(self)
                 self._join = list(bootstrap or [])
-                if bootstrap:
-                    await self.bootstrap(bootstrap, attempts=None)
-                else:
+                if bootstrap:  # (with the peers remembered from an earlier run: the join peers may be gone)
+                    await self.bootstrap([*bootstrap, *self.recent_contacts()], attempts=None)
+                else:  # the swarm's first peer; one with remembered peers finds them in maintenance
                     self.bootstrapped.set()
                 await self._maintain()
             finally:
@@ -530,8 +530,23 @@ class DHT:
     # ---- maintenance ----
 
     def recent_contacts(self) -> list[PeerAddress]:
-        """The addresses of the peers this node knew most recently (newest first), for a bootstrap."""
-        return list(reversed(self._seen.values()))
+        """The addresses of the peers this node knows now and knew most recently (newest first; at most
+        ``MAX_SEEN``), for a bootstrap."""
+        now = {c.peer_id: c.address for c in self.table.contacts()}
+        before = [a for p, a in reversed(self._seen.items()) if p not in now]
+        return [*now.values(), *before][:MAX_SEEN]
+
+    def remember(self, addresses: list[PeerAddress]) -> None:
+        """Take ``addresses`` (newest first: a saved :meth:`recent_contacts`) as peers known recently:
+        whenever the routing table runs empty, the DHT bootstraps again from them and the join
+        addresses. They go behind the peers this run has seen itself, in their order; an address that
+        names no peer id, or this node's, is skipped."""
+        for addr in addresses[:MAX_SEEN]:
+            if addr.peer_id is not None and addr.peer_id != self.peer_id and addr.peer_id not in self._seen:
+                self._seen[addr.peer_id] = addr
+                self._seen.move_to_end(addr.peer_id, last=False)  # behind what this run has seen
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
 
     async def _maintain(self) -> None:
         last_refresh = last_replicate = self.clock()
