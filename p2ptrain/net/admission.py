@@ -19,8 +19,8 @@ When nothing may be evicted, a few *reserved* slots beyond the limit still admit
 address a protected peer was seen at, on probation: it keeps its slot only if its handshake shows a
 protected peer. Otherwise the answer is "busy", with the reason.
 
-:func:`subnet_of` groups addresses: /24 for IPv4, /64 for IPv6; anything else (the in-memory
-network's names) stands for itself.
+:func:`subnet_of` groups addresses: /24 for IPv4, /64 for IPv6; a loopback address and anything else
+(the in-memory network's names) stands for itself.
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ from dataclasses import dataclass, field
 
 
 def subnet_of(host: str) -> str:
-    """The subnet limits count ``host`` in: its /24 (IPv4) or /64 (IPv6); a non-IP name as it is."""
+    """The subnet limits count ``host`` in: its /24 (IPv4) or /64 (IPv6); a loopback address on its own
+    (processes of one machine, told apart by address, as the DHT's storage shares do); a non-IP name as
+    it is."""
     try:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return host
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return str(ip)
     prefix = 24 if ip.version == 4 else 64
     return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 

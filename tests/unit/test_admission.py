@@ -30,6 +30,10 @@ def slot(key: int, ip: str, since: float, **kw: bool) -> Slot:
         ("::ffff:198.18.0.9", "198.18.0.0/24"),
         ("fe80::1%eth0", "fe80::/64"),
         ("h3", "h3"),
+        # processes of one machine (a lab's peers on 127.0.0.10, .11, ...): each address alone. As one
+        # /24, two flooders on 127.0.0.16 and .17 evicted the honest peers' own connections (8 peers)
+        ("127.0.0.16", "127.0.0.16"),
+        ("::1", "::1"),
     ],
 )
 def test_addresses_are_counted_by_subnet(host: str, subnet: str) -> None:
