@@ -148,12 +148,7 @@ def _far_epoch(trainer: Trainer) -> None:
         if opt.epoch == FAR:
             await trio.sleep(0.05)  # trains no more: the forged state stays the one it serves
             return False
-        with torch.no_grad():
-            for p in opt.params:
-                p.neg_()
-            for g in opt.global_params if opt.diloco else ():
-                g.neg_()
-        opt.release_outer()
+        sybils.flip(opt)
         opt.epoch = FAR
         opt._state_changed()  # hashed, served and published as the state of step FAR
         return True

@@ -141,6 +141,16 @@ async def _publish_records(
             nursery.start_soon(publish_as, opt, costs, who, opt.key, value, opt.config.progress.ttl)
 
 
+def flip(opt: CollaborativeOptimizer) -> None:
+    """Flip the sign of every parameter this node holds (its outer copy too): a forged state."""
+    with torch.no_grad():
+        for p in opt.params:
+            p.neg_()
+        for g in opt.global_params if opt.diloco else ():
+            g.neg_()
+    opt.release_outer()
+
+
 def _hold_forged_state(opt: CollaborativeOptimizer, costs: Attack) -> None:
     """The node trains no more and holds a sign-flipped state, claimed for the honest peers' step."""
     flipped = False
@@ -148,12 +158,7 @@ def _hold_forged_state(opt: CollaborativeOptimizer, costs: Attack) -> None:
     async def step(samples: int) -> bool:
         nonlocal flipped
         if not flipped:
-            with torch.no_grad():
-                for p in opt.params:
-                    p.neg_()
-                for g in opt.global_params if opt.diloco else ():
-                    g.neg_()
-            opt.release_outer()
+            flip(opt)
         target = honest_epoch(opt, costs)
         if target != opt.epoch or not flipped:
             flipped = True
