@@ -180,6 +180,9 @@ def _run_node(fn: Callable[..., Awaitable[T]], node: Node, *args: object) -> T:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from .net.linger import raise_fd_limit
+
+    raise_fd_limit()  # inbound slots and refused connections held open (see ``net.linger``)
     if args.config or args.task:
         from .train_cli import train_node
 

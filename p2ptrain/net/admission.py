@@ -19,6 +19,12 @@ When nothing may be evicted, a few *reserved* slots beyond the limit still admit
 address a protected peer was seen at, on probation: it keeps its slot only if its handshake shows a
 protected peer. Otherwise the answer is "busy", with the reason.
 
+Before any of that, :class:`Arrivals` bounds how fast an address and a subnet may open new connections
+(a token bucket each). Admission's bookkeeping looks at every slot; a flood that reconnects as fast as
+it is evicted would make each honest node pay that for every attempt (one process holding 600 sockets,
+each re-opened a second after it lost its slot, took a sixth of a core from the node it flooded). Past
+the rate, a connection is answered "busy" and closed before anything else is done for it.
+
 :func:`subnet_of` groups addresses: /24 for IPv4, /64 for IPv6; a loopback address and anything else
 (the in-memory network's names) stands for itself.
 """
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -140,3 +146,39 @@ class Tally:
         while len(self._seen) > self.size:
             del self._seen[next(iter(self._seen))]
         return quiet + 1
+
+
+@dataclass
+class Arrivals:
+    """How fast new inbound connections may arrive: a token bucket per address (``per_ip`` a second,
+    bursts of ``ip_burst``) and per subnet (``per_subnet``, ``subnet_burst``). An honest peer opens a
+    connection to a node once, and again after a failure: far below the rates. Remembers the ``size``
+    most recent addresses and subnets (one forgotten starts again with a full bucket)."""
+
+    per_ip: float = 2.0
+    ip_burst: float = 32.0
+    per_subnet: float = 8.0
+    subnet_burst: float = 64.0
+    size: int = 4096
+    _buckets: OrderedDict[str, tuple[float, float]] = field(default_factory=OrderedDict)
+
+    def allow(self, ip: str, now: float) -> bool:
+        """Count a new connection from ``ip`` at ``now`` (seconds); False: over the rate, refuse it
+        (a refused attempt takes no token)."""
+        subnet = subnet_of(ip)
+        keys = [(ip, self.per_ip, self.ip_burst)]
+        if subnet != ip:
+            keys.append((subnet, self.per_subnet, self.subnet_burst))
+        levels = []
+        for key, rate, burst in keys:
+            tokens, when = self._buckets.pop(key, (burst, now))
+            tokens = min(burst, tokens + max(0.0, now - when) * rate)
+            self._buckets[key] = (tokens, now)  # (re-inserted: the most recent last)
+            levels.append((key, tokens))
+        while len(self._buckets) > self.size:
+            self._buckets.popitem(last=False)
+        if any(tokens < 1.0 for _, tokens in levels):
+            return False
+        for key, tokens in levels:
+            self._buckets[key] = (tokens - 1.0, now)
+        return True

@@ -40,7 +40,7 @@ from ..errors import (
 from ..identity import Identity, PeerID
 from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
-from .admission import Limits, Slot, Tally, admit, subnet_of
+from .admission import Arrivals, Limits, Slot, Tally, admit, subnet_of
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
@@ -52,6 +52,7 @@ from .handshake import (
     WorkRefused,
     reject_frame,
 )
+from .linger import Lingering
 from .rpc import RpcRegistry
 from .transport import TcpTransport, Transport
 
@@ -68,6 +69,7 @@ class HostConfig:
     max_inbound_per_ip: int = 32
     max_inbound_per_subnet: int = 64  # per IPv4 /24 or IPv6 /64 (see ``admission``)
     reserved_inbound: int = 32  # beyond max_inbound: only for peers this node trained with (``protect``)
+    inbound_rate: float = 2.0  # new connections a second per address (4x per subnet; bursts: 2x the caps)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
@@ -143,6 +145,12 @@ class Host:
         self._next_slot = 0
         self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
         self._tally = Tally()  # evictions and refusals worth a log line (one a minute per address)
+        cfg = self.config
+        self._arrivals = Arrivals(  # bursts of twice the caps: a full address may still replace its own
+            cfg.inbound_rate, 2 * cfg.max_inbound_per_ip, 4 * cfg.inbound_rate, 2 * cfg.max_inbound_per_subnet
+        )
+        self._protected_ips: set[str] = set()
+        self._lingering = Lingering()  # refused connections, held open a while (see ``linger``)
         self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
@@ -460,6 +468,7 @@ class Host:
         self._protected[peer] = set(list(seen)[-8:])
         while len(self._protected) > MAX_PROTECTED:
             self._protected.popitem(last=False)
+        self._protected_ips = set().union(*self._protected.values())
 
     def _slot_views(self) -> list[Slot]:
         out = []
@@ -483,13 +492,29 @@ class Host:
         else:
             victim.scope.cancel()
 
+    async def _refuse(self, framed: FramedStream, reason: str) -> None:
+        """Say "busy", then hold the connection open a while before it is closed (see ``linger``)."""
+        with trio.move_on_after(0.1):
+            await _send_quietly(framed, reject_frame("busy", reason))
+        await self._lingering.hold()
+        await _close_quietly(framed.stream)
+
     async def _accept(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        known = remote_host in self._protected_ips
+        if not self._arrivals.allow(remote_host, trio.current_time()) and not known:
+            _say(
+                self._tally.note(remote_host, self.clock()),
+                "refusing connection from %s: more than %g new connections a second from it",
+                remote_host,
+                self.config.inbound_rate,
+            )
+            await self._refuse(framed, "too many new connections; try later")
+            return
         cfg = self.config
         limits = Limits(
             cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound
         )
-        known = any(remote_host in ips for ips in self._protected.values())
         verdict = admit(self._slot_views(), remote_host, trio.current_time(), limits, reserve=known)
         if verdict.verdict == "refuse":
             _say(
@@ -498,9 +523,7 @@ class Host:
                 remote_host,
                 verdict.reason,
             )
-            with trio.move_on_after(1.0):
-                await _send_quietly(framed, reject_frame("busy", "too many connections; try later"))
-            await _close_quietly(stream)
+            await self._refuse(framed, "too many connections; try later")
             return
         if verdict.victim is not None:
             self._evict(verdict.victim.key, verdict.reason)

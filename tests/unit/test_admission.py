@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.net.admission import Limits, Slot, Tally, admit, subnet_of
+from p2ptrain.net.admission import Arrivals, Limits, Slot, Tally, admit, subnet_of
 
 LIMITS = Limits(total=4, per_ip=3, per_subnet=3, reserve=1, idle_after=30.0)
 NOW = 100.0
@@ -110,3 +110,28 @@ def test_a_flood_of_decisions_about_one_address_is_one_log_line_a_minute() -> No
     assert tally.note("198.18.0.9", 61.0) == 0
     tally.note("198.18.0.5", 62.0)  # a third address: the least recent (198.18.0.7) is forgotten
     assert tally.note("198.18.0.7", 63.0) == 1 and tally.note("198.18.0.5", 64.0) == 0
+
+
+def test_new_connections_from_an_address_are_bounded_by_a_token_bucket() -> None:
+    arrivals = Arrivals(per_ip=2.0, ip_burst=4, per_subnet=100.0, subnet_burst=100)
+    assert all(arrivals.allow("198.18.7.1", 0.0) for _ in range(4))
+    assert not arrivals.allow("198.18.7.1", 0.0)  # the burst is spent
+    assert not arrivals.allow("198.18.7.1", 0.4)  # 0.8 of a token back: not yet
+    assert arrivals.allow("198.18.7.1", 0.5)  # a refused attempt took nothing
+    assert not arrivals.allow("198.18.7.1", 0.5)
+    assert arrivals.allow("198.18.7.2", 0.5)  # another address has its own bucket
+    assert all(arrivals.allow("198.18.7.1", 100.0) for _ in range(4))  # refills to the burst, no more
+    assert not arrivals.allow("198.18.7.1", 100.0)
+
+
+def test_the_addresses_of_one_subnet_share_its_bucket_and_loopback_addresses_do_not() -> None:
+    arrivals = Arrivals(per_ip=100.0, ip_burst=100, per_subnet=1.0, subnet_burst=3)
+    assert [arrivals.allow(f"198.18.7.{k}", 0.0) for k in range(1, 6)] == [True] * 3 + [False] * 2
+    assert arrivals.allow("198.18.8.1", 0.0)
+    assert all(arrivals.allow(f"127.0.0.{k}", 0.0) for k in range(1, 6))
+
+
+def test_arrivals_remember_a_bounded_number_of_addresses() -> None:
+    arrivals = Arrivals(per_ip=0.0, ip_burst=1, per_subnet=0.0, subnet_burst=1, size=8)
+    assert all(arrivals.allow(f"127.0.0.{k}", 0.0) for k in range(1, 100))
+    assert len(arrivals._buckets) == 8
