@@ -262,6 +262,7 @@ class WanSwitch:
         self._unknown: dict[str, _Peer] = {}
         self._ports: list[int] = []
         self._partitions_changed = trio.Event()
+        self._profiles_changed = trio.Event()
 
     # ---- addresses ----
 
@@ -340,6 +341,8 @@ class WanSwitch:
         """Change peer i's link now: a whole new profile, or some fields (``set_profile(2, up_mbit=5)``)."""
         peer = self._peer(i)
         peer.set_profile(dataclasses.replace(profile or peer.profile, **changes), trio.current_time())
+        self._profiles_changed.set()
+        self._profiles_changed = trio.Event()
 
     def profile(self, i: int) -> LinkProfile:
         return self._peer(i).profile
@@ -489,7 +492,10 @@ class WanSwitch:
     async def _random_cuts(self, conn: _Conn) -> None:
         while True:
             per_s = (conn.src.profile.cuts_per_min + conn.dst.profile.cuts_per_min) / 60
-            wait = self.rng.expovariate(per_s) if per_s > 0 else math.inf
+            if per_s <= 0:  # no cuts: sleep until a profile changes (a second's poll per connection
+                await self._profiles_changed.wait()  # cost the switch a core under a connection flood)
+                continue
+            wait = self.rng.expovariate(per_s)
             if wait < 1.0:  # memoryless: re-drawing every second follows live profile changes exactly
                 await trio.sleep(wait)
                 log.info("random cut of a connection %s -> %s", conn.src.name, conn.dst.name)

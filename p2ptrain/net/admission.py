@@ -155,10 +155,10 @@ class Arrivals:
     connection to a node once, and again after a failure: far below the rates. Remembers the ``size``
     most recent addresses and subnets (one forgotten starts again with a full bucket)."""
 
-    per_ip: float = 2.0
-    ip_burst: float = 32.0
-    per_subnet: float = 8.0
-    subnet_burst: float = 64.0
+    per_ip: float = 1.0
+    ip_burst: float = 64.0
+    per_subnet: float = 4.0
+    subnet_burst: float = 128.0
     size: int = 4096
     _buckets: OrderedDict[str, tuple[float, float]] = field(default_factory=OrderedDict)
 

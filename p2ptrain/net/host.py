@@ -69,7 +69,7 @@ class HostConfig:
     max_inbound_per_ip: int = 32
     max_inbound_per_subnet: int = 64  # per IPv4 /24 or IPv6 /64 (see ``admission``)
     reserved_inbound: int = 32  # beyond max_inbound: only for peers this node trained with (``protect``)
-    inbound_rate: float = 2.0  # new connections a second per address (4x per subnet; bursts: 2x the caps)
+    inbound_rate: float = 1.0  # new connections a second per address (4x per subnet; bursts: 2x the caps)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)

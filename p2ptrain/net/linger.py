@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import trio
 
-HOLD = 30.0
+HOLD = 120.0
 
 
 def default_capacity() -> int:
