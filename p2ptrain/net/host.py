@@ -268,6 +268,22 @@ class Host:
     def connected_peers(self) -> list[PeerID]:
         return [p for p in self._conns if self.connection(p) is not None]
 
+    async def in_touch(self, timeout: float) -> bool:
+        """Whether any connected peer answers a ping within ``timeout`` (False with none connected)."""
+        answered = False
+
+        async def ping(conn: Connection) -> None:
+            nonlocal answered
+            with contextlib.suppress(P2PError):
+                await conn.ping(timeout)
+                answered = True
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for conn in self.connections():
+                nursery.start_soon(ping, conn)
+        return answered
+
     async def connect(self, address: PeerAddress | str, *, timeout: float | None = None) -> Connection:
         """Return a live connection to the peer at ``address``, dialing if needed.
 

@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
 FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is refused out loud
 MAX_REFUSED = 1024
+PROBE_TIMEOUT = 5.0  # seconds a peer alone waits for a ping's answer before it counts as out of touch
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
 
 
@@ -149,6 +150,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._retry_at = 0.0
         self._sync_retry_at = 0.0
         self._alone_since: float | None = None
+        self._cut_off = False  # out of touch with every peer (see ``_out_of_touch``): said once
+        self._probe: trio.Event | None = None  # set when the probe started then has an answer ...
+        self._answered = False  # ... this one: did any peer answer its ping
         # Peers of the run seen live that did not say they left: while any is missing from the records,
         # stepping alone waits (once) for it. Keyed by id: a record can only say its own peer left.
         self._partners: set[PeerID] = set()
@@ -293,6 +297,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         )
         if trusted is not None:
             self._note_refused_claims(trusted)
+        if self.view.peers > 1 or self.view.behind:
+            if self._cut_off:
+                log.info("back in touch with the swarm on step %d", self.epoch)
+            self._cut_off = False
         for r in self.records:
             if r.peer == self.node.peer_id or r.record.run != self.fingerprint:
                 continue
@@ -429,6 +437,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             what = f"{view.others} peer(s) catch up" if view.others else "the others' records are missing"
             log.info("alone on step %d while %s: waiting for them", self.epoch, what)
         if now - self._alone_since >= self.config.averaging.timeout:
+            if self._out_of_touch():
+                return False
             log.warning("no peer joined within %.0f s: stepping alone", self.config.averaging.timeout)
             self._alone_since = None
             # Those still missing from the records are gone: later steps do not wait for them again.
@@ -436,6 +446,40 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._partners &= live
             return True
         return False
+
+    def _out_of_touch(self) -> bool:
+        """Whether no peer at all answers this one: it may be the one cut off (its router's mapping
+        gone, the only public peer it reached others through left), not the others gone. A step alone
+        then would start a second lineage under the swarm's step numbers, so it waits: its batches keep
+        accumulating and join the next round when the swarm is back on this step, or give way to the
+        swarm's state if it moved on (the DHT bootstraps again meanwhile, from the join addresses and
+        the remembered peers). Known by pinging every connected peer, in the background: until the
+        answer, it waits; with no answer, it waits another averaging timeout (the swarm's records need
+        that long to reach it once it is back in touch) and asks again. Peers that said they left are
+        not waited for."""
+        if self._probe is None:
+            self._probe = trio.Event()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._run_probe, self._probe)
+            return True
+        if not self._probe.is_set():
+            return True
+        answered, self._probe = self._answered, None
+        if answered:
+            return False
+        self._alone_since = self.clock()
+        if not self._cut_off:
+            self._cut_off = True
+            log.warning(
+                "out of touch with the swarm on step %d (no peer answers): waiting for it; a step alone "
+                "would fork it",
+                self.epoch,
+            )
+        return True
+
+    async def _run_probe(self, done: trio.Event) -> None:
+        self._answered = await self.node.host.in_touch(PROBE_TIMEOUT)
+        done.set()
 
     def _accumulate(self, samples: int) -> None:
         if self.summed:  # the backward pass added into the accumulator itself

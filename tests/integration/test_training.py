@@ -735,18 +735,3 @@ async def test_a_peer_whose_partner_left_cleanly_steps_on_without_waiting(autoju
         alone_at = trio.current_time()
         await s.until(lambda: first.opt.stats.solo >= 1, timeout=60)
         assert trio.current_time() - alone_at < config.averaging.timeout / 2
-
-
-async def test_a_peer_whose_partner_died_waits_for_it_once_then_steps_on(autojump_clock: object) -> None:
-    """A partner killed without a word: its records expire, the survivor waits an averaging timeout for
-    it (the records may only be late), then steps alone, and does not wait for it again at every step."""
-    config = run_config("sync")
-    async with swarm(config) as s:
-        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
-        await s.until(lambda: all(p.opt.stats.averaged >= 1 for p in peers), timeout=60)
-        s.crash(peers[1])
-        survivor = peers[0]
-        await s.until(lambda: survivor.opt.stats.solo >= 1, timeout=60)
-        first_solo = trio.current_time()
-        await s.until(lambda: survivor.opt.stats.solo >= 4, timeout=60)
-        assert trio.current_time() - first_solo < config.averaging.timeout / 2

@@ -1,0 +1,86 @@
+"""No silent forks (issue: home volunteers): a peer that has trained with a swarm and then hears from
+no peer at all does not take global steps alone under the swarm's step numbers. It waits, its batches
+accumulating, and is one swarm with the others again once it is back in touch. Collaborative peers over
+the in-memory network, on the virtual clock.
+
+On the code before, the peer cut off (a partition: its only public peer left, its router dropped the
+mapping) stepped alone an averaging timeout later: two lineages under the same step numbers, and the
+survivor of a crash did the same. A peer still in touch with the run (a bootstrap node that does not
+train, say) steps on alone after one wait, as before: the partners it misses are gone, not cut off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import trio
+from test_training import TARGET, check_identical_per_epoch, run_config, swarm
+
+from p2ptrain.identity import Identity
+from p2ptrain.node import Node, NodeConfig
+
+
+async def test_a_peer_cut_off_from_everyone_waits_and_rejoins_the_swarms_lineage(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    # steps of a few seconds: the peer back in touch downloads the state before the others step again
+    config = run_config("sync").replace("training", target_batch_size=16 * TARGET)
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1) for _ in range(3)]
+        await s.until(lambda: all(p.opt.stats.averaged >= 2 for p in peers), timeout=120)
+        cut, others = peers[2], peers[:2]
+        s.net.partition(["t2"], ["t0", "t1"])
+        start = max(p.opt.epoch for p in others)
+        await s.until(lambda: all(p.opt.epoch >= start + 5 for p in others), timeout=300)
+        await trio.sleep(5 * config.averaging.timeout)  # ... and long past the averaging timeout
+        assert cut.opt.stats.solo == 0, "the peer cut off stepped alone under the swarm's step numbers"
+        assert "out of touch with the swarm" in caplog.text
+        s.net.heal()
+        top = max(p.opt.epoch for p in others)
+        averaged = cut.opt.stats.averaged
+        await s.until(lambda: cut.opt.epoch > top and cut.opt.stats.averaged > averaged, timeout=300)
+        assert cut.opt.stats.solo == 0
+        check_identical_per_epoch(peers)  # one lineage: every step any two peers took, the same bits
+
+
+async def test_the_survivor_of_a_crash_waits_for_the_swarm_instead_of_stepping_alone(
+    autojump_clock: object,
+) -> None:
+    config = run_config("sync")
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        await s.until(lambda: all(p.opt.stats.averaged >= 1 for p in peers), timeout=60)
+        s.crash(peers[1])
+        survivor = peers[0]
+        await trio.sleep(6 * config.averaging.timeout)
+        assert survivor.opt.stats.solo == 0
+        averaged, epoch = survivor.opt.stats.averaged, survivor.opt.epoch
+        newcomer = await s.start(compute=0.1)  # (it joins through the survivor)
+        await s.until(lambda: survivor.opt.stats.averaged >= averaged + 2, timeout=120)
+        assert survivor.opt.stats.solo == 0 and survivor.opt.epoch > epoch
+        check_identical_per_epoch([survivor, newcomer], since=epoch + 1)
+
+
+async def test_a_peer_still_in_touch_with_the_run_steps_on_after_its_partner_died(
+    autojump_clock: object,
+) -> None:
+    """The partner is gone, and the survivor knows it is not the one cut off: the run's bootstrap node
+    (no training, no records) still answers it. It waits for the partner once, then steps alone."""
+    config = run_config("sync")
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        boot = Node(
+            Identity.from_seed(hashlib.blake2b(b"boot", digest_size=32).digest()),
+            NodeConfig(run_id="train", listen=(("boot", 4000),), join=(peers[0].node.addresses[0],)),
+            transport=s.net.transport("boot"),
+            clock=trio.current_time,
+        )
+        await s.nursery.start(boot.run)
+        await s.until(lambda: all(p.opt.stats.averaged >= 1 for p in peers), timeout=60)
+        s.crash(peers[1])
+        survivor = peers[0]
+        await s.until(lambda: survivor.opt.stats.solo >= 1, timeout=120)
+        first_solo = trio.current_time()
+        await s.until(lambda: survivor.opt.stats.solo >= 4, timeout=60)
+        assert trio.current_time() - first_solo < config.averaging.timeout / 2
