@@ -179,6 +179,28 @@ def _run_node(fn: Callable[..., Awaitable[T]], node: Node, *args: object) -> T:
         raise UsageError(f"cannot listen on {listen}: {e.strerror or e}") from None
 
 
+async def print_join_addresses(node: Node) -> None:
+    """Print the addresses others can join through, one per line on stdout, once a peer has dialed
+    this node back there; a node nobody can dial prints none (the log says why and what to do)."""
+    addresses = await node.dialable_addresses()
+    for addr in addresses:
+        print(addr, flush=True)
+    if addresses:
+        unchecked = "" if node.dht.reachable else " (not checked yet: the first peers it meets dial it back)"
+        log.info(
+            "node %s is up in run %r; others join with --join and the address above%s",
+            node.peer_id.short(),
+            node.config.run_id,
+            unchecked,
+        )
+    else:
+        log.warning(
+            "node %s is up in run %r, with no address others can join through",
+            node.peer_id.short(),
+            node.config.run_id,
+        )
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     from .net.linger import raise_fd_limit
 
@@ -256,13 +278,7 @@ async def _serve_node(node: Node) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
-            log.info(
-                "node %s is up in run %r; others join with --join and the address below",
-                node.peer_id.short(),
-                node.config.run_id,
-            )
-            for addr in node.addresses:
-                print(addr, flush=True)
+            nursery.start_soon(print_join_addresses, node)
             async for signum in signals:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()

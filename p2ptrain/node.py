@@ -200,6 +200,16 @@ class Node:
         """Addresses others can dial."""
         return self.host.advertised_addresses()
 
+    async def dialable_addresses(self, wait: float = 30.0) -> list[PeerAddress]:
+        """The addresses others can join through: the advertised ones, once a peer dialed this node
+        back there (a node with join addresses waits up to ``wait`` seconds for that check at its
+        bootstrap); none when no peer could (behind a NAT: the DHT said why). The swarm's first peer has
+        nobody to ask yet: its addresses come unchecked, and it asks the first peers it meets."""
+        if self.config.join:
+            with trio.move_on_after(wait):
+                await self.dht.reachability_checked.wait()
+        return [] if self.dht.reachable is False else self.addresses
+
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:

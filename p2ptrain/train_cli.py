@@ -25,7 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from .averaging import AveragerConfig
 from .averaging.robust import parse_aggregation
-from .cli import UsageError, _node_config, _node_identity, _run_node
+from .cli import UsageError, _node_config, _node_identity, _run_node, print_join_addresses
 from .config import RunConfig, load_config
 from .identity import Identity
 from .idwork import find_work, work_bits
@@ -170,13 +170,7 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
-            for addr in node.addresses:
-                print(addr, flush=True)
-            log.info(
-                "node %s is up in run %r; others join with --join and the address above",
-                node.peer_id.short(),
-                node.config.run_id,
-            )
+            nursery.start_soon(print_join_addresses, node)
             with trio.CancelScope() as training:
 
                 async def stop_on_signal() -> None:

@@ -74,6 +74,7 @@ from .routing import Contact, RoutingTable
 log = logging.getLogger(__name__)
 
 MAX_SEEN = 32  # recently known contacts kept to bootstrap from when the table runs empty
+RECHECK_EVERY = 600.0  # seconds between two dial-back checks of this node's reachability
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,12 @@ class DHT:
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
         self.bootstrapped = trio.Event()
+        # Whether peers can dial this node at its advertised address: None until a peer was asked to
+        # dial it back (at the bootstrap, or for the swarm's first peer once it knows a contact).
+        self.reachable: bool | None = None
+        self.reachability_checked = trio.Event()
+        self.observed_host: str | None = None  # the address the last peer that answered a ping saw us at
+        self._recheck_at = 0.0  # (the clock's) when to ask peers to dial us back again
         self._join: list[PeerAddress] = []  # the join addresses, to bootstrap again from
         self._seen: OrderedDict[PeerID, PeerAddress] = OrderedDict()  # recently known contacts, newest last
         reg = host.registry
@@ -216,10 +223,12 @@ class DHT:
             try:
                 with trio.fail_after(self.config.rpc_timeout):
                     conn = await self.host.connect(addr)
-                    await conn.call(PING, PingReq(self._sender()), timeout=self.config.rpc_timeout)
+                    resp = await conn.call(PING, PingReq(self._sender()), timeout=self.config.rpc_timeout)
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("join address %s did not answer: %s", addr, e)
                 return
+            if resp.observed_host:
+                self.observed_host = resp.observed_host
             contact = Contact(conn.peer, addr.with_peer(conn.peer))
             seeds.append(contact)
             self.table.observe(contact, self.clock())
@@ -230,26 +239,36 @@ class DHT:
         return seeds
 
     async def _check_reachability(self, seeds: list[Contact]) -> None:
-        if not self.host.listen_addresses:
-            self.client_only = True
-            return
-        mine = str(self.advertised_address())
-        for seed in seeds[:3]:
-            try:
-                conn = await self.host.connect(seed.address)
-                resp = await conn.call(DIAL_BACK, DialBackReq(mine), timeout=2 * self.config.rpc_timeout)
-            except P2PError:
-                continue
-            if resp.reachable:
-                self.client_only = False
+        """Ask up to three peers to dial this node back at its advertised address; unless one could,
+        run client-only (nobody adds us to a routing table, we hold no records)."""
+        self._recheck_at = self.clock() + RECHECK_EVERY
+        try:
+            if not self.host.listen_addresses:
+                self.client_only, self.reachable = True, False
                 return
-            log.info("%s could not dial us back at %s: %s", seed.peer_id.short(), mine, resp.reason)
-        self.client_only = True
-        log.warning(
-            "no peer can dial %s: running as a client-only peer (queries and stores go through "
-            "others; this node holds no records for the swarm)",
-            mine,
-        )
+            mine = str(self.advertised_address())
+            for seed in seeds[:3]:
+                try:
+                    conn = await self.host.connect(seed.address)
+                    resp = await conn.call(DIAL_BACK, DialBackReq(mine), timeout=2 * self.config.rpc_timeout)
+                except P2PError:
+                    continue
+                if resp.reachable:
+                    self.client_only, self.reachable = False, True
+                    return
+                log.info("%s could not dial us back at %s: %s", seed.peer_id.short(), mine, resp.reason)
+            self.client_only, self.reachable = True, False
+            seen = f" (peers see it at {self.observed_host})" if self.observed_host else ""
+            log.warning(
+                "no peer can dial %s%s: behind a NAT or a firewall, this node runs as a client-only "
+                "peer (queries and stores go through others; it holds no records for the swarm), and "
+                "nobody can join the swarm through it: give others a public peer's address, or forward "
+                "a port to it and start it with --announce",
+                mine,
+                seen,
+            )
+        finally:
+            self.reachability_checked.set()
 
     # ---- RPC handlers ----
 
@@ -558,6 +577,11 @@ class DHT:
                 self._seen.move_to_end(c.peer_id)
             while len(self._seen) > MAX_SEEN:
                 self._seen.popitem(last=False)
+            if self.config.client_only is None and len(self.table) and now >= self._recheck_at:
+                # The swarm's first peer has nobody to ask at its start: it asks the first peers it
+                # meets. Every node asks again now and then: a router's mapping comes and goes.
+                self._recheck_at = now + RECHECK_EVERY
+                await self._check_reachability(self.table.closest(self.peer_id.digest, 3))
             if not len(self.table) and (self._join or self._seen):
                 # Out of contacts (every peer we knew left, or our link went down): a swarm that comes
                 # back, at a join address or at an address we knew, is found again.

@@ -1,0 +1,72 @@
+"""What a node tells its user to give others (issue: home volunteers behind NATs), over the in-memory
+network on the virtual clock, where a node behind a NAT is one whose advertised address nobody can
+dial (it announces its LAN name; it reaches out, nobody reaches in).
+
+A joiner that no peer can dial back gives no address to join through, and says what its peers see it
+at; the swarm's first peer, which has nobody to ask when it starts, asks the first peers it meets. On
+the code before, both printed their advertised address as the one "others join with", and the first
+peer never checked at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import trio
+
+from p2ptrain.identity import Identity
+from p2ptrain.net import MemoryNetwork, PeerAddress
+from p2ptrain.node import Node, NodeConfig
+
+PORT = 1000
+
+
+def node(net: MemoryNetwork, name: str, join: list[PeerAddress], announce: str | None = None) -> Node:
+    ident = Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+    config = NodeConfig(run_id="nat", listen=((name, PORT),), join=tuple(join), announce_host=announce)
+    return Node(ident, config, transport=net.transport(name), clock=trio.current_time)
+
+
+async def test_a_joiner_nobody_can_dial_back_gives_no_address_to_join_through(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    net = MemoryNetwork(seed=1)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            public = node(net, "public", [])
+            await nursery.start(public.run)
+            home = node(net, "home", [public.addresses[0]], announce="192.168.1.2")  # its LAN address
+            await nursery.start(home.run)
+            assert await home.dialable_addresses() == []
+            assert home.dht.reachable is False and home.dht.client_only
+            assert home.dht.observed_host == "home"  # what the public peer sees it at
+            assert "no peer can dial" in caplog.text and "peers see it at home" in caplog.text
+            reachable = node(net, "other", [public.addresses[0]])
+            await nursery.start(reachable.run)
+            assert await reachable.dialable_addresses() == reachable.addresses
+            assert reachable.dht.reachable is True
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("announce", [None, "10.0.0.7"], ids=["dialable", "behind-nat"])
+async def test_the_swarms_first_peer_asks_the_first_peers_it_meets_to_dial_it_back(
+    autojump_clock: object, announce: str | None
+) -> None:
+    net = MemoryNetwork(seed=2)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            first = node(net, "first", [], announce=announce)
+            await nursery.start(first.run)
+            assert first.dht.reachable is None  # nobody to ask yet: its address comes unchecked
+            assert await first.dialable_addresses() == first.addresses
+            # the others paste the address that works (the first peer's real one)
+            pasted = PeerAddress.for_host("first", PORT, first.peer_id)
+            joiner = node(net, "joiner", [pasted])
+            await nursery.start(joiner.run)
+            with trio.fail_after(300):
+                await first.dht.reachability_checked.wait()
+            assert first.dht.reachable is (announce is None)
+            assert first.dht.client_only is (announce is not None)
+            assert await first.dialable_addresses() == ([] if announce else first.addresses)
+            nursery.cancel_scope.cancel()
