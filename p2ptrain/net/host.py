@@ -70,6 +70,7 @@ class HostConfig:
     max_inbound_per_subnet: int = 64  # per IPv4 /24 or IPv6 /64 (see ``admission``)
     reserved_inbound: int = 32  # beyond max_inbound: only for peers this node trained with (``protect``)
     inbound_rate: float = 1.0  # new connections a second per address (4x per subnet; bursts: 2x the caps)
+    refused_hold: float = 120.0  # seconds a refused connection is held open before it is closed (``linger``)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
@@ -150,7 +151,7 @@ class Host:
             cfg.inbound_rate, 2 * cfg.max_inbound_per_ip, 4 * cfg.inbound_rate, 2 * cfg.max_inbound_per_subnet
         )
         self._protected_ips: set[str] = set()
-        self._lingering = Lingering()  # refused connections, held open a while (see ``linger``)
+        self._lingering = Lingering(cfg.refused_hold)  # refused connections, held open a while
         self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
