@@ -247,16 +247,20 @@ class DHT:
                 self.client_only, self.reachable = True, False
                 return
             mine = str(self.advertised_address())
+            answered = 0
             for seed in seeds[:3]:
                 try:
                     conn = await self.host.connect(seed.address)
                     resp = await conn.call(DIAL_BACK, DialBackReq(mine), timeout=2 * self.config.rpc_timeout)
                 except P2PError:
                     continue
+                answered += 1
                 if resp.reachable:
                     self.client_only, self.reachable = False, True
                     return
                 log.info("%s could not dial us back at %s: %s", seed.peer_id.short(), mine, resp.reason)
+            if not answered and self.reachable is not None:
+                return  # nobody to ask just now: a re-check changes nothing
             self.client_only, self.reachable = True, False
             seen = f" (peers see it at {self.observed_host})" if self.observed_host else ""
             log.warning(

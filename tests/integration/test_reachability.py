@@ -15,6 +15,7 @@ import hashlib
 import pytest
 import trio
 
+from p2ptrain.dht.routing import Contact
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork, PeerAddress
 from p2ptrain.node import Node, NodeConfig
@@ -69,4 +70,32 @@ async def test_the_swarms_first_peer_asks_the_first_peers_it_meets_to_dial_it_ba
             assert first.dht.reachable is (announce is None)
             assert first.dht.client_only is (announce is not None)
             assert await first.dialable_addresses() == ([] if announce else first.addresses)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_recheck_nobody_answers_changes_nothing(autojump_clock: object) -> None:
+    """Every node asks again every RECHECK_EVERY seconds; when the peers it asks are gone (nobody
+    answers at all), that says nothing about its own address: a public node stays reachable."""
+    net = MemoryNetwork(seed=3)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            first = node(net, "first", [])
+            await nursery.start(first.run)
+            joiner = node(net, "joiner", [first.addresses[0]])
+            scope = trio.CancelScope()
+
+            async def run_joiner(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                with scope:
+                    await joiner.run(task_status=task_status)
+                    await trio.sleep_forever()
+
+            await nursery.start(run_joiner)
+            with trio.fail_after(300):
+                await first.dht.reachability_checked.wait()
+            assert first.dht.reachable is True
+            gone = Contact(joiner.peer_id, joiner.addresses[0])
+            net.kill("joiner")  # gone without a word: its address answers nothing any more
+            scope.cancel()
+            await first.dht._check_reachability([gone])  # what the re-check does with what it knows
+            assert first.dht.reachable is True and not first.dht.client_only
             nursery.cancel_scope.cancel()
