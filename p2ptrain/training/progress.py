@@ -182,15 +182,17 @@ def swarm_view(
     def vouches(o: PeerProgress) -> bool:
         return trusted is None or o.peer in trusted
 
-    left = [o.record.epoch for o in others if o.record.leaving and vouches(o)]
+    # They still serve their state until they stop: a peer they left behind catches up from them.
+    leaving = [o for o in others if o.record.leaving and vouches(o)]
     others = [o for o in others if not o.record.leaving]
     vouched = [o for o in others if vouches(o)]
     same = [o for o in others if o.record.epoch == mine.epoch]
-    newest = max(mine.epoch, upper_median([mine.epoch, *(o.record.epoch for o in vouched)]))
-    overtaken = (
-        newest > mine.epoch
-        or upper_median([mine.epoch, *(o.record.epoch for o in vouched), *left]) > mine.epoch
+    newest = max(
+        mine.epoch,
+        upper_median([mine.epoch, *(o.record.epoch for o in vouched)]),
+        upper_median([mine.epoch, *(o.record.epoch for o in (*vouched, *leaving))]),
     )
+    overtaken = newest > mine.epoch
     # fsum: exact, so the verdict does not depend on the order the DHT returned the records in. The
     # untrusted count for at most as much as this peer and the trusted do: any number of fresh keys
     # claiming 2**53 samples at most halves the batch a step is taken with.
@@ -201,8 +203,10 @@ def swarm_view(
     rate = math.fsum([mine.rate, *(o.record.rate for o in sure)])
     rate += min(math.fsum(o.record.rate for o in unsure), rate)
     majority = majority_digest([mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)])
-    at_newest = [o for o in others if o.record.epoch == newest]
-    best = vouched_digest(vouched, newest, None)  # what the others hold: ours vouches for nothing
+    at_newest = [o for o in (*others, *leaving) if o.record.epoch == newest]
+    best = vouched_digest(
+        [*vouched, *leaving], newest, None
+    )  # what the others hold: ours vouches for nothing
     donors = sorted(
         (o for o in at_newest if o.record.addr and best and o.record.digest == best),
         key=lambda o: hashlib.blake2b(me.digest + o.peer.digest, digest_size=8).digest(),

@@ -269,8 +269,8 @@ class SwarmState:
         want = view.newest if view.behind else self.epoch
 
         def expected(epoch: int) -> bytes:  # what the trusted report; our own digest vouches for nothing
-            live = [r for r in self.records if r.record.run == self.fingerprint and not r.record.leaving]
-            return vouched_digest(live, epoch, self.trusted())
+            ours = [r for r in self.records if r.record.run == self.fingerprint]  # (leaving ones still serve)
+            return vouched_digest(ours, epoch, self.trusted())
 
         async def run() -> None:
             try:

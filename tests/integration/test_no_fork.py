@@ -84,3 +84,27 @@ async def test_a_peer_still_in_touch_with_the_run_steps_on_after_its_partner_die
         first_solo = trio.current_time()
         await s.until(lambda: survivor.opt.stats.solo >= 4, timeout=60)
         assert trio.current_time() - first_solo < config.averaging.timeout / 2
+
+
+async def test_a_peer_behind_catches_up_from_peers_that_finished_instead_of_stepping_alone(
+    autojump_clock: object,
+) -> None:
+    """The others reached their last step and said they leave, but still serve their state (a local
+    simulate run: the fast nodes finish while a slow one catches up). The peer behind downloads their
+    state; on the code before it saw nobody on its step once their records expired, stepped alone from
+    its own step, and the run ended with two parameter sets under the same step numbers."""
+    config = run_config("sync")
+    async with swarm(config) as s:
+        done = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        await s.until(lambda: all(p.opt.epoch >= 4 for p in done), timeout=120)
+        for p in done:
+            p.compute = 1e9  # they stop training (after the batch in hand) ...
+        await s.until(lambda: all(p.opt._in_flight is None for p in done), timeout=60)
+        await trio.sleep(1.0)
+        for p in done:
+            await p.opt.leave()  # ... and say they leave, still serving
+        last = done[0].opt.epoch
+        late = await s.start(compute=0.1)
+        await s.until(lambda: late.opt.epoch >= last + 2, timeout=300)
+        assert late.opt.stats.syncs >= 1
+        check_identical_per_epoch([*done, late])

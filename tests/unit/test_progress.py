@@ -769,15 +769,20 @@ def test_decode_either_valid_or_remote_protocol_error(obj: dict[str, Any]) -> No
     assert type(r.landing) is bool
 
 
-def test_a_leaving_peer_counts_for_nothing() -> None:
-    """A peer that published it is shutting down is not waited for, not a donor, not a vote."""
+def test_a_leaving_peer_counts_for_nothing_on_this_step_but_is_caught_up_with() -> None:
+    """A peer that published it is shutting down is not waited for, not a donor, not a vote on this
+    peer's step. Ahead of it, it is where the swarm went, and it serves its state until it stops: a
+    peer left behind downloads it rather than step on alone (a second lineage under the same step
+    numbers: a 3-node simulate run ended with two parameter sets when the two fast nodes finished)."""
     leaving = peer(1, samples=50, rate=10.0, digest=B, addr=ADDR, leaving=True)
     staying = peer(2, samples=5, rate=1.0, digest=A, addr=ADDR)
     v = view(rec(digest=A), leaving, staying)
     assert (v.peers, v.others, v.samples) == (2, 1, 5.0)
     assert [d.peer for d in v.donors] == [pid(2)] and v.majority == A
-    ahead = view(rec(), peer(3, epoch=EPOCH + 5, leaving=True, addr=ADDR))
-    assert not ahead.behind and ahead.donors == ()
+    ahead = view(rec(), peer(3, epoch=EPOCH + 5, digest=B, leaving=True, addr=ADDR))
+    assert ahead.behind and ahead.newest == EPOCH + 5 and [d.peer for d in ahead.donors] == [pid(3)]
+    untrusted = view(rec(), peer(3, epoch=EPOCH + 5, digest=B, leaving=True, addr=ADDR), trusted=set())
+    assert not untrusted.behind and untrusted.donors == ()  # (a fresh key's claim moves nobody)
 
 
 # ---- trust: which records may move this peer to another state ------------------------------------
@@ -853,11 +858,12 @@ def test_records_of_ids_without_the_runs_work_count_for_nothing() -> None:
 
 def test_trusted_peers_that_left_ahead_forbid_a_step_alone() -> None:
     """The swarm shuts down while this peer catches up: the others' records say they leave, on a later
-    step. Nobody to wait for or download from, but a step alone now would be a second lineage under
-    the swarm's step numbers (the kill-restart scenario's last step)."""
+    step. Nobody to wait for; a step alone now would be a second lineage under the swarm's step numbers
+    (the kill-restart scenario's last step). They serve their state until they stop: download it."""
     gone = [peer(n, epoch=EPOCH + 50, digest=B, addr=ADDR, leaving=True) for n in (1, 2)]
     v = view(rec(digest=A), *gone, trusted={pid(1), pid(2)})
-    assert (v.behind, v.donors, v.peers, v.overtaken) == (False, (), 1, True)
+    assert (v.behind, v.peers, v.overtaken) == (True, 1, True)
+    assert {d.peer for d in v.donors} == {pid(1), pid(2)}
     assert not view(rec(digest=A), *gone, trusted={pid(9)}).overtaken  # strangers leaving: no matter
     behind = view(rec(digest=A), peer(1, epoch=EPOCH + 1, digest=B), trusted={pid(1)})
     assert behind.behind and behind.overtaken
