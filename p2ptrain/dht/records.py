@@ -34,7 +34,6 @@ readers check again. In open runs the field is absent from the encoding, so the 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -219,13 +218,7 @@ class _Stored:
 def origin_of(host: str) -> str:
     """Whose share of a full key a store from ``host`` counts against: its /24 (IPv4) or /64 (IPv6);
     a loopback address on its own (peers on one machine are told apart by address); a non-IP name as
-    it is."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if ip.is_loopback:
-        return str(ip)
+    it is: the subnets connection limits count (:func:`~p2ptrain.net.admission.subnet_of`)."""
     return subnet_of(host)
 
 
