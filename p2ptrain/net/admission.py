@@ -23,7 +23,8 @@ Before any of that, :class:`Arrivals` bounds how fast an address and a subnet ma
 (a token bucket each). Admission's bookkeeping looks at every slot; a flood that reconnects as fast as
 it is evicted would make each honest node pay that for every attempt (one process holding 600 sockets,
 each re-opened a second after it lost its slot, took a sixth of a core from the node it flooded). Past
-the rate, a connection is answered "busy" and closed before anything else is done for it.
+the rate, a connection is answered "busy" before anything else is done for it, and held open a while
+before it is closed (``linger``).
 
 :func:`subnet_of` groups addresses: /24 for IPv4, /64 for IPv6; a loopback address and anything else
 (the in-memory network's names) stands for itself.

@@ -14,8 +14,6 @@ from collections import OrderedDict
 
 import trio
 
-HOLD = 120.0
-
 
 def default_capacity() -> int:
     """How many refused connections to hold: a quarter of the file descriptors this process may open
@@ -51,7 +49,7 @@ class Lingering:
     """Refused connections' handlers, each kept waiting ``hold`` seconds in :meth:`hold` (the stream is
     closed when its handler returns), at most ``capacity`` at a time: the oldest is let go first."""
 
-    def __init__(self, hold: float = HOLD, capacity: int | None = None) -> None:
+    def __init__(self, hold: float, capacity: int | None = None) -> None:
         self.hold_s = hold
         self.capacity = default_capacity() if capacity is None else capacity
         self._waiting: OrderedDict[int, trio.CancelScope] = OrderedDict()
