@@ -227,8 +227,8 @@ class DHT:
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("join address %s did not answer: %s", addr, e)
                 return
-            if resp.observed_host:
-                self.observed_host = resp.observed_host
+            if resp.observed_host.isprintable():  # (what a peer says: it goes into a log line)
+                self.observed_host = resp.observed_host or self.observed_host
             contact = Contact(conn.peer, addr.with_peer(conn.peer))
             seeds.append(contact)
             self.table.observe(contact, self.clock())
@@ -237,6 +237,19 @@ class DHT:
             for addr in addresses:
                 nursery.start_soon(one, addr)
         return seeds
+
+    def _askers(self, n: int) -> list[Contact]:
+        """Up to ``n`` contacts to ask for a dial-back, the closest to our id first, one per origin: ids
+        are free and those near ours cheap, so the ids of one host could otherwise be every peer asked
+        and say no (one "yes" is enough: one honest origin among those asked decides)."""
+        askers, origins = [], set()
+        for c in self.table.closest(self.peer_id.digest, len(self.table)):
+            if (origin := origin_of(c.address.host)) not in origins:
+                origins.add(origin)
+                askers.append(c)
+                if len(askers) == n:
+                    break
+        return askers
 
     async def _check_reachability(self, seeds: list[Contact]) -> None:
         """Ask up to three peers to dial this node back at its advertised address; unless one could,
@@ -585,7 +598,7 @@ class DHT:
                 # The swarm's first peer has nobody to ask at its start: it asks the first peers it
                 # meets. Every node asks again now and then: a router's mapping comes and goes.
                 self._recheck_at = now + RECHECK_EVERY
-                await self._check_reachability(self.table.closest(self.peer_id.digest, 3))
+                await self._check_reachability(self._askers(3))
             if not len(self.table) and (self._join or self._seen):
                 # Out of contacts (every peer we knew left, or our link went down): a swarm that comes
                 # back, at a join address or at an address we knew, is found again.

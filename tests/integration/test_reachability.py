@@ -99,3 +99,16 @@ async def test_a_recheck_nobody_answers_changes_nothing(autojump_clock: object) 
             await first.dht._check_reachability([gone])  # what the re-check does with what it knows
             assert first.dht.reachable is True and not first.dht.client_only
             nursery.cancel_scope.cancel()
+
+
+async def test_the_peers_asked_to_dial_back_come_from_different_subnets() -> None:
+    """Ids near ours are cheap: the ids of one host must not be every peer asked (one "yes" decides,
+    so one honest origin among those asked is enough)."""
+    me = node(MemoryNetwork(seed=4), "me", [])
+    one_host = [Identity.generate().peer_id for _ in range(5)]
+    for k, peer in enumerate(one_host):
+        me.dht.table.observe(Contact(peer, PeerAddress.for_host(f"198.18.7.{k + 1}", PORT, peer)), 0.0)
+    honest = Identity.generate().peer_id
+    me.dht.table.observe(Contact(honest, PeerAddress.for_host("198.18.9.1", PORT, honest)), 0.0)
+    askers = me.dht._askers(3)
+    assert len(askers) == 2 and honest in {c.peer_id for c in askers}
