@@ -127,6 +127,7 @@ class RoundEvidence:
     sizes: list[int]
     mode: Compression
     aggregation: str
+    origins: tuple[int, ...]  # the manifest's origins (see ``robust.by_origin``)
     holders: dict[int, int]  # partition -> the member that reduced it
     attestations: dict[int, bytes]  # partition -> the signed attestation fetched with its result
     sent: dict[int, bytes]  # partition -> the bytes this member sent its reducer (as committed)
@@ -258,7 +259,14 @@ class AllReduceRound:
         """A reducer for partition ``p``, holding this member's own slice if ``weight`` is given."""
         size = self.sizes[p]
         buffer = self._slice(p) if self._reduced_in_flat(p) else self._buffer(size)
-        red = PartitionReducer(size, self.mode, buffer, self.manifest.aggregation, canonical=self.audit)
+        red = PartitionReducer(
+            size,
+            self.mode,
+            buffer,
+            self.manifest.aggregation,
+            origins=self.manifest.origins,
+            canonical=self.audit,
+        )
         if weight is not None:
             # Reduced in place: its own values are in ``flat``, where the mean goes, and in the backup. (A
             # failed reducer's partition we replace: in the backup alone, if early averages overwrote them.)
@@ -860,6 +868,7 @@ class AllReduceRound:
             sizes=self.sizes,
             mode=self.mode,
             aggregation=self.manifest.aggregation,
+            origins=self.manifest.origins,
             holders={p: self._holder(p, decision) for p, s in enumerate(self.sizes) if s > 0},
             attestations=dict(self.attestations),
             sent={p: b"".join(pieces) for p, (pieces, _) in self.sent.items()},

@@ -148,11 +148,12 @@ def recompute(
     mode: Compression,
     aggregation: str,
     holder: int,
+    origins: Sequence[int] = (),
 ) -> bytes:
     """The hash of the result a correct reducer computes from the contributors' committed slices
     (``slices`` in contributor order; the holder's own slice is raw float32, as it never went over the
     wire)."""
-    red = PartitionReducer(size, mode, aggregation=aggregation, canonical=True)
+    red = PartitionReducer(size, mode, aggregation=aggregation, origins=origins, canonical=True)
     for c, data, w in zip(attestation.contributors, slices, attestation.weights, strict=True):
         if c == holder:
             if len(data) != 4 * size:
@@ -181,6 +182,7 @@ def judge(
     mode: Compression,
     aggregation: str,
     holder: int,
+    origins: Sequence[int] = (),
 ) -> Verdict:
     """Check every slice against its author's signed commitment, then the reducer's result against a
     recomputation. ``slices[k]`` is what contributor ``k`` (in the attestation's order) gave the auditor,
@@ -198,7 +200,9 @@ def judge(
             return Verdict(False, c, f"member {c} gave the auditor another slice than it committed to")
     try:
         given = [d for d in slices if d is not None]
-        result = recompute(attestation, given, size=size, mode=mode, aggregation=aggregation, holder=holder)
+        result = recompute(
+            attestation, given, size=size, mode=mode, aggregation=aggregation, holder=holder, origins=origins
+        )
     except RemoteProtocolError as e:
         return Verdict(False, holder, f"the committed slices cannot be reduced: {e}")
     if result != attestation.result:
@@ -253,4 +257,5 @@ def check_proof(proof: Proof, accused: PeerID, round_: bytes) -> Verdict:
         mode=m.mode(),
         aggregation=m.aggregation,
         holder=holder,
+        origins=m.origins,
     )

@@ -233,6 +233,7 @@ class Auditor:
                 mode=evidence.mode,
                 aggregation=evidence.aggregation,
                 holder=holder,
+                origins=evidence.origins,
             )
             self.verdicts.append((evidence.digest, p, verdict))
             verdicts.append(verdict)

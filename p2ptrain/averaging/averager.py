@@ -186,11 +186,24 @@ class _Looking:
     gathering: Gathering | None = None  # set while leading
     following: Announcement | None = None
     formed: trio.Event | None = None  # the leader decided: a manifest, a refusal, or a redirect
-    full: trio.Event | None = None  # wakes the leader: the last place was taken
+    full: trio.Event | None = None  # wakes the leader: the last place was taken (and it may form now)
+    bumped: trio.Event | None = None  # wakes waiting joiners: one of them lost its place to another origin
     manifest: SignedManifest | None = None
     refusal: str = ""
     rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
+
+
+async def _either(a: trio.Event, b: trio.Event) -> None:
+    """Wait until ``a`` or ``b`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait, a)
+        nursery.start_soon(wait, b)
 
 
 class Averager:
@@ -688,14 +701,19 @@ class Averager:
     ) -> SignedManifest | None:
         """Gather until full or the deadline; None if a smaller leader appeared first (joiners redirected)."""
         me = looking.me
+        observed = self._dht.observed_host if self._dht is not None else None
         gathering = looking.gathering = Gathering(
-            Joiner(me.peer, me.addr, me.bandwidth), me.schema, sizes[0], sizes[1]
+            Joiner(me.peer, me.addr, me.bandwidth, subnet_of(observed) if observed else ""),
+            me.schema,
+            sizes[0],
+            sizes[1],
+            by_origin=self.config.aggregation != "mean",
         )
-        looking.formed, looking.full = trio.Event(), trio.Event()
-        while not gathering.full() and self.clock() < me.deadline:
+        looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
+        while not gathering.ready() and self.clock() < me.deadline:
             with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
                 await looking.full.wait()
-            if gathering.full() or self.clock() >= me.deadline:
+            if gathering.ready() or self.clock() >= me.deadline:
                 break
             smaller = choose_leader(me, await self._announcements(key), self.clock(), declined)
             if smaller is not None and not gathering.full():
@@ -717,6 +735,7 @@ class Averager:
                 MemberMsg(m.peer.digest, m.addr, bw) for m, bw in zip(members, bandwidths, strict=True)
             ),
             sizes=tuple(shares),
+            origins=gathering.origins(members),
             schema=schema,
             compression=mode.value,
             timeout=timeout,
@@ -762,19 +781,28 @@ class Averager:
             return Reply(
                 JoinResp(False, "following another leader", redirect=looking.following.addr, retry=True)
             )
-        gathering, formed, full = looking.gathering, looking.formed, looking.full
-        if gathering is None or formed is None or full is None:
+        gathering, formed, full, bumped = looking.gathering, looking.formed, looking.full, looking.bumped
+        if gathering is None or formed is None or full is None or bumped is None:
             return Reply(JoinResp(False, "not gathering a group yet", retry=True))
         if ctx.peer in self.auditor.banned:
             return Reply(JoinResp(False, f"banned here: {self.auditor.banned[ctx.peer]}"))
-        why = gathering.offer(Joiner(ctx.peer, req.addr, req.bandwidth), req.schema_digest)
+        before = len(gathering.bumped)
+        why = gathering.offer(
+            Joiner(ctx.peer, req.addr, req.bandwidth, subnet_of(ctx.remote_host)), req.schema_digest
+        )
         if why:
             return Reply(JoinResp(False, why))
         log.debug("admitted %s to %s (%d so far)", ctx.peer.short(), req.group_key, gathering.size())
-        if gathering.full():
+        if len(gathering.bumped) != before:  # somebody lost its place: tell it now, not at the deadline
+            bumped.set()
+            bumped = looking.bumped = trio.Event()
+        if gathering.ready():
             full.set()
         try:
-            await formed.wait()
+            while not formed.is_set():
+                if ctx.peer in gathering.bumped:
+                    return Reply(JoinResp(False, gathering.bumped[ctx.peer]))
+                await _either(formed, looking.bumped if looking.bumped is not None else formed)
         except trio.Cancelled:
             log.debug("%s left %s before it formed", ctx.peer.short(), req.group_key)
             raise

@@ -14,6 +14,15 @@ A peer asked to admit a joiner while it follows someone else answers at once wit
 leader (smaller still), so requests flow down the order to the peer that gathers the group. hivemind's
 documented deadlock (leaders waiting on each other) needs a wait from a smaller peer to a larger one,
 which this rule forbids.
+
+Origins (robust runs). Identities are free, subnets are not: in a run that aggregates with a robust rule,
+a leader counts its joiners by *origin*, the subnet (/24, /64) it sees each one's connection come from,
+so that one host's fresh keys cannot fill a group before the peers of other subnets ask. While one origin
+holds more than half of the group, the group does not form early (it waits for the deadline), and a
+joiner from a smaller origin that finds the group full takes the place of the newest joiner of the
+largest one (told why). The manifest then says which members share an origin, and reducers count each
+origin once (see ``robust``). A run with the plain mean admits first come, first served: one peer
+already moves a mean anywhere, so counting origins would only slow honest groups on one subnet.
 """
 
 from __future__ import annotations
@@ -104,6 +113,7 @@ class Joiner:
     peer: PeerID
     addr: str
     bandwidth: float
+    origin: str = ""  # the subnet its leader sees it from ("" for the leader: an origin of its own)
 
 
 @dataclass
@@ -114,7 +124,9 @@ class Gathering:
     schema: bytes
     target_size: int
     min_size: int
+    by_origin: bool = False  # count joiners by origin (robust runs; see the module docstring)
     joiners: list[Joiner] = field(default_factory=list)
+    bumped: dict[PeerID, str] = field(default_factory=dict)  # joiners whose place went to another origin
     formed: bool = False
 
     def offer(self, joiner: Joiner, schema: bytes) -> str | None:
@@ -125,12 +137,58 @@ class Gathering:
             return "schema mismatch: the leader averages tensors of other shapes, dtypes or compression"
         if joiner.peer == self.leader.peer or any(j.peer == joiner.peer for j in self.joiners):
             return "already in this group"
-        if self.full():
-            return "the group is full"
         if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth >= 0):
             return "bandwidth must be finite and not negative (0: not measured yet)"
+        if self.full():
+            out = self._displaced_by(joiner)
+            if out is None:
+                return "the group is full"
+            self.joiners.remove(out)
+            self.bumped[out.peer] = "the group is full: its place went to a peer of a less represented subnet"
+        self.bumped.pop(joiner.peer, None)
         self.joiners.append(joiner)
         return None
+
+    def _places(self) -> dict[str, int]:
+        places: dict[str, int] = {self.leader.origin: 1}
+        for j in self.joiners:
+            places[j.origin] = places.get(j.origin, 0) + 1
+        return places
+
+    def _displaced_by(self, joiner: Joiner) -> Joiner | None:
+        """The joiner that gives up its place to ``joiner`` in a full group: the newest of the origin
+        holding the most places, if that holds at least two more than ``joiner``'s (so the places even
+        out and never swing back and forth)."""
+        if not self.by_origin:
+            return None
+        places = self._places()
+        movable = {j.origin for j in self.joiners}
+        if not movable:
+            return None
+        largest = max(movable, key=lambda o: places[o])
+        if places[largest] < places.get(joiner.origin, 0) + 2:
+            return None
+        return next(j for j in reversed(self.joiners) if j.origin == largest)
+
+    def dominated(self) -> bool:
+        """Does one origin hold more than half of the places (then the group waits for its deadline, so
+        that peers of other subnets may still take places; see the module docstring)?"""
+        if not self.by_origin:
+            return False
+        places = self._places()
+        return len(places) > 1 and 2 * max(places.values()) > self.size()
+
+    def ready(self) -> bool:
+        """Full, and may form before its deadline."""
+        return self.full() and not self.dominated()
+
+    def origins(self, members: list[Joiner]) -> tuple[int, ...]:
+        """For a manifest listing ``members``: each one's origin as the index of the first member that
+        shares it; () when joiners are not counted by origin (every member its own)."""
+        if not self.by_origin:
+            return ()
+        first: dict[str, int] = {}
+        return tuple(first.setdefault(m.origin, i) for i, m in enumerate(members))
 
     def withdraw(self, peer: PeerID) -> None:
         """A joiner gave up before the group formed."""

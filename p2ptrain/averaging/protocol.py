@@ -79,6 +79,9 @@ class Manifest(Message):
     timeout: float = bounded(60.0, ge=0.001, le=MAX_ROUND_TIMEOUT)
     aggregation: str = bounded("mean", max_len=32)  # the rule every reducer applies (see ``robust``)
     audit: bool = False  # members commit to their slices, reducers attest their results (see ``audit``)
+    # Robust rules: members[i] shares an origin (a subnet) with members[origins[i]], the first member of
+    # it; reducers count each origin once (see ``robust``). () : every member is an origin of its own.
+    origins: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
 
     @property
     def total(self) -> int:
@@ -111,6 +114,12 @@ class Manifest(Message):
             raise RemoteProtocolError("partition sizes do not add up to the tensors' size")
         if any(s > 0 and not m.addr for s, m in zip(self.sizes, self.members, strict=True)):
             raise RemoteProtocolError("a client-only member cannot hold a partition")
+        if self.origins and (
+            len(self.origins) != n
+            or any(not (isinstance(o, int) and 0 <= o <= i) for i, o in enumerate(self.origins))
+            or any(self.origins[o] != o for o in self.origins)
+        ):
+            raise RemoteProtocolError("the origins must name, for each member, the first member sharing it")
         try:
             self.mode()
             if parse_aggregation(self.aggregation) != self.aggregation:

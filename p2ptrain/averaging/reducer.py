@@ -26,7 +26,7 @@ import torch
 from ..errors import RemoteProtocolError
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
-from .robust import aggregate, outliers
+from .robust import aggregate, by_origin, outliers
 from .spill import SPILL_BYTES, Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,14 @@ class PartitionReducer:
         buffer: torch.Tensor | None = None,
         aggregation: str = "mean",
         *,
+        origins: Sequence[int] = (),
         canonical: bool = False,
         spill: bool | None = None,
     ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
         overwritten by the first slice added).
+        ``origins``: robust rules: the manifest's origin of each member (() : each its own; see
+        ``robust.by_origin``).
         ``canonical``: always sum in member order at the end (an auditor can then redo it bit for bit),
         not in the order chunks happened to arrive.
         ``spill``: keep received chunks in a spill file rather than in memory (default: for partitions
@@ -54,6 +57,7 @@ class PartitionReducer:
         self.size = size
         self.mode = mode
         self.aggregation = aggregation
+        self.origins = tuple(origins)
         self.canonical = canonical
         self.spans = list(chunks(size, mode))
         if buffer is not None and (buffer.numel() != size or buffer.dtype != torch.float32):
@@ -187,8 +191,13 @@ class PartitionReducer:
             raise ValueError(f"no complete slice from members {missing}")
         if self.aggregation != "mean":
             rows = torch.stack([self._slice_of(i) for i in contributors])
+            labels = [self.origins[i] if self.origins else i for i in contributors]
+            rows, groups = by_origin(rows, labels)
             self.acc.copy_(aggregate(self.aggregation, rows))
-            self.outliers = [(contributors[k], ratio) for k, ratio in outliers(rows, self.acc)]
+            self.outliers = [
+                (contributors[k], ratio) for row, ratio in outliers(rows, self.acc) for k in groups[row]
+            ]
+            del rows
             return self._publish(self.acc)
         if self._expected is not None:
             self.early_final = (

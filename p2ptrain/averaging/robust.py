@@ -12,11 +12,16 @@ work stays spread over the group and no member ever needs the whole of anyone's 
   of the slices to the median (a scale estimate that a minority of outliers cannot inflate).
 
 Both ignore the senders' weights (which a liar could inflate too); weights still decide who takes part.
+Both count origins, not ids: identities are free, so the slices of members that share an origin (a
+subnet, as the group's leader saw them: see ``matchmaking``) are first averaged into one row, and the rule
+weighs rows. A host with a hundred fresh keys in a group is one row, trimmed like any other outlier.
 Both are deterministic for a given set of slices in member order, so every reducer computes the same bits
 as any other would.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -78,6 +83,18 @@ def outliers(
         return []
     ratios = (distances / median).tolist()
     return [(k, r) for k, r in enumerate(ratios) if not r <= factor]  # (a NaN distance counts as far)
+
+
+def by_origin(rows: torch.Tensor, origins: Sequence[int]) -> tuple[torch.Tensor, list[list[int]]]:
+    """Rows of one origin averaged into one: (the rows the rule weighs, each one's rows in ``rows``).
+    ``origins[k]``: the origin of row ``k`` (any labels; rows with equal labels are averaged, in order)."""
+    groups: dict[int, list[int]] = {}
+    for k, o in enumerate(origins):
+        groups.setdefault(o, []).append(k)
+    members = list(groups.values())
+    if len(members) == rows.shape[0]:
+        return rows, members
+    return torch.stack([rows[g].mean(dim=0) if len(g) > 1 else rows[g[0]] for g in members]), members
 
 
 def aggregate(rule: str, rows: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,11 @@ of its own run and call) and refuses anything that differs, with the reason:
   and no listed bandwidth is above ``MAX_SPREAD`` times the group's lower median;
 - no member is listed with more bandwidth than it announced itself (a signed DHT announcement the
   member saw; the rule only ever lowers an announced bandwidth, or fills in a typical one for a member
-  that has not measured its own).
+  that has not measured its own);
+- origins (see ``robust``): none with the plain mean; and no two members whose listed addresses lie in
+  different subnets may share one (a leader cannot count honest peers of several subnets as one row).
+  What a leader cannot prove, that its joiners of one subnet came from it, the member takes on trust: a
+  hostile leader chooses its group's members anyway.
 
 All of it is pure: :func:`check_manifest` raises :class:`RemoteProtocolError` saying what is wrong.
 """
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 from ..errors import RemoteProtocolError
 from ..identity import PeerID
+from ..net.address import PeerAddress
+from ..net.admission import subnet_of
 from .bandwidth import partition_bandwidths
 from .partition import partition_sizes
 from .protocol import Manifest, TensorSpec
@@ -81,9 +87,28 @@ def check_manifest(
         raise RemoteProtocolError(f"the manifest's partitions: {e}") from None
     if list(m.sizes) != sizes:
         raise RemoteProtocolError(f"the partitions {list(m.sizes)} are not the bandwidths' shares {sizes}")
+    if m.origins:
+        if m.aggregation == "mean":
+            raise RemoteProtocolError("a plain mean counts every member: the manifest must list no origins")
+        subnets: dict[int, str] = {}
+        for mm, o in zip(m.members, m.origins, strict=True):
+            subnet = _subnet_of_addr(mm.addr)
+            if subnet and subnets.setdefault(o, subnet) != subnet:
+                raise RemoteProtocolError(
+                    f"the manifest counts members of {subnets[o]} and {subnet} as one origin"
+                )
     for peer, bw in zip(peers, listed, strict=True):
         own = announced.get(peer, 0.0)
         if own > 0 and bw > own:
             raise RemoteProtocolError(
                 f"the manifest lists {peer.short()} at {bw:g} B/s, more than the {own:g} it announced"
             )
+
+
+def _subnet_of_addr(addr: str) -> str:
+    """The subnet of a listed address ("" for a client-only member, a name, or nonsense)."""
+    try:
+        a = PeerAddress.parse(addr) if addr else None
+    except ValueError:
+        return ""
+    return subnet_of(a.host) if a is not None and a.kind in ("ip4", "ip6") else ""

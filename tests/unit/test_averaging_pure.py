@@ -170,6 +170,42 @@ def test_gathering_too_small_and_withdrawal():
     assert "only 2 of at least 3" in g.form()
 
 
+def test_robust_gathering_counts_origins_so_one_subnets_keys_cannot_fill_it():
+    """Eight fresh keys of one subnet ask first; each peer of another subnet that asks later takes the
+    place of the newest of them, and the group may not form early while one origin holds over half."""
+    g = Gathering(Joiner(pid(99), "l", 1.0, "leader"), b"s", target_size=4, min_size=2, by_origin=True)
+    sybils = [Joiner(pid(10 + i), "", 1.0, "198.18.9.0/24") for i in range(8)]
+    assert [g.offer(j, b"s") for j in sybils[:3]] == [None] * 3
+    assert g.full() and g.dominated() and not g.ready()  # 3 of 4 places: waits for its deadline
+    assert g.offer(sybils[3], b"s") == "the group is full"  # (same origin: no place changes hands)
+    assert g.offer(Joiner(pid(1), "a", 1.0, "198.18.1.0/24"), b"s") is None
+    assert "less represented subnet" in g.bumped[sybils[2].peer]
+    assert g.ready()  # 2 of 4 from one origin: no longer over half
+    assert g.offer(Joiner(pid(2), "b", 1.0, "198.18.2.0/24"), b"s") is None  # takes sybils[1]'s place
+    members = g.form()
+    assert {m.peer for m in members} == {pid(99), pid(1), pid(2), sybils[0].peer}
+    assert g.origins(members) == (0, 1, 2, 3)
+    assert set(g.bumped) == {sybils[1].peer, sybils[2].peer}
+
+
+def test_gathering_origins_name_the_first_member_sharing_one():
+    g = Gathering(Joiner(pid(99), "l", 1.0, "198.18.1.0/24"), b"s", target_size=4, min_size=2, by_origin=True)
+    for i, origin in ((3, "198.18.2.0/24"), (4, "198.18.1.0/24"), (5, "198.18.2.0/24")):
+        assert g.offer(Joiner(pid(i), "x", 1.0, origin), b"s") is None
+    members = g.form()
+    assert [m.peer for m in members] == [pid(99), pid(3), pid(4), pid(5)]
+    assert g.origins(members) == (0, 1, 0, 1)
+
+
+def test_a_plain_mean_gathering_admits_first_come_whatever_the_origin():
+    g = Gathering(Joiner(pid(99), "l", 1.0, "leader"), b"s", target_size=3, min_size=2)
+    for i in range(2):
+        assert g.offer(Joiner(pid(10 + i), "", 1.0, "198.18.9.0/24"), b"s") is None
+    assert g.ready()
+    assert g.offer(Joiner(pid(1), "a", 1.0, "198.18.1.0/24"), b"s") == "the group is full"
+    assert g.origins(g.form()) == ()
+
+
 # ---- manifests and decisions ----
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2ptrain.averaging.compression import Compression
+from p2ptrain.averaging.reducer import PartitionReducer
 from p2ptrain.averaging.robust import (
     aggregate,
+    by_origin,
     centered_clip,
     outliers,
     parse_aggregation,
@@ -86,3 +89,35 @@ def test_parse_aggregation() -> None:
         parse_aggregation("median-of-means")
     with pytest.raises(ValueError):
         aggregate("mean", honest(3))  # the reducer streams the mean; it is no robust rule
+
+
+def test_rows_of_one_origin_count_once() -> None:
+    rows = torch.tensor([[1.0], [5.0], [2.0], [7.0], [9.0]])
+    collapsed, groups = by_origin(rows, [0, 1, 0, 3, 1])
+    assert groups == [[0, 2], [1, 4], [3]]
+    assert collapsed.squeeze(1).tolist() == [1.5, 7.0, 7.0]
+    same, alone = by_origin(rows, [0, 1, 2, 3, 4])
+    assert same is rows and alone == [[k] for k in range(5)]
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+def test_many_keys_of_one_subnet_are_one_row_for_the_reducer(rule: str) -> None:
+    """Three honest members and five fresh keys of one subnet sending x100: counted by id, the keys are
+    a majority that carries the result away; counted by origin, they are one row out of four, bounded
+    like any outlier, and all five are named."""
+    good = honest(3, 500)
+    rows = torch.cat([good, 100.0 * honest(5, 500, seed=1)])
+    origins = [0, 1, 2, 3, 3, 3, 3, 3]
+
+    def reduce(origins: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+        red = PartitionReducer(500, Compression.NONE, aggregation=rule, origins=origins, canonical=True)
+        for k in range(8):
+            red.add_local(k, rows[k].clone(), 1.0)
+        out = red.finalize(list(range(8)), [1.0] * 8).clone()
+        return out, sorted(k for k, _ in red.outliers)
+
+    by_id, _ = reduce(())
+    assert (by_id - good.mean(dim=0)).abs().max() > 10.0
+    counted, named = reduce(tuple(origins))
+    assert (counted - good.mean(dim=0)).abs().max() < 0.5
+    assert named == [3, 4, 5, 6, 7]

@@ -117,3 +117,24 @@ def test_the_partition_rule_is_its_own_image() -> None:
     for raw in ([0.0, 0.0, 10.0, 1.0], [0.0, 100.0, 1.0], [1e15, 3.0, 0.0, 7.0, 2.0], [0.0, 0.0], [5.0]):
         out = partition_bandwidths(raw)
         assert partition_bandwidths(out) == out, raw
+
+
+def test_origins_may_not_merge_members_of_different_subnets() -> None:
+    """Origins are the leader's word on who shares a subnet; a member still refuses one that counts
+    members listed in different subnets as one (and any origins in a plain mean)."""
+    m = honest()  # every listed address is in 198.18.0.0/24; member 2 is client-only
+    check(dataclasses.replace(m, origins=(0, 0, 0, 0)))
+    check(dataclasses.replace(m, origins=(0, 1, 1, 3)))
+    far = dataclasses.replace(m.members[3], addr="/ip4/198.18.7.4/tcp/1")
+    moved = dataclasses.replace(m, members=(*m.members[:3], far), origins=(0, 1, 1, 1))
+    with pytest.raises(RemoteProtocolError, match=r"198\.18\.7\.0/24"):
+        check(moved)
+    mean = dataclasses.replace(m, aggregation="mean", origins=(0, 1, 2, 3))
+    with pytest.raises(RemoteProtocolError, match="no origins"):
+        check_manifest(mean, dataclasses.replace(RULES, aggregation="mean"), PEERS[1], ADDRS[1], ANNOUNCED)
+
+
+@pytest.mark.parametrize("origins", [(0, 1, 2), (0, 0, 3, 3), (1, 1, 2, 3), (0, 1, 0, 2)])
+def test_origins_out_of_canonical_form_are_refused(origins: tuple[int, ...]) -> None:
+    with pytest.raises(RemoteProtocolError, match="origins"):
+        dataclasses.replace(honest(), origins=origins).check()
