@@ -47,7 +47,7 @@ from .auditor import AUDIT_WINDOW, Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression
-from .matchmaking import Announcement, Gathering, Joiner, choose_leader
+from .matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
 from .partition import offsets, partition_sizes
 from .protocol import (
     FETCH,
@@ -191,6 +191,7 @@ class _Looking:
     manifest: SignedManifest | None = None
     refusal: str = ""
     rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
+    quorum: Quorum | None = None  # the known peers a group led here must hold (see ``matchmaking``)
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
 
 
@@ -321,12 +322,14 @@ class Averager:
         compression: str | None = None,
         target_size: int | None = None,
         min_size: int | None = None,
+        quorum: Quorum | None = None,
     ) -> SignedManifest:
         """Only the matchmaking half of :meth:`average`: the signed manifest of the group found.
 
         Every member must then call :meth:`run_round` with it soon (the others wait for a member's
         slices only until the round's scatter deadline). ``target_size`` and ``min_size`` override the
         configured group sizes for this call (a training run sizes groups by the peers it sees).
+        ``quorum``: a group led here forms only with that many of those peers (see ``matchmaking``).
         """
         if self._looking is not None:
             raise RuntimeError("an average() call is already in progress on this node")
@@ -340,6 +343,7 @@ class Averager:
             mode,
             timeout,
             sizes,
+            quorum,
         )
 
     async def run_round(
@@ -583,6 +587,7 @@ class Averager:
         mode: Compression,
         timeout: float,
         sizes: tuple[int, int],
+        quorum: Quorum | None = None,
     ) -> SignedManifest:
         cfg = self.config
         me = Announcement(
@@ -593,7 +598,7 @@ class Averager:
             digest,
         )
         rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
-        looking = self._looking = _Looking(me, group_key, rules=rules)
+        looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum)
         key = self._key(group_key)
         declined: set[Announcement] = set()
         distrusted: set[PeerID] = set()  # leaders that sent a manifest breaking the rules: never again
@@ -708,6 +713,7 @@ class Averager:
             sizes[0],
             sizes[1],
             by_origin=self.config.aggregation != "mean",
+            quorum=looking.quorum,
         )
         looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
         while not gathering.ready() and self.clock() < me.deadline:

@@ -23,6 +23,12 @@ joiner from a smaller origin that finds the group full takes the place of the ne
 largest one (told why). The manifest then says which members share an origin, and reducers count each
 origin once (see ``robust``). A run with the plain mean admits first come, first served: one peer
 already moves a mean anywhere, so counting origins would only slow honest groups on one subnet.
+
+Quorum of known peers. A step's group must hold a majority of the step's peers, so that two groups cannot
+both commit it (two lineages). Counted by id, fresh keys that join two groups would let both reach it;
+so a training run names the peers it trusts and how many of them the group must hold
+(:class:`Quorum`): the group forms only with that many of them, and a trusted joiner that finds the
+group full takes the place of the newest joiner that is not.
 """
 
 from __future__ import annotations
@@ -116,6 +122,14 @@ class Joiner:
     origin: str = ""  # the subnet its leader sees it from ("" for the leader: an origin of its own)
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """A group forms only once it holds at least ``size`` of ``peers`` (the leader included)."""
+
+    peers: frozenset[PeerID]
+    size: int
+
+
 @dataclass
 class Gathering:
     """A leader's group in the making."""
@@ -125,6 +139,7 @@ class Gathering:
     target_size: int
     min_size: int
     by_origin: bool = False  # count joiners by origin (robust runs; see the module docstring)
+    quorum: Quorum | None = None  # the known peers it must hold (see the module docstring)
     joiners: list[Joiner] = field(default_factory=list)
     bumped: dict[PeerID, str] = field(default_factory=dict)  # joiners whose place went to another origin
     formed: bool = False
@@ -144,7 +159,11 @@ class Gathering:
             if out is None:
                 return "the group is full"
             self.joiners.remove(out)
-            self.bumped[out.peer] = "the group is full: its place went to a peer of a less represented subnet"
+            self.bumped[out.peer] = (
+                "the group is full: its place went to a peer the leader trained with"
+                if self._counts(joiner)
+                else "the group is full: its place went to a peer of a less represented subnet"
+            )
         self.bumped.pop(joiner.peer, None)
         self.joiners.append(joiner)
         return None
@@ -155,10 +174,22 @@ class Gathering:
             places[j.origin] = places.get(j.origin, 0) + 1
         return places
 
+    def _counts(self, joiner: Joiner) -> bool:
+        return self.quorum is not None and joiner.peer in self.quorum.peers
+
+    def counted(self) -> int:
+        """Members of the quorum's peers in the group (the leader included)."""
+        return sum(self._counts(j) for j in (self.leader, *self.joiners))
+
     def _displaced_by(self, joiner: Joiner) -> Joiner | None:
-        """The joiner that gives up its place to ``joiner`` in a full group: the newest of the origin
-        holding the most places, if that holds at least two more than ``joiner``'s (so the places even
-        out and never swing back and forth)."""
+        """The joiner that gives up its place to ``joiner`` in a full group: for a peer of the quorum,
+        the newest joiner that is not; else the newest of the origin holding the most places, if that
+        holds at least two more than ``joiner``'s (so the places even out and never swing back and
+        forth)."""
+        if self.quorum is not None and self._counts(joiner):
+            stranger = next((j for j in reversed(self.joiners) if not self._counts(j)), None)
+            if stranger is not None:
+                return stranger
         if not self.by_origin:
             return None
         places = self._places()
@@ -180,7 +211,8 @@ class Gathering:
 
     def ready(self) -> bool:
         """Full, and may form before its deadline."""
-        return self.full() and not self.dominated()
+        quorate = self.quorum is None or self.counted() >= self.quorum.size
+        return self.full() and quorate and not self.dominated()
 
     def origins(self, members: list[Joiner]) -> tuple[int, ...]:
         """For a manifest listing ``members``: each one's origin as the index of the first member that
@@ -206,4 +238,6 @@ class Gathering:
         self.formed = True
         if self.size() < self.min_size:
             return f"only {self.size()} of at least {self.min_size} peers joined in time"
+        if self.quorum is not None and self.counted() < self.quorum.size:
+            return f"only {self.counted()} of the at least {self.quorum.size} peers it trusts joined in time"
         return [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]

@@ -16,11 +16,15 @@ peers, all on the attacker's address. With ``install(kind, opt)`` (for a node:
   the run's progress key and the matchmaking keys of the next steps, again every few seconds (more than
   a key holds);
 - ``conn-flood``: the node trains honestly and keeps ``CONN_FLOOD`` silent TCP connections open to every
-  honest peer it sees in the records, from its own address, reopening those that are closed.
+  honest peer it sees in the records, from its own address, reopening those that are closed;
+- ``group-capture``: the node trains honestly and runs ``SYBILS`` more (client-only) nodes under fresh
+  keys, from its own address; at each of the honest peers' steps they ask for places in the groups
+  first, each contributing ``CAPTURE_SCALE`` in every coordinate (a step far off the honest ones).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,6 +37,7 @@ from ..dht.records import key_id, make_entry, owned_subkey
 from ..errors import P2PError
 from ..identity import Identity
 from ..net.address import PeerAddress
+from ..node import Node
 from ..training.progress import ProgressRecord
 from ..wire.codec import pack
 
@@ -41,12 +46,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KINDS = ("sybil-majority", "fake-progress", "dht-flood", "conn-flood")
+KINDS = ("sybil-majority", "fake-progress", "dht-flood", "conn-flood", "group-capture")
 SYBILS = 8  # fresh identities per attacking host
 FLOOD_IDS = 64  # 64 x 16 KiB: more than the 768 KiB a DHT key holds
 FLOOD_TTL = 24 * 3600.0
 FLOOD_STEPS = 4  # matchmaking keys of this many steps ahead are filled too
 CONN_FLOOD = 600  # silent connections per honest peer (more than a node's 512 inbound)
+CAPTURE_SCALE = 100.0
 REPORT_EVERY = 30.0
 EVERY = 1.0  # seconds between two rounds of forged records (about the honest peers' progress interval)
 
@@ -60,6 +66,7 @@ class Attack:
     stores: int = 0  # records the DHT's replicas accepted (one per replica)
     bytes: int = 0  # bytes of records sent (values and signatures, once per store call)
     connections: int = 0  # TCP connections opened
+    places: int = 0  # rounds a fresh key contributed to (group-capture)
     ids: list[Identity] = field(default_factory=list, repr=False)
     _reported: float = field(default=0.0, repr=False)
 
@@ -95,6 +102,7 @@ def install(kind: str, opt: CollaborativeOptimizer) -> Attack:
         "fake-progress": _fake_progress,
         "dht-flood": _flood_dht,
         "conn-flood": _flood_connections,
+        "group-capture": _capture_groups,
     }[kind]
     step = opt.step
     started = False
@@ -244,3 +252,49 @@ async def _hold_silent(costs: Attack, host: str, port: int, source: str | None) 
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.sleep(EVERY)
+
+
+async def _capture_groups(opt: CollaborativeOptimizer, costs: Attack) -> None:
+    config = opt.node.config
+    config = dataclasses.replace(
+        config,
+        listen=(),
+        join=tuple(opt.node.addresses[:1]) or config.join,
+        announce_host=None,
+        announce_port=None,
+        status_file=None,
+        peer_cache=None,
+        metrics=None,
+        host=dataclasses.replace(config.host, work=None),
+        averaging=opt.node.averager.config,  # (the run's rules, as the node follows them)
+    )
+    async with trio.open_nursery() as nursery:
+        transport = opt.node.host.transport  # (their connections leave from the node's address)
+        made = [Node(who, config, transport=transport, clock=opt.clock) for who in costs.mint(SYBILS)]
+        for node in made:
+            await nursery.start(node.run)
+            costs.connections += 1
+            nursery.start_soon(_ask_for_places, node, opt, costs)
+        while True:
+            costs.report(opt.clock())
+            await trio.sleep(REPORT_EVERY)
+
+
+async def _ask_for_places(node: Node, opt: CollaborativeOptimizer, costs: Attack) -> None:
+    """One fresh key: a place in the group of every step the swarm reaches, asked for as soon as it is
+    reached (before the honest peers, which first compute their share of the batch)."""
+    mode, asked = opt.config.training.mode, -1
+    while True:
+        epoch = max(opt.epoch, honest_epoch(opt, costs))
+        if epoch == asked:
+            await trio.sleep(EVERY / 10)
+            continue
+        asked = epoch
+        poison = [torch.full(t.shape, CAPTURE_SCALE, dtype=t.dtype) for t in opt.averaged.tensors]
+        weight = max(1.0, float(opt.samples))  # (no more than the node's own: a bigger claim is left out)
+        try:
+            timeout = opt.config.averaging.timeout
+            await node.averager.average(poison, weight=weight, timeout=timeout, group_key=f"{mode}-{epoch}")
+            costs.places += 1
+        except P2PError as e:
+            log.debug("a fresh key got no place in step %d's group: %s", epoch, e)

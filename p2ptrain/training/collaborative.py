@@ -46,6 +46,7 @@ import trio
 
 from ..averaging.agreement import WEIGHT_SLACK
 from ..averaging.allreduce import RoundResult
+from ..averaging.matchmaking import Quorum
 from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
 from ..averaging.spill import Spilled, SpillFile
@@ -562,12 +563,16 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 return  # step() catches up, or steps alone
             target = min(self.view.peers, cfg.max_group_size)
             minimum = min(target, self.view.quorum)  # a majority: two groups cannot both form
+            trusted = self.trusted()
             manifest = await self.node.averager.form_group(
                 self.averaged.tensors,
                 timeout=cfg.timeout,
                 group_key=f"{self.config.training.mode}-{epoch}",
                 target_size=target,
                 min_size=minimum,
+                quorum=None
+                if trusted is None
+                else Quorum(trusted | {self.node.peer_id}, min(target, self.view.trusted_quorum)),
             )
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)

@@ -37,3 +37,25 @@ async def test_the_honest_peers_train_on_together_through_many_fresh_keys(
         mine = {p.node.peer_id for p in honest}
         for p in honest:  # every honest record still read back, among the attacker's
             assert mine - {p.node.peer_id} <= {r.peer for r in p.opt.records}
+
+
+async def test_fresh_keys_that_rush_into_the_groups_are_one_trimmed_row(autojump_clock: object) -> None:
+    """The attacker runs eight more nodes under fresh keys on its address; at every step they ask for
+    places first and send 100 in every coordinate. With a trimmed mean, counted by id they are most of
+    each group and every honest step would move each parameter by about lr x 100 = 1; counted by origin
+    they are one row, trimmed: the honest peers' steps stay their own."""
+    config = run_config("sync").replace("averaging", aggregation="trimmed_mean")
+    async with swarm(config, sgd=True) as s:
+        # (uneven peers: a leader gathers for a while, as in a real swarm, and the keys are there first)
+        honest = [await s.start(compute=c) for c in (1.0, 1.4, 1.9)]
+        await s.until(lambda: all(p.opt.epoch >= 2 for p in honest), timeout=120)
+        attacker = await s.start(compute=1.0)
+        attack = sybils.install("group-capture", attacker.opt)
+        await s.until(lambda: attack.places >= 1, timeout=300)  # the keys do get into rounds
+        start = max(p.opt.epoch for p in honest)
+        before = [t.detach().clone() for t in honest[0].model.parameters()]
+        await s.until(lambda: all(p.opt.epoch >= start + 4 for p in honest), timeout=300)
+        after = [t.detach().clone() for t in honest[0].model.parameters()]
+        check_identical_per_epoch(honest)
+    drift = max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
+    assert drift < 0.5, f"the honest parameters moved {drift:.2f} in 4 steps: the keys' values got through"

@@ -12,7 +12,7 @@ import torch
 
 from p2ptrain.averaging.agreement import Coordinator, excluded_reasons
 from p2ptrain.averaging.compression import Compression, encode
-from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner, choose_leader
+from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
 from p2ptrain.averaging.partition import chunks, offsets, partition_sizes, wire_bytes
 from p2ptrain.averaging.protocol import (
     Decision,
@@ -204,6 +204,26 @@ def test_a_plain_mean_gathering_admits_first_come_whatever_the_origin():
     assert g.ready()
     assert g.offer(Joiner(pid(1), "a", 1.0, "198.18.1.0/24"), b"s") == "the group is full"
     assert g.origins(g.form()) == ()
+
+
+def test_a_gathering_with_a_quorum_forms_only_with_enough_known_peers():
+    """Ids the leader does not know fill every place first: the group waits (two such groups could both
+    reach the step's majority), and each known peer that asks takes the newest stranger's place."""
+    known = Quorum(frozenset({pid(99), pid(1), pid(2)}), 2)
+    g = Gathering(Joiner(pid(99), "l", 1.0), b"s", target_size=4, min_size=3, quorum=known)
+    strangers = [Joiner(pid(10 + i), "", 1.0) for i in range(3)]
+    assert [g.offer(j, b"s") for j in strangers] == [None] * 3
+    assert g.full() and g.counted() == 1 and not g.ready()
+    assert g.offer(Joiner(pid(11 + 5), "", 1.0), b"s") == "the group is full"
+    assert g.offer(Joiner(pid(1), "a", 1.0), b"s") is None
+    assert "trained with" in g.bumped[strangers[2].peer]
+    assert g.ready()
+    assert {m.peer for m in g.form()} == {pid(99), pid(1), pid(10), pid(11)}
+
+    alone = Gathering(Joiner(pid(99), "l", 1.0), b"s", target_size=4, min_size=2, quorum=known)
+    for j in strangers:
+        alone.offer(j, b"s")
+    assert alone.form() == "only 1 of the at least 2 peers it trusts joined in time"
 
 
 # ---- manifests and decisions ----

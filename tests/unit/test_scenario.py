@@ -399,6 +399,7 @@ ERRORS = [
         TEN + "[[peers]]\n[[peers]]\nadversary = 'evil'",
         r"peers\[1\]\.adversary must be one of nan, scale, random, inflate, garbage-reducer, sybil-epoch, "
         r"false-accusation, manifest-downgrade, sybil-majority, fake-progress, dht-flood, conn-flood, "
+        r"group-capture, "
         r"not 'evil'",
     ),
     (TEN + "[[peers]]\n[[peers]]\nadversary = 3", r"peers\[1\]\.adversary must be one of .*, not 3"),
