@@ -167,6 +167,7 @@ def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = No
         peer_cache=data_dir / "peers.json" if data_dir is not None else None,
         metrics=_metrics_address(args.metrics_port),
         averaging=averaging or AveragerConfig(),
+        relay=not args.no_relay,
         **_membership_options(args),
     )
 
@@ -186,7 +187,11 @@ async def print_join_addresses(node: Node) -> None:
     for addr in addresses:
         print(addr, flush=True)
     if addresses:
-        unchecked = "" if node.dht.reachable else " (not checked yet: the first peers it meets dial it back)"
+        unchecked = {
+            True: "",
+            False: " (through a relay: no peer could dial this node directly)",
+            None: " (not checked yet: the first peers it meets dial it back)",
+        }[node.dht.reachable]
         log.info(
             "node %s is up in run %r; others join with --join and the address above%s",
             node.peer_id.short(),
@@ -551,6 +556,11 @@ def _node_flags(s: argparse.ArgumentParser) -> None:
         "--source-address", metavar="IP", help="outgoing connections leave from this local address"
     )
     s.add_argument("--join", action="append", metavar="ADDR", help="a peer's address; repeatable")
+    s.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="do not relay for peers behind NATs (on by default, with limits on circuits and bytes)",
+    )
     s.add_argument("--identity", metavar="KEYFILE", help="key file (default: one kept in the data directory)")
     s.add_argument(
         "--data-dir", metavar="DIR", help="default $XDG_DATA_HOME/p2ptrain or ~/.local/share/p2ptrain"

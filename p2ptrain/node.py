@@ -90,6 +90,8 @@ PING = Method("p2p.ping", PingRequest, PingResponse)
 INFO = Method("p2p.info", InfoRequest, NodeInfo)
 STATUS = Method("p2p.status", StatusRequest, StatusResponse)
 MAX_STATUS_BYTES = 512 * 1024
+RELAYS = 2  # relays a node nobody can dial keeps a reservation with
+RELAY_RETRY = 30.0  # seconds before a node without a relay (or not needing one) looks again
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -138,6 +140,7 @@ class NodeConfig:
     members_interval: float = 5.0
     authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
     certificate: bytes | None = None  # this node's membership certificate (private runs)
+    relay: bool = True  # relay for peers nobody can dial (``net.relay``; its limits: host.relay)
 
 
 class Node:
@@ -168,6 +171,10 @@ class Node:
             host_config = dataclasses.replace(
                 host_config, authority=config.authority, certificate=config.certificate
             )
+        if not config.relay:
+            host_config = dataclasses.replace(
+                host_config, relay=dataclasses.replace(host_config.relay, enabled=False)
+            )
         if transport is None:
             transport = TcpTransport(config.source_address)
         self.host = Host(
@@ -186,6 +193,7 @@ class Node:
         self.clock = clock
         self._started = clock()
         self._joined: set[str] = set()
+        self._relayed = trio.Event()  # set once this node holds a relay reservation
         # The peers the user told this node to join through (named in the address, or met there).
         self.join_peers: set[PeerID] = {a.peer_id for a in config.join if a.peer_id is not None}
         self.status_sections: dict[str, Callable[[], Any]] = {}  # more sections of the status file
@@ -203,12 +211,18 @@ class Node:
     async def dialable_addresses(self, wait: float = 30.0) -> list[PeerAddress]:
         """The addresses others can join through: the advertised ones, once a peer dialed this node
         back there (a node with join addresses waits up to ``wait`` seconds for that check at its
-        bootstrap); none when no peer could (behind a NAT: the DHT said why). The swarm's first peer has
-        nobody to ask yet: its addresses come unchecked, and it asks the first peers it meets."""
+        bootstrap); when no peer could (behind a NAT: the DHT said why), its addresses through the
+        relays it holds a reservation with (waiting up to ``wait`` seconds more for one), else none.
+        The swarm's first peer has nobody to ask yet: its addresses come unchecked, and it asks the
+        first peers it meets."""
         if self.config.join:
             with trio.move_on_after(wait):
                 await self.dht.reachability_checked.wait()
-        return [] if self.dht.reachable is False else self.addresses
+        if self.dht.reachable is not False:
+            return self.addresses
+        with trio.move_on_after(wait):
+            await self._relayed.wait()
+        return self.host.relay.circuit_addresses()
 
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -216,6 +230,7 @@ class Node:
                 await nursery.start(self.host.run, list(self.config.listen))
                 for addr in self.config.join:
                     nursery.start_soon(self._keep_joined, addr)
+                nursery.start_soon(self._keep_relayed)
                 if self.config.peer_cache is not None:
                     self.dht.remember(peercache.load(self.config.peer_cache))
                     nursery.start_soon(self._cache_loop, self.config.peer_cache)
@@ -279,6 +294,34 @@ class Node:
                 log.info("lost the connection to join peer %s; reconnecting", conn.peer.short())
             await trio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, self.config.reconnect_max_delay)
+
+    async def _keep_relayed(self) -> None:
+        """Behind a NAT (no peer could dial this node back): hold reservations with up to ``RELAYS``
+        reachable peers, the join peers first, so that others reach this node through them (``relay``);
+        renewed at half their lifetime, replaced when one fails."""
+        await self.dht.reachability_checked.wait()
+        while True:
+            ttl = 0.0
+            if self.dht.reachable is False:
+                relays, asked = self.host.relay.relays, set()
+                for addr in [*relays.values(), *self.config.join, *self.dht.recent_contacts()]:
+                    peer = addr.peer_id
+                    if peer is None or addr.relay is not None or peer == self.peer_id or peer in asked:
+                        continue
+                    if peer not in relays and len(relays) >= RELAYS:
+                        continue
+                    asked.add(peer)
+                    try:
+                        got = await self.host.relay.reserve(addr)
+                    except P2PError as e:
+                        relays.pop(peer, None)
+                        log.info("no relay reservation with %s: %s", peer.short(), e)
+                        continue
+                    ttl = min(ttl, got) if ttl else got
+                    if not self._relayed.is_set():
+                        log.info("others reach this node through relay %s", peer.short())
+                        self._relayed.set()
+            await trio.sleep(ttl / 2 if ttl else RELAY_RETRY)
 
     # ---- membership ----
 

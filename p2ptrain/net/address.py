@@ -5,6 +5,7 @@ Format (multiaddr style, familiar to libp2p and hivemind users)::
     /ip4/203.0.113.7/tcp/31337/p2p/<peer id>
     /ip6/2001:db8::1/tcp/31337/p2p/<peer id>
     /dns/node.example.org/tcp/31337/p2p/<peer id>      (also /dns4, /dns6)
+    /ip4/198.51.100.2/tcp/31337/p2p/<relay id>/p2p-circuit/p2p/<peer id>   (through a relay: ``relay``)
 
 The ``/p2p/<peer id>`` part is what makes dialing safe: the handshake proves that the remote holds the
 key behind that id. An address without it can still be dialed (trust on first use), and the dialer
@@ -32,6 +33,7 @@ class PeerAddress:
     host: str
     port: int
     peer_id: PeerID | None = None
+    relay: PeerID | None = None  # a circuit address: host and port are the relay's, this its id
 
     @classmethod
     def parse(cls, text: str) -> PeerAddress:
@@ -44,6 +46,9 @@ class PeerAddress:
         if not text.startswith("/"):
             return cls._parse_hostport(text)
         parts = text.split("/")[1:]
+        if len(parts) == 9 and parts[4] == "p2p" and parts[6:8] == ["p2p-circuit", "p2p"]:
+            via = cls._parse("/" + "/".join(parts[:6]))
+            return cls(via.kind, via.host, via.port, PeerID.from_string(parts[8]), via.peer_id)
         if len(parts) not in (4, 6) or parts[2] != "tcp":
             raise ValueError(f"bad address {text!r}: expected /ip4|ip6|dns/HOST/tcp/PORT[/p2p/PEERID]")
         kind, host, _, port_s = parts[:4]
@@ -68,11 +73,24 @@ class PeerAddress:
         return cls(_guess_kind(host, host), host, port, peer_id)
 
     def with_peer(self, peer_id: PeerID) -> PeerAddress:
-        return PeerAddress(self.kind, self.host, self.port, peer_id)
+        return PeerAddress(self.kind, self.host, self.port, peer_id, self.relay)
+
+    def circuit_to(self, target: PeerID) -> PeerAddress:
+        """``target`` through the relay at this address (which must carry the relay's id)."""
+        if self.peer_id is None or self.relay is not None:
+            raise ValueError("a circuit goes through a relay's own address, with its peer id")
+        return PeerAddress(self.kind, self.host, self.port, target, self.peer_id)
+
+    @property
+    def relay_address(self) -> PeerAddress | None:
+        """The relay's own address, for a circuit address."""
+        return None if self.relay is None else PeerAddress(self.kind, self.host, self.port, self.relay)
 
     @functools.cached_property
     def _text(self) -> str:
         s = f"/{self.kind}/{self.host}/tcp/{self.port}"
+        if self.relay is not None:
+            s += f"/p2p/{self.relay}/p2p-circuit"
         if self.peer_id is not None:
             s += f"/p2p/{self.peer_id}"
         return s

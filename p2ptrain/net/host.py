@@ -53,6 +53,7 @@ from .handshake import (
     reject_frame,
 )
 from .linger import Lingering
+from .relay import Relay, RelayConfig
 from .rpc import RpcRegistry
 from .transport import TcpTransport, Transport
 
@@ -80,11 +81,13 @@ class HostConfig:
     max_calls_per_minute: int = 60_000  # incoming RPCs one peer may make (bursts of a tenth); 0: no limit
     id_work: int = 0  # bits of id work asked of every remote (and done for our own id: see ``idwork``)
     work: bytes | None = None  # our id's work nonce when already found (else found at start if needed)
+    relay: RelayConfig = field(default_factory=RelayConfig)  # circuits for peers nobody can dial (``relay``)
 
 
 MAX_TRACKED_PEERS = 10_000
 MAX_WORK_ON_DEMAND = 28  # bits of id work a dialer does when a listener asks (minutes of a core at most)
 MAX_PROTECTED = 256  # peers this node trained with, whose connections a flood never evicts
+MAX_RELAYED_INBOUND = 64  # connections reaching this host through its relays at a time
 
 
 @dataclass
@@ -158,6 +161,8 @@ class Host:
         self._closed_traffic = (0, 0)  # bytes sent and received over connections that have closed
         self._call_tokens: dict[PeerID, tuple[float, float]] = {}  # peer -> (tokens, when counted)
         self._throttled: dict[PeerID, bool] = {}
+        self._relayed_inbound = 0
+        self.relay = Relay(self, self.config.relay)
 
     # ---- lifecycle ----
 
@@ -335,7 +340,10 @@ class Host:
             raise PeerUnavailable("host is not running")
         try:
             with trio.fail_after(timeout):
-                stream = await self.transport.connect(addr.host, addr.port)
+                if addr.relay is not None:
+                    stream = await self._open_circuit(addr, timeout)
+                else:
+                    stream = await self.transport.connect(addr.host, addr.port)
         except trio.TooSlowError:
             raise PeerUnavailable(f"{addr.host}:{addr.port} did not answer within {timeout:g} s") from None
         except OSError as e:
@@ -362,6 +370,34 @@ class Host:
         conn = self._make_connection(framed, result, True, addr.host, addr.port)
         await self._nursery.start(self._run_connection, conn, result)
         return conn
+
+    async def _open_circuit(self, addr: PeerAddress, timeout: float) -> trio.abc.Stream:
+        """A stream to ``addr.peer_id`` through the relay ``addr`` names (see ``relay``)."""
+        via = addr.relay_address
+        if via is None or addr.peer_id is None:
+            raise PeerUnavailable(f"{addr} is not a circuit address with a target peer id")
+        if via.peer_id == self.peer_id:
+            raise PeerUnavailable("refusing to relay through ourselves")
+        relay = await self.connect(via, timeout=timeout)
+        assert self._nursery is not None
+        stream: trio.abc.Stream = await self._nursery.start(self.relay.open_circuit, relay, addr.peer_id)
+        return stream
+
+    async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str) -> None:
+        """A connection that reached this host through one of its relays: the handshake, then the
+        connection, until it closes. It counts as coming from the relay's address (see ``relay``)."""
+        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        if self._relayed_inbound >= MAX_RELAYED_INBOUND:
+            with trio.move_on_after(1.0):
+                await _send_quietly(framed, reject_frame("busy", "too many relayed connections; try later"))
+            return
+        self._relayed_inbound += 1
+        self._next_slot += 1
+        entry = _Inbound(self._next_slot, relay_host, subnet_of(relay_host), trio.current_time())
+        try:
+            await self._accept_admitted(framed, relay_host, 0, entry)
+        finally:
+            self._relayed_inbound -= 1
 
     async def _initiate(self, framed: FramedStream, expected: PeerID | None) -> HandshakeResult:
         hs = InitiatorHandshake(

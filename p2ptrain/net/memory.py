@@ -158,6 +158,7 @@ class MemoryNetwork:
         self._listeners: dict[tuple[str, int], StreamHandler] = {}
         self._serve_nurseries: dict[tuple[str, int], trio.Nursery] = {}
         self._blocked: set[frozenset[str]] = set()
+        self._natted: set[str] = set()
         self._pipes: list[_Pipe] = []
         self._changed = trio.Event()
         self._next_port = 40000
@@ -180,6 +181,12 @@ class MemoryNetwork:
         for a in side_a:
             for b in side_b:
                 self._blocked.add(frozenset((a, b)))
+        self._notify()
+
+    def nat(self, host: str) -> None:
+        """Put ``host`` behind a NAT: its own dials go out and their connections work both ways, while
+        dials to it hang (the router drops unsolicited SYNs)."""
+        self._natted.add(host)
         self._notify()
 
     def heal(self) -> None:
@@ -208,7 +215,7 @@ class MemoryNetwork:
         return MemoryTransport(self, host)
 
     async def _connect(self, src: str, host: str, port: int) -> MemoryStream:
-        while self.blocked(src, host):
+        while self.blocked(src, host) or host in self._natted:
             await self._changed.wait()  # a dial into a partition hangs (SYN dropped)
         handler = self._listeners.get((host, port))
         await trio.sleep(self.profile(src, host).latency)  # the SYN's trip

@@ -2,10 +2,11 @@
 network on the virtual clock, where a node behind a NAT is one whose advertised address nobody can
 dial (it announces its LAN name; it reaches out, nobody reaches in).
 
-A joiner that no peer can dial back gives no address to join through, and says what its peers see it
-at; the swarm's first peer, which has nobody to ask when it starts, asks the first peers it meets. On
-the code before, both printed their advertised address as the one "others join with", and the first
-peer never checked at all.
+A joiner that no peer can dial back gives no direct address to join through, says what its peers see it
+at, and gives its address through a relay (a peer it reached: see ``test_relay``); the swarm's first
+peer, which has nobody to ask when it starts, asks the first peers it meets. On the code before, both
+printed their advertised address as the one "others join with", and the first peer never checked at
+all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def node(net: MemoryNetwork, name: str, join: list[PeerAddress], announce: str |
     return Node(ident, config, transport=net.transport(name), clock=trio.current_time)
 
 
-async def test_a_joiner_nobody_can_dial_back_gives_no_address_to_join_through(
+async def test_a_joiner_nobody_can_dial_back_gives_its_address_through_a_relay(
     autojump_clock: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     net = MemoryNetwork(seed=1)
@@ -39,7 +40,7 @@ async def test_a_joiner_nobody_can_dial_back_gives_no_address_to_join_through(
             await nursery.start(public.run)
             home = node(net, "home", [public.addresses[0]], announce="192.168.1.2")  # its LAN address
             await nursery.start(home.run)
-            assert await home.dialable_addresses() == []
+            assert await home.dialable_addresses() == [public.addresses[0].circuit_to(home.peer_id)]
             assert home.dht.reachable is False and home.dht.client_only
             assert home.dht.observed_host == "home"  # what the public peer sees it at
             assert "no peer can dial" in caplog.text and "peers see it at home" in caplog.text
@@ -69,7 +70,8 @@ async def test_the_swarms_first_peer_asks_the_first_peers_it_meets_to_dial_it_ba
                 await first.dht.reachability_checked.wait()
             assert first.dht.reachable is (announce is None)
             assert first.dht.client_only is (announce is not None)
-            assert await first.dialable_addresses() == ([] if announce else first.addresses)
+            relayed = [joiner.addresses[0].circuit_to(first.peer_id)]  # (the peer it met relays)
+            assert await first.dialable_addresses() == (relayed if announce else first.addresses)
             nursery.cancel_scope.cancel()
 
 

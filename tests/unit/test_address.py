@@ -125,3 +125,23 @@ def test_bad_addresses(text: str, reason: str) -> None:
     assert reason in str(info.value)
     if "peer id" not in reason:
         assert str(info.value).startswith("bad address ")
+
+
+def test_a_circuit_address_names_the_relay_and_the_target() -> None:
+    relay = Identity.from_seed(bytes([7]) * 32).peer_id
+    text = f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{PID}"
+    addr = PeerAddress.parse(text)
+    assert (addr.host, addr.port, addr.peer_id, addr.relay) == ("198.51.100.2", 4001, PEER, relay)
+    assert str(addr) == text
+    assert addr.relay_address == PeerAddress.parse(f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}")
+    assert addr.relay_address is not None and addr.relay_address.circuit_to(PEER) == addr
+    assert PeerAddress.parse(f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}").relay_address is None
+    with pytest.raises(ValueError, match="through a relay's own address"):
+        addr.circuit_to(relay)
+    for bad in (
+        f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}/p2p-circuit/p2p/nonsense",
+        f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}/p2p-circuit/x/{PID}",
+        f"/ip4/198.51.100.2/tcp/4001/p2p/{relay}/p2p-circuit",
+    ):
+        with pytest.raises(ValueError):
+            PeerAddress.parse(bad)

@@ -28,3 +28,17 @@ def test_announce_is_a_host_and_an_optional_port(
 def test_announce_port_out_of_range_is_refused() -> None:
     with pytest.raises(UsageError, match="out of range"):
         _announce("203.0.113.7:70000")
+
+
+def test_a_node_relays_unless_told_not_to() -> None:
+    from p2ptrain.cli import _node_config, build_parser
+    from p2ptrain.node import Node
+
+    on = _node_config(build_parser().parse_args(["node", "--identity", "k"]))
+    off = _node_config(build_parser().parse_args(["node", "--identity", "k", "--no-relay"]))
+    assert on.relay and not off.relay
+    from p2ptrain.identity import Identity
+
+    identity = Identity.generate()
+    assert Node(identity, on).host.relay.config.enabled
+    assert not Node(identity, off).host.relay.config.enabled
