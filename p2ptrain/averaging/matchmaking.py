@@ -26,9 +26,9 @@ already moves a mean anywhere, so counting origins would only slow honest groups
 
 Quorum of known peers. A step's group must hold a majority of the step's peers, so that two groups cannot
 both commit it (two lineages). Counted by id, fresh keys that join two groups would let both reach it;
-so a training run names the peers it trusts and how many of them the group must hold
-(:class:`Quorum`): the group forms only with that many of them, and a trusted joiner that finds the
-group full takes the place of the newest joiner that is not.
+so a training run names the peers it knows (those that publish progress) and how many of them the group
+must hold (:class:`Quorum`): the group forms only with that many of them, and a known joiner that finds
+the group full takes the place of the newest joiner that is not.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Gathering:
                 return "the group is full"
             self.joiners.remove(out)
             self.bumped[out.peer] = (
-                "the group is full: its place went to a peer the leader trained with"
+                "the group is full: its place went to a peer the leader knows"
                 if self._counts(joiner)
                 else "the group is full: its place went to a peer of a less represented subnet"
             )
@@ -239,5 +239,5 @@ class Gathering:
         if self.size() < self.min_size:
             return f"only {self.size()} of at least {self.min_size} peers joined in time"
         if self.quorum is not None and self.counted() < self.quorum.size:
-            return f"only {self.counted()} of the at least {self.quorum.size} peers it trusts joined in time"
+            return f"only {self.counted()} of the at least {self.quorum.size} peers it knows joined in time"
         return [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]

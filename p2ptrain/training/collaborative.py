@@ -563,16 +563,16 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 return  # step() catches up, or steps alone
             target = min(self.view.peers, cfg.max_group_size)
             minimum = min(target, self.view.quorum)  # a majority: two groups cannot both form
-            trusted = self.trusted()
+            # Only members that publish progress count toward that majority: ids that only join groups
+            # would let two groups of one step both reach it (two lineages).
+            known = frozenset(r.peer for r in self.records) | {self.node.peer_id}
             manifest = await self.node.averager.form_group(
                 self.averaged.tensors,
                 timeout=cfg.timeout,
                 group_key=f"{self.config.training.mode}-{epoch}",
                 target_size=target,
                 min_size=minimum,
-                quorum=None
-                if trusted is None
-                else Quorum(trusted | {self.node.peer_id}, min(target, self.view.trusted_quorum)),
+                quorum=Quorum(known, minimum),
             )
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)

@@ -85,7 +85,6 @@ class SwarmView:
     newest: int  # the epoch the trusted peers' records say to be on (>= ``epoch``)
     peers: int  # peers working on ``epoch`` (or about to: their round for the one before is landing)
     quorum: int  # the fewest peers a group of ``epoch`` needs: a majority of those this peer can vouch for
-    trusted_quorum: int  # ... of which at least this many trusted ones (this peer included): see below
     others: int  # other live peers of the run, on any epoch (some may be catching up)
     samples: float  # estimated samples the swarm has done toward ``epoch``
     rate: float  # the swarm's samples per second on ``epoch``
@@ -220,8 +219,6 @@ def swarm_view(
     # (it gathers until its deadline, then goes with those who came).
     sure_n = 1 + sum(vouches(o) for o in (*same, *landing))
     quorum = (sure_n + min(peers - sure_n, sure_n - 1)) // 2 + 1
-    # Ids that join two groups would let both reach that many: a majority of the trusted must be in it too.
-    trusted_quorum = sure_n // 2 + 1
     if newest > mine.epoch:
         ahead = sum(o.record.epoch == newest for o in vouched)
         reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"
@@ -232,7 +229,6 @@ def swarm_view(
         newest=newest,
         peers=peers,
         quorum=quorum,
-        trusted_quorum=trusted_quorum,
         others=len(others),
         samples=samples,
         rate=rate,

@@ -216,14 +216,14 @@ def test_a_gathering_with_a_quorum_forms_only_with_enough_known_peers():
     assert g.full() and g.counted() == 1 and not g.ready()
     assert g.offer(Joiner(pid(11 + 5), "", 1.0), b"s") == "the group is full"
     assert g.offer(Joiner(pid(1), "a", 1.0), b"s") is None
-    assert "trained with" in g.bumped[strangers[2].peer]
+    assert "the leader knows" in g.bumped[strangers[2].peer]
     assert g.ready()
     assert {m.peer for m in g.form()} == {pid(99), pid(1), pid(10), pid(11)}
 
     alone = Gathering(Joiner(pid(99), "l", 1.0), b"s", target_size=4, min_size=2, quorum=known)
     for j in strangers:
         alone.offer(j, b"s")
-    assert alone.form() == "only 1 of the at least 2 peers it trusts joined in time"
+    assert alone.form() == "only 1 of the at least 2 peers it knows joined in time"
 
 
 # ---- manifests and decisions ----

@@ -881,15 +881,3 @@ def test_fresh_keys_that_never_average_cannot_raise_the_quorum_past_the_trusted(
     idle.append(peer(9))
     assert view(rec(), *many, *idle, trusted={pid(1), pid(2), pid(3)}).quorum == 4  # of 4 vouched + 3 of 4
     assert view(rec(), *many, *idle, trusted=None).quorum == 5  # a private swarm: a majority of all 8
-
-
-def test_a_group_needs_a_majority_of_the_trusted_peers_of_its_step() -> None:
-    """Ids that join groups (records or not) could let two groups of one step both reach the quorum;
-    a majority of the trusted peers on the step, this one included, cannot be in two groups."""
-    many = [peer(n) for n in (1, 2, 3)]
-    idle = [peer(n) for n in range(5, 9)]
-    assert view(rec(), *many, *idle, trusted={pid(1), pid(2), pid(3)}).trusted_quorum == 3  # of 4
-    assert view(rec(), peer(1), *idle, trusted={pid(1)}).trusted_quorum == 2  # of 2
-    assert view(rec(), *idle, trusted=set()).trusted_quorum == 1  # alone among strangers
-    elsewhere = peer(2, epoch=EPOCH + 1)  # a trusted peer on another step counts for nothing here
-    assert view(rec(), peer(1), elsewhere, trusted={pid(1), pid(2)}).trusted_quorum == 2
