@@ -91,7 +91,8 @@ INFO = Method("p2p.info", InfoRequest, NodeInfo)
 STATUS = Method("p2p.status", StatusRequest, StatusResponse)
 MAX_STATUS_BYTES = 512 * 1024
 RELAYS = 2  # relays a node nobody can dial keeps a reservation with
-RELAY_RETRY = 30.0  # seconds before a node without a relay (or not needing one) looks again
+RELAY_RETRY = 30.0  # seconds before a node that needs no relay looks again
+RELAY_SOON = 5.0  # ... and one that needs a relay and has none
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -304,7 +305,8 @@ class Node:
             ttl = 0.0
             if self.dht.reachable is False:
                 relays, asked = self.host.relay.relays, set()
-                for addr in [*relays.values(), *self.config.join, *self.dht.recent_contacts()]:
+                joins = [a.relay_address or a for a in self.config.join]  # (a circuit's relay is public)
+                for addr in [*relays.values(), *joins, *self.dht.recent_contacts()]:
                     peer = addr.peer_id
                     if peer is None or addr.relay is not None or peer == self.peer_id or peer in asked:
                         continue
@@ -321,7 +323,7 @@ class Node:
                     if not self._relayed.is_set():
                         log.info("others reach this node through relay %s", peer.short())
                         self._relayed.set()
-            await trio.sleep(ttl / 2 if ttl else RELAY_RETRY)
+            await trio.sleep(ttl / 2 if ttl else RELAY_RETRY if self.dht.reachable else RELAY_SOON)
 
     # ---- membership ----
 

@@ -279,7 +279,7 @@ class DHT:
             log.warning(
                 "no peer can dial %s%s: behind a NAT or a firewall, this node runs as a client-only "
                 "peer (queries and stores go through others; it holds no records for the swarm), and "
-                "nobody can join the swarm through it: give others a public peer's address, or forward "
+                "others reach it through a relay (the address it prints); to make it a full peer, forward "
                 "a port to it and start it with --announce",
                 mine,
                 seen,

@@ -122,6 +122,7 @@ class Connection:
         self.remote_port = remote_port
         self.config = config
         self.keep_open = False
+        self.relayed = False  # it runs through a relay's circuit (see ``relay``): remote_* are the relay's
         self._registry = registry
         self._ids = itertools.count(1 if outbound else 2, 2)
         self._out: dict[int, _OutCall] = {}

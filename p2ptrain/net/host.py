@@ -234,18 +234,23 @@ class Host:
         """
         if address.peer_id is None:
             raise PeerUnavailable("a probe needs an address with a peer id")
-        with trio.fail_after(timeout or self.config.connect_timeout):
-            try:
-                stream = await self.transport.connect(address.host, address.port)
-            except OSError as e:
-                raise PeerUnavailable(
-                    f"cannot reach {address.host}:{address.port}: {_os_reason(e)}"
-                ) from None
-            try:
-                framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
-                await self._initiate(framed, address.peer_id)
-            finally:
-                await _close_quietly(stream)
+        limit = timeout or self.config.connect_timeout
+        try:
+            with trio.fail_after(limit):
+                try:
+                    stream = await self.transport.connect(address.host, address.port)
+                except OSError as e:
+                    raise PeerUnavailable(
+                        f"cannot reach {address.host}:{address.port}: {_os_reason(e)}"
+                    ) from None
+                try:
+                    framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+                    await self._initiate(framed, address.peer_id)
+                finally:
+                    await _close_quietly(stream)
+        except trio.TooSlowError:  # (a NAT drops the SYN: the dial hangs)
+            where = f"{address.host}:{address.port}"
+            raise PeerUnavailable(f"{where} did not answer within {limit:g} s") from None
 
     def traffic(self) -> tuple[int, int]:
         """Bytes sent and received on the wire since the host started, over every connection."""
@@ -368,6 +373,7 @@ class Host:
                 result.remote_peer,
             )
         conn = self._make_connection(framed, result, True, addr.host, addr.port)
+        conn.relayed = addr.relay is not None
         await self._nursery.start(self._run_connection, conn, result)
         return conn
 
@@ -395,7 +401,7 @@ class Host:
         self._next_slot += 1
         entry = _Inbound(self._next_slot, relay_host, subnet_of(relay_host), trio.current_time())
         try:
-            await self._accept_admitted(framed, relay_host, 0, entry)
+            await self._accept_admitted(framed, relay_host, 0, entry, relayed=True)
         finally:
             self._relayed_inbound -= 1
 
@@ -597,7 +603,9 @@ class Host:
             if entry.scope.cancelled_caught:
                 await _close_quietly(stream)
 
-    async def _accept_admitted(self, framed: FramedStream, host: str, port: int, entry: _Inbound) -> None:
+    async def _accept_admitted(
+        self, framed: FramedStream, host: str, port: int, entry: _Inbound, *, relayed: bool = False
+    ) -> None:
         hs = ResponderHandshake(
             self.identity,
             self.run_id,
@@ -651,6 +659,7 @@ class Host:
             await _close_quietly(framed.stream)
             return
         conn = self._make_connection(framed, hs.result, False, host, port)
+        conn.relayed = relayed
         entry.conn = conn
         await self._run_connection(conn, hs.result)
 

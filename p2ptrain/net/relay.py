@@ -249,6 +249,8 @@ class Relay:
         if relay.peer_id is None:
             raise PeerUnavailable("a relay's address needs its peer id")
         conn = await self.host.connect(relay, timeout=timeout)
+        if conn.relayed:
+            raise PeerUnavailable(f"{relay.peer_id.short()} is reached through a relay itself")
         resp = await conn.call(RESERVE, ReserveReq(), timeout=timeout)
         if not resp.ok:
             raise PeerUnavailable(f"relay {relay.peer_id.short()} refused a reservation: {resp.reason}")

@@ -12,6 +12,7 @@ all.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import pytest
 import trio
@@ -114,3 +115,25 @@ async def test_the_peers_asked_to_dial_back_come_from_different_subnets() -> Non
     me.dht.table.observe(Contact(honest, PeerAddress.for_host("198.18.9.1", PORT, honest)), 0.0)
     askers = me.dht._askers(3)
     assert len(askers) == 2 and honest in {c.peer_id for c in askers}
+
+
+async def test_a_dial_back_that_a_nat_drops_is_answered_not_a_crash(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a NAT the dial-back hangs (the router drops the SYN); the asked peer answers that it got
+    no answer in time. Before, its handler died of the timeout and logged an error with a traceback."""
+    net = MemoryNetwork(seed=3)
+    net.nat("home")
+    caplog.set_level(logging.INFO, logger="p2ptrain")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            public = node(net, "public", [])
+            await nursery.start(public.run)
+            home = node(net, "home", [public.addresses[0]])  # announces its real name: the dial hangs
+            await nursery.start(home.run)
+            with trio.fail_after(300):
+                await home.dht.reachability_checked.wait()
+            assert home.dht.reachable is False
+            nursery.cancel_scope.cancel()
+    assert "did not answer within" in caplog.text
+    assert "handler for dht.dial_back failed" not in caplog.text

@@ -139,4 +139,8 @@ async def test_a_home_user_pastes_another_home_users_address_and_joins_the_swarm
             assert [len(r.contributors) for r in results] == [3, 3, 3]
             assert all(torch.equal(r.tensors[0], torch.full((100,), 1.0)) for r in results)
             assert public.peer_id in {c.peer_id for c in home2.dht.table.contacts()}  # (from home1)
+            # home2 is behind a NAT too: its own relay is the public peer, never home1 (which it reaches
+            # only through a circuit, and which nobody can dial)
+            [relayed] = await home2.dialable_addresses()
+            assert relayed == public.addresses[0].circuit_to(home2.peer_id)
             nursery.cancel_scope.cancel()

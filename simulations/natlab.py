@@ -1,0 +1,248 @@
+"""A NAT lab: one public peer and home peers, each behind its own router doing MASQUERADE.
+
+Layout (namespaces this module creates; nothing is added to the host's own namespace)::
+
+    hub:        bridge br0, the "internet" (198.18.0.0/24)
+    public:     eth0 198.18.0.2/24
+    router i:   wan 198.18.0.{10+i}/24 on the bridge, lan 198.19.{i}.1/24; forwards, MASQUERADEs what
+                leaves by wan, and drops every new connection that arrives on wan (a home router)
+    home i:     eth0 198.19.{i}.2/24, default route via its router
+
+The routers' mappings are endpoint-independent by default (Linux MASQUERADE keeps the source port when
+it can); ``symmetric=True`` adds ``--random-fully`` (a fresh port per connection). Addresses are in
+198.18.0.0/15, set aside for benchmarking. Names and cleanup follow ``simulations.netns``.
+
+Usage::
+
+    python -m simulations.natlab relay-join [--json PATH]
+
+``relay-join``: real ``p2ptrain node`` processes: the public peer P; home 1 joins P and prints the
+address others join it with (through a relay: nobody can dial it); home 2 pastes only that address.
+It reports whether home 2 got in (connected to home 1 through P, and to the swarm), how long each step
+took, and what P relayed. JSON first, then a table.
+
+Needs root, ``ip`` and ``iptables``; :func:`unavailable` says why a lab cannot be built (or None).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .netns import REPO_ROOT, _delete, _ip, _own_group, read_line, remove_stale
+from .netns import unavailable as netns_unavailable
+
+PREFIX = "p2pnat"
+PUBLIC = "198.18.0.2"
+IPT_TIMEOUT = 20.0
+
+_serial = itertools.count()
+
+
+def unavailable() -> str | None:
+    """Why a NAT lab cannot be built here, or None."""
+    why = netns_unavailable()
+    if why is not None:
+        return why
+    if shutil.which("iptables") is None:
+        return "'iptables' not found (install iptables)"
+    return None
+
+
+def _ipt(ns: str, *args: str) -> None:
+    done = subprocess.run(
+        ["ip", "netns", "exec", ns, "iptables", *args], capture_output=True, text=True, timeout=IPT_TIMEOUT
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"iptables {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+
+
+class NatLab:
+    """``homes`` home peers behind routers and one public peer (see the module docstring)."""
+
+    def __init__(self, homes: int = 2, *, symmetric: bool = False) -> None:
+        if not 1 <= homes <= 50:
+            raise ValueError("homes must be between 1 and 50")
+        self.homes = homes
+        self.symmetric = symmetric
+        self.base = f"{PREFIX}-{os.getpid()}-{next(_serial)}"
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def __enter__(self) -> NatLab:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _ns(self, name: str) -> str:
+        full = f"{self.base}-{name}"
+        _ip("netns", "add", full)
+        self._created.append(full)
+        _ip("-n", full, "link", "set", "lo", "up")
+        return full
+
+    def _wire(self, ns: str, dev: str, addr: str) -> None:
+        """A veth from the hub's bridge to ``ns`` (``dev`` there, with ``addr``)."""
+        hub_dev = f"v{len(self._created)}"
+        _ip("-n", self.hub, "link", "add", hub_dev, "type", "veth", "peer", "name", dev, "netns", ns)
+        _ip("-n", self.hub, "link", "set", hub_dev, "master", "br0")
+        _ip("-n", self.hub, "link", "set", hub_dev, "up")
+        _ip("-n", ns, "addr", "add", addr, "dev", dev)
+        _ip("-n", ns, "link", "set", dev, "up")
+
+    def _build(self) -> None:
+        remove_stale(PREFIX)
+        self.hub = self._ns("hub")
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        self.public = self._ns("public")
+        self._wire(self.public, "eth0", f"{PUBLIC}/24")
+        self.home_ns: list[str] = []
+        for i in range(1, self.homes + 1):
+            router, home = self._ns(f"r{i}"), self._ns(f"h{i}")
+            self._wire(router, "wan", f"198.18.0.{10 + i}/24")
+            _ip("-n", router, "link", "add", "lan", "type", "veth", "peer", "name", "eth0", "netns", home)
+            _ip("-n", router, "addr", "add", f"198.19.{i}.1/24", "dev", "lan")
+            _ip("-n", router, "link", "set", "lan", "up")
+            _ip("-n", home, "addr", "add", f"198.19.{i}.2/24", "dev", "eth0")
+            _ip("-n", home, "link", "set", "eth0", "up")
+            _ip("-n", home, "route", "add", "default", "via", f"198.19.{i}.1")
+            _ip("netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+            masq = ["-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE"]
+            _ipt(router, *masq, *(["--random-fully"] if self.symmetric else []))
+            _ipt(
+                router,
+                "-A",
+                "FORWARD",
+                "-i",
+                "wan",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            )
+            _ipt(router, "-A", "FORWARD", "-i", "wan", "-j", "DROP")  # nothing unsolicited gets in
+            self.home_ns.append(home)
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if _own_group(proc):
+                        os.killpg(proc.pid, 9)
+                    else:
+                        proc.kill()
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._procs.clear()
+        for name in reversed(self._created):
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                _delete(name)
+        self._created.clear()
+
+    def home_address(self, i: int) -> str:
+        """Home i's LAN address (1-based): what it sees itself as, and what nobody outside can dial."""
+        return f"198.19.{i}.2"
+
+    def popen(self, ns: str, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
+        kw.setdefault("cwd", REPO_ROOT)
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kw)
+        self._procs.append(proc)
+        return proc
+
+
+def _node(lab: NatLab, ns: str, workdir: Path, name: str, *extra: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "p2ptrain", "--log-level", "info", "node", "--run-id", "natlab"]
+    argv += ["--data-dir", str(workdir / name), *extra]
+    with (workdir / f"{name}.log").open("w") as log:  # (the child keeps its own copy of the descriptor)
+        return lab.popen(ns, argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+
+
+def _wait_for(path: Path, text: str, timeout: float) -> float | None:
+    """Seconds until ``text`` appears in the file at ``path``, or None after ``timeout``."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return time.monotonic() - began
+        time.sleep(0.2)
+    return None
+
+
+def relay_join(workdir: Path, timeout: float = 120.0) -> dict[str, Any]:
+    """The ``relay-join`` scenario (see the module docstring)."""
+    out: dict[str, Any] = {"scenario": "relay-join", "ok": False}
+    with NatLab(2) as lab:
+        began = time.monotonic()
+        public = _node(lab, lab.public, workdir, "public", "--listen", f"{PUBLIC}:4001")
+        p_addr = read_line(public, timeout).strip()
+        out["public_address"] = p_addr
+        home1 = _node(lab, lab.home_ns[0], workdir, "home1", "--listen", "0.0.0.0:4001", "--join", p_addr)
+        pasted = read_line(home1, timeout).strip()  # printed once nobody could dial it back
+        out["home1_address"] = pasted
+        out["home1_address_s"] = round(time.monotonic() - began, 1)
+        out["home1_relayed"] = "/p2p-circuit/" in pasted and pasted.startswith(f"/ip4/{PUBLIC}/")
+        home2 = _node(lab, lab.home_ns[1], workdir, "home2", "--listen", "0.0.0.0:4001", "--join", pasted)
+        joined = _wait_for(workdir / "home2.log", "joined the swarm through", timeout)
+        out["home2_joined_s"] = None if joined is None else round(joined, 1)
+        p_id = p_addr.rsplit("/", 1)[-1][:6]
+        met = _wait_for(workdir / "home2.log", f"connected to {p_id}", timeout)
+        out["home2_met_public_s"] = None if met is None else round(met, 1)
+        home2_addr = read_line(home2, timeout).strip()
+        out["home2_address"] = home2_addr
+        out["ok"] = bool(out["home1_relayed"] and joined is not None and met is not None)
+        for proc in (home2, home1, public):
+            proc.terminate()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulations.natlab", description=__doc__.split("\n")[0])
+    parser.add_argument("scenario", choices=["relay-join"])
+    parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
+    parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
+    args = parser.parse_args(argv)
+    why = unavailable()
+    if why is not None:
+        print(f"cannot build a NAT lab here: {why}", file=sys.stderr)
+        return 2
+    import tempfile
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="natlab-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    report = relay_join(workdir) | {"workdir": str(workdir)}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    rows = [(k, str(v)) for k, v in report.items()]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The NAT lab (``simulations.natlab``), with real ``p2ptrain node`` processes behind real MASQUERADE
+routers: a home node that nobody can dial prints an address through the public peer, and a second home
+user who pastes only that address gets into the swarm (the first home node through the relay, then the
+public peer).
+
+Runs only where the lab can be built (root, iproute2, iptables, network namespaces); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from simulations.natlab import PUBLIC, NatLab, relay_join, unavailable
+from simulations.netns import list_namespaces
+
+REASON = unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+@pytest.mark.timeout(600)
+def test_a_home_user_joins_through_another_home_users_relayed_address(tmp_path: Path) -> None:
+    report = relay_join(tmp_path, timeout=240.0)
+    logs = {p.name: p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log")}
+    assert report["home1_relayed"], (report, logs)
+    assert report["home1_address"].startswith(f"/ip4/{PUBLIC}/tcp/4001/p2p/"), report
+    assert report["home2_joined_s"] is not None and report["home2_met_public_s"] is not None, (report, logs)
+    assert "/p2p-circuit/" in report["home2_address"], report  # it is behind a NAT too
+    assert report["ok"]
+
+
+@pytest.mark.timeout(120)
+def test_the_lab_leaves_nothing_behind() -> None:
+    with NatLab(1) as lab:
+        names = list(lab._created)
+        assert all(n in list_namespaces() for n in names)
+    assert not any(n in list_namespaces() for n in names)
