@@ -14,7 +14,7 @@ it can); ``symmetric=True`` adds ``--random-fully`` (a fresh port per connection
 
 Usage::
 
-    python -m simulations.natlab relay-join [--json PATH]
+    python -m simulations.natlab relay-join [--symmetric] [--json PATH]
 
 ``relay-join``: real ``p2ptrain node`` processes: the public peer P; home 1 joins P and prints the
 address others join it with (through a relay: nobody can dial it); home 2 pastes only that address.
@@ -191,10 +191,11 @@ def _wait_for(path: Path, text: str, timeout: float) -> float | None:
     return None
 
 
-def relay_join(workdir: Path, timeout: float = 120.0) -> dict[str, Any]:
+def relay_join(workdir: Path, timeout: float = 120.0, *, symmetric: bool = False) -> dict[str, Any]:
     """The ``relay-join`` scenario (see the module docstring)."""
-    out: dict[str, Any] = {"scenario": "relay-join", "ok": False}
-    with NatLab(2) as lab:
+    nat = "symmetric" if symmetric else "endpoint-independent"
+    out: dict[str, Any] = {"scenario": "relay-join", "nat": nat, "ok": False}
+    with NatLab(2, symmetric=symmetric) as lab:
         began = time.monotonic()
         public = _node(lab, lab.public, workdir, "public", "--listen", f"{PUBLIC}:4001")
         p_addr = read_line(public, timeout).strip()
@@ -221,6 +222,7 @@ def relay_join(workdir: Path, timeout: float = 120.0) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.natlab", description=__doc__.split("\n")[0])
     parser.add_argument("scenario", choices=["relay-join"])
+    parser.add_argument("--symmetric", action="store_true", help="routers map each connection anew")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
     args = parser.parse_args(argv)
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="natlab-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    report = relay_join(workdir) | {"workdir": str(workdir)}
+    report = relay_join(workdir, symmetric=args.symmetric) | {"workdir": str(workdir)}
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
