@@ -119,7 +119,7 @@ class Joiner:
     peer: PeerID
     addr: str
     bandwidth: float
-    origin: str = ""  # the subnet its leader sees it from ("" for the leader: an origin of its own)
+    origin: str = ""  # the subnet its leader sees it from (the leader: its own, "" when it does not know)
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class Gathering:
     by_origin: bool = False  # count joiners by origin (robust runs; see the module docstring)
     quorum: Quorum | None = None  # the known peers it must hold (see the module docstring)
     joiners: list[Joiner] = field(default_factory=list)
-    bumped: dict[PeerID, str] = field(default_factory=dict)  # joiners whose place went to another origin
+    bumped: dict[PeerID, str] = field(default_factory=dict)  # joiners that lost their place, and why
     formed: bool = False
 
     def offer(self, joiner: Joiner, schema: bytes) -> str | None:
