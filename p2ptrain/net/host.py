@@ -536,7 +536,7 @@ class Host:
                 continue
             c = e.conn
             since = e.arrived if c is None else c.last_busy
-            protected = c is not None and c.peer in self._protected
+            protected = c is not None and (c.peer in self._protected or self.relay.holds(c.peer))
             busy = c is not None and c.active_calls > 0
             out.append(Slot(e.key, e.ip, e.subnet, since, c is not None, protected, busy))
         return out

@@ -167,14 +167,20 @@ class Relay:
                 return ReserveResp(False, f"no reservation left here for {subnet}")
             log.info("%s reserved a relay slot here", ctx.peer.short())
         self.reserved[ctx.peer] = now + cfg.reservation_ttl
-        self.host.protect(ctx.peer)  # (its connection is how it is reached: never evicted)
+        conn = self.host.connection(ctx.peer)
+        if conn is not None:  # its connection is how it is reached: never closed for idleness
+            conn.keep_open = True
         return ReserveResp(True, "", cfg.reservation_ttl)
+
+    def holds(self, peer: PeerID) -> bool:
+        """Does ``peer`` hold a reservation here now (its connection is not evicted)?"""
+        return self.reserved.get(peer, 0.0) > self.host.clock()
 
     def _refusal(self, target: PeerID) -> str:
         cfg = self.config
         if not cfg.enabled:
             return "this host does not relay"
-        if self.reserved.get(target, 0.0) <= self.host.clock():
+        if not self.holds(target):
             return f"{target.short()} holds no reservation here"
         if sum(self.circuits.values()) >= cfg.max_circuits:
             return "too many circuits through this relay"
@@ -254,6 +260,7 @@ class Relay:
         resp = await conn.call(RESERVE, ReserveReq(), timeout=timeout)
         if not resp.ok:
             raise PeerUnavailable(f"relay {relay.peer_id.short()} refused a reservation: {resp.reason}")
+        conn.keep_open = True  # (between renewals it may carry nothing for longer than the idle timeout)
         self.relays[relay.peer_id] = relay
         return resp.ttl
 

@@ -144,3 +144,19 @@ async def test_a_home_user_pastes_another_home_users_address_and_joins_the_swarm
             [relayed] = await home2.dialable_addresses()
             assert relayed == public.addresses[0].circuit_to(home2.peer_id)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_reservation_outlives_the_idle_timeout(mem_cluster, memnet, kit, autojump_clock):
+    """Between renewals the connection to the relay carries nothing for minutes; it must stay open on
+    both ends, or the relay can no longer reach the target (before: closed after the idle timeout)."""
+    relay = await mem_cluster.start("relay")
+    target = await mem_cluster.start("target")
+    dialer = await mem_cluster.start("dialer")
+    memnet.partition({"target"}, {"dialer"})
+    with trio.fail_after(3600):
+        await target.host.relay.reserve(relay.address)
+        idle = target.host.connection(relay.host.peer_id).config.idle_timeout
+        await trio.sleep(5 * idle)
+        assert target.host.connection(relay.host.peer_id) is not None
+        conn = await dialer.host.connect(target.host.relay.circuit_addresses()[0])
+        assert (await conn.call(kit.ECHO, kit.Text("still there"))).text == "still there"
