@@ -96,7 +96,7 @@ class CircuitStream(trio.abc.HalfCloseableStream):
 
     def __init__(self, rpc: RpcStream, leftover: bytes = b"") -> None:
         self._rpc = rpc
-        self._buffer = bytearray(leftover)
+        self._pending = memoryview(leftover)  # the rest of the last chunk, not yet read
         self.closed = trio.Event()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -117,15 +117,14 @@ class CircuitStream(trio.abc.HalfCloseableStream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self.closed.is_set():
             raise trio.ClosedResourceError("the circuit is closed")
-        if not self._buffer:
+        if not self._pending:
             try:
-                self._buffer += await self._rpc.receive_some()
+                self._pending = await self._rpc.receive_some()
             except P2PError as e:
                 raise trio.BrokenResourceError(f"the circuit broke: {e}") from None
-        n = len(self._buffer) if max_bytes is None else min(max_bytes, len(self._buffer))
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return out
+        n = len(self._pending) if max_bytes is None else min(max_bytes, len(self._pending))
+        out, self._pending = self._pending[:n], self._pending[n:]  # (views: one copy, below)
+        return bytes(out)
 
     async def aclose(self) -> None:
         if not self.closed.is_set():
