@@ -27,26 +27,20 @@ Needs root, ``ip`` and ``iptables``; :func:`unavailable` says why a lab cannot b
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-from .netns import REPO_ROOT, _delete, _ip, _own_group, read_line, remove_stale
+from .netns import Lab, _ip, read_line, remove_stale
 from .netns import unavailable as netns_unavailable
 
 PREFIX = "p2pnat"
 PUBLIC = "198.18.0.2"
 IPT_TIMEOUT = 20.0
-
-_serial = itertools.count()
 
 
 def unavailable() -> str | None:
@@ -67,35 +61,19 @@ def _ipt(ns: str, *args: str) -> None:
         raise RuntimeError(f"iptables {' '.join(args)}: {done.stderr.strip() or done.returncode}")
 
 
-class NatLab:
+class NatLab(Lab):
     """``homes`` home peers behind routers and one public peer (see the module docstring)."""
 
     def __init__(self, homes: int = 2, *, symmetric: bool = False) -> None:
         if not 1 <= homes <= 50:
             raise ValueError("homes must be between 1 and 50")
+        super().__init__(PREFIX)
         self.homes = homes
         self.symmetric = symmetric
-        self.base = f"{PREFIX}-{os.getpid()}-{next(_serial)}"
-        self._created: list[str] = []
-        self._procs: list[subprocess.Popen[Any]] = []
-
-    def __enter__(self) -> NatLab:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def _ns(self, name: str) -> str:
         full = f"{self.base}-{name}"
-        _ip("netns", "add", full)
-        self._created.append(full)
+        self._add_ns(full)
         _ip("-n", full, "link", "set", "lo", "up")
         return full
 
@@ -144,41 +122,16 @@ class NatLab:
             _ipt(router, "-A", "FORWARD", "-i", "wan", "-j", "DROP")  # nothing unsolicited gets in
             self.home_ns.append(home)
 
-    def close(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    if _own_group(proc):
-                        os.killpg(proc.pid, 9)
-                    else:
-                        proc.kill()
-        for proc in self._procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
-            if proc.stdout is not None:
-                proc.stdout.close()
-        self._procs.clear()
-        for name in reversed(self._created):
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                _delete(name)
-        self._created.clear()
-
     def home_address(self, i: int) -> str:
         """Home i's LAN address (1-based): what it sees itself as, and what nobody outside can dial."""
         return f"198.19.{i}.2"
-
-    def popen(self, ns: str, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
-        kw.setdefault("cwd", REPO_ROOT)
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kw)
-        self._procs.append(proc)
-        return proc
 
 
 def _node(lab: NatLab, ns: str, workdir: Path, name: str, *extra: str) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "p2ptrain", "--log-level", "info", "node", "--run-id", "natlab"]
     argv += ["--data-dir", str(workdir / name), *extra]
     with (workdir / f"{name}.log").open("w") as log:  # (the child keeps its own copy of the descriptor)
-        return lab.popen(ns, argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        return lab.popen_in(ns, argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
 
 
 def _wait_for(path: Path, text: str, timeout: float) -> float | None:

@@ -41,7 +41,7 @@ import time
 from functools import cache
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "198.18.0"  # in 198.18.0.0/15 (RFC 2544 benchmarking range): the only addresses a lab uses
@@ -157,7 +157,64 @@ def unavailable() -> str | None:
     return None
 
 
-class NetnsLab:
+class Lab:
+    """What every lab shares: the namespaces it made and the processes it started, all of them gone at
+    ``close`` (an exception while building included). Subclasses build in ``_build``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.base = f"{prefix}-{os.getpid()}-{next(_serial)}"
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def __enter__(self) -> Self:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _add_ns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._created.append(name)
+
+    def popen_in(self, ns: str, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside namespace ``ns`` (killed at the latest when the lab closes)."""
+        kw.setdefault("cwd", REPO_ROOT)
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kw)
+        self._procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """Kill what this lab started and everything left in its namespaces; delete the namespaces."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if _own_group(proc):
+                        os.killpg(proc.pid, signal.SIGKILL)  # its children (daemons) too
+                    else:
+                        proc.kill()
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._procs.clear()
+        for name in reversed(self._created):
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                _delete(name)
+        self._created.clear()
+
+
+class NetnsLab(Lab):
     """N peer namespaces joined by a bridge in a hub namespace; each link shaped in both directions."""
 
     def __init__(
@@ -184,6 +241,7 @@ class NetnsLab:
             raise ValueError("one rate per peer")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", prefix):
             raise ValueError("prefix: a short lowercase name")
+        super().__init__(prefix)
         self.n = n
         self.prefix = prefix
         self.latency_ms = latency_ms
@@ -194,25 +252,9 @@ class NetnsLab:
             (float(r), float(r)) if isinstance(r, int | float) else (float(r[0]), float(r[1]))
             for r in (rates if rates is not None else [rate_mbit] * n)
         ]
-        self.base = f"{prefix}-{os.getpid()}-{next(_serial)}"
         self.hub = f"{self.base}-hub"
-        self._created: list[str] = []
-        self._procs: list[subprocess.Popen[Any]] = []
 
     # ---- set-up and tear-down ----
-
-    def __enter__(self) -> NetnsLab:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def burst_kb(self, rate_mbit: float) -> float:
         if self._burst_kb is not None:
@@ -267,27 +309,9 @@ class NetnsLab:
             self._shape(ns, PEER_DEV, up)
             self._shape(self.hub, hub_dev, down)
 
-    def _add_ns(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._created.append(name)
-
     def close(self) -> None:
-        """Kill what this lab started and everything left in its namespaces; delete the namespaces."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    if _own_group(proc):
-                        os.killpg(proc.pid, signal.SIGKILL)  # its children (daemons) too
-                    else:
-                        proc.kill()
-        for proc in self._procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
-        self._procs.clear()
-        for name in reversed(self._created):
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                _delete(name)
-        self._created.clear()
+        """As :meth:`Lab.close`, and the host's list of allowed congestion controls is restored."""
+        super().close()
         if self._allowed_before is not None:
             with contextlib.suppress(OSError):
                 ALLOWED_CC.write_text(self._allowed_before)
@@ -322,10 +346,7 @@ class NetnsLab:
 
     def popen(self, i: int, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside peer i's namespace (killed at the latest when the lab closes)."""
-        kw.setdefault("cwd", REPO_ROOT)
-        proc = subprocess.Popen(self.command(i, argv), **kw)
-        self._procs.append(proc)
-        return proc
+        return self.popen_in(self.netns_name(i), argv, **kw)
 
     def run(
         self, i: int, argv: list[str], *, timeout: float = 60.0, **kw: Any
