@@ -577,7 +577,19 @@ class Averager:
         return f"averaging/{self.host.run_id}/{group_key}".encode()
 
     def _my_addr(self) -> str:
-        return "" if self.dht.client_only else str(self.dht.advertised_address())
+        return self.address(reducer=True)
+
+    def address(self, *, reducer: bool = False) -> str:
+        """Where others dial this peer, "" for nowhere: its advertised address once a peer dialed it
+        back there; behind a NAT, its address through a relay it holds a reservation with. That one
+        makes it a ``reducer`` only once a hole punch with it succeeded (``net.punch``): its share's
+        traffic then travels direct, where through the relay it would cost the relay twice the share."""
+        if not self.dht.client_only:
+            return str(self.dht.advertised_address())
+        circuits = self.host.relay.circuit_addresses()
+        if not circuits or (reducer and not self.host.punch.works):
+            return ""
+        return str(circuits[0])
 
     async def _matchmake(
         self,

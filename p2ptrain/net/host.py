@@ -53,6 +53,7 @@ from .handshake import (
     reject_frame,
 )
 from .linger import Lingering
+from .punch import Puncher
 from .relay import Relay, RelayConfig
 from .rpc import RpcRegistry
 from .transport import TcpTransport, Transport
@@ -82,6 +83,7 @@ class HostConfig:
     id_work: int = 0  # bits of id work asked of every remote (and done for our own id: see ``idwork``)
     work: bytes | None = None  # our id's work nonce when already found (else found at start if needed)
     relay: RelayConfig = field(default_factory=RelayConfig)  # circuits for peers nobody can dial (``relay``)
+    punch: bool = True  # upgrade relayed connections to direct ones where the NATs allow (``punch``)
 
 
 MAX_TRACKED_PEERS = 10_000
@@ -163,6 +165,7 @@ class Host:
         self._throttled: dict[PeerID, bool] = {}
         self._relayed_inbound = 0
         self.relay = Relay(self, self.config.relay)
+        self.punch = Puncher(self, enabled=self.config.punch)
 
     # ---- lifecycle ----
 
@@ -203,6 +206,11 @@ class Host:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """Where the host's connections run (None unless it is running)."""
+        return self._nursery
 
     async def close_all(self, reason: str) -> None:
         """Close every connection gracefully (GoAway first)."""
@@ -295,8 +303,11 @@ class Host:
                 nursery.start_soon(ping, conn)
         return answered
 
-    async def connect(self, address: PeerAddress | str, *, timeout: float | None = None) -> Connection:
-        """Return a live connection to the peer at ``address``, dialing if needed.
+    async def connect(
+        self, address: PeerAddress | str, *, timeout: float | None = None, direct: bool = False
+    ) -> Connection:
+        """Return a live connection to the peer at ``address``, dialing if needed (``direct``: a
+        connection through a relay does not count).
 
         Raises PeerUnavailable (unreachable, timed out), HandshakeRefused (run id, version, peer id),
         or RemoteProtocolError (the remote broke the handshake).
@@ -305,8 +316,11 @@ class Host:
         if addr.peer_id == self.peer_id:
             raise PeerUnavailable("refusing to dial ourselves")
         key: PeerID | tuple[str, int] = addr.peer_id or (addr.host, addr.port)
+        if direct:
+            key = (addr.host, addr.port)
         while True:
-            if addr.peer_id is not None and (conn := self.connection(addr.peer_id)):
+            conn = self.connection(addr.peer_id) if addr.peer_id is not None else None
+            if conn is not None and not (direct and conn.relayed):
                 return conn
             pending = self._dialing.get(key)
             if pending is None:
@@ -354,26 +368,41 @@ class Host:
         except OSError as e:
             reason = _os_reason(e)
             raise PeerUnavailable(f"cannot reach {addr.host}:{addr.port}: {reason}") from None
+        relayed = addr.relay is not None
+        conn = await self.establish(stream, addr.host, addr.port, addr.peer_id, relayed=relayed)
+        if conn.relayed and self.punch.enabled:
+            self._nursery.start_soon(self.punch.upgrade, conn)
+        return conn
+
+    async def establish(
+        self, stream: trio.abc.Stream, host: str, port: int, expected: PeerID | None, *, relayed: bool = False
+    ) -> Connection:
+        """The initiator's handshake over a dialed ``stream``, then the connection, running in the host's
+        nursery. Raises HandshakeRefused, RemoteProtocolError, ConnectionClosed or DeadlineExceeded (the
+        stream closed)."""
+        if self._nursery is None:
+            await _close_quietly(stream)
+            raise PeerUnavailable("host is not running")
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
         try:
             with trio.fail_after(self.config.handshake_timeout):
-                result = await self._initiate(framed, addr.peer_id)
+                result = await self._initiate(framed, expected)
         except trio.TooSlowError:
             await _close_quietly(stream)
-            raise DeadlineExceeded(f"handshake with {addr.host}:{addr.port} timed out") from None
-        except (HandshakeRefused, RemoteProtocolError, ConnectionClosed):
+            raise DeadlineExceeded(f"handshake with {host}:{port} timed out") from None
+        except BaseException:  # (refused, broken, cancelled)
             await _close_quietly(stream)
             raise
-        if addr.peer_id is None:
+        if expected is None:
             log.warning(
                 "connected to %s:%d without a peer id in the address: it claims to be %s "
                 "(not verified against what you meant to dial)",
-                addr.host,
-                addr.port,
+                host,
+                port,
                 result.remote_peer,
             )
-        conn = self._make_connection(framed, result, True, addr.host, addr.port)
-        conn.relayed = addr.relay is not None
+        conn = self._make_connection(framed, result, True, host, port)
+        conn.relayed = relayed
         await self._nursery.start(self._run_connection, conn, result)
         return conn
 

@@ -21,6 +21,7 @@ import trio
 from .transport import StreamHandler
 
 _PIPE_LIMIT = 4 * 1024 * 1024
+PINHOLE_TTL = 30.0  # seconds a NAT lets in a dial from where one of its hosts tried to connect
 
 
 @dataclass
@@ -158,7 +159,8 @@ class MemoryNetwork:
         self._listeners: dict[tuple[str, int], StreamHandler] = {}
         self._serve_nurseries: dict[tuple[str, int], trio.Nursery] = {}
         self._blocked: set[frozenset[str]] = set()
-        self._natted: set[str] = set()
+        self._natted: dict[str, bool] = {}  # host -> whether its NAT is symmetric
+        self._pinholes: dict[tuple[str, int, str, int], float] = {}  # (nat host, port, remote, port) -> until
         self._pipes: list[_Pipe] = []
         self._changed = trio.Event()
         self._next_port = 40000
@@ -183,11 +185,22 @@ class MemoryNetwork:
                 self._blocked.add(frozenset((a, b)))
         self._notify()
 
-    def nat(self, host: str) -> None:
+    def nat(self, host: str, *, symmetric: bool = False) -> None:
         """Put ``host`` behind a NAT: its own dials go out and their connections work both ways, while
-        dials to it hang (the router drops unsolicited SYNs)."""
-        self._natted.add(host)
+        dials to it hang (the router drops unsolicited SYNs). An endpoint-independent NAT keeps a dial's
+        source port (as Linux MASQUERADE does when it can) and lets in, for ``PINHOLE_TTL`` seconds, a
+        dial from where one of its host's connection attempts went (``open_mapping``); a symmetric NAT
+        maps every connection to a fresh port, so nothing it opened is ever where a peer dials."""
+        self._natted[host] = symmetric
         self._notify()
+
+    def _let_in(self, host: str, port: int, src: str, src_port: int | None) -> bool:
+        if host not in self._natted:
+            return True
+        if src_port is None:
+            return False
+        until = self._pinholes.get((host, port, src, src_port))
+        return until is not None and until > trio.current_time()
 
     def heal(self) -> None:
         self._blocked.clear()
@@ -214,8 +227,23 @@ class MemoryNetwork:
     def transport(self, host: str) -> MemoryTransport:
         return MemoryTransport(self, host)
 
-    async def _connect(self, src: str, host: str, port: int) -> MemoryStream:
-        while self.blocked(src, host) or host in self._natted:
+    def _source_port(self, src: str, local_port: int | None) -> int | None:
+        """The port a dial from ``local_port`` shows the world (None: one nobody can predict)."""
+        if local_port is None or self._natted.get(src, False):
+            return None
+        return local_port
+
+    async def _open_mapping(self, src: str, host: str, port: int, local_port: int) -> None:
+        await trio.lowlevel.checkpoint()
+        shown = self._source_port(src, local_port)
+        if src in self._natted and shown is not None and not self.blocked(src, host):
+            self._pinholes = {k: t for k, t in self._pinholes.items() if t > trio.current_time()}
+            self._pinholes[(src, shown, host, port)] = trio.current_time() + PINHOLE_TTL
+            self._notify()
+
+    async def _connect(self, src: str, host: str, port: int, local_port: int | None = None) -> MemoryStream:
+        shown = self._source_port(src, local_port)
+        while self.blocked(src, host) or not self._let_in(host, port, src, shown):
             await self._changed.wait()  # a dial into a partition hangs (SYN dropped)
         handler = self._listeners.get((host, port))
         await trio.sleep(self.profile(src, host).latency)  # the SYN's trip
@@ -227,7 +255,7 @@ class MemoryNetwork:
         client, server = MemoryStream(a_to_b, b_to_a), MemoryStream(b_to_a, a_to_b)
         nursery = self._serve_nurseries[(host, port)]
         self._next_port += 1
-        nursery.start_soon(handler, server, src, self._next_port)
+        nursery.start_soon(handler, server, src, shown if shown is not None else self._next_port)
         return client
 
     async def _serve(
@@ -261,8 +289,11 @@ class MemoryTransport:
         self.net = net
         self.host = host
 
-    async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        return await self.net._connect(self.host, host, port)
+    async def connect(self, host: str, port: int, *, local_port: int | None = None) -> trio.abc.Stream:
+        return await self.net._connect(self.host, host, port, local_port)
+
+    async def open_mapping(self, host: str, port: int, local_port: int) -> None:
+        await self.net._open_mapping(self.host, host, port, local_port)
 
     async def serve(
         self,

@@ -3,11 +3,21 @@
 A transport dials ``(host, port)`` and returns a trio stream, and serves a port by calling a handler with
 each accepted stream and the remote's host. Everything above it (handshake, channel, RPC) is the same
 for both, which is what lets in-process tests exercise the real protocol code.
+
+Hole punching (``punch``) needs two more things of a transport: a dial that leaves from the port the
+host listens on (``connect(..., local_port=)``), so that a NAT maps it as it maps that port, and
+``open_mapping``: a connection attempt from that port that is abandoned at once, whose only use is the
+entry it leaves in this host's NAT (a router lets in what looks like the answer to a packet that went
+out). TCP listeners are bound with SO_REUSEPORT set after the bind: a dial may then share the listening
+port, while another program's plain listener on that port is still refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -19,8 +29,15 @@ StreamHandler = Callable[[trio.abc.Stream, str, int], Awaitable[None]]
 """Called with (stream, remote host, remote port) for each accepted connection."""
 
 
+MAPPING_WAIT = 0.05  # seconds an opening connection attempt lives: its SYN has left by then
+
+
 class Transport(Protocol):
-    async def connect(self, host: str, port: int) -> trio.abc.Stream: ...
+    async def connect(self, host: str, port: int, *, local_port: int | None = None) -> trio.abc.Stream: ...
+
+    async def open_mapping(self, host: str, port: int, local_port: int) -> None:
+        """Start a connection to (host, port) from ``local_port`` and abandon it (see the module doc)."""
+        ...
 
     async def serve(
         self,
@@ -46,8 +63,40 @@ class TcpTransport:
     def __init__(self, source_address: str | None = None) -> None:
         self.source_address = source_address
 
-    async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        return await trio.open_tcp_stream(host, port, local_address=self.source_address)
+    async def connect(self, host: str, port: int, *, local_port: int | None = None) -> trio.abc.Stream:
+        if local_port is None:
+            return await trio.open_tcp_stream(host, port, local_address=self.source_address)
+        sock = await self._bound_socket(host, local_port)
+        try:
+            await sock.connect((host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
+
+    async def open_mapping(self, host: str, port: int, local_port: int) -> None:
+        sock = await self._bound_socket(host, local_port)
+        with sock, trio.move_on_after(MAPPING_WAIT), contextlib.suppress(OSError):
+            await sock.connect((host, port))  # closed unanswered: a SYN_SENT socket closes silently
+
+    async def _bound_socket(self, host: str, local_port: int) -> trio.socket.SocketType:
+        """A socket bound to ``local_port`` beside this host's listener (``host`` an IP literal: punching
+        dials addresses peers reported, never names to resolve)."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise OSError(f"not an IP address: {host!r}") from None
+        family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            local = self.source_address or ("::" if family == socket.AF_INET6 else "0.0.0.0")
+            await sock.bind((local, local_port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def serve(
         self,
@@ -60,6 +109,8 @@ class TcpTransport:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
         bound = []
         for lst in listeners:
+            with contextlib.suppress(OSError, AttributeError):  # (no SO_REUSEPORT: no punching from here)
+                lst.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sockname = lst.socket.getsockname()
             bound.append((sockname[0], sockname[1]))
 

@@ -55,6 +55,7 @@ from ..dht.records import owned_subkey, subkey_owner
 from ..errors import ConfigError, GroupFormationFailed, P2PError, RemoteProtocolError, RoundAborted
 from ..identity import PeerID
 from ..idwork import work_bits
+from ..net.address import PeerAddress
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
 from . import statesync
@@ -237,7 +238,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 await self._publish_now.wait()
 
     def record(self) -> ProgressRecord:
-        addr = "" if self.node.dht.client_only else str(self.node.dht.advertised_address())
+        addr = self.node.averager.address()
         return ProgressRecord(
             epoch=self.epoch,
             samples=self.samples,
@@ -284,8 +285,23 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             records.append(PeerProgress(peer, rec))
         self.records = records
         self._update_view()
+        self._reach_directly()
         self._records_read.set()
         self._records_read = trio.Event()
+
+    def _reach_directly(self) -> None:
+        """Behind a NAT: dial the other NATed peers at the relayed addresses their records give, so that
+        hole punches (``net.punch``) connect them directly before a round needs it."""
+        host = self.node.host
+        if self.node.dht.reachable is not False or not host.punch.enabled or self._nursery is None:
+            return
+        for r in self.records:
+            try:
+                addr = PeerAddress.parse(r.record.addr) if r.record.addr else None
+            except ValueError:
+                continue
+            if addr is not None and addr.relay is not None and addr.peer_id == r.peer != self.node.peer_id:
+                self._nursery.start_soon(host.punch.reach, addr)
 
     def _update_view(self) -> SwarmView:
         trusted = self.trusted()

@@ -1,0 +1,165 @@
+"""Hole punching (``net.punch``): a relayed connection becomes a direct one where the NATs allow it.
+
+On the in-memory network, ``MemoryNetwork.nat`` models a home router: it drops unsolicited dials, keeps
+a dial's source port (endpoint-independent) and lets in a dial from where one of its host's connection
+attempts went; a symmetric one maps every connection to a new port. On loopback TCP, the real socket
+path (a dial from the listening port, SO_REUSEPORT beside the listener) is exercised without a NAT.
+What is proved: two NATed peers connected through a relay end up connected directly (calls then no
+longer pass the relay, which is left), a public dialer is dialed back, symmetric NATs stay relayed with
+calls still working, bad or repeated requests are refused, and NATed nodes that punched reduce a share
+of every round like public ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
+from p2ptrain.identity import Identity
+from p2ptrain.net import MemoryNetwork, PeerAddress
+from p2ptrain.net.connection import Connection
+from p2ptrain.net.punch import PUNCH, PUNCH_TIMEOUT, RELAYED_GRACE, PunchReq
+
+
+async def _direct(a, b) -> Connection:
+    """Wait until ``a`` holds a connection to ``b`` that does not go through a relay."""
+    while (conn := a.host.connection(b.host.peer_id)) is None or conn.relayed:
+        await trio.sleep(0.05)
+    return conn
+
+
+async def _relayed_pair(cluster, memnet, *, a_nat: bool = True, symmetric: bool = False):
+    relay = await cluster.start("relay")
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    if memnet is not None:
+        if a_nat:
+            memnet.nat("a")
+        memnet.nat("b", symmetric=symmetric)
+    await b.host.relay.reserve(relay.address)
+    [circuit] = b.host.relay.circuit_addresses()
+    return relay, a, b, circuit
+
+
+async def test_two_natted_peers_punch_through_and_leave_the_relay(mem_cluster, memnet, kit, autojump_clock):
+    with trio.fail_after(300):
+        relay, a, b, circuit = await _relayed_pair(mem_cluster, memnet)
+        relayed = await a.host.connect(circuit)
+        assert relayed.relayed
+        direct = await _direct(a, b)
+        assert not direct.relayed and direct.outbound
+        assert a.host.punch.works and b.host.punch.works
+        back = await _direct(b, a)
+        assert not back.outbound  # b's listener took a's dial: its router let it in
+        before = relay.host.relay.relayed_bytes
+        assert (await a.host.connect(circuit)) is direct  # the newest connection is the one used
+        for _ in range(20):  # 80 kB each way
+            assert (await direct.call(kit.ECHO, kit.Text("x" * 4000))).text == "x" * 4000
+        assert relay.host.relay.relayed_bytes - before < 10_000  # the bulk went direct
+        await trio.sleep(RELAYED_GRACE + 5)
+        assert relayed.closed  # the relayed connection was left, and its circuit with it
+        while relay.host.relay.circuits:
+            await trio.sleep(0.1)
+        assert (await direct.call(kit.ECHO, kit.Text("still"))).text == "still"
+
+
+async def test_behind_a_symmetric_nat_the_peers_stay_relayed(mem_cluster, memnet, kit, autojump_clock):
+    with trio.fail_after(300):
+        relay, a, b, circuit = await _relayed_pair(mem_cluster, memnet, symmetric=True)
+        conn = await a.host.connect(circuit)
+        await trio.sleep(2 * PUNCH_TIMEOUT + 10)
+        assert a.host.connection(b.host.peer_id) is conn and conn.relayed and not conn.closed
+        assert not a.host.punch.works and not b.host.punch.works
+        assert (await conn.call(kit.ECHO, kit.Text("via relay"))).text == "via relay"
+
+
+async def test_a_public_dialer_is_dialed_back(mem_cluster, memnet, autojump_clock):
+    with trio.fail_after(300):
+        relay, a, b, circuit = await _relayed_pair(mem_cluster, memnet, a_nat=False)
+        a.host.punch.where = lambda: ("a", True)  # (what a's DHT would have learned: peers dial it)
+        await a.host.connect(circuit)
+        back = await _direct(b, a)
+        assert back.outbound  # b dialed a: a reversal, no punch needed
+        assert b.host.punch.works
+
+
+async def test_punch_requests_are_refused_when_they_should_be(mem_cluster, memnet, autojump_clock):
+    with trio.fail_after(300):
+        relay, a, b, circuit = await _relayed_pair(mem_cluster, memnet, symmetric=True)
+        direct = await a.host.connect(relay.address)
+        resp = await direct.call(PUNCH, PunchReq(("a:1",)))
+        assert not resp.ok and "only over a relayed connection" in resp.reason
+        relayed = await a.host.connect(circuit)
+        a.host.punch.enabled = False  # (so that its own upgrade attempt does not use up the request)
+        resp = await relayed.call(PUNCH, PunchReq(("no port here",)))
+        assert not resp.ok and "bad address" in resp.reason
+        assert not (await relayed.call(PUNCH, PunchReq(("a:1",)))).ok  # asked again too soon
+        assert "one punch per" in (await relayed.call(PUNCH, PunchReq(("a:1",)))).reason
+
+
+async def test_punching_on_real_sockets_shares_the_listening_port(tcp_cluster, kit):
+    """No NAT on loopback, but the real path: b's abandoned attempt from its listening port, then a's
+    dial from its own listening port (SO_REUSEPORT beside a live listener), then the handshake."""
+    with trio.fail_after(60):
+        relay, a, b, circuit = await _relayed_pair(tcp_cluster, None)
+        await a.host.connect(circuit)
+        direct = await _direct(a, b)
+        assert direct.remote_port == b.address.port
+        assert (await direct.call(kit.ECHO, kit.Text("direct"))).text == "direct"
+        inbound = await _direct(b, a)
+        assert inbound.remote_port == a.address.port  # a dialed from the port it listens on
+        # the listener still takes ordinary connections
+        other = await tcp_cluster.start("other")
+        assert (await other.host.connect(a.address)).peer == a.host.peer_id
+
+
+async def test_natted_nodes_that_punched_reduce_a_share_like_public_ones(autojump_clock):
+    """One public peer and two home nodes behind endpoint-independent NATs: once the second home node
+    joined through the first one's relayed address and they punched, every member of a round reduces
+    a share (before: the public peer reduced all of it, the home nodes were client-only)."""
+    net = MemoryNetwork(seed=7)
+    net.nat("home1")
+    net.nat("home2")
+    avg = AveragerConfig(target_size=3, min_size=3, matchmaking_time=3.0)
+
+    def node(name: str, join: list[PeerAddress]) -> Node:
+        config = NodeConfig(run_id="punch", listen=((name, 1000),), join=tuple(join), averaging=avg)
+        return Node(Identity.generate(), config, transport=net.transport(name), clock=trio.current_time)
+
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            public = node("public", [])
+            await nursery.start(public.run)
+            home1 = node("home1", [public.addresses[0]])
+            await nursery.start(home1.run)
+            [pasted] = await home1.dialable_addresses()
+            home2 = node("home2", [pasted])
+            await nursery.start(home2.run)
+            await home2.dialable_addresses()  # (its own reservation, so it has a relayed address too)
+            while not (home1.host.punch.works and home2.host.punch.works):
+                await trio.sleep(0.5)
+            conn = home2.host.connection(home1.peer_id)
+            assert conn is not None and not conn.relayed
+            nodes = [public, home1, home2]
+            results: list[RoundResult] = []
+
+            async def average(i: int) -> None:
+                results.append(await nodes[i].average([torch.full((3000,), float(i))], timeout=30.0))
+
+            async with trio.open_nursery() as rounds:
+                for i in range(3):
+                    rounds.start_soon(average, i)
+            assert [len(r.contributors) for r in results] == [3, 3, 3]
+            assert all(torch.equal(r.tensors[0], torch.full((3000,), 1.0)) for r in results)
+            assert all(r.reduced > 0 for r in results), [r.reduced for r in results]
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("text", ["1.2.3.4", "1.2.3.4:0", "1.2.3.4:70000", ":80", "a b:1", "x" * 70 + ":1"])
+def test_bad_endpoints_are_refused(text):
+    from p2ptrain.net.punch import parse_endpoint
+
+    with pytest.raises(ValueError):
+        parse_endpoint(text)
