@@ -9,7 +9,10 @@ Layout (namespaces this module creates; nothing is added to the host's own names
     home i:     eth0 198.19.{i}.2/24, default route via its router
 
 The routers' mappings are endpoint-independent by default (Linux MASQUERADE keeps the source port when
-it can); ``symmetric=True`` adds ``--random-fully`` (a fresh port per connection). Addresses are in
+it can); ``symmetric=True`` adds ``--random-fully`` (a fresh port per connection); ``nat=False`` makes
+them plain routers (no MASQUERADE, nothing dropped, every LAN routed): the same topology with every peer
+public, for comparisons. ``rate_mbit`` shapes every peer's link to the internet (the public peer's, and
+each router's wan) with ``tc tbf`` both ways, as ``simulations.netns`` does. Addresses are in
 198.18.0.0/15, set aside for benchmarking. Names and cleanup follow ``simulations.netns``.
 
 Usage::
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .netns import Lab, _ip, read_line, remove_stale
+from .netns import DEFAULT_BURST_MS, DEFAULT_LATENCY_MS, MIN_BURST_KB, Lab, _ip, _tc, read_line, remove_stale
 from .netns import unavailable as netns_unavailable
 
 PREFIX = "p2pnat"
@@ -64,12 +67,16 @@ def _ipt(ns: str, *args: str) -> None:
 class NatLab(Lab):
     """``homes`` home peers behind routers and one public peer (see the module docstring)."""
 
-    def __init__(self, homes: int = 2, *, symmetric: bool = False) -> None:
+    def __init__(
+        self, homes: int = 2, *, symmetric: bool = False, nat: bool = True, rate_mbit: float | None = None
+    ) -> None:
         if not 1 <= homes <= 50:
             raise ValueError("homes must be between 1 and 50")
         super().__init__(PREFIX)
         self.homes = homes
         self.symmetric = symmetric
+        self.nat = nat
+        self.rate_mbit = rate_mbit
 
     def _ns(self, name: str) -> str:
         full = f"{self.base}-{name}"
@@ -78,13 +85,33 @@ class NatLab(Lab):
         return full
 
     def _wire(self, ns: str, dev: str, addr: str) -> None:
-        """A veth from the hub's bridge to ``ns`` (``dev`` there, with ``addr``)."""
+        """A veth from the hub's bridge to ``ns`` (``dev`` there, with ``addr``), shaped both ways."""
         hub_dev = f"v{len(self._created)}"
         _ip("-n", self.hub, "link", "add", hub_dev, "type", "veth", "peer", "name", dev, "netns", ns)
         _ip("-n", self.hub, "link", "set", hub_dev, "master", "br0")
         _ip("-n", self.hub, "link", "set", hub_dev, "up")
         _ip("-n", ns, "addr", "add", addr, "dev", dev)
         _ip("-n", ns, "link", "set", dev, "up")
+        if self.rate_mbit:
+            for where, d in ((ns, dev), (self.hub, hub_dev)):
+                burst = max(MIN_BURST_KB, self.rate_mbit * 1e6 / 8 * DEFAULT_BURST_MS / 1e3 / 1024)
+                rate = f"{self.rate_mbit * 1000:.0f}kbit"
+                _tc(
+                    "-n",
+                    where,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    d,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    f"{burst:.0f}kb",
+                    "latency",
+                    f"{DEFAULT_LATENCY_MS:g}ms",
+                )
 
     def _build(self) -> None:
         remove_stale(PREFIX)
@@ -104,6 +131,9 @@ class NatLab(Lab):
             _ip("-n", home, "link", "set", "eth0", "up")
             _ip("-n", home, "route", "add", "default", "via", f"198.19.{i}.1")
             _ip("netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+            self.home_ns.append(home)
+            if not self.nat:
+                continue
             masq = ["-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE"]
             _ipt(router, *masq, *(["--random-fully"] if self.symmetric else []))
             _ipt(
@@ -120,7 +150,10 @@ class NatLab(Lab):
                 "ACCEPT",
             )
             _ipt(router, "-A", "FORWARD", "-i", "wan", "-j", "DROP")  # nothing unsolicited gets in
-            self.home_ns.append(home)
+        if not self.nat:  # every LAN routed from everywhere: the homes are public peers
+            for i in range(1, self.homes + 1):
+                for ns in [self.public, *(f"{self.base}-r{j}" for j in range(1, self.homes + 1) if j != i)]:
+                    _ip("-n", ns, "route", "add", f"198.19.{i}.0/24", "via", f"198.18.0.{10 + i}")
 
     def home_address(self, i: int) -> str:
         """Home i's LAN address (1-based): what it sees itself as, and what nobody outside can dial."""

@@ -315,7 +315,7 @@ class DHT:
 
     async def _on_ping(self, ctx: CallContext, req: PingReq) -> PingResp:
         self._heard_from(ctx, req.sender)
-        return PingResp(ctx.remote_host[:64])
+        return PingResp("" if ctx.relayed else ctx.remote_host[:64])  # (through a relay: the relay's)
 
     async def _on_find_node(self, ctx: CallContext, req: FindNodeReq) -> NodesResp:
         self._heard_from(ctx, req.sender)

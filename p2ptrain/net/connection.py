@@ -499,7 +499,7 @@ class Connection:
         except RemoteProtocolError as e:
             await self._reply_error(req.id, "bad_request", str(e))
             return
-        ctx = CallContext(self.peer, self.remote_host, req.method, body, inc.scope.deadline)
+        ctx = CallContext(self.peer, self.remote_host, req.method, body, inc.scope.deadline, self.relayed)
         try:
             if req.streaming:
                 assert inc.stream is not None

@@ -216,7 +216,7 @@ class Puncher:
         relayed = self.host.connection(ctx.peer)
         if not self.enabled:
             return PunchResp(False, "this host does not punch holes")
-        if relayed is None or not relayed.relayed:
+        if relayed is None or not relayed.relayed or not ctx.relayed:
             return PunchResp(False, "only over a relayed connection")
         if now - self._asked.get(ctx.peer, -MIN_INTERVAL) < MIN_INTERVAL:
             return PunchResp(False, f"one punch per {MIN_INTERVAL:g} s")

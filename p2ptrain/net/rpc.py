@@ -67,6 +67,7 @@ class CallContext:
     method: str
     body: memoryview
     deadline: float
+    relayed: bool = False  # the call came through a relay: ``remote_host`` is the relay's address
 
 
 UnaryHandler = Callable[[CallContext, Any], Awaitable[Any]]

@@ -752,6 +752,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 "samples": int(result.total_weight),
                 "mine": weight if mine else 0,  # this peer's samples in the average
                 "seconds": round(result.round_seconds, 3),
+                "reduced": result.reduced,  # elements of the average this peer reduced (its share)
                 "excluded": {p.short(): why for p, why in result.excluded.items()},
             }
         else:
