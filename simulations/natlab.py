@@ -5,7 +5,8 @@ Layout (namespaces this module creates; nothing is added to the host's own names
     hub:        bridge br0, the "internet" (198.18.0.0/24)
     public:     eth0 198.18.0.2/24
     router i:   wan 198.18.0.{10+i}/24 on the bridge, lan 198.19.{i}.1/24; forwards, MASQUERADEs what
-                leaves by wan, and drops every new connection that arrives on wan (a home router)
+                leaves by wan, and drops every new connection that arrives on wan, for the LAN or for
+                itself (a home router: no reset for strangers)
     home i:     eth0 198.19.{i}.2/24, default route via its router
 
 The routers' mappings are endpoint-independent by default (Linux MASQUERADE keeps the source port when
@@ -22,7 +23,8 @@ Usage::
 ``relay-join``: real ``p2ptrain node`` processes: the public peer P; home 1 joins P and prints the
 address others join it with (through a relay: nobody can dial it); home 2 pastes only that address.
 It reports whether home 2 got in (connected to home 1 through P, and to the swarm), how long each step
-took, and what P relayed. JSON first, then a table.
+took, and whether home 2's connection to home 1 was then upgraded by a hole punch (``p2ptrain.net.punch``:
+expected behind endpoint-independent NATs, not behind symmetric ones). JSON first, then a table.
 
 Needs root, ``ip`` and ``iptables``; :func:`unavailable` says why a lab cannot be built (or None).
 """
@@ -150,6 +152,11 @@ class NatLab(Lab):
                 "ACCEPT",
             )
             _ipt(router, "-A", "FORWARD", "-i", "wan", "-j", "DROP")  # nothing unsolicited gets in
+            # ... nor to the router itself: it does not answer a stranger's SYN with a reset (which would
+            # also close the entry a home peer's own attempt left towards that stranger)
+            established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+            _ipt(router, "-A", "INPUT", "-i", "wan", *established)
+            _ipt(router, "-A", "INPUT", "-i", "wan", "-j", "DROP")
         if not self.nat:  # every LAN routed from everywhere: the homes are public peers
             for i in range(1, self.homes + 1):
                 for ns in [self.public, *(f"{self.base}-r{j}" for j in range(1, self.homes + 1) if j != i)]:
@@ -169,10 +176,18 @@ def _node(lab: NatLab, ns: str, workdir: Path, name: str, *extra: str) -> subpro
 
 def _wait_for(path: Path, text: str, timeout: float) -> float | None:
     """Seconds until ``text`` appears in the file at ``path``, or None after ``timeout``."""
+    found = _wait_for_any(path, [text], timeout)
+    return None if found is None else found[1]
+
+
+def _wait_for_any(path: Path, texts: list[str], timeout: float) -> tuple[str, float] | None:
+    """The first of ``texts`` to appear in the file at ``path`` and after how many seconds, or None."""
     began = time.monotonic()
     while time.monotonic() - began < timeout:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return time.monotonic() - began
+        content = path.read_text(errors="replace") if path.exists() else ""
+        for text in texts:
+            if text in content:
+                return text, time.monotonic() - began
         time.sleep(0.2)
     return None
 
@@ -199,7 +214,13 @@ def relay_join(workdir: Path, timeout: float = 120.0, *, symmetric: bool = False
         out["home2_met_public_s"] = None if met is None else round(met, 1)
         home2_addr = read_line(home2, timeout).strip()
         out["home2_address"] = home2_addr
-        out["ok"] = bool(out["home1_relayed"] and joined is not None and met is not None)
+        # home2 reached home1 through the relay: the hole punch that follows, and how it went
+        punch = _wait_for_any(workdir / "home2.log", ["hole punched", "staying relayed"], timeout)
+        how = {"hole punched": "direct", "staying relayed": "relayed"}
+        out["home2_punch"] = None if punch is None else how[punch[0]]
+        out["home2_punch_s"] = None if punch is None else round(punch[1], 1)
+        expected = "relayed" if symmetric else "direct"
+        out["ok"] = bool(out["home1_relayed"] and joined and met and out["home2_punch"] == expected)
         for proc in (home2, home1, public):
             proc.terminate()
     return out

@@ -123,6 +123,7 @@ class Connection:
         self.config = config
         self.keep_open = False
         self.relayed = False  # it runs through a relay's circuit (see ``relay``): remote_* are the relay's
+        self.relayed_from = ""  # inbound through a relay: where the relay said the dialer is ("": unknown)
         self._registry = registry
         self._ids = itertools.count(1 if outbound else 2, 2)
         self._out: dict[int, _OutCall] = {}

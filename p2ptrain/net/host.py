@@ -418,7 +418,7 @@ class Host:
         stream: trio.abc.Stream = await self._nursery.start(self.relay.open_circuit, relay, addr.peer_id)
         return stream
 
-    async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str) -> None:
+    async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None:
         """A connection that reached this host through one of its relays: the handshake, then the
         connection, until it closes. It counts as coming from the relay's address (see ``relay``)."""
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
@@ -430,7 +430,7 @@ class Host:
         self._next_slot += 1
         entry = _Inbound(self._next_slot, relay_host, subnet_of(relay_host), trio.current_time())
         try:
-            await self._accept_admitted(framed, relay_host, 0, entry, relayed=True)
+            await self._accept_admitted(framed, relay_host, 0, entry, relayed=True, seen_at=seen_at)
         finally:
             self._relayed_inbound -= 1
 
@@ -587,6 +587,12 @@ class Host:
         await self._lingering.hold()
         await _close_quietly(framed.stream)
 
+    async def accept_stream(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
+        """Serve ``stream`` as an inbound connection (the responder's handshake, admission included),
+        until it closes: what the listener does with each accepted stream (and ``punch`` with a
+        simultaneous open's)."""
+        await self._accept(stream, remote_host, remote_port)
+
     async def _accept(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
         known = remote_host in self._protected_ips
@@ -633,7 +639,14 @@ class Host:
                 await _close_quietly(stream)
 
     async def _accept_admitted(
-        self, framed: FramedStream, host: str, port: int, entry: _Inbound, *, relayed: bool = False
+        self,
+        framed: FramedStream,
+        host: str,
+        port: int,
+        entry: _Inbound,
+        *,
+        relayed: bool = False,
+        seen_at: str = "",
     ) -> None:
         hs = ResponderHandshake(
             self.identity,
@@ -689,6 +702,7 @@ class Host:
             return
         conn = self._make_connection(framed, hs.result, False, host, port)
         conn.relayed = relayed
+        conn.relayed_from = seen_at if seen_at.isprintable() else ""
         entry.conn = conn
         await self._run_connection(conn, hs.result)
 

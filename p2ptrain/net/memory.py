@@ -21,7 +21,6 @@ import trio
 from .transport import StreamHandler
 
 _PIPE_LIMIT = 4 * 1024 * 1024
-PINHOLE_TTL = 30.0  # seconds a NAT lets in a dial from where one of its hosts tried to connect
 
 
 @dataclass
@@ -160,7 +159,9 @@ class MemoryNetwork:
         self._serve_nurseries: dict[tuple[str, int], trio.Nursery] = {}
         self._blocked: set[frozenset[str]] = set()
         self._natted: dict[str, bool] = {}  # host -> whether its NAT is symmetric
-        self._pinholes: dict[tuple[str, int, str, int], float] = {}  # (nat host, port, remote, port) -> until
+        # dials from a known port, waiting: (host, port it shows, remote host, remote port) -> its end, once
+        # the remote's dial towards it met it (a simultaneous open)
+        self._attempts: dict[tuple[str, int, str, int], list[MemoryStream]] = {}
         self._pipes: list[_Pipe] = []
         self._changed = trio.Event()
         self._next_port = 40000
@@ -188,19 +189,11 @@ class MemoryNetwork:
     def nat(self, host: str, *, symmetric: bool = False) -> None:
         """Put ``host`` behind a NAT: its own dials go out and their connections work both ways, while
         dials to it hang (the router drops unsolicited SYNs). An endpoint-independent NAT keeps a dial's
-        source port (as Linux MASQUERADE does when it can) and lets in, for ``PINHOLE_TTL`` seconds, a
-        dial from where one of its host's connection attempts went (``open_mapping``); a symmetric NAT
-        maps every connection to a fresh port, so nothing it opened is ever where a peer dials."""
+        source port (as Linux MASQUERADE does when it can): two hosts dialing each other from their
+        listening ports at the same time meet (a simultaneous open, see ``punch``); a symmetric NAT maps
+        every connection to a fresh port, so such dials never meet."""
         self._natted[host] = symmetric
         self._notify()
-
-    def _let_in(self, host: str, port: int, src: str, src_port: int | None) -> bool:
-        if host not in self._natted:
-            return True
-        if src_port is None:
-            return False
-        until = self._pinholes.get((host, port, src, src_port))
-        return until is not None and until > trio.current_time()
 
     def heal(self) -> None:
         self._blocked.clear()
@@ -233,29 +226,57 @@ class MemoryNetwork:
             return None
         return local_port
 
-    async def _open_mapping(self, src: str, host: str, port: int, local_port: int) -> None:
-        await trio.lowlevel.checkpoint()
-        shown = self._source_port(src, local_port)
-        if src in self._natted and shown is not None and not self.blocked(src, host):
-            self._pinholes = {k: t for k, t in self._pinholes.items() if t > trio.current_time()}
-            self._pinholes[(src, shown, host, port)] = trio.current_time() + PINHOLE_TTL
-            self._notify()
-
     async def _connect(self, src: str, host: str, port: int, local_port: int | None = None) -> MemoryStream:
         shown = self._source_port(src, local_port)
-        while self.blocked(src, host) or not self._let_in(host, port, src, shown):
+        if shown is not None:
+            return await self._connect_from(src, shown, host, port)
+        while self.blocked(src, host) or host in self._natted:
             await self._changed.wait()  # a dial into a partition hangs (SYN dropped)
+        return await self._to_listener(src, host, port, self._next_port + 1)
+
+    async def _connect_from(self, src: str, shown: int, host: str, port: int) -> MemoryStream:
+        """A dial from a known port: it meets a dial from (host, port) towards it, else goes to host's
+        listener unless host is behind a NAT (then it hangs until such a dial comes)."""
+        key, mirror = (src, shown, host, port), (host, port, src, shown)
+        if key in self._attempts:
+            raise OSError(f"address {src}:{shown} to {host}:{port} already in use")
+        got: list[MemoryStream] = []
+        self._attempts[key] = got
+        try:
+            while not got:
+                if not self.blocked(src, host) and (waiting := self._attempts.get(mirror)) is not None:
+                    await trio.sleep(self.profile(src, host).latency)
+                    if self._attempts.get(mirror) is waiting and not waiting:
+                        ours, theirs = self._pair(src, host)
+                        waiting.append(theirs)
+                        self._notify()
+                        return ours
+                    continue
+                if not self.blocked(src, host) and host not in self._natted:
+                    break
+                await self._changed.wait()
+            if got:
+                return got[0]
+        finally:
+            if self._attempts.get(key) is got:
+                del self._attempts[key]
+        return await self._to_listener(src, host, port, shown)
+
+    def _pair(self, src: str, dst: str) -> tuple[MemoryStream, MemoryStream]:
+        a_to_b, b_to_a = _Pipe(self, src, dst), _Pipe(self, dst, src)
+        self._pipes = [p for p in self._pipes if not (p.broken or (p.eof and p.reader_gone))]
+        self._pipes += [a_to_b, b_to_a]
+        return MemoryStream(a_to_b, b_to_a), MemoryStream(b_to_a, a_to_b)
+
+    async def _to_listener(self, src: str, host: str, port: int, src_port: int) -> MemoryStream:
         handler = self._listeners.get((host, port))
         await trio.sleep(self.profile(src, host).latency)  # the SYN's trip
         if handler is None:
             raise OSError(f"connection refused: nothing listens on {host}:{port}")
-        a_to_b, b_to_a = _Pipe(self, src, host), _Pipe(self, host, src)
-        self._pipes = [p for p in self._pipes if not (p.broken or (p.eof and p.reader_gone))]
-        self._pipes += [a_to_b, b_to_a]
-        client, server = MemoryStream(a_to_b, b_to_a), MemoryStream(b_to_a, a_to_b)
+        client, server = self._pair(src, host)
         nursery = self._serve_nurseries[(host, port)]
-        self._next_port += 1
-        nursery.start_soon(handler, server, src, shown if shown is not None else self._next_port)
+        self._next_port = max(self._next_port, src_port)
+        nursery.start_soon(handler, server, src, src_port)
         return client
 
     async def _serve(
@@ -291,9 +312,6 @@ class MemoryTransport:
 
     async def connect(self, host: str, port: int, *, local_port: int | None = None) -> trio.abc.Stream:
         return await self.net._connect(self.host, host, port, local_port)
-
-    async def open_mapping(self, host: str, port: int, local_port: int) -> None:
-        await self.net._open_mapping(self.host, host, port, local_port)
 
     async def serve(
         self,

@@ -7,16 +7,19 @@ behind one is seen from everywhere at its router's address and its own port.
 
 When a host dialed a peer through a relay (``relay``), it asks that peer, over the new end-to-end
 encrypted connection, to ``punch.connect``, listing where it can be dialed directly: the address its
-peers see it at with its listening port (``Puncher.where``). The peer answers with its own such
-addresses, but first sends one connection attempt from its listening port to each of the dialer's,
-abandoned at once (``Transport.open_mapping``): it dies at the dialer's router, and leaves in the
-peer's router the entry that lets the dialer's SYN in. The dialer, on the answer, dials those addresses
-from its own listening port, so its router maps it where the peer's attempt was aimed; the peer's
-listener accepts it like any inbound connection and the handshake runs as usual (so each end checks the
-other's id: a wrong address reaches nobody who can finish it). The newest connection to a peer is the
-one used, so calls move to the direct connection at once; the relayed one is closed a little later.
-A dialer that is reachable itself (a public peer dialing a NATed one through a relay) is dialed back
-directly instead (a *reversal*).
+peers see it at with its listening port (``Puncher.where``; a dialer that joined through that very
+circuit waits a little for its first direct peers to tell, ``Puncher.located``). The peer starts dialing
+each of those from its own listening port, then answers with its own such addresses; the dialer, on the
+answer, dials them from its listening port. The peer's first SYN dies at the dialer's router but leaves
+in the peer's own router the entry that lets the dialer's SYN in (and the dialer's SYN leaves the entry
+for the peer's retransmitted one): the two dials meet in a TCP *simultaneous open*, one connection both
+dials return. (An attempt abandoned early would not do: the router tracks the SYN's sequence numbers,
+and a listener's answer from a new socket does not match them.) Over it the dialer runs the handshake's
+initiator side and the peer the responder's, as with any inbound connection, so each end checks the
+other's id: a wrong address reaches nobody who can finish it. The newest connection to a peer is the one
+used, so calls move to the direct connection at once; the relayed one is closed a little later. A dialer
+that is reachable itself (a public peer dialing a NATed one through a relay) is dialed back directly
+instead (a *reversal*).
 
 A symmetric NAT maps each connection to a new port: the attempt and the dial then never meet, the
 punch fails after ``PUNCH_TIMEOUT``, and the peers stay relayed. ``Puncher.works`` records whether a
@@ -52,16 +55,20 @@ log = logging.getLogger(__name__)
 
 MAX_ADDRESSES = 4
 PUNCH_TIMEOUT = 10.0  # seconds a punch's dials have (SYNs retransmit at 1, 3, 7 s)
+HEAD_START = 0.05  # seconds the peer's dials have before its answer leaves (their SYNs first)
+REDIAL = 0.5  # seconds between dials to one address that failed at once (a reset)
 MIN_INTERVAL = 30.0  # seconds between two punch requests a peer is answered
 MAX_RUNNING = 8  # punches answered at once
 RELAYED_GRACE = 30.0  # seconds a relayed connection lives on beside the direct one (calls in flight)
 RETRY = 120.0  # seconds before ``reach`` tries a peer again
+LEARN_TIMEOUT = 30.0  # seconds a dialer waits to learn its public address and reachability first
 
 
 @dataclass(frozen=True)
 class PunchReq(Message):
     addresses: tuple[str, ...] = bounded((), max_len=MAX_ADDRESSES)  # "host:port", IP literals
     reachable: bool = False  # the dialer can be dialed at them as they are: dial it back
+    port: int = bounded(0, ge=0, le=65535)  # the dialer's listening port (with where the relay saw it)
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,16 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, port
 
 
+def _endpoints(peer: PeerID, addresses: tuple[str, ...]) -> list[tuple[str, int]]:
+    out = []
+    for a in addresses[:MAX_ADDRESSES]:
+        try:
+            out.append(parse_endpoint(a))
+        except ValueError:
+            log.debug("%s gave a bad address to punch to: %r", peer.short(), a)
+    return out
+
+
 def endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -99,6 +116,8 @@ class Puncher:
         self.enabled = enabled
         # (public host as peers observe it, reachable?) for this host: set by whoever learns them (the DHT)
         self.where: Callable[[], tuple[str | None, bool | None]] = lambda: (None, None)
+        self.located = trio.Event()  # set once ``where`` knows (the DHT's reachability check)
+        self.located.set()
         self.works = False  # a punch with this host on one end succeeded
         self.punched = 0  # direct connections made by punching (either end)
         self._asked: dict[PeerID, float] = {}  # peer -> when its last request was answered
@@ -154,60 +173,80 @@ class Puncher:
         peer, port = relayed.peer, self.listen_port()
         if not self.enabled or not port:
             return None
+        with trio.move_on_after(LEARN_TIMEOUT):  # a node that joined through a circuit learns it soon
+            await self.located.wait()
         _, reachable = self.where()
         mine = self.candidates()
         try:
-            resp = await relayed.call(PUNCH, PunchReq(tuple(mine), bool(reachable)), timeout=PUNCH_TIMEOUT)
+            req = PunchReq(tuple(mine), bool(reachable), port)
+            resp = await relayed.call(PUNCH, req, timeout=PUNCH_TIMEOUT)
         except P2PError as e:
             log.info("no hole punch with %s: %s", peer.short(), e)
             return None
         if not resp.ok:
             log.info("no hole punch with %s: %s", peer.short(), resp.reason)
             return None
-        if reachable:  # it dials back (or cannot): wait for that connection
-            direct = await self._wait_direct(peer)
-        else:
-            direct = await self._dial_any(peer, resp.addresses, port)
-        if direct is None:
+        event = self._awaiting[peer] = trio.Event()  # (the peer's own dial may get through first)
+        try:
+            if reachable:  # it dials back (or cannot): wait for that connection
+                with trio.move_on_after(PUNCH_TIMEOUT):
+                    await event.wait()
+            else:
+                await self._dial_any(peer, _endpoints(peer, resp.addresses), port, event)
+        finally:
+            if self._awaiting.get(peer) is event:
+                del self._awaiting[peer]
+        direct = self.host.connection(peer)
+        if direct is None or direct.relayed:
             log.info("hole punch with %s failed: staying relayed", peer.short())
             return None
         self._succeeded(peer, relayed, "dialed")
         return direct
 
-    async def _dial_any(self, peer: PeerID, addresses: tuple[str, ...], port: int) -> Connection | None:
-        """Dial every address at once from ``port``; the first connection that finishes the handshake
-        with ``peer`` wins, the rest are cancelled."""
-        won: Connection | None = None
-        endpoints = []
-        for a in addresses[:MAX_ADDRESSES]:
-            try:
-                endpoints.append(parse_endpoint(a))
-            except ValueError:
-                log.debug("%s gave a bad address to punch to: %r", peer.short(), a)
+    async def _dial_any(
+        self,
+        peer: PeerID,
+        endpoints: list[tuple[str, int]],
+        port: int,
+        done: trio.Event,
+        answered: trio.Event | None = None,
+    ) -> None:
+        """Dial every endpoint at once from ``port`` (again after a reset) until ``PUNCH_TIMEOUT`` or
+        ``done`` (a direct connection with ``peer`` opened); the first stream wins and the other dials
+        are cancelled. On it, the dialer (``answered`` None) runs the handshake's initiator side. The
+        peer serves it as an inbound connection, unless it came before ``answered``: before the dialer
+        even knew where to dial, so it reached the dialer's listener (no NAT in the way), and the peer
+        initiates."""
+        deadline = trio.current_time() + PUNCH_TIMEOUT
 
         async def one(host: str, p: int) -> None:
-            nonlocal won
-            try:
-                stream = await self.host.transport.connect(host, p, local_port=port)
-            except OSError as e:
-                log.debug("punch dial to %s:%d failed: %s", host, p, e)
+            while True:
+                try:
+                    stream = await self.host.transport.connect(host, p, local_port=port)
+                    break
+                except OSError as e:
+                    log.debug("punch dial to %s:%d failed: %s", host, p, e)
+                    await trio.sleep(min(REDIAL, max(0.0, deadline - trio.current_time())))
+            nursery.cancel_scope.cancel()  # (the other dials: this one is through)
+            if answered is not None and answered.is_set():
+                assert self.host.nursery is not None
+                self.host.nursery.start_soon(self.host.accept_stream, stream, host, p)
                 return
             try:
-                conn = await self.host.establish(stream, host, p, peer)
+                with trio.CancelScope(shield=True):
+                    await self.host.establish(stream, host, p, peer)
             except P2PError as e:
                 log.debug("punch dial to %s:%d: %s", host, p, e)
-                return
-            if won is None:
-                won = conn
-                nursery.cancel_scope.cancel()
-            else:
-                await conn.aclose("a direct connection exists already")
 
-        with trio.move_on_after(PUNCH_TIMEOUT):
+        async def until_done() -> None:
+            await done.wait()
+            nursery.cancel_scope.cancel()
+
+        with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(until_done)
                 for host, p in endpoints:
                     nursery.start_soon(one, host, p)
-        return won
 
     # ---- the answering side --------------------------------------------------------------------------
 
@@ -225,42 +264,45 @@ class Puncher:
         port = self.listen_port()
         if not port:
             return PunchResp(False, "this host does not listen")
-        self._asked = {p: t for p, t in self._asked.items() if now - t < MIN_INTERVAL}
-        self._asked[ctx.peer] = now
         targets = []
         for a in req.addresses[:MAX_ADDRESSES]:
             try:
                 targets.append(parse_endpoint(a))
             except ValueError as e:
                 return PunchResp(False, f"bad address: {e}")
+        if relayed.relayed_from and req.port and (relayed.relayed_from, req.port) not in targets:
+            targets.append((relayed.relayed_from, req.port))  # (where its relay saw it, its port)
+        self._asked = {p: t for p, t in self._asked.items() if now - t < MIN_INTERVAL}
+        self._asked[ctx.peer] = now
         assert self.host.nursery is not None
         if req.reachable:  # a reversal: dial it back directly
             self.host.nursery.start_soon(self._dial_back, ctx.peer, targets, relayed)
             return PunchResp(True, "")
-        self._awaiting[ctx.peer] = trio.Event()
-        self.host.nursery.start_soon(self._await_dial, ctx.peer, relayed)
-        self._running += 1
-        try:
-            with trio.move_on_after(1.0):  # (a slow attempt must not hold the answer)
-                async with trio.open_nursery() as nursery:
-                    for host, p in targets:
-                        nursery.start_soon(self._open, host, p, port)
-        finally:
-            self._running -= 1
+        answered = trio.Event()
+        self.host.nursery.start_soon(self._answer, ctx.peer, targets, port, relayed, answered)
+        await trio.sleep(HEAD_START)
+        answered.set()
         return PunchResp(True, "", tuple(self.candidates()))
 
-    async def _open(self, host: str, port: int, local_port: int) -> None:
+    async def _answer(
+        self,
+        peer: PeerID,
+        targets: list[tuple[str, int]],
+        port: int,
+        relayed: Connection,
+        answered: trio.Event,
+    ) -> None:
+        """The peer's side of a punch: dial the dialer's addresses, serve what comes through."""
+        self._running += 1
+        event = self._awaiting[peer] = trio.Event()
         try:
-            await self.host.transport.open_mapping(host, port, local_port)
-        except OSError as e:
-            log.debug("could not open a mapping towards %s:%d: %s", host, port, e)
-
-    async def _await_dial(self, peer: PeerID, relayed: Connection) -> None:
-        event = self._awaiting[peer]
-        with trio.move_on_after(PUNCH_TIMEOUT + 5.0):
-            await event.wait()
-        if self._awaiting.get(peer) is event:
-            del self._awaiting[peer]
+            await self._dial_any(peer, targets, port, event, answered)
+            with trio.move_on_after(self.host.config.handshake_timeout):
+                await event.wait()
+        finally:
+            self._running -= 1
+            if self._awaiting.get(peer) is event:
+                del self._awaiting[peer]
         if event.is_set():
             self._succeeded(peer, relayed, "was dialed by")
 
@@ -279,15 +321,6 @@ class Puncher:
     def _on_connection(self, conn: Connection, opened: bool) -> None:
         if opened and not conn.relayed and (event := self._awaiting.get(conn.peer)) is not None:
             event.set()
-
-    async def _wait_direct(self, peer: PeerID) -> Connection | None:
-        self._awaiting[peer] = event = trio.Event()
-        with trio.move_on_after(PUNCH_TIMEOUT):
-            await event.wait()
-        if self._awaiting.get(peer) is event:
-            del self._awaiting[peer]
-        conn = self.host.connection(peer)
-        return conn if event.is_set() and conn is not None and not conn.relayed else None
 
     def _succeeded(self, peer: PeerID, relayed: Connection, how: str) -> None:
         self.works = True

@@ -78,6 +78,7 @@ class ConnectReq(Message):
 @dataclass(frozen=True)
 class IncomingReq(Message):
     source: bytes = bounded(max_len=PEER_ID_BYTES)
+    source_host: str = bounded("", max_len=64)  # where the relay sees the dialer (for a hole punch)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,9 @@ class Relay:
         try:
             with trio.move_on_after(self.config.max_seconds) as scope:
                 async with conn.open_stream(
-                    INCOMING, IncomingReq(ctx.peer.digest), timeout=self.config.max_seconds + 60
+                    INCOMING,
+                    IncomingReq(ctx.peer.digest, ctx.remote_host[:64]),
+                    timeout=self.config.max_seconds + 60,
                 ) as inner:
                     await stream.send(OPEN)
                     cut = await self._splice(stream, inner)
@@ -246,7 +249,7 @@ class Relay:
         if ctx.peer not in self.relays:
             return CircuitResp(False, "this host holds no reservation with you")
         async with CircuitStream(stream) as pipe:
-            await self.host.accept_relayed(pipe, ctx.remote_host)
+            await self.host.accept_relayed(pipe, ctx.remote_host, req.source_host)
         return CircuitResp(True, "")
 
     async def reserve(self, relay: PeerAddress, *, timeout: float = 10.0) -> float:

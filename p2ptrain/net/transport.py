@@ -4,12 +4,11 @@ A transport dials ``(host, port)`` and returns a trio stream, and serves a port 
 each accepted stream and the remote's host. Everything above it (handshake, channel, RPC) is the same
 for both, which is what lets in-process tests exercise the real protocol code.
 
-Hole punching (``punch``) needs two more things of a transport: a dial that leaves from the port the
-host listens on (``connect(..., local_port=)``), so that a NAT maps it as it maps that port, and
-``open_mapping``: a connection attempt from that port that is abandoned at once, whose only use is the
-entry it leaves in this host's NAT (a router lets in what looks like the answer to a packet that went
-out). TCP listeners are bound with SO_REUSEPORT set after the bind: a dial may then share the listening
-port, while another program's plain listener on that port is still refused.
+Hole punching (``punch``) needs one more thing of a transport: a dial that leaves from the port the
+host listens on (``connect(..., local_port=)``), so that a NAT maps it as it maps that port. Two such
+dials towards each other meet in a TCP *simultaneous open*: both return the two ends of one connection.
+TCP listeners get SO_REUSEPORT set after the bind: a dial may then share the listening port, while
+another program's plain listener on that port is still refused.
 """
 
 from __future__ import annotations
@@ -29,15 +28,8 @@ StreamHandler = Callable[[trio.abc.Stream, str, int], Awaitable[None]]
 """Called with (stream, remote host, remote port) for each accepted connection."""
 
 
-MAPPING_WAIT = 0.05  # seconds an opening connection attempt lives: its SYN has left by then
-
-
 class Transport(Protocol):
     async def connect(self, host: str, port: int, *, local_port: int | None = None) -> trio.abc.Stream: ...
-
-    async def open_mapping(self, host: str, port: int, local_port: int) -> None:
-        """Start a connection to (host, port) from ``local_port`` and abandon it (see the module doc)."""
-        ...
 
     async def serve(
         self,
@@ -73,11 +65,6 @@ class TcpTransport:
             sock.close()
             raise
         return trio.SocketStream(sock)
-
-    async def open_mapping(self, host: str, port: int, local_port: int) -> None:
-        sock = await self._bound_socket(host, local_port)
-        with sock, trio.move_on_after(MAPPING_WAIT), contextlib.suppress(OSError):
-            await sock.connect((host, port))  # closed unanswered: a SYN_SENT socket closes silently
 
     async def _bound_socket(self, host: str, local_port: int) -> trio.socket.SocketType:
         """A socket bound to ``local_port`` beside this host's listener (``host`` an IP literal: punching

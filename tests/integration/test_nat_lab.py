@@ -1,7 +1,8 @@
 """The NAT lab (``simulations.natlab``), with real ``p2ptrain node`` processes behind real MASQUERADE
 routers: a home node that nobody can dial prints an address through the public peer, and a second home
 user who pastes only that address gets into the swarm (the first home node through the relay, then the
-public peer).
+public peer); the two home nodes then punch a hole and connect directly (endpoint-independent routers),
+or stay relayed (symmetric ones).
 
 Runs only where the lab can be built (root, iproute2, iptables, network namespaces); skipped elsewhere.
 """
@@ -20,13 +21,15 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
 @pytest.mark.timeout(600)
-def test_a_home_user_joins_through_another_home_users_relayed_address(tmp_path: Path) -> None:
-    report = relay_join(tmp_path, timeout=240.0)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["endpoint-independent", "symmetric"])
+def test_a_home_user_joins_through_another_home_users_relayed_address(tmp_path: Path, symmetric) -> None:
+    report = relay_join(tmp_path, timeout=240.0, symmetric=symmetric)
     logs = {p.name: p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log")}
     assert report["home1_relayed"], (report, logs)
     assert report["home1_address"].startswith(f"/ip4/{PUBLIC}/tcp/4001/p2p/"), report
     assert report["home2_joined_s"] is not None and report["home2_met_public_s"] is not None, (report, logs)
     assert "/p2p-circuit/" in report["home2_address"], report  # it is behind a NAT too
+    assert report["home2_punch"] == ("relayed" if symmetric else "direct"), (report, logs)
     assert report["ok"]
 
 
