@@ -190,6 +190,7 @@ class Node:
         self.dht = DHT(self.host, config=config.dht, clock=clock)
         self.host.punch.where = lambda: (self.dht.observed_host, self.dht.reachable)
         self.host.punch.located = self.dht.reachability_checked
+        self.dht.relayed_address = self._relayed_address
         self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
         self.members: list[Member] = []
         self.state = "starting"
@@ -210,6 +211,11 @@ class Node:
     def addresses(self) -> list[PeerAddress]:
         """Addresses others can dial."""
         return self.host.advertised_addresses()
+
+    def _relayed_address(self) -> PeerAddress | None:
+        """Behind a NAT where hole punching works: the relayed address it serves the DHT at."""
+        circuits = self.host.relay.circuit_addresses()
+        return circuits[0] if circuits and self.host.punch.works and self.dht.client_only else None
 
     async def dialable_addresses(self, wait: float = 30.0) -> list[PeerAddress]:
         """The addresses others can join through: the advertised ones, once a peer dialed this node

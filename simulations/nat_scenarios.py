@@ -49,13 +49,16 @@ START_TIMEOUT = 120.0
 class _Node:
     """One node process in a namespace: its folder holds node.log and metrics.jsonl."""
 
-    def __init__(self, lab: NatLab, ns: str, folder: Path, listen: str, join: str | None) -> None:
+    def __init__(
+        self, lab: NatLab, ns: str, folder: Path, listen: str, join: str | None, wait_peers: int = 1
+    ) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "p2ptrain", "--log-level", "info", "node", "--config", str(CONFIG)]
         argv += ["--run-id", "natlab", "--listen", listen, "--data-dir", str(folder / "data")]
         argv += ["--metrics-file", str(folder / "metrics.jsonl"), "--threads", "1", "--no-live"]
         argv += ["--join", join] if join else []
+        argv += ["--wait-peers", str(wait_peers)] if wait_peers > 1 else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with (folder / "node.log").open("ab") as log:  # (the child keeps its own copy)
             self.proc = lab.popen_in(
@@ -82,10 +85,14 @@ class _Node:
 
 
 def _swarm(lab: NatLab, workdir: Path, homes: int) -> list[_Node]:
-    public = _Node(lab, lab.public, workdir / "public", f"{PUBLIC}:{PORT}", None)
+    """The public peer and the home peers, all starting at step 0 once all are in (a joiner of a running
+    sync-mode swarm chases its state on these links: that is not what is measured here)."""
+    n = homes + 1
+    public = _Node(lab, lab.public, workdir / "public", f"{PUBLIC}:{PORT}", None, n)
     nodes = [public]
     for i in range(homes):
-        nodes.append(_Node(lab, lab.home_ns[i], workdir / f"home{i + 1}", f"0.0.0.0:{PORT}", public.address))
+        home = lab.home_ns[i]
+        nodes.append(_Node(lab, home, workdir / f"home{i + 1}", f"0.0.0.0:{PORT}", public.address, n))
     return nodes
 
 

@@ -134,6 +134,9 @@ class DHT:
         self._recheck_at = 0.0  # (the clock's) when to ask peers to dial us back again
         self._join: list[PeerAddress] = []  # the join addresses, to bootstrap again from
         self._seen: OrderedDict[PeerID, PeerAddress] = OrderedDict()  # recently known contacts, newest last
+        # Behind a NAT: the address others reach this node at when it may serve the DHT there anyway
+        # (its relayed address once hole punching works: see ``serving``), else None.
+        self.relayed_address: Callable[[], PeerAddress | None] = lambda: None
         reg = host.registry
         reg.add_unary(PING, self._on_ping)
         reg.add_unary(FIND_NODE, self._on_find_node)
@@ -146,9 +149,21 @@ class DHT:
         return self.host.peer_id
 
     def my_contact(self) -> Contact | None:
-        if self.client_only or not self.host.listen_addresses:
+        if not self.host.listen_addresses:
             return None
+        if self.client_only:
+            relayed = self.relayed_address()
+            return None if relayed is None else Contact(self.peer_id, relayed)
         return Contact(self.peer_id, self.advertised_address())
+
+    @property
+    def serving(self) -> bool:
+        """Whether this node holds records and answers as a routing-table contact: a reachable one, or
+        one behind a NAT that can serve through its relayed address (``relayed_address``): peers reach
+        it there through the relay, and directly once they punched a hole to it. Without those, the
+        peers behind NATs would keep no record among themselves, and could not go on as one swarm
+        when the public peers leave."""
+        return not self.client_only or self.relayed_address() is not None
 
     def advertised_address(self) -> PeerAddress:
         return self.host.advertised_addresses()[0]
@@ -296,8 +311,11 @@ class DHT:
             contact = sender.to_contact()
         except ValueError:
             return
-        if contact.address.host != ctx.remote_host and contact.address.kind in ("ip4", "ip6"):
+        circuit = contact.address.relay is not None and contact.address.peer_id == ctx.peer
+        if contact.address.host != ctx.remote_host and contact.address.kind in ("ip4", "ip6") and not circuit:
             return  # claimed address is not where the call came from: not verified, not added
+        # (a circuit address to the caller itself only sends those who use it to that relay, which
+        # passes nothing on to a peer without a reservation there)
         self._observe(contact)
 
     def _observe(self, contact: Contact) -> None:
@@ -334,7 +352,7 @@ class DHT:
 
     async def _on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
         self._heard_from(ctx, req.sender)
-        if self.client_only:
+        if not self.serving:
             return StoreResp(0, ("this peer is client-only and holds no records",))
         now, stored, refused = self.clock(), 0, []
         for entry in decode_entries(ctx.body):
@@ -500,7 +518,7 @@ class DHT:
     async def _store_entries(self, kid: bytes, entries: list[Entry]) -> int:
         targets = (await self.find_node(kid))[: self.config.replication]
         accepted = 0
-        if not self.client_only and self._among_closest(kid, targets):
+        if self.serving and self._among_closest(kid, targets):
             for e in entries:
                 try:
                     self.records.put(e, self.clock(), None)

@@ -14,6 +14,8 @@ of every round like public ones.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 import torch
 import trio
@@ -118,34 +120,43 @@ async def test_punching_on_real_sockets_shares_the_listening_port(tcp_cluster, k
         assert (await other.host.connect(a.address)).peer == a.host.peer_id
 
 
-async def test_natted_nodes_that_punched_reduce_a_share_like_public_ones(autojump_clock):
-    """One public peer and two home nodes behind endpoint-independent NATs: once the second home node
-    joined through the first one's relayed address and they punched, every member of a round reduces
-    a share (before: the public peer reduced all of it, the home nodes were client-only)."""
-    net = MemoryNetwork(seed=7)
+def _home_swarm(net: MemoryNetwork) -> tuple[list[Node], Callable[[trio.Nursery], Awaitable[None]]]:
+    """One public peer and two home nodes behind endpoint-independent NATs; the second home node joins
+    through the first one's relayed address. ``start`` runs them and returns once both punched."""
     net.nat("home1")
     net.nat("home2")
-    avg = AveragerConfig(target_size=3, min_size=3, matchmaking_time=3.0)
+    avg = AveragerConfig(target_size=3, min_size=2, matchmaking_time=3.0)
 
     def node(name: str, join: list[PeerAddress]) -> Node:
         config = NodeConfig(run_id="punch", listen=((name, 1000),), join=tuple(join), averaging=avg)
         return Node(Identity.generate(), config, transport=net.transport(name), clock=trio.current_time)
 
+    nodes = [node("public", [])]
+
+    async def start(nursery: trio.Nursery) -> None:
+        await nursery.start(nodes[0].run)
+        nodes.append(node("home1", [nodes[0].addresses[0]]))
+        await nursery.start(nodes[1].run)
+        [pasted] = await nodes[1].dialable_addresses()
+        nodes.append(node("home2", [pasted]))
+        await nursery.start(nodes[2].run)
+        await nodes[2].dialable_addresses()  # (its own reservation, so it has a relayed address too)
+        while not (nodes[1].host.punch.works and nodes[2].host.punch.works):  # noqa: ASYNC110
+            await trio.sleep(0.5)  # (polled under the callers' deadlines)
+
+    return nodes, start
+
+
+async def test_natted_nodes_that_punched_reduce_a_share_like_public_ones(autojump_clock):
+    """Once the home nodes punched, every member of a round reduces a share (before: the public peer
+    reduced all of it, the home nodes were client-only)."""
+    nodes, start = _home_swarm(MemoryNetwork(seed=7))
     with trio.fail_after(900):
         async with trio.open_nursery() as nursery:
-            public = node("public", [])
-            await nursery.start(public.run)
-            home1 = node("home1", [public.addresses[0]])
-            await nursery.start(home1.run)
-            [pasted] = await home1.dialable_addresses()
-            home2 = node("home2", [pasted])
-            await nursery.start(home2.run)
-            await home2.dialable_addresses()  # (its own reservation, so it has a relayed address too)
-            while not (home1.host.punch.works and home2.host.punch.works):  # noqa: ASYNC110
-                await trio.sleep(0.5)  # (polled under the deadline)
+            await start(nursery)
+            _, home1, home2 = nodes
             conn = home2.host.connection(home1.peer_id)
             assert conn is not None and not conn.relayed
-            nodes = [public, home1, home2]
             results: list[RoundResult] = []
 
             async def average(i: int) -> None:
@@ -157,6 +168,35 @@ async def test_natted_nodes_that_punched_reduce_a_share_like_public_ones(autojum
             assert [len(r.contributors) for r in results] == [3, 3, 3]
             assert all(torch.equal(r.tensors[0], torch.full((3000,), 1.0)) for r in results)
             assert all(r.reduced > 0 for r in results), [r.reduced for r in results]
+            nursery.cancel_scope.cancel()
+
+
+async def test_home_nodes_that_punched_keep_a_dht_when_the_public_peer_leaves(autojump_clock):
+    """The home nodes serve the DHT at their relayed addresses once punching works (peers reach them
+    directly): when the only public peer leaves, they still store and read records among themselves,
+    and average together (before: client-only, they had nowhere to keep a record)."""
+    net = MemoryNetwork(seed=8)
+    nodes, start = _home_swarm(net)
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            await start(nursery)
+            _, home1, home2 = nodes
+            assert home1.dht.serving and home2.dht.serving
+            await trio.sleep(60)  # (the DHT's maintenance meets the peers as contacts)
+            net.kill("public")
+            await trio.sleep(30)
+            await home1.dht.store(b"after-public-left", b"still one swarm", ttl=600)
+            got = await home2.dht.get(b"after-public-left")
+            assert [e.value for e in got.values()] == [b"still one swarm"]
+            results: list[RoundResult] = []
+
+            async def average(node: Node, value: float) -> None:
+                results.append(await node.average([torch.full((100,), value)], timeout=30.0))
+
+            async with trio.open_nursery() as rounds:
+                rounds.start_soon(average, home1, 1.0)
+                rounds.start_soon(average, home2, 3.0)
+            assert all(torch.equal(r.tensors[0], torch.full((100,), 2.0)) for r in results)
             nursery.cancel_scope.cancel()
 
 
