@@ -136,7 +136,7 @@ class NodeConfig:
     host: HostConfig = field(default_factory=HostConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     averaging: AveragerConfig = field(default_factory=AveragerConfig)
-    reconnect_max_delay: float = 30.0
+    reconnect_max_delay: float = 8.0  # a join peer back from a restart is found this soon (a SYN a try)
     announce_ttl: float = 180.0
     members_interval: float = 5.0
     authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)

@@ -50,7 +50,14 @@ class _Node:
     """One node process in a namespace: its folder holds node.log and metrics.jsonl."""
 
     def __init__(
-        self, lab: NatLab, ns: str, folder: Path, listen: str, join: str | None, wait_peers: int = 1
+        self,
+        lab: NatLab,
+        ns: str,
+        folder: Path,
+        listen: str,
+        join: str | None,
+        wait_peers: int = 1,
+        resume: bool = False,
     ) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
@@ -59,6 +66,7 @@ class _Node:
         argv += ["--metrics-file", str(folder / "metrics.jsonl"), "--threads", "1", "--no-live"]
         argv += ["--join", join] if join else []
         argv += ["--wait-peers", str(wait_peers)] if wait_peers > 1 else []
+        argv += ["--resume"] if resume else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with (folder / "node.log").open("ab") as log:  # (the child keeps its own copy)
             self.proc = lab.popen_in(
@@ -177,7 +185,8 @@ def public_leaves(workdir: Path, *, rate_mbit: float, seconds: float, away: floa
         time.sleep(away if away is not None else seconds)
         out["steps_while_away"] = [_steps(n) - b for n, b in zip(homes, out["steps_before"][1:], strict=True)]
         if away is not None:
-            back = _Node(lab, lab.public, workdir / "public-back", f"{PUBLIC}:{PORT}", None)
+            # the same node again (its identity, its last checkpoint, the peers it trained with)
+            back = _Node(lab, lab.public, workdir / "public", f"{PUBLIC}:{PORT}", None, resume=True)
             came = time.time()
             together = None
             while time.time() - came < 120.0:
@@ -196,6 +205,49 @@ def public_leaves(workdir: Path, *, rate_mbit: float, seconds: float, away: floa
         out["ok"] = bool(out["homes_after_leaving"]["ok"]) and bool(out["all"]["ok"])
         if away is not None:
             out["ok"] = out["ok"] and out["one_swarm_again_s"] is not None and out["one_swarm_again_s"] <= 30
+    return out
+
+
+RESULTS = {  # scenario -> its file in simulations/results/
+    "rounds": "natlab-rounds.json",
+    "public-leaves": "natlab-public-leaves.json",
+    "public-returns": "natlab-public-returns.json",
+}
+
+
+def result_rows(results: Path) -> list[dict[str, Any]]:
+    """Rows of the README's results table (``simulations.suite``) from the scenarios' JSON files."""
+    from .suite import not_run, row
+
+    out = []
+    for scenario, name in RESULTS.items():
+        cmd = f"python -m simulations.nat_scenarios {scenario}"
+        path = results / name
+        if not path.exists():
+            out.append(not_run(f"NAT lab: {scenario}", cmd + " (root)"))
+            continue
+        d = json.loads(path.read_text())
+        if scenario == "rounds":
+            ways = d["ways"]
+            for way, r in ways.items():
+                shares = ", ".join(f"{p['peer']} {p['reduced_in']}" for p in r["peers"])
+                target = "within 15% of all public, every peer reducing" if "endpoint" in way else "-"
+                met = d["ok"] if "endpoint" in way else None
+                metric = f"{way}: median round s (4 peers, {d['rate_mbit']:g} Mbit/s); rounds reduced in"
+                measured = f"{r['median_round_s']} ({shares})"
+                out.append(row("NAT lab: rounds", metric, measured, None, target, met, cmd))
+            continue
+        homes = d["homes_after_leaving"]
+        metric = (
+            f"home peers' steps while the public peer is away: {d['steps_while_away']}; "
+            f"{homes['steps_compared']} shared steps compared, {homes['divergent']} divergent"
+        )
+        target = "one swarm, identical parameters"
+        if scenario == "public-returns":
+            again, divergent = d["one_swarm_again_s"], d["all"]["divergent"]
+            metric += f"; one swarm again after {again} s ({divergent} divergent)"
+            target += "; together again within 30 s"
+        out.append(row(f"NAT lab: {scenario}", metric, d["all"]["verdict"], None, target, d["ok"], cmd))
     return out
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .nat_scenarios import result_rows as nat_rows
 from .scenario import REPO_ROOT
 
 RESULTS = REPO_ROOT / "simulations" / "results"
@@ -655,7 +656,7 @@ def build_table(results: Path) -> tuple[str, list[dict[str, Any]]]:
     for label in ("churn", "wan-continents", "wan-continents-sync"):
         rows += scenario_rows(results, label)
     rows += hostile_rows(results)
-    rows += scale_rows(results) + statesync_rows(results)
+    rows += scale_rows(results) + statesync_rows(results) + nat_rows(results)
     lines = [
         "| benchmark | metric | p2ptrain | hivemind | p2ptrain / hivemind | target | met? | command |",
         "|---|---|---|---|---|---|---|---|",
