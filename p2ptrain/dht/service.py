@@ -311,11 +311,13 @@ class DHT:
             contact = sender.to_contact()
         except ValueError:
             return
-        circuit = contact.address.relay is not None and contact.address.peer_id == ctx.peer
+        relay = contact.address.relay
+        # A circuit to the caller through a peer this node is connected to (so a real peer, not a third
+        # party an attacker names for others to dial) is taken unchecked: that relay passes nothing on
+        # to a peer without a reservation there.
+        circuit = relay is not None and contact.address.peer_id == ctx.peer and self.host.connection(relay)
         if contact.address.host != ctx.remote_host and contact.address.kind in ("ip4", "ip6") and not circuit:
             return  # claimed address is not where the call came from: not verified, not added
-        # (a circuit address to the caller itself only sends those who use it to that relay, which
-        # passes nothing on to a peer without a reservation there)
         self._observe(contact)
 
     def _observe(self, contact: Contact) -> None:

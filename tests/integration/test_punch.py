@@ -206,3 +206,29 @@ def test_bad_endpoints_are_refused(text):
 
     with pytest.raises(ValueError):
         parse_endpoint(text)
+
+
+async def test_a_circuit_contact_is_taken_only_through_a_relay_this_node_is_connected_to(mem_cluster):
+    """A caller may name a circuit to itself as its DHT contact (how a NATed node serves the DHT), but
+    only through a peer this node is connected to: a circuit through any other host would have others
+    dial a third party an attacker names."""
+    from p2ptrain.dht import DHT, Contact
+    from p2ptrain.dht.protocol import ContactMsg
+    from p2ptrain.net.rpc import CallContext
+
+    a = await mem_cluster.start("a")
+    relay = await mem_cluster.start("relay")
+    dht = DHT(a.host)
+    caller = Identity.generate().peer_id
+
+    def heard_through(relay_id) -> bool:
+        addr = PeerAddress.parse(f"/ip4/198.18.0.9/tcp/4001/p2p/{relay_id}/p2p-circuit/p2p/{caller}")
+        ctx = CallContext(caller, "198.18.0.50", "dht.ping", memoryview(b""), 0.0)
+        dht._heard_from(ctx, ContactMsg.of(Contact(caller, addr)))
+        return caller in {c.peer_id for c in dht.table.contacts()}
+
+    with trio.fail_after(60):
+        assert not heard_through(Identity.generate().peer_id)
+        assert not heard_through(relay.host.peer_id)  # (not connected to it yet)
+        await a.host.connect(relay.address)
+        assert heard_through(relay.host.peer_id)
