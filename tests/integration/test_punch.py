@@ -232,3 +232,51 @@ async def test_a_circuit_contact_is_taken_only_through_a_relay_this_node_is_conn
         assert not heard_through(relay.host.peer_id)  # (not connected to it yet)
         await a.host.connect(relay.address)
         assert heard_through(relay.host.peer_id)
+
+
+async def test_home_peers_find_their_public_peer_soon_after_it_comes_back(autojump_clock, monkeypatch):
+    """Two home peers that punched (so each still has a DHT contact: the other) and their public peer,
+    which is gone 45 s and comes back as itself on the same address: the home peers' re-dials of their
+    join address find it within 10 s (before: their back-off had grown to 30 s, and they found it 16 s
+    later; 30 s in the NAT lab's public-returns scenario)."""
+    import p2ptrain.node as node_module
+
+    monkeypatch.setattr(node_module.random, "uniform", lambda a, b: 1.0)  # (no jitter: a fixed schedule)
+    net = MemoryNetwork(seed=9)
+    net.nat("home1")
+    net.nat("home2")
+    identity = Identity.generate()
+    scopes: list[trio.CancelScope] = []
+
+    def node(name: str, join: tuple[PeerAddress, ...], ident: Identity | None = None) -> Node:
+        config = NodeConfig(run_id="punch", listen=((name, 1000),), join=join)
+        ident = ident or Identity.generate()
+        return Node(ident, config, transport=net.transport(name), clock=trio.current_time)
+
+    async def run_public(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            scopes.append(scope)
+            await node("public", (), identity).run(task_status=task_status)
+
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_public)
+            public_address = PeerAddress.for_host("public", 1000, identity.peer_id)
+            home1 = node("home1", (public_address,))
+            await nursery.start(home1.run)
+            [pasted] = await home1.dialable_addresses()
+            home2 = node("home2", (pasted,))
+            await nursery.start(home2.run)
+            await home2.dialable_addresses()
+            while not (home1.host.punch.works and home2.host.punch.works):  # noqa: ASYNC110
+                await trio.sleep(0.5)  # (polled under the deadline)
+            await trio.sleep(30)
+            scopes[0].cancel()  # the public peer leaves
+            await trio.sleep(45)
+            assert home1.host.connection(home2.peer_id) is not None  # (the homes still have each other)
+            await nursery.start(run_public)
+            back = trio.current_time()
+            while home1.host.connection(identity.peer_id) is None:  # noqa: ASYNC110 (polled, deadline)
+                await trio.sleep(0.1)
+            assert trio.current_time() - back <= 10.0
+            nursery.cancel_scope.cancel()
