@@ -247,8 +247,7 @@ async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
-            for addr in node.addresses:
-                print(addr, flush=True)
+            nursery.start_soon(print_join_addresses, node)  # (checked ones: rounds need not wait)
             with trio.CancelScope() as rounds:
 
                 async def stop_on_signal() -> None:

@@ -133,7 +133,8 @@ def _round_stats(nodes: list[_Node], since: float) -> dict[str, Any]:
 
 def rounds(workdir: Path, *, rate_mbit: float, seconds: float, warmup: float) -> dict[str, Any]:
     """The ``rounds`` scenario (see the module docstring)."""
-    out: dict[str, Any] = {"scenario": "rounds", "rate_mbit": rate_mbit, "seconds": seconds, "ways": {}}
+    out: dict[str, Any] = {"scenario": "rounds", "rate_mbit": rate_mbit, "seconds": seconds, "warmup": warmup}
+    out["ways"] = {}
     for way, kw in (
         ("all public", {"nat": False}),
         ("endpoint-independent NATs", {}),
@@ -234,7 +235,9 @@ def result_rows(results: Path) -> list[dict[str, Any]]:
                 target = "within 15% of all public, every peer reducing" if "endpoint" in way else "-"
                 met = d["ok"] if "endpoint" in way else None
                 metric = f"{way}: median round s (4 peers, {d['rate_mbit']:g} Mbit/s); rounds reduced in"
-                measured = f"{r['median_round_s']} ({shares})"
+                window = d["seconds"] - d.get("warmup", 0)
+                n = r["rounds_measured"]
+                measured = f"{r['median_round_s']} s, {n} results of all peers in {window:g} s ({shares})"
                 out.append(row("NAT lab: rounds", metric, measured, None, target, met, cmd))
             continue
         homes = d["homes_after_leaving"]

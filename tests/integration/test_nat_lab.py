@@ -9,12 +9,14 @@ Runs only where the lab can be built (root, iproute2, iptables, network namespac
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from simulations.natlab import PUBLIC, NatLab, relay_join, unavailable
-from simulations.netns import list_namespaces
+from simulations.natlab import PUBLIC, NatLab, _node, relay_join, unavailable
+from simulations.netns import list_namespaces, read_line
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -31,6 +33,23 @@ def test_a_home_user_joins_through_another_home_users_relayed_address(tmp_path: 
     assert "/p2p-circuit/" in report["home2_address"], report  # it is behind a NAT too
     assert report["home2_punch"] == ("relayed" if symmetric else "direct"), (report, logs)
     assert report["ok"]
+
+
+@pytest.mark.timeout(300)
+def test_average_behind_a_nat_prints_its_relayed_address(tmp_path: Path) -> None:
+    """``p2ptrain average`` prints what others can dial, as ``node`` does (before: its LAN address)."""
+    with NatLab(1) as lab:
+        public = _node(lab, lab.public, tmp_path, "public", "--listen", f"{PUBLIC}:4001")
+        p_addr = read_line(public, 120).strip()
+        argv = [sys.executable, "-m", "p2ptrain", "average", "--run-id", "natlab", "--listen", "0.0.0.0:4001"]
+        argv += ["--join", p_addr, "--rounds", "1", "--timeout", "60", "--data-dir", str(tmp_path / "home")]
+        quiet = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True}
+        home = lab.popen_in(lab.home_ns[0], argv, **quiet)
+        printed = read_line(home, 120).strip()
+        assert printed.startswith(f"/ip4/{PUBLIC}/tcp/4001/p2p/") and "/p2p-circuit/p2p/" in printed, printed
+        for proc in (home, public):
+            proc.terminate()
+            proc.wait(60)
 
 
 @pytest.mark.timeout(120)
