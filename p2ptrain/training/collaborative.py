@@ -166,6 +166,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
         self._records_read = trio.Event()
+        self._met_swarm = False  # records were read once the DHT had bootstrapped (see _may_step_alone)
         self._nursery: trio.Nursery | None = None
         self._version = 0  # bumped whenever the state changes
         self._holds = 0  # threads reading the live state: nothing may change it meanwhile
@@ -284,6 +285,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 continue
             records.append(PeerProgress(peer, rec))
         self.records = records
+        self._met_swarm = self._met_swarm or self.node.dht.bootstrapped.is_set()
         self._update_view()
         self._reach_directly()
         self._records_read.set()
@@ -449,6 +451,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         now = self.clock()
         if now - self._started < 2 * self.config.progress.interval:
             return False  # the others' records may not have reached us yet
+        joining = self.node.config.join and not self._met_swarm
+        if joining and now - self._started < self.config.averaging.timeout:
+            # A joiner that has not read the swarm's records yet (its DHT still bootstraps: behind a
+            # NAT that includes a dial-back that times out) would fork the swarm with a step of its own.
+            return False
         if not self._partners:
             self._alone_since = None
             return True

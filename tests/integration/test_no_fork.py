@@ -108,3 +108,22 @@ async def test_a_peer_behind_catches_up_from_peers_that_finished_instead_of_step
         await s.until(lambda: late.opt.epoch >= last + 2, timeout=300)
         assert late.opt.stats.syncs >= 1
         check_identical_per_epoch([*done, late])
+
+
+async def test_joiners_behind_nats_take_no_step_of_their_own_before_they_read_the_swarm(
+    autojump_clock: object,
+) -> None:
+    """Three peers behind NATs join a public one. Their DHT bootstrap includes a dial-back that can only
+    time out (seconds), and until it is done they read no record: they used to step alone meanwhile,
+    each on its own lineage under the swarm's step numbers, then throw it away for the swarm's state.
+    Now a joiner waits until it has read the swarm's records (an averaging timeout at most)."""
+    async with swarm(run_config("sync")) as s:
+        peers = [await s.start(compute=0.1)]
+        for i in range(1, 4):
+            s.net.nat(f"t{i}", symmetric=True)
+            peers.append(await s.start(compute=0.1 + 0.05 * i))
+        await s.until(lambda: all(p.opt.epoch >= 8 for p in peers), timeout=300)
+        for p in peers[1:]:
+            alone = [e for e, _, outcome, _ in p.steps if outcome == "alone"]
+            assert not alone, f"peer {p.index} stepped alone on steps {alone}"
+        check_identical_per_epoch(peers)
