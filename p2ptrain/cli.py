@@ -127,6 +127,10 @@ def _node_identity(args: argparse.Namespace) -> Identity:
     if args.identity:
         return load_identity(args.identity)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:  # a file in the way, no such parent, no permission
+        raise UsageError(f"--data-dir {data_dir}: cannot use it as a folder: {e.strerror or e}") from None
     identity, created = load_or_create_identity(data_dir / "identity.key")
     if created:
         log.info("created a new identity %s in %s", identity.peer_id, data_dir)

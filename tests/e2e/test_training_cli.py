@@ -113,6 +113,17 @@ def test_bad_task_config_or_device_is_a_one_line_error(
     assert "Traceback" not in result.stderr
 
 
+def test_an_unusable_data_dir_is_a_one_line_error(tmp_path: Path) -> None:
+    """A file where the folder should be (before: a NotADirectoryError traceback)."""
+    (tmp_path / "a-file").write_text("")
+    result = node("--task", "tiny-gpt", "--data-dir", str(tmp_path / "a-file" / "d"), timeout=60)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("p2ptrain node: --data-dir "), result.stderr
+    assert "cannot use it as a folder" in last, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
     config = tmp_path / "small.toml"
     config.write_text(SMALL_RUN)
