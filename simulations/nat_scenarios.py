@@ -31,12 +31,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .natlab import PUBLIC, NatLab, unavailable
+from .natlab import PUBLIC, NatLab, print_report, workdir_for
 from .netns import read_line
 from .report import divergence, step_lines
 from .training_runs import read_jsonl
@@ -266,22 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
     args = parser.parse_args(argv)
-    why = unavailable()
-    if why is not None:
-        print(f"cannot build a NAT lab here: {why}", file=sys.stderr)
+    workdir = workdir_for(args.workdir)
+    if workdir is None:
         return 2
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="natlab-")).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
     if args.scenario == "rounds":
         report = rounds(workdir, rate_mbit=args.rate_mbit, seconds=args.seconds, warmup=args.warmup)
     else:
         away = args.away if args.scenario == "public-returns" else None
         report = public_leaves(workdir, rate_mbit=args.rate_mbit, seconds=args.seconds, away=away)
     report["workdir"] = str(workdir)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print_report(report, args.json)
     _table(report)
     return 0 if report["ok"] else 1
 

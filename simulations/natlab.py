@@ -226,6 +226,28 @@ def relay_join(workdir: Path, timeout: float = 120.0, *, symmetric: bool = False
     return out
 
 
+def workdir_for(path: str | None) -> Path | None:
+    """The folder a lab run keeps its logs in (``path``, else a new temp folder), or None after saying
+    on stderr why no NAT lab can be built here."""
+    why = unavailable()
+    if why is not None:
+        print(f"cannot build a NAT lab here: {why}", file=sys.stderr)
+        return None
+    import tempfile
+
+    workdir = Path(path or tempfile.mkdtemp(prefix="natlab-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
+def print_report(report: dict[str, Any], json_path: str | None) -> None:
+    """The report as JSON on stdout, and in ``json_path`` if given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.natlab", description=__doc__.split("\n")[0])
     parser.add_argument("scenario", choices=["relay-join"])
@@ -233,19 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
     args = parser.parse_args(argv)
-    why = unavailable()
-    if why is not None:
-        print(f"cannot build a NAT lab here: {why}", file=sys.stderr)
+    workdir = workdir_for(args.workdir)
+    if workdir is None:
         return 2
-    import tempfile
-
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="natlab-")).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
     report = relay_join(workdir, symmetric=args.symmetric) | {"workdir": str(workdir)}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print_report(report, args.json)
     rows = [(k, str(v)) for k, v in report.items()]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

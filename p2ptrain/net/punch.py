@@ -119,7 +119,6 @@ class Puncher:
         self.located = trio.Event()  # set once ``where`` knows (the DHT's reachability check)
         self.located.set()
         self.works = False  # a punch with this host on one end succeeded
-        self.punched = 0  # direct connections made by punching (either end)
         self._asked: dict[PeerID, float] = {}  # peer -> when its last request was answered
         self._running = 0
         self._awaiting: dict[PeerID, trio.Event] = {}  # peers whose direct dial this host waits for
@@ -324,7 +323,6 @@ class Puncher:
 
     def _succeeded(self, peer: PeerID, relayed: Connection, how: str) -> None:
         self.works = True
-        self.punched += 1
         direct = self.host.connection(peer)
         if direct is not None and not direct.relayed:
             direct.keep_open = True  # (its NAT entries are not made again without another punch)
