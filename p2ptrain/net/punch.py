@@ -147,10 +147,16 @@ class Puncher:
     async def reach(self, address: PeerAddress) -> None:
         """Get a direct connection to the peer at ``address`` (a circuit address) before a round needs
         it: dial it through its relay (the upgrade follows by itself), or punch over a relayed
-        connection this host dialed before. A peer is tried once per ``RETRY`` seconds; failures are
-        logged, not raised."""
+        connection this host dialed before. Only through a relay this host is directly connected to;
+        a peer is tried once per ``RETRY`` seconds; failures are logged, not raised."""
         peer, now = address.peer_id, trio.current_time()
         if peer is None or not self.enabled or now - self._tried.get(peer, -RETRY) < RETRY:
+            return
+        relay = None if address.relay is None else self.host.connection(address.relay)
+        if relay is None or relay.relayed:
+            # Only through a peer this host is directly connected to: a circuit address in a record
+            # can name any host as its relay, and fresh ids must not make this node dial third parties.
+            log.debug("not reaching %s: its relay is not a connected peer", peer.short())
             return
         existing = self.host.connection(peer)
         if existing is not None and not existing.relayed:

@@ -79,6 +79,22 @@ async def test_behind_a_symmetric_nat_the_peers_stay_relayed(mem_cluster, memnet
         assert (await conn.call(kit.ECHO, kit.Text("via relay"))).text == "via relay"
 
 
+async def test_reaching_a_peer_goes_only_through_a_relay_this_host_is_connected_to(
+    mem_cluster, memnet, autojump_clock
+):
+    """A circuit address in a progress record can name any host as its relay: a node that reaches
+    NATed peers ahead of rounds must not dial a host it merely read about (fresh ids would make it
+    connect to third parties)."""
+    with trio.fail_after(300):
+        relay, a, b, circuit = await _relayed_pair(mem_cluster, memnet)
+        await a.host.punch.reach(circuit)
+        assert a.host.connection(relay.host.peer_id) is None  # not dialed: a knows it from a record only
+        assert a.host.connection(b.host.peer_id) is None
+        await a.host.connect(relay.address)  # now a real peer of a's (a DHT contact, a join peer)
+        await a.host.punch.reach(circuit)
+        await _direct(a, b)
+
+
 async def test_a_public_dialer_is_dialed_back(mem_cluster, memnet, autojump_clock):
     with trio.fail_after(300):
         _, a, b, circuit = await _relayed_pair(mem_cluster, memnet, a_nat=False)
