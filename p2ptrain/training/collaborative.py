@@ -557,9 +557,23 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _clip(self) -> None:
-        if self.config.training.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.training.grad_clip)
+    def _clip(self, shared: bool = False) -> None:
+        """Clip the gradients' norm. ``shared``: they are a round's buffer that it may still serve to
+        members fetching late (averaged in place): they are left alone, and the clipped gradients go
+        into copies (only when clipping changes them). The same bits either way: one multiplication by
+        the same factor."""
+        limit = self.config.training.grad_clip
+        if limit <= 0:
+            return
+        if not shared:
+            torch.nn.utils.clip_grad_norm_(self.params, limit)
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        factor = torch.clamp(limit / (torch.nn.utils.get_total_norm(grads) + 1e-6), max=1.0)
+        if float(factor) < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad = p.grad * factor
 
     # ---- global steps --------------------------------------------------------------------------------
 
@@ -651,12 +665,13 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 self._release(g)
 
     def _apply_gradients(self, grads: ParamBuffer, zero: bool = True) -> None:
-        """One optimizer step with ``grads`` (then zeroed, for reuse as an accumulator)."""
+        """One optimizer step with ``grads``, then zeroed for reuse as an accumulator; ``zero`` False:
+        a round averaged them in place and may still serve them, so nothing writes into them."""
         self._set_lr(self.epoch)
         held = [p.grad for p in self.params]  # summed: the accumulator of the next step
         for p, g in zip(self.params, grads.views, strict=True):
             p.grad = g
-        self._clip()
+        self._clip(shared=not zero)
         self.optimizer.step()
         for p, h in zip(self.params, held, strict=True):
             p.grad = h

@@ -26,7 +26,7 @@ from p2ptrain import AveragerConfig, Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
-from p2ptrain.net import MemoryNetwork
+from p2ptrain.net import LinkProfile, MemoryNetwork, memory
 from p2ptrain.training import checkpoint, state, statesync
 from p2ptrain.training.collaborative import CollaborativeOptimizer
 
@@ -52,6 +52,18 @@ def run_config(mode: str = "sync", overlap: bool = False) -> RunConfig:
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)  # as the trainer does: every peer starts from the same weights
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def wide_model() -> torch.nn.Module:
+    """About a million parameters: each peer's partition spans several chunks of the wire."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 1024),
+        torch.nn.Tanh(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.Tanh(),
+        torch.nn.Linear(1024, 1),
+    )
 
 
 def make_optimizer(model: torch.nn.Module, sgd: bool) -> torch.optim.Optimizer:
@@ -83,6 +95,13 @@ class Peer:
     steps: list[tuple[int, bytes, str, float]] = field(default_factory=list)  # epoch, digest, outcome, time
     batches_before_first_step: int = 0
     first_contribution: int = 0  # samples this peer put into its first global step
+    params_at: dict[int, str] = field(default_factory=dict)  # epoch -> hash of the parameters taken on it
+
+    def params_hash(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for p in self.model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        return h.hexdigest()
 
     def params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
@@ -97,6 +116,7 @@ class Swarm:
         self.nursery, self.config, self.sgd, self.summed = nursery, config, sgd, summed
         self.net = MemoryNetwork(seed=7)
         self.peers: list[Peer] = []
+        self.make_model = make_model
 
     async def start(
         self, compute: float = 0.1, *, train: bool = True, config: RunConfig | None = None
@@ -112,7 +132,7 @@ class Swarm:
             averaging=AveragerConfig(target_size=64, min_size=1, matchmaking_time=2.0),
         )
         node = Node(identity(name), node_config, transport=self.net.transport(name), clock=trio.current_time)
-        model = make_model()
+        model = self.make_model()
         inner = make_optimizer(model, self.sgd)
         opt = CollaborativeOptimizer(
             node, model, inner, config or self.config, clock=trio.current_time, summed_grads=self.summed
@@ -147,6 +167,7 @@ class Swarm:
                 if not peer.steps:
                     peer.first_contribution = last.get("mine", 0)
                 peer.steps.append((peer.opt.epoch, peer.opt.digest, last["outcome"], trio.current_time()))
+                peer.params_at[peer.opt.epoch] = peer.params_hash()
 
     def crash(self, peer: Peer) -> None:
         """As if the process died: connections reset, every task cancelled, nothing said to anyone."""
@@ -637,6 +658,32 @@ async def test_honest_peers_are_counted_at_their_full_weight(
             peers = [await s.start(compute=0.1), await s.start(compute=slow)]
             await s.until(lambda: min(p.opt.stats.averaged for p in peers) >= 4, timeout=300)
     assert "more than its records make plausible" not in caplog.text
+
+
+async def test_a_reducer_clipping_its_step_does_not_change_what_slow_members_fetch(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sync mode averages the gradients in place, and a reducer goes on serving its partition's mean
+    from that buffer after it committed. Its optimizer step clipped those gradients in place, so a
+    member fetching over a slow link got the clipped mean in the chunks sent after the step, and the
+    two peers held different parameters from step 1 on (seen behind symmetric NATs, where a public peer
+    reduces everything and home peers fetch it over their uplinks)."""
+    config = run_config("sync").replace("training", grad_clip=0.01)  # every step clips
+    monkeypatch.setattr(memory, "_PIPE_LIMIT", 64 * 1024)  # a socket's buffers: a sender waits for the link
+    async with swarm(config) as s:
+        s.make_model = wide_model  # partitions of several chunks, sent one after the other
+        peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
+        # t1 runs client-only (as behind a NAT): t0 reduces the whole vector
+        await s.until(lambda: peers[1].node.dht.reachable is not None, timeout=30)
+        peers[1].node.dht.client_only = True
+        # the mean reaches t1 slowly, t1's gradients reach t0 at once: t0 commits and steps first
+        s.net.set_link("t0", "t1", LinkProfile(latency=0.01, bandwidth=1_000_000), both_ways=False)
+        await s.until(lambda: all(p.opt.stats.averaged >= 3 for p in peers), timeout=300)
+        assert peers[1].opt.stats.averaged >= 3 and peers[1].opt.stats.syncs == 0
+        shared = sorted(set(peers[0].params_at) & set(peers[1].params_at))
+        assert len(shared) >= 3
+        differ = [e for e in shared if peers[0].params_at[e] != peers[1].params_at[e]]
+        assert not differ, f"the peers hold different parameters on steps {differ}"
 
 
 async def test_peers_that_lose_sight_of_each_other_for_a_while_do_not_step_apart(
