@@ -245,6 +245,7 @@ class Membership:
         self.authority = authority
         self.run_id = run_id
         self.certificate = certificate
+        self.refusal = "record not written by a member"  # (DHT records: see ``dht.records.Authors``)
         self._verified: dict[bytes, Certificate] = {}
 
     def __repr__(self) -> str:

@@ -29,6 +29,12 @@ must therefore be signed, and carry its author's membership certificate (the ``c
 the signed payload: the certificate authenticates itself, and names the key that signed the entry).
 The store refuses entries whose author is not a member and serves only entries whose author still is;
 readers check again. In open runs the field is absent from the encoding, so the wire is unchanged.
+
+Open runs that price ids (``[run] id_work``, :class:`IdWork`): the handshake checks the work of the peer
+that sends a STORE, but not of the authors of the entries it relays, and fresh keys would fill keys
+with entries at no cost. So here too every entry is signed, and ``cert`` carries its author's work
+nonce (8 bytes, bound to the author's id by the hash, see :mod:`p2ptrain.idwork`); the store and
+readers refuse entries whose author's id carries less work than the run asks.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ import hashlib
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from ..authority import MAX_CERT_BYTES, CertificateRejected, Membership
+from ..authority import MAX_CERT_BYTES, CertificateRejected
 from ..errors import InvalidSignature, P2PError
 from ..identity import PEER_ID_BYTES, Identity, PeerID, SignedEnvelope
+from ..idwork import work_bits
 from ..net.admission import subnet_of
 from ..wire.codec import pack
 from ..wire.schema import Message, bounded
@@ -84,7 +91,8 @@ class Entry(Message):
     expiry: float = bounded(0.0, ge=0.0)
     public_key: bytes = bounded(b"", max_len=32)
     signature: bytes = bounded(b"", max_len=64)
-    cert: bytes = bounded(b"", max_len=MAX_CERT_BYTES)  # private runs: the author's certificate
+    # private runs: the author's membership certificate; runs that price ids: its work nonce
+    cert: bytes = bounded(b"", max_len=MAX_CERT_BYTES)
 
     def to_obj(self) -> dict[str, Any]:
         obj = super().to_obj()
@@ -133,27 +141,64 @@ def verify_entry(entry: Entry) -> None:
     env.open(SIGN_DOMAIN, expected_signer=owner)
 
 
-def check_author(entry: Entry, membership: Membership, now: float) -> None:
-    """A private run: raise RecordRefused unless ``entry`` (signature already verified) was written by a
-    member, as its certificate shows at ``now``."""
+class Authors(Protocol):
+    """Who may write entries, beyond the owners' signatures: a private run's
+    :class:`~p2ptrain.authority.Membership`, or :class:`IdWork` in an open run that prices ids. Every
+    entry is then signed, and carries its author's credential in ``cert``."""
+
+    @property
+    def certificate(self) -> bytes | None:
+        """This node's own credential, attached to the entries it writes."""
+        ...
+
+    @property
+    def refusal(self) -> str:
+        """How a refused entry is described."""
+        ...
+
+    def check(self, cert: bytes | None, peer: PeerID, now: float) -> object:
+        """Raise CertificateRejected unless ``cert`` admits ``peer`` as an author at ``now``."""
+        ...
+
+
+@dataclass(frozen=True)
+class IdWork:
+    """An open run that prices ids: authors show ``bits`` of work on their ids (see ``idwork``)."""
+
+    bits: int
+    certificate: bytes | None = None  # this node's work nonce
+    refusal: str = "record of an id without the work this run asks for"
+
+    def check(self, cert: bytes | None, peer: PeerID, now: float) -> int:
+        got = work_bits(peer, cert)
+        if got < self.bits:
+            raise CertificateRejected(
+                "missing", f"the id {peer} carries {got} bits of work, this run asks for {self.bits}"
+            )
+        return got
+
+
+def check_author(entry: Entry, authors: Authors, now: float) -> None:
+    """Raise RecordRefused unless ``entry`` (signature already verified) was written by an author
+    ``authors`` admit at ``now``: a member of a private run, an id with the run's work."""
     if not entry.public_key or not entry.signature:
-        raise RecordRefused("unsigned record: this run is private and keeps only records signed by members")
+        raise RecordRefused(f"unsigned record: this run keeps only signed records ({authors.refusal})")
     try:
         author = PeerID.from_public_key(entry.public_key)
-        membership.check(entry.cert or None, author, now)
+        authors.check(entry.cert or None, author, now)
     except ValueError:
         raise RecordRefused("malformed author key") from None
     except CertificateRejected as e:
         reason = e.reason if e.kind == "missing" else f"author {author}: {e.reason}"
-        raise RecordRefused(f"record not written by a member: {reason}") from None
+        raise RecordRefused(f"{authors.refusal}: {reason}") from None
 
 
-def admitted(entry: Entry, membership: Membership | None, now: float) -> bool:
-    """Whether a stored (verified) entry may be served or used: always in open runs."""
-    if membership is None:
+def admitted(entry: Entry, authors: Authors | None, now: float) -> bool:
+    """Whether a stored (verified) entry may be served or used: always where any author may write."""
+    if authors is None:
         return True
     try:
-        check_author(entry, membership, now)
+        check_author(entry, authors, now)
     except RecordRefused:
         return False
     return True
@@ -181,9 +226,9 @@ class RecordRefused(P2PError):
         super().__init__(reason)
 
 
-def check_entry(entry: Entry, now: float, limits: RecordLimits, membership: Membership | None = None) -> None:
-    """Raise RecordRefused with a reason unless ``entry`` may be stored at time ``now`` (in a private
-    run when ``membership`` is given)."""
+def check_entry(entry: Entry, now: float, limits: RecordLimits, authors: Authors | None = None) -> None:
+    """Raise RecordRefused with a reason unless ``entry`` may be stored at time ``now`` (written by an
+    author ``authors`` admit, when given)."""
     if not entry.key:
         raise RecordRefused("empty key")
     if len(entry.key) > limits.max_key:
@@ -204,8 +249,8 @@ def check_entry(entry: Entry, now: float, limits: RecordLimits, membership: Memb
         verify_entry(entry)
     except InvalidSignature as e:
         raise RecordRefused(f"bad signature: {e}") from None
-    if membership is not None:
-        check_author(entry, membership, now)
+    if authors is not None:
+        check_author(entry, authors, now)
 
 
 @dataclass
@@ -225,9 +270,9 @@ def origin_of(host: str) -> str:
 class RecordStore:
     """The records this node holds for the DHT, with per-peer quotas (pure; time passed in)."""
 
-    def __init__(self, limits: RecordLimits | None = None, membership: Membership | None = None) -> None:
+    def __init__(self, limits: RecordLimits | None = None, membership: Authors | None = None) -> None:
         self.limits = limits or RecordLimits()
-        self.membership = membership  # a private run: only members' entries are stored and served
+        self.membership = membership  # who may author entries (stored and served): None, anyone
         self._data: dict[bytes, dict[bytes, _Stored]] = {}  # key id -> subkey -> stored
         self._per_peer: defaultdict[PeerID, int] = defaultdict(int)
         self._recent: defaultdict[PeerID, deque[float]] = defaultdict(deque)

@@ -15,6 +15,7 @@ Private runs (the host has a :class:`~p2ptrain.authority.Membership`): the hands
 non-members off every connection; for the records they might still author (relayed by a member), this
 node signs every entry it writes and attaches its certificate, its store keeps and serves only entries
 whose author's certificate is valid (see :mod:`p2ptrain.dht.records`), and reads drop any other.
+Runs that price ids (``[run] id_work``) do the same with each author's work nonce (``records.IdWork``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..authority import Membership
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
@@ -57,7 +57,9 @@ from .protocol import (
     parse_contacts,
 )
 from .records import (
+    Authors,
     Entry,
+    IdWork,
     RecordLimits,
     RecordRefused,
     RecordStore,
@@ -119,7 +121,11 @@ class DHT:
         self.config = config or DHTConfig()
         self.clock = clock
         self.table = RoutingTable(host.peer_id, k=self.config.k, max_per_subnet=self.config.max_per_subnet)
-        self.records = RecordStore(self.config.limits, membership=host.membership)
+        # Who may author records: a private run's members, or in a run that prices ids, ids with the work
+        self.authors: Authors | None = host.membership
+        if self.authors is None and host.config.id_work:
+            self.authors = IdWork(host.config.id_work, host.work)
+        self.records = RecordStore(self.config.limits, membership=self.authors)
         self.client_only = bool(self.config.client_only)
         self.rng = random.Random(seed)
         self._published: dict[tuple[bytes, bytes], _Published] = {}
@@ -453,7 +459,7 @@ class DHT:
                     self._observe(proven)
                 if (verified := proven or known) is not None:
                     reached[contact.peer_id] = verified
-                good = _verified(entries, target, self.host.membership, self.clock())
+                good = _verified(entries, target, self.authors, self.clock())
                 if good:
                     found.extend(good)
                     holders.add(origin_of(remote))
@@ -503,9 +509,9 @@ class DHT:
         Returns how many replicas accepted it. With ``republish`` this node re-publishes the value
         every ``republish_interval`` until :meth:`unpublish`.
         """
-        now, private = self.clock(), self.host.membership
-        signer = self.host.identity if sign or private is not None else None  # private: members sign all
-        cert = (private.certificate or b"") if private is not None else b""
+        now, authors = self.clock(), self.authors
+        signer = self.host.identity if sign or authors is not None else None  # (then every entry is signed)
+        cert = (authors.certificate or b"") if authors is not None else b""
         entry = make_entry(key, value, now + ttl, subkey=subkey, signer=signer, cert=cert)
         check_entry(entry, now, self.config.limits)  # a record we could not store anywhere: say why now
         if republish:
@@ -580,7 +586,7 @@ class DHT:
         _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1))
         now, limits = self.clock(), self.config.limits
         latest = now + limits.max_ttl + limits.clock_skew
-        good = _verified(local + found, kid, self.host.membership, now)
+        good = _verified(local + found, kid, self.authors, now)
         return merge([e for e in good if now < e.expiry <= latest])
 
     # ---- maintenance ----
@@ -669,9 +675,9 @@ def _proven(conn: Connection) -> Contact | None:
     return Contact(conn.peer, PeerAddress.for_host(conn.remote_host, conn.remote_port, conn.peer))
 
 
-def _verified(entries: list[Entry], kid: bytes, membership: Membership | None, now: float) -> list[Entry]:
-    """Entries that belong under ``kid`` and whose signatures check out (read-back verification); in a
-    private run, only those written by members."""
+def _verified(entries: list[Entry], kid: bytes, authors: Authors | None, now: float) -> list[Entry]:
+    """Entries that belong under ``kid`` and whose signatures check out (read-back verification); with
+    ``authors``, only those written by an author they admit (a private run's members, ids with work)."""
     out = []
     for e in entries:
         if key_id(e.key) != kid:
@@ -681,9 +687,9 @@ def _verified(entries: list[Entry], kid: bytes, membership: Membership | None, n
         except P2PError:
             log.warning("dropping a record with a bad signature under %s", kid.hex()[:12])
             continue
-        if membership is not None:
+        if authors is not None:
             try:
-                check_author(e, membership, now)
+                check_author(e, authors, now)
             except RecordRefused as refused:
                 log.warning("dropping a record under %s: %s", kid.hex()[:12], refused.reason)
                 continue
