@@ -39,6 +39,7 @@ from .node import (
     PingRequest,
     StatusRequest,
     default_data_dir,
+    lock_data_dir,
     member_json,
     parse_listen,
     validate_run_id,
@@ -127,14 +128,22 @@ def _node_identity(args: argparse.Namespace) -> Identity:
     if args.identity:
         return load_identity(args.identity)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:  # a file in the way, no such parent, no permission
-        raise UsageError(f"--data-dir {data_dir}: cannot use it as a folder: {e.strerror or e}") from None
+    _claim_data_dir(data_dir)
     identity, created = load_or_create_identity(data_dir / "identity.key")
     if created:
         log.info("created a new identity %s in %s", identity.peer_id, data_dir)
     return identity
+
+
+def _claim_data_dir(data_dir: Path) -> None:
+    """Create the node's data directory and hold it (see ``node.lock_data_dir``)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_data_dir(data_dir)
+    except OSError as e:  # a file in the way, no such parent, no permission
+        raise UsageError(f"--data-dir {data_dir}: cannot use it as a folder: {e.strerror or e}") from None
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def _announce(text: str | None) -> tuple[str | None, int | None]:
@@ -160,6 +169,8 @@ def _metrics_address(port: int | None) -> tuple[str, int] | None:
 def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
     announce_host, announce_port = _announce(args.announce)
     data_dir = Path(args.data_dir) if args.data_dir else None if args.identity else default_data_dir()
+    if data_dir is not None:
+        _claim_data_dir(data_dir)
     return NodeConfig(
         run_id=validate_run_id(args.run_id or "default"),
         listen=tuple(parse_listen(x) for x in (args.listen or ["0.0.0.0:31337"])),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -102,6 +103,33 @@ def default_data_dir() -> Path:
     """``$XDG_DATA_HOME/p2ptrain``, else ``~/.local/share/p2ptrain``."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "p2ptrain"
+
+
+_LOCKED: dict[Path, int] = {}  # data directories this process holds (their lock files' descriptors)
+
+
+def lock_data_dir(path: Path) -> None:
+    """Hold ``path`` (an existing folder) for this process's lifetime, or raise ConfigError if another
+    process holds it: two nodes in one data directory share one identity (so each refuses to dial the
+    other) and write into one checkpoints folder. The lock (``flock`` on ``path/lock``) goes when the
+    process does, however it ends; the file keeps the holder's pid for the message."""
+    path = path.resolve()
+    if path in _LOCKED:
+        return
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(
+            f"data directory {path} is in use by another node on this machine"
+            f"{f' (pid {holder})' if holder.isdigit() else ''}: give each node its own --data-dir"
+            " (and its own --listen port)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _LOCKED[path] = fd
 
 
 def parse_listen(text: str) -> tuple[str, int]:

@@ -124,6 +124,35 @@ def test_an_unusable_data_dir_is_a_one_line_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_second_node_on_the_same_data_dir_is_refused_until_the_first_is_gone(tmp_path: Path) -> None:
+    """Two nodes on one machine with one data directory would share one identity (each refusing to
+    dial "itself") and write into one checkpoints folder; the second is refused at once, with what to
+    do. The lock goes with the process, however it ends (here: SIGKILL)."""
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_RUN)
+    data, status_file = tmp_path / "d", tmp_path / "status.json"
+    common = ["--config", str(config), "--data-dir", str(data), "--threads", "1", "--no-live"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(
+            [*CLI, "node", "--listen", "127.0.0.1:0", *common, "--status-file", str(status_file)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            wait_for_json(status_file, lambda s: bool(s.get("addresses")))
+            second = node(*common, "--max-steps", "1", timeout=60)
+            assert second.returncode == 2, second.stderr
+            last = second.stderr.strip().splitlines()[-1]
+            assert f"data directory {data.resolve()} is in use by another node on this machine" in last
+            assert f"(pid {first.pid})" in last and "give each node its own --data-dir" in last
+            assert "Traceback" not in second.stderr
+        finally:
+            first.kill()
+            first.wait(timeout=60)
+    again = node(*common, "--max-steps", "1", timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
 def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
     config = tmp_path / "small.toml"
     config.write_text(SMALL_RUN)
