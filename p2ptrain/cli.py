@@ -369,6 +369,7 @@ async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[M
     async with trio.open_nursery() as nursery:
         await nursery.start(host.run, [])
         with trio.fail_after(4 * timeout):
+            await host.connect(addr, timeout=timeout)  # a refusal says why (another run id, another peer)
             if not await dht.bootstrap([addr], attempts=1):
                 raise PeerUnavailable(f"no answer from {addr}")
             members = await list_members(dht, run_id)

@@ -150,10 +150,12 @@ def test_node_keeps_identity_across_restarts(nodes: Callable[..., NodeProc]) -> 
     assert second.stop() == 0
 
 
+@pytest.mark.parametrize("command", ["ping", "peers"])
 @pytest.mark.parametrize("case", ["unreachable", "wrong_peer", "wrong_run"])
 def test_ping_failures_have_one_line_reasons(
-    case: str, nodes: Callable[..., NodeProc], tmp_path: Path
+    case: str, command: str, nodes: Callable[..., NodeProc], tmp_path: Path
 ) -> None:
+    """(``peers`` said "no answer from ADDR" when the node answered and refused the run id.)"""
     a = nodes("a")
     addr = a.address()
     prefix, _peer = addr.rsplit("/p2p/", 1)
@@ -169,7 +171,7 @@ def test_ping_failures_have_one_line_reasons(
         target, run_id, expect = f"{prefix}/p2p/{other}", "e2e", "(peer_id)"
     else:
         target, run_id, expect = addr, "another-run", "(run_id)"
-    result = run_cli("ping", target, "--run-id", run_id, "--timeout", "5")
+    result = run_cli(command, target, "--run-id", run_id, "--timeout", "5")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0], result.stderr
