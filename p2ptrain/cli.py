@@ -106,6 +106,18 @@ def _parse_address(text: str) -> PeerAddress:
         raise UsageError(str(e)) from None
 
 
+def _parse_join(text: str) -> PeerAddress:
+    """A join address must name its peer: the node trusts its join peers' view of the swarm, so
+    whoever answers at a bare HOST:PORT (another swarm, this very node) would be trusted."""
+    addr = _parse_address(text)
+    if addr.peer_id is None:
+        raise UsageError(
+            f"--join {text}: give the full address the peer printed (/ip4/HOST/tcp/PORT/p2p/PEER_ID);"
+            " without its peer id, whoever answers there would be trusted"
+        )
+    return addr
+
+
 # ---- keygen / id ---------------------------------------------------------------------------------
 
 
@@ -177,7 +189,7 @@ def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = No
         announce_host=announce_host,
         announce_port=announce_port,
         source_address=args.source_address,
-        join=tuple(_parse_address(x) for x in args.join or []),
+        join=tuple(_parse_join(x) for x in args.join or []),
         status_file=Path(args.status_file) if args.status_file else None,
         peer_cache=data_dir / "peers.json" if data_dir is not None else None,
         metrics=_metrics_address(args.metrics_port),

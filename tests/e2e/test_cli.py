@@ -189,6 +189,17 @@ def test_busy_port_is_a_clear_error(nodes: Callable[..., NodeProc]) -> None:
     assert a.stop() == 0
 
 
+@pytest.mark.parametrize("join", ["127.0.0.1:31337", "/ip4/127.0.0.1/tcp/31337"])
+def test_a_join_address_without_a_peer_id_is_refused(join: str, tmp_path: Path) -> None:
+    """(It was accepted with a warning, and the node joined whoever answered there: another swarm, or
+    itself on its own default port.)"""
+    result = run_cli("node", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"), "--join", join)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"p2ptrain node: --join {join}: give the full address the peer printed"), last
+    assert "Traceback" not in result.stderr
+
+
 def test_peers_lists_a_swarm_joined_through_a_chain(nodes: Callable[..., NodeProc]) -> None:
     """Three nodes; the third joined only through the second; `peers` from the third lists all three."""
     a = nodes("a")
