@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from .config import load_config
 from .errors import ConfigError, P2PError
 from .training.console import swarm_table
 
@@ -60,6 +61,8 @@ class SimulationOptions:
             raise ConfigError("give --max-steps or --duration: the simulation must end")
         if any(s < 1 for s in self.slowdown):
             raise ConfigError("--slowdown factors must be at least 1")
+        if self.config:  # a missing or broken run file: said here, not in every node's log
+            load_config(self.config)
 
 
 @dataclass
@@ -130,9 +133,7 @@ def _wait_address(node: SimNode) -> str:
     deadline = time.monotonic() + FORM_TIMEOUT
     while (addr := node.address()) is None:
         if node.proc.poll() is not None:
-            raise P2PError(
-                f"node {node.index} exited with status {node.proc.returncode}; see {node.folder}/node.log"
-            )
+            raise P2PError(_exited(node, node.proc.returncode))
         if time.monotonic() > deadline:
             raise P2PError(f"node {node.index} printed no address within {FORM_TIMEOUT:.0f} s")
         time.sleep(0.1)
@@ -159,10 +160,7 @@ def _watch(nodes: list[SimNode], opts: SimulationOptions, console: Console) -> N
                 break
             failed = [n for n in nodes if n.proc.poll() not in (None, 0)]
             if failed:
-                raise P2PError(
-                    f"node {failed[0].index} exited with status {failed[0].proc.returncode}; "
-                    f"see {failed[0].folder}/node.log"
-                )
+                raise P2PError(_exited(failed[0], failed[0].proc.returncode))
             if opts.live:
                 live.update(table(), refresh=True)
             elif time.monotonic() - last_print >= 10:
@@ -200,8 +198,18 @@ def _stop(nodes: list[SimNode]) -> list[str]:
         finally:
             n.log_file.close()
         if code != 0:
-            problems.append(f"node {n.index} exited with status {code}; see {n.folder}/node.log")
+            problems.append(_exited(n, code))
     return problems
+
+
+def _exited(node: SimNode, code: int | None) -> str:
+    """Why a node stopped: its status and the last line it logged (the error, for a node that failed)."""
+    try:
+        lines = (node.folder / "node.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    last = f": {lines[-1].strip()[:300]}" if lines else ""
+    return f"node {node.index} exited with status {code}{last} (log: {node.folder}/node.log)"
 
 
 def run_simulation(opts: SimulationOptions) -> int:
@@ -224,6 +232,11 @@ def run_simulation(opts: SimulationOptions) -> int:
         problems.append(str(e))
     finally:
         problems += _stop(nodes)
+    if problems and not any(_metrics(n) for n in nodes):  # nobody took a step: nothing to report
+        for p in dict.fromkeys(problems):
+            console.print(f"[red]{p}[/]")
+        console.print(f"no node trained: no report written (node folders in {folder})")
+        return 1
     summary = write_report(nodes, report, started, opts)
     for p in problems + summary["problems"]:
         console.print(f"[red]{p}[/]")

@@ -80,6 +80,35 @@ def test_simulate_trains_three_nodes_to_the_same_parameters(tmp_path: Path) -> N
     assert len(digests) == 1
 
 
+@pytest.mark.parametrize("case", ["missing", "broken", "unknown task"])
+def test_simulate_with_an_unusable_run_file_says_why_in_the_terminal(tmp_path: Path, case: str) -> None:
+    """(Before: the cause was in node 0's log only, the terminal said "0 of 1 nodes reached step 0"
+    with --peers 4, and a meaningless report was written.)"""
+    config = tmp_path / "run.toml"
+    if case == "broken":
+        config.write_text("[training]\nbatch_sise = 3\n")
+    elif case == "unknown task":
+        config.write_text('[task]\nname = "no_such_task_here"\n')
+    sim = tmp_path / "sim"
+    result = subprocess.run(
+        [*CLI, "simulate", "--peers", "4", "--config", str(config), "--no-live", "--workdir", str(sim)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = result.stdout + result.stderr
+    if case == "unknown task":  # found by the node that loads it: its error, and no report
+        assert result.returncode == 1, out
+        assert "node 0 exited with status 2: p2ptrain node: unknown task 'no_such_task_here'" in out, out
+        assert "no node trained: no report written" in out and not (sim / "report").exists()
+        return
+    assert result.returncode == 2, out
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("p2ptrain simulate: "), result.stderr
+    assert ("cannot read config" if case == "missing" else "unknown key training.batch_sise") in lines[0]
+    assert not sim.exists()  # nothing started
+
+
 def node(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, "node", "--listen", "127.0.0.1:0", *args], capture_output=True, text=True, timeout=timeout
