@@ -201,10 +201,20 @@ def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = No
 
 def _run_node(fn: Callable[..., Awaitable[T]], node: Node, *args: object) -> T:
     try:
-        return run_trio(fn, node, *args)
+        result = run_trio(fn, node, *args)
     except OSError as e:
         listen = ", ".join(f"{h}:{p}" for h, p in node.config.listen)
         raise UsageError(f"cannot listen on {listen}: {e.strerror or e}") from None
+    if node.join_refused.is_set():
+        raise UsageError(f"cannot join the swarm: {node.join_refusal}")
+    return result
+
+
+async def stop_if_join_refused(node: Node, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once every join address refused the node for good (another run id, another
+    peer at that address): it would otherwise run alone; ``_run_node`` then says why and exits 2."""
+    await node.join_refused.wait()
+    scope.cancel()
 
 
 async def print_join_addresses(node: Node) -> None:
@@ -276,6 +286,7 @@ async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
             await nursery.start(node.run)
             nursery.start_soon(print_join_addresses, node)  # (checked ones: rounds need not wait)
             with trio.CancelScope() as rounds:
+                nursery.start_soon(stop_if_join_refused, node, rounds)
 
                 async def stop_on_signal() -> None:
                     async for signum in signals:
@@ -310,6 +321,7 @@ async def _serve_node(node: Node) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             nursery.start_soon(print_join_addresses, node)
+            nursery.start_soon(stop_if_join_refused, node, nursery.cancel_scope)
             async for signum in signals:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()

@@ -93,6 +93,9 @@ STATUS = Method("p2p.status", StatusRequest, StatusResponse)
 MAX_STATUS_BYTES = 512 * 1024
 RELAYS = 2  # relays a node nobody can dial keeps a reservation with
 RELAY_RETRY = 30.0  # seconds before a node that needs no relay looks again
+# Handshake refusals that retrying cannot change: another protocol or version, another run, another peer
+# at that address, no membership of a private run. (``busy`` passes; id work is done on demand.)
+LASTING_REFUSALS = frozenset({"protocol", "version", "run_id", "peer_id", "membership"})
 RELAY_SOON = 5.0  # ... and one that needs a relay and has none
 
 
@@ -225,6 +228,12 @@ class Node:
         self.clock = clock
         self._started = clock()
         self._joined: set[str] = set()
+        self._refused_joins: dict[str, str] = {}  # join address -> why it refused this node for good
+        # Set when every join address refused this node for good (another run, another peer, no
+        # membership) before any let it in: it cannot join the swarm it was pointed at (``join_refusal``
+        # says why). The node itself goes on; the command line stops.
+        self.join_refused = trio.Event()
+        self.join_refusal = ""
         self._relayed = trio.Event()  # set once this node holds a relay reservation
         # The peers the user told this node to join through (named in the address, or met there).
         self.join_peers: set[PeerID] = {a.peer_id for a in config.join if a.peer_id is not None}
@@ -317,6 +326,16 @@ class Node:
             try:
                 conn = await self.host.connect(addr)
             except HandshakeRefused as e:
+                if e.code in LASTING_REFUSALS:
+                    log.error(
+                        "join %s refused: %s (not retried: check the address and the run's settings)", addr, e
+                    )
+                    self._refused_joins[str(addr)] = str(e)
+                    joins = {str(a) for a in self.config.join}
+                    if not self._joined and joins <= set(self._refused_joins):
+                        self.join_refusal = f"join {addr} refused: {e}"
+                        self.join_refused.set()
+                    return
                 log.error("join %s refused: %s", addr, e)
             except P2PError as e:
                 log.warning("cannot join %s yet: %s (retrying in %.0f s)", addr, e, delay)

@@ -25,7 +25,14 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from .averaging import AveragerConfig
 from .averaging.robust import parse_aggregation
-from .cli import UsageError, _node_config, _node_identity, _run_node, print_join_addresses
+from .cli import (
+    UsageError,
+    _node_config,
+    _node_identity,
+    _run_node,
+    print_join_addresses,
+    stop_if_join_refused,
+)
 from .config import RunConfig, load_config
 from .identity import Identity
 from .idwork import find_work, work_bits
@@ -172,6 +179,7 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
             await nursery.start(node.run)
             nursery.start_soon(print_join_addresses, node)
             with trio.CancelScope() as training:
+                nursery.start_soon(stop_if_join_refused, node, training)
 
                 async def stop_on_signal() -> None:
                     """First signal: drain (finish the batch and round in progress, checkpoint, tell the

@@ -390,6 +390,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         the state was replaced by a download), so the caller may evaluate, checkpoint, log."""
         if not (isinstance(samples, int) and samples > 0):
             raise ValueError("samples must be a positive int")
+        # A loop being cancelled (a hard stop) returns from its batch's thread to here, after ``run``
+        # already ended: that is a cancellation, not a misuse.
+        await trio.lowlevel.checkpoint_if_cancelled()
         if self._nursery is None:
             raise RuntimeError("start CollaborativeOptimizer.run in a nursery first")
         self._next_batch = self.clock()  # the training loop computes its next batch from about now

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.identity import Identity
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 CLI = [sys.executable, "-m", "p2ptrain"]
@@ -180,6 +182,41 @@ def test_a_second_node_on_the_same_data_dir_is_refused_until_the_first_is_gone(t
             first.wait(timeout=60)
     again = node(*common, "--max-steps", "1", timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["another run", "another peer"])
+def test_a_node_every_join_address_refuses_for_good_stops_and_says_why(tmp_path: Path, case: str) -> None:
+    """(Before: it logged an ERROR line on every retry, forever, and trained alone meanwhile.)"""
+    status_file = tmp_path / "status.json"
+    with open(tmp_path / "peer.log", "w") as log:
+        run = "other" if case == "another run" else "e2e-train"
+        argv = ["node", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "p"), "--run-id", run]
+        peer = subprocess.Popen(
+            [*CLI, *argv, "--status-file", str(status_file)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            address = wait_for_json(status_file, lambda s: bool(s.get("addresses")))["addresses"][0]
+            if case == "another peer":  # the right place, but not the peer the address names
+                address = address.rsplit("/p2p/", 1)[0] + f"/p2p/{Identity.generate().peer_id}"
+                expect = "(peer_id)"
+            else:
+                expect = "(run_id): the listener is in run 'other', the dialer asked for run 'e2e-train'"
+            config = tmp_path / "small.toml"
+            config.write_text(SMALL_RUN)
+            result = node(
+                "--config", str(config), "--data-dir", str(tmp_path / "d"), "--no-live", "--join", address
+            )
+        finally:
+            peer.kill()
+            peer.wait(timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"p2ptrain node: cannot join the swarm: join {address} refused: "), last
+    assert expect in last, last
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("refused: ") == 2  # logged once (and said once at the end): not retried
 
 
 def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
