@@ -311,6 +311,7 @@ async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
             if not rounds.cancelled_caught:
                 with trio.move_on_after(args.timeout):  # slower members may still be fetching from us
                     await node.averager.wait_idle()
+            await node.leave()
             nursery.cancel_scope.cancel()
     log.info("averaging stopped")
     return sum("error" not in line for line in lines)
@@ -324,6 +325,7 @@ async def _serve_node(node: Node) -> None:
             nursery.start_soon(stop_if_join_refused, node, nursery.cancel_scope)
             async for signum in signals:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
+                await node.leave()
                 nursery.cancel_scope.cancel()
                 break
     log.info("node stopped")

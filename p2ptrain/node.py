@@ -17,6 +17,7 @@ import dataclasses
 import fcntl
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -31,7 +32,7 @@ import trio
 
 from . import __version__, peercache
 from .averaging import Averager, AveragerConfig, RoundResult
-from .dht.peers import Member, PeerRecord, announce, list_members
+from .dht.peers import Member, PeerRecord, announce, list_members, withdraw
 from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, HandshakeRefused, P2PError
 from .identity import Identity, PeerID
@@ -233,6 +234,9 @@ class Node:
         # membership) before any let it in: it cannot join the swarm it was pointed at (``join_refusal``
         # says why). The node itself goes on; the command line stops.
         self.join_refused = trio.Event()
+        # What the peer list says this node processes per second (a trainer sets it: its samples/s).
+        self.throughput: Callable[[], float] = lambda: 0.0
+        self._announced = -math.inf
         self.join_refusal = ""
         self._relayed = trio.Event()  # set once this node holds a relay reservation
         # The peers the user told this node to join through (named in the address, or met there).
@@ -386,17 +390,32 @@ class Node:
         return PeerRecord(
             addresses=tuple(str(a) for a in self.addresses[:8]),
             reachable=not self.dht.client_only,
-            throughput=0.0,
+            throughput=max(0.0, min(float(self.throughput()), 1e12)),
             version=__version__,
             published=self.clock(),
         )
 
+    async def leave(self, timeout: float = 5.0) -> None:
+        """Tell the swarm this node stops (its entry in the peer list says it left): a clean stop's
+        last word, before ``run`` is cancelled. Bounded by ``timeout``; failures are logged."""
+        with trio.move_on_after(timeout):
+            try:
+                await withdraw(
+                    self.dht, self.config.run_id, now=self.clock(), ttl=self.config.announce_ttl + 60.0
+                )
+            except P2PError as e:
+                log.info("could not tell the swarm we leave: %s", e)
+
     async def _members_loop(self) -> None:
-        """Announce ourselves, then keep our view of the run's members fresh."""
+        """Announce ourselves (again every third of the entry's lifetime, with what is true now), and
+        keep our view of the run's members fresh."""
         await self.dht.bootstrapped.wait()
-        await announce(self.dht, self.config.run_id, self.peer_record(), ttl=self.config.announce_ttl)
+        self._announced = -math.inf
         known = -1
         while True:
+            if self.clock() - self._announced >= self.config.announce_ttl / 3:
+                self._announced = self.clock()
+                await announce(self.dht, self.config.run_id, self.peer_record(), ttl=self.config.announce_ttl)
             try:
                 self.members = await list_members(self.dht, self.config.run_id)
             except P2PError as e:

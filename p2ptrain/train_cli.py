@@ -209,6 +209,7 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
             if not training.cancelled_caught:
                 with trio.move_on_after(trainer.config.averaging.timeout):
                     await node.averager.wait_idle()  # slower members may still fetch from us
+                await node.leave()
             nursery.cancel_scope.cancel()
     log.info("node stopped at step %d", trainer.opt.epoch)
 

@@ -2,8 +2,10 @@
 
 Each member publishes, under the key ``p2ptrain/<run id>/peers``, a subkey that only it may write
 (:func:`~p2ptrain.dht.records.owned_subkey`), holding its addresses, whether others can dial it, its
-advertised throughput and when it published. Readers verify every signature (the DHT does) and decode
-each value against the schema below, skipping anything malformed.
+advertised throughput and when it published; it publishes a fresh one every ``announce_ttl / 3``
+seconds (so "published" says when it was last heard of), and a member that stops cleanly overwrites its
+entry with one that says it ``left`` (a later expiry wins), which readers skip. Readers verify every
+signature (the DHT does) and decode each value against the schema below, skipping anything malformed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class PeerRecord(Message):
     throughput: float = bounded(0.0, ge=0.0, le=1e12)
     version: str = bounded("", max_len=32)
     published: float = bounded(0.0, ge=0.0)
+    left: bool = False  # the member stopped cleanly: not a member any more
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,16 @@ async def announce(dht: DHT, run_id: str, record: PeerRecord, *, ttl: float) -> 
     )
 
 
+async def withdraw(dht: DHT, run_id: str, *, now: float, ttl: float) -> int:
+    """Overwrite our entry in the run's peer list with one that says we left (``ttl``: at least the
+    announced entry's, so that its later expiry wins everywhere), and stop re-publishing it."""
+    dht.unpublish(peers_key(run_id), owned_subkey(dht.peer_id))
+    record = PeerRecord(reachable=False, published=now, left=True)
+    return await dht.store(
+        peers_key(run_id), pack(record.to_obj()), ttl=ttl, subkey=owned_subkey(dht.peer_id), sign=True
+    )
+
+
 async def list_members(dht: DHT, run_id: str, *, quorum: int = 3) -> list[Member]:
     """The run's members as the swarm knows them (signatures verified, malformed entries skipped)."""
     entries = await dht.get(peers_key(run_id), quorum=quorum)
@@ -62,6 +75,7 @@ async def list_members(dht: DHT, run_id: str, *, quorum: int = 3) -> list[Member
             record = PeerRecord.from_obj(unpack(entry.value))
         except RemoteProtocolError:
             continue
-        members.append(Member(owner, record, entry.expiry))
+        if not record.left:
+            members.append(Member(owner, record, entry.expiry))
     members.sort(key=lambda m: m.peer_id)
     return members

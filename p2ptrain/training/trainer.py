@@ -139,6 +139,7 @@ class Trainer:
         self._stop_requested = False
         self.tracker: Tracker | None = None
         self.node.status_sections["training"] = self.status
+        self.node.throughput = lambda: self.opt.rate.rate  # what the peer list says (samples/s here)
 
     @property
     def checkpoints(self) -> Path | None:

@@ -79,7 +79,7 @@ class NodeProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=10)
+            return self.proc.wait(timeout=60)  # (a busy machine: no few-second bound on an exit)
         finally:
             self.err.close()
             self.out.close()
@@ -171,5 +171,8 @@ def test_private_swarm_through_the_cli(tmp_path: Path, nodes: Callable[..., Node
     assert "remote refused the handshake (membership)" in on_c[0]
     assert a.connected() == [peer_b]
     assert c.connected() == []
-    for node in (c, b, a):
+    assert c.proc.wait(timeout=60) == 2  # its only join address refused it for good: it stops
+    assert c.stop() == 2
+    assert "cannot join the swarm: join " in c.stderr() and "(membership)" in c.stderr().splitlines()[-1]
+    for node in (b, a):
         assert node.stop() == 0

@@ -108,7 +108,7 @@ def test_sigkill_mid_round_leaves_survivors_in_agreement(tmp_path: Path) -> None
 
         wait_for("the victim's second round to start", lambda: scattering() >= 2, timeout=120)
         victim.proc.send_signal(signal.SIGKILL)
-        victim.proc.wait(timeout=10)
+        victim.proc.wait(timeout=60)
 
         survivors = procs[:3]
         for p in survivors:

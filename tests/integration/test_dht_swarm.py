@@ -339,3 +339,41 @@ async def test_five_chained_nodes_all_list_all_five_members(autojump_clock):
                 assert all(m.record.reachable for m in n.members)
                 assert {m.record.addresses for m in n.members} == {(str(x.addresses[0]),) for x in nodes}
             nursery.cancel_scope.cancel()
+
+
+async def test_the_peer_list_says_what_is_true_now_and_drops_a_member_that_left(autojump_clock):
+    """Each entry is re-published with the member's current throughput and time (before: the first
+    record, throughput 0.0, forever re-published, so a live node read "last seen 198 s ago"), and a
+    member that stops cleanly is gone from everyone's list at once (before: listed as a reachable
+    member until its entry expired)."""
+    net = MemoryNetwork(seed=4)
+    interval = 2.0
+    nodes: list[Node] = []
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                config = NodeConfig(
+                    run_id="fresh",
+                    listen=((f"f{i}", PORT),),
+                    join=(nodes[-1].addresses[0],) if nodes else (),
+                    members_interval=interval,
+                )
+                node = Node(
+                    identity(f"f{i}"), config, transport=net.transport(f"f{i}"), clock=trio.current_time
+                )
+                nodes.append(await nursery.start(node.run))
+            nodes[1].throughput = lambda: 12.5
+            ids = {n.peer_id for n in nodes}
+            while not all({m.peer_id for m in n.members} == ids for n in nodes):  # noqa: ASYNC110
+                await trio.sleep(interval)  # (the lists change every interval; the deadline bounds it)
+            ttl = NodeConfig().announce_ttl
+            await trio.sleep(2 * ttl)
+            for reader in (nodes[0], nodes[2]):
+                [entry] = [m for m in reader.members if m.peer_id == nodes[1].peer_id]
+                assert entry.record.throughput == 12.5
+                assert trio.current_time() - entry.record.published <= ttl / 3 + 2 * interval
+            await nodes[2].leave()
+            await trio.sleep(2 * interval)
+            for reader in nodes[:2]:
+                assert {m.peer_id for m in reader.members} == {nodes[0].peer_id, nodes[1].peer_id}
+            nursery.cancel_scope.cancel()
