@@ -93,6 +93,10 @@ class SwarmView:
     overtaken: bool  # trusted peers, leaving ones included, took the swarm past ``epoch``: no step alone
     donors: tuple[PeerProgress, ...]  # where to download the trusted state of ``newest``, best first
     reason: str
+    # The whole run's samples per second, every live peer on any epoch (one between two steps, or a
+    # step behind, computes all the same): what a user means by the swarm's throughput. Untrusted
+    # records count for at most as much as this peer's and the trusted ones.
+    swarm_rate: float = 0.0
 
     @property
     def ready(self) -> bool:
@@ -202,6 +206,8 @@ def swarm_view(
     samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
     rate = math.fsum([mine.rate, *(o.record.rate for o in sure)])
     rate += min(math.fsum(o.record.rate for o in unsure), rate)
+    swarm_rate = math.fsum([mine.rate, *(o.record.rate for o in vouched)])
+    swarm_rate += min(math.fsum(o.record.rate for o in others if not vouches(o)), swarm_rate)
     majority = majority_digest([mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)])
     at_newest = [o for o in (*others, *leaving) if o.record.epoch == newest]
     best = vouched_digest(
@@ -237,4 +243,5 @@ def swarm_view(
         overtaken=overtaken,
         donors=tuple(donors),
         reason=reason,
+        swarm_rate=swarm_rate,
     )

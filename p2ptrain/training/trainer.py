@@ -282,7 +282,7 @@ class Trainer:
             f", val {self.val_loss:.4f}" if self.val_loss is not None else "",
             last.get("outcome", "?"),
             self.opt.rate.rate,
-            self.opt.view.rate if self.opt.view else 0.0,
+            self.opt.view.swarm_rate if self.opt.view else 0.0,
         )
 
     def evaluate(self) -> float:
@@ -353,7 +353,7 @@ class Trainer:
             "lr": opt.lr(),
             "samples_here": self.local_samples,
             "samples_per_s": opt.rate.rate,
-            "swarm_samples_per_s": view.rate if view else 0.0,
+            "swarm_samples_per_s": view.swarm_rate if view else 0.0,
             "swarm_peers": view.peers if view else 1,
             "epoch_samples": view.samples if view else 0.0,
             "target": self.config.training.target_batch_size,

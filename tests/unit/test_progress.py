@@ -266,6 +266,26 @@ def test_samples_rate_peers(
     )
 
 
+def test_the_swarm_rate_counts_every_live_peer_on_any_epoch() -> None:
+    """What the logs and metrics call the swarm's samples/s. (Before: the rate of the peers on this
+    peer's own epoch, which in sync mode is this peer alone most of the time: the others are between
+    two steps, their round landing, or a step behind.)"""
+    others = [
+        peer(1, rate=7.0),
+        peer(2, epoch=EPOCH - 1, landing=True, rate=6.0),
+        peer(3, epoch=EPOCH - 1, rate=4.0),
+        peer(4, epoch=EPOCH + 1, rate=3.0),
+        peer(5, rate=100.0, run=OTHER_RUN),  # another run's: not ours
+        peer(6, rate=100.0, leaving=True),  # gone
+    ]
+    v = view(MINE, *others)
+    assert v.swarm_rate == 5.0 + 7.0 + 6.0 + 4.0 + 3.0
+    assert v.rate == 5.0 + 7.0  # (the epoch's own rate, which sizes its step, is unchanged)
+    # untrusted records count for at most as much as this peer's and the trusted ones
+    liar = peer(7, rate=1e9)
+    assert view(MINE, peer(1, rate=7.0), liar, trusted={pid(1)}).swarm_rate == 2 * (5.0 + 7.0)
+
+
 def test_accepts_any_iterable_of_others() -> None:
     """``others`` may be a generator: it is read once."""
     v = swarm_view(
