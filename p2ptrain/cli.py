@@ -668,14 +668,16 @@ def _training_flags(s: argparse.ArgumentParser) -> None:
     )
 
 
+_RUN_ID_HELP = (
+    "the run the node is in (default: default); a training node's is its run file's [run] id, e.g. tiny-gpt"
+)
+_LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="p2ptrain", description="Decentralized peer-to-peer training.")
     p.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
-    p.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        help="default: info for node, else warning",
-    )
+    p.add_argument("--log-level", choices=_LOG_LEVELS, help="default: info for node, else warning")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("keygen", help="create an Ed25519 identity (key file mode 0600)")
@@ -719,23 +721,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("ping", help="connect to a peer, complete the handshake, measure round trips")
     s.add_argument("address", help="/ip4/HOST/tcp/PORT/p2p/PEERID (or HOST:PORT, unverified)")
-    s.add_argument("--run-id", default="default")
-    s.add_argument("--count", type=int, default=3)
-    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
+    s.add_argument("--count", type=int, default=3, help="round trips to measure (default 3)")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
     s.set_defaults(func=cmd_ping)
 
     s = sub.add_parser("peers", help="ask the swarm at ADDR who is in the run")
     s.add_argument("address", help="any member's address")
-    s.add_argument("--run-id", default="default")
+    s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
     s.set_defaults(func=cmd_peers)
 
     s = sub.add_parser("status", help="ask a node how it is doing (step, loss, rounds, traffic)")
     s.add_argument("address", help="the node's address")
-    s.add_argument("--run-id", default="default", help="the node's run id")
+    s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
     s.add_argument("--json", action="store_true", help="print its whole status as JSON")
-    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
     s.set_defaults(func=cmd_status)
 
     _authority_parser(sub)
@@ -761,6 +763,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-id", help="default: the run file's")
     s.add_argument("--no-live", action="store_true", help="print the table every 10 s instead of live")
     s.set_defaults(func=cmd_simulate)
+    for command in sub.choices.values():  # also after the command: p2ptrain node --log-level debug
+        command.add_argument(
+            "--log-level",
+            choices=_LOG_LEVELS,
+            default=argparse.SUPPRESS,
+            help="default: info for node, else warning",
+        )
     return p
 
 

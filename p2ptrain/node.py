@@ -94,10 +94,10 @@ STATUS = Method("p2p.status", StatusRequest, StatusResponse)
 MAX_STATUS_BYTES = 512 * 1024
 RELAYS = 2  # relays a node nobody can dial keeps a reservation with
 RELAY_RETRY = 30.0  # seconds before a node that needs no relay looks again
+RELAY_SOON = 5.0  # ... and one that needs a relay and has none
 # Handshake refusals that retrying cannot change: another protocol or version, another run, another peer
 # at that address, no membership of a private run. (``busy`` passes; id work is done on demand.)
 LASTING_REFUSALS = frozenset({"protocol", "version", "run_id", "peer_id", "membership"})
-RELAY_SOON = 5.0  # ... and one that needs a relay and has none
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -234,10 +234,10 @@ class Node:
         # membership) before any let it in: it cannot join the swarm it was pointed at (``join_refusal``
         # says why). The node itself goes on; the command line stops.
         self.join_refused = trio.Event()
+        self.join_refusal = ""
         # What the peer list says this node processes per second (a trainer sets it: its samples/s).
         self.throughput: Callable[[], float] = lambda: 0.0
-        self._announced = -math.inf
-        self.join_refusal = ""
+        self._announced = -math.inf  # when this node last announced itself in the peer list
         self._relayed = trio.Event()  # set once this node holds a relay reservation
         # The peers the user told this node to join through (named in the address, or met there).
         self.join_peers: set[PeerID] = {a.peer_id for a in config.join if a.peer_id is not None}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,11 +243,14 @@ def run_simulation(opts: SimulationOptions) -> int:
         console.print(f"[red]{p}[/]")
     console.print(
         f"report in {report}: {summary['finished']} of {len(nodes)} nodes reached step "
-        f"{summary['last_step']}, final loss {summary['final_loss']}, "
-        f"parameters identical: {summary['identical']}"
+        f"{summary['last_step']}, final loss {summary['final_loss']} (validation "
+        f"{summary['final_val_loss']}), parameters identical: {summary['identical']}"
     )
     if not opts.workdir and not opts.report:
-        console.print(f"(node folders kept in {folder})")
+        # a temporary folder: the nodes' logs and metrics stay, their checkpoints (most of it) go
+        for n in nodes:
+            shutil.rmtree(n.folder / "checkpoints", ignore_errors=True)
+        console.print(f"(node logs and metrics kept in {folder})")
     return 1 if problems or summary["problems"] else 0
 
 
@@ -293,7 +297,8 @@ def write_report(
     problems = []
     if len(digests) > 1:
         problems.append(f"nodes on step {last_step} hold different parameters: {sorted(map(str, digests))}")
-    losses = [float(f.get("val_loss") or f["loss"]) for f in at_last if f.get("loss") is not None]
+    losses = [float(f["loss"]) for f in at_last if f.get("loss") is not None]
+    val_losses = [float(f["val_loss"]) for f in at_last if f.get("val_loss") is not None]
     summary = {
         "peers": len(nodes),
         "config": opts.config or "built-in tiny-gpt",
@@ -302,7 +307,8 @@ def write_report(
         "last_step": last_step,
         "finished": len(at_last),
         "identical": len(digests) == 1,
-        "final_loss": round(min(losses), 4) if losses else None,
+        "final_loss": round(min(losses), 4) if losses else None,  # training loss (smoothed)
+        "final_val_loss": round(min(val_losses), 4) if val_losses else None,  # on the validation windows
         "steps": steps,
         "samples_per_s": [round(f.get("samples_per_s", 0.0), 2) for f in finals],
         "compute_utilization": [round(f.get("compute_utilization", 0.0), 3) for f in finals],

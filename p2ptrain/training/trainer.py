@@ -276,9 +276,10 @@ class Trainer:
             self.tracker.log(epoch, scalars(status))
         last = self.opt.stats.last
         log.info(
-            "step %d: loss %.4f%s, %s, %.1f samples/s here, %.1f in the swarm",
+            "step %d: loss %s%s, %s, %.1f samples/s here, %.1f in the swarm",
             epoch,
-            self.loss or 0.0,
+            # (a synced step: the loss so far is of the state the download replaced; not shown)
+            "-" if self.loss is None or last.get("outcome") == "synced" else f"{self.loss:.4f}",
             f", val {self.val_loss:.4f}" if self.val_loss is not None else "",
             last.get("outcome", "?"),
             self.opt.rate.rate,

@@ -64,6 +64,9 @@ def test_simulate_trains_three_nodes_to_the_same_parameters(tmp_path: Path) -> N
     summary = json.loads((report / "summary.json").read_text())
     assert summary["last_step"] == steps and summary["finished"] == 3
     assert summary["identical"] is True and summary["problems"] == []
+    # both losses, each named (final_loss was the validation loss, unlabeled)
+    assert summary["final_loss"] is not None and summary["final_val_loss"] is not None
+    assert f"final loss {summary['final_loss']} (validation {summary['final_val_loss']})" in result.stdout
     assert (report / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for i in range(3):
         peer = json.loads((report / f"peer-{i}.json").read_text())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from p2ptrain.cli import UsageError, _announce
+from p2ptrain.cli import UsageError, _announce, build_parser
 
 
 @pytest.mark.parametrize(
@@ -42,3 +44,27 @@ def test_a_node_relays_unless_told_not_to() -> None:
     identity = Identity.generate()
     assert Node(identity, on).host.relay.config.enabled
     assert not Node(identity, off).host.relay.config.enabled
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ping", "ADDR", "--log-level", "debug"],
+        ["node", "--log-level", "debug", "--listen", "127.0.0.1:0"],
+        ["--log-level", "debug", "status", "ADDR"],
+    ],
+)
+def test_log_level_is_taken_before_or_after_the_command(argv: list[str]) -> None:
+    """(It worked only before the command: ``p2ptrain node --log-level debug`` was an error.)"""
+    assert build_parser().parse_args(argv).log_level == "debug"
+
+
+@pytest.mark.parametrize("command", ["ping", "peers", "status"])
+def test_the_tools_options_say_what_they_do(command: str) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    for option in ("--run-id", "--timeout"):
+        action = next(a for a in sub._actions if option in a.option_strings)
+        assert action.help, f"{command} {option} has no help text"
+    run_id = next(a for a in sub._actions if "--run-id" in a.option_strings)
+    assert "[run] id" in str(run_id.help)  # where a training node's run id comes from
