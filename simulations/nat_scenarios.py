@@ -37,7 +37,7 @@ from typing import Any
 
 from .natlab import PUBLIC, NatLab, print_report, workdir_for
 from .netns import read_line
-from .report import divergence, step_lines
+from .report import digest_lines, divergence
 from .training_runs import read_jsonl
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt.toml"
@@ -162,7 +162,7 @@ def _shared_steps(nodes: list[_Node], since: float = 0.0) -> dict[str, Any]:
     for i, n in enumerate(nodes):
         metrics = [m for m in n.metrics() if m.get("t", 0) >= since]
         peers.append({"index": i, "metrics": metrics})
-    d = divergence(step_lines(peers))
+    d = divergence(digest_lines(peers))
     return {k: d[k] for k in ("verdict", "ok", "steps_compared")} | {"divergent": len(d["divergences"])}
 
 

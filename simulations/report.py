@@ -95,6 +95,25 @@ def step_lines(peers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def digest_lines(peers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`step_lines`, plus every step's digest the metrics list later (``digests``: a large state
+    is hashed after its step's line was written, whose "digest" is then ""), each at the first line
+    that says it: what :func:`divergence` compares."""
+    out = step_lines(peers)
+    for p in peers:
+        seen = {(x["step"], x["digest"]) for x in out if x["peer"] == p["index"]}
+        for m in p["metrics"]:
+            for epoch, digest in (m.get("digests") or {}).items():
+                if not str(epoch).isdigit() or not digest or (int(epoch), digest) in seen:
+                    continue
+                seen.add((int(epoch), digest))
+                out.append(
+                    {"peer": p["index"], "t": m["t"], "step": int(epoch), "digest": digest, "outcome": None}
+                )
+    out.sort(key=lambda x: x["t"])
+    return out
+
+
 def divergence(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Do peers on the same step hold the same parameters? (see the module docstring)"""
     by_step: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -513,7 +532,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     mode = (run_cfg.get("training") or {}).get("mode", "sync")
     hostile = sc.adversaries
     honest = [p for p in peers if p["index"] not in hostile]
-    div = divergence(step_lines(honest) if hostile else lines)  # adversaries may hold other parameters
+    div = divergence(digest_lines(honest if hostile else peers))  # adversaries may hold other parameters
     rec = recoveries(lines, data["timeline"], sc.checks.recovery_s, end)
     cat = catch_ups(lines, data["timeline"], sc.checks.catch_up_s, end)
     rss = rss_growth(peers, sc.checks.warmup_s, end)

@@ -174,6 +174,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._local_idle.set()
         self._released = trio.Event()
         self._hashes: tuple[int, list[bytes]] | None = None  # the chunk hashes of a state version
+        # The digests of the last few steps, once hashed (a large state is hashed in a thread, after
+        # the step's metrics line was written): what the metrics report for comparing peers.
+        self.hashed: dict[int, bytes] = {}
         self.digest = b""  # the root of the current state; b"" while it is being hashed
         self.on_download_progress: ProgressFn | None = None
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress

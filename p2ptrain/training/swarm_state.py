@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
+HASHED_KEPT = 4  # the digests of this many recent steps are kept for the metrics (``hashed``)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class SwarmState:
     _holds: int
     _released: trio.Event
     _hashes: tuple[int, list[bytes]] | None
+    hashed: dict[int, bytes]
     _download: _Download | None
     _sync_retry_at: float
     _epoch_began: float
@@ -161,6 +163,9 @@ class SwarmState:
     def _set_digest(self, live: LiveState, hashes: list[bytes]) -> None:
         self._hashes = (self._version, hashes)
         self.digest = lay.root(live.epoch, live.layout, hashes)
+        self.hashed[live.epoch] = self.digest
+        for old in sorted(self.hashed)[:-HASHED_KEPT]:
+            del self.hashed[old]
         self._publish_now.set()
 
     async def _prepare_snapshot(self) -> Snapshot | None:

@@ -368,6 +368,8 @@ class Trainer:
                 "last": opt.stats.last,
             },
             "digest": opt.digest.hex()[:16],
+            # the last steps' digests once known ("digest" is "" while a large state is being hashed)
+            "digests": {str(epoch): d.hex()[:16] for epoch, d in opt.hashed.items()},
             "state_sync": dict(zip(("received", "total"), opt.download_progress, strict=True)),
             "banned": {p.short(): why for p, why in self.node.averager.auditor.banned.items()},
             "local": self.options.local.status() if self.options.local is not None else None,

@@ -75,6 +75,7 @@ def test_simulate_trains_three_nodes_to_the_same_parameters(tmp_path: Path) -> N
         lines = [m for m in peer["metrics"] if "event" not in m]
         assert [m["step"] for m in lines][-1] == steps
         assert lines[-1]["loss"] < lines[0]["loss"]  # it learned something
+        assert str(steps) in lines[-1]["digests"]  # the steps' digests, also where hashed after the line
         rounds = final["rounds"]
         assert rounds["averaged"] >= steps // 2 and rounds["aborted"] == 0, rounds
         assert peer["final_status"]["state"] == "stopped"

@@ -21,6 +21,7 @@ from simulations.report import (
     accuses,
     analyse,
     catch_ups,
+    digest_lines,
     divergence,
     evaluate_checks,
     load_run,
@@ -775,3 +776,22 @@ def test_a_report_read_back_keeps_the_attacks_the_run_had(tmp_path: Path) -> Non
     }
     (tmp_path / "run.json").write_text(json.dumps(meta))
     assert load_run(tmp_path)["scenario"].adversaries == {0: "scale"}
+
+
+def test_digests_listed_after_their_step_are_compared_too() -> None:
+    """A large state is hashed in a thread after its step's metrics line was written (its "digest" is
+    ""): the later lines' ``digests`` still say it, so peers are compared on every step, not only on
+    the few whose line had it (a fork on step 2 was invisible before)."""
+
+    def line(t: float, step: int, digest: str = "", **digests: str) -> dict[str, object]:
+        return {"t": t, "step": step, "digest": digest, "digests": {k[1:]: v for k, v in digests.items()}}
+
+    peers = [
+        {"index": 0, "metrics": [line(1, 1), line(2, 2, s1="a1"), line(3, 3, s1="a1", s2="a2")]},
+        {"index": 1, "metrics": [line(1, 1), line(2, 2, s1="a1"), line(3, 3, "x3", s1="a1", s2="b2")]},
+    ]
+    peers[1]["metrics"].append(line(4, 4, "x4"))  # (it went on: the fork was not repaired)
+    verdict = divergence(digest_lines(peers))
+    assert verdict["steps_compared"] == 2 and not verdict["ok"]
+    assert [(d["step"], d["peer"]) for d in verdict["divergences"]] == [(2, 1)]
+    assert len(digest_lines(peers)) == 6  # each (step, digest) of a peer once, at its first line
