@@ -255,8 +255,8 @@ class Node:
 
     def _relayed_address(self) -> PeerAddress | None:
         """Behind a NAT where hole punching works: the relayed address it serves the DHT at."""
-        circuits = self.host.relay.circuit_addresses()
-        return circuits[0] if circuits and self.host.punch.works and self.dht.client_only else None
+        circuit = self.host.relay.known_circuit()  # (kept when the relays leave: punched peers stay)
+        return circuit if self.host.punch.works and self.dht.client_only else None
 
     async def dialable_addresses(self, wait: float = 30.0) -> list[PeerAddress]:
         """The addresses others can join through: the advertised ones, once a peer dialed this node

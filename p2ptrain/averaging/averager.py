@@ -586,10 +586,11 @@ class Averager:
         traffic then travels direct, where through the relay it would cost the relay twice the share."""
         if not self.dht.client_only:
             return str(self.dht.advertised_address())
+        if self.host.punch.works:  # peers it punched to reach it by its id, even once its relays left
+            known = self.host.relay.known_circuit()
+            return "" if known is None else str(known)
         circuits = self.host.relay.circuit_addresses()
-        if not circuits or (reducer and not self.host.punch.works):
-            return ""
-        return str(circuits[0])
+        return "" if not circuits or reducer else str(circuits[0])
 
     async def _matchmake(
         self,

@@ -321,7 +321,12 @@ class DHT:
         # A circuit to the caller through a peer this node is connected to (so a real peer, not a third
         # party an attacker names for others to dial) is taken unchecked: that relay passes nothing on
         # to a peer without a reservation there.
-        circuit = relay is not None and contact.address.peer_id == ctx.peer and self.host.connection(relay)
+        circuit = (
+            relay is not None
+            and contact.address.peer_id == ctx.peer
+            # (the relay itself takes a circuit through it from a peer holding a reservation there)
+            and (self.host.connection(relay) or (relay == self.peer_id and self.host.relay.holds(ctx.peer)))
+        )
         if contact.address.host != ctx.remote_host and contact.address.kind in ("ip4", "ip6") and not circuit:
             return  # claimed address is not where the call came from: not verified, not added
         self._observe(contact)

@@ -144,6 +144,7 @@ class Relay:
         self.reserved: dict[PeerID, float] = {}  # peers holding a reservation here -> until when
         self.circuits: Counter[PeerID] = Counter()  # target -> circuits open through this relay
         self.relays: dict[PeerID, PeerAddress] = {}  # relays this host holds a reservation with
+        self._last_circuit: PeerAddress | None = None  # (see ``known_circuit``)
         self.relayed_bytes = 0  # bytes copied for others (both ways)
         reg = host.registry
         reg.add_unary(RESERVE, self._on_reserve)
@@ -268,7 +269,17 @@ class Relay:
 
     def circuit_addresses(self) -> list[PeerAddress]:
         """This host's addresses through the relays it holds a reservation with."""
-        return [a.circuit_to(self.host.peer_id) for a in self.relays.values()]
+        out = [a.circuit_to(self.host.peer_id) for a in self.relays.values()]
+        if out:
+            self._last_circuit = out[0]
+        return out
+
+    def known_circuit(self) -> PeerAddress | None:
+        """Where others know this host behind a NAT: its first circuit address, else the last one it
+        had (its relays are gone: peers connected to it directly still reach it by its id, and the
+        address names it in their DHT tables and rounds), None if it never had one."""
+        circuits = self.circuit_addresses()
+        return circuits[0] if circuits else self._last_circuit
 
     # ---- the dialer's side -------------------------------------------------------------------------
 
