@@ -161,6 +161,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         # Peers of the run seen live that did not say they left: while any is missing from the records,
         # stepping alone waits (once) for it. Keyed by id: a record can only say its own peer left.
         self._partners: set[PeerID] = set()
+        self._seeded = False  # _partners took in the partners a checkpoint remembers (_may_step_alone)
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
@@ -457,6 +458,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         now = self.clock()
         if now - self._started < 2 * self.config.progress.interval:
             return False  # the others' records may not have reached us yet
+        if not self._seeded:
+            # A peer resumed from a checkpoint waits for the peers it trained with (remembered there)
+            # as for those it meets in the records: its first steps alone would fork their swarm.
+            self._seeded = True
+            self._partners |= self.node.averager.partners
         joining = self.node.config.join and not self._met_swarm
         if joining and now - self._started < self.config.averaging.timeout:
             # A joiner that has not read the swarm's records yet (its DHT still bootstraps: behind a

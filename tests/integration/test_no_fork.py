@@ -127,3 +127,23 @@ async def test_joiners_behind_nats_take_no_step_of_their_own_before_they_read_th
             alone = [e for e, _, outcome, _ in p.steps if outcome == "alone"]
             assert not alone, f"peer {p.index} stepped alone on steps {alone}"
         check_identical_per_epoch(peers)
+
+
+async def test_a_peer_resumed_from_a_checkpoint_waits_for_the_peers_it_trained_with(
+    autojump_clock: object,
+) -> None:
+    """A node restarted with --resume (the swarm's first peer: no join address) remembers in its
+    checkpoint the peers it averaged with. It waits for them instead of stepping alone at once (before:
+    the NAT lab's public peer, back after 60 s, took steps 36 and 37 alone while the swarm was on 70)."""
+    config = run_config("sync")
+    async with swarm(config) as s:
+        resumed = await s.start(compute=0.1)
+        resumed.node.averager.partners = {Identity.from_seed(b"\x07" * 32).peer_id}  # (as restored)
+        await trio.sleep(4 * config.averaging.timeout)
+        assert resumed.opt.stats.solo == 0, "the resumed peer stepped alone under the swarm's step numbers"
+        newcomer = await s.start(compute=0.1)  # the swarm comes back (here: a peer joins through it)
+        await s.until(lambda: resumed.opt.stats.averaged >= 2, timeout=120)
+        assert resumed.opt.stats.solo == 0
+        check_identical_per_epoch([resumed, newcomer])
+        fresh = await s.start(compute=0.1, config=config.replace("run", id="another"))
+        await s.until(lambda: fresh.opt.stats.solo >= 1, timeout=120)  # (nothing remembered: no wait)
