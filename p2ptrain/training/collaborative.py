@@ -504,6 +504,12 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if not self._probe.is_set():
             return True
         answered, self._probe = self._answered, None
+        if answered and self._cut_off:
+            # Back in touch after being cut off, but the swarm's records not read yet: they say where
+            # the swarm went (ahead, most likely). A step alone before them would fork it.
+            self._cut_off = False
+            self._alone_since = self.clock()
+            return True
         if answered:
             return False
         self._alone_since = self.clock()

@@ -147,3 +147,38 @@ async def test_a_peer_resumed_from_a_checkpoint_waits_for_the_peers_it_trained_w
         check_identical_per_epoch([resumed, newcomer])
         fresh = await s.start(compute=0.1, config=config.replace("run", id="another"))
         await s.until(lambda: fresh.opt.stats.solo >= 1, timeout=120)  # (nothing remembered: no wait)
+
+
+async def test_a_peer_back_in_touch_reads_the_swarm_before_it_would_step_alone(
+    autojump_clock: object,
+) -> None:
+    """After a partition heals, a ping can be answered before the swarm's records reach the peer that
+    was cut off (the DHT is slow to refill). It waits for them (before: the answer alone let it step
+    alone once, under the swarm's step numbers, and only then did it see the swarm far ahead)."""
+    config = run_config("sync").replace("training", target_batch_size=16 * TARGET)
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.1) for _ in range(3)]
+        await s.until(lambda: all(p.opt.stats.averaged >= 2 for p in peers), timeout=120)
+        cut, others = peers[2], peers[:2]
+        s.net.partition(["t2"], ["t0", "t1"])
+        await s.until(lambda: cut.opt._cut_off, timeout=600)
+        real = cut.opt.refresh
+        blind = True
+
+        async def refresh() -> None:
+            if blind:  # healed, but no record has reached it yet
+                cut.opt.records = []
+                cut.opt._update_view()
+                return
+            await real()
+
+        cut.opt.refresh = refresh  # type: ignore[method-assign]
+        s.net.heal()
+        await s.until(lambda: cut.opt._answered, timeout=600)  # its probe got an answer: in touch again
+        await trio.sleep(2.0)  # (what it decides at its next batches)
+        assert cut.opt.stats.solo == 0, "back in touch, it stepped alone before reading the swarm"
+        blind = False
+        top = max(p.opt.epoch for p in others)
+        await s.until(lambda: cut.opt.epoch > top, timeout=300)
+        assert cut.opt.stats.solo == 0
+        check_identical_per_epoch(peers)
