@@ -410,7 +410,6 @@ class Node:
         """Announce ourselves (again every third of the entry's lifetime, with what is true now), and
         keep our view of the run's members fresh."""
         await self.dht.bootstrapped.wait()
-        self._announced = -math.inf
         known = -1
         while True:
             if self.clock() - self._announced >= self.config.announce_ttl / 3:

@@ -265,14 +265,12 @@ class Relay:
             raise PeerUnavailable(f"relay {relay.peer_id.short()} refused a reservation: {resp.reason}")
         conn.keep_open = True  # (between renewals it may carry nothing for longer than the idle timeout)
         self.relays[relay.peer_id] = relay
+        self._last_circuit = relay.circuit_to(self.host.peer_id)
         return resp.ttl
 
     def circuit_addresses(self) -> list[PeerAddress]:
         """This host's addresses through the relays it holds a reservation with."""
-        out = [a.circuit_to(self.host.peer_id) for a in self.relays.values()]
-        if out:
-            self._last_circuit = out[0]
-        return out
+        return [a.circuit_to(self.host.peer_id) for a in self.relays.values()]
 
     def known_circuit(self) -> PeerAddress | None:
         """Where others know this host behind a NAT: its first circuit address, else the last one it
