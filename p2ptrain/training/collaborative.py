@@ -161,6 +161,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         # Peers of the run seen live that did not say they left: while any is missing from the records,
         # stepping alone waits (once) for it. Keyed by id: a record can only say its own peer left.
         self._partners: set[PeerID] = set()
+        self._lagging: tuple[int, float] | None = None  # (epoch, since when) peers here were no majority
         self._seeded = False  # _partners took in the partners a checkpoint remembers (_may_step_alone)
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._started = 0.0
@@ -434,8 +435,10 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             if view.peers > 1 and view.samples + view.rate * self._lead >= view.target:
                 # Early by the time groups take to form: the round starts on target. Not before this
                 # peer's first batch (just synced): it would have nothing to send, and its group would
-                # wait for it in vain.
-                if self.samples > 0:
+                # wait for it in vain. Nor while the peers here are no majority of those on this step
+                # and the one before (see ``progress``): they arrive soon, and a group without them would
+                # commit this step on a lineage of its own.
+                if self.samples > 0 and self._majority_here(view):
                     self._start_matchmaking()
             elif (
                 view.peers <= 1
@@ -447,6 +450,24 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 self._solo_step()
                 return True
         return changed
+
+    def _majority_here(self, view: SwarmView) -> bool:
+        """Whether the peers on this epoch are a majority of those on it and one step behind (the group
+        quorum, see ``progress``): until then no group forms, for at most an averaging timeout. Those
+        behind then are stuck (a download that keeps failing), and a group of everyone here goes on."""
+        if view.quorum <= view.peers:
+            self._lagging = None
+            return True
+        now = self.clock()
+        if self._lagging is None or self._lagging[0] != self.epoch:
+            self._lagging = (self.epoch, now)
+            log.info(
+                "step %d: %d peer(s) here, a group needs %d: waiting for those one step behind",
+                self.epoch,
+                view.peers,
+                view.quorum,
+            )
+        return now - self._lagging[1] >= self.config.averaging.timeout
 
     def _may_step_alone(self, view: SwarmView) -> bool:
         """Alone on this epoch: step alone if no other peer was ever seen in the run, or if the others
@@ -614,8 +635,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         try:
             await self.refresh()  # size the group by the freshest records: a peer that just caught up counts
             assert self.view is not None
-            if self.view.behind or self.view.peers <= 1:
-                return  # step() catches up, or steps alone
+            if self.view.behind or self.view.peers <= 1 or not self._majority_here(self.view):
+                return  # step() catches up, steps alone, or waits for the peers one step behind
             target = min(self.view.peers, cfg.max_group_size)
             minimum = min(target, self.view.quorum)  # a majority: two groups cannot both form
             # Only members that publish progress count toward that majority: ids that only join groups

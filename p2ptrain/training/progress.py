@@ -13,9 +13,9 @@ same records:
   whether the target is reached (time to average) and how soon it will be (time to start matchmaking);
 - how many peers work on this epoch (the size of the group to form), counting those whose averaging
   round for the previous epoch is still landing (diloco with overlap), and not those that said they are
-  leaving; and the majority of them a group needs (``quorum``), where untrusted records count for at
-  most as many as the trusted ones (ids that publish records and never join a group slow a round down
-  to the leader's deadline, but cannot make a group impossible);
+  leaving; and the majority of them a group needs (``quorum``, counting those one step behind too),
+  where untrusted records count for at most as many as the trusted ones (ids that publish records and
+  never join a group slow a round down to the leader's deadline, but cannot make a group impossible);
 - whether this peer is behind or has diverged: then it downloads the state, from ``donors`` in order.
 
 Which states a peer adopts is a question of trust, not of numbers: identities are free, so a record's
@@ -84,7 +84,9 @@ class SwarmView:
     epoch: int
     newest: int  # the epoch the trusted peers' records say to be on (>= ``epoch``)
     peers: int  # peers working on ``epoch`` (or about to: their round for the one before is landing)
-    quorum: int  # the fewest peers a group of ``epoch`` needs: a majority of those this peer can vouch for
+    # The fewest peers a group of ``epoch`` needs: a majority of those this peer can vouch for, on this
+    # epoch or one behind. Above ``peers``: no group may form yet (wait for those behind).
+    quorum: int
     others: int  # other live peers of the run, on any epoch (some may be catching up)
     samples: float  # estimated samples the swarm has done toward ``epoch``
     rate: float  # the swarm's samples per second on ``epoch``
@@ -218,13 +220,17 @@ def swarm_view(
         key=lambda o: hashlib.blake2b(me.digest + o.peer.digest, digest_size=8).digest(),
     )
     landing = [o for o in others if o.record.landing and o.record.epoch + 1 == mine.epoch]
+    lagging = [o for o in others if not o.record.landing and o.record.epoch + 1 == mine.epoch]
     peers = 1 + len(same) + len(landing)
     # A group must be a majority of the epoch's peers (two groups cannot both commit it), but records of
     # ids that never join a group would raise that majority past the honest peers: untrusted ones count
     # toward it for at most as many as the trusted. The group a leader waits for still counts them all
-    # (it gathers until its deadline, then goes with those who came).
-    sure_n = 1 + sum(vouches(o) for o in (*same, *landing))
-    quorum = (sure_n + min(peers - sure_n, sure_n - 1)) // 2 + 1
+    # (it gathers until its deadline, then goes with those who came). Peers one step behind count
+    # toward the majority too: they are about to arrive (a round that committed without them, a record
+    # not yet re-published), and a group of the few already here would commit the step before them, and
+    # they another, under the same step number (two lineages).
+    sure_n = 1 + sum(vouches(o) for o in (*same, *landing, *lagging))
+    quorum = (sure_n + min(peers + len(lagging) - sure_n, sure_n - 1)) // 2 + 1
     if newest > mine.epoch:
         ahead = sum(o.record.epoch == newest for o in vouched)
         reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"

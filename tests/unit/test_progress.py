@@ -733,7 +733,8 @@ def test_view_invariants(
     assert v.rate >= mine.rate
     assert v.others == len(live)
     assert 1 <= v.peers <= 1 + v.others
-    assert v.quorum == v.peers // 2 + 1  # every record vouched for: a majority of all
+    lagging = sum(o.record.epoch + 1 == mine.epoch and not o.record.landing for o in live)
+    assert v.quorum == (v.peers + lagging) // 2 + 1  # every record vouched for: a majority of all
     assert v.newest >= v.epoch == mine.epoch
     assert v.behind == (upper_median([mine.epoch, *(o.record.epoch for o in live)]) > mine.epoch)
     assert v.eta >= 0.0 and (v.eta == 0.0) == v.ready
@@ -901,3 +902,20 @@ def test_fresh_keys_that_never_average_cannot_raise_the_quorum_past_the_trusted(
     idle.append(peer(9))
     assert view(rec(), *many, *idle, trusted={pid(1), pid(2), pid(3)}).quorum == 4  # of 4 vouched + 3 of 4
     assert view(rec(), *many, *idle, trusted=None).quorum == 5  # a private swarm: a majority of all 8
+
+
+def test_peers_one_step_behind_count_toward_the_majority_a_group_needs() -> None:
+    """8 peers: the 3 whose round committed first reached step 20 while 5 still publish step 19. A group
+    of 2 of the 3 held a majority of the peers *then on step 20* and committed it; the 5 arriving next
+    committed step 20 again (two lineages: the 8-peer group-capture run's divergent steps). Those one
+    step behind now count toward the majority, so the 3 here wait for them; peers two steps behind catch
+    up by download and do not count; nor do untrusted ones for more than the trusted."""
+    here = [peer(n) for n in (1, 2)]
+    behind = [peer(n, epoch=EPOCH - 1) for n in range(3, 8)]
+    v = view(rec(), *here, *behind, trusted=None)
+    assert (v.peers, v.quorum) == (3, 5)  # was (3, 2)
+    assert view(rec(), *here, *behind, trusted={pid(1), pid(2)}).quorum == 3  # strangers: capped
+    far = [peer(n, epoch=EPOCH - 2) for n in range(3, 8)]
+    assert view(rec(), *here, *far, trusted=None).quorum == 2
+    landing = [peer(n, epoch=EPOCH - 1, landing=True) for n in range(3, 8)]
+    assert view(rec(), *here, *landing, trusted=None).quorum == (8 // 2 + 1)  # already counted in peers
