@@ -832,14 +832,34 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
 
     def _weight_cap(self, peer: PeerID) -> float | None:
         """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
-        records make plausible; the whole target for a peer without records."""
+        records make plausible; the whole target for a peer without records. A stranger (not trusted,
+        see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
+        peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
+        second since long ago, or publishing no record at all, is one peer's worth."""
+        cap = self._plausible(next((r.record for r in self.records if r.peer == peer), None))
+        trusted = self.trusted()
+        if trusted is None or peer == self.node.peer_id or peer in trusted:
+            return cap
+        vouched = [r.record for r in self.records if r.peer in trusted and r.peer != peer]
+        return min(cap, max(self._plausible(r) for r in (self.record(), *vouched)))
+
+    def _plausible(self, record: ProgressRecord | None) -> float:
+        """What ``record`` makes plausible for this epoch (see ``progress.plausible_samples``); the whole
+        target without a record of this epoch."""
         target = float(self.config.training.target_batch_size)
-        record = next((r.record for r in self.records if r.peer == peer), None)
         if record is None or record.epoch != self.epoch:
             return target
         if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer
-            fastest = max((r.record.rate for r in self.records if r.record.epoch == self.epoch), default=0.0)
-            if fastest <= 0:
+            trusted = self.trusted()
+            fastest = max(
+                (
+                    r.record.rate
+                    for r in self.records
+                    if r.record.epoch == self.epoch and (trusted is None or r.peer in trusted)
+                ),
+                default=0.0,
+            )
+            if max(fastest, self.rate.rate) <= 0:
                 return target
             record = dataclasses.replace(record, rate=max(fastest, self.rate.rate))
         horizon = 2 * self.config.progress.interval

@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 from test_training import check_identical_per_epoch, run_config, swarm
 
+from p2ptrain.identity import PeerID
 from p2ptrain.testing import sybils
+from p2ptrain.training.progress import PeerProgress, ProgressRecord
 
 
 @pytest.mark.parametrize("kind", ["sybil-majority", "fake-progress", "dht-flood"])
@@ -59,3 +61,30 @@ async def test_fresh_keys_that_rush_into_the_groups_are_one_trimmed_row(autojump
         check_identical_per_epoch(honest)
     drift = max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
     assert drift < 0.5, f"the honest parameters moved {drift:.2f} in 4 steps: the keys' values got through"
+
+
+async def test_a_stranger_counts_for_no_more_than_a_trusted_peer_whatever_its_records_say(
+    autojump_clock: object,
+) -> None:
+    """The plausible-weight cap followed a peer's own records: a fresh key advertising 1e9 samples a
+    second since the epoch of time was allowed 2e11 samples in a round, and one without a record the
+    whole target. A stranger now counts for at most what this peer's or a trusted peer's records make
+    plausible; a trusted peer's cap still follows its own records."""
+    async with swarm(run_config("sync")) as s:
+        honest = [await s.start(compute=0.1) for _ in range(3)]
+        await s.until(lambda: all(p.opt.epoch >= 2 for p in honest), timeout=120)
+        opt = honest[0].opt
+        trusted = opt.trusted()
+        assert trusted is not None and {p.node.peer_id for p in honest[1:]} <= trusted
+        liar, silent = PeerID(b"\x07" * 32), PeerID(b"\x08" * 32)
+        claim = ProgressRecord(
+            epoch=opt.epoch, samples=2**40, rate=1e9, time=opt.clock(), since=0.0, run=opt.fingerprint
+        )
+        opt.records = [*opt.records, PeerProgress(liar, claim)]  # (no await below: read as it stands)
+        bound = max(opt._weight_cap(p.node.peer_id) or 0.0 for p in honest)
+        target = run_config("sync").training.target_batch_size
+        assert 0 < bound < target
+        assert opt._weight_cap(liar) == pytest.approx(bound)
+        assert opt._weight_cap(silent) == pytest.approx(bound)
+        honest_cap = opt._weight_cap(honest[1].node.peer_id)
+        assert honest_cap is not None and honest_cap <= bound
