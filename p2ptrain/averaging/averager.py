@@ -75,7 +75,7 @@ from .protocol import (
     seal_decision,
 )
 from .robust import parse_aggregation
-from .rules import RoundRules, check_manifest
+from .rules import RoundRules, check_manifest, listed_subnet
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -721,7 +721,12 @@ class Averager:
         me = looking.me
         observed = self._dht.observed_host if self._dht is not None else None
         gathering = looking.gathering = Gathering(
-            Joiner(me.peer, me.addr, me.bandwidth, subnet_of(observed) if observed else ""),
+            Joiner(
+                me.peer,
+                me.addr,
+                me.bandwidth,
+                listed_subnet(me.addr) or (subnet_of(observed) if observed else ""),
+            ),
             me.schema,
             sizes[0],
             sizes[1],

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from ..errors import RemoteProtocolError
 from ..identity import PeerID
 from ..wire.codec import pack, unpack
+from .rules import listed_subnet
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,12 @@ class Gathering:
             return "already in this group"
         if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth >= 0):
             return "bandwidth must be finite and not negative (0: not measured yet)"
+        listed = listed_subnet(joiner.addr)
+        if self.by_origin and listed and joiner.origin and listed != joiner.origin:
+            # Members refuse a manifest that splits a listed subnet over origins, or merges two: a joiner
+            # listed in one subnet and counted in another (where it connects from) would make them
+            # refuse the whole group.
+            return f"the address offered is in {listed}, but the call came from {joiner.origin}"
         if self.full():
             out = self._displaced_by(joiner)
             if out is None:

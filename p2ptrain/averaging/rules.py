@@ -17,10 +17,11 @@ of its own run and call) and refuses anything that differs, with the reason:
 - no member is listed with more bandwidth than it announced itself (a signed DHT announcement the
   member saw; the rule only ever lowers an announced bandwidth, or fills in a typical one for a member
   that has not measured its own);
-- origins (see ``robust``): none with the plain mean; and no two members whose listed addresses lie in
-  different subnets may share one (a leader cannot count honest peers of several subnets as one row).
-  What a leader cannot prove, that its joiners of one subnet came from it, the member takes on trust: a
-  hostile leader chooses its group's members anyway.
+- origins (see ``robust``): none with the plain mean; no two members whose listed addresses lie in
+  different subnets may share one (a leader cannot count honest peers of several subnets as one row),
+  and members listed in one subnet share one (a leader cannot make one host's fresh keys many rows;
+  a circuit address says nothing of its member's subnet). What a leader cannot prove, where its
+  client-only joiners came from, the member takes on trust.
 
 All of it is pure: :func:`check_manifest` raises :class:`RemoteProtocolError` saying what is wrong.
 """
@@ -87,16 +88,19 @@ def check_manifest(
         raise RemoteProtocolError(f"the manifest's partitions: {e}") from None
     if list(m.sizes) != sizes:
         raise RemoteProtocolError(f"the partitions {list(m.sizes)} are not the bandwidths' shares {sizes}")
-    if m.origins:
-        if m.aggregation == "mean":
-            raise RemoteProtocolError("a plain mean counts every member: the manifest must list no origins")
+    if m.origins and m.aggregation == "mean":
+        raise RemoteProtocolError("a plain mean counts every member: the manifest must list no origins")
+    if m.aggregation != "mean":
         subnets: dict[int, str] = {}
-        for mm, o in zip(m.members, m.origins, strict=True):
-            subnet = _subnet_of_addr(mm.addr)
+        origins: dict[str, int] = {}
+        for mm, o in zip(m.members, m.origins or range(len(m.members)), strict=True):
+            subnet = listed_subnet(mm.addr)
             if subnet and subnets.setdefault(o, subnet) != subnet:
                 raise RemoteProtocolError(
                     f"the manifest counts members of {subnets[o]} and {subnet} as one origin"
                 )
+            if subnet and origins.setdefault(subnet, o) != o:
+                raise RemoteProtocolError(f"the manifest counts members of {subnet} as several origins")
     for peer, bw in zip(peers, listed, strict=True):
         own = announced.get(peer, 0.0)
         if own > 0 and bw > own:
@@ -105,10 +109,12 @@ def check_manifest(
             )
 
 
-def _subnet_of_addr(addr: str) -> str:
-    """The subnet of a listed address ("" for a client-only member, a name, or nonsense)."""
+def listed_subnet(addr: str) -> str:
+    """The subnet of a listed address ("" for a client-only member, a circuit, a name, or nonsense)."""
     try:
         a = PeerAddress.parse(addr) if addr else None
     except ValueError:
         return ""
-    return subnet_of(a.host) if a is not None and a.kind in ("ip4", "ip6") else ""
+    if a is None or a.relay is not None or a.kind not in ("ip4", "ip6"):
+        return ""  # (a circuit address names its relay's host, not the member's)
+    return subnet_of(a.host)

@@ -504,3 +504,21 @@ def test_a_spilling_reducer_gives_robust_rules_the_same_rows(mode):
         red.drop()
     assert torch.equal(results[0], results[1])
     assert float(results[1].abs().max()) < 50  # the outlier's slice was trimmed
+
+
+def test_a_robust_leader_refuses_a_joiner_listed_in_another_subnet_than_it_calls_from():
+    """Members refuse a manifest that splits one listed subnet over several origins (or merges two): a
+    joiner whose offered address lies elsewhere than its call came from would have made every member
+    refuse the honest leader's group. The leader turns it away; circuits and client-only joiners say
+    nothing of their subnet, and a plain mean does not count origins."""
+    g = Gathering(Joiner(pid(99), "l", 1.0, "198.18.1.0/24"), b"s", target_size=4, min_size=2, by_origin=True)
+    liar = Joiner(pid(1), "/ip4/198.18.7.7/tcp/1", 1.0, "198.18.2.0/24")
+    assert (
+        g.offer(liar, b"s") == "the address offered is in 198.18.7.0/24, but the call came from 198.18.2.0/24"
+    )
+    assert g.offer(Joiner(pid(2), "/ip4/198.18.2.9/tcp/1", 1.0, "198.18.2.0/24"), b"s") is None
+    circuit = f"/ip4/198.18.5.1/tcp/1/p2p/{pid(50)}/p2p-circuit/p2p/{pid(3)}"
+    assert g.offer(Joiner(pid(3), circuit, 1.0, "198.18.3.0/24"), b"s") is None
+    assert g.offer(Joiner(pid(4), "", 1.0, "198.18.4.0/24"), b"s") is None
+    mean = Gathering(Joiner(pid(99), "l", 1.0, "198.18.1.0/24"), b"s", target_size=4, min_size=2)
+    assert mean.offer(liar, b"s") is None

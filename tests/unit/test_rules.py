@@ -21,7 +21,7 @@ from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity
 
 PEERS = [Identity.from_seed(hashlib.blake2b(bytes([i]), digest_size=32).digest()).peer_id for i in range(4)]
-ADDRS = ["/ip4/198.18.0.1/tcp/1", "/ip4/198.18.0.2/tcp/1", "", "/ip4/198.18.0.4/tcp/1"]  # 2: client-only
+ADDRS = ["/ip4/198.18.0.1/tcp/1", "/ip4/198.18.1.2/tcp/1", "", "/ip4/198.18.3.4/tcp/1"]  # 2: client-only
 ANNOUNCED = {PEERS[0]: 40.0, PEERS[1]: 10.0, PEERS[2]: 0.0, PEERS[3]: 20.0}
 SCHEMA = (TensorSpec((1000,), "float32"), TensorSpec((7,), "float32"))
 RULES = RoundRules("diloco-5", SCHEMA, "fp16", "trimmed_mean", True, 60.0)
@@ -122,16 +122,46 @@ def test_the_partition_rule_is_its_own_image() -> None:
 def test_origins_may_not_merge_members_of_different_subnets() -> None:
     """Origins are the leader's word on who shares a subnet; a member still refuses one that counts
     members listed in different subnets as one (and any origins in a plain mean)."""
-    m = honest()  # every listed address is in 198.18.0.0/24; member 2 is client-only
-    check(dataclasses.replace(m, origins=(0, 0, 0, 0)))
-    check(dataclasses.replace(m, origins=(0, 1, 1, 3)))
+    m = same_subnet(honest())  # every listed address in 198.18.0.0/24; member 2 is client-only
+    check_in_subnet(dataclasses.replace(m, origins=(0, 0, 0, 0)))
+    check_in_subnet(dataclasses.replace(m, origins=(0, 0, 2, 0)))  # (the client-only one: the leader's word)
     far = dataclasses.replace(m.members[3], addr="/ip4/198.18.7.4/tcp/1")
-    moved = dataclasses.replace(m, members=(*m.members[:3], far), origins=(0, 1, 1, 1))
+    moved = dataclasses.replace(m, members=(*m.members[:3], far), origins=(0, 0, 0, 0))
     with pytest.raises(RemoteProtocolError, match=r"198\.18\.7\.0/24"):
-        check(moved)
-    mean = dataclasses.replace(m, aggregation="mean", origins=(0, 1, 2, 3))
+        check_in_subnet(moved)
+    mean = dataclasses.replace(honest(), aggregation="mean", origins=(0, 1, 2, 3))
     with pytest.raises(RemoteProtocolError, match="no origins"):
         check_manifest(mean, dataclasses.replace(RULES, aggregation="mean"), PEERS[1], ADDRS[1], ANNOUNCED)
+
+
+def same_subnet(m: Manifest) -> Manifest:
+    """``m`` with its listed addresses moved into 198.18.0.0/24 (the member checking is PEERS[1])."""
+    moved = tuple(
+        dataclasses.replace(mm, addr=f"/ip4/198.18.0.{i + 1}/tcp/1" if mm.addr else "")
+        for i, mm in enumerate(m.members)
+    )
+    return dataclasses.replace(m, members=moved)
+
+
+def check_in_subnet(m: Manifest) -> None:
+    check_manifest(m, RULES, PEERS[1], "/ip4/198.18.0.2/tcp/1", ANNOUNCED)
+
+
+@pytest.mark.parametrize("origins", [(), (0, 1, 2, 3), (0, 1, 1, 1), (0, 0, 2, 3)])
+def test_origins_may_not_split_members_of_one_subnet(origins: tuple[int, ...]) -> None:
+    """A hostile leader listed one host's fresh keys (one /24) as origins of their own, so that a robust
+    rule counted each as a row: members listed in one subnet must share one origin (no origins at all
+    say every member is its own). Circuit addresses name the relay's host and are not counted."""
+    m = same_subnet(honest())
+    with pytest.raises(RemoteProtocolError, match=r"198\.18\.0\.0/24 as several origins"):
+        check_in_subnet(dataclasses.replace(m, origins=origins))
+    check_in_subnet(dataclasses.replace(m, origins=(0, 0, 2, 0)))
+    relay = "/ip4/198.18.0.9/tcp/1/p2p/" + str(PEERS[0])
+    circuits = tuple(
+        dataclasses.replace(mm, addr=f"{relay}/p2p-circuit/p2p/{p}") if i in (0, 3) else mm
+        for i, (mm, p) in enumerate(zip(m.members, PEERS, strict=True))
+    )
+    check_in_subnet(dataclasses.replace(m, members=circuits, origins=(0, 1, 2, 3)))
 
 
 @pytest.mark.parametrize("origins", [(0, 1, 2), (0, 0, 3, 3), (1, 1, 2, 3), (0, 1, 0, 2)])
