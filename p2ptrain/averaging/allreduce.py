@@ -85,6 +85,7 @@ from .protocol import (
     seal_decision,
 )
 from .reducer import PartitionReducer
+from .rules import SeenOrigins
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ class AllReduceRound:
         self.seen: set[int] = set()  # members we were connected with during the round
         self.coordinator = Coordinator(self.digest, self.sizes) if self.me == 0 else None
         self.caps: dict[int, float] = {}  # the most weight this member finds plausible per member
+        self.origins = SeenOrigins(m)  # the leader's origins, checked against what we see
         self.decision: Decision | None = None
         self.decision_bytes = b""
         self.decided = trio.Event()
@@ -891,21 +893,15 @@ class AllReduceRound:
         if not (math.isfinite(req.weight) and req.weight > 0):
             return Ack(False, "the weight must be positive and finite")
         cap = self.caps.get(sender)
+        why = self.origins.refusal(sender, ctx.remote_host, ctx.relayed)
         if cap is not None and req.weight > WEIGHT_SLACK * cap:
-            log.warning(
-                "round %s: %s claims weight %g, over %g x the %g its records make plausible: slice refused",
-                self.digest.hex()[:8],
-                self.name(sender),
-                req.weight,
-                WEIGHT_SLACK,
-                cap,
-            )
+            why = f"weight {req.weight:g} is over {WEIGHT_SLACK:g} x the {cap:g} its records make plausible"
+        if why:
+            log.warning("round %s: %s: slice refused: %s", self.digest.hex()[:8], self.name(sender), why)
             if p == self.me:  # its slice will not come: this reducer need not wait for it to report
                 self.failed_senders.setdefault(p, set()).add(sender)
                 self.changed.fire()
-            return Ack(
-                False, f"weight {req.weight:g} is over {WEIGHT_SLACK:g} x the {cap:g} plausible for you"
-            )
+            return Ack(False, why)
         if p >= self.n or self.sizes[p] == 0:
             return Ack(False, f"partition {p} does not exist")
         if p != self.me:  # a failed reducer's partition: only once the decision names us

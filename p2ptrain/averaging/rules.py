@@ -118,3 +118,30 @@ def listed_subnet(addr: str) -> str:
     if a is None or a.relay is not None or a.kind not in ("ip4", "ip6"):
         return ""  # (a circuit address names its relay's host, not the member's)
     return subnet_of(a.host)
+
+
+class SeenOrigins:
+    """A reducer's own check of a robust manifest's origins (the leader's word on who shares a subnet).
+
+    A client-only member lists no address, so no member can check its origin from the manifest: a
+    hostile leader could give each of its fresh keys one of its own. Each of them must send its slices
+    to the reducers, though, and a reducer sees where the connection comes from. So a reducer takes the
+    slices of one subnet (as it sees it: /24, /64) from one origin only; a sender of another origin from
+    that subnet is refused, as an over-weighted slice is (the round's decision leaves it out). Relayed
+    calls come from the relay's address and say nothing of the sender's subnet. A plain mean does not
+    count origins, and is not checked."""
+
+    def __init__(self, m: Manifest) -> None:
+        self.robust = m.aggregation != "mean"
+        self.of = list(m.origins) if m.origins else list(range(len(m.members)))
+        self.by_subnet: dict[str, int] = {}
+
+    def refusal(self, sender: int, host: str, relayed: bool) -> str:
+        """Why ``sender``'s slice, on a call from ``host``, is refused ("" when it is not)."""
+        if not self.robust or relayed or not host:
+            return ""
+        subnet = subnet_of(host)
+        first = self.by_subnet.setdefault(subnet, self.of[sender])
+        if first != self.of[sender]:
+            return f"it calls from {subnet}, where the manifest counts another origin's members"
+        return ""

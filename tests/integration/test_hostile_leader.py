@@ -16,9 +16,9 @@ import logging
 import pytest
 import torch
 import trio
-from test_matchmaking import identity, swarm
+from test_matchmaking import PORT, identity, swarm
 
-from p2ptrain import AveragerConfig, RoundResult
+from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
 from p2ptrain.averaging.protocol import Manifest, SignedManifest
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
@@ -108,3 +108,60 @@ async def test_a_coordinator_claiming_a_billion_samples_is_left_out_of_its_own_r
         # a reducer that refused a slice does not wait for it: the round ends long before the scatter
         # deadline (0.4 x the 20 s timeout), on the virtual clock
         assert r.round_seconds < 2.0, r.round_seconds
+
+
+async def test_a_leader_cannot_count_its_client_only_keys_as_origins_of_their_own(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client-only member lists no address, so no member can check the origin a leader gives it. The
+    attacker leads a trimmed-mean round with two more client-only keys on its own host and signs a
+    manifest that counts all three as origins of their own (no origins listed). Counted that way, three
+    rows of 10,000 against two honest ones are no minority to trim: on the code before, the honest
+    members committed a mean of about 6,667. Each honest reducer now takes the slices of one host from
+    one origin only and refuses the others, so the result lies between the honest values."""
+    attacker = identity("n0").peer_id
+    real_sign = SignedManifest.sign.__func__  # type: ignore[attr-defined]
+
+    def sign(cls: type[SignedManifest], who: Identity, manifest: Manifest) -> SignedManifest:
+        forged = dataclasses.replace(manifest, origins=()) if who.peer_id == attacker else manifest
+        return real_sign(cls, who, forged)
+
+    monkeypatch.setattr(SignedManifest, "sign", classmethod(sign))
+    cfg = AveragerConfig(target_size=5, min_size=5, matchmaking_time=3.0, aggregation="trimmed_mean")
+    net = MemoryNetwork(seed=5)
+    hosts = ["n0", "n0", "n0", "n3", "n4"]  # the attacker's host runs its two fresh keys too
+    out: list[RoundResult | Exception | None] = [None] * 5
+    async with trio.open_nursery() as nursery:
+        nodes: list[Node] = []
+        for i, host in enumerate(hosts):
+            config = NodeConfig(
+                run_id="mm",
+                listen=((host, PORT),) if i in (0, 3, 4) else (),
+                join=(nodes[0].addresses[0],) if nodes else (),
+                averaging=cfg,
+            )
+            node = Node(identity(f"n{i}"), config, transport=net.transport(host), clock=trio.current_time)
+            nodes.append(await nursery.start(node.run))
+
+        async def one(i: int, delay: float) -> None:
+            await trio.sleep(delay)
+            values = [torch.full((1000,), HUGE if i < 3 else float(i))]
+            try:
+                out[i] = await nodes[i].average(values, weight=1.0, timeout=20.0)
+            except (GroupFormationFailed, RoundAborted) as e:
+                out[i] = e
+
+        with trio.fail_after(120):
+            for node in nodes:
+                await node.dht.bootstrapped.wait()
+            async with trio.open_nursery() as round_nursery:
+                for i, delay in enumerate(
+                    (0.0, 0.2, 0.2, 0.4, 0.6)
+                ):  # the attacker announces first: it leads
+                    round_nursery.start_soon(one, i, delay)
+        nursery.cancel_scope.cancel()
+    for i in (3, 4):
+        r = out[i]
+        assert isinstance(r, RoundResult), r
+        assert r.group_size == 5
+        assert 3.0 <= r.tensors[0].min().item() <= r.tensors[0].max().item() <= 4.0, r.tensors[0][:4]
