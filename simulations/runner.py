@@ -306,9 +306,32 @@ def _host_port(addr: str) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+class HostsBackend(Backend):
+    """Each peer on a loopback address of its own (as the switch gives them), with nothing between the
+    peers: unshaped links, but every peer a host of its own for the per-address and per-subnet limits
+    (connections, DHT storage, group origins) and no switch whose CPU the traffic would load."""
+
+    name = "hosts"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "emulation": "hosts",
+            "what": "a loopback address per peer (127.0.0.10 + i), kernel loopback between them: no rates, "
+            "latency or cuts",
+        }
+
+    def node_args(self, i: int) -> list[str]:
+        from .wan import FIRST_HOST
+
+        host = f"127.0.0.{FIRST_HOST + i}"
+        return ["--listen", f"{host}:0", "--source-address", host]
+
+
 def make_backend(scenario: Scenario) -> Backend:
     if scenario.emulation == "userspace":
         return UserspaceBackend(scenario)
+    if scenario.emulation == "hosts":
+        return HostsBackend(scenario)
     if scenario.emulation == "netns":
         return NetnsBackend(scenario)
     return Backend(scenario)

@@ -9,7 +9,8 @@ replays it with real ``p2ptrain node`` processes (``simulations.runner``). The f
     name = "churn"                 # default: the file's name
     description = "..."
     duration = 600                 # seconds from the first process's start to the stop signal
-    emulation = "userspace"        # "userspace" (the WAN switch, no root), "netns" (root, tc tbf), "none"
+    emulation = "userspace"        # "userspace" (the WAN switch, no root), "netns" (root, tc tbf), "hosts"
+                                   # (a loopback address per peer, unshaped), "none" (all on 127.0.0.1)
     run = "configs/tiny-gpt.toml"  # the run file, relative to the repository (or absolute)
     mode = "diloco"                # optional: training.mode of the run
     seed = 1                       # optional: run.seed, and the emulator's jitter and cuts
@@ -108,7 +109,7 @@ from p2ptrain.testing.adversary import ADVERSARIES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS_DIR = Path(__file__).resolve().parent / "scenarios"
-EMULATIONS = ("userspace", "netns", "none")
+EMULATIONS = ("userspace", "netns", "hosts", "none")
 ACTIONS = ("kill", "restart", "start", "stop", "cut", "partition", "link")
 SWITCH_ACTIONS = ("cut", "partition", "link")  # need the userspace switch
 LINK_KEYS = ("up_mbit", "down_mbit", "latency_ms", "jitter_ms", "cuts_per_min")
@@ -217,8 +218,10 @@ class Scenario:
         """What the scenario asks for that its emulation mode cannot do (said in the report)."""
         notes = []
         links = [p for p in self.peers if any(v != PeerSpec(0, "").link[k] for k, v in p.link.items())]
-        if self.emulation == "none" and links:
-            notes.append("emulation 'none': every link is plain loopback (no rates, latency or cuts)")
+        if self.emulation in ("none", "hosts") and links:
+            notes.append(
+                f"emulation '{self.emulation}': every link is plain loopback (no rates, latency or cuts)"
+            )
         if self.emulation == "netns":
             if any(p.latency_ms or p.jitter_ms for p in self.peers):
                 notes.append("netns (tc tbf): latency and jitter are not emulated, only rates")

@@ -65,7 +65,7 @@ def test_the_issue_scenarios_ship() -> None:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_scenario_is_valid_and_its_merged_run_file_round_trips(path: Path) -> None:
     s = load_scenario(path)
-    assert s.name == path.stem and s.description and s.emulation == "userspace"
+    assert s.name == path.stem and s.description and s.emulation in ("userspace", "hosts")
     merged = merged_run(s, read_run_file(s.run_path()))
     text = to_toml(merged)
     assert parse_config(tomllib.loads(text)) == parse_config(merged)
@@ -255,6 +255,7 @@ def test_what_an_emulation_cannot_do_is_said() -> None:
     netns = lossy.with_changes(emulation="netns").not_emulated()
     assert any("latency" in n for n in netns) and any("cuts_per_min" in n for n in netns)
     assert any("plain loopback" in n for n in lossy.with_changes(emulation="none").not_emulated())
+    assert any("plain loopback" in n for n in lossy.with_changes(emulation="hosts").not_emulated())
     assert parse(MINIMAL).not_emulated() == []
 
 
@@ -795,3 +796,17 @@ def test_digests_listed_after_their_step_are_compared_too() -> None:
     assert verdict["steps_compared"] == 2 and not verdict["ok"]
     assert [(d["step"], d["peer"]) for d in verdict["divergences"]] == [(2, 1)]
     assert len(digest_lines(peers)) == 6  # each (step, digest) of a peer once, at its first line
+
+
+def test_the_hosts_emulation_gives_each_peer_its_own_loopback_address() -> None:
+    """Per-address and per-subnet limits (connections, DHT storage, group origins) tell peers apart by
+    address: on plain loopback every peer is 127.0.0.1, one host. ``hosts`` gives peer i 127.0.0.(10+i)
+    to listen on and dial from, with no switch in between."""
+    from simulations.runner import HostsBackend, make_backend
+
+    s = parse(MINIMAL).with_changes(emulation="hosts")
+    backend = make_backend(s)
+    assert isinstance(backend, HostsBackend)
+    assert backend.node_args(0) == ["--listen", "127.0.0.10:0", "--source-address", "127.0.0.10"]
+    assert backend.node_args(3)[1] == "127.0.0.13:0"
+    assert backend.started(3, {"listening": ["/ip4/127.0.0.13/tcp/4000"]}) == "/ip4/127.0.0.13/tcp/4000"
