@@ -32,10 +32,13 @@ import trio
 
 from . import __version__, peercache
 from .averaging import Averager, AveragerConfig, RoundResult
+from .averaging.robust import parse_aggregation
+from .config import RunConfig
 from .dht.peers import Member, PeerRecord, announce, list_members, withdraw
 from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, HandshakeRefused, P2PError
 from .identity import Identity, PeerID
+from .idwork import find_work, work_bits
 from .metrics import serve_http
 from .net.address import PeerAddress
 from .net.connection import Connection
@@ -149,6 +152,42 @@ def validate_run_id(run_id: str) -> str:
     if not 0 < len(run_id) <= MAX_RUN_ID or not run_id.isprintable():
         raise ConfigError(f"run id must be 1-{MAX_RUN_ID} printable characters")
     return run_id
+
+
+def averaging_settings(run: RunConfig) -> AveragerConfig:
+    """The averager's settings that a run file asks for."""
+    a = run.averaging
+    return AveragerConfig(
+        target_size=a.max_group_size,
+        min_size=1,
+        matchmaking_time=a.matchmaking_time,
+        bandwidth=a.bandwidth * 1e6,
+        compression=a.compression,
+        aggregation=parse_aggregation(a.aggregation),
+        audit=a.audit,
+    )
+
+
+def id_work(identity: Identity, bits: int, data_dir: Path | None) -> bytes:
+    """This id's work nonce for ``bits`` (see ``idwork``): read from ``data_dir/identity.work``, or found
+    (about ``2**bits`` hashes) and kept there."""
+    path = data_dir / "identity.work" if data_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            nonce = bytes.fromhex(path.read_text().strip())
+        except (OSError, ValueError):
+            nonce = b""
+        if work_bits(identity.peer_id, nonce) >= bits:
+            return nonce
+    log.info("the run asks for %d bits of work on each peer id: finding them for ours (once)", bits)
+    nonce = find_work(identity.peer_id, bits)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(nonce.hex() + "\n")
+        except OSError as e:
+            log.warning("cannot keep the id work in %s: %s", path, e)
+    return nonce
 
 
 @dataclass(frozen=True)
@@ -562,13 +601,16 @@ class BackgroundNode:
         self._nursery: trio.Nursery | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._at_close: list[Callable[[], Awaitable[object]]] = []
         self._thread = threading.Thread(
             target=self._main, name=f"p2ptrain-{identity.peer_id.short()}", daemon=True
         )
 
     def start(self, timeout: float = 60.0) -> BackgroundNode:
-        """Start the node's thread; returns once the node runs, raises why it could not start."""
-        self._thread.start()
+        """Start the node's thread; returns once the node runs, raises why it could not start. A node
+        already started is returned as it is (``with join_swarm(...) as node``)."""
+        if self._thread.ident is None:
+            self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError(f"the node did not start within {timeout:g} s")
         if self._error is not None:
@@ -599,8 +641,19 @@ class BackgroundNode:
 
         self.call(start)
 
+    def at_close(self, fn: Callable[[], Awaitable[object]]) -> None:
+        """Run ``await fn()`` in the node's thread when it is closed, before it stops (say, to tell the
+        swarm that this peer leaves); an error there is logged and the node stops all the same."""
+        self._at_close.append(fn)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the node (peers are told) and wait for its thread."""
+        while self._at_close and self._token is not None and self._thread.is_alive():
+            fn = self._at_close.pop()
+            try:
+                self.call(fn)
+            except Exception as e:  # (the node stops all the same)
+                log.warning("while closing the node: %s", e)
         if self._token is not None and self._thread.is_alive() and self._stop is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)

@@ -23,8 +23,6 @@ from rich.live import Live
 from rich.logging import RichHandler
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from .averaging import AveragerConfig
-from .averaging.robust import parse_aggregation
 from .cli import (
     UsageError,
     _node_config,
@@ -34,9 +32,7 @@ from .cli import (
     stop_if_join_refused,
 )
 from .config import RunConfig, load_config
-from .identity import Identity
-from .idwork import find_work, work_bits
-from .node import Node
+from .node import Node, averaging_settings, id_work
 from .tasks import load_task
 from .training.console import node_table
 from .training.trainer import Trainer, TrainerOptions
@@ -97,16 +93,7 @@ def train_node(args: argparse.Namespace) -> int:
     args.run_id = args.run_id or config.run.id
     if config.run.authority and not args.authority:  # a private run names its authority in the run file
         args.authority = config.run.authority
-    a = config.averaging
-    averaging = AveragerConfig(
-        target_size=a.max_group_size,
-        min_size=1,
-        matchmaking_time=a.matchmaking_time,
-        bandwidth=a.bandwidth * 1e6,
-        compression=a.compression,
-        aggregation=parse_aggregation(a.aggregation),
-        audit=a.audit,
-    )
+    averaging = averaging_settings(config)
     identity = _node_identity(args)
     data_dir = Path(args.data_dir) if args.data_dir else None
     if data_dir is None and args.identity is None:
@@ -115,7 +102,7 @@ def train_node(args: argparse.Namespace) -> int:
         data_dir = default_data_dir()
     node_config = _node_config(args, averaging)
     if config.run.id_work:  # the run prices ids: ours carries the work (found once, kept with the key)
-        work = _id_work(identity, config.run.id_work, data_dir)
+        work = id_work(identity, config.run.id_work, data_dir)
         host = dataclasses.replace(node_config.host, id_work=config.run.id_work, work=work)
         node_config = dataclasses.replace(node_config, host=host)
     node = Node(identity, node_config)
@@ -149,28 +136,6 @@ def train_node(args: argparse.Namespace) -> int:
     live = sys.stdout.isatty() and not args.no_live
     _run_node(_train, node, trainer, live)
     return 0
-
-
-def _id_work(identity: Identity, bits: int, data_dir: Path | None) -> bytes:
-    """This id's work nonce for ``bits`` (see ``idwork``): read from ``data_dir/identity.work``, or found
-    (about ``2**bits`` hashes) and kept there."""
-    path = data_dir / "identity.work" if data_dir is not None else None
-    if path is not None and path.exists():
-        try:
-            nonce = bytes.fromhex(path.read_text().strip())
-        except (OSError, ValueError):
-            nonce = b""
-        if work_bits(identity.peer_id, nonce) >= bits:
-            return nonce
-    log.info("the run asks for %d bits of work on each peer id: finding them for ours (once)", bits)
-    nonce = find_work(identity.peer_id, bits)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(nonce.hex() + "\n")
-        except OSError as e:
-            log.warning("cannot keep the id work in %s: %s", path, e)
-    return nonce
 
 
 async def _train(node: Node, trainer: Trainer, live: bool) -> None:

@@ -1065,10 +1065,15 @@ class SyncCollaborativeOptimizer:
         self._node = node
         self.optimizer = node.call(build)
         node.start_service(self.optimizer.run)
+        node.at_close(self.optimizer.leave)  # peers need not wait for this one once it is gone
 
     def step(self, samples: int) -> bool:
         """:meth:`CollaborativeOptimizer.step`, from synchronous code."""
         return self._node.call(lambda: self.optimizer.step(samples))
+
+    def wait_for_peers(self, count: int, timeout: float) -> int:
+        """:meth:`CollaborativeOptimizer.wait_for_peers`, from synchronous code."""
+        return self._node.call(lambda: self.optimizer.wait_for_peers(count, timeout))
 
     @property
     def epoch(self) -> int:
