@@ -162,6 +162,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         # stepping alone waits (once) for it. Keyed by id: a record can only say its own peer left.
         self._partners: set[PeerID] = set()
         self._lagging: tuple[int, float] | None = None  # (epoch, since when) peers here were no majority
+        self._counting: dict[PeerID, ProgressRecord] = {}  # see refresh()
         self._seeded = False  # _partners took in the partners a checkpoint remembers (_may_step_alone)
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._started = 0.0
@@ -290,6 +291,15 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 continue
             records.append(PeerProgress(peer, rec))
         self.records = records
+        # What each peer last said about the samples of an epoch it was still counting: once it hands
+        # them to the epoch's round, its records count toward the next one (``landing``).
+        counting: dict[PeerID, ProgressRecord] = {}
+        for r in records:
+            if not r.record.landing:
+                counting[r.peer] = r.record
+            elif r.peer in self._counting:
+                counting[r.peer] = self._counting[r.peer]
+        self._counting = counting
         self._met_swarm = self._met_swarm or self.node.dht.bootstrapped.is_set()
         self._update_view()
         self._reach_directly()
@@ -836,17 +846,22 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
         peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
         second since long ago, or publishing no record at all, is one peer's worth."""
-        cap = self._plausible(next((r.record for r in self.records if r.peer == peer), None))
+        cap = self._plausible(peer)
         trusted = self.trusted()
         if trusted is None or peer == self.node.peer_id or peer in trusted:
             return cap
-        vouched = [r.record for r in self.records if r.peer in trusted and r.peer != peer]
-        return min(cap, max(self._plausible(r) for r in (self.record(), *vouched)))
+        vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
+        return min(cap, max(self._plausible(p) for p in (self.node.peer_id, *vouched)))
 
-    def _plausible(self, record: ProgressRecord | None) -> float:
-        """What ``record`` makes plausible for this epoch (see ``progress.plausible_samples``); the whole
-        target without a record of this epoch."""
+    def _plausible(self, peer: PeerID) -> float:
+        """What ``peer``'s records make plausible for this epoch (see ``progress.plausible_samples``);
+        the whole target without a record of this epoch. A peer that handed its samples of this epoch
+        to the round (its records count toward the next one now: ``landing``) is judged by what it said
+        before; with nothing said before, by the whole target as well."""
         target = float(self.config.training.target_batch_size)
+        record = next((r.record for r in self.records if r.peer == peer), None)
+        if record is not None and record.landing and record.epoch == self.epoch:
+            record = self._counting.get(peer)
         if record is None or record.epoch != self.epoch:
             return target
         if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer

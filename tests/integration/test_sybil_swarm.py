@@ -11,6 +11,8 @@ peer, and its records of ids that never average made a group impossible (no step
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_training import check_identical_per_epoch, run_config, swarm
 
@@ -88,3 +90,26 @@ async def test_a_stranger_counts_for_no_more_than_a_trusted_peer_whatever_its_re
         assert opt._weight_cap(silent) == pytest.approx(bound)
         honest_cap = opt._weight_cap(honest[1].node.peer_id)
         assert honest_cap is not None and honest_cap <= bound
+
+
+async def test_a_peer_whose_round_is_landing_is_capped_by_what_it_said_before(autojump_clock: object) -> None:
+    """A peer that hands its samples of a step to the round publishes at once that it counts toward
+    the next step (landing, 0 samples since the handover). A coordinator that judged its weight in that
+    step's round by that record allowed it the slack alone: honest peers' slices were refused ("weight
+    42 is over 2 x the 20 its records make plausible") once the rate meter stopped doubling its first
+    reading. The record it published before the handover is what speaks for the round."""
+    async with swarm(run_config("sync")) as s:
+        honest = [await s.start(compute=0.1) for _ in range(2)]
+        await s.until(lambda: all(p.opt.epoch >= 2 for p in honest), timeout=120)
+        opt, other = honest[0].opt, honest[1].node.peer_id
+        now = opt.clock()
+        before = ProgressRecord(
+            epoch=opt.epoch, samples=40, rate=80.0, time=now - 0.1, since=now - 0.6, run=opt.fingerprint
+        )
+        handed = dataclasses.replace(before, samples=0, time=now, since=now, landing=True)
+        opt.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, before)]
+        vars(opt).setdefault("_counting", {})[other] = before  # (as refresh() keeps it)
+        said = opt._weight_cap(other)
+        opt.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, handed)]
+        assert opt._weight_cap(other) == pytest.approx(said)
+        assert said is not None and said > 2 * 80.0 * 0.5  # (the rate over the half second it counted)
