@@ -38,8 +38,8 @@ class RateMeter:
         self._pending = 0
 
     def add(self, samples: int, now: float) -> None:
-        if self._last is None:
-            self._last, self._pending = now, samples
+        if self._last is None:  # the clock starts now: when these samples began is not known
+            self._last, self._pending = now, 0
             return
         self._pending += samples
         dt = now - self._last
