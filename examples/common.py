@@ -49,11 +49,6 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": row, "labels": row}
 
 
-def data_seed(address: str) -> int:
-    """A seed of this peer's own (peers should not all read the same batches)."""
-    return int.from_bytes(hashlib.blake2b(address.encode(), digest_size=4).digest(), "big")
-
-
 def param_digest(model: torch.nn.Module) -> str:
     h = hashlib.blake2b(digest_size=8)
     for t in model.state_dict().values():

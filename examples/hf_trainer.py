@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 
-from common import ByteWindows, data_seed, options, param_digest, small_gpt2
+from common import ByteWindows, options, param_digest, small_gpt2
 from transformers import TrainerCallback, TrainingArguments
 
 from p2ptrain import load_config
-from p2ptrain.integrations import join_swarm
+from p2ptrain.integrations import SwarmShards, join_swarm
 from p2ptrain.integrations.huggingface import SwarmTrainer
 
 
@@ -31,11 +31,11 @@ run = load_config(opts.run)
 model = small_gpt2(run.run.seed)
 with join_swarm(run, listen=opts.listen, join=opts.join) as node:  # (1) start this peer's node
     print(json.dumps({"address": str(node.addresses[0])}), flush=True)
+    data = ByteWindows()
     args = TrainingArguments(
         output_dir="hf-example-output",
         per_device_train_batch_size=opts.batch_size,
         max_steps=opts.max_steps,
-        data_seed=data_seed(str(node.addresses[0])),
         logging_steps=10,
         save_strategy="no",
         report_to=[],
@@ -44,10 +44,11 @@ with join_swarm(run, listen=opts.listen, join=opts.join) as node:  # (1) start t
     trainer = SwarmTrainer(  # (2) a Trainer that steps with the swarm
         model=model,
         args=args,
-        train_dataset=ByteWindows(),
+        train_dataset=data,
         swarm=node,
         run=run,
         wait_peers=opts.wait_peers,
+        shards=SwarmShards(node, len(data), shard_size=256, seed=run.run.seed),  # (3) disjoint data
         callbacks=[PrintSwarmSteps()],
     )
     trainer.train()

@@ -13,10 +13,10 @@ import json
 
 import lightning.pytorch as pl
 import torch
-from common import ByteWindows, data_seed, options, param_digest, small_gpt2
+from common import ByteWindows, options, param_digest, small_gpt2
 
 from p2ptrain import load_config
-from p2ptrain.integrations import join_swarm
+from p2ptrain.integrations import SwarmShards, join_swarm
 from p2ptrain.integrations.lightning import SwarmCallback
 
 
@@ -49,13 +49,11 @@ run = load_config(opts.run)
 module = LanguageModel(run.run.seed)
 with join_swarm(run, listen=opts.listen, join=opts.join) as node:  # (1) start this peer's node
     print(json.dumps({"address": str(node.addresses[0])}), flush=True)
-    generator = torch.Generator().manual_seed(data_seed(str(node.addresses[0])))
-    data = torch.utils.data.DataLoader(
-        ByteWindows(), batch_size=opts.batch_size, shuffle=True, generator=generator
-    )
-    swarm = SwarmCallback(
-        node, run, wait_peers=opts.wait_peers
-    )  # (2) a callback that makes the optimizer step with the swarm
+    windows = ByteWindows()
+    shards = SwarmShards(node, len(windows), shard_size=256, seed=run.run.seed)  # (3) disjoint data
+    data = torch.utils.data.DataLoader(windows, batch_size=opts.batch_size, sampler=shards.sampler())
+    # (2) a callback that makes the optimizer step with the swarm
+    swarm = SwarmCallback(node, run, wait_peers=opts.wait_peers, shards=shards)
     trainer = pl.Trainer(
         max_steps=opts.max_steps,
         accelerator="cpu",

@@ -31,6 +31,7 @@ from transformers import Trainer
 from ..config import RunConfig
 from ..node import BackgroundNode
 from ..tasks import default_samples
+from .shards import SwarmShards
 from .swarm import HeldLR, SwarmOptimizer
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,18 @@ class SwarmTrainer(Trainer):
     """``transformers.Trainer`` for one peer of a swarm: ``swarm`` is its node (see
     :func:`~p2ptrain.integrations.join_swarm`), ``run`` the swarm's run file, ``wait_peers`` how many
     peers (this one included) must train in the swarm before training starts (at most 10 minutes);
-    every other argument is the Trainer's. :attr:`swarm_optimizer` (once training started) says the
-    swarm's step and last round."""
+    ``shards`` (a :class:`~p2ptrain.integrations.shards.SwarmShards` of the training dataset) makes the
+    peers read disjoint data (give ``max_steps``: its sampler is endless); every other argument is the
+    Trainer's. :attr:`swarm_optimizer` (once training started) says the swarm's step and last round."""
 
     def __init__(
-        self, *args: Any, swarm: BackgroundNode, run: RunConfig, wait_peers: int = 1, **kwargs: Any
+        self,
+        *args: Any,
+        swarm: BackgroundNode,
+        run: RunConfig,
+        wait_peers: int = 1,
+        shards: SwarmShards | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         if self.args.world_size > 1:
@@ -62,6 +70,9 @@ class SwarmTrainer(Trainer):
         self.swarm_run = run
         self.swarm_optimizer: SwarmOptimizer | None = None
         self.wait_peers = wait_peers
+        self.shards = shards
+        if shards is not None and shards.trusted is None:  # fresh keys' claims do not starve this peer
+            shards.trusted = self._trusted
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)
@@ -84,6 +95,15 @@ class SwarmTrainer(Trainer):
             assert isinstance(held, torch.optim.Optimizer)
             self.lr_scheduler = HeldLR(held)  # type: ignore[assignment]
         return self.lr_scheduler
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        if self.shards is not None:
+            return self.shards.sampler()
+        return super()._get_train_sampler(*args, **kwargs)
+
+    def _trusted(self) -> Any:
+        opt = self.swarm_optimizer
+        return opt.swarm.optimizer.trusted() if opt is not None else None
 
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if self.swarm_optimizer is not None:  # the samples this batch adds to the next step

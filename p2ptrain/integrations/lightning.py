@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 from ..config import RunConfig
 from ..node import BackgroundNode
 from ..tasks import default_samples
+from .shards import SwarmShards
 from .swarm import SwarmOptimizer
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ __all__ = ["SwarmCallback"]
 class SwarmCallback(pl.Callback):
     """Train ``L.Trainer.fit`` as one peer of the swarm that ``node`` belongs to (``run``: its run file;
     ``wait_peers``: how many peers, this one included, must train in the swarm before training starts,
-    at most 10 minutes; ``samples``: the samples in a batch). :attr:`optimizer` (once ``fit`` started)
+    at most 10 minutes; ``samples``: the samples in a batch; ``shards``: the
+    :class:`~p2ptrain.integrations.shards.SwarmShards` whose sampler the training data loader uses,
+    so that only the claims of peers this one trusts count). :attr:`optimizer` (once ``fit`` started)
     says the swarm's step and last round."""
 
     def __init__(
@@ -49,12 +52,18 @@ class SwarmCallback(pl.Callback):
         *,
         wait_peers: int = 1,
         samples: Callable[[Any], int] = default_samples,
+        shards: SwarmShards | None = None,
     ) -> None:
         self.node = node
         self.run = run
         self.wait_peers = wait_peers
         self.samples = samples
         self.optimizer: SwarmOptimizer | None = None
+        if shards is not None and shards.trusted is None:  # fresh keys' claims do not starve this peer
+            shards.trusted = self._trusted
+
+    def _trusted(self) -> Any:
+        return self.optimizer.swarm.optimizer.trusted() if self.optimizer is not None else None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
