@@ -795,6 +795,13 @@ class Averager:
         except P2PError as e:
             log.warning("%s from %s: %s", BAD_MANIFEST, leader.peer.short(), e)
             return None, f"{BAD_MANIFEST}: {e}", False
+        quorum = looking.quorum
+        held = len(quorum.peers & set(signed.manifest.peers())) if quorum is not None else 0
+        if quorum is not None and held < quorum.size:  # its leader's word on the majority is not ours
+            self.decline(signed)
+            why = f"the group holds {held} of the {quorum.size} peers this one must average with"
+            log.info("declined the group of %s: %s", leader.peer.short(), why)
+            return None, why, False
         return signed, "", False
 
     async def _on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:

@@ -647,18 +647,28 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             assert self.view is not None
             if self.view.behind or self.view.peers <= 1 or not self._majority_here(self.view):
                 return  # step() catches up, steps alone, or waits for the peers one step behind
-            target = min(self.view.peers, cfg.max_group_size)
-            minimum = min(target, self.view.quorum)  # a majority: two groups cannot both form
+            target = min(self.view.peers + self.view.arriving, cfg.max_group_size)
+            # a majority: two groups cannot both form (all of those here, once waiting gave up)
+            minimum = min(self.view.peers, target, self.view.quorum)
             # Only members that publish progress count toward that majority: ids that only join groups
-            # would let two groups of one step both reach it (two lineages).
-            known = frozenset(r.peer for r in self.records) | {self.node.peer_id}
+            # would let two groups of one step both reach it (two lineages). In an open swarm, only the
+            # trusted among them (see ``trusted``): a fresh key that publishes records and joins first
+            # would otherwise make a group of two the "majority" of a joiner that trusts only its join
+            # peer, and start a lineage of its own with it. Members check it too (a leader may lie).
+            publishing = frozenset(r.peer for r in self.records) | {self.node.peer_id}
+            trusted = self.trusted()
+            if trusted is None:
+                quorum = Quorum(publishing, minimum)
+            else:
+                known = publishing & (trusted | {self.node.peer_id})
+                quorum = Quorum(known, min(minimum, self.view.vouched_here))
             manifest = await self.node.averager.form_group(
                 self.averaged.tensors,
                 timeout=cfg.timeout,
                 group_key=f"{self.config.training.mode}-{epoch}",
                 target_size=target,
                 min_size=minimum,
-                quorum=Quorum(known, minimum),
+                quorum=quorum,
             )
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)

@@ -99,6 +99,8 @@ class SwarmView:
     # step behind, computes all the same): what a user means by the swarm's throughput. Untrusted
     # records count for at most as much as this peer's and the trusted ones.
     swarm_rate: float = 0.0
+    arriving: int = 0  # peers one step behind: a group of ``epoch`` waits for them (its leader's deadline)
+    vouched_here: int = 1  # this peer and the trusted peers on ``epoch`` (their round landing included)
 
     @property
     def ready(self) -> bool:
@@ -231,6 +233,13 @@ def swarm_view(
     # they another, under the same step number (two lineages).
     sure_n = 1 + sum(vouches(o) for o in (*same, *landing, *lagging))
     quorum = (sure_n + min(peers + len(lagging) - sure_n, sure_n - 1)) // 2 + 1
+    # Peers one step behind are catching up (a download, a record not re-published yet): a group waits
+    # for them until its leader's deadline. One that lands the step as the group forms without it is
+    # behind again at once, and chases the swarm for good when steps are about as long as a record takes
+    # to travel and a download to land. (A joiner is trusted by nobody yet; ids that only publish such
+    # records cost what those on the step do: the leader's deadline.)
+    arriving = len(lagging)
+    vouched_here = 1 + sum(vouches(o) for o in (*same, *landing))
     if newest > mine.epoch:
         ahead = sum(o.record.epoch == newest for o in vouched)
         reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"
@@ -241,6 +250,8 @@ def swarm_view(
         newest=newest,
         peers=peers,
         quorum=quorum,
+        arriving=arriving,
+        vouched_here=vouched_here,
         others=len(others),
         samples=samples,
         rate=rate,

@@ -919,3 +919,14 @@ def test_peers_one_step_behind_count_toward_the_majority_a_group_needs() -> None
     assert view(rec(), *here, *far, trusted=None).quorum == 2
     landing = [peer(n, epoch=EPOCH - 1, landing=True) for n in range(3, 8)]
     assert view(rec(), *here, *landing, trusted=None).quorum == (8 // 2 + 1)  # already counted in peers
+
+
+def test_a_group_waits_for_the_peers_one_step_behind() -> None:
+    """A joiner that downloads a step's state lands it about when the swarm's group for that step forms:
+    the group now waits for peers one step behind (trusted or not: a joiner is trusted by nobody yet)
+    until its leader's deadline, not for those further behind or whose round is landing."""
+    here = [peer(1), peer(2)]
+    v = view(rec(), *here, peer(3, epoch=EPOCH - 1), peer(4, epoch=EPOCH - 1), trusted={pid(1), pid(2)})
+    assert (v.peers, v.arriving) == (3, 2)
+    far = view(rec(), *here, peer(3, epoch=EPOCH - 2), peer(4, epoch=EPOCH - 1, landing=True), trusted=None)
+    assert (far.peers, far.arriving) == (4, 0)
