@@ -54,7 +54,7 @@ async def test_a_dialer_that_ignores_the_price_is_refused(
 
 
 def test_a_node_finds_its_id_work_once_and_keeps_it_with_its_key(tmp_path) -> None:
-    from p2ptrain.train_cli import _id_work
+    from p2ptrain.node import id_work as _id_work
 
     me = Identity.from_seed(bytes([9]) * 32)
     nonce = _id_work(me, BITS, tmp_path)
