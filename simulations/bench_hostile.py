@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import signal
 import sys
 import tempfile
@@ -164,6 +165,42 @@ def assess(
     }
 
 
+COST_LINE = re.compile(
+    r"attack (?P<kind>[\w-]+) so far: (?P<keys>\d+) keys, (?P<stores>\d+) records stored "
+    r"\((?P<bytes>\d+) bytes sent\), (?P<connections>\d+) connections"
+)
+
+
+def attacker_costs(run: Path, adversaries: Sequence[int]) -> dict[str, int] | None:
+    """What the hostile peers spent, summed over them, from the last running count each logged (the
+    attacks through fresh keys log one: ``p2ptrain.testing.sybils``); None when none logged any."""
+    total = {"keys": 0, "stores": 0, "bytes": 0, "connections": 0}
+    found = False
+    for i in adversaries:
+        try:
+            text = (run / "nodes" / f"peer-{i}" / "node.log").read_text(errors="replace")
+        except OSError:
+            continue
+        matches = list(COST_LINE.finditer(text))
+        if matches:
+            last = matches[-1]
+            found = True
+            for k in total:
+                total[k] += int(last[k])
+    return total if found else None
+
+
+def cost_text(c: dict[str, int] | None) -> str:
+    if not c:
+        return "its own id"
+    parts = [f"{c['keys']} keys"] if c["keys"] else []
+    if c["stores"]:
+        parts.append(f"{c['stores']} records, {c['bytes'] / 1e6:.1f} MB")
+    if c["connections"]:
+        parts.append(f"{c['connections']} connections")
+    return ", ".join(parts) or "its own id"
+
+
 def _offender(o: dict[str, Any]) -> dict[str, Any]:
     return {k: o.get(k) for k in OFFENDER_KEYS} | {"examples": (o.get("examples") or [])[:2]}
 
@@ -196,6 +233,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
                 _yes(r.get("kept_training")),
                 f"{r.get('final_step', '-')} / {r.get('baseline_final_step', '-')}",
                 ", ".join(r.get("checks_failed") or []) or ("all pass" if r.get("scenario_passed") else "-"),
+                cost_text(r.get("attacker_cost")),
                 {True: "met", False: "NOT met", None: "-"}[r.get("met")],
             ]
         )
@@ -214,6 +252,7 @@ def format_table(report: dict[str, Any]) -> str:
         "kept training",
         "steps / no attack",
         "checks failed",
+        "attackers spent",
         "target",
     ]
     lines = [head, *table_rows(report)]
@@ -338,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.kinds if complete else ():
             r = _run(report, kind, variant(base, kind, duration), workdir / kind)
             summary = r.pop("summary")
-            report["results"].append(r | assess(kind, summary, baseline.get("summary")))
+            cost = {"attacker_cost": attacker_costs(workdir / kind, report["adversaries"])}
+            report["results"].append(r | assess(kind, summary, baseline.get("summary")) | cost)
             if r["status"] != "ok":
                 complete = False
                 break

@@ -576,6 +576,10 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
                 f"{_fmt(r.get('named'))}; honest peers kept training: {_fmt(r.get('kept_training'))}; "
                 f"global steps {r.get('final_step', '-')} (no attack: {r.get('baseline_final_step', '-')})"
             )
+            if "attacker_cost" in r:
+                from .bench_hostile import cost_text
+
+                metric += f"; attackers spent: {cost_text(r['attacker_cost'])}"
             named = "" if anonymous else ", offender named"
             out.append(
                 row(

@@ -17,8 +17,10 @@ from simulations.bench_hostile import (
     SCENARIOS,
     TOLERANCE,
     assess,
+    attacker_costs,
     command,
     compare,
+    cost_text,
     format_table,
     parse_kinds,
     reanalyse_one,
@@ -166,3 +168,29 @@ def test_the_suite_runs_the_benchmark_and_puts_a_row_per_attack_in_its_table(tmp
 def test_reanalysing_a_folder_without_a_run_says_so(tmp_path: Path) -> None:
     status, summary, seconds = reanalyse_one(tmp_path / "scale", "scale")
     assert status.startswith("no run in") and summary is None and seconds == 0.0
+
+
+def test_what_the_attackers_spent_is_read_from_their_last_running_count(tmp_path: Path) -> None:
+    """The issue asks the table to say what each attack cost the attacker (keys, connections, bytes):
+    the hostile peers log a running count; the last one of each is summed."""
+    for i, lines in (
+        (
+            6,
+            [
+                "5 keys, 10 records stored (2000 bytes sent), 0",
+                "8 keys, 40 records stored (9000 bytes sent), 3",
+            ],
+        ),
+        (7, ["8 keys, 32 records stored (6000 bytes sent), 600"]),
+    ):
+        folder = tmp_path / "nodes" / f"peer-{i}"
+        folder.mkdir(parents=True)
+        text = "".join(
+            f"12:00:0{k} WARNING p2ptrain.testing.sybils: attack dht-flood so far: {x} connections\n"
+            for k, x in enumerate(lines)
+        )
+        (folder / "node.log").write_text("other line\n" + text)
+    cost = attacker_costs(tmp_path, [6, 7])
+    assert cost == {"keys": 16, "stores": 72, "bytes": 15000, "connections": 603}
+    assert cost_text(cost) == "16 keys, 72 records, 0.0 MB, 603 connections"
+    assert attacker_costs(tmp_path, [3]) is None and cost_text(None) == "its own id"
