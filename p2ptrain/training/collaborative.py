@@ -163,6 +163,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._partners: set[PeerID] = set()
         self._lagging: tuple[int, float] | None = None  # (epoch, since when) peers here were no majority
         self._counting: dict[PeerID, ProgressRecord] = {}  # see refresh()
+        # (epoch, members): the others of the round that took this peer to that epoch (see ``progress``)
+        self._cohort: tuple[int, frozenset[PeerID]] = (-1, frozenset())
         self._seeded = False  # _partners took in the partners a checkpoint remembers (_may_step_alone)
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._started = 0.0
@@ -331,6 +333,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             horizon=2 * self.config.progress.interval,
             trusted=trusted,
             min_work=self.config.run.id_work,
+            cohort=self._cohort[1] if self._cohort[0] == self.epoch else (),
         )
         if trusted is not None:
             self._note_refused_claims(trusted)
@@ -839,6 +842,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         else:
             self.stats.last = {"epoch": self.epoch, "outcome": "alone", "samples": weight, "mine": weight}
         self.epoch += 1
+        others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
+        self._cohort = (self.epoch, others)
         self._state_changed()
 
     def _claim(self, samples: int) -> float:

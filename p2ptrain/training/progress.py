@@ -171,11 +171,14 @@ def swarm_view(
     horizon: float,
     trusted: Collection[PeerID] | None,
     min_work: int = 0,
+    cohort: Collection[PeerID] = (),
 ) -> SwarmView:
     """Decide from the live records (``others`` excludes this peer; stale ones already dropped).
     ``trusted``: the peers whose records may move this one to another state (None: every peer's, as in
     a private swarm whose members are all vouched for). ``min_work``: the bits of id work the run asks
-    for; a record of an id without them counts for nothing."""
+    for; a record of an id without them counts for nothing. ``cohort``: the peers whose round produced
+    this peer's state with it (it saw them commit the same bits): until their records say otherwise,
+    they hold its digest."""
     others = [
         o
         for o in others
@@ -212,7 +215,15 @@ def swarm_view(
     rate += min(math.fsum(o.record.rate for o in unsure), rate)
     swarm_rate = math.fsum([mine.rate, *(o.record.rate for o in vouched)])
     swarm_rate += min(math.fsum(o.record.rate for o in others if not vouches(o)), swarm_rate)
-    majority = majority_digest([mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)])
+    # Records lag behind rounds: right after a round committed, its members' records still show the
+    # step before, and a trusted peer's record of this step with another digest (one that stepped
+    # alone, or lied) would be the "majority" it ties with. The members of the round this peer
+    # committed hold its digest until a record of theirs on this step says otherwise.
+    said = {o.peer for o in vouched if o.record.epoch == mine.epoch}
+    held = sum(1 for p in set(cohort) if p != me and p not in said and (trusted is None or p in trusted))
+    majority = majority_digest(
+        [mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)] + [mine] * held
+    )
     at_newest = [o for o in (*others, *leaving) if o.record.epoch == newest]
     best = vouched_digest(
         [*vouched, *leaving], newest, None

@@ -94,6 +94,7 @@ class SwarmState:
     _sync_retry_at: float
     _epoch_began: float
     _local_idle: trio.Event
+    _cohort: tuple[int, frozenset[PeerID]]
 
     def _counting_from(self, when: float | None = None) -> None:
         """``self.samples`` counts what was computed from ``when`` on (default: now): the start of the
@@ -303,6 +304,7 @@ class SwarmState:
                 self.release_outer()
             samples, counting_since = self.samples, self._epoch_began
             self.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+            self._cohort = (-1, frozenset())  # a download: no round of ours vouches for this state
         except P2PError as e:
             log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
             self._sync_retry_at = self.clock() + RETRY_SYNC

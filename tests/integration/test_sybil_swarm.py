@@ -12,6 +12,7 @@ peer, and its records of ids that never average made a group impossible (no step
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from test_training import check_identical_per_epoch, run_config, swarm
@@ -113,3 +114,32 @@ async def test_a_peer_whose_round_is_landing_is_capped_by_what_it_said_before(au
         opt.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, handed)]
         assert opt._weight_cap(other) == pytest.approx(said)
         assert said is not None and said > 2 * 80.0 * 0.5  # (the rate over the half second it counted)
+
+
+async def test_a_partner_that_leads_first_and_steps_apart_moves_no_honest_peer(
+    autojump_clock: object,
+) -> None:
+    """A key trains like anyone and averages with the honest peers (a trusted partner from then on). It
+    then leads every step's group first (a shorter deadline), forming it with the first peer that joins:
+    that member declines (the group lacks the majority of the peers it trusts), the key steps alone and
+    publishes the step with its own state's digest. The honest peers' own round of the step had just
+    committed, their records still showed the step before, so each saw its own digest tie with the
+    key's and downloaded the key's state (all three, in 6 of 6 hash seeds). The members of the round a
+    peer committed now hold its digest until their records say otherwise."""
+    async with swarm(run_config("sync")) as s:
+        first = await s.start(compute=0.1)
+        attacker = await s.start(compute=0.1)
+        averager = attacker.node.averager
+        averager.config = dataclasses.replace(averager.config, matchmaking_time=0.3)
+        real = averager.form_group
+
+        async def form_at_once(tensors: Any, **kw: Any) -> Any:
+            return await real(tensors, **{**kw, "target_size": 2, "min_size": 2, "quorum": None})
+
+        averager.form_group = form_at_once  # type: ignore[method-assign]
+        honest = [first, *[await s.start(compute=0.1) for _ in range(2)]]
+        await s.until(lambda: all(p.opt.epoch >= 6 for p in honest), timeout=300)
+        trusts = [p.opt.trusted() for p in honest]  # an open swarm: the key is a partner of every one
+        assert all(t is not None and attacker.node.peer_id in t for t in trusts)
+        check_identical_per_epoch(honest)
+        assert all(p.opt.stats.syncs == 0 for p in honest), [p.opt.stats.syncs for p in honest]

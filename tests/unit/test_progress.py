@@ -67,9 +67,18 @@ def view(
     horizon: float = HORIZON,
     trusted: set[PeerID] | None = None,
     min_work: int = 0,
+    cohort: tuple[PeerID, ...] = (),
 ) -> SwarmView:
     return swarm_view(
-        me, mine, others, now=now, target=target, horizon=horizon, trusted=trusted, min_work=min_work
+        me,
+        mine,
+        others,
+        now=now,
+        target=target,
+        horizon=horizon,
+        trusted=trusted,
+        min_work=min_work,
+        cohort=cohort,
     )
 
 
@@ -845,6 +854,25 @@ def test_one_trusted_liar_is_outvoted_by_the_other_trusted() -> None:
     assert not view(rec(digest=A), liar, honest, trusted={pid(1), pid(2)}).behind
     # the only trusted peer decides: the one the user named, or the only one this peer trained with
     assert view(rec(digest=A), liar, honest, trusted={pid(1)}).behind
+
+
+def test_the_members_of_the_round_just_committed_outvote_a_trusted_peer_that_stepped_apart() -> None:
+    """Three peers commit step 5 together (digest B); their records still show step 4. A trusted partner
+    that stepped alone (or lied) publishes step 5 with the smaller digest A. Counting records alone, it
+    tied with this peer and won the tie: every honest peer downloaded its state. The members of the
+    round this peer committed hold its digest until a record of theirs on the step says otherwise."""
+    lagging = [peer(n, epoch=EPOCH - 1, digest=C, addr=ADDR) for n in (1, 2)]
+    apart = peer(3, digest=A, addr=ADDR)
+    trusted = {pid(1), pid(2), pid(3)}
+    assert view(rec(digest=B), *lagging, apart, trusted=trusted).diverged(B)  # (without the cohort)
+    v = view(rec(digest=B), *lagging, apart, trusted=trusted, cohort=(pid(1), pid(2)))
+    assert v.majority == B and not v.diverged(B)
+    # a member's own record of the step speaks for it (it may have moved to another state since) ...
+    moved = [peer(n, digest=A, addr=ADDR) for n in (1, 2)]
+    assert view(rec(digest=B), *moved, apart, trusted=trusted, cohort=(pid(1), pid(2))).diverged(B)
+    # ... and an untrusted member vouches for nothing (in a private swarm, trusted=None, everyone counts)
+    assert view(rec(digest=B), *lagging, apart, trusted={pid(3)}, cohort=(pid(1), pid(2))).diverged(B)
+    assert not view(rec(digest=B), *lagging, apart, cohort=(pid(1), pid(2))).diverged(B)
 
 
 def test_a_trusted_majority_that_moved_on_is_followed() -> None:
