@@ -614,7 +614,7 @@ def _node_flags(s: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         metavar="PORT",
-        help="serve Prometheus /metrics and /healthz over HTTP here",
+        help="serve the live swarm page (/), Prometheus /metrics and /healthz over HTTP here",
     )
     s.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
     s.add_argument(

@@ -39,13 +39,13 @@ from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, HandshakeRefused, P2PError
 from .identity import Identity, PeerID
 from .idwork import find_work, work_bits
-from .metrics import serve_http
 from .net.address import PeerAddress
 from .net.connection import Connection
 from .net.handshake import MAX_RUN_ID, PROTOCOL_VERSION
 from .net.host import Host, HostConfig
 from .net.rpc import CallContext, Method, Reply, RpcRegistry
 from .net.transport import TcpTransport, Transport
+from .web import serve_http
 from .wire.schema import Message, bounded
 
 log = logging.getLogger(__name__)

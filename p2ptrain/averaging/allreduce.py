@@ -107,6 +107,7 @@ class RoundResult:
     total_weight: float
     group_size: int
     reduced: int = 0  # elements of the flat vector this member reduced (its share, from its bandwidth)
+    shares: dict[PeerID, int] = field(default_factory=dict)  # every member's share (the manifest's)
     excluded: dict[PeerID, str] = field(default_factory=dict)  # members left out, and why
     round_seconds: float = 0.0  # from the manifest to holding the average
     matchmaking_seconds: float = 0.0  # finding the group (0 when the caller brought the manifest)
@@ -853,6 +854,7 @@ class AllReduceRound:
             total_weight=math.fsum(decision.weights),
             group_size=self.n,
             reduced=self.sizes[self.me],
+            shares=dict(zip(self.peers, self.sizes, strict=True)),
             excluded={self.peers[i]: why for i, why in excluded_reasons(decision, self.n, names).items()},
             round_seconds=trio.current_time() - self.start,
             phases=self.phases,

@@ -837,6 +837,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 "mine": weight if mine else 0,  # this peer's samples in the average
                 "seconds": round(result.round_seconds, 3),
                 "reduced": result.reduced,  # elements of the average this peer reduced (its share)
+                "shares": {p.short(): n for p, n in result.shares.items()},  # every member's
                 "excluded": {p.short(): why for p, why in result.excluded.items()},
             }
         else:

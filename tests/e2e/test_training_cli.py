@@ -9,6 +9,8 @@ the report folder holds per-peer metrics, a PNG plot and a summary that say so.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from p2ptrain.identity import Identity
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 CLI = [sys.executable, "-m", "p2ptrain"]
+BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium")  # .ci/run installs it
 
 # A small model and batch, so that the test spends its time on the protocol, not on arithmetic.
 SMALL_RUN = """
@@ -264,6 +267,24 @@ def test_a_training_node_reports_status_metrics_and_health_then_drains_on_sigter
                 assert r.status == 200
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 assert b"p2ptrain_global_step " in r.read()
+            if BROWSER is not None:  # the live page, rendered by a real browser from the node's own status
+                url = f"http://127.0.0.1:{port}/"
+                page = subprocess.run(
+                    [
+                        BROWSER,
+                        "--no-sandbox",
+                        "--disable-gpu",
+                        "--virtual-time-budget=3000",
+                        "--dump-dom",
+                        url,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=90,
+                )
+                step = re.search(r'<b id="step">(\d+)</b>', page.stdout)
+                assert step is not None and int(step.group(1)) >= 2, page.stdout[-2000:]
+                assert 'data-name="training loss"' in page.stdout
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=90) == 0
         finally:

@@ -1,4 +1,4 @@
-"""Prometheus text rendering of a node's status (pure)."""
+"""Prometheus text rendering of a node's status (pure, through ``prometheus_client``)."""
 
 from __future__ import annotations
 
@@ -48,15 +48,20 @@ def test_every_line_is_valid_exposition_format_and_values_are_right() -> None:
     assert text.endswith("\n")
     for line in text.splitlines():
         assert LINE.match(line), line
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    assert values["p2ptrain_up"] == "1"
-    assert values["p2ptrain_uptime_seconds"] == "60.5"
-    assert values["p2ptrain_peers_known"] == "3"
-    assert values["p2ptrain_global_step"] == "12"
-    assert values['p2ptrain_rounds_total{outcome="aborted"}'] == "2"
-    assert values['p2ptrain_connection_bytes{peer="ABCDEFGHIJKL",direction="sent"}'] == "10"
-    assert values["p2ptrain_last_round_excluded"] == "1"
-    assert values["p2ptrain_state_sync_total_bytes"] == "10"
+    values = {
+        k: float(v)
+        for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    }
+    assert values["p2ptrain_up"] == 1
+    assert values["p2ptrain_uptime_seconds"] == 60.5
+    assert values["p2ptrain_peers_known"] == 3
+    assert values["p2ptrain_global_step"] == 12
+    assert values["p2ptrain_samples_total"] == 640
+    assert values['p2ptrain_rounds_total{outcome="aborted"}'] == 2
+    assert values['p2ptrain_connection_bytes{direction="sent",peer="ABCDEFGHIJKL"}'] == 10
+    assert values["p2ptrain_last_round_excluded"] == 1
+    assert values["p2ptrain_state_sync_total_bytes"] == 10
+    assert "# TYPE p2ptrain_samples_total counter" in text and "# TYPE p2ptrain_loss gauge" in text
     # Values that are unknown or not finite are left out rather than written as garbage.
     assert "p2ptrain_validation_loss" not in text and "p2ptrain_swarm_samples_per_second" not in text
     # Label values are escaped.
