@@ -895,7 +895,7 @@ class AllReduceRound:
         if not (math.isfinite(req.weight) and req.weight > 0):
             return Ack(False, "the weight must be positive and finite")
         cap = self.caps.get(sender)
-        why = self.origins.refusal(sender, ctx.remote_host, ctx.relayed)
+        why = self.origins.refusal(sender, ctx.remote_host, ctx.relayed, ctx.seen_at)
         if cap is not None and req.weight > WEIGHT_SLACK * cap:
             why = f"weight {req.weight:g} is over {WEIGHT_SLACK:g} x the {cap:g} its records make plausible"
         if why:

@@ -127,18 +127,23 @@ class SeenOrigins:
     hostile leader could give each of its fresh keys one of its own. Each of them must send its slices
     to the reducers, though, and a reducer sees where the connection comes from. So a reducer takes the
     slices of one subnet (as it sees it: /24, /64) from one origin only; a sender of another origin from
-    that subnet is refused, as an over-weighted slice is (the round's decision leaves it out). Relayed
-    calls come from the relay's address and say nothing of the sender's subnet. A plain mean does not
-    count origins, and is not checked."""
+    that subnet is refused, as an over-weighted slice is (the round's decision leaves it out). A relayed
+    call comes from the relay's address: it counts from where the relay said the sender dialed it, if
+    this reducer chose that relay (a circuit into a reservation of its own); a circuit it dialed itself
+    says nothing of the sender's subnet, and is not checked. A plain mean does not count origins, and
+    is not checked."""
 
     def __init__(self, m: Manifest) -> None:
         self.robust = m.aggregation != "mean"
         self.of = list(m.origins) if m.origins else list(range(len(m.members)))
         self.by_subnet: dict[str, int] = {}
 
-    def refusal(self, sender: int, host: str, relayed: bool) -> str:
-        """Why ``sender``'s slice, on a call from ``host``, is refused ("" when it is not)."""
-        if not self.robust or relayed or not host:
+    def refusal(self, sender: int, host: str, relayed: bool, seen_at: str = "") -> str:
+        """Why ``sender``'s slice, on a call from ``host`` (relayed: where this reducer's relay saw the
+        sender, ``seen_at``), is refused ("" when it is not)."""
+        if relayed:
+            host = seen_at
+        if not self.robust or not host:
             return ""
         subnet = subnet_of(host)
         first = self.by_subnet.setdefault(subnet, self.of[sender])

@@ -500,7 +500,9 @@ class Connection:
         except RemoteProtocolError as e:
             await self._reply_error(req.id, "bad_request", str(e))
             return
-        ctx = CallContext(self.peer, self.remote_host, req.method, body, inc.scope.deadline, self.relayed)
+        ctx = CallContext(
+            self.peer, self.remote_host, req.method, body, inc.scope.deadline, self.relayed, self.relayed_from
+        )
         try:
             if req.streaming:
                 assert inc.stream is not None

@@ -68,6 +68,9 @@ class CallContext:
     body: memoryview
     deadline: float
     relayed: bool = False  # the call came through a relay: ``remote_host`` is the relay's address
+    # A call on a circuit that came in through a relay this node holds a reservation with (one it
+    # chose): where that relay said the caller dialed from. "" when not relayed, or not known.
+    seen_at: str = ""
 
 
 UnaryHandler = Callable[[CallContext, Any], Awaitable[Any]]

@@ -16,7 +16,7 @@ import pytest
 from p2ptrain.averaging.bandwidth import MAX_SPREAD, partition_bandwidths
 from p2ptrain.averaging.partition import partition_sizes
 from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
-from p2ptrain.averaging.rules import RoundRules, check_manifest
+from p2ptrain.averaging.rules import RoundRules, SeenOrigins, check_manifest
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity
 
@@ -168,3 +168,19 @@ def test_origins_may_not_split_members_of_one_subnet(origins: tuple[int, ...]) -
 def test_origins_out_of_canonical_form_are_refused(origins: tuple[int, ...]) -> None:
     with pytest.raises(RemoteProtocolError, match="origins"):
         dataclasses.replace(honest(), origins=origins).check()
+
+
+def test_a_relayed_sender_counts_from_where_the_reducers_own_relay_saw_it() -> None:
+    """A hostile leader's client-only keys called a reducer that sits behind a NAT through its relay:
+    every call came from the relay's address and went unchecked, so each key could be an origin of its
+    own. A relay this reducer holds a reservation with says where the dialer came from: the second key
+    of that subnet under another origin is refused, as on a direct call."""
+    seen = SeenOrigins(honest())  # trimmed_mean, each member its own origin
+    relay = "198.18.200.1"
+    assert seen.refusal(2, relay, True, "198.19.7.10") == ""
+    assert "198.19.7.0/24" in seen.refusal(3, relay, True, "198.19.7.11")
+    assert seen.refusal(1, relay, True, "198.19.8.1") == ""  # another subnet behind the same relay
+    assert seen.refusal(0, relay, True, "") == ""  # a circuit this reducer dialed: unknown, unchecked
+    assert "198.19.8.0/24" in seen.refusal(0, "198.19.8.200", False)  # a direct call from that subnet
+    plain = SeenOrigins(dataclasses.replace(honest(), aggregation="mean"))
+    assert plain.refusal(2, relay, True, "198.19.7.10") == plain.refusal(3, relay, True, "198.19.7.11") == ""
