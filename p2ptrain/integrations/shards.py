@@ -29,9 +29,10 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 import trio
@@ -39,10 +40,23 @@ import trio
 from ..dht.records import Entry, owned_subkey, subkey_owner
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
-from ..node import BackgroundNode
+from ..node import Node
 from ..wire.codec import pack, unpack
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class NodeHandle(Protocol):
+    """A running node and a way to run its async functions from the thread that reads the data: a
+    :class:`~p2ptrain.BackgroundNode`, or (inside ``p2ptrain node``) see :mod:`p2ptrain.integrations.data`."""
+
+    @property
+    def node(self) -> Node: ...
+
+    def call(self, fn: Callable[[], Awaitable[T]]) -> T: ...
+
 
 CLAIM_TTL = 600.0  # seconds a claim lives without renewal
 RENEW = CLAIM_TTL / 4  # a claim older than this is published again
@@ -76,7 +90,7 @@ class SwarmShards:
 
     def __init__(
         self,
-        node: BackgroundNode,
+        node: NodeHandle,
         size: int,
         *,
         shard_size: int = 1024,

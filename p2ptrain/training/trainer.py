@@ -39,6 +39,7 @@ from ..node import Node
 from ..tasks import Task
 from . import checkpoint
 from .collaborative import CollaborativeOptimizer
+from .data_swarm import reading_for
 from .trackers import Tracker, open_tracker, scalars
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ class Trainer:
                     log.info("waiting for %d peers to start together", self.options.wait_peers)
                     seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
                     log.info("%d peer(s) in the run: starting", seen)
-                await self._loop(batches)
+                with reading_for(self.node, self.options.data_dir, self.opt.trusted):
+                    await self._loop(batches)
                 await self._drain()
                 await self.opt.leave()
             finally:  # no await here: this runs even when cancelled
@@ -193,7 +195,9 @@ class Trainer:
         )
         local = self.options.local
         while not self._done():
-            batch = next(batches)
+            # in a thread: a slow dataset (or one whose shards are claimed in the DHT, see
+            # ``integrations.data``) does not hold up the node's event loop meanwhile
+            batch = await trio.to_thread.run_sync(next, batches)
             began = time.perf_counter()
             if local is None:
                 samples = self.task.samples(batch)
