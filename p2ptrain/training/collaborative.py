@@ -334,6 +334,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             trusted=trusted,
             min_work=self.config.run.id_work,
             cohort=self._cohort[1] if self._cohort[0] == self.epoch else (),
+            met=None if trusted is None else frozenset(self.node.host.connected_peers()),
         )
         if trusted is not None:
             self._note_refused_claims(trusted)

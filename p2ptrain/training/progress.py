@@ -172,13 +172,16 @@ def swarm_view(
     trusted: Collection[PeerID] | None,
     min_work: int = 0,
     cohort: Collection[PeerID] = (),
+    met: Collection[PeerID] | None = None,
 ) -> SwarmView:
     """Decide from the live records (``others`` excludes this peer; stale ones already dropped).
     ``trusted``: the peers whose records may move this one to another state (None: every peer's, as in
     a private swarm whose members are all vouched for). ``min_work``: the bits of id work the run asks
     for; a record of an id without them counts for nothing. ``cohort``: the peers whose round produced
     this peer's state with it (it saw them commit the same bits): until their records say otherwise,
-    they hold its digest."""
+    they hold its digest. ``met``: the peers connected to this one (None: everyone); records of
+    untrusted ids count toward the majority a group needs only if their peers passed a handshake
+    with this one (see below)."""
     others = [
         o
         for o in others
@@ -242,8 +245,15 @@ def swarm_view(
     # toward the majority too: they are about to arrive (a round that committed without them, a record
     # not yet re-published), and a group of the few already here would commit the step before them, and
     # they another, under the same step number (two lineages).
+    # Untrusted records count only where their ids are connected to this peer (each passed a handshake,
+    # and paid the run's id work): records a host writes under fresh keys that never dial anyone made
+    # the majority all of the trusted peers, and a trusted peer that never joins (an attacker's node the
+    # swarm's first peer trusts as connected) then kept every group from forming.
     sure_n = 1 + sum(vouches(o) for o in (*same, *landing, *lagging))
-    quorum = (sure_n + min(peers + len(lagging) - sure_n, sure_n - 1)) // 2 + 1
+    unsure_n = sum(
+        1 for o in (*same, *landing, *lagging) if not vouches(o) and (met is None or o.peer in met)
+    )
+    quorum = (sure_n + min(unsure_n, sure_n - 1)) // 2 + 1
     # Peers one step behind are catching up (a download, a record not re-published yet): a group waits
     # for them until its leader's deadline. One that lands the step as the group forms without it is
     # behind again at once, and chases the swarm for good when steps are about as long as a record takes

@@ -68,6 +68,7 @@ def view(
     trusted: set[PeerID] | None = None,
     min_work: int = 0,
     cohort: tuple[PeerID, ...] = (),
+    met: set[PeerID] | None = None,
 ) -> SwarmView:
     return swarm_view(
         me,
@@ -79,6 +80,7 @@ def view(
         trusted=trusted,
         min_work=min_work,
         cohort=cohort,
+        met=met,
     )
 
 
@@ -930,6 +932,21 @@ def test_fresh_keys_that_never_average_cannot_raise_the_quorum_past_the_trusted(
     idle.append(peer(9))
     assert view(rec(), *many, *idle, trusted={pid(1), pid(2), pid(3)}).quorum == 4  # of 4 vouched + 3 of 4
     assert view(rec(), *many, *idle, trusted=None).quorum == 5  # a private swarm: a majority of all 8
+
+
+def test_records_of_ids_never_connected_do_not_raise_the_quorum() -> None:
+    """The 8-peer sybil-majority run: the swarm's first peer trusted the 7 peers connected to it, two of
+    them an attacker's nodes that never join a group, and 16 fresh keys wrote records of its step. They
+    raised the majority a group needs to all 8 trusted peers: the 6 honest ones never formed a group
+    (no step in 150 s). Records of ids that never connected to this peer now count for nothing there."""
+    trusted = {pid(n) for n in range(1, 8)}
+    sybils = [peer(n) for n in range(10, 26)]
+    v = view(rec(), *[peer(n) for n in range(1, 8)], *sybils, trusted=trusted, met=trusted)
+    assert v.quorum == 8 // 2 + 1 and v.vouched_here == 8
+    assert view(rec(), *[peer(n) for n in range(1, 8)], *sybils, trusted=trusted).quorum == 8  # before
+    # an untrusted peer that did connect (an honest joiner) still counts
+    joiner = view(rec(), peer(1), peer(10), trusted={pid(1)}, met={pid(1), pid(10)})
+    assert joiner.quorum == (2 + 1) // 2 + 1
 
 
 def test_peers_one_step_behind_count_toward_the_majority_a_group_needs() -> None:
