@@ -565,8 +565,14 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
         if base.get("status") != "ok":
             why = f"no-attack run: {base.get('status', 'not run')}"
             out.append(not_run(bench, d.get("command", cmd), why))
-        quick = " --quick" if d.get("quick") else ""
+        # A later rerun of some attacks (on code changed after the full run) speaks for them.
+        after = _load(results, f"hostile-{peers}-after.json") if peers == 8 else None
+        redone = {r["kind"]: r for r in (after or {}).get("results", [])}
         for r in d.get("results", []):
+            again = r["kind"] in redone
+            src = after if again and after is not None else d
+            r = redone.get(r["kind"], r)
+            quick = " --quick" if src.get("quick") else ""
             c = r.get("comparison") or {}
             rel = c.get("relative")
             step = f"step {c['step']}" if c.get("step") is not None else "no step"
@@ -580,6 +586,8 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
                 from .bench_hostile import cost_text
 
                 metric += f"; attackers spent: {cost_text(r['attacker_cost'])}"
+            if again:
+                metric = f"rerun on later code ({src.get('command', '')}): {metric}"
             named = "" if anonymous else ", offender named"
             out.append(
                 row(
@@ -587,7 +595,7 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
                     metric if r.get("status") == "ok" else f"{r['kind']}: {r.get('status')}",
                     "-" if rel is None else f"{100 * rel:+.1f}%",
                     None,
-                    f"<= +{100 * d.get('tolerance', 0.05):g}%{named}, kept training",
+                    f"<= +{100 * src.get('tolerance', 0.05):g}%{named}, kept training",
                     r.get("met"),
                     f"{cmd} --kinds {r['kind']}{quick}",
                 )
