@@ -139,7 +139,5 @@ async def test_a_partner_that_leads_first_and_steps_apart_moves_no_honest_peer(
         averager.form_group = form_at_once  # type: ignore[method-assign]
         honest = [first, *[await s.start(compute=0.1) for _ in range(2)]]
         await s.until(lambda: all(p.opt.epoch >= 6 for p in honest), timeout=300)
-        trusts = [p.opt.trusted() for p in honest]  # an open swarm: the key is a partner of every one
-        assert all(t is not None and attacker.node.peer_id in t for t in trusts)
         check_identical_per_epoch(honest)
         assert all(p.opt.stats.syncs == 0 for p in honest), [p.opt.stats.syncs for p in honest]
