@@ -91,8 +91,9 @@ class WebApp:
         if path == "/api/status":
             from ..node import public_status  # (the node imports this module)
 
+            # (the public form is JSON already: NaN and infinities read back as None)
             shown = json.loads(public_status(dict(current)), parse_constant=lambda _: None)
-            body = json.dumps({"status": finite(shown), "history": self.history.json()})
+            body = json.dumps({"status": shown, "history": self.history.json()})
             return 200, body.encode(), "application/json"
         return 404, b"try /, /metrics, /healthz or /api/status\n", "text/plain"
 
