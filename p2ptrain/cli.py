@@ -147,11 +147,18 @@ def _node_identity(args: argparse.Namespace) -> Identity:
     return identity
 
 
+_CLAIMED: set[Path] = set()  # data directories this command holds, for the life of the process
+
+
 def _claim_data_dir(data_dir: Path) -> None:
-    """Create the node's data directory and hold it (see ``node.lock_data_dir``)."""
+    """Create the node's data directory and hold it (see ``node.lock_data_dir``) until the process ends
+    (the identity and the node's configuration both ask for it: the first claims it)."""
+    if data_dir.resolve() in _CLAIMED:
+        return
     try:
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock_data_dir(data_dir)
+        _CLAIMED.add(data_dir.resolve())
     except OSError as e:  # a file in the way, no such parent, no permission
         raise UsageError(f"--data-dir {data_dir}: cannot use it as a folder: {e.strerror or e}") from None
     except ConfigError as e:

@@ -112,31 +112,37 @@ def default_data_dir() -> Path:
     return Path(base) / "p2ptrain"
 
 
-_LOCKED: dict[Path, int] = {}  # data directories this process holds (their lock files' descriptors)
-
-
-def lock_data_dir(path: Path) -> None:
-    """Hold ``path`` (an existing folder) for this process's lifetime, or raise ConfigError if another
-    process holds it: two nodes in one data directory share one identity (so each refuses to dial the
-    other) and write into one checkpoints folder. The lock (``flock`` on ``path/lock``) goes when the
-    process does, however it ends; the file keeps the holder's pid for the message."""
+def lock_data_dir(path: Path) -> Callable[[], None]:
+    """Hold ``path`` (an existing folder) and return the function that lets it go, or raise ConfigError
+    if another node holds it, in this process or another: two nodes in one data directory share one
+    identity (so each refuses to dial the other) and write into one checkpoints folder. The lock
+    (``flock`` on ``path/lock``, which is per open file, so a second claim from this process fails too)
+    goes when the release is called or the process ends, however it ends; the file keeps the holder's
+    pid for the message."""
     path = path.resolve()
-    if path in _LOCKED:
-        return
     fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
+        mine = holder == str(os.getpid())
         raise ConfigError(
-            f"data directory {path} is in use by another node on this machine"
-            f"{f' (pid {holder})' if holder.isdigit() else ''}: give each node its own --data-dir"
-            " (and its own --listen port)"
+            f"data directory {path} is in use by another node "
+            f"{'in this process' if mine else 'on this machine'}"
+            f"{f' (pid {holder})' if holder.isdigit() and not mine else ''}: give each node its own"
+            f" {'data_dir' if mine else '--data-dir'}{'' if mine else ' (and its own --listen port)'}"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _LOCKED[path] = fd
+
+    def release() -> None:
+        nonlocal fd
+        if fd >= 0:
+            os.close(fd)  # (closing the only descriptor of the open file drops its flock)
+            fd = -1
+
+    return release
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -602,6 +608,7 @@ class BackgroundNode:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._at_close: list[Callable[[], Awaitable[object]]] = []
+        self._after_close: list[Callable[[], object]] = []
         self._thread = threading.Thread(
             target=self._main, name=f"p2ptrain-{identity.peer_id.short()}", daemon=True
         )
@@ -646,6 +653,10 @@ class BackgroundNode:
         swarm that this peer leaves); an error there is logged and the node stops all the same."""
         self._at_close.append(fn)
 
+    def after_close(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the node's thread has ended (by :meth:`close`, or a start that failed)."""
+        self._after_close.append(fn)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the node (peers are told) and wait for its thread."""
         while self._at_close and self._token is not None and self._thread.is_alive():
@@ -658,6 +669,13 @@ class BackgroundNode:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(timeout)
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._thread.is_alive():
+            return  # (still stopping: what waits for its end runs when the thread ends)
+        while self._after_close:
+            self._after_close.pop()()
 
     def __enter__(self) -> BackgroundNode:
         return self.start()

@@ -44,14 +44,31 @@ def join_swarm(
     """Start a node of ``run`` in a thread of its own and return it once it listens (stop it with
     ``close()``, or use it as a context manager). ``listen``: ``HOST:PORT`` (port 0: any free one);
     ``join``: addresses of peers already in the swarm (as ``p2ptrain node`` prints them); ``data_dir``:
-    where the node keeps its identity and remembered peers (held for the node's life: one node per
-    folder); without one, a fresh identity each time."""
-    identity = Identity.generate()
-    peer_cache = folder = None
+    where the node keeps its identity and remembered peers (held until the node is closed: one node
+    per folder); without one, a fresh identity each time."""
+    folder = None
+    release: Callable[[], None] = lambda: None  # noqa: E731
     if data_dir is not None:
         folder = Path(data_dir)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock_data_dir(folder)
+        release = lock_data_dir(folder)
+    try:
+        return _start(run, folder, listen, join, timeout, release)
+    except BaseException:
+        release()  # (a node that did not start holds nothing)
+        raise
+
+
+def _start(
+    run: RunConfig,
+    folder: Path | None,
+    listen: str,
+    join: Sequence[str],
+    timeout: float,
+    release: Callable[[], None],
+) -> BackgroundNode:
+    identity, peer_cache = Identity.generate(), None
+    if folder is not None:
         key = folder / "identity.key"
         if key.exists():
             identity = load_identity(key)
@@ -70,7 +87,13 @@ def join_swarm(
         config = dataclasses.replace(
             config, host=dataclasses.replace(config.host, id_work=run.run.id_work, work=work)
         )
-    return BackgroundNode(identity, config).start(timeout)
+    node = BackgroundNode(identity, config)
+    node.after_close(release)  # the folder is free again once the node has stopped
+    try:
+        return node.start(timeout)
+    except BaseException:
+        node.close()
+        raise
 
 
 class SwarmOptimizer(torch.optim.Optimizer):

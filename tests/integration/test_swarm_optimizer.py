@@ -42,3 +42,18 @@ def test_the_facade_is_the_wrapped_optimizer_to_a_loop_and_needs_a_sample_count(
         assert opt.swarm.optimizer.samples == 3
         held.step()
         assert opt.param_groups[0]["lr"] == 0.01
+
+
+def test_a_data_dir_holds_one_node_at_a_time_and_is_free_once_it_closes(tmp_path) -> None:
+    """Two nodes of one process in one folder would share its identity (each refusing to dial the
+    other): the second is refused with the reason; once the first is closed, the folder (and with it
+    the same identity) serves the next node."""
+    from p2ptrain.config import ConfigError
+
+    run = run_config()
+    with join_swarm(run, listen="127.0.0.1:0", data_dir=tmp_path) as first:
+        who = first.node.identity.peer_id
+        with pytest.raises(ConfigError, match="in use by another node in this process"):
+            join_swarm(run, listen="127.0.0.1:0", data_dir=tmp_path)
+    with join_swarm(run, listen="127.0.0.1:0", data_dir=tmp_path) as again:
+        assert again.node.identity.peer_id == who
