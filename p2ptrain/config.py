@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .averaging.compression import parse_compression
+from .averaging.protocol import sparse_problem
 from .averaging.robust import parse_aggregation
 from .errors import ConfigError
 from .idwork import MAX_WORK_BITS
@@ -96,7 +97,7 @@ class DilocoSection:
 class AveragingSection:
     timeout: float = 30.0  # seconds one averaging round may take
     matchmaking_time: float = 3.0  # seconds a leader gathers a group
-    compression: str = "none"  # none, fp16, bf16, int8
+    compression: str = "none"  # none, fp16, bf16, int8; diloco also topk0.5-q2 .. topk3-q4 (see README)
     bandwidth: float = 0.0  # this host's MB/s, sets its share of the reduction; 0: measured in its rounds
     max_group_size: int = 64
     aggregation: str = "mean"  # mean, or robust to hostile peers: trimmed_mean, centered_clip
@@ -175,6 +176,17 @@ class RunConfig:
     statesync: StateSyncSection = field(default_factory=StateSyncSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self) -> None:
+        mode = parse_compression(self.averaging.compression)
+        if mode.sparse and self.training.mode != "diloco":
+            raise ConfigError(
+                f"averaging.compression = {mode.value!r} needs training.mode = 'diloco' (whose error"
+                " feedback keeps what top-k leaves out); use a dense compression for 'sync'"
+            )
+        problem = sparse_problem(mode, self.averaging.aggregation, self.averaging.audit)
+        if problem:
+            raise ConfigError(f"averaging: {problem}")
 
     def replace(self, section: str, **changes: Any) -> RunConfig:
         """A copy with some keys of one section changed (validated like the file's)."""

@@ -267,6 +267,7 @@ class AllReduceRound:
             self.mode,
             buffer,
             self.manifest.aggregation,
+            members=self.n,
             origins=self.manifest.origins,
             canonical=self.audit,
         )
@@ -747,7 +748,7 @@ class AllReduceRound:
                             raise RemoteProtocolError(ack.reason or "the stream ended early")
                         if p in self.held:  # another relay was faster; its bits are the same
                             return True
-                        _store(target[a:b], data, mode)
+                        _store(target[a:b], data, mode, 0 if relay else self.n)
                         self.progress[p] = trio.current_time()
                         if hasher is not None:
                             hasher.update(data)
@@ -795,7 +796,7 @@ class AllReduceRound:
                         data = await stream.receive_some()
                         if not data:
                             break
-                        _store(target[a:b], data, self.mode)
+                        _store(target[a:b], data, self.mode, self.n)
                         self.progress[p] = trio.current_time()
                         got += 1
                     if got == len(spans):
@@ -1069,10 +1070,11 @@ def _left(deadline: float) -> float:
     return max(1e-3, deadline - trio.current_time())
 
 
-def _store(target: torch.Tensor, data: memoryview, mode: Compression) -> None:
-    """Decode a fetched chunk into its place; RemoteProtocolError if it is malformed or not finite."""
+def _store(target: torch.Tensor, data: memoryview, mode: Compression, members: int) -> None:
+    """Decode a fetched chunk (a reduced sum of ``members``: see ``compression.encode``) into its
+    place; RemoteProtocolError if it is malformed or not finite."""
     if mode is not Compression.NONE:
-        target.copy_(decode(data, mode, target.numel()))
+        target.copy_(decode(data, mode, target.numel(), members))
         return
     if len(data) != 4 * target.numel():
         raise RemoteProtocolError(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")

@@ -41,12 +41,12 @@ from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from ..wire.codec import pack
-from . import spill
+from . import sparse, spill
 from .allreduce import AllReduceRound, FaultHook, RoundEvidence, RoundResult
 from .auditor import AUDIT_WINDOW, Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .buffers import BufferPool
-from .compression import Compression, all_finite, parse_compression
+from .compression import Compression, all_finite, parse_compression, roundtrip
 from .matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
 from .partition import offsets, partition_sizes
 from .protocol import (
@@ -73,6 +73,7 @@ from .protocol import (
     SignedManifest,
     TensorSpec,
     seal_decision,
+    sparse_problem,
 )
 from .robust import parse_aggregation
 from .rules import RoundRules, check_manifest, listed_subnet
@@ -115,7 +116,9 @@ class AveragerConfig:
             raise ValueError("bandwidth must be positive, or 0 to measure it")
         if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
             raise ValueError("matchmaking_time must be positive")
-        parse_compression(self.compression)
+        problem = sparse_problem(parse_compression(self.compression), self.aggregation, self.audit)
+        if problem:
+            raise ValueError(problem)
         if parse_aggregation(self.aggregation) != self.aggregation:
             raise ValueError(f"aggregation: write {parse_aggregation(self.aggregation)!r}")
 
@@ -146,6 +149,23 @@ def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> tuple[torch.T
         pool.give(flat)
         raise ValueError("tensors to average hold NaN or infinite values")
     return source, flat
+
+
+async def _compress(source: torch.Tensor, flat: torch.Tensor, mode: Compression) -> None:
+    """``flat`` := ``source`` as a top-k round sends it (partitions start on whole blocks, so its blocks
+    are theirs): the member's own partition then adds what the others would receive, the values it
+    sends again to a failed reducer's replacement are the same, and an in-place caller sees what it
+    sent (for its error feedback). Large vectors in a worker thread, piece by piece."""
+
+    def run() -> None:
+        step = 256 * sparse.BLOCK
+        for a in range(0, source.numel(), step):
+            flat[a : a + step].copy_(roundtrip(source[a : a + step], mode))
+
+    if source.numel() * 4 < spill.SPILL_BYTES:
+        run()
+    else:
+        await trio.to_thread.run_sync(run)
 
 
 def _sendable_in_place(t: torch.Tensor) -> bool:
@@ -365,13 +385,20 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
         tensors = list(tensors)
+        sparse_mode = signed.manifest.mode() if signed.manifest.mode().sparse else None
         if not in_place:
-            return await self._run_round(signed, tensors, *_flatten(tensors, self._pool), weight)
+            source, flat = _flatten(tensors, self._pool)
+            if sparse_mode is not None:
+                await _compress(source, flat, sparse_mode)
+                source = flat
+            return await self._run_round(signed, tensors, source, flat, weight)
         if len(tensors) != 1 or not _sendable_in_place(tensors[0]):
             raise ValueError("an in-place round takes one contiguous float32 CPU tensor")
         flat = tensors[0].detach().view(-1)
         if not all_finite(flat):
             raise ValueError("tensors to average hold NaN or infinite values")
+        if sparse_mode is not None:
+            await _compress(flat, flat, sparse_mode)
         backup, own = SpillFile(), None
         m = signed.manifest
         if self.host.identity.peer_id in m.peers() and sum(m.sizes) == flat.numel():
@@ -751,7 +778,8 @@ class Averager:
             looking.formed.set()
             return None
         bandwidths = partition_bandwidths([m.bandwidth for m in members])
-        shares = partition_sizes(sum(s.numel for s in schema), bandwidths, [bool(m.addr) for m in members])
+        total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
+        shares = partition_sizes(total, bandwidths, [bool(m.addr) for m in members], align)
         manifest = Manifest(
             round_id=os.urandom(ROUND_ID_BYTES),
             group_key=looking.group_key,

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import RemoteProtocolError
+from . import sparse
 
 if sys.byteorder != "little":  # the wire is little-endian and encode() sends native memory as it is
     raise ImportError("p2ptrain's tensor wire format needs a little-endian host")
@@ -61,6 +62,24 @@ class Compression(enum.StrEnum):
     FP16 = "fp16"
     BF16 = "bf16"
     INT8 = "int8"
+    # top-k sparse (see ``sparse``): the percentage of each block kept, and the bits per kept value
+    TOPK05_Q2 = "topk0.5-q2"
+    TOPK1_Q2 = "topk1-q2"
+    TOPK1_Q4 = "topk1-q4"
+    TOPK3_Q2 = "topk3-q2"
+    TOPK3_Q4 = "topk3-q4"
+
+    @property
+    def sparse(self) -> tuple[float, int] | None:
+        """``(density, bits)`` of a top-k mode, else None."""
+        if not self.value.startswith("topk"):
+            return None
+        pct, bits = self.value[4:].split("-q")
+        return float(pct) / 100, int(bits)
+
+
+DENSE = (Compression.NONE, Compression.FP16, Compression.BF16, Compression.INT8)
+"""The modes that send every value (the others send the largest ones per block)."""
 
 
 def parse_compression(text: str) -> Compression:
@@ -72,11 +91,16 @@ def parse_compression(text: str) -> Compression:
         raise ValueError(f"unknown compression {text!r}; choose one of: {choices}") from None
 
 
-def encoded_size(mode: Compression, count: int) -> int:
-    """The exact byte size of :func:`encode` for ``count`` elements."""
+def encoded_size(mode: Compression, count: int, members: int = 0) -> int:
+    """The exact byte size of :func:`encode` for ``count`` elements (``members``: see :func:`encode`)."""
     if count < 0:
         raise ValueError(f"element count must be >= 0, got {count}")
     mode = Compression(mode)  # a plain string would silently miss every `is` test below
+    if mode.sparse:
+        density, bits = mode.sparse
+        if members:
+            return sparse.sum_size(density, members, count)
+        return sparse.contribution_size(density, bits, count)
     if mode is Compression.NONE:
         return 4 * count
     if mode is Compression.INT8:
@@ -90,6 +114,8 @@ def chunk_elements(mode: Compression, target_bytes: int) -> int:
     if target_bytes <= 0:
         raise ValueError(f"target_bytes must be positive, got {target_bytes}")
     mode = Compression(mode)
+    if mode.sparse:  # whole blocks, as many as fit even when a group's sum fills every slot
+        return max(1, target_bytes // (4 * sparse.BLOCK)) * sparse.BLOCK
     if mode is Compression.INT8:
         return max(1, target_bytes // (4 + INT8_BLOCK)) * INT8_BLOCK
     return max(1, target_bytes // encoded_size(mode, 1))
@@ -112,14 +138,22 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return t.view(torch.uint8).numpy().data  # zero-copy, format "B"; keeps the tensor's memory alive
 
 
-def encode(x: torch.Tensor, mode: Compression) -> memoryview | bytes:
+def encode(x: torch.Tensor, mode: Compression, members: int = 0) -> memoryview | bytes:
     """The wire bytes of ``x`` (a 1-D float32 CPU slice); ValueError if it holds NaN or infinity.
+    ``members``: for a top-k mode, encode the reduced sum of a group of that many (its blocks keep
+    enough slots for all their contributions' values); 0: one member's contribution. Dense modes send
+    both alike.
 
     For ``none`` the result is a zero-copy view of ``x``'s memory: do not modify ``x`` until it is sent.
     """
     x, mode = _check_input(x), Compression(mode)
     if x.numel() == 0:
         return b""
+    if mode.sparse:
+        density, bits = mode.sparse
+        if members:
+            return sparse.encode_sum(x, density, members)
+        return sparse.encode_contribution(x, density, bits)
     if mode is Compression.INT8:
         return _encode_int8(x)
     absmax = _absmax(x)
@@ -177,17 +211,22 @@ def _nbytes(buf: bytes | memoryview) -> int:
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
-def decode(buf: bytes | memoryview, mode: Compression, count: int) -> torch.Tensor:
-    """A new 1-D float32 tensor of ``count`` elements from wire bytes; RemoteProtocolError when the
-    bytes have the wrong length or decode to anything but finite values."""
+def decode(buf: bytes | memoryview, mode: Compression, count: int, members: int = 0) -> torch.Tensor:
+    """A new 1-D float32 tensor of ``count`` elements from wire bytes (``members``: see :func:`encode`);
+    RemoteProtocolError when the bytes have the wrong length or decode to anything but finite values."""
     mode = Compression(mode)
-    expected = encoded_size(mode, count)
+    expected = encoded_size(mode, count, members)
     if _nbytes(buf) != expected:
         raise RemoteProtocolError(
             f"a {mode.value} chunk of {count} elements must be {expected} bytes, got {_nbytes(buf)}"
         )
     if count == 0:
         return torch.empty(0, dtype=torch.float32)
+    if mode.sparse:
+        density, bits = mode.sparse
+        if members:
+            return sparse.decode_sum(buf, density, members, count)
+        return sparse.decode_contribution(buf, density, bits, count)
     raw = torch.empty(expected, dtype=torch.uint8)  # one copy: writable, aligned, ours (no aliasing)
     raw.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
     if mode is Compression.INT8:
@@ -218,6 +257,12 @@ def _decode_int8(raw: torch.Tensor, count: int) -> torch.Tensor:
     return out
 
 
+def roundtrip(x: torch.Tensor, mode: Compression) -> torch.Tensor:
+    """``decode(encode(x))`` as one member's contribution: what ``x`` becomes on the wire. For a top-k
+    mode, on blocks counted from ``x``'s start, as a sparse round's partitions count them."""
+    return decode(encode(x, mode), mode, x.numel())
+
+
 def accumulate(acc: torch.Tensor, buf: bytes | memoryview, mode: Compression, weight: float) -> None:
     """``acc += weight * decode(buf)`` in place, in float32, as a rounded multiply then a rounded add.
 
@@ -237,6 +282,8 @@ def error_bound(x: torch.Tensor, mode: Compression) -> float:
     """The largest absolute per-element error that ``decode(encode(x, mode))`` can introduce."""
     m = _absmax(x.detach()) if x.numel() else 0.0
     mode = Compression(mode)
+    if mode.sparse:
+        raise ValueError(f"{mode.value} drops values: no per-element bound (see sparse.roundtrip)")
     if mode is Compression.NONE:
         return 0.0
     if mode is Compression.FP16:

@@ -20,12 +20,22 @@ from ..net.channel import MAX_CHUNK
 from .compression import Compression, chunk_elements, encoded_size
 
 
-def partition_sizes(total: int, bandwidths: Sequence[float], reducers: Sequence[bool]) -> list[int]:
+def partition_sizes(
+    total: int, bandwidths: Sequence[float], reducers: Sequence[bool], align: int = 1
+) -> list[int]:
     """Split ``total`` elements in proportion to the bandwidth of the members that reduce.
 
-    Largest-remainder rounding: the sizes sum to ``total`` exactly and each is within one element of its
-    exact share. Raises ValueError when nobody can reduce or a bandwidth is not a positive finite number.
+    Largest-remainder rounding: the sizes sum to ``total`` exactly and each is within one element (one
+    ``align``-element unit) of its exact share; with ``align``, every partition starts on a multiple of
+    it (the last one with elements ends at ``total``). Raises ValueError when nobody can reduce or a
+    bandwidth is not a positive finite number.
     """
+    if align > 1:
+        units = partition_sizes(-(-total // align), bandwidths, reducers)
+        sizes = [u * align for u in units]
+        last = max(i for i, s in enumerate(sizes) if s) if total else 0
+        sizes[last] -= sum(sizes) - total
+        return sizes
     if len(bandwidths) != len(reducers):
         raise ValueError("one bandwidth per member")
     if total < 0:

@@ -34,6 +34,7 @@ from ..identity import MAX_ENVELOPE_PAYLOAD, PEER_ID_BYTES, Identity, PeerID, Si
 from ..net.rpc import Method
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
+from . import sparse
 from .compression import Compression, parse_compression
 from .robust import parse_aggregation
 
@@ -126,6 +127,12 @@ class Manifest(Message):
                 raise ValueError(f"aggregation {self.aggregation!r} is not in canonical form")
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
+        problem = sparse_problem(self.mode(), self.aggregation, self.audit)
+        if problem:
+            raise RemoteProtocolError(problem)
+        starts = _starts(self.sizes)
+        if self.mode().sparse and any(o % sparse.BLOCK for o, s in zip(starts, self.sizes, strict=True) if s):
+            raise RemoteProtocolError("a top-k round's partitions must start on whole blocks")
 
 
 @dataclass(frozen=True)
@@ -284,3 +291,28 @@ RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
 AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)
 PROOF_HEAD = Method("avg.proof_head", FetchReq, ProofHead)
 PROOF = Method("avg.proof", FetchReq, Ack, streaming=True)
+
+
+def _starts(sizes: tuple[int, ...]) -> list[int]:
+    out, at = [], 0
+    for size in sizes:
+        out.append(at)
+        at += size
+    return out
+
+
+def sparse_problem(mode: Compression, aggregation: str, audit: bool) -> str:
+    """Why ``mode`` cannot go with the aggregation rule or the audit ('' if it can): a robust rule
+    over top-k contributions would mostly see zeros, and the audit recomputes dense results."""
+    if not mode.sparse:
+        return ""
+    if aggregation != "mean":
+        return (
+            f"compression {mode.value} needs aggregation 'mean' (robust rules would see mostly zeros),"
+            f" not {aggregation!r}"
+        )
+    if audit:
+        return (
+            f"compression {mode.value} cannot be audited yet: turn the audit off or use a dense compression"
+        )
+    return ""

@@ -42,12 +42,14 @@ class PartitionReducer:
         buffer: torch.Tensor | None = None,
         aggregation: str = "mean",
         *,
+        members: int = 0,
         origins: Sequence[int] = (),
         canonical: bool = False,
         spill: bool | None = None,
     ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
         overwritten by the first slice added).
+        ``members``: the group's size; the result is encoded as a sum of that many (``compression.encode``).
         ``origins``: robust rules: the manifest's origin of each member (() : each its own; see
         ``robust.by_origin``).
         ``canonical``: always sum in member order at the end (an auditor can then redo it bit for bit),
@@ -56,6 +58,7 @@ class PartitionReducer:
         of ``SPILL_BYTES`` or more)."""
         self.size = size
         self.mode = mode
+        self.members = members
         self.aggregation = aggregation
         self.origins = tuple(origins)
         self.canonical = canonical
@@ -148,7 +151,7 @@ class PartitionReducer:
                 self.early.append(_view(mean))
                 continue
             try:
-                self.early.append(encode(mean, self.mode))
+                self.early.append(encode(mean, self.mode, self.members))
             except ValueError:  # the sum overflowed: no early results (finalize decides what happens)
                 self.early = None
                 return True
@@ -235,7 +238,9 @@ class PartitionReducer:
             self.result = mean
             self.encoded = [_view(mean[a:b]) for a, b in self.spans]
         else:
-            self.encoded = [bytes(encode(mean[a:b].contiguous(), self.mode)) for a, b in self.spans]
+            self.encoded = [
+                bytes(encode(mean[a:b].contiguous(), self.mode, self.members)) for a, b in self.spans
+            ]
             self.result = self._decode_into_acc(self.encoded)
         return self.result
 
@@ -243,7 +248,7 @@ class PartitionReducer:
         """``acc`` set to the values members hold after decoding ``encoded`` (the compressed mean), chunk
         by chunk: no second buffer the size of the partition."""
         for e, (a, b) in zip(encoded, self.spans, strict=True):
-            self.acc[a:b].copy_(decode(e, self.mode, b - a))
+            self.acc[a:b].copy_(decode(e, self.mode, b - a, self.members))
         return self.acc
 
     def _slice_of(self, sender: int) -> torch.Tensor:

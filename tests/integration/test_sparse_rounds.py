@@ -1,0 +1,115 @@
+"""Top-k rounds (``compression = "topk..."``) on the in-memory network: each member sends its largest
+values per block, reducers sum them and serve the sum once encoded, so every member that commits holds
+the same bits, whatever fails; the hostile-input checks of dense rounds hold for sparse chunks too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_averaging import (
+    PHASES,
+    check_invariant,
+    contributors_of,
+    crash_at,
+    make_tensors,
+    open_group,
+    run_round,
+    sign_manifest,
+)
+
+from p2ptrain.averaging import sparse
+from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.averaging.compression import Compression, roundtrip
+from p2ptrain.averaging.partition import partition_sizes
+from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
+from p2ptrain.errors import RemoteProtocolError
+
+pytestmark = pytest.mark.timeout(300)
+
+MODES = [Compression.TOPK1_Q2, Compression.TOPK3_Q4]
+
+
+def expected_mean(originals, weights, members, mode):
+    """The mean of what each member sends: its whole vector compressed on the global block grid."""
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in originals]
+    total = sum(weights[i] for i in members)
+    return sum(roundtrip(flat[i], mode).double() * weights[i] for i in members) / total
+
+
+def check_sparse_mean(group, originals, inputs, weights, outcomes, mode):
+    res = next(o for o in outcomes if isinstance(o, RoundResult))
+    want = expected_mean(originals, weights, contributors_of(group, res), mode)
+    for i, o in enumerate(outcomes):
+        if isinstance(o, RoundResult):
+            got = torch.cat([t.reshape(-1) for t in inputs[i]]).double()
+            # the sum travels as bfloat16: 8 significant bits
+            assert torch.equal(got == 0, want == 0), "a value the members sent is missing, or one appeared"
+            torch.testing.assert_close(got, want, rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("n", "client_only", "in_place"), [(4, (), False), (5, (2,), True), (2, (), True)])
+async def test_a_topk_round_gives_every_member_the_mean_of_what_was_sent(
+    autojump_clock, mode, n, client_only, in_place
+):
+    size = 3 * sparse.BLOCK * n + 1234  # partitions of whole blocks, and a short last one
+    async with open_group(n, client_only=client_only) as group:
+        originals = [make_tensors(30 + i, [(size,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0 + i for i in range(n)]
+        signed = sign_manifest(group.peers, inputs[0], compression=mode.value)
+        outcomes = await run_round(group, signed, inputs, weights, in_place=in_place)
+    assert check_invariant(originals, inputs, weights, outcomes, in_place=in_place) == "commit"
+    check_sparse_mean(group, originals, inputs, weights, outcomes, mode)
+    # a tiny fraction of the values, so a tiny fraction of the bytes of a dense round
+    sent = sum(c.bytes_sent for p in group.peers for c in p.host.connections())
+    assert sent < 0.15 * 4 * size * n
+
+
+@pytest.mark.parametrize("phase", PHASES)
+async def test_a_member_crashing_in_a_topk_round_never_splits_the_group(autojump_clock, phase):
+    mode, n, size = Compression.TOPK1_Q2, 4, 5 * sparse.BLOCK + 77
+    async with open_group(n) as group:
+        originals = [make_tensors(50 + i, [(size,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0, 2.0, 1.0, 3.0]
+        victim = group.peers[2]
+        victim.averager.fault = crash_at(group, victim, phase)
+        signed = sign_manifest(group.peers, inputs[0], compression=mode.value, timeout=20.0)
+        outcomes = await run_round(group, signed, inputs, weights, in_place=True)
+    verdict = check_invariant(originals, inputs, weights, outcomes, in_place=True)
+    if verdict == "commit":
+        check_sparse_mean(group, originals, inputs, weights, outcomes, mode)
+    if phase == "before_send":  # a member that dies before sending anything is simply left out
+        assert verdict == "commit", outcomes
+
+
+def test_a_topk_manifest_must_start_partitions_on_whole_blocks_and_average_plainly() -> None:
+    """A leader that cuts a top-k round off the block grid would make members re-select their values
+    on other blocks (dropping some they counted as sent): refused, as are the rules it cannot serve."""
+    members = tuple(MemberMsg(bytes([i + 1]) * 32, f"198.18.0.{i + 1}:1", 1.0) for i in range(2))
+    good = dict(
+        round_id=bytes(16),
+        group_key="k",
+        members=members,
+        schema=(TensorSpec((3 * sparse.BLOCK,), "float32"),),
+        compression="topk1-q2",
+        sizes=tuple(partition_sizes(3 * sparse.BLOCK, [1.0, 1.0], [True, True], sparse.BLOCK)),
+    )
+    Manifest(**good).check()
+    with pytest.raises(RemoteProtocolError, match="whole blocks"):
+        Manifest(**{**good, "sizes": (sparse.BLOCK + 1, 2 * sparse.BLOCK - 1)}).check()
+    with pytest.raises(RemoteProtocolError, match="aggregation 'mean'"):
+        Manifest(**{**good, "aggregation": "trimmed_mean"}).check()
+    with pytest.raises(RemoteProtocolError, match="cannot be audited"):
+        Manifest(**{**good, "audit": True}).check()
+
+
+def test_aligned_partitions_follow_bandwidth_and_cover_everything_once() -> None:
+    for total in (1, sparse.BLOCK, 10 * sparse.BLOCK + 5, 77 * sparse.BLOCK - 1):
+        sizes = partition_sizes(total, [1.0, 3.0, 2.0, 1.0], [True, True, False, True], sparse.BLOCK)
+        assert sum(sizes) == total and sizes[2] == 0
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        assert all(s % sparse.BLOCK == 0 for s, z in zip(starts, sizes, strict=True) if z)
+        last = max(i for i, z in enumerate(sizes) if z)
+        assert all(z % sparse.BLOCK == 0 for z in sizes[:last])
