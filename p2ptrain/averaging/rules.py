@@ -35,6 +35,7 @@ from ..errors import RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
 from ..net.admission import subnet_of
+from . import sparse
 from .bandwidth import partition_bandwidths
 from .partition import partition_sizes
 from .protocol import Manifest, TensorSpec
@@ -83,7 +84,8 @@ def check_manifest(
     if partition_bandwidths(listed) != listed:
         raise RemoteProtocolError(f"the listed bandwidths {listed} do not follow the partition rule")
     try:
-        sizes = partition_sizes(m.total, listed, [bool(mm.addr) for mm in m.members])
+        align = sparse.BLOCK if m.mode().sparse else 1  # (top-k partitions start on whole blocks)
+        sizes = partition_sizes(m.total, listed, [bool(mm.addr) for mm in m.members], align)
     except ValueError as e:
         raise RemoteProtocolError(f"the manifest's partitions: {e}") from None
     if list(m.sizes) != sizes:

@@ -46,6 +46,7 @@ import trio
 
 from ..averaging.agreement import WEIGHT_SLACK
 from ..averaging.allreduce import RoundResult
+from ..averaging.compression import parse_compression
 from ..averaging.matchmaking import Quorum
 from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
@@ -62,6 +63,7 @@ from . import statesync
 from .bans import BAN_READ_INTERVAL, BanRecords
 from .bookkeeping import RateMeter, RoundStats, run_fingerprint
 from .buffers import ParamBuffer
+from .feedback import ErrorFeedback
 from .fetch import Fetcher, ProgressFn
 from .offheap import FileTensors
 from .progress import (
@@ -95,6 +97,8 @@ class _InFlight:
     outcome: RoundResult | BaseException | None = None
     # diloco: this peer's pseudo-gradient, before the round averaged it (see ``_keep_aside``)
     own: list[Spilled | torch.Tensor] | None = None
+    # top-k rounds: the error feedback's residual before this round (see ``feedback``)
+    before: Spilled | torch.Tensor | None = None
 
 
 class CollaborativeOptimizer(SwarmState, BanRecords):
@@ -139,8 +143,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.outer_file: FileTensors | None = None
         self.momentum: list[torch.Tensor] = []
+        self.feedback: ErrorFeedback | None = None
         if self.diloco:
             self._init_outer(config.diloco)
+            if parse_compression(config.averaging.compression).sparse:
+                self.feedback = ErrorFeedback(self.params, parse_compression(config.averaging.compression))
         # DiLoCo: pseudo-gradients; sync: gradient sums (the parameters' .grad when summed)
         self.averaged = ParamBuffer(self.params)
         if self.summed:
@@ -700,14 +707,17 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         commits (an abort changes nothing: the work is still in the local parameters)."""
         weight = self.samples
         self._pseudo_gradients()
+        before = await self._fold(self.averaged)
         try:
             result = await self.node.averager.run_round(
                 manifest, self.averaged.tensors, weight=self._claim(weight), in_place=self.averaged.sendable
             )
         except RoundAborted as e:
             self._note_abort(e)
+            self._unfold(before, committed=False)
             self._after_abort(self.averaged)
             return False
+        self._unfold(before, committed=True)
         self._relaying = result.retired
         await self.unheld()
         self._outer_step(after=self._reset_local)
@@ -812,6 +822,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         weight = self.samples
         if self.diloco:
             self._pseudo_gradients()
+            if self.feedback is not None:  # nothing to send: what earlier rounds left out goes in whole
+                self.feedback.flush_into(self.averaged)
             self._outer_step(after=self._reset_local)
         else:
             self.averaged.div_(weight)
@@ -939,6 +951,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             try:
                 if self.diloco:  # kept for the landing, where the local progress since now goes on top
                     flight.own = await self._keep_aside(flight.tensors)
+                    flight.before = await self._fold(flight.tensors)
                 flight.outcome = await self.node.averager.run_round(
                     manifest,
                     flight.tensors.tensors,
@@ -973,6 +986,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         tensors: ParamBuffer,
         weight: int,
     ) -> bool:
+        self._unfold(flight.before, committed=isinstance(outcome, RoundResult))
         if not isinstance(outcome, RoundResult):
             self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
             if not self.diloco and tensors.sendable:  # averaged in place: they are spoilt
@@ -1013,6 +1027,24 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._spare = tensors
         self._advance(outcome, weight)
         return True
+
+    async def _fold(self, buffer: ParamBuffer) -> Spilled | torch.Tensor | None:
+        """Top-k rounds: ``buffer`` becomes what the round sends, with the error feedback (see
+        ``feedback``); returns the residual as it was (None without top-k)."""
+        if self.feedback is None:
+            return None
+        if self._param_bytes < statesync.THREAD_BYTES:
+            return self.feedback.fold(buffer)
+        return await trio.to_thread.run_sync(self.feedback.fold, buffer)
+
+    def _unfold(self, before: Spilled | torch.Tensor | None, *, committed: bool) -> None:
+        """After a top-k round: the residual stays if it committed, else goes back to ``before``."""
+        if self.feedback is None or before is None:
+            return
+        if committed:
+            self.feedback.forget(before)
+        else:
+            self.feedback.unfold(before)
 
     async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
         """``buffer``'s values in a spill file (a worker thread's job when large): a model-sized copy

@@ -30,6 +30,7 @@ from ..node import Node
 from . import layout as lay
 from . import state, statesync
 from .buffers import ParamBuffer
+from .feedback import FEEDBACK, ErrorFeedback
 from .fetch import Downloaded, Fetcher
 from .offheap import FileTensors
 from .progress import PeerProgress, SwarmView, vouched_digest
@@ -70,6 +71,7 @@ class SwarmState:
     outer_file: FileTensors | None
     momentum: list[torch.Tensor]
     averaged: ParamBuffer
+    feedback: ErrorFeedback | None
     epoch: int
     inner_steps: int
     samples: int
@@ -109,14 +111,17 @@ class SwarmState:
         self._rehash()
         self._publish_now.set()
 
-    def capture(self, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def capture(self, copy: bool = True, own: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The state to serve or checkpoint: the model (with DiLoCo's global parameters in place of the
         local ones), the optimizer whose state global steps change (inner in sync, outer in DiLoCo) and
         the epoch. ``copy=False`` returns the live tensors, for a caller that reads them before the next
-        ``step``."""
+        ``step``. ``own``: with what is this peer's alone (a checkpoint's): top-k's error feedback."""
         if self.diloco:
             global_values = dict(zip(self.names, self.global_params, strict=True))
-            tensors, meta = state.capture(self.model, {"outer": self.outer}, values=global_values, copy=copy)
+            extra = {FEEDBACK: self.feedback.residual} if own and self.feedback is not None else {}
+            tensors, meta = state.capture(
+                self.model, {"outer": self.outer}, values=global_values, extra=extra, copy=copy
+            )
         else:
             tensors, meta = state.capture(self.model, {"inner": self.optimizer}, copy=copy)
         meta["p2ptrain.epoch"] = str(self.epoch)
@@ -206,15 +211,21 @@ class SwarmState:
             # the model's; now the model entries are the global parameters.
             legacy = bool(self.names) and f"extra.global.{self.names[0]}" in tensors
             old = [f"global.{n}" for n in self.names] if legacy else []
+            # a checkpoint's own error feedback (another peer's state never brings one: see feedback)
+            mine = not verified and f"extra.{FEEDBACK}" in tensors
+            if mine and self.feedback is not None:
+                self.feedback.check(tensors[f"extra.{FEEDBACK}"])
             extra = state.restore(
                 self.model,
                 {"outer": self.outer},
                 tensors,
                 meta,
-                extra_names=old,
+                extra_names=old + [FEEDBACK] * mine,
                 owned=owned,
                 tensors_only=verified,
             )
+            if self.feedback is not None:
+                self.feedback.load(extra.get(FEEDBACK))
             with torch.no_grad():
                 for i, (g, p) in enumerate(zip(self.global_params, self.params, strict=True)):
                     if old:

@@ -310,7 +310,7 @@ class Trainer:
             return
         # The live tensors, not a copy (3x the parameters in sync mode): this runs while the training
         # loop waits for it, and nothing else changes the state between two of its steps.
-        tensors, meta = self.opt.capture(copy=False)
+        tensors, meta = self.opt.capture(copy=False, own=True)
         info = {
             "peer": str(self.node.peer_id),
             "run": self.config.run.id,

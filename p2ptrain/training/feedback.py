@@ -1,0 +1,121 @@
+"""Error feedback for DiLoCo's top-k rounds: what a round leaves out is sent in later rounds.
+
+Theory of operation
+-------------------
+A top-k round (``averaging.compression = "topk..."``) sends, of each block of a peer's pseudo-gradient,
+the largest values at 2 or 4 bits (see ``averaging.sparse``). Dropped alone, the rest would be lost:
+most coordinates would never move. With error feedback the peer keeps a residual ``e`` (zeros at
+first): at each outer round it sends ``c = C(Δ + e)`` instead of ``C(Δ)`` and keeps ``e := Δ + e - c``,
+so every bit of local progress is sent eventually, late rather than never (SparseLoCo, DeMo).
+
+``C`` is :func:`compression.roundtrip` on the whole flattened vector, on the same block grid as the
+round's partitions (they start on whole blocks), so ``c`` is exactly what the round sends: re-encoding
+it in the round changes nothing. (Parameters that are not float32 are sent as their dtype holds ``c``,
+and the residual keeps the difference to that.)
+
+The residual belongs to this peer's own trajectory. If the round aborts, the local parameters still
+hold the progress (the next round's ``Δ`` includes it), so the residual goes back to what it was
+(:meth:`ErrorFeedback.fold` returns the way back). A checkpoint keeps it; a state downloaded from
+another peer does not carry it (its donor still holds and sends its own: a copy would send it twice),
+and adopting another peer's state zeroes it, like the local progress it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..averaging import sparse
+from ..averaging.compression import Compression, roundtrip
+from ..averaging.spill import Spilled, SpillFile
+from .buffers import ParamBuffer
+from .state import StateError
+
+FEEDBACK = "feedback"
+"""The residual's name among a checkpoint's extra tensors."""
+PIECE = 256 * sparse.BLOCK  # elements compressed at a time: whole blocks, a small temporary
+
+
+class ErrorFeedback:
+    """The residual of a peer's top-k rounds (a flat float32 CPU vector, the parameters' order)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], mode: Compression) -> None:
+        if not Compression(mode).sparse:
+            raise ValueError(f"error feedback is for top-k compression, not {mode}")
+        self.mode = Compression(mode)
+        self.residual = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+
+    def fold(self, buf: ParamBuffer) -> Spilled | torch.Tensor:
+        """``buf`` (the pseudo-gradient about to be averaged) := ``C(buf + residual)``, the values the
+        round will send; the residual := what they leave out. Returns the residual as it was before
+        (in a spill file, else in memory), for :meth:`unfold` if the round aborts."""
+        before = self._keep()
+        if buf.sendable:
+            assert buf.flat is not None
+            self._fold_flat(buf.flat)
+        else:  # on a GPU, or mixed dtypes: on a float32 copy, then back
+            flat = torch.cat([v.detach().reshape(-1).to("cpu", torch.float32) for v in buf.views])
+            self._fold_flat(flat)
+            at = 0
+            for v in buf.views:
+                v.copy_(flat[at : at + v.numel()].view(v.shape))
+                sent = v.detach().reshape(-1).to("cpu", torch.float32)  # as its dtype holds it
+                self.residual[at : at + v.numel()].add_(flat[at : at + v.numel()]).sub_(sent)
+                at += v.numel()
+        return before
+
+    def _fold_flat(self, flat: torch.Tensor) -> None:
+        for a in range(0, flat.numel(), PIECE):
+            v, e = flat[a : a + PIECE], self.residual[a : a + PIECE]
+            v.add_(e)
+            c = roundtrip(v, self.mode)
+            torch.sub(v, c, out=e)
+            v.copy_(c)
+
+    def flush_into(self, buf: ParamBuffer) -> None:
+        """``buf += residual`` and the residual is zero (a step taken alone sends nothing)."""
+        at = 0
+        for v in buf.views:
+            v.add_(self.residual[at : at + v.numel()].view(v.shape).to(v.device, v.dtype))
+            at += v.numel()
+        self.residual.zero_()
+
+    def _keep(self) -> Spilled | torch.Tensor:
+        file = SpillFile()
+        try:
+            return file.put(self.residual.view(torch.uint8).numpy().data)
+        except OSError:  # (a full disk): in memory
+            file.close()
+            return self.residual.clone()
+
+    def unfold(self, before: Spilled | torch.Tensor) -> None:
+        """The round aborted: the residual goes back to what it was before :meth:`fold`."""
+        if isinstance(before, torch.Tensor):
+            self.residual.copy_(before)
+            return
+        self.residual.view(torch.uint8).numpy()[:] = memoryview(before.read())
+        before.file.close()
+
+    @staticmethod
+    def forget(before: Spilled | torch.Tensor) -> None:
+        """The round committed: the way back is not needed."""
+        if isinstance(before, Spilled):
+            before.file.close()
+
+    def check(self, saved: torch.Tensor) -> None:
+        """StateError unless ``saved`` can be this residual (checked before a restore changes anything)."""
+        if saved.shape != self.residual.shape or saved.dtype != torch.float32:
+            raise StateError(
+                f"the checkpoint's error feedback is {saved.dtype} {tuple(saved.shape)}, expected float32"
+                f" ({self.residual.numel()},)"
+            )
+
+    def load(self, saved: torch.Tensor | None) -> None:
+        """A checkpoint's residual (see :meth:`check`); None (a state from another peer, or a
+        checkpoint without one): zeros."""
+        if saved is None:
+            self.residual.zero_()
+        else:
+            self.check(saved)
+            self.residual.copy_(saved)
