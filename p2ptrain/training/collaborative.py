@@ -99,6 +99,7 @@ class _InFlight:
     own: list[Spilled | torch.Tensor] | None = None
     # top-k rounds: the error feedback's residual before this round (see ``feedback``)
     before: Spilled | torch.Tensor | None = None
+    digest: bytes = b""  # the round's
 
 
 class CollaborativeOptimizer(SwarmState, BanRecords):
@@ -157,6 +158,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._relaying: trio.Event | None = None  # set once the last round stopped reading ``averaged``
         self._download: _Download | None = None  # a state download running in the background
         self._formed: tuple[int, SignedManifest] | None = None
+        self._quorums: dict[bytes, Quorum] = {}  # formed rounds -> the peers they must hold (see _form_group)
         self._matchmaking = False
         self._matchmaking_scope = trio.CancelScope()
         self._retry_at = 0.0
@@ -681,6 +683,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 min_size=minimum,
                 quorum=quorum,
             )
+            while len(self._quorums) >= 4:  # (formed rounds that never ran: declined, or superseded)
+                del self._quorums[next(iter(self._quorums))]
+            self._quorums[manifest.digest] = quorum
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)
             self.stats.no_group += 1
@@ -714,6 +719,12 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             )
         except RoundAborted as e:
             self._note_abort(e)
+            self._unfold(before, committed=False)
+            self._after_abort(self.averaged)
+            return False
+        short = self._short_of_quorum(manifest.digest, result)
+        if short:  # the work is still in the local parameters, as after an abort
+            self._note_abort(RoundAborted(short))
             self._unfold(before, committed=False)
             self._after_abort(self.averaged)
             return False
@@ -942,7 +953,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self.samples = 0  # the batches computed from now on count toward the next step
         done = trio.Event()
         # What is computed from here on counts toward the next step, the batch in progress included.
-        self._in_flight = _InFlight(done, tensors, weight, since=self._next_batch)
+        self._in_flight = _InFlight(done, tensors, weight, since=self._next_batch, digest=manifest.digest)
         if not self.diloco:
             self._counting_from(self._next_batch)
         self._publish_now.set()  # others count this peer on the next epoch already (see ``landing``)
@@ -986,6 +997,16 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         tensors: ParamBuffer,
         weight: int,
     ) -> bool:
+        short = self._short_of_quorum(flight.digest, outcome) if isinstance(outcome, RoundResult) else ""
+        if short and not self.diloco:  # the tensors hold the round's mean now: this peer's part is gone
+            log.warning("step %d: the %d samples handed to the round are dropped", self.epoch, weight)
+            self._note_abort(RoundAborted(short))
+            if not tensors.sendable:  # (in place: the round may relay from them a while; then freed)
+                tensors.zero_()
+                self._spare = tensors
+            return False
+        if short:
+            outcome = RoundAborted(short)  # diloco: the work is still in the local parameters
         self._unfold(flight.before, committed=isinstance(outcome, RoundResult))
         if not isinstance(outcome, RoundResult):
             self._note_abort(outcome or RoundAborted("the round ended without an outcome"))
@@ -1027,6 +1048,23 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._spare = tensors
         self._advance(outcome, weight)
         return True
+
+    def _short_of_quorum(self, digest: bytes, result: RoundResult) -> str:
+        """Why a committed round must not be applied here ('' if it may): others contributed, but they
+        no longer hold the peers this one must average with (see ``_form_group``): members of the
+        formed group left it before it started, and with fresh keys in their places the rest would
+        step on its own while those who left form a second group of the same step (two lineages). A
+        round this peer was left alone in is its step alone, as when it is the only one on its step."""
+        quorum = self._quorums.pop(digest, None)
+        if quorum is None or len(result.contributors) <= 1:
+            return ""
+        held = len(quorum.peers & set(result.contributors))
+        if held >= quorum.size:
+            return ""
+        return (
+            f"its contributors hold {held} of the {quorum.size} peers this one must average with:"
+            " applying it could split the swarm"
+        )
 
     async def _fold(self, buffer: ParamBuffer) -> Spilled | torch.Tensor | None:
         """Top-k rounds: ``buffer`` becomes what the round sends, with the error feedback (see

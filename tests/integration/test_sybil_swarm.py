@@ -141,3 +141,29 @@ async def test_a_partner_that_leads_first_and_steps_apart_moves_no_honest_peer(
         await s.until(lambda: all(p.opt.epoch >= 6 for p in honest), timeout=300)
         check_identical_per_epoch(honest)
         assert all(p.opt.stats.syncs == 0 for p in honest), [p.opt.stats.syncs for p in honest]
+
+
+async def test_a_round_that_lost_the_peers_it_needed_to_fresh_keys_is_not_applied() -> None:
+    """A formed group of two honest peers and a fresh key: one honest peer leaves it before it starts
+    (its state moved on) and forms the step's group with the others. The round goes on with the other
+    honest peer and the key; applied, it would be a second step of the same epoch (two lineages: seen
+    on a loaded machine in the test above). Contributors that no longer hold the peers this one must
+    average with: not applied. Left alone in it, a peer steps alone, as when nobody else is on its step."""
+    from p2ptrain.averaging.allreduce import RoundResult
+    from p2ptrain.averaging.matchmaking import Quorum
+
+    async with swarm(run_config("sync")) as s:
+        peers = [await s.start(train=False) for _ in range(3)]
+        me = peers[0]
+        ids = [p.node.peer_id for p in peers]
+        quorum = Quorum(frozenset(ids[:2]), 2)  # the key is no trusted partner
+
+        def result(contributors: list[int]) -> RoundResult:
+            return RoundResult(b"r", [], [ids[i] for i in contributors], 1.0, 3)
+
+        for contributors, applied in (([0, 2], False), ([0, 1], True), ([0, 1, 2], True), ([0], True)):
+            me.opt._quorums[b"r"] = quorum
+            why = me.opt._short_of_quorum(b"r", result(contributors))
+            assert (why == "") == applied, (contributors, why)
+        me.opt._quorums[b"r"] = quorum
+        assert "1 of the 2 peers" in me.opt._short_of_quorum(b"r", result([0, 2]))
