@@ -9,6 +9,7 @@
     python -m simulations report simulations/reports/lan-4-...     # analyse a run's folder again
     python -m simulations bench [--quick] [--only transport,dht,...] [--results DIR] [--table-only]
     python -m simulations bench --only scale,state-sync   # memory at 124M/350M; a late joiner's download
+    python -m simulations bench --only bytes-per-token    # wire bytes per token: sync fp32 vs DiLoCo recipes
 
 ``run`` exits 0 when every check of the scenario passed, 1 when one failed (or the run was interrupted),
 2 when the scenario is invalid or cannot run here. A scenario may also be named without its path

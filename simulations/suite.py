@@ -26,6 +26,9 @@ Benchmarks (``--only``, comma list; default all):
   parameter bytes at 124M and 350M, sync and DiLoCo (``--quick``: the 10m model)
 - ``state-sync``: ``python -m simulations.bench_statesync`` -> ``statesync.json``: a late joiner of the 124M
   model over 100 Mbit/s links from 1 and 3 donors (``--quick``: the 10m model, 1 donor)
+- ``bytes-per-token``: ``python -m simulations.bench_bytes`` -> ``bytes-per-token.json`` and ``.png``: bytes
+  sent per token and validation loss at equal tokens, sync fp32 against DiLoCo fp16/int8/top-k, 4 and 8
+  peers (``--quick``: the tiny model, 4 peers)
 
 ``--quick`` shrinks everything (each benchmark's own ``--quick``; scenarios cut to 2 minutes) and writes
 to ``simulations/results/quick/`` unless ``--results`` says otherwise, so that a smoke run never replaces
@@ -55,12 +58,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .bench_bytes import result_rows as bytes_rows
 from .nat_scenarios import result_rows as nat_rows
 from .scenario import REPO_ROOT
 
 RESULTS = REPO_ROOT / "simulations" / "results"
 TRAINING = ("equivalence", "heterogeneity", "utilization", "late-joiner")
-NAMES = ("transport", "dht", "allreduce", *TRAINING, "churn", "wan", "hostile", "scale", "state-sync")
+NAMES = (
+    *("transport", "dht", "allreduce", *TRAINING, "churn", "wan", "hostile", "scale", "state-sync"),
+    "bytes-per-token",
+)
 BEGIN, END = "<!-- simulations-bench:begin -->", "<!-- simulations-bench:end -->"
 QUICK_SCENARIO_S = 120.0
 
@@ -148,6 +155,9 @@ def plan(quick: bool, only: tuple[str, ...], results: Path, tmp: Path) -> list[S
     if "state-sync" in only:
         argv = ("simulations.bench_statesync", *q, "--json", f"{rel}/statesync.json")
         steps.append(Step("state-sync", argv, 1800 if quick else 3600))
+    if "bytes-per-token" in only:
+        argv = ("simulations.bench_bytes", *q, "--json", f"{rel}/bytes-per-token.json")
+        steps.append(Step("bytes-per-token", argv, 1800 if quick else 8 * 3600))
     for name, label, extra in runs:
         scenario = "wan-continents" if label.startswith("wan") else label
         out, work = tmp / label, tmp / f"{label}-nodes"
@@ -668,7 +678,7 @@ def build_table(results: Path) -> tuple[str, list[dict[str, Any]]]:
     for label in ("churn", "wan-continents", "wan-continents-sync"):
         rows += scenario_rows(results, label)
     rows += hostile_rows(results)
-    rows += scale_rows(results) + statesync_rows(results) + nat_rows(results)
+    rows += scale_rows(results) + statesync_rows(results) + nat_rows(results) + bytes_rows(results)
     lines = [
         "| benchmark | metric | p2ptrain | hivemind | p2ptrain / hivemind | target | met? | command |",
         "|---|---|---|---|---|---|---|---|",
