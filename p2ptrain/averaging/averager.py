@@ -385,7 +385,9 @@ class Averager:
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
         tensors = list(tensors)
-        sparse_mode = signed.manifest.mode() if signed.manifest.mode().sparse else None
+        m = signed.manifest
+        ours = m.schema == schema_of(tensors) and self.host.identity.peer_id in m.peers()
+        sparse_mode = m.mode() if m.mode().sparse and ours else None  # (else _run_round says why not)
         if not in_place:
             source, flat = _flatten(tensors, self._pool)
             if sparse_mode is not None:
@@ -400,7 +402,6 @@ class Averager:
         if sparse_mode is not None:
             await _compress(flat, flat, sparse_mode)
         backup, own = SpillFile(), None
-        m = signed.manifest
         if self.host.identity.peer_id in m.peers() and sum(m.sizes) == flat.numel():
             # Our own partition is reduced where its mean goes: its values go to the backup first
             at = offsets(list(m.sizes))
