@@ -147,8 +147,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.feedback: ErrorFeedback | None = None
         if self.diloco:
             self._init_outer(config.diloco)
-            if parse_compression(config.averaging.compression).sparse:
-                self.feedback = ErrorFeedback(self.params, parse_compression(config.averaging.compression))
+            compression = parse_compression(config.averaging.compression)
+            if compression.sparse:
+                self.feedback = ErrorFeedback(self.params, compression)
         # DiLoCo: pseudo-gradients; sync: gradient sums (the parameters' .grad when summed)
         self.averaged = ParamBuffer(self.params)
         if self.summed:
