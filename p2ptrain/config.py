@@ -85,8 +85,16 @@ class DilocoSection:
     # into memory, held by the page cache, off the process's resident set between rounds (2x the fp32
     # parameter bytes less RAM at the peak); "auto": "file" for a large model on the CPU, else "memory"
     outer_state: str = "auto"
+    # Streaming DiLoCo: the parameters in this many contiguous fragments; step t averages fragment
+    # t mod F alone (1/F of the bytes per round; set target_batch_size to 1/F of a plain run's)
+    fragments: int = 1
 
     def __post_init__(self) -> None:
+        _check(
+            isinstance(self.fragments, int) and 1 <= self.fragments <= 4096,
+            "diloco.fragments",
+            "must be an integer from 1 to 4096",
+        )
         _check(math.isfinite(self.outer_lr) and self.outer_lr > 0, "diloco.outer_lr", "must be positive")
         _check(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "must be in [0, 1)")
         states = ", ".join(OUTER_STATES)
@@ -183,6 +191,10 @@ class RunConfig:
             raise ConfigError(
                 f"averaging.compression = {mode.value!r} needs training.mode = 'diloco' (whose error"
                 " feedback keeps what top-k leaves out); use a dense compression for 'sync'"
+            )
+        if self.diloco.fragments > 1 and self.training.mode != "diloco":
+            raise ConfigError(
+                "diloco.fragments > 1 streams DiLoCo's outer rounds: it needs training.mode = 'diloco'"
             )
         problem = sparse_problem(mode, self.averaging.aggregation, self.averaging.audit)
         if problem:

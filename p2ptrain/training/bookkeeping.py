@@ -63,4 +63,6 @@ def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
         "target": config.training.target_batch_size,
         "model": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()],
     }
+    if config.training.mode == "diloco" and config.diloco.fragments > 1:  # which fragment each step averages
+        shared["fragments"] = config.diloco.fragments
     return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()

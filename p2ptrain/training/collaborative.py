@@ -59,7 +59,7 @@ from ..idwork import work_bits
 from ..net.address import PeerAddress
 from ..node import BackgroundNode, Node
 from ..wire.codec import pack, unpack
-from . import statesync
+from . import fragments, statesync
 from .bans import BAN_READ_INTERVAL, BanRecords
 from .bookkeeping import RateMeter, RoundStats, run_fingerprint
 from .buffers import ParamBuffer
@@ -145,13 +145,23 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.outer_file: FileTensors | None = None
         self.momentum: list[torch.Tensor] = []
         self.feedback: ErrorFeedback | None = None
+        # the parameters' fragments (streaming DiLoCo; one otherwise), and each one's first element
+        sizes = [p.numel() for p in self.params]
+        count = config.diloco.fragments if self.diloco else 1
+        if count > max(1, len(self.params)):
+            raise ConfigError(
+                f"diloco.fragments = {count}: the model has only {len(self.params)} trainable parameters"
+            )
+        self.fragments = fragments.split(sizes, count) if self.params else [range(0)]
+        self._starts = [sum(sizes[: f.start]) for f in self.fragments]
+        self._slots = self.fragments[0]  # the parameters ``averaged`` holds: the current step's fragment
         if self.diloco:
             self._init_outer(config.diloco)
             compression = parse_compression(config.averaging.compression)
             if compression.sparse:
                 self.feedback = ErrorFeedback(self.params, compression)
         # DiLoCo: pseudo-gradients; sync: gradient sums (the parameters' .grad when summed)
-        self.averaged = ParamBuffer(self.params)
+        self.averaged = ParamBuffer(self._slot_params())
         if self.summed:
             self._attach()
         self._in_flight: _InFlight | None = None  # a round running in the background
@@ -679,7 +689,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             manifest = await self.node.averager.form_group(
                 self.averaged.tensors,
                 timeout=cfg.timeout,
-                group_key=f"{self.config.training.mode}-{epoch}",
+                group_key=self._group_key(epoch),
                 target_size=target,
                 min_size=minimum,
                 quorum=quorum,
@@ -707,6 +717,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                     self.node.averager.decline(manifest)
             else:  # the state moved on meanwhile: tell the group at once rather than let it wait for us
                 self.node.averager.decline(manifest)
+
+    def _group_key(self, epoch: int) -> str:
+        """Groups form per step; streaming DiLoCo's also per fragment count (what each step averages)."""
+        mode, count = self.config.training.mode, len(self.fragments)
+        return f"{mode}-{epoch}" if count == 1 else f"{mode}/{count}-{epoch}"
 
     async def _average(self, manifest: SignedManifest) -> bool:
         """DiLoCo without overlap: run the formed group's round now, compute paused; apply it if it
@@ -742,12 +757,25 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         """DiLoCo: global minus local parameters, into ``averaged`` (a new one if the last round may
         still relay averages from it to slower members)."""
         if self._relaying is not None and not self._relaying.is_set():
-            self.averaged = ParamBuffer(self.params)
+            self.averaged = ParamBuffer(self._slot_params())
         self._relaying = None
         with torch.no_grad():
-            for d, g, p in zip(self.averaged.views, self.global_params, self.params, strict=True):
-                torch.sub(g, p.detach(), out=d)
+            for d, i in zip(self.averaged.views, self._slots, strict=True):
+                g = self.global_params[i]
+                torch.sub(g, self.params[i].detach(), out=d)
                 self._release(g)
+
+    def _slot_params(self) -> list[torch.Tensor]:
+        return [self.params[i] for i in self._slots]
+
+    def _fit_buffer(self) -> None:
+        """Streaming DiLoCo: ``averaged`` holds the fragment of the current step (a new buffer when the
+        step moved to another: the last round may still relay from the one it had)."""
+        slots = self.fragments[self.epoch % len(self.fragments)]
+        if slots != self._slots:
+            self._slots = slots
+            self.averaged = ParamBuffer(self._slot_params())
+            self._relaying = None
 
     def _apply_gradients(self, grads: ParamBuffer, zero: bool = True) -> None:
         """One optimizer step with ``grads``, then zeroed for reuse as an accumulator; ``zero`` False:
@@ -767,7 +795,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         """DiLoCo: an aborted in-place round may still relay the averages it holds to members that
         commit: its buffer is left to it, and the next pseudo-gradient goes into a new one."""
         if self.diloco and tensors.sendable and tensors is self.averaged:
-            self.averaged = ParamBuffer(self.params)
+            self.averaged = ParamBuffer(self._slot_params())
             self._relaying = None
 
     def _attach(self) -> None:
@@ -818,8 +846,9 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         """The outer step of the global parameters with the averaged pseudo-gradients, one parameter at a
         time: ``before(i)`` runs ahead of parameter i's update, ``after(i)`` right after it (the local
         parameters' side), then a file-backed outer state's pages of parameter i leave the resident set.
-        (SGD updates only the parameters that have a gradient.)"""
-        for i, (g, d) in enumerate(zip(self.global_params, self.averaged.views, strict=True)):
+        (SGD updates only the parameters that have a gradient.) Streaming: the current fragment's."""
+        for d, i in zip(self.averaged.views, self._slots, strict=True):
+            g = self.global_params[i]
             if before is not None:
                 before(i)
             g.grad = d
@@ -835,7 +864,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if self.diloco:
             self._pseudo_gradients()
             if self.feedback is not None:  # nothing to send: what earlier rounds left out goes in whole
-                self.feedback.flush_into(self.averaged)
+                self.feedback.flush_into(self.averaged, self._start())
             self._outer_step(after=self._reset_local)
         else:
             self.averaged.div_(weight)
@@ -868,6 +897,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         else:
             self.stats.last = {"epoch": self.epoch, "outcome": "alone", "samples": weight, "mine": weight}
         self.epoch += 1
+        self._fit_buffer()
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
         self._cohort = (self.epoch, others)
         self._state_changed()
@@ -1023,8 +1053,8 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self._after_abort(tensors)
             return False  # diloco: the work is still in the local parameters
         if self.diloco:
-            own = flight.own
-            assert own is not None
+            assert flight.own is not None
+            own = dict(zip(self._slots, flight.own, strict=True))  # parameter index -> kept values
 
             # new global + the local progress since the handoff: local now - (old global - own
             # pseudo-gradient), the local parameters at the handoff
@@ -1073,8 +1103,12 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if self.feedback is None:
             return None
         if self._param_bytes < statesync.THREAD_BYTES:
-            return self.feedback.fold(buffer)
-        return await trio.to_thread.run_sync(self.feedback.fold, buffer)
+            return self.feedback.fold(buffer, self._start())
+        return await trio.to_thread.run_sync(self.feedback.fold, buffer, self._start())
+
+    def _start(self) -> int:
+        """Where the current fragment's values begin in the flat order of all parameters."""
+        return self._starts[self.fragments.index(self._slots)]
 
     def _unfold(self, before: Spilled | torch.Tensor | None, *, committed: bool) -> None:
         """After a top-k round: the residual stays if it committed, else goes back to ``before``."""

@@ -46,40 +46,51 @@ class ErrorFeedback:
         self.mode = Compression(mode)
         self.residual = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
 
-    def fold(self, buf: ParamBuffer) -> Spilled | torch.Tensor:
+    def fold(self, buf: ParamBuffer, start: int = 0) -> Spilled | torch.Tensor:
         """``buf`` (the pseudo-gradient about to be averaged) := ``C(buf + residual)``, the values the
-        round will send; the residual := what they leave out. Returns the residual as it was before
-        (in a spill file, else in memory), for :meth:`unfold` if the round aborts."""
+        round will send; the residual := what they leave out. ``start``: where ``buf``'s values begin
+        in the flat order of all parameters (streaming DiLoCo averages one fragment of them). Returns
+        the residual as it was before (in a spill file, else in memory), for :meth:`unfold` if the
+        round aborts."""
         before = self._keep()
         if buf.sendable:
             assert buf.flat is not None
-            self._fold_flat(buf.flat)
+            self._fold_flat(buf.flat, self._part(buf, start))
         else:  # on a GPU, or mixed dtypes: on a float32 copy, then back
+            residual = self._part(buf, start)
             flat = torch.cat([v.detach().reshape(-1).to("cpu", torch.float32) for v in buf.views])
-            self._fold_flat(flat)
+            self._fold_flat(flat, residual)
             at = 0
             for v in buf.views:
                 v.copy_(flat[at : at + v.numel()].view(v.shape))
                 sent = v.detach().reshape(-1).to("cpu", torch.float32)  # as its dtype holds it
-                self.residual[at : at + v.numel()].add_(flat[at : at + v.numel()]).sub_(sent)
+                residual[at : at + v.numel()].add_(flat[at : at + v.numel()]).sub_(sent)
                 at += v.numel()
         return before
 
-    def _fold_flat(self, flat: torch.Tensor) -> None:
+    def _part(self, buf: ParamBuffer, start: int) -> torch.Tensor:
+        n = sum(v.numel() for v in buf.views)
+        if start < 0 or start + n > self.residual.numel():
+            raise ValueError(f"values {start}..{start + n} are not within the {self.residual.numel()} kept")
+        return self.residual[start : start + n]
+
+    def _fold_flat(self, flat: torch.Tensor, residual: torch.Tensor) -> None:
         for a in range(0, flat.numel(), PIECE):
-            v, e = flat[a : a + PIECE], self.residual[a : a + PIECE]
+            v, e = flat[a : a + PIECE], residual[a : a + PIECE]
             v.add_(e)
             c = roundtrip(v, self.mode)
             torch.sub(v, c, out=e)
             v.copy_(c)
 
-    def flush_into(self, buf: ParamBuffer) -> None:
-        """``buf += residual`` and the residual is zero (a step taken alone sends nothing)."""
+    def flush_into(self, buf: ParamBuffer, start: int = 0) -> None:
+        """``buf += residual`` (its part from ``start``, see :meth:`fold`) and that part is zero (a step
+        taken alone sends nothing)."""
+        residual = self._part(buf, start)
         at = 0
         for v in buf.views:
-            v.add_(self.residual[at : at + v.numel()].view(v.shape).to(v.device, v.dtype))
+            v.add_(residual[at : at + v.numel()].view(v.shape).to(v.device, v.dtype))
             at += v.numel()
-        self.residual.zero_()
+        residual.zero_()
 
     def _keep(self) -> Spilled | torch.Tensor:
         file = SpillFile()

@@ -78,6 +78,7 @@ class SwarmState:
     records: list[PeerProgress]
     fingerprint: bytes
     trusted: Callable[[], frozenset[PeerID] | None]
+    _fit_buffer: Callable[[], None]
     stats: RoundStats
     digest: bytes
     server: StateServer | None
@@ -240,6 +241,7 @@ class SwarmState:
         if not verified:
             self.inner_steps = max(self.inner_steps, inner_steps)
         self.epoch, self.samples = epoch, 0
+        self._fit_buffer()
         self._counting_from()
         self._state_changed()
 

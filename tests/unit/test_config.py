@@ -67,6 +67,7 @@ DEFAULTS = {
     "diloco.outer_momentum": 0.9,
     "diloco.overlap": False,
     "diloco.outer_state": "auto",
+    "diloco.fragments": 1,
     "averaging.timeout": 30.0,
     "averaging.matchmaking_time": 3.0,
     "averaging.compression": "none",
