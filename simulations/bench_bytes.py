@@ -87,7 +87,10 @@ RECIPES: dict[str, tuple[str, str]] = {  # name -> (training.mode, averaging.com
     "diloco-fp16": ("diloco", "fp16"),
     "diloco-int8": ("diloco", "int8"),
     **{f"diloco-{c}": ("diloco", c) for c in SPARSE},
+    "streaming-int8": ("diloco", "int8"),
+    "streaming-topk1-q2": ("diloco", "topk1-q2"),
 }
+STREAMING = {"streaming-int8": 4, "streaming-topk1-q2": 4}  # recipe -> diloco.fragments
 BASELINE = "sync-fp32"
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128, "max_bytes": 4_000_000}
 QUICK_MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_bytes": 1_000_000}
@@ -115,13 +118,15 @@ class Plan:
         keys = ("n_layer", "n_head", "n_embd", "block_size")
         return GPTConfig(**{k: self.model[k] for k in keys}).num_parameters()
 
-    def per_step(self, mode: str, peers: int) -> int:
-        """Samples the swarm processes per global step: one batch per peer (sync), H (DiLoCo)."""
-        return BATCH * peers * (self.h if mode == "diloco" else 1)
+    def per_step(self, name: str, peers: int) -> int:
+        """Samples the swarm processes per global step: one batch per peer (sync), H (DiLoCo), H/F
+        (streaming: each of the F fragments is still synced every H batches)."""
+        mode = RECIPES[name][0]
+        return BATCH * peers * (max(1, self.h // fragments_of(name)) if mode == "diloco" else 1)
 
-    def eval_every(self, mode: str) -> int:
-        """DiLoCo: every outer step (H batches per peer); sync: every H/4 steps of a batch per peer."""
-        return 1 if mode == "diloco" else max(1, self.h // 4)
+    def eval_every(self, name: str) -> int:
+        """DiLoCo: every H batches per peer (F steps when streaming); sync: every H/4 steps."""
+        return fragments_of(name) if RECIPES[name][0] == "diloco" else max(1, self.h // 4)
 
     def settings(self) -> dict[str, Any]:
         return {"h": self.h, "tokens": self.tokens, "model": self.model, "batch_size": BATCH}
@@ -134,21 +139,25 @@ class Plan:
         return " ".join(words)
 
 
+def fragments_of(name: str) -> int:
+    return STREAMING.get(name, 1)
+
+
 def run_sections(plan: Plan, name: str, peers: int) -> dict[str, dict[str, Any]]:
     mode, compression = RECIPES[name]
     diloco = mode == "diloco"
     val = {} if plan.quick else {"val_sequences": 128}  # 16k validation tokens: steadier at the 2% scale
-    training = {"mode": mode, "batch_size": BATCH, "target_batch_size": plan.per_step(mode, peers)}
+    training = {"mode": mode, "batch_size": BATCH, "target_batch_size": plan.per_step(name, peers)}
     training |= {"lr": 1e-3, "warmup_steps": 4 if plan.quick else 20, "threads": 1}  # (inner steps in DiLoCo)
     return {
         "run": {"id": f"bench-bytes-{name}-{peers}", "seed": 1},
         "task": {"name": "tiny-gpt"},
         "task.options": {**plan.model, **val},
         "training": training,
-        "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False},
+        "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "fragments": fragments_of(name)},
         "averaging": {"compression": compression, "timeout": 60.0 if diloco else 30.0},
         "checkpoint": {"every_steps": 0},
-        "eval": {"every_steps": plan.eval_every(mode), "batch_size": 16},
+        "eval": {"every_steps": plan.eval_every(name), "batch_size": 16},
     }
 
 
@@ -201,7 +210,7 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     config = folder / "run.toml"
     text = write_run_file(config, run_sections(plan, name, peers))
     # a bound on the steps (the budget ends a run: steps take more samples than their target)
-    bound = 4 * plan.tokens // (plan.block * plan.per_step(mode, peers)) + 4
+    bound = 4 * plan.tokens // (plan.block * plan.per_step(name, peers)) + 4
     argv = [*cli(), "simulate", "--peers", str(peers), "--max-steps", str(bound), "--config", str(config)]
     argv += ["--threads", "1", "--workdir", str(folder), "--no-live"]
     out: dict[str, Any] = {"recipe": name, "mode": mode, "compression": compression, "peers": peers}
@@ -209,7 +218,7 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     print(f"  {name}, {peers} peers ...", file=sys.stderr, flush=True)
     began, traces = time.perf_counter(), [list[tuple[float, int]]() for _ in range(peers)]
     metrics = [folder / f"node{i}" / "metrics.jsonl" for i in range(peers)]
-    every, reached = plan.eval_every(mode), False
+    every, reached = plan.eval_every(name), False
     with LoadSampler() as load:
         proc = Proc("simulate", argv, folder, logs=("simulate.out", "simulate.err"))
         deadline = time.monotonic() + plan.timeout
@@ -248,7 +257,7 @@ def measure(
     name: str,
     peers: int,
 ) -> dict[str, Any]:
-    mode, compression = RECIPES[name]
+    compression = RECIPES[name][1]
     finals = [lines[-1] for lines in per_peer]
     sent = [int(m["bytes_sent"]) for m in finals]
     tokens = [int(m["samples_here"]) * plan.block for m in finals]
@@ -259,7 +268,7 @@ def measure(
         "bytes_sent_per_peer": sent,
         "bytes_per_token": sum(sent) / max(1, sum(tokens)),
         "bytes_per_token_per_peer": [round(b / max(1, t), 3) for b, t in zip(sent, tokens, strict=True)],
-        "curve": curve(per_peer, plan.block, plan.eval_every(mode)),
+        "curve": curve(per_peer, plan.block, plan.eval_every(name)),
         "rounds": max(finals, key=lambda m: m["step"])["rounds"] | {"last": None},
         # state downloads (a peer that fell behind: its samples were discarded, donors sent the state)
         "synced_per_peer": [m["rounds"].get("synced", 0) for m in finals],
@@ -273,7 +282,7 @@ def measure(
     got["peak_bytes_per_s"] = max(peaks, default=0.0)
     got["peak_bytes_per_s_per_peer"] = [round(p) for p in peaks]
     got["samples_per_step"] = round(sum(tokens) / plan.block / max(1, got["final_step"]), 1)
-    payload = payload_per_round(compression, plan.params(), peers)
+    payload = payload_per_round(compression, plan.params() // fragments_of(name), peers)
     averaged = got["rounds"].get("averaged") or 0
     got["payload_bytes_per_round"] = round(payload)
     got["payload_bytes_per_token"] = averaged * payload * peers / max(1, sum(tokens))
