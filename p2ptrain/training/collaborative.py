@@ -135,6 +135,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.epoch = 0
         self.samples = 0  # toward the current epoch, on this peer
         self.inner_steps = 0
+        self.inner_seconds = 0.0  # DiLoCo: time in the inner optimizer's steps (training compute too)
         self.rate = RateMeter()
         self.stats = RoundStats()
         self.view: SwarmView | None = None
@@ -620,9 +621,11 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self.inner_steps += 1
 
     def _local_step(self) -> None:
+        began = time.perf_counter()
         self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.inner_seconds += time.perf_counter() - began
 
     def _set_lr(self, step: int) -> None:
         t = self.config.training

@@ -362,7 +362,8 @@ class Trainer:
             "swarm_peers": view.peers if view else 1,
             "epoch_samples": view.samples if view else 0.0,
             "target": self.config.training.target_batch_size,
-            "compute_utilization": self.compute_seconds / wall if wall > 0 else 0.0,
+            # forward/backward passes, and DiLoCo's inner optimizer steps: compute, not communication
+            "compute_utilization": (self.compute_seconds + opt.inner_seconds) / wall if wall > 0 else 0.0,
             "rounds": {
                 "averaged": opt.stats.averaged,
                 "alone": opt.stats.solo,

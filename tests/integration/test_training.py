@@ -294,6 +294,8 @@ async def test_diloco_peers_hold_identical_global_parameters(autojump_clock: obj
             for other in globals_[1:]:
                 assert all(torch.equal(a, b) for a, b in zip(globals_[0], other, strict=True))
         assert min(p.opt.stats.averaged for p in peers) >= 3
+        # the inner optimizer's steps are training compute (the trainer's utilization counts them)
+        assert all(p.opt.inner_seconds > 0 for p in peers)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])
