@@ -34,9 +34,15 @@ def run_all(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
         for args in commands
     ]
     out = []
-    for args, proc in zip(commands, procs, strict=True):
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-        out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    try:
+        for args, proc in zip(commands, procs, strict=True):
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+            out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    finally:  # a timeout: none is left running, and no pipe left open (a later test's warnings)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
     return out
 
 

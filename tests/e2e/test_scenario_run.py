@@ -153,37 +153,39 @@ def test_a_short_scenario_with_a_kill_and_a_restart_writes_its_report(tmp_path: 
     assert len(pids) == 4 and not [p for p in pids if alive(p)]
 
 
+@pytest.mark.timeout(900)  # (a loaded machine: starting three nodes and stopping them can take minutes)
 def test_ctrl_c_stops_every_process_and_still_writes_a_report(tmp_path: Path) -> None:
     scenario = tmp_path / "long.toml"
     scenario.write_text(SCENARIO.format(duration=600, link=30, kill=300, restart=310, cut=320))
     report = tmp_path / "report"
-    proc = subprocess.Popen(
+    node_pids: set[int] = set()
+    # (the context closes the pipe whatever happens: an open one would fail a later test's warnings)
+    with subprocess.Popen(
         [sys.executable, "-m", "simulations", "run", str(scenario), "--out", str(report), "--quiet"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        node_pids: set[int] = set()
-        while len(node_pids) < 3 and time.monotonic() < deadline:  # every peer has written its status
-            for f in (report / "nodes").glob("peer-*/status.json"):
-                try:
-                    node_pids.add(json.loads(f.read_text())["pid"])
-                except (OSError, ValueError, KeyError):
-                    pass
-            time.sleep(0.5)
-        assert len(node_pids) == 3, proc.poll()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=150)  # (a loaded machine: the runner stops 3 processes)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            for pid in node_pids:  # never leave the peers running to load the tests after this one
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+    ) as proc:
+        try:
+            deadline = time.monotonic() + 360
+            while len(node_pids) < 3 and time.monotonic() < deadline:  # every peer has written its status
+                for f in (report / "nodes").glob("peer-*/status.json"):
+                    try:
+                        node_pids.add(json.loads(f.read_text())["pid"])
+                    except (OSError, ValueError, KeyError):
+                        pass
+                time.sleep(0.5)
+            assert len(node_pids) == 3, proc.poll()
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=420)  # (the runner stops 3 processes, then writes its report)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                for pid in node_pids:  # never leave the peers running to load the tests after this one
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 1, out[-3000:]  # interrupted: not passed
     summary = json.loads((report / "summary.json").read_text())
     assert summary["interrupted"] is True and not summary["passed"]
