@@ -401,7 +401,7 @@ def table_rows(r: dict[str, Any]) -> list[str]:
         str(r["peers"]), r["recipe"], f"{r['tokens']:,}", _num(r.get("final_val_loss")),
         _num(r.get("val_loss_at_equal_tokens")), "-" if rel is None else f"{100 * rel:+.2f}%",
         f"{r['bytes_per_token']:,.3f}", "-" if ratio is None else f"{ratio:,.1f}x",
-        f"{r['peak_bytes_per_s'] / 1e6:,.2f}", _num(r.get("background_bytes_per_s"), ",.0f"),
+        peaks(r, table=True), _num(r.get("background_bytes_per_s"), ",.0f"),
         "-" if r.get("payload_ratio") is None else f"{r['payload_ratio']:,.0f}x", outcome, met,
         f"{r['seconds']:.0f}",
     ]  # fmt: skip
@@ -409,7 +409,7 @@ def table_rows(r: dict[str, Any]) -> list[str]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ["peers", "recipe", "tokens", "final val", "val @ equal", "vs base", "B/token/peer", "base/recipe"]
-    head += ["peak MB/s", "bg B/s", "payload x", "rounds a/l/s/x", "met", "s"]
+    head += ["peak MB/s max/median", "bg B/s", "payload x", "rounds a/l/s/x", "met", "s"]
     lines = [head] + [table_rows(r) for r in report["results"]]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
@@ -426,6 +426,14 @@ def format_table(report: dict[str, Any]) -> str:
         f"node folders: {report['workdir']}; plot: {report.get('plot', '-')}",
     ]
     return "\n".join(text)
+
+
+def peaks(r: dict[str, Any], table: bool = False) -> str:
+    """The highest peer's peak rate and the median peer's (a peer that served a state download to one
+    that fell behind has the highest: the rounds' own peak is the median's)."""
+    top = r["peak_bytes_per_s"] / 1e6
+    mid = statistics.median(r.get("peak_bytes_per_s_per_peer") or [r["peak_bytes_per_s"]]) / 1e6
+    return f"{top:,.2f} / {mid:,.2f}" if table else f"{top:.2f} MB/s, median peer {mid:.2f}"
 
 
 def result_rows(results: Path) -> list[dict[str, Any]]:
@@ -447,7 +455,7 @@ def result_rows(results: Path) -> list[dict[str, Any]]:
         metric = (
             f"{r['recipe']}: bytes sent per token per peer (val {_num(r.get('val_loss_at_equal_tokens'))} "
             f"at {r.get('equal_tokens', 0):,} tokens, {'-' if rel is None else f'{100 * rel:+.2f}%'} vs "
-            f"{BASELINE}; peak {r['peak_bytes_per_s'] / 1e6:.2f} MB/s)"
+            f"{BASELINE}; peak {peaks(r)})"
         )
         base = r["recipe"] == BASELINE
         value = f"{r['bytes_per_token']:,.3g} B" + (
