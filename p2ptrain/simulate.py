@@ -20,8 +20,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +215,21 @@ def _exited(node: SimNode, code: int | None) -> str:
     return f"node {node.index} exited with status {code}{last} (log: {node.folder}/node.log)"
 
 
+@contextmanager
+def _interruptible() -> Iterator[None]:
+    """Ctrl-C (``kill -INT``) interrupts, even in a process that inherited SIGINT ignored (started from
+    a shell script's background job): Python installs no handler of its own then, and the swarm would
+    train on to its end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the swarm and write the report; return the process exit status."""
     console = Console() if opts.live else Console(width=200)
@@ -220,13 +237,15 @@ def run_simulation(opts: SimulationOptions) -> int:
     folder = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="p2ptrain-sim-"))
     report = Path(opts.report) if opts.report else folder / "report"
     started = time.time()
-    nodes = [_start(opts, 0, folder, None)]
+    nodes: list[SimNode] = []
     problems: list[str] = []
     try:
-        join = _wait_address(nodes[0])
-        console.print(f"node 0 listens at [bold]{join}[/]; {opts.peers - 1} more join through it")
-        nodes += [_start(opts, i, folder, join) for i in range(1, opts.peers)]
-        _watch(nodes, opts, console)
+        with _interruptible():
+            nodes.append(_start(opts, 0, folder, None))
+            join = _wait_address(nodes[0])
+            console.print(f"node 0 listens at [bold]{join}[/]; {opts.peers - 1} more join through it")
+            nodes += [_start(opts, i, folder, join) for i in range(1, opts.peers)]
+            _watch(nodes, opts, console)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the nodes (each writes a last checkpoint)")
     except P2PError as e:

@@ -775,12 +775,15 @@ def _json_number(v: Any) -> Any:
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so that the peers are stopped and the report written."""
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so that the peers are stopped and the report written.
+    SIGINT too, explicitly: a process started from a shell script's background job inherits SIGINT
+    ignored, and Python then installs no Ctrl-C handler of its own, so ``kill -INT`` did nothing (the
+    scenario ran on to its end)."""
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

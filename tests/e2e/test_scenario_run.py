@@ -115,6 +115,15 @@ def pids_of(report: Path) -> list[int]:
     return pids
 
 
+def status_pids(report: Path) -> set[int]:
+    """The process each peer's status file names (its latest incarnation's)."""
+    pids = set()
+    for f in (report / "nodes").glob("peer-*/status.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            pids.add(int(json.loads(f.read_text())["pid"]))
+    return pids
+
+
 def test_a_short_scenario_with_a_kill_and_a_restart_writes_its_report(tmp_path: Path) -> None:
     scenario = tmp_path / "kill-restart.toml"
     scenario.write_text(SCENARIO.format(duration=58, link=18, kill=24, restart=29, cut=40))
@@ -160,8 +169,15 @@ def test_ctrl_c_stops_every_process_and_still_writes_a_report(tmp_path: Path) ->
     report = tmp_path / "report"
     node_pids: set[int] = set()
     # (the context closes the pipe whatever happens: an open one would fail a later test's warnings)
+    # Started as a shell script's background job is: SIGINT ignored, inherited through the exec (before,
+    # Python then installed no Ctrl-C handler, and the runner ran the scenario on to its end).
+    argv = [sys.executable, "-m", "simulations", "run", str(scenario), "--out", str(report), "--quiet"]
+    ignoring = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
     with subprocess.Popen(
-        [sys.executable, "-m", "simulations", "run", str(scenario), "--out", str(report), "--quiet"],
+        [sys.executable, "-c", ignoring, *argv],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -170,11 +186,7 @@ def test_ctrl_c_stops_every_process_and_still_writes_a_report(tmp_path: Path) ->
         try:
             deadline = time.monotonic() + 360
             while len(node_pids) < 3 and time.monotonic() < deadline:  # every peer has written its status
-                for f in (report / "nodes").glob("peer-*/status.json"):
-                    try:
-                        node_pids.add(json.loads(f.read_text())["pid"])
-                    except (OSError, ValueError, KeyError):
-                        pass
+                node_pids |= status_pids(report)
                 time.sleep(0.5)
             assert len(node_pids) == 3, proc.poll()
             proc.send_signal(signal.SIGINT)
@@ -183,7 +195,8 @@ def test_ctrl_c_stops_every_process_and_still_writes_a_report(tmp_path: Path) ->
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-                for pid in node_pids:  # never leave the peers running to load the tests after this one
+                # never leave the peers running to load the tests after this one (a peer it restarted too)
+                for pid in node_pids | status_pids(report):
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 1, out[-3000:]  # interrupted: not passed

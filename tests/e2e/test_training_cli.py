@@ -51,6 +51,37 @@ every_steps = 2
 """
 
 
+def test_simulate_stops_on_sigint_even_where_it_was_ignored(tmp_path: Path) -> None:
+    """A shell script's background job inherits SIGINT ignored; ``kill -INT`` must still stop the swarm
+    (before, Python installed no Ctrl-C handler then, and it trained on to its end)."""
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_RUN)
+    work = tmp_path / "sim"
+    ignoring = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    args = ["simulate", "--peers", "2", "--max-steps", "100000", "--config", str(config), "--no-live"]
+    with subprocess.Popen(
+        [sys.executable, "-c", ignoring, *CLI, *args, "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        try:
+            trained = lambda st: (st.get("training") or {}).get("step", 0) >= 1  # noqa: E731
+            wait_for_json(work / "node1" / "status.json", trained, timeout=240)
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=240)  # (the nodes drain their round: a loaded machine)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert "interrupted: stopping the nodes" in out, out[-3000:]
+    summary = json.loads((work / "report" / "summary.json").read_text())
+    assert 1 <= summary["last_step"] < 100000
+
+
 def test_simulate_trains_three_nodes_to_the_same_parameters(tmp_path: Path) -> None:
     config = tmp_path / "small.toml"
     config.write_text(SMALL_RUN)
