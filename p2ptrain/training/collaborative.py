@@ -63,7 +63,7 @@ from . import fragments, statesync
 from .bans import BAN_READ_INTERVAL, BanRecords
 from .bookkeeping import RateMeter, RoundStats, run_fingerprint
 from .buffers import ParamBuffer
-from .feedback import ErrorFeedback
+from .feedback import ErrorFeedback, Saved
 from .fetch import Fetcher, ProgressFn
 from .offheap import FileTensors
 from .progress import (
@@ -98,7 +98,7 @@ class _InFlight:
     # diloco: this peer's pseudo-gradient, before the round averaged it (see ``_keep_aside``)
     own: list[Spilled | torch.Tensor] | None = None
     # top-k rounds: the error feedback's residual before this round (see ``feedback``)
-    before: Spilled | torch.Tensor | None = None
+    before: Saved | None = None
     digest: bytes = b""  # the round's
 
 
@@ -1100,7 +1100,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             " applying it could split the swarm"
         )
 
-    async def _fold(self, buffer: ParamBuffer) -> Spilled | torch.Tensor | None:
+    async def _fold(self, buffer: ParamBuffer) -> Saved | None:
         """Top-k rounds: ``buffer`` becomes what the round sends, with the error feedback (see
         ``feedback``); returns the residual as it was (None without top-k)."""
         if self.feedback is None:
@@ -1113,7 +1113,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         """Where the current fragment's values begin in the flat order of all parameters."""
         return self._starts[self.fragments.index(self._slots)]
 
-    def _unfold(self, before: Spilled | torch.Tensor | None, *, committed: bool) -> None:
+    def _unfold(self, before: Saved | None, *, committed: bool) -> None:
         """After a top-k round: the residual stays if it committed, else goes back to ``before``."""
         if self.feedback is None or before is None:
             return

@@ -23,6 +23,7 @@ and adopting another peer's state zeroes it, like the local progress it came fro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,14 @@ FEEDBACK = "feedback"
 PIECE = 256 * sparse.BLOCK  # elements compressed at a time: whole blocks, a small temporary
 
 
+@dataclass(frozen=True)
+class Saved:
+    """The residual's values from ``start`` as they were before a fold (see :meth:`ErrorFeedback.unfold`)."""
+
+    start: int
+    values: Spilled | torch.Tensor
+
+
 class ErrorFeedback:
     """The residual of a peer's top-k rounds (a flat float32 CPU vector, the parameters' order)."""
 
@@ -46,18 +55,18 @@ class ErrorFeedback:
         self.mode = Compression(mode)
         self.residual = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
 
-    def fold(self, buf: ParamBuffer, start: int = 0) -> Spilled | torch.Tensor:
+    def fold(self, buf: ParamBuffer, start: int = 0) -> Saved:
         """``buf`` (the pseudo-gradient about to be averaged) := ``C(buf + residual)``, the values the
         round will send; the residual := what they leave out. ``start``: where ``buf``'s values begin
         in the flat order of all parameters (streaming DiLoCo averages one fragment of them). Returns
         the residual as it was before (in a spill file, else in memory), for :meth:`unfold` if the
         round aborts."""
-        before = self._keep()
+        residual = self._part(buf, start)
+        before = self._keep(start, residual)
         if buf.sendable:
             assert buf.flat is not None
-            self._fold_flat(buf.flat, self._part(buf, start))
+            self._fold_flat(buf.flat, residual)
         else:  # on a GPU, or mixed dtypes: on a float32 copy, then back
-            residual = self._part(buf, start)
             flat = torch.cat([v.detach().reshape(-1).to("cpu", torch.float32) for v in buf.views])
             self._fold_flat(flat, residual)
             at = 0
@@ -92,27 +101,32 @@ class ErrorFeedback:
             at += v.numel()
         residual.zero_()
 
-    def _keep(self) -> Spilled | torch.Tensor:
+    @staticmethod
+    def _keep(start: int, part: torch.Tensor) -> Saved:
+        """The part of the residual a fold is about to change (a streaming round's fragment, not all)."""
         file = SpillFile()
         try:
-            return file.put(self.residual.view(torch.uint8).numpy().data)
+            return Saved(start, file.put(part.view(torch.uint8).numpy().data))
         except OSError:  # (a full disk): in memory
             file.close()
-            return self.residual.clone()
+            return Saved(start, part.clone())
 
-    def unfold(self, before: Spilled | torch.Tensor) -> None:
+    def unfold(self, before: Saved) -> None:
         """The round aborted: the residual goes back to what it was before :meth:`fold`."""
-        if isinstance(before, torch.Tensor):
-            self.residual.copy_(before)
+        values = before.values
+        n = values.numel() if isinstance(values, torch.Tensor) else values.length // 4
+        part = self.residual[before.start : before.start + n]
+        if isinstance(values, torch.Tensor):
+            part.copy_(values)
             return
-        self.residual.view(torch.uint8).numpy()[:] = memoryview(before.read())
-        before.file.close()
+        part.view(torch.uint8).numpy()[:] = memoryview(values.read())
+        values.file.close()
 
     @staticmethod
-    def forget(before: Spilled | torch.Tensor) -> None:
+    def forget(before: Saved) -> None:
         """The round committed: the way back is not needed."""
-        if isinstance(before, Spilled):
-            before.file.close()
+        if isinstance(before.values, Spilled):
+            before.values.file.close()
 
     def check(self, saved: torch.Tensor) -> None:
         """StateError unless ``saved`` can be this residual (checked before a restore changes anything)."""
