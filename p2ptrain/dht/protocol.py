@@ -19,6 +19,7 @@ from ..net.channel import MAX_CHUNK
 from ..net.rpc import Method
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
+from .known import MAX_KNOWN, NONCE_BYTES, PROOF_BYTES, TAG_BYTES
 from .records import Entry
 from .routing import Contact
 
@@ -69,6 +70,16 @@ class NodesResp(Message):
 class FindValueReq(Message):
     key_id: bytes = bounded(max_len=PEER_ID_BYTES)
     sender: ContactMsg | None = None
+    # entries the reader holds, as tags; the replica leaves them out (see ``dht.known``)
+    known: bytes = bounded(b"", max_len=MAX_KNOWN * TAG_BYTES)
+    nonce: bytes = bounded(b"", max_len=NONCE_BYTES)
+
+
+@dataclass(frozen=True)
+class ValueResp(Message):
+    contacts: tuple[ContactMsg, ...] = bounded((), max_len=MAX_CONTACTS)
+    held: bytes = bounded(b"", max_len=MAX_KNOWN // 8)  # which of the named entries the replica holds
+    proof: bytes = bounded(b"", max_len=PROOF_BYTES)  # that it holds them
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,7 @@ class DialBackResp(Message):
 
 PING = Method("dht.ping", PingReq, PingResp)
 FIND_NODE = Method("dht.find_node", FindNodeReq, NodesResp)
-FIND_VALUE = Method("dht.find_value", FindValueReq, NodesResp)  # entries ride in the reply body
+FIND_VALUE = Method("dht.find_value", FindValueReq, ValueResp)  # entries ride in the reply body
 STORE = Method("dht.store", StoreReq, StoreResp)  # entries ride in the request body
 DIAL_BACK = Method("dht.dial_back", DialBackReq, DialBackResp)
 

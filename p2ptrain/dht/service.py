@@ -35,6 +35,7 @@ from ..net.address import PeerAddress
 from ..net.connection import Connection
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
+from .known import NONCE_BYTES, ReadCache, answer, held_entries, tag
 from .lookup import Lookup
 from .protocol import (
     DIAL_BACK,
@@ -52,6 +53,7 @@ from .protocol import (
     PingResp,
     StoreReq,
     StoreResp,
+    ValueResp,
     decode_entries,
     encode_entries,
     parse_contacts,
@@ -129,6 +131,7 @@ class DHT:
         self.client_only = bool(self.config.client_only)
         self.rng = random.Random(seed)
         self._published: dict[tuple[bytes, bytes], _Published] = {}
+        self._read = ReadCache()  # what this node read last: replicas leave those entries out
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
         self.bootstrapped = trio.Event()
@@ -358,10 +361,12 @@ class DHT:
         close = self.table.closest(target, self.config.k, exclude={asker})
         return NodesResp(tuple(ContactMsg.of(c) for c in close))
 
-    async def _on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[NodesResp]:
+    async def _on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
         self._heard_from(ctx, req.sender)
         entries = self.records.get(req.key_id, self.clock())
-        return Reply(self._nodes_near(req.key_id, ctx.peer), encode_entries(entries))
+        send, held, proof = answer(entries, req.known, req.nonce)
+        near = self._nodes_near(req.key_id, ctx.peer).contacts
+        return Reply(ValueResp(near, held, proof), encode_entries(send))
 
     async def _on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
         self._heard_from(ctx, req.sender)
@@ -405,30 +410,38 @@ class DHT:
         return True
 
     async def _query(
-        self, contact: Contact, target: bytes, value: bool
-    ) -> tuple[list[Contact], list[Entry], Contact | None, str]:
-        """Ask ``contact``; returns its contacts, its entries, the contact the connection proved, and
-        the address the connection runs to (whatever the contact claimed)."""
+        self, contact: Contact, target: bytes, value: bool, known: list[Entry]
+    ) -> tuple[list[Contact], list[Entry], bool, Contact | None, str]:
+        """Ask ``contact``; returns its contacts, the entries it sent, whether it proved it holds some
+        of ``known`` (those it was told to leave out), the contact the connection proved, and the address
+        the connection runs to (whatever the contact claimed)."""
+        held = False
         with trio.fail_after(self.config.rpc_timeout):
             conn = await self.host.connect(contact.address)
             if value:
+                nonce = self.rng.randbytes(NONCE_BYTES) if known else b""
+                tags = b"".join(tag(e) for e in known)
                 reply = await conn.call_with_body(
-                    FIND_VALUE, FindValueReq(target, self._sender()), timeout=self.config.rpc_timeout
+                    FIND_VALUE,
+                    FindValueReq(target, self._sender(), tags, nonce),
+                    timeout=self.config.rpc_timeout,
                 )
                 entries = decode_entries(reply.body)
                 contacts = parse_contacts(reply.message.contacts)
+                held = bool(held_entries(known, reply.message.held, reply.message.proof, nonce))
             else:
                 resp = await conn.call(
                     FIND_NODE, FindNodeReq(target, self._sender()), timeout=self.config.rpc_timeout
                 )
                 entries, contacts = [], parse_contacts(resp.contacts)
-        return contacts, entries, _proven(conn), conn.remote_host
+        return contacts, entries, held, _proven(conn), conn.remote_host
 
     async def _lookup(
-        self, target: bytes, *, value: bool = False, quorum: int = 0
+        self, target: bytes, *, value: bool = False, quorum: int = 0, cached: list[Entry] | None = None
     ) -> tuple[list[Contact], list[Entry]]:
         """Run an iterative lookup: the k closest peers that answered (at proven addresses where we
-        have them), and the verified entries found on the way (value lookups)."""
+        have them), and the verified entries found on the way (value lookups; replicas leave out the
+        ``cached`` entries, and count toward ``quorum`` when they prove they hold some)."""
         lookup = Lookup(
             target,
             self.table.closest(target, self.config.k),
@@ -437,6 +450,7 @@ class DHT:
             alpha=self.config.alpha,
         )
         found: list[Entry] = []
+        cached = cached or []
         # Who answered with entries, by origin (/24, /64; a loopback address alone): ids are free, so
         # three ids of one subnet next to a key are one answer, not a quorum that ends the lookup on
         # what they chose to show (they cannot forge signed entries, but they can leave some out).
@@ -451,7 +465,9 @@ class DHT:
             # against the peer in the table.
             known = self.table.get(contact.peer_id)
             try:
-                contacts, entries, proven, remote = await self._query(known or contact, target, value)
+                contacts, entries, held, proven, remote = await self._query(
+                    known or contact, target, value, cached
+                )
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
                 lookup.on_failure(contact.peer_id)
@@ -465,8 +481,8 @@ class DHT:
                 if (verified := proven or known) is not None:
                     reached[contact.peer_id] = verified
                 good = _verified(entries, target, self.authors, self.clock())
-                if good:
-                    found.extend(good)
+                found.extend(good)
+                if good or held:
                     holders.add(origin_of(remote))
                     if quorum and len(holders) >= quorum:
                         lookup.stop()
@@ -584,15 +600,22 @@ class DHT:
         so ids of one subnet count once) answered with entries, else after the lookup converges. Every
         entry's signature is checked again here, and entries that are expired or claim an expiry beyond
         what any honest store accepts (which would let a liar's entry win every merge) are dropped.
+        Replicas leave out the entries this node read before and still holds (``dht.known``): those are
+        merged in again until they expire.
         """
         kid = key_id(key)
         local = self.records.get(kid, self.clock())
         q = self.config.get_quorum if quorum is None else quorum
-        _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1))
+        known = self._read.known(kid, self.clock())
+        _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1), cached=known)
         now, limits = self.clock(), self.config.limits
         latest = now + limits.max_ttl + limits.clock_skew
         good = _verified(local + found, kid, self.authors, now)
-        return merge([e for e in good if now < e.expiry <= latest])
+        if self.authors is not None:  # (a certificate may have expired since: check the authors again)
+            known = _verified(known, kid, self.authors, now)
+        merged = merge([e for e in good + known if now < e.expiry <= latest])
+        self._read.update(kid, list(merged.values()))
+        return merged
 
     # ---- maintenance ----
 

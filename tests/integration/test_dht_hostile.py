@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from p2ptrain.dht import DHT, DHTConfig, Entry, RecordLimits, RecordRefused, RecordStore, key_id, make_entry
+from p2ptrain.dht.known import split_known
 from p2ptrain.dht.lookup import MAX_TRIES
 from p2ptrain.dht.protocol import (
     FIND_NODE,
@@ -37,6 +38,7 @@ from p2ptrain.dht.protocol import (
     PingResp,
     StoreReq,
     StoreResp,
+    ValueResp,
     encode_entries,
 )
 from p2ptrain.dht.records import OWNER_TAG, owned_subkey
@@ -190,12 +192,19 @@ async def test_tampered_replicas_are_caught_by_read_back_verification(autojump_c
                 assert got[sub].value == b"genuine", node.name
                 assert any("bad signature" in r.getMessage() for r in caplog.records), node.name
 
-            # When every replica tampers, the reader gets nothing rather than the forgery.
+            # When every replica tampers, a reader keeps the genuine entry it verified before (until it
+            # expires) and never takes the forgery; a reader that never held it gets nothing.
             for node in nodes[:5]:
                 node.dht.records = TamperingStore(node.dht.config.limits)
             assert await owner.dht.store(key, b"genuine", ttl=300, subkey=sub, sign=True) == len(nodes)
             for node in nodes:
-                assert await node.dht.get(key, quorum=len(nodes)) == {}
+                got = await node.dht.get(key, quorum=len(nodes))
+                assert {s: e.value for s, e in got.items()} == {sub: b"genuine"}, node.name
+            newcomer = await swarm.start("newcomer")
+            assert await newcomer.dht.get(key, quorum=len(nodes)) == {}
+            await trio.sleep(301)  # the genuine entries the others read expired: none is served again
+            for node in nodes:
+                assert await node.dht.get(key, quorum=len(nodes)) == {}, node.name
 
 
 # ---- expiry, size and quota bounds ---------------------------------------------------------------
@@ -356,7 +365,7 @@ class Liar:
         self.calls += 1
         return NodesResp(self.garbage(req.target))
 
-    async def on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[NodesResp]:
+    async def on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
         if self.mode == "silent":
             await self.hang()
         self.calls += 1
@@ -375,7 +384,7 @@ class Liar:
                 ]
             ),
         ]
-        return Reply(NodesResp(self.garbage(req.key_id)), bodies[self.calls % len(bodies)])
+        return Reply(ValueResp(self.garbage(req.key_id)), bodies[self.calls % len(bodies)])
 
     async def on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
         if self.mode == "silent":
@@ -597,3 +606,68 @@ async def test_ids_of_one_subnet_next_to_a_key_are_one_answer_not_a_quorum(autoj
             got = await reader.dht.get(key, quorum=3)
             assert len([s for s in got if got[s].value == b"censor"]) == 3  # the censors did answer
             assert got[owned_subkey(writer.peer_id)].value == b"honest"
+
+
+# ---- delta reads ---------------------------------------------------------------------------------
+
+
+async def test_a_second_read_carries_only_what_changed(autojump_clock):
+    key = b"run/delta/progress"
+    with trio.fail_after(600):
+        async with open_swarm() as swarm:
+            nodes = await swarm.start_many(6)
+            writers, reader = nodes[:5], nodes[5]
+            for w in writers:
+                await w.dht.store(key, b"x" * 300, ttl=300, subkey=owned_subkey(w.peer_id), sign=True)
+
+            async def read() -> tuple[dict[bytes, bytes], int]:
+                before = reader.host.traffic()[1]
+                got = await reader.dht.get(key, quorum=3)
+                return {s: e.value for s, e in got.items()}, reader.host.traffic()[1] - before
+
+            first, full = await read()
+            assert sorted(first) == sorted(owned_subkey(w.peer_id) for w in writers)
+            again, unchanged = await read()
+            assert again == first
+            assert unchanged * 4 < full, (unchanged, full)
+            sub = owned_subkey(writers[0].peer_id)
+            await writers[0].dht.store(key, b"y" * 300, ttl=300, subkey=sub, sign=True)
+            changed, one = await read()
+            assert changed == first | {sub: b"y" * 300}
+            assert unchanged < one < full, (unchanged, one, full)
+
+
+class Claimer(Liar):
+    """A replica that holds nothing, but says it holds every entry a reader names (with a made-up
+    proof), so as to count toward the reader's quorum and end its lookup on nothing."""
+
+    async def on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
+        self.calls += 1
+        named = len(split_known(req.known))
+        return Reply(ValueResp((), b"\xff" * ((named + 7) // 8), bytes(16)), b"")
+
+
+async def test_a_replica_that_claims_entries_it_does_not_hold_does_not_end_a_read(autojump_clock):
+    with trio.fail_after(600):
+        async with open_swarm() as swarm:
+            honest = await swarm.start_many(4)
+            reader = await swarm.start("reader", DHTConfig(alpha=1, client_only=True))
+            claimer = Claimer("claimer", "claims", swarm, [], honest[0].peer_id)
+            await claimer.start()
+            await claimer.introduce(reader)
+            assert claimer.peer_id in reader.dht.table
+            # A key the claimer is the closest to, so that the reader (one query at a time) asks it first.
+            ids = [claimer.peer_id, *(n.peer_id for n in honest)]
+            key = next(
+                k
+                for i in range(100_000)
+                if closest(ids, key_id(k := f"claims-{i}".encode()), 1) == [claimer.peer_id]
+            )
+            sub = owned_subkey(honest[0].peer_id)
+            await honest[0].dht.store(key, b"first", ttl=300, subkey=sub, sign=True)
+            assert {s: e.value for s, e in (await reader.dht.get(key)).items()} == {sub: b"first"}
+            await honest[0].dht.store(key, b"second", ttl=300, subkey=sub, sign=True)
+            calls = claimer.calls
+            # Counted as a holder, the claimer would end the read with the first value, held from before.
+            assert {s: e.value for s, e in (await reader.dht.get(key)).items()} == {sub: b"second"}
+            assert claimer.calls > calls

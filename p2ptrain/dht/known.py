@@ -1,0 +1,105 @@
+"""Delta reads: a reader names the entries of a key it already holds, and replicas send only the others.
+
+Theory of operation: the swarm's progress records are read every second or so from several replicas,
+and most of them have not changed since the last read; sending them again cost most of a training
+peer's background traffic (every record, from every replica, every read: O(peers) bytes a second per
+peer). So a reader keeps the verified entries of its last reads (:class:`ReadCache`) and sends each
+replica a short tag per entry it holds (``FindValueReq.known``). The replica leaves those out and says
+which of them it holds (a bitmask) with a proof that it does: a keyed hash, under the reader's fresh
+nonce, of the held entries' bytes, which a replica that does not hold them cannot compute. A replica
+thus still counts toward a read's quorum only when it holds an entry of the key, as when it had to
+send one.
+
+The reader merges what it holds with what arrived: an entry it verified stays valid until its expiry
+whichever replica still has it, and a newer entry of the same subkey wins the merge as before. A tag
+is a hash of the whole entry (signature included), so an entry the reader lacks is never left out
+unless it collides with one it holds in 64 bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ..wire.codec import pack
+from .records import Entry
+
+TAG_BYTES = 8
+NONCE_BYTES = 16
+PROOF_BYTES = 16
+MAX_KNOWN = 1024  # entries a read names (the rest travel again)
+MAX_CACHED_KEYS = 64
+MAX_CACHED_BYTES = 16 * 1024 * 1024
+
+
+def tag(entry: Entry) -> bytes:
+    return hashlib.blake2b(pack(entry.to_obj()), digest_size=TAG_BYTES).digest()
+
+
+def proof(nonce: bytes, held: Sequence[Entry]) -> bytes:
+    """What a replica that holds ``held`` (in the order the reader named them) answers to ``nonce``."""
+    h = hashlib.blake2b(key=nonce, digest_size=PROOF_BYTES)
+    for e in held:
+        h.update(pack(e.to_obj()))
+    return h.digest()
+
+
+def split_known(known: bytes) -> list[bytes]:
+    """The tags of a request (its length is checked by the message's bound; a ragged tail is dropped)."""
+    return [known[i : i + TAG_BYTES] for i in range(0, len(known) - TAG_BYTES + 1, TAG_BYTES)]
+
+
+def answer(entries: list[Entry], known: bytes, nonce: bytes) -> tuple[list[Entry], bytes, bytes]:
+    """A replica's reply to a delta read: the entries to send, the bitmask of the named ones it holds,
+    and the proof that it holds them (empty when it holds none)."""
+    if not known:
+        return entries, b"", b""
+    mine = {tag(e): e for e in entries}
+    tags = split_known(known)
+    mask = bytearray((len(tags) + 7) // 8)
+    held = []
+    for i, t in enumerate(tags):
+        e = mine.get(t)
+        if e is not None:
+            mask[i // 8] |= 1 << (i % 8)
+            held.append(e)
+    named = {tag(e) for e in held}
+    send = [e for t, e in mine.items() if t not in named]
+    return send, bytes(mask), proof(nonce, held) if held else b""
+
+
+def held_entries(known: Sequence[Entry], mask: bytes, given: bytes, nonce: bytes) -> list[Entry]:
+    """The entries a replica says it holds of those the reader named, if its proof checks out (else
+    none: it held nothing it could show)."""
+    held = [e for i, e in enumerate(known) if i // 8 < len(mask) and mask[i // 8] >> (i % 8) & 1]
+    if not held or given != proof(nonce, held):
+        return []
+    return held
+
+
+class ReadCache:
+    """The verified entries of the keys this node read last (bounded in keys and bytes)."""
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[bytes, list[Entry]] = OrderedDict()
+        self._bytes = 0
+
+    def known(self, kid: bytes, now: float) -> list[Entry]:
+        entries = [e for e in self._keys.get(kid, ()) if e.expiry > now]
+        return entries[:MAX_KNOWN]
+
+    def update(self, kid: bytes, entries: list[Entry]) -> None:
+        self._drop(kid)
+        size = sum(e.nbytes() for e in entries)
+        if not entries or size > MAX_CACHED_BYTES // 4:
+            return
+        self._keys[kid] = sorted(entries, key=lambda e: e.subkey)
+        self._bytes += size
+        while self._keys and (len(self._keys) > MAX_CACHED_KEYS or self._bytes > MAX_CACHED_BYTES):
+            self._drop(next(iter(self._keys)))
+
+    def _drop(self, kid: bytes) -> None:
+        old = self._keys.pop(kid, None)
+        if old is not None:
+            self._bytes -= sum(e.nbytes() for e in old)
