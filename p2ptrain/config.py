@@ -132,7 +132,9 @@ class AveragingSection:
 
 @dataclass(frozen=True)
 class ProgressSection:
-    interval: float = 1.0  # seconds between progress records
+    # seconds between reads of the swarm's records near the target (up to ttl / 3 while it is far off);
+    # a record goes out when something changed that others cannot extrapolate, and every ttl / 3
+    interval: float = 1.0
     ttl: float = 10.0  # seconds a record stays valid: a silent peer stops counting after this
 
     def __post_init__(self) -> None:

@@ -89,8 +89,9 @@ RECIPES: dict[str, tuple[str, str]] = {  # name -> (training.mode, averaging.com
     **{f"diloco-{c}": ("diloco", c) for c in SPARSE},
     "streaming-int8": ("diloco", "int8"),
     "streaming-topk1-q2": ("diloco", "topk1-q2"),
+    "streaming-topk0.5-q2": ("diloco", "topk0.5-q2"),
 }
-STREAMING = {"streaming-int8": 4, "streaming-topk1-q2": 4}  # recipe -> diloco.fragments
+STREAMING = {name: 4 for name in RECIPES if name.startswith("streaming-")}  # recipe -> diloco.fragments
 BASELINE = "sync-fp32"
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128, "max_bytes": 4_000_000}
 QUICK_MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_bytes": 1_000_000}

@@ -70,6 +70,7 @@ from .progress import (
     PeerProgress,
     ProgressRecord,
     SwarmView,
+    must_publish,
     plausible_samples,
     swarm_view,
 )
@@ -191,6 +192,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
+        self._published: ProgressRecord | None = None  # the last record that went out
         self._records_read = trio.Event()
         self._met_swarm = False  # records were read once the DHT had bootstrapped (see _may_step_alone)
         self._nursery: trio.Nursery | None = None
@@ -257,15 +259,40 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         await self.node.dht.bootstrapped.wait()
         interval = self.config.progress.interval
         next_bans = self.clock()
+        now = True
         while True:
             self._publish_now = trio.Event()
-            await self._publish()
+            record = self.record()
+            tolerance = max(self.config.training.target_batch_size / 16, 1.0)
+            if now or must_publish(self._published, record, self._heartbeat, tolerance):
+                await self._publish(record)
             await self.refresh()
             if self.clock() >= next_bans:
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
-            with trio.move_on_after(interval):
+            with trio.move_on_after(self._next_read(interval)):
                 await self._publish_now.wait()
+            now = self._publish_now.is_set()
+
+    def _next_read(self, interval: float) -> float:
+        """Seconds until the next read of the swarm's records: every ``interval`` near the target (and
+        while behind, or with no rate measured yet); a quarter of the time left until the target when
+        that is longer, up to a heartbeat (what the others' records change meanwhile, they publish at
+        once: a step, a round landing, leaving)."""
+        view = self.view
+        if view is None or view.behind or not math.isfinite(view.eta):
+            return interval
+        return min(max(interval, (view.eta - self._lead) / 4), self._heartbeat)
+
+    @property
+    def _heartbeat(self) -> float:
+        """The longest a record of this peer goes without a successor (see ``progress.must_publish``)."""
+        return self.config.progress.ttl / 3
+
+    @property
+    def _horizon(self) -> float:
+        """How long others' records are extrapolated: a heartbeat, plus time for a read to see it."""
+        return self._heartbeat + 2 * self.config.progress.interval
 
     def record(self) -> ProgressRecord:
         addr = self.node.averager.address()
@@ -283,18 +310,20 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             work=self.node.host.work or b"",
         )
 
-    async def _publish(self) -> None:
-        value = pack(self.record().to_obj())
+    async def _publish(self, record: ProgressRecord | None = None) -> None:
+        record = record or self.record()
         try:
             await self.node.dht.store(
                 self.key,
-                value,
+                pack(record.to_obj()),
                 ttl=self.config.progress.ttl,
                 subkey=owned_subkey(self.node.peer_id),
                 sign=True,
             )
         except P2PError as e:
             log.warning("could not publish progress: %s", e)
+        else:
+            self._published = record
 
     async def refresh(self) -> None:
         """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped)."""
@@ -351,7 +380,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             self.records,
             now=self.clock(),
             target=self.config.training.target_batch_size,
-            horizon=2 * self.config.progress.interval,
+            horizon=self._horizon,
             trusted=trusted,
             min_work=self.config.run.id_work,
             cohort=self._cohort[1] if self._cohort[0] == self.epoch else (),
@@ -951,8 +980,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             if max(fastest, self.rate.rate) <= 0:
                 return target
             record = dataclasses.replace(record, rate=max(fastest, self.rate.rate))
-        horizon = 2 * self.config.progress.interval
-        return plausible_samples(record, self.clock(), horizon, slack=target / 8)
+        return plausible_samples(record, self.clock(), self._horizon, slack=target / 8)
 
     def _note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.epoch, e)

@@ -1,9 +1,11 @@
 """Progress records and the swarm's view of a global step (pure: records and ``now`` in, decisions out).
 
-Theory of operation: every training peer publishes, about once a second, a signed progress record in
-the DHT (one owned subkey per peer under the run's progress key): the global step (epoch) it works on,
-the samples it has processed toward that step, its smoothed samples per second, when it measured them,
-the digest of the state it started the epoch from, and where others may download that state.
+Theory of operation: every training peer publishes a signed progress record in the DHT (one owned
+subkey per peer under the run's progress key): the global step (epoch) it works on, the samples it has
+processed toward that step, its smoothed samples per second, when it measured them, the digest of the
+state it started the epoch from, and where others may download that state. It publishes when something
+changed that others cannot extrapolate (:func:`must_publish`), and every few seconds besides; it reads
+the others' records about once a second.
 
 From the records of the live peers, :func:`swarm_view` decides, identically on every peer that sees the
 same records:
@@ -41,6 +43,7 @@ with). A peer's own samples are never extrapolated: it knows them exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections import Counter
@@ -148,6 +151,32 @@ def estimate(record: ProgressRecord, now: float, horizon: float) -> float:
     """Samples a peer has done by ``now``: its count, plus its rate for at most ``horizon`` seconds."""
     elapsed = min(max(now - record.time, 0.0), horizon)
     return record.samples + record.rate * elapsed
+
+
+RATE_CHANGE = 0.25  # a rate that moved by more than this share goes out at once
+
+
+def must_publish(
+    last: ProgressRecord | None, record: ProgressRecord, heartbeat: float, tolerance: float
+) -> bool:
+    """Whether ``record`` must go out now, ``last`` being the record this peer published before.
+
+    Others extrapolate a record at its rate (:func:`estimate`), so a steady peer need not repeat its
+    count every second (each publication is a DHT store, and every reader fetches it again): a record
+    goes out when anything but its count, rate and time changed (a new step, a round landing, leaving,
+    a new digest or address), when its rate moved by more than a quarter, when the count strayed from
+    what ``last`` extrapolates to by more than ``tolerance`` samples, and at least every ``heartbeat``
+    seconds, so that it never expires while the peer is alive.
+    """
+    if last is None or record.time - last.time >= heartbeat:
+        return True
+    if dataclasses.replace(record, samples=0, rate=0.0, time=0.0) != dataclasses.replace(
+        last, samples=0, rate=0.0, time=0.0
+    ):
+        return True
+    if abs(record.rate - last.rate) > RATE_CHANGE * last.rate:
+        return True
+    return abs(record.samples - estimate(last, record.time, heartbeat)) > tolerance
 
 
 PLAUSIBLE_RATE = 2.0  # a peer may do this many times its advertised samples per second (rates lag)

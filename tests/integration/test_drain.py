@@ -245,19 +245,27 @@ async def test_a_drain_whose_group_hangs_ends_within_the_drain_timeout(
     autojump_clock: object, tmp_path: Path, mode: str, overlap: bool
 ) -> None:
     async with swarm(run_config(mode, overlap), tmp_path) as s:
-        stopper, hung = [await s.start() for _ in range(2)]
+        peers = [await s.start() for _ in range(2)]
+        roles: list[Member] = []  # the stopper, then the hung coordinator
+        chosen = trio.Event()
 
         async def freeze(rnd: AllReduceRound, point: str) -> None:
             await trio.sleep_forever()  # its connections stay open; it answers nothing of the round
 
-        hung.node.averager.fault = freeze
-
         def react(m: Member, manifest: SignedManifest | None) -> None:
-            if manifest is not None and stopper.stop_at is None:
-                stopper.stop()
+            # The coordinator hangs (a hung member would be left out and the round would commit without
+            # it): whichever peer led, it freezes before its round starts, and the other one stops.
+            if manifest is not None and not roles:
+                hung = s.member(manifest.manifest.peers()[0])
+                hung.node.averager.fault = freeze
+                roles.extend([next(p for p in peers if p is not hung), hung])
+                roles[0].stop()
+                chosen.set()
 
         s.on_groups(react)
         with trio.fail_after(DEADLINE):
+            await chosen.wait()
+            stopper = roles[0]
             await stopper.exited.wait()
 
         assert stopper.stop_at is not None and stopper.returned_at is not None

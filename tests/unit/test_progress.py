@@ -27,6 +27,7 @@ from p2ptrain.training.progress import (
     SwarmView,
     estimate,
     majority_digest,
+    must_publish,
     swarm_view,
     upper_median,
 )
@@ -975,3 +976,39 @@ def test_a_group_waits_for_the_peers_one_step_behind() -> None:
     assert (v.peers, v.arriving) == (3, 2)
     far = view(rec(), *here, peer(3, epoch=EPOCH - 2), peer(4, epoch=EPOCH - 1, landing=True), trusted=None)
     assert (far.peers, far.arriving) == (4, 0)
+
+
+# ---- when a record must go out -------------------------------------------------------------------
+
+
+def test_a_steady_peer_publishes_on_changes_and_heartbeats_not_every_second():
+    last = ProgressRecord(
+        epoch=3, samples=100, rate=10.0, time=NOW, digest=b"d" * 32, run=RUN, since=NOW - 10
+    )
+
+    def at(dt: float, **changes: Any) -> ProgressRecord:
+        # The count a steady peer reaches: what ``last`` extrapolates to.
+        return replace(last, **({"time": NOW + dt, "samples": round(100 + 10 * dt)} | changes))
+
+    assert must_publish(None, last, heartbeat=3.0, tolerance=5)
+    for dt in (0.5, 1.0, 2.0, 2.9):
+        assert not must_publish(last, at(dt), heartbeat=3.0, tolerance=5), dt
+    assert must_publish(last, at(3.0), heartbeat=3.0, tolerance=5)  # the heartbeat
+    # Whatever others cannot extrapolate goes out at once.
+    for change in (
+        {"epoch": 4, "samples": 0},
+        {"digest": b"e" * 32},
+        {"landing": True},
+        {"leaving": True},
+        {"addr": "/ip4/198.18.0.1/tcp/1/p2p/x"},
+        {"since": NOW + 1},
+    ):
+        assert must_publish(last, at(1.0, **change), heartbeat=3.0, tolerance=5), change
+    assert must_publish(last, at(1.0, rate=13.0), heartbeat=3.0, tolerance=5)  # the rate moved by 30%
+    assert not must_publish(last, at(1.0, rate=12.0), heartbeat=3.0, tolerance=5)
+    # A count that strayed from the extrapolation (the peer stalled, or raced ahead).
+    assert must_publish(last, replace(at(1.0), samples=100), heartbeat=3.0, tolerance=5)
+    assert must_publish(last, replace(at(1.0), samples=120), heartbeat=3.0, tolerance=5)
+    assert not must_publish(last, replace(at(1.0), samples=114), heartbeat=3.0, tolerance=5)
+    # A first rate after none is a change too.
+    assert must_publish(replace(last, rate=0.0), at(0.5, rate=1.0), heartbeat=3.0, tolerance=5)
