@@ -11,6 +11,8 @@ has across attempts, so a broken connection or a failed attempt never costs a by
 2. *Manifest*: the layout header, the chunk hashes and the metadata, from one donor of that root; the
    root is recomputed from them (it commits to the epoch, the layout and every hash), so a donor cannot
    change any of it. Destination tensors are allocated from the layout (pages untouched until written).
+   The chunks the peer's own state already holds (same layout, same hash at the same place: after a
+   streaming step, all but one fragment's) are copied from it and checked again (:func:`fill_from`).
 3. *Chunks*: each donor of the root gets ``STREAMS_PER_DONOR`` workers that take runs of missing chunks
    from one shared queue (fast donors simply take more), stream them, hash each chunk the moment it is
    complete and copy it into the destination tensors. A donor that goes ``chunk_timeout`` seconds
@@ -28,7 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +51,7 @@ from .statesync import (
     STATE_INFO,
     STATE_MANIFEST,
     ChunksReq,
+    LiveState,
     ManifestReq,
     StateInfo,
     StateInfoReq,
@@ -92,6 +95,7 @@ class Partial:
     tensors: list[torch.Tensor]
     have: bytearray
     received: int = 0
+    reused: int = 0  # of ``received``: bytes copied from this peer's own state (see ``fill_from``)
 
     @property
     def complete(self) -> bool:
@@ -193,9 +197,16 @@ class Fetcher:
         self.failures.append(f"{peer.short()}: {why}")
 
     async def fetch(
-        self, donors: Sequence[PeerProgress], *, want_epoch: int, expected: Callable[[int], bytes]
+        self,
+        donors: Sequence[PeerProgress],
+        *,
+        want_epoch: int,
+        expected: Callable[[int], bytes],
+        reuse: Callable[[Partial], Awaitable[None]] | None = None,
     ) -> Downloaded:
-        """Download the state of an epoch >= ``want_epoch`` whose root is ``expected(epoch)``."""
+        """Download the state of an epoch >= ``want_epoch`` whose root is ``expected(epoch)``.
+        ``reuse`` fills a new download's chunks that are at hand (see :func:`fill_from`) before any is
+        fetched."""
         self.failures = []
         began = time.monotonic()
         offers = await self._offers(donors, want_epoch)
@@ -214,6 +225,8 @@ class Fetcher:
             self.partial = None  # a state nobody serves any more: its memory goes
             partial = await self._manifest(chosen)
             self.partial = partial
+            if reuse is not None:
+                await reuse(partial)
         await self._chunks(partial, chosen[: self.max_donors])
         if not partial.complete:
             missing = partial.layout.chunks - sum(partial.have)
@@ -224,13 +237,15 @@ class Fetcher:
         lay.check_bool_entries(partial.layout, partial.tensors)
         used = sorted((o for o in chosen if o.delivered), key=lambda o: -o.delivered)
         took = time.monotonic() - began
+        fetched = partial.layout.size - partial.reused
         log.info(
-            "downloaded step %d's state (%.1f MB) from %d donor(s) in %.1f s (%.1f MB/s): %s",
+            "downloaded step %d's state (%.1f MB%s) from %d donor(s) in %.1f s (%.1f MB/s): %s",
             partial.epoch,
-            partial.layout.size / 1e6,
+            fetched / 1e6,
+            f"; {partial.reused / 1e6:.1f} MB more were already here" if partial.reused else "",
             len(used),
             took,
-            partial.layout.size / 1e6 / max(took, 1e-9),
+            fetched / 1e6 / max(took, 1e-9),
             ", ".join(f"{o.donor.peer.short()} {o.delivered / 1e6:.1f} MB" for o in used),
         )
         return Downloaded(
@@ -404,3 +419,27 @@ class Fetcher:
                 self.on_progress(partial.received, partial.layout.size)
             with trio.fail_after(self.chunk_timeout):
                 await stream.response()
+
+
+def fill_from(partial: Partial, live: LiveState) -> int:
+    """Copy into ``partial`` the chunks this peer's own state already holds, and return their bytes: a
+    chunk whose hash the verified manifest lists at the same place of the same layout. After a streaming
+    step only one fragment's chunks (and its momentum's) differ, so a peer left out of that step fetches
+    those alone. Each copied chunk is hashed again (the local state must still be what its hashes say);
+    one that does not match is left to the donors. Reads the live tensors: run it while they are held."""
+    if live.hashes is None or live.layout.header != partial.layout.header:
+        return 0
+    reused = 0
+    for i, want in enumerate(partial.hashes):
+        if partial.have[i] or live.hashes[i] != want:
+            continue
+        data = b"".join(lay.chunk_pieces(live.layout, live.tensors, i, live.source))
+        if lay.hash_chunk([data]) != want:
+            continue
+        lay.place(partial.layout, partial.tensors, i, memoryview(data))
+        partial.have[i] = 1
+        size = partial.layout.chunk_size(i)
+        partial.received += size
+        partial.reused += size
+        reused += size
+    return reused

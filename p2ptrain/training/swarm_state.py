@@ -31,7 +31,7 @@ from . import layout as lay
 from . import state, statesync
 from .buffers import ParamBuffer
 from .feedback import FEEDBACK, ErrorFeedback
-from .fetch import Downloaded, Fetcher
+from .fetch import Downloaded, Fetcher, Partial, fill_from
 from .offheap import FileTensors
 from .progress import PeerProgress, SwarmView, vouched_digest
 from .statesync import LiveState, Snapshot, StateServer
@@ -293,13 +293,21 @@ class SwarmState:
 
         async def run() -> None:
             try:
-                flight.outcome = await self.fetcher.fetch(view.donors, want_epoch=want, expected=expected)
+                flight.outcome = await self.fetcher.fetch(
+                    view.donors, want_epoch=want, expected=expected, reuse=self._reuse
+                )
             except P2PError as e:
                 flight.outcome = e
             finally:
                 flight.done.set()
 
         self._nursery.start_soon(run)
+
+    async def _reuse(self, partial: Partial) -> None:
+        """Copy the chunks of a new download that this peer's own state holds (``fetch.fill_from``)."""
+        live = self._live()
+        if live.hashes is not None:
+            await self._read_in_thread(fill_from, partial, live)
 
     def _land_download(self) -> bool:
         """Apply a background download once it is in; True when the state was replaced."""

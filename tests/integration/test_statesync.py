@@ -148,6 +148,37 @@ async def test_a_transfer_far_longer_than_any_fixed_deadline_completes(autojump_
         assert joiner.opt.digest == donor.opt.digest
 
 
+async def test_a_peer_fetches_only_the_chunks_its_own_state_lacks(autojump_clock: object) -> None:
+    """As after a streaming step it missed: the joiner holds the donor's state but for one tensor."""
+    async with swarm(run_config("sync")) as s:
+        (donor,), joiner = await donors_and_joiner(s, 1)
+        tensors, meta = donor.opt.capture()
+        joiner.opt.restore(tensors, meta)
+        last = [name for name in tensors if name.endswith(".bias")][-1]  # a few bytes: one chunk
+        tensors[last] = tensors[last] + 1.0
+        donor.opt.restore(tensors, meta)
+        assert donor.opt.digest != joiner.opt.digest
+        f = fetcher(joiner)
+        got = await f.fetch(
+            records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=joiner.opt._reuse
+        )
+        size = sum(t.numel() * t.element_size() for t in got.tensors.values())
+        assert 0 < got.delivered[donor.node.peer_id] <= layout.CHUNK < size / 4
+        assert chunks_served(donor) == 1
+        joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert joiner.opt.digest == donor.opt.digest
+
+        # A fresh peer's state has another layout (its optimizer holds no moments yet): it reuses
+        # nothing, and downloads the whole state.
+        fresh = await s.start(train=False)
+        got = await fetcher(fresh).fetch(
+            records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=fresh.opt._reuse
+        )
+        assert sum(got.delivered.values()) == size
+        fresh.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert fresh.opt.digest == donor.opt.digest
+
+
 async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
     autojump_clock: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
