@@ -60,13 +60,11 @@ def answer(entries: list[Entry], known: bytes, nonce: bytes) -> tuple[list[Entry
     mask = bytearray((len(tags) + 7) // 8)
     held = []
     for i, t in enumerate(tags):
-        e = mine.get(t)
+        e = mine.pop(t, None)
         if e is not None:
             mask[i // 8] |= 1 << (i % 8)
             held.append(e)
-    named = {tag(e) for e in held}
-    send = [e for t, e in mine.items() if t not in named]
-    return send, bytes(mask), proof(nonce, held) if held else b""
+    return list(mine.values()), bytes(mask), proof(nonce, held) if held else b""
 
 
 def held_entries(known: Sequence[Entry], mask: bytes, given: bytes, nonce: bytes) -> list[Entry]:

@@ -410,17 +410,16 @@ class DHT:
         return True
 
     async def _query(
-        self, contact: Contact, target: bytes, value: bool, known: list[Entry]
+        self, contact: Contact, target: bytes, value: bool, known: list[Entry], tags: bytes
     ) -> tuple[list[Contact], list[Entry], bool, Contact | None, str]:
         """Ask ``contact``; returns its contacts, the entries it sent, whether it proved it holds some
-        of ``known`` (those it was told to leave out), the contact the connection proved, and the address
-        the connection runs to (whatever the contact claimed)."""
+        of ``known`` (those it was told to leave out, by their ``tags``), the contact the connection
+        proved, and the address the connection runs to (whatever the contact claimed)."""
         held = False
         with trio.fail_after(self.config.rpc_timeout):
             conn = await self.host.connect(contact.address)
             if value:
                 nonce = self.rng.randbytes(NONCE_BYTES) if known else b""
-                tags = b"".join(tag(e) for e in known)
                 reply = await conn.call_with_body(
                     FIND_VALUE,
                     FindValueReq(target, self._sender(), tags, nonce),
@@ -451,6 +450,7 @@ class DHT:
         )
         found: list[Entry] = []
         cached = cached or []
+        tags = b"".join(tag(e) for e in cached)  # once per lookup, not per query
         # Who answered with entries, by origin (/24, /64; a loopback address alone): ids are free, so
         # three ids of one subnet next to a key are one answer, not a quorum that ends the lookup on
         # what they chose to show (they cannot forge signed entries, but they can leave some out).
@@ -466,7 +466,7 @@ class DHT:
             known = self.table.get(contact.peer_id)
             try:
                 contacts, entries, held, proven, remote = await self._query(
-                    known or contact, target, value, cached
+                    known or contact, target, value, cached, tags
                 )
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
