@@ -5,8 +5,8 @@ The public API is what this module re-exports; everything else is internal and m
 
 __version__ = "0.1.0"
 
-from .averaging import Averager, AveragerConfig, Compression, RoundResult
-from .config import RunConfig, load_config
+from typing import TYPE_CHECKING, Any
+
 from .dht import DHT, DHTConfig, owned_subkey
 from .errors import (
     CallRefused,
@@ -40,10 +40,44 @@ from .net import (
     RpcRegistry,
     RpcStream,
 )
-from .node import BackgroundNode, Node, NodeConfig
-from .tasks import Task, load_task
-from .training.collaborative import CollaborativeOptimizer, SyncCollaborativeOptimizer
 from .wire import Message, bounded
+
+if TYPE_CHECKING:
+    from .averaging import Averager, AveragerConfig, Compression, RoundResult
+    from .config import RunConfig, load_config
+    from .node import BackgroundNode, Node, NodeConfig
+    from .tasks import Task, load_task
+    from .training.collaborative import CollaborativeOptimizer, SyncCollaborativeOptimizer
+
+# The training stack (torch) is imported on first use, so that the light commands (``p2ptrain id``,
+# ``ping``, ``peers``, ``status``) start in a fraction of a second.
+_LAZY = {
+    "Averager": "averaging",
+    "AveragerConfig": "averaging",
+    "Compression": "averaging",
+    "RoundResult": "averaging",
+    "RunConfig": "config",
+    "load_config": "config",
+    "BackgroundNode": "node",
+    "Node": "node",
+    "NodeConfig": "node",
+    "Task": "tasks",
+    "load_task": "tasks",
+    "CollaborativeOptimizer": "training.collaborative",
+    "SyncCollaborativeOptimizer": "training.collaborative",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DHT",

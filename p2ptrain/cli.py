@@ -16,26 +16,22 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import trio
 from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .averaging import AveragerConfig, Compression
 from .dht.peers import Member, list_members
 from .dht.service import DHT, DHTConfig
 from .errors import ConfigError, IdentityError, P2PError, PeerUnavailable, RemoteProtocolError
 from .identity import Identity, load_identity, load_or_create_identity, save_identity
 from .net.address import PeerAddress
 from .net.host import Host
-from .node import (
+from .nodebase import (
     PING,
     STATUS,
-    Node,
-    NodeConfig,
     PingRequest,
     StatusRequest,
     default_data_dir,
@@ -44,6 +40,10 @@ from .node import (
     parse_listen,
     validate_run_id,
 )
+
+if TYPE_CHECKING:  # (the training stack, torch included, is imported by the commands that run it)
+    from .averaging import AveragerConfig
+    from .node import Node, NodeConfig
 
 log = logging.getLogger("p2ptrain")
 T = TypeVar("T")
@@ -186,6 +186,9 @@ def _metrics_address(port: int | None) -> tuple[str, int] | None:
 
 
 def _node_config(args: argparse.Namespace, averaging: AveragerConfig | None = None) -> NodeConfig:
+    from .averaging import AveragerConfig
+    from .node import NodeConfig
+
     announce_host, announce_port = _announce(args.announce)
     data_dir = Path(args.data_dir) if args.data_dir else None if args.identity else default_data_dir()
     if data_dir is not None:
@@ -258,11 +261,16 @@ def cmd_node(args: argparse.Namespace) -> int:
         from .train_cli import train_node
 
         return train_node(args)
+    from .node import Node
+
     _run_node(_serve_node, Node(_node_identity(args), _node_config(args)))
     return 0
 
 
 def cmd_average(args: argparse.Namespace) -> int:
+    from .averaging import AveragerConfig
+    from .node import Node
+
     try:
         averaging = AveragerConfig(
             target_size=args.group_size,
@@ -281,6 +289,8 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 async def _average_rounds(node: Node, args: argparse.Namespace) -> int:
+    import torch
+
     from .averaging.synthetic import run_rounds
 
     # Chunk-sized tensor ops gain nothing from a thread pool, and pools of processes sharing cores
@@ -722,7 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--bandwidth", type=float, default=0.0, help="this host's MB/s, sets its share (default 0: measure)"
     )
-    s.add_argument("--compression", default="none", choices=[c.value for c in Compression])
+    s.add_argument(
+        "--compression", default="none", help="none, fp16, bf16, int8 or a top-k mode such as topk1-q2"
+    )
     s.add_argument("--wait-peers", type=int, default=1, help="start once this many members are known")
     s.set_defaults(func=cmd_average)
 

@@ -97,7 +97,7 @@ def train_node(args: argparse.Namespace) -> int:
     identity = _node_identity(args)
     data_dir = Path(args.data_dir) if args.data_dir else None
     if data_dir is None and args.identity is None:
-        from .node import default_data_dir
+        from .nodebase import default_data_dir
 
         data_dir = default_data_dir()
     node_config = _node_config(args, averaging)

@@ -29,7 +29,8 @@ import torch
 from ..config import RunConfig
 from ..identity import Identity, load_identity, save_identity
 from ..net.address import PeerAddress
-from ..node import BackgroundNode, NodeConfig, averaging_settings, id_work, lock_data_dir, parse_listen
+from ..node import BackgroundNode, NodeConfig, averaging_settings, id_work
+from ..nodebase import lock_data_dir, parse_listen
 from ..training.collaborative import SyncCollaborativeOptimizer
 
 

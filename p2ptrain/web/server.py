@@ -26,6 +26,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from ..metrics import CONTENT_TYPE, render
+from ..nodebase import public_status
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,6 @@ class WebApp:
                 return 200, b"ok\n", "text/plain"
             return 503, f"{current.get('state', 'unknown')}\n".encode(), "text/plain"
         if path == "/api/status":
-            from ..node import public_status  # (the node imports this module)
-
             # (the public form is JSON already: NaN and infinities read back as None)
             shown = json.loads(public_status(dict(current)), parse_constant=lambda _: None)
             body = json.dumps({"status": shown, "history": self.history.json()})

@@ -10,7 +10,7 @@ import trio
 from p2ptrain.identity import Identity
 from p2ptrain.net.address import PeerAddress
 from p2ptrain.net.host import Host
-from p2ptrain.node import PING, PingRequest
+from p2ptrain.nodebase import PING, PingRequest
 
 
 def _has_ipv6_loopback() -> bool:

@@ -1,10 +1,11 @@
 """DHT swarms in one trio run over the in-memory network, under the autojump MockClock.
 
-What is proved here: a 64-node swarm routes (every node finds every other) and stores (500 keys written
-from random nodes are readable from every node, and still from every survivor after a quarter of the
-swarm dies); dictionary records merge subkeys from many writers; a client-only node works through others
-without ever entering a routing table; reachability is detected by dial-back at bootstrap; and Nodes
-joined in a chain all come to list the whole run in their peer list.
+What is proved here: a 64-node swarm routes (every node finds 16 others picked at random) and stores (500
+keys written from random nodes are readable from every node, each reading its eighth of them, and still
+from every survivor after a quarter of the swarm dies); dictionary records merge subkeys from many
+writers; a client-only node works through others without ever entering a routing table; reachability is
+detected by dial-back at bootstrap; and Nodes joined in a chain all come to list the whole run in their
+peer list.
 
 Every node gets a deterministic identity and DHT seed, and ``clock=trio.current_time`` so that record
 expiry runs on the virtual clock. Timeouts cost no wall time under autojump.
@@ -113,9 +114,10 @@ SWARM_SIZE = 64
 KEYS = 500
 # k = 10 in a 64-node swarm leaves routing tables partial, so finding a peer often takes a multi-hop
 # lookup. Reads use one query at a time and one replica: a read is still an iterative lookup from the
-# reader's own routing table, but costs about one RPC instead of three. Each node reads a quarter of the
-# keys (every key is read by 16 nodes before the kill and by about 12 after): 14,000 reads in all.
-READ_SHARE = 4
+# reader's own routing table, but costs about one RPC instead of three. Each node reads an eighth of the
+# keys (every key is read by 8 nodes before the kill and by about 6 after): 7,000 reads in all.
+READ_SHARE = 8
+FIND_TARGETS = 16
 SWARM_CONFIG = DHTConfig(k=10, replication=10, alpha=1)
 
 
@@ -147,18 +149,17 @@ async def test_64_node_swarm_routes_stores_and_survives_losing_a_quarter(autojum
             nodes = swarm.nodes
             assert not any(n.dht.client_only for n in nodes)
 
-            # Routing: every node finds every other, at the address that node advertises. Peers a node
-            # does not know yet take an iterative lookup; count those so the check is not vacuous.
+            # Routing: every node finds others chosen at random (FIND_TARGETS each, the same pairs every
+            # run), at the address each advertises. Peers a node does not know yet take an iterative
+            # lookup; count those so the check is not vacuous.
             looked_up = 0
             for a in nodes:
-                for b in nodes:
-                    if a is b:
-                        continue
+                for b in rng.sample([n for n in nodes if n is not a], FIND_TARGETS):
                     looked_up += b.host.peer_id not in a.dht.table
                     found = await a.dht.find_peer(b.host.peer_id)
                     assert found is not None, f"{a.name} cannot find {b.name}"
                     assert found.address == b.address
-            assert looked_up > SWARM_SIZE * 10  # routing tables are partial: many pairs took a lookup
+            assert looked_up > SWARM_SIZE * 3  # routing tables are partial: many pairs took a lookup
 
             # Storage: 500 keys, each from a random node, reach the full replication factor ...
             keys = {f"key-{j}".encode(): f"value-{j}-{rng.random()}".encode() for j in range(KEYS)}

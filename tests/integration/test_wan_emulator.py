@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from p2ptrain import Identity, Node, NodeConfig
-from p2ptrain.node import PING, PingRequest
+from p2ptrain.nodebase import PING, PingRequest
 from simulations.wan import LinkProfile, TokenBucket, WanSwitch
 from simulations.wan_check import measure
 

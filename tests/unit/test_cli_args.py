@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -68,3 +70,26 @@ def test_the_tools_options_say_what_they_do(command: str) -> None:
         assert action.help, f"{command} {option} has no help text"
     run_id = next(a for a in sub._actions if "--run-id" in a.option_strings)
     assert "[run] id" in str(run_id.help)  # where a training node's run id comes from
+
+
+def test_the_light_commands_start_without_the_training_stack() -> None:
+    """``p2ptrain id``, ``keygen``, ``ping``, ``peers``, ``status`` load the command line and the network
+    only: importing torch took seconds on every call (and in every test that runs one)."""
+    probe = (
+        "import sys, p2ptrain, p2ptrain.cli; p2ptrain.cli.build_parser();"
+        " print(sorted(m for m in ('torch', 'p2ptrain.node') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_package_still_offers_its_whole_api() -> None:
+    import p2ptrain
+
+    for name in p2ptrain.__all__:
+        assert getattr(p2ptrain, name) is not None, name
+    assert p2ptrain.Node.__module__ == "p2ptrain.node"
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        p2ptrain.Nope  # noqa: B018
