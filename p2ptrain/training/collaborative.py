@@ -937,11 +937,14 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
     def _claim(self, samples: int) -> float:
         """The weight this peer claims for ``samples`` in a round: the true count, but no more than a
         reducer accepts for what this peer's own signed records make plausible (every reducer refuses a
-        slice over ``WEIGHT_SLACK`` times that: the peer would be left out). The coordinator then caps
-        it at what it finds plausible itself. Samples beyond the claim still went into the values sent."""
+        slice over ``WEIGHT_SLACK`` times that: the peer would be left out), nor than it accepts from a
+        peer whose record of this step it has not read yet (the whole target: a fast peer's first step,
+        hundreds of samples gathered while the group formed, was refused whole). The coordinator then
+        caps it at what it finds plausible itself. Samples beyond the claim still went into the values
+        sent."""
         cap = self._weight_cap(self.node.peer_id)
         target = float(self.config.training.target_batch_size)
-        return min(float(samples), WEIGHT_SLACK * (target if cap is None else cap))
+        return min(float(samples), WEIGHT_SLACK * (target if cap is None else min(cap, target)))
 
     def _weight_cap(self, peer: PeerID) -> float | None:
         """The most samples ``peer`` may count for in a round this peer coordinates: what its signed

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from test_training import check_identical_per_epoch, run_config, swarm
 
+from p2ptrain.averaging.agreement import WEIGHT_SLACK
 from p2ptrain.identity import PeerID
 from p2ptrain.testing import sybils
 from p2ptrain.training.progress import PeerProgress, ProgressRecord
@@ -167,3 +168,26 @@ async def test_a_round_that_lost_the_peers_it_needed_to_fresh_keys_is_not_applie
             assert (why == "") == applied, (contributors, why)
         me.opt._quorums[b"r"] = quorum
         assert "1 of the 2 peers" in me.opt._short_of_quorum(b"r", result([0, 2]))
+
+
+async def test_a_peer_claims_no_more_than_a_reducer_without_its_record_allows(autojump_clock: object) -> None:
+    """A reducer that has not read a peer's record of this step yet allows it the whole target (times
+    the slack). A fast peer's first step gathered hundreds of samples while the group formed and claimed
+    them on the strength of its own records: "weight 504 is over 2 x the 48 its records make
+    plausible", and its whole contribution was left out of the round."""
+    async with swarm(run_config("sync")) as s:
+        peer = await s.start(compute=0.1)
+        await s.until(lambda: peer.opt.epoch >= 1, timeout=120)
+        opt = peer.opt
+        target = float(opt.config.training.target_batch_size)
+        now = opt.clock()
+        fast = ProgressRecord(
+            epoch=opt.epoch, samples=0, rate=100 * target, time=now, since=now - 5.0, run=opt.fingerprint
+        )
+        opt.records = [r for r in opt.records if r.peer != opt.node.peer_id] + [
+            PeerProgress(opt.node.peer_id, fast)
+        ]
+        assert (opt._weight_cap(opt.node.peer_id) or 0.0) > 10 * target  # its own records: plausible
+        claimed = opt._claim(int(20 * target))
+        assert target <= claimed <= WEIGHT_SLACK * target  # what every reducer accepts, record or not
+        assert opt._claim(int(target / 2)) == int(target / 2)  # (a claim within reach is the true count)
