@@ -14,6 +14,11 @@ The reader merges what it holds with what arrived: an entry it verified stays va
 whichever replica still has it, and a newer entry of the same subkey wins the merge as before. A tag
 is a hash of the whole entry (signature included), so an entry the reader lacks is never left out
 unless it collides with one it holds in 64 bits.
+
+Offers: an author may also push its new entry straight to the peers that read the key (a training
+peer's partners, see ``DHT.store(offer_to=...)``). A peer takes an offered entry only for a key it
+reads, only signed by the owner of its subkey, and merges it here as if a read had returned it, so the
+next read names it too; readers then read the replicas far less often (``DHT.held`` answers between).
 """
 
 from __future__ import annotations
@@ -96,6 +101,28 @@ class ReadCache:
         self._bytes += size
         while self._keys and (len(self._keys) > MAX_CACHED_KEYS or self._bytes > MAX_CACHED_BYTES):
             self._drop(next(iter(self._keys)))
+
+    def reads(self, kid: bytes) -> bool:
+        """Whether this node read ``kid`` lately (only such keys take offered entries)."""
+        return kid in self._keys
+
+    def offer(self, kid: bytes, entries: Sequence[Entry], now: float) -> int:
+        """Merge verified ``entries`` of a key this node reads (pushed to it by their authors, see
+        ``DHT.store(offer_to=...)``): a newer entry replaces the subkey's, expired ones go. Returns how
+        many were taken."""
+        held = self._keys.get(kid)
+        if held is None:
+            return 0
+        by_subkey = {e.subkey: e for e in held if e.expiry > now}
+        taken = 0
+        for e in entries:
+            old = by_subkey.get(e.subkey)
+            if e.expiry > now and (old is None or e.sort_key() > old.sort_key()):
+                by_subkey[e.subkey] = e
+                taken += 1
+        if taken:
+            self.update(kid, list(by_subkey.values()))
+        return taken
 
     def _drop(self, kid: bytes) -> None:
         old = self._keys.pop(kid, None)

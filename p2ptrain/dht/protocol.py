@@ -25,6 +25,7 @@ from .routing import Contact
 
 MAX_CONTACTS = 64
 MAX_ENTRIES_PER_CALL = 4096
+MAX_OFFERED = 8  # entries one offer may carry (an author offers its own new entry)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,16 @@ class StoreResp(Message):
 
 
 @dataclass(frozen=True)
+class OfferReq(Message):
+    """An author's new entries for a key the receiver reads (``dht.known``); they ride in the body."""
+
+
+@dataclass(frozen=True)
+class OfferResp(Message):
+    taken: int = bounded(0, ge=0, le=MAX_OFFERED)
+
+
+@dataclass(frozen=True)
 class DialBackReq(Message):
     addr: str = bounded(max_len=300)
 
@@ -109,6 +120,7 @@ FIND_NODE = Method("dht.find_node", FindNodeReq, NodesResp)
 FIND_VALUE = Method("dht.find_value", FindValueReq, ValueResp)  # entries ride in the reply body
 STORE = Method("dht.store", StoreReq, StoreResp)  # entries ride in the request body
 DIAL_BACK = Method("dht.dial_back", DialBackReq, DialBackResp)
+OFFER = Method("dht.offer", OfferReq, OfferResp)  # entries ride in the request body
 
 
 def encode_entries(entries: list[Entry]) -> bytes:

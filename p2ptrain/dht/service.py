@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -41,6 +41,8 @@ from .protocol import (
     DIAL_BACK,
     FIND_NODE,
     FIND_VALUE,
+    MAX_OFFERED,
+    OFFER,
     PING,
     STORE,
     ContactMsg,
@@ -49,6 +51,8 @@ from .protocol import (
     FindNodeReq,
     FindValueReq,
     NodesResp,
+    OfferReq,
+    OfferResp,
     PingReq,
     PingResp,
     StoreReq,
@@ -71,6 +75,7 @@ from .records import (
     make_entry,
     merge,
     origin_of,
+    owner_of,
     verify_entry,
 )
 from .routing import Contact, RoutingTable
@@ -79,6 +84,10 @@ log = logging.getLogger(__name__)
 
 MAX_SEEN = 32  # recently known contacts kept to bootstrap from when the table runs empty
 RECHECK_EVERY = 600.0  # seconds between two dial-back checks of this node's reachability
+OFFERS_PER_MINUTE = 120  # offers taken from one peer (the rest are answered 0: reads find them)
+MAX_OFFERING_PEERS = 1024
+MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers (see _replicas) ...
+TARGETS_TTL = 30.0  # ... for this many seconds
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,8 @@ class DHT:
         self.rng = random.Random(seed)
         self._published: dict[tuple[bytes, bytes], _Published] = {}
         self._read = ReadCache()  # what this node read last: replicas leave those entries out
+        self._offers: OrderedDict[PeerID, deque[float]] = OrderedDict()  # when each peer last offered
+        self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
         self.bootstrapped = trio.Event()
@@ -152,6 +163,7 @@ class DHT:
         reg.add_unary(FIND_VALUE, self._on_find_value)
         reg.add_unary(STORE, self._on_store)
         reg.add_unary(DIAL_BACK, self._on_dial_back)
+        reg.add_unary(OFFER, self._on_offer)
 
     @property
     def peer_id(self) -> PeerID:
@@ -383,6 +395,34 @@ class DHT:
             log.info("refused %d record(s) from %s: %s", len(refused), ctx.peer.short(), refused[0])
         return StoreResp(stored, tuple(refused[:64]))
 
+    async def _on_offer(self, ctx: CallContext, req: OfferReq) -> OfferResp:
+        """Entries of a key this node reads, pushed by their authors (see ``store(offer_to=...)``):
+        taken only when signed by the owner of their subkey (and admitted, in a run with authors)."""
+        now = self.clock()
+        recent = self._offers.pop(ctx.peer, None) or deque()
+        while recent and recent[0] <= now - 60.0:
+            recent.popleft()
+        self._offers[ctx.peer] = recent
+        while len(self._offers) > MAX_OFFERING_PEERS:
+            self._offers.popitem(last=False)
+        if len(recent) >= OFFERS_PER_MINUTE:
+            return OfferResp(0)
+        recent.append(now)
+        entries = decode_entries(ctx.body)
+        if len(entries) > MAX_OFFERED:
+            raise RemoteProtocolError(f"an offer carries at most {MAX_OFFERED} entries")
+        taken = 0
+        for entry in entries:
+            kid = key_id(entry.key)
+            if owner_of(entry.key, entry.subkey) is None or not self._read.reads(kid):
+                continue  # (an unowned entry is anyone's to write: only replicas speak for it)
+            try:
+                check_entry(entry, now, self.config.limits)
+            except RecordRefused:
+                continue
+            taken += self._read.offer(kid, _verified([entry], kid, self.authors, now), now)
+        return OfferResp(taken)
+
     async def _on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:
         try:
             addr = PeerAddress.parse(req.addr)
@@ -524,11 +564,13 @@ class DHT:
         subkey: bytes = b"",
         sign: bool = False,
         republish: bool = False,
+        offer_to: Sequence[PeerAddress] = (),
     ) -> int:
         """Store on the ``replication`` closest peers (and here, if we are among them).
 
         Returns how many replicas accepted it. With ``republish`` this node re-publishes the value
-        every ``republish_interval`` until :meth:`unpublish`.
+        every ``republish_interval`` until :meth:`unpublish`. ``offer_to``: peers that read the key,
+        sent the (signed, owned) entry at the same time, so that they need not read it (see ``known``).
         """
         now, authors = self.clock(), self.authors
         signer = self.host.identity if sign or authors is not None else None  # (then every entry is signed)
@@ -539,13 +581,45 @@ class DHT:
             self._published[(key, subkey)] = _Published(
                 value, ttl, subkey, sign, now + self.config.republish_interval
             )
-        return await self._store_entries(key_id(key), [entry])
+        if not offer_to:
+            return await self._store_entries(key_id(key), [entry])
+        accepted = 0
+
+        async def replicas() -> None:
+            nonlocal accepted
+            accepted = await self._store_entries(key_id(key), [entry])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(replicas)
+            for addr in offer_to:
+                nursery.start_soon(self._offer, addr, entry)
+        return accepted
+
+    async def _offer(self, addr: PeerAddress, entry: Entry) -> None:
+        try:
+            with trio.fail_after(self.config.rpc_timeout):
+                conn = await self.host.connect(addr)
+                body = encode_entries([entry])
+                await conn.call(OFFER, OfferReq(), body=body, timeout=self.config.rpc_timeout)
+        except (P2PError, trio.TooSlowError) as e:
+            log.debug("offer to %s failed: %s", addr, e)
+
+    def held(self, key: bytes) -> dict[bytes, Entry]:
+        """What a read of ``key`` would start from, without asking anyone: the entries held here as a
+        replica, and those read or offered lately (see ``known``), verified, live, merged."""
+        kid, now = key_id(key), self.clock()
+        entries = _verified(self.records.get(kid, now), kid, self.authors, now)
+        known = self._read.known(kid, now)
+        if self.authors is not None:
+            known = _verified(known, kid, self.authors, now)
+        latest = now + self.config.limits.max_ttl + self.config.limits.clock_skew
+        return merge([e for e in entries + known if now < e.expiry <= latest])
 
     def unpublish(self, key: bytes, subkey: bytes = b"") -> None:
         self._published.pop((key, subkey), None)
 
     async def _store_entries(self, kid: bytes, entries: list[Entry]) -> int:
-        targets = (await self.find_node(kid))[: self.config.replication]
+        targets = await self._replicas(kid)
         accepted = 0
         if self.serving and self._among_closest(kid, targets):
             for e in entries:
@@ -564,7 +638,24 @@ class DHT:
         async with trio.open_nursery() as nursery:
             for contact in targets:
                 nursery.start_soon(push, contact)
+        if accepted < len(targets):
+            self._targets.pop(kid, None)  # a replica failed or refused: look them up again next time
         return accepted
+
+    async def _replicas(self, kid: bytes) -> list[Contact]:
+        """The peers to store a key on: its ``replication`` closest, looked up once per
+        ``TARGETS_TTL`` (a peer publishing a record every few seconds looked them up every time), and
+        again after a store that a replica failed or refused. (Peers that join closer to the key meanwhile
+        get the record from ``_replicate``.)"""
+        now = self.clock()
+        cached = self._targets.get(kid)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        targets = (await self.find_node(kid))[: self.config.replication]
+        self._targets[kid] = (now + TARGETS_TTL, targets)
+        while len(self._targets) > MAX_TARGET_KEYS:
+            self._targets.pop(next(iter(self._targets)))
+        return targets
 
     def _among_closest(self, kid: bytes, targets: list[Contact]) -> bool:
         if len(targets) < self.config.replication:
@@ -611,6 +702,7 @@ class DHT:
         now, limits = self.clock(), self.config.limits
         latest = now + limits.max_ttl + limits.clock_skew
         good = _verified(local + found, kid, self.authors, now)
+        known = self._read.known(kid, now)  # (again: with what was offered during the read)
         if self.authors is not None:  # (a certificate may have expired since: check the authors again)
             known = _verified(known, kid, self.authors, now)
         merged = merge([e for e in good + known if now < e.expiry <= latest])

@@ -85,6 +85,7 @@ FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is 
 MAX_REFUSED = 1024
 PROBE_TIMEOUT = 5.0  # seconds a peer alone waits for a ping's answer before it counts as out of touch
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
+MAX_OFFERS = 32  # partners a new record goes to directly (the others read it from the DHT)
 
 
 @dataclass
@@ -194,6 +195,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         self._publish_now = trio.Event()
         self._published: ProgressRecord | None = None  # the last record that went out
         self._records_read = trio.Event()
+        self._asked_at = -math.inf  # when the replicas were last read (see _ask_replicas)
         self._met_swarm = False  # records were read once the DHT had bootstrapped (see _may_step_alone)
         self._nursery: trio.Nursery | None = None
         self._version = 0  # bumped whenever the state changes
@@ -266,7 +268,7 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
             tolerance = max(self.config.training.target_batch_size / 16, 1.0)
             if now or must_publish(self._published, record, self._heartbeat, tolerance):
                 await self._publish(record)
-            await self.refresh()
+            await self.refresh(network=self._ask_replicas())
             if self.clock() >= next_bans:
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
@@ -283,6 +285,41 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
         if view is None or view.behind or not math.isfinite(view.eta):
             return interval
         return min(max(interval, (view.eta - self._lead) / 4), self._heartbeat)
+
+    def _ask_replicas(self) -> bool:
+        """Whether the next read asks the DHT's replicas, or reads what this peer holds: its last read,
+        and the records its partners offered it since (each peer sends its new records to the peers
+        it trains with, see ``_offer_to``). The replicas are asked once a record's life (``ttl``: a
+        newcomer offers its records to the peers it read, so they hear of it before), and whenever this
+        peer's view is unsure (none yet, alone, behind), for peers it does not know yet and for offers
+        that did not arrive: a partner's record older than its heartbeats allow was not offered."""
+        view, now = self.view, self.clock()
+        if view is None or view.behind or view.peers <= 1 or now - self._asked_at >= self.config.progress.ttl:
+            return True
+        late = 2 * self._heartbeat + self.config.progress.interval  # (a loop's wait past a heartbeat)
+        offered = {a.peer_id for a in self._offer_to()}  # (this run's, trusted, not leaving: they offer)
+        return any(now - r.record.time > late for r in self.records if r.peer in offered)
+
+    def _offer_to(self) -> list[PeerAddress]:
+        """Where this peer's new records go directly: the averagers of the partners whose records it
+        read (trusted ones only, where it trusts some), newest records first, at most ``MAX_OFFERS``."""
+        trusted = self.trusted()
+        out: list[PeerAddress] = []
+        for r in sorted(self.records, key=lambda r: -r.record.time):
+            rec = r.record
+            if r.peer == self.node.peer_id or rec.leaving or rec.run != self.fingerprint or not rec.addr:
+                continue
+            if trusted is not None and r.peer not in trusted:
+                continue
+            try:
+                addr = PeerAddress.parse(rec.addr)
+            except ValueError:
+                continue
+            if addr.peer_id == r.peer:
+                out.append(addr)
+            if len(out) >= MAX_OFFERS:
+                break
+        return out
 
     @property
     def _heartbeat(self) -> float:
@@ -319,19 +356,25 @@ class CollaborativeOptimizer(SwarmState, BanRecords):
                 ttl=self.config.progress.ttl,
                 subkey=owned_subkey(self.node.peer_id),
                 sign=True,
+                offer_to=self._offer_to(),
             )
         except P2PError as e:
             log.warning("could not publish progress: %s", e)
         else:
             self._published = record
 
-    async def refresh(self) -> None:
-        """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped)."""
-        try:
-            entries = await self.node.dht.get(self.key, quorum=3)
-        except P2PError as e:
-            log.info("could not read progress records: %s", e)
-            return
+    async def refresh(self, *, network: bool = True) -> None:
+        """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped);
+        ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
+        if network:
+            try:
+                entries = await self.node.dht.get(self.key, quorum=3)
+            except P2PError as e:
+                log.info("could not read progress records: %s", e)
+                return
+            self._asked_at = self.clock()
+        else:
+            entries = self.node.dht.held(self.key)
         records = []
         for subkey, entry in entries.items():
             peer = subkey_owner(subkey)

@@ -702,12 +702,12 @@ async def test_peers_that_lose_sight_of_each_other_for_a_while_do_not_step_apart
         for p in peers:
             real = p.opt.refresh
 
-            async def refresh(p: Peer = p, real: object = real) -> None:
+            async def refresh(p: Peer = p, real: object = real, **kwargs: object) -> None:
                 if blind.is_set():
                     p.opt.records = []  # as if every record of the run had expired
                     p.opt._update_view()
                     return
-                await real()  # type: ignore[operator]
+                await real(**kwargs)  # type: ignore[operator]
 
             p.opt.refresh = refresh  # type: ignore[method-assign]
         blind.set()

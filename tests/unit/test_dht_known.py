@@ -79,3 +79,18 @@ def test_the_read_cache_drops_expired_entries_and_stays_bounded():
     many = entries(1) * (MAX_KNOWN + 10)
     cache.update(b"many", many)
     assert len(cache.known(b"many", now=0.0)) == MAX_KNOWN
+
+
+def test_offered_entries_merge_only_into_keys_this_node_reads():
+    cache = ReadCache()
+    first = entries(2, expiry=100.0)
+    assert cache.offer(b"k" * 32, first, now=0.0) == 0  # a key this node never read takes nothing
+    assert not cache.reads(b"k" * 32)
+    cache.update(b"k" * 32, first)
+    newer = entries(1, expiry=150.0, value=b"newer")
+    older = entries(2, expiry=50.0, value=b"older")[1:]
+    assert cache.offer(b"k" * 32, [*newer, *older], now=0.0) == 1  # the newer one replaces; the older not
+    held = {e.subkey: e for e in cache.known(b"k" * 32, now=0.0)}
+    assert held[newer[0].subkey] == newer[0] and held[first[1].subkey] == first[1]
+    assert cache.offer(b"k" * 32, entries(3, expiry=10.0)[2:], now=20.0) == 0  # expired on arrival
+    assert len(cache.known(b"k" * 32, now=120.0)) == 1  # the others expired meanwhile

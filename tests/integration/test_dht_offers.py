@@ -1,0 +1,76 @@
+"""Offers (``DHT.store(offer_to=...)``): an author sends its new entry straight to the peers that read the
+key, which then hold it without a read. Only what its owner signed, only for keys the peer reads, and
+at a bounded rate: an offer is a shortcut past the replicas, never a way around the checks of a read.
+Over the in-memory network, on the virtual clock."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from test_dht_swarm import open_swarm
+
+from p2ptrain.dht import DHTConfig, key_id, owned_subkey
+from p2ptrain.dht.protocol import OFFER, OfferReq, encode_entries
+from p2ptrain.dht.records import make_entry
+from p2ptrain.dht.service import OFFERS_PER_MINUTE
+
+KEY = b"run/offers/progress"
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_an_offered_entry_is_held_without_a_read(autojump_clock: object) -> None:
+    with trio.fail_after(300):
+        async with open_swarm(DHTConfig()) as swarm:
+            nodes = [
+                await swarm.start(f"o{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(6)
+            ]
+            author, reader = nodes[1], nodes[2]
+            first = owned_subkey(author.host.peer_id)
+            await author.dht.store(KEY, b"step 1", ttl=60, subkey=first, sign=True)
+            assert (await reader.dht.get(KEY))[first].value == b"step 1"  # the reader reads the key
+
+            await author.dht.store(KEY, b"step 2", ttl=60, subkey=first, sign=True, offer_to=[reader.address])
+            assert reader.dht.held(KEY)[first].value == b"step 2"  # no read in between
+            # A peer that never read the key takes nothing offered (it would hold any key for anyone).
+            other = nodes[3]
+            await author.dht.store(KEY, b"step 3", ttl=60, subkey=first, sign=True, offer_to=[other.address])
+            assert not other.dht._read.reads(key_id(KEY))
+            assert reader.dht.held(KEY)[first].value == b"step 3"
+
+
+async def test_offers_that_are_not_their_owners_are_not_taken(autojump_clock: object) -> None:
+    with trio.fail_after(300):
+        async with open_swarm(DHTConfig()) as swarm:
+            nodes = [
+                await swarm.start(f"f{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(4)
+            ]
+            honest, liar, reader = nodes[1], nodes[2], nodes[3]
+            mine = owned_subkey(honest.host.peer_id)
+            await honest.dht.store(KEY, b"true", ttl=60, subkey=mine, sign=True)
+            assert (await reader.dht.get(KEY))[mine].value == b"true"
+            now = trio.current_time()
+            forged = [
+                make_entry(
+                    KEY, b"forged", now + 600, subkey=mine, signer=liar.host.identity
+                ),  # not its subkey
+                make_entry(KEY, b"anyone's", now + 600),  # unowned: only the replicas speak for it
+            ]
+            conn = await liar.host.connect(reader.address)
+            resp = await conn.call(OFFER, OfferReq(), body=encode_entries(forged), timeout=5)
+            assert resp.taken == 0
+            held = reader.dht.held(KEY)
+            assert held[mine].value == b"true" and b"" not in held
+            assert (await reader.dht.get(KEY))[mine].value == b"true"
+
+            # Its own entry, over and over: taken until the rate runs out, then answered 0.
+            own = owned_subkey(liar.host.peer_id)
+            taken = 0
+            for i in range(OFFERS_PER_MINUTE + 20):
+                entry = make_entry(KEY, b"%d" % i, now + 60 + i, subkey=own, signer=liar.host.identity)
+                taken += (await conn.call(OFFER, OfferReq(), body=encode_entries([entry]), timeout=5)).taken
+            assert taken == OFFERS_PER_MINUTE - 1  # (the forged offer above counted too)
+            await trio.sleep(61.0)
+            entry = make_entry(
+                KEY, b"later", trio.current_time() + 600, subkey=own, signer=liar.host.identity
+            )
+            assert (await conn.call(OFFER, OfferReq(), body=encode_entries([entry]), timeout=5)).taken == 1
