@@ -6,7 +6,11 @@ every auditor to fetch what it needs. A verdict against a peer bans it here at o
 reducer also keeps its :class:`~p2ptrain.averaging.audit.Proof` (at most ``MAX_PROOFS``), served to
 anyone who asks, and ``on_ban`` lets the owner publish the accusation. A ban someone else published is
 adopted only once its proof, fetched from the accuser, convicts (:meth:`Auditor.examine`); a proof that
-does not convict bans the accuser.
+does not convict bans the accuser. The accuser also tells the round's other members at once
+(``avg.accuse``): they are the peers the convicted reducer meets next, and a member that only learns of
+it from the ban records would put its slices into another round with it first. A member examines what it
+is told only about a round it kept, a partition that round's holder reduced, from another member of it,
+and fetches the proof from the address the accuser had in that round.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..net.rpc import CallContext
 from ..net.streams import RpcStream
 from .allreduce import RoundEvidence
 from .audit import Proof, Verdict, auditor_of, check_proof, judge, open_attestation
-from .protocol import AUDIT_SLICE, PROOF, PROOF_HEAD, Ack, FetchReq, ProofHead, SignedManifest
+from .protocol import ACCUSE, AUDIT_SLICE, PROOF, PROOF_HEAD, Ack, FetchReq, ProofHead, SignedManifest
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,8 @@ MAX_BANS = 1024
 MAX_PROOFS = 2  # proofs kept to serve (each about one fp32 copy of the model: a partition's slices)
 MAX_EXAMINED = 4096  # accusations examined once (whatever the outcome), not again
 PROOF_TIMEOUT = 60.0
+TELL_TIMEOUT = 10.0  # seconds to tell a member of a round about its convicted reducer
+MAX_TOLD = 4  # accusations we were told of waiting for their examination at most (one runs at a time)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,10 @@ class Auditor:
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self.on_ban: Callable[[PeerID, str], None] | None = None
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
+        self.nursery: trio.Nursery | None = None  # the owner's: examinations we are told of run there
+        self._told = 0  # examinations of what members told us, queued or running
+        self._examining = trio.Lock()
+        host.registry.add_unary(ACCUSE, self._on_accuse)
         host.registry.add_stream(AUDIT_SLICE, self._on_audit_slice)
         host.registry.add_unary(PROOF_HEAD, self._on_proof_head)
         host.registry.add_stream(PROOF, self._on_proof)
@@ -249,11 +259,69 @@ class Auditor:
                         self.proofs.popitem(last=False)
                     accusation = Accusation(offender, reason, evidence.digest, p)
                 self.ban(offender, reason, accusation=accusation)
+                if accusation is not None:
+                    await self._tell_members(evidence, offender, p)
             else:
                 log.info(
                     "audit of partition %d in round %s: %s", p, evidence.digest.hex()[:8], verdict.reason
                 )
         return verdicts
+
+    async def _tell_members(self, ev: RoundEvidence, offender: PeerID, p: int) -> None:
+        """Tell the round's other members (but the offender, and client-only ones: nobody dials those)
+        that we convicted the reducer of partition ``p``; each re-checks our proof itself."""
+        async with trio.open_nursery() as nursery:
+            for peer, address in zip(ev.peers, ev.addresses, strict=True):
+                if address and peer not in (self.host.peer_id, offender):
+                    nursery.start_soon(self._tell, peer, address, FetchReq(ev.digest, p))
+
+    async def _tell(self, peer: PeerID, address: str, req: FetchReq) -> None:
+        try:
+            with trio.fail_after(TELL_TIMEOUT):
+                conn = await self.host.connect(address)
+                ack = await conn.call(ACCUSE, req)
+            if not ack.ok:
+                log.info("told %s of the reducer we convicted: %s", peer.short(), ack.reason)
+        except (P2PError, trio.TooSlowError) as e:
+            log.info("could not tell %s of the reducer we convicted: %s", peer.short(), e)
+
+    async def _on_accuse(self, ctx: CallContext, req: FetchReq) -> Ack:
+        """A member of a round we kept says it convicted the reducer of one of its partitions. What we
+        kept names the accused and the accuser's address: the request names only the round."""
+        ev = self._kept.get(req.round)
+        if ev is None:
+            return Ack(False, NOT_KEPT)
+        if ctx.peer not in ev.peers:
+            raise RemoteProtocolError(f"{ctx.peer.short()} is not a member of this round")
+        holder = ev.holders.get(req.partition)
+        address = ev.addresses[ev.peers.index(ctx.peer)]
+        if holder is None or not address:
+            return Ack(False, "no reducer of this partition to accuse, or no address to fetch a proof")
+        accused = ev.peers[holder]
+        what = f"reducer of partition {req.partition} in round {req.round.hex()[:8]}"
+        accusation = Accusation(accused, what, req.round, req.partition)
+        if (ctx.peer, accused, req.round, req.partition) in self.examined or accused in self.banned:
+            return Ack(True)
+        if self.nursery is None or self._told >= MAX_TOLD:
+            return Ack(False, "busy examining other accusations: it is in the ban records too")
+        self._told += 1
+        self.nursery.start_soon(self._examine_told, ctx.peer, address, accusation)
+        return Ack(True)
+
+    async def _examine_told(self, accuser: PeerID, address: str, accusation: Accusation) -> None:
+        try:
+            async with self._examining:  # one proof download at a time
+                outcome = await self.examine(accuser, address, accusation)
+            level = logging.WARNING if outcome in ("convicted", "false accusation") else logging.INFO
+            log.log(
+                level,
+                "examined what %s told us of %s: %s",
+                accuser.short(),
+                accusation.accused.short(),
+                outcome,
+            )
+        finally:
+            self._told -= 1
 
     async def _slice_of(self, ev: RoundEvidence, c: int, p: int, me: int) -> bytes | None:
         if c == me:

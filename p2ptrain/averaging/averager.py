@@ -287,12 +287,12 @@ class Averager:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the tasks that keep finished rounds serving their last fetches."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self._nursery = self.auditor.nursery = nursery
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
-                self._nursery = None
+                self._nursery = self.auditor.nursery = None
 
     async def average(
         self,
@@ -824,6 +824,12 @@ class Averager:
         except P2PError as e:
             log.warning("%s from %s: %s", BAD_MANIFEST, leader.peer.short(), e)
             return None, f"{BAD_MANIFEST}: {e}", False
+        banned = [p for p in signed.manifest.peers() if p in self.auditor.banned]
+        if banned:  # its leader has not banned it (yet): our slices never go into a round of theirs
+            self.decline(signed)
+            why = f"the group holds {banned[0].short()}, banned here: {self.auditor.banned[banned[0]]}"
+            log.info("declined the group of %s: %s", leader.peer.short(), why)
+            return None, why, False
         quorum = looking.quorum
         held = len(quorum.peers & set(signed.manifest.peers())) if quorum is not None else 0
         if quorum is not None and held < quorum.size:  # its leader's word on the majority is not ours

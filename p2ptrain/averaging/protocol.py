@@ -291,6 +291,10 @@ RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
 AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)
 PROOF_HEAD = Method("avg.proof_head", FetchReq, ProofHead)
 PROOF = Method("avg.proof", FetchReq, Ack, streaming=True)
+ACCUSE = Method("avg.accuse", FetchReq, Ack)
+"""A member of an audited round tells the others it convicted the reducer of a partition: they fetch
+its proof and re-check it (see Auditor.examine) before their next round, instead of at their next read
+of the ban records."""
 
 
 def _starts(sizes: tuple[int, ...]) -> list[int]:

@@ -20,7 +20,8 @@ from p2ptrain.averaging.audit import Proof, check_proof, open_attestation
 from p2ptrain.averaging.auditor import Accusation, Auditor
 from p2ptrain.averaging.averager import Averager, schema_of
 from p2ptrain.averaging.partition import partition_sizes
-from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
+from p2ptrain.averaging.protocol import ACCUSE, FetchReq, Manifest, MemberMsg, SignedManifest
+from p2ptrain.errors import RemoteCallError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, MemoryNetwork
 
@@ -148,6 +149,31 @@ async def test_a_contributor_disowning_its_slice_is_identified_and_banned(autoju
     assert banned_by, [a.auditor.verdicts for a in averagers]
     assert "contributor" in averagers[banned_by[0]].auditor.banned[liar_id]
     assert all(set(a.auditor.banned) <= {liar_id} for a in averagers)
+
+
+async def test_the_other_members_are_told_at_once_and_recheck_the_proof(autojump_clock: object) -> None:
+    """The member that convicts a reducer tells the round's other members (the peers the reducer meets
+    next) at once: each fetches the proof and re-checks it, with no ban records to read. A peer that was
+    not in the round cannot make a member examine anything."""
+    liar = 2
+
+    async def told(averagers: list[Averager], hosts: list[Host], net: MemoryNetwork) -> None:
+        liar_id = hosts[liar].identity.peer_id
+        honest = [a for i, a in enumerate(averagers) if i != liar]
+        with trio.fail_after(30):
+            while not all(liar_id in a.auditor.banned for a in honest):  # noqa: ASYNC110 (virtual clock)
+                await trio.sleep(0.05)
+        reasons = [a.auditor.banned[liar_id] for a in honest]
+        assert sum(r.startswith("proven by") for r in reasons) == len(honest) - 1, reasons  # re-checked
+        digest = next(iter(averagers[0].auditor._kept))
+        async with trio.open_nursery() as nursery:
+            stranger = await outsider(net, nursery)
+            conn = await stranger.host.connect(str(hosts[0].advertised_addresses()[0]))
+            with pytest.raises(RemoteCallError, match="not a member of this round"):
+                await conn.call(ACCUSE, FetchReq(digest, 0))
+            nursery.cancel_scope.cancel()
+
+    await audited_round(liar_reducer=liar, after=told)
 
 
 async def outsider(net: MemoryNetwork, nursery: trio.Nursery, name: str = "outsider") -> Auditor:

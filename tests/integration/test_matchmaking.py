@@ -288,3 +288,23 @@ async def test_members_measure_their_bandwidth_and_a_slow_one_reduces_less(autoj
     assert bws[3] <= 3 * slow and bws[3] < 0.6 * min(bws[:3])
     for share, bw in zip(shares[1], bws, strict=True):
         assert share == pytest.approx(bw / sum(bws), abs=1e-5)
+
+
+async def test_a_member_never_averages_with_a_peer_it_banned(autojump_clock):
+    """n1 banned n3 (its audit convicted it) but the leader n0 has not heard yet and admits n3: n1
+    declines that group rather than put its slices into a round with n3, and the others learn it at
+    once and finish without n1."""
+    async with swarm(4, AveragerConfig(target_size=4, min_size=2, matchmaking_time=3.0)) as nodes:
+        liar = nodes[3].peer_id
+        nodes[1].averager.auditor.ban(liar, "reducer of partition 0 in round 00: a test verdict")
+        with trio.fail_after(60):
+            results = await average_all(nodes, [0.0, 0.4, 0.9, 1.5])
+    r1 = results[1]
+    assert not (isinstance(r1, RoundResult) and liar in r1.contributors), r1
+    others = [r for i, r in enumerate(results) if i != 1]
+    assert all(isinstance(r, RoundResult) for r in others), others
+    for r in others:
+        assert isinstance(r, RoundResult)
+        assert nodes[1].peer_id not in r.contributors and len(r.contributors) == 3, r
+        mean = (0.0 + 2.0 + 3.0) / 3  # the mean of the three that averaged
+        assert torch.allclose(r.tensors[0], torch.full((1000,), mean))
