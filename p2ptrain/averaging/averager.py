@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from ..dht.records import owned_subkey, subkey_owner
 from ..dht.service import DHT
 from ..errors import (
     CallRefused,
@@ -715,7 +716,7 @@ class Averager:
     async def _announce(self, key: bytes, me: Announcement, expiry: float) -> None:
         ttl = expiry - self.clock()
         try:
-            await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=me.peer.digest, sign=True)
+            await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=owned_subkey(me.peer), sign=True)
         except P2PError as e:
             log.warning("could not announce readiness to average: %s", e)
 
@@ -727,8 +728,11 @@ class Averager:
             log.info("reading announcements failed: %s", e)
             return []
         for sub, entry in entries.items():
+            peer = subkey_owner(sub)
+            if peer is None:  # (only an owned subkey proves whose announcement it is: see records)
+                continue
             try:
-                announcement = Announcement.from_bytes(PeerID(sub), entry.value)
+                announcement = Announcement.from_bytes(peer, entry.value)
             except (P2PError, ValueError):
                 continue
             if announcement.peer not in self.auditor.banned:  # never follow or wait for a banned peer

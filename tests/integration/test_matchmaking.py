@@ -19,7 +19,9 @@ import torch
 import trio
 
 from p2ptrain import AveragerConfig, GroupTooSmall, Node, NodeConfig, RoundResult, SchemaMismatch
+from p2ptrain.averaging.matchmaking import Announcement
 from p2ptrain.averaging.protocol import SignedManifest
+from p2ptrain.dht.records import RecordRefused, owned_subkey
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork
@@ -308,3 +310,25 @@ async def test_a_member_never_averages_with_a_peer_it_banned(autojump_clock):
         assert nodes[1].peer_id not in r.contributors and len(r.contributors) == 3, r
         mean = (0.0 + 2.0 + 3.0) / 3  # the mean of the three that averaged
         assert torch.allclose(r.tensors[0], torch.full((1000,), mean))
+
+
+async def test_nobody_announces_readiness_in_another_peers_name(autojump_clock):
+    """A matchmaking announcement names its peer by its subkey. That subkey was the peer's bare digest,
+    which anyone may write under (signed by anyone): a stranger's announcement with a later expiry
+    replaced the victim's on the replicas, and every peer read the victim at the stranger's address.
+    Now it is the victim's owned subkey (only its signature writes there), and entries under a bare
+    digest are ignored."""
+    async with swarm(4, AveragerConfig()) as nodes:
+        reader, victim, stranger = nodes[0], nodes[1], nodes[2]
+        key = reader.averager._key("named")
+        now = trio.current_time()
+        mine = Announcement(victim.peer_id, victim.averager.address(), now + 5.0, 1.0, b"s" * 16)
+        await victim.averager._announce(key, mine, now + 30.0)
+        forged = Announcement(victim.peer_id, stranger.averager.address(), now + 1.0, 1e9, b"s" * 16)
+        for subkey in (victim.peer_id.digest, owned_subkey(victim.peer_id)):
+            try:
+                await stranger.dht.store(key, forged.to_bytes(), ttl=60.0, subkey=subkey, sign=True)
+            except RecordRefused:
+                pass  # (its own node refuses to sign an entry under another's owned subkey)
+        seen = [a for a in await reader.averager._announcements(key) if a.peer == victim.peer_id]
+        assert seen == [mine]
