@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ from ..net.address import PeerAddress
 from ..net.connection import Connection
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
+from . import upkeep
 from .known import NONCE_BYTES, ReadCache, answer, held_entries, tag
 from .lookup import Lookup
 from .protocol import (
@@ -79,11 +80,10 @@ from .records import (
     verify_entry,
 )
 from .routing import Contact, RoutingTable
+from .upkeep import MAX_SEEN
 
 log = logging.getLogger(__name__)
 
-MAX_SEEN = 32  # recently known contacts kept to bootstrap from when the table runs empty
-RECHECK_EVERY = 600.0  # seconds between two dial-back checks of this node's reachability
 OFFERS_PER_MINUTE = 120  # offers taken from one peer (the rest are answered 0: reads find them)
 MAX_OFFERING_PEERS = 1024
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers (see _replicas) ...
@@ -215,7 +215,7 @@ class DHT:
                     await self.bootstrap([*bootstrap, *self.recent_contacts()], attempts=None)
                 else:  # the swarm's first peer; one with remembered peers finds them in maintenance
                     self.bootstrapped.set()
-                await self._maintain()
+                await upkeep.maintain(self)
             finally:
                 # The host may still serve calls, and they must not spawn into a closing nursery: trio
                 # closes it when its last child ends, and other tasks run before this one resumes.
@@ -225,103 +225,9 @@ class DHT:
         """Join through ``addresses``, retrying with capped backoff (``attempts=None``: until it works).
 
         Returns how many contacts we know. Until a peer has dialed us back, we stay client-only, so a
-        node behind NAT never enters others' routing tables.
+        node behind NAT never enters others' routing tables (see ``upkeep``).
         """
-        if self.config.client_only is None:
-            self.client_only = True
-        delay, attempt = 0.5, 0
-        while attempts is None or attempt < attempts:
-            attempt += 1
-            seeds = await self._contact_seeds(addresses)
-            if seeds:
-                if self.config.client_only is None:
-                    await self._check_reachability(seeds)
-                await self.find_node(self.peer_id.digest)
-                log.info(
-                    "DHT bootstrapped through %d peer(s): %d contacts known%s",
-                    len(seeds),
-                    len(self.table),
-                    " (client-only)" if self.client_only else "",
-                )
-                self.bootstrapped.set()
-                return len(self.table)
-            log.info("DHT: no join address answered yet; retrying in %.1f s", delay)
-            await trio.sleep(delay * self.rng.uniform(0.8, 1.2))
-            delay = min(delay * 2, 30.0)
-        level = logging.INFO if attempts == 1 else logging.WARNING  # (a retry in maintenance: said quietly)
-        log.log(level, "DHT bootstrap failed: none of %d address(es) answered", len(addresses))
-        return len(self.table)
-
-    async def _contact_seeds(self, addresses: list[PeerAddress]) -> list[Contact]:
-        seeds: list[Contact] = []
-
-        async def one(addr: PeerAddress) -> None:
-            try:
-                with trio.fail_after(self.config.rpc_timeout):
-                    conn = await self.host.connect(addr)
-                    resp = await conn.call(PING, PingReq(self._sender()), timeout=self.config.rpc_timeout)
-            except (P2PError, trio.TooSlowError) as e:
-                log.debug("join address %s did not answer: %s", addr, e)
-                return
-            if resp.observed_host.isprintable():  # (what a peer says: it goes into a log line)
-                self.observed_host = resp.observed_host or self.observed_host
-            contact = Contact(conn.peer, addr.with_peer(conn.peer))
-            seeds.append(contact)
-            self.table.observe(contact, self.clock())
-
-        async with trio.open_nursery() as nursery:
-            for addr in addresses:
-                nursery.start_soon(one, addr)
-        return seeds
-
-    def _askers(self, n: int) -> list[Contact]:
-        """Up to ``n`` contacts to ask for a dial-back, the closest to our id first, one per origin: ids
-        are free and those near ours cheap, so the ids of one host could otherwise be every peer asked
-        and say no (one "yes" is enough: one honest origin among those asked decides)."""
-        askers, origins = [], set()
-        for c in self.table.closest(self.peer_id.digest, len(self.table)):
-            if (origin := origin_of(c.address.host)) not in origins:
-                origins.add(origin)
-                askers.append(c)
-                if len(askers) == n:
-                    break
-        return askers
-
-    async def _check_reachability(self, seeds: list[Contact]) -> None:
-        """Ask up to three peers to dial this node back at its advertised address; unless one could,
-        run client-only (nobody adds us to a routing table, we hold no records)."""
-        self._recheck_at = self.clock() + RECHECK_EVERY
-        try:
-            if not self.host.listen_addresses:
-                self.client_only, self.reachable = True, False
-                return
-            mine = str(self.advertised_address())
-            answered = 0
-            for seed in seeds[:3]:
-                try:
-                    conn = await self.host.connect(seed.address)
-                    resp = await conn.call(DIAL_BACK, DialBackReq(mine), timeout=2 * self.config.rpc_timeout)
-                except P2PError:
-                    continue
-                answered += 1
-                if resp.reachable:
-                    self.client_only, self.reachable = False, True
-                    return
-                log.info("%s could not dial us back at %s: %s", seed.peer_id.short(), mine, resp.reason)
-            if not answered and self.reachable is not None:
-                return  # nobody to ask just now: a re-check changes nothing
-            self.client_only, self.reachable = True, False
-            seen = f" (peers see it at {self.observed_host})" if self.observed_host else ""
-            log.warning(
-                "no peer can dial %s%s: behind a NAT or a firewall, this node runs as a client-only "
-                "peer (queries and stores go through others; it holds no records for the swarm), and "
-                "others reach it through a relay (the address it prints); to make it a full peer, forward "
-                "a port to it and start it with --announce",
-                mine,
-                seen,
-            )
-        finally:
-            self.reachability_checked.set()
+        return await upkeep.bootstrap(self, addresses, attempts=attempts)
 
     # ---- RPC handlers ----
 
@@ -646,7 +552,7 @@ class DHT:
         """The peers to store a key on: its ``replication`` closest, looked up once per
         ``TARGETS_TTL`` (a peer publishing a record every few seconds looked them up every time), and
         again after a store that a replica failed or refused. (Peers that join closer to the key meanwhile
-        get the record from ``_replicate``.)"""
+        get the record from ``upkeep.replicate``.)"""
         now = self.clock()
         cached = self._targets.get(kid)
         if cached is not None and cached[0] > now:
@@ -729,60 +635,6 @@ class DHT:
                 self._seen.move_to_end(addr.peer_id, last=False)  # behind what this run has seen
         while len(self._seen) > MAX_SEEN:
             self._seen.popitem(last=False)
-
-    async def _maintain(self) -> None:
-        last_refresh = last_replicate = self.clock()
-        while True:
-            await trio.sleep(self.config.maintenance_interval)
-            now = self.clock()
-            for c in self.table.contacts():
-                self._seen[c.peer_id] = c.address
-                self._seen.move_to_end(c.peer_id)
-            while len(self._seen) > MAX_SEEN:
-                self._seen.popitem(last=False)
-            if self.config.client_only is None and len(self.table) and now >= self._recheck_at:
-                # The swarm's first peer has nobody to ask at its start: it asks the first peers it
-                # meets. Every node asks again now and then: a router's mapping comes and goes.
-                self._recheck_at = now + RECHECK_EVERY
-                await self._check_reachability(self._askers(3))
-            if not len(self.table) and (self._join or self._seen):
-                # Out of contacts (every peer we knew left, or our link went down): a swarm that comes
-                # back, at a join address or at an address we knew, is found again.
-                await self.bootstrap([*self._join, *self.recent_contacts()], attempts=1)
-            self.records.expire(now)
-            await self._republish(now)
-            if now - last_refresh >= self.config.refresh_interval:
-                last_refresh = now
-                await self._refresh(now)
-            if now - last_replicate >= self.config.replicate_interval:
-                last_replicate = now
-                await self._replicate()
-
-    async def _republish(self, now: float) -> None:
-        for (key, subkey), pub in list(self._published.items()):
-            if now >= pub.next_at:
-                pub.next_at = now + self.config.republish_interval
-                try:
-                    await self.store(key, pub.value, ttl=pub.ttl, subkey=subkey, sign=pub.sign)
-                except RecordRefused as e:
-                    log.warning("cannot re-publish %r: %s", key[:40], e.reason)
-
-    async def _refresh(self, now: float) -> None:
-        for index in self.table.stale_buckets(now, self.config.refresh_interval):
-            await self.find_node(self.table.random_id_in_bucket(index, self.rng))
-
-    async def _replicate(self) -> None:
-        """Push every record we hold to the closest peers we know (they may have joined since)."""
-        batches: defaultdict[PeerID, list[Entry]] = defaultdict(list)
-        contacts: dict[PeerID, Contact] = {}
-        for entry in self.records.all_entries(self.clock()):
-            for c in self.table.closest(key_id(entry.key), self.config.replication):
-                batches[c.peer_id].append(entry)
-                contacts[c.peer_id] = c
-        async with trio.open_nursery() as nursery:
-            for peer, entries in batches.items():
-                for i in range(0, len(entries), 256):
-                    nursery.start_soon(self._push, contacts[peer], entries[i : i + 256])
 
 
 def _proven(conn: Connection) -> Contact | None:
