@@ -17,8 +17,9 @@ unless it collides with one it holds in 64 bits.
 
 Offers: an author may also push its new entry straight to the peers that read the key (a training
 peer's partners, see ``DHT.store(offer_to=...)``). A peer takes an offered entry only for a key it
-reads, only signed by the owner of its subkey, and merges it here as if a read had returned it, so the
-next read names it too; readers then read the replicas far less often (``DHT.held`` answers between).
+reads, only from the owner of its subkey and signed by it, and only as a newer version of a subkey a
+read brought; it merges it here as if a read had returned it, so the next read names it too; readers
+then read the replicas far less often (``DHT.held`` answers between).
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ class ReadCache:
 
     def offer(self, kid: bytes, entries: Sequence[Entry], now: float) -> int:
         """Merge verified ``entries`` of a key this node reads (pushed to it by their authors, see
-        ``DHT.store(offer_to=...)``): a newer entry replaces the subkey's, expired ones go. Returns how
-        many were taken."""
+        ``DHT.store(offer_to=...)``): a newer entry replaces the subkey's. Only subkeys a read brought
+        are refreshed: a new one comes through the replicas, which share a key fairly between origins
+        (offers from a hundred fresh keys would otherwise fill this cache past those shares). Returns
+        how many were taken."""
         held = self._keys.get(kid)
         if held is None:
             return 0
@@ -117,7 +120,7 @@ class ReadCache:
         taken = 0
         for e in entries:
             old = by_subkey.get(e.subkey)
-            if e.expiry > now and (old is None or e.sort_key() > old.sort_key()):
+            if old is not None and e.expiry > now and e.sort_key() > old.sort_key():
                 by_subkey[e.subkey] = e
                 taken += 1
         if taken:

@@ -303,7 +303,8 @@ class DHT:
 
     async def _on_offer(self, ctx: CallContext, req: OfferReq) -> OfferResp:
         """Entries of a key this node reads, pushed by their authors (see ``store(offer_to=...)``):
-        taken only when signed by the owner of their subkey (and admitted, in a run with authors)."""
+        taken only from the owner of their subkey, signed by it (and admitted, in a run with authors),
+        as newer versions of what a read brought (see ``known``)."""
         now = self.clock()
         recent = self._offers.pop(ctx.peer, None) or deque()
         while recent and recent[0] <= now - 60.0:
@@ -320,7 +321,7 @@ class DHT:
         taken = 0
         for entry in entries:
             kid = key_id(entry.key)
-            if owner_of(entry.key, entry.subkey) is None or not self._read.reads(kid):
+            if owner_of(entry.key, entry.subkey) != ctx.peer or not self._read.reads(kid):
                 continue  # (an unowned entry is anyone's to write: only replicas speak for it)
             try:
                 check_entry(entry, now, self.config.limits)

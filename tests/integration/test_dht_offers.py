@@ -62,8 +62,11 @@ async def test_offers_that_are_not_their_owners_are_not_taken(autojump_clock: ob
             assert held[mine].value == b"true" and b"" not in held
             assert (await reader.dht.get(KEY))[mine].value == b"true"
 
-            # Its own entry, over and over: taken until the rate runs out, then answered 0.
+            # Its own entry (which the reader read from the replicas once), over and over: taken until
+            # the rate runs out, then answered 0.
             own = owned_subkey(liar.host.peer_id)
+            await liar.dht.store(KEY, b"first", ttl=30, subkey=own, sign=True)  # (older than all below)
+            assert (await reader.dht.get(KEY))[own].value == b"first"
             taken = 0
             for i in range(OFFERS_PER_MINUTE + 20):
                 entry = make_entry(KEY, b"%d" % i, now + 60 + i, subkey=own, signer=liar.host.identity)
@@ -74,3 +77,22 @@ async def test_offers_that_are_not_their_owners_are_not_taken(autojump_clock: ob
                 KEY, b"later", trio.current_time() + 600, subkey=own, signer=liar.host.identity
             )
             assert (await conn.call(OFFER, OfferReq(), body=encode_entries([entry]), timeout=5)).taken == 1
+
+            # A subkey no read brought is not taken (a new one comes through the replicas, which share
+            # a key between origins), and nobody offers another peer's entry, even a genuine one.
+            newcomer = await swarm.start("fresh", [reader.address])
+            fresh = newcomer.host.identity
+            conn = await newcomer.host.connect(reader.address)
+            new = make_entry(
+                KEY, b"new", trio.current_time() + 600, subkey=owned_subkey(fresh.peer_id), signer=fresh
+            )
+            assert (await conn.call(OFFER, OfferReq(), body=encode_entries([new]), timeout=5)).taken == 0
+            genuine = make_entry(
+                KEY, b"newer", trio.current_time() + 900, subkey=mine, signer=honest.host.identity
+            )
+            liar_conn = await liar.host.connect(reader.address)
+            assert (
+                await liar_conn.call(OFFER, OfferReq(), body=encode_entries([genuine]), timeout=5)
+            ).taken == 0
+            assert owned_subkey(fresh.peer_id) not in reader.dht.held(KEY)
+            assert all(e.value != b"newer" for e in reader.dht.held(KEY).values())
