@@ -3,9 +3,11 @@
 Theory of operation: ``Node.run`` starts the host (listeners and connections), the DHT (bootstrapped
 from the join addresses), one task per join address that keeps a connection to it open (reconnecting
 with capped exponential backoff and jitter), a task that announces this node in the run's peer list and
-reads the list back every ``members_interval`` seconds, a task that rewrites the JSON status file
-atomically every ``status_interval`` seconds, and one that keeps the peers known recently in
-``peer_cache`` (read at the start: a restarted node finds its swarm again without its join address).
+reads the list back (every ``members_interval`` seconds while it changes, up to ``MEMBERS_BACKOFF`` times
+as long while it does not, and soon after a connection to a peer not on it opens or one closes), a task
+that rewrites the JSON status file atomically every ``status_interval`` seconds, and one that keeps the
+peers known recently in ``peer_cache`` (read at the start: a restarted node finds its swarm again without
+its join address).
 Cancelling ``run`` closes every connection gracefully (peers hear ``shutting down``) and writes a final
 status with ``state: "stopped"``.
 """
@@ -61,6 +63,8 @@ from .nodebase import (
 from .web import serve_http
 
 log = logging.getLogger(__name__)
+
+MEMBERS_BACKOFF = 12  # a steady peer list is read this many times less often than ``members_interval``
 T = TypeVar("T")
 
 
@@ -127,7 +131,7 @@ class NodeConfig:
     averaging: AveragerConfig = field(default_factory=AveragerConfig)
     reconnect_max_delay: float = 8.0  # a join peer back from a restart is found this soon (a SYN a try)
     announce_ttl: float = 180.0
-    members_interval: float = 5.0
+    members_interval: float = 5.0  # seconds between reads of the peer list while it changes
     authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
     certificate: bytes | None = None  # this node's membership certificate (private runs)
     relay: bool = True  # relay for peers nobody can dial (``net.relay``; its limits: host.relay)
@@ -182,6 +186,7 @@ class Node:
         self.dht.relayed_address = self._relayed_address
         self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
         self.members: list[Member] = []
+        self._members_changed = trio.Event()  # a connection suggests the peer list changed: read it
         self.state = "starting"
         self.clock = clock
         self._started = clock()
@@ -368,20 +373,34 @@ class Node:
         keep our view of the run's members fresh."""
         await self.dht.bootstrapped.wait()
         known = -1
+        interval = wait = self.config.members_interval
+        shape: frozenset[tuple[PeerID, tuple[str, ...], bool]] = frozenset()
         while True:
             if self.clock() - self._announced >= self.config.announce_ttl / 3:
                 self._announced = self.clock()
                 await announce(self.dht, self.config.run_id, self.peer_record(), ttl=self.config.announce_ttl)
+            self._members_changed = trio.Event()
             try:
                 self.members = await list_members(self.dht, self.config.run_id)
             except P2PError as e:
                 log.warning("cannot read the peer list: %s", e)
+            now = frozenset((m.peer_id, m.record.addresses, m.record.reachable) for m in self.members)
+            # A steady list is read less and less often (its records change on their own every
+            # announce_ttl / 3 at most); a change brings the reads back to ``interval``, a hint of one
+            # (a connection) the next read forward. Our own announcement still goes out on time.
+            wait = interval if now != shape else min(2 * wait, MEMBERS_BACKOFF * interval)
+            shape = now
             if len(self.members) != known:
                 known = len(self.members)
                 log.info("swarm: %d peer(s) known in run %r", known, self.config.run_id)
-            await trio.sleep(self.config.members_interval)
+            announce_in = self._announced + self.config.announce_ttl / 3 - self.clock()
+            await trio.sleep(interval)  # never more often than this, whatever the hints
+            with trio.move_on_after(min(wait, max(interval, announce_in)) - interval):
+                await self._members_changed.wait()
 
     def _on_connection(self, conn: Connection, opened: bool) -> None:
+        if not opened or all(m.peer_id != conn.peer for m in self.members):
+            self._members_changed.set()  # a newcomer, or maybe a peer that left: read the list soon
         if opened:
             log.info(
                 "peer %s connected (%s)", conn.peer.short(), "we dialed" if conn.outbound else "it dialed"

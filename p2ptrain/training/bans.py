@@ -26,7 +26,10 @@ from ..wire.codec import pack, unpack
 
 log = logging.getLogger(__name__)
 
-BAN_READ_INTERVAL = 10.0  # seconds between reads of the swarm's ban records
+# Seconds between reads of the swarm's ban records: those that meet a convicted reducer next, its
+# round's members, are told at once (``averaging.auditor``); the rest ban it when they read, or when their
+# own round with it is audited.
+BAN_READ_INTERVAL = 30.0
 BAN_TTL = 3600.0
 MAX_BANS_PUBLISHED = 64
 MAX_BAN_REASON = 240

@@ -27,7 +27,7 @@ from p2ptrain.dht import DHT, DHTConfig, key_id, owned_subkey
 from p2ptrain.dht.peers import PeerRecord, announce, list_members
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.net import Host, HostConfig, MemoryNetwork, PeerAddress
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.node import MEMBERS_BACKOFF, Node, NodeConfig
 
 RUN_ID = "dht-swarm"
 PORT = 1000
@@ -346,10 +346,17 @@ async def test_the_peer_list_says_what_is_true_now_and_drops_a_member_that_left(
     """Each entry is re-published with the member's current throughput and time (before: the first
     record, throughput 0.0, forever re-published, so a live node read "last seen 198 s ago"), and a
     member that stops cleanly is gone from everyone's list at once (before: listed as a reachable
-    member until its entry expired)."""
+    member until its entry expired). A steady list is read less often, but never staler than
+    ``MEMBERS_BACKOFF`` intervals, and a connection that closes has it read again soon."""
     net = MemoryNetwork(seed=4)
     interval = 2.0
     nodes: list[Node] = []
+    scopes = [trio.CancelScope() for _ in range(3)]
+
+    async def run_in(scope: trio.CancelScope, node: Node, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await node.run(task_status=task_status)
+
     with trio.fail_after(900):
         async with trio.open_nursery() as nursery:
             for i in range(3):
@@ -362,7 +369,7 @@ async def test_the_peer_list_says_what_is_true_now_and_drops_a_member_that_left(
                 node = Node(
                     identity(f"f{i}"), config, transport=net.transport(f"f{i}"), clock=trio.current_time
                 )
-                nodes.append(await nursery.start(node.run))
+                nodes.append(await nursery.start(run_in, scopes[i], node))
             nodes[1].throughput = lambda: 12.5
             ids = {n.peer_id for n in nodes}
             while not all({m.peer_id for m in n.members} == ids for n in nodes):  # noqa: ASYNC110
@@ -372,8 +379,11 @@ async def test_the_peer_list_says_what_is_true_now_and_drops_a_member_that_left(
             for reader in (nodes[0], nodes[2]):
                 [entry] = [m for m in reader.members if m.peer_id == nodes[1].peer_id]
                 assert entry.record.throughput == 12.5
-                assert trio.current_time() - entry.record.published <= ttl / 3 + 2 * interval
-            await nodes[2].leave()
+                assert (
+                    trio.current_time() - entry.record.published <= ttl / 3 + (MEMBERS_BACKOFF + 1) * interval
+                )
+            await nodes[2].leave()  # a clean stop: its last word, then its connections close
+            scopes[2].cancel()
             await trio.sleep(2 * interval)
             for reader in nodes[:2]:
                 assert {m.peer_id for m in reader.members} == {nodes[0].peer_id, nodes[1].peer_id}
