@@ -74,6 +74,8 @@ class FindValueReq(Message):
     # entries the reader holds, as tags; the replica leaves them out (see ``dht.known``)
     known: bytes = bounded(b"", max_len=MAX_KNOWN * TAG_BYTES)
     nonce: bytes = bounded(b"", max_len=NONCE_BYTES)
+    # False: the reader asks replicas it knows (it stored there lately) and needs no nearer contacts
+    contacts: bool = True
 
 
 @dataclass(frozen=True)

@@ -283,7 +283,7 @@ class DHT:
         self._heard_from(ctx, req.sender)
         entries = self.records.get(req.key_id, self.clock())
         send, held, proof = answer(entries, req.known, req.nonce)
-        near = self._nodes_near(req.key_id, ctx.peer).contacts
+        near = self._nodes_near(req.key_id, ctx.peer).contacts if req.contacts else ()
         return Reply(ValueResp(near, held, proof), encode_entries(send))
 
     async def _on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
@@ -357,11 +357,18 @@ class DHT:
         return True
 
     async def _query(
-        self, contact: Contact, target: bytes, value: bool, known: list[Entry], tags: bytes
+        self,
+        contact: Contact,
+        target: bytes,
+        value: bool,
+        known: list[Entry],
+        tags: bytes,
+        nearest: bool = True,
     ) -> tuple[list[Contact], list[Entry], bool, Contact | None, str]:
         """Ask ``contact``; returns its contacts, the entries it sent, whether it proved it holds some
         of ``known`` (those it was told to leave out, by their ``tags``), the contact the connection
-        proved, and the address the connection runs to (whatever the contact claimed)."""
+        proved, and the address the connection runs to (whatever the contact claimed). ``nearest``:
+        whether a value query asks for the nearest contacts too."""
         held = False
         with trio.fail_after(self.config.rpc_timeout):
             conn = await self.host.connect(contact.address)
@@ -369,7 +376,7 @@ class DHT:
                 nonce = self.rng.randbytes(NONCE_BYTES) if known else b""
                 reply = await conn.call_with_body(
                     FIND_VALUE,
-                    FindValueReq(target, self._sender(), tags, nonce),
+                    FindValueReq(target, self._sender(), tags, nonce, nearest),
                     timeout=self.config.rpc_timeout,
                 )
                 entries = decode_entries(reply.body)
@@ -603,9 +610,11 @@ class DHT:
         """
         kid = key_id(key)
         local = self.records.get(kid, self.clock())
-        q = self.config.get_quorum if quorum is None else quorum
+        q = max((self.config.get_quorum if quorum is None else quorum) - (1 if local else 0), 1)
         known = self._read.known(kid, self.clock())
-        _, found = await self._lookup(kid, value=True, quorum=max(q - (1 if local else 0), 1), cached=known)
+        found = await self._read_replicas(kid, q, known)
+        if found is None:
+            _, found = await self._lookup(kid, value=True, quorum=q, cached=known)
         now, limits = self.clock(), self.config.limits
         latest = now + limits.max_ttl + limits.clock_skew
         good = _verified(local + found, kid, self.authors, now)
@@ -615,6 +624,38 @@ class DHT:
         merged = merge([e for e in good + known if now < e.expiry <= latest])
         self._read.update(kid, list(merged.values()))
         return merged
+
+    async def _read_replicas(self, kid: bytes, quorum: int, known: list[Entry]) -> list[Entry] | None:
+        """A hot key's read (announcements polled while a group forms, records read every few seconds):
+        where this node stored under it lately (``_replicas``, a converged lookup at most
+        ``TARGETS_TTL`` old), it asks those replicas directly, and without their nearest contacts
+        (a reply's largest part when it brings no new entry). None, to look the key up instead, when no
+        such replicas are known or fewer than ``quorum`` origins among them answered with entries."""
+        cached = self._targets.get(kid)
+        if cached is None or cached[0] <= self.clock() or not cached[1]:
+            return None
+        tags = b"".join(tag(e) for e in known)
+        found: list[Entry] = []
+        holders: set[str] = set()
+
+        async def ask(contact: Contact) -> None:
+            try:
+                _, entries, held, _, remote = await self._query(contact, kid, True, known, tags, False)
+            except (P2PError, trio.TooSlowError) as e:
+                log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
+                return
+            good = _verified(entries, kid, self.authors, self.clock())
+            found.extend(good)
+            if good or held:
+                holders.add(origin_of(remote))
+
+        async with trio.open_nursery() as nursery:
+            for contact in cached[1]:
+                nursery.start_soon(ask, contact)
+        if len(holders) < quorum:
+            self._targets.pop(kid, None)  # look them up again: the next store too
+            return None
+        return found
 
     # ---- maintenance ----
 

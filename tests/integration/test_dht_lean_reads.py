@@ -1,0 +1,56 @@
+"""Reads of a hot key: where a node stored under the key lately (its replicas looked up at most
+``TARGETS_TTL`` ago), a read asks those replicas directly and without their nearest contacts; without
+such replicas, or when too few of them answer, it looks the key up as before and still finds it."""
+
+from __future__ import annotations
+
+import trio
+from test_dht_swarm import open_swarm
+
+from p2ptrain.dht import DHTConfig, key_id
+
+KEY = b"lean/hot"
+
+
+def count_value_queries(dht, log: list[tuple[bool, int]]) -> None:  # type: ignore[no-untyped-def]
+    """Record, for each value query ``dht`` sends: whether it asked for contacts, how many came back."""
+    query = dht._query
+
+    async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
+        out = await query(contact, target, value, known, tags, nearest)
+        if value:
+            log.append((nearest, len(out[0])))
+        return out
+
+    dht._query = counting
+
+
+async def test_a_key_stored_lately_is_read_from_its_replicas_without_contacts(autojump_clock: object) -> None:
+    config = DHTConfig(k=8, replication=3, get_quorum=3)
+    with trio.fail_after(300):
+        async with open_swarm(config) as swarm:
+            for i in range(8):
+                await swarm.start(f"r{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer, reader = swarm.nodes[-1], swarm.nodes[-2]
+            assert await writer.dht.store(KEY, b"v1", ttl=600.0) == 3
+            lean: list[tuple[bool, int]] = []
+            count_value_queries(writer.dht, lean)
+            assert (await writer.dht.get(KEY))[b""].value == b"v1"
+            assert lean and len(lean) <= 3, lean  # the three replicas, asked once each ...
+            assert all(not nearest and n == 0 for nearest, n in lean), lean  # ... for values only
+
+            looked_up: list[tuple[bool, int]] = []  # a reader that stored nothing there looks it up
+            count_value_queries(reader.dht, looked_up)
+            assert (await reader.dht.get(KEY))[b""].value == b"v1"
+            assert looked_up and all(nearest for nearest, _ in looked_up), looked_up
+            assert any(n > 0 for _, n in looked_up), looked_up
+
+            # Two of the three replicas crash: too few answer, and the read looks the key up again.
+            replicas = {c.peer_id for c in writer.dht._targets[key_id(KEY)][1]}
+            for node in [n for n in swarm.nodes if n.host.peer_id in replicas][:2]:
+                await swarm.kill(node)
+            lean.clear()
+            got = await writer.dht.get(KEY)  # (the quorum of 3 cannot be met now)
+            assert got[b""].value == b"v1"
+            assert any(nearest for nearest, _ in lean), lean  # (the lookup after the direct reads)
+            assert key_id(KEY) not in writer.dht._targets or writer.dht._targets[key_id(KEY)][1]
