@@ -638,20 +638,23 @@ class DHT:
         found: list[Entry] = []
         holders: set[str] = set()
 
-        async def ask(contact: Contact) -> None:
+        async def ask(contact: Contact, done: trio.CancelScope) -> None:
             try:
                 _, entries, held, _, remote = await self._query(contact, kid, True, known, tags, False)
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
+                self._targets.pop(kid, None)  # the next read and store look the replicas up again
                 return
             good = _verified(entries, kid, self.authors, self.clock())
             found.extend(good)
             if good or held:
                 holders.add(origin_of(remote))
+                if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
+                    done.cancel()
 
         async with trio.open_nursery() as nursery:
             for contact in cached[1]:
-                nursery.start_soon(ask, contact)
+                nursery.start_soon(ask, contact, nursery.cancel_scope)
         if len(holders) < quorum:
             self._targets.pop(kid, None)  # look them up again: the next store too
             return None
