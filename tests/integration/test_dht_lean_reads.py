@@ -54,3 +54,21 @@ async def test_a_key_stored_lately_is_read_from_its_replicas_without_contacts(au
             assert got[b""].value == b"v1"
             assert any(nearest for nearest, _ in lean), lean  # (the lookup after the direct reads)
             assert key_id(KEY) not in writer.dht._targets or writer.dht._targets[key_id(KEY)][1]
+
+
+async def test_a_silent_replica_does_not_hold_a_direct_read_up(autojump_clock: object) -> None:
+    """The read ends once the quorum answered, as a lookup does: a replica whose host went silent (its
+    packets dropped, no reset) would otherwise make every read of the key wait ``rpc_timeout``."""
+    config = DHTConfig(k=8, replication=3, rpc_timeout=5.0)
+    with trio.fail_after(300):
+        async with open_swarm(config) as swarm:
+            for i in range(6):
+                await swarm.start(f"s{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[-1]
+            assert await writer.dht.store(KEY, b"v1", ttl=600.0) >= 3  # (itself too, if among them)
+            replicas = {c.peer_id for c in writer.dht._targets[key_id(KEY)][1]}
+            silent = next(n for n in swarm.nodes if n.host.peer_id in replicas)
+            swarm.net.partition([writer.name], [silent.name])
+            began = trio.current_time()
+            assert (await writer.dht.get(KEY, quorum=2))[b""].value == b"v1"
+            assert trio.current_time() - began < config.rpc_timeout / 2
