@@ -18,10 +18,16 @@ byte, low bits first. Re-encoding a decoded contribution gives the same bytes (t
 same scale, the same levels): compressing before the round loses nothing more in it.
 
 **Sum** (for a group of ``members``): a block keeps ``min(L, members * k)`` slots, enough for every
-non-zero that ``members`` contributions can hold; each slot an index and a bfloat16 value (values too
-large for bfloat16 are clamped). The reducer encodes its result once and serves those bytes, so every
-member decodes the same values. If there are more non-zeros than slots (a member that averages dense
-values in a sparse round, the reducer's own included), the largest magnitudes are kept, ties by index.
+non-zero that ``members`` contributions can hold. A block's used slots come first: their indices
+increase strictly, a block's count says how many there are, and unused slots are all zero bits. Each
+value is an 8-bit float (e4m3) of the value over the block's scale ``s`` (the largest magnitude it
+keeps) times 448, e4m3's largest, so a value carries about two significant digits whatever its size
+(the members' 2- or 4-bit levels carry less). Wire layout of a chunk: the blocks' float32 scales, their
+uint16 counts, all slots' indices at 12 bits each (two in three bytes, low bits first, the last half
+byte zero when the count is odd), then all slots' codes. 2.5 bytes a slot, against 4 for a 16-bit index
+and a bfloat16 value. The reducer encodes its result once and serves those bytes, so every member
+decodes the same values. If there are more non-zeros than slots (a member that averages dense values
+in a sparse round, the reducer's own included), the largest magnitudes are kept, ties by index.
 
 Decoding treats the bytes as hostile: wrong lengths, indices out of range, out of order or repeated,
 empty slots with a level, negative or non-finite scales and non-finite values raise
@@ -42,7 +48,9 @@ BLOCK: int = 4096
 EMPTY: int = 0xFFFF
 """The index of an unused slot."""
 
-_BF16_MAX = torch.finfo(torch.bfloat16).max
+FP8_TOP: float = 448.0
+"""The largest e4m3 value: a sum's block scale maps to it."""
+_FP8_NAN = (0x7F, 0xFF)
 
 
 def kept(density: float, length: int) -> int:
@@ -68,7 +76,9 @@ def sum_slots(density: float, members: int, length: int) -> int:
 
 def sum_size(density: float, members: int, count: int) -> int:
     """The exact byte size of a group's reduced sum of ``count`` elements."""
-    return 4 * sum(sum_slots(density, members, n) for n in _blocks(count))
+    lengths = _blocks(count)
+    slots = sum(sum_slots(density, members, n) for n in lengths)
+    return 6 * len(lengths) + (3 * slots + 1) // 2 + slots
 
 
 def _levels(bits: int) -> torch.Tensor:
@@ -184,38 +194,86 @@ def decode_contribution(buf: memoryview | bytes, density: float, bits: int, coun
     return out
 
 
+def _pack12(idx: np.ndarray) -> bytes:
+    """Indices below 4096, two in three bytes, low bits first (a zero index pads an odd count)."""
+    pairs = np.zeros(-(-idx.size // 2) * 2, dtype=np.uint16)
+    pairs[: idx.size] = idx
+    a, b = pairs[0::2], pairs[1::2]
+    out = np.empty((a.size, 3), dtype=np.uint8)
+    out[:, 0] = a & 0xFF
+    out[:, 1] = (a >> 8) | ((b & 0xF) << 4)
+    out[:, 2] = b >> 4
+    return out.tobytes()[: (3 * idx.size + 1) // 2]  # (an odd count's padding: its last byte is 0)
+
+
+def _unpack12(raw: np.ndarray, count: int) -> np.ndarray:
+    flat = np.zeros(-(-raw.size // 3) * 3, dtype=np.uint16)
+    flat[: raw.size] = raw
+    trio = flat.reshape(-1, 3)
+    out = np.empty(trio.shape[0] * 2, dtype=np.uint16)
+    out[0::2] = trio[:, 0] | ((trio[:, 1] & 0xF) << 8)
+    out[1::2] = (trio[:, 1] >> 4) | (trio[:, 2] << 4)
+    if out[count:].any():
+        raise RemoteProtocolError("a sparse chunk has bits set past its last index")
+    return out[:count]
+
+
 def encode_sum(x: torch.Tensor, density: float, members: int) -> bytes:
-    indices, values = [], []
+    scales, counts, indices, codes = [], [], [], []
     for rows, length in _rows(x):
         idx, v = _slots(rows, sum_slots(density, members, length), length)
-        indices.append(idx.reshape(-1))
-        values.append(v.reshape(-1))
-    if not indices:
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError("cannot encode a tensor that holds NaN or infinite values")
+        used = idx != EMPTY  # (the used slots come first: _slots sorts EMPTY last)
+        scale = v.abs().amax(dim=1)
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.div(v, divisor[:, None]).mul_(FP8_TOP).to(torch.float8_e4m3fn).view(torch.uint8)
+        scales.append(scale)
+        counts.append(used.sum(dim=1))
+        indices.append(torch.where(used, idx, 0).reshape(-1))
+        codes.append(torch.where(used, q, 0).reshape(-1))
+    if not scales:
         return b""
-    v = torch.cat(values)
-    if not bool(torch.isfinite(v).all()):
-        raise ValueError("cannot encode a tensor that holds NaN or infinite values")
-    v = v.clamp(-_BF16_MAX, _BF16_MAX).to(torch.bfloat16)
-    return torch.cat(indices).numpy().astype("<u2").tobytes() + v.view(torch.int16).numpy().tobytes()
+    return (
+        torch.cat(scales).numpy().astype("<f4").tobytes()
+        + torch.cat(counts).numpy().astype("<u2").tobytes()
+        + _pack12(torch.cat(indices).numpy().astype(np.uint16))
+        + torch.cat(codes).to(torch.uint8).numpy().tobytes()
+    )
 
 
 def decode_sum(buf: memoryview | bytes, density: float, members: int, count: int) -> torch.Tensor:
     raw = np.frombuffer(buf, dtype=np.uint8)
     out = torch.zeros(count, dtype=torch.float32)
     lengths = _blocks(count)
-    total = sum(sum_slots(density, members, n) for n in lengths)
-    idx_all = torch.from_numpy(raw[: 2 * total].view("<u2").astype(np.int64))
-    v_all = torch.from_numpy(raw[2 * total :].copy()).view(torch.bfloat16).to(torch.float32)
-    if not bool(torch.isfinite(v_all).all()):
-        raise RemoteProtocolError("a sparse chunk holds NaN or infinite values")
-    slot = 0
+    if not lengths:
+        return out
+    nb, slots = len(lengths), [sum_slots(density, members, n) for n in lengths]
+    total = sum(slots)
+    scales = torch.from_numpy(raw[: 4 * nb].view("<f4").astype(np.float32))
+    counts = torch.from_numpy(raw[4 * nb : 6 * nb].view("<u2").astype(np.int64))
+    at = 6 * nb + (3 * total + 1) // 2
+    idx_all = torch.from_numpy(_unpack12(raw[6 * nb : at], total).astype(np.int64))
+    code_all = raw[at:]
+    if not bool(((scales >= 0) & torch.isfinite(scales)).all()):
+        raise RemoteProtocolError("a sparse chunk has a negative or non-finite scale")
+    if bool(((scales > 0) != (counts > 0)).any()) or bool((counts > torch.tensor(slots)).any()):
+        raise RemoteProtocolError("a sparse chunk has a block count that does not fit its slots or scale")
+    if bool(np.isin(code_all, _FP8_NAN).any()):
+        raise RemoteProtocolError("a sparse chunk holds NaN values")
+    v_all = torch.from_numpy(code_all.copy()).view(torch.float8_e4m3fn).to(torch.float32)
+    block, slot = 0, 0
     for rows, length in _rows(out):
-        n, k = rows.shape[0], sum_slots(density, members, length)
+        n, k = rows.shape[0], slots[block]
         idx = idx_all[slot : slot + n * k].view(n, k)
         v = v_all[slot : slot + n * k].view(n, k)
-        used = _check_indices(idx, length)
-        if bool((v[~used] != 0).any()):
-            raise RemoteProtocolError("a sparse chunk has a value in an empty slot")
+        used = torch.arange(k)[None, :] < counts[block : block + n, None]
+        if bool((idx[~used] != 0).any()) or bool((v[~used] != 0).any()):
+            raise RemoteProtocolError("a sparse chunk has an index or a value in an empty slot")
+        _check_indices(torch.where(used, idx, EMPTY), length)
+        v = v * (scales[block : block + n, None] / FP8_TOP)
+        if not bool(torch.isfinite(v).all()):
+            raise RemoteProtocolError("a sparse chunk decodes to non-finite values")
         rows.scatter_add_(1, torch.where(used, idx, 0), torch.where(used, v, 0.0))
-        slot += n * k
+        block, slot = block + n, slot + n * k
     return out

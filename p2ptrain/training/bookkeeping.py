@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..averaging.compression import parse_compression
 from ..config import RunConfig
 
 RATE_HALF_LIFE = 10.0  # seconds: how fast the advertised samples/s follows changes
@@ -65,4 +66,8 @@ def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
     }
     if config.training.mode == "diloco" and config.diloco.fragments > 1:  # which fragment each step averages
         shared["fragments"] = config.diloco.fragments
+    if parse_compression(config.averaging.compression).sparse:
+        # the reduced sum's wire layout (2: 12-bit indices, e4m3 values): peers of releases that encode
+        # it otherwise would fail every round together, so they are not one run
+        shared["sparse_sum"] = 2
     return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()

@@ -42,9 +42,11 @@ def check_sparse_mean(group, originals, inputs, weights, outcomes, mode):
     for i, o in enumerate(outcomes):
         if isinstance(o, RoundResult):
             got = torch.cat([t.reshape(-1) for t in inputs[i]]).double()
-            # the sum travels as bfloat16: 8 significant bits
-            assert torch.equal(got == 0, want == 0), "a value the members sent is missing, or one appeared"
-            torch.testing.assert_close(got, want, rtol=2**-8, atol=0)
+            # the sum travels in e4m3 over its block's largest value: 4 significant bits, and values
+            # below 2**-9 / 448 of that largest one round to 0 (far below what 2-bit levels resolve)
+            assert not bool(((got != 0) & (want == 0)).any()), "a value appeared that no member sent"
+            atol = float(want.abs().max()) * 2.0**-17
+            torch.testing.assert_close(got, want, rtol=2**-4, atol=atol)
 
 
 @pytest.mark.parametrize("mode", MODES)

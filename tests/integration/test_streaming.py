@@ -121,6 +121,9 @@ async def test_fragments_need_diloco_parameters_enough_and_are_part_of_the_run()
     # peers that cut the model differently average different tensors each step: not one run
     assert run_fingerprint(streaming(), model) != run_fingerprint(streaming(fragments=1), model)
     assert run_fingerprint(streaming(fragments=1), model) == run_fingerprint(run_config("diloco"), model)
+    # top-k runs: releases whose reduced sums differ on the wire are not one run either
+    topk = run_config("diloco").replace("averaging", compression="topk1-q2")
+    assert run_fingerprint(topk, model) != run_fingerprint(run_config("diloco"), model)
     with trio.fail_after(30):
         async with swarm(streaming(fragments=7)) as s:
             s.make_model = mid_model  # 6 parameter tensors
