@@ -10,7 +10,10 @@ simulate`` (real node processes on loopback). Recipes:
 - ``diloco-fp16``, ``diloco-int8``: DiLoCo with a target of H batches per peer per outer round (H = 16
   as in ``configs/tiny-gpt-diloco.toml``; ``--h``), pseudo-gradients in fp16 or blockwise int8;
 - ``diloco-topk0.5-q2`` ... ``diloco-topk3-q4``: DiLoCo with the sparse top-k compressions, run with
-  just those config values (their error feedback is the optimizer's business).
+  just those config values (their error feedback is the optimizer's business);
+- ``streaming-int8``, ``streaming-topk1-q2``, ``streaming-topk0.5-q2``: the same in 4 fragments, one
+  averaged per round (``diloco.fragments = 4``); ``streaming-topk0.5-q2-h32``: with H = 32 whatever
+  ``--h`` says (half the rounds per token: the payload per token halves).
 
 A run stops (Ctrl-C to ``simulate``, as a user would: the nodes finish their round) at the first
 evaluation at or past the budget: every outer step in DiLoCo, every H/4 steps in sync. Steps average
@@ -90,8 +93,10 @@ RECIPES: dict[str, tuple[str, str]] = {  # name -> (training.mode, averaging.com
     "streaming-int8": ("diloco", "int8"),
     "streaming-topk1-q2": ("diloco", "topk1-q2"),
     "streaming-topk0.5-q2": ("diloco", "topk0.5-q2"),
+    "streaming-topk0.5-q2-h32": ("diloco", "topk0.5-q2"),
 }
 STREAMING = {name: 4 for name in RECIPES if name.startswith("streaming-")}  # recipe -> diloco.fragments
+RECIPE_H = {"streaming-topk0.5-q2-h32": 32}  # recipes with their own H (the others: --h)
 BASELINE = "sync-fp32"
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128, "max_bytes": 4_000_000}
 QUICK_MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_bytes": 1_000_000}
@@ -123,7 +128,10 @@ class Plan:
         """Samples the swarm processes per global step: one batch per peer (sync), H (DiLoCo), H/F
         (streaming: each of the F fragments is still synced every H batches)."""
         mode = RECIPES[name][0]
-        return BATCH * peers * (max(1, self.h // fragments_of(name)) if mode == "diloco" else 1)
+        return BATCH * peers * (max(1, self.h_of(name) // fragments_of(name)) if mode == "diloco" else 1)
+
+    def h_of(self, name: str) -> int:
+        return RECIPE_H.get(name, self.h)
 
     def eval_every(self, name: str) -> int:
         """DiLoCo: every H batches per peer (F steps when streaming); sync: every H/4 steps."""
@@ -215,7 +223,7 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     argv = [*cli(), "simulate", "--peers", str(peers), "--max-steps", str(bound), "--config", str(config)]
     argv += ["--threads", "1", "--workdir", str(folder), "--no-live"]
     out: dict[str, Any] = {"recipe": name, "mode": mode, "compression": compression, "peers": peers}
-    out |= {"command": shown(argv), "run_file": text, "step_bound": bound}
+    out |= {"command": shown(argv), "run_file": text, "step_bound": bound, "bench_command": plan.command()}
     print(f"  {name}, {peers} peers ...", file=sys.stderr, flush=True)
     began, traces = time.perf_counter(), [list[tuple[float, int]]() for _ in range(peers)]
     metrics = [folder / f"node{i}" / "metrics.jsonl" for i in range(peers)]
@@ -448,9 +456,9 @@ def result_rows(results: Path) -> list[dict[str, Any]]:
         return [not_run("bytes per token", f"python -m {MODULE}")]
     out = []
     for r in d.get("results", []):
-        bench = f"bytes per token ({r['peers']} peers)"
+        bench, command = f"bytes per token ({r['peers']} peers)", r.get("bench_command") or d["command"]
         if "bytes_per_token" not in r:
-            out.append(not_run(bench, d["command"], f"{r['recipe']}: {r.get('status')}"))
+            out.append(not_run(bench, command, f"{r['recipe']}: {r.get('status')}"))
             continue
         rel, ratio = r.get("val_vs_baseline"), r.get("ratio")
         metric = (
@@ -463,7 +471,7 @@ def result_rows(results: Path) -> list[dict[str, Any]]:
             "" if ratio is None or base else f" ({ratio:,.1f}x fewer)"
         )
         target, met = ("(the baseline)", None) if base else (TARGET, r.get("met"))
-        out.append(row(bench, metric, value, None, target, met, d["command"]))
+        out.append(row(bench, metric, value, None, target, met, command))
     return out
 
 
