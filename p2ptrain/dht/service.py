@@ -88,6 +88,10 @@ OFFERS_PER_MINUTE = 120  # offers taken from one peer (the rest are answered 0: 
 MAX_OFFERING_PEERS = 1024
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers (see _replicas) ...
 TARGETS_TTL = 30.0  # ... for this many seconds
+# A node tells a peer its contact (id and address, about 150 bytes) on its first call, then again once
+# this long has passed or its address changed: in between, a call from a known peer refreshes it as is.
+SENDER_REFRESH = 60.0
+MAX_TOLD = 4096
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class DHT:
         self._published: dict[tuple[bytes, bytes], _Published] = {}
         self._read = ReadCache()  # what this node read last: replicas leave those entries out
         self._offers: OrderedDict[PeerID, deque[float]] = OrderedDict()  # when each peer last offered
+        self._told: OrderedDict[PeerID, tuple[str, float]] = OrderedDict()  # our contact, as last sent
         self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
@@ -193,6 +198,23 @@ class DHT:
         me = self.my_contact()
         return ContactMsg.of(me) if me else None
 
+    def _sender_for(self, peer: PeerID) -> ContactMsg | None:
+        """Our contact for a call to ``peer``, or None where it has it: it answered a call that carried
+        this very contact less than ``SENDER_REFRESH`` ago (see ``_told_to``)."""
+        sender = self._sender()
+        told = self._told.get(peer)
+        if sender is None or told is None or told[0] != sender.addr:
+            return sender
+        return None if self.clock() - told[1] < SENDER_REFRESH else sender
+
+    def _told_to(self, peer: PeerID, sender: ContactMsg | None) -> None:
+        """``peer`` answered a call that carried ``sender``."""
+        if sender is not None:
+            self._told.pop(peer, None)
+            self._told[peer] = (sender.addr, self.clock())
+            while len(self._told) > MAX_TOLD:
+                self._told.popitem(last=False)
+
     # ---- lifecycle ----
 
     async def run(
@@ -232,7 +254,11 @@ class DHT:
     # ---- RPC handlers ----
 
     def _heard_from(self, ctx: CallContext, sender: ContactMsg | None) -> None:
-        if sender is None or sender.peer != ctx.peer.digest:
+        if sender is None:  # (it told us its contact lately: refreshed as we know it)
+            if (known := self.table.get(ctx.peer)) is not None:
+                self._observe(known)
+            return
+        if sender.peer != ctx.peer.digest:
             return
         try:
             contact = sender.to_contact()
@@ -372,21 +398,22 @@ class DHT:
         held = False
         with trio.fail_after(self.config.rpc_timeout):
             conn = await self.host.connect(contact.address)
+            sender = self._sender_for(conn.peer)
             if value:
                 nonce = self.rng.randbytes(NONCE_BYTES) if known else b""
                 reply = await conn.call_with_body(
                     FIND_VALUE,
-                    FindValueReq(target, self._sender(), tags, nonce, nearest),
+                    FindValueReq(target, sender, tags, nonce, nearest),
                     timeout=self.config.rpc_timeout,
                 )
                 entries = decode_entries(reply.body)
                 contacts = parse_contacts(reply.message.contacts)
                 held = bool(held_entries(known, reply.message.held, reply.message.proof, nonce))
             else:
-                resp = await conn.call(
-                    FIND_NODE, FindNodeReq(target, self._sender()), timeout=self.config.rpc_timeout
-                )
+                req = FindNodeReq(target, sender)
+                resp = await conn.call(FIND_NODE, req, timeout=self.config.rpc_timeout)
                 entries, contacts = [], parse_contacts(resp.contacts)
+        self._told_to(conn.peer, sender)
         return contacts, entries, held, _proven(conn), conn.remote_host
 
     async def _lookup(
@@ -582,12 +609,11 @@ class DHT:
         try:
             with trio.fail_after(self.config.rpc_timeout):
                 conn = await self.host.connect(contact.address)
+                sender = self._sender_for(conn.peer)
                 resp = await conn.call(
-                    STORE,
-                    StoreReq(self._sender()),
-                    body=encode_entries(entries),
-                    timeout=self.config.rpc_timeout,
+                    STORE, StoreReq(sender), body=encode_entries(entries), timeout=self.config.rpc_timeout
                 )
+                self._told_to(conn.peer, sender)
         except (P2PError, trio.TooSlowError) as e:
             log.debug("store on %s failed: %s", contact.peer_id.short(), e)
             self.table.failed(contact.peer_id, self.clock())

@@ -8,6 +8,7 @@ import trio
 from test_dht_swarm import open_swarm
 
 from p2ptrain.dht import DHTConfig, key_id
+from p2ptrain.dht.service import SENDER_REFRESH
 
 KEY = b"lean/hot"
 
@@ -72,3 +73,45 @@ async def test_a_silent_replica_does_not_hold_a_direct_read_up(autojump_clock: o
             began = trio.current_time()
             assert (await writer.dht.get(KEY, quorum=2))[b""].value == b"v1"
             assert trio.current_time() - began < config.rpc_timeout / 2
+
+
+async def test_a_node_tells_a_peer_its_contact_once_a_minute_and_stays_fresh_there(
+    autojump_clock: object,
+) -> None:
+    """A contact (about 150 bytes) rode on every store and read; now a node sends it on its first call
+    to a peer and again once ``SENDER_REFRESH`` passed. In between, the peer's calls still refresh it
+    in the routing table (a known peer that calls is alive, at the address it told)."""
+    config = DHTConfig(k=8, replication=3)
+    with trio.fail_after(300):
+        async with open_swarm(config) as swarm:
+            for i in range(3):
+                await swarm.start(f"t{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            a, b = swarm.nodes[-1], swarm.nodes[0]
+            heard: list[bool] = []
+            heard_from = b.dht._heard_from
+
+            def logging(ctx, sender):  # type: ignore[no-untyped-def]
+                if ctx.peer == a.host.peer_id:
+                    heard.append(sender is not None)
+                heard_from(ctx, sender)
+
+            b.dht._heard_from = logging
+            table = b.dht.table
+
+            def last_seen() -> float:
+                return table.buckets[table.bucket_index(a.host.peer_id)].entries[a.host.peer_id].last_seen
+
+            await trio.sleep(SENDER_REFRESH + 1)  # (whatever the joins told)
+            for _ in range(3):
+                await a.dht.store(KEY, b"v", ttl=600.0)
+                await a.dht.get(KEY)
+                await trio.sleep(5.0)
+            assert len(heard) >= 6 and heard[0], heard  # told once, on the first call ...
+            assert not any(heard[1:]), heard  # ... and not on the calls that followed within a minute
+            seen = last_seen()
+            assert trio.current_time() - seen <= 5.0 + 1e-6  # refreshed by calls without the contact
+            await trio.sleep(SENDER_REFRESH)
+            heard.clear()
+            await a.dht.store(KEY, b"w", ttl=600.0)
+            assert heard and heard[0], heard  # a minute on: told again
+            assert last_seen() > seen
