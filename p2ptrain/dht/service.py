@@ -36,7 +36,7 @@ from ..net.connection import Connection
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from . import upkeep
-from .known import NONCE_BYTES, ReadCache, answer, held_entries, tag
+from .known import MAX_KNOWN, NONCE_BYTES, ReadCache, answer, held_entries, tag
 from .lookup import Lookup
 from .protocol import (
     DIAL_BACK,
@@ -91,6 +91,8 @@ TARGETS_TTL = 30.0  # ... for this many seconds
 # A node tells a peer its contact (id and address, about 150 bytes) on its first call, then again once
 # this long has passed or its address changed: in between, a call from a known peer refreshes it as is.
 SENDER_REFRESH = 60.0
+# A direct read asks the other replicas once the first answered, or after this long without its answer
+READ_HEDGE = 1.0
 MAX_TOLD = 4096
 
 
@@ -660,11 +662,11 @@ class DHT:
         cached = self._targets.get(kid)
         if cached is None or cached[0] <= self.clock() or not cached[1]:
             return None
-        tags = b"".join(tag(e) for e in known)
         found: list[Entry] = []
         holders: set[str] = set()
 
-        async def ask(contact: Contact, done: trio.CancelScope) -> None:
+        async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
+            tags = b"".join(tag(e) for e in known)
             try:
                 _, entries, held, _, remote = await self._query(contact, kid, True, known, tags, False)
             except (P2PError, trio.TooSlowError) as e:
@@ -679,8 +681,26 @@ class DHT:
                     done.cancel()
 
         async with trio.open_nursery() as nursery:
-            for contact in cached[1]:
-                nursery.start_soon(ask, contact, nursery.cancel_scope)
+            # One replica first; the others once it answered (or after READ_HEDGE), naming what it sent
+            # as held: they prove they hold those entries instead of sending each again.
+            first = trio.Event()
+
+            async def lead() -> None:
+                try:
+                    await ask(replicas[0], known, nursery.cancel_scope)
+                finally:
+                    first.set()
+
+            replicas = list(cached[1])
+            nursery.start_soon(lead)
+            with trio.move_on_after(READ_HEDGE):
+                await first.wait()
+            if not first.is_set() and cached[1] and cached[1][0] == replicas[0]:
+                cached[1].append(cached[1].pop(0))  # a slow replica goes last next time
+            named = {tag(e) for e in known}
+            more = known + [e for e in found if tag(e) not in named]
+            for contact in replicas[1:]:
+                nursery.start_soon(ask, contact, more[:MAX_KNOWN], nursery.cancel_scope)
         if len(holders) < quorum:
             self._targets.pop(kid, None)  # look them up again: the next store too
             return None
