@@ -513,7 +513,8 @@ class DHT:
 
         Returns how many replicas accepted it. With ``republish`` this node re-publishes the value
         every ``republish_interval`` until :meth:`unpublish`. ``offer_to``: peers that read the key,
-        sent the (signed, owned) entry at the same time, so that they need not read it (see ``known``).
+        sent the (signed, owned) entry at the same time, so that they need not read it (see ``known``);
+        those among the key's replicas get it stored instead, not twice.
         """
         now, authors = self.clock(), self.authors
         signer = self.host.identity if sign or authors is not None else None  # (then every entry is signed)
@@ -524,6 +525,9 @@ class DHT:
             self._published[(key, subkey)] = _Published(
                 value, ttl, subkey, sign, now + self.config.republish_interval
             )
+        if offer_to:  # a replica gets the entry stored, and holds it for its reads (``held``) as well
+            stored_at = {c.peer_id for c in await self._replicas(key_id(key))}
+            offer_to = [a for a in offer_to if a.peer_id not in stored_at]
         if not offer_to:
             return await self._store_entries(key_id(key), [entry])
         accepted = 0
@@ -633,13 +637,15 @@ class DHT:
         so ids of one subnet count once) answered with entries, else after the lookup converges. Every
         entry's signature is checked again here, and entries that are expired or claim an expiry beyond
         what any honest store accepts (which would let a liar's entry win every merge) are dropped.
-        Replicas leave out the entries this node read before and still holds (``dht.known``): those are
-        merged in again until they expire.
+        Replicas leave out the entries this node read before and still holds (``dht.known``), or holds
+        as a replica itself: those are merged in again until they expire.
         """
         kid = key_id(key)
         local = self.records.get(kid, self.clock())
         q = max((self.config.get_quorum if quorum is None else quorum) - (1 if local else 0), 1)
         known = self._read.known(kid, self.clock())
+        named = {tag(e) for e in known}  # and what it holds as a replica (stored here, not offered):
+        known = (known + [e for e in local if tag(e) not in named])[:MAX_KNOWN]
         found = await self._read_replicas(kid, q, known)
         if found is None:
             _, found = await self._lookup(kid, value=True, quorum=q, cached=known)

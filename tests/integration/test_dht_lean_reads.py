@@ -147,3 +147,28 @@ async def test_a_changed_entry_comes_once_not_from_every_replica(autojump_clock:
                 got = await writer.dht.get(KEY)
                 assert got[b"a"].value == version
                 assert len(brought) == 3 and sum(brought) == 1, brought  # all three asked, one sent it
+
+
+async def test_a_replica_names_what_it_holds_and_is_not_sent_it_again(autojump_clock: object) -> None:
+    """A reader that is one of the key's replicas itself (most partners are, in a small swarm) holds
+    the new entries stored there: its reads name them, and the other replicas leave them out."""
+    config = DHTConfig(k=8, replication=3, get_quorum=3)
+    with trio.fail_after(300):
+        async with open_swarm(config) as swarm:
+            for i in range(5):
+                await swarm.start(f"h{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[0]
+            assert await writer.dht.store(KEY, b"v1", ttl=600.0, subkey=b"a") == 3
+            replicas = {c.peer_id for c in writer.dht._targets[key_id(KEY)][1]}
+            reader = next(n for n in swarm.nodes if n.host.peer_id in replicas)
+            assert reader.dht.records.get(key_id(KEY), trio.current_time())  # (stored there)
+            query, brought = reader.dht._query, []
+
+            async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
+                out = await query(contact, target, value, known, tags, nearest)
+                brought.append(len(out[1]))
+                return out
+
+            reader.dht._query = counting
+            assert (await reader.dht.get(KEY))[b"a"].value == b"v1"
+            assert brought and sum(brought) == 0, brought  # named: no replica sent it

@@ -96,3 +96,34 @@ async def test_offers_that_are_not_their_owners_are_not_taken(autojump_clock: ob
             ).taken == 0
             assert owned_subkey(fresh.peer_id) not in reader.dht.held(KEY)
             assert all(e.value != b"newer" for e in reader.dht.held(KEY).values())
+
+
+async def test_a_partner_that_is_a_replica_gets_the_entry_once(autojump_clock: object) -> None:
+    """With few peers, most partners are also the key's replicas: the store brings them the entry, and
+    an offer besides would send it twice. Every reader still holds the new entry without a read."""
+    with trio.fail_after(300):
+        async with open_swarm(DHTConfig(replication=3)) as swarm:
+            nodes = [
+                await swarm.start(f"p{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(5)
+            ]
+            author, readers = nodes[0], nodes[1:]
+            mine = owned_subkey(author.host.peer_id)
+            await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
+            for r in readers:
+                assert (await r.dht.get(KEY))[mine].value == b"step 1"
+            offered: list[object] = []
+            offer = author.dht._offer
+
+            async def counting(addr, entry):  # type: ignore[no-untyped-def]
+                offered.append(addr.peer_id)
+                await offer(addr, entry)
+
+            author.dht._offer = counting
+            replicas = {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
+            others = [r for r in readers if r.host.peer_id not in replicas]
+            assert len(replicas) == 3 and len(others) == 1
+            await author.dht.store(
+                KEY, b"step 2", ttl=60, subkey=mine, sign=True, offer_to=[r.address for r in readers]
+            )
+            assert offered == [others[0].host.peer_id], offered  # the replicas had it stored
+            assert all(r.dht.held(KEY)[mine].value == b"step 2" for r in readers)
