@@ -55,8 +55,9 @@ async def test_between_rounds_a_peer_sends_little_and_the_swarm_still_steps_toge
         # Every record from three replicas and one's own stored, every second, came to about 12 KB/s;
         # reading the replicas on a heartbeat, 2.6 KB/s; offering records to the partners, 1.5 KB/s; a
         # steady peer list read once a minute, 1.3 KB/s; replicas it stored on asked without contacts,
-        # 1.0 KB/s; its own contact told to each peer once a minute, not on every call, 0.9 KB/s.
-        assert max(per_second) < 1000, per_second
+        # 1.0 KB/s; its own contact told to each peer once a minute, not on every call, 0.9 KB/s; no
+        # offer to a partner that is a replica (the store brings it), 0.5 KB/s.
+        assert max(per_second) < 700, per_second
         # A steady peer's record goes out on its heartbeat (ttl / 3), not every second ...
         assert max(stores.values()) <= (WINDOW + 1.0) / (10.0 / 3) + 2, stores
         # ... to its partners as well, so that each reads the replicas once a record's life (10 s), not
