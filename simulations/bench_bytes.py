@@ -13,7 +13,9 @@ simulate`` (real node processes on loopback). Recipes:
   just those config values (their error feedback is the optimizer's business);
 - ``streaming-int8``, ``streaming-topk1-q2``, ``streaming-topk0.5-q2``: the same in 4 fragments, one
   averaged per round (``diloco.fragments = 4``); ``streaming-topk0.5-q2-h32``: with H = 32 whatever
-  ``--h`` says (half the rounds per token: the payload per token halves).
+  ``--h`` says (half the rounds per token: the payload per token halves); ``...-h32-ttl30``,
+  ``...-h64-ttl30``: H = 32 or 64, and progress records valid 30 s (``progress.ttl``, as in the GPT-2
+  run files), so that a steady peer's heartbeat goes out every 10 s instead of 3.3 s.
 
 A run stops (Ctrl-C to ``simulate``, as a user would: the nodes finish their round) at the first
 evaluation at or past the budget: every outer step in DiLoCo, every H/4 steps in sync. Steps average
@@ -94,9 +96,18 @@ RECIPES: dict[str, tuple[str, str]] = {  # name -> (training.mode, averaging.com
     "streaming-topk1-q2": ("diloco", "topk1-q2"),
     "streaming-topk0.5-q2": ("diloco", "topk0.5-q2"),
     "streaming-topk0.5-q2-h32": ("diloco", "topk0.5-q2"),
+    "streaming-topk0.5-q2-h32-ttl30": ("diloco", "topk0.5-q2"),
+    "streaming-topk0.5-q2-h64-ttl30": ("diloco", "topk0.5-q2"),
 }
 STREAMING = {name: 4 for name in RECIPES if name.startswith("streaming-")}  # recipe -> diloco.fragments
-RECIPE_H = {"streaming-topk0.5-q2-h32": 32}  # recipes with their own H (the others: --h)
+# Recipes with their own H (the others: --h), and records valid 30 s instead of 10 (progress.ttl, as the
+# GPT-2 run files have it: a record goes out on a step and every ttl / 3 besides)
+RECIPE_H = {
+    "streaming-topk0.5-q2-h32": 32,
+    "streaming-topk0.5-q2-h32-ttl30": 32,
+    "streaming-topk0.5-q2-h64-ttl30": 64,
+}
+RECIPE_TTL = {"streaming-topk0.5-q2-h32-ttl30": 30.0, "streaming-topk0.5-q2-h64-ttl30": 30.0}
 BASELINE = "sync-fp32"
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128, "max_bytes": 4_000_000}
 QUICK_MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_bytes": 1_000_000}
@@ -134,8 +145,11 @@ class Plan:
         return RECIPE_H.get(name, self.h)
 
     def eval_every(self, name: str) -> int:
-        """DiLoCo: every H batches per peer (F steps when streaming); sync: every H/4 steps."""
-        return fragments_of(name) if RECIPES[name][0] == "diloco" else max(1, self.h // 4)
+        """DiLoCo: every ``--h`` batches per peer (F steps when streaming, fewer for a recipe with a
+        longer H of its own: its budget may hold only a few steps); sync: every H/4 steps."""
+        if RECIPES[name][0] != "diloco":
+            return max(1, self.h // 4)
+        return max(1, fragments_of(name) * self.h // self.h_of(name))
 
     def settings(self) -> dict[str, Any]:
         return {"h": self.h, "tokens": self.tokens, "model": self.model, "batch_size": BATCH}
@@ -165,6 +179,7 @@ def run_sections(plan: Plan, name: str, peers: int) -> dict[str, dict[str, Any]]
         "training": training,
         "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "fragments": fragments_of(name)},
         "averaging": {"compression": compression, "timeout": 60.0 if diloco else 30.0},
+        **({"progress": {"ttl": RECIPE_TTL[name]}} if name in RECIPE_TTL else {}),
         "checkpoint": {"every_steps": 0},
         "eval": {"every_steps": plan.eval_every(name), "batch_size": 16},
     }
