@@ -501,7 +501,10 @@ def kept_results(path: Path, plan: Plan) -> list[dict[str, Any]]:
         return []
     if old.get("settings") != json.loads(json.dumps(plan.settings())) or old.get("quick") != plan.quick:
         return []
-    return [r for r in old.get("results", []) if r["recipe"] not in plan.recipes and r["peers"] in plan.peers]
+    kept = [r for r in old.get("results", []) if r["recipe"] not in plan.recipes and r["peers"] in plan.peers]
+    for r in kept:  # (the run that measured it)
+        r.setdefault("bench_command", old.get("command"))
+    return kept
 
 
 def parse_recipes(text: str) -> tuple[str, ...]:
