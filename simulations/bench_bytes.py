@@ -15,7 +15,9 @@ simulate`` (real node processes on loopback). Recipes:
   averaged per round (``diloco.fragments = 4``); ``streaming-topk0.5-q2-h32``: with H = 32 whatever
   ``--h`` says (half the rounds per token: the payload per token halves); ``...-h32-ttl30``,
   ``...-h64-ttl30``: H = 32 or 64, and progress records valid 30 s (``progress.ttl``, as in the GPT-2
-  run files), so that a steady peer's heartbeat goes out every 10 s instead of 3.3 s.
+  run files), so that a steady peer's heartbeat goes out every 10 s instead of 3.3 s;
+  ``streaming16-int8-h64``: int8 in 16 fragments at H = 64, a round every 4 inner steps as with 4
+  fragments at H = 16, each a sixteenth of the model: for the peak rate against plain DiLoCo's.
 
 A run stops (Ctrl-C to ``simulate``, as a user would: the nodes finish their round) at the first
 evaluation at or past the budget: every outer step in DiLoCo, every H/4 steps in sync. Steps average
@@ -98,14 +100,19 @@ RECIPES: dict[str, tuple[str, str]] = {  # name -> (training.mode, averaging.com
     "streaming-topk0.5-q2-h32": ("diloco", "topk0.5-q2"),
     "streaming-topk0.5-q2-h32-ttl30": ("diloco", "topk0.5-q2"),
     "streaming-topk0.5-q2-h64-ttl30": ("diloco", "topk0.5-q2"),
+    "streaming16-int8-h64": ("diloco", "int8"),
 }
-STREAMING = {name: 4 for name in RECIPES if name.startswith("streaming-")}  # recipe -> diloco.fragments
+# recipe -> diloco.fragments
+STREAMING = {
+    name: 16 if name.startswith("streaming16-") else 4 for name in RECIPES if name.startswith("streaming")
+}
 # Recipes with their own H (the others: --h), and records valid 30 s instead of 10 (progress.ttl, as the
 # GPT-2 run files have it: a record goes out on a step and every ttl / 3 besides)
 RECIPE_H = {
     "streaming-topk0.5-q2-h32": 32,
     "streaming-topk0.5-q2-h32-ttl30": 32,
     "streaming-topk0.5-q2-h64-ttl30": 64,
+    "streaming16-int8-h64": 64,
 }
 RECIPE_TTL = {"streaming-topk0.5-q2-h32-ttl30": 30.0, "streaming-topk0.5-q2-h64-ttl30": 30.0}
 BASELINE = "sync-fp32"
