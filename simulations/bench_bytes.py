@@ -501,14 +501,16 @@ def result_rows(results: Path) -> list[dict[str, Any]]:
 
 
 def kept_results(path: Path, plan: Plan) -> list[dict[str, Any]]:
-    """An earlier report's entries for recipes not run now, when it had the same settings."""
+    """An earlier report's entries for the recipes and swarm sizes not run now, when it had the same
+    settings."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
     if old.get("settings") != json.loads(json.dumps(plan.settings())) or old.get("quick") != plan.quick:
         return []
-    kept = [r for r in old.get("results", []) if r["recipe"] not in plan.recipes and r["peers"] in plan.peers]
+    rerun = {(name, n) for name in plan.recipes for n in plan.peers}
+    kept = [r for r in old.get("results", []) if (r["recipe"], r["peers"]) not in rerun]
     for r in kept:  # (the run that measured it)
         r.setdefault("bench_command", old.get("command"))
     return kept
