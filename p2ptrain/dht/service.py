@@ -513,8 +513,8 @@ class DHT:
 
         Returns how many replicas accepted it. With ``republish`` this node re-publishes the value
         every ``republish_interval`` until :meth:`unpublish`. ``offer_to``: peers that read the key,
-        sent the (signed, owned) entry at the same time, so that they need not read it (see ``known``);
-        those among the key's replicas get it stored instead, not twice.
+        sent the (signed, owned) entry once the replicas took it, so that they need not read it (see
+        ``known``); those among the replicas that took the store are not sent it twice.
         """
         now, authors = self.clock(), self.authors
         signer = self.host.identity if sign or authors is not None else None  # (then every entry is signed)
@@ -525,21 +525,15 @@ class DHT:
             self._published[(key, subkey)] = _Published(
                 value, ttl, subkey, sign, now + self.config.republish_interval
             )
-        if offer_to:  # a replica gets the entry stored, and holds it for its reads (``held``) as well
-            stored_at = {c.peer_id for c in await self._replicas(key_id(key))}
-            offer_to = [a for a in offer_to if a.peer_id not in stored_at]
-        if not offer_to:
-            return await self._store_entries(key_id(key), [entry])
-        accepted = 0
-
-        async def replicas() -> None:
-            nonlocal accepted
-            accepted = await self._store_entries(key_id(key), [entry])
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(replicas)
-            for addr in offer_to:
-                nursery.start_soon(self._offer, addr, entry)
+        stored_at: set[PeerID] = set()
+        accepted = await self._store_entries(key_id(key), [entry], stored_at)
+        # A replica that took the store holds the entry for its reads (``held``): offered, it would get
+        # it twice. The others (a refused or failed store included) are offered it.
+        offer_to = [a for a in offer_to if a.peer_id not in stored_at]
+        if offer_to:
+            async with trio.open_nursery() as nursery:
+                for addr in offer_to:
+                    nursery.start_soon(self._offer, addr, entry)
         return accepted
 
     async def _offer(self, addr: PeerAddress, entry: Entry) -> None:
@@ -565,7 +559,8 @@ class DHT:
     def unpublish(self, key: bytes, subkey: bytes = b"") -> None:
         self._published.pop((key, subkey), None)
 
-    async def _store_entries(self, kid: bytes, entries: list[Entry]) -> int:
+    async def _store_entries(self, kid: bytes, entries: list[Entry], took: set[PeerID] | None = None) -> int:
+        """Store on the key's replicas (and here, if among them); ``took`` collects those that did."""
         targets = await self._replicas(kid)
         accepted = 0
         if self.serving and self._among_closest(kid, targets):
@@ -581,6 +576,8 @@ class DHT:
             nonlocal accepted
             if await self._push(contact, entries):
                 accepted += 1
+                if took is not None:
+                    took.add(contact.peer_id)
 
         async with trio.open_nursery() as nursery:
             for contact in targets:

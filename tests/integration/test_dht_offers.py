@@ -127,3 +127,25 @@ async def test_a_partner_that_is_a_replica_gets_the_entry_once(autojump_clock: o
             )
             assert offered == [others[0].host.peer_id], offered  # the replicas had it stored
             assert all(r.dht.held(KEY)[mine].value == b"step 2" for r in readers)
+
+
+async def test_a_partner_that_refuses_the_store_is_offered_the_entry(autojump_clock: object) -> None:
+    """A replica that did not take the store (one not yet known to be reachable holds no records) is
+    offered the entry all the same: with two peers, that is the only way its record reaches the other."""
+    with trio.fail_after(300):
+        async with open_swarm(DHTConfig(replication=3)) as swarm:
+            nodes = [
+                await swarm.start(f"q{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(3)
+            ]
+            author, readers = nodes[0], nodes[1:]
+            mine = owned_subkey(author.host.peer_id)
+            await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
+            for r in readers:
+                assert (await r.dht.get(KEY))[mine].value == b"step 1"
+            shy = readers[0]
+            assert shy.host.peer_id in {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
+            shy.dht.client_only = True  # (it refuses stores now: "holds no records")
+            await author.dht.store(
+                KEY, b"step 2", ttl=60, subkey=mine, sign=True, offer_to=[r.address for r in readers]
+            )
+            assert shy.dht._read.known(key_id(KEY), trio.current_time())[0].value == b"step 2"
