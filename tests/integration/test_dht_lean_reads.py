@@ -26,6 +26,19 @@ def count_value_queries(dht, log: list[tuple[bool, int]]) -> None:  # type: igno
     dht._query = counting
 
 
+def count_entries(dht) -> list[int]:  # type: ignore[no-untyped-def]
+    """Record, for each query ``dht`` sends, how many entries came back (in the list returned)."""
+    query, brought = dht._query, []
+
+    async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
+        out = await query(contact, target, value, known, tags, nearest)
+        brought.append(len(out[1]))
+        return out
+
+    dht._query = counting
+    return brought
+
+
 async def test_a_key_stored_lately_is_read_from_its_replicas_without_contacts(autojump_clock: object) -> None:
     config = DHTConfig(k=8, replication=3, get_quorum=3)
     with trio.fail_after(300):
@@ -133,14 +146,7 @@ async def test_a_changed_entry_comes_once_not_from_every_replica(autojump_clock:
             writer = swarm.nodes[-1]
             assert await writer.dht.store(KEY, b"v1", ttl=600.0, subkey=b"a") == 3
             assert (await writer.dht.get(KEY))[b"a"].value == b"v1"
-            query, brought = writer.dht._query, []
-
-            async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
-                out = await query(contact, target, value, known, tags, nearest)
-                brought.append(len(out[1]))
-                return out
-
-            writer.dht._query = counting
+            brought = count_entries(writer.dht)
             for version in (b"v2", b"v3"):
                 assert await writer.dht.store(KEY, version, ttl=600.0, subkey=b"a") == 3
                 brought.clear()
@@ -162,13 +168,6 @@ async def test_a_replica_names_what_it_holds_and_is_not_sent_it_again(autojump_c
             replicas = {c.peer_id for c in writer.dht._targets[key_id(KEY)][1]}
             reader = next(n for n in swarm.nodes if n.host.peer_id in replicas)
             assert reader.dht.records.get(key_id(KEY), trio.current_time())  # (stored there)
-            query, brought = reader.dht._query, []
-
-            async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
-                out = await query(contact, target, value, known, tags, nearest)
-                brought.append(len(out[1]))
-                return out
-
-            reader.dht._query = counting
+            brought = count_entries(reader.dht)
             assert (await reader.dht.get(KEY))[b"a"].value == b"v1"
             assert brought and sum(brought) == 0, brought  # named: no replica sent it

@@ -18,6 +18,19 @@ KEY = b"run/offers/progress"
 pytestmark = pytest.mark.timeout(120)
 
 
+async def read_by_all(swarm, n: int, prefix: str):  # type: ignore[no-untyped-def]
+    """``n`` nodes; the first stores its record, and the others read it (so they take offers)."""
+    nodes = []
+    for i in range(n):
+        nodes.append(await swarm.start(f"{prefix}{i}", [swarm.nodes[0].address] if swarm.nodes else []))
+    author, readers = nodes[0], nodes[1:]
+    mine = owned_subkey(author.host.peer_id)
+    await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
+    for r in readers:
+        assert (await r.dht.get(KEY))[mine].value == b"step 1"
+    return author, readers, mine
+
+
 async def test_an_offered_entry_is_held_without_a_read(autojump_clock: object) -> None:
     with trio.fail_after(300):
         async with open_swarm(DHTConfig()) as swarm:
@@ -103,14 +116,7 @@ async def test_a_partner_that_is_a_replica_gets_the_entry_once(autojump_clock: o
     an offer besides would send it twice. Every reader still holds the new entry without a read."""
     with trio.fail_after(300):
         async with open_swarm(DHTConfig(replication=3)) as swarm:
-            nodes = [
-                await swarm.start(f"p{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(5)
-            ]
-            author, readers = nodes[0], nodes[1:]
-            mine = owned_subkey(author.host.peer_id)
-            await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
-            for r in readers:
-                assert (await r.dht.get(KEY))[mine].value == b"step 1"
+            author, readers, mine = await read_by_all(swarm, 5, "p")
             offered: list[object] = []
             offer = author.dht._offer
 
@@ -134,14 +140,7 @@ async def test_a_partner_that_refuses_the_store_is_offered_the_entry(autojump_cl
     offered the entry all the same: with two peers, that is the only way its record reaches the other."""
     with trio.fail_after(300):
         async with open_swarm(DHTConfig(replication=3)) as swarm:
-            nodes = [
-                await swarm.start(f"q{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(3)
-            ]
-            author, readers = nodes[0], nodes[1:]
-            mine = owned_subkey(author.host.peer_id)
-            await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
-            for r in readers:
-                assert (await r.dht.get(KEY))[mine].value == b"step 1"
+            author, readers, mine = await read_by_all(swarm, 3, "q")
             shy = readers[0]
             assert shy.host.peer_id in {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
             shy.dht.client_only = True  # (it refuses stores now: "holds no records")
