@@ -32,12 +32,10 @@ import trio
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
-from ..net.connection import Connection
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
-from . import upkeep
-from .known import MAX_KNOWN, NONCE_BYTES, ReadCache, answer, held_entries, tag
-from .lookup import Lookup
+from . import reads, upkeep
+from .known import ReadCache, answer
 from .protocol import (
     DIAL_BACK,
     FIND_NODE,
@@ -61,8 +59,8 @@ from .protocol import (
     ValueResp,
     decode_entries,
     encode_entries,
-    parse_contacts,
 )
+from .reads import verified_entries
 from .records import (
     Authors,
     Entry,
@@ -70,14 +68,12 @@ from .records import (
     RecordLimits,
     RecordRefused,
     RecordStore,
-    check_author,
     check_entry,
     key_id,
     make_entry,
     merge,
     origin_of,
     owner_of,
-    verify_entry,
 )
 from .routing import Contact, RoutingTable
 from .upkeep import MAX_SEEN
@@ -91,8 +87,6 @@ TARGETS_TTL = 30.0  # ... for this many seconds
 # A node tells a peer its contact (id and address, about 150 bytes) on its first call, then again once
 # this long has passed or its address changed: in between, a call from a known peer refreshes it as is.
 SENDER_REFRESH = 60.0
-# A direct read asks the other replicas once the first answered, or after this long without its answer
-READ_HEDGE = 1.0
 MAX_TOLD = 4096
 
 
@@ -355,7 +349,7 @@ class DHT:
                 check_entry(entry, now, self.config.limits)
             except RecordRefused:
                 continue
-            taken += self._read.offer(kid, _verified([entry], kid, self.authors, now), now)
+            taken += self._read.offer(kid, verified_entries([entry], kid, self.authors, now), now)
         return OfferResp(taken)
 
     async def _on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:
@@ -393,96 +387,14 @@ class DHT:
         tags: bytes,
         nearest: bool = True,
     ) -> tuple[list[Contact], list[Entry], bool, Contact | None, str]:
-        """Ask ``contact``; returns its contacts, the entries it sent, whether it proved it holds some
-        of ``known`` (those it was told to leave out, by their ``tags``), the contact the connection
-        proved, and the address the connection runs to (whatever the contact claimed). ``nearest``:
-        whether a value query asks for the nearest contacts too."""
-        held = False
-        with trio.fail_after(self.config.rpc_timeout):
-            conn = await self.host.connect(contact.address)
-            sender = self._sender_for(conn.peer)
-            if value:
-                nonce = self.rng.randbytes(NONCE_BYTES) if known else b""
-                reply = await conn.call_with_body(
-                    FIND_VALUE,
-                    FindValueReq(target, sender, tags, nonce, nearest),
-                    timeout=self.config.rpc_timeout,
-                )
-                entries = decode_entries(reply.body)
-                contacts = parse_contacts(reply.message.contacts)
-                held = bool(held_entries(known, reply.message.held, reply.message.proof, nonce))
-            else:
-                req = FindNodeReq(target, sender)
-                resp = await conn.call(FIND_NODE, req, timeout=self.config.rpc_timeout)
-                entries, contacts = [], parse_contacts(resp.contacts)
-        self._told_to(conn.peer, sender)
-        return contacts, entries, held, _proven(conn), conn.remote_host
+        """One query to ``contact`` (see ``reads.query``)."""
+        return await reads.query(self, contact, target, value, known, tags, nearest)
 
     async def _lookup(
         self, target: bytes, *, value: bool = False, quorum: int = 0, cached: list[Entry] | None = None
     ) -> tuple[list[Contact], list[Entry]]:
-        """Run an iterative lookup: the k closest peers that answered (at proven addresses where we
-        have them), and the verified entries found on the way (value lookups; replicas leave out the
-        ``cached`` entries, and count toward ``quorum`` when they prove they hold some)."""
-        lookup = Lookup(
-            target,
-            self.table.closest(target, self.config.k),
-            local=self.peer_id,
-            k=self.config.k,
-            alpha=self.config.alpha,
-        )
-        found: list[Entry] = []
-        cached = cached or []
-        tags = b"".join(tag(e) for e in cached)  # once per lookup, not per query
-        # Who answered with entries, by origin (/24, /64; a loopback address alone): ids are free, so
-        # three ids of one subnet next to a key are one answer, not a quorum that ends the lookup on
-        # what they chose to show (they cannot forge signed entries, but they can leave some out).
-        holders: set[str] = set()
-        reached: dict[PeerID, Contact] = {}
-        changed = trio.Event()
-
-        async def ask(contact: Contact) -> None:
-            nonlocal changed
-            # Peers' answers are hearsay: a liar can give true ids at false addresses. An address we
-            # verified ourselves (the routing table's) wins, and only a failure at that address counts
-            # against the peer in the table.
-            known = self.table.get(contact.peer_id)
-            try:
-                contacts, entries, held, proven, remote = await self._query(
-                    known or contact, target, value, cached, tags
-                )
-            except (P2PError, trio.TooSlowError) as e:
-                log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
-                lookup.on_failure(contact.peer_id)
-                if known is not None:
-                    self.table.failed(contact.peer_id, self.clock())
-            else:
-                # The query may have reused a connection dialed elsewhere: record the address the
-                # connection proved, never the one we were told.
-                if proven is not None:
-                    self._observe(proven)
-                if (verified := proven or known) is not None:
-                    reached[contact.peer_id] = verified
-                good = _verified(entries, target, self.authors, self.clock())
-                found.extend(good)
-                if good or held:
-                    holders.add(origin_of(remote))
-                    if quorum and len(holders) >= quorum:
-                        lookup.stop()
-                lookup.on_response(contact.peer_id, contacts)
-            changed.set()
-
-        async with trio.open_nursery() as nursery:
-            while True:
-                for contact in lookup.next_queries():
-                    nursery.start_soon(ask, contact)
-                if lookup.finished or lookup.stopped:
-                    break
-                await changed.wait()
-                changed = trio.Event()
-            # Converged (or has what it needs): queries still in flight cannot change the answer.
-            nursery.cancel_scope.cancel()
-        return [reached.get(c.peer_id, c) for c in lookup.closest()], found
+        """An iterative lookup (see ``reads.lookup``)."""
+        return await reads.lookup(self, target, value=value, quorum=quorum, cached=cached)
 
     async def find_node(self, target: bytes) -> list[Contact]:
         """The k closest live contacts to ``target`` found by an iterative lookup."""
@@ -549,10 +461,10 @@ class DHT:
         """What a read of ``key`` would start from, without asking anyone: the entries held here as a
         replica, and those read or offered lately (see ``known``), verified, live, merged."""
         kid, now = key_id(key), self.clock()
-        entries = _verified(self.records.get(kid, now), kid, self.authors, now)
+        entries = verified_entries(self.records.get(kid, now), kid, self.authors, now)
         known = self._read.known(kid, now)
         if self.authors is not None:
-            known = _verified(known, kid, self.authors, now)
+            known = verified_entries(known, kid, self.authors, now)
         latest = now + self.config.limits.max_ttl + self.config.limits.clock_skew
         return merge([e for e in entries + known if now < e.expiry <= latest])
 
@@ -632,82 +544,12 @@ class DHT:
 
         Stops once replicas of ``quorum`` origins (default ``get_quorum``; an origin is a /24 or /64,
         so ids of one subnet count once) answered with entries, else after the lookup converges. Every
-        entry's signature is checked again here, and entries that are expired or claim an expiry beyond
+        entry's signature is checked again, and entries that are expired or claim an expiry beyond
         what any honest store accepts (which would let a liar's entry win every merge) are dropped.
         Replicas leave out the entries this node read before and still holds (``dht.known``), or holds
-        as a replica itself: those are merged in again until they expire.
+        as a replica itself: those are merged in again until they expire. (See ``reads.get``.)
         """
-        kid = key_id(key)
-        local = self.records.get(kid, self.clock())
-        q = max((self.config.get_quorum if quorum is None else quorum) - (1 if local else 0), 1)
-        known = self._read.known(kid, self.clock())
-        named = {tag(e) for e in known}  # and what it holds as a replica (stored here, not offered):
-        known = (known + [e for e in local if tag(e) not in named])[:MAX_KNOWN]
-        found = await self._read_replicas(kid, q, known)
-        if found is None:
-            _, found = await self._lookup(kid, value=True, quorum=q, cached=known)
-        now, limits = self.clock(), self.config.limits
-        latest = now + limits.max_ttl + limits.clock_skew
-        good = _verified(local + found, kid, self.authors, now)
-        known = self._read.known(kid, now)  # (again: with what was offered during the read)
-        if self.authors is not None:  # (a certificate may have expired since: check the authors again)
-            known = _verified(known, kid, self.authors, now)
-        merged = merge([e for e in good + known if now < e.expiry <= latest])
-        self._read.update(kid, list(merged.values()))
-        return merged
-
-    async def _read_replicas(self, kid: bytes, quorum: int, known: list[Entry]) -> list[Entry] | None:
-        """A hot key's read (announcements polled while a group forms, records read every few seconds):
-        where this node stored under it lately (``_replicas``, a converged lookup at most
-        ``TARGETS_TTL`` old), it asks those replicas directly, and without their nearest contacts
-        (a reply's largest part when it brings no new entry). None, to look the key up instead, when no
-        such replicas are known or fewer than ``quorum`` origins among them answered with entries."""
-        cached = self._targets.get(kid)
-        if cached is None or cached[0] <= self.clock() or not cached[1]:
-            return None
-        found: list[Entry] = []
-        holders: set[str] = set()
-
-        async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
-            tags = b"".join(tag(e) for e in known)
-            try:
-                _, entries, held, _, remote = await self._query(contact, kid, True, known, tags, False)
-            except (P2PError, trio.TooSlowError) as e:
-                log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
-                self._targets.pop(kid, None)  # the next read and store look the replicas up again
-                return
-            good = _verified(entries, kid, self.authors, self.clock())
-            found.extend(good)
-            if good or held:
-                holders.add(origin_of(remote))
-                if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
-                    done.cancel()
-
-        async with trio.open_nursery() as nursery:
-            # One replica first; the others once it answered (or after READ_HEDGE), naming what it sent
-            # as held: they prove they hold those entries instead of sending each again.
-            first = trio.Event()
-
-            async def lead() -> None:
-                try:
-                    await ask(replicas[0], known, nursery.cancel_scope)
-                finally:
-                    first.set()
-
-            replicas = list(cached[1])
-            nursery.start_soon(lead)
-            with trio.move_on_after(READ_HEDGE):
-                await first.wait()
-            if not first.is_set() and cached[1] and cached[1][0] == replicas[0]:
-                cached[1].append(cached[1].pop(0))  # a slow replica goes last next time
-            named = {tag(e) for e in known}
-            more = known + [e for e in found if tag(e) not in named]
-            for contact in replicas[1:]:
-                nursery.start_soon(ask, contact, more[:MAX_KNOWN], nursery.cancel_scope)
-        if len(holders) < quorum:
-            self._targets.pop(kid, None)  # look them up again: the next store too
-            return None
-        return found
+        return await reads.get(self, key, quorum=quorum)
 
     # ---- maintenance ----
 
@@ -729,35 +571,3 @@ class DHT:
                 self._seen.move_to_end(addr.peer_id, last=False)  # behind what this run has seen
         while len(self._seen) > MAX_SEEN:
             self._seen.popitem(last=False)
-
-
-def _proven(conn: Connection) -> Contact | None:
-    """The contact a connection proves: the address we dialed, where the handshake found that peer.
-
-    An accepted connection proves no address the peer can be dialed at.
-    """
-    if not conn.outbound:
-        return None
-    return Contact(conn.peer, PeerAddress.for_host(conn.remote_host, conn.remote_port, conn.peer))
-
-
-def _verified(entries: list[Entry], kid: bytes, authors: Authors | None, now: float) -> list[Entry]:
-    """Entries that belong under ``kid`` and whose signatures check out (read-back verification); with
-    ``authors``, only those written by an author they admit (a private run's members, ids with work)."""
-    out = []
-    for e in entries:
-        if key_id(e.key) != kid:
-            continue
-        try:
-            verify_entry(e)
-        except P2PError:
-            log.warning("dropping a record with a bad signature under %s", kid.hex()[:12])
-            continue
-        if authors is not None:
-            try:
-                check_author(e, authors, now)
-            except RecordRefused as refused:
-                log.warning("dropping a record under %s: %s", kid.hex()[:12], refused.reason)
-                continue
-        out.append(e)
-    return out

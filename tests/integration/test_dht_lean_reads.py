@@ -8,7 +8,8 @@ import trio
 from test_dht_swarm import open_swarm
 
 from p2ptrain.dht import DHTConfig, key_id
-from p2ptrain.dht.service import READ_HEDGE, SENDER_REFRESH
+from p2ptrain.dht.reads import READ_HEDGE
+from p2ptrain.dht.service import SENDER_REFRESH
 
 KEY = b"lean/hot"
 
