@@ -1,0 +1,299 @@
+"""Progress records, out and in: a CollaborativeOptimizer's part in the swarm's view of an epoch.
+
+Theory of operation: every peer publishes a signed progress record (its epoch, samples, rate, state
+digest, averager address; see ``progress``) under its owned subkey of the run's progress key, at once
+when it changed much and at least once a heartbeat (a third of the record's ``ttl``), and offers each
+new record directly to the partners it trains with (``_offer_to``), so that their reads in between
+need ask nobody: a read asks the DHT's replicas once a record's life, and whenever this peer's view is
+unsure (none yet, alone, behind, a partner's record late). What it reads becomes the ``SwarmView``
+(``progress.swarm_view``) that decides when the epoch's target is reached and who is on it; only the
+records of the peers this one trusts (``trusted``) may move it to another state.
+
+:class:`ProgressExchange` is a mixin of :class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`,
+which owns the attributes declared below.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import trio
+
+from ..dht.records import owned_subkey, subkey_owner
+from ..errors import P2PError, RemoteProtocolError
+from ..identity import PeerID
+from ..net.address import PeerAddress
+from ..wire.codec import pack, unpack
+from .bans import BAN_READ_INTERVAL
+from .bookkeeping import RateMeter
+from .inflight import _InFlight
+from .progress import PeerProgress, ProgressRecord, SwarmView, must_publish, swarm_view
+from .swarm_state import SwarmState
+
+log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
+
+FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is refused out loud
+MAX_REFUSED = 1024
+MAX_OFFERS = 32  # partners a new record goes to directly (the others read it from the DHT)
+
+
+class ProgressExchange(SwarmState):
+    """Publishing this peer's progress records and reading the swarm's (a mixin, over the shared state's)."""
+
+    # Owned by CollaborativeOptimizer:
+    key: bytes
+    view: SwarmView | None
+    rate: RateMeter
+    leaving: bool
+    _in_flight: _InFlight | None
+    _lead: float
+    _refused: set[PeerID]
+    _records_read: trio.Event
+    _counting: dict[PeerID, ProgressRecord]
+    _published: ProgressRecord | None
+    _partners: set[PeerID]
+    _met_swarm: bool
+    _cut_off: bool
+    _asked_at: float
+    _read_bans: Callable[[], Coroutine[Any, Any, None]]
+
+    async def _progress_loop(self) -> None:
+        await self.node.dht.bootstrapped.wait()
+        interval = self.config.progress.interval
+        next_bans = self.clock()
+        now = True
+        while True:
+            self._publish_now = trio.Event()
+            record = self.record()
+            tolerance = max(self.config.training.target_batch_size / 16, 1.0)
+            if now or must_publish(self._published, record, self._heartbeat, tolerance):
+                await self._publish(record)
+            await self.refresh(network=self._ask_replicas())
+            if self.clock() >= next_bans:
+                await self._read_bans()
+                next_bans = self.clock() + BAN_READ_INTERVAL
+            with trio.move_on_after(self._next_read(interval)):
+                await self._publish_now.wait()
+            now = self._publish_now.is_set()
+
+    def _next_read(self, interval: float) -> float:
+        """Seconds until the next read of the swarm's records: every ``interval`` near the target (and
+        while behind, or with no rate measured yet); a quarter of the time left until the target when
+        that is longer, up to a heartbeat (what the others' records change meanwhile, they publish at
+        once: a step, a round landing, leaving)."""
+        view = self.view
+        if view is None or view.behind or not math.isfinite(view.eta):
+            return interval
+        return min(max(interval, (view.eta - self._lead) / 4), self._heartbeat)
+
+    def _ask_replicas(self) -> bool:
+        """Whether the next read asks the DHT's replicas, or reads what this peer holds: its last read,
+        and the records its partners offered it since (each peer sends its new records to the peers
+        it trains with, see ``_offer_to``). The replicas are asked once a record's life (``ttl``: a
+        newcomer offers its records to the peers it read, so they hear of it before), and whenever this
+        peer's view is unsure (none yet, alone, behind), for peers it does not know yet and for offers
+        that did not arrive: a partner's record older than its heartbeats allow was not offered."""
+        view, now = self.view, self.clock()
+        if view is None or view.behind or view.peers <= 1 or now - self._asked_at >= self.config.progress.ttl:
+            return True
+        late = 2 * self._heartbeat + self.config.progress.interval  # (a loop's wait past a heartbeat)
+        offered = {a.peer_id for a in self._offer_to()}  # (this run's, trusted, not leaving: they offer)
+        return any(now - r.record.time > late for r in self.records if r.peer in offered)
+
+    def _offer_to(self) -> list[PeerAddress]:
+        """Where this peer's new records go directly: the averagers of the partners whose records it
+        read (trusted ones only, where it trusts some), newest records first, at most ``MAX_OFFERS``."""
+        trusted = self.trusted()
+        out: list[PeerAddress] = []
+        for r in sorted(self.records, key=lambda r: -r.record.time):
+            rec = r.record
+            if r.peer == self.node.peer_id or rec.leaving or rec.run != self.fingerprint or not rec.addr:
+                continue
+            if trusted is not None and r.peer not in trusted:
+                continue
+            try:
+                addr = PeerAddress.parse(rec.addr)
+            except ValueError:
+                continue
+            if addr.peer_id == r.peer:
+                out.append(addr)
+            if len(out) >= MAX_OFFERS:
+                break
+        return out
+
+    @property
+    def _heartbeat(self) -> float:
+        """The longest a record of this peer goes without a successor (see ``progress.must_publish``)."""
+        return self.config.progress.ttl / 3
+
+    @property
+    def _horizon(self) -> float:
+        """How long others' records are extrapolated: a heartbeat, plus time for a read to see it."""
+        return self._heartbeat + 2 * self.config.progress.interval
+
+    def record(self) -> ProgressRecord:
+        addr = self.node.averager.address()
+        return ProgressRecord(
+            epoch=self.epoch,
+            samples=self.samples,
+            rate=self.rate.rate,
+            time=self.clock(),
+            digest=self.digest,
+            addr=addr,
+            run=self.fingerprint,
+            landing=self._in_flight is not None,
+            leaving=self.leaving,
+            since=self._epoch_began,
+            work=self.node.host.work or b"",
+        )
+
+    async def _publish(self, record: ProgressRecord | None = None) -> None:
+        record = record or self.record()
+        try:
+            await self.node.dht.store(
+                self.key,
+                pack(record.to_obj()),
+                ttl=self.config.progress.ttl,
+                subkey=owned_subkey(self.node.peer_id),
+                sign=True,
+                offer_to=self._offer_to(),
+            )
+        except P2PError as e:
+            log.warning("could not publish progress: %s", e)
+        else:
+            self._published = record
+
+    async def refresh(self, *, network: bool = True) -> None:
+        """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped);
+        ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
+        if network:
+            try:
+                entries = await self.node.dht.get(self.key, quorum=3)
+            except P2PError as e:
+                log.info("could not read progress records: %s", e)
+                return
+            self._asked_at = self.clock()
+        else:
+            entries = self.node.dht.held(self.key)
+        records = []
+        for subkey, entry in entries.items():
+            peer = subkey_owner(subkey)
+            if peer is None:
+                continue  # only owned subkeys: the DHT checked that the peer named signed it
+            try:
+                rec = ProgressRecord.from_obj(unpack(entry.value))
+            except RemoteProtocolError:
+                continue
+            records.append(PeerProgress(peer, rec))
+        self.records = records
+        # What each peer last said about the samples of an epoch it was still counting: once it hands
+        # them to the epoch's round, its records count toward the next one (``landing``).
+        counting: dict[PeerID, ProgressRecord] = {}
+        for r in records:
+            if not r.record.landing:
+                counting[r.peer] = r.record
+            elif r.peer in self._counting:
+                counting[r.peer] = self._counting[r.peer]
+        self._counting = counting
+        self._met_swarm = self._met_swarm or self.node.dht.bootstrapped.is_set()
+        self._update_view()
+        self._reach_directly()
+        self._records_read.set()
+        self._records_read = trio.Event()
+
+    def _reach_directly(self) -> None:
+        """Behind a NAT: dial the other NATed peers at the relayed addresses their records give, so that
+        hole punches (``net.punch``) connect them directly before a round needs it."""
+        host = self.node.host
+        if self.node.dht.reachable is not False or not host.punch.enabled or self._nursery is None:
+            return
+        for r in self.records:
+            try:
+                addr = PeerAddress.parse(r.record.addr) if r.record.addr else None
+            except ValueError:
+                continue
+            if addr is not None and addr.relay is not None and addr.peer_id == r.peer != self.node.peer_id:
+                self._nursery.start_soon(host.punch.reach, addr)
+
+    def _update_view(self) -> SwarmView:
+        trusted = self.trusted()
+        self.view = swarm_view(
+            self.node.peer_id,
+            self.record(),
+            self.records,
+            now=self.clock(),
+            target=self.config.training.target_batch_size,
+            horizon=self._horizon,
+            trusted=trusted,
+            min_work=self.config.run.id_work,
+            cohort=self._cohort[1] if self._cohort[0] == self.epoch else (),
+            met=None if trusted is None else frozenset(self.node.host.connected_peers()),
+        )
+        if trusted is not None:
+            self._note_refused_claims(trusted)
+        if self.view.peers > 1 or self.view.behind:
+            if self._cut_off:
+                log.info("back in touch with the swarm on step %d", self.epoch)
+            self._cut_off = False
+        for r in self.records:
+            if r.peer == self.node.peer_id or r.record.run != self.fingerprint:
+                continue
+            if r.record.leaving:
+                self._partners.discard(r.peer)
+            else:
+                self._partners.add(r.peer)
+        return self.view
+
+    def _note_refused_claims(self, trusted: frozenset[PeerID]) -> None:
+        """Say once per peer when an untrusted record claims a step far past the trusted peers' (an
+        honest newcomer is at most a step or two ahead: this is a forged step, or a swarm this peer has
+        lost touch with)."""
+        assert self.view is not None
+        for r in self.records:
+            far = r.record.epoch > self.view.newest + FAR_CLAIM
+            if far and r.peer not in trusted | self._refused and r.record.run == self.fingerprint:
+                if len(self._refused) >= MAX_REFUSED:
+                    return
+                self._refused.add(r.peer)
+                log.warning(
+                    "refused %s's claim of step %d: not a peer this one trusts (the trusted are on step %d)",
+                    r.peer.short(),
+                    r.record.epoch,
+                    self.view.newest,
+                )
+
+    def trusted(self) -> frozenset[PeerID] | None:
+        """The peers whose progress records may move this one to another state (see ``progress``): the
+        join peers and the peers it has averaged with. None (every record) in a private swarm, whose
+        members the authority vouches for.
+
+        A peer with no anchor at all (started without a join address, it has never averaged: the
+        swarm's first peer, or one restarted without ``--join`` and without the partners its checkpoints
+        remember) trusts the peers connected to it now: each passed a handshake with it (and paid the
+        run's id work), while a record needs no more than a key. Fresh keys that only write records
+        cannot outvote the peers that joined through it before its first round."""
+        node = self.node
+        if node.config.authority is not None:
+            return None
+        anchors = node.join_peers | node.averager.partners
+        return frozenset(anchors or node.host.connected_peers())
+
+    async def leave(self, timeout: float = 5.0) -> None:
+        """Tell the swarm this peer stops (its record says so), so nobody waits for it in a group."""
+        self.leaving = True
+        with trio.move_on_after(timeout):
+            await self._publish()
+
+    async def wait_for_peers(self, count: int, timeout: float) -> int:
+        """Wait until ``count`` peers (this one included) publish progress in the run, or ``timeout``;
+        returns how many did. Lets a swarm that starts together begin together."""
+        with trio.move_on_after(timeout):
+            while self._peers_seen() < count:
+                await self._records_read.wait()
+        return self._peers_seen()
+
+    def _peers_seen(self) -> int:
+        return 1 + sum(r.peer != self.node.peer_id for r in self.records)
