@@ -1,4 +1,7 @@
-"""The ``p2ptrain`` command: keygen, id, node, average, ping, peers, status, simulate.
+"""The ``p2ptrain`` command: keygen, id, node, average, ping, peers, status, authority, simulate.
+
+(``node`` with a training config runs ``train_cli``; ``ping``, ``peers`` and ``status`` are
+``query_cli``'s, ``authority`` is ``authority_cli``'s.)
 
 Every failure a user can cause (bad flag, unreadable key, unreachable peer, refused handshake) ends
 with one line on stderr that says what went wrong, and a non-zero exit status.
@@ -13,30 +16,19 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
-from rich.console import Console
-from rich.table import Table
 
 from . import __version__
-from .dht.peers import Member, list_members
-from .dht.service import DHT, DHTConfig
-from .errors import ConfigError, IdentityError, P2PError, PeerUnavailable, RemoteProtocolError
+from .errors import ConfigError, IdentityError, P2PError
 from .identity import Identity, load_identity, load_or_create_identity, save_identity
 from .net.address import PeerAddress
-from .net.host import Host
 from .nodebase import (
-    PING,
-    STATUS,
-    PingRequest,
-    StatusRequest,
     default_data_dir,
     lock_data_dir,
-    member_json,
     parse_listen,
     validate_run_id,
 )
@@ -348,122 +340,6 @@ async def _serve_node(node: Node) -> None:
     log.info("node stopped")
 
 
-# ---- ping ----------------------------------------------------------------------------------------
-
-
-def cmd_ping(args: argparse.Namespace) -> int:
-    addr = _parse_address(args.address)
-    validate_run_id(args.run_id)
-    return run_trio(_ping, addr, args.run_id, args.count, args.timeout)
-
-
-async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> int:
-    host = Host(Identity.generate(), run_id)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(host.run, [])
-        start = trio.current_time()
-        conn = await host.connect(addr, timeout=timeout)
-        setup = trio.current_time() - start
-        print(
-            f"connected to {conn.peer} at {addr.host}:{addr.port} (connect + handshake {setup * 1e3:.2f} ms)"
-        )
-        rtts = []
-        for i in range(count):
-            t0 = trio.current_time()
-            await conn.call(PING, PingRequest(b"p" * 32), timeout=timeout)
-            rtts.append(trio.current_time() - t0)
-            print(f"ping {i + 1}: rtt {rtts[-1] * 1e3:.3f} ms")
-        avg = sum(rtts) / len(rtts)
-        print(f"{count} pings: min/avg/max {min(rtts) * 1e3:.3f}/{avg * 1e3:.3f}/{max(rtts) * 1e3:.3f} ms")
-        nursery.cancel_scope.cancel()
-    return 0
-
-
-# ---- peers -----------------------------------------------------------------------------------------
-
-
-def cmd_peers(args: argparse.Namespace) -> int:
-    addr = _parse_address(args.address)
-    validate_run_id(args.run_id)
-    members = run_trio(_members_via, addr, args.run_id, args.timeout)
-    if args.json:
-        print(json.dumps([member_json(m) for m in members], indent=2))
-        return 0
-    table = Table(title=f"run {args.run_id!r}: {len(members)} peer(s)")
-    for col in ("peer id", "address", "reachable", "throughput", "last seen"):
-        table.add_column(col)
-    now = time.time()
-    for m in members:
-        table.add_row(
-            str(m.peer_id),
-            m.record.addresses[0] if m.record.addresses else "-",
-            "yes" if m.record.reachable else "client-only",
-            f"{m.record.throughput:.1f}/s",
-            f"{max(0.0, now - m.record.published):.0f} s ago",
-        )
-    Console(width=max(Console().width, 160)).print(table)
-    return 0
-
-
-async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[Member]:
-    """Ask the swarm at ``addr`` for the run's members, as a client-only DHT peer."""
-    host = Host(Identity.generate(), run_id)
-    dht = DHT(host, config=DHTConfig(client_only=True, rpc_timeout=timeout))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(host.run, [])
-        with trio.fail_after(4 * timeout):
-            await host.connect(addr, timeout=timeout)  # a refusal says why (another run id, another peer)
-            if not await dht.bootstrap([addr], attempts=1):
-                raise PeerUnavailable(f"no answer from {addr}")
-            members = await list_members(dht, run_id)
-        nursery.cancel_scope.cancel()
-    return members
-
-
-# ---- status ----------------------------------------------------------------------------------------
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    addr = _parse_address(args.address)
-    validate_run_id(args.run_id)
-    status = run_trio(_status_of, addr, args.run_id, args.timeout)
-    if args.json:
-        print(json.dumps(status, indent=2))
-        return 0
-    from .training.console import node_table
-
-    console = Console(width=max(Console().width, 120))
-    peer = str(status.get("peer_id", "?"))
-    traffic = status.get("traffic", {})
-    connected, members = len(status.get("connected_peers", [])), len(status.get("members", []))
-    sent, received = traffic.get("bytes_sent", 0) / 1e6, traffic.get("bytes_received", 0) / 1e6
-    console.print(
-        f"node {peer} in run {status.get('run_id')!r}: {status.get('state')}, {connected} connected, "
-        f"{members} members known, {sent:.1f} MB sent, {received:.1f} MB received"
-    )
-    if status.get("training"):
-        console.print(node_table(peer[:12], status["training"]))
-    else:
-        console.print("(this node does not train)")
-    return 0
-
-
-async def _status_of(addr: PeerAddress, run_id: str, timeout: float) -> dict[str, Any]:
-    host = Host(Identity.generate(), run_id)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(host.run, [])
-        conn = await host.connect(addr, timeout=timeout)
-        reply = await conn.call_with_body(STATUS, StatusRequest(), timeout=timeout)
-        nursery.cancel_scope.cancel()
-    try:
-        status = json.loads(bytes(reply.body))
-    except ValueError:
-        raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not JSON") from None
-    if not isinstance(status, dict):
-        raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not a JSON object")
-    return status
-
-
 # ---- authority -------------------------------------------------------------------------------------
 
 
@@ -478,98 +354,6 @@ def _membership_options(args: argparse.Namespace) -> dict[str, Any]:
         "authority": parse_authority_key(authority) if authority else None,
         "certificate": load_certificate(cert_file) if cert_file else None,
     }
-
-
-def cmd_authority(args: argparse.Namespace) -> int:
-    """``p2ptrain authority init | pubkey | issue | show``: keys and certificates of a private swarm."""
-    from . import authority as auth
-
-    if args.authority_command == "init":
-        key = Identity.generate()
-        save_identity(key, args.out, overwrite=args.force)
-        text = auth.authority_key_text(key.public_key)
-        with open(args.out, "a") as f:  # what to paste into --authority, beside the key
-            f.write(f"# authority public key: {text}\n")
-        print(text)
-        return 0
-    if args.authority_command == "pubkey":
-        print(auth.authority_key_text(load_identity(args.keyfile).public_key))
-        return 0
-    if args.authority_command == "issue":
-        return _issue_certificate(args)
-    return _show_certificate(args)
-
-
-def _issue_certificate(args: argparse.Namespace) -> int:
-    from . import authority as auth
-    from .identity import PeerID
-
-    try:
-        peer = PeerID.from_string(args.peer)
-    except ValueError as e:
-        raise UsageError(f"--peer: {e}") from None
-    if args.run is not None:
-        validate_run_id(args.run)
-    lifetime = auth.parse_duration(args.expires)
-    key = load_identity(args.key)
-    now = float(int(time.time()))
-    data = auth.issue_certificate(key, peer, not_before=now, expires=now + lifetime, run=args.run or "")
-    auth.save_certificate(data, args.out, overwrite=args.force)
-    cert = auth.decode_certificate(data, key.public_key)
-    run = f"run {cert.run!r}" if cert.run else "any run of this authority"
-    print(f"{args.out}: peer {cert.peer} in {run}, expires {auth.format_time(cert.expires)}")
-    return 0
-
-
-def _show_certificate(args: argparse.Namespace) -> int:
-    from . import authority as auth
-
-    data = auth.load_certificate(args.certificate)
-    expected = auth.parse_authority_key(args.authority) if args.authority else None
-    cert = auth.decode_certificate(data, expected)  # CertificateRejected: one line, exit 1
-    now = time.time()
-    if now >= cert.expires:
-        state = f"expired on {auth.format_time(cert.expires)}"
-    elif now < cert.not_before - auth.NOT_BEFORE_SKEW:
-        state = f"not valid before {auth.format_time(cert.not_before)}"
-    else:
-        state = f"valid for {(cert.expires - now) / 86400:.1f} more days"
-    signature = "verified" + (" (issued by this authority)" if expected else "")
-    fields = cert.fields() | {"signature": signature, "state": state}
-    if args.json:
-        print(json.dumps(fields, indent=2))
-    else:
-        for name, value in fields.items():
-            print(f"{name + ':':<12}{value}")
-    return 0
-
-
-def _authority_parser(sub: Any) -> None:
-    s = sub.add_parser(
-        "authority",
-        help="a private swarm: the authority key and the members' certificates",
-        description="Nodes started with --authority PUBKEY refuse peers, DHT records and round members"
-        " without a valid membership certificate from that authority. Renew certificates before they"
-        " expire and restart the node with the new file.",
-    )
-    cmds = s.add_subparsers(dest="authority_command", required=True)
-    c = cmds.add_parser("init", help="create the authority key (mode 0600) and print its public key")
-    c.add_argument("--out", required=True, help="key file to create; keep it off the nodes")
-    c.add_argument("--force", action="store_true", help="overwrite an existing key file")
-    c = cmds.add_parser("pubkey", help="print the public key of an authority key file")
-    c.add_argument("keyfile")
-    c = cmds.add_parser("issue", help="issue a membership certificate to a peer")
-    c.add_argument("--key", required=True, help="the authority key file")
-    c.add_argument("--peer", required=True, metavar="PEERID", help="the member's peer id (`p2ptrain id`)")
-    c.add_argument("--expires", required=True, metavar="DURATION", help="e.g. 12h, 30d, 2w")
-    c.add_argument("--run", metavar="RUNID", help="only this run (default: any run of this authority)")
-    c.add_argument("--out", required=True, help="certificate file to write")
-    c.add_argument("--force", action="store_true", help="overwrite an existing certificate file")
-    c = cmds.add_parser("show", help="print a certificate's fields and whether it is valid now")
-    c.add_argument("certificate", help="certificate file")
-    c.add_argument("--authority", metavar="PUBKEY", help="also check that this authority issued it")
-    c.add_argument("--json", action="store_true", help="print JSON")
-    s.set_defaults(func=cmd_authority)
 
 
 # ---- simulate --------------------------------------------------------------------------------------
@@ -692,6 +476,8 @@ _LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .query_cli import cmd_peers, cmd_ping, cmd_status
+
     p = argparse.ArgumentParser(prog="p2ptrain", description="Decentralized peer-to-peer training.")
     p.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
     p.add_argument("--log-level", choices=_LOG_LEVELS, help="default: info for node, else warning")
@@ -759,7 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
     s.set_defaults(func=cmd_status)
 
-    _authority_parser(sub)
+    from .authority_cli import authority_parser
+
+    authority_parser(sub)
 
     s = sub.add_parser(
         "simulate",

@@ -1,0 +1,129 @@
+"""``p2ptrain ping | peers | status ADDR``: ask a peer or the swarm at one address, as a client that
+joins nothing (a fresh identity, a client-only DHT peer)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from .cli import _parse_address, run_trio
+from .dht.peers import Member, list_members
+from .dht.service import DHT, DHTConfig
+from .errors import PeerUnavailable, RemoteProtocolError
+from .identity import Identity
+from .net.address import PeerAddress
+from .net.host import Host
+from .nodebase import PING, STATUS, PingRequest, StatusRequest, member_json, validate_run_id
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    addr = _parse_address(args.address)
+    validate_run_id(args.run_id)
+    return run_trio(_ping, addr, args.run_id, args.count, args.timeout)
+
+
+async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> int:
+    host = Host(Identity.generate(), run_id)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run, [])
+        start = trio.current_time()
+        conn = await host.connect(addr, timeout=timeout)
+        setup = trio.current_time() - start
+        print(
+            f"connected to {conn.peer} at {addr.host}:{addr.port} (connect + handshake {setup * 1e3:.2f} ms)"
+        )
+        rtts = []
+        for i in range(count):
+            t0 = trio.current_time()
+            await conn.call(PING, PingRequest(b"p" * 32), timeout=timeout)
+            rtts.append(trio.current_time() - t0)
+            print(f"ping {i + 1}: rtt {rtts[-1] * 1e3:.3f} ms")
+        avg = sum(rtts) / len(rtts)
+        print(f"{count} pings: min/avg/max {min(rtts) * 1e3:.3f}/{avg * 1e3:.3f}/{max(rtts) * 1e3:.3f} ms")
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    addr = _parse_address(args.address)
+    validate_run_id(args.run_id)
+    members = run_trio(_members_via, addr, args.run_id, args.timeout)
+    if args.json:
+        print(json.dumps([member_json(m) for m in members], indent=2))
+        return 0
+    table = Table(title=f"run {args.run_id!r}: {len(members)} peer(s)")
+    for col in ("peer id", "address", "reachable", "throughput", "last seen"):
+        table.add_column(col)
+    now = time.time()
+    for m in members:
+        table.add_row(
+            str(m.peer_id),
+            m.record.addresses[0] if m.record.addresses else "-",
+            "yes" if m.record.reachable else "client-only",
+            f"{m.record.throughput:.1f}/s",
+            f"{max(0.0, now - m.record.published):.0f} s ago",
+        )
+    Console(width=max(Console().width, 160)).print(table)
+    return 0
+
+
+async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[Member]:
+    """Ask the swarm at ``addr`` for the run's members, as a client-only DHT peer."""
+    host = Host(Identity.generate(), run_id)
+    dht = DHT(host, config=DHTConfig(client_only=True, rpc_timeout=timeout))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run, [])
+        with trio.fail_after(4 * timeout):
+            await host.connect(addr, timeout=timeout)  # a refusal says why (another run id, another peer)
+            if not await dht.bootstrap([addr], attempts=1):
+                raise PeerUnavailable(f"no answer from {addr}")
+            members = await list_members(dht, run_id)
+        nursery.cancel_scope.cancel()
+    return members
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    addr = _parse_address(args.address)
+    validate_run_id(args.run_id)
+    status = run_trio(_status_of, addr, args.run_id, args.timeout)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    from .training.console import node_table
+
+    console = Console(width=max(Console().width, 120))
+    peer = str(status.get("peer_id", "?"))
+    traffic = status.get("traffic", {})
+    connected, members = len(status.get("connected_peers", [])), len(status.get("members", []))
+    sent, received = traffic.get("bytes_sent", 0) / 1e6, traffic.get("bytes_received", 0) / 1e6
+    console.print(
+        f"node {peer} in run {status.get('run_id')!r}: {status.get('state')}, {connected} connected, "
+        f"{members} members known, {sent:.1f} MB sent, {received:.1f} MB received"
+    )
+    if status.get("training"):
+        console.print(node_table(peer[:12], status["training"]))
+    else:
+        console.print("(this node does not train)")
+    return 0
+
+
+async def _status_of(addr: PeerAddress, run_id: str, timeout: float) -> dict[str, Any]:
+    host = Host(Identity.generate(), run_id)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run, [])
+        conn = await host.connect(addr, timeout=timeout)
+        reply = await conn.call_with_body(STATUS, StatusRequest(), timeout=timeout)
+        nursery.cancel_scope.cancel()
+    try:
+        status = json.loads(bytes(reply.body))
+    except ValueError:
+        raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not JSON") from None
+    if not isinstance(status, dict):
+        raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not a JSON object")
+    return status
