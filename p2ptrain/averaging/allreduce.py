@@ -48,22 +48,19 @@ import trio
 from ..errors import P2PError, RemoteCallError, RemoteProtocolError, RoundAborted, RoundTimedOut
 from ..identity import PeerID
 from ..net.host import Host
-from ..net.rpc import CallContext, Reply
-from ..net.streams import RpcStream
 from . import spill
-from .agreement import WEIGHT_SLACK, Coordinator, excluded_reasons
+from .agreement import Coordinator, excluded_reasons
 from .audit import (
     Attestation,
     hash_pieces,
     new_hasher,
     open_attestation,
-    open_commit,
     seal_attestation,
     seal_commit,
 )
 from .bandwidth import RateMeter, Rates
 from .buffers import BufferPool
-from .compression import Compression, all_finite, decode, encode
+from .compression import Compression, all_finite, decode, encoded_chunk
 from .partition import chunks, offsets
 from .protocol import (
     FETCH,
@@ -73,9 +70,7 @@ from .protocol import (
     RELAY_DECISION,
     RELAY_RESULT,
     REPORT,
-    Ack,
     Decision,
-    DecisionResp,
     FetchReq,
     PartReq,
     RelayDecisionReq,
@@ -86,6 +81,7 @@ from .protocol import (
 )
 from .reducer import PartitionReducer
 from .rules import SeenOrigins
+from .serving import RoundServing, Signal
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -140,23 +136,9 @@ FaultHook = Callable[["AllReduceRound", str], Awaitable[None]]
 """Awaited at each named point of a round (tests crash or delay a member there)."""
 
 
-class _Signal:
-    """A level-triggered 'something changed' for tasks that re-check a condition."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def fire(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
-
-    async def wait_until(self, deadline: float) -> None:
-        with trio.move_on_at(deadline):
-            await self._event.wait()
-
-
-class AllReduceRound:
-    """A member's state for one round, and the round's RPC handlers (dispatched by the averager)."""
+class AllReduceRound(RoundServing):
+    """A member's state for one round, and the round's RPC handlers (``serving``; dispatched by the
+    averager)."""
 
     def __init__(
         self,
@@ -221,7 +203,7 @@ class AllReduceRound:
         self.early_done: dict[int, trio.Event] = {}  # partition -> its early fetch has ended
         self.early_scopes: dict[int, trio.CancelScope] = {}
         self.overwritten: set[int] = set()  # partitions whose early results overwrote our own values
-        self.published = _Signal()  # a reducer here published early chunks, decided, or retired
+        self.published = Signal()  # a reducer here published early chunks, decided, or retired
         if self.sizes[self.me] > 0:
             self.reducers[self.me] = self._new_reducer(self.me, weight)
             if self.pipelined:
@@ -246,7 +228,7 @@ class AllReduceRound:
         self.retired = trio.Event()  # the averager stopped serving it
         self.streaming = 0  # handlers sending from ``flat`` or an accumulator right now
         self.released = False
-        self.changed = _Signal()
+        self.changed = Signal()
         self.phases: dict[str, float] = {}
         self.meter = RateMeter(host.delivered_traffic, trio.current_time)
 
@@ -277,7 +259,7 @@ class AllReduceRound:
             in_place = self._reduced_in_flat(p) and p in self.saved
             own = self._slice(p) if in_place else self._own(p)
             if self.audit:
-                raw = bytes(_encoded(own, Compression.NONE))
+                raw = bytes(encoded_chunk(own, Compression.NONE))
                 self.local[p] = raw
                 red.commits[self.me] = seal_commit(
                     self.host.identity, self.digest, p, weight, hash_pieces([raw])
@@ -293,9 +275,11 @@ class AllReduceRound:
         sent: a compressed copy of the whole slice would cost memory for nothing."""
         values = self._own(p) if values is None else values
         if not self.audit:
-            return (_encoded(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)), b""
+            return (encoded_chunk(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)), b""
         if p not in self.sent:
-            pieces = [bytes(_encoded(values[a:b], self.mode)) for a, b in chunks(self.sizes[p], self.mode)]
+            pieces = [
+                bytes(encoded_chunk(values[a:b], self.mode)) for a, b in chunks(self.sizes[p], self.mode)
+            ]
             commit = seal_commit(self.host.identity, self.digest, p, self.weight, hash_pieces(pieces))
             self.sent[p] = (pieces, commit)
         pieces, commit = self.sent[p]
@@ -815,7 +799,7 @@ class AllReduceRound:
         (in a worker thread when large; nothing writes into the partition meanwhile). False if the
         backup cannot be written (a full disk)."""
         assert self.backup is not None
-        data = _encoded(self._slice(p), Compression.NONE)
+        data = encoded_chunk(self._slice(p), Compression.NONE)
         try:
             saved = await spill.put(self.backup, data)
         except OSError as e:
@@ -880,190 +864,6 @@ class AllReduceRound:
             local=dict(self.local),
         )
 
-    # ---- the serving side (handlers) ---------------------------------------------------------------
-
-    def _sender(self, ctx: CallContext) -> int:
-        try:
-            i = self.peers.index(ctx.peer)
-        except ValueError:
-            raise RemoteProtocolError(f"{ctx.peer.short()} is not a member of this round") from None
-        self.seen.add(i)
-        return i
-
-    async def on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
-        sender = self._sender(ctx)
-        p = req.partition
-        if not (math.isfinite(req.weight) and req.weight > 0):
-            return Ack(False, "the weight must be positive and finite")
-        cap = self.caps.get(sender)
-        why = self.origins.refusal(sender, ctx.remote_host, ctx.relayed, ctx.seen_at)
-        if cap is not None and req.weight > WEIGHT_SLACK * cap:
-            why = f"weight {req.weight:g} is over {WEIGHT_SLACK:g} x the {cap:g} its records make plausible"
-        if why:
-            log.warning("round %s: %s: slice refused: %s", self.digest.hex()[:8], self.name(sender), why)
-            if p == self.me:  # its slice will not come: this reducer need not wait for it to report
-                self.failed_senders.setdefault(p, set()).add(sender)
-                self.changed.fire()
-            return Ack(False, why)
-        if p >= self.n or self.sizes[p] == 0:
-            return Ack(False, f"partition {p} does not exist")
-        if p != self.me:  # a failed reducer's partition: only once the decision names us
-            with trio.move_on_at(self.deadline["gather"]):
-                await self.decided.wait()
-            if self.decision is None or self.decision.replacement_of(p) != self.me:
-                return Ack(False, f"this member does not reduce partition {p}")
-        elif not self.scatter_open:
-            return Ack(False, "too late: this reducer already reported")
-        red = self.reducers.get(p)
-        if red is None or sender in red.touched or sender == self.me:
-            return Ack(False, "duplicate or unexpected slice")
-        try:
-            hasher = None
-            if self.audit:  # the sender signed what it sends: check it as it arrives
-                commit = open_commit(req.commit, ctx.peer, self.digest, p)
-                if commit.weight != req.weight:
-                    raise RemoteProtocolError("the commitment's weight is not the one sent")
-                hasher = new_hasher()
-            for index in range(len(red.spans)):
-                data = await stream.receive_some()
-                if p == self.me and not self.scatter_open:
-                    return Ack(False, "too late: this reducer already reported")
-                if red.result is not None:
-                    return Ack(False, "too late: the partition is reduced")
-                if red.add_chunk(sender, index, data, req.weight):
-                    self.published.fire()
-                if hasher is not None:
-                    hasher.update(data)
-                if index == 0:
-                    await self._point("mid_reduce")
-            if await stream.receive_some():
-                raise RemoteProtocolError("more data than the partition holds")
-            if hasher is not None:
-                if hasher.digest() != commit.hash:
-                    raise RemoteProtocolError("the slice does not match its sender's commitment")
-                red.commits[sender] = req.commit
-            if p == self.me and not self.scatter_open:
-                return Ack(False, "too late: this reducer already reported")
-            red.complete(sender, req.weight)
-            self.meter.flow_done("download")
-            return Ack(True)
-        except P2PError as e:
-            log.info("slice of partition %d from %s failed: %s", p, self.name(sender), e)
-            self.failed_senders.setdefault(p, set()).add(sender)
-            raise
-        finally:
-            self.changed.fire()
-
-    async def on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
-        member = self._sender(ctx)
-        if self.coordinator is None:
-            return Reply(DecisionResp(False))
-        if req.delivered is not None:
-            if len(req.weights) != len(req.delivered):
-                raise RemoteProtocolError("one weight per delivered sender")
-            why = self.coordinator.report(member, dict(zip(req.delivered, req.weights, strict=True)))
-            if why:
-                log.info("report from %s ignored: %s", self.name(member), why)
-            self.changed.fire()
-        with trio.move_on_at(self.deadline["await"]):
-            await self.decided.wait()
-        return Reply(DecisionResp(self.decision is not None), self.decision_bytes)
-
-    async def on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
-        self._sender(ctx)
-        return Reply(DecisionResp(self.decision is not None), self.decision_bytes)
-
-    async def on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        member = self._sender(ctx)
-        if req.partition not in self.reducers and self.decision is None:
-            with trio.move_on_at(self.deadline["gather"]):  # a replacement learns it is one from the decision
-                await self.decided.wait()
-        red = self.reducers.get(req.partition)
-        if red is None:
-            return Ack(False, f"this member does not reduce partition {req.partition}")
-        event = self.finalized.setdefault(req.partition, trio.Event())
-        with trio.move_on_at(self.deadline["gather"]):
-            await event.wait()
-        if red.encoded is None or self.retired.is_set():
-            return Ack(False, f"partition {req.partition} was not reduced in time")
-        self.streaming += 1
-        try:
-            for index, piece in enumerate(red.encoded):
-                await stream.send(piece)
-                if index == 0:
-                    await self._point("during_gather")
-            await stream.send_eof()
-            self.meter.flow_done("upload")
-        finally:
-            self.streaming -= 1
-            self._release()
-        self._served(member)
-        return Ack(True, attestation=red.attestation)
-
-    async def on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        """Serve this reducer's partition chunk by chunk as each is published (every member's copy of it
-        is in), then answer, once the decision is in, whether those chunks are the result. They are
-        unless the decision leaves someone out or changes a weight; then the member fetches again."""
-        member = self._sender(ctx)
-        p = req.partition
-        red = self.reducers.get(p)
-        if p != self.me or red is None or red.early is None:
-            return Ack(False, f"no early results of partition {p} here")
-        end = self.deadline["gather"]
-        sent = 0
-        self.streaming += 1
-        try:
-            while sent < len(red.spans):
-                while red.ready <= sent and self.decision is None and trio.current_time() < end:
-                    if self.retired.is_set():
-                        break
-                    await self.published.wait_until(end)
-                if red.ready <= sent or red.early_final is False or self.reducers.get(p) is not red:
-                    break  # no more will be published (the decision is in), or they are void
-                assert red.early is not None
-                await stream.send(red.early[sent])
-                if sent == 0:
-                    await self._point("during_gather")
-                sent += 1
-            if sent == len(red.spans):
-                self.meter.flow_done("upload")
-                with trio.move_on_at(end):
-                    await self.finalized.setdefault(p, trio.Event()).wait()
-            await stream.send_eof()
-        finally:
-            self.streaming -= 1
-            self._release()
-        if sent == len(red.spans) and red.early_final and not self.retired.is_set():
-            self._served(member)
-            return Ack(True)
-        return Ack(False, f"the early results of partition {p} are not the round's; fetch it again")
-
-    async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        self._sender(ctx)
-        p = req.partition
-        if p >= self.n:
-            return Ack(False, f"partition {p} is not held here")
-        end = self.deadline["gather"]
-        while p not in self.held and not self.retired.is_set() and trio.current_time() < end:
-            await self.changed.wait_until(end)  # answer once we hold it ourselves
-        if p not in self.held or self.retired.is_set():
-            return Ack(False, f"partition {p} is not held here")
-        values = self._slice(p)
-        self.streaming += 1
-        try:
-            for a, b in chunks(self.sizes[p], Compression.NONE):
-                await stream.send(_encoded(values[a:b], Compression.NONE))
-            await stream.send_eof()
-        finally:
-            self.streaming -= 1
-            self._release()
-        return Ack(True)
-
-    def _served(self, member: int) -> None:
-        self.fetches_left -= 1
-        if self.finished and self.fetches_left <= 0:
-            self.done.set()
-
 
 def _left(deadline: float) -> float:
     """Seconds until ``deadline`` for a call's own timeout (an enclosing scope enforces the deadline)."""
@@ -1083,9 +883,3 @@ def _store(target: torch.Tensor, data: memoryview, mode: Compression, members: i
         place[:] = values
     if not all_finite(target):
         raise RemoteProtocolError("a reduced partition holds NaN or infinite values")
-
-
-def _encoded(values: torch.Tensor, mode: Compression) -> bytes | memoryview:
-    if mode is Compression.NONE:
-        return values.view(torch.uint8).numpy().data  # zero-copy: the slice's own memory
-    return encode(values.contiguous(), mode)

@@ -167,6 +167,13 @@ def encode(x: torch.Tensor, mode: Compression, members: int = 0) -> memoryview |
     return _bytes_of(x.to(torch.float16 if mode is Compression.FP16 else torch.bfloat16))
 
 
+def encoded_chunk(values: torch.Tensor, mode: Compression) -> bytes | memoryview:
+    """One member's chunk on the wire: ``encode``, but a float32 chunk is its own memory (no copy)."""
+    if mode is Compression.NONE:
+        return values.view(torch.uint8).numpy().data  # zero-copy: the slice's own memory
+    return encode(values.contiguous(), mode)
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """No NaN or infinity in ``x``: min and max propagate NaN, and one pass is ~10x faster than isfinite."""
     if x.numel() == 0:
