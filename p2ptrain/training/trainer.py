@@ -32,7 +32,8 @@ from typing import Any, Protocol
 import torch
 import trio
 
-from ..averaging.averager import JOIN_GRACE, MAX_PARTNERS
+from ..averaging.averager import MAX_PARTNERS
+from ..averaging.grouping import JOIN_GRACE
 from ..config import RunConfig
 from ..identity import PeerID
 from ..node import Node

@@ -1,0 +1,405 @@
+"""Forming a group: the matchmaking side of a node's averager.
+
+A peer that wants to average announces itself under the run's group key in the DHT (signed, under its
+owned subkey, with a deadline) and reads the others' announcements. The pure rules (``matchmaking``)
+pick a leader: the peer leads (gathers joiners until the group is full or its deadline, then signs a
+manifest of members and partition sizes shared out by their bandwidths) or asks the leader for a
+place (``JOIN``) and checks the manifest it gets against the run's rules before anything is sent:
+a leader that breaks them is not asked again, and a group that holds a banned peer, or too few of the
+peers this one must average with, is declined. Announcements carry strictly increasing expiries, so a
+closed one still in flight never wins over the next round's.
+
+:class:`GroupForming` is a mixin of :class:`~p2ptrain.averaging.averager.Averager`, which owns the
+attributes declared below.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..dht.records import owned_subkey, subkey_owner
+from ..dht.service import DHT
+from ..errors import GroupFormationFailed, GroupTooSmall, P2PError, SchemaMismatch
+from ..identity import PeerID
+from ..net.admission import subnet_of
+from ..net.host import Host
+from ..net.rpc import CallContext, Reply
+from . import sparse
+from .auditor import Auditor
+from .bandwidth import BandwidthEstimate, partition_bandwidths
+from .compression import Compression
+from .matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
+from .partition import partition_sizes
+from .protocol import (
+    JOIN,
+    ROUND_ID_BYTES,
+    JoinReq,
+    JoinResp,
+    Manifest,
+    MemberMsg,
+    SignedManifest,
+    TensorSpec,
+)
+from .rules import RoundRules, check_manifest, listed_subnet
+
+if TYPE_CHECKING:
+    from .averager import AveragerConfig
+
+log = logging.getLogger("p2ptrain.averaging.averager")  # (the averager's lines, as before)
+
+JOIN_GRACE = 5.0  # how long past a leader's deadline a joiner waits for its answer
+POLL = 0.5  # seconds between reads of the announcements while gathering or looking
+EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
+BAD_MANIFEST = "a manifest that breaks the run's rules"
+RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
+
+
+@dataclass
+class _Looking:
+    """This peer's matchmaking state while an ``average`` call looks for a group."""
+
+    me: Announcement
+    group_key: str
+    gathering: Gathering | None = None  # set while leading
+    following: Announcement | None = None
+    formed: trio.Event | None = None  # the leader decided: a manifest, a refusal, or a redirect
+    full: trio.Event | None = None  # wakes the leader: the last place was taken (and it may form now)
+    bumped: trio.Event | None = None  # wakes waiting joiners: one of them lost its place to another origin
+    manifest: SignedManifest | None = None
+    refusal: str = ""
+    rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
+    quorum: Quorum | None = None  # the known peers a group led here must hold (see ``matchmaking``)
+    announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
+
+
+async def _either(a: trio.Event, b: trio.Event) -> None:
+    """Wait until ``a`` or ``b`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait, a)
+        nursery.start_soon(wait, b)
+
+
+def _mismatch(count: int, group_key: str) -> str:
+    return (
+        f"{count} peer(s) ready to average under {group_key!r} hold tensors of other shapes or dtypes,"
+        " or use another compression; no group with ours formed"
+    )
+
+
+class GroupForming:
+    """Announcing, leading, following and admitting joiners (a mixin)."""
+
+    # Owned by Averager:
+    host: Host
+    _dht: DHT | None
+    config: AveragerConfig
+    measured: BandwidthEstimate
+    clock: Callable[[], float]
+    auditor: Auditor
+    _looking: _Looking | None
+    _expiries: dict[bytes, float]
+    _nursery: trio.Nursery | None
+    decline: Callable[[SignedManifest], None]
+
+    @property
+    def dht(self) -> DHT:
+        if self._dht is None:
+            raise RuntimeError("matchmaking needs a DHT; this averager only runs given manifests")
+        return self._dht
+
+    @property
+    def bandwidth(self) -> float:
+        """The bytes per second this member announces: the configured bandwidth, else what its recent
+        rounds measured, else 0 (not known yet: a leader gives it a typical share)."""
+        return self.config.bandwidth or self.measured.value() or 0.0
+
+    def _key(self, group_key: str) -> bytes:
+        return f"averaging/{self.host.run_id}/{group_key}".encode()
+
+    def _my_addr(self) -> str:
+        return self.address(reducer=True)
+
+    def address(self, *, reducer: bool = False) -> str:
+        """Where others dial this peer, "" for nowhere: its advertised address once a peer dialed it
+        back there; behind a NAT, its address through a relay it holds a reservation with. That one
+        makes it a ``reducer`` only once a hole punch with it succeeded (``net.punch``): its share's
+        traffic then travels direct, where through the relay it would cost the relay twice the share."""
+        if not self.dht.client_only:
+            return str(self.dht.advertised_address())
+        if self.host.punch.works:  # peers it punched to reach it by its id, even once its relays left
+            known = self.host.relay.known_circuit()
+            return "" if known is None else str(known)
+        circuits = self.host.relay.circuit_addresses()
+        return "" if not circuits or reducer else str(circuits[0])
+
+    async def _matchmake(
+        self,
+        group_key: str,
+        schema: tuple[TensorSpec, ...],
+        digest: bytes,
+        mode: Compression,
+        timeout: float,
+        sizes: tuple[int, int],
+        quorum: Quorum | None = None,
+    ) -> SignedManifest:
+        cfg = self.config
+        me = Announcement(
+            self.host.identity.peer_id,
+            self._my_addr(),
+            self.clock() + cfg.matchmaking_time,
+            self.bandwidth,
+            digest,
+        )
+        rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
+        looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum)
+        key = self._key(group_key)
+        declined: set[Announcement] = set()
+        distrusted: set[PeerID] = set()  # leaders that sent a manifest breaking the rules: never again
+        refusals: list[str] = []
+        mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
+        try:
+            await self._announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
+            give_up = me.deadline + JOIN_GRACE
+            while self.clock() < give_up:
+                seen = [a for a in await self._announcements(key) if a.peer not in distrusted]
+                looking.announced.update((a.peer, a.bandwidth) for a in seen)
+                mismatched.update(a.peer for a in seen if a.schema != me.schema)
+                leader = choose_leader(me, seen, self.clock(), declined)
+                if leader is None and me.can_lead:
+                    signed = await self._lead(looking, key, declined, schema, mode, timeout, sizes)
+                    if signed is not None:
+                        return signed
+                    if looking.gathering is not None:  # formed, but too small
+                        if mismatched:
+                            raise SchemaMismatch(_mismatch(len(mismatched), group_key))
+                        raise GroupTooSmall(looking.refusal)
+                    continue  # a smaller leader appeared: follow it
+                if leader is None:
+                    await trio.sleep(POLL)  # client-only: wait for someone to lead
+                    continue
+                looking.following = leader
+                log.debug("asking %s for a place in %s", leader.peer.short(), group_key)
+                signed, why, retry = await self._follow(leader, looking)
+                looking.following = None
+                if signed is not None:
+                    return signed
+                if retry:  # the leader is between states: ask again (or its own leader) shortly
+                    log.debug("%s did not admit us to %s yet: %s", leader.peer.short(), group_key, why)
+                    await trio.sleep(RETRY_JOIN)
+                    continue
+                declined.add(leader)
+                if why.startswith(BAD_MANIFEST):
+                    distrusted.add(leader.peer)
+                refusals.append(f"{leader.peer.short()}: {why}")
+                log.info("%s did not admit us to %s: %s", leader.peer.short(), group_key, why)
+            if mismatched or any("schema mismatch" in r for r in refusals):
+                raise SchemaMismatch(_mismatch(len(mismatched), group_key) + " " + "; ".join(refusals[-4:]))
+            raise GroupFormationFailed(
+                "no group formed in time" + (f" (refusals: {'; '.join(refusals[-4:])})" if refusals else "")
+            )
+        except trio.Cancelled:
+            log.debug("stopped looking for a group in %s (cancelled)", group_key)
+            raise
+        finally:
+            self._looking = None
+            if looking.formed is not None and not looking.formed.is_set():
+                # Cancelled while leading: answer the joiners now rather than at their deadlines.
+                looking.refusal = looking.refusal or "the leader stopped looking for a group"
+                looking.formed.set()
+            if self._nursery is not None:  # so that nobody follows an announcement that is over
+                expiry = self._expiry(key, me.deadline + JOIN_GRACE)
+                self._nursery.start_soon(self._announce, key, me.closed(), expiry)
+
+    def _expiry(self, key: bytes, wanted: float) -> float:
+        """The expiry for our next announcement under ``key``: later than every earlier one.
+
+        The DHT keeps the entry with the latest expiry, and the stores run concurrently: a closed
+        announcement still in flight must not win over the next round's open one, however soon after
+        it comes (with a fast round, the deadlines alone can be too close to tell apart).
+        """
+        now = self.clock()
+        for k in [k for k, e in self._expiries.items() if e < now]:
+            del self._expiries[k]
+        expiry = max(wanted, self._expiries.get(key, 0.0) + EXPIRY_STEP)
+        self._expiries[key] = expiry
+        return expiry
+
+    async def _announce(self, key: bytes, me: Announcement, expiry: float) -> None:
+        ttl = expiry - self.clock()
+        try:
+            await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=owned_subkey(me.peer), sign=True)
+        except P2PError as e:
+            log.warning("could not announce readiness to average: %s", e)
+
+    async def _announcements(self, key: bytes) -> list[Announcement]:
+        out = []
+        try:
+            entries = await self.dht.get(key, quorum=3)
+        except P2PError as e:
+            log.info("reading announcements failed: %s", e)
+            return []
+        for sub, entry in entries.items():
+            peer = subkey_owner(sub)
+            if peer is None:  # (only an owned subkey proves whose announcement it is: see records)
+                continue
+            try:
+                announcement = Announcement.from_bytes(peer, entry.value)
+            except (P2PError, ValueError):
+                continue
+            if announcement.peer not in self.auditor.banned:  # never follow or wait for a banned peer
+                out.append(announcement)
+        return out
+
+    async def _lead(
+        self,
+        looking: _Looking,
+        key: bytes,
+        declined: set[Announcement],
+        schema: tuple[TensorSpec, ...],
+        mode: Compression,
+        timeout: float,
+        sizes: tuple[int, int],
+    ) -> SignedManifest | None:
+        """Gather until full or the deadline; None if a smaller leader appeared first (joiners redirected)."""
+        me = looking.me
+        observed = self._dht.observed_host if self._dht is not None else None
+        gathering = looking.gathering = Gathering(
+            Joiner(
+                me.peer,
+                me.addr,
+                me.bandwidth,
+                listed_subnet(me.addr) or (subnet_of(observed) if observed else ""),
+            ),
+            me.schema,
+            sizes[0],
+            sizes[1],
+            by_origin=self.config.aggregation != "mean",
+            quorum=looking.quorum,
+        )
+        looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
+        while not gathering.ready() and self.clock() < me.deadline:
+            with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
+                await looking.full.wait()
+            if gathering.ready() or self.clock() >= me.deadline:
+                break
+            smaller = choose_leader(me, await self._announcements(key), self.clock(), declined)
+            if smaller is not None and not gathering.full():
+                looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"
+                looking.following = smaller
+                looking.formed.set()
+                return None
+        members = gathering.form()
+        if isinstance(members, str):
+            looking.refusal = members
+            looking.formed.set()
+            return None
+        bandwidths = partition_bandwidths([m.bandwidth for m in members])
+        total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
+        shares = partition_sizes(total, bandwidths, [bool(m.addr) for m in members], align)
+        manifest = Manifest(
+            round_id=os.urandom(ROUND_ID_BYTES),
+            group_key=looking.group_key,
+            members=tuple(
+                MemberMsg(m.peer.digest, m.addr, bw) for m, bw in zip(members, bandwidths, strict=True)
+            ),
+            sizes=tuple(shares),
+            origins=gathering.origins(members),
+            schema=schema,
+            compression=mode.value,
+            timeout=timeout,
+            aggregation=self.config.aggregation,
+            audit=self.config.audit,
+        )
+        looking.manifest = SignedManifest.sign(self.host.identity, manifest)
+        looking.formed.set()
+        log.info("formed a group of %d for %s", len(members), looking.group_key)
+        return looking.manifest
+
+    async def _follow(
+        self, leader: Announcement, looking: _Looking
+    ) -> tuple[SignedManifest | None, str, bool]:
+        """Ask ``leader`` for a place: the manifest, or why not and whether asking again may help."""
+        me = looking.me
+        wait = max(0.0, leader.deadline - self.clock()) + JOIN_GRACE
+        try:
+            with trio.fail_after(wait):
+                conn = await self.host.connect(leader.addr)
+                reply = await conn.call_with_body(
+                    JOIN, JoinReq(looking.group_key, me.schema, me.addr, me.bandwidth), timeout=wait
+                )
+        except (P2PError, trio.TooSlowError) as e:
+            return None, f"unreachable ({e})", False
+        if not reply.message.accepted:
+            return None, reply.message.reason or "refused", reply.message.retry
+        try:
+            signed = SignedManifest.verify(bytes(reply.body), leader.peer)
+            assert looking.rules is not None
+            announced = {**looking.announced, me.peer: me.bandwidth}
+            check_manifest(signed.manifest, looking.rules, me.peer, me.addr, announced)
+        except P2PError as e:
+            log.warning("%s from %s: %s", BAD_MANIFEST, leader.peer.short(), e)
+            return None, f"{BAD_MANIFEST}: {e}", False
+        banned = [p for p in signed.manifest.peers() if p in self.auditor.banned]
+        if banned:  # its leader has not banned it (yet): our slices never go into a round of theirs
+            self.decline(signed)
+            why = f"the group holds {banned[0].short()}, banned here: {self.auditor.banned[banned[0]]}"
+            log.info("declined the group of %s: %s", leader.peer.short(), why)
+            return None, why, False
+        quorum = looking.quorum
+        held = len(quorum.peers & set(signed.manifest.peers())) if quorum is not None else 0
+        if quorum is not None and held < quorum.size:  # its leader's word on the majority is not ours
+            self.decline(signed)
+            why = f"the group holds {held} of the {quorum.size} peers this one must average with"
+            log.info("declined the group of %s: %s", leader.peer.short(), why)
+            return None, why, False
+        return signed, "", False
+
+    async def _on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
+        looking = self._looking
+        if looking is None or looking.group_key != req.group_key:
+            return Reply(JoinResp(False, "not looking for a group under this key"))
+        if looking.following is not None:
+            return Reply(
+                JoinResp(False, "following another leader", redirect=looking.following.addr, retry=True)
+            )
+        gathering, formed, full, bumped = looking.gathering, looking.formed, looking.full, looking.bumped
+        if gathering is None or formed is None or full is None or bumped is None:
+            return Reply(JoinResp(False, "not gathering a group yet", retry=True))
+        if ctx.peer in self.auditor.banned:
+            return Reply(JoinResp(False, f"banned here: {self.auditor.banned[ctx.peer]}"))
+        before = len(gathering.bumped)
+        why = gathering.offer(
+            Joiner(ctx.peer, req.addr, req.bandwidth, subnet_of(ctx.remote_host)), req.schema_digest
+        )
+        if why:
+            return Reply(JoinResp(False, why))
+        log.debug("admitted %s to %s (%d so far)", ctx.peer.short(), req.group_key, gathering.size())
+        if len(gathering.bumped) != before:  # somebody lost its place: tell it now, not at the deadline
+            bumped.set()
+            bumped = looking.bumped = trio.Event()
+        if gathering.ready():
+            full.set()
+        try:
+            while not formed.is_set():
+                if ctx.peer in gathering.bumped:
+                    return Reply(JoinResp(False, gathering.bumped[ctx.peer]))
+                await _either(formed, looking.bumped if looking.bumped is not None else formed)
+        except trio.Cancelled:
+            log.debug("%s left %s before it formed", ctx.peer.short(), req.group_key)
+            raise
+        finally:
+            gathering.withdraw(ctx.peer)  # no effect once formed
+        if looking.manifest is None or ctx.peer not in looking.manifest.manifest.peers():
+            return Reply(JoinResp(False, looking.refusal or "the group did not form"))
+        return Reply(JoinResp(True), looking.manifest.envelope)
