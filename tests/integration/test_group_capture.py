@@ -95,12 +95,17 @@ async def test_fresh_keys_of_one_subnet_cannot_capture_a_robust_group(autojump_c
                 nursery.start_soon(member, 2, 1.2)
             await trio.sleep(30)  # (virtual) the audits run after the round
         banned = {p for node in honest for p in node.averager.auditor.banned}
-        verdicts = [v for node in honest for (_, _, v) in node.averager.auditor.verdicts]
-    if audit:  # (each partition of the leader's round has an auditor among the other members)
-        assert any("matches" in v.reason for v in verdicts), verdicts
+        # Every member audits what it is drawn for, keys too (they run the same code): a partition's
+        # auditor is drawn among its other contributors, so it is a key in some rounds.
+        verdicts = {(d, p): v for node in honest + keys for (d, p, v) in node.averager.auditor.verdicts}
     assert not banned & {node.peer_id for node in honest}, banned
     led = results[0]
     assert isinstance(led, RoundResult), led
+    if audit:  # every partition of the leader's round was audited, and its result matches
+        assert led.evidence is not None
+        parts = [p for p, size in enumerate(led.evidence.sizes) if size > 0]
+        found = {p: verdicts[(led.round, p)].reason for p in parts if (led.round, p) in verdicts}
+        assert len(found) == len(parts) and all("matches" in r for r in found.values()), (parts, found)
     joined = {honest[i].peer_id for i in (1, 2)} & set(led.contributors)
     assert joined, f"no honest peer got a place in the leader's group: {led.contributors}"
     error = (led.tensors[0] - honest_mean).abs().max().item()
