@@ -28,7 +28,7 @@ from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..node import Node
 from . import layout as lay
-from . import state, statesync
+from . import model_state, statesync
 from .buffers import ParamBuffer
 from .feedback import FEEDBACK, ErrorFeedback
 from .fetch import Downloaded, Fetcher, Partial, fill_from
@@ -120,11 +120,11 @@ class SwarmState:
         if self.diloco:
             global_values = dict(zip(self.names, self.global_params, strict=True))
             extra = {FEEDBACK: self.feedback.residual} if own and self.feedback is not None else {}
-            tensors, meta = state.capture(
+            tensors, meta = model_state.capture(
                 self.model, {"outer": self.outer}, values=global_values, extra=extra, copy=copy
             )
         else:
-            tensors, meta = state.capture(self.model, {"inner": self.optimizer}, copy=copy)
+            tensors, meta = model_state.capture(self.model, {"inner": self.optimizer}, copy=copy)
         meta["p2ptrain.epoch"] = str(self.epoch)
         meta["p2ptrain.inner_steps"] = str(self.inner_steps)
         return tensors, meta
@@ -197,7 +197,7 @@ class SwarmState:
         ``epoch``: the step the state is known to be (a download's verified root commits to it), instead
         of the one its metadata claims; a download takes nothing else from its metadata either (its
         optimizer's hyperparameters and this peer's inner step count stay local: the root does not
-        cover them, see ``state.restore``). ``owned``: the tensors are handed over, not copied."""
+        cover them, see ``model_state.restore``). ``owned``: the tensors are handed over, not copied."""
         verified = epoch is not None
         try:
             claimed = int(meta.get("p2ptrain.epoch", ""))
@@ -216,7 +216,7 @@ class SwarmState:
             mine = not verified and f"extra.{FEEDBACK}" in tensors
             if mine and self.feedback is not None:
                 self.feedback.check(tensors[f"extra.{FEEDBACK}"])
-            extra = state.restore(
+            extra = model_state.restore(
                 self.model,
                 {"outer": self.outer},
                 tensors,
@@ -234,7 +234,7 @@ class SwarmState:
                     g.copy_(p)
             self._rehome_momentum()
         else:
-            state.restore(
+            model_state.restore(
                 self.model, {"inner": self.optimizer}, tensors, meta, owned=owned, tensors_only=verified
             )
             self.averaged.zero_()

@@ -27,7 +27,7 @@ from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork, memory
-from p2ptrain.training import checkpoint, state, statesync
+from p2ptrain.training import checkpoint, model_state, statesync
 from p2ptrain.training.collaborative import CollaborativeOptimizer
 
 PORT = 4000
@@ -767,7 +767,7 @@ async def test_a_diloco_checkpoint_of_the_earlier_layout_still_restores() -> Non
             for g in a.opt.global_params:
                 g.add_(0.5)  # global parameters that differ from the local ones
         extra = {f"global.{n}": g for n, g in zip(a.opt.names, a.opt.global_params, strict=True)}
-        tensors, meta = state.capture(a.model, {"outer": a.opt.outer}, extra=extra)
+        tensors, meta = model_state.capture(a.model, {"outer": a.opt.outer}, extra=extra)
         meta["p2ptrain.epoch"] = "4"
         b.opt.restore(tensors, meta)
         assert b.opt.epoch == 4

@@ -16,17 +16,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 from p2ptrain.errors import LocalProtocolError, RemoteProtocolError
+from p2ptrain.training.model_state import capture, restore
 from p2ptrain.training.state import (
     DTYPES,
     FORMAT_KEY,
     MAX_HEADER,
     StateError,
-    capture,
     decode,
     digest,
     encode,
     encoded_size,
-    restore,
 )
 
 # ---- helpers -------------------------------------------------------------------------------------
