@@ -4,7 +4,8 @@ Theory of operation: a host owns one nursery in which its listeners and every co
 a peer reuses a live connection when there is one, and concurrent dials to the same peer share one
 attempt. Inbound connections are admitted against caps (in total and per remote IP) before any
 cryptography is done, and a peer that does not finish the handshake in time is dropped. Refusals are
-sent to the remote as a reason it can print, then the socket is closed.
+sent to the remote as a reason it can print, then the socket is closed (that side is
+:mod:`.inbound`).
 
 Observers registered with :meth:`Host.on_connection` hear about every connection that opens and closes
 (the node logs them and keeps its status file from them).
@@ -30,17 +31,15 @@ import trio
 from ..authority import Membership
 from ..errors import (
     ConfigError,
-    ConnectionClosed,
     DeadlineExceeded,
     HandshakeRefused,
     P2PError,
     PeerUnavailable,
-    RemoteProtocolError,
 )
 from ..identity import Identity, PeerID
 from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
-from .admission import Arrivals, Limits, Slot, Tally, admit, subnet_of
+from .admission import Arrivals, Tally
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
@@ -48,10 +47,10 @@ from .handshake import (
     PROTOCOL_VERSION,
     HandshakeResult,
     InitiatorHandshake,
-    ResponderHandshake,
     WorkRefused,
     reject_frame,
 )
+from .inbound import InboundSide, close_quietly
 from .linger import Lingering
 from .punch import Puncher
 from .relay import Relay, RelayConfig
@@ -88,22 +87,6 @@ class HostConfig:
 
 MAX_TRACKED_PEERS = 10_000
 MAX_WORK_ON_DEMAND = 28  # bits of id work a dialer does when a listener asks (minutes of a core at most)
-MAX_PROTECTED = 256  # peers this node trained with, whose connections a flood never evicts
-MAX_RELAYED_INBOUND = 64  # connections reaching this host through its relays at a time
-
-
-@dataclass
-class _Inbound:
-    """An inbound connection holding a slot: in its handshake until ``conn`` is set."""
-
-    key: int
-    ip: str
-    subnet: str
-    arrived: float
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    conn: Connection | None = None
-    probation: bool = False
-    evicted: str = ""
 
 
 ConnectionObserver = Callable[[Connection, bool], None]
@@ -119,7 +102,7 @@ class _Dial:
     error: P2PError | None = None
 
 
-class Host:
+class Host(InboundSide):
     """A p2ptrain network endpoint: an identity, listeners, and authenticated connections."""
 
     def __init__(
@@ -147,7 +130,7 @@ class Host:
         self.listen_addresses: list[PeerAddress] = []
         self._conns: dict[PeerID, list[Connection]] = {}
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
-        self._slots: dict[int, _Inbound] = {}
+        self._slots = {}
         self._next_slot = 0
         self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
         self._tally = Tally()  # evictions and refusals worth a log line (one a minute per address)
@@ -255,7 +238,7 @@ class Host:
                     framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
                     await self._initiate(framed, address.peer_id)
                 finally:
-                    await _close_quietly(stream)
+                    await close_quietly(stream)
         except trio.TooSlowError:  # (a NAT drops the SYN: the dial hangs)
             where = f"{address.host}:{address.port}"
             raise PeerUnavailable(f"{where} did not answer within {limit:g} s") from None
@@ -381,17 +364,17 @@ class Host:
         nursery. Raises HandshakeRefused, RemoteProtocolError, ConnectionClosed or DeadlineExceeded (the
         stream closed)."""
         if self._nursery is None:
-            await _close_quietly(stream)
+            await close_quietly(stream)
             raise PeerUnavailable("host is not running")
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
         try:
             with trio.fail_after(self.config.handshake_timeout):
                 result = await self._initiate(framed, expected)
         except trio.TooSlowError:
-            await _close_quietly(stream)
+            await close_quietly(stream)
             raise DeadlineExceeded(f"handshake with {host}:{port} timed out") from None
         except BaseException:  # (refused, broken, cancelled)
-            await _close_quietly(stream)
+            await close_quietly(stream)
             raise
         if expected is None:
             log.warning(
@@ -417,22 +400,6 @@ class Host:
         assert self._nursery is not None
         stream: trio.abc.Stream = await self._nursery.start(self.relay.open_circuit, relay, addr.peer_id)
         return stream
-
-    async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None:
-        """A connection that reached this host through one of its relays: the handshake, then the
-        connection, until it closes. It counts as coming from the relay's address (see ``relay``)."""
-        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
-        if self._relayed_inbound >= MAX_RELAYED_INBOUND:
-            with trio.move_on_after(1.0):
-                await _send_quietly(framed, reject_frame("busy", "too many relayed connections; try later"))
-            return
-        self._relayed_inbound += 1
-        self._next_slot += 1
-        entry = _Inbound(self._next_slot, relay_host, subnet_of(relay_host), trio.current_time())
-        try:
-            await self._accept_admitted(framed, relay_host, 0, entry, relayed=True, seen_at=seen_at)
-        finally:
-            self._relayed_inbound -= 1
 
     async def _initiate(self, framed: FramedStream, expected: PeerID | None) -> HandshakeResult:
         hs = InitiatorHandshake(
@@ -546,166 +513,6 @@ class Host:
         for observer in self._observers:
             observer(conn, opened)
 
-    # ---- inbound ----
-
-    def protect(self, peer: PeerID) -> None:
-        """``peer`` trained with this node: its inbound connections are never evicted for a newcomer's,
-        and it may use the reserved slots (the most recent ``MAX_PROTECTED`` such peers)."""
-        seen = self._protected.pop(peer, set())
-        seen.update(c.remote_host for c in self._conns.get(peer, []))
-        self._protected[peer] = set(list(seen)[-8:])
-        while len(self._protected) > MAX_PROTECTED:
-            self._protected.popitem(last=False)
-        self._protected_ips = set().union(*self._protected.values())
-
-    def _slot_views(self) -> list[Slot]:
-        out = []
-        for e in self._slots.values():
-            if e.evicted:
-                continue
-            c = e.conn
-            since = e.arrived if c is None else c.last_busy
-            protected = c is not None and (c.peer in self._protected or self.relay.holds(c.peer))
-            busy = c is not None and c.active_calls > 0
-            out.append(Slot(e.key, e.ip, e.subnet, since, c is not None, protected, busy))
-        return out
-
-    def _evict(self, key: int, reason: str) -> None:
-        victim = self._slots[key]
-        victim.evicted = reason
-        who = victim.conn.peer.short() if victim.conn is not None else "a connection in its handshake"
-        _say(self._tally.note(victim.ip, self.clock()), "evicting %s from %s: %s", who, victim.ip, reason)
-        if victim.conn is not None and self._nursery is not None:
-            self._nursery.start_soon(victim.conn.aclose, f"evicted: {reason}")
-        else:
-            victim.scope.cancel()
-
-    async def _refuse(self, framed: FramedStream, reason: str) -> None:
-        """Say "busy", then hold the connection open a while before it is closed (see ``linger``)."""
-        with trio.move_on_after(0.1):
-            await _send_quietly(framed, reject_frame("busy", reason))
-        await self._lingering.hold()
-        await _close_quietly(framed.stream)
-
-    async def accept_stream(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
-        """Serve ``stream`` as an inbound connection (the responder's handshake, admission included),
-        until it closes: what the listener does with each accepted stream (and ``punch`` with a
-        simultaneous open's)."""
-        await self._accept(stream, remote_host, remote_port)
-
-    async def _accept(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
-        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
-        known = remote_host in self._protected_ips
-        if not self._arrivals.allow(remote_host, trio.current_time()) and not known:
-            _say(
-                self._tally.note(remote_host, self.clock()),
-                "refusing connection from %s: more than %g new connections a second from it",
-                remote_host,
-                self.config.inbound_rate,
-            )
-            await self._refuse(framed, "too many new connections; try later")
-            return
-        cfg = self.config
-        limits = Limits(
-            cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound
-        )
-        verdict = admit(self._slot_views(), remote_host, trio.current_time(), limits, reserve=known)
-        if verdict.verdict == "refuse":
-            _say(
-                self._tally.note(remote_host, self.clock()),
-                "refusing connection from %s: connection limit reached (%s)",
-                remote_host,
-                verdict.reason,
-            )
-            await self._refuse(framed, "too many connections; try later")
-            return
-        if verdict.victim is not None:
-            self._evict(verdict.victim.key, verdict.reason)
-        self._next_slot += 1
-        entry = _Inbound(
-            self._next_slot,
-            remote_host,
-            subnet_of(remote_host),
-            trio.current_time(),
-            probation=verdict.verdict == "probation",
-        )
-        self._slots[entry.key] = entry
-        try:
-            with entry.scope:
-                await self._accept_admitted(framed, remote_host, remote_port, entry)
-        finally:
-            del self._slots[entry.key]
-            if entry.scope.cancelled_caught:
-                await _close_quietly(stream)
-
-    async def _accept_admitted(
-        self,
-        framed: FramedStream,
-        host: str,
-        port: int,
-        entry: _Inbound,
-        *,
-        relayed: bool = False,
-        seen_at: str = "",
-    ) -> None:
-        hs = ResponderHandshake(
-            self.identity,
-            self.run_id,
-            version=self.config.protocol_version,
-            membership=self.membership,
-            now=self.clock() if self.membership is not None else None,
-            work=self.work,
-            required_work=self.config.id_work,
-        )
-        try:
-            with trio.fail_after(self.config.handshake_timeout):
-                reply = hs.receive(await framed.receive_frame())
-                assert reply is not None
-                await framed.send_frame(reply)
-                verdict = hs.receive(await framed.receive_frame())
-                if verdict is not None:  # a private run: the initiator's certificate admitted it
-                    await framed.send_frame(verdict)
-        except trio.TooSlowError:
-            log.info(
-                "dropping %s:%d: handshake not completed within %g s",
-                host,
-                port,
-                self.config.handshake_timeout,
-            )
-            await _close_quietly(framed.stream)
-            return
-        except HandshakeRefused as e:
-            if e.by_remote:
-                log.warning("%s:%d refused our handshake (%s): %s", host, port, e.code, e.reason)
-            else:
-                log.warning("refused handshake from %s:%d (%s): %s", host, port, e.code, e.reason)
-                with trio.move_on_after(1.0):
-                    await _send_quietly(framed, reject_frame(e.code, e.reason))
-            await _close_quietly(framed.stream)
-            return
-        except RemoteProtocolError as e:
-            log.warning("dropping %s:%d: bad handshake: %s", host, port, e)
-            await _close_quietly(framed.stream)
-            return
-        except ConnectionClosed:
-            log.debug("%s:%d closed during the handshake", host, port)
-            await _close_quietly(framed.stream)
-            return
-        assert hs.result is not None
-        if entry.probation and hs.result.remote_peer not in self._protected:
-            log.warning(
-                "closing %s from %s: slots are full and it never trained with us",
-                hs.result.remote_peer.short(),
-                host,
-            )
-            await _close_quietly(framed.stream)
-            return
-        conn = self._make_connection(framed, hs.result, False, host, port)
-        conn.relayed = relayed
-        conn.relayed_from = seen_at if seen_at.isprintable() else ""
-        entry.conn = conn
-        await self._run_connection(conn, hs.result)
-
 
 def _membership(
     config: HostConfig, peer: PeerID, run_id: str, clock: Callable[[], float]
@@ -740,25 +547,3 @@ def _os_reason(e: BaseException) -> str:
             todo.extend(exc.exceptions)
         todo.extend(x for x in (exc.__cause__, exc.__context__) if x is not None)
     return str(e)
-
-
-async def _send_quietly(framed: FramedStream, data: bytes) -> None:
-    with contextlib.suppress(ConnectionClosed):
-        await framed.send_frame(data)
-
-
-async def _close_quietly(stream: trio.abc.Stream) -> None:
-    with (
-        trio.CancelScope(shield=True),
-        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
-    ):
-        await stream.aclose()
-
-
-def _say(count: int, message: str, *args: object) -> None:
-    """An admission decision: a WARNING when ``count`` (from :class:`Tally`) says so, else DEBUG."""
-    if count:
-        suffix = f" ({count - 1} more like it since the last such line)" if count > 1 else ""
-        log.warning(message + suffix, *args)
-    else:
-        log.debug(message, *args)
