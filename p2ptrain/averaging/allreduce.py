@@ -32,6 +32,9 @@ decision settles which result it is (computed after it, or confirmed by it), so 
 holds the same bits. Every wait is bounded by a
 deadline of the round; nothing waits forever. The round keeps serving fetches and relays after its own
 member commits, until every member has fetched or the round's time is up.
+
+The round's RPC handlers are ``serving``, its decision ``deciding``, its results and fetches ``gathering``
+(mixins of :class:`AllReduceRound`).
 """
 
 from __future__ import annotations
@@ -41,43 +44,26 @@ import math
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import trio
 
-from ..errors import P2PError, RemoteCallError, RemoteProtocolError, RoundAborted, RoundTimedOut
+from ..errors import P2PError, RemoteCallError, RoundAborted, RoundTimedOut
 from ..identity import PeerID
 from ..net.host import Host
-from . import spill
 from .agreement import Coordinator, excluded_reasons
-from .audit import (
-    Attestation,
-    hash_pieces,
-    new_hasher,
-    open_attestation,
-    seal_attestation,
-    seal_commit,
-)
+from .audit import hash_pieces, seal_commit
 from .bandwidth import RateMeter, Rates
 from .buffers import BufferPool
-from .compression import Compression, all_finite, decode, encoded_chunk
+from .compression import Compression, encoded_chunk
+from .deciding import RoundDeciding
+from .gathering import RoundGathering, time_left
 from .partition import chunks, offsets
 from .protocol import (
-    FETCH,
-    FETCH_EARLY,
     LEFT_ROUND,
     PART,
-    RELAY_DECISION,
-    RELAY_RESULT,
-    REPORT,
     Decision,
-    FetchReq,
     PartReq,
-    RelayDecisionReq,
-    ReportReq,
     SignedManifest,
-    open_decision,
-    seal_decision,
 )
 from .reducer import PartitionReducer
 from .rules import SeenOrigins
@@ -87,9 +73,7 @@ from .spill import Spilled, SpillFile
 log = logging.getLogger(__name__)
 
 SCATTER, DECIDE, AWAIT_DECISION, GATHER = 0.4, 0.5, 0.6, 0.9  # phase deadlines, fractions of the round
-RELAY_RETRY = 0.25  # seconds between rounds of relay queries
 GONE_AFTER = 1.0  # seconds a member's connections must stay closed before it counts as failed
-STALLED_AFTER = 2.0  # seconds a fetch may receive nothing before the other members are asked too
 WATCH_EVERY = 0.1  # seconds between looks at the members' connections
 
 
@@ -136,7 +120,7 @@ FaultHook = Callable[["AllReduceRound", str], Awaitable[None]]
 """Awaited at each named point of a round (tests crash or delay a member there)."""
 
 
-class AllReduceRound(RoundServing):
+class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
     """A member's state for one round, and the round's RPC handlers (``serving``; dispatched by the
     averager)."""
 
@@ -432,7 +416,7 @@ class AllReduceRound(RoundServing):
             with trio.fail_after(max(0.0, (deadline or self.deadline["scatter"]) - trio.current_time())):
                 conn = await self.host.connect(addr)
                 async with conn.open_stream(
-                    PART, PartReq(self.digest, p, self.weight, commit), timeout=_left(self.end)
+                    PART, PartReq(self.digest, p, self.weight, commit), timeout=time_left(self.end)
                 ) as stream:
                     for index, piece in enumerate(pieces):
                         await stream.send(piece)
@@ -497,316 +481,9 @@ class AllReduceRound(RoundServing):
             if trio.current_time() >= self.deadline["scatter"]:
                 return
 
-    async def _coordinate(self) -> None:
-        """As coordinator: decide once every reducer reported, or at the decision deadline."""
-        assert self.coordinator is not None
-        own = self.reducers.get(self.me)
-        if own is not None:
-            self.coordinator.report(self.me, own.delivered)
-        while not self.coordinator.ready() and trio.current_time() < self.deadline["decide"]:
-            await self.changed.wait_until(self.deadline["decide"])
-        self._set_decision(self.coordinator.decide(), None)
-        for i, (claimed, allowed) in self.coordinator.capped.items():
-            # (rates lag: honest peers overshoot a little; a liar claims far more)
-            log.log(
-                logging.WARNING if claimed > 2 * allowed else logging.INFO,
-                "round %s: %s claimed weight %g, more than its records make plausible: counted as %g",
-                self.digest.hex()[:8],
-                self.name(i),
-                claimed,
-                allowed,
-            )
-
-    def _set_decision(self, decision: Decision, signed: bytes | None) -> None:
-        if self.decision is not None:
-            return
-        if signed is None:
-            signed = seal_decision(self.host.identity, decision)
-        self.decision, self.decision_bytes = decision, signed
-        if not decision.abort:
-            self._prepare_replacements(decision)
-        self.decided.set()
-        self.changed.fire()
-        self.published.fire()
-
-    async def _obtain_decision(self) -> Decision:
-        if self.me != 0:
-            await self._report()
-            while self.decision is None and trio.current_time() < self.deadline["gather"]:
-                await self._ask_for_decision()
-        with trio.move_on_at(self.deadline["gather"]):
-            await self.decided.wait()
-        if self.decision is None:
-            raise RoundTimedOut("no decision from the coordinator or any member before the deadline")
-        return self.decision
-
-    async def _report(self) -> None:
-        own = self.reducers.get(self.me)
-        req = ReportReq(
-            self.digest,
-            tuple(sorted(own.delivered)) if own else None,
-            tuple(own.delivered[i] for i in sorted(own.delivered)) if own else (),
-            tuple(sorted(self.unreachable)),
-        )
-        try:
-            with trio.fail_after(max(0.0, self.deadline["await"] - trio.current_time())):
-                conn = await self.host.connect(self.manifest.members[0].addr)
-                reply = await conn.call_with_body(REPORT, req, timeout=_left(self.deadline["await"]))
-            if reply.message.known:
-                self._accept_decision(bytes(reply.body))
-        except (P2PError, trio.TooSlowError) as e:
-            log.info("no decision from the coordinator %s: %s", self.name(0), e)
-
-    async def _ask_for_decision(self) -> None:
-        async def ask(i: int) -> None:
-            try:
-                with trio.fail_after(max(0.0, min(self.deadline["gather"] - trio.current_time(), 5.0))):
-                    conn = await self.host.connect(self.manifest.members[i].addr)
-                    reply = await conn.call_with_body(RELAY_DECISION, RelayDecisionReq(self.digest))
-                if reply.message.known:
-                    self._accept_decision(bytes(reply.body))
-            except (P2PError, trio.TooSlowError):
-                pass
-
-        async with trio.open_nursery() as nursery:
-            for i, m in enumerate(self.manifest.members):
-                if i != self.me and m.addr:
-                    nursery.start_soon(ask, i)
-        if self.decision is None:
-            await trio.sleep(RELAY_RETRY)
-
-    def _accept_decision(self, data: bytes) -> None:
-        try:
-            decision = open_decision(data, self.peers[0], self.digest, self.n)
-        except P2PError as e:
-            log.warning("ignoring a bad decision for round %s: %s", self.digest.hex()[:8], e)
-            return
-        self._set_decision(decision, data)
-
-    def _prepare_replacements(self, decision: Decision) -> None:
-        for f, r in zip(decision.failed, decision.replacements, strict=True):
-            if r == self.me and f not in self.reducers:
-                own = self.weight if self.me in decision.contributors else None
-                self.reducers[f] = self._new_reducer(f, own)
-        if self.me in decision.failed:  # we were too slow to report: our partition went elsewhere
-            self.reducers.pop(self.me, None)
-
     def _holder(self, p: int, decision: Decision) -> int:
         r = decision.replacement_of(p)
         return p if r is None else r
-
-    async def _finalize(self, p: int, decision: Decision) -> None:
-        red = self.reducers[p]
-        event = self.finalized.setdefault(p, trio.Event())
-        while not all(i in red.delivered for i in decision.contributors):
-            if trio.current_time() >= self.deadline["gather"]:
-                log.info("partition %d: not every contributor re-sent its slice in time", p)
-                return
-            await self.changed.wait_until(self.deadline["gather"])
-        red.finalize(decision.contributors, decision.weights)
-        for sender, ratio in red.outliers:
-            log.warning(
-                "round %s: the slice of partition %d from %s is an outlier (%s the median distance to "
-                "the %s result): its influence was bounded",
-                self.digest.hex()[:8],
-                p,
-                self.name(sender),
-                "NaN times" if math.isnan(ratio) else f"{ratio:.0f}x",
-                red.aggregation,
-            )
-        await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
-        if self.audit:
-            red.attestation = self._attest(p, red, decision)
-        assert red.result is not None
-        if red.result.data_ptr() != self._slice(p).data_ptr():  # (compressed, or not reduced in flat)
-            self._slice(p).copy_(red.result)
-        self.held.add(p)
-        self.fetches_left += self.n - 1
-        event.set()
-        self.changed.fire()
-
-    def _attest(self, p: int, red: PartitionReducer, decision: Decision) -> bytes:
-        assert red.encoded is not None
-        att = Attestation(
-            round=self.digest,
-            partition=p,
-            contributors=decision.contributors,
-            weights=decision.weights,
-            commits=tuple(red.commits[c] for c in decision.contributors),
-            result=hash_pieces(red.encoded),
-        )
-        return seal_attestation(self.host.identity, att)
-
-    def _check_attestation(self, p: int, frm: int, data: bytes, result_hash: bytes) -> None:
-        """The reducer's attestation fits the decision, the bytes it served, and this member's own
-        commitment; RemoteProtocolError says what does not."""
-        decision = self.decision
-        assert decision is not None
-        att = open_attestation(data, self.peers[frm], self.digest, p, self.n)
-        if att.contributors != decision.contributors or att.weights != decision.weights:
-            raise RemoteProtocolError("its attestation names other contributors or weights than the decision")
-        if att.result != result_hash:
-            raise RemoteProtocolError("the result it served is not the one it attested")
-        # (Ed25519 signatures are deterministic: our commitment, made again, is the same bytes)
-        if self.me in att.contributors and att.commits[att.contributors.index(self.me)] != self._pieces(p)[1]:
-            raise RemoteProtocolError("its attestation does not carry this member's commitment")
-        self.attestations[p] = bytes(data)
-
-    async def _gather(self, p: int, holder: int) -> None:
-        if holder == self.me:
-            event = self.finalized.setdefault(p, trio.Event())
-            with trio.move_on_at(self.deadline["gather"]):
-                await event.wait()
-            return
-        self.progress[p] = trio.current_time()
-        if p in self.early_done:
-            # The early fetch confirms once its reducer has the decision: wait while it makes progress.
-            done = self.early_done[p]
-            while holder == p and not done.is_set():
-                stalled_at = min(self.progress[p] + STALLED_AFTER, self.deadline["gather"])
-                if trio.current_time() >= stalled_at:
-                    break
-                with trio.move_on_at(stalled_at):
-                    await done.wait()
-            self.early_scopes[p].cancel()
-            await done.wait()
-            if p in self.held:
-                return
-        direct_failed = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._fetch_from_holder, nursery.cancel_scope, p, holder, direct_failed)
-            # The others fetch from the holder too: once the direct fetch failed, or stalled (a reducer
-            # that serves some members and then hangs), ask them as well; each answers once it holds it.
-            with trio.move_on_at(self.deadline["gather"]):
-                while not direct_failed.is_set():
-                    stalled_at = self.progress[p] + STALLED_AFTER
-                    if trio.current_time() >= stalled_at:
-                        break
-                    with trio.move_on_at(stalled_at):
-                        await direct_failed.wait()
-                while p not in self.held:
-                    async with trio.open_nursery() as relays:
-                        for i, m in enumerate(self.manifest.members):
-                            if i not in (self.me, holder) and m.addr:
-                                relays.start_soon(self._relay_from, relays.cancel_scope, p, i)
-                    if p not in self.held:
-                        await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
-            nursery.cancel_scope.cancel()
-
-    async def _fetch_from_holder(
-        self, scope: trio.CancelScope, p: int, holder: int, failed: trio.Event
-    ) -> None:
-        """Fetch partition ``p`` from its reducer, again after a pause if that failed while it lives."""
-        while trio.current_time() < self.deadline["gather"]:
-            if await self._fetch(p, holder, FETCH):
-                scope.cancel()
-                return
-            failed.set()
-            if holder in self.gone:
-                return
-            await trio.sleep(STALLED_AFTER)
-
-    async def _relay_from(self, scope: trio.CancelScope, p: int, i: int) -> None:
-        if await self._fetch(p, i, RELAY_RESULT):
-            scope.cancel()
-
-    async def _fetch(self, p: int, frm: int, method: object) -> bool:
-        """Fetch partition ``p`` from member ``frm`` (its reducer, or a relay); True once held."""
-        relay = method is RELAY_RESULT
-        mode = Compression.NONE if relay else self.mode
-        target = self._slice(p)
-        spans = list(chunks(self.sizes[p], mode))
-        try:
-            with trio.fail_after(max(0.0, self.deadline["gather"] - trio.current_time())):
-                conn = await self.host.connect(self.manifest.members[frm].addr)
-                async with conn.open_stream(
-                    RELAY_RESULT if relay else FETCH,
-                    FetchReq(self.digest, p),
-                    timeout=_left(self.deadline["gather"]),
-                ) as stream:
-                    hasher = new_hasher() if self.audit and not relay else None
-                    for a, b in spans:
-                        data = await stream.receive_some()
-                        if not data:
-                            ack = await stream.response()
-                            raise RemoteProtocolError(ack.reason or "the stream ended early")
-                        if p in self.held:  # another relay was faster; its bits are the same
-                            return True
-                        _store(target[a:b], data, mode, 0 if relay else self.n)
-                        self.progress[p] = trio.current_time()
-                        if hasher is not None:
-                            hasher.update(data)
-                    if hasher is not None:  # held only once the reducer's signed attestation checks out
-                        ack = await stream.response()
-                        self._check_attestation(p, frm, ack.attestation, hasher.digest())
-                        self.held.add(p)
-                        self.changed.fire()
-                        return True
-                    self.held.add(p)  # every byte is here: ours, whatever happens to the call now
-                    self.meter.flow_done("download")
-                    self.changed.fire()
-                    await stream.response()  # let the server finish (it counts who fetched)
-        except (P2PError, trio.TooSlowError) as e:
-            if p in self.held:
-                return True
-            if not relay:
-                log.info("could not fetch partition %d from %s: %s", p, self.name(frm), e)
-            return False
-        self.changed.fire()
-        return True
-
-    async def _fetch_early(self, p: int) -> None:
-        """Fetch partition ``p``'s mean from its reducer chunk by chunk while the scatter runs, into
-        ``flat``; held once the reducer confirms the chunks are the round's result (else the gather
-        fetches it again)."""
-        target, spans = self._slice(p), list(chunks(self.sizes[p], self.mode))
-        got = 0
-        try:
-            with (
-                self.early_scopes[p],
-                trio.fail_after(max(0.0, self.deadline["gather"] - trio.current_time())),
-            ):
-                conn = await self.host.connect(self.manifest.members[p].addr)
-                async with conn.open_stream(
-                    FETCH_EARLY, FetchReq(self.digest, p), timeout=_left(self.deadline["gather"])
-                ) as stream:
-                    if self.backup is not None and p not in self.saved and not await self._save(p):
-                        return  # no backup, no early averages: the gather fetches them after the decision
-                    if self.source is self.flat:
-                        self.overwritten.add(p)
-                    if self.mode is Compression.NONE:  # decrypted straight into place: no copy
-                        stream.land_in(target[a:b].numpy().data for a, b in spans)
-                    for a, b in spans:
-                        data = await stream.receive_some()
-                        if not data:
-                            break
-                        _store(target[a:b], data, self.mode, self.n)
-                        self.progress[p] = trio.current_time()
-                        got += 1
-                    if got == len(spans):
-                        self.meter.flow_done("download")
-                    ack = await stream.response()
-                if ack.ok and got == len(spans):
-                    self.held.add(p)
-                    self.changed.fire()
-        except (P2PError, trio.TooSlowError) as e:
-            log.debug("no early result of partition %d from %s: %s", p, self.name(p), e)
-        finally:
-            self.early_done[p].set()
-
-    async def _save(self, p: int) -> bool:
-        """In place: this member's values of partition ``p`` to the backup, before results overwrite them
-        (in a worker thread when large; nothing writes into the partition meanwhile). False if the
-        backup cannot be written (a full disk)."""
-        assert self.backup is not None
-        data = encoded_chunk(self._slice(p), Compression.NONE)
-        try:
-            saved = await spill.put(self.backup, data)
-        except OSError as e:
-            log.warning("cannot back partition %d up (%s): fetching its average after the decision", p, e)
-            return False
-        self.saved[p] = saved
-        return True
 
     def blame(self) -> dict[PeerID, str]:
         """After an abort: the members this round failed on, as far as this member can tell (the
@@ -863,23 +540,3 @@ class AllReduceRound(RoundServing):
             sent={p: b"".join(pieces) for p, (pieces, _) in self.sent.items()},
             local=dict(self.local),
         )
-
-
-def _left(deadline: float) -> float:
-    """Seconds until ``deadline`` for a call's own timeout (an enclosing scope enforces the deadline)."""
-    return max(1e-3, deadline - trio.current_time())
-
-
-def _store(target: torch.Tensor, data: memoryview, mode: Compression, members: int) -> None:
-    """Decode a fetched chunk (a reduced sum of ``members``: see ``compression.encode``) into its
-    place; RemoteProtocolError if it is malformed or not finite."""
-    if mode is not Compression.NONE:
-        target.copy_(decode(data, mode, target.numel(), members))
-        return
-    if len(data) != 4 * target.numel():
-        raise RemoteProtocolError(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")
-    place, values = target.numpy(), np.frombuffer(data, dtype=np.float32)
-    if values.ctypes.data != place.ctypes.data:  # not decrypted in place (RpcStream.land_in): copy
-        place[:] = values
-    if not all_finite(target):
-        raise RemoteProtocolError("a reduced partition holds NaN or infinite values")
