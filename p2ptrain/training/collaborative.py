@@ -29,7 +29,8 @@ alone would start a second lineage under the swarm's step numbers).
 
 The shared state (its digest, snapshots for joiners, downloads) is ``swarm_state``'s; rounds that run
 while compute goes on are ``inflight``'s; progress records out and in are ``progress_exchange``'s; when a peer
-alone on its epoch may step is ``solo``'s; the swarm's ban verdicts are ``bans``'.
+alone on its epoch may step is ``solo``'s; DiLoCo's global parameters and outer step are ``outer``'s;
+the swarm's ban verdicts are ``bans``'.
 """
 
 from __future__ import annotations
@@ -44,13 +45,12 @@ from typing import Any
 import torch
 import trio
 
-from ..averaging.agreement import WEIGHT_SLACK
 from ..averaging.allreduce import RoundResult
 from ..averaging.compression import parse_compression
 from ..averaging.matchmaking import Quorum
 from ..averaging.protocol import SignedManifest
 from ..averaging.robust import parse_aggregation
-from ..config import DilocoSection, RunConfig
+from ..config import RunConfig
 from ..errors import ConfigError, GroupFormationFailed, RoundAborted
 from ..identity import PeerID
 from ..idwork import work_bits
@@ -63,12 +63,8 @@ from .feedback import ErrorFeedback
 from .fetch import Fetcher, ProgressFn
 from .inflight import BackgroundRounds, _InFlight
 from .offheap import FileTensors
-from .progress import (
-    PeerProgress,
-    ProgressRecord,
-    SwarmView,
-    plausible_samples,
-)
+from .outer import OuterSteps
+from .progress import PeerProgress, ProgressRecord, SwarmView
 from .solo import StepAlone
 from .statesync import StateServer
 from .swarm_state import _Download
@@ -79,7 +75,7 @@ RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
 
 
-class CollaborativeOptimizer(StepAlone, BackgroundRounds, BanRecords):
+class CollaborativeOptimizer(StepAlone, OuterSteps, BackgroundRounds, BanRecords):
     """Wraps a torch optimizer; ``await step(samples)`` after every backward pass."""
 
     def __init__(
@@ -469,30 +465,6 @@ class CollaborativeOptimizer(StepAlone, BackgroundRounds, BanRecords):
         self._advance(result, weight)
         return True
 
-    def _pseudo_gradients(self) -> None:
-        """DiLoCo: global minus local parameters, into ``averaged`` (a new one if the last round may
-        still relay averages from it to slower members)."""
-        if self._relaying is not None and not self._relaying.is_set():
-            self.averaged = ParamBuffer(self._slot_params())
-        self._relaying = None
-        with torch.no_grad():
-            for d, i in zip(self.averaged.views, self._slots, strict=True):
-                g = self.global_params[i]
-                torch.sub(g, self.params[i].detach(), out=d)
-                self._release(g)
-
-    def _slot_params(self) -> list[torch.Tensor]:
-        return [self.params[i] for i in self._slots]
-
-    def _fit_buffer(self) -> None:
-        """Streaming DiLoCo: ``averaged`` holds the fragment of the current step (a new buffer when the
-        step moved to another: the last round may still relay from the one it had)."""
-        slots = self.fragments[self.epoch % len(self.fragments)]
-        if slots != self._slots:
-            self._slots = slots
-            self.averaged = ParamBuffer(self._slot_params())
-            self._relaying = None
-
     def _apply_gradients(self, grads: ParamBuffer, zero: bool = True) -> None:
         """One optimizer step with ``grads``, then zeroed for reuse as an accumulator; ``zero`` False:
         a round averaged them in place and may still serve them, so nothing writes into them."""
@@ -507,72 +479,10 @@ class CollaborativeOptimizer(StepAlone, BackgroundRounds, BanRecords):
         if zero:
             grads.zero_()
 
-    def _after_abort(self, tensors: ParamBuffer) -> None:
-        """DiLoCo: an aborted in-place round may still relay the averages it holds to members that
-        commit: its buffer is left to it, and the next pseudo-gradient goes into a new one."""
-        if self.diloco and tensors.sendable and tensors is self.averaged:
-            self.averaged = ParamBuffer(self._slot_params())
-            self._relaying = None
-
     def _attach(self) -> None:
         """Summed gradients: the accumulator's views become the parameters' .grad."""
         for p, acc in zip(self.params, self.averaged.views, strict=True):
             p.grad = acc
-
-    def _init_outer(self, d: DilocoSection) -> None:
-        """The global parameters and the outer Nesterov SGD, whose momentum buffers exist from the start
-        (zeros: the first step's result is the same as from none) so that they can live in a file."""
-        on_cpu = all(p.device.type == "cpu" for p in self.params)
-        large = self._param_bytes >= statesync.THREAD_BYTES
-        if d.outer_state == "file" and not on_cpu:
-            raise ConfigError("diloco.outer_state = 'file' needs the parameters on the CPU")
-        if d.outer_state == "file" or (d.outer_state == "auto" and on_cpu and large):
-            n = len(self.params) if d.outer_momentum > 0 else 0
-            self.outer_file = FileTensors(self.params + self.params[:n])
-            self.global_params = self.outer_file.tensors[: len(self.params)]
-            self.momentum = self.outer_file.tensors[len(self.params) :]
-            with torch.no_grad():
-                for g, p in zip(self.global_params, self.params, strict=True):
-                    g.copy_(p)
-            self.outer_file.release()
-        else:
-            self.global_params = [p.detach().clone() for p in self.params]
-            if d.outer_momentum > 0:
-                self.momentum = [torch.zeros_like(p) for p in self.params]
-        self.outer = torch.optim.SGD(
-            self.global_params, lr=d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0
-        )
-        for g, m in zip(self.global_params, self.momentum, strict=True) if self.momentum else ():
-            self.outer.state[g]["momentum_buffer"] = m
-
-    def _reset_local(self, i: int) -> None:
-        """The local parameter ``i`` restarts from the new global one."""
-        with torch.no_grad():
-            self.params[i].copy_(self.global_params[i])
-
-    def _release(self, *tensors: torch.Tensor) -> None:
-        if self.outer_file is not None:
-            self.outer_file.release(tensors)
-
-    def _outer_step(
-        self,
-        before: Callable[[int], None] | None = None,
-        after: Callable[[int], None] | None = None,
-    ) -> None:
-        """The outer step of the global parameters with the averaged pseudo-gradients, one parameter at a
-        time: ``before(i)`` runs ahead of parameter i's update, ``after(i)`` right after it (the local
-        parameters' side), then a file-backed outer state's pages of parameter i leave the resident set.
-        (SGD updates only the parameters that have a gradient.) Streaming: the current fragment's."""
-        for d, i in zip(self.averaged.views, self._slots, strict=True):
-            g = self.global_params[i]
-            if before is not None:
-                before(i)
-            g.grad = d
-            self.outer.step()
-            g.grad = None
-            if after is not None:
-                after(i)
-            self._release(g, *self.momentum[i : i + 1])
 
     def _solo_step(self) -> None:
         """No other peer on this epoch: the step is this peer's alone."""
@@ -617,57 +527,6 @@ class CollaborativeOptimizer(StepAlone, BackgroundRounds, BanRecords):
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
         self._cohort = (self.epoch, others)
         self._state_changed()
-
-    def _claim(self, samples: int) -> float:
-        """The weight this peer claims for ``samples`` in a round: the true count, but no more than a
-        reducer accepts for what this peer's own signed records make plausible (every reducer refuses a
-        slice over ``WEIGHT_SLACK`` times that: the peer would be left out), nor than it accepts from a
-        peer whose record of this step it has not read yet (the whole target: a fast peer's first step,
-        hundreds of samples gathered while the group formed, was refused whole). The coordinator then
-        caps it at what it finds plausible itself. Samples beyond the claim still went into the values
-        sent."""
-        cap = self._weight_cap(self.node.peer_id)
-        target = float(self.config.training.target_batch_size)
-        return min(float(samples), WEIGHT_SLACK * (target if cap is None else min(cap, target)))
-
-    def _weight_cap(self, peer: PeerID) -> float | None:
-        """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
-        records make plausible; the whole target for a peer without records. A stranger (not trusted,
-        see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
-        peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
-        second since long ago, or publishing no record at all, is one peer's worth."""
-        cap = self._plausible(peer)
-        trusted = self.trusted()
-        if trusted is None or peer == self.node.peer_id or peer in trusted:
-            return cap
-        vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
-        return min(cap, max(self._plausible(p) for p in (self.node.peer_id, *vouched)))
-
-    def _plausible(self, peer: PeerID) -> float:
-        """What ``peer``'s records make plausible for this epoch (see ``progress.plausible_samples``);
-        the whole target without a record of this epoch. A peer that handed its samples of this epoch
-        to the round (its records count toward the next one now: ``landing``) is judged by what it said
-        before; with nothing said before, by the whole target as well."""
-        target = float(self.config.training.target_batch_size)
-        record = next((r.record for r in self.records if r.peer == peer), None)
-        if record is not None and record.landing and record.epoch == self.epoch:
-            record = self._counting.get(peer)
-        if record is None or record.epoch != self.epoch:
-            return target
-        if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer
-            trusted = self.trusted()
-            fastest = max(
-                (
-                    r.record.rate
-                    for r in self.records
-                    if r.record.epoch == self.epoch and (trusted is None or r.peer in trusted)
-                ),
-                default=0.0,
-            )
-            if max(fastest, self.rate.rate) <= 0:
-                return target
-            record = dataclasses.replace(record, rate=max(fastest, self.rate.rate))
-        return plausible_samples(record, self.clock(), self._horizon, slack=target / 8)
 
     def _note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.epoch, e)

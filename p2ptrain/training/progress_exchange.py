@@ -8,6 +8,7 @@ need ask nobody: a read asks the DHT's replicas once a record's life, and whenev
 unsure (none yet, alone, behind, a partner's record late). What it reads becomes the ``SwarmView``
 (``progress.swarm_view``) that decides when the epoch's target is reached and who is on it; only the
 records of the peers this one trusts (``trusted``) may move it to another state.
+The same records bound the weight a peer may count for in a round (``_claim``, ``_weight_cap``).
 
 :class:`ProgressExchange` is a mixin of :class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`,
 which owns the attributes declared below.
@@ -15,6 +16,7 @@ which owns the attributes declared below.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Coroutine
@@ -22,6 +24,7 @@ from typing import Any
 
 import trio
 
+from ..averaging.agreement import WEIGHT_SLACK
 from ..dht.records import owned_subkey, subkey_owner
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
@@ -30,7 +33,7 @@ from ..wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL
 from .bookkeeping import RateMeter
 from .inflight import _InFlight
-from .progress import PeerProgress, ProgressRecord, SwarmView, must_publish, swarm_view
+from .progress import PeerProgress, ProgressRecord, SwarmView, must_publish, plausible_samples, swarm_view
 from .swarm_state import SwarmState
 
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
@@ -297,3 +300,56 @@ class ProgressExchange(SwarmState):
 
     def _peers_seen(self) -> int:
         return 1 + sum(r.peer != self.node.peer_id for r in self.records)
+
+    # ---- the weight a peer may count for, from its records ----------------------------------------
+
+    def _claim(self, samples: int) -> float:
+        """The weight this peer claims for ``samples`` in a round: the true count, but no more than a
+        reducer accepts for what this peer's own signed records make plausible (every reducer refuses a
+        slice over ``WEIGHT_SLACK`` times that: the peer would be left out), nor than it accepts from a
+        peer whose record of this step it has not read yet (the whole target: a fast peer's first step,
+        hundreds of samples gathered while the group formed, was refused whole). The coordinator then
+        caps it at what it finds plausible itself. Samples beyond the claim still went into the values
+        sent."""
+        cap = self._weight_cap(self.node.peer_id)
+        target = float(self.config.training.target_batch_size)
+        return min(float(samples), WEIGHT_SLACK * (target if cap is None else min(cap, target)))
+
+    def _weight_cap(self, peer: PeerID) -> float | None:
+        """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
+        records make plausible; the whole target for a peer without records. A stranger (not trusted,
+        see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
+        peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
+        second since long ago, or publishing no record at all, is one peer's worth."""
+        cap = self._plausible(peer)
+        trusted = self.trusted()
+        if trusted is None or peer == self.node.peer_id or peer in trusted:
+            return cap
+        vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
+        return min(cap, max(self._plausible(p) for p in (self.node.peer_id, *vouched)))
+
+    def _plausible(self, peer: PeerID) -> float:
+        """What ``peer``'s records make plausible for this epoch (see ``progress.plausible_samples``);
+        the whole target without a record of this epoch. A peer that handed its samples of this epoch
+        to the round (its records count toward the next one now: ``landing``) is judged by what it said
+        before; with nothing said before, by the whole target as well."""
+        target = float(self.config.training.target_batch_size)
+        record = next((r.record for r in self.records if r.peer == peer), None)
+        if record is not None and record.landing and record.epoch == self.epoch:
+            record = self._counting.get(peer)
+        if record is None or record.epoch != self.epoch:
+            return target
+        if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer
+            trusted = self.trusted()
+            fastest = max(
+                (
+                    r.record.rate
+                    for r in self.records
+                    if r.record.epoch == self.epoch and (trusted is None or r.peer in trusted)
+                ),
+                default=0.0,
+            )
+            if max(fastest, self.rate.rate) <= 0:
+                return target
+            record = dataclasses.replace(record, rate=max(fastest, self.rate.rate))
+        return plausible_samples(record, self.clock(), self._horizon, slack=target / 8)
