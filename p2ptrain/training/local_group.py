@@ -40,21 +40,17 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import datetime
 import hashlib
 import json
 import logging
 import os
-import re
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -65,6 +61,16 @@ from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore, w
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..tasks import Task
+from .local_procs import (
+    GLOO_INTERFACE,
+    describe,
+    first_line,
+    gloo_on_loopback,
+    kill,
+    loopback_interface,
+    loopback_store,
+    peek,
+)
 from .local_worker import (
     COMPUTE,
     DIGEST,
@@ -89,7 +95,6 @@ log = logging.getLogger(__name__)
 POLL = datetime.timedelta(milliseconds=200)  # rank 0 looks at its workers this often during a collective
 STOP_GRACE = 5.0  # seconds workers get to exit after STOP before they are killed
 NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # rank 0 sets 0: an NCCL error raises, not aborts
-GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"  # gloo listens on this interface: loopback, for a group inside a host
 
 
 def worker_data_seed(data_seed: int, rank: int, generation: int) -> int:
@@ -380,7 +385,7 @@ class LocalGroup:
                             work.wait()
                             return
                         except RuntimeError as e:
-                            raise _Failure(_first_line(e)) from e
+                            raise _Failure(first_line(e)) from e
             self._check_workers()
             if time.monotonic() > deadline:
                 raise _Failure(f"a collective took more than {self.timeout:g} s")
@@ -396,16 +401,16 @@ class LocalGroup:
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self._procs, 1):
-            status = _peek(proc)
+            status = peek(proc)
             if status is not None:
-                raise _Failure(f"local worker {rank} (pid {proc.pid}) {_describe(status)}")
+                raise _Failure(f"local worker {rank} (pid {proc.pid}) {describe(status)}")
 
     def _attempt(self, action: Callable[[], Any], what: str) -> Any:
         """``action()``, or None after handling the group's failure (a restart, or training alone)."""
         try:
             return action()
         except (_Failure, RuntimeError) as e:  # torch's DistError and its kin are RuntimeErrors
-            self._failed(f"{what} failed: {e if isinstance(e, _Failure) else _first_line(e)}")
+            self._failed(f"{what} failed: {e if isinstance(e, _Failure) else first_line(e)}")
             return None
 
     # ---- starting, failing, restarting, stopping ----
@@ -430,13 +435,13 @@ class LocalGroup:
                 torch.set_num_threads(self.threads)
         self._generation += 1
         self._state = _State.STARTING  # from here on, a failure tears down what was started
-        self._store = _loopback_store(self.world_size, self.timeout)
+        self._store = loopback_store(self.world_size, self.timeout)
         port = self._store.port
         env = dict(os.environ)  # without the NCCL setting rank 0 made for itself (see _join)
         env.pop(NCCL_ERRORS, None)
         if self._nccl_errors is not None:
             env[NCCL_ERRORS] = self._nccl_errors
-        if self.backend == "gloo" and (lo := _loopback_interface()):
+        if self.backend == "gloo" and (lo := loopback_interface()):
             env[GLOO_INTERFACE] = lo
         for rank in range(1, self.world_size):
             command = self._worker_command(rank, port)
@@ -492,7 +497,7 @@ class LocalGroup:
         if self.backend == "nccl":  # a failed collective must raise here, not tear the node process down
             os.environ[NCCL_ERRORS] = "0"
         timeout = datetime.timedelta(seconds=self.timeout)
-        with _gloo_on_loopback(self.backend):
+        with gloo_on_loopback(self.backend):
             dist.init_process_group(
                 self.backend, store=self._store, rank=0, world_size=self.world_size, timeout=timeout
             )
@@ -535,11 +540,11 @@ class LocalGroup:
         kernel lets us see the process's exit)."""
         deadline = time.monotonic() + 0.5
         while True:
-            dead = [(r, p, s) for r, p in enumerate(self._procs, 1) if (s := _peek(p)) is not None]
+            dead = [(r, p, s) for r, p in enumerate(self._procs, 1) if (s := peek(p)) is not None]
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        return "".join(f" (local worker {r}, pid {p.pid}, {_describe(s)})" for r, p, s in dead)
+        return "".join(f" (local worker {r}, pid {p.pid}, {describe(s)})" for r, p, s in dead)
 
     def _abandon(self) -> None:
         """An error on rank 0 left the workers in an unknown state: kill them; start again next time."""
@@ -588,102 +593,4 @@ class LocalGroup:
     def _kill_all(self) -> None:
         procs, self._procs = self._procs, []
         for proc in procs:
-            _kill(proc)
-
-
-def _loopback_store(world_size: int, timeout: float) -> TCPStore:
-    """Rank 0's TCPStore on a fresh port of 127.0.0.1 only: left to itself, the store listens on every
-    interface, and anyone who reaches the port could write commands for the workers."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
-    fd = sock.detach()
-    wait = datetime.timedelta(seconds=timeout)
-    try:  # the store owns the socket from here on (and closes it)
-        return TCPStore(
-            "127.0.0.1",
-            port,
-            world_size,
-            is_master=True,
-            timeout=wait,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-        )
-    except RuntimeError as e:  # listening sockets can be handed over on Linux only
-        os.close(fd)
-        log.warning("the local group's store listens on every interface (%s)", _first_line(e))
-        return TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=wait, wait_for_workers=False)
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except OSError:
-        return None
-    return next((name for name in ("lo", "lo0") if name in names), None)
-
-
-@contextlib.contextmanager
-def _gloo_on_loopback(backend: str) -> Iterator[None]:
-    """Without this, gloo listens on the address the host name resolves to, often one the LAN reaches.
-    Only the process group's creation reads the variable, so it is set for that moment alone."""
-    lo = _loopback_interface() if backend == "gloo" else None
-    if lo is None:
-        yield
-        return
-    before = os.environ.get(GLOO_INTERFACE)
-    os.environ[GLOO_INTERFACE] = lo
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(GLOO_INTERFACE, None)
-        else:
-            os.environ[GLOO_INTERFACE] = before
-
-
-def _peek(proc: subprocess.Popen[bytes]) -> int | None:
-    """The process's exit status if it ended, without reaping it, so that its process group id stays
-    ours to kill (the worker's own children die with it)."""
-    if proc.returncode is not None:
-        return proc.returncode
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return proc.poll()
-    if info is None or info.si_pid == 0:
-        return None
-    return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.returncode is None:  # not reaped yet: the pid, and the group it leads, are still ours
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        log.error("local worker pid %d survived SIGKILL for 10 s", proc.pid)
-
-
-def _describe(status: int) -> str:
-    if status < 0:
-        try:
-            return f"was killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"was killed by signal {-status}"
-    return f"exited with code {status}"
-
-
-def _first_line(e: BaseException) -> str:
-    """The gist of a torch error: its first line, without the C++ source location gloo puts first."""
-    lines = str(e).strip().splitlines()
-    gist = re.sub(r"^\[[^]]*\] ", "", lines[0]) if lines else ""
-    return f"{type(e).__name__}: {gist}"
+            kill(proc)
