@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -272,7 +272,18 @@ class Averager(GroupForming):
         matchmaking = trio.current_time() - began
         result = await self._run_round(signed, tensors, source, flat, weight)
         result.matchmaking_seconds = matchmaking
+        self.trained_with(result.contributors)
         return result
+
+    def trained_with(self, contributors: Iterable[PeerID]) -> None:
+        """Remember ``contributors`` as partners: call it once their round's result is applied.
+
+        A round that completes is not yet a round its members apply: a trainer may refuse it (its
+        contributors fell short of the peers it must average with), and a peer that trusted them
+        anyway would follow their records into a second lineage of the swarm's steps."""
+        for peer in contributors:
+            if peer != self.host.peer_id and len(self.partners) < MAX_PARTNERS:
+                self.partners.add(peer)
 
     async def form_group(
         self,
@@ -320,7 +331,10 @@ class Averager(GroupForming):
         ``in_place``: ``tensors`` is one contiguous float32 CPU tensor, and the averages go straight into
         it as they arrive: no model-sized buffer besides it. The price: after an abort it holds a mix of
         its values and averages (discard it), and it must stay unchanged until the result's ``retired``
-        is set (the round may relay averages from it to slower members until then)."""
+        is set (the round may relay averages from it to slower members until then).
+
+        The caller decides whether it applies the result; once it does, it names the contributors to
+        :meth:`trained_with` (``average`` does both)."""
         if self._nursery is None:
             raise RuntimeError("start Averager.run in a nursery first")
         if not (math.isfinite(weight) and weight > 0):
@@ -425,8 +439,6 @@ class Averager(GroupForming):
         self.auditor.cleared(result.contributors)
         for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
             self.host.protect(peer)
-            if peer != self.host.peer_id and len(self.partners) < MAX_PARTNERS:
-                self.partners.add(peer)
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)

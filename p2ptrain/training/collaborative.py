@@ -525,6 +525,7 @@ class CollaborativeOptimizer(StepAlone, OuterSteps, BackgroundRounds, BanRecords
         self.epoch += 1
         self._fit_buffer()
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
+        self.node.averager.trained_with(others)  # trusted from now on (see ``trusted``)
         self._cohort = (self.epoch, others)
         self._state_changed()
 

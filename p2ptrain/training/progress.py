@@ -15,9 +15,10 @@ same records:
   whether the target is reached (time to average) and how soon it will be (time to start matchmaking);
 - how many peers work on this epoch (the size of the group to form), counting those whose averaging
   round for the previous epoch is still landing (diloco with overlap), and not those that said they are
-  leaving; and the majority of them a group needs (``quorum``, counting those one step behind too),
-  where untrusted records count for at most as many as the trusted ones (ids that publish records and
-  never join a group slow a round down to the leader's deadline, but cannot make a group impossible);
+  leaving; and the majority of them a group needs (``quorum``, counting those one step behind and
+  those past it too), where untrusted records count for at most as many as the trusted ones (ids that
+  publish records and never join a group slow a round down to the leader's deadline, but cannot make
+  a group impossible);
 - whether this peer is behind or has diverged: then it downloads the state, from ``donors`` in order.
 
 Which states a peer adopts is a question of trust, not of numbers: identities are free, so a record's
@@ -278,10 +279,14 @@ def swarm_view(
     # and paid the run's id work): records a host writes under fresh keys that never dial anyone made
     # the majority all of the trusted peers, and a trusted peer that never joins (an attacker's node the
     # swarm's first peer trusts as connected) then kept every group from forming.
-    sure_n = 1 + sum(vouches(o) for o in (*same, *landing, *lagging))
-    unsure_n = sum(
-        1 for o in (*same, *landing, *lagging) if not vouches(o) and (met is None or o.peer in met)
-    )
+    # Peers already past this step count too: they took it (or say so), and a group of the few left
+    # on it would take it a second time. Records travel for seconds: on 8 peers of a loaded machine,
+    # 3 that had read the new step of some of the 5 whose round committed formed a group of 3 for the
+    # step those had left, a lineage of its own that ran on for minutes.
+    past = [o for o in others if o.record.epoch > mine.epoch]
+    counted = (*same, *landing, *lagging, *past)
+    sure_n = 1 + sum(vouches(o) for o in counted)
+    unsure_n = sum(1 for o in counted if not vouches(o) and (met is None or o.peer in met))
     quorum = (sure_n + min(unsure_n, sure_n - 1)) // 2 + 1
     # Peers one step behind are catching up (a download, a record not re-published yet): a group waits
     # for them until its leader's deadline. One that lands the step as the group forms without it is

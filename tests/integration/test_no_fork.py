@@ -12,6 +12,7 @@ train, say) steps on alone after one wait, as before: the partners it misses are
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import pytest
 import trio
@@ -182,3 +183,37 @@ async def test_a_peer_back_in_touch_reads_the_swarm_before_it_would_step_alone(
         await s.until(lambda: cut.opt.epoch > top, timeout=300)
         assert cut.opt.stats.solo == 0
         check_identical_per_epoch(peers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+async def test_a_round_refused_for_want_of_a_majority_makes_no_partners(
+    autojump_clock: object, mode: str
+) -> None:
+    """A round that completes but that its member refuses to apply (its contributors no longer hold the
+    peers it must average with) is no round trained together. 8 peers on a loaded machine: three whose
+    group of four lost a member before it started completed it, refused it, yet took each other as
+    partners, trusted each other's records from then on, formed a group of three for the step the
+    other five had taken, and went on as a lineage of their own. Partners are those of applied rounds."""
+    async with swarm(run_config(mode)) as s:
+        peers = [await s.start(compute=0.1) for _ in range(3)]
+        me = peers[1]  # its join peer is the one peer it trusts before its first round
+        real = me.opt._short_of_quorum
+        seen: list[tuple[set[object], set[object]]] = []  # (contributors, partners) at the refusal
+
+        def refuse_the_first(digest: bytes, result: Any) -> str:
+            why = real(digest, result)
+            if seen or len(result.contributors) <= 1:
+                return why
+            seen.append((set(result.contributors), set(me.node.averager.partners)))
+            return "its contributors hold 2 of the 9 peers this one must average with (as if)"
+
+        me.opt._short_of_quorum = refuse_the_first  # type: ignore[method-assign]
+        await s.until(lambda: bool(seen), timeout=120)
+        contributors, partners = seen[0]
+        assert len(contributors) >= 2 and partners == set(), (contributors, partners)
+        assert me.opt.stats.aborted >= 1
+        averaged = me.opt.stats.averaged
+        await s.until(lambda: me.opt.stats.averaged > averaged, timeout=120)
+        applied = me.opt._cohort[1]
+        assert applied and applied <= me.node.averager.partners
+        assert me.node.peer_id not in me.node.averager.partners

@@ -746,7 +746,8 @@ def test_view_invariants(
     assert v.others == len(live)
     assert 1 <= v.peers <= 1 + v.others
     lagging = sum(o.record.epoch + 1 == mine.epoch and not o.record.landing for o in live)
-    assert v.quorum == (v.peers + lagging) // 2 + 1  # every record vouched for: a majority of all
+    ahead = sum(o.record.epoch > mine.epoch for o in live)
+    assert v.quorum == (v.peers + lagging + ahead) // 2 + 1  # every record vouched for: a majority of all
     assert v.newest >= v.epoch == mine.epoch
     assert v.behind == (upper_median([mine.epoch, *(o.record.epoch for o in live)]) > mine.epoch)
     assert v.eta >= 0.0 and (v.eta == 0.0) == v.ready
@@ -965,6 +966,27 @@ def test_peers_one_step_behind_count_toward_the_majority_a_group_needs() -> None
     assert view(rec(), *here, *far, trusted=None).quorum == 2
     landing = [peer(n, epoch=EPOCH - 1, landing=True) for n in range(3, 8)]
     assert view(rec(), *here, *landing, trusted=None).quorum == (8 // 2 + 1)  # already counted in peers
+
+
+def test_peers_past_the_step_count_toward_the_majority_a_group_needs() -> None:
+    """8 peers on a loaded machine: 5 committed step 19 and moved on, and 3 left behind had read the
+    new step of only some of them (records travel for seconds). They saw the others' stale records of
+    step 19 and themselves: a majority of those on the step, not of the step's peers. A group of the 3
+    formed and committed step 19 a second time (a lineage of its own). Peers past the step now count
+    toward the majority too, trusted or, up to as many, connected strangers: the 3 wait, and download
+    the state once the new records arrive."""
+    moved = [peer(n, epoch=EPOCH + 1) for n in (1, 2, 3)]
+    stale = [peer(n) for n in (4, 5)]
+    left = [peer(n) for n in (6, 7)]
+    v = view(rec(), *left, *stale, *moved, trusted=None)
+    assert not v.behind and v.peers == 5  # (the upper median of the epochs it read is still its own)
+    assert v.quorum == 8 // 2 + 1  # was 5 // 2 + 1 = 3: the 3 left behind made a "majority"
+    far = [peer(n, epoch=EPOCH + 4) for n in (1, 2, 3)]
+    assert view(rec(), *left, *stale, *far, trusted=None).quorum == 8 // 2 + 1
+    # strangers past the step count for no more than the trusted, and only if connected
+    trusted = {pid(6), pid(7)}
+    assert view(rec(), *left, *moved, trusted=trusted, met=None).quorum == (3 + 2) // 2 + 1
+    assert view(rec(), *left, *moved, trusted=trusted, met=trusted).quorum == 3 // 2 + 1
 
 
 def test_a_group_waits_for_the_peers_one_step_behind() -> None:
