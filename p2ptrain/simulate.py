@@ -265,6 +265,8 @@ def run_simulation(opts: SimulationOptions) -> int:
         f"{summary['last_step']}, final loss {summary['final_loss']} (validation "
         f"{summary['final_val_loss']}), parameters identical: {summary['identical']}"
     )
+    if summary["diverged_steps"]:
+        console.print(f"[red]nodes held different parameters on steps {summary['diverged_steps']}[/]")
     if not opts.workdir and not opts.report:
         # a temporary folder: the nodes' logs and metrics stay, their checkpoints (most of it) go
         for n in nodes:
@@ -285,6 +287,21 @@ def _metrics(node: SimNode) -> list[dict[str, Any]]:
         except ValueError:
             continue  # a line cut short by a kill
     return out
+
+
+def _diverged_steps(series: Sequence[Sequence[dict[str, Any]]]) -> list[int]:
+    """The steps that two nodes' metrics lines name with different state digests (a step's digest is
+    the parameters a node held on it; "" while a large state was being hashed)."""
+    held: dict[int, set[str]] = {}
+    for lines in series:
+        for line in lines:
+            named = dict(line.get("digests") or {})
+            if isinstance(line.get("step"), int):
+                named[str(line["step"])] = line.get("digest")
+            for step, digest in named.items():
+                if isinstance(digest, str) and digest and step.isdigit():
+                    held.setdefault(int(step), set()).add(digest)
+    return sorted(step for step, digests in held.items() if len(digests) > 1)
 
 
 def write_report(
@@ -316,6 +333,7 @@ def write_report(
     problems = []
     if len(digests) > 1:
         problems.append(f"nodes on step {last_step} hold different parameters: {sorted(map(str, digests))}")
+    forks = _diverged_steps(series)
     losses = [float(f["loss"]) for f in at_last if f.get("loss") is not None]
     val_losses = [float(f["val_loss"]) for f in at_last if f.get("val_loss") is not None]
     summary = {
@@ -326,6 +344,8 @@ def write_report(
         "last_step": last_step,
         "finished": len(at_last),
         "identical": len(digests) == 1,
+        # steps on which two nodes held different parameters at some time (forks, repaired or not)
+        "diverged_steps": forks,
         "final_loss": round(min(losses), 4) if losses else None,  # training loss (smoothed)
         "final_val_loss": round(min(val_losses), 4) if val_losses else None,  # on the validation windows
         "steps": steps,

@@ -2,8 +2,9 @@
 
 Swarms of 4 and 8 peers (``--quick``: 4) train the built-in byte-level GPT, 4 layers, 256 wide, 128 bytes
 of context: 3,257,856 parameters, about a second per batch of 16 on one core here (``--quick``: 2 x 64,
-64 bytes: 120,576), for the same tokens in every recipe (``--tokens``, the swarm's), with ``p2ptrain
-simulate`` (real node processes on loopback). Recipes:
+64 bytes: 120,576), for the same tokens in every recipe (``--tokens``, the swarm's at 4 peers; at 8,
+twice as many: the same tokens per peer, the same rounds), with ``p2ptrain simulate`` (real node
+processes on loopback). Recipes:
 
 - ``sync-fp32``, the baseline: ``training.mode = "sync"``, ``averaging.compression = "none"``: fp32
   gradients averaged every global step, whose target is one batch per peer;
@@ -23,7 +24,8 @@ A run stops (Ctrl-C to ``simulate``, as a user would: the nodes finish their rou
 evaluation at or past the budget: every outer step in DiLoCo, every H/4 steps in sync. Steps average
 more samples than their target (peers compute while a group forms), so step counts differ; each record
 says what a step took. The validation loss at equal tokens is linear between the evaluations around
-the budget.
+the budget. A run in which two peers held different parameters on some step (``diverged_steps``, from
+the simulation's report: two lineages, repaired or not) meets no target.
 
 Bytes are the node's own wire counter (``traffic.bytes_sent``: every byte of every connection after
 encryption and framing: the rounds, and also the DHT, progress records, matchmaking, state downloads;
@@ -128,7 +130,7 @@ class Plan:
     peers: tuple[int, ...]
     recipes: tuple[str, ...]
     h: int
-    tokens: int  # per recipe, the whole swarm's
+    tokens: int  # per recipe, the whole swarm's at 4 peers (see ``budget``)
     quick: bool
     workdir: Path
     model: dict[str, int] = field(default_factory=dict)
@@ -137,6 +139,12 @@ class Plan:
     @property
     def block(self) -> int:
         return int(self.model["block_size"])
+
+    def budget(self, peers: int) -> int:
+        """The swarm's tokens per recipe: ``tokens`` at 4 peers, the same per peer at other sizes (the
+        same rounds: at 8 peers, half the tokens per peer held two DiLoCo rounds at H=16, too few to
+        compare recipes by)."""
+        return self.tokens * peers // 4
 
     def params(self) -> int:
         keys = ("n_layer", "n_head", "n_embd", "block_size")
@@ -241,11 +249,12 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     config = folder / "run.toml"
     text = write_run_file(config, run_sections(plan, name, peers))
     # a bound on the steps (the budget ends a run: steps take more samples than their target)
-    bound = 4 * plan.tokens // (plan.block * plan.per_step(name, peers)) + 4
+    bound = 4 * plan.budget(peers) // (plan.block * plan.per_step(name, peers)) + 4
     argv = [*cli(), "simulate", "--peers", str(peers), "--max-steps", str(bound), "--config", str(config)]
     argv += ["--threads", "1", "--workdir", str(folder), "--no-live"]
     out: dict[str, Any] = {"recipe": name, "mode": mode, "compression": compression, "peers": peers}
     out |= {"command": shown(argv), "run_file": text, "step_bound": bound, "bench_command": plan.command()}
+    out["budget"] = plan.budget(peers)
     print(f"  {name}, {peers} peers ...", file=sys.stderr, flush=True)
     began, traces = time.perf_counter(), [list[tuple[float, int]]() for _ in range(peers)]
     metrics = [folder / f"node{i}" / "metrics.jsonl" for i in range(peers)]
@@ -259,7 +268,7 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
                     poll_traffic(folder / f"node{i}" / "status.json", trace)
                 lines = [step_lines(read_jsonl(m)) for m in metrics]
                 points = curve(lines, plan.block, every) if all(lines) else []
-                if not reached and points and points[-1][0] >= plan.tokens:
+                if not reached and points and points[-1][0] >= out["budget"]:
                     reached = True
                     proc.proc.send_signal(signal.SIGINT)
                 time.sleep(0.5)
@@ -270,7 +279,9 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     out |= {"seconds": round(time.perf_counter() - began, 1), "load": load.summary()}
     per_peer = [step_lines(read_jsonl(m)) for m in metrics]
     out["evidence"] = evidence_counts({f"node{i}": log_evidence(folder / f"node{i}") for i in range(peers)})
-    out["identical_parameters"] = read_jsonl_one(folder / "report" / "summary.json").get("identical")
+    summary = read_jsonl_one(folder / "report" / "summary.json")
+    out["identical_parameters"] = summary.get("identical")
+    out["diverged_steps"] = summary.get("diverged_steps")  # steps two peers held apart (forks)
     if out["timed_out"] or out["exit_code"] or not reached:
         with contextlib.suppress(OSError):  # (simulate prints why a node failed, with its last log line)
             out["error_tail"] = (folder / "simulate.out").read_text(errors="replace")[-1500:]
@@ -338,8 +349,9 @@ def val_at(points: list[list[float]], tokens: float) -> float | None:
     return None
 
 
-def compare(results: list[dict[str, Any]], budget: int) -> dict[str, Any]:
-    """Per swarm size: every recipe against the baseline at the budget (or the tokens all reached)."""
+def compare(results: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """Per swarm size: every recipe against the baseline at the budget (or the tokens all reached);
+    ``tokens``: the budget at 4 peers, for results that do not say theirs."""
     summary: dict[str, Any] = {}
     for peers in sorted({r["peers"] for r in results}):
         done = [r for r in results if r["peers"] == peers and r.get("curve")]
@@ -347,6 +359,7 @@ def compare(results: list[dict[str, Any]], budget: int) -> dict[str, Any]:
         if not done:
             continue
         finished = [r for r in done if r["status"] == "ok"] or done  # (a cut run does not set the mark)
+        budget = max(r.get("budget", tokens * peers // 4) for r in done)
         common = min([budget] + [r["curve"][-1][0] for r in finished])
         ref = val_at(base["curve"], common) if base else None
         for r in done:
@@ -363,6 +376,8 @@ def compare(results: list[dict[str, Any]], budget: int) -> dict[str, Any]:
             }
             if ratio is None or rel is None or r is base:
                 r["met"] = r["stretch_met"] = None
+            elif r.get("diverged_steps"):  # two lineages: no loss of one swarm to compare
+                r["met"] = r["stretch_met"] = False
             else:
                 r["met"] = ratio >= RATIO_TARGET and rel <= LOSS_TOLERANCE
                 r["stretch_met"] = r["met"] and ratio >= RATIO_STRETCH
@@ -398,8 +413,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 [x / 1e6 for x in xs], ys, marker="o", markersize=3, label=f"{r['recipe']}{ratio}",
                 color="black" if base else None, linewidth=2.0 if base else 1.2,
             )  # fmt: skip
-        budget = report["settings"]["tokens"] / 1e6
-        ax.axvline(budget, color="grey", linestyle="--", linewidth=0.8, label="equal tokens (the budget)")
+        budget = max(r.get("budget", 0) for r in report["results"] if r["peers"] == peers) / 1e6
+        ax.axvline(
+            budget or report["settings"]["tokens"] / 1e6,
+            color="grey",
+            linestyle="--",
+            linewidth=0.8,
+            label="equal tokens (the budget)",
+        )
         ax.set_xlabel("tokens trained by the swarm (millions)")
         ax.set_ylabel("validation loss")
         ax.set_title(f"{peers} peers, {report['params']:,}-parameter GPT, H={report['settings']['h']}")
@@ -417,6 +438,8 @@ def _num(v: Any, fmt: str = ".4f") -> str:
 def table_rows(r: dict[str, Any]) -> list[str]:
     rounds = (r.get("rounds") or {}) | {"synced": sum(r.get("synced_per_peer") or [0])}
     outcome = "/".join(str(rounds.get(k, "-")) for k in ("averaged", "alone", "synced", "aborted"))
+    if r.get("diverged_steps"):
+        outcome += f" FORKED on {r['diverged_steps']}"
     met = {True: "yes", False: "no", None: "-"}[r.get("met")] + (" (stretch)" if r.get("stretch_met") else "")
     if "bytes_per_token" not in r:
         why = f"{r.get('status')}: {str(r.get('error') or r.get('error_tail') or '')[-120:]}"
@@ -448,7 +471,8 @@ def format_table(report: dict[str, Any]) -> str:
     s = report["settings"]
     text += [
         f"target: a recipe with {TARGET}",
-        f"model: tiny-gpt {s['model']}: {report['params']:,} parameters; {s['tokens']:,} tokens per recipe; "
+        f"model: tiny-gpt {s['model']}: {report['params']:,} parameters; {s['tokens']:,} tokens per "
+        "recipe at 4 peers (the same per peer at other sizes); "
         f"batch {s['batch_size']}; targets: one batch per peer per sync step, H = {s['h']} per DiLoCo round",
         "val @ equal: at the token budget, linear between the evaluations around it; peak: a peer's bytes/s "
         "between two status files; bg: a peer's bytes/s beyond the rounds' payload (the encodings' sizes); "
@@ -532,7 +556,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--h", type=int, help=f"DiLoCo inner steps per round (default {H}; --quick: 4)")
     parser.add_argument(
-        "--tokens", type=int, help="tokens per recipe, the swarm's (default 2^20; --quick 2^17)"
+        "--tokens",
+        type=int,
+        help="tokens per recipe, the swarm's at 4 peers, the same per peer at other sizes (default 2^20;"
+        " --quick 2^17)",
     )
     parser.add_argument("--timeout", type=float, help="seconds per recipe (default 3600; --quick: 600)")
     parser.add_argument(
