@@ -135,6 +135,7 @@ class Plan:
     workdir: Path
     model: dict[str, int] = field(default_factory=dict)
     timeout: float = 3600.0  # seconds per recipe
+    matchmaking: float | None = None  # averaging.matchmaking_time (None: the node's default, 3 s)
 
     @property
     def block(self) -> int:
@@ -174,6 +175,8 @@ class Plan:
         words += ["--peers", ",".join(map(str, self.peers)), "--h", str(self.h), "--tokens", str(self.tokens)]
         if self.recipes != tuple(RECIPES):
             words += ["--recipes", ",".join(self.recipes)]
+        if self.matchmaking is not None:
+            words += ["--matchmaking", f"{self.matchmaking:g}"]
         return " ".join(words)
 
 
@@ -193,7 +196,8 @@ def run_sections(plan: Plan, name: str, peers: int) -> dict[str, dict[str, Any]]
         "task.options": {**plan.model, **val},
         "training": training,
         "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "fragments": fragments_of(name)},
-        "averaging": {"compression": compression, "timeout": 60.0 if diloco else 30.0},
+        "averaging": {"compression": compression, "timeout": 60.0 if diloco else 30.0}
+        | ({} if plan.matchmaking is None else {"matchmaking_time": plan.matchmaking}),
         **({"progress": {"ttl": RECIPE_TTL[name]}} if name in RECIPE_TTL else {}),
         "checkpoint": {"every_steps": 0},
         "eval": {"every_steps": plan.eval_every(name), "batch_size": 16},
@@ -563,6 +567,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, help="seconds per recipe (default 3600; --quick: 600)")
     parser.add_argument(
+        "--matchmaking",
+        type=float,
+        metavar="S",
+        help="averaging.matchmaking_time, the seconds a leader gathers its group (default: the node's 3 s)",
+    )
+    parser.add_argument(
         "--json", default=DEFAULT_JSON, metavar="PATH", help=f"report (default {DEFAULT_JSON})"
     )
     parser.add_argument("--workdir", metavar="DIR", help="node folders go here (default: a new temp folder)")
@@ -580,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir=workdir.resolve(),
         model=QUICK_MODEL if args.quick else MODEL,
         timeout=args.timeout or (600.0 if args.quick else 3600.0),
+        matchmaking=args.matchmaking,
     )
     json_path = REPO_ROOT / DEFAULT_JSON if args.json == DEFAULT_JSON else Path(args.json).resolve()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the nodes are killed
