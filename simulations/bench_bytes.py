@@ -41,7 +41,11 @@ at equal tokens (stretch: 4000x).
 Usage::
 
     python -m simulations.bench_bytes [--quick] [--peers 4,8] [--recipes NAME,...] [--h 16]
-        [--tokens N] [--json PATH] [--workdir DIR]
+        [--tokens N] [--matchmaking S] [--json PATH] [--workdir DIR]
+
+``--matchmaking``: the seconds a leader gathers its group (``averaging.matchmaking_time``; the node's
+default is 3 s). The 8-peer rows were measured with 6: with 3, on 2 cores, two leaders gathered at once
+and the peers left out downloaded the state, most of those runs' bytes.
 
 The JSON goes to PATH (default ``simulations/results/bytes-per-token.json``), the loss curves of every
 recipe beside it (``.png``), the table to stderr. With ``--recipes``, an earlier report's entries of the
