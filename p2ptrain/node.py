@@ -452,7 +452,8 @@ class Node:
             "connections": conns,
             "reachable": not self.dht.client_only,
             "metrics_port": self.metrics_port,
-            "traffic": dict(zip(("bytes_sent", "bytes_received"), self.host.traffic(), strict=True)),
+            "traffic": dict(zip(("bytes_sent", "bytes_received"), self.host.traffic(), strict=True))
+            | {"sent_by_method": self.host.sent_by_method()},  # what the bytes went to (RPC methods)
             "bandwidth": self.averager.bandwidth,  # bytes/s it announces (0: not measured yet)
             "measured": dataclasses.asdict(self.averager.measured.best()),  # bytes/s each way, or None
             "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 _MAX_ARGS = MAX_HEADER_BYTES - 512
 """The bound the receiver puts on ``Request.args`` and ``Response.result`` (see rpc.py): checked before
 sending, because a peer that receives more treats it as a protocol violation and drops the connection."""
+OTHER = "other"  # sent_by_method: frames of no known call
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class _OutCall:
 class _InCall:
     scope: trio.CancelScope
     stream: RpcStream | None = None
+    method: str = OTHER  # a registered method's name (an unknown name is the remote's to choose)
 
 
 class Connection:
@@ -128,6 +131,9 @@ class Connection:
         self._ids = itertools.count(1 if outbound else 2, 2)
         self._out: dict[int, _OutCall] = {}
         self._in: dict[int, _InCall] = {}
+        # Bytes of frames sent, by the method of the call they belong to (before encryption and
+        # framing; calls of unknown methods, pings and the rest under OTHER): what a node sends for what.
+        self.sent_by_method: Counter[str] = Counter()
         self._nursery: trio.Nursery | None = None
         self._closed = trio.Event()
         self.close_reason = ""
@@ -224,10 +230,24 @@ class Connection:
         if self.closed:
             raise ConnectionClosed(f"connection to {self.peer.short()} is closed: {self.close_reason}")
         try:
-            await self.channel.send(encode_header(header), body)
+            head = encode_header(header)
+            self.sent_by_method[self._method_of(header)] += len(head) + len(body)
+            await self.channel.send(head, body)
         except ConnectionClosed as e:
             self._close(str(e))
             raise
+
+    def _method_of(self, header: Message) -> str:
+        if isinstance(header, Request):
+            return header.method
+        call_id = getattr(header, "id", None)
+        if not isinstance(call_id, int):
+            return OTHER  # pings, pongs, goodbyes
+        if (call_id % 2 == 1) == self.outbound:
+            out = self._out.get(call_id)
+            return out.method.name if out is not None else OTHER
+        inc = self._in.get(call_id)
+        return inc.method if inc is not None else OTHER
 
     # ---- outgoing calls ----
 
@@ -457,7 +477,7 @@ class Connection:
             raise RemoteProtocolError(f"request id {req.id} is already in use")
         assert self._nursery is not None
         scope = trio.CancelScope(deadline=trio.current_time() + req.timeout)
-        inc = _InCall(scope)
+        inc = _InCall(scope, method=req.method if self._registry.get(req.method) is not None else OTHER)
         if req.streaming:
             inc.stream = RpcStream(req.id, self._send, self.config.stream_window)
         self._in[req.id] = inc

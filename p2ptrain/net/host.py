@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -144,6 +144,7 @@ class Host(InboundSide):
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
         self._closed_traffic = (0, 0)  # bytes sent and received over connections that have closed
+        self._closed_by_method: Counter[str] = Counter()  # ... and what they sent, by method
         self._call_tokens: dict[PeerID, tuple[float, float]] = {}  # peer -> (tokens, when counted)
         self._throttled: dict[PeerID, bool] = {}
         self._relayed_inbound = 0
@@ -249,6 +250,14 @@ class Host(InboundSide):
         for conn in (c for conns in self._conns.values() for c in conns):  # closing ones too
             sent, received = sent + conn.bytes_sent, received + conn.bytes_received
         return sent, received
+
+    def sent_by_method(self) -> dict[str, int]:
+        """Bytes sent since the host started, by the RPC method of the call they belong to (frames
+        before encryption and framing: a little less than :meth:`traffic` counts), largest first."""
+        total = Counter(self._closed_by_method)
+        for conn in (c for conns in self._conns.values() for c in conns):
+            total.update(conn.sent_by_method)
+        return dict(total.most_common())
 
     def delivered_traffic(self) -> tuple[int, int]:
         """Like :meth:`traffic`, but only the bytes sent that the remotes have acknowledged so far (the
@@ -500,6 +509,7 @@ class Host(InboundSide):
                 self._conns.pop(conn.peer, None)
             sent, received = self._closed_traffic
             self._closed_traffic = (sent + conn.bytes_sent, received + conn.bytes_received)
+            self._closed_by_method.update(conn.sent_by_method)
             log.info("disconnected from %s: %s", conn.peer.short(), conn.close_reason or "closed")
             self._notify(conn, False)
 

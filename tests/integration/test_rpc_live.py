@@ -480,3 +480,35 @@ async def test_a_peer_making_too_many_calls_is_slowed_down_then_served_again(
         assert not conn.closed and server.service.entered["echo"] == 60
         await trio.sleep(1.0)  # ten calls a second come back
         assert (await conn.call(kit.ECHO, kit.Text("again"))).text == "again"
+
+
+async def test_bytes_sent_are_counted_by_the_method_of_their_call(cluster, kit):
+    """What a node sends for what (its status file's ``traffic.sent_by_method``): requests and stream
+    data under the caller's method, replies under the method called, and calls of methods the
+    responder does not have under "other", whatever name the caller made up (a remote cannot grow
+    the table)."""
+    with trio.fail_after(30):
+        server, client, conn, _inbound = await pair(cluster)
+        up = kit.payload(300_000, seed=3)
+        async with conn.open_stream(kit.SINK, kit.Text("up"), timeout=20) as stream:
+            await stream.send(up)
+            await stream.send_eof()
+            await stream.response()
+        reply = await conn.call_with_body(kit.BIG, kit.Size(200_000))
+        assert len(reply.body) == 200_000
+        for i in range(3):
+            with pytest.raises(RemoteCallError):
+                await conn.call(Method(f"made-up-{i}", kit.Text, kit.Text), kit.Text("x"))
+        sent, served = client.host.sent_by_method(), server.host.sent_by_method()
+        assert 300_000 <= sent["sink"] < 300_000 + 2_000
+        assert 200_000 <= served["big"] < 200_000 + 2_000 and sent["big"] < 1_000
+        assert served["sink"] < 1_000  # the digest it answered with
+        assert {f"made-up-{i}" for i in range(3)} <= set(sent)  # its own calls: named by the caller
+        assert not any(m.startswith("made-up") for m in served) and served["other"] > 0
+        # a closed connection's counts stay with the host (closing sends a goodbye: "other")
+        before = client.host.sent_by_method()
+        await conn.aclose()
+        after = client.host.sent_by_method()
+        assert {k: after[k] for k in before if k != "other"} == {
+            k: v for k, v in before.items() if k != "other"
+        }
