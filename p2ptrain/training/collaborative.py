@@ -113,6 +113,7 @@ class CollaborativeOptimizer(StepAlone, OuterSteps, BackgroundRounds, BanRecords
         self.stats = RoundStats()
         self.view: SwarmView | None = None
         self.records: list[PeerProgress] = []
+        self._said: dict[tuple[PeerID, int], ProgressRecord] = {}  # see ``said_on``
         self.fingerprint = run_fingerprint(config, model)
         self.key = f"p2ptrain/{node.config.run_id}/progress".encode()
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)

@@ -41,6 +41,7 @@ log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's l
 FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is refused out loud
 MAX_REFUSED = 1024
 MAX_OFFERS = 32  # partners a new record goes to directly (the others read it from the DHT)
+MAX_SAID = 256  # superseded records kept for their step's digest (see ``said_on``)
 
 
 class ProgressExchange(SwarmState):
@@ -61,6 +62,7 @@ class ProgressExchange(SwarmState):
     _met_swarm: bool
     _cut_off: bool
     _asked_at: float
+    _said: dict[tuple[PeerID, int], ProgressRecord]
     _read_bans: Callable[[], Coroutine[Any, Any, None]]
 
     async def _progress_loop(self) -> None:
@@ -192,6 +194,12 @@ class ProgressExchange(SwarmState):
                 continue
             records.append(PeerProgress(peer, rec))
         self.records = records
+        for r in records:
+            if r.record.digest:
+                self._said.pop((r.peer, r.record.epoch), None)
+                self._said[(r.peer, r.record.epoch)] = r.record
+        while len(self._said) > MAX_SAID:
+            del self._said[next(iter(self._said))]
         # What each peer last said about the samples of an epoch it was still counting: once it hands
         # them to the epoch's round, its records count toward the next one (``landing``).
         counting: dict[PeerID, ProgressRecord] = {}
@@ -267,6 +275,13 @@ class ProgressExchange(SwarmState):
                     r.record.epoch,
                     self.view.newest,
                 )
+
+    def said_on(self, epoch: int) -> list[PeerProgress]:
+        """The records of ``epoch`` this peer has read lately, superseded ones too (the last
+        ``MAX_SAID``): a donor offers the step it holds when asked, and in a swarm that steps faster
+        than records travel, the records read by then name later steps (a restarted peer chased a
+        swarm of 3 steps a second: every offer named a step that no record it held did)."""
+        return [PeerProgress(peer, rec) for (peer, e), rec in self._said.items() if e == epoch]
 
     def trusted(self) -> frozenset[PeerID] | None:
         """The peers whose progress records may move this one to another state (see ``progress``): the

@@ -78,6 +78,7 @@ class SwarmState:
     records: list[PeerProgress]
     fingerprint: bytes
     trusted: Callable[[], frozenset[PeerID] | None]
+    said_on: Callable[[int], list[PeerProgress]]
     _fit_buffer: Callable[[], None]
     stats: RoundStats
     digest: bytes
@@ -289,7 +290,8 @@ class SwarmState:
 
         def expected(epoch: int) -> bytes:  # what the trusted report; our own digest vouches for nothing
             ours = [r for r in self.records if r.record.run == self.fingerprint]  # (leaving ones still serve)
-            return vouched_digest(ours, epoch, self.trusted())
+            said = [r for r in self.said_on(epoch) if r.record.run == self.fingerprint]
+            return vouched_digest(ours, epoch, self.trusted()) or vouched_digest(said, epoch, self.trusted())
 
         async def run() -> None:
             try:

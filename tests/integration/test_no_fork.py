@@ -11,6 +11,7 @@ train, say) steps on alone after one wait, as before: the partners it misses are
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -18,8 +19,9 @@ import pytest
 import trio
 from test_training import TARGET, check_identical_per_epoch, run_config, swarm
 
-from p2ptrain.identity import Identity
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node import Node, NodeConfig
+from p2ptrain.training.progress import ProgressRecord, vouched_digest
 
 
 async def test_a_peer_cut_off_from_everyone_waits_and_rejoins_the_swarms_lineage(
@@ -217,3 +219,40 @@ async def test_a_round_refused_for_want_of_a_majority_makes_no_partners(
         applied = me.opt._cohort[1]
         assert applied and applied <= me.node.averager.partners
         assert me.node.peer_id not in me.node.averager.partners
+
+
+async def test_a_step_a_donor_offers_is_vouched_for_by_a_record_read_before_it_was_superseded() -> None:
+    """A donor offers the step it holds when asked. In a swarm that steps faster than records travel,
+    the records read by then name later steps: on the code before, the offer named a step that no
+    record it held did ("no peer offered the swarm's state"), every retry alike, and a restarted peer
+    chased a swarm of 3 steps a second for the rest of the run (the scenario test's kill and restart).
+    The digest a trusted record gave for that step, superseded since, still vouches for it; a record of
+    a peer it does not trust does not, nor one of another run."""
+    from types import SimpleNamespace
+
+    from p2ptrain.dht.records import owned_subkey
+    from p2ptrain.wire.codec import pack
+
+    async with swarm(run_config("sync")) as s:
+        me = await s.start(train=False)
+        friend, stranger = (Identity.from_seed(bytes([n]) * 32).peer_id for n in (8, 9))
+        me.opt.trusted = lambda: frozenset({friend})  # type: ignore[method-assign]
+        run = me.opt.fingerprint
+
+        def read(*records: tuple[PeerID, ProgressRecord]) -> Any:
+            held = {owned_subkey(p): SimpleNamespace(value=pack(r.to_obj())) for p, r in records}
+            me.node.dht.held = lambda key: held  # type: ignore[method-assign]
+            return me.opt.refresh(network=False)
+
+        digests = {e: hashlib.blake2b(bytes([e]), digest_size=32).digest() for e in range(30, 34)}
+        for epoch in (30, 31):
+            rec = ProgressRecord(epoch=epoch, samples=0, rate=1.0, time=1.0, digest=digests[epoch], run=run)
+            await read((friend, rec), (stranger, dataclasses.replace(rec, epoch=epoch + 2)))
+        other_run = ProgressRecord(epoch=32, samples=0, rate=1.0, time=1.0, digest=digests[33], run=b"other")
+        await read((friend, dataclasses.replace(rec, epoch=33, digest=digests[33])), (stranger, other_run))
+        assert [r.record.epoch for r in me.opt.records if r.peer == friend] == [33]  # 30 and 31: superseded
+        vouched = {e: vouched_digest(me.opt.said_on(e), e, me.opt.trusted()) for e in range(30, 34)}
+        assert vouched == {30: digests[30], 31: digests[31], 32: b"", 33: digests[33]}
+        assert [r.record.run for r in me.opt.said_on(32)] == [
+            b"other"
+        ]  # a peer's latest; callers filter runs
