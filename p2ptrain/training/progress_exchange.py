@@ -194,8 +194,15 @@ class ProgressExchange(SwarmState):
                 continue
             records.append(PeerProgress(peer, rec))
         self.records = records
+        # Only what could vouch later: the trusted peers' records of this run (a hundred free ids
+        # writing records would otherwise push the trusted ones out of the history).
+        trusted = self.trusted()
         for r in records:
-            if r.record.digest:
+            if (
+                r.record.digest
+                and r.record.run == self.fingerprint
+                and (trusted is None or r.peer in trusted)
+            ):
                 self._said.pop((r.peer, r.record.epoch), None)
                 self._said[(r.peer, r.record.epoch)] = r.record
         while len(self._said) > MAX_SAID:
@@ -277,10 +284,10 @@ class ProgressExchange(SwarmState):
                 )
 
     def said_on(self, epoch: int) -> list[PeerProgress]:
-        """The records of ``epoch`` this peer has read lately, superseded ones too (the last
-        ``MAX_SAID``): a donor offers the step it holds when asked, and in a swarm that steps faster
-        than records travel, the records read by then name later steps (a restarted peer chased a
-        swarm of 3 steps a second: every offer named a step that no record it held did)."""
+        """The records of ``epoch`` of this run this peer has read lately from peers it trusted then,
+        superseded ones too (the last ``MAX_SAID``): a donor offers the step it holds when asked, and in
+        a swarm that steps faster than records travel, the records read by then name later steps (a
+        restarted peer chased a swarm of 3 steps a second: every offer named a step no record did)."""
         return [PeerProgress(peer, rec) for (peer, e), rec in self._said.items() if e == epoch]
 
     def trusted(self) -> frozenset[PeerID] | None:

@@ -290,8 +290,8 @@ class SwarmState:
 
         def expected(epoch: int) -> bytes:  # what the trusted report; our own digest vouches for nothing
             ours = [r for r in self.records if r.record.run == self.fingerprint]  # (leaving ones still serve)
-            said = [r for r in self.said_on(epoch) if r.record.run == self.fingerprint]
-            return vouched_digest(ours, epoch, self.trusted()) or vouched_digest(said, epoch, self.trusted())
+            trusted = self.trusted()  # (said_on kept only this run's records)
+            return vouched_digest(ours, epoch, trusted) or vouched_digest(self.said_on(epoch), epoch, trusted)
 
         async def run() -> None:
             try:

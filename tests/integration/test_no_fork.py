@@ -227,7 +227,8 @@ async def test_a_step_a_donor_offers_is_vouched_for_by_a_record_read_before_it_w
     record it held did ("no peer offered the swarm's state"), every retry alike, and a restarted peer
     chased a swarm of 3 steps a second for the rest of the run (the scenario test's kill and restart).
     The digest a trusted record gave for that step, superseded since, still vouches for it; a record of
-    a peer it does not trust does not, nor one of another run."""
+    a peer it does not trust does not, nor one of another run, and such records are not kept: free ids
+    that write many cannot push the trusted ones out."""
     from types import SimpleNamespace
 
     from p2ptrain.dht.records import owned_subkey
@@ -253,6 +254,8 @@ async def test_a_step_a_donor_offers_is_vouched_for_by_a_record_read_before_it_w
         assert [r.record.epoch for r in me.opt.records if r.peer == friend] == [33]  # 30 and 31: superseded
         vouched = {e: vouched_digest(me.opt.said_on(e), e, me.opt.trusted()) for e in range(30, 34)}
         assert vouched == {30: digests[30], 31: digests[31], 32: b"", 33: digests[33]}
-        assert [r.record.run for r in me.opt.said_on(32)] == [
-            b"other"
-        ]  # a peer's latest; callers filter runs
+        assert me.opt.said_on(32) == []  # kept: only the trusted peers' records of this run
+        # a hundred free ids writing records of every step push nothing out of the history
+        flood = [(Identity.from_seed(i.to_bytes(32, "big")).peer_id, rec) for i in range(100, 400)]
+        await read((friend, dataclasses.replace(rec, epoch=33, digest=digests[33])), *flood)
+        assert vouched_digest(me.opt.said_on(30), 30, me.opt.trusted()) == digests[30]
