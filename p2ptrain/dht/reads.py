@@ -3,13 +3,14 @@
 Functions of a :class:`~p2ptrain.dht.service.DHT` (its ``_query``, ``_lookup`` and ``get`` call them).
 A read tells replicas what it holds already (``known``: entries it read or was offered lately, or holds
 as a replica), so they prove they hold those instead of sending them again. A hot key, whose replicas
-this node stored on lately, is read from those replicas directly, one first and the others once it
-answered (``READ_HEDGE``), instead of by a lookup. Every entry a read brings is checked again here:
+this node stored on lately, is read from those replicas directly, no more of them than its quorum needs
+(``read_replicas``), instead of by a lookup. Every entry a read brings is checked again here:
 it belongs under the key, its signature holds, and in a run with authors its author is admitted.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
 
-# A direct read asks the other replicas once the first answered, or after this long without its answer
+# A direct read asks one more replica when none answered for this long
 READ_HEDGE = 1.0
 
 
@@ -169,8 +170,12 @@ async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -
     """A hot key's read (announcements polled while a group forms, records read every few seconds):
     where this node stored under it lately (``DHT._replicas``, a converged lookup at most
     ``TARGETS_TTL`` old), it asks those replicas directly, and without their nearest contacts
-    (a reply's largest part when it brings no new entry). None, to look the key up instead, when no
-    such replicas are known or fewer than ``quorum`` origins among them answered with entries."""
+    (a reply's largest part when it brings no new entry). It asks no more of them than the quorum
+    needs: one first, then as many as holders are missing, one more for each that answered without
+    holding anything, failed, or is ``READ_HEDGE`` late (asking every replica at once cost a request
+    and most of an answer from each of up to ``replication`` peers, per read). A later replica is told
+    what the earlier ones sent, as held. None, to look the key up instead, when no such replicas are
+    known or fewer than ``quorum`` origins among them answered with entries."""
     cached = dht._targets.get(kid)
     if cached is None or cached[0] <= dht.clock() or not cached[1]:
         return None
@@ -192,27 +197,38 @@ async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -
             if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
                 done.cancel()
 
+    replicas = list(cached[1])
+    waiting = iter(replicas)
+    answered_send, answered = trio.open_memory_channel[None](len(replicas))
+    running = 0
     async with trio.open_nursery() as nursery:
-        # One replica first; the others once it answered (or after READ_HEDGE), naming what it sent
-        # as held: they prove they hold those entries instead of sending each again.
-        first = trio.Event()
 
-        async def lead() -> None:
+        async def ask_one(contact: Contact, known: list[Entry]) -> None:
             try:
-                await ask(replicas[0], known, nursery.cancel_scope)
+                await ask(contact, known, nursery.cancel_scope)
             finally:
-                first.set()
+                answered_send.send_nowait(None)
 
-        replicas = list(cached[1])
-        nursery.start_soon(lead)
-        with trio.move_on_after(READ_HEDGE):
-            await first.wait()
-        if not first.is_set() and cached[1] and cached[1][0] == replicas[0]:
-            cached[1].append(cached[1].pop(0))  # a slow replica goes last next time
-        named = {tag(e) for e in known}
-        more = known + [e for e in found if tag(e) not in named]
-        for contact in replicas[1:]:
-            nursery.start_soon(ask, contact, more[:MAX_KNOWN], nursery.cancel_scope)
+        def start(n: int) -> None:
+            nonlocal running
+            named = {tag(e) for e in known}
+            more = (known + [e for e in found if tag(e) not in named])[:MAX_KNOWN]
+            for contact in itertools.islice(waiting, max(n, 0)):
+                nursery.start_soon(ask_one, contact, more)
+                running += 1
+
+        start(1)
+        first = True
+        while running:
+            with trio.move_on_after(READ_HEDGE) as late:
+                await answered.receive()
+                running -= 1
+            if late.cancelled_caught:
+                if first and cached[1] and cached[1][0] == replicas[0]:
+                    cached[1].append(cached[1].pop(0))  # a slow replica goes last next time
+                start(1)  # a hedge beside the late one
+            first = False
+            start(quorum - len(holders) - running)
     if len(holders) < quorum:
         dht._targets.pop(kid, None)  # look them up again: the next store too
         return None

@@ -93,6 +93,36 @@ async def test_a_silent_replica_does_not_hold_a_direct_read_up(autojump_clock: o
             assert trio.current_time() - began < 0.5
 
 
+async def test_a_direct_read_asks_no_more_replicas_than_its_quorum_needs(autojump_clock: object) -> None:
+    """Twelve replicas of a key, a quorum of three: a read asks three of them (one first, then two),
+    not all twelve (each asked costs a request and, until the read ends, most of an answer); one that
+    answers without holding anything is replaced by the next."""
+    config = DHTConfig(k=16, replication=12, get_quorum=3)
+    with trio.fail_after(300):
+        async with open_swarm(config) as swarm:
+            for i in range(14):
+                await swarm.start(f"q{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[-1]
+            assert await writer.dht.store(KEY, b"v1", ttl=600.0) >= 12
+            replicas = writer.dht._targets[key_id(KEY)][1]
+            assert len(replicas) == 12
+            asked: list[tuple[bool, int]] = []
+            count_value_queries(writer.dht, asked)
+            got = await writer.dht.get(KEY)
+            assert got[b""].value == b"v1"
+            mine = 1 if writer.dht.records.get(key_id(KEY), writer.dht.clock()) else 0  # (a replica itself)
+            assert len(asked) == 3 - mine, asked  # the old read asked all 12
+            assert all(not nearest for nearest, _ in asked), asked
+
+            # The first replica lost the entry (restarted empty): it answers, holds nothing, and the
+            # read asks one more in its place, still without a lookup.
+            first = next(n for n in swarm.nodes if n.host.peer_id == replicas[0].peer_id)
+            first.dht.records._data.clear()
+            asked.clear()
+            assert (await writer.dht.get(KEY))[b""].value == b"v1"
+            assert len(asked) == 4 - mine and all(not nearest for nearest, _ in asked), asked
+
+
 async def test_a_node_tells_a_peer_its_contact_once_a_minute_and_stays_fresh_there(
     autojump_clock: object,
 ) -> None:

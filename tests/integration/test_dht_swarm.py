@@ -322,7 +322,9 @@ async def test_five_chained_nodes_all_list_all_five_members(autojump_clock):
                     join=(nodes[-1].addresses[0],) if nodes else (),
                     members_interval=interval,
                 )
-                node = Node(identity(f"node{i}"), config, transport=net.transport(f"node{i}"))
+                node = Node(
+                    identity(f"node{i}"), config, transport=net.transport(f"node{i}"), clock=trio.current_time
+                )
                 nodes.append(await nursery.start(node.run))
             start = trio.current_time()
             ids = {n.peer_id for n in nodes}
