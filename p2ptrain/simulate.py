@@ -1,7 +1,8 @@
 """``p2ptrain simulate``: a local swarm of real ``p2ptrain node`` processes training one model together.
 
 Node 0 listens on a free loopback port; every other node joins it by the address it printed (exactly
-what a user on another machine would paste). Each node trains the run's task, writes its status file
+what a user on another machine would paste). Each node has its own loopback address where the machine
+allows it (``node_host``), as hosts on a network have. Each node trains the run's task, writes its status file
 every second and one line of metrics per global step. The simulation shows every node's row live
 (step, loss, samples/s here and in the swarm, rounds, bytes), ends when every node reached
 ``--max-steps`` (or after ``--duration``, or on Ctrl-C: then it stops the nodes with SIGTERM, and each
@@ -12,11 +13,13 @@ failed, or when the nodes that finished on the same step do not hold the same pa
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -102,10 +105,35 @@ class SimNode:
         return None
 
 
+@functools.cache
+def _own_addresses() -> bool:
+    """Whether this machine lets a process bind loopback addresses other than 127.0.0.1 (Linux routes
+    all of 127.0.0.0/8 to the loopback interface; macOS, only 127.0.0.1 unless aliased)."""
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.2", 0))
+    except OSError:
+        return False
+    return True
+
+
+def node_host(index: int) -> str:
+    """Node ``index``'s address: 127.0.0.(2 + index) where the machine allows it, else 127.0.0.1.
+
+    Its own address, for listening and as the source of what it dials, as peers on a network have:
+    the DHT counts the replicas that answered a read by address (free ids on one subnet count once,
+    a loopback address on its own), so with one address for all, no read ever met its quorum and
+    each went on to a full lookup, several times the bytes a swarm of separate hosts sends.
+    """
+    return f"127.0.0.{2 + index}" if _own_addresses() else "127.0.0.1"
+
+
 def _start(opts: SimulationOptions, index: int, folder: Path, join: str | None) -> SimNode:
     sub = folder / f"node{index}"
     sub.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "p2ptrain", "--log-level", "info", "node", "--listen", "127.0.0.1:0"]
+    host = node_host(index)
+    cmd = [sys.executable, "-m", "p2ptrain", "--log-level", "info", "node", "--listen", f"{host}:0"]
+    cmd += ["--source-address", host] if host != "127.0.0.1" else []
     cmd += [
         "--data-dir",
         str(sub),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from p2ptrain import simulate
 from p2ptrain.simulate import _diverged_steps
 
 
@@ -25,3 +26,11 @@ def test_digests_named_by_later_lines_count_too() -> None:
     donors' from then on, and its own lines before still show the step it held apart."""
     repaired = [line(1, "b1"), line(2, "a2", s1="a1")]
     assert _diverged_steps([[line(1, "a1"), line(2, "a2")], repaired]) == [1]
+
+
+def test_each_simulated_node_has_its_own_loopback_address_where_the_machine_allows_it() -> None:
+    hosts = [simulate.node_host(i) for i in range(64)]
+    if simulate._own_addresses():  # (Linux: all of 127.0.0.0/8 is the loopback interface's)
+        assert len(set(hosts)) == 64 and all(h.startswith("127.0.0.") and h != "127.0.0.1" for h in hosts)
+    else:
+        assert set(hosts) == {"127.0.0.1"}
