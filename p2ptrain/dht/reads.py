@@ -168,7 +168,7 @@ async def get(dht: DHT, key: bytes, *, quorum: int | None = None) -> dict[bytes,
 
 async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -> list[Entry] | None:
     """A hot key's read (announcements polled while a group forms, records read every few seconds):
-    where this node stored under it lately (``DHT._replicas``, a converged lookup at most
+    where this node stored under it lately (``replicas.known``: a converged lookup at most
     ``TARGETS_TTL`` old), it asks those replicas directly, and without their nearest contacts
     (a reply's largest part when it brings no new entry). It asks no more of them than the quorum
     needs: one first, then as many as holders are missing, one more for each that answered without
@@ -176,8 +176,8 @@ async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -
     and most of an answer from each of up to ``replication`` peers, per read). A later replica is told
     what the earlier ones sent, as held. None, to look the key up instead, when no such replicas are
     known or fewer than ``quorum`` origins among them answered with entries."""
-    cached = dht._targets.get(kid)
-    if cached is None or cached[0] <= dht.clock() or not cached[1]:
+    cached = dht.known_replicas(kid)
+    if not cached:
         return None
     found: list[Entry] = []
     holders: set[str] = set()
@@ -197,7 +197,7 @@ async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -
             if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
                 done.cancel()
 
-    replicas = list(cached[1])
+    replicas = list(cached)
     waiting = iter(replicas)
     answered_send, answered = trio.open_memory_channel[None](len(replicas))
     running = 0
@@ -224,8 +224,8 @@ async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -
                 await answered.receive()
                 running -= 1
             if late.cancelled_caught:
-                if first and cached[1] and cached[1][0] == replicas[0]:
-                    cached[1].append(cached[1].pop(0))  # a slow replica goes last next time
+                if first and cached and cached[0] == replicas[0]:
+                    cached.append(cached.pop(0))  # a slow replica goes last next time
                 start(1)  # a hedge beside the late one
             first = False
             start(quorum - len(holders) - running)

@@ -123,6 +123,10 @@ class RoutingTable:
     def contacts(self) -> list[Contact]:
         return list(self._index.values())
 
+    def answering(self) -> list[Contact]:
+        """The contacts whose last call did not fail (a failure is forgotten once they answer again)."""
+        return [e.contact for b in self.buckets for e in b.entries.values() if not e.failures]
+
     def get(self, peer: PeerID) -> Contact | None:
         if peer == self.local:
             return None

@@ -34,7 +34,7 @@ from ..identity import PeerID
 from ..net.address import PeerAddress
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
-from . import reads, upkeep
+from . import reads, replicas, upkeep
 from .known import ReadCache, answer
 from .protocol import (
     DIAL_BACK,
@@ -82,8 +82,6 @@ log = logging.getLogger(__name__)
 
 OFFERS_PER_MINUTE = 120  # offers taken from one peer (the rest are answered 0: reads find them)
 MAX_OFFERING_PEERS = 1024
-MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers (see _replicas) ...
-TARGETS_TTL = 30.0  # ... for this many seconds
 # A node tells a peer its contact (id and address, about 150 bytes) on its first call, then again once
 # this long has passed or its address changed: in between, a call from a known peer refreshes it as is.
 SENDER_REFRESH = 60.0
@@ -144,6 +142,7 @@ class DHT:
         self._offers: OrderedDict[PeerID, deque[float]] = OrderedDict()  # when each peer last offered
         self._told: OrderedDict[PeerID, tuple[str, float]] = OrderedDict()  # our contact, as last sent
         self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
+        self._swarm: tuple[float, dict[PeerID, Contact]] | None = None  # (until, every peer): see replicas
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
         self.bootstrapped = trio.Event()
@@ -499,19 +498,12 @@ class DHT:
         return accepted
 
     async def _replicas(self, kid: bytes) -> list[Contact]:
-        """The peers to store a key on: its ``replication`` closest, looked up once per
-        ``TARGETS_TTL`` (a peer publishing a record every few seconds looked them up every time), and
-        again after a store that a replica failed or refused. (Peers that join closer to the key meanwhile
-        get the record from ``upkeep.replicate``.)"""
-        now = self.clock()
-        cached = self._targets.get(kid)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        targets = (await self.find_node(kid))[: self.config.replication]
-        self._targets[kid] = (now + TARGETS_TTL, targets)
-        while len(self._targets) > MAX_TARGET_KEYS:
-            self._targets.pop(next(iter(self._targets)))
-        return targets
+        """The peers to store a key on (see ``replicas.find``)."""
+        return await replicas.find(self, kid)
+
+    def known_replicas(self, kid: bytes) -> list[Contact] | None:
+        """The replicas a store under ``kid`` found lately, or None (see ``replicas.known``)."""
+        return replicas.known(self, kid)
 
     def _among_closest(self, kid: bytes, targets: list[Contact]) -> bool:
         if len(targets) < self.config.replication:
@@ -532,6 +524,7 @@ class DHT:
         except (P2PError, trio.TooSlowError) as e:
             log.debug("store on %s failed: %s", contact.peer_id.short(), e)
             self.table.failed(contact.peer_id, self.clock())
+            replicas.forget(self, contact.peer_id)
             return False
         if resp.refused:
             log.info(

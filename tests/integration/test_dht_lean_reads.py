@@ -123,6 +123,51 @@ async def test_a_direct_read_asks_no_more_replicas_than_its_quorum_needs(autojum
             assert len(asked) == 4 - mine and all(not nearest for nearest, _ in asked), asked
 
 
+async def test_in_a_swarm_smaller_than_k_one_lookup_finds_all_replicas(autojump_clock: object) -> None:
+    """Six peers, k = 20: the first store's lookup reaches them all, so stores under other keys (a new
+    group key each round) find their replicas without a lookup each (the old node looked up every new
+    key); a peer that joins later is among them once it called the writer, under old keys too, and
+    one that fails a store is not asked again until a lookup finds it."""
+    config = DHTConfig(k=20, replication=20)
+    with trio.fail_after(300):
+        async with open_swarm(config) as swarm:
+            for i in range(6):
+                await swarm.start(f"w{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[-1]
+            lookups: list[bytes] = []
+            find_node = writer.dht.find_node
+
+            async def counting(target: bytes) -> list:  # type: ignore[type-arg]
+                lookups.append(target)
+                return await find_node(target)
+
+            writer.dht.find_node = counting  # type: ignore[method-assign]
+            for i in range(5):
+                assert await writer.dht.store(b"round-%d" % i, b"v", ttl=600.0) == 6  # (5 + itself)
+            assert len(lookups) == 1, lookups
+            for i in range(5):
+                assert {n.name for n in swarm.nodes if n.dht.records.get(key_id(b"round-%d" % i), 0.0)} == {
+                    f"w{j}" for j in range(6)
+                }
+
+            late = await swarm.start("late", [swarm.nodes[0].address])
+            assert writer.host.peer_id in {c.peer_id for c in late.dht.table.contacts()}
+            assert late.host.peer_id in writer.dht.table  # (its bootstrap lookup called the writer)
+            assert await writer.dht.store(b"round-5", b"v", ttl=600.0) == 7
+            assert late.dht.records.get(key_id(b"round-5"), 0.0)
+            # A key whose replicas were found before it joined: fewer than `replication`, so every peer
+            # is one, and the next record under it reaches the newcomer too (not TARGETS_TTL later).
+            assert await writer.dht.store(b"round-0", b"v2", ttl=600.0) == 7
+            assert late.dht.records.get(key_id(b"round-0"), 0.0)
+            assert len(lookups) == 1, lookups
+
+            await swarm.kill(late)
+            assert await writer.dht.store(b"round-6", b"v", ttl=600.0) == 6  # (it failed here)
+            assert await writer.dht.store(b"round-7", b"v", ttl=600.0) == 6
+            assert late.host.peer_id not in {c.peer_id for c in writer.dht._targets[key_id(b"round-7")][1]}
+            assert len(lookups) == 1, lookups
+
+
 async def test_a_node_tells_a_peer_its_contact_once_a_minute_and_stays_fresh_there(
     autojump_clock: object,
 ) -> None:
