@@ -39,7 +39,9 @@ Any peer, trusted or not, may serve the chosen state as a donor: every chunk is 
 trusted digest on arrival. Untrusted records still count toward the group size (capped in its quorum,
 above), and toward the samples of this peer's epoch for at most as much as this peer's and the trusted
 records together (fresh keys that claim any number of samples at most halve the batch a step is taken
-with). A peer's own samples are never extrapolated: it knows them exactly.
+with). A peer's own samples are never extrapolated: it knows them exactly. A trusted peer on the epoch
+whose record says its view reached the target (``ready``) makes this one's reach it too: a peer that
+trusts few peers would otherwise see the target reached long after the others.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ProgressRecord(Message):
     leaving: bool = False  # the peer is shutting down: count it no more
     since: float = bounded(0.0, ge=0.0, le=1e11)  # when it began ``epoch`` (its wall clock)
     work: bytes = bounded(b"", max_len=WORK_BYTES)  # its id's work nonce (runs that price ids: ``idwork``)
+    ready: bool = False  # its view of ``epoch`` reached the target: it looks for a group (see swarm_view)
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,13 @@ def swarm_view(
     unsure = [o for o in same if not vouches(o)]
     samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in sure)])
     samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
+    # A trusted peer on this step whose own view reached the target looks for a group now: so does this
+    # one. A peer that trusts few (a joiner: its join peer; one a round left out: no partner) counts the
+    # others for at most as much as itself and those few: on 8 peers it saw half the swarm's samples,
+    # looked for a group when the others' had formed without it, and was left out again each round.
+    ready_said = any(o.record.ready for o in sure)
+    if ready_said:
+        samples = max(samples, float(target))
     rate = math.fsum([mine.rate, *(o.record.rate for o in sure)])
     rate += min(math.fsum(o.record.rate for o in unsure), rate)
     swarm_rate = math.fsum([mine.rate, *(o.record.rate for o in vouched)])
@@ -300,6 +310,7 @@ def swarm_view(
         reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"
     else:
         reason = f"{peers} peer(s) on step {mine.epoch}: {samples:.0f} of {target} samples at {rate:.1f}/s"
+        reason += " (a trusted peer's view reached it)" if ready_said else ""
     return SwarmView(
         epoch=mine.epoch,
         newest=newest,

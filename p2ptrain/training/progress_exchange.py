@@ -153,6 +153,7 @@ class ProgressExchange(SwarmState):
             leaving=self.leaving,
             since=self._epoch_began,
             work=self.node.host.work or b"",
+            ready=self.view is not None and self.view.epoch == self.epoch and self.view.ready,
         )
 
     async def _publish(self, record: ProgressRecord | None = None) -> None:

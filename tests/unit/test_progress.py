@@ -898,6 +898,24 @@ def test_fresh_keys_claiming_huge_progress_at_most_double_what_counts() -> None:
     assert view(mine, liar, trusted=None).ready  # a private swarm's members are believed
 
 
+def test_a_trusted_peer_whose_view_reached_the_target_makes_this_one_look_for_a_group() -> None:
+    """Eight peers, a joiner that trusts its join peer only: the six others count for at most as much
+    as the two, so it saw 4 peers' samples and looked for a group when the others' had formed without it
+    (8-peer runs: 3 peers left out of every round, downloading the state each time). Its join peer's
+    record saying that its own view reached the target now makes it look too; a stranger's does not."""
+    mine = rec(samples=15, rate=5.0)
+    others = [peer(n, samples=15, rate=5.0) for n in range(2, 8)]
+    join_peer = peer(1, samples=15, rate=5.0)
+    alone = view(mine, join_peer, *others, trusted={pid(1)})
+    assert (alone.samples, alone.ready) == (60.0, False)  # 120 done: the target (100) is reached
+    told = view(mine, peer(1, samples=15, rate=5.0, ready=True), *others, trusted={pid(1)})
+    assert told.ready and told.samples == TARGET and "trusted peer's view" in told.reason
+    stranger = view(mine, join_peer, peer(9, samples=15, rate=5.0, ready=True), *others, trusted={pid(1)})
+    assert not stranger.ready  # an untrusted record's word counts for nothing
+    on_another_step = view(mine, peer(1, epoch=EPOCH - 1, samples=15, ready=True), *others, trusted={pid(1)})
+    assert not on_another_step.ready
+
+
 def test_records_of_ids_without_the_runs_work_count_for_nothing() -> None:
     """In a run that prices ids, a fresh key's record is not a peer, nor samples, nor a vote."""
     priced = pid(1)
