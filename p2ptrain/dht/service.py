@@ -143,6 +143,7 @@ class DHT:
         self._told: OrderedDict[PeerID, tuple[str, float]] = OrderedDict()  # our contact, as last sent
         self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
         self._swarm: tuple[float, dict[PeerID, Contact]] | None = None  # (until, every peer): see replicas
+        self._watch: dict[bytes, Callable[[], None]] = {}  # key id -> called when an entry arrives (watch)
         self._pinging: set[PeerID] = set()
         self._nursery: trio.Nursery | None = None
         self.bootstrapped = trio.Event()
@@ -311,13 +312,15 @@ class DHT:
         self._heard_from(ctx, req.sender)
         if not self.serving:
             return StoreResp(0, ("this peer is client-only and holds no records",))
-        now, stored, refused = self.clock(), 0, []
+        now, stored, refused, keys = self.clock(), 0, [], set()
         for entry in decode_entries(ctx.body):
             try:
                 self.records.put(entry, now, ctx.peer, origin_of(ctx.remote_host))
                 stored += 1
+                keys.add(key_id(entry.key))
             except RecordRefused as e:
                 refused.append(e.reason[:200])
+        self._arrived(keys)
         if refused:
             log.info("refused %d record(s) from %s: %s", len(refused), ctx.peer.short(), refused[0])
         return StoreResp(stored, tuple(refused[:64]))
@@ -348,8 +351,21 @@ class DHT:
                 check_entry(entry, now, self.config.limits)
             except RecordRefused:
                 continue
-            taken += self._read.offer(kid, verified_entries([entry], kid, self.authors, now), now)
+            took = self._read.offer(kid, verified_entries([entry], kid, self.authors, now), now)
+            taken += took
+            if took:
+                self._arrived({kid})
         return OfferResp(taken)
+
+    def watch(self, key: bytes, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever an entry under ``key`` arrives here (stored as a replica, or offered
+        by its author), so that a reader of a hot key hears of a new record without polling."""
+        self._watch[key_id(key)] = callback
+
+    def _arrived(self, kids: set[bytes]) -> None:
+        for kid in kids:
+            if (callback := self._watch.get(kid)) is not None:
+                callback()
 
     async def _on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:
         try:

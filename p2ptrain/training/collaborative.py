@@ -165,6 +165,7 @@ class CollaborativeOptimizer(StepAlone, OuterSteps, BackgroundRounds, BanRecords
         self._started = 0.0
         self._lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self._publish_now = trio.Event()
+        self._arrived = trio.Event()  # a record arrived (see ``ProgressExchange._progress_loop``)
         self._published: ProgressRecord | None = None  # the last record that went out
         self._records_read = trio.Event()
         self._asked_at = -math.inf  # when the replicas were last read (see _ask_replicas)

@@ -42,6 +42,21 @@ FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is 
 MAX_REFUSED = 1024
 MAX_OFFERS = 32  # partners a new record goes to directly (the others read it from the DHT)
 MAX_SAID = 256  # superseded records kept for their step's digest (see ``said_on``)
+# A record that arrives here wakes the loop (a trusted peer's view reached the target: look for a group
+# now, not at the next read, seconds later), at most once per this many seconds
+ARRIVAL_PAUSE = 0.25
+
+
+async def _either(a: trio.Event, b: trio.Event) -> None:
+    """Wait until ``a`` or ``b`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait, a)
+        nursery.start_soon(wait, b)
 
 
 class ProgressExchange(SwarmState):
@@ -63,26 +78,32 @@ class ProgressExchange(SwarmState):
     _cut_off: bool
     _asked_at: float
     _said: dict[tuple[PeerID, int], ProgressRecord]
+    _arrived: trio.Event
     _read_bans: Callable[[], Coroutine[Any, Any, None]]
 
     async def _progress_loop(self) -> None:
         await self.node.dht.bootstrapped.wait()
         interval = self.config.progress.interval
         next_bans = self.clock()
-        now = True
+        now, arrived = True, trio.Event()
+        self.node.dht.watch(self.key, lambda: self._arrived.set())
         while True:
             self._publish_now = trio.Event()
             record = self.record()
             tolerance = max(self.config.training.target_batch_size / 16, 1.0)
             if now or must_publish(self._published, record, self._heartbeat, tolerance):
                 await self._publish(record)
-            await self.refresh(network=self._ask_replicas())
+            # Woken by a record that arrived (stored here as a replica, or offered): it is held already.
+            await self.refresh(network=not (arrived.is_set() and not now) and self._ask_replicas())
             if self.clock() >= next_bans:
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
+            arrived = self._arrived = trio.Event()
             with trio.move_on_after(self._next_read(interval)):
-                await self._publish_now.wait()
+                await _either(self._publish_now, arrived)
             now = self._publish_now.is_set()
+            if arrived.is_set() and not now:
+                await trio.sleep(ARRIVAL_PAUSE)  # (records of a round's members arrive together: read once)
 
     def _next_read(self, interval: float) -> float:
         """Seconds until the next read of the swarm's records: every ``interval`` near the target (and

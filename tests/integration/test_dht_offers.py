@@ -148,3 +148,32 @@ async def test_a_partner_that_refuses_the_store_is_offered_the_entry(autojump_cl
                 KEY, b"step 2", ttl=60, subkey=mine, sign=True, offer_to=[r.address for r in readers]
             )
             assert shy.dht._read.known(key_id(KEY), trio.current_time())[0].value == b"step 2"
+
+
+async def test_a_watched_key_tells_its_reader_when_an_entry_arrives(autojump_clock: object) -> None:
+    """A reader of a hot key hears of a new record when it arrives (stored on it as a replica, or
+    offered), not at its next read: the progress loop wakes on it (a trusted peer's view reached the
+    target, and this peer looks for a group seconds sooner). Entries under other keys wake nobody."""
+    with trio.fail_after(300):
+        async with open_swarm(DHTConfig(replication=3)) as swarm:
+            nodes = [
+                await swarm.start(f"w{i}", [swarm.nodes[0].address] if swarm.nodes else []) for i in range(6)
+            ]
+            author = nodes[0]
+            mine = owned_subkey(author.host.peer_id)
+            woke: dict[str, int] = {}
+            for n in nodes[1:]:
+                n.dht.watch(KEY, lambda name=n.name: woke.__setitem__(name, woke.get(name, 0) + 1))
+            await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
+            replicas = {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
+            stored_on = {n.name for n in nodes[1:] if n.host.peer_id in replicas}
+            assert stored_on and set(woke) == stored_on, (woke, stored_on)  # the replicas, as it arrived
+
+            reader = next(n for n in nodes[1:] if n.name not in stored_on)
+            assert (await reader.dht.get(KEY))[mine].value == b"step 1"  # (so it takes offers)
+            woke.clear()
+            await author.dht.store(KEY, b"step 2", ttl=60, subkey=mine, sign=True, offer_to=[reader.address])
+            assert woke.get(reader.name) == 1, woke  # offered
+            before = dict(woke)
+            await author.dht.store(b"run/offers/other", b"x", ttl=60)
+            assert woke == before
