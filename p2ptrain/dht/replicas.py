@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers ...
 TARGETS_TTL = 30.0  # ... for this many seconds
-SWARM_TTL = 30.0  # how long an exhaustive lookup stands for the whole swarm
+SWARM_TTL = 120.0  # how long an exhaustive lookup stands for the whole swarm (peers met since: the table)
 
 
 async def find(dht: DHT, kid: bytes) -> list[Contact]:

@@ -98,12 +98,15 @@ class ProgressExchange(SwarmState):
             if self.clock() >= next_bans:
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
+            pause = arrived.is_set() and not now  # (records of a round's members arrive together: read once)
             arrived = self._arrived = trio.Event()
             with trio.move_on_after(self._next_read(interval)):
-                await _either(self._publish_now, arrived)
+                if pause:  # arrivals wait a moment; this peer's own new record does not
+                    with trio.move_on_after(ARRIVAL_PAUSE):
+                        await self._publish_now.wait()
+                if not self._publish_now.is_set():
+                    await _either(self._publish_now, arrived)
             now = self._publish_now.is_set()
-            if arrived.is_set() and not now:
-                await trio.sleep(ARRIVAL_PAUSE)  # (records of a round's members arrive together: read once)
 
     def _next_read(self, interval: float) -> float:
         """Seconds until the next read of the swarm's records: every ``interval`` near the target (and
