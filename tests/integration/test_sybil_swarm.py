@@ -76,7 +76,13 @@ async def test_a_stranger_counts_for_no_more_than_a_trusted_peer_whatever_its_re
     plausible; a trusted peer's cap still follows its own records."""
     async with swarm(run_config("sync")) as s:
         honest = [await s.start(compute=0.1) for _ in range(3)]
-        await s.until(lambda: all(p.opt.epoch >= 2 for p in honest), timeout=120)
+
+        def settled() -> bool:  # (a record of another step, as read now, allows the whole target)
+            opt = honest[0].opt
+            on = {r.peer for r in opt.records if r.record.epoch == opt.epoch and not r.record.landing}
+            return all(p.opt.epoch >= 2 for p in honest) and {p.node.peer_id for p in honest[1:]} <= on
+
+        await s.until(settled, timeout=120)
         opt = honest[0].opt
         trusted = opt.trusted()
         assert trusted is not None and {p.node.peer_id for p in honest[1:]} <= trusted
