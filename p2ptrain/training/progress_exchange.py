@@ -85,7 +85,7 @@ class ProgressExchange(SwarmState):
         await self.node.dht.bootstrapped.wait()
         interval = self.config.progress.interval
         next_bans = self.clock()
-        now, arrived = True, trio.Event()
+        now, next_read = True, trio.current_time()
         self.node.dht.watch(self.key, lambda: self._arrived.set())
         while True:
             self._publish_now = trio.Event()
@@ -93,15 +93,20 @@ class ProgressExchange(SwarmState):
             tolerance = max(self.config.training.target_batch_size / 16, 1.0)
             if now or must_publish(self._published, record, self._heartbeat, tolerance):
                 await self._publish(record)
-            # Woken by a record that arrived (stored here as a replica, or offered): it is held already.
-            await self.refresh(network=not (arrived.is_set() and not now) and self._ask_replicas())
+            # Woken by a record that arrived (stored here as a replica, or offered): it is held already,
+            # and the reads that may ask the replicas keep their own pace.
+            due = now or trio.current_time() >= next_read
+            await self.refresh(network=due and self._ask_replicas())
+            soon = trio.current_time() + self._next_read(interval)
+            next_read = soon if due else min(next_read, soon)
             if self.clock() >= next_bans:
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
-            pause = arrived.is_set() and not now  # (records of a round's members arrive together: read once)
             arrived = self._arrived = trio.Event()
-            with trio.move_on_after(self._next_read(interval)):
-                if pause:  # arrivals wait a moment; this peer's own new record does not
+            with trio.move_on_at(next_read):
+                # After an arrival, the next one waits a moment (a round's members' records come
+                # together: one read for them); this peer's own new record does not.
+                if not due:
                     with trio.move_on_after(ARRIVAL_PAUSE):
                         await self._publish_now.wait()
                 if not self._publish_now.is_set():

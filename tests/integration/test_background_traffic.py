@@ -83,3 +83,34 @@ async def test_a_peer_whose_offers_are_lost_is_still_read_from_the_replicas(auto
         await s.until(lambda: all(p.opt.epoch >= 6 for p in peers), timeout=600)
         check_identical_per_epoch(peers)
         assert all(p.opt.stats.solo == 0 for p in peers)
+
+
+async def test_records_that_arrive_all_the_time_wake_reads_without_starving_the_replicas_reads(
+    autojump_clock: object,
+) -> None:
+    """A record stored here or offered wakes the progress loop, which reads what it holds (asking
+    nobody); the reads that may ask the replicas keep their own pace. Arrivals every 0.1 s (a busy
+    swarm's records) took every read: none asked the replicas while they lasted."""
+    config = run_config("diloco").replace("training", target_batch_size=80 * TARGET)  # (records valid 3 s)
+    async with swarm(config) as s:
+        peers = [await s.start(compute=0.5) for _ in range(2)]
+        await s.until(lambda: all(p.opt.view is not None for p in peers), timeout=120)
+        opt = peers[0].opt
+        reads: list[bool] = []
+        refresh = opt.refresh
+
+        async def counted(*, network: bool = True) -> None:
+            reads.append(network)
+            await refresh(network=network)
+
+        opt.refresh = counted  # type: ignore[method-assign]
+
+        async def arrivals() -> None:
+            while True:
+                opt._arrived.set()
+                await trio.sleep(0.1)
+
+        s.nursery.start_soon(arrivals)
+        await trio.sleep(10 * config.progress.ttl)
+        assert reads.count(False) >= 4 * 10 * config.progress.ttl * 0.5, reads  # woken, about 4 a second
+        assert reads.count(True) >= 5, reads  # (at least once a record's life: 10 here)
