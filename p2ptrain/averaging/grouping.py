@@ -30,6 +30,7 @@ from ..identity import PeerID
 from ..net.admission import subnet_of
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
+from ..waits import either
 from . import sparse
 from .auditor import Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
@@ -76,18 +77,6 @@ class _Looking:
     rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
     quorum: Quorum | None = None  # the known peers a group led here must hold (see ``matchmaking``)
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
-
-
-async def _either(a: trio.Event, b: trio.Event) -> None:
-    """Wait until ``a`` or ``b`` is set."""
-    async with trio.open_nursery() as nursery:
-
-        async def wait(event: trio.Event) -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(wait, a)
-        nursery.start_soon(wait, b)
 
 
 def _mismatch(count: int, group_key: str) -> str:
@@ -394,7 +383,7 @@ class GroupForming:
             while not formed.is_set():
                 if ctx.peer in gathering.bumped:
                     return Reply(JoinResp(False, gathering.bumped[ctx.peer]))
-                await _either(formed, looking.bumped if looking.bumped is not None else formed)
+                await either(formed, looking.bumped if looking.bumped is not None else formed)
         except trio.Cancelled:
             log.debug("%s left %s before it formed", ctx.peer.short(), req.group_key)
             raise

@@ -29,6 +29,7 @@ from ..dht.records import owned_subkey, subkey_owner
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
+from ..waits import either
 from ..wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL
 from .bookkeeping import RateMeter
@@ -45,18 +46,6 @@ MAX_SAID = 256  # superseded records kept for their step's digest (see ``said_on
 # A record that arrives here wakes the loop (a trusted peer's view reached the target: look for a group
 # now, not at the next read, seconds later), at most once per this many seconds
 ARRIVAL_PAUSE = 0.25
-
-
-async def _either(a: trio.Event, b: trio.Event) -> None:
-    """Wait until ``a`` or ``b`` is set."""
-    async with trio.open_nursery() as nursery:
-
-        async def wait(event: trio.Event) -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(wait, a)
-        nursery.start_soon(wait, b)
 
 
 class ProgressExchange(SwarmState):
@@ -110,7 +99,7 @@ class ProgressExchange(SwarmState):
                     with trio.move_on_after(ARRIVAL_PAUSE):
                         await self._publish_now.wait()
                 if not self._publish_now.is_set():
-                    await _either(self._publish_now, arrived)
+                    await either(self._publish_now, arrived)
             now = self._publish_now.is_set()
 
     def _next_read(self, interval: float) -> float:
