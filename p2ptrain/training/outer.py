@@ -47,6 +47,7 @@ class OuterSteps(SwarmState):
                 g = self.global_params[i]
                 torch.sub(g, self.params[i].detach(), out=d)
                 self._release(g)
+        self._release_all()
 
     def _slot_params(self) -> list[torch.Tensor]:
         return [self.params[i] for i in self._slots]
@@ -102,6 +103,13 @@ class OuterSteps(SwarmState):
         if self.outer_file is not None:
             self.outer_file.release(tensors)
 
+    def _release_all(self) -> None:
+        """After a pass over the file-backed outer state: a read fault also maps in the neighbouring
+        pages already in the page cache (Linux's fault-around, 64 KiB), which releasing each tensor's
+        own pages leaves resident; they go too."""
+        if self.outer_file is not None:
+            self.outer_file.release()
+
     def _outer_step(
         self,
         before: Callable[[int], None] | None = None,
@@ -121,3 +129,4 @@ class OuterSteps(SwarmState):
             if after is not None:
                 after(i)
             self._release(g, *self.momentum[i : i + 1])
+        self._release_all()

@@ -335,6 +335,25 @@ async def test_peers_with_the_outer_state_in_a_file_or_in_memory_take_identical_
         assert any(bool(m.any()) for m in opt.momentum)  # the outer steps wrote it
 
 
+@pytest.mark.skipif(not HAS_SMAPS, reason="needs /proc/self/smaps")
+async def test_a_pass_over_the_file_backed_outer_state_leaves_none_of_its_pages_resident(
+    autojump_clock: object,
+) -> None:
+    """A read fault maps in the neighbouring pages already in the page cache too (fault-around): the
+    handoff's pass released each global parameter's own pages, and the momentum pages next to the last
+    one stayed resident until the landing (the outer-state test above failed when it looked then)."""
+    config = run_config("diloco").replace("diloco", outer_state="file")
+    async with swarm(config) as s:
+        peer = await s.start(compute=0.1, train=False)
+        opt = peer.opt
+        opt.release_outer()
+        assert mapped_bytes(opt.global_params[0]) == 0
+        opt._pseudo_gradients()
+        assert mapped_bytes(opt.global_params[0]) == 0
+        opt._outer_step()
+        assert mapped_bytes(opt.global_params[0]) == 0
+
+
 async def test_a_restored_state_lands_in_the_file_backed_outer_state() -> None:
     """A download or checkpoint (the same path) replaces the global parameters and the momentum; a
     file-backed peer keeps them in its file, and its next capture is the restored state."""
