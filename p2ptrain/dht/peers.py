@@ -21,7 +21,7 @@ from .service import DHT
 
 
 @dataclass(frozen=True)
-class PeerRecord(Message):
+class PeerRecord(Message, positional=True):
     addresses: tuple[str, ...] = bounded((), max_len=8)
     reachable: bool = True
     throughput: float = bounded(0.0, ge=0.0, le=1e12)

@@ -29,7 +29,7 @@ MAX_OFFERED = 8  # entries one offer may carry (an author offers its own new ent
 
 
 @dataclass(frozen=True)
-class ContactMsg(Message):
+class ContactMsg(Message, positional=True):
     peer: bytes = bounded(max_len=PEER_ID_BYTES)
     addr: str = bounded(max_len=300)
 
@@ -47,28 +47,28 @@ class ContactMsg(Message):
 
 
 @dataclass(frozen=True)
-class PingReq(Message):
+class PingReq(Message, positional=True):
     sender: ContactMsg | None = None
 
 
 @dataclass(frozen=True)
-class PingResp(Message):
+class PingResp(Message, positional=True):
     observed_host: str = bounded("", max_len=64)
 
 
 @dataclass(frozen=True)
-class FindNodeReq(Message):
+class FindNodeReq(Message, positional=True):
     target: bytes = bounded(max_len=PEER_ID_BYTES)
     sender: ContactMsg | None = None
 
 
 @dataclass(frozen=True)
-class NodesResp(Message):
+class NodesResp(Message, positional=True):
     contacts: tuple[ContactMsg, ...] = bounded((), max_len=MAX_CONTACTS)
 
 
 @dataclass(frozen=True)
-class FindValueReq(Message):
+class FindValueReq(Message, positional=True):
     key_id: bytes = bounded(max_len=PEER_ID_BYTES)
     sender: ContactMsg | None = None
     # entries the reader holds, as tags; the replica leaves them out (see ``dht.known``)
@@ -79,40 +79,40 @@ class FindValueReq(Message):
 
 
 @dataclass(frozen=True)
-class ValueResp(Message):
+class ValueResp(Message, positional=True):
     contacts: tuple[ContactMsg, ...] = bounded((), max_len=MAX_CONTACTS)
     held: bytes = bounded(b"", max_len=MAX_KNOWN // 8)  # which of the named entries the replica holds
     proof: bytes = bounded(b"", max_len=PROOF_BYTES)  # that it holds them
 
 
 @dataclass(frozen=True)
-class StoreReq(Message):
+class StoreReq(Message, positional=True):
     sender: ContactMsg | None = None
 
 
 @dataclass(frozen=True)
-class StoreResp(Message):
+class StoreResp(Message, positional=True):
     stored: int = bounded(0, ge=0, le=MAX_ENTRIES_PER_CALL)
     refused: tuple[str, ...] = bounded((), max_len=MAX_ENTRIES_PER_CALL)
 
 
 @dataclass(frozen=True)
-class OfferReq(Message):
+class OfferReq(Message, positional=True):
     """An author's new entries for a key the receiver reads (``dht.known``); they ride in the body."""
 
 
 @dataclass(frozen=True)
-class OfferResp(Message):
+class OfferResp(Message, positional=True):
     taken: int = bounded(0, ge=0, le=MAX_OFFERED)
 
 
 @dataclass(frozen=True)
-class DialBackReq(Message):
+class DialBackReq(Message, positional=True):
     addr: str = bounded(max_len=300)
 
 
 @dataclass(frozen=True)
-class DialBackResp(Message):
+class DialBackResp(Message, positional=True):
     reachable: bool = False
     reason: str = bounded("", max_len=512)
 

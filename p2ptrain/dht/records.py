@@ -28,7 +28,7 @@ handshake's check of the peer that sends a STORE says nothing about who wrote ea
 must therefore be signed, and carry its author's membership certificate (the ``cert`` field, outside
 the signed payload: the certificate authenticates itself, and names the key that signed the entry).
 The store refuses entries whose author is not a member and serves only entries whose author still is;
-readers check again. In open runs the field is absent from the encoding, so the wire is unchanged.
+readers check again. In open runs the field (the last, empty) is left out of the encoding.
 
 Open runs that price ids (``[run] id_work``, :class:`IdWork`): the handshake checks the work of the peer
 that sends a STORE, but not of the authors of the entries it relays, and fresh keys would fill keys
@@ -43,7 +43,7 @@ import hashlib
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..authority import MAX_CERT_BYTES, CertificateRejected
 from ..errors import InvalidSignature, P2PError
@@ -82,7 +82,7 @@ def owner_of(key: bytes, subkey: bytes) -> PeerID | None:
 
 
 @dataclass(frozen=True)
-class Entry(Message):
+class Entry(Message, positional=True):
     """One subkey of one key, as stored and as sent on the wire."""
 
     key: bytes = bounded(max_len=256)
@@ -93,12 +93,6 @@ class Entry(Message):
     signature: bytes = bounded(b"", max_len=64)
     # private runs: the author's membership certificate; runs that price ids: its work nonce
     cert: bytes = bounded(b"", max_len=MAX_CERT_BYTES)
-
-    def to_obj(self) -> dict[str, Any]:
-        obj = super().to_obj()
-        if not self.cert:
-            del obj["cert"]  # open runs: what peers without the field send
-        return obj
 
     def signed_payload(self) -> bytes:
         return pack([self.key, self.subkey, self.value, self.expiry])

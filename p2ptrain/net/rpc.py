@@ -5,9 +5,10 @@ classes, unary or streaming) and shared by caller and callee, so both sides agre
 serves only the methods registered in its :class:`RpcRegistry`; an unknown method gets an
 ``unknown_method`` error reply and the connection stays up.
 
-Frames on an encrypted channel are records whose header is one of the small messages below (tag ``k``)
-and whose body is raw bytes. Call ids are chosen by the caller: odd for the side that dialed the
-connection, even for the side that accepted it, so both can call at once without collisions.
+Frames on an encrypted channel are records whose header is one of the small messages below (an array:
+its kind, then its fields in order) and whose body is raw bytes. Call ids are chosen by the caller: odd
+for the side that dialed the connection, even for the side that accepted it, so both can call at once
+without collisions.
 
 Streaming calls move bulk data as ``Data`` records of at most ``MAX_CHUNK`` bytes each. Each direction of
 a stream has a credit window: a sender may have at most ``window`` unconsumed bytes in flight, and the
@@ -121,7 +122,7 @@ class RpcRegistry:
 
 
 @dataclass(frozen=True)
-class Request(Message):
+class Request(Message, positional=True):
     id: int = bounded(ge=1, le=MAX_CALL_ID)
     method: str = bounded(max_len=MAX_METHOD_NAME)
     timeout: float = bounded(ge=0.0, le=7 * 86400.0)
@@ -130,47 +131,47 @@ class Request(Message):
 
 
 @dataclass(frozen=True)
-class Response(Message):
+class Response(Message, positional=True):
     id: int = bounded(ge=1, le=MAX_CALL_ID)
     result: bytes = bounded(b"", max_len=MAX_HEADER_BYTES - 512)
 
 
 @dataclass(frozen=True)
-class Error(Message):
+class Error(Message, positional=True):
     id: int = bounded(ge=1, le=MAX_CALL_ID)
     code: str = bounded(max_len=32)
     message: str = bounded(max_len=2048)
 
 
 @dataclass(frozen=True)
-class Cancel(Message):
+class Cancel(Message, positional=True):
     id: int = bounded(ge=1, le=MAX_CALL_ID)
 
 
 @dataclass(frozen=True)
-class Data(Message):
+class Data(Message, positional=True):
     id: int = bounded(ge=1, le=MAX_CALL_ID)
     end: bool = False
 
 
 @dataclass(frozen=True)
-class Credit(Message):
+class Credit(Message, positional=True):
     id: int = bounded(ge=1, le=MAX_CALL_ID)
     amount: int = bounded(ge=1, le=2**31)
 
 
 @dataclass(frozen=True)
-class Ping(Message):
+class Ping(Message, positional=True):
     nonce: int = bounded(ge=0, le=2**62)
 
 
 @dataclass(frozen=True)
-class Pong(Message):
+class Pong(Message, positional=True):
     nonce: int = bounded(ge=0, le=2**62)
 
 
 @dataclass(frozen=True)
-class GoAway(Message):
+class GoAway(Message, positional=True):
     reason: str = bounded(max_len=256)
 
 
@@ -189,9 +190,8 @@ _KIND_OF = {cls: k for k, cls in FRAME_KINDS.items()}
 
 
 def encode_header(msg: Message) -> bytes:
-    obj = msg.to_obj()
-    obj["k"] = _KIND_OF[type(msg)]
-    return pack(obj)
+    """The kind, then the header's fields in order: ``[kind, *fields]``."""
+    return pack([_KIND_OF[type(msg)], *msg.to_obj()])
 
 
 def decode_header(data: bytes | memoryview) -> Message:
@@ -199,13 +199,17 @@ def decode_header(data: bytes | memoryview) -> Message:
     from ..errors import RemoteProtocolError
 
     obj = unpack(data)
-    if not isinstance(obj, dict):
-        raise RemoteProtocolError("frame header is not a map")
-    kind = obj.get("k")
+    fields: list[Any] | dict[str, Any]
+    if isinstance(obj, list) and obj:
+        kind, fields = obj[0], obj[1:]
+    elif isinstance(obj, dict):  # (how peers of an older version send it: a map with its kind at "k")
+        kind, fields = obj.get("k"), obj
+    else:
+        raise RemoteProtocolError("frame header is not a non-empty array")
     cls = FRAME_KINDS.get(kind) if type(kind) is int else None
     if cls is None:
-        raise RemoteProtocolError(f"unknown frame kind {obj.get('k')!r}")
-    return cls.from_obj(obj)
+        raise RemoteProtocolError(f"unknown frame kind {kind!r}")
+    return cls.from_obj(fields)
 
 
 def encode_args(msg: Message) -> bytes:

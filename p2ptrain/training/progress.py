@@ -61,7 +61,7 @@ DIGEST_BYTES = 32
 
 
 @dataclass(frozen=True)
-class ProgressRecord(Message):
+class ProgressRecord(Message, positional=True):
     """What a peer tells the swarm about its training (stored signed, one subkey per peer)."""
 
     epoch: int = bounded(ge=0, le=2**53)  # the global step this peer works toward

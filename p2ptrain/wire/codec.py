@@ -1,9 +1,9 @@
 """msgpack encoding with hard limits.
 
-Headers are small msgpack maps; bulk bytes never travel inside them (they ride raw beside the header).
-The unpacker is given limits on every container and string so that a hostile peer cannot make us
-allocate more than a header's worth of memory, and extension types (which could smuggle arbitrary
-objects) are refused outright.
+Headers are small msgpack arrays or maps; bulk bytes never travel inside them (they ride raw beside
+the header). The unpacker is given limits on every container and string so that a hostile peer
+cannot make us allocate more than a header's worth of memory, and extension types (which could
+smuggle arbitrary objects) are refused outright.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import msgpack
@@ -622,19 +622,42 @@ def test_wire_round_trip(record: ProgressRecord) -> None:
     assert type(back.rate) is float and type(back.time) is float
 
 
+def as_map(record: ProgressRecord) -> dict[str, Any]:
+    """The record as a map of its fields (how peers of an older version encode it)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def as_array(obj: dict[str, Any]) -> list[Any]:
+    """A map of a record's fields as the array a record is sent as (fields in declaration order)."""
+    names = [f.name for f in fields(ProgressRecord)]
+    assert set(obj) <= set(names)
+    return [obj[n] for n in names if n in obj]
+
+
+def test_records_travel_as_arrays_without_their_trailing_defaults() -> None:
+    assert isinstance(FULL.to_obj(), list)
+    assert len(MINIMAL.to_obj()) == 4  # (epoch, samples, rate, time: the rest hold their defaults)
+    assert len(pack(FULL.to_obj())) < len(pack(as_map(FULL))) * 0.75
+
+
+def test_a_record_sent_as_a_map_by_an_older_peer_is_read() -> None:
+    assert ProgressRecord.from_obj(unpack(pack(as_map(FULL)))) == FULL
+
+
 def test_wire_integers_accepted_for_float_fields() -> None:
-    back = ProgressRecord.from_obj(unpack(pack(FULL.to_obj() | {"rate": 3, "time": 17})))
+    back = ProgressRecord.from_obj(unpack(pack(as_map(FULL) | {"rate": 3, "time": 17})))
     assert (back.rate, back.time) == (3.0, 17.0)
     assert type(back.rate) is float and type(back.time) is float
 
 
 def test_wire_unknown_fields_ignored() -> None:
     """Newer peers may add optional fields."""
-    assert ProgressRecord.from_obj(unpack(pack(FULL.to_obj() | {"future": [1, 2]}))) == FULL
+    assert ProgressRecord.from_obj(unpack(pack(as_map(FULL) | {"future": [1, 2]}))) == FULL
+    assert ProgressRecord.from_obj(unpack(pack([*as_array(as_map(FULL)), [1, 2]]))) == FULL
 
 
-def hostile(**fields: Any) -> dict[str, Any]:
-    return FULL.to_obj() | fields
+def hostile(**changed: Any) -> dict[str, Any]:
+    return as_map(FULL) | changed
 
 
 @pytest.mark.parametrize(
@@ -680,6 +703,9 @@ def hostile(**fields: Any) -> dict[str, Any]:
 def test_wire_hostile_decode(obj: Any) -> None:
     with pytest.raises(RemoteProtocolError):
         ProgressRecord.from_obj(unpack(pack(obj)))
+    if isinstance(obj, dict):  # the same, as the array records travel as
+        with pytest.raises(RemoteProtocolError):
+            ProgressRecord.from_obj(unpack(pack(as_array(obj))))
 
 
 def test_wire_extension_type_refused() -> None:
@@ -690,10 +716,13 @@ def test_wire_extension_type_refused() -> None:
 
 @pytest.mark.parametrize("missing", ["epoch", "samples", "rate", "time"])
 def test_wire_missing_measurement_field_refused(missing: str) -> None:
-    obj = FULL.to_obj()
+    obj = as_map(FULL)
     del obj[missing]
     with pytest.raises(RemoteProtocolError):
         ProgressRecord.from_obj(unpack(pack(obj)))
+    cut = as_array(as_map(FULL))[: list(as_map(FULL)).index(missing)]  # an array that ends before it
+    with pytest.raises(RemoteProtocolError):
+        ProgressRecord.from_obj(unpack(pack(cut)))
 
 
 # ---- properties --------------------------------------------------------------------------------

@@ -366,3 +366,63 @@ def test_constructor_errors_become_remote_protocol_errors() -> None:
 def test_bytes_map_keys_do_not_count_as_field_names() -> None:
     with pytest.raises(RemoteProtocolError, match="missing field 'lo'"):
         decode_message(Checked, {b"lo": 1, "hi": 2})
+
+
+# ---- positional messages -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Packed(Message, positional=True):
+    x: int = bounded(ge=0, le=100)
+    where: Point | None = None
+    tags: tuple[str, ...] = bounded((), max_len=2)
+    note: str = ""
+
+
+def test_a_positional_message_travels_as_its_values_in_order() -> None:
+    msg = Packed(3, Point(1.0), ("a",), "n")
+    assert msg.to_obj() == [3, {"x": 1.0, "y": 0.0}, ["a"], "n"]
+    assert Packed.from_obj(unpack(pack(msg.to_obj()))) == msg
+
+
+@pytest.mark.parametrize(
+    ("msg", "sent"),
+    [
+        (Packed(3), [3]),
+        (Packed(3, tags=("a",)), [3, None, ["a"]]),  # (a default before a set field stays)
+        (Packed(0, note="n"), [0, None, [], "n"]),
+    ],
+)
+def test_trailing_defaults_are_left_out(msg: Packed, sent: list[Any]) -> None:
+    assert msg.to_obj() == sent
+    assert Packed.from_obj(sent) == msg
+
+
+def test_a_positional_message_still_reads_the_map_an_older_peer_sends() -> None:
+    assert Packed.from_obj({"x": 3, "note": "n", "future": 1}) == Packed(3, note="n")
+
+
+def test_array_items_past_the_known_fields_are_ignored() -> None:
+    """A newer peer may add fields at the end."""
+    assert Packed.from_obj([3, None, [], "n", {"new": 1}, 7]) == Packed(3, note="n")
+
+
+@pytest.mark.parametrize(
+    ("obj", "reason"),
+    [
+        ([], "Packed: missing field 'x'"),
+        (["3"], "Packed.x: expected an integer"),
+        ([101], "Packed.x: 101 is above 100"),
+        ([3, [1.0]], "Packed.where: expected a map, got list"),  # (Point is not positional)
+        ([3, None, ["a", "b", "c"]], "Packed.tags: length 3 exceeds 2"),
+        ("x", "Packed: expected an array or a map"),
+    ],
+)
+def test_a_hostile_array_is_refused_with_the_field_named(obj: Any, reason: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=reason):
+        Packed.from_obj(obj)
+
+
+def test_a_map_message_does_not_take_an_array() -> None:
+    with pytest.raises(RemoteProtocolError, match="Point: expected a map, got list"):
+        Point.from_obj([1.0, 2.0])
