@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,6 +77,11 @@ class _Looking:
     rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
     quorum: Quorum | None = None  # the known peers a group led here must hold (see ``matchmaking``)
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
+
+
+def _holds_all(formed: SignedManifest | None, announced: Iterable[PeerID]) -> bool:
+    """Whether a group formed and holds every peer seen announcing under its key."""
+    return formed is not None and set(announced) <= set(formed.manifest.peers())
 
 
 def _mismatch(count: int, group_key: str) -> str:
@@ -157,6 +162,7 @@ class GroupForming:
         distrusted: set[PeerID] = set()  # leaders that sent a manifest breaking the rules: never again
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
+        formed: SignedManifest | None = None
         try:
             await self._announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
@@ -168,6 +174,7 @@ class GroupForming:
                 if leader is None and me.can_lead:
                     signed = await self._lead(looking, key, declined, schema, mode, timeout, sizes)
                     if signed is not None:
+                        formed = signed
                         return signed
                     if looking.gathering is not None:  # formed, but too small
                         if mismatched:
@@ -182,6 +189,7 @@ class GroupForming:
                 signed, why, retry = await self._follow(leader, looking)
                 looking.following = None
                 if signed is not None:
+                    formed = signed
                     return signed
                 if retry:  # the leader is between states: ask again (or its own leader) shortly
                     log.debug("%s did not admit us to %s yet: %s", leader.peer.short(), group_key, why)
@@ -206,7 +214,10 @@ class GroupForming:
                 # Cancelled while leading: answer the joiners now rather than at their deadlines.
                 looking.refusal = looking.refusal or "the leader stopped looking for a group"
                 looking.formed.set()
-            if self._nursery is not None:  # so that nobody follows an announcement that is over
+            # So that nobody follows an announcement that is over; not needed where the group holds
+            # every peer seen under the key (the key is the step's: the others moved on with us), and
+            # a store on every replica, each round, for nothing (a latecomer asks and is refused).
+            if self._nursery is not None and not _holds_all(formed, looking.announced):
                 expiry = self._expiry(key, me.deadline + JOIN_GRACE)
                 self._nursery.start_soon(self._announce, key, me.closed(), expiry)
 

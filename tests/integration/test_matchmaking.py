@@ -23,7 +23,7 @@ from p2ptrain.averaging.matchmaking import Announcement
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.dht.records import RecordRefused, owned_subkey
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
-from p2ptrain.identity import Identity
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.net import LinkProfile, MemoryNetwork
 
 PORT = 3000
@@ -88,10 +88,32 @@ async def test_staggered_peers_form_one_group_with_exact_results(autojump_clock)
     assert len({r.round for r in results}) == 1
 
 
+async def announcements_held(node: Node) -> list[Announcement]:
+    """The announcements ``node`` holds under the test's key, once the stores still under way landed."""
+    await trio.sleep(5.0)
+    held = node.dht.held(b"averaging/mm/default")
+    return [Announcement.from_bytes(PeerID(sub[1:]), e.value) for sub, e in held.items()]
+
+
+async def test_a_group_of_every_peer_that_announced_stores_no_closed_announcements(autojump_clock):
+    """The key is the round's, and every peer seen under it is in the group: a closed announcement
+    over each open one would be a store on every replica for nobody."""
+    async with swarm(4, AveragerConfig(target_size=4, min_size=2, matchmaking_time=3.0)) as nodes:
+        with trio.fail_after(60):
+            results = await average_all(nodes, [0.0, 0.4, 0.9, 1.5])
+            assert all(isinstance(r, RoundResult) and r.group_size == 4 for r in results), results
+            held = await announcements_held(nodes[0])
+    assert sorted(a.peer for a in held) == sorted(n.peer_id for n in nodes)
+    assert all(a.deadline > 0 for a in held)  # (a closed one has none)
+
+
 async def test_more_peers_than_the_target_split_into_groups_and_nobody_hangs(autojump_clock):
     async with swarm(7, AveragerConfig(target_size=3, min_size=2, matchmaking_time=2.0)) as nodes:
         with trio.fail_after(120):
             results = await average_all(nodes, [0.1 * i for i in range(7)])
+            held = await announcements_held(nodes[0])
+    # Peers that saw announcers their group left out closed theirs: nobody follows them any more.
+    assert any(a.deadline == 0 for a in held)
     done = [r for r in results if isinstance(r, RoundResult)]
     assert len(done) >= 6, results  # at most one peer is left without a partner
     rounds: dict[bytes, list[RoundResult]] = {}
