@@ -211,7 +211,7 @@ def open_decision(data: bytes, coordinator: PeerID, digest: bytes, n: int) -> De
 
 
 @dataclass(frozen=True)
-class JoinReq(Message):
+class JoinReq(Message, positional=True):
     group_key: str = bounded(max_len=256)
     schema_digest: bytes = bounded(max_len=32)
     addr: str = bounded("", max_len=300)  # "" when client-only
@@ -219,7 +219,7 @@ class JoinReq(Message):
 
 
 @dataclass(frozen=True)
-class JoinResp(Message):
+class JoinResp(Message, positional=True):
     accepted: bool = False
     reason: str = bounded("", max_len=512)
     redirect: str = bounded("", max_len=300)  # the address of the leader the callee follows
@@ -227,7 +227,7 @@ class JoinResp(Message):
 
 
 @dataclass(frozen=True)
-class PartReq(Message):
+class PartReq(Message, positional=True):
     round: bytes = bounded(max_len=16)
     partition: int = bounded(ge=0, le=MAX_GROUP)
     weight: float = bounded(ge=0.0, le=1e30)
@@ -235,14 +235,14 @@ class PartReq(Message):
 
 
 @dataclass(frozen=True)
-class Ack(Message):
+class Ack(Message, positional=True):
     ok: bool = True
     reason: str = bounded("", max_len=512)
     attestation: bytes = bounded(b"", max_len=MAX_ATTESTATION)  # audited fetches: the reducer's signature
 
 
 @dataclass(frozen=True)
-class ReportReq(Message):
+class ReportReq(Message, positional=True):
     round: bytes = bounded(max_len=16)
     delivered: tuple[int, ...] | None = bounded(None, max_len=MAX_GROUP)  # None: not a reducer
     weights: tuple[float, ...] = bounded((), max_len=MAX_GROUP)
@@ -250,23 +250,23 @@ class ReportReq(Message):
 
 
 @dataclass(frozen=True)
-class DecisionResp(Message):
+class DecisionResp(Message, positional=True):
     known: bool = False  # the signed decision rides in the reply body
 
 
 @dataclass(frozen=True)
-class FetchReq(Message):
+class FetchReq(Message, positional=True):
     round: bytes = bounded(max_len=16)
     partition: int = bounded(ge=0, le=MAX_GROUP)
 
 
 @dataclass(frozen=True)
-class RelayDecisionReq(Message):
+class RelayDecisionReq(Message, positional=True):
     round: bytes = bounded(max_len=16)
 
 
 @dataclass(frozen=True)
-class ProofHead(Message):
+class ProofHead(Message, positional=True):
     """What a proof holds besides the slices (``avg.proof`` streams those, back to back); an empty
     ``manifest`` when the callee keeps no proof of that round and partition."""
 
