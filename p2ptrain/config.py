@@ -132,8 +132,8 @@ class AveragingSection:
 
 @dataclass(frozen=True)
 class ProgressSection:
-    # seconds between reads of the swarm's records near the target (up to ttl / 3 while it is far off);
-    # a record goes out when something changed that others cannot extrapolate, and every ttl / 3
+    # seconds between reads of the swarm's records near the target (up to ttl / 2 while it is far off);
+    # a record goes out when something changed that others cannot extrapolate, and every ttl / 2
     interval: float = 1.0
     ttl: float = 10.0  # seconds a record stays valid: a silent peer stops counting after this
 

@@ -2,7 +2,7 @@
 
 Theory of operation: every peer publishes a signed progress record (its epoch, samples, rate, state
 digest, averager address; see ``progress``) under its owned subkey of the run's progress key, at once
-when it changed much and at least once a heartbeat (a third of the record's ``ttl``), and offers each
+when it changed much and at least once a heartbeat (half the record's ``ttl``), and offers each
 new record directly to the partners it trains with (``_offer_to``), so that their reads in between
 need ask nobody: a read asks the DHT's replicas once a record's life, and whenever this peer's view is
 unsure (none yet, alone, behind, a partner's record late). What it reads becomes the ``SwarmView``
@@ -92,7 +92,7 @@ class ProgressExchange(SwarmState):
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
             arrived = self._arrived = trio.Event()
-            with trio.move_on_at(next_read):
+            with trio.move_on_at(min(next_read, self._next_beat(interval))):
                 # After an arrival, the next one waits a moment (a round's members' records come
                 # together: one read for them); this peer's own new record does not.
                 if not due:
@@ -101,6 +101,15 @@ class ProgressExchange(SwarmState):
                 if not self._publish_now.is_set():
                     await either(self._publish_now, arrived)
             now = self._publish_now.is_set()
+
+    def _next_beat(self, interval: float) -> float:
+        """When (trio time) this peer's heartbeat is due: its last record's time plus a heartbeat, at
+        least ``interval`` from now (a store that failed is tried again, not at once). Woken only for
+        reads, the heartbeat went out up to a read's wait late: records lived twice a heartbeat."""
+        if self._published is None:
+            return math.inf
+        due = self._published.time + self._heartbeat - self.clock()
+        return trio.current_time() + max(due, interval)
 
     def _next_read(self, interval: float) -> float:
         """Seconds until the next read of the swarm's records: every ``interval`` near the target (and
@@ -122,7 +131,7 @@ class ProgressExchange(SwarmState):
         view, now = self.view, self.clock()
         if view is None or view.behind or view.peers <= 1 or now - self._asked_at >= self.config.progress.ttl:
             return True
-        late = 2 * self._heartbeat + self.config.progress.interval  # (a loop's wait past a heartbeat)
+        late = self._heartbeat + 2 * self.config.progress.interval  # (a loop's wait past a heartbeat)
         offered = {a.peer_id for a in self._offer_to()}  # (this run's, trusted, not leaving: they offer)
         return any(now - r.record.time > late for r in self.records if r.peer in offered)
 
@@ -149,8 +158,10 @@ class ProgressExchange(SwarmState):
 
     @property
     def _heartbeat(self) -> float:
-        """The longest a record of this peer goes without a successor (see ``progress.must_publish``)."""
-        return self.config.progress.ttl / 3
+        """The longest a record of this peer goes without a successor (see ``progress.must_publish``):
+        half its life, so that its successor reaches the replicas and partners with half a life to
+        spare. (Each heartbeat is a store on every replica: a steady peer's most frequent record.)"""
+        return self.config.progress.ttl / 2
 
     @property
     def _horizon(self) -> float:

@@ -5,6 +5,8 @@ that changed since the last one. The swarm still steps together."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
 from test_training import TARGET, check_identical_per_epoch, run_config, swarm
@@ -29,14 +31,15 @@ async def test_between_rounds_a_peer_sends_little_and_the_swarm_still_steps_toge
         peers = [await s.start(compute=0.5) for _ in range(4)]
         await s.until(lambda: all(p.opt.epoch >= 1 for p in peers), timeout=600)
         epoch = max(p.opt.epoch for p in peers)
-        stores = {id(p): 0 for p in peers}
+        stores: dict[int, list[float]] = {id(p): [] for p in peers}  # when each stored its record
         reads = {id(p): 0 for p in peers}
         list_reads = {id(p): 0 for p in peers}
         for p in peers:
             store, get = p.node.dht.store, p.node.dht.get
 
             async def counted(*args, _p=p, _store=store, **kwargs):  # type: ignore[no-untyped-def]
-                stores[id(_p)] += kwargs.get("subkey") is not None and args[0] == _p.opt.key
+                if kwargs.get("subkey") is not None and args[0] == _p.opt.key:
+                    stores[id(_p)].append(trio.current_time())
                 return await _store(*args, **kwargs)
 
             async def counted_get(key, _p=p, _get=get, **kwargs):  # type: ignore[no-untyped-def]
@@ -58,8 +61,12 @@ async def test_between_rounds_a_peer_sends_little_and_the_swarm_still_steps_toge
         # 1.0 KB/s; its own contact told to each peer once a minute, not on every call, 0.9 KB/s; no
         # offer to a partner that is a replica (the store brings it), 0.5 KB/s.
         assert max(per_second) < 700, per_second
-        # A steady peer's record goes out on its heartbeat (ttl / 3), not every second ...
-        assert max(stores.values()) <= (WINDOW + 1.0) / (10.0 / 3) + 2, stores
+        # A steady peer's record goes out on its heartbeat, half its life (ttl / 2), not every second,
+        # and on time: woken for reads only, it went out up to a read's wait late (ttl / 3 then, and
+        # gaps of two heartbeats, 6.7 s) ...
+        assert max(len(t) for t in stores.values()) <= (WINDOW + 1.0) / (10.0 / 2) + 2, stores
+        gaps = [b - a for t in stores.values() for a, b in itertools.pairwise(t)]
+        assert gaps and max(gaps) <= 10.0 / 2 + 1.0, gaps
         # ... to its partners as well, so that each reads the replicas once a record's life (10 s), not
         # every heartbeat: the records it holds are the partners' latest.
         assert max(reads.values()) <= (WINDOW + 1.0) / 10.0 + 1, reads
