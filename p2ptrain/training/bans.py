@@ -2,12 +2,13 @@
 
 Theory of operation: when this peer's auditor convicts a reducer (see ``averaging.auditor``), it keeps
 the proof and publishes the accusation under the run's ban key (one owned subkey per accuser, signed):
-where to ask for the proof (the accuser's address) and, per accused peer, the round and partition. Every
-``BAN_READ_INTERVAL`` it reads everyone's and lets its auditor examine the accusations it has not seen:
-fetch the proof from the accuser and re-check it, banning the accused if it convicts and the accuser if
-it does not (``Auditor.examine``). Nothing is adopted because of who, or how many, published it. Proofs
-are fetched one at a time, at most ``MAX_EXAMINED_PER_READ`` per read: each can be as large as one
-partition's slices of every contributor. :class:`BanRecords` is a mixin of
+where to ask for the proof (the accuser's address) and, per accused peer, the round and partition. In a
+run that audits its rounds (only those convict), every ``BAN_READ_INTERVAL`` it reads everyone's and
+lets its auditor examine the accusations it has not seen: fetch the proof from the accuser and re-check
+it, banning the accused if it convicts and the accuser if it does not (``Auditor.examine``). Nothing is
+adopted because of who, or how many, published it. Proofs are fetched one at a time, at most
+``MAX_EXAMINED_PER_READ`` per read: each can be as large as one partition's slices of every
+contributor. :class:`BanRecords` is a mixin of
 :class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`.
 """
 

@@ -88,7 +88,10 @@ class ProgressExchange(SwarmState):
             await self.refresh(network=due and self._ask_replicas())
             soon = trio.current_time() + self._next_read(interval)
             next_read = soon if due else min(next_read, soon)
-            if self.clock() >= next_bans:
+            # Only audited rounds convict (a ban names a round whose proof the accuser holds), and a
+            # peer averages only with peers under the same rules: a run without audits has no ban of
+            # anyone it may meet. (A read of a key nobody wrote asks every replica.)
+            if self.config.averaging.audit and self.clock() >= next_bans:
                 await self._read_bans()
                 next_bans = self.clock() + BAN_READ_INTERVAL
             arrived = self._arrived = trio.Event()

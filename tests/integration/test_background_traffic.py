@@ -34,6 +34,7 @@ async def test_between_rounds_a_peer_sends_little_and_the_swarm_still_steps_toge
         stores: dict[int, list[float]] = {id(p): [] for p in peers}  # when each stored its record
         reads = {id(p): 0 for p in peers}
         list_reads = {id(p): 0 for p in peers}
+        ban_reads = {id(p): 0 for p in peers}
         for p in peers:
             store, get = p.node.dht.store, p.node.dht.get
 
@@ -45,6 +46,7 @@ async def test_between_rounds_a_peer_sends_little_and_the_swarm_still_steps_toge
             async def counted_get(key, _p=p, _get=get, **kwargs):  # type: ignore[no-untyped-def]
                 reads[id(_p)] += key == _p.opt.key
                 list_reads[id(_p)] += key == peers_key(_p.node.config.run_id)
+                ban_reads[id(_p)] += key == _p.opt.bans_key
                 return await _get(key, **kwargs)
 
             p.node.dht.store = counted  # type: ignore[method-assign]
@@ -72,6 +74,9 @@ async def test_between_rounds_a_peer_sends_little_and_the_swarm_still_steps_toge
         assert max(reads.values()) <= (WINDOW + 1.0) / 10.0 + 1, reads
         # The peer list, steady since the start, is read every MEMBERS_BACKOFF x 5 s by now, not every 5 s.
         assert max(list_reads.values()) <= 2, list_reads
+        # A run without audits convicts nobody: the ban records (none: a read of an empty key asks every
+        # replica) are not read, where they were every 30 s.
+        assert not any(ban_reads.values()), ban_reads
         await s.until(lambda: all(p.opt.epoch >= epoch + 2 for p in peers), timeout=600)
         check_identical_per_epoch(peers)
 

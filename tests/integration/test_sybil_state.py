@@ -102,7 +102,7 @@ async def test_fresh_keys_accusing_an_honest_peer_ban_nobody(autojump_clock: obj
     """Two fresh keys publish bans of an honest peer in the old form (a peer id and a reason: two distinct
     accusers used to make everyone adopt it), a third in the current one (naming a round and partition
     whose proof it cannot produce). No honest peer bans anyone; both train on together."""
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync").replace("averaging", audit=True)) as s:
         peers = await honest_pair(s)
         victim = peers[1].node.peer_id
         for n in range(3):
