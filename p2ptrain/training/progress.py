@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from ..identity import PeerID
 from ..idwork import WORK_BYTES, work_bits
+from ..net.address import PeerAddress
 from ..wire.schema import Message, bounded
 
 DIGEST_BYTES = 32
@@ -69,13 +70,39 @@ class ProgressRecord(Message, positional=True):
     rate: float = bounded(ge=0.0, le=1e9)  # smoothed samples per second
     time: float = bounded(ge=0.0, le=1e11)  # when it measured samples and rate (its wall clock)
     digest: bytes = bounded(b"", max_len=DIGEST_BYTES)  # the state it started the epoch from
-    addr: str = bounded("", max_len=300)  # where to download that state; "" when client-only
+    # Where to download that state; "" when client-only. Sent without the author's own id (``/p2p/...``,
+    # a quarter of a record): its subkey names it (see :func:`sent_addr`, :func:`with_author`).
+    addr: str = bounded("", max_len=300)
     run: bytes = bounded(b"", max_len=16)  # fingerprint of the run's settings: others are ignored
     landing: bool = False  # a round for ``epoch`` is in flight (diloco overlap): next on ``epoch + 1``
     leaving: bool = False  # the peer is shutting down: count it no more
     since: float = bounded(0.0, ge=0.0, le=1e11)  # when it began ``epoch`` (its wall clock)
     work: bytes = bounded(b"", max_len=WORK_BYTES)  # its id's work nonce (runs that price ids: ``idwork``)
     ready: bool = False  # its view of ``epoch`` reached the target: it looks for a group (see swarm_view)
+
+
+def sent_addr(addr: str, author: PeerID) -> str:
+    """``addr`` as a record of ``author`` carries it: without ``/p2p/<author>`` where that ends a direct
+    address (a circuit's keeps it: the relay's id comes before it)."""
+    try:
+        parsed = PeerAddress.parse(addr)
+    except ValueError:
+        return addr
+    if parsed.peer_id != author or parsed.relay is not None:
+        return addr
+    return str(dataclasses.replace(parsed, peer_id=None))
+
+
+def with_author(record: ProgressRecord, author: PeerID) -> ProgressRecord:
+    """A record read back: a direct address without a peer id is the author's (its subkey proves who
+    wrote it), so it gets its id again, for dialing it with the id checked."""
+    try:
+        parsed = PeerAddress.parse(record.addr) if record.addr else None
+    except ValueError:
+        return record
+    if parsed is None or parsed.peer_id is not None or parsed.relay is not None:
+        return record
+    return dataclasses.replace(record, addr=str(parsed.with_peer(author)))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,16 @@ from ..wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL
 from .bookkeeping import RateMeter
 from .inflight import _InFlight
-from .progress import PeerProgress, ProgressRecord, SwarmView, must_publish, plausible_samples, swarm_view
+from .progress import (
+    PeerProgress,
+    ProgressRecord,
+    SwarmView,
+    must_publish,
+    plausible_samples,
+    sent_addr,
+    swarm_view,
+    with_author,
+)
 from .swarm_state import SwarmState
 
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
@@ -172,7 +181,7 @@ class ProgressExchange(SwarmState):
         return self._heartbeat + 2 * self.config.progress.interval
 
     def record(self) -> ProgressRecord:
-        addr = self.node.averager.address()
+        addr = sent_addr(self.node.averager.address(), self.node.peer_id)
         return ProgressRecord(
             epoch=self.epoch,
             samples=self.samples,
@@ -225,7 +234,7 @@ class ProgressExchange(SwarmState):
                 rec = ProgressRecord.from_obj(unpack(entry.value))
             except RemoteProtocolError:
                 continue
-            records.append(PeerProgress(peer, rec))
+            records.append(PeerProgress(peer, with_author(rec, peer)))
         self.records = records
         # Only what could vouch later: the trusted peers' records of this run (a hundred free ids
         # writing records would otherwise push the trusted ones out of the history).

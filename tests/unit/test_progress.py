@@ -28,8 +28,10 @@ from p2ptrain.training.progress import (
     estimate,
     majority_digest,
     must_publish,
+    sent_addr,
     swarm_view,
     upper_median,
+    with_author,
 )
 from p2ptrain.wire.codec import pack, unpack
 
@@ -642,6 +644,22 @@ def test_records_travel_as_arrays_without_their_trailing_defaults() -> None:
 
 def test_a_record_sent_as_a_map_by_an_older_peer_is_read() -> None:
     assert ProgressRecord.from_obj(unpack(pack(as_map(FULL)))) == FULL
+
+
+def test_a_record_carries_its_author_s_address_without_the_id_its_subkey_proves() -> None:
+    author, other = pid(3), pid(4)
+    mine = f"{ADDR}/p2p/{author}"
+    sent = sent_addr(mine, author)
+    assert sent == ADDR
+    record = replace(FULL, addr=sent)
+    assert len(pack(record.to_obj())) <= len(pack(replace(FULL, addr=mine).to_obj())) - 49
+    assert with_author(record, author).addr == mine  # read back: dialed with the author's id checked
+    # Kept as they are: another peer's id, a circuit (the relay's id, then the author's), a bad address.
+    theirs = f"{ADDR}/p2p/{other}"
+    circuit = f"{ADDR}/p2p/{other}/p2p-circuit/p2p/{author}"
+    for addr in (theirs, circuit, "not an address", ""):
+        assert sent_addr(addr, author) == addr
+        assert with_author(replace(FULL, addr=addr), author).addr == addr
 
 
 def test_wire_integers_accepted_for_float_fields() -> None:
