@@ -56,6 +56,7 @@ node folders (logs, metrics, status) stay in the work directory.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import itertools
 import json
@@ -226,6 +227,22 @@ def peak_rate(trace: list[tuple[float, int]]) -> float:
     return max(((b1 - b0) / (t1 - t0) for (t0, b0), (t1, b1) in pairs if t1 - t0 >= 0.5), default=0.0)
 
 
+def sent_by_method(statuses: list[Path]) -> dict[str, int]:
+    """What a peer's bytes went to, by RPC method (the mean over the peers' last status files; frames'
+    headers and bodies, without the channel's framing)."""
+    total: collections.Counter[str] = collections.Counter()
+    for path in statuses:
+        total.update(read_jsonl_one(path).get("traffic", {}).get("sent_by_method") or {})
+    return {k: round(v / max(1, len(statuses))) for k, v in total.most_common()}
+
+
+def allgather_per_round(compression: str, params: int, peers: int) -> float:
+    """Bytes one member would send in a round of ``peers`` that all-gathers the encoded contributions
+    (each member's to every other, each member summing them all) instead of reducing shares: the
+    comparison the sparse recipes' round was chosen by."""
+    return (peers - 1) * encoded_size(parse_compression(compression), params)
+
+
 def payload_per_round(compression: str, params: int, peers: int) -> float:
     """Bytes one member sends in a round of ``peers`` with equal shares, by the encodings' sizes: its
     contributions to the other reducers, then its reduced share to the other members."""
@@ -296,6 +313,7 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     if not all(per_peer):
         return out | {"status": "error", "error": "a peer logged no global step"}
     out |= measure(plan, per_peer, traces, name, peers)
+    out["sent_by_method"] = sent_by_method([folder / f"node{i}" / "status.json" for i in range(peers)])
     out["status"] = "ok" if reached else "incomplete"
     return out
 
@@ -335,6 +353,9 @@ def measure(
     payload = payload_per_round(compression, plan.params() // fragments_of(name), peers)
     averaged = got["rounds"].get("averaged") or 0
     got["payload_bytes_per_round"] = round(payload)
+    got["allgather_bytes_per_round"] = round(
+        allgather_per_round(compression, plan.params() // fragments_of(name), peers)
+    )
     got["payload_bytes_per_token"] = averaged * payload * peers / max(1, sum(tokens))
     got["wire_over_payload"] = round(statistics.fmean(sent) / (averaged * payload), 3) if averaged else None
     # the rest, over each peer's time from its first status file to its last step: the background
