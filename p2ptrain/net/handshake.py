@@ -38,7 +38,8 @@ responder asks refuses itself with :class:`WorkRefused`, which says how much, so
 work and dial again. Without id work these fields are omitted too.
 
 Versions: 2 seals each record as two AEAD boxes (see :mod:`p2ptrain.net.channel`); version-1 peers
-sealed one, so the two cannot talk, and the hello refuses the mismatch before any key is derived.
+sealed one, so the two cannot talk, and the hello refuses the mismatch before any key is derived. 3 sends
+frame headers as arrays (see :mod:`p2ptrain.net.rpc`), which a version-2 peer cannot read.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 
 PROTOCOL_NAME = "p2ptrain"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_HANDSHAKE_FRAME = 4096
 MAX_RUN_ID = 128
 MAX_PROOF_BOX = 2048  # a proof with a certificate of MAX_CERT_BYTES (was 512 before private runs)
