@@ -176,6 +176,7 @@ class CollaborativeOptimizer(StepAlone, OuterSteps, BackgroundRounds, BanRecords
         self._local_idle = trio.Event()  # set while no step work runs in a worker thread (_off_loop)
         self._local_idle.set()
         self._released = trio.Event()
+        self._digest_set = trio.Event()
         self._hashes: tuple[int, list[bytes]] | None = None  # the chunk hashes of a state version
         # The digests of the last few steps, once hashed (a large state is hashed in a thread, after
         # the step's metrics line was written): what the metrics report for comparing peers.

@@ -92,6 +92,7 @@ class SwarmState:
     _version: int
     _holds: int
     _released: trio.Event
+    _digest_set: trio.Event  # set while ``digest`` is known (see ``hashed_digest``)
     _hashes: tuple[int, list[bytes]] | None
     hashed: dict[int, bytes]
     _download: _Download | None
@@ -161,7 +162,16 @@ class SwarmState:
             self._set_digest(live, lay.hash_chunks(live.layout, live.tensors, live.source))
             return
         self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
+        if self._digest_set.is_set():
+            self._digest_set = trio.Event()
         self._nursery.start_soon(self._hash_in_thread, live, self._version)
+
+    async def hashed_digest(self) -> bytes:
+        """The current state's digest, once known: a large state is hashed in a thread after it
+        changes (``digest`` is b"" meanwhile), and a peer that stops reports the digest it stops with."""
+        while not self.digest:  # (a hash of the state's latest version is under way)
+            await self._digest_set.wait()
+        return self.digest
 
     async def _hash_in_thread(self, live: LiveState, version: int) -> None:
         hashes = await self._read_in_thread(lay.hash_chunks, live.layout, live.tensors, live.source)
@@ -172,6 +182,7 @@ class SwarmState:
         self._hashes = (self._version, hashes)
         self.digest = lay.root(live.epoch, live.layout, hashes)
         self.hashed[live.epoch] = self.digest
+        self._digest_set.set()
         for old in sorted(self.hashed)[:-HASHED_KEPT]:
             del self.hashed[old]
         self._publish_now.set()

@@ -46,6 +46,7 @@ from .trackers import Tracker, open_tracker, scalars
 log = logging.getLogger(__name__)
 
 LOSS_SMOOTHING = 0.9
+DIGEST_WAIT = 60.0  # seconds a stopping peer waits for its last state's digest (large ones hash in a thread)
 
 
 class LocalWorkers(Protocol):
@@ -174,6 +175,10 @@ class Trainer:
                 with reading_for(self.node, self.options.data_dir, self.opt.trusted):
                     await self._loop(batches)
                 await self._drain()
+                # The last step's digest, hashed in a thread for a large state: the final metrics line
+                # names it (it was "" there, and `simulate` took the peers for diverged).
+                with trio.move_on_after(DIGEST_WAIT):
+                    await self.opt.hashed_digest()
                 await self.opt.leave()
             finally:  # no await here: this runs even when cancelled
                 self.finished = True

@@ -16,6 +16,7 @@ that forming a group and running a round take longer than a batch.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.tasks import Task
-from p2ptrain.training import checkpoint
+from p2ptrain.training import checkpoint, statesync
 from p2ptrain.training.trainer import Trainer, TrainerOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,7 +136,7 @@ class Swarm:
         self.net = MemoryNetwork(default=LinkProfile(latency=LATENCY), seed=7)
         self.members: list[Member] = []
 
-    async def start(self, *, max_steps: int | None = None) -> Member:
+    async def start(self, *, max_steps: int | None = None, metrics: bool = False) -> Member:
         name = f"d{len(self.members)}"
         node_config = NodeConfig(
             run_id=RUN,
@@ -144,7 +145,13 @@ class Swarm:
             averaging=AveragerConfig(target_size=64, min_size=1, matchmaking_time=2.0),
         )
         node = Node(identity(name), node_config, transport=self.net.transport(name), clock=trio.current_time)
-        options = TrainerOptions(data_dir=self.tmp / name, max_steps=max_steps, wait_peers=2, wait_timeout=30)
+        options = TrainerOptions(
+            data_dir=self.tmp / name,
+            max_steps=max_steps,
+            wait_peers=2,
+            wait_timeout=30,
+            metrics_file=self.tmp / f"{name}.jsonl" if metrics else None,
+        )
         trainer = Trainer(node, self.config, make_task(), options, clock=trio.current_time)
         m = Member(name, node, trainer, self.tmp / name / "checkpoints")
         self.members.append(m)
@@ -294,3 +301,30 @@ async def test_a_restarted_peer_trusts_the_partners_its_checkpoint_remembers(
         assert again.opt.trusted() == frozenset()  # nothing resumed, nobody connected: no anchor at all
         assert again.resume()
         assert again.opt.trusted() == {second.node.peer_id}
+
+
+async def test_a_stopping_peer_names_the_digest_of_a_state_hashed_in_a_thread(
+    autojump_clock: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large state is hashed in a worker thread after each step, its digest "" meanwhile: the final
+    metrics line, written as the peer stops right after its last step, named "" (and ``simulate`` took
+    such peers for diverged: "parameters identical: False" in about one run of the README's in two)."""
+    monkeypatch.setattr(statesync, "THREAD_BYTES", 1)  # every state is large ...
+    async with swarm(run_config("sync"), tmp_path) as s:
+        peers = [await s.start(max_steps=2, metrics=True) for _ in range(2)]
+        for p in peers:  # ... and takes a while to hash (about 3 s for the built-in GPT on 2 cores)
+            real = p.trainer.opt._hash_in_thread
+
+            async def slowly(*args: Any, _real: Any = real) -> None:
+                await trio.sleep(3.0)
+                await _real(*args)
+
+            p.trainer.opt._hash_in_thread = slowly  # type: ignore[method-assign]
+        with trio.fail_after(DEADLINE):
+            for p in peers:
+                await p.exited.wait()
+    finals = [json.loads((tmp_path / f"{p.name}.jsonl").read_text().splitlines()[-1]) for p in peers]
+    assert [f["event"] for f in finals] == ["stopped", "stopped"]
+    assert [f["step"] for f in finals] == [2, 2]
+    assert finals[0]["digest"] and finals[0]["digest"] == finals[1]["digest"], finals
+    assert finals[0]["digest"] == peers[0].trainer.opt.digest.hex()[:16]
