@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from p2ptrain.dht import reads
 from p2ptrain.dht.records import (
     OWNER_TAG,
     Entry,
@@ -528,3 +529,31 @@ def test_this_nodes_own_entries_evict_nobody() -> None:
 )
 def test_origin_of(host: str, origin: str) -> None:
     assert origin_of(host) == origin
+
+
+# ---- read-back verification, remembered ------------------------------------------------------------
+
+
+def test_an_entry_read_back_again_is_not_verified_again_and_a_changed_one_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every record that arrives wakes a read of what the peer holds, which checked every held entry's
+    signature again: a key of a hundred free ids' records cost hundreds of checks a wake-up."""
+    checked: list[Entry] = []
+
+    def counted(entry: Entry) -> None:
+        checked.append(entry)
+        verify_entry(entry)
+
+    monkeypatch.setattr(reads, "verify_entry", counted)
+    key = b"held-again"
+    kid = key_id(key)
+    mine = make_entry(key, b"v1", NOW + HOUR, subkey=owned_subkey(A), signer=ALICE)
+    for _ in range(3):
+        assert reads.verified_entries([mine], kid, None, NOW) == [mine]
+    assert checked == [mine]  # once
+    # The same signature over other bytes is another entry: checked, and refused.
+    forged = dataclasses.replace(mine, value=b"v2")
+    assert reads.verified_entries([forged], kid, None, NOW) == []
+    assert reads.verified_entries([forged], kid, None, NOW) == []
+    assert checked == [mine, forged, forged]  # (a bad one is never remembered)
