@@ -328,6 +328,30 @@ def test_decode_message_near_valid_maps(data: st.DataObject) -> None:
     assert decode_message(cls, unpack(packed, max_bytes=max(len(packed), 1))) == msg
 
 
+POSITIONAL = [c for c in SCHEMAS if c._positional]
+
+
+@FUZZ
+@given(data=st.data())
+def test_decode_message_near_valid_arrays(data: st.DataObject) -> None:
+    """Positional messages as they travel: their fields in order, some wrong, missing or extra."""
+    cls = data.draw(st.sampled_from(POSITIONAL))
+    obj = data.draw(near_valid(cls))
+    values = [obj.get(f.name) for f in dataclasses.fields(cls)][: data.draw(st.integers(0, 64))]
+    values += data.draw(st.lists(field_values, max_size=2))
+    try:
+        msg = decode_message(cls, values)
+    except RemoteProtocolError:
+        return
+    packed = pack(msg.to_obj())
+    assert decode_message(cls, unpack(packed, max_bytes=max(len(packed), 1))) == msg
+
+
+def test_the_messages_sent_most_often_are_positional() -> None:
+    names = {c.__name__ for c in POSITIONAL}
+    assert {"Request", "Response", "Data", "Entry", "StoreReq", "FindValueReq", "ProgressRecord"} <= names
+
+
 # ---- decoders of signed and relayed things ---------------------------------------------------------
 
 
