@@ -278,7 +278,9 @@ _verified: OrderedDict[bytes, None] = OrderedDict()
 
 
 def _verify_once(entry: Entry) -> None:
-    """``verify_entry``, remembered for the entries whose signatures held (the same bytes, exactly)."""
+    """``verify_entry``, remembered for the entries whose signatures held (the same bytes, exactly: by a
+    256-bit digest, not ``known.tag``'s 64 bits, whose collisions a writer could find for a forged entry
+    beside its own good one)."""
     digest = hashlib.blake2b(pack(entry.to_obj()), digest_size=32).digest()
     if digest in _verified:
         _verified.move_to_end(digest)
