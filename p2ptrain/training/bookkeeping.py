@@ -67,7 +67,7 @@ def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
     if config.training.mode == "diloco" and config.diloco.fragments > 1:  # which fragment each step averages
         shared["fragments"] = config.diloco.fragments
     if parse_compression(config.averaging.compression).sparse:
-        # the reduced sum's wire layout (2: 12-bit indices, e4m3 values): peers of releases that encode
-        # it otherwise would fail every round together, so they are not one run
-        shared["sparse_sum"] = 2
+        # the sparse wire layout (3: Elias-Fano indices; 2 had 16- and 12-bit ones): peers of releases
+        # that encode it otherwise would fail every round together, so they are not one run
+        shared["sparse_layout"] = 3
     return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()

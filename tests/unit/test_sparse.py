@@ -3,7 +3,9 @@ sizes, that re-encoding loses nothing more, and that hostile bytes are refused b
 
 from __future__ import annotations
 
+import math
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -78,82 +80,162 @@ def test_a_sum_with_more_values_than_slots_keeps_the_largest() -> None:
     assert set(got.nonzero().flatten().tolist()) == set(torch.topk(x.abs(), slots).indices.tolist())
 
 
-def contribution(n: int = 100) -> tuple[bytearray, int]:
-    """A valid 1%-2-bit contribution of ``n`` elements (one block): its bytes and slot count."""
-    x = torch.zeros(n)
+Block = tuple[float, int, list[int], int, list[int], list[int], int]
+"""A block's fields as the wire lays them out: scale, upper field's length, its set bits, low-part width,
+low parts, codes, code width (so that tests can also write what an encoder never would)."""
+
+
+def fields(scale: float, length: int, k: int, idx: list[int], codes: list[int], code_bits: int) -> Block:
+    low = math.floor(math.log2(length / k))
+    ones = [(j >> low) + i for i, j in enumerate(idx)]
+    lows = [j & ((1 << low) - 1) for j in idx] + [0] * (k - len(idx))
+    return (scale, k + ((length - 1) >> low), ones, low, lows, codes + [0] * (k - len(codes)), code_bits)
+
+
+def wire(blocks: list[Block], pad: int = 0) -> bytes:
+    """The module docstring's layout, written bit by bit: the scales, then each block's upper field, low
+    parts and codes, low bits first (``pad``: set that padding bit too)."""
+    head, bits = b"", []
+    for scale, upper, ones, low, lows, codes, code_bits in blocks:
+        head += struct.pack("<f", scale)
+        bits += [int(i in ones) for i in range(upper)]
+        bits += [(v >> b) & 1 for v in lows for b in range(low)]
+        bits += [(v >> b) & 1 for v in codes for b in range(code_bits)]
+    tail = [0] * (-len(bits) % 8)
+    if pad:
+        tail[pad - 1] = 1
+    bits += tail
+    return head + bytes(sum(bits[i + b] << b for b in range(8)) for i in range(0, len(bits), 8))
+
+
+def blocks_of(
+    y: torch.Tensor, k_of: Callable[[int], int], code: Callable[[torch.Tensor], list[int]], cb: int
+):
+    out = []
+    for a in range(0, y.numel(), sparse.BLOCK):
+        block = y[a : a + sparse.BLOCK]
+        idx = block.nonzero().flatten()
+        scale = float(block.abs().max())
+        out.append(
+            fields(scale, block.numel(), k_of(block.numel()), idx.tolist(), code(block[idx] / scale), cb)
+        )
+    return out
+
+
+@pytest.mark.parametrize("mode", [Compression.TOPK05_Q2, Compression.TOPK3_Q4])
+def test_the_wire_is_the_documented_layout(mode: Compression) -> None:
+    density, bits = mode.sparse or (0.0, 0)
+    n, top = 2 * sparse.BLOCK + 1000, (1 << bits) - 1
+    y = roundtrip(sample(n, 5), mode)
+    levels = lambda v: ((v * top + top) / 2).round().to(torch.int64).tolist()  # noqa: E731
+    assert bytes(encode(y, mode)) == wire(blocks_of(y, lambda n: sparse.kept(density, n), levels, bits))
+    total = sum(roundtrip(sample(n, s), mode) for s in range(3))
+    got = decode(encode(total, mode, 3), mode, n, 3)
+    e4m3 = lambda v: (v * 448).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64).tolist()  # noqa: E731
+    slots = lambda n: sparse.sum_slots(density, 3, n)  # noqa: E731
+    assert bytes(encode(total, mode, 3)) == wire(blocks_of(got, slots, e4m3, 8))
+
+
+def test_an_index_takes_about_two_bits_more_than_log2_of_the_gap() -> None:
+    n = 4 * sparse.BLOCK
+    # 0.5%: 21 slots of 4096, 7 low bits, an upper field of 21 + 31 bits, 2-bit levels: 241 bits a block
+    assert encoded_size(Compression.TOPK05_Q2, n) == 4 * 4 + -(-4 * 241 // 8)
+    assert encoded_size(Compression.TOPK05_Q2, n) < 0.7 * 4 * (4 + 21 * 2 + 21 * 2 / 8)  # 16-bit indices
+    # the sum of 8: 168 slots, 4 low bits, 168 + 255 upper bits, e4m3 values: 2439 bits a block
+    assert encoded_size(Compression.TOPK05_Q2, n, 8) == 4 * 4 + -(-4 * 2439 // 8)
+    assert encoded_size(Compression.TOPK05_Q2, n, 8) < 0.75 * 4 * (6 + 168 * 5 / 2)  # 12-bit indices
+
+
+def contribution_cases() -> dict[str, bytes]:
+    """A valid 1%-2-bit contribution of 100 elements (one slot: 6 low bits, a 2-bit upper field; 10 bits),
+    then ways to break it."""
+
+    def one(scale: float = 1.0, ones: list[int] | None = None, low: int = 10, code: int = 3, pad: int = 0):
+        return wire([(scale, 2, [0] if ones is None else ones, 6, [low], [code], 2)], pad)
+
+    x = torch.zeros(100)
     x[10] = 1.0
-    return bytearray(encode(x, Compression.TOPK1_Q2)), sparse.kept(0.01, n)
+    valid = bytes(encode(x, Compression.TOPK1_Q2))
+    assert valid == one() and len(valid) == 6
+    return {
+        "valid": valid,
+        "wrong length": valid[:-1],
+        "more indices than slots": one(ones=[0, 1]),
+        "outside its block": one(ones=[1], low=40),  # (1 << 6) + 40 = 104
+        "negative scale": one(scale=-1.0),
+        "NaN scale": one(scale=math.nan),
+        "infinite scale": one(scale=math.inf),
+        "a scale with no slot used": one(ones=[], low=0, code=0),
+        "a slot used with no scale": one(scale=0.0),
+        "low part in an empty slot": one(ones=[], scale=0.0, code=0),
+        "level in an empty slot": one(ones=[], scale=0.0, low=0),
+        "bits set past the last block": one(pad=3),
+    }
 
 
 def test_hostile_contributions_are_refused_before_a_value_is_used() -> None:
-    mode, n = Compression.TOPK1_Q2, 100
-    wire, _ = contribution(n)  # one slot: scale (4), index (2), one byte of levels
-    assert len(wire) == 7
+    mode, n, cases = Compression.TOPK1_Q2, 100, contribution_cases()
     acc = torch.full((n,), 5.0)
-    cases = {
-        "wrong length": bytes(wire[:-1]),
-        "outside its block": wire[:4] + struct.pack("<H", n) + wire[6:],
-        "negative or non-finite scale": struct.pack("<f", -1.0) + wire[4:],
-        "NaN scale": struct.pack("<f", float("nan")) + wire[4:],
-        "level in an empty slot": wire[:4] + struct.pack("<H", sparse.EMPTY) + bytes([1]),
-        "bits set past": wire[:6] + bytes([wire[6] | 0b100]),
-    }
+    accumulate(acc, cases.pop("valid"), mode, 1.0)
+    assert acc[10] == 6.0 and int((acc != 5.0).sum()) == 1
     for what, bad in cases.items():
         with pytest.raises(RemoteProtocolError):
-            accumulate(acc, bytes(bad), mode, 1.0)
-        assert torch.equal(acc, torch.full((n,), 5.0)), what
+            accumulate(acc, bad, mode, 1.0)
+            pytest.fail(f"{what}: accepted")
+        assert acc[10] == 6.0 and int((acc != 5.0).sum()) == 1, what
 
 
 def test_repeated_or_unordered_indices_are_refused() -> None:
     mode = Compression.TOPK3_Q4
-    n = 200  # 6 slots
+    n = 200  # 6 slots, 5 low bits, an upper field of 6 + 6 bits
     x = torch.zeros(n)
     x[[5, 50, 150]] = torch.tensor([1.0, -2.0, 3.0])
-    wire = bytearray(encode(x, mode))
-    idx = np.frombuffer(bytes(wire[4 : 4 + 12]), dtype="<u2").copy()
-    assert idx[:3].tolist() == [5, 50, 150] and (idx[3:] == sparse.EMPTY).all()
-    for bad in ([50, 5, 150], [5, 5, 150], [5, sparse.EMPTY, 150]):
-        changed = idx.copy()
-        changed[:3] = bad
-        with pytest.raises(RemoteProtocolError, match=r"order|repeated|empty"):
-            decode(bytes(wire[:4]) + changed.astype("<u2").tobytes() + bytes(wire[16:]), mode, n)
+    good = fields(3.0, n, 6, [5, 50, 150], [10, 2, 15], 4)  # levels: round((v / 3 * 15 + 15) / 2)
+    assert bytes(encode(x, mode)) == wire([good])
+    scale, upper, _, low, _, codes, cb = good
+    # two indices in one bucket (high part 0): 5 then 5, and 18 then 5
+    for lows in ([5, 5, 22], [18, 5, 22]):
+        bad = wire([(scale, upper, [0, 1, 6], low, lows + [0] * 3, codes, cb)])
+        with pytest.raises(RemoteProtocolError, match=r"order|repeated"):
+            decode(bad, mode, n)
 
 
-def test_a_sum_takes_two_and_a_half_bytes_a_slot() -> None:
-    mode = Compression.TOPK1_Q2
-    n = 4 * sparse.BLOCK
-    slots = sparse.sum_slots(0.01, 4, sparse.BLOCK)
-    # per block: a float32 scale, a uint16 count, then 12-bit indices and 8-bit values
-    assert encoded_size(mode, n, 4) == 4 * (6 + slots * 5 // 2)
-    assert encoded_size(mode, n, 4) < 0.65 * 4 * 4 * slots  # a 16-bit index and a bfloat16: 4 bytes
+def sum_cases() -> dict[str, bytes]:
+    """A valid 2-slot sum of 100 elements (one used: 5 low bits, an upper field of 2 + 3 bits), then ways
+    to break it."""
 
+    def two(
+        scale: float = 1.5,
+        ones: list[int] | None = None,
+        lows: tuple[int, int] = (7, 0),
+        codes: tuple[int, int] = (0xFE, 0),
+        pad: int = 0,
+    ) -> bytes:
+        return wire([(scale, 5, [0] if ones is None else ones, 5, list(lows), list(codes), 8)], pad)
 
-def hostile_sums() -> dict[str, bytes]:
-    """A valid 2-slot sum of 100 elements (one used), then ways to break it."""
     x = torch.zeros(100)
     x[7] = -1.5
-    wire = bytes(encode(x, Compression.TOPK1_Q2, 2))
-    # scale (4), count (2), two 12-bit indices (3), two codes (2)
-    assert len(wire) == 11 and struct.unpack("<fH", wire[:6]) == (1.5, 1) and wire[-1] == 0
-    scale, count, idx, codes = wire[:4], wire[4:6], wire[6:9], wire[9:]
-    assert idx == bytes([7, 0, 0]) and codes[0] == 0xFE  # -448 in e4m3
+    valid = bytes(encode(x, Compression.TOPK1_Q2, 2))
+    assert valid == two() and len(valid) == 4 + 4  # 5 + 10 + 16 bits
     return {
-        "valid": wire,
-        "nan code": scale + count + idx + bytes([0x7F, 0]),
-        "value in an empty slot": scale + count + idx + bytes([codes[0], 0x38]),
-        "index in an empty slot": scale + count + bytes([7, 0x10, 0]) + codes,
-        "count past its slots": scale + struct.pack("<H", 3) + idx + codes,
-        "count with no scale": struct.pack("<f", 0.0) + count + idx + codes,
-        "negative scale": struct.pack("<f", -1.5) + count + idx + codes,
-        "infinite scale": struct.pack("<f", float("inf")) + count + idx + codes,
-        "index outside its block": scale + count + bytes([100, 0, 0]) + codes,
-        "two used slots out of order": scale + struct.pack("<H", 2) + bytes([7, 0x50, 0]) + codes,
-        "wrong length": wire[:-1],
+        "valid": valid,
+        "nan code": two(codes=(0x7F, 0)),
+        "value in an empty slot": two(codes=(0xFE, 0x38)),
+        "index in an empty slot": two(lows=(7, 1)),
+        "more indices than slots": two(ones=[0, 1, 2]),
+        "a slot used with no scale": two(scale=0.0),
+        "a scale with no slot used": two(ones=[], lows=(0, 0), codes=(0, 0)),
+        "negative scale": two(scale=-1.5),
+        "infinite scale": two(scale=math.inf),
+        "index outside its block": two(ones=[3], lows=(8, 0)),  # (3 << 5) + 8 = 104
+        "two used slots out of order": two(ones=[0, 1], lows=(7, 3), codes=(0xFE, 0x38)),
+        "bits set past the last block": two(pad=1),
+        "wrong length": valid[:-1],
     }
 
 
 def test_a_hostile_sum_is_refused_before_a_value_is_used() -> None:
-    mode, cases = Compression.TOPK1_Q2, hostile_sums()
+    mode, cases = Compression.TOPK1_Q2, sum_cases()
     got = decode(cases.pop("valid"), mode, 100, 2)
     assert got[7] == -1.5 and int((got != 0).sum()) == 1
     for what, bad in cases.items():
@@ -165,3 +247,27 @@ def test_a_hostile_sum_is_refused_before_a_value_is_used() -> None:
 def test_encoding_refuses_nan() -> None:
     with pytest.raises(ValueError):
         encode(torch.tensor([1.0, float("nan")]), Compression.TOPK1_Q2)
+
+
+@pytest.mark.parametrize("members", [0, 4])
+def test_flipped_bits_are_refused_or_decode_to_finite_values_within_the_slots(members: int) -> None:
+    mode, n = Compression.TOPK1_Q4, 2 * sparse.BLOCK + 300
+    x = roundtrip(sample(n, 9), mode)
+    valid = bytes(encode(x * 3 if members else x, mode, members))
+    rng = np.random.default_rng(7)
+    refused = 0
+    for _ in range(300):
+        bad = bytearray(valid)
+        for at in rng.integers(0, 8 * len(bad), size=int(rng.integers(1, 4))):
+            bad[at // 8] ^= 1 << (at % 8)
+        try:
+            got = decode(bytes(bad), mode, n, members)
+        except RemoteProtocolError:
+            refused += 1
+            continue
+        assert bool(torch.isfinite(got).all())
+        for a in range(0, n, sparse.BLOCK):
+            length = min(sparse.BLOCK, n - a)
+            slots = sparse.sum_slots(0.01, members, length) if members else sparse.kept(0.01, length)
+            assert int((got[a : a + sparse.BLOCK] != 0).sum()) <= slots
+    assert refused > 0  # (most single flips in an index field break its order or its count)
