@@ -33,7 +33,9 @@ not TCP/IP headers) on each peer's line of its last global step; tokens are the 
 (``samples_here``) times the context. Bytes per token per peer: the swarm's bytes over the swarm's
 tokens. Peak bytes per second: the largest rise of one peer's counter between two of its status files
 (about 1 s apart). ``wire_over_payload``: the bytes sent over what the encodings imply per round (one
-member, equal shares): the protocol's and the background traffic's share.
+member, equal shares): the protocol's and the background traffic's share. A top-k sum sends only the
+slots its members filled, so for top-k recipes the payload is what the rounds' value streams carried
+(``payload_source``: "round streams", from ``sent_by_method``) rather than the encodings' largest size.
 
 Target: a recipe with >= 1000x fewer bytes per token than the baseline at <= 2% higher validation loss
 at equal tokens (stretch: 4000x).
@@ -243,6 +245,16 @@ def allgather_per_round(compression: str, params: int, peers: int) -> float:
     return (peers - 1) * encoded_size(parse_compression(compression), params)
 
 
+ROUND_DATA = ("avg.part", "avg.fetch", "avg.fetch_early", "avg.relay_result")
+"""The round's streams of values: contributions, reduced shares, relays."""
+
+
+def measured_payload(by_method: dict[str, int], averaged: int) -> float:
+    """A top-k round's payload per member, as its value streams carried it (``sent_by_method``: a peer's
+    mean): a sum sends only the slots its members filled, so the encodings give only its largest size."""
+    return sum(by_method.get(m, 0) for m in ROUND_DATA) / max(1, averaged)
+
+
 def payload_per_round(compression: str, params: int, peers: int) -> float:
     """Bytes one member sends in a round of ``peers`` with equal shares, by the encodings' sizes: its
     contributions to the other reducers, then its reduced share to the other members."""
@@ -312,8 +324,9 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
             out["error_tail"] = (folder / "simulate.out").read_text(errors="replace")[-1500:]
     if not all(per_peer):
         return out | {"status": "error", "error": "a peer logged no global step"}
-    out |= measure(plan, per_peer, traces, name, peers)
-    out["sent_by_method"] = sent_by_method([folder / f"node{i}" / "status.json" for i in range(peers)])
+    by_method = sent_by_method([folder / f"node{i}" / "status.json" for i in range(peers)])
+    out |= measure(plan, per_peer, traces, name, peers, by_method)
+    out["sent_by_method"] = by_method
     out["status"] = "ok" if reached else "incomplete"
     return out
 
@@ -324,6 +337,7 @@ def measure(
     traces: list[list[tuple[float, int]]],
     name: str,
     peers: int,
+    by_method: dict[str, int],
 ) -> dict[str, Any]:
     compression = RECIPES[name][1]
     finals = [lines[-1] for lines in per_peer]
@@ -352,6 +366,10 @@ def measure(
     got["samples_per_step"] = round(sum(tokens) / plan.block / max(1, got["final_step"]), 1)
     payload = payload_per_round(compression, plan.params() // fragments_of(name), peers)
     averaged = got["rounds"].get("averaged") or 0
+    got["payload_source"] = "encodings"
+    if parse_compression(compression).sparse and averaged and by_method:
+        payload = measured_payload(by_method, averaged)
+        got["payload_source"] = "round streams"
     got["payload_bytes_per_round"] = round(payload)
     got["allgather_bytes_per_round"] = round(
         allgather_per_round(compression, plan.params() // fragments_of(name), peers)
@@ -504,7 +522,8 @@ def format_table(report: dict[str, Any]) -> str:
         "recipe at 4 peers (the same per peer at other sizes); "
         f"batch {s['batch_size']}; targets: one batch per peer per sync step, H = {s['h']} per DiLoCo round",
         "val @ equal: at the token budget, linear between the evaluations around it; peak: a peer's bytes/s "
-        "between two status files; bg: a peer's bytes/s beyond the rounds' payload (the encodings' sizes); "
+        "between two status files; bg: a peer's bytes/s beyond the rounds' payload (the encodings' sizes; "
+        "top-k: the round streams' bytes); "
         "payload x: base/recipe by that payload alone; rounds: the furthest peer's averaged/alone steps, "
         "state downloads of all peers, aborted rounds",
         f"node folders: {report['workdir']}; plot: {report.get('plot', '-')}",

@@ -6,7 +6,8 @@ A partition travels as chunks; each chunk is one contiguous slice of a flat floa
 its own so that a reducer can add it into its accumulator while the next chunk is still on the wire.
 Every mode has a fixed encoded size for a given element count (:func:`encoded_size`), so sender and
 receiver agree on chunk boundaries without telling each other, and a chunk of the wrong length is a
-protocol error before a single value is read.
+protocol error before a single value is read. (A top-k sum is the exception: it sends only the slots its
+members filled, its header counts them, and a chunk is refused when its length is not what they take.)
 
 - ``none``: raw float32. ``fp16`` / ``bf16``: a cast, half the bytes.
 - ``int8``: blockwise symmetric quantization, about a quarter of the bytes. One scale per block of
@@ -92,7 +93,8 @@ def parse_compression(text: str) -> Compression:
 
 
 def encoded_size(mode: Compression, count: int, members: int = 0) -> int:
-    """The exact byte size of :func:`encode` for ``count`` elements (``members``: see :func:`encode`)."""
+    """The exact byte size of :func:`encode` for ``count`` elements (``members``: see :func:`encode`); for
+    a top-k mode's sum, the largest (it sends its used slots only)."""
     if count < 0:
         raise ValueError(f"element count must be >= 0, got {count}")
     mode = Compression(mode)  # a plain string would silently miss every `is` test below
@@ -223,7 +225,9 @@ def decode(buf: bytes | memoryview, mode: Compression, count: int, members: int 
     RemoteProtocolError when the bytes have the wrong length or decode to anything but finite values."""
     mode = Compression(mode)
     expected = encoded_size(mode, count, members)
-    if _nbytes(buf) != expected:
+    if mode.sparse and members and _nbytes(buf) <= expected:
+        pass  # a sum sends its used slots only: its block counts say how many bytes (sparse checks them)
+    elif _nbytes(buf) != expected:
         raise RemoteProtocolError(
             f"a {mode.value} chunk of {count} elements must be {expected} bytes, got {_nbytes(buf)}"
         )

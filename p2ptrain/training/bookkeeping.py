@@ -67,7 +67,8 @@ def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
     if config.training.mode == "diloco" and config.diloco.fragments > 1:  # which fragment each step averages
         shared["fragments"] = config.diloco.fragments
     if parse_compression(config.averaging.compression).sparse:
-        # the sparse wire layout (3: Elias-Fano indices; 2 had 16- and 12-bit ones): peers of releases
-        # that encode it otherwise would fail every round together, so they are not one run
-        shared["sparse_layout"] = 3
+        # the sparse wire layout (4: Elias-Fano indices, sums of their used slots only; 2 had 16- and
+        # 12-bit indices): peers of releases that encode it otherwise would fail every round together,
+        # so they are not one run
+        shared["sparse_layout"] = 4
     return hashlib.blake2b(json.dumps(shared, sort_keys=True).encode(), digest_size=16).digest()

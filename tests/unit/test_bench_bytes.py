@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.bench_bytes import allgather_per_round, payload_per_round, sent_by_method
+from simulations.bench_bytes import allgather_per_round, measured_payload, payload_per_round, sent_by_method
 
 PARAMS = 814_464  # a quarter of the benchmark's model: one of four streaming fragments
 
@@ -29,3 +29,15 @@ def test_what_the_bytes_went_to_is_the_mean_over_the_peers(tmp_path: Path) -> No
         paths.append(path)
     missing = tmp_path / "gone.json"  # (a peer that wrote no status counts as sending nothing)
     assert sent_by_method([*paths, missing]) == {"dht.store": 133, "avg.part": 3}
+
+
+def test_a_top_k_round_s_payload_is_what_its_value_streams_carried() -> None:
+    methods = {
+        "avg.part": 400,
+        "avg.fetch_early": 3000,
+        "avg.fetch": 200,
+        "avg.relay_result": 0,
+        "dht.store": 900,
+    }
+    assert measured_payload(methods, 4) == 900  # (400 + 3000 + 200) / 4 rounds; the DHT is background
+    assert measured_payload({"dht.store": 10}, 2) == 0

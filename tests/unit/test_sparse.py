@@ -33,8 +33,10 @@ def test_sizes_are_exact_and_reencoding_changes_nothing(mode: Compression, n: in
     assert bytes(encode(y, mode)) == wire  # compressing before the round loses nothing more in it
     assert torch.equal(roundtrip(y, mode), y)
     for members in (1, 3, 64):
-        s = bytes(encode(y, mode, members))
-        assert len(s) == encoded_size(mode, n, members)
+        s = bytes(encode(y, mode, members))  # y's blocks fill a contribution's slots: one member's sum
+        assert len(s) <= encoded_size(mode, n, members)
+        assert len(s) == encoded_size(mode, n, members) or members > 1
+        assert torch.equal(decode(s, mode, n, members) != 0, y != 0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -92,15 +94,24 @@ def fields(scale: float, length: int, k: int, idx: list[int], codes: list[int], 
     return (scale, k + ((length - 1) >> low), ones, low, lows, codes + [0] * (k - len(codes)), code_bits)
 
 
-def wire(blocks: list[Block], pad: int = 0) -> bytes:
+def wire(blocks: list[Block], pad: int = 0, counts: list[int] | None = None) -> bytes:
     """The module docstring's layout, written bit by bit: the scales, then each block's upper field, low
-    parts and codes, low bits first (``pad``: set that padding bit too)."""
-    head, bits = b"", []
-    for scale, upper, ones, low, lows, codes, code_bits in blocks:
-        head += struct.pack("<f", scale)
+    parts and codes, low bits first (``pad``: set that padding bit too). ``counts``: a sum's, in the
+    header, and of a block with ``c`` used slots only the upper field's first bits, ``c`` low parts and
+    ``c`` codes are sent (none of a block of none)."""
+    head, bits = b"".join(struct.pack("<f", b[0]) for b in blocks), []
+    if counts is not None:
+        head += struct.pack(f"<{len(counts)}H", *counts)
+    for at, (_, upper, ones, low, lows, codes, code_bits) in enumerate(blocks):
+        k = c = len(lows)
+        if counts is not None:
+            c = counts[at]
+            if c == 0:
+                continue
+            upper -= k - c
         bits += [int(i in ones) for i in range(upper)]
-        bits += [(v >> b) & 1 for v in lows for b in range(low)]
-        bits += [(v >> b) & 1 for v in codes for b in range(code_bits)]
+        bits += [(v >> b) & 1 for v in lows[:c] for b in range(low)]
+        bits += [(v >> b) & 1 for v in codes[:c] for b in range(code_bits)]
     tail = [0] * (-len(bits) % 8)
     if pad:
         tail[pad - 1] = 1
@@ -133,7 +144,8 @@ def test_the_wire_is_the_documented_layout(mode: Compression) -> None:
     got = decode(encode(total, mode, 3), mode, n, 3)
     e4m3 = lambda v: (v * 448).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64).tolist()  # noqa: E731
     slots = lambda n: sparse.sum_slots(density, 3, n)  # noqa: E731
-    assert bytes(encode(total, mode, 3)) == wire(blocks_of(got, slots, e4m3, 8))
+    counts = [int((got[a : a + sparse.BLOCK] != 0).sum()) for a in range(0, n, sparse.BLOCK)]
+    assert bytes(encode(total, mode, 3)) == wire(blocks_of(got, slots, e4m3, 8), counts=counts)
 
 
 def test_an_index_takes_about_two_bits_more_than_log2_of_the_gap() -> None:
@@ -141,9 +153,20 @@ def test_an_index_takes_about_two_bits_more_than_log2_of_the_gap() -> None:
     # 0.5%: 21 slots of 4096, 7 low bits, an upper field of 21 + 31 bits, 2-bit levels: 241 bits a block
     assert encoded_size(Compression.TOPK05_Q2, n) == 4 * 4 + -(-4 * 241 // 8)
     assert encoded_size(Compression.TOPK05_Q2, n) < 0.7 * 4 * (4 + 21 * 2 + 21 * 2 / 8)  # 16-bit indices
-    # the sum of 8: 168 slots, 4 low bits, 168 + 255 upper bits, e4m3 values: 2439 bits a block
-    assert encoded_size(Compression.TOPK05_Q2, n, 8) == 4 * 4 + -(-4 * 2439 // 8)
+    # the sum of 8, every slot used: 168 slots, 4 low bits, 168 + 255 upper bits, e4m3 values: 2439 bits
+    # a block, and a count
+    assert encoded_size(Compression.TOPK05_Q2, n, 8) == 4 * 6 + -(-4 * 2439 // 8)
     assert encoded_size(Compression.TOPK05_Q2, n, 8) < 0.75 * 4 * (6 + 168 * 5 / 2)  # 12-bit indices
+
+
+def test_a_sum_sends_only_the_slots_its_members_filled() -> None:
+    mode, n = Compression.TOPK05_Q2, 4 * sparse.BLOCK
+    same = roundtrip(sample(n, 2), mode)
+    # eight members that picked the same 21 values a block: 255 + 21 upper bits, 21 x (4 + 8) others
+    assert len(encode(8 * same, mode, 8)) == 4 * 6 + -(-4 * (255 + 21 + 21 * 12) // 8)
+    assert len(encode(torch.zeros(n), mode, 8)) == 4 * 6  # nothing used: the header alone
+    apart = sum(roundtrip(sample(n, s), mode) for s in range(8))
+    assert len(encode(apart, mode, 8)) > 3 * len(encode(8 * same, mode, 8))
 
 
 def contribution_cases() -> dict[str, bytes]:
@@ -201,36 +224,40 @@ def test_repeated_or_unordered_indices_are_refused() -> None:
 
 
 def sum_cases() -> dict[str, bytes]:
-    """A valid 2-slot sum of 100 elements (one used: 5 low bits, an upper field of 2 + 3 bits), then ways
-    to break it."""
+    """A valid 2-slot sum of 100 elements (one used: 5 low bits, an upper field of 2 + 3 bits of which
+    3 + 1 are sent), then ways to break it."""
 
     def two(
         scale: float = 1.5,
         ones: list[int] | None = None,
         lows: tuple[int, int] = (7, 0),
         codes: tuple[int, int] = (0xFE, 0),
+        count: int = 1,
         pad: int = 0,
     ) -> bytes:
-        return wire([(scale, 5, [0] if ones is None else ones, 5, list(lows), list(codes), 8)], pad)
+        block = (scale, 5, [0] if ones is None else ones, 5, list(lows), list(codes), 8)
+        return wire([block], pad, counts=[count])
 
     x = torch.zeros(100)
     x[7] = -1.5
     valid = bytes(encode(x, Compression.TOPK1_Q2, 2))
-    assert valid == two() and len(valid) == 4 + 4  # 5 + 10 + 16 bits
+    assert valid == two() and len(valid) == 4 + 2 + 3  # 4 + 5 + 8 bits
     return {
         "valid": valid,
         "nan code": two(codes=(0x7F, 0)),
-        "value in an empty slot": two(codes=(0xFE, 0x38)),
-        "index in an empty slot": two(lows=(7, 1)),
-        "more indices than slots": two(ones=[0, 1, 2]),
+        "a count past its slots": two(count=3, ones=[0, 1, 2], lows=(7, 8), codes=(1, 2)),
+        "a count above its indices": two(count=2, codes=(0xFE, 0x38)),
+        "a count below its indices": two(ones=[0, 1]),
         "a slot used with no scale": two(scale=0.0),
-        "a scale with no slot used": two(ones=[], lows=(0, 0), codes=(0, 0)),
+        "a scale with no slot used": two(count=0),
         "negative scale": two(scale=-1.5),
         "infinite scale": two(scale=math.inf),
         "index outside its block": two(ones=[3], lows=(8, 0)),  # (3 << 5) + 8 = 104
-        "two used slots out of order": two(ones=[0, 1], lows=(7, 3), codes=(0xFE, 0x38)),
+        "two used slots out of order": two(count=2, ones=[0, 1], lows=(7, 3), codes=(0xFE, 0x38)),
         "bits set past the last block": two(pad=1),
-        "wrong length": valid[:-1],
+        "one byte short": valid[:-1],
+        "one byte long": valid + b"\0",
+        "shorter than its header": valid[:5],
     }
 
 
