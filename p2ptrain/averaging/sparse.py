@@ -38,10 +38,12 @@ union of eight members' picks was about half of their slots in a run of the buil
 counts them (``low`` stays the one for ``k``).
 
 **Wire layout of a chunk**: every block's float32 scale (little-endian); a sum's, then every block's
-uint16 count of used slots; then one bit string, packed eight to a byte, low bits first: for each block
-in order, its upper field, its ``k`` low parts (``low`` bits each, low bit first; zero for unused
-slots), its ``k`` codes (``b`` or 8 bits each, low bit first; zero for unused slots), of a sum only the
-used slots' parts (above); zero bits pad the last byte.
+uint16 count of used slots; then one bit string, packed eight to a byte, low bits first (and so is
+every field in it), zero bits padding the last byte. A contribution's: for each block in order, its
+upper field, its ``k`` low parts (``low`` bits each; zero for unused slots), its ``k`` codes (``b`` bits
+each; zero for unused slots). A sum's, in three sections so that a decoder reads each with a few array
+operations: every block's upper field cut to its used slots (above), in block order; then every used
+slot's low part (its block's ``low`` bits); then every used slot's 8-bit code.
 
 Decoding treats the bytes as hostile: wrong lengths (a sum's: not what its counts take), more indices
 than slots, counts that differ from the indices, indices out of range or not increasing, low parts or
@@ -145,7 +147,9 @@ def _rows(x: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
 def _to_bits(v: torch.Tensor, width: int) -> torch.Tensor:
     """Rows of ints as rows of ``width`` bits each, low bit first (uint8 0/1)."""
     shifts = torch.arange(width, dtype=torch.int64)
-    return ((v.to(torch.int64)[..., None] >> shifts) & 1).to(torch.uint8).reshape(v.shape[0], -1)
+    return (
+        ((v.to(torch.int64)[..., None] >> shifts) & 1).to(torch.uint8).reshape(v.shape[0], v.shape[1] * width)
+    )
 
 
 def _from_bits(bits: torch.Tensor, k: int, width: int) -> torch.Tensor:
@@ -167,39 +171,42 @@ def _block_row_bits(idx: torch.Tensor, codes: torch.Tensor, length: int, code_bi
     return torch.cat([ones, _to_bits(safe & ((1 << low) - 1), low), _to_bits(codes, code_bits)], dim=1)
 
 
-def _sent(counts: torch.Tensor, length: int, k: int, code_bits: int) -> torch.Tensor:
-    """Which bits of its blocks' rows (see :func:`_block_row_bits`) a sum sends: for a block of ``c``
-    used slots, the upper field's first ``c + ((L - 1) >> low)`` bits, ``c`` low parts and ``c`` codes;
-    nothing for a block of none."""
-    low, upper = _low_bits(length, k), _upper_bits(length, k)
-    c, col = counts[:, None], torch.arange(_block_bits(length, k, code_bits))[None, :]
-    field = torch.where(
-        col < upper,
-        col < upper - k + c,
-        torch.where(col < upper + k * low, col - upper < c * low, col - upper - k * low < c * code_bits),
-    )
-    return field & (c > 0)
-
-
 def _encode(
     groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], code_bits: int, counted: bool
 ) -> bytes:
-    """``groups``: (scales, indices, codes, block length) of rows of blocks, in order. ``counted``: the
-    blocks' used slots are counted in the header, and only they are sent (a sum's layout)."""
+    """``groups``: (scales, indices, codes, block length) of rows of blocks, in order. ``counted``: a
+    sum's layout (counts in the header, then sections of the used slots only: see the module's doc)."""
     if not groups:
         return b""
     head = torch.cat([g[0] for g in groups]).numpy().astype("<f4").tobytes()
-    parts, counts = [], []
-    for _, idx, codes, length in groups:
-        bits = _block_row_bits(idx, codes, length, code_bits)
-        if counted:
-            used = (idx != EMPTY).sum(dim=1)
-            counts.append(used)
-            bits = bits[_sent(used, length, idx.shape[1], code_bits)]
-        parts.append(bits.reshape(-1))
     if counted:
-        head += torch.cat(counts).numpy().astype("<u2").tobytes()
-    return head + np.packbits(torch.cat(parts).numpy(), bitorder="little").tobytes()
+        counts, bits = _sum_sections(groups, code_bits)
+        head += counts.numpy().astype("<u2").tobytes()
+    else:
+        bits = torch.cat([_block_row_bits(i, c, n, code_bits).reshape(-1) for _, i, c, n in groups])
+    return head + np.packbits(bits.numpy(), bitorder="little").tobytes()
+
+
+def _sum_sections(
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], code_bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sum's used slots per block, and its bit string: every block's upper field cut to its used
+    slots, then every used slot's low part, then every used slot's code."""
+    counts, uppers, lows, codes = [], [], [], []
+    for _, idx, code, length in groups:
+        low = _low_bits(length, idx.shape[1])
+        used = idx != EMPTY
+        c = used.sum(dim=1)
+        ulen = torch.where(c > 0, ((length - 1) >> low) + c, 0)
+        row, rank = used.nonzero(as_tuple=True)  # row-major: a block's used slots in order
+        at = idx[row, rank]
+        upper = torch.zeros(int(ulen.sum()), dtype=torch.uint8)
+        upper[(torch.cumsum(ulen, 0) - ulen)[row] + (at >> low) + rank] = 1
+        counts.append(c)
+        uppers.append(upper)
+        lows.append(_to_bits(at[:, None] & ((1 << low) - 1), low).reshape(-1))
+        codes.append(_to_bits(code[row, rank][:, None], code_bits).reshape(-1))
+    return torch.cat(counts), torch.cat(uppers + lows + codes)
 
 
 def _check_indices(idx: torch.Tensor, used: torch.Tensor, length: int) -> None:
@@ -232,6 +239,54 @@ def _read_rows(
     return idx, codes, used
 
 
+def _read_sum_sections(
+    bits: torch.Tensor, counts: torch.Tensor, shapes: list[tuple[int, int, int]], code_bits: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], int]:
+    """The inverse of :func:`_sum_sections` for groups of ``(blocks, slots, length)``: per group its
+    indices, codes and used slots (as :func:`_read_rows`), and the bits they took."""
+    plan, block = [], 0
+    for n, k, length in shapes:
+        c = counts[block : block + n]
+        if bool((c > k).any()):
+            raise RemoteProtocolError("a sparse chunk has a block count past its slots")
+        low = _low_bits(length, k)
+        plan.append((n, k, length, low, c, torch.where(c > 0, ((length - 1) >> low) + c, 0)))
+        block += n
+    total = sum(int(u.sum()) + int(c.sum()) * (low + code_bits) for _, _, _, low, c, u in plan)
+    if total > bits.numel():
+        raise RemoteProtocolError("a sparse chunk is shorter than its block counts say")
+    upper_at = 0
+    low_at = sum(int(u.sum()) for *_, u in plan)
+    code_at = low_at + sum(int(c.sum()) * low for _, _, _, low, c, _ in plan)
+    out = []
+    for n, k, length, low, c, ulen in plan:
+        used_slots = int(c.sum())
+        ends = torch.cumsum(ulen, 0)
+        pos = bits[upper_at : upper_at + int(ends[-1])].nonzero().flatten()
+        row = torch.searchsorted(ends, pos, right=True)
+        if pos.numel() != used_slots or not torch.equal(torch.bincount(row, minlength=n), c):
+            raise RemoteProtocolError("a sparse chunk has a block count that does not match its indices")
+        rank = torch.arange(used_slots) - (torch.cumsum(c, 0) - c)[row]
+        lows = _from_bits(bits[low_at : low_at + used_slots * low].view(used_slots, low), 1, low)[:, 0]
+        code = _from_bits(
+            bits[code_at : code_at + used_slots * code_bits].view(used_slots, code_bits), 1, code_bits
+        )
+        at = ((pos - (ends - ulen)[row] - rank) << low) | lows
+        if bool((at >= length).any()):
+            raise RemoteProtocolError("a sparse chunk has an index outside its block")
+        if bool(((at[1:] <= at[:-1]) & (row[1:] == row[:-1])).any()):
+            raise RemoteProtocolError("a sparse chunk has indices out of order or repeated")
+        idx, codes = torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, k, dtype=torch.int64)
+        idx[row, rank], codes[row, rank] = at, code[:, 0]
+        out.append((idx, codes, torch.arange(k)[None, :] < c[:, None]))
+        upper_at, low_at, code_at = (
+            upper_at + int(ends[-1]),
+            low_at + used_slots * low,
+            code_at + used_slots * code_bits,
+        )
+    return out, total
+
+
 _Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -251,38 +306,31 @@ def _decode(
     counts = torch.from_numpy(raw[4 * nb : head].view("<u2").astype(np.int64))
     bits = torch.from_numpy(np.unpackbits(raw[head:], bitorder="little"))
     out = torch.zeros(count, dtype=torch.float32)
-    groups: list[_Group] = []
-    block, at = 0, 0
-    for rows, length in _rows(out):
-        n, k = rows.shape[0], _slots_for(density, members, length)
-        width = _block_bits(length, k, code_bits)
-        if members:  # only the used slots' bits are on the wire: put them in their places of a full row
-            c = counts[block : block + n]
-            if bool((c > k).any()):
-                raise RemoteProtocolError("a sparse chunk has a block count past its slots")
-            sent = _sent(c, length, k, code_bits)
-            take = int(sent.sum())
-            if at + take > bits.numel():
-                raise RemoteProtocolError("a sparse chunk is shorter than its block counts say")
-            full = torch.zeros(n, width, dtype=torch.uint8)
-            full[sent] = bits[at : at + take]
-        else:
-            take = n * width
-            full = bits[at : at + take].view(n, width)
-        idx, codes, used = _read_rows(full, k, length, code_bits)
-        if members and bool((used.sum(dim=1) != c).any()):
-            raise RemoteProtocolError("a sparse chunk has a block count that does not match its indices")
-        s = scales[block : block + n]
-        if bool(((s > 0) != used[:, 0]).any()):
-            raise RemoteProtocolError("a sparse chunk has a block scale that does not fit its slots")
-        groups.append((rows, s, idx, codes, used))
-        block, at = block + n, at + take
+    parts = _rows(out)
+    if members:
+        shapes = [(r.shape[0], _slots_for(density, members, n), n) for r, n in parts]
+        slots, at = _read_sum_sections(bits, counts, shapes, code_bits)
+    else:
+        slots, at = [], 0
+        for rows, length in parts:
+            n, k = rows.shape[0], _slots_for(density, members, length)
+            width = _block_bits(length, k, code_bits)
+            slots.append(_read_rows(bits[at : at + n * width].view(n, width), k, length, code_bits))
+            at += n * width
     if raw.size != head + -(-at // 8):
         raise RemoteProtocolError(
             f"a sparse chunk of {raw.size} bytes where its blocks take {head + -(-at // 8)}"
         )
     if bool(bits[at:].any()):
         raise RemoteProtocolError("a sparse chunk has bits set past its last block")
+    groups: list[_Group] = []
+    block = 0
+    for (rows, _), (idx, codes, used) in zip(parts, slots, strict=True):
+        s = scales[block : block + rows.shape[0]]
+        if bool(((s > 0) != used[:, 0]).any()):
+            raise RemoteProtocolError("a sparse chunk has a block scale that does not fit its slots")
+        groups.append((rows, s, idx, codes, used))
+        block += rows.shape[0]
     return out, groups
 
 

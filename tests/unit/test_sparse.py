@@ -97,11 +97,15 @@ def fields(scale: float, length: int, k: int, idx: list[int], codes: list[int], 
 def wire(blocks: list[Block], pad: int = 0, counts: list[int] | None = None) -> bytes:
     """The module docstring's layout, written bit by bit: the scales, then each block's upper field, low
     parts and codes, low bits first (``pad``: set that padding bit too). ``counts``: a sum's, in the
-    header, and of a block with ``c`` used slots only the upper field's first bits, ``c`` low parts and
-    ``c`` codes are sent (none of a block of none)."""
-    head, bits = b"".join(struct.pack("<f", b[0]) for b in blocks), []
+    header; then of a block with ``c`` used slots only the upper field's first bits, ``c`` low parts and
+    ``c`` codes are sent (none of a block of none), every block's upper field first, then every low
+    part, then every code."""
+    head = b"".join(struct.pack("<f", b[0]) for b in blocks)
     if counts is not None:
         head += struct.pack(f"<{len(counts)}H", *counts)
+    uppers: list[int] = []
+    lows_bits: list[int] = []
+    codes_bits: list[int] = []
     for at, (_, upper, ones, low, lows, codes, code_bits) in enumerate(blocks):
         k = c = len(lows)
         if counts is not None:
@@ -109,9 +113,16 @@ def wire(blocks: list[Block], pad: int = 0, counts: list[int] | None = None) -> 
             if c == 0:
                 continue
             upper -= k - c
-        bits += [int(i in ones) for i in range(upper)]
-        bits += [(v >> b) & 1 for v in lows[:c] for b in range(low)]
-        bits += [(v >> b) & 1 for v in codes[:c] for b in range(code_bits)]
+        fields = (
+            [int(i in ones) for i in range(upper)],
+            [(v >> b) & 1 for v in lows[:c] for b in range(low)],
+            [(v >> b) & 1 for v in codes[:c] for b in range(code_bits)],
+        )
+        if counts is None:  # a contribution: each block's fields together
+            uppers += fields[0] + fields[1] + fields[2]
+        else:
+            uppers, lows_bits, codes_bits = uppers + fields[0], lows_bits + fields[1], codes_bits + fields[2]
+    bits = uppers + lows_bits + codes_bits
     tail = [0] * (-len(bits) % 8)
     if pad:
         tail[pad - 1] = 1
@@ -121,7 +132,7 @@ def wire(blocks: list[Block], pad: int = 0, counts: list[int] | None = None) -> 
 
 def blocks_of(
     y: torch.Tensor, k_of: Callable[[int], int], code: Callable[[torch.Tensor], list[int]], cb: int
-):
+) -> list[Block]:
     out = []
     for a in range(0, y.numel(), sparse.BLOCK):
         block = y[a : a + sparse.BLOCK]
