@@ -450,15 +450,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     sizes = sorted({r["peers"] for r in report["results"]})
     n = max(1, len(sizes))
-    fig, axes = plt.subplots(1, n, figsize=(7 * n, 5), dpi=100, squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(8 * n, 7), dpi=100, squeeze=False)
+    colors = plt.get_cmap("tab10").colors
     for ax, peers in zip(axes[0], sizes, strict=False):
-        for r in (r for r in report["results"] if r["peers"] == peers and r.get("curve")):
+        rows = [r for r in report["results"] if r["peers"] == peers and r.get("curve")]
+        for i, r in enumerate(rows):
             base = r["recipe"] == BASELINE
             ratio = f", {r['ratio']:,.0f}x fewer B/token" if r.get("ratio") and not base else ""
             xs, ys = zip(*r["curve"], strict=True)
-            ax.plot(
+            ax.plot(  # past ten recipes the colours repeat: the line style tells them apart
                 [x / 1e6 for x in xs], ys, marker="o", markersize=3, label=f"{r['recipe']}{ratio}",
-                color="black" if base else None, linewidth=2.0 if base else 1.2,
+                color="black" if base else colors[i % len(colors)], linewidth=2.0 if base else 1.2,
+                linestyle="-" if i < len(colors) else "--",
             )  # fmt: skip
         budget = max(r.get("budget", 0) for r in report["results"] if r["peers"] == peers) / 1e6
         ax.axvline(
@@ -472,7 +475,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("validation loss")
         ax.set_title(f"{peers} peers, {report['params']:,}-parameter GPT, H={report['settings']['h']}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
