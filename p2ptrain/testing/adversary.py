@@ -130,7 +130,8 @@ def _garble(rnd: AllReduceRound, generator: torch.Generator) -> None:
         red.result.add_(torch.randn(red.result.shape, generator=generator) * scale)
         if red.mode is not Compression.NONE:
             red.encoded = [
-                bytes(encode(red.result[a:b].contiguous(), red.mode)) for a, b in chunks(red.size, red.mode)
+                bytes(encode(red.result[a:b].contiguous(), red.mode, red.members))
+                for a, b in chunks(red.size, red.mode)
             ]
 
 

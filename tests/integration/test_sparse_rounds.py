@@ -115,3 +115,37 @@ def test_aligned_partitions_follow_bandwidth_and_cover_everything_once() -> None
         assert all(s % sparse.BLOCK == 0 for s, z in zip(starts, sizes, strict=True) if z)
         last = max(i for i, z in enumerate(sizes) if z)
         assert all(z % sparse.BLOCK == 0 for z in sizes[:last])
+
+
+def _negative_scale(piece: bytes) -> bytes:
+    return b"\x00\x00\x80\xbf" + piece[4:]  # the first block's scale: -1.0
+
+
+@pytest.mark.parametrize(
+    "spoil", [_negative_scale, lambda piece: piece[:-1]], ids=["negative scale", "short"]
+)
+async def test_a_member_sending_malformed_topk_chunks_is_left_out_and_the_rest_commit(autojump_clock, spoil):
+    mode, n, size = Compression.TOPK1_Q2, 4, 5 * sparse.BLOCK + 77
+    async with open_group(n) as group:
+        originals = [make_tensors(70 + i, [(size,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0, 2.0, 1.0, 3.0]
+        liar = group.peers[1]
+
+        async def hook(rnd, point):
+            if point == "before_send":
+                honest = rnd._pieces
+
+                def pieces(p, values=None):
+                    chunks, commit = honest(p, values)
+                    return [spoil(bytes(c)) for c in chunks], commit
+
+                rnd._pieces = pieces
+
+        liar.averager.fault = hook
+        signed = sign_manifest(group.peers, inputs[0], compression=mode.value)
+        outcomes = await run_round(group, signed, inputs, weights)
+    assert check_invariant(originals, inputs, weights, outcomes) == "commit"
+    res = next(o for i, o in enumerate(outcomes) if i != 1 and isinstance(o, RoundResult))
+    assert contributors_of(group, res) == [0, 2, 3]  # every reducer refused the liar's bytes
+    check_sparse_mean(group, originals, inputs, weights, outcomes, mode)
