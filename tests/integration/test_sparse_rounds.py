@@ -22,7 +22,7 @@ from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.averaging.compression import Compression, roundtrip
 from p2ptrain.averaging.partition import partition_sizes
 from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
-from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.errors import RemoteProtocolError, RoundAborted
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,3 +149,53 @@ async def test_a_member_sending_malformed_topk_chunks_is_left_out_and_the_rest_c
     res = next(o for i, o in enumerate(outcomes) if i != 1 and isinstance(o, RoundResult))
     assert contributors_of(group, res) == [0, 2, 3]  # every reducer refused the liar's bytes
     check_sparse_mean(group, originals, inputs, weights, outcomes, mode)
+
+
+class _Spoiling:
+    """A stream whose every chunk sent is spoilt (a negative first scale); ``sent`` counts them."""
+
+    def __init__(self, stream, sent):
+        self._stream, self._sent = stream, sent
+
+    async def send(self, chunk):
+        self._sent.append(len(chunk))
+        await self._stream.send(_negative_scale(bytes(chunk)))
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+async def test_a_reducer_serving_malformed_sums_never_splits_the_group(autojump_clock):
+    mode, n, size = Compression.TOPK1_Q2, 4, 5 * sparse.BLOCK + 77
+    async with open_group(n) as group:
+        originals = [make_tensors(90 + i, [(size,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0, 2.0, 1.0, 3.0]
+        spoilt: list[int] = []
+
+        async def hook(rnd, point):
+            if point != "before_send":
+                return
+            for name in ("on_fetch_early", "on_fetch"):  # what it serves, not what it holds
+                honest = getattr(rnd, name)
+
+                async def serve(ctx, req, stream, honest=honest):
+                    return await honest(ctx, req, _Spoiling(stream, spoilt))
+
+                setattr(rnd, name, serve)
+
+        group.peers[2].averager.fault = hook
+        signed = sign_manifest(group.peers, inputs[0], compression=mode.value, timeout=20.0)
+        outcomes = await run_round(group, signed, inputs, weights)
+    assert spoilt, "the reducer served nothing"
+    # The liar keeps what it holds (its own business); the honest members either all commit the same
+    # mean or all abort with their tensors untouched: none takes a value it could not decode.
+    honest = [0, 1, 3]
+    if all(isinstance(outcomes[i], RoundResult) for i in honest):
+        check_sparse_mean(
+            group, originals, [inputs[i] for i in honest], weights, [outcomes[i] for i in honest], mode
+        )
+        return
+    for i in honest:
+        assert isinstance(outcomes[i], RoundAborted), outcomes
+        assert all(torch.equal(a, b) for a, b in zip(inputs[i], originals[i], strict=True))
