@@ -225,11 +225,13 @@ def decode(buf: bytes | memoryview, mode: Compression, count: int, members: int 
     RemoteProtocolError when the bytes have the wrong length or decode to anything but finite values."""
     mode = Compression(mode)
     expected = encoded_size(mode, count, members)
-    if mode.sparse and members and _nbytes(buf) <= expected:
-        pass  # a sum sends its used slots only: its block counts say how many bytes (sparse checks them)
-    elif _nbytes(buf) != expected:
+    # a top-k sum sends its used slots only: up to ``expected`` bytes, its block counts say how many
+    # (``sparse`` checks them); every other chunk has exactly its size
+    at_most = bool(mode.sparse and members)
+    if _nbytes(buf) > expected or (_nbytes(buf) != expected and not at_most):
+        bound = "at most " if at_most else ""
         raise RemoteProtocolError(
-            f"a {mode.value} chunk of {count} elements must be {expected} bytes, got {_nbytes(buf)}"
+            f"a {mode.value} chunk of {count} elements must be {bound}{expected} bytes, got {_nbytes(buf)}"
         )
     if count == 0:
         return torch.empty(0, dtype=torch.float32)
