@@ -49,6 +49,12 @@ def check_sparse_mean(group, originals, inputs, weights, outcomes, mode):
             torch.testing.assert_close(got, want, rtol=2**-4, atol=atol)
 
 
+def four_members(seed: int):
+    """Four members' tensors (five blocks and a short one), their working copies and their weights."""
+    originals = [make_tensors(seed + i, [(5 * sparse.BLOCK + 77,)], [torch.float32]) for i in range(4)]
+    return originals, [[t.clone() for t in ts] for ts in originals], [1.0, 2.0, 1.0, 3.0]
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("n", "client_only", "in_place"), [(4, (), False), (5, (2,), True), (2, (), True)])
 async def test_a_topk_round_gives_every_member_the_mean_of_what_was_sent(
@@ -70,11 +76,9 @@ async def test_a_topk_round_gives_every_member_the_mean_of_what_was_sent(
 
 @pytest.mark.parametrize("phase", PHASES)
 async def test_a_member_crashing_in_a_topk_round_never_splits_the_group(autojump_clock, phase):
-    mode, n, size = Compression.TOPK1_Q2, 4, 5 * sparse.BLOCK + 77
-    async with open_group(n) as group:
-        originals = [make_tensors(50 + i, [(size,)], [torch.float32]) for i in range(n)]
-        inputs = [[t.clone() for t in ts] for ts in originals]
-        weights = [1.0, 2.0, 1.0, 3.0]
+    mode = Compression.TOPK1_Q2
+    async with open_group(4) as group:
+        originals, inputs, weights = four_members(50)
         victim = group.peers[2]
         victim.averager.fault = crash_at(group, victim, phase)
         signed = sign_manifest(group.peers, inputs[0], compression=mode.value, timeout=20.0)
@@ -125,11 +129,9 @@ def _negative_scale(piece: bytes) -> bytes:
     "spoil", [_negative_scale, lambda piece: piece[:-1]], ids=["negative scale", "short"]
 )
 async def test_a_member_sending_malformed_topk_chunks_is_left_out_and_the_rest_commit(autojump_clock, spoil):
-    mode, n, size = Compression.TOPK1_Q2, 4, 5 * sparse.BLOCK + 77
-    async with open_group(n) as group:
-        originals = [make_tensors(70 + i, [(size,)], [torch.float32]) for i in range(n)]
-        inputs = [[t.clone() for t in ts] for ts in originals]
-        weights = [1.0, 2.0, 1.0, 3.0]
+    mode = Compression.TOPK1_Q2
+    async with open_group(4) as group:
+        originals, inputs, weights = four_members(70)
         liar = group.peers[1]
 
         async def hook(rnd, point):
@@ -166,11 +168,9 @@ class _Spoiling:
 
 
 async def test_a_reducer_serving_malformed_sums_never_splits_the_group(autojump_clock):
-    mode, n, size = Compression.TOPK1_Q2, 4, 5 * sparse.BLOCK + 77
-    async with open_group(n) as group:
-        originals = [make_tensors(90 + i, [(size,)], [torch.float32]) for i in range(n)]
-        inputs = [[t.clone() for t in ts] for ts in originals]
-        weights = [1.0, 2.0, 1.0, 3.0]
+    mode = Compression.TOPK1_Q2
+    async with open_group(4) as group:
+        originals, inputs, weights = four_members(90)
         spoilt: list[int] = []
 
         async def hook(rnd, point):
