@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .averaging.compression import parse_compression
+from .averaging.compression import Compression, parse_compression
 from .averaging.protocol import sparse_problem
-from .averaging.robust import parse_aggregation
+from .averaging.robust import Aggregation, parse_aggregation
 from .errors import ConfigError
 from .idwork import MAX_WORK_BITS
 from .net.handshake import MAX_RUN_ID
@@ -105,10 +105,11 @@ class DilocoSection:
 class AveragingSection:
     timeout: float = 30.0  # seconds one averaging round may take
     matchmaking_time: float = 3.0  # seconds a leader gathers a group
-    compression: str = "none"  # none, fp16, bf16, int8; diloco also topk0.5-q2 .. topk3-q4 (see README)
+    # none, fp16, bf16, int8; diloco also topk0.5-q2 .. topk3-q4: a run file's text, parsed at load
+    compression: Compression = Compression.NONE
     bandwidth: float = 0.0  # this host's MB/s, sets its share of the reduction; 0: measured in its rounds
     max_group_size: int = 64
-    aggregation: str = "mean"  # mean, or robust to hostile peers: trimmed_mean, centered_clip
+    aggregation: Aggregation = Aggregation.MEAN  # or robust to hostile peers: trimmed_mean, centered_clip
     audit: bool = False  # commitments, attestations and an auditor per partition; offenders banned
 
     def __post_init__(self) -> None:
@@ -120,12 +121,13 @@ class AveragingSection:
             "must be positive, or 0 to measure it",
         )
         _check(2 <= self.max_group_size <= 64, "averaging.max_group_size", "must be between 2 and 64")
+        # parsed here, once: everything inside takes the typed values
         try:
-            parse_compression(self.compression)
+            object.__setattr__(self, "compression", parse_compression(self.compression))
         except ValueError as e:
             raise ConfigError(f"averaging.compression: {e}") from None
         try:
-            parse_aggregation(self.aggregation)
+            object.__setattr__(self, "aggregation", parse_aggregation(self.aggregation))
         except ValueError as e:
             raise ConfigError(f"averaging.aggregation: {e}") from None
 
@@ -188,7 +190,7 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
     def __post_init__(self) -> None:
-        mode = parse_compression(self.averaging.compression)
+        mode = self.averaging.compression
         if mode.sparse and self.training.mode != "diloco":
             raise ConfigError(
                 f"averaging.compression = {mode.value!r} needs training.mode = 'diloco' (whose error"
@@ -295,7 +297,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be finite")
         return float(value)
-    if hint is str:
+    if hint is str or (isinstance(hint, type) and issubclass(hint, str)):
+        # (a typed name, an enum of str such as Compression, is parsed by its section's __post_init__)
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, not {value!r}")
         return value

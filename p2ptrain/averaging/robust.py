@@ -21,22 +21,32 @@ as any other would.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 import torch
 
-AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+
+class Aggregation(enum.StrEnum):
+    """A round's aggregation rule, parsed once from a run file (a ``str`` too: it travels as its name)."""
+
+    MEAN = "mean"
+    TRIMMED_MEAN = "trimmed_mean"
+    CENTERED_CLIP = "centered_clip"
+
+
+AGGREGATIONS = tuple(a.value for a in Aggregation)
 TRIM = 0.25
 CLIP_ITERATIONS = 5
 OUTLIER_FACTOR = 5.0  # a slice this many times farther from the result than the median slice is named
 
 
-def parse_aggregation(name: str) -> str:
-    """The rule's canonical name; ValueError naming the known ones."""
-    rule = name.strip().lower().replace("-", "_")
+def parse_aggregation(name: str) -> Aggregation:
+    """The rule named by ``name`` (case-insensitive, ``-`` for ``_``); ValueError naming the known ones."""
+    rule = str(name).strip().lower().replace("-", "_")
     if rule not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {name!r}; known: {', '.join(AGGREGATIONS)}")
-    return rule
+    return Aggregation(rule)
 
 
 def trimmed_count(k: int) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.averaging.compression import Compression
+from p2ptrain.averaging.robust import Aggregation
 from p2ptrain.config import (
     AveragingSection,
     CheckpointSection,
@@ -70,10 +72,10 @@ DEFAULTS = {
     "diloco.fragments": 1,
     "averaging.timeout": 30.0,
     "averaging.matchmaking_time": 3.0,
-    "averaging.compression": "none",
+    "averaging.compression": Compression.NONE,  # parsed at load: the typed value
     "averaging.bandwidth": 0.0,
     "averaging.max_group_size": 64,
-    "averaging.aggregation": "mean",
+    "averaging.aggregation": Aggregation.MEAN,
     "averaging.audit": False,
     "progress.interval": 1.0,
     "progress.ttl": 10.0,
@@ -373,9 +375,14 @@ def test_unknown_key_lists_every_known_key() -> None:
         ),
         pytest.param({"averaging": {"max_group_size": 2}}, "averaging.max_group_size", 2, id="group-2"),
         pytest.param({"averaging": {"max_group_size": 64}}, "averaging.max_group_size", 64, id="group-64"),
-        pytest.param({"averaging": {"compression": "bf16"}}, "averaging.compression", "bf16", id="bf16"),
         pytest.param(
-            {"averaging": {"compression": "INT8"}}, "averaging.compression", "INT8", id="case-insensitive"
+            {"averaging": {"compression": "bf16"}}, "averaging.compression", Compression.BF16, id="bf16"
+        ),
+        pytest.param(
+            {"averaging": {"compression": "INT8"}},
+            "averaging.compression",
+            Compression.INT8,
+            id="case-insensitive",
         ),
         pytest.param({"progress": {"ttl": 1.001}}, "progress.ttl", 1.001, id="ttl-just-longer"),
         pytest.param(
