@@ -156,7 +156,7 @@ class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
         self.peers = m.peers()
         self.n = len(self.peers)
         self.me = self.peers.index(host.identity.peer_id)
-        self.mode: Compression = m.mode()
+        self.mode: Compression = m.settings.mode
         self.sizes = list(m.sizes)
         self.offsets = offsets(self.sizes)
         self.flat, self.weight, self.tensors = flat, weight, tensors

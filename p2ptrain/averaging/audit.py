@@ -254,8 +254,8 @@ def check_proof(proof: Proof, accused: PeerID, round_: bytes) -> Verdict:
         list(proof.slices),
         authors,
         size=m.sizes[p],
-        mode=m.mode(),
-        aggregation=m.aggregation,
+        mode=m.settings.mode,
+        aggregation=m.settings.aggregation,
         holder=holder,
         origins=m.origins,
     )

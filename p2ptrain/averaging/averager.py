@@ -66,12 +66,12 @@ from .protocol import (
     PartReq,
     RelayDecisionReq,
     ReportReq,
+    RoundSettings,
     SignedManifest,
     TensorSpec,
     seal_decision,
-    sparse_problem,
 )
-from .robust import parse_aggregation
+from .robust import Aggregation, parse_aggregation
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class AveragerConfig:
     min_size: int = 2
     matchmaking_time: float = 5.0  # how long a leader gathers before forming a smaller group
     bandwidth: float = 0.0  # bytes per second this peer can move (its share of a reduction); 0: measure it
-    compression: str = "none"
-    aggregation: str = "mean"  # or a robust rule (see ``robust``): every member of a group uses the same
+    # Text (the command line's) is parsed once, here: the fields then hold the typed values.
+    compression: Compression = Compression.NONE
+    aggregation: Aggregation = Aggregation.MEAN  # or a robust rule (see ``robust``): a group shares one
     audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
 
     def __post_init__(self) -> None:
@@ -106,11 +107,11 @@ class AveragerConfig:
             raise ValueError("bandwidth must be positive, or 0 to measure it")
         if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
             raise ValueError("matchmaking_time must be positive")
-        problem = sparse_problem(parse_compression(self.compression), self.aggregation, self.audit)
-        if problem:
-            raise ValueError(problem)
         if parse_aggregation(self.aggregation) != self.aggregation:
             raise ValueError(f"aggregation: write {parse_aggregation(self.aggregation)!r}")
+        settings = RoundSettings.parse(self.compression, self.aggregation, self.audit)  # (the sparse rule)
+        object.__setattr__(self, "compression", settings.mode)
+        object.__setattr__(self, "aggregation", settings.aggregation)
 
 
 def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
@@ -176,7 +177,7 @@ def schema_digest(
     """What peers must share to average together: the tensors, the compression, the rule, the audit."""
     fields: list[object] = [[s.to_obj() for s in schema], mode.value]
     if aggregation != "mean" or audit:  # a plain group's digest stays what it was before these existed
-        fields += [aggregation, audit]
+        fields += [str(aggregation), audit]
     return hashlib.blake2b(pack(fields), digest_size=16).digest()
 
 
@@ -242,7 +243,7 @@ class Averager(GroupForming):
         weight: float = 1.0,
         timeout: float = 60.0,
         group_key: str = "default",
-        compression: str | None = None,
+        compression: str | None = None,  # (text, parsed here: this call's own compression)
     ) -> RoundResult:
         """Average ``tensors`` in place with a group of peers; see the module docstring for outcomes."""
         if self._nursery is None:
@@ -251,7 +252,7 @@ class Averager(GroupForming):
             raise ValueError("weight must be positive and finite")
         if self._looking is not None:
             raise RuntimeError("an average() call is already in progress on this node")
-        mode = parse_compression(compression or self.config.compression)
+        mode = parse_compression(compression) if compression else self.config.compression
         tensors = list(tensors)
         schema = schema_of(tensors)
         source, flat = _flatten(tensors, self._pool)
@@ -305,7 +306,7 @@ class Averager(GroupForming):
         """
         if self._looking is not None:
             raise RuntimeError("an average() call is already in progress on this node")
-        mode = parse_compression(compression or self.config.compression)
+        mode = parse_compression(compression) if compression else self.config.compression
         schema = schema_of(list(tensors))
         sizes = _sizes(self.config, target_size, min_size)
         return await self._matchmake(
@@ -342,7 +343,8 @@ class Averager(GroupForming):
         tensors = list(tensors)
         m = signed.manifest
         ours = m.schema == schema_of(tensors) and self.host.identity.peer_id in m.peers()
-        sparse_mode = m.mode() if m.mode().sparse and ours else None  # (else _run_round says why not)
+        mode = m.settings.mode
+        sparse_mode = mode if mode.sparse and ours else None  # (else _run_round says why not)
         if not in_place:
             source, flat = _flatten(tensors, self._pool)
             if sparse_mode is not None:

@@ -25,6 +25,7 @@ Calls about a published ban (any peer, not only members): ``avg.proof_head`` (un
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 from . import sparse
 from .compression import Compression, parse_compression
-from .robust import parse_aggregation
+from .robust import Aggregation, parse_aggregation
 
 MAX_GROUP = 64
 MAX_TENSORS = 4096
@@ -48,6 +49,34 @@ DECISION_DOMAIN = "p2ptrain/averaging-decision"
 MAX_COMMIT_ENVELOPE = 384
 MAX_ATTESTATION = MAX_GROUP * MAX_COMMIT_ENVELOPE + 1024
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What every member of a round encodes and computes with, parsed once from text (a run file, the
+    command line, a manifest's header): the compression, the aggregation rule and the audit flag.
+
+    Building one checks the one rule that ties them (:func:`sparse_problem`): ValueError says why not.
+    """
+
+    mode: Compression
+    aggregation: Aggregation
+    audit: bool
+
+    @classmethod
+    def parse(
+        cls, compression: str, aggregation: str, audit: bool, *, canonical: bool = False
+    ) -> RoundSettings:
+        """``canonical``: the aggregation must already be written as its name (a manifest's is signed)."""
+        rule = parse_aggregation(aggregation)
+        if canonical and rule != aggregation:
+            raise ValueError(f"aggregation {aggregation!r} is not in canonical form")
+        return cls(parse_compression(compression), rule, bool(audit))
+
+    def __post_init__(self) -> None:
+        problem = sparse_problem(self.mode, self.aggregation, self.audit)
+        if problem:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True)
@@ -91,8 +120,11 @@ class Manifest(Message):
     def peers(self) -> list[PeerID]:
         return [PeerID(m.peer) for m in self.members]
 
-    def mode(self) -> Compression:
-        return parse_compression(self.compression)
+    @functools.cached_property
+    def settings(self) -> RoundSettings:
+        """The header's text parsed, once (:meth:`check` does it when a manifest arrives); ValueError if
+        it is not valid. The text fields stay as they are: they are what the leader signed."""
+        return RoundSettings.parse(self.compression, self.aggregation, self.audit, canonical=True)
 
     def check(self) -> None:
         """Internal consistency; RemoteProtocolError says what is wrong."""
@@ -122,16 +154,11 @@ class Manifest(Message):
         ):
             raise RemoteProtocolError("the origins must name, for each member, the first member sharing it")
         try:
-            self.mode()
-            if parse_aggregation(self.aggregation) != self.aggregation:
-                raise ValueError(f"aggregation {self.aggregation!r} is not in canonical form")
+            settings = self.settings  # (also checks that the compression goes with the rule and the audit)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        problem = sparse_problem(self.mode(), self.aggregation, self.audit)
-        if problem:
-            raise RemoteProtocolError(problem)
-        starts = _starts(self.sizes)
-        if self.mode().sparse and any(o % sparse.BLOCK for o, s in zip(starts, self.sizes, strict=True) if s):
+        starts = zip(_starts(self.sizes), self.sizes, strict=True)
+        if settings.mode.sparse and any(o % sparse.BLOCK for o, s in starts if s):
             raise RemoteProtocolError("a top-k round's partitions must start on whole blocks")
 
 

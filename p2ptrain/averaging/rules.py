@@ -84,7 +84,7 @@ def check_manifest(
     if partition_bandwidths(listed) != listed:
         raise RemoteProtocolError(f"the listed bandwidths {listed} do not follow the partition rule")
     try:
-        align = sparse.BLOCK if m.mode().sparse else 1  # (top-k partitions start on whole blocks)
+        align = sparse.BLOCK if m.settings.mode.sparse else 1  # (top-k partitions start on whole blocks)
         sizes = partition_sizes(m.total, listed, [bool(mm.addr) for mm in m.members], align)
     except ValueError as e:
         raise RemoteProtocolError(f"the manifest's partitions: {e}") from None
