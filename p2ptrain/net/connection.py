@@ -36,27 +36,23 @@ from ..identity import PeerID
 from ..wire.codec import MAX_HEADER_BYTES
 from ..wire.schema import Message
 from .channel import MAX_CHUNK, SecureChannel
-from .rpc import (
-    CallContext,
+from .frames import (
     Cancel,
     Credit,
     Data,
     Error,
     GoAway,
-    Method,
     Ping,
     Pong,
-    Reply,
     Req,
     Request,
-    Resp,
     Response,
-    RpcRegistry,
     decode_args,
     decode_header,
     encode_args,
     encode_header,
 )
+from .rpc import CallContext, Method, Reply, Resp, RpcRegistry
 from .streams import INITIAL_WINDOW, RpcStream
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,7 +39,7 @@ from ..errors import (
 from ..identity import Identity, PeerID
 from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
-from .admission import Arrivals, Tally
+from .admission import Limits
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
 from .connection import Connection, ConnectionConfig
 from .handshake import (
@@ -47,11 +47,11 @@ from .handshake import (
     PROTOCOL_VERSION,
     HandshakeResult,
     InitiatorHandshake,
+    ResponderHandshake,
     WorkRefused,
     reject_frame,
 )
-from .inbound import InboundSide, close_quietly
-from .linger import Lingering
+from .inbound import Inbound, InboundLimits, close_quietly
 from .punch import Puncher
 from .relay import Relay, RelayConfig
 from .rpc import RpcRegistry
@@ -102,7 +102,7 @@ class _Dial:
     error: P2PError | None = None
 
 
-class Host(InboundSide):
+class Host:
     """A p2ptrain network endpoint: an identity, listeners, and authenticated connections."""
 
     def __init__(
@@ -130,16 +130,6 @@ class Host(InboundSide):
         self.listen_addresses: list[PeerAddress] = []
         self._conns: dict[PeerID, list[Connection]] = {}
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
-        self._slots = {}
-        self._next_slot = 0
-        self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
-        self._tally = Tally()  # evictions and refusals worth a log line (one a minute per address)
-        cfg = self.config
-        self._arrivals = Arrivals(  # bursts of twice the caps: a full address may still replace its own
-            cfg.inbound_rate, 2 * cfg.max_inbound_per_ip, 4 * cfg.inbound_rate, 2 * cfg.max_inbound_per_subnet
-        )
-        self._protected_ips: set[str] = set()
-        self._lingering = Lingering(cfg.refused_hold)  # refused connections, held open a while
         self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
@@ -147,9 +137,24 @@ class Host(InboundSide):
         self._closed_by_method: Counter[str] = Counter()  # ... and what they sent, by method
         self._call_tokens: dict[PeerID, tuple[float, float]] = {}  # peer -> (tokens, when counted)
         self._throttled: dict[PeerID, bool] = {}
-        self._relayed_inbound = 0
         self.relay = Relay(self, self.config.relay)
-        self.punch = Puncher(self, enabled=self.config.punch)
+        self.punch = Puncher(self, enabled=self.config.punch, handshake_timeout=self.config.handshake_timeout)
+        cfg = self.config
+        limits = Limits(
+            cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound
+        )
+        self.inbound = Inbound(
+            InboundLimits(limits, cfg.inbound_rate, cfg.refused_hold, cfg.handshake_timeout),
+            responder=self._responder,
+            make_connection=lambda framed, result, host, port: self._make_connection(
+                framed, result, False, host, port
+            ),
+            run_connection=self._run_connection,
+            connections_of=lambda peer: list(self._conns.get(peer, [])),
+            reserved=self.relay.holds,
+            nursery=lambda: self._nursery,
+            clock=clock,
+        )
 
     # ---- lifecycle ----
 
@@ -184,7 +189,7 @@ class Host(InboundSide):
             self._nursery = nursery
             try:
                 for host, port in listen:
-                    bound = await nursery.start(self.transport.serve, host, port, self._accept)
+                    bound = await nursery.start(self.transport.serve, host, port, self.inbound.accept_stream)
                     self.listen_addresses += [PeerAddress.for_host(h, p, self.peer_id) for h, p in bound]
                 task_status.started(nursery.cancel_scope)
                 await trio.sleep_forever()
@@ -204,6 +209,21 @@ class Host(InboundSide):
 
     def on_connection(self, observer: ConnectionObserver) -> None:
         self._observers.append(observer)
+
+    async def accept_stream(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
+        """Serve ``stream`` as an inbound connection (admission, the responder's handshake), until it
+        closes: what a listener does with each accepted stream, and a hole punch with a simultaneous
+        open's (see ``inbound``)."""
+        await self.inbound.accept_stream(stream, remote_host, remote_port)
+
+    async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None:
+        """A connection that reached this host through one of its relays (see ``inbound``)."""
+        await self.inbound.accept_relayed(stream, relay_host, seen_at)
+
+    def protect(self, peer: PeerID) -> None:
+        """``peer`` trained with this node: its inbound connections are never evicted for a newcomer's
+        (see ``inbound``)."""
+        self.inbound.protect(peer)
 
     # ---- connections ----
 
@@ -409,6 +429,18 @@ class Host(InboundSide):
         assert self._nursery is not None
         stream: trio.abc.Stream = await self._nursery.start(self.relay.open_circuit, relay, addr.peer_id)
         return stream
+
+    def _responder(self) -> ResponderHandshake:
+        """A responder's handshake with this host's credentials as they are now (its id work may grow)."""
+        return ResponderHandshake(
+            self.identity,
+            self.run_id,
+            version=self.config.protocol_version,
+            membership=self.membership,
+            now=self.clock() if self.membership is not None else None,
+            work=self.work,
+            required_work=self.config.id_work,
+        )
 
     async def _initiate(self, framed: FramedStream, expected: PeerID | None) -> HandshakeResult:
         hs = InitiatorHandshake(

@@ -6,7 +6,9 @@ an idle newcomer for a peer this node trained with (see ``admission``). A refuse
 "busy" and is held open a while before it is closed (see ``linger``). An admitted one runs the
 responder's handshake within ``HostConfig.handshake_timeout``, then lives as a connection of the host.
 
-:class:`InboundSide` is a mixin of :class:`~p2ptrain.net.host.Host`, which owns the state it uses.
+:class:`Inbound` owns the admission state (slots, protected peers, arrival rates, refused connections
+held open); the host builds it and hands it what it needs from the host at construction: how to run a
+responder's handshake, how to make and run a connection, which peers a relay reservation protects.
 """
 
 from __future__ import annotations
@@ -16,22 +18,16 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
-from ..authority import Membership
 from ..errors import ConnectionClosed, HandshakeRefused, RemoteProtocolError
-from ..identity import Identity, PeerID
+from ..identity import PeerID
 from .admission import Arrivals, Limits, Slot, Tally, admit, subnet_of
 from .channel import FramedStream
 from .connection import Connection
 from .handshake import MAX_HANDSHAKE_FRAME, HandshakeResult, ResponderHandshake, reject_frame
 from .linger import Lingering
-from .relay import Relay
-
-if TYPE_CHECKING:
-    from .host import HostConfig
 
 log = logging.getLogger("p2ptrain.net.host")  # (the host's lines, as before)
 
@@ -53,29 +49,55 @@ class _Inbound:
     evicted: str = ""
 
 
-class InboundSide:
-    """Admitting, handshaking and serving inbound connections (a mixin)."""
+@dataclass(frozen=True)
+class InboundLimits:
+    """The caps an inbound connection is admitted against (see ``HostConfig``)."""
 
-    # Owned by Host:
-    identity: Identity
-    run_id: str
-    config: HostConfig
-    clock: Callable[[], float]
-    membership: Membership | None
-    work: bytes | None
-    relay: Relay
-    _conns: dict[PeerID, list[Connection]]
-    _slots: dict[int, _Inbound]
-    _next_slot: int
-    _protected: OrderedDict[PeerID, set[str]]
-    _protected_ips: set[str]
-    _tally: Tally
-    _arrivals: Arrivals
-    _lingering: Lingering
-    _relayed_inbound: int
-    _nursery: trio.Nursery | None
-    _make_connection: Callable[[FramedStream, HandshakeResult, bool, str, int], Connection]
-    _run_connection: Callable[[Connection, HandshakeResult], Awaitable[None]]
+    limits: Limits
+    inbound_rate: float  # new connections a second per address (4x per subnet; bursts: 2x the caps)
+    refused_hold: float  # seconds a refused connection is held open before it is closed
+    handshake_timeout: float
+
+
+class Inbound:
+    """Admitting, handshaking and serving a host's inbound connections."""
+
+    def __init__(
+        self,
+        limits: InboundLimits,
+        *,
+        responder: Callable[[], ResponderHandshake],
+        make_connection: Callable[[FramedStream, HandshakeResult, str, int], Connection],
+        run_connection: Callable[[Connection, HandshakeResult], Awaitable[None]],
+        connections_of: Callable[[PeerID], list[Connection]],
+        reserved: Callable[[PeerID], bool],
+        nursery: Callable[[], trio.Nursery | None],
+        clock: Callable[[], float],
+    ) -> None:
+        """``responder``: a fresh responder's handshake with the host's credentials; ``make_connection``
+        and ``run_connection``: the host's, for an admitted connection; ``connections_of``: a peer's
+        connections (where it was seen); ``reserved``: does the peer hold a relay reservation here (its
+        connection is never evicted); ``nursery``: where evicted connections close; ``clock``: the wall
+        clock of log-line tallies."""
+        self.limits = limits
+        self._responder = responder
+        self._make_connection = make_connection
+        self._run_connection = run_connection
+        self._connections_of = connections_of
+        self._reserved = reserved
+        self._nursery = nursery
+        self._clock = clock
+        self._slots: dict[int, _Inbound] = {}
+        self._next_slot = 0
+        self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
+        self._protected_ips: set[str] = set()
+        self._tally = Tally()  # evictions and refusals worth a log line (one a minute per address)
+        caps = limits.limits
+        self._arrivals = Arrivals(  # bursts of twice the caps: a full address may still replace its own
+            limits.inbound_rate, 2 * caps.per_ip, 4 * limits.inbound_rate, 2 * caps.per_subnet
+        )
+        self._lingering = Lingering(limits.refused_hold)  # refused connections, held open a while
+        self._relayed_inbound = 0
 
     async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None:
         """A connection that reached this host through one of its relays: the handshake, then the
@@ -97,7 +119,7 @@ class InboundSide:
         """``peer`` trained with this node: its inbound connections are never evicted for a newcomer's,
         and it may use the reserved slots (the most recent ``MAX_PROTECTED`` such peers)."""
         seen = self._protected.pop(peer, set())
-        seen.update(c.remote_host for c in self._conns.get(peer, []))
+        seen.update(c.remote_host for c in self._connections_of(peer))
         self._protected[peer] = set(list(seen)[-8:])
         while len(self._protected) > MAX_PROTECTED:
             self._protected.popitem(last=False)
@@ -110,7 +132,7 @@ class InboundSide:
                 continue
             c = e.conn
             since = e.arrived if c is None else c.last_busy
-            protected = c is not None and (c.peer in self._protected or self.relay.holds(c.peer))
+            protected = c is not None and (c.peer in self._protected or self._reserved(c.peer))
             busy = c is not None and c.active_calls > 0
             out.append(Slot(e.key, e.ip, e.subnet, since, c is not None, protected, busy))
         return out
@@ -119,9 +141,10 @@ class InboundSide:
         victim = self._slots[key]
         victim.evicted = reason
         who = victim.conn.peer.short() if victim.conn is not None else "a connection in its handshake"
-        _say(self._tally.note(victim.ip, self.clock()), "evicting %s from %s: %s", who, victim.ip, reason)
-        if victim.conn is not None and self._nursery is not None:
-            self._nursery.start_soon(victim.conn.aclose, f"evicted: {reason}")
+        _say(self._tally.note(victim.ip, self._clock()), "evicting %s from %s: %s", who, victim.ip, reason)
+        nursery = self._nursery()
+        if victim.conn is not None and nursery is not None:
+            nursery.start_soon(victim.conn.aclose, f"evicted: {reason}")
         else:
             victim.scope.cancel()
 
@@ -136,28 +159,23 @@ class InboundSide:
         """Serve ``stream`` as an inbound connection (the responder's handshake, admission included),
         until it closes: what the listener does with each accepted stream (and ``punch`` with a
         simultaneous open's)."""
-        await self._accept(stream, remote_host, remote_port)
-
-    async def _accept(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None:
         framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
         known = remote_host in self._protected_ips
         if not self._arrivals.allow(remote_host, trio.current_time()) and not known:
             _say(
-                self._tally.note(remote_host, self.clock()),
+                self._tally.note(remote_host, self._clock()),
                 "refusing connection from %s: more than %g new connections a second from it",
                 remote_host,
-                self.config.inbound_rate,
+                self.limits.inbound_rate,
             )
             await self._refuse(framed, "too many new connections; try later")
             return
-        cfg = self.config
-        limits = Limits(
-            cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound
+        verdict = admit(
+            self._slot_views(), remote_host, trio.current_time(), self.limits.limits, reserve=known
         )
-        verdict = admit(self._slot_views(), remote_host, trio.current_time(), limits, reserve=known)
         if verdict.verdict == "refuse":
             _say(
-                self._tally.note(remote_host, self.clock()),
+                self._tally.note(remote_host, self._clock()),
                 "refusing connection from %s: connection limit reached (%s)",
                 remote_host,
                 verdict.reason,
@@ -193,17 +211,10 @@ class InboundSide:
         relayed: bool = False,
         seen_at: str = "",
     ) -> None:
-        hs = ResponderHandshake(
-            self.identity,
-            self.run_id,
-            version=self.config.protocol_version,
-            membership=self.membership,
-            now=self.clock() if self.membership is not None else None,
-            work=self.work,
-            required_work=self.config.id_work,
-        )
+        hs = self._responder()
+        timeout = self.limits.handshake_timeout
         try:
-            with trio.fail_after(self.config.handshake_timeout):
+            with trio.fail_after(timeout):
                 reply = hs.receive(await framed.receive_frame())
                 assert reply is not None
                 await framed.send_frame(reply)
@@ -215,7 +226,7 @@ class InboundSide:
                 "dropping %s:%d: handshake not completed within %g s",
                 host,
                 port,
-                self.config.handshake_timeout,
+                timeout,
             )
             await close_quietly(framed.stream)
             return
@@ -245,7 +256,7 @@ class InboundSide:
             )
             await close_quietly(framed.stream)
             return
-        conn = self._make_connection(framed, hs.result, False, host, port)
+        conn = self._make_connection(framed, hs.result, host, port)
         conn.relayed = relayed
         conn.relayed_from = seen_at if seen_at.isprintable() else ""
         entry.conn = conn

@@ -34,22 +34,19 @@ worst a liar gets is a few SYNs sent where it said.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from ..errors import P2PError
+from ..identity import PeerID
 from ..wire.schema import Message, bounded
-from .rpc import CallContext, Method
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from ..identity import PeerID
-    from .address import PeerAddress
-    from .connection import Connection
-    from .host import Host
+from .address import PeerAddress
+from .connection import Connection
+from .rpc import CallContext, Method, RpcRegistry
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +105,38 @@ def endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class PunchHost(Protocol):
+    """What hole punching needs of the host it belongs to (its owner, :class:`~p2ptrain.net.host.Host`)."""
+
+    registry: RpcRegistry
+    transport: Transport
+    listen_addresses: list[PeerAddress]
+
+    @property
+    def nursery(self) -> trio.Nursery | None: ...
+
+    def on_connection(self, observer: Callable[[Connection, bool], None]) -> None: ...
+
+    def connection(self, peer: PeerID) -> Connection | None: ...
+
+    async def connect(
+        self, address: PeerAddress | str, *, timeout: float | None = None, direct: bool = False
+    ) -> Connection: ...
+
+    async def establish(
+        self, stream: trio.abc.Stream, host: str, port: int, expected: PeerID | None, *, relayed: bool = False
+    ) -> Connection: ...
+
+    async def accept_stream(self, stream: trio.abc.Stream, remote_host: str, remote_port: int) -> None: ...
+
+
 class Puncher:
     """A host's hole punching: the dialer's side (``upgrade``) and the answering side (``punch.connect``)."""
 
-    def __init__(self, host: Host, *, enabled: bool = True) -> None:
+    def __init__(self, host: PunchHost, *, enabled: bool = True, handshake_timeout: float = 10.0) -> None:
         self.host = host
         self.enabled = enabled
+        self.handshake_timeout = handshake_timeout
         # (public host as peers observe it, reachable?) for this host: set by whoever learns them (the DHT)
         self.where: Callable[[], tuple[str | None, bool | None]] = lambda: (None, None)
         self.located = trio.Event()  # set once ``where`` knows (the DHT's reachability check)
@@ -302,7 +325,7 @@ class Puncher:
         event = self._awaiting[peer] = trio.Event()
         try:
             await self._dial_any(peer, targets, port, event, answered)
-            with trio.move_on_after(self.host.config.handshake_timeout):
+            with trio.move_on_after(self.handshake_timeout):
                 await event.wait()
         finally:
             self._running -= 1
@@ -312,8 +335,6 @@ class Puncher:
             self._succeeded(peer, relayed, "was dialed by")
 
     async def _dial_back(self, peer: PeerID, targets: list[tuple[str, int]], relayed: Connection) -> None:
-        from .address import PeerAddress
-
         for host, port in targets:
             try:
                 await self.host.connect(PeerAddress.for_host(host, port, peer), direct=True)

@@ -24,22 +24,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from ..errors import P2PError, PeerUnavailable, RemoteProtocolError
 from ..identity import PEER_ID_BYTES, PeerID
 from ..wire.schema import Message, bounded
+from .address import PeerAddress
 from .admission import subnet_of
-from .rpc import CallContext, Method
+from .connection import Connection
+from .rpc import CallContext, Method, RpcRegistry
 from .streams import RpcStream
-
-if TYPE_CHECKING:
-    from .address import PeerAddress
-    from .connection import Connection
-    from .host import Host
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +133,26 @@ class CircuitStream(trio.abc.HalfCloseableStream):
         await trio.lowlevel.checkpoint()
 
 
+class RelayHost(Protocol):
+    """What a relay needs of the host it belongs to (its owner, :class:`~p2ptrain.net.host.Host`)."""
+
+    peer_id: PeerID
+    registry: RpcRegistry
+    clock: Callable[[], float]
+
+    def connection(self, peer: PeerID) -> Connection | None: ...
+
+    async def connect(
+        self, address: PeerAddress | str, *, timeout: float | None = None, direct: bool = False
+    ) -> Connection: ...
+
+    async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None: ...
+
+
 class Relay:
     """A host's relay service (for others) and its reservations (with others)."""
 
-    def __init__(self, host: Host, config: RelayConfig) -> None:
+    def __init__(self, host: RelayHost, config: RelayConfig) -> None:
         self.host = host
         self.config = config
         self.reserved: dict[PeerID, float] = {}  # peers holding a reservation here -> until when

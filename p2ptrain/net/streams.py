@@ -16,7 +16,7 @@ import trio
 
 from ..errors import ConnectionClosed, LocalProtocolError, RemoteProtocolError
 from .channel import MAX_CHUNK
-from .rpc import Credit, Data
+from .frames import Credit, Data
 
 if TYPE_CHECKING:
     from ..wire.schema import Message

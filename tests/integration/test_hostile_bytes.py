@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, Method, RpcRegistry
 from p2ptrain.net.channel import LENGTH, MAX_FRAME, FramedStream, SecureChannel, seal_record
+from p2ptrain.net.frames import Credit, Data, Ping, Pong, Request, decode_header, encode_args, encode_header
 from p2ptrain.net.handshake import MAX_HANDSHAKE_FRAME, InitiatorHandshake
-from p2ptrain.net.rpc import Credit, Data, Ping, Pong, Request, decode_header, encode_args, encode_header
 from p2ptrain.wire import Message, bounded, pack
 
 HOST_LOG = "p2ptrain.net.host"
