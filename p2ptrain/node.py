@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from . import __version__, peercache
+from . import peercache
 from .averaging import Averager, AveragerConfig, RoundResult
 from .averaging.robust import parse_aggregation
 from .config import RunConfig
@@ -60,6 +60,7 @@ from .nodebase import (
     public_status,
     validate_run_id,
 )
+from .version import __version__
 from .web import serve_http
 
 log = logging.getLogger(__name__)
