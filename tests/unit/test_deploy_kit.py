@@ -1,4 +1,4 @@
-"""The deployment kit in node/: every file parses, and every ``p2ptrain`` command in it is one the CLI takes.
+"""The deployment kit in deploy/: every file parses, and every ``p2ptrain`` command in it is one the CLI takes.
 
 A kit file is only ever exercised on a provider's host, weeks after it was written; a renamed flag would
 first show up there as a crash loop. So this test reads each file the way its tool would (Dockerfile
@@ -38,7 +38,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.net.address import PeerAddress
 
 ROOT = Path(__file__).resolve().parents[2]
-KIT = ROOT / "node"
+KIT = ROOT / "deploy"
 PEER_PORT = 31337
 METRICS_PORT = 9100
 HEALTH_URL = f"http://127.0.0.1:{METRICS_PORT}/healthz"
@@ -249,10 +249,10 @@ def containerfile() -> tuple[tuple[str, str], ...]:
             continue
         pending += line
         word, _, rest = pending.partition(" ")
-        assert re.fullmatch(r"[A-Za-z]+", word), f"node/Containerfile: not an instruction: {pending!r}"
+        assert re.fullmatch(r"[A-Za-z]+", word), f"deploy/Containerfile: not an instruction: {pending!r}"
         out.append((word.upper(), rest.strip()))
         pending = ""
-    assert not pending, "node/Containerfile ends inside a continuation"
+    assert not pending, "deploy/Containerfile ends inside a continuation"
     return tuple(out)
 
 
@@ -262,7 +262,7 @@ def instructions(name: str) -> list[str]:
 
 def json_form(text: str, what: str) -> list[str]:
     """The exec (JSON array) form; the shell form would put sh between the runtime and the signal."""
-    assert text.startswith("["), f"node/Containerfile: {what} must use the JSON form: {text}"
+    assert text.startswith("["), f"deploy/Containerfile: {what} must use the JSON form: {text}"
     value = json.loads(text)
     assert isinstance(value, list) and all(isinstance(v, str) for v in value), what
     return value
@@ -282,7 +282,7 @@ def containerfile_entrypoint() -> tuple[list[str], list[str]]:
 
 def compose() -> dict[str, Any]:
     data = yaml.safe_load(kit_text("compose.yaml"))
-    assert isinstance(data, dict) and isinstance(data.get("services"), dict), "node/compose.yaml"
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict), "deploy/compose.yaml"
     return data
 
 
@@ -300,7 +300,7 @@ def env_file(path: Path) -> dict[str, str]:
 def k8s() -> list[dict[str, Any]]:
     docs = [d for d in yaml.safe_load_all(kit_text("k8s.yaml")) if d is not None]
     for d in docs:
-        assert {"apiVersion", "kind", "metadata"} <= d.keys(), f"node/k8s.yaml: {d.get('kind')}"
+        assert {"apiVersion", "kind", "metadata"} <= d.keys(), f"deploy/k8s.yaml: {d.get('kind')}"
     return docs
 
 
@@ -326,7 +326,7 @@ def systemd_unit() -> dict[str, list[tuple[str, str]]]:
             current = sections.setdefault(m.group(1), [])
             continue
         key, sep, value = line.partition("=")
-        assert sep and current is not None, f"node/p2ptrain.service: not a key=value line: {line!r}"
+        assert sep and current is not None, f"deploy/p2ptrain.service: not a key=value line: {line!r}"
         current.append((key.strip(), value.strip()))
     return sections
 
@@ -361,9 +361,9 @@ def install_sources(text: str) -> dict[str, str]:
 
 def containerfile_commands() -> list[Command]:
     entrypoint, cmd = containerfile_entrypoint()
-    assert entrypoint[:2] == ["p2ptrain", "node"], f"node/Containerfile: ENTRYPOINT {entrypoint}"
-    found = [Command("node/Containerfile: ENTRYPOINT + CMD", tuple(entrypoint[1:] + cmd))]
-    found += shell_commands(comment_scripts(kit_text("Containerfile")), {}, "node/Containerfile: comment")
+    assert entrypoint[:2] == ["p2ptrain", "node"], f"deploy/Containerfile: ENTRYPOINT {entrypoint}"
+    found = [Command("deploy/Containerfile: ENTRYPOINT + CMD", tuple(entrypoint[1:] + cmd))]
+    found += shell_commands(comment_scripts(kit_text("Containerfile")), {}, "deploy/Containerfile: comment")
     return found
 
 
@@ -381,7 +381,7 @@ def compose_service_commands(env_name: str) -> dict[str, Command]:
     entrypoint, cmd = containerfile_entrypoint()
     out = {}
     for name, svc in compose()["services"].items():
-        where = f"node/compose.yaml ({env_name}): services.{name}"
+        where = f"deploy/compose.yaml ({env_name}): services.{name}"
         ep = svc.get("entrypoint")
         ep = entrypoint if ep is None else (shlex.split(ep) if isinstance(ep, str) else list(ep))
         args = svc.get("command", cmd)
@@ -395,7 +395,7 @@ def compose_service_commands(env_name: str) -> dict[str, Command]:
 def compose_commands() -> list[Command]:
     found = [c for env in compose_envs() for c in compose_service_commands(env).values()]
     env = compose_envs()[".env.example"]
-    found += shell_commands(comment_scripts(kit_text("compose.yaml")), env, "node/compose.yaml: comment")
+    found += shell_commands(comment_scripts(kit_text("compose.yaml")), env, "deploy/compose.yaml: comment")
     return found
 
 
@@ -409,7 +409,7 @@ def systemd_envs() -> dict[str, dict[str, str]]:
             defaults[key] = val
     (env_path,) = unit_values("Service", "EnvironmentFile")
     src = install_sources(kit_text("p2ptrain.service")).get(env_path.lstrip("-"))
-    assert src, f"node/p2ptrain.service: no install line puts the EnvironmentFile at {env_path}"
+    assert src, f"deploy/p2ptrain.service: no install line puts the EnvironmentFile at {env_path}"
     shipped = env_file(ROOT / src)
     m = re.search(r"(?m)^#\s*(P2PTRAIN_JOIN=.+)$", (ROOT / src).read_text())
     assert m, f"{src}: no example P2PTRAIN_JOIN line for joiners"
@@ -428,7 +428,7 @@ def systemd_commands_by_env() -> dict[str, list[Command]]:
         cmds = []
         for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop"):
             for value in unit_values("Service", key):
-                where = f"node/p2ptrain.service ({env_name}): {key}"
+                where = f"deploy/p2ptrain.service ({env_name}): {key}"
                 words = shlex.split(expand(value, env, where))
                 exe = words[0].lstrip("-+@:!|")
                 if PurePosixPath(exe).name == "p2ptrain":
@@ -440,7 +440,7 @@ def systemd_commands_by_env() -> dict[str, list[Command]]:
 
 def systemd_commands() -> list[Command]:
     found = [c for cmds in systemd_commands_by_env().values() for c in cmds]
-    found += shell_commands(comment_scripts(kit_text("p2ptrain.service")), {}, "node/p2ptrain.service")
+    found += shell_commands(comment_scripts(kit_text("p2ptrain.service")), {}, "deploy/p2ptrain.service")
     return found
 
 
@@ -467,7 +467,7 @@ def k8s_env(container: Mapping[str, Any], pod: int) -> dict[str, str]:
 def k8s_container_commands(kind: str, container: Mapping[str, Any], pod: int = 1) -> list[Command]:
     """Kubernetes expands $(VAR) in command and args; then a shell (if any) runs its script with $0
     and "$@" from the words after it; without a command, the image's ENTRYPOINT runs with args."""
-    where = f"node/k8s.yaml: {kind}[{container['name']}]"
+    where = f"deploy/k8s.yaml: {kind}[{container['name']}]"
     env = k8s_env(container, pod)
     command = [expand(str(w), env, where) for w in container.get("command", [])]
     args = [expand(str(w), env, where) for w in container.get("args", [])]
@@ -486,14 +486,14 @@ def k8s_container_commands(kind: str, container: Mapping[str, Any], pod: int = 1
 
 def k8s_commands() -> list[Command]:
     found = [cmd for kind, c in k8s_containers() for cmd in k8s_container_commands(kind, c)]
-    found += shell_commands(comment_scripts(kit_text("k8s.yaml")), {}, "node/k8s.yaml: comment")
+    found += shell_commands(comment_scripts(kit_text("k8s.yaml")), {}, "deploy/k8s.yaml: comment")
     return found
 
 
 def readme_commands() -> list[Command]:
     blocks = re.findall(r"(?ms)^```(?:bash|sh|shell)\n(.*?)^```", kit_text("README.md"))
-    assert len(blocks) >= 4, "node/README.md: fewer bash blocks than kits"
-    return [c for block in blocks for c in shell_commands(block, {}, "node/README.md")]
+    assert len(blocks) >= 4, "deploy/README.md: fewer bash blocks than kits"
+    return [c for block in blocks for c in shell_commands(block, {}, "deploy/README.md")]
 
 
 COLLECTORS: dict[str, tuple[Callable[[], list[Command]], int]] = {
@@ -511,7 +511,7 @@ COLLECTORS: dict[str, tuple[Callable[[], list[Command]], int]] = {
 
 def test_kit_files_exist_and_parse() -> None:
     for name in KIT_FILES:
-        assert (KIT / name).is_file(), f"node/{name} is missing"
+        assert (KIT / name).is_file(), f"deploy/{name} is missing"
     assert len(containerfile()) >= 10
     assert len(compose()["services"]) == 3
     assert [d["kind"] for d in k8s()].count("StatefulSet") == 1
@@ -522,7 +522,7 @@ def test_kit_files_exist_and_parse() -> None:
 def test_every_p2ptrain_command_is_accepted_by_the_cli(name: str) -> None:
     collect, at_least = COLLECTORS[name]
     commands = collect()
-    assert len(commands) >= at_least, f"node/{name}: {len(commands)} p2ptrain commands found" + "".join(
+    assert len(commands) >= at_least, f"deploy/{name}: {len(commands)} p2ptrain commands found" + "".join(
         f"\n  {c}" for c in commands
     )
     nodes = 0
@@ -536,12 +536,12 @@ def test_every_p2ptrain_command_is_accepted_by_the_cli(name: str) -> None:
                 PeerAddress.parse(args.address)
             except ValueError as e:
                 pytest.fail(f"{cmd}: {e}")
-    assert nodes >= 1, f"node/{name}: no `p2ptrain node` command"
+    assert nodes >= 1, f"deploy/{name}: no `p2ptrain node` command"
 
 
 def test_containerfile() -> None:
     (base,) = instructions("FROM")
-    image = expand(base, _containerfile_args(), "node/Containerfile: FROM")
+    image = expand(base, _containerfile_args(), "deploy/Containerfile: FROM")
     assert re.match(r"(nvidia/cuda:[\w.-]*runtime|pytorch/pytorch:[\w.-]*runtime)", image), image
     run = "\n".join(instructions("RUN"))
     torch_at, project_at = run.find("torch"), run.find("pip install /src")
@@ -577,7 +577,7 @@ def copied_into_image() -> dict[str, Path]:
         *sources, dest = words
         for src in sources:
             path = ROOT / src
-            assert path.exists(), f"node/Containerfile: COPY {src}: not in the repository"
+            assert path.exists(), f"deploy/Containerfile: COPY {src}: not in the repository"
             out[dest.rstrip("/") + ("/" + path.name if dest.endswith("/") else "")] = path
     return out
 
@@ -616,7 +616,7 @@ def test_compose() -> None:
     assert "BOOTSTRAP_PEER_ID" not in example, ".env.example must not pretend to know node0's peer id"
     services = data["services"]
     for name, svc in services.items():
-        where = f"node/compose.yaml: services.{name}"
+        where = f"deploy/compose.yaml: services.{name}"
         assert svc.get("restart") == "unless-stopped", where
         assert seconds(svc["stop_grace_period"]) >= drain_seconds(), where
         assert svc.get("stop_signal", "SIGTERM") == "SIGTERM", where
@@ -653,7 +653,7 @@ def test_systemd_unit() -> None:
 
     def one(key: str, section: str = "Service") -> str:
         values = unit_values(section, key)
-        assert len(values) == 1, f"node/p2ptrain.service: {key}={values}"
+        assert len(values) == 1, f"deploy/p2ptrain.service: {key}={values}"
         return values[0]
 
     assert one("User") not in ("", "root")
@@ -731,7 +731,7 @@ def test_k8s_entry_script_bootstrap_and_joiners(tmp_path: Path) -> None:
         run_env = {**env, "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}", "ARGV_OUT": str(out)}
         subprocess.run(words, env=run_env, check=True, timeout=30)
         argv = out.read_text().splitlines()
-        args = check_node(Command(f"node/k8s.yaml pod {pod} (run)", tuple(argv)))
+        args = check_node(Command(f"deploy/k8s.yaml pod {pod} (run)", tuple(argv)))
         seen[pod] = args
     assert seen[0].identity and not seen[0].join, "pod 0: its own identity, no --join"
     first = f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
@@ -745,9 +745,9 @@ def test_k8s_entry_script_bootstrap_and_joiners(tmp_path: Path) -> None:
 def test_readme_covers_the_operations() -> None:
     text = kit_text("README.md")
     for topic in ("keygen", "--join", "identity.key", "SIGTERM", "/metrics", "/healthz", "/data"):
-        assert topic in text, f"node/README.md says nothing about {topic}"
+        assert topic in text, f"deploy/README.md says nothing about {topic}"
     for name in ("Containerfile", "compose.yaml", "p2ptrain.service", "k8s.yaml"):
-        assert f"`{name}`" in text, f"node/README.md does not mention {name}"
+        assert f"`{name}`" in text, f"deploy/README.md does not mention {name}"
 
 
 _KEY_MATERIAL = [
@@ -766,4 +766,4 @@ def test_no_private_key_material_in_the_kit() -> None:
             m = pattern.search(text)
             assert m is None, f"{path.relative_to(ROOT)}: looks like private key material: {m.group(0)!r}"
     for doc in k8s():
-        assert doc["kind"] != "Secret", "node/k8s.yaml: the bootstrap key's Secret is made with kubectl"
+        assert doc["kind"] != "Secret", "deploy/k8s.yaml: the bootstrap key's Secret is made with kubectl"
