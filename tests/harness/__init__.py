@@ -1,0 +1,11 @@
+"""What the tests build to test with, in one place: each module starts one kind of swarm in a test's
+nursery, on the in-memory network and the virtual clock.
+
+- :mod:`.identities`: ``identity(name)``, the same keys for the same name in every test;
+- :mod:`.training`: peers running a Node and a CollaborativeOptimizer on small models (``swarm``);
+- :mod:`.averaging`: bare all-reduce groups (``open_group``) and the checks every round must pass;
+- :mod:`.dht`: DHT nodes without the rest of a Node (``open_swarm``);
+- :mod:`.nodes`: whole Nodes joined in a chain, for matchmaking (``swarm``).
+
+Test modules import from here, never from one another.
+"""
