@@ -95,7 +95,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    from .training.console import node_table
+    from .training.loop.console import node_table
 
     console = Console(width=max(Console().width, 120))
     peer = str(status.get("peer_id", "?"))

@@ -36,7 +36,7 @@ from rich.live import Live
 
 from .config import load_config
 from .errors import ConfigError, P2PError
-from .training.console import swarm_table
+from .training.loop.console import swarm_table
 
 FORM_TIMEOUT = 120.0  # seconds for node 0 to print its address
 STOP_TIMEOUT = 120.0  # seconds a node may take to drain after SIGTERM (a last round, a checkpoint)

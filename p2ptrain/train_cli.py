@@ -34,8 +34,8 @@ from .cli import (
 from .config import RunConfig, load_config
 from .node import Node, averaging_settings, id_work
 from .tasks import load_task
-from .training.console import node_table
-from .training.trainer import Trainer, TrainerOptions
+from .training.loop.console import node_table
+from .training.loop.trainer import Trainer, TrainerOptions
 
 log = logging.getLogger("p2ptrain")
 
@@ -76,7 +76,7 @@ def _devices(args: argparse.Namespace) -> list[str]:
         raise UsageError("--local-workers must not be negative")
     if args.local_workers == 0:
         return [_device(args.device)]
-    from .training.local_group import local_devices
+    from .training.local.group import local_devices
 
     return [_device(d) for d in local_devices(args.local_workers + 1, args.device)]
 
@@ -109,7 +109,7 @@ def train_node(args: argparse.Namespace) -> int:
     devices = _devices(args)
     local = None
     if len(devices) > 1:
-        from .training.local_group import LocalGroup
+        from .training.local.group import LocalGroup
 
         local = LocalGroup(config, task, devices, timeout=args.local_timeout)
     options = TrainerOptions(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..training.data_swarm import CURRENT
+from ..training.loop.data_swarm import CURRENT
 from .shards import SwarmShards
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from ..identity import Identity
 from . import sybils
 
 if TYPE_CHECKING:
-    from ..training.trainer import Trainer
+    from ..training.loop.trainer import Trainer
 
 ADVERSARIES = (
     "nan",

@@ -35,8 +35,8 @@ from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.tasks import Task
-from p2ptrain.training import checkpoint, statesync
-from p2ptrain.training.trainer import Trainer, TrainerOptions
+from p2ptrain.training.loop.trainer import Trainer, TrainerOptions
+from p2ptrain.training.state import checkpoint, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -309,7 +309,7 @@ async def test_a_stopping_peer_names_the_digest_of_a_state_hashed_in_a_thread(
     """A large state is hashed in a worker thread after each step, its digest "" meanwhile: the final
     metrics line, written as the peer stops right after its last step, named "" (and ``simulate`` took
     such peers for diverged: "parameters identical: False" in about one run of the README's in two)."""
-    monkeypatch.setattr(statesync, "THREAD_BYTES", 1)  # every state is large ...
+    monkeypatch.setattr(serve, "THREAD_BYTES", 1)  # every state is large ...
     async with swarm(run_config("sync"), tmp_path) as s:
         peers = [await s.start(max_steps=2, metrics=True) for _ in range(2)]
         for p in peers:  # ... and takes a while to hash (about 3 s for the built-in GPT on 2 cores)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_training import check_identical_per_epoch, run_config, swarm, validation_loss
 
-from p2ptrain.training import checkpoint
-from p2ptrain.training.state import StateError
+from p2ptrain.training.state import checkpoint
+from p2ptrain.training.state.codec import StateError
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,9 +23,9 @@ from test_training import Peer, Swarm, run_config, swarm, take_local_steps
 
 from p2ptrain.errors import PeerUnavailable
 from p2ptrain.net.memory import LinkProfile
-from p2ptrain.training import layout, statesync
-from p2ptrain.training.fetch import Fetcher
 from p2ptrain.training.progress import PeerProgress
+from p2ptrain.training.state import chunks, serve
+from p2ptrain.training.state.download import Fetcher
 
 WIDTH = 768  # ~0.6M parameters: with AdamW's moments the state is 7 chunks
 
@@ -83,14 +83,14 @@ async def test_a_donor_killed_mid_transfer_leaves_the_rest_to_another(autojump_c
         victim: list[Peer] = []
 
         def kill_the_donor_after_three_chunks(got: int, size: int) -> None:
-            if got >= 3 * layout.CHUNK and not victim:
+            if got >= 3 * chunks.CHUNK and not victim:
                 victim.append(next(p for p in (a, b) if chunks_served(p)))  # one range holds every chunk
                 s.crash(victim[0])
 
         f.on_progress = kill_the_donor_after_three_chunks
         got = await f.fetch(records([a, b]), want_epoch=2, expected=lambda e: a.opt.digest)
         survivor = b if victim[0] is a else a
-        assert got.delivered[victim[0].node.peer_id] >= 3 * layout.CHUNK
+        assert got.delivered[victim[0].node.peer_id] >= 3 * chunks.CHUNK
         assert survivor.opt.server is not None
         assert survivor.opt.server.served_bytes == got.delivered[survivor.node.peer_id] > 0  # none twice
         assert sum(got.delivered.values()) == sum(t.numel() * t.element_size() for t in got.tensors.values())
@@ -106,7 +106,7 @@ async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
         assert liar.opt.server is not None
         prepare = liar.opt.server._prepare
 
-        async def corrupting() -> statesync.Snapshot | None:
+        async def corrupting() -> serve.Snapshot | None:
             snap = await prepare()
             assert snap is not None
             read = snap.read
@@ -120,7 +120,8 @@ async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
 
         liar.opt.server._prepare = corrupting
         f = fetcher(joiner)
-        with caplog.at_level(logging.WARNING, "p2ptrain.training.fetch"), pytest.raises(PeerUnavailable):
+        download_log = caplog.at_level(logging.WARNING, "p2ptrain.training.state.download")
+        with download_log, pytest.raises(PeerUnavailable):
             await f.fetch(records([liar]), want_epoch=2, expected=lambda e: honest.opt.digest)
         named = f"{liar.node.peer_id.short()}: sent a corrupted chunk 3"
         assert any(line.startswith(named) for line in f.failures) and f.blamed == {liar.node.peer_id}
@@ -163,7 +164,7 @@ async def test_a_peer_fetches_only_the_chunks_its_own_state_lacks(autojump_clock
             records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=joiner.opt._reuse
         )
         size = sum(t.numel() * t.element_size() for t in got.tensors.values())
-        assert 0 < got.delivered[donor.node.peer_id] <= layout.CHUNK < size / 4
+        assert 0 < got.delivered[donor.node.peer_id] <= chunks.CHUNK < size / 4
         assert chunks_served(donor) == 1
         joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
         assert joiner.opt.digest == donor.opt.digest
@@ -184,17 +185,17 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
 ) -> None:
     """The snapshot is written in a worker thread (states over THREAD_BYTES; lowered here), held up
     until the test has pinged the donor: the ping is answered meanwhile, then the download completes."""
-    monkeypatch.setattr(statesync, "THREAD_BYTES", 1)
+    monkeypatch.setattr(serve, "THREAD_BYTES", 1)
     release = threading.Event()
     entered = threading.Event()
-    real_write = statesync.write_snapshot
+    real_write = serve.write_snapshot
 
-    def slow_write(live: statesync.LiveState) -> statesync.Snapshot:
+    def slow_write(live: serve.LiveState) -> serve.Snapshot:
         entered.set()
         assert release.wait(timeout=60)
         return real_write(live)
 
-    monkeypatch.setattr(statesync, "write_snapshot", slow_write)
+    monkeypatch.setattr(serve, "write_snapshot", slow_write)
     async with swarm(run_config("sync")) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         # hashed in threads too (one per step taken): wait until the last of them is done

@@ -27,8 +27,8 @@ from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork, memory
-from p2ptrain.training import checkpoint, model_state, statesync
 from p2ptrain.training.collaborative import CollaborativeOptimizer
+from p2ptrain.training.state import capture, checkpoint, serve
 
 PORT = 4000
 BATCH = 8
@@ -751,7 +751,7 @@ async def test_large_model_paths_in_worker_threads_keep_peers_identical(
     """With every state treated as large (accumulating, inner steps, applying rounds, digests and
     snapshots in worker threads, the state held still meanwhile), peers still publish one digest per
     step, and a late joiner downloads the state and averages with them."""
-    monkeypatch.setattr(statesync, "THREAD_BYTES", 1)
+    monkeypatch.setattr(serve, "THREAD_BYTES", 1)
     digests: dict[int, set[bytes]] = {}
 
     def watch(peer: Peer) -> None:
@@ -786,7 +786,7 @@ async def test_a_diloco_checkpoint_of_the_earlier_layout_still_restores() -> Non
             for g in a.opt.global_params:
                 g.add_(0.5)  # global parameters that differ from the local ones
         extra = {f"global.{n}": g for n, g in zip(a.opt.names, a.opt.global_params, strict=True)}
-        tensors, meta = model_state.capture(a.model, {"outer": a.opt.outer}, extra=extra)
+        tensors, meta = capture.capture(a.model, {"outer": a.opt.outer}, extra=extra)
         meta["p2ptrain.epoch"] = "4"
         b.opt.restore(tensors, meta)
         assert b.opt.epoch == 4

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from p2ptrain.training import checkpoint
-from p2ptrain.training.checkpoint import META_FILE, STATE_FILE, latest, save
-from p2ptrain.training.state import digest
+from p2ptrain.training.state import checkpoint
+from p2ptrain.training.state.checkpoint import META_FILE, STATE_FILE, latest, save
+from p2ptrain.training.state.codec import digest
 
 
 def state(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

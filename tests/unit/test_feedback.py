@@ -10,7 +10,7 @@ from p2ptrain.averaging import sparse
 from p2ptrain.averaging.compression import Compression, roundtrip
 from p2ptrain.training.buffers import ParamBuffer
 from p2ptrain.training.feedback import ErrorFeedback
-from p2ptrain.training.state import StateError
+from p2ptrain.training.state.codec import StateError
 
 MODE = Compression.TOPK1_Q2
 

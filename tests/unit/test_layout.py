@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from p2ptrain.training import layout as lay
-from p2ptrain.training import model_state, state
-from p2ptrain.training.layout import CHUNK, Layout
-from p2ptrain.training.state import StateError
+from p2ptrain.training.state import capture, codec
+from p2ptrain.training.state import chunks as lay
+from p2ptrain.training.state.chunks import CHUNK, Layout
+from p2ptrain.training.state.codec import StateError
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -121,17 +121,17 @@ def test_tied_weights_are_captured_once_and_restored_only_into_a_model_that_ties
         return m
 
     src = model(True)
-    tensors_, meta = model_state.capture(src)
-    assert list(tensors_) == ["model.0.weight"] and json.loads(meta[state.TIED_KEY]) == {
+    tensors_, meta = capture.capture(src)
+    assert list(tensors_) == ["model.0.weight"] and json.loads(meta[codec.TIED_KEY]) == {
         "1.weight": "0.weight"
     }
     dst = model(True)
     with torch.no_grad():
         dst[0].weight.zero_()
-    model_state.restore(dst, {}, tensors_, meta)
+    capture.restore(dst, {}, tensors_, meta)
     assert torch.equal(dst[1].weight, src[0].weight) and dst[1].weight is dst[0].weight
     untied = model(False)
     with pytest.raises(StateError, match="keeps them apart"):
-        model_state.restore(untied, {}, tensors_, meta)
+        capture.restore(untied, {}, tensors_, meta)
     with pytest.raises(StateError, match="lacks model entry"):
-        model_state.restore(untied, {}, tensors_, {k: v for k, v in meta.items() if k != state.TIED_KEY})
+        capture.restore(untied, {}, tensors_, {k: v for k, v in meta.items() if k != codec.TIED_KEY})

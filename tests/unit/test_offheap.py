@@ -1,4 +1,5 @@
-"""File-backed tensors (``training.offheap``): ordinary tensors whose pages can leave the resident set.
+"""File-backed tensors (``training.state.file_tensors``): ordinary tensors whose pages can leave the
+resident set.
 
 What is proved here: the tensors start as zeros with the shapes and dtypes asked for, each on its own
 pages; ``read`` gives exactly the bytes the tensor holds (including writes made through the mapping);
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.training import checkpoint, state
-from p2ptrain.training.offheap import PAGE, FileTensors
+from p2ptrain.training.state import checkpoint, codec
+from p2ptrain.training.state.file_tensors import PAGE, FileTensors
 
 SMAPS = Path("/proc/self/smaps")
 
@@ -99,6 +100,6 @@ def test_a_checkpoint_reads_file_backed_tensors_from_the_file_and_writes_the_sam
     assert (via_source / checkpoint.STATE_FILE).read_bytes() == (
         in_place / checkpoint.STATE_FILE
     ).read_bytes()
-    assert state.digest(tensors, ft) == state.digest(tensors)
+    assert codec.digest(tensors, ft) == codec.digest(tensors)
     step, loaded, meta, _ = checkpoint.latest(tmp_path / "a")  # type: ignore[misc]
     assert step == 3 and meta["k"] == "v" and all(torch.equal(loaded[k], tensors[k]) for k in tensors)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.training import checkpoint, state
+from p2ptrain.training.state import checkpoint, codec
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 safetensors = pytest.importorskip("safetensors")
@@ -39,7 +39,7 @@ def test_a_checkpoint_reads_with_the_reference_package(tmp_path: Path) -> None:
 
 def test_the_strict_decoder_reads_what_the_reference_package_writes() -> None:
     data = safetensors_torch.save(tensors(), metadata={"k": "v"})
-    decoded, metadata = state.decode(data)
+    decoded, metadata = codec.decode(data)
     assert metadata == {"k": "v"}
     assert decoded.keys() == tensors().keys()
     assert all(torch.equal(decoded[k], v) and decoded[k].dtype == v.dtype for k, v in tensors().items())

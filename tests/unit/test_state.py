@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from p2ptrain.errors import LocalProtocolError, RemoteProtocolError
-from p2ptrain.training.model_state import capture, restore
-from p2ptrain.training.state import (
+from p2ptrain.training.state.capture import capture, restore
+from p2ptrain.training.state.codec import (
     DTYPES,
     FORMAT_KEY,
     MAX_HEADER,

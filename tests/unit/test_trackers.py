@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from p2ptrain.training.trackers import open_tracker, scalars
+from p2ptrain.training.loop.trackers import open_tracker, scalars
 
 
 def test_no_tracker_asked_for_is_none(tmp_path: Path) -> None:

@@ -36,16 +36,16 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from ..errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocolError
-from ..identity import PeerID
-from ..net.connection import Connection
-from ..net.host import Host
-from ..net.streams import RpcStream
-from . import layout as lay
-from . import state
-from .layout import HASH_BYTES, Layout
-from .progress import PeerProgress
-from .statesync import (
+from ...errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocolError
+from ...identity import PeerID
+from ...net.connection import Connection
+from ...net.host import Host
+from ...net.streams import RpcStream
+from ..optimizer.progress import PeerProgress
+from . import chunks as lay
+from . import codec
+from .chunks import HASH_BYTES, Layout
+from .serve import (
     MAX_META_BYTES,
     STATE_CHUNKS,
     STATE_INFO,
@@ -323,7 +323,7 @@ class Fetcher:
 
     async def _manifest_from(self, offer: Offer) -> Partial:
         i = offer.info
-        if i.header > state.MAX_HEADER or i.meta > MAX_META_BYTES or i.chunks != -(-i.size // lay.CHUNK):
+        if i.header > codec.MAX_HEADER or i.meta > MAX_META_BYTES or i.chunks != -(-i.size // lay.CHUNK):
             raise RemoteProtocolError(f"implausible manifest sizes {i.header}/{i.chunks}/{i.meta}")
         total = i.header + i.chunks * HASH_BYTES + i.meta
         async with offer.conn.open_stream(
@@ -344,7 +344,7 @@ class Fetcher:
         hashes = lay.split_hashes(parts[1], layout.chunks)
         if lay.root(i.epoch, layout, hashes) != i.root:
             raise RemoteProtocolError("its manifest does not match the state's digest")
-        meta = state.parse_json(parts[2], "state metadata")
+        meta = codec.parse_json(parts[2], "state metadata")
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise RemoteProtocolError("state metadata must be an object of strings")
         log.info("downloading step %d's state: %s", i.epoch, layout.describe())

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import LocalProtocolError
-from . import state
-from .state import Source, StateError
+from ...errors import LocalProtocolError
+from . import codec
+from .codec import Source, StateError
 
 CHUNK = 1 << 20
 """Bytes per chunk: one channel record, so a chunk travels (and is decrypted) in one piece."""
@@ -84,7 +84,7 @@ class Layout:
         entries, offset, header = [], 0, {}
         for name in sorted(tensors):
             t = tensors[name]
-            dtype_name = state.dtype_name(t, name)
+            dtype_name = codec.dtype_name(t, name)
             nbytes = t.numel() * t.element_size()
             entries.append(Entry(name, t.dtype, tuple(t.shape), offset, offset + nbytes))
             header[name] = {
@@ -99,9 +99,9 @@ class Layout:
     def parse(cls, header: bytes, *, max_tensors: int = 100_000) -> Layout:
         """Validate a header from the network: strict JSON, known dtypes, offsets that tile the data
         section in name order. Raises :class:`StateError`."""
-        if len(header) > state.MAX_HEADER:
-            raise StateError(f"state header is {len(header)} bytes, over {state.MAX_HEADER}")
-        doc = state.parse_json(header, "state header")
+        if len(header) > codec.MAX_HEADER:
+            raise StateError(f"state header is {len(header)} bytes, over {codec.MAX_HEADER}")
+        doc = codec.parse_json(header, "state header")
         if not isinstance(doc, dict):
             raise StateError(f"state header is a JSON {type(doc).__name__}, not an object")
         if len(doc) > max_tensors:
@@ -109,7 +109,7 @@ class Layout:
         entries = []
         cursor = 0
         for name in sorted(doc):
-            begin, end, _, dtype, shape = state.check_entry(state.check_name(name), doc[name], 1 << 62)
+            begin, end, _, dtype, shape = codec.check_entry(codec.check_name(name), doc[name], 1 << 62)
             if begin != cursor:
                 raise StateError(f"tensor {name!r} starts at byte {begin}, not {cursor}: out of name order")
             entries.append(Entry(name, dtype, tuple(shape), begin, end))

@@ -2,7 +2,7 @@
 
 Theory of operation. A host with N devices runs one node process (rank 0: the p2p node, the trainer, the
 CollaborativeOptimizer, on ``devices[0]``) and N - 1 worker processes (``python -m
-p2ptrain.training.local_worker``, ranks 1..N-1, one per other device), joined by ``torch.distributed``
+p2ptrain.training.local.worker``, ranks 1..N-1, one per other device), joined by ``torch.distributed``
 inside the host: NCCL when the devices are CUDA, gloo on CPU. The swarm sees one peer whose batches are
 N times bigger, as INTELLECT-1's ElasticDeviceMesh keeps the WAN group apart from the local one.
 
@@ -58,10 +58,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore, where mypy sees its types
 
-from ..config import RunConfig
-from ..errors import ConfigError
-from ..tasks import Task
-from .local_procs import (
+from ...config import RunConfig
+from ...errors import ConfigError
+from ...tasks import Task
+from .processes import (
     GLOO_INTERFACE,
     describe,
     first_line,
@@ -71,7 +71,7 @@ from .local_procs import (
     loopback_store,
     peek,
 )
-from .local_worker import (
+from .worker import (
     COMPUTE,
     DIGEST,
     GO_KEY,
@@ -475,7 +475,7 @@ class LocalGroup:
             "--sys-path": json.dumps([os.path.abspath(p) if p else os.getcwd() for p in sys.path]),
             "--log-level": log.getEffectiveLevel(),
         }
-        command = [sys.executable, "-m", "p2ptrain.training.local_worker"]
+        command = [sys.executable, "-m", "p2ptrain.training.local.worker"]
         for flag, value in args.items():
             command += [flag, str(value)]
         return command

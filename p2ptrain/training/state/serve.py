@@ -1,7 +1,7 @@
 """State download, the donor's side: serve one consistent snapshot of the state, chunk by chunk.
 
 Theory of operation: a peer that joins late, missed a step or diverged downloads the model and optimizer
-state from peers that have it (``fetch``). A state may be many gigabytes and a joiner's link slow, so
+state from peers that have it (:mod:`.download`). A state may be many gigabytes and a joiner's link slow, so
 nothing here bounds a whole transfer; every piece is small and checked on arrival.
 
 A donor serves three methods:
@@ -36,15 +36,15 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from ..errors import CallRefused
-from ..identity import PeerID
-from ..net.rpc import CallContext, Method, RpcRegistry
-from ..net.streams import RpcStream
-from ..wire.schema import Message, bounded
-from . import layout as lay
-from .layout import MAX_CHUNKS, Layout
-from .progress import DIGEST_BYTES
-from .state import Source
+from ...errors import CallRefused
+from ...identity import PeerID
+from ...net.rpc import CallContext, Method, RpcRegistry
+from ...net.streams import RpcStream
+from ...wire.schema import Message, bounded
+from ..optimizer.progress import DIGEST_BYTES
+from . import chunks as lay
+from .chunks import MAX_CHUNKS, Layout
+from .codec import Source
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ ending at the last byte) with ``end - begin == numel * itemsize``. Every violati
 the buffer, so the result never aliases memory the caller reuses.
 
 Capturing a model and its optimizers into tensors and metadata, and restoring them after a check
-against the local ones, is :mod:`.model_state`; this module is the byte format they travel in.
+against the local ones, is :mod:`.capture`; this module is the byte format they travel in.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import LocalProtocolError, RemoteProtocolError
+from ...errors import LocalProtocolError, RemoteProtocolError
 
 if sys.byteorder != "little":  # safetensors is little-endian and encode() sends native memory as it is
     raise ImportError("p2ptrain's state format needs a little-endian host")
@@ -52,7 +52,7 @@ TIED_KEY = "p2ptrain.tied"
 
 FORMAT_KEY = "p2ptrain.format"
 FORMAT_VERSION = "1"
-"""``metadata[FORMAT_KEY]`` written by ``model_state.capture`` and required by ``model_state.restore``."""
+"""``metadata[FORMAT_KEY]`` written by ``capture.capture`` and required by ``capture.restore``."""
 
 DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {
@@ -104,7 +104,7 @@ def _dtype_name(tensor: torch.Tensor, name: str) -> str:
 
 
 class Source(Protocol):
-    """Tensors read from elsewhere than their memory (see ``offheap.FileTensors``): file-backed ones,
+    """Tensors read from elsewhere than their memory (see ``file_tensors.FileTensors``): file-backed ones,
     whose pages reading them in place would map into the process."""
 
     def owns(self, t: torch.Tensor) -> bool: ...
@@ -132,7 +132,7 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 
     The memoryview keeps the tensor alive (through the NumPy array it views), so it stays valid after
     the caller drops the tensor; it reflects later in-place writes to the tensor, which is why callers
-    encode snapshots (``model_state.capture`` clones).
+    encode snapshots (``capture.capture`` clones).
     """
     t = tensor.detach()
     if t.device.type != "cpu":
@@ -341,7 +341,7 @@ def digest(tensors: Mapping[str, torch.Tensor], source: Source | None = None) ->
     return h.digest()
 
 
-# ---- helpers shared with model_state.py and the chunked layout (layout.py) ---------------------------
+# ---- helpers shared with capture.py and the chunked layout (chunks.py) -------------------------------
 
 
 def dtype_name(tensor: torch.Tensor, name: str) -> str:

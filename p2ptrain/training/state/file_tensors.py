@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..averaging.spill import read_exact
+from ...averaging.spill import read_exact
 
 PAGE = mmap.PAGESIZE
 

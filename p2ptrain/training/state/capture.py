@@ -16,7 +16,7 @@ the local implementation (``foreach``, ``fused``, ...) stay local. Per-parameter
 have the shape and dtype of their parameter (or of the local state they replace), be finite and, for
 second moments, non-negative; Adam's state must be complete.
 
-The result travels and rests in the byte format of :mod:`.state` (encode, strict decode, digest).
+The result travels and rests in the byte format of :mod:`.codec` (encode, strict decode, digest).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..errors import LocalProtocolError
-from .state import FORMAT_KEY, FORMAT_VERSION, TIED_KEY, StateError, check_name, dtype_name, parse_json
+from ...errors import LocalProtocolError
+from .codec import FORMAT_KEY, FORMAT_VERSION, TIED_KEY, StateError, check_name, dtype_name, parse_json
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 

@@ -32,14 +32,14 @@ from typing import Any, Protocol
 import torch
 import trio
 
-from ..averaging.averager import MAX_PARTNERS
-from ..averaging.grouping import JOIN_GRACE
-from ..config import RunConfig
-from ..identity import PeerID
-from ..node import Node
-from ..tasks import Task
-from . import checkpoint
-from .collaborative import CollaborativeOptimizer
+from ...averaging.averager import MAX_PARTNERS
+from ...averaging.grouping import JOIN_GRACE
+from ...config import RunConfig
+from ...identity import PeerID
+from ...node import Node
+from ...tasks import Task
+from ..optimizer.collaborative import CollaborativeOptimizer
+from ..state import checkpoint
 from .data_swarm import reading_for
 from .trackers import Tracker, open_tracker, scalars
 
@@ -325,7 +325,7 @@ class Trainer:
             "partners": sorted(str(p) for p in self.node.averager.partners)[:MAX_PARTNERS],
         }
         keep = self.config.checkpoint.keep
-        # (a file-backed outer state is read from its file, not through its mapping: see offheap)
+        # (a file-backed outer state is read from its file, not through its mapping: see state.file_tensors)
         path = checkpoint.save(
             folder, self.opt.epoch, tensors, meta, info, keep=keep, source=self.opt.outer_file
         )

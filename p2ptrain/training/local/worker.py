@@ -1,7 +1,7 @@
 """A local data-parallel worker, and the protocol every rank of a local group speaks.
 
-Rank 0 (:class:`~.local_group.LocalGroup`, in the node process) starts the workers as ``python -m
-p2ptrain.training.local_worker --rank R --world-size N --store HOST:PORT ...`` (see
+Rank 0 (:class:`~.group.LocalGroup`, in the node process) starts the workers as ``python -m
+p2ptrain.training.local.worker --rank R --world-size N --store HOST:PORT ...`` (see
 ``LocalGroup._worker_command``); nobody runs this by hand.
 
 Theory of operation: a worker builds the task and the model exactly as the trainer does (the run's
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore, where mypy sees its types
 
-from ..errors import ConfigError
-from ..tasks import load_task
-from .state import digest as state_digest
+from ...errors import ConfigError
+from ...tasks import load_task
+from ..state.codec import digest as state_digest
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ IDLE_WAIT = datetime.timedelta(minutes=10)  # one store wait; a timeout just mea
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m p2ptrain.training.local_worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m p2ptrain.training.local.worker", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--store", required=True, help="HOST:PORT of rank 0's TCPStore")

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore, where mypy sees its types
 
-log = logging.getLogger("p2ptrain.training.local_group")  # (the group's lines, as before)
+log = logging.getLogger("p2ptrain.training.local.group")  # (the group's lines, as before)
 
 GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"  # gloo listens on this interface: loopback, for a group inside a host
 

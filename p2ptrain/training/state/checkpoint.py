@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 :func:`save` writes ``folder/.tmp-step-000000123-<random>/`` holding ``state.safetensors`` (the
-:mod:`~p2ptrain.training.state` encoding) and ``meta.json`` (format, step, the file's size and BLAKE2b
+:mod:`~p2ptrain.training.state.codec` encoding) and ``meta.json`` (format, step, the file's size and BLAKE2b
 hash, the state digest, the caller's info), fsyncs both files and that directory, renames it to
 ``folder/step-000000123``, and fsyncs ``folder`` so the rename itself is durable. A crash therefore
 leaves either a complete ``step-*`` directory or none plus a ``.tmp-*`` leftover, which the next save
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..errors import P2PError
-from . import state
+from ...errors import P2PError
+from . import codec
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ def save(
     info: Mapping[str, Any],
     *,
     keep: int = 2,
-    source: state.Source | None = None,
+    source: codec.Source | None = None,
 ) -> Path:
     """Write ``folder/step-<step>`` atomically and durably, then prune to the newest ``keep``; return it.
 
     ``info`` must be JSON-serializable. Saving a step that already exists replaces it. One writer per
     folder: a save removes the temporary directories it finds there as crash leftovers. Raises
     :class:`ValueError` for a bad step, keep or info; :class:`OSError` from the filesystem. The tensors
-    ``source`` owns are read through it (file-backed ones: see ``offheap``).
+    ``source`` owns are read through it (file-backed ones: see ``file_tensors``).
     """
     if type(step) is not int or not 0 <= step < 10**18:
         raise ValueError(f"checkpoint step must be an int in [0, 1e18), got {step!r}")
@@ -143,11 +143,11 @@ def save(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(folder)
-    encoded = state.encode(tensors, metadata)  # before touching the disk: bad names or dtypes raise here
+    encoded = codec.encode(tensors, metadata)  # before touching the disk: bad names or dtypes raise here
     # encode's pieces: the header, then each non-empty tensor's bytes in name order
-    streamed = (state.pieces_of(tensors[n], source) for n in sorted(tensors) if tensors[n].numel())
+    streamed = (codec.pieces_of(tensors[n], source) for n in sorted(tensors) if tensors[n].numel())
     pieces = itertools.chain(encoded[:1], itertools.chain.from_iterable(streamed))
-    meta: dict[str, Any] = {"format": FORMAT, "step": step, "digest": state.digest(tensors, source).hex()}
+    meta: dict[str, Any] = {"format": FORMAT, "step": step, "digest": codec.digest(tensors, source).hex()}
     try:
         json.dumps(dict(info))
     except (TypeError, ValueError) as exc:
@@ -215,7 +215,7 @@ def _read_state(path: Path, meta: Mapping[str, Any]) -> tuple[dict[str, torch.Te
         with memoryview(mapped) as view:
             if hashlib.blake2b(view, digest_size=32).hexdigest() != meta["file_blake2b"]:
                 raise CheckpointCorrupt(f"{STATE_FILE} does not match the hash in {META_FILE}")
-            return state.decode(view)
+            return codec.decode(view)
     finally:
         # A view can outlive this frame in a traceback; the map then closes when that view goes.
         with contextlib.suppress(BufferError):
@@ -225,7 +225,7 @@ def _read_state(path: Path, meta: Mapping[str, Any]) -> tuple[dict[str, torch.Te
 def _load(path: Path, step: int) -> Checkpoint:
     meta = _read_meta(path / META_FILE, step)
     tensors, metadata = _read_state(path / STATE_FILE, meta)
-    if state.digest(tensors).hex() != meta["digest"]:
+    if codec.digest(tensors).hex() != meta["digest"]:
         raise CheckpointCorrupt("decoded state does not match the digest recorded when it was saved")
     return step, tensors, metadata, meta["info"]
 

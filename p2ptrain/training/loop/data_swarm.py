@@ -12,8 +12,8 @@ from typing import Any
 
 import trio
 
-from ..identity import PeerID
-from ..node import Node
+from ...identity import PeerID
+from ...node import Node
 
 Trusted = Callable[[], Collection[PeerID] | None]
 
