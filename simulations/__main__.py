@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 from p2ptrain.errors import ConfigError
-
-from .scenario import REPO_ROOT, SCENARIOS_DIR, Scenario, load_scenario
+from simulations.replay.scenario import REPO_ROOT, SCENARIOS_DIR, Scenario, load_scenario
 
 DEFAULT_REPORTS = REPO_ROOT / "simulations" / "reports"
 
@@ -79,7 +78,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runner import RunOptions, run_scenario
+    from simulations.replay.runner import RunOptions, run_scenario
 
     scenario = scenario_from_args(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -101,7 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import load_run, render
+    from simulations.replay.report import load_run, render
 
     folder = Path(args.folder)
     summary = render(load_run(folder), folder)
@@ -110,7 +109,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .suite import main as suite_main
+    from simulations.benchmarks.suite import main as suite_main
 
     return suite_main(args)
 
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="analyse a report folder again (after changing the analysis)")
     r.add_argument("folder")
     r.set_defaults(fn=cmd_report)
-    from .suite import add_arguments
+    from simulations.benchmarks.suite import add_arguments
 
     b = sub.add_parser("bench", help="run the benchmark suite; write simulations/results/ and SUMMARY.md")
     add_arguments(b)

@@ -1,4 +1,4 @@
-"""The NAT lab (``simulations.natlab``), with real ``p2ptrain node`` processes behind real MASQUERADE
+"""The NAT lab (``simulations.labs.natlab``), with real ``p2ptrain node`` processes behind real MASQUERADE
 routers: a home node that nobody can dial prints an address through the public peer, and a second home
 user who pastes only that address gets into the swarm (the first home node through the relay, then the
 public peer); the two home nodes then punch a hole and connect directly (endpoint-independent routers),
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from simulations.natlab import PUBLIC, NatLab, _node, relay_join, unavailable
-from simulations.netns import list_namespaces, read_line
+from simulations.labs.natlab import PUBLIC, NatLab, _node, relay_join, unavailable
+from simulations.labs.netns import list_namespaces, read_line
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from simulations.netns import NetnsLab, list_namespaces, measure_goodput, read_line, unavailable
+from simulations.labs.netns import NetnsLab, list_namespaces, measure_goodput, read_line, unavailable
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

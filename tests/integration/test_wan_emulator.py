@@ -15,8 +15,8 @@ import trio
 
 from p2ptrain import Identity, Node, NodeConfig
 from p2ptrain.nodebase import PING, PingRequest
-from simulations.wan import LinkProfile, TokenBucket, WanSwitch
-from simulations.wan_check import measure
+from simulations.labs.wan import LinkProfile, TokenBucket, WanSwitch
+from simulations.benchmarks.wan_emulator import measure
 
 pytestmark = pytest.mark.timeout(60)
 

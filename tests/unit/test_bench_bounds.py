@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from simulations.bench_allreduce import SCENARIOS, Scenario, link_bound_s
+from simulations.benchmarks.allreduce import SCENARIOS, Scenario, link_bound_s
 
 S = 25e6  # bytes per peer
 
@@ -32,7 +32,7 @@ def test_moderately_uneven_links_share_out_so_that_every_member_finishes_togethe
 
 
 def test_the_summary_row_of_uneven_links_names_them_and_claims_no_equal_link_target(tmp_path):
-    from simulations.suite import allreduce_rows
+    from simulations.benchmarks.suite import allreduce_rows
 
     sc = SCENARIOS["netns-uneven"]
     report = {

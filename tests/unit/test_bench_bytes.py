@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from simulations.bench_bytes import allgather_per_round, measured_payload, payload_per_round, sent_by_method
+from simulations.benchmarks.bytes_per_token import (
+    allgather_per_round,
+    measured_payload,
+    payload_per_round,
+    sent_by_method,
+)
 
 PARAMS = 814_464  # a quarter of the benchmark's model: one of four streaming fragments
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from p2ptrain.testing.adversary import ADVERSARIES
-from simulations.bench_hostile import (
+from simulations.benchmarks.hostile import (
     SCENARIOS,
     TOLERANCE,
     assess,
@@ -26,8 +26,8 @@ from simulations.bench_hostile import (
     reanalyse_one,
     variant,
 )
-from simulations.scenario import SCENARIOS_DIR, load_scenario
-from simulations.suite import NAMES, hostile_rows, plan
+from simulations.benchmarks.suite import NAMES, hostile_rows, plan
+from simulations.replay.scenario import SCENARIOS_DIR, load_scenario
 
 
 def test_every_attack_runs_on_the_scenarios_hostile_peers_and_the_baseline_has_none() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from p2ptrain.tasks.gpt import GPTConfig
-from simulations.bench_scale import (
+from simulations.benchmarks.scale import (
     BLOCK_SIZE,
     SIZES,
     downsample,
@@ -20,7 +20,7 @@ from simulations.bench_scale import (
     round_summary,
     rss_multiple,
 )
-from simulations.bench_statesync import (
+from simulations.benchmarks.statesync import (
     attempts,
     download_figures,
     failure_reason,
@@ -236,7 +236,7 @@ def test_host_port_reads_multiaddrs_and_plain_addresses():
 
 
 def test_suite_rows_give_a_lower_bound_for_a_run_killed_for_memory_and_a_miss_for_a_failed_join(tmp_path):
-    from simulations.suite import scale_rows, statesync_rows
+    from simulations.benchmarks.suite import scale_rows, statesync_rows
 
     ok = {"size": "124m", "mode": "sync", "peers": 2, "status": "ok", "max_multiple": 5.5, "target": 6.0}
     ok |= {"met": True, "round_seconds_median": 3.0, "outcomes": {"node0": {"averaged": 2}}, "command": "c1"}

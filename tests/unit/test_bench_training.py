@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from simulations import bench_training
+from simulations.benchmarks import training as bench_training
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulations.large_models import main, table_rows
+from simulations.benchmarks.large_models import main, table_rows
 
 
 def test_a_row_is_the_link_bound_over_the_measured_efficiency(

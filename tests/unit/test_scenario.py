@@ -17,7 +17,7 @@ import pytest
 
 from p2ptrain.config import parse_config
 from p2ptrain.identity import PeerID
-from simulations.report import (
+from simulations.replay.report import (
     accuses,
     analyse,
     catch_ups,
@@ -29,8 +29,8 @@ from simulations.report import (
     rss_growth,
     scan_log,
 )
-from simulations.runner import Backend, PeerProc, Runner, RunOptions
-from simulations.scenario import (
+from simulations.replay.runner import Backend, PeerProc, Runner, RunOptions
+from simulations.replay.scenario import (
     SCENARIOS_DIR,
     Checks,
     ScenarioError,
@@ -802,7 +802,7 @@ def test_the_hosts_emulation_gives_each_peer_its_own_loopback_address() -> None:
     """Per-address and per-subnet limits (connections, DHT storage, group origins) tell peers apart by
     address: on plain loopback every peer is 127.0.0.1, one host. ``hosts`` gives peer i 127.0.0.(10+i)
     to listen on and dial from, with no switch in between."""
-    from simulations.runner import HostsBackend, make_backend
+    from simulations.replay.runner import HostsBackend, make_backend
 
     s = parse(MINIMAL).with_changes(emulation="hosts")
     backend = make_backend(s)

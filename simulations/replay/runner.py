@@ -1,4 +1,4 @@
-"""Replays a scenario (``simulations.scenario``) with real ``p2ptrain node`` processes on this machine.
+"""Replays a scenario (``simulations.replay.scenario``) with real ``p2ptrain node`` processes on this machine.
 
 Theory of operation. The runner merges the scenario's run file and overrides into ``run.toml`` in the
 report folder, sets up the emulation, then starts the peers that start at 0 s: the first one alone, and
@@ -12,15 +12,16 @@ longest. A hostile peer (its profile's ``adversary``) is started, and restarted,
 KIND``. At ``duration`` every live peer gets SIGTERM (it drains: the round in flight, a last
 checkpoint), and SIGKILL if it has not exited after ``STOP_TIMEOUT``. Every peer's ``node.log`` is then
 scanned for the lines that name another peer of the scenario (``report.scan_logs``: who accused whom),
-and ``simulations.report`` analyses the series, the metrics files and those scans and writes the report.
+and ``simulations.replay.report`` analyses the series, the metrics files and those scans and writes the
+report.
 
 Emulation (the report says which one ran):
 
-- ``userspace``: a :class:`simulations.wan.WanSwitch` in a thread of this process. Peer i listens on its
+- ``userspace``: a :class:`simulations.labs.wan.WanSwitch` in a thread of this process. Peer i listens on its
   own loopback address 127.0.0.(10+i), port 0; the switch learns the real port from the status file's
   ``listening`` field (after every restart) and the peer announces the switch's port for it and dials
   from its own address, so every byte between peers crosses the switch and its shaping.
-- ``netns``: a :class:`simulations.netns.NetnsLab` (root): one namespace per peer, its link shaped by
+- ``netns``: a :class:`simulations.labs.netns.NetnsLab` (root): one namespace per peer, its link shaped by
   ``tc tbf`` at the peer's rates in both directions; no latency (tbf has none).
 - ``none``: plain loopback.
 
@@ -48,8 +49,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from p2ptrain.errors import ConfigError
-
-from .scenario import REPO_ROOT, Event, PeerSpec, Scenario, merged_run, read_run_file, to_toml
+from simulations.replay.scenario import (
+    REPO_ROOT,
+    Event,
+    PeerSpec,
+    Scenario,
+    merged_run,
+    read_run_file,
+    to_toml,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +202,7 @@ class UserspaceBackend(Backend):
 
     def __init__(self, scenario: Scenario) -> None:
         super().__init__(scenario)
-        from .wan import LinkProfile, WanSwitch
+        from simulations.labs.wan import LinkProfile, WanSwitch
 
         profiles = [LinkProfile(**p.link) for p in scenario.peers]
         self._ctx: contextlib.AbstractContextManager[Any] | None = WanSwitch(
@@ -210,8 +218,8 @@ class UserspaceBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {
             "emulation": "userspace",
-            "what": "simulations.wan.WanSwitch: a userspace relay in front of every peer (token buckets per "
-            "peer and direction, one-way latency per access link, random cuts); no root needed",
+            "what": "simulations.labs.wan.WanSwitch: a userspace relay in front of every peer (token buckets "
+            "per peer and direction, one-way latency per access link, random cuts); no root needed",
             "ports": [self.switch.port(i) for i in range(len(self.scenario.peers))],
         }
 
@@ -253,7 +261,7 @@ class NetnsBackend(Backend):
 
     def __init__(self, scenario: Scenario) -> None:
         super().__init__(scenario)
-        from .netns import NetnsLab, unavailable
+        from simulations.labs.netns import NetnsLab, unavailable
 
         why = unavailable()
         if why:
@@ -270,8 +278,8 @@ class NetnsBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {
             "emulation": "netns",
-            "what": "simulations.netns.NetnsLab: one network namespace per peer behind a bridge, each link "
-            "shaped with tc tbf at the peer's upload and download rates; tbf has no delay, so latency, "
+            "what": "simulations.labs.netns.NetnsLab: one network namespace per peer behind a bridge, each "
+            "link shaped with tc tbf at the peer's upload and download rates; tbf has no delay, so latency, "
             "jitter and cuts are not emulated",
             "rates_mbit": [list(self.lab.rate_mbit(i)) for i in range(self.lab.n)],
         }
@@ -321,7 +329,7 @@ class HostsBackend(Backend):
         }
 
     def node_args(self, i: int) -> list[str]:
-        from .wan import FIRST_HOST
+        from simulations.labs.wan import FIRST_HOST
 
         host = f"127.0.0.{FIRST_HOST + i}"
         return ["--listen", f"{host}:0", "--source-address", host]
@@ -686,7 +694,7 @@ class Runner:
     # ---- what the report gets ----
 
     def collect(self) -> dict[str, Any]:
-        from .report import scan_logs
+        from simulations.replay.report import scan_logs
 
         peers = []
         for p in self.peers:
@@ -793,7 +801,7 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 def run_scenario(scenario: Scenario, options: RunOptions) -> dict[str, Any]:
     """Run and write the report; returns the summary (``summary["passed"]``: every check passed)."""
-    from .report import write_report
+    from simulations.replay.report import write_report
 
     runner = Runner(scenario, options)
     with terminate_as_interrupt():

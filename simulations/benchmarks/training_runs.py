@@ -1,4 +1,4 @@
-"""Helpers of ``simulations.bench_training``: run files, node processes, and what their metrics say.
+"""Helpers of ``simulations.benchmarks.training``: run files, node processes, and what their metrics say.
 
 Every process started here runs in a session (process group) of its own and is kept in a registry, so
 that :func:`kill_all` ends it and everything it started, whatever happened (an exception, Ctrl-C, a
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from simulations.environment import REPO_ROOT
-from simulations.netns import NetnsLab
+from simulations.benchmarks.environment import REPO_ROOT
+from simulations.labs.netns import NetnsLab
 
 PEERS = 4  # every swarm here has four peers
 LOOPBACK = "127.0.0.1"

@@ -13,9 +13,10 @@ its copies are in, so the two phases overlap.
 
 Addresses: the floor needs every peer's address (it dials peers with a lower index and accepts those with
 a higher one), so it waits for the harness's ``peers`` command; ``--join`` is accepted and unused. Run by
-``simulations.bench_allreduce`` (see its contract); alone::
+``simulations.benchmarks.allreduce`` (see its contract); alone::
 
-    python -m simulations.allreduce_floor --index 0 --peers 2 --mb 8 --rounds 3 --listen 127.0.0.1:0
+    python -m simulations.benchmarks.allreduce_floor --index 0 --peers 2 --mb 8 --rounds 3 \
+        --listen 127.0.0.1:0
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from simulations.bench_allreduce import (
+from simulations.benchmarks.allreduce import (
     Commands,
     emit,
     exact_mean,

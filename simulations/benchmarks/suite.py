@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bench_bytes import result_rows as bytes_rows
-from .nat_scenarios import result_rows as nat_rows
-from .scenario import REPO_ROOT
+from simulations.benchmarks.bytes_per_token import result_rows as bytes_rows
+from simulations.benchmarks.nat_training import result_rows as nat_rows
+from simulations.replay.scenario import REPO_ROOT
 
 RESULTS = REPO_ROOT / "simulations" / "results"
 TRAINING = ("equivalence", "heterogeneity", "utilization", "late-joiner")
@@ -593,7 +593,7 @@ def hostile_rows(results: Path) -> list[dict[str, Any]]:
                 f"global steps {r.get('final_step', '-')} (no attack: {r.get('baseline_final_step', '-')})"
             )
             if "attacker_cost" in r:
-                from .bench_hostile import cost_text
+                from simulations.benchmarks.hostile import cost_text
 
                 metric += f"; attackers spent: {cost_text(r['attacker_cost'])}"
             if again:

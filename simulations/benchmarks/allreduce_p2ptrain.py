@@ -3,9 +3,10 @@
 Each round: matchmaking under a key of its own (before the harness's "go": the contract times the
 all-reduce alone), then ``Averager.run_round`` on the "go", timed until this peer holds the average.
 Everything is what a user gets: encrypted and authenticated channels, the signed manifest and decision,
-fault tolerance on. Run by ``simulations.bench_allreduce`` (see its contract); alone::
+fault tolerance on. Run by ``simulations.benchmarks.allreduce`` (see its contract); alone::
 
-    python -m simulations.allreduce_p2ptrain --index 0 --peers 1 --mb 8 --rounds 2 --listen 127.0.0.1:0
+    python -m simulations.benchmarks.allreduce_p2ptrain --index 0 --peers 1 --mb 8 --rounds 2 \
+        --listen 127.0.0.1:0
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import trio
 
 from p2ptrain import AveragerConfig, Identity, Node, NodeConfig, PeerAddress
-from simulations.bench_allreduce import (
+from simulations.benchmarks.allreduce import (
     Commands,
     emit,
     exact_mean,

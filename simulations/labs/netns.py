@@ -20,7 +20,7 @@ Usage::
         server = lab.popen(1, [sys.executable, "-m", "some.server", "--listen", lab.address(1)])
         lab.run(0, ["ping", "-c", "1", lab.address(1)])
 
-    python -m simulations.netns check [--rate 100] [--seconds 3]   # measures TCP goodput through a link
+    python -m simulations.labs.netns check [--rate 100] [--seconds 3]   # measures TCP goodput through a link
 
 Needs root, ``ip`` and ``tc``; :func:`unavailable` says why a lab cannot be built here (or None).
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "198.18.0"  # in 198.18.0.0/15 (RFC 2544 benchmarking range): the only addresses a lab uses
 PREFIX_LEN = 24
 PEER_DEV = "eth0"
@@ -55,7 +55,7 @@ ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 # tbf: the bucket must hold a few milliseconds of traffic (a few GSO packets of up to 64 KB): a bucket
 # of one packet under-shoots the rate badly. The queue behind it (``latency``) is kept short: a long one
 # is bufferbloat and delays the acknowledgements of traffic going the other way. Measured with
-# `python -m simulations.netns check` (goodput / rate, 2 s of one TCP stream): at 100 Mbit/s any bucket
+# `python -m simulations.labs.netns check` (goodput / rate, 2 s of one TCP stream): at 100 Mbit/s any bucket
 # from 16 KB to 256 KB gives 0.96 (the rest is TCP/IP headers); at 1 Gbit/s a 16 KB bucket gives 0.75 and
 # 64 KB+ 0.95; at 10 Mbit/s a 1 MB bucket over-shoots (1.17). Hence a bucket of a few ms, at least 64 KB.
 DEFAULT_BURST_MS = 4.0  # bucket size in milliseconds of the link's rate ...
@@ -476,7 +476,9 @@ def check(rate_mbit: float, seconds: float, burst_kb: float | None, latency_ms: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.netns", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations.labs.netns", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("check", help="build a 2-peer lab and measure TCP goodput through one shaped link")
     p.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s (default 100)")

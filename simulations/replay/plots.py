@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import MARKERS, OUTCOMES, incarnation_rows
+from simulations.replay.report import MARKERS, OUTCOMES, incarnation_rows
 
 
 def _pyplot() -> Any:

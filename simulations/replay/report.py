@@ -54,8 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.identity import PeerID
-
-from .scenario import Scenario, parse_scenario
+from simulations.replay.scenario import Scenario, parse_scenario
 
 OUTCOMES = ("averaged", "alone", "aborted", "no_group", "synced")
 FAILURES = ("kill", "stop", "cut", "partition")
@@ -795,7 +794,7 @@ def load_run(out: Path) -> dict[str, Any]:
 def render(data: dict[str, Any], out: Path) -> dict[str, Any]:
     """Analyse, plot, and write summary.json and report.md."""
     summary = analyse(data)
-    from .plots import plot_all  # (matplotlib is imported only where plots are drawn)
+    from simulations.replay.plots import plot_all  # (matplotlib is imported only where plots are drawn)
 
     summary["plots"] = plot_all(data, out)
     summary["scenario_file"] = asdict(data["scenario"])

@@ -13,7 +13,7 @@ test.
   more processes on a loaded machine (each real peer process adds its own such delay); the one-way
   latency is half the median round trip (the client's own link has no latency, so it is the sink's).
 
-Run with ``python -m simulations.wan check --rate 50 --latency 80``.
+Run with ``python -m simulations.labs.wan check --rate 50 --latency 80``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from .wan import LinkProfile, WanSwitch
+from simulations.labs.wan import LinkProfile, WanSwitch
 
 # Run with `python -c PROBE MODE ...`: self-contained, every blocking call bounded.
 PROBE = r"""
@@ -154,7 +154,7 @@ async def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m simulations.wan", description="Measure one emulated link through the WAN switch."
+        prog="python -m simulations.labs.wan", description="Measure one emulated link through the WAN switch."
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("check", help="measure goodput and latency of one emulated link through the switch")

@@ -3,7 +3,7 @@
 A scenario says who the peers are (how fast each computes, its access link), what they train (a run
 file of ``configs/`` with overrides), what happens to them over time (kills, restarts, late joins, cuts,
 partitions, link changes) and what must hold at the end (checks). ``python -m simulations run FILE``
-replays it with real ``p2ptrain node`` processes (``simulations.runner``). The format::
+replays it with real ``p2ptrain node`` processes (``simulations.replay.runner``). The format::
 
     [scenario]
     name = "churn"                 # default: the file's name
@@ -82,8 +82,8 @@ Hostile peers. A peer with ``adversary`` runs the honest node with one attack sw
 inflated a hundredfold, or the partitions it reduces garbled. The others are the *honest* peers:
 ``identical`` and ``loss_decreases`` are judged over them only (an adversary may hold other parameters,
 or be banned and train alone), and ``offenders_named`` asks that for every adversary at least one honest
-peer's log accuses it by its short peer id (``simulations.report`` says which log lines count). At least
-one peer must be honest. Robust aggregation and audits are run-file settings
+peer's log accuses it by its short peer id (``simulations.replay.report`` says which log lines count). At
+least one peer must be honest. Robust aggregation and audits are run-file settings
 (``[run_overrides.averaging] aggregation = "trimmed_mean"``, ``audit = true``).
 
 Packet loss cannot be emulated over TCP without root (and this kernel has no netem): ``cuts_per_min``
@@ -107,8 +107,8 @@ from p2ptrain.config import MODES, RunConfig, parse_config
 from p2ptrain.errors import ConfigError
 from p2ptrain.testing.adversary import ADVERSARIES
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS_DIR = Path(__file__).resolve().parent / "scenarios"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS_DIR = REPO_ROOT / "simulations" / "scenarios"
 EMULATIONS = ("userspace", "netns", "hosts", "none")
 ACTIONS = ("kill", "restart", "start", "stop", "cut", "partition", "link")
 SWITCH_ACTIONS = ("cut", "partition", "link")  # need the userspace switch

@@ -57,7 +57,7 @@ From a synchronous program (a runner that starts peers as subprocesses)::
         argv = [..., "--announce", switch.announce(i), "--source-address", switch.source_address(i)]
         switch.set_upstream(i, ("127.0.0.1", port_i)); switch.partition(1, 5.0); switch.stats()
 
-    python -m simulations.wan check --rate 50 --latency 80 [--seconds 3]   # measures a link; prints JSON
+    python -m simulations.labs.wan check --rate 50 --latency 80 [--seconds 3]   # measures a link; prints JSON
 """
 
 from __future__ import annotations
@@ -644,6 +644,6 @@ class SwitchThread:
 
 
 if __name__ == "__main__":
-    from simulations.wan_check import main
+    from simulations.benchmarks.wan_emulator import main
 
     sys.exit(main())

@@ -1,6 +1,6 @@
 """hivemind's all-reduce as a peer of the all-reduce benchmark: ``hivemind.averaging.DecentralizedAverager``.
 
-Run by the interpreter that has hivemind (``--hivemind-python`` of ``simulations.bench_allreduce``, whose
+Run by the interpreter that has hivemind (``--hivemind-python`` of ``simulations.benchmarks.allreduce``, whose
 contract this follows). One ``hivemind.DHT`` (its own process and p2pd daemon) listening on ``--listen``
 and bootstrapping from ``--join``, and one averager over one fp32 tensor with the settings of our
 reference figures: ``target_group_size=N, min_group_size=N, min_matchmaking_time=2.0,
@@ -27,7 +27,7 @@ import time
 from functools import partial
 from typing import Any
 
-from simulations.bench_allreduce import (
+from simulations.benchmarks.allreduce import (
     Commands,
     emit,
     exact_mean,
