@@ -181,10 +181,9 @@ class Node:
             clock=clock,
         )
         self.host.on_connection(self._on_connection)
-        self.dht = DHT(self.host, config=config.dht, clock=clock)
+        self.dht = DHT(self.host, config=config.dht, clock=clock, relayed_address=self._relayed_address)
         self.host.punch.where = lambda: (self.dht.observed_host, self.dht.reachable)
         self.host.punch.located = self.dht.reachability_checked
-        self.dht.relayed_address = self._relayed_address
         self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
         self.members: list[Member] = []
         self._members_changed = trio.Event()  # a connection suggests the peer list changed: read it
@@ -358,6 +357,13 @@ class Node:
             published=self.clock(),
         )
 
+    def members_view(self) -> list[Member]:
+        """The run's members as the peer list says, but this node as it is now. The list holds the record
+        this node announced last, renewed every ``announce_ttl / 3``: the first one from before it
+        computed anything (throughput 0). That is what the others see of it, not what it knows of itself."""
+        me = self.peer_record()
+        return [Member(m.peer_id, me, m.expiry) if m.peer_id == self.peer_id else m for m in self.members]
+
     async def leave(self, timeout: float = 5.0) -> None:
         """Tell the swarm this node stops (its entry in the peer list says it left): a clean stop's
         last word, before ``run`` is cancelled. Bounded by ``timeout``; failures are logged."""
@@ -458,7 +464,7 @@ class Node:
             "bandwidth": self.averager.bandwidth,  # bytes/s it announces (0: not measured yet)
             "measured": dataclasses.asdict(self.averager.measured.best()),  # bytes/s each way, or None
             "dht": {"contacts": len(self.dht.table), "records": len(self.dht.records)},
-            "members": [member_json(m) for m in self.members],
+            "members": [member_json(m) for m in self.members_view()],
             "started_at": self._started,
             "updated_at": self.clock(),
         } | {name: section() for name, section in self.status_sections.items()}

@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 import trio
 
+from p2ptrain.net import MemoryNetwork
+from p2ptrain.node import Node, NodeConfig
 from p2ptrain.web import serve_http
+from tests.harness.identities import identity
 
 BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium")
 
@@ -113,6 +116,28 @@ async def test_metrics_health_status_api_and_refusals(nursery: trio.Nursery) -> 
         silent = await trio.open_tcp_stream("127.0.0.1", port)
         assert (await request(port, get("/healthz")))[0].startswith("HTTP/1.1 200")
         await silent.aclose()
+
+
+async def test_the_page_lists_this_node_once_at_the_rate_it_trains_now(nursery: trio.Nursery) -> None:
+    """The peer list of the page is the run's, as the DHT holds it; there, this node's own entry is the
+    record it last announced, at first one from before it trained (0 samples/s), replaced a minute or
+    more later. Its row on the page says what it does now, and it has one row."""
+    net = MemoryNetwork(seed=3)
+
+    def node(name: str, **kw: Any) -> Node:
+        config = NodeConfig(run_id="web", listen=((name, 1),), members_interval=0.2, **kw)
+        return Node(identity(name), config, transport=net.transport(name), clock=trio.current_time)
+
+    with trio.fail_after(30):
+        other = await nursery.start(node("web0").run)
+        me = await nursery.start(node("web1", join=(other.addresses[0],), metrics=("127.0.0.1", 0)).run)
+        while len(me.members) < 2:  # noqa: ASYNC110  # both announced before they trained, and read back
+            await trio.sleep(0.05)
+        me.throughput = lambda: 25.0  # it trains now (what the trainer tells the node)
+        line, body = await request(me.metrics_port, get("/api/status"))
+    assert line.startswith("HTTP/1.1 200")
+    rows = sorted((m["peer_id"], m["throughput"]) for m in json.loads(body)["status"]["members"])
+    assert rows == sorted([(str(me.peer_id), 25.0), (str(other.peer_id), 0.0)])
 
 
 @pytest.mark.skipif(BROWSER is None, reason="no Chromium here (.ci/run installs chromium-headless-shell)")
