@@ -18,7 +18,7 @@ import trio
 from p2ptrain import AveragerConfig, Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.net import MemoryNetwork
-from p2ptrain.training.collaborative import CollaborativeOptimizer
+from p2ptrain.training import CollaborativeOptimizer
 from tests.harness.identities import identity
 
 PORT = 4000

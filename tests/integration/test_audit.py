@@ -8,7 +8,6 @@ contributor answers the auditor with other bytes than those it committed to.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -24,6 +23,7 @@ from p2ptrain.averaging.protocol import ACCUSE, FetchReq, Manifest, MemberMsg, S
 from p2ptrain.errors import RemoteCallError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, MemoryNetwork
+from tests.harness.identities import identity
 
 PORT = 2200
 N = 4
@@ -46,7 +46,7 @@ async def audited_round(
     results: list[RoundResult] = []
     async with trio.open_nursery() as nursery:
         for i in range(N):
-            ident = Identity.from_seed(hashlib.blake2b(f"a{i}".encode(), digest_size=32).digest())
+            ident = identity(f"a{i}")
             host = Host(ident, "audit", transport=net.transport(f"a{i}"))
             averager = Averager(host, None)
             await nursery.start(host.run, [(f"a{i}", PORT)])

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import trio
-from test_training import TARGET, check_identical_per_epoch, run_config, swarm
 
 from p2ptrain.dht.peers import peers_key
+from tests.harness.training import TARGET, check_identical_per_epoch, run_config, swarm
 
 pytestmark = pytest.mark.timeout(300)
 WINDOW = 30.0  # virtual seconds of steady training measured

@@ -12,7 +12,6 @@ could send), not DHT instances.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -46,14 +45,11 @@ from p2ptrain.dht.routing import Contact, distance
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.net import CallContext, Host, LinkProfile, MemoryNetwork, PeerAddress, Reply, RpcRegistry
 from p2ptrain.wire.codec import pack
+from tests.harness.identities import identity
 
 RUN_ID = "dht-hostile"
 PORT = 1000
 RPC_TIMEOUT = DHTConfig().rpc_timeout
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
 
 
 @dataclass

@@ -5,11 +5,11 @@ such replicas, or when too few of them answer, it looks the key up as before and
 from __future__ import annotations
 
 import trio
-from test_dht_swarm import open_swarm
 
 from p2ptrain.dht import DHTConfig, key_id
 from p2ptrain.dht.reads import READ_HEDGE
 from p2ptrain.dht.service import SENDER_REFRESH
+from tests.harness.dht import open_swarm
 
 KEY = b"lean/hot"
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import trio
-from test_dht_swarm import open_swarm
 
 from p2ptrain.dht import DHTConfig, key_id, owned_subkey
 from p2ptrain.dht.protocol import OFFER, OfferReq, encode_entries
 from p2ptrain.dht.records import make_entry
 from p2ptrain.dht.service import OFFERS_PER_MINUTE
+from tests.harness.dht import open_swarm
 
 KEY = b"run/offers/progress"
 pytestmark = pytest.mark.timeout(120)

@@ -8,20 +8,18 @@ maintenance intervals, and its lookups work. On the code before, its table staye
 
 from __future__ import annotations
 
-import hashlib
-
 import trio
 
 from p2ptrain.dht import DHT, DHTConfig
-from p2ptrain.identity import Identity
 from p2ptrain.net import Host, MemoryNetwork, PeerAddress
+from tests.harness.identities import identity
 
 RUN_ID = "rebootstrap"
 PORT = 1000
 
 
 async def start(nursery: trio.Nursery, net: MemoryNetwork, name: str, join: list[PeerAddress]) -> DHT:
-    ident = Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+    ident = identity(name)
     host = Host(ident, RUN_ID, transport=net.transport(name))
     await nursery.start(host.run, [(name, PORT)])
     dht = DHT(host, config=DHTConfig(), clock=trio.current_time, seed=len(name))

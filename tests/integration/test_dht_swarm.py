@@ -13,94 +13,19 @@ expiry runs on the virtual clock. Timeouts cost no wall time under autojump.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import pytest
 import trio
 
-from p2ptrain.dht import DHT, DHTConfig, key_id, owned_subkey
+from p2ptrain.dht import DHTConfig, key_id, owned_subkey
 from p2ptrain.dht.peers import PeerRecord, announce, list_members
-from p2ptrain.identity import Identity, PeerID
-from p2ptrain.net import Host, HostConfig, MemoryNetwork, PeerAddress
+from p2ptrain.identity import PeerID
+from p2ptrain.net import HostConfig, MemoryNetwork
 from p2ptrain.node import MEMBERS_BACKOFF, Node, NodeConfig
-
-RUN_ID = "dht-swarm"
-PORT = 1000
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
-
-
-@dataclass
-class DhtNode:
-    """A Host and its DHT running under their own cancel scope, so a test can stop one node."""
-
-    name: str
-    host: Host
-    dht: DHT
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    stopped: trio.Event = field(default_factory=trio.Event)
-
-    @property
-    def address(self) -> PeerAddress:
-        return self.dht.advertised_address()
-
-
-class Swarm:
-    """Starts DHT nodes on one MemoryNetwork inside a test's nursery."""
-
-    def __init__(self, nursery: trio.Nursery, net: MemoryNetwork, config: DHTConfig) -> None:
-        self.nursery = nursery
-        self.net = net
-        self.config = config
-        self.nodes: list[DhtNode] = []
-
-    async def start(
-        self,
-        name: str,
-        bootstrap: list[PeerAddress],
-        *,
-        config: DHTConfig | None = None,
-        listen: bool = True,
-        host_config: HostConfig | None = None,
-    ) -> DhtNode:
-        host = Host(identity(name), RUN_ID, transport=self.net.transport(name), config=host_config)
-        dht = DHT(host, config=config or self.config, clock=trio.current_time, seed=len(self.nodes))
-        node = DhtNode(name, host, dht)
-
-        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-            try:
-                with node.scope:
-                    async with trio.open_nursery() as inner:
-                        await inner.start(host.run, [(name, PORT)] if listen else [])
-                        await inner.start(dht.run, bootstrap)
-                        await dht.bootstrapped.wait()
-                        task_status.started()
-            finally:
-                node.stopped.set()
-
-        await self.nursery.start(run)
-        self.nodes.append(node)
-        return node
-
-    async def kill(self, node: DhtNode) -> None:
-        """Crash ``node``: every connection reset and its listener gone, then its tasks cancelled."""
-        self.net.kill(node.name)
-        node.scope.cancel()
-        await node.stopped.wait()
-
-
-@asynccontextmanager
-async def open_swarm(config: DHTConfig) -> AsyncIterator[Swarm]:
-    async with trio.open_nursery() as nursery:
-        yield Swarm(nursery, MemoryNetwork(seed=7), config)
-        nursery.cancel_scope.cancel()
+from tests.harness.dht import PORT, DhtNode, Swarm, open_swarm
+from tests.harness.identities import identity
 
 
 def tables_holding(swarm: Swarm, peer: PeerID) -> list[str]:

@@ -15,7 +15,6 @@ that forming a group and running a round take longer than a batch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -31,12 +30,12 @@ from p2ptrain import AveragerConfig, Node, NodeConfig
 from p2ptrain.averaging.allreduce import AllReduceRound
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.config import RunConfig
-from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.tasks import Task
 from p2ptrain.training.loop.trainer import Trainer, TrainerOptions
 from p2ptrain.training.state import checkpoint, serve
+from tests.harness.identities import identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,10 +46,6 @@ TARGET = 48
 COMPUTE = 0.05  # virtual seconds a batch takes
 LATENCY = 0.1  # one way, on every link
 DEADLINE = 120.0  # virtual seconds any one test may take
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
 
 
 def run_config(mode: str, overlap: bool = False) -> RunConfig:

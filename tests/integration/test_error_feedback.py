@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_training import check_identical_per_epoch, run_config, swarm, validation_loss
 
 from p2ptrain.training.state import checkpoint
 from p2ptrain.training.state.codec import StateError
+from tests.harness.training import check_identical_per_epoch, mid_model, run_config, swarm, validation_loss
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def mid_model() -> torch.nn.Module:
-    """About 17k parameters: a few sparse blocks, so top-k has a choice to make."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 128),
-        torch.nn.Tanh(),
-        torch.nn.Linear(128, 128),
-        torch.nn.Tanh(),
-        torch.nn.Linear(128, 1),
-    )
 
 
 def topk_config(overlap: bool = False):

@@ -10,7 +10,6 @@ with them alone: its result was theirs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,17 +19,13 @@ import trio
 
 from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
 from p2ptrain.errors import GroupFormationFailed
-from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
+from tests.harness.identities import identity
 
 PORT = 3000
 HONEST = ["198.18.1.1", "198.18.2.1", "198.18.3.1"]  # the leader first, then two of other subnets
 ATTACKER = "198.18.9.1"
 KEYS = 6
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
 
 
 @asynccontextmanager

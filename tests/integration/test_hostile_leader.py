@@ -16,13 +16,14 @@ import logging
 import pytest
 import torch
 import trio
-from test_matchmaking import PORT, identity, swarm
 
 from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
 from p2ptrain.averaging.protocol import Manifest, SignedManifest
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
+from tests.harness.identities import identity
+from tests.harness.nodes import PORT, swarm
 
 HUGE = 1e4
 

@@ -10,7 +10,6 @@ changes (the rest of the suite).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,6 +24,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.idwork import find_work, work_bits
 from p2ptrain.net import HostConfig, MemoryNetwork
 from p2ptrain.net import handshake as hs
+from tests.harness.identities import identity
 
 BITS = 12
 
@@ -69,10 +69,6 @@ def test_a_node_finds_its_id_work_once_and_keeps_it_with_its_key(tmp_path) -> No
 # ---- DHT records: every author pays for its id ------------------------------------------------------
 
 
-def _identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
-
-
 @asynccontextmanager
 async def _worked_swarm(n: int) -> AsyncIterator[list[Node]]:
     """``n`` nodes of a run that asks for ``BITS`` of id work, the others joining through the first."""
@@ -86,7 +82,7 @@ async def _worked_swarm(n: int) -> AsyncIterator[list[Node]]:
                 join=(nodes[0].addresses[0],) if nodes else (),
                 host=HostConfig(id_work=BITS),
             )
-            node = Node(_identity(f"w{i}"), config, transport=net.transport(f"w{i}"), clock=trio.current_time)
+            node = Node(identity(f"w{i}"), config, transport=net.transport(f"w{i}"), clock=trio.current_time)
             nodes.append(await nursery.start(node.run))
         for node in nodes:
             await node.dht.bootstrapped.wait()
@@ -100,7 +96,7 @@ async def test_records_by_authors_without_id_work_are_refused_even_when_a_worked
     asks for id work every entry is signed and carries its author's nonce; stores and readers check it."""
     with trio.fail_after(60):
         async with _worked_swarm(3) as (w0, w1, w2):
-            fresh = _identity("fresh")  # a key generated a moment ago: no work on it
+            fresh = identity("fresh")  # a key generated a moment ago: no work on it
             borrowed = w1.host.work  # (a worked peer's nonce: bound to that peer's id, not to this one)
             now = trio.current_time()
             entries = [

@@ -10,49 +10,19 @@ measure the bandwidth they announce, so a member on slow links reduces a smaller
 from __future__ import annotations
 
 import functools
-import hashlib
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, GroupTooSmall, Node, NodeConfig, RoundResult, SchemaMismatch
+from p2ptrain import AveragerConfig, GroupTooSmall, Node, RoundResult, SchemaMismatch
 from p2ptrain.averaging.matchmaking import Announcement
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.dht.records import RecordRefused, owned_subkey
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
-from p2ptrain.identity import Identity, PeerID
+from p2ptrain.identity import PeerID
 from p2ptrain.net import LinkProfile, MemoryNetwork
-
-PORT = 3000
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
-
-
-@asynccontextmanager
-async def swarm(
-    n: int, avg: AveragerConfig, *, client_only: tuple[int, ...] = (), net: MemoryNetwork | None = None
-) -> AsyncIterator[list[Node]]:
-    net = net or MemoryNetwork(seed=4)
-    nodes: list[Node] = []
-    async with trio.open_nursery() as nursery:
-        for i in range(n):
-            config = NodeConfig(
-                run_id="mm",
-                listen=() if i in client_only else ((f"n{i}", PORT),),
-                join=(nodes[0].addresses[0],) if nodes else (),
-                averaging=avg,
-            )
-            node = Node(identity(f"n{i}"), config, transport=net.transport(f"n{i}"), clock=trio.current_time)
-            nodes.append(await nursery.start(node.run))
-        for node in nodes:
-            await node.dht.bootstrapped.wait()
-        yield nodes
-        nursery.cancel_scope.cancel()
+from tests.harness.nodes import swarm
 
 
 def tensors_of(i: int) -> list[torch.Tensor]:

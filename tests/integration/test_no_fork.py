@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import trio
-from test_training import TARGET, check_identical_per_epoch, run_config, swarm
 
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node import Node, NodeConfig
 from p2ptrain.training.progress import ProgressRecord, vouched_digest
+from tests.harness.identities import identity
+from tests.harness.training import TARGET, check_identical_per_epoch, run_config, swarm
 
 
 async def test_a_peer_cut_off_from_everyone_waits_and_rejoins_the_swarms_lineage(
@@ -74,7 +75,7 @@ async def test_a_peer_still_in_touch_with_the_run_steps_on_after_its_partner_die
     async with swarm(config) as s:
         peers = [await s.start(compute=0.1), await s.start(compute=0.1)]
         boot = Node(
-            Identity.from_seed(hashlib.blake2b(b"boot", digest_size=32).digest()),
+            identity("boot"),
             NodeConfig(run_id="train", listen=(("boot", 4000),), join=(peers[0].node.addresses[0],)),
             transport=s.net.transport("boot"),
             clock=trio.current_time,

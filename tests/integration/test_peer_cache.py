@@ -10,15 +10,14 @@ alone (the same test without it fails).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import trio
 
 from p2ptrain.dht import DHTConfig
-from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork, PeerAddress
 from p2ptrain.node import Node, NodeConfig
+from tests.harness.identities import identity
 
 PORT = 1000
 
@@ -27,7 +26,7 @@ def node(
     net: MemoryNetwork, name: str, join: list[PeerAddress], cache: Path | None = None, at: str | None = None
 ) -> Node:
     """Node ``name``, listening at host ``at`` (default: its name)."""
-    ident = Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+    ident = identity(name)
     at = at or name
     config = NodeConfig(run_id="cache", listen=((at, PORT),), join=tuple(join), peer_cache=cache)
     return Node(ident, config, transport=net.transport(at), clock=trio.current_time)

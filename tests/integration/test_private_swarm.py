@@ -11,7 +11,6 @@ and leaves it out as unreachable: the members commit without it, it aborts with 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,6 +31,7 @@ from p2ptrain.dht.records import Entry, key_id, make_entry
 from p2ptrain.errors import ConfigError, HandshakeRefused, RoundAborted
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork
+from tests.harness.identities import identity
 
 RUN = "private"
 PORT = 4000
@@ -39,10 +39,6 @@ DAY = 86400.0
 AUTH = Identity.from_seed(b"\x0a" * 32)
 OTHER_AUTH = Identity.from_seed(b"\x0b" * 32)
 HOST_LOG, NODE_LOG, DHT_LOG = "p2ptrain.net.host", "p2ptrain.node", "p2ptrain.dht.service"
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
 
 
 def cert(name: str, *, expires: float = DAY, by: Identity = AUTH, run: str = RUN) -> bytes:

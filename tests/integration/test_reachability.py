@@ -11,7 +11,6 @@ all.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import pytest
@@ -22,12 +21,13 @@ from p2ptrain.dht.routing import Contact
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork, PeerAddress
 from p2ptrain.node import Node, NodeConfig
+from tests.harness.identities import identity
 
 PORT = 1000
 
 
 def node(net: MemoryNetwork, name: str, join: list[PeerAddress], announce: str | None = None) -> Node:
-    ident = Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+    ident = identity(name)
     config = NodeConfig(run_id="nat", listen=((name, PORT),), join=tuple(join), announce_host=announce)
     return Node(ident, config, transport=net.transport(name), clock=trio.current_time)
 

@@ -3,7 +3,6 @@ commits the same bits, and they stay close to the honest members' mean (the plai
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import pytest
@@ -18,6 +17,7 @@ from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Connection, Host, MemoryNetwork
+from tests.harness.identities import identity
 
 PORT = 2100
 N = 5
@@ -32,7 +32,7 @@ async def run_round(aggregation: str, compression: str = "none") -> tuple[list[R
     async with trio.open_nursery() as nursery:
         hosts, averagers = [], []
         for i in range(N):
-            ident = Identity.from_seed(hashlib.blake2b(f"r{i}".encode(), digest_size=32).digest())
+            ident = identity(f"r{i}")
             host = Host(ident, "robust", transport=net.transport(f"r{i}"))
             averager = Averager(host, None)
             await nursery.start(host.run, [(f"r{i}", PORT)])
@@ -80,7 +80,7 @@ async def test_a_robust_round_shrugs_off_a_scaled_contribution(
     assert error.max() < 0.25, error.max()  # honest values are 1 +- 0.1 (int8 adds its own error)
     # every reducer names the scaling member in its log, and nobody else
     named = [r.getMessage() for r in caplog.records if "is an outlier" in r.getMessage()]
-    hostile = Identity.from_seed(hashlib.blake2b(b"r0", digest_size=32).digest()).peer_id.short()
+    hostile = identity("r0").peer_id.short()
     assert len(named) == N and all(hostile in m for m in named), named
 
 
@@ -113,7 +113,7 @@ async def test_the_coordinator_counts_a_liar_at_its_plausible_weight(claimed: fl
     async with trio.open_nursery() as nursery:
         hosts, averagers = [], []
         for i in range(N):
-            ident = Identity.from_seed(hashlib.blake2b(f"w{i}".encode(), digest_size=32).digest())
+            ident = identity(f"w{i}")
             host = Host(ident, "caps", transport=net.transport(f"w{i}"))
             averager = Averager(host, None)
             await nursery.start(host.run, [(f"w{i}", PORT)])

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_averaging import (
+
+from p2ptrain.averaging import sparse
+from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.averaging.compression import Compression, roundtrip
+from p2ptrain.averaging.partition import partition_sizes
+from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
+from p2ptrain.errors import RemoteProtocolError, RoundAborted
+from tests.harness.averaging import (
     PHASES,
     check_invariant,
     contributors_of,
@@ -16,13 +23,6 @@ from test_averaging import (
     run_round,
     sign_manifest,
 )
-
-from p2ptrain.averaging import sparse
-from p2ptrain.averaging.allreduce import RoundResult
-from p2ptrain.averaging.compression import Compression, roundtrip
-from p2ptrain.averaging.partition import partition_sizes
-from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
-from p2ptrain.errors import RemoteProtocolError, RoundAborted
 
 pytestmark = pytest.mark.timeout(300)
 

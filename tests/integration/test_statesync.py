@@ -13,19 +13,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
 
 import pytest
-import test_training
 import torch
 import trio
-from test_training import Peer, Swarm, run_config, swarm, take_local_steps
 
 from p2ptrain.errors import PeerUnavailable
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.training.progress import PeerProgress
 from p2ptrain.training.state import chunks, serve
 from p2ptrain.training.state.download import Fetcher
+from tests.harness.training import Peer, Swarm, run_config, swarm, take_local_steps
 
 WIDTH = 768  # ~0.6M parameters: with AdamW's moments the state is 7 chunks
 
@@ -35,12 +33,6 @@ def big_model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(4, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 1)
     )
-
-
-@pytest.fixture(autouse=True)
-def bigger_models(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(test_training, "make_model", big_model)
-    yield
 
 
 async def donors_and_joiner(s: Swarm, donors: int) -> tuple[list[Peer], Peer]:
@@ -77,7 +69,7 @@ def chunks_served(peer: Peer) -> int:
 
 
 async def test_a_donor_killed_mid_transfer_leaves_the_rest_to_another(autojump_clock: object) -> None:
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (a, b), joiner = await donors_and_joiner(s, 2)
         f = fetcher(joiner)
         victim: list[Peer] = []
@@ -101,7 +93,7 @@ async def test_a_donor_killed_mid_transfer_leaves_the_rest_to_another(autojump_c
 async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
     autojump_clock: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (honest, liar), joiner = await donors_and_joiner(s, 2)
         assert liar.opt.server is not None
         prepare = liar.opt.server._prepare
@@ -136,7 +128,7 @@ async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
 
 async def test_a_transfer_far_longer_than_any_fixed_deadline_completes(autojump_clock: object) -> None:
     """7 MB at 50 kB/s: about 150 s, five times the old whole-transfer deadline; each chunk ~21 s."""
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         s.net.set_link("t0", "t1", LinkProfile(bandwidth=50_000))
         f = fetcher(joiner, chunk_timeout=30.0)
@@ -151,7 +143,7 @@ async def test_a_transfer_far_longer_than_any_fixed_deadline_completes(autojump_
 
 async def test_a_peer_fetches_only_the_chunks_its_own_state_lacks(autojump_clock: object) -> None:
     """As after a streaming step it missed: the joiner holds the donor's state but for one tensor."""
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         tensors, meta = donor.opt.capture()
         joiner.opt.restore(tensors, meta)
@@ -196,7 +188,7 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
         return real_write(live)
 
     monkeypatch.setattr(serve, "write_snapshot", slow_write)
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         # hashed in threads too (one per step taken): wait until the last of them is done
         await s.until(lambda: bool(donor.opt.digest) and not donor.opt._holds, timeout=30)
@@ -221,7 +213,7 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
 async def test_an_offer_older_than_the_wanted_step_is_refused(autojump_clock: object) -> None:
     """A peer behind on step 3 must not download step 2 again (and again): the download loop of a donor
     whose record was newer than the state it served."""
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         f = fetcher(joiner)
         with pytest.raises(PeerUnavailable, match="offers step 2, older than step 3"):
@@ -231,15 +223,14 @@ async def test_an_offer_older_than_the_wanted_step_is_refused(autojump_clock: ob
         assert chunks_served(donor) == 0
 
 
-async def test_tied_weights_travel_once(autojump_clock: object, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_tied_weights_travel_once(autojump_clock: object) -> None:
     def tied_model() -> torch.nn.Module:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256, bias=False))
         model[1].weight = model[0].weight
         return model
 
-    monkeypatch.setattr(test_training, "make_model", tied_model)
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=tied_model) as s:
         donor = await s.start(train=False)
         tensors, meta = donor.opt.capture()
         assert "model.1.weight" not in tensors and "p2ptrain.tied" in meta
@@ -255,7 +246,7 @@ async def test_a_late_joiner_behind_a_slow_link_catches_up(autojump_clock: objec
     """The whole path: a training joiner finds itself behind, downloads 7 MB over 50 kB/s links from
     two donors (over a minute; a whole-transfer deadline of 30 s cut such downloads forever) and lands
     the state, computing on meanwhile."""
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         donors, _ = await donors_and_joiner(s, 2)
         joiner = await s.start(compute=1.0)
         for donor in donors:
@@ -270,7 +261,7 @@ async def test_an_offer_newer_than_the_records_is_taken_once_they_name_it(autoju
     """A donor that stepped since the joiner read the records offers a step no record names yet: the
     joiner looks again as its records catch up (a second here), instead of failing the attempt; a step
     that no record ever names is never taken."""
-    async with swarm(run_config("sync")) as s:
+    async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         known_from = trio.current_time() + 1.5
 

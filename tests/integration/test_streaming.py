@@ -7,13 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
-from test_error_feedback import mid_model
-from test_training import TARGET, check_identical_per_epoch, run_config, swarm, validation_loss
 
 from p2ptrain.config import RunConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.training.bookkeeping import run_fingerprint
 from p2ptrain.training.fragments import split
+from tests.harness.training import (
+    TARGET,
+    check_identical_per_epoch,
+    mid_model,
+    run_config,
+    swarm,
+    validation_loss,
+)
 
 pytestmark = pytest.mark.timeout(300)
 FRAGMENTS = 3

@@ -23,12 +23,12 @@ import logging
 import pytest
 import torch
 import trio
-from test_training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
 
 from p2ptrain.dht.records import owned_subkey
 from p2ptrain.testing import sybils
 from p2ptrain.training.bans import BAN_READ_INTERVAL
 from p2ptrain.wire.codec import pack
+from tests.harness.training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
 
 FORGED = 1000.0
 

@@ -15,12 +15,12 @@ import dataclasses
 from typing import Any
 
 import pytest
-from test_training import check_identical_per_epoch, run_config, swarm
 
 from p2ptrain.averaging.agreement import WEIGHT_SLACK
 from p2ptrain.identity import PeerID
 from p2ptrain.testing import sybils
 from p2ptrain.training.progress import PeerProgress, ProgressRecord
+from tests.harness.training import check_identical_per_epoch, run_config, swarm
 
 
 @pytest.mark.parametrize("kind", ["sybil-majority", "fake-progress", "dht-flood"])

@@ -10,48 +10,31 @@ path) gives the same parameters and the same next step. (Downloads themselves: t
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig
-from p2ptrain.config import RunConfig
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
-from p2ptrain.identity import Identity
-from p2ptrain.net import LinkProfile, MemoryNetwork, memory
-from p2ptrain.training.collaborative import CollaborativeOptimizer
+from p2ptrain.net import LinkProfile, memory
 from p2ptrain.training.state import capture, checkpoint, serve
-
-PORT = 4000
-BATCH = 8
-TARGET = 48
-
-
-def identity(name: str) -> Identity:
-    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
-
-
-def run_config(mode: str = "sync", overlap: bool = False) -> RunConfig:
-    return (
-        RunConfig()
-        .replace("training", mode=mode, target_batch_size=TARGET, warmup_steps=0, lr=0.01, grad_clip=0.0)
-        .replace("diloco", overlap=overlap)
-        .replace("averaging", timeout=10.0, matchmaking_time=2.0)
-        .replace("progress", interval=0.5, ttl=3.0)
-    )
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)  # as the trainer does: every peer starts from the same weights
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+from tests.harness.training import (
+    BATCH,
+    TARGET,
+    Peer,
+    batch_of,
+    check_identical_per_epoch,
+    loss_of,
+    make_model,
+    make_optimizer,
+    run_config,
+    swarm,
+    take_local_steps,
+    validation_loss,
+)
 
 
 def wide_model() -> torch.nn.Module:
@@ -64,142 +47,6 @@ def wide_model() -> torch.nn.Module:
         torch.nn.Tanh(),
         torch.nn.Linear(1024, 1),
     )
-
-
-def make_optimizer(model: torch.nn.Module, sgd: bool) -> torch.optim.Optimizer:
-    # Plain SGD where a test checks the size of a step: Adam's steps hardly depend on the gradient's scale.
-    if sgd:
-        return torch.optim.SGD(model.parameters(), lr=0.01)
-    return torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
-def batch_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Peer i always computes on the same batch: the expected averaged gradient is easy to compute."""
-    g = torch.Generator().manual_seed(100 + i)
-    x = torch.randn(BATCH, 4, generator=g)
-    return x, x.sum(1, keepdim=True) * (i + 1)
-
-
-def loss_of(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-
-
-@dataclass
-class Peer:
-    index: int
-    node: Node
-    model: torch.nn.Module
-    opt: CollaborativeOptimizer
-    compute: float  # virtual seconds per batch
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    steps: list[tuple[int, bytes, str, float]] = field(default_factory=list)  # epoch, digest, outcome, time
-    batches_before_first_step: int = 0
-    first_contribution: int = 0  # samples this peer put into its first global step
-    params_at: dict[int, str] = field(default_factory=dict)  # epoch -> hash of the parameters taken on it
-
-    def params_hash(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for p in self.model.parameters():
-            h.update(p.detach().numpy().tobytes())
-        return h.hexdigest()
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
-
-
-class Swarm:
-    def __init__(
-        self, nursery: trio.Nursery, config: RunConfig, sgd: bool = False, summed: bool = False
-    ) -> None:
-        """``summed``: the peers scale each batch's loss by its samples and keep their gradients in the
-        optimizer's accumulator (``summed_grads``); peer i's batches then have BATCH - i samples."""
-        self.nursery, self.config, self.sgd, self.summed = nursery, config, sgd, summed
-        self.net = MemoryNetwork(seed=7)
-        self.peers: list[Peer] = []
-        self.make_model = make_model
-
-    async def start(
-        self, compute: float = 0.1, *, train: bool = True, config: RunConfig | None = None
-    ) -> Peer:
-        """A new peer; ``config``: its own run file instead of the swarm's (settings that are a peer's
-        own business, where its outer state lives say)."""
-        i = len(self.peers)
-        name = f"t{i}"
-        node_config = NodeConfig(
-            run_id="train",
-            listen=((name, PORT),),
-            join=(self.peers[0].node.addresses[0],) if self.peers else (),
-            averaging=AveragerConfig(target_size=64, min_size=1, matchmaking_time=2.0),
-        )
-        node = Node(identity(name), node_config, transport=self.net.transport(name), clock=trio.current_time)
-        model = self.make_model()
-        inner = make_optimizer(model, self.sgd)
-        opt = CollaborativeOptimizer(
-            node, model, inner, config or self.config, clock=trio.current_time, summed_grads=self.summed
-        )
-        peer = Peer(i, node, model, opt, compute)
-        self.peers.append(peer)
-
-        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-            with peer.scope:
-                async with trio.open_nursery() as inner_nursery:
-                    await inner_nursery.start(node.run)
-                    await inner_nursery.start(opt.run)
-                    task_status.started()
-                    if train:
-                        await self._train(peer)
-                    await trio.sleep_forever()  # a peer that does not train still serves
-
-        await self.nursery.start(run)
-        return peer
-
-    async def _train(self, peer: Peer) -> None:
-        batch = batch_of(peer.index)
-        samples = BATCH - peer.index if self.summed else BATCH
-        batch = (batch[0][:samples], batch[1][:samples])
-        while True:
-            (loss_of(peer.model, batch) * (samples if self.summed else 1)).backward()
-            await trio.sleep(peer.compute)
-            if not peer.steps:
-                peer.batches_before_first_step += 1
-            if await peer.opt.step(samples):
-                last = peer.opt.stats.last
-                if not peer.steps:
-                    peer.first_contribution = last.get("mine", 0)
-                peer.steps.append((peer.opt.epoch, peer.opt.digest, last["outcome"], trio.current_time()))
-                peer.params_at[peer.opt.epoch] = peer.params_hash()
-
-    def crash(self, peer: Peer) -> None:
-        """As if the process died: connections reset, every task cancelled, nothing said to anyone."""
-        self.net.kill(f"t{peer.index}")
-        peer.scope.cancel()
-
-    async def until(self, condition: object, timeout: float) -> None:
-        """Poll a condition on the virtual clock (the peers' loops change it on every batch)."""
-        with trio.fail_after(timeout):
-            while not condition():  # type: ignore[operator]  # noqa: ASYNC110
-                await trio.sleep(0.05)
-
-
-@asynccontextmanager
-async def swarm(config: RunConfig, *, sgd: bool = False, summed: bool = False) -> AsyncIterator[Swarm]:
-    async with trio.open_nursery() as nursery:
-        s = Swarm(nursery, config, sgd, summed)
-        yield s
-        nursery.cancel_scope.cancel()
-
-
-def check_identical_per_epoch(peers: list[Peer], since: int = 0) -> dict[int, set[bytes]]:
-    """Every epoch (from ``since`` on) any two peers both reached: the same digest (the parameters are
-    the same bits)."""
-    by_epoch: dict[int, set[bytes]] = {}
-    for p in peers:
-        for epoch, digest, _, _ in p.steps:
-            if epoch >= since:
-                by_epoch.setdefault(epoch, set()).add(digest)
-    diverged = {e: ds for e, ds in by_epoch.items() if len(ds) > 1}
-    assert not diverged, f"peers hold different parameters on steps {sorted(diverged)}"
-    return by_epoch
 
 
 SMAPS = Path("/proc/self/smaps")
@@ -560,15 +407,6 @@ async def test_capture_restore_through_a_checkpoint_gives_the_same_next_step(tmp
         assert_same_bits([a, b])
 
 
-def take_local_steps(peer: Peer, n: int) -> None:
-    """Steps of a peer on its own, driven directly (no swarm involved)."""
-    for _ in range(n):
-        loss_of(peer.model, batch_of(0)).backward()
-        peer.opt._accumulate(BATCH)
-        peer.opt.samples += BATCH
-        peer.opt._solo_step()
-
-
 async def test_a_reducer_returning_garbage_is_banned_and_training_goes_on(autojump_clock: object) -> None:
     """Audited sync training among four peers, one of which adds garbage to every partition it reduces.
     Its auditors ban it (naming it and why), publish the verdict, the others adopt it, and the three
@@ -610,13 +448,6 @@ async def test_a_reducer_returning_garbage_is_banned_and_training_goes_on(autoju
         # Any one round may still miss a peer (it tries the next one): wait for one with all three.
         await s.until(honest_trio, timeout=120)
         assert all(p.node.averager.auditor.banned.keys() == {liar_id} for p in honest)
-
-
-def validation_loss(model: torch.nn.Module) -> float:
-    g = torch.Generator().manual_seed(999)
-    x = torch.randn(256, 4, generator=g)
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True) * 2.0))
 
 
 async def train_with(kind: str | None, steps: int = 12) -> tuple[float, list[Peer]]:
