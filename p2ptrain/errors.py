@@ -8,6 +8,8 @@
 - ``HandshakeRefused``: the remote (or we) refused a handshake for a stated reason (run id, version,
   peer id, limits). ``code`` is machine-readable, the message is for humans.
 - ``RemoteCallError``: an RPC reached the remote and the remote answered with an error.
+- ``GroupFormationFailed``, ``RoundAborted``: an averaging round did not form, or was aborted on every
+  member (each keeps its own tensors).
 """
 
 from __future__ import annotations
@@ -50,9 +52,13 @@ class DeadlineExceeded(PeerUnavailable):
 
 
 class HandshakeRefused(P2PError):
-    """A handshake was refused; ``code`` names the reason (``run_id``, ``version``, ``peer_id``, ...).
+    """A handshake was refused for a stated reason.
 
-    ``by_remote`` is True when the remote refused us, False when we refused the remote.
+    Args:
+        code: Names the reason, machine-readable (``run_id``, ``version``, ``peer_id``, ``membership``,
+            ...).
+        reason: The reason, for humans.
+        by_remote: True when the remote refused us, False when we refused the remote.
     """
 
     def __init__(self, code: str, reason: str, *, by_remote: bool) -> None:
@@ -66,8 +72,13 @@ class HandshakeRefused(P2PError):
 class RemoteCallError(P2PError):
     """An RPC reached the remote, and the remote answered with an error.
 
-    ``code`` is one of ``unknown_method``, ``bad_request``, ``refused``, ``busy``, ``deadline``,
-    ``internal``, or an application-defined code raised with :class:`CallRefused`.
+    Args:
+        peer: The remote peer's id, shortened.
+        method: The method called.
+        code: One of ``unknown_method``, ``bad_request``, ``refused``, ``busy``, ``deadline``,
+            ``internal``, or an application-defined code raised with
+            [`CallRefused`][p2ptrain.errors.CallRefused].
+        message: The remote's message, for humans.
     """
 
     def __init__(self, peer: str, method: str, code: str, message: str) -> None:
@@ -79,7 +90,14 @@ class RemoteCallError(P2PError):
 
 
 class CallRefused(P2PError):
-    """Raised by an RPC handler to refuse a call with an application error code and message."""
+    """Raised by an RPC handler to refuse a call with an application error code and message.
+
+    The caller gets a [`RemoteCallError`][p2ptrain.errors.RemoteCallError] with the same code and message.
+
+    Args:
+        code: The application's error code.
+        message: What went wrong, for humans.
+    """
 
     def __init__(self, code: str, message: str) -> None:
         self.code = code

@@ -67,11 +67,25 @@ def swarm_batches(
     shard_size: int = 1024,
     seed: int = 0,
 ) -> Callable[[int, int], Iterator[Any]]:
-    """A Task's ``batches(seed, batch_size)`` over ``dataset`` (any map-style dataset with a length):
-    ``collate`` (default ``torch.utils.data.default_collate``) of the examples at this peer's indices
-    (:func:`shard_indices`), ``batch_size`` at a time. ``seed`` orders the shards and the examples
-    (the run's, the same on every peer); the per-peer seed the trainer passes is not needed: the
-    claims keep the peers apart."""
+    """A Task's ``batches(seed, batch_size)`` over ``dataset``, each peer reading its own shards.
+
+    Each batch is ``collate`` of the examples at this peer's indices (``shard_indices``: shards claimed
+    in the node's DHT, disjoint from the other peers'), ``batch_size`` at a time. The per-peer seed the
+    trainer passes is not needed: the claims keep the peers apart.
+
+    Args:
+        dataset: Any map-style dataset with a length (a Hugging Face ``datasets.Dataset``, a torch
+            ``Dataset``, a list).
+        collate: Turns a list of examples into a batch (default ``torch.utils.data.default_collate``).
+        shard_size: Examples per shard.
+        seed: Orders the shards and the examples (the run's, the same on every peer).
+
+    Returns:
+        The ``batches(seed, batch_size)`` function of a [`Task`][p2ptrain.tasks.Task].
+
+    Raises:
+        ValueError: The dataset is empty.
+    """
     size = len(dataset)
     if size <= 0:
         raise ValueError("the dataset is empty")

@@ -40,12 +40,26 @@ __all__ = ["SwarmTrainer"]
 
 
 class SwarmTrainer(Trainer):
-    """``transformers.Trainer`` for one peer of a swarm: ``swarm`` is its node (see
-    :func:`~p2ptrain.integrations.join_swarm`), ``run`` the swarm's run file, ``wait_peers`` how many
-    peers (this one included) must train in the swarm before training starts (at most 10 minutes);
-    ``shards`` (a :class:`~p2ptrain.integrations.shards.SwarmShards` of the training dataset) makes the
-    peers read disjoint data (give ``max_steps``: its sampler is endless); every other argument is the
-    Trainer's. :attr:`swarm_optimizer` (once training started) says the swarm's step and last round."""
+    """``transformers.Trainer`` for one peer of a swarm.
+
+    The Trainer's optimizer is wrapped in a [`SwarmOptimizer`][p2ptrain.integrations.SwarmOptimizer], so
+    it steps when the swarm does; the run file's learning rate schedule replaces the Trainer's, and its
+    ``grad_clip`` clips the averaged gradients (the Trainer's ``max_grad_norm`` is turned off).
+    ``swarm_optimizer`` (once training started) says the swarm's step and last round.
+
+    Args:
+        *args: The Trainer's positional arguments.
+        swarm: This peer's node (see [`join_swarm`][p2ptrain.integrations.join_swarm]).
+        run: The swarm's run file.
+        wait_peers: How many peers (this one included) must train in the swarm before training starts
+            (at most 10 minutes).
+        shards: A [`SwarmShards`][p2ptrain.integrations.SwarmShards] of the training dataset: the peers
+            read disjoint data (give ``max_steps``: its sampler is endless).
+        **kwargs: The Trainer's other arguments.
+
+    Raises:
+        ValueError: The Trainer runs several processes (one process per peer).
+    """
 
     def __init__(
         self,

@@ -38,12 +38,21 @@ __all__ = ["SwarmCallback"]
 
 
 class SwarmCallback(pl.Callback):
-    """Train ``L.Trainer.fit`` as one peer of the swarm that ``node`` belongs to (``run``: its run file;
-    ``wait_peers``: how many peers, this one included, must train in the swarm before training starts,
-    at most 10 minutes; ``samples``: the samples in a batch; ``shards``: the
-    :class:`~p2ptrain.integrations.shards.SwarmShards` whose sampler the training data loader uses,
-    so that only the claims of peers this one trusts count). :attr:`optimizer` (once ``fit`` started)
-    says the swarm's step and last round."""
+    """Train ``L.Trainer.fit`` as one peer of the swarm that ``node`` belongs to.
+
+    The optimizer ``configure_optimizers`` returns is wrapped in a
+    [`SwarmOptimizer`][p2ptrain.integrations.SwarmOptimizer]; ``optimizer`` (once ``fit`` started) says
+    the swarm's step and last round.
+
+    Args:
+        node: This peer's node (see [`join_swarm`][p2ptrain.integrations.join_swarm]).
+        run: The swarm's run file.
+        wait_peers: How many peers, this one included, must train in the swarm before training starts
+            (at most 10 minutes).
+        samples: The samples in a batch.
+        shards: The [`SwarmShards`][p2ptrain.integrations.SwarmShards] whose sampler the training data
+            loader uses, so that only the claims of peers this one trusts count.
+    """
 
     def __init__(
         self,

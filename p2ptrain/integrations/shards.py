@@ -85,8 +85,26 @@ def _unbitmap(bits: bytes, n: int) -> frozenset[int]:
 
 
 class SwarmShards:
-    """The dataset indices this peer reads, pass after pass, disjoint from the other peers' (see the
-    module docstring). Iterate it (forever) or hand :meth:`sampler` to a ``DataLoader``."""
+    """The dataset indices this peer reads, pass after pass, disjoint from the other peers'.
+
+    The dataset is cut into shards that the peers claim in the DHT, so that in each pass every shard is
+    read by one peer. Iterate it (forever) or hand
+    [`sampler()`][p2ptrain.integrations.SwarmShards.sampler] to a ``DataLoader``.
+
+    Args:
+        node: A running node and a way to run its async functions from the thread that reads the data
+            (a ``BackgroundNode``).
+        size: The number of examples in the dataset.
+        shard_size: Examples per shard.
+        seed: Orders the shards and the examples in each (the same on every peer).
+        state_file: Where this peer keeps its place, so that a restarted peer resumes in the shard it
+            held (its claim stays its own for 10 minutes without renewal).
+        trusted: The peers whose claims count (None: every peer's).
+        clock: The time source (tests).
+
+    Raises:
+        ValueError: The dataset or a shard holds no example, or there are more than 100,000 shards.
+    """
 
     def __init__(
         self,
@@ -136,7 +154,11 @@ class SwarmShards:
             self.shard, self.offset = -1, 0
 
     def sampler(self) -> torch.utils.data.Sampler[int]:
-        """A ``torch.utils.data.Sampler`` over these indices (endless: give the loop a step limit)."""
+        """A sampler over these indices, for a ``DataLoader``.
+
+        Returns:
+            A ``torch.utils.data.Sampler``, endless: give the loop a step limit.
+        """
         return _Sampler(self)
 
     # ---- claims ---------------------------------------------------------------------------------------

@@ -69,17 +69,28 @@ def default_to_device(batch: Batch, device: torch.device) -> Batch:
 class Task:
     """What p2ptrain needs to train a model. Build one in a function and pass ``module:function``.
 
-    - ``name``: shown to users and in logs.
-    - ``model()``: a fresh model. The caller runs ``torch.manual_seed(run_seed)`` first, so every peer
-      builds identical initial weights: draw every random initial value from torch's default generator.
-    - ``batches(seed, batch_size)``: an endless iterator of training batches for one peer; different
-      seeds must draw different data (each peer gets its own seed).
-    - ``loss(model, batch)``: the mean loss of the model on a batch, a scalar tensor with grad.
-    - ``validation(batch_size)``: held-out batches, exactly the same on every peer and every call (return
-      a list, not a one-shot generator); None when there is no validation.
-    - ``samples(batch)``: how many samples a batch holds; weights each peer's share of the average.
-    - ``to_device(batch, device)``: the batch with its tensors on ``device``.
-    - ``info``: free-form facts shown to users (parameter count, corpus size, data fingerprint, ...).
+    Every peer of a run builds the same task, seeds torch with the run's seed and calls ``model()``, so
+    all peers start from identical weights; each then draws its own batches.
+
+    Attributes:
+        name: Shown to users and in logs.
+        model: ``model()`` returns a fresh model. The caller runs ``torch.manual_seed(run_seed)`` first,
+            so every peer builds identical initial weights: draw every random initial value from torch's
+            default generator.
+        batches: ``batches(seed, batch_size)`` returns an endless iterator of training batches for one
+            peer; different seeds must draw different data (each peer gets its own seed).
+        loss: ``loss(model, batch)`` returns the mean loss of the model on a batch, a scalar tensor with
+            grad.
+        validation: ``validation(batch_size)`` returns held-out batches, exactly the same on every peer
+            and every call (return a list, not a one-shot generator); None when there is no validation.
+        samples: ``samples(batch)`` says how many samples a batch holds; it weights each peer's share of
+            the average.
+        to_device: ``to_device(batch, device)`` returns the batch with its tensors on ``device``.
+        info: Free-form facts shown to users (parameter count, corpus size, data fingerprint, ...).
+
+    Raises:
+        p2ptrain.errors.ConfigError: When the task is built with an empty name or a field that is not
+            callable, so that a bad task fails where it is built, not at a remote peer's first step.
     """
 
     name: str
@@ -109,11 +120,22 @@ BUILTIN_TASKS: Mapping[str, Callable[..., Task]] = {"tiny-gpt": gpt_task, "gpt":
 def load_task(spec: str, options: Mapping[str, Any] | None = None) -> Task:
     """Build the task named by ``spec`` with ``options`` as keyword arguments.
 
-    ``spec`` is a built-in name (``tiny-gpt``, alias ``gpt``) or ``module:callable`` (the module may be
-    dotted, ``package.module:callable``; the callable may be dotted too, ``module:Class.factory``). A
-    module not found on ``sys.path`` is looked for in the current directory, which then stays on
-    ``sys.path`` so the module's own lazy imports of its neighbours work. Every failure raises
-    ConfigError with one line saying what is wrong.
+    A module not found on ``sys.path`` is looked for in the current directory, which then stays on
+    ``sys.path`` so the module's own lazy imports of its neighbours work.
+
+    Args:
+        spec: A built-in name (``tiny-gpt``, alias ``gpt``) or ``module:callable`` (the module may be
+            dotted, ``package.module:callable``; the callable may be dotted too,
+            ``module:Class.factory``).
+        options: Keyword arguments for the task's function (the run file's ``[task.options]``).
+
+    Returns:
+        The task the function built.
+
+    Raises:
+        p2ptrain.errors.ConfigError: With one line saying what is wrong: an unknown or malformed spec, a
+            module that cannot be imported, an option the function does not take, a function that
+            failed or returned something other than a [`Task`][p2ptrain.tasks.Task].
     """
     options = dict(options or {})
     spec = spec.strip()

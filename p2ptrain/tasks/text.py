@@ -218,8 +218,22 @@ def gpt_task(
 ) -> Task:
     """The built-in ``tiny-gpt`` task: a byte-level GPT on the standard library's sources.
 
-    ``max_bytes`` caps the training text; the validation text is about ``2 * val_fraction * max_bytes``
-    bytes, from which ``val_sequences`` fixed windows are scored. Raises ConfigError on a bad value.
+    Args:
+        n_layer: Transformer blocks.
+        n_head: Attention heads per block; must divide ``n_embd``.
+        n_embd: The model's width.
+        block_size: Bytes of context.
+        dropout: Dropout probability, in [0, 1).
+        max_bytes: Caps the training text.
+        val_fraction: The validation text is about ``2 * val_fraction * max_bytes`` bytes.
+        val_sequences: Fixed windows of the validation text that are scored.
+
+    Returns:
+        The task: model, batches (``(x, y)`` windows of bytes, ``y`` shifted by one), loss and
+        validation.
+
+    Raises:
+        p2ptrain.errors.ConfigError: An option has a bad value.
     """
     from . import Task  # here, not at the top: the package imports this module while defining Task
 

@@ -1,6 +1,6 @@
 """The built-in GPT at real sizes: the shipped run files' models have the parameter counts their comments
 claim, GPTConfig.num_parameters counts what GPT builds, a build is bit-identical for a seed, and the
-README's transformers GPT-2 task trains.
+docs' transformers GPT-2 task (docs/own-script.md) trains.
 
 No test here allocates a large model: the shipped sizes are counted by GPTConfig.num_parameters and by
 GPT built on the meta device (shapes without storage), and the weights are compared at small shapes.
@@ -188,7 +188,7 @@ def test_the_weights_are_gpt2s_draws_in_module_order_and_the_build_draws_nothing
         assert state[key].numpy().tobytes() == value.numpy().tobytes(), key
 
 
-# --- the README's transformers example ------------------------------------------------------------
+# --- the docs' transformers example --------------------------------------------------------------
 
 _module_ids = itertools.count()
 
@@ -197,7 +197,7 @@ def test_the_readme_transformers_gpt2_task_builds_identically_and_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("transformers")
-    readme = (CONFIGS.parent / "README.md").read_text()
+    readme = (CONFIGS.parent / "docs" / "own-script.md").read_text()
     start = readme.index('"""hf_gpt2.py')
     name = f"p2ptrain_test_hf_gpt2_{next(_module_ids)}"
     (tmp_path / f"{name}.py").write_text(readme[start : readme.index("```", start)])

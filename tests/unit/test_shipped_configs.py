@@ -28,12 +28,12 @@ def test_the_default_run_file_is_the_built_in_default() -> None:
 
 
 def test_the_readme_task_example_is_the_one_the_tests_load() -> None:
-    """The README's 'bring your own task' module is exactly the module test_tasks.py writes and trains."""
+    """The docs' 'bring your own task' module is exactly the module test_tasks.py writes and trains."""
     tests = (Path(__file__).parent / "test_tasks.py").read_text()
     marker = "EXAMPLE_TASK = '''\\\n"
     begin = tests.index(marker) + len(marker)
     example = tests[begin : tests.index("'''", begin)]
-    readme = (CONFIGS.parent / "README.md").read_text()
+    readme = (CONFIGS.parent / "docs" / "own-script.md").read_text()
     start = readme.index('"""example_task.py')
     block = readme[start : readme.index("```", start)]
     assert block.strip() == example.strip()

@@ -33,7 +33,7 @@ from p2ptrain.tasks.text import (
 
 SMALL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "max_bytes": 200_000, "val_sequences": 8}
 
-# The example of a user task in the README: tests below write it to a file and load it by name.
+# The user task example of the docs (docs/own-script.md): tests below write it to a file and load it.
 EXAMPLE_TASK = '''\
 """example_task.py: fit y = sin(x) with a small MLP. Run: p2ptrain node --task example_task:make_task"""
 
