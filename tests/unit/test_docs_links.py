@@ -56,6 +56,26 @@ def test_every_relative_link_points_at_a_file() -> None:
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
+# Paths the pages name in code (`p2ptrain/net/handshake.py`, `configs/tiny-gpt.toml`), and the modules of
+# the commands they show (`python -m simulations.bench_bytes`): a file that moved leaves no dead name.
+REPO_PATH = re.compile(r"`((?:p2ptrain|tests|configs|simulations|deploy|examples|docs)/[^`\s*]*)`")
+MODULE = re.compile(r"python -m ((?:simulations|p2ptrain)(?:\.[a-z_0-9]+)*)")
+
+
+def test_every_named_file_and_module_exists() -> None:
+    missing = []
+    for page in _pages():
+        text = page.read_text()
+        for path in REPO_PATH.findall(text):
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+        for module in set(MODULE.findall(text)):
+            base = ROOT.joinpath(*module.split("."))
+            if not (base.with_suffix(".py").is_file() or (base / "__main__.py").is_file()):
+                missing.append(f"{page.relative_to(ROOT)}: python -m {module}")
+    assert not missing, "names of files or modules that do not exist:\n" + "\n".join(missing)
+
+
 def test_the_link_check_sees_links() -> None:
     # A pattern that silently matched nothing would pass every check above.
     assert "docs/quickstart.md" in _relative_links(README)
