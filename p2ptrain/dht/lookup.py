@@ -10,7 +10,9 @@ that has what it needs). Malformed or unhelpful answers cost one query, never th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..identity import PeerID
 from .routing import Contact
@@ -21,7 +23,9 @@ MAX_TRIES = 2
 
 
 @dataclass
-class _Candidate:
+class Candidate:
+    """A peer the lookup heard of: where it was told to ask it, how far it is, and how asking went."""
+
     contact: Contact
     distance: int
     state: str = PENDING
@@ -45,7 +49,7 @@ class Lookup:
         self.local = local
         self.max_candidates = max_candidates
         self._t = int.from_bytes(target, "big")
-        self._cands: dict[PeerID, _Candidate] = {}
+        self._cands: dict[PeerID, Candidate] = {}
         self._stopped = False
         self.queries = 0
         self._add(seeds)
@@ -62,11 +66,11 @@ class Lookup:
             d = int.from_bytes(c.peer_id.digest, "big") ^ self._t
             if len(self._cands) >= self.max_candidates and not self._make_room(d):
                 continue
-            self._cands[c.peer_id] = _Candidate(c, d)
+            self._cands[c.peer_id] = Candidate(c, d)
             added += 1
         return added
 
-    def _maybe_retry(self, cand: _Candidate, contact: Contact) -> None:
+    def _maybe_retry(self, cand: Candidate, contact: Contact) -> None:
         """A failed candidate reported at another address gets one more try there.
 
         Otherwise a liar who answers first with a false address for a true id would hide that peer
@@ -90,11 +94,16 @@ class Lookup:
         del self._cands[far.contact.peer_id]
         return True
 
-    def _frontier(self) -> list[_Candidate]:
+    def _frontier(self) -> list[Candidate]:
         """The k closest candidates that have not failed, closest first."""
         alive = [c for c in self._cands.values() if c.state != FAILED]
         alive.sort(key=lambda c: c.distance)
         return alive[: self.k]
+
+    @property
+    def candidates(self) -> Mapping[PeerID, Candidate]:
+        """Every candidate the lookup holds, by peer (a read-only view)."""
+        return MappingProxyType(self._cands)
 
     @property
     def in_flight(self) -> int:

@@ -1,11 +1,21 @@
-"""Reading the DHT: a query to one peer, the iterative lookup, and ``get`` (a key's entries, merged).
+"""Reading the DHT: the iterative lookup, a key's read (``get``), and what this node holds of a key.
 
-Functions of a :class:`~p2ptrain.dht.service.DHT` (its ``_query``, ``_lookup`` and ``get`` call them).
+Theory of operation: a lookup drives the pure :class:`~p2ptrain.dht.lookup.Lookup`: it asks ``alpha``
+peers at a time, in a nursery of its own, and ends when the lookup says so (converged, or a value
+lookup has what it needs). A peer's answer is hearsay: a contact it names is asked at the address the
+routing table verified where there is one, and the contact recorded is the one the connection proved.
+
 A read tells replicas what it holds already (``known``: entries it read or was offered lately, or holds
-as a replica), so they prove they hold those instead of sending them again. A hot key, whose replicas
-this node stored on lately, is read from those replicas directly, no more of them than its quorum needs
-(``read_replicas``), instead of by a lookup. Every entry a read brings is checked again here:
-it belongs under the key, its signature holds, and in a run with authors its author is admitted.
+as a replica), so they prove they hold those instead of sending them again (:mod:`~p2ptrain.dht.known`).
+A hot key, whose replicas this node stored on lately (:class:`~p2ptrain.dht.replicas.Replicas`), is
+read from those replicas directly, no more of them than its quorum needs, instead of by a lookup. Every
+entry a read brings is checked again here: it belongs under the key, its signature holds, and in a run
+with authors its author is admitted. An author may also offer its new entry to the peers that read its
+key; :meth:`Reader.offered` takes it only as a read would have.
+
+:class:`Reader` owns the read cache (what this node read last); it is handed the client that sends the
+queries, the contacts that learn from the answers, the replicas it may read directly, and the records
+this node holds itself.
 """
 
 from __future__ import annotations
@@ -14,30 +24,33 @@ import hashlib
 import itertools
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import trio
 
 from ..errors import P2PError
 from ..identity import PeerID
-from ..net.address import PeerAddress
-from ..net.connection import Connection
 from ..wire.codec import pack
-from .known import MAX_KNOWN, NONCE_BYTES, held_entries, tag
+from .client import Client
+from .config import DHTConfig
+from .contacts import Contacts
+from .known import MAX_KNOWN, ReadCache, tag
 from .lookup import Lookup
-from .protocol import (
-    FIND_NODE,
-    FIND_VALUE,
-    FindNodeReq,
-    FindValueReq,
-    decode_entries,
-    parse_contacts,
+from .records import (
+    Authors,
+    Entry,
+    RecordRefused,
+    RecordStore,
+    check_author,
+    check_entry,
+    key_id,
+    merge,
+    origin_of,
+    owner_of,
+    verify_entry,
 )
-from .records import Authors, Entry, RecordRefused, check_author, key_id, merge, origin_of, verify_entry
+from .replicas import Replicas
 from .routing import Contact
-
-if TYPE_CHECKING:
-    from .service import DHT
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
 
@@ -45,207 +58,226 @@ log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT servi
 READ_HEDGE = 1.0
 
 
-async def query(
-    dht: DHT,
-    contact: Contact,
-    target: bytes,
-    value: bool,
-    known: list[Entry],
-    tags: bytes,
-    nearest: bool = True,
-) -> tuple[list[Contact], list[Entry], bool, Contact | None, str]:
-    """Ask ``contact``; returns its contacts, the entries it sent, whether it proved it holds some
-    of ``known`` (those it was told to leave out, by their ``tags``), the contact the connection
-    proved, and the address the connection runs to (whatever the contact claimed). ``nearest``:
-    whether a value query asks for the nearest contacts too."""
-    held = False
-    with trio.fail_after(dht.config.rpc_timeout):
-        conn = await dht.host.connect(contact.address)
-        sender = dht._sender_for(conn.peer)
-        if value:
-            nonce = dht.rng.randbytes(NONCE_BYTES) if known else b""
-            reply = await conn.call_with_body(
-                FIND_VALUE,
-                FindValueReq(target, sender, tags, nonce, nearest),
-                timeout=dht.config.rpc_timeout,
-            )
-            entries = decode_entries(reply.body)
-            contacts = parse_contacts(reply.message.contacts)
-            held = bool(held_entries(known, reply.message.held, reply.message.proof, nonce))
-        else:
-            req = FindNodeReq(target, sender)
-            resp = await conn.call(FIND_NODE, req, timeout=dht.config.rpc_timeout)
-            entries, contacts = [], parse_contacts(resp.contacts)
-    dht._told_to(conn.peer, sender)
-    return contacts, entries, held, proven_contact(conn), conn.remote_host
+class Reader:
+    """Lookups and reads, and the cache of what this node read last (see the module docstring)."""
 
+    def __init__(
+        self,
+        client: Client,
+        contacts: Contacts,
+        replicas: Replicas,
+        records: RecordStore,
+        *,
+        config: DHTConfig,
+        authors: Authors | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self._client = client
+        self._contacts = contacts
+        self._replicas = replicas
+        self._records = records
+        self._config = config
+        self._authors = authors
+        self._clock = clock
+        self._cache = ReadCache()  # what this node read last: replicas leave those entries out
 
-async def lookup(
-    dht: DHT, target: bytes, *, value: bool = False, quorum: int = 0, cached: list[Entry] | None = None
-) -> tuple[list[Contact], list[Entry]]:
-    """Run an iterative lookup: the k closest peers that answered (at proven addresses where we
-    have them), and the verified entries found on the way (value lookups; replicas leave out the
-    ``cached`` entries, and count toward ``quorum`` when they prove they hold some)."""
-    search = Lookup(
-        target,
-        dht.table.closest(target, dht.config.k),
-        local=dht.peer_id,
-        k=dht.config.k,
-        alpha=dht.config.alpha,
-    )
-    found: list[Entry] = []
-    cached = cached or []
-    tags = b"".join(tag(e) for e in cached)  # once per lookup, not per query
-    # Who answered with entries, by origin (/24, /64; a loopback address alone): ids are free, so
-    # three ids of one subnet next to a key are one answer, not a quorum that ends the lookup on
-    # what they chose to show (they cannot forge signed entries, but they can leave some out).
-    holders: set[str] = set()
-    reached: dict[PeerID, Contact] = {}
-    changed = trio.Event()
+    def reads(self, kid: bytes) -> bool:
+        """Whether this node read the key ``kid`` lately (only such keys take offered entries)."""
+        return self._cache.reads(kid)
 
-    async def ask(contact: Contact) -> None:
-        nonlocal changed
-        # Peers' answers are hearsay: a liar can give true ids at false addresses. An address we
-        # verified ourselves (the routing table's) wins, and only a failure at that address counts
-        # against the peer in the table.
-        known = dht.table.get(contact.peer_id)
-        try:
-            contacts, entries, held, proven, remote = await dht._query(
-                known or contact, target, value, cached, tags
-            )
-        except (P2PError, trio.TooSlowError) as e:
-            log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
-            search.on_failure(contact.peer_id)
-            if known is not None:
-                dht.table.failed(contact.peer_id, dht.clock())
-        else:
-            # The query may have reused a connection dialed elsewhere: record the address the
-            # connection proved, never the one we were told.
-            if proven is not None:
-                dht._observe(proven)
-            if (verified := proven or known) is not None:
-                reached[contact.peer_id] = verified
-            good = verified_entries(entries, target, dht.authors, dht.clock())
+    def known(self, kid: bytes, now: float) -> list[Entry]:
+        """The live entries of ``kid`` this node read or was offered lately (unchecked since)."""
+        return self._cache.known(kid, now)
+
+    async def find_node(self, target: bytes) -> list[Contact]:
+        """The k closest live contacts to ``target`` found by an iterative lookup."""
+        closest, _ = await self.lookup(target)
+        return closest
+
+    async def lookup(
+        self, target: bytes, *, value: bool = False, quorum: int = 0, cached: list[Entry] | None = None
+    ) -> tuple[list[Contact], list[Entry]]:
+        """Run an iterative lookup: the k closest peers that answered (at proven addresses where we
+        have them), and the verified entries found on the way (value lookups; replicas leave out the
+        ``cached`` entries, and count toward ``quorum`` when they prove they hold some)."""
+        table = self._contacts.table
+        search = Lookup(
+            target,
+            table.closest(target, self._config.k),
+            local=table.local,
+            k=self._config.k,
+            alpha=self._config.alpha,
+        )
+        found: list[Entry] = []
+        cached = cached or []
+        tags = b"".join(tag(e) for e in cached)  # once per lookup, not per query
+        # Who answered with entries, by origin (/24, /64; a loopback address alone): ids are free, so
+        # three ids of one subnet next to a key are one answer, not a quorum that ends the lookup on
+        # what they chose to show (they cannot forge signed entries, but they can leave some out).
+        holders: set[str] = set()
+        reached: dict[PeerID, Contact] = {}
+        changed = trio.Event()
+
+        async def ask(contact: Contact) -> None:
+            nonlocal changed
+            # Peers' answers are hearsay: a liar can give true ids at false addresses. An address we
+            # verified ourselves (the routing table's) wins, and only a failure at that address counts
+            # against the peer in the table.
+            known = table.get(contact.peer_id)
+            try:
+                contacts, entries, held, proven, remote = await self._client.query(
+                    known or contact, target, value, cached, tags
+                )
+            except (P2PError, trio.TooSlowError) as e:
+                log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
+                search.on_failure(contact.peer_id)
+                if known is not None:
+                    self._contacts.failed(contact.peer_id)
+            else:
+                # The query may have reused a connection dialed elsewhere: record the address the
+                # connection proved, never the one we were told.
+                if proven is not None:
+                    self._contacts.observe(proven)
+                if (verified := proven or known) is not None:
+                    reached[contact.peer_id] = verified
+                good = verified_entries(entries, target, self._authors, self._clock())
+                found.extend(good)
+                if good or held:
+                    holders.add(origin_of(remote))
+                    if quorum and len(holders) >= quorum:
+                        search.stop()
+                search.on_response(contact.peer_id, contacts)
+            changed.set()
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                for contact in search.next_queries():
+                    nursery.start_soon(ask, contact)
+                if search.finished or search.stopped:
+                    break
+                await changed.wait()
+                changed = trio.Event()
+            # Converged (or has what it needs): queries still in flight cannot change the answer.
+            nursery.cancel_scope.cancel()
+        return [reached.get(c.peer_id, c) for c in search.closest()], found
+
+    async def get(self, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:
+        """``DHT.get``: the replicas this node stored on lately, else a lookup; then what it knows."""
+        kid = key_id(key)
+        local = self._records.get(kid, self._clock())
+        q = max((self._config.get_quorum if quorum is None else quorum) - (1 if local else 0), 1)
+        known = self._cache.known(kid, self._clock())
+        named = {tag(e) for e in known}  # and what it holds as a replica (stored here, not offered):
+        known = (known + [e for e in local if tag(e) not in named])[:MAX_KNOWN]
+        found = await self._read_replicas(kid, q, known)
+        if found is None:
+            _, found = await self.lookup(kid, value=True, quorum=q, cached=known)
+        now, limits = self._clock(), self._config.limits
+        latest = now + limits.max_ttl + limits.clock_skew
+        good = verified_entries(local + found, kid, self._authors, now)
+        known = self._cache.known(kid, now)  # (again: with what was offered during the read)
+        if self._authors is not None:  # (a certificate may have expired since: check the authors again)
+            known = verified_entries(known, kid, self._authors, now)
+        merged = merge([e for e in good + known if now < e.expiry <= latest])
+        self._cache.update(kid, list(merged.values()))
+        return merged
+
+    async def _read_replicas(self, kid: bytes, quorum: int, known: list[Entry]) -> list[Entry] | None:
+        """A hot key's read (announcements polled while a group forms, records read every few seconds):
+        where this node stored under it lately (``Replicas.known``: a converged lookup at most
+        ``TARGETS_TTL`` old), it asks those replicas directly, and without their nearest contacts
+        (a reply's largest part when it brings no new entry). It asks no more of them than the quorum
+        needs: one first, then as many as holders are missing, one more for each that answered without
+        holding anything, failed, or is ``READ_HEDGE`` late (asking every replica at once cost a request
+        and most of an answer from each of up to ``replication`` peers, per read). A later replica is
+        told what the earlier ones sent, as held. None, to look the key up instead, when no such
+        replicas are known or fewer than ``quorum`` origins among them answered with entries."""
+        replicas = self._replicas.known(kid)
+        if not replicas:
+            return None
+        found: list[Entry] = []
+        holders: set[str] = set()
+
+        async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
+            tags = b"".join(tag(e) for e in known)
+            try:
+                _, entries, held, _, remote = await self._client.query(contact, kid, True, known, tags, False)
+            except (P2PError, trio.TooSlowError) as e:
+                log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
+                self._replicas.drop(kid)  # the next read and store look the replicas up again
+                return
+            good = verified_entries(entries, kid, self._authors, self._clock())
             found.extend(good)
             if good or held:
                 holders.add(origin_of(remote))
-                if quorum and len(holders) >= quorum:
-                    search.stop()
-            search.on_response(contact.peer_id, contacts)
-        changed.set()
+                if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
+                    done.cancel()
 
-    async with trio.open_nursery() as nursery:
-        while True:
-            for contact in search.next_queries():
-                nursery.start_soon(ask, contact)
-            if search.finished or search.stopped:
-                break
-            await changed.wait()
-            changed = trio.Event()
-        # Converged (or has what it needs): queries still in flight cannot change the answer.
-        nursery.cancel_scope.cancel()
-    return [reached.get(c.peer_id, c) for c in search.closest()], found
+        replicas = list(replicas)
+        waiting = iter(replicas)
+        answered_send, answered = trio.open_memory_channel[None](len(replicas))
+        running = 0
+        async with trio.open_nursery() as nursery:
 
+            async def ask_one(contact: Contact, known: list[Entry]) -> None:
+                try:
+                    await ask(contact, known, nursery.cancel_scope)
+                finally:
+                    answered_send.send_nowait(None)
 
-async def get(dht: DHT, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:
-    """``DHT.get``: the replicas this node stored on lately, else a lookup; then what it knows."""
-    kid = key_id(key)
-    local = dht.records.get(kid, dht.clock())
-    q = max((dht.config.get_quorum if quorum is None else quorum) - (1 if local else 0), 1)
-    known = dht._read.known(kid, dht.clock())
-    named = {tag(e) for e in known}  # and what it holds as a replica (stored here, not offered):
-    known = (known + [e for e in local if tag(e) not in named])[:MAX_KNOWN]
-    found = await read_replicas(dht, kid, q, known)
-    if found is None:
-        _, found = await dht._lookup(kid, value=True, quorum=q, cached=known)
-    now, limits = dht.clock(), dht.config.limits
-    latest = now + limits.max_ttl + limits.clock_skew
-    good = verified_entries(local + found, kid, dht.authors, now)
-    known = dht._read.known(kid, now)  # (again: with what was offered during the read)
-    if dht.authors is not None:  # (a certificate may have expired since: check the authors again)
-        known = verified_entries(known, kid, dht.authors, now)
-    merged = merge([e for e in good + known if now < e.expiry <= latest])
-    dht._read.update(kid, list(merged.values()))
-    return merged
+            def start(n: int) -> None:
+                nonlocal running
+                named = {tag(e) for e in known}
+                more = (known + [e for e in found if tag(e) not in named])[:MAX_KNOWN]
+                for contact in itertools.islice(waiting, max(n, 0)):
+                    nursery.start_soon(ask_one, contact, more)
+                    running += 1
 
+            start(1)
+            first = True
+            while running:
+                with trio.move_on_after(READ_HEDGE) as late:
+                    await answered.receive()
+                    running -= 1
+                if late.cancelled_caught:
+                    if first:
+                        self._replicas.demote(kid, replicas[0])  # a slow replica goes last next time
+                    start(1)  # a hedge beside the late one
+                first = False
+                start(quorum - len(holders) - running)
+        if len(holders) < quorum:
+            self._replicas.drop(kid)  # look them up again: the next store too
+            return None
+        return found
 
-async def read_replicas(dht: DHT, kid: bytes, quorum: int, known: list[Entry]) -> list[Entry] | None:
-    """A hot key's read (announcements polled while a group forms, records read every few seconds):
-    where this node stored under it lately (``replicas.known``: a converged lookup at most
-    ``TARGETS_TTL`` old), it asks those replicas directly, and without their nearest contacts
-    (a reply's largest part when it brings no new entry). It asks no more of them than the quorum
-    needs: one first, then as many as holders are missing, one more for each that answered without
-    holding anything, failed, or is ``READ_HEDGE`` late (asking every replica at once cost a request
-    and most of an answer from each of up to ``replication`` peers, per read). A later replica is told
-    what the earlier ones sent, as held. None, to look the key up instead, when no such replicas are
-    known or fewer than ``quorum`` origins among them answered with entries."""
-    cached = dht.known_replicas(kid)
-    if not cached:
-        return None
-    found: list[Entry] = []
-    holders: set[str] = set()
+    def held(self, key: bytes) -> dict[bytes, Entry]:
+        """``DHT.held``: the entries held here as a replica, and those read or offered lately, verified,
+        live, merged, without asking anyone."""
+        kid, now = key_id(key), self._clock()
+        entries = verified_entries(self._records.get(kid, now), kid, self._authors, now)
+        known = self._cache.known(kid, now)
+        if self._authors is not None:
+            known = verified_entries(known, kid, self._authors, now)
+        latest = now + self._config.limits.max_ttl + self._config.limits.clock_skew
+        return merge([e for e in entries + known if now < e.expiry <= latest])
 
-    async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
-        tags = b"".join(tag(e) for e in known)
-        try:
-            _, entries, held, _, remote = await dht._query(contact, kid, True, known, tags, False)
-        except (P2PError, trio.TooSlowError) as e:
-            log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
-            dht._targets.pop(kid, None)  # the next read and store look the replicas up again
-            return
-        good = verified_entries(entries, kid, dht.authors, dht.clock())
-        found.extend(good)
-        if good or held:
-            holders.add(origin_of(remote))
-            if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
-                done.cancel()
-
-    replicas = list(cached)
-    waiting = iter(replicas)
-    answered_send, answered = trio.open_memory_channel[None](len(replicas))
-    running = 0
-    async with trio.open_nursery() as nursery:
-
-        async def ask_one(contact: Contact, known: list[Entry]) -> None:
+    def offered(self, peer: PeerID, entries: list[Entry], now: float) -> list[bytes]:
+        """Entries ``peer`` pushed to this node (see ``DHT.store(offer_to=...)``): taken only for a key
+        this node reads, from the owner of their subkey, signed by it (and admitted, in a run with
+        authors), as newer versions of what a read brought (see ``known``). Returns the key id of each
+        entry taken."""
+        took: list[bytes] = []
+        for entry in entries:
+            kid = key_id(entry.key)
+            if owner_of(entry.key, entry.subkey) != peer or not self._cache.reads(kid):
+                continue  # (an unowned entry is anyone's to write: only replicas speak for it)
             try:
-                await ask(contact, known, nursery.cancel_scope)
-            finally:
-                answered_send.send_nowait(None)
-
-        def start(n: int) -> None:
-            nonlocal running
-            named = {tag(e) for e in known}
-            more = (known + [e for e in found if tag(e) not in named])[:MAX_KNOWN]
-            for contact in itertools.islice(waiting, max(n, 0)):
-                nursery.start_soon(ask_one, contact, more)
-                running += 1
-
-        start(1)
-        first = True
-        while running:
-            with trio.move_on_after(READ_HEDGE) as late:
-                await answered.receive()
-                running -= 1
-            if late.cancelled_caught:
-                if first and cached and cached[0] == replicas[0]:
-                    cached.append(cached.pop(0))  # a slow replica goes last next time
-                start(1)  # a hedge beside the late one
-            first = False
-            start(quorum - len(holders) - running)
-    if len(holders) < quorum:
-        dht._targets.pop(kid, None)  # look them up again: the next store too
-        return None
-    return found
-
-
-def proven_contact(conn: Connection) -> Contact | None:
-    """The contact a connection proves: the address we dialed, where the handshake found that peer.
-
-    An accepted connection proves no address the peer can be dialed at.
-    """
-    if not conn.outbound:
-        return None
-    return Contact(conn.peer, PeerAddress.for_host(conn.remote_host, conn.remote_port, conn.peer))
+                check_entry(entry, now, self._config.limits)
+            except RecordRefused:
+                continue
+            if self._cache.offer(kid, verified_entries([entry], kid, self._authors, now), now):
+                took.append(kid)
+        return took
 
 
 def verified_entries(entries: list[Entry], kid: bytes, authors: Authors | None, now: float) -> list[Entry]:

@@ -280,6 +280,17 @@ class RecordStore:
     def records_of(self, peer: PeerID) -> int:
         return self._per_peer.get(peer, 0)
 
+    def contents(self) -> list[Entry]:
+        """Every entry held, as stored: expired ones and those of authors no longer admitted included
+        (what a test or an audit of this node inspects; a read uses :meth:`get`)."""
+        return [st.entry for rec in self._data.values() for st in rec.values()]
+
+    def clear(self) -> None:
+        """Forget every entry and every count, as a node restarted empty."""
+        self._data.clear()
+        self._per_peer.clear()
+        self._recent.clear()
+
     def put(self, entry: Entry, now: float, stored_by: PeerID | None, origin: str | None = None) -> str:
         """Store ``entry`` (sent by ``stored_by`` from the subnet ``origin``, see :func:`origin_of`);
         return what happened, or raise RecordRefused with the reason."""

@@ -1,11 +1,11 @@
 """Where a key's records go: its replicas, found once and remembered.
 
-Functions of a :class:`~p2ptrain.dht.service.DHT` (its ``_replicas`` and ``known_replicas`` call them).
-A store goes to the key's ``replication`` closest peers, looked up once per ``TARGETS_TTL`` (a peer
-publishing a record every few seconds looked them up every time), and again after a store that a
-replica failed or refused; a read of a key stored under lately asks those replicas directly (see
-``reads.read_replicas``). Peers that join closer to a key meanwhile get its records from
-``upkeep.replicate``. Two shortcuts for a swarm smaller than the DHT's parameters:
+Theory of operation: a store goes to the key's ``replication`` closest peers, looked up once per
+``TARGETS_TTL`` (a peer publishing a record every few seconds looked them up every time), and again
+after a store that a replica failed or refused; a read of a key stored under lately asks those replicas
+directly (see :meth:`~p2ptrain.dht.reads.Reader.get`). Peers that join closer to a key meanwhile get
+its records from the maintenance's re-replication. Two shortcuts for a swarm smaller than the DHT's
+parameters:
 
 - Fewer than ``replication`` replicas found means every peer the lookup found is one: the routing
   table's answering contacts met since are added at once (else a peer's first records, stored while it
@@ -14,75 +14,104 @@ replica failed or refused; a read of a key stored under lately asks those replic
   key's replicas are the closest of those and of the routing table's answering contacts (newcomers
   call us and land there), with no lookup per key (a new group key each round, a record's replicas
   every ``TARGETS_TTL``: most of a small swarm's lookups). A peer that fails a store leaves that set.
+
+:class:`Replicas` owns this memory and does no I/O: whoever needs a key's replicas asks
+:meth:`Replicas.cached` first, and only where it answers None runs the lookup and hands its result to
+:meth:`Replicas.found`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from ..identity import PeerID
-from .routing import Contact
-
-if TYPE_CHECKING:
-    from .service import DHT
+from .routing import Contact, RoutingTable
 
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers ...
 TARGETS_TTL = 30.0  # ... for this many seconds
 SWARM_TTL = 120.0  # how long an exhaustive lookup stands for the whole swarm (peers met since: the table)
 
 
-async def find(dht: DHT, kid: bytes) -> list[Contact]:
-    """The peers to store a key on: remembered, else from the swarm's last exhaustive lookup, else
-    looked up."""
-    now = dht.clock()
-    remembered = known(dht, kid)
-    if remembered is not None:
-        return remembered
-    targets = _from_swarm(dht, kid, now)
-    if targets is None:
-        closest = await dht.find_node(kid)
-        targets = closest[: dht.config.replication]
-        if len(closest) < dht.config.k:  # (every candidate it heard of was asked)
-            dht._swarm = (now + SWARM_TTL, {c.peer_id: c for c in closest})
-    dht._targets[kid] = (now + TARGETS_TTL, targets)
-    while len(dht._targets) > MAX_TARGET_KEYS:
-        dht._targets.pop(next(iter(dht._targets)))
-    return targets
+class Replicas:
+    """The replicas of the keys this node stored under lately (see the module docstring)."""
 
+    def __init__(self, table: RoutingTable, *, k: int, replication: int, clock: Callable[[], float]) -> None:
+        self._table = table
+        self._k = k
+        self._replication = replication
+        self._clock = clock
+        self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
+        self._swarm: tuple[float, dict[PeerID, Contact]] | None = None  # (until, every peer)
 
-def known(dht: DHT, kid: bytes) -> list[Contact] | None:
-    """The replicas a store under ``kid`` found lately, with the peers met since where every peer is
-    one; None: none within ``TARGETS_TTL``."""
-    cached = dht._targets.get(kid)
-    if cached is None or cached[0] <= dht.clock():
-        return None
-    if len(cached[1]) < dht.config.replication:
-        grown = _closest(dht, kid, {c.peer_id: c for c in cached[1]})
-        if len(grown) > len(cached[1]):
-            cached = dht._targets[kid] = (cached[0], grown)
-    return cached[1]
+    def cached(self, kid: bytes, now: float) -> list[Contact] | None:
+        """A key's replicas without a lookup: remembered, else from the swarm's last exhaustive lookup
+        (then remembered from now on); None: look them up (and hand the result to :meth:`found`)."""
+        remembered = self.known(kid)
+        if remembered is not None:
+            return remembered
+        targets = self._from_swarm(kid, now)
+        if targets is not None:
+            self._remember(kid, targets, now)
+        return targets
 
+    def found(self, kid: bytes, closest: list[Contact], now: float) -> list[Contact]:
+        """A lookup begun at ``now`` found ``closest`` for ``kid``: its replicas, remembered."""
+        targets = closest[: self._replication]
+        if len(closest) < self._k:  # (every candidate it heard of was asked)
+            self._swarm = (now + SWARM_TTL, {c.peer_id: c for c in closest})
+        self._remember(kid, targets, now)
+        return targets
 
-def forget(dht: DHT, peer: PeerID) -> None:
-    """``peer`` failed a store: no key's replica from the swarm's set, until a lookup finds it again."""
-    if dht._swarm is not None:
-        dht._swarm[1].pop(peer, None)
+    def _remember(self, kid: bytes, targets: list[Contact], now: float) -> None:
+        self._targets[kid] = (now + TARGETS_TTL, targets)
+        while len(self._targets) > MAX_TARGET_KEYS:
+            self._targets.pop(next(iter(self._targets)))
 
+    def known(self, kid: bytes) -> list[Contact] | None:
+        """The replicas a store under ``kid`` found lately, with the peers met since where every peer is
+        one; None: none within ``TARGETS_TTL``."""
+        cached = self._targets.get(kid)
+        if cached is None or cached[0] <= self._clock():
+            return None
+        if len(cached[1]) < self._replication:
+            grown = self._closest(kid, {c.peer_id: c for c in cached[1]})
+            if len(grown) > len(cached[1]):
+                cached = self._targets[kid] = (cached[0], grown)
+        return list(cached[1])
 
-def _from_swarm(dht: DHT, kid: bytes, now: float) -> list[Contact] | None:
-    """A key's replicas from the last exhaustive lookup and the routing table; None (look them up):
-    none lately, or the swarm has grown to ``k`` peers since."""
-    if dht._swarm is None or dht._swarm[0] <= now:
-        return None
-    peers = _closest(dht, kid, dict(dht._swarm[1]), limit=dht.config.k)
-    return None if len(peers) >= dht.config.k else peers[: dht.config.replication]
+    def remembered(self, kid: bytes) -> list[Contact] | None:
+        """The replicas remembered for ``kid`` as they stand, expired or not (None: none)."""
+        cached = self._targets.get(kid)
+        return None if cached is None else list(cached[1])
 
+    def demote(self, kid: bytes, contact: Contact) -> None:
+        """``contact``, asked first for ``kid``, was slow: where it still comes first, it goes last."""
+        cached = self._targets.get(kid)
+        if cached is not None and cached[1] and cached[1][0] == contact:
+            cached[1].append(cached[1].pop(0))
 
-def _closest(dht: DHT, kid: bytes, peers: dict[PeerID, Contact], limit: int | None = None) -> list[Contact]:
-    """``peers`` and the routing table's answering contacts, closest to ``kid`` first (at most
-    ``limit``, default ``replication``)."""
-    for c in dht.table.answering():
-        peers.setdefault(c.peer_id, c)
-    t = int.from_bytes(kid, "big")
-    by_distance = sorted(peers.values(), key=lambda c: int.from_bytes(c.peer_id.digest, "big") ^ t)
-    return by_distance[: limit or dht.config.replication]
+    def drop(self, kid: bytes) -> None:
+        """A replica of ``kid`` failed or refused: the next read and store look them up again."""
+        self._targets.pop(kid, None)
+
+    def forget(self, peer: PeerID) -> None:
+        """``peer`` failed a store: no key's replica from the swarm's set, until a lookup finds it again."""
+        if self._swarm is not None:
+            self._swarm[1].pop(peer, None)
+
+    def _from_swarm(self, kid: bytes, now: float) -> list[Contact] | None:
+        """A key's replicas from the last exhaustive lookup and the routing table; None (look them up):
+        none lately, or the swarm has grown to ``k`` peers since."""
+        if self._swarm is None or self._swarm[0] <= now:
+            return None
+        peers = self._closest(kid, dict(self._swarm[1]), limit=self._k)
+        return None if len(peers) >= self._k else peers[: self._replication]
+
+    def _closest(self, kid: bytes, peers: dict[PeerID, Contact], limit: int | None = None) -> list[Contact]:
+        """``peers`` and the routing table's answering contacts, closest to ``kid`` first (at most
+        ``limit``, default ``replication``)."""
+        for c in self._table.answering():
+            peers.setdefault(c.peer_id, c)
+        t = int.from_bytes(kid, "big")
+        by_distance = sorted(peers.values(), key=lambda c: int.from_bytes(c.peer_id.digest, "big") ^ t)
+        return by_distance[: limit or self._replication]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import trio
 
 from p2ptrain.dht import DHTConfig, key_id
+from p2ptrain.dht.client import SENDER_REFRESH
 from p2ptrain.dht.reads import READ_HEDGE
-from p2ptrain.dht.service import SENDER_REFRESH
 from tests.harness.dht import open_swarm
 
 KEY = b"lean/hot"
@@ -16,7 +16,7 @@ KEY = b"lean/hot"
 
 def count_value_queries(dht, log: list[tuple[bool, int]]) -> None:  # type: ignore[no-untyped-def]
     """Record, for each value query ``dht`` sends: whether it asked for contacts, how many came back."""
-    query = dht._query
+    query = dht.client.query
 
     async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
         out = await query(contact, target, value, known, tags, nearest)
@@ -24,19 +24,19 @@ def count_value_queries(dht, log: list[tuple[bool, int]]) -> None:  # type: igno
             log.append((nearest, len(out[0])))
         return out
 
-    dht._query = counting
+    dht.client.query = counting
 
 
 def count_entries(dht) -> list[int]:  # type: ignore[no-untyped-def]
     """Record, for each query ``dht`` sends, how many entries came back (in the list returned)."""
-    query, brought = dht._query, []
+    query, brought = dht.client.query, []
 
     async def counting(contact, target, value, known, tags, nearest=True):  # type: ignore[no-untyped-def]
         out = await query(contact, target, value, known, tags, nearest)
         brought.append(len(out[1]))
         return out
 
-    dht._query = counting
+    dht.client.query = counting
     return brought
 
 
@@ -61,14 +61,15 @@ async def test_a_key_stored_lately_is_read_from_its_replicas_without_contacts(au
             assert any(n > 0 for _, n in looked_up), looked_up
 
             # Two of the three replicas crash: too few answer, and the read looks the key up again.
-            replicas = {c.peer_id for c in writer.dht._targets[key_id(KEY)][1]}
+            replicas = {c.peer_id for c in writer.dht.replicas.remembered(key_id(KEY))}
             for node in [n for n in swarm.nodes if n.host.peer_id in replicas][:2]:
                 await swarm.kill(node)
             lean.clear()
             got = await writer.dht.get(KEY)  # (the quorum of 3 cannot be met now)
             assert got[b""].value == b"v1"
             assert any(nearest for nearest, _ in lean), lean  # (the lookup after the direct reads)
-            assert key_id(KEY) not in writer.dht._targets or writer.dht._targets[key_id(KEY)][1]
+            remembered = writer.dht.replicas.remembered
+            assert remembered(key_id(KEY)) is None or remembered(key_id(KEY))
 
 
 async def test_a_silent_replica_does_not_hold_a_direct_read_up(autojump_clock: object) -> None:
@@ -81,7 +82,7 @@ async def test_a_silent_replica_does_not_hold_a_direct_read_up(autojump_clock: o
                 await swarm.start(f"s{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             writer = swarm.nodes[-1]
             assert await writer.dht.store(KEY, b"v1", ttl=600.0) >= 3  # (itself too, if among them)
-            first = writer.dht._targets[key_id(KEY)][1][0].peer_id  # (the replica a read asks first)
+            first = writer.dht.replicas.remembered(key_id(KEY))[0].peer_id  # (the replica a read asks first)
             silent = next(n for n in swarm.nodes if n.host.peer_id == first)
             swarm.net.partition([writer.name], [silent.name])
             began = trio.current_time()
@@ -104,7 +105,7 @@ async def test_a_direct_read_asks_no_more_replicas_than_its_quorum_needs(autojum
                 await swarm.start(f"q{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             writer = swarm.nodes[-1]
             assert await writer.dht.store(KEY, b"v1", ttl=600.0) >= 12
-            replicas = writer.dht._targets[key_id(KEY)][1]
+            replicas = writer.dht.replicas.remembered(key_id(KEY))
             assert len(replicas) == 12
             asked: list[tuple[bool, int]] = []
             count_value_queries(writer.dht, asked)
@@ -117,7 +118,7 @@ async def test_a_direct_read_asks_no_more_replicas_than_its_quorum_needs(autojum
             # The first replica lost the entry (restarted empty): it answers, holds nothing, and the
             # read asks one more in its place, still without a lookup.
             first = next(n for n in swarm.nodes if n.host.peer_id == replicas[0].peer_id)
-            first.dht.records._data.clear()
+            first.dht.records.clear()
             asked.clear()
             assert (await writer.dht.get(KEY))[b""].value == b"v1"
             assert len(asked) == 4 - mine and all(not nearest for nearest, _ in asked), asked
@@ -135,13 +136,13 @@ async def test_in_a_swarm_smaller_than_k_one_lookup_finds_all_replicas(autojump_
                 await swarm.start(f"w{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             writer = swarm.nodes[-1]
             lookups: list[bytes] = []
-            find_node = writer.dht.find_node
+            find_node = writer.dht.reader.find_node
 
             async def counting(target: bytes) -> list:  # type: ignore[type-arg]
                 lookups.append(target)
                 return await find_node(target)
 
-            writer.dht.find_node = counting  # type: ignore[method-assign]
+            writer.dht.reader.find_node = counting  # type: ignore[method-assign]
             for i in range(5):
                 assert await writer.dht.store(b"round-%d" % i, b"v", ttl=600.0) == 6  # (5 + itself)
             assert len(lookups) == 1, lookups
@@ -164,7 +165,8 @@ async def test_in_a_swarm_smaller_than_k_one_lookup_finds_all_replicas(autojump_
             await swarm.kill(late)
             assert await writer.dht.store(b"round-6", b"v", ttl=600.0) == 6  # (it failed here)
             assert await writer.dht.store(b"round-7", b"v", ttl=600.0) == 6
-            assert late.host.peer_id not in {c.peer_id for c in writer.dht._targets[key_id(b"round-7")][1]}
+            remembered = writer.dht.replicas.remembered
+            assert late.host.peer_id not in {c.peer_id for c in remembered(key_id(b"round-7"))}
             assert len(lookups) == 1, lookups
 
 
@@ -181,14 +183,14 @@ async def test_a_node_tells_a_peer_its_contact_once_a_minute_and_stays_fresh_the
                 await swarm.start(f"t{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             a, b = swarm.nodes[-1], swarm.nodes[0]
             heard: list[bool] = []
-            heard_from = b.dht._heard_from
+            heard_from = b.dht.contacts.heard_from
 
             def logging(ctx, sender):  # type: ignore[no-untyped-def]
                 if ctx.peer == a.host.peer_id:
                     heard.append(sender is not None)
                 heard_from(ctx, sender)
 
-            b.dht._heard_from = logging
+            b.dht.contacts.heard_from = logging
             table = b.dht.table
 
             def last_seen() -> float:
@@ -241,7 +243,7 @@ async def test_a_replica_names_what_it_holds_and_is_not_sent_it_again(autojump_c
                 await swarm.start(f"h{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             writer = swarm.nodes[0]
             assert await writer.dht.store(KEY, b"v1", ttl=600.0, subkey=b"a") == 3
-            replicas = {c.peer_id for c in writer.dht._targets[key_id(KEY)][1]}
+            replicas = {c.peer_id for c in writer.dht.replicas.remembered(key_id(KEY))}
             reader = next(n for n in swarm.nodes if n.host.peer_id in replicas)
             assert reader.dht.records.get(key_id(KEY), trio.current_time())  # (stored there)
             brought = count_entries(reader.dht)

@@ -11,7 +11,7 @@ import trio
 from p2ptrain.dht import DHTConfig, key_id, owned_subkey
 from p2ptrain.dht.protocol import OFFER, OfferReq, encode_entries
 from p2ptrain.dht.records import make_entry
-from p2ptrain.dht.service import OFFERS_PER_MINUTE
+from p2ptrain.dht.server import OFFERS_PER_MINUTE
 from tests.harness.dht import open_swarm
 
 KEY = b"run/offers/progress"
@@ -47,7 +47,7 @@ async def test_an_offered_entry_is_held_without_a_read(autojump_clock: object) -
             # A peer that never read the key takes nothing offered (it would hold any key for anyone).
             other = nodes[3]
             await author.dht.store(KEY, b"step 3", ttl=60, subkey=first, sign=True, offer_to=[other.address])
-            assert not other.dht._read.reads(key_id(KEY))
+            assert not other.dht.reader.reads(key_id(KEY))
             assert reader.dht.held(KEY)[first].value == b"step 3"
 
 
@@ -118,14 +118,14 @@ async def test_a_partner_that_is_a_replica_gets_the_entry_once(autojump_clock: o
         async with open_swarm(DHTConfig(replication=3)) as swarm:
             author, readers, mine = await read_by_all(swarm, 5, "p")
             offered: list[object] = []
-            offer = author.dht._offer
+            offer = author.dht.client.offer
 
             async def counting(addr, entry):  # type: ignore[no-untyped-def]
                 offered.append(addr.peer_id)
                 await offer(addr, entry)
 
-            author.dht._offer = counting
-            replicas = {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
+            author.dht.client.offer = counting
+            replicas = {c.peer_id for c in author.dht.replicas.remembered(key_id(KEY))}
             others = [r for r in readers if r.host.peer_id not in replicas]
             assert len(replicas) == 3 and len(others) == 1
             await author.dht.store(
@@ -142,12 +142,12 @@ async def test_a_partner_that_refuses_the_store_is_offered_the_entry(autojump_cl
         async with open_swarm(DHTConfig(replication=3)) as swarm:
             author, readers, mine = await read_by_all(swarm, 3, "q")
             shy = readers[0]
-            assert shy.host.peer_id in {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
+            assert shy.host.peer_id in {c.peer_id for c in author.dht.replicas.remembered(key_id(KEY))}
             shy.dht.client_only = True  # (it refuses stores now: "holds no records")
             await author.dht.store(
                 KEY, b"step 2", ttl=60, subkey=mine, sign=True, offer_to=[r.address for r in readers]
             )
-            assert shy.dht._read.known(key_id(KEY), trio.current_time())[0].value == b"step 2"
+            assert shy.dht.reader.known(key_id(KEY), trio.current_time())[0].value == b"step 2"
 
 
 async def test_a_watched_key_tells_its_reader_when_an_entry_arrives(autojump_clock: object) -> None:
@@ -165,7 +165,7 @@ async def test_a_watched_key_tells_its_reader_when_an_entry_arrives(autojump_clo
             for n in nodes[1:]:
                 n.dht.watch(KEY, lambda name=n.name: woke.__setitem__(name, woke.get(name, 0) + 1))
             await author.dht.store(KEY, b"step 1", ttl=60, subkey=mine, sign=True)
-            replicas = {c.peer_id for c in author.dht._targets[key_id(KEY)][1]}
+            replicas = {c.peer_id for c in author.dht.replicas.remembered(key_id(KEY))}
             stored_on = {n.name for n in nodes[1:] if n.host.peer_id in replicas}
             assert stored_on and set(woke) == stored_on, (woke, stored_on)  # the replicas, as it arrived
 

@@ -16,7 +16,7 @@ import logging
 import pytest
 import trio
 
-from p2ptrain.dht import upkeep
+from p2ptrain.dht.reachability import askers as dial_back_askers
 from p2ptrain.dht.routing import Contact
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork, PeerAddress
@@ -100,7 +100,7 @@ async def test_a_recheck_nobody_answers_changes_nothing(autojump_clock: object) 
             gone = Contact(joiner.peer_id, joiner.addresses[0])
             net.kill("joiner")  # gone without a word: its address answers nothing any more
             scope.cancel()
-            await upkeep.check_reachability(first.dht, [gone])  # what the re-check does with what it knows
+            await first.dht.reachability.check([gone])  # what the re-check does with what it knows
             assert first.dht.reachable is True and not first.dht.client_only
             nursery.cancel_scope.cancel()
 
@@ -114,7 +114,7 @@ async def test_the_peers_asked_to_dial_back_come_from_different_subnets() -> Non
         me.dht.table.observe(Contact(peer, PeerAddress.for_host(f"198.18.7.{k + 1}", PORT, peer)), 0.0)
     honest = Identity.generate().peer_id
     me.dht.table.observe(Contact(honest, PeerAddress.for_host("198.18.9.1", PORT, honest)), 0.0)
-    askers = upkeep.askers(me.dht, 3)
+    askers = dial_back_askers(me.dht.table, 3)
     assert len(askers) == 2 and honest in {c.peer_id for c in askers}
 
 

@@ -89,7 +89,7 @@ def drive(
         queried += new
         assert lookup.in_flight == len(in_flight) <= lookup.alpha
         if max_candidates is not None:
-            assert len(lookup._cands) <= max_candidates  # memory stays bounded
+            assert len(lookup.candidates) <= max_candidates  # memory stays bounded
         if lookup.finished:
             return queried
         # Not finished and nothing in flight would be a stall: the lookup must always have work.
@@ -183,7 +183,7 @@ def test_dead_peers_are_skipped(dead_fraction: float) -> None:
     for k in [K // 2] * 15 + [K] * 5:
         lookup, local = new_lookup(net, rng, k=k)
         dead = set(rng.sample([p for p in net.ids if p != local], int(dead_fraction * N_PEERS)))
-        heard = set(lookup._cands)  # the seeds
+        heard = set(lookup.candidates)  # the seeds
 
         def answer(c: Contact, lookup: Lookup = lookup, heard: set[PeerID] = heard) -> list[Contact]:
             contacts = net.answer(c, lookup.target)
@@ -208,7 +208,7 @@ def test_dead_peers_are_skipped(dead_fraction: float) -> None:
 def test_all_seeds_dead_ends_with_nothing() -> None:
     net, rng = network(), random.Random(4)
     lookup, _ = new_lookup(net, rng)
-    seeds = [c.contact.peer_id for c in lookup._cands.values()]
+    seeds = [c.contact.peer_id for c in lookup.candidates.values()]
     drive(lookup, net, rng, dead=set(net.ids))
     assert lookup.finished
     assert lookup.closest() == []
@@ -274,12 +274,12 @@ def test_answers_out_of_turn_are_ignored() -> None:
     net, rng = network(), random.Random(6)
     lookup, _ = new_lookup(net, rng)
     first = lookup.next_queries()
-    stranger = next(c for c in net.contacts.values() if c.peer_id not in lookup._cands)
+    stranger = next(c for c in net.contacts.values() if c.peer_id not in lookup.candidates)
     # An answer from a peer never asked, or asked but not yet sent to (pending), adds nothing.
     assert lookup.on_response(stranger.peer_id, net.answer(stranger, lookup.target)) == 0
-    pending = next(c.contact for c in lookup._cands.values() if c.state == "pending")
+    pending = next(c.contact for c in lookup.candidates.values() if c.state == "pending")
     assert lookup.on_response(pending.peer_id, net.answer(pending, lookup.target)) == 0
-    assert lookup._cands[pending.peer_id].state == "pending"
+    assert lookup.candidates[pending.peer_id].state == "pending"
     # A failure report for a peer not in flight changes nothing either.
     lookup.on_failure(stranger.peer_id)
     lookup.on_failure(pending.peer_id)
@@ -300,7 +300,7 @@ def test_on_response_counts_new_candidates_only() -> None:
     lookup = Lookup(bytes(PEER_ID_BYTES), [contact[a], contact[a], contact[local]], local=local, k=K)
     assert [x.peer_id for x in lookup.next_queries()] == [a]  # duplicate and own seed dropped
     assert lookup.on_response(a, [contact[a], contact[b], contact[b], contact[local], contact[c]]) == 2
-    assert set(lookup._cands) == {a, b, c}
+    assert set(lookup.candidates) == {a, b, c}
     assert lookup.on_response(d, [contact[d]]) == 0
 
 
