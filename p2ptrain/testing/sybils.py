@@ -134,7 +134,7 @@ async def publish_as(
     entry = make_entry(key, value, opt.clock() + ttl, subkey=owned_subkey(who.peer_id), signer=who)
     costs.bytes += len(entry.value) + len(entry.signature or b"")
     try:
-        costs.stores += await opt.node.dht._store_entries(key_id(key), [entry])
+        costs.stores += await opt.node.dht.writer.store_entries(key_id(key), [entry])
     except P2PError as e:
         log.debug("a store was refused: %s", e)
     costs.report(opt.clock())

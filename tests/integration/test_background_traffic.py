@@ -91,7 +91,7 @@ async def test_a_peer_whose_offers_are_lost_is_still_read_from_the_replicas(auto
         async def lost(*args: object) -> None:
             return None
 
-        peers[2].node.dht._offer = lost  # type: ignore[method-assign]
+        peers[2].node.dht.client.offer = lost  # type: ignore[method-assign]
         await s.until(lambda: all(p.opt.epoch >= 6 for p in peers), timeout=600)
         check_identical_per_epoch(peers)
         assert all(p.opt.stats.solo == 0 for p in peers)

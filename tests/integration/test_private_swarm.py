@@ -101,8 +101,7 @@ def authored_by(swarm: Swarm, who: Identity) -> list[Entry]:
     return [
         e
         for node in swarm.nodes.values()
-        for rec in node.dht.records._data.values()
-        for e in (st.entry for st in rec.values())
+        for e in node.dht.records.contents()
         if e.public_key == who.public_key
     ]
 

@@ -248,7 +248,7 @@ async def test_a_circuit_contact_is_taken_only_through_a_relay_this_node_is_conn
     def heard_through(relay_id) -> bool:
         addr = PeerAddress.parse(f"/ip4/198.18.0.9/tcp/4001/p2p/{relay_id}/p2p-circuit/p2p/{caller}")
         ctx = CallContext(caller, "198.18.0.50", "dht.ping", memoryview(b""), 0.0)
-        dht._heard_from(ctx, ContactMsg.of(Contact(caller, addr)))
+        dht.contacts.heard_from(ctx, ContactMsg.of(Contact(caller, addr)))
         return caller in {c.peer_id for c in dht.table.contacts()}
 
     with trio.fail_after(60):
