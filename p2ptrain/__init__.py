@@ -1,13 +1,31 @@
 """p2ptrain: decentralized peer-to-peer training over the WAN.
 
-The public API is what this module re-exports; everything else is internal and may change.
+The front door: what a user who trains a model with a swarm calls. Everything else is internal and may
+change, except the layers' own public modules, which stay importable by their names:
+
+- train with the tools you use: :func:`join_swarm`, :class:`SwarmOptimizer`, :class:`SwarmTrainer`
+  (``transformers``), :class:`SwarmCallback` (Lightning), :class:`SwarmShards`;
+- the collaborative optimizer itself: :class:`CollaborativeOptimizer` (trio code),
+  :class:`SyncCollaborativeOptimizer` (a plain loop, on a :class:`BackgroundNode`);
+- run files and tasks: :func:`load_config`, :class:`RunConfig`, :class:`Task`, :func:`load_task`;
+- a node from Python: :class:`Node`, :class:`NodeConfig`, :class:`BackgroundNode`;
+- the errors, all under :class:`P2PError`, each saying whose fault it is (:mod:`p2ptrain.errors`).
+
+The layers underneath have their own front doors: :mod:`p2ptrain.net` (hosts, connections, the RPC
+toolkit: ``RpcRegistry``, ``Method``, ``Reply``, ``CallContext``, ``RpcStream``, ``PeerAddress``),
+:mod:`p2ptrain.identity`, :mod:`p2ptrain.wire` (``Message``, ``bounded``), :mod:`p2ptrain.dht`,
+:mod:`p2ptrain.averaging` (``Averager``, ``AveragerConfig``, ``RoundResult``).
+
+``import p2ptrain`` stays cheap (no torch, no network stack): the names above but the errors are
+imported on first use (``__getattr__``); the ``TYPE_CHECKING`` block names the same ones for type
+checkers and documentation tools.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from .dht import DHT, DHTConfig, owned_subkey
 from .errors import (
     CallRefused,
     ConfigError,
@@ -27,44 +45,34 @@ from .errors import (
     RoundTimedOut,
     SchemaMismatch,
 )
-from .identity import Identity, PeerID, SignedEnvelope, load_identity, save_identity
-from .net import (
-    CallContext,
-    Connection,
-    Host,
-    HostConfig,
-    MemoryNetwork,
-    Method,
-    PeerAddress,
-    Reply,
-    RpcRegistry,
-    RpcStream,
-)
-from .wire import Message, bounded
+from .version import __version__
 
-if TYPE_CHECKING:
-    from .averaging import Averager, AveragerConfig, Compression, RoundResult
+if TYPE_CHECKING:  # (the same names and modules as _LAZY: tests/unit/test_front_door.py checks it)
     from .config import RunConfig, load_config
+    from .integrations import SwarmOptimizer, SwarmShards, join_swarm
+    from .integrations.huggingface import SwarmTrainer
+    from .integrations.lightning import SwarmCallback
     from .node import BackgroundNode, Node, NodeConfig
     from .tasks import Task, load_task
-    from .training.collaborative import CollaborativeOptimizer, SyncCollaborativeOptimizer
+    from .training import CollaborativeOptimizer, SyncCollaborativeOptimizer
 
-# The training stack (torch) is imported on first use, so that the light commands (``p2ptrain id``,
-# ``ping``, ``peers``, ``status``) start in a fraction of a second.
+# Each lazily imported name and the module it comes from. The integrations with other libraries import
+# those libraries (``pip install 'p2ptrain[integrations]'``) when first used.
 _LAZY = {
-    "Averager": "averaging",
-    "AveragerConfig": "averaging",
-    "Compression": "averaging",
-    "RoundResult": "averaging",
     "RunConfig": "config",
     "load_config": "config",
+    "SwarmOptimizer": "integrations",
+    "SwarmShards": "integrations",
+    "join_swarm": "integrations",
+    "SwarmTrainer": "integrations.huggingface",
+    "SwarmCallback": "integrations.lightning",
     "BackgroundNode": "node",
     "Node": "node",
     "NodeConfig": "node",
     "Task": "tasks",
     "load_task": "tasks",
-    "CollaborativeOptimizer": "training.collaborative",
-    "SyncCollaborativeOptimizer": "training.collaborative",
+    "CollaborativeOptimizer": "training",
+    "SyncCollaborativeOptimizer": "training",
 }
 
 
@@ -72,8 +80,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
@@ -84,55 +90,36 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "DHT",
-    "Averager",
-    "AveragerConfig",
     "BackgroundNode",
-    "CallContext",
     "CallRefused",
     "CollaborativeOptimizer",
-    "Compression",
     "ConfigError",
-    "Connection",
     "ConnectionClosed",
-    "DHTConfig",
     "DeadlineExceeded",
     "GroupFormationFailed",
     "GroupTooSmall",
     "HandshakeRefused",
-    "Host",
-    "HostConfig",
-    "Identity",
     "IdentityError",
     "InvalidSignature",
     "LocalProtocolError",
-    "MemoryNetwork",
-    "Message",
-    "Method",
     "Node",
     "NodeConfig",
     "P2PError",
-    "PeerAddress",
-    "PeerID",
     "PeerUnavailable",
     "RemoteCallError",
     "RemoteProtocolError",
-    "Reply",
     "RoundAborted",
-    "RoundResult",
     "RoundTimedOut",
-    "RpcRegistry",
-    "RpcStream",
     "RunConfig",
     "SchemaMismatch",
-    "SignedEnvelope",
+    "SwarmCallback",
+    "SwarmOptimizer",
+    "SwarmShards",
+    "SwarmTrainer",
     "SyncCollaborativeOptimizer",
     "Task",
     "__version__",
-    "bounded",
+    "join_swarm",
     "load_config",
-    "load_identity",
     "load_task",
-    "owned_subkey",
-    "save_identity",
 ]

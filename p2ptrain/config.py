@@ -17,17 +17,21 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .averaging.compression import Compression, parse_compression
 from .averaging.protocol import sparse_problem
 from .averaging.robust import Aggregation, parse_aggregation
 from .errors import ConfigError
 from .idwork import MAX_WORK_BITS
+from .net.address import PeerAddress
 from .net.handshake import MAX_RUN_ID
+from .nodebase import parse_announce, parse_join_address, parse_listen
 
 MODES = ("sync", "diloco")
 OUTER_STATES = ("auto", "memory", "file")
+TRACKERS = ("", "tensorboard", "mlflow")
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -176,8 +180,104 @@ class EvalSection:
 
 
 @dataclass(frozen=True)
+class NodeSection:
+    """What this host's node is started with: the ``p2ptrain node`` flags a host would otherwise type on
+    every start (where it listens, whom it joins, its data folder, its metrics port, its devices).
+
+    One rule says which value a node takes, for every key: **a flag given on the command line, else this
+    section's value in the run file, else the default below.** A repeatable flag (``--listen``,
+    ``--join``) that is given replaces the section's whole list; ``--no-relay`` sets ``relay = false``.
+    The rule is :func:`with_flags` (``RunConfig.with_flags("node", ...)``), and nothing else applies it.
+    Paths are read as the flags' are: relative to the folder the node is started in.
+
+    The section is about one host, not the run: peers of one run may each hold their own, or none.
+    It is not part of the run's fingerprint (``training.optimizer.bookkeeping.run_fingerprint``), and the run's
+    id and authority stay in ``[run]`` (``--run-id`` and ``--authority`` override those).
+    """
+
+    # HOST:PORT addresses to listen on (port 0: any free one)
+    listen: tuple[tuple[str, int], ...] = (("0.0.0.0", 31337),)
+    # "HOST[:PORT]" to put in the join address (behind NAT, in containers, behind a relay)
+    announce: tuple[str, int | None] | None = None
+    source_address: str = ""  # outgoing connections leave from this local address; "": the system's choice
+    join: tuple[PeerAddress, ...] = ()  # peers' full addresses, /ip4/HOST/tcp/PORT/p2p/PEER_ID
+    relay: bool = True  # relay for peers behind NATs (with limits on circuits and bytes)
+    identity: Path | None = None  # key file; none: the one kept in the data directory
+    data_dir: Path | None = None  # none: $XDG_DATA_HOME/p2ptrain (unless an identity file is given)
+    status_file: Path | None = None  # JSON status, rewritten every second
+    metrics_port: int | None = None  # the live page, Prometheus /metrics and /healthz over HTTP here
+    certificate: Path | None = None  # this node's membership certificate (a private run)
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    devices: tuple[str, ...] = ()  # one device per local worker, this one first; (): from device
+    local_workers: int = 0  # more data-parallel workers on this host (its other GPUs, CPU processes)
+    local_timeout: float = 30.0  # seconds a local collective may take
+    wait_peers: int = 1  # start training once this many peers are in the run
+    metrics_file: Path | None = None  # one JSON line of metrics per global step
+    tracker: str = ""  # also log the metrics to tensorboard or mlflow
+
+    def __post_init__(self) -> None:
+        # parsed here, once (from the run file's text; a flag's value comes parsed already)
+        listen = tuple(_parsed(parse_listen, x, "node.listen") for x in self.listen)
+        _check(bool(listen), "node.listen", "must name at least one HOST:PORT")
+        object.__setattr__(self, "listen", listen)
+        if isinstance(self.announce, str):
+            object.__setattr__(self, "announce", _parsed(parse_announce, self.announce, "node.announce"))
+        join = tuple(_parsed(parse_join_address, x, "node.join") for x in self.join)
+        object.__setattr__(self, "join", join)
+        for key in ("identity", "data_dir", "status_file", "certificate", "metrics_file"):
+            value = getattr(self, key)
+            if value is not None:
+                _check(bool(str(value).strip()), f"node.{key}", "must not be empty")
+                object.__setattr__(self, key, Path(value))
+        port = self.metrics_port
+        _check(port is None or 0 <= port < 65536, "node.metrics_port", "must be between 0 and 65535")
+        _check(bool(self.device.strip()), "node.device", "must not be empty")
+        _check(all(d.strip() for d in self.devices), "node.devices", "must not hold an empty name")
+        _check(self.local_workers >= 0, "node.local_workers", "must not be negative")
+        ok = math.isfinite(self.local_timeout) and self.local_timeout > 0
+        _check(ok, "node.local_timeout", "must be positive")
+        _check(self.wait_peers >= 1, "node.wait_peers", "must be at least 1")
+        trackers = ", ".join(t for t in TRACKERS if t)
+        _check(self.tracker in TRACKERS, "node.tracker", f"must be one of {trackers} (or empty)")
+
+
+def _parsed(parse: Any, value: Any, key: str) -> Any:
+    """``parse(value)`` for the run file's text; a value already parsed (a flag's) as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse(value)
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    """A whole run file."""
+    """A whole run file, parsed once into typed frozen settings.
+
+    Every peer of a run uses the same run file (except ``[node]``, this host's own settings). Build one
+    with [`load_config`][p2ptrain.config.load_config]; ``RunConfig()`` is the built-in default, the
+    same as ``configs/tiny-gpt.toml``. The keys are described in that file and on the run files page.
+
+    Attributes:
+        run: ``[run]``: the run id, the seed of the initial weights, a private run's authority, and the
+            bits of proof of work every peer id must carry.
+        task: ``[task]``: the task's name (built-in or ``module:callable``) and its options.
+        training: ``[training]``: the mode (``sync`` or ``diloco``), batch sizes, learning rate and its
+            warm-up, gradient clipping.
+        diloco: ``[diloco]``: the outer step, overlap, streaming fragments, where the outer state lives.
+        averaging: ``[averaging]``: timeouts, matchmaking, compression and aggregation (typed values:
+            ``Compression``, ``Aggregation``), audits, bandwidth.
+        progress: ``[progress]``: how progress records are published and read.
+        statesync: ``[statesync]``: how a joiner downloads the swarm's state.
+        checkpoint: ``[checkpoint]``: how often checkpoints are written and how many are kept.
+        eval: ``[eval]``: how often the validation loss is measured.
+        node: ``[node]``: this host's settings, not the run's.
+
+    Raises:
+        p2ptrain.errors.ConfigError: A combination that cannot work: top-k compression or streaming
+            fragments outside DiLoCo mode, or top-k with a robust rule or audits.
+    """
 
     run: RunSection = field(default_factory=RunSection)
     task: TaskSection = field(default_factory=TaskSection)
@@ -188,6 +288,7 @@ class RunConfig:
     statesync: StateSyncSection = field(default_factory=StateSyncSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    node: NodeSection = field(default_factory=NodeSection)  # this host's, not the run's (see its rule)
 
     def __post_init__(self) -> None:
         mode = self.averaging.compression
@@ -205,13 +306,58 @@ class RunConfig:
             raise ConfigError(f"averaging: {problem}")
 
     def replace(self, section: str, **changes: Any) -> RunConfig:
-        """A copy with some keys of one section changed (validated like the file's)."""
+        """A copy with some keys of one section changed, validated like the file's.
+
+        Args:
+            section: The section's name (``training``, ``averaging``, ...).
+            **changes: The keys to change and their new values.
+
+        Returns:
+            The new settings; this object is unchanged.
+
+        Raises:
+            p2ptrain.errors.ConfigError: An unknown section or key, or a value the file would refuse.
+        """
         names = [f.name for f in dataclasses.fields(self)]
         if section not in names:
             raise ConfigError(f"unknown section [{section}]; known: {', '.join(names)}")
         current = getattr(self, section)
         merged = {f.name: getattr(current, f.name) for f in dataclasses.fields(current)} | changes
         return dataclasses.replace(self, **{section: _section(type(current), merged, section)})
+
+    def with_flags(self, section: str, **flags: Any) -> RunConfig:
+        """A copy with the command line's flags applied to one section.
+
+        The one rule for the command line over a run file: a flag given (not None) wins, else the
+        section's value; the result is validated like the file's.
+
+        Args:
+            section: The section's name.
+            **flags: The flags' values, None for a flag left out.
+
+        Returns:
+            The new settings; this object is unchanged.
+
+        Raises:
+            p2ptrain.errors.ConfigError: An unknown section or key, or a value the file would refuse.
+        """
+        names = [f.name for f in dataclasses.fields(self)]
+        if section not in names:
+            raise ConfigError(f"unknown section [{section}]; known: {', '.join(names)}")
+        return dataclasses.replace(self, **{section: with_flags(getattr(self, section), **flags)})
+
+
+def with_flags(section: S, **flags: Any) -> S:
+    """The one rule for the command line over a run file: a flag given wins, else the section's value
+    (the run file's, else its default). A flag is given when its value is not None (argparse's value
+    for a flag left out); the result is validated like the file's. ``section`` is one section's value,
+    e.g. ``with_flags(NodeSection(), listen=...)`` for a node started without a run file."""
+    given = {key: value for key, value in flags.items() if value is not None}
+    if not given:
+        return section
+    current = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+    names = {_type(f): f.name for f in dataclasses.fields(RunConfig)}
+    return typing.cast(S, _section(type(section), current | given, names.get(type(section), "?")))
 
 
 def _check(ok: bool, key: str, what: str) -> None:
@@ -220,7 +366,19 @@ def _check(ok: bool, key: str, what: str) -> None:
 
 
 def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a run file."""
+    """Read and validate a run file.
+
+    Args:
+        path: The TOML run file (UTF-8).
+
+    Returns:
+        The run's settings, every value typed and checked.
+
+    Raises:
+        p2ptrain.errors.ConfigError: The file cannot be read or is not valid TOML, or a section, key or
+            value is unknown, of the wrong type or out of range; the message names ``section.key`` and
+            what was expected, so a typo never silently falls back to a default.
+    """
     try:
         text = Path(path).read_bytes().decode("utf-8")  # TOML is UTF-8, whatever the locale
     except OSError as e:
@@ -279,7 +437,27 @@ def _section(cls: type, table: Mapping[str, Any], name: str) -> Any:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
-    if origin is not None and origin not in (types.UnionType,) and issubclass(origin, Mapping):
+    if origin is types.UnionType:  # X | None: a key the file leaves out is None (TOML has no null)
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        if len(options) == 1:
+            return _coerce(value, options[0], key)
+        raise ConfigError(f"{key}: unsupported setting type")  # pragma: no cover (a new field's type)
+    if origin is tuple and typing.get_args(hint)[1:] == (Ellipsis,):  # an array of one kind of value
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be an array, not {value!r}")
+        return tuple(_coerce(v, typing.get_args(hint)[0], key) for v in value)
+    if origin is tuple or hint is PeerAddress:
+        # a value written as text (HOST:PORT, an address): parsed by its section's __post_init__
+        if not isinstance(value, str | tuple | PeerAddress):
+            raise ConfigError(f"{key} must be a string, not {value!r}")
+        return value
+    if hint is Path:
+        if not isinstance(value, str | Path):
+            raise ConfigError(f"{key} must be a string (a path), not {value!r}")
+        return value
+    if origin is not None and issubclass(origin, Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a table")
         return dict(value)

@@ -14,6 +14,7 @@ from typing import Any
 
 from .dht.peers import Member
 from .errors import ConfigError
+from .net.address import PeerAddress
 from .net.handshake import MAX_RUN_ID
 from .net.rpc import Method
 from .wire.schema import Message, bounded
@@ -111,6 +112,29 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"bad listen address {text!r}: expected HOST:PORT, e.g. 0.0.0.0:31337")
     return host, int(port)
+
+
+def parse_join_address(text: str) -> PeerAddress:
+    """A join address, which must name its peer: a node trusts its join peers' view of the swarm, so
+    whoever answers at a bare HOST:PORT (another swarm, this very node) would be trusted. ValueError: not
+    an address; ConfigError: no peer id in it."""
+    addr = PeerAddress.parse(text)
+    if addr.peer_id is None:
+        raise ConfigError(
+            f"{text}: give the full address the peer printed (/ip4/HOST/tcp/PORT/p2p/PEER_ID);"
+            " without its peer id, whoever answers there would be trusted"
+        )
+    return addr
+
+
+def parse_announce(text: str) -> tuple[str, int | None]:
+    """``HOST``, ``HOST:PORT`` or ``[V6]:PORT``: the host (and port) to put in the join address."""
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit() and "]" not in port and (host.endswith("]") or ":" not in host):
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"{text!r}: port out of range")
+        return host.strip("[]"), int(port)
+    return text.strip("[]"), None
 
 
 def validate_run_id(run_id: str) -> str:

@@ -24,7 +24,10 @@ from typing import Any
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Identity, Node, NodeConfig, PeerAddress
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig
+from p2ptrain.identity import Identity
+from p2ptrain.net import PeerAddress
 from simulations.benchmarks.allreduce import (
     Commands,
     emit,

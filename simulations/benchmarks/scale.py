@@ -120,7 +120,7 @@ WIRE_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}  # bytes per value on 
 BASELINE = r"""
 import json, os, sys
 import torch
-import p2ptrain.cli, p2ptrain.train_cli, p2ptrain.node, p2ptrain.training.loop.trainer  # what a node imports
+import p2ptrain.cli, p2ptrain.cli.train, p2ptrain.node, p2ptrain.training.loop.trainer  # what a node imports
 from p2ptrain.tasks import load_task
 from p2ptrain.tasks.gpt import GPT, GPTConfig
 

@@ -97,7 +97,7 @@ DONOR_STEP_TIMEOUT = 900.0  # seconds for the donors' first global step
 
 # ---- pure helpers: the joiner's log ---------------------------------------------------------------------
 
-PATTERNS = {  # message kinds in a node's log (p2ptrain/training/collaborative.py, statesync.py, train_cli.py)
+PATTERNS = {  # message kinds in a node's log (p2ptrain/training/collaborative.py, statesync.py, cli/train.py)
     "up": re.compile(r"is up in run"),
     "catching_up": re.compile(r"catching up: (.*)"),
     "progress": re.compile(r"downloading the swarm's state: (\d+)% of ([\d.]+) MB"),

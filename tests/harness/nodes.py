@@ -10,7 +10,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig
 from p2ptrain.net import MemoryNetwork
 from tests.harness.identities import identity
 

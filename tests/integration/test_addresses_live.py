@@ -69,7 +69,8 @@ async def test_dial_without_peer_id_logs_that_it_is_unverified(caplog: pytest.Lo
 async def test_a_node_announces_another_port_and_dials_from_its_source_address() -> None:
     """What a relay in front of a node needs: the join address names the relay's port, and the node's own
     outgoing connections leave from a chosen local address (the relay tells peers apart by it)."""
-    from p2ptrain import Identity, Node, NodeConfig
+    from p2ptrain import Node, NodeConfig
+    from p2ptrain.identity import Identity
 
     a = Node(Identity.generate(), NodeConfig(run_id="relay", listen=(("127.0.0.1", 0),), announce_port=40404))
     b_config = NodeConfig(run_id="relay", listen=(("127.0.0.1", 0),), source_address="127.0.0.3")

@@ -17,7 +17,8 @@ import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig, RoundResult
 from p2ptrain.averaging.protocol import Manifest, SignedManifest
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity

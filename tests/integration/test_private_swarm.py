@@ -20,8 +20,9 @@ import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
+from p2ptrain import Node, NodeConfig
 from p2ptrain.authority import issue_certificate
+from p2ptrain.averaging import AveragerConfig, RoundResult
 from p2ptrain.averaging.averager import schema_of
 from p2ptrain.averaging.partition import partition_sizes
 from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest

@@ -16,7 +16,8 @@ import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig, RoundResult
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig, RoundResult
 from p2ptrain.errors import P2PError, PeerUnavailable
 from p2ptrain.identity import Identity
 from p2ptrain.net import HostConfig, MemoryNetwork, PeerAddress, RpcStream

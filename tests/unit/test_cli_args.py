@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from p2ptrain.cli import UsageError, _announce, build_parser
+if TYPE_CHECKING:
+    from p2ptrain.node import NodeConfig
+from p2ptrain.cli import build_parser
+from p2ptrain.cli.common import UsageError, node_config, node_settings
+from p2ptrain.cli.common import announce_flag as _announce
 
 
 @pytest.mark.parametrize(
@@ -35,8 +41,10 @@ def test_announce_port_out_of_range_is_refused() -> None:
 
 
 def test_a_node_relays_unless_told_not_to() -> None:
-    from p2ptrain.cli import _node_config, build_parser
     from p2ptrain.node import Node
+
+    def _node_config(args: argparse.Namespace) -> NodeConfig:
+        return node_config(node_settings(args), run_id="default", authority=None)
 
     on = _node_config(build_parser().parse_args(["node", "--identity", "k"]))
     off = _node_config(build_parser().parse_args(["node", "--identity", "k", "--no-relay"]))
@@ -94,3 +102,42 @@ def test_the_package_still_offers_its_whole_api() -> None:
     assert p2ptrain.Node.__module__ == "p2ptrain.node"
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         p2ptrain.Nope  # noqa: B018
+
+
+def test_a_run_files_node_section_starts_the_node_unless_a_flag_says_otherwise(tmp_path: Path) -> None:
+    """``p2ptrain node --config RUN.toml``: the run file's [node] keys apply, a flag given wins, and
+    the flags' own checks keep their messages."""
+    from p2ptrain.cli.train import run_config
+    from p2ptrain.identity import Identity
+
+    peer = Identity.generate().peer_id
+    run = tmp_path / "run.toml"
+    run.write_text(
+        '[run]\nid = "from-file"\nauthority = "file-key"\n'
+        f'[node]\nlisten = ["127.0.0.1:4001"]\njoin = ["/ip4/127.0.0.1/tcp/4002/p2p/{peer}"]\n'
+        f'data_dir = "{tmp_path / "d"}"\nmetrics_port = 9100\nwait_peers = 3\ndevice = "cpu:0"\n'
+    )
+    args = build_parser().parse_args(["node", "--config", str(run), "--listen", "0.0.0.0:5000", "--no-relay"])
+    config = run_config(args)
+    settings = node_settings(args, config.node, training=True)
+    assert settings.listen == (("0.0.0.0", 5000),) and not settings.relay  # the flags'
+    assert [str(a.peer_id) for a in settings.join] == [str(peer)]  # the file's
+    assert settings.data_dir == tmp_path / "d" and settings.metrics_port == 9100
+    assert settings.wait_peers == 3 and settings.device == "cpu:0"
+    assert settings.local_timeout == 30.0 and settings.tracker == ""  # neither: the defaults
+    assert config.run.authority == "file-key"  # no --authority: the run file's
+    flagged = build_parser().parse_args(["node", "--config", str(run), "--authority", "flag-key"])
+    assert run_config(flagged).run.authority == "flag-key"
+    bare = build_parser().parse_args(["node", "--join", "127.0.0.1:4002"])
+    with pytest.raises(UsageError, match=r"--join 127\.0\.0\.1:4002: give the full address"):
+        node_settings(bare)
+    with pytest.raises(UsageError, match="--wait-peers must be at least 1"):
+        node_settings(build_parser().parse_args(["node", "--task", "t", "--wait-peers", "0"]), training=True)
+    with pytest.raises(UsageError, match="--metrics-port 70000: out of range"):
+        node_settings(build_parser().parse_args(["node", "--metrics-port", "70000"]))
+
+
+def test_a_bootstrap_node_ignores_the_training_flags_as_before() -> None:
+    """(--device and the other training flags mean nothing without a run file; they were never read.)"""
+    args = build_parser().parse_args(["node", "--wait-peers", "0", "--local-workers", "-1"])
+    assert node_settings(args) == node_settings(build_parser().parse_args(["node"]))

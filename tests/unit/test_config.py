@@ -19,6 +19,7 @@ from p2ptrain.config import (
     CheckpointSection,
     DilocoSection,
     EvalSection,
+    NodeSection,
     ProgressSection,
     RunConfig,
     RunSection,
@@ -27,10 +28,23 @@ from p2ptrain.config import (
     TrainingSection,
     load_config,
     parse_config,
+    with_flags,
 )
 from p2ptrain.errors import ConfigError
+from p2ptrain.net.address import PeerAddress
 
-SECTIONS = ("run", "task", "training", "diloco", "averaging", "progress", "statesync", "checkpoint", "eval")
+SECTIONS = (
+    "run",
+    "task",
+    "training",
+    "diloco",
+    "averaging",
+    "progress",
+    "statesync",
+    "checkpoint",
+    "eval",
+    "node",
+)
 
 # ---- defaults ----------------------------------------------------------------------------------
 
@@ -86,6 +100,23 @@ DEFAULTS = {
     "checkpoint.keep": 2,
     "eval.every_steps": 10,
     "eval.batch_size": 16,
+    "node.listen": (("0.0.0.0", 31337),),
+    "node.announce": None,
+    "node.source_address": "",
+    "node.join": (),
+    "node.relay": True,
+    "node.identity": None,
+    "node.data_dir": None,
+    "node.status_file": None,
+    "node.metrics_port": None,
+    "node.certificate": None,
+    "node.device": "cpu",
+    "node.devices": (),
+    "node.local_workers": 0,
+    "node.local_timeout": 30.0,
+    "node.wait_peers": 1,
+    "node.metrics_file": None,
+    "node.tracker": "",
 }
 
 
@@ -118,6 +149,8 @@ def test_sections_are_frozen() -> None:
 
 
 # ---- a full file -------------------------------------------------------------------------------
+
+JOIN = PeerAddress.parse("/ip4/203.0.113.7/tcp/31337/p2p/5BRcxtqkfCAn8yUekBzrpDoRqFtY2xSGqJqHTvS8nSXf")
 
 FULL_TOML = """\
 [run]
@@ -167,6 +200,25 @@ keep = 5
 [eval]
 every_steps = 0
 batch_size = 64
+
+[node]
+listen = ["127.0.0.1:4001", "[::1]:4001"]
+announce = "node.example.org:31337"
+source_address = "192.0.2.7"
+join = ["/ip4/203.0.113.7/tcp/31337/p2p/5BRcxtqkfCAn8yUekBzrpDoRqFtY2xSGqJqHTvS8nSXf"]
+relay = false
+identity = "keys/node.key"
+data_dir = "/var/lib/p2ptrain"
+status_file = "status.json"
+metrics_port = 9100
+certificate = "node.cert"
+device = "cuda:0"
+devices = ["cuda:0", "cuda:1"]
+local_workers = 1
+local_timeout = 60
+wait_peers = 2
+metrics_file = "metrics.jsonl"
+tracker = "tensorboard"
 """
 
 FULL = RunConfig(
@@ -194,6 +246,25 @@ FULL = RunConfig(
     statesync=StateSyncSection(chunk_timeout=120.0, max_donors=2, serve=False),
     checkpoint=CheckpointSection(every_steps=0, keep=5),
     eval=EvalSection(every_steps=0, batch_size=64),
+    node=NodeSection(
+        listen=(("127.0.0.1", 4001), ("::1", 4001)),
+        announce=("node.example.org", 31337),
+        source_address="192.0.2.7",
+        join=(JOIN,),
+        relay=False,
+        identity=Path("keys/node.key"),
+        data_dir=Path("/var/lib/p2ptrain"),
+        status_file=Path("status.json"),
+        metrics_port=9100,
+        certificate=Path("node.cert"),
+        device="cuda:0",
+        devices=("cuda:0", "cuda:1"),
+        local_workers=1,
+        local_timeout=60.0,
+        wait_peers=2,
+        metrics_file=Path("metrics.jsonl"),
+        tracker="tensorboard",
+    ),
 )
 
 
@@ -502,3 +573,89 @@ def test_replace_validates(section: str, changes: dict[str, Any], fragments: lis
 def test_replace_unknown_section(section: str) -> None:
     with pytest.raises(ConfigError, match=section):
         RunConfig().replace(section, x=1)
+
+
+# ---- [node]: this host's node, and the one rule for its flags ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("table", "fragments"),
+    [
+        pytest.param({"listen": []}, ["node.listen", "at least one"], id="listen-empty"),
+        pytest.param({"listen": "0.0.0.0:1"}, ["node.listen must be an array"], id="listen-not-array"),
+        pytest.param({"listen": ["nowhere"]}, ["node.listen", "HOST:PORT"], id="listen-no-port"),
+        pytest.param({"listen": [4001]}, ["node.listen must be a string"], id="listen-int"),
+        pytest.param({"announce": "h:70000"}, ["node.announce", "out of range"], id="announce-port"),
+        pytest.param({"join": ["203.0.113.7:31337"]}, ["node.join", "full address"], id="join-bare"),
+        pytest.param({"join": ["/ip4/x"]}, ["node.join"], id="join-malformed"),
+        pytest.param({"relay": "no"}, ["node.relay must be true or false"], id="relay-str"),
+        pytest.param({"data_dir": ""}, ["node.data_dir must not be empty"], id="data-dir-empty"),
+        pytest.param({"data_dir": 1}, ["node.data_dir must be a string"], id="data-dir-int"),
+        pytest.param({"metrics_port": 65536}, ["node.metrics_port"], id="metrics-port"),
+        pytest.param({"metrics_port": "9100"}, ["node.metrics_port must be an integer"], id="metrics-str"),
+        pytest.param({"devices": "cuda:0"}, ["node.devices must be an array"], id="devices-str"),
+        pytest.param({"devices": [""]}, ["node.devices"], id="devices-empty-name"),
+        pytest.param({"local_workers": -1}, ["node.local_workers"], id="local-workers"),
+        pytest.param({"local_timeout": 0}, ["node.local_timeout", "positive"], id="local-timeout"),
+        pytest.param({"wait_peers": 0}, ["node.wait_peers", "at least 1"], id="wait-peers"),
+        pytest.param({"tracker": "wandb"}, ["node.tracker", "tensorboard", "mlflow"], id="tracker"),
+        pytest.param({"run_id": "x"}, ["unknown key node.run_id"], id="run-id-is-the-run's"),
+    ],
+)
+def test_node_section_refused(table: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"node": table})
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_a_flag_given_wins_over_the_run_file_which_wins_over_the_default() -> None:
+    """The one rule: flag given > run file > default; None is a flag left out."""
+    file = parse_config({"node": {"listen": ["127.0.0.1:4001"], "data_dir": "from-file", "wait_peers": 3}})
+    node = with_flags(file.node, listen=(("0.0.0.0", 5000),), data_dir=None, device=None, tracker="mlflow")
+    assert node.listen == (("0.0.0.0", 5000),)  # given: the flag's
+    assert node.data_dir == Path("from-file") and node.wait_peers == 3  # left out: the file's
+    assert node.device == "cpu" and node.metrics_port is None  # in neither: the default
+    assert node.tracker == "mlflow"
+    assert with_flags(file.node) is file.node  # no flag given: the file's section as it is
+    assert with_flags(NodeSection(), relay=False).relay is False  # (no run file: over the defaults)
+
+
+def test_a_repeatable_flag_given_replaces_the_files_list() -> None:
+    file = parse_config({"node": {"join": [str(JOIN)], "listen": ["127.0.0.1:1", "127.0.0.1:2"]}})
+    other = PeerAddress.parse(str(JOIN).replace("203.0.113.7", "198.51.100.9"))
+    node = with_flags(file.node, join=(other,))
+    assert node.join == (other,) and node.listen == (("127.0.0.1", 1), ("127.0.0.1", 2))
+
+
+def test_flags_are_validated_like_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"node\.wait_peers"):
+        with_flags(NodeSection(), wait_peers=0)
+    with pytest.raises(ConfigError, match=r"training\.mode"):
+        RunConfig().with_flags("training", mode="fast")
+
+
+def test_run_config_with_flags_applies_the_rule_to_one_section() -> None:
+    config = parse_config({"training": {"mode": "diloco", "threads": 2}})
+    flagged = config.with_flags("training", mode=None, threads=4)
+    assert flagged.training.mode == "diloco" and flagged.training.threads == 4
+    assert config.with_flags("averaging", bandwidth=None) == config
+    with pytest.raises(ConfigError, match=r"unknown section \[nodes\]"):
+        config.with_flags("nodes", listen=None)
+
+
+def test_the_node_section_is_not_part_of_the_runs_fingerprint(tmp_path: Path) -> None:
+    """[node] is about one host: two run files that differ only there are one run."""
+    import torch
+
+    from p2ptrain.training.optimizer.bookkeeping import run_fingerprint
+
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[run]\nid = "fp"\n[training]\nmode = "diloco"\n')
+    hosted = tmp_path / "hosted.toml"
+    hosted.write_text(plain.read_text() + FULL_TOML[FULL_TOML.index("[node]") :])
+    a, b = load_config(plain), load_config(hosted)
+    assert a != b and a.node == NodeSection() and b.node == FULL.node
+    model = torch.nn.Linear(3, 2)
+    assert run_fingerprint(a, model) == run_fingerprint(b, model)
+    assert run_fingerprint(a, model) != run_fingerprint(a.replace("run", id="other"), model)

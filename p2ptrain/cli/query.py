@@ -12,18 +12,18 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
-from .cli import _parse_address, run_trio
-from .dht.peers import Member, list_members
-from .dht.service import DHT, DHTConfig
-from .errors import PeerUnavailable, RemoteProtocolError
-from .identity import Identity
-from .net.address import PeerAddress
-from .net.host import Host
-from .nodebase import PING, STATUS, PingRequest, StatusRequest, member_json, validate_run_id
+from ..dht.peers import Member, list_members
+from ..dht.service import DHT, DHTConfig
+from ..errors import PeerUnavailable, RemoteProtocolError
+from ..identity import Identity
+from ..net.address import PeerAddress
+from ..net.host import Host
+from ..nodebase import PING, STATUS, PingRequest, StatusRequest, member_json, validate_run_id
+from .common import parse_address, run_trio
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
-    addr = _parse_address(args.address)
+    addr = parse_address(args.address)
     validate_run_id(args.run_id)
     return run_trio(_ping, addr, args.run_id, args.count, args.timeout)
 
@@ -51,7 +51,7 @@ async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> i
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    addr = _parse_address(args.address)
+    addr = parse_address(args.address)
     validate_run_id(args.run_id)
     members = run_trio(_members_via, addr, args.run_id, args.timeout)
     if args.json:
@@ -89,13 +89,13 @@ async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[M
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    addr = _parse_address(args.address)
+    addr = parse_address(args.address)
     validate_run_id(args.run_id)
     status = run_trio(_status_of, addr, args.run_id, args.timeout)
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    from .training.loop.console import node_table
+    from ..training.loop.console import node_table
 
     console = Console(width=max(Console().width, 120))
     peer = str(status.get("peer_id", "?"))
@@ -127,3 +127,32 @@ async def _status_of(addr: PeerAddress, run_id: str, timeout: float) -> dict[str
     if not isinstance(status, dict):
         raise RemoteProtocolError(f"{addr.peer_id} answered with a status that is not a JSON object")
     return status
+
+
+_RUN_ID_HELP = (
+    "the run the node is in (default: default); a training node's is its run file's [run] id, e.g. tiny-gpt"
+)
+
+
+def add_parsers(sub: Any) -> None:
+    """The ``ping``, ``peers`` and ``status`` commands' parsers, under ``sub`` (the command's subparsers)."""
+    s = sub.add_parser("ping", help="connect to a peer, complete the handshake, measure round trips")
+    s.add_argument("address", help="/ip4/HOST/tcp/PORT/p2p/PEERID (or HOST:PORT, unverified)")
+    s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
+    s.add_argument("--count", type=int, default=3, help="round trips to measure (default 3)")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    s.set_defaults(func=cmd_ping)
+
+    s = sub.add_parser("peers", help="ask the swarm at ADDR who is in the run")
+    s.add_argument("address", help="any member's address")
+    s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    s.set_defaults(func=cmd_peers)
+
+    s = sub.add_parser("status", help="ask a node how it is doing (step, loss, rounds, traffic)")
+    s.add_argument("address", help="the node's address")
+    s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
+    s.add_argument("--json", action="store_true", help="print its whole status as JSON")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    s.set_defaults(func=cmd_status)

@@ -1,8 +1,10 @@
 """``p2ptrain node --config RUN.toml``: a node that trains with its swarm, with a live view.
 
-The run file says what is trained (task, mode, batch sizes, averaging); the flags say where and for how
-long (device, data directory, join address, max steps). Everything a user can get wrong (run file, task
-path, device) is checked before the node touches the network, and reported in one line.
+The run file says what is trained (task, mode, batch sizes, averaging) and, in its ``[node]`` section,
+what this host's node may be started with; the flags say where and for how long (device, data
+directory, join address, max steps), and a flag given wins over the run file (see
+``config.NodeSection``). Everything a user can get wrong (run file, task path, device) is checked before
+the node touches the network, and reported in one line.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import trio
@@ -23,35 +24,33 @@ from rich.live import Live
 from rich.logging import RichHandler
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from .cli import (
+from ..config import NodeSection, RunConfig, load_config
+from ..node import Node, averaging_settings, id_work
+from ..tasks import load_task
+from ..training.loop.console import node_table
+from ..training.loop.trainer import Trainer, TrainerOptions
+from .common import (
     UsageError,
-    _node_config,
-    _node_identity,
-    _run_node,
+    data_folder,
+    node_config,
+    node_identity,
+    node_settings,
     print_join_addresses,
+    run_node,
     stop_if_join_refused,
 )
-from .config import RunConfig, load_config
-from .node import Node, averaging_settings, id_work
-from .tasks import load_task
-from .training.loop.console import node_table
-from .training.loop.trainer import Trainer, TrainerOptions
 
 log = logging.getLogger("p2ptrain")
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """The run file with the command line's overrides applied."""
+    """The run file with the command line's overrides applied (a flag given wins: ``with_flags``)."""
     config = load_config(args.config) if args.config else RunConfig()
-    if args.task and args.task != config.task.name:
+    if args.task and args.task != config.task.name:  # another task: the run file's options are its task's
         config = config.replace("task", name=args.task, options={})
-    if args.mode:
-        config = config.replace("training", mode=args.mode)
-    if args.threads is not None:
-        config = config.replace("training", threads=args.threads)
-    if args.bandwidth is not None:
-        config = config.replace("averaging", bandwidth=args.bandwidth)
-    return config
+    config = config.with_flags("training", mode=args.mode, threads=args.threads)
+    config = config.with_flags("averaging", bandwidth=args.bandwidth)
+    return config.with_flags("run", authority=args.authority)
 
 
 def _device(name: str) -> str:
@@ -64,21 +63,16 @@ def _device(name: str) -> str:
     return name
 
 
-def _devices(args: argparse.Namespace) -> list[str]:
-    """One device per local rank, rank 0 (this process) first: --devices, else --device and, with
-    --local-workers N, N more (the host's other GPUs, or CPU processes)."""
-    if args.devices:
-        names = [d.strip() for d in args.devices.split(",") if d.strip()]
-        if not names:
-            raise UsageError("--devices: give a comma-separated list, e.g. cuda:0,cuda:1")
-        return [_device(d) for d in names]
-    if args.local_workers < 0:
-        raise UsageError("--local-workers must not be negative")
-    if args.local_workers == 0:
-        return [_device(args.device)]
-    from .training.local.group import local_devices
+def _devices(settings: NodeSection) -> list[str]:
+    """One device per local rank, rank 0 (this process) first: ``devices``, else ``device`` and, with
+    ``local_workers`` N, N more (the host's other GPUs, or CPU processes)."""
+    if settings.devices:
+        return [_device(d) for d in settings.devices]
+    if settings.local_workers == 0:
+        return [_device(settings.device)]
+    from ..training.local.group import local_devices
 
-    return [_device(d) for d in local_devices(args.local_workers + 1, args.device)]
+    return [_device(d) for d in local_devices(settings.local_workers + 1, settings.device)]
 
 
 def train_node(args: argparse.Namespace) -> int:
@@ -86,32 +80,28 @@ def train_node(args: argparse.Namespace) -> int:
     task = load_task(config.task.name, config.task.options)
     if args.slowdown < 1:
         raise UsageError("--slowdown must be at least 1")
-    if args.wait_peers < 1:
-        raise UsageError("--wait-peers must be at least 1")
     if args.max_steps is not None and args.max_steps < 0:
         raise UsageError("--max-steps must not be negative")
-    args.run_id = args.run_id or config.run.id
-    if config.run.authority and not args.authority:  # a private run names its authority in the run file
-        args.authority = config.run.authority
-    averaging = averaging_settings(config)
-    identity = _node_identity(args)
-    data_dir = Path(args.data_dir) if args.data_dir else None
-    if data_dir is None and args.identity is None:
-        from .nodebase import default_data_dir
-
-        data_dir = default_data_dir()
-    node_config = _node_config(args, averaging)
+    settings = node_settings(args, config.node, training=True)
+    identity = node_identity(settings)
+    data_dir = data_folder(settings)
+    node_config_ = node_config(
+        settings,
+        run_id=args.run_id or config.run.id,  # (the node's run id; the run's own stays the run file's)
+        authority=config.run.authority,
+        averaging=averaging_settings(config),
+    )
     if config.run.id_work:  # the run prices ids: ours carries the work (found once, kept with the key)
         work = id_work(identity, config.run.id_work, data_dir)
-        host = dataclasses.replace(node_config.host, id_work=config.run.id_work, work=work)
-        node_config = dataclasses.replace(node_config, host=host)
-    node = Node(identity, node_config)
-    devices = _devices(args)
+        host = dataclasses.replace(node_config_.host, id_work=config.run.id_work, work=work)
+        node_config_ = dataclasses.replace(node_config_, host=host)
+    node = Node(identity, node_config_)
+    devices = _devices(settings)
     local = None
     if len(devices) > 1:
-        from .training.local.group import LocalGroup
+        from ..training.local.group import LocalGroup
 
-        local = LocalGroup(config, task, devices, timeout=args.local_timeout)
+        local = LocalGroup(config, task, devices, timeout=settings.local_timeout)
     options = TrainerOptions(
         device=devices[0],
         data_dir=data_dir,
@@ -119,14 +109,14 @@ def train_node(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         duration=args.duration,
         slowdown=args.slowdown,
-        metrics_file=Path(args.metrics_file) if args.metrics_file else None,
-        wait_peers=args.wait_peers,
-        tracker=args.tracker,
+        metrics_file=settings.metrics_file,
+        wait_peers=settings.wait_peers,
+        tracker=settings.tracker or None,
         local=local,
     )
     trainer = Trainer(node, config, task, options)
     if args.adversary:  # simulations of hostile peers only (a hidden flag)
-        from .testing.adversary import install
+        from ..testing.adversary import install
 
         try:
             install(args.adversary, node.averager, trainer=trainer)
@@ -134,7 +124,7 @@ def train_node(args: argparse.Namespace) -> int:
             raise UsageError(f"--adversary: {e}") from None
         log.warning("this node attacks its swarm on purpose: %s", args.adversary)
     live = sys.stdout.isatty() and not args.no_live
-    _run_node(_train, node, trainer, live)
+    run_node(_train, node, trainer, live)
     return 0
 
 

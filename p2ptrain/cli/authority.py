@@ -8,10 +8,10 @@ import json
 import time
 from typing import Any
 
-from . import authority as auth
-from .cli import UsageError
-from .identity import Identity, PeerID, load_identity, save_identity
-from .nodebase import validate_run_id
+from .. import authority as auth
+from ..identity import Identity, PeerID, load_identity, save_identity
+from ..nodebase import validate_run_id
+from .common import UsageError
 
 
 def cmd_authority(args: argparse.Namespace) -> int:
@@ -73,7 +73,7 @@ def _show_certificate(args: argparse.Namespace) -> int:
     return 0
 
 
-def authority_parser(sub: Any) -> None:
+def add_parsers(sub: Any) -> None:
     """The ``authority`` subcommand's parser, under ``sub`` (the command's subparsers)."""
     s = sub.add_parser(
         "authority",
