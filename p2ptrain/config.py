@@ -191,8 +191,8 @@ class NodeSection:
     Paths are read as the flags' are: relative to the folder the node is started in.
 
     The section is about one host, not the run: peers of one run may each hold their own, or none.
-    It is not part of the run's fingerprint (``training.optimizer.bookkeeping.run_fingerprint``), and the run's
-    id and authority stay in ``[run]`` (``--run-id`` and ``--authority`` override those).
+    It is not part of the run's fingerprint (``training.optimizer.bookkeeping.run_fingerprint``), and
+    the run's id and authority stay in ``[run]`` (``--run-id`` and ``--authority`` override those).
     """
 
     # HOST:PORT addresses to listen on (port 0: any free one)
