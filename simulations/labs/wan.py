@@ -57,7 +57,7 @@ From a synchronous program (a runner that starts peers as subprocesses)::
         argv = [..., "--announce", switch.announce(i), "--source-address", switch.source_address(i)]
         switch.set_upstream(i, ("127.0.0.1", port_i)); switch.partition(1, 5.0); switch.stats()
 
-    python -m simulations.labs.wan check --rate 50 --latency 80 [--seconds 3]   # measures a link; prints JSON
+How close a link comes to its setting on this machine: ``python -m simulations.benchmarks.wan_emulator``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ import math
 import random
 import socket
 import struct
-import sys
 import termios
 import threading
 from collections import deque
@@ -641,9 +640,3 @@ class SwitchThread:
 
     def stats(self) -> dict[str, Any]:
         return self._call(self.switch.stats)
-
-
-if __name__ == "__main__":
-    from simulations.benchmarks.wan_emulator import main
-
-    sys.exit(main())

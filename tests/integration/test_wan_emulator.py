@@ -1,22 +1,31 @@
-"""The userspace WAN switch: rates and latency as set, shared upload caps, cuts, partitions, real nodes.
+"""The userspace WAN switch: what it guarantees on any machine, however loaded.
 
-Rates and latencies are real time here (the switch emulates a network for real processes); they are
-measured over seconds of traffic, and other assertions on time are lower bounds, which a loaded machine
-cannot break.
+Shaping is checked as bounds that load cannot break. A byte is written to its receiver only after every
+token bucket on its path has paid for it, so by time t a bucket of rate r and burst b started at t0 has
+let through at most b + r * (t - t0) bytes; a late wake-up of the switch only delays bytes, which puts
+the counts further under that bound (``cap_bound``). Latency is checked as a lower bound for the same
+reason, ordering and the two directions' separate buckets as facts, cuts and partitions by what each
+end sees. Liveness (traffic flows at all, the faster direction overtakes the slower one's cap) is
+waited for, with ``fail_after`` only against a hang.
+
+How close a link comes to its rate and latency depends on the machine's load, so that is no test: the
+benchmark ``python -m simulations.benchmarks.wan_emulator`` measures it (single links, a shared upload
+cap, both directions at once) and prints JSON and a table.
 """
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Callable
 
 import pytest
 import trio
 
-from p2ptrain import Identity, Node, NodeConfig
+from p2ptrain import Node, NodeConfig
+from p2ptrain.identity import Identity
 from p2ptrain.nodebase import PING, PingRequest
 from simulations.labs.wan import LinkProfile, TokenBucket, WanSwitch
-from simulations.benchmarks.wan_emulator import measure
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,13 +99,27 @@ async def drain(stream: trio.SocketStream, into: list[int]) -> None:
             into[0] += len(data)
 
 
-async def rates_mbit(*counters: Callable[[], int], skip: float = 0.5, span: float = 2.0) -> list[float]:
-    """Mbit/s of byte counters over ``span`` seconds, after ``skip`` seconds of warm-up."""
-    await trio.sleep(skip)
-    bytes0, t0 = [count() for count in counters], trio.current_time()
-    await trio.sleep(span)
-    seconds = trio.current_time() - t0
-    return [(count() - b) * 8 / seconds / 1e6 for count, b in zip(counters, bytes0, strict=True)]
+def cap_bound(mbit: float, now: float, since: float) -> float:
+    """The most bytes a bucket of ``mbit`` that started (full) at ``since`` has let through by ``now``."""
+    bucket = TokenBucket(mbit, since)
+    return bucket.burst + bucket.rate * (now - since)
+
+
+async def hold_caps(
+    since: float, capped: list[tuple[Callable[[], int], float]], until: Callable[[], bool], span: float = 1.0
+) -> int:
+    """Every 20 ms, check each byte counter against the bound of its cap (Mbit/s) since ``since``, for at
+    least ``span`` seconds and then until ``until()``; returns how many times it checked."""
+    end, checks = trio.current_time() + span, 0
+    while True:
+        await trio.sleep(0.02)
+        counts = [count() for count, _ in capped]
+        now = trio.current_time()  # read after the counts: the bound can only be too generous
+        for (_, mbit), got in zip(capped, counts, strict=True):
+            assert got <= cap_bound(mbit, now, since), (got, mbit, now - since)
+        checks += 1
+        if now >= end and until():
+            return checks
 
 
 async def round_trip(stream: trio.SocketStream, msg: bytes = b"ping") -> float:
@@ -109,10 +132,6 @@ async def round_trip(stream: trio.SocketStream, msg: bytes = b"ping") -> float:
         got += part
     assert got == msg
     return trio.current_time() - t0
-
-
-def within(value: float, target: float, rel: float) -> bool:
-    return abs(value - target) <= rel * target
 
 
 # ---- the pure part --------------------------------------------------------------------------------
@@ -137,46 +156,99 @@ def test_profiles_are_checked() -> None:
         LinkProfile(latency_ms=-1)
 
 
-# ---- accuracy and shaping -------------------------------------------------------------------------
+# ---- shaping: bounds that load cannot break --------------------------------------------------------
 
 
-async def test_a_50_mbit_80_ms_link_delivers_50_mbit_within_10_percent_and_80_ms_within_10_ms() -> None:
-    # Late wake-ups can only add delay, never remove it: a second measurement is taken only when a load
-    # spike on this shared machine spoiled the first (both are in the message if both miss).
-    results = []
-    for _ in range(2):
-        with trio.fail_after(30):
-            result = await measure(50.0, 80.0, seconds=2.5, pings=25)
-        results.append(result)
-        if within(result["goodput_mbit"], 50.0, 0.10) and abs(result["one_way_ms"] - 80.0) <= 10.0:
-            break
-    assert within(result["goodput_mbit"], 50.0, 0.10), results
-    assert abs(result["one_way_ms"] - 80.0) <= 10.0, results
+async def test_a_link_never_beats_its_rate_nor_its_latency(nursery: trio.Nursery) -> None:
+    with trio.fail_after(30):
+        switch = WanSwitch([LinkProfile(), LinkProfile(50, 50, latency_ms=80)])
+        (_, server) = await start(nursery, switch, 2)
+        pinger = await dial(switch, 0, 1, ECHO)
+        for _ in range(3):
+            assert await round_trip(pinger) >= 2 * 0.080  # a late switch only adds to it
+        await pinger.aclose()
+        # From here on only the flood reaches peer 1, through its 50 Mbit/s download: the bucket holds
+        # at most its burst now, so the flood's bytes stay under the bound counted from now. Unshaped,
+        # they would pass it within milliseconds.
+        since, before = trio.current_time(), server.received
+        nursery.start_soon(flood, await dial(switch, 0, 1, COUNT))
+
+        def flooded() -> int:
+            return server.received - before
+
+        await hold_caps(since, [(flooded, 50.0)], until=lambda: flooded() > 1 << 20)
 
 
 async def test_a_peers_upload_cap_holds_across_two_connections(nursery: trio.Nursery) -> None:
-    with trio.fail_after(20):
+    with trio.fail_after(30):
+        since = trio.current_time()
         switch = WanSwitch([LinkProfile(up_mbit=20, latency_ms=5), *[LinkProfile(latency_ms=5)] * 2])
         servers = await start(nursery, switch, 3)
         for dst in (1, 2):
             nursery.start_soon(flood, await dial(switch, 0, dst, COUNT))
-        rates = await rates_mbit(lambda: servers[1].received, lambda: servers[2].received)
-        total_mbit, share = sum(rates), rates[0] / sum(rates)
-    assert within(total_mbit, 20.0, 0.10), total_mbit
-    assert 0.3 < share < 0.7, share  # shared fairly, too
-    assert switch.stats()["peers"][0]["connections"] == 2
+
+        def both() -> int:
+            return servers[1].received + servers[2].received
+
+        await hold_caps(
+            since, [(both, 20.0)], until=lambda: servers[1].received > 0 and servers[2].received > 0
+        )
+        assert switch.stats()["peers"][0]["connections"] == 2
 
 
-async def test_upload_and_download_are_shaped_in_their_own_directions(nursery: trio.Nursery) -> None:
-    with trio.fail_after(20):
-        switch = WanSwitch([LinkProfile(up_mbit=40, down_mbit=10, latency_ms=5), LinkProfile()])
-        servers = await start(nursery, switch, 2)
+@pytest.mark.parametrize(("up_mbit", "down_mbit"), [(40.0, 1.0), (1.0, 40.0)])
+async def test_upload_and_download_are_shaped_in_their_own_directions(
+    nursery: trio.Nursery, up_mbit: float, down_mbit: float
+) -> None:
+    # Each direction stays under its own cap; and the faster one overtakes what the slower one's cap would
+    # allow, which it could not if both directions paid into one bucket (40 times apart: load slows both).
+    with trio.fail_after(45):
+        since = trio.current_time()
+        switch = WanSwitch([LinkProfile(up_mbit=up_mbit, down_mbit=down_mbit, latency_ms=5), LinkProfile()])
+        (_, server) = await start(nursery, switch, 2)
         nursery.start_soon(flood, await dial(switch, 0, 1, COUNT))
         downloaded = [0]
         nursery.start_soon(drain, await dial(switch, 0, 1, FLOOD), downloaded)
-        up, down = await rates_mbit(lambda: servers[1].received, lambda: downloaded[0])
-    assert within(up, 40.0, 0.10), (up, down)
-    assert within(down, 10.0, 0.10), (up, down)
+
+        def uploaded() -> int:
+            return server.received
+
+        faster, slower_cap = (
+            (uploaded, down_mbit) if up_mbit > down_mbit else (lambda: downloaded[0], up_mbit)
+        )
+        await hold_caps(
+            since,
+            [(uploaded, up_mbit), (lambda: downloaded[0], down_mbit)],
+            until=lambda: faster() > cap_bound(slower_cap, trio.current_time(), since),
+        )
+
+
+async def test_a_jittery_shaped_link_keeps_the_stream_in_order(nursery: trio.Nursery) -> None:
+    # Jitter draws a delay per chunk; a later chunk drawn shorter must still wait for the one before it.
+    with trio.fail_after(30):
+        link = LinkProfile(20, 20, latency_ms=10, jitter_ms=9)
+        switch = WanSwitch([link, link], seed=7)
+        await start(nursery, switch, 2)
+        stream = await dial(switch, 0, 1, ECHO)
+        rng = random.Random(7)
+        sent = rng.randbytes(1 << 20)
+        echoed = bytearray()
+
+        async def send() -> None:
+            at = 0
+            while at < len(sent):
+                step = rng.randrange(1, 40_000)
+                await stream.send_all(sent[at : at + step])
+                at += step
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(send)
+            while len(echoed) < len(sent):
+                if not (data := await stream.receive_some(1 << 16)):
+                    break
+                echoed += data
+        assert bytes(echoed) == sent
+        await stream.aclose()
 
 
 # ---- controls -------------------------------------------------------------------------------------
@@ -219,11 +291,11 @@ async def test_a_partition_stalls_traffic_then_it_flows_again_and_profiles_chang
         await start(nursery, switch, 2)
         stream = await dial(switch, 0, 1, ECHO)
         assert await round_trip(stream) >= 0.040
+        t0 = trio.current_time()  # before the partition starts: the bounds below only get looser
         switch.partition(1, 1.0)
-        t0 = trio.current_time()
         assert switch.stats()["peers"][1]["partitioned"]
         await stream.send_all(b"during")
-        with trio.move_on_after(0.7) as waited:
+        with trio.move_on_at(t0 + 1.0) as waited:  # however late this task got here
             await stream.receive_some(64)
         assert waited.cancelled_caught  # nothing came back during the partition
         assert await stream.receive_some(64) == b"during"
