@@ -91,16 +91,19 @@ async def test_a_donor_killed_mid_transfer_leaves_the_rest_to_another(autojump_c
 
 
 async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
-    autojump_clock: object, caplog: pytest.LogCaptureFixture
+    autojump_clock: object, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with swarm(run_config("sync"), model=big_model) as s:
         (honest, liar), joiner = await donors_and_joiner(s, 2)
-        assert liar.opt.server is not None
-        prepare = liar.opt.server._prepare
+        # A donor takes a snapshot only when a joiner asks it: the first fetch asks the liar alone, so
+        # the snapshots written until then are the liar's.
+        liars_turn = True
+        real_write = serve.write_snapshot
 
-        async def corrupting() -> serve.Snapshot | None:
-            snap = await prepare()
-            assert snap is not None
+        def corrupting_write(live: serve.LiveState) -> serve.Snapshot:
+            snap = real_write(live)
+            if not liars_turn:
+                return snap
             read = snap.read
 
             def bad_read(i: int) -> bytes:
@@ -110,7 +113,7 @@ async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
             snap.read = bad_read  # type: ignore[method-assign]
             return snap
 
-        liar.opt.server._prepare = corrupting
+        monkeypatch.setattr(serve, "write_snapshot", corrupting_write)
         f = fetcher(joiner)
         download_log = caplog.at_level(logging.WARNING, "p2ptrain.training.state.download")
         with download_log, pytest.raises(PeerUnavailable):
@@ -118,6 +121,7 @@ async def test_a_corrupted_chunk_is_named_and_the_download_resumes_elsewhere(
         named = f"{liar.node.peer_id.short()}: sent a corrupted chunk 3"
         assert any(line.startswith(named) for line in f.failures) and f.blamed == {liar.node.peer_id}
         assert f.partial is not None and list(f.partial.have[:4]) == [1, 1, 1, 0]  # kept what checked out
+        liars_turn = False
         total = f.partial.layout.chunks
         # the liar is not asked again; the honest donor sends only what is still missing
         got = await f.fetch(records([liar, honest]), want_epoch=2, expected=lambda e: honest.opt.digest)
