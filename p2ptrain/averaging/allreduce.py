@@ -1,47 +1,35 @@
-"""One butterfly all-reduce round on trio: scatter, decide, gather, commit or abort.
+"""One butterfly all-reduce round on trio: the driver that does the round's streaming I/O.
 
-Theory of operation (member ``me`` of a group of ``n``, coordinator = member 0, round length ``T``):
+Theory of operation: the round's decisions are pure and live in :class:`~.round_machine.RoundMachine`
+(read its docstring for the phases: scatter, decide, re-reduce, gather, commit or abort); the memory it
+works on lives in :class:`~.round_tensors.RoundTensors`. This driver owns both and the tasks around them:
 
-1. Scatter, until ``0.4 T``: stream my slice of partition ``j`` to its reducer ``j``, for every ``j`` at
-   once; as a reducer, accumulate the slices arriving for my partition. A reducer stops waiting once every
-   sender delivered or failed, or at the deadline (a straggler counts as failed). A member whose every
-   connection with us closed and stayed closed for ``GONE_AFTER`` seconds counts as failed at once: a
-   dead peer costs the others that grace, not the phase's deadline (its streams cannot resume on a new
-   connection, so nothing it could still send is lost).
-2. Decide, until ``0.5 T``: reducers report whom they received; the coordinator decides (see
-   ``agreement``) and answers every member's report call with the signed decision. Losing the
-   coordinator, a member asks the others for the decision until ``0.9 T``, then aborts.
-3. Re-reduce: for a reducer that did not report, every contributor streams that partition's slice again
-   to the replacement the decision names.
-4. Gather, until ``0.9 T``: each reducer computes the mean over exactly the decided contributors and
-   serves it; members fetch every partition. A member that cannot fetch a partition from its reducer, or
-   whose fetch stalls for ``STALLED_AFTER`` seconds, asks the other members too, who relay it if they hold
-   it (a reducer that serves some members and then hangs cannot split the group).
-5. Commit when every partition is here: the averaged values are written into the caller's tensors. Else
-   abort: the caller's tensors are untouched.
+- the scatter: streams this member's slice of every partition to its reducer (chunks, with
+  backpressure), while the partition reduced here is accumulated as its chunks arrive (``serving``);
+- the decision: reports and the coordinator's decision travel through ``deciding``;
+- after it, the plan: void early results of failed reducers, re-send our slices to their replacements,
+  finalize the partitions reduced here over exactly the decided contributors (attested in an audited
+  round), and fetch every partition (``gathering``, with relays when a holder fails or stalls);
+- the commit: once every partition is held, the averages go into the caller's tensors; else the round
+  raises :class:`RoundAborted` and the caller's tensors are untouched (an in-place round's excepted).
 
 Pipelined gather (plain means, rounds not audited): from the start of the round each member also fetches
 every other partition early, and its reducer serves chunk ``k`` of the mean as soon as every member's
-chunk ``k`` is in (their sum divided by all their weights). Once the decision is in, the reducer answers
-whether those chunks are the result: they are when the decision names every member with the weight it
-sent, the usual round, and then nothing is sent again. Otherwise they are void and the member fetches as
-in 4. So the links do not idle between the phases.
+chunk ``k`` is in. Once the decision is in, the reducer answers whether those chunks are the result: they
+are when the decision names every member with the weight it sent, and then nothing is sent again.
+Otherwise they are void and the member fetches as usual. So the links do not idle between the phases.
 
-Only the reducer of a partition (or its single replacement) computes that partition's result, and the
-decision settles which result it is (computed after it, or confirmed by it), so every member that commits
-holds the same bits. Every wait is bounded by a
-deadline of the round; nothing waits forever. The round keeps serving fetches and relays after its own
-member commits, until every member has fetched or the round's time is up.
-
-The round's RPC handlers are ``serving``, its decision ``deciding``, its results and fetches ``gathering``
-(mixins of :class:`AllReduceRound`).
+Where to look: a reducer's failure (declared by the coordinator, re-reduced by its replacement, relayed
+around when it hangs) is ``round_machine`` and ``agreement``; the RPC handlers are ``serving``; fetches
+and relays are ``gathering``; the decision's calls are ``deciding``. The round keeps serving fetches and
+relays after its own member commits, until every member has fetched or the round's time is up.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,30 +38,25 @@ import trio
 from ..errors import P2PError, RemoteCallError, RoundAborted, RoundTimedOut
 from ..identity import PeerID
 from ..net.host import Host
-from .agreement import Coordinator, excluded_reasons
-from .audit import hash_pieces, seal_commit
+from .agreement import excluded_reasons
+from .audit import Attestation, hash_pieces, seal_attestation
 from .bandwidth import RateMeter, Rates
 from .buffers import BufferPool
-from .compression import Compression, encoded_chunk
-from .deciding import RoundDeciding
-from .gathering import RoundGathering, time_left
-from .partition import chunks, offsets
-from .protocol import (
-    LEFT_ROUND,
-    PART,
-    Decision,
-    PartReq,
-    SignedManifest,
-)
+from .compression import Compression
+from .deciding import DecisionExchange
+from .gathering import Gatherer, time_left
+from .protocol import LEFT_ROUND, PART, Decision, PartReq, SignedManifest
 from .reducer import PartitionReducer
-from .rules import SeenOrigins
-from .serving import RoundServing, Signal
+from .round_machine import GONE_AFTER, SCATTER, Deadlines, RoundMachine
+from .round_tensors import RoundTensors
+from .serving import RoundServer
+from .signals import RoundSignals
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
 
-SCATTER, DECIDE, AWAIT_DECISION, GATHER = 0.4, 0.5, 0.6, 0.9  # phase deadlines, fractions of the round
-GONE_AFTER = 1.0  # seconds a member's connections must stay closed before it counts as failed
+__all__ = ["GONE_AFTER", "SCATTER", "AllReduceRound", "FaultHook", "RoundEvidence", "RoundResult"]
+
 WATCH_EVERY = 0.1  # seconds between looks at the members' connections
 
 
@@ -120,9 +103,9 @@ FaultHook = Callable[["AllReduceRound", str], Awaitable[None]]
 """Awaited at each named point of a round (tests crash or delay a member there)."""
 
 
-class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
-    """A member's state for one round, and the round's RPC handlers (``serving``; dispatched by the
-    averager)."""
+class AllReduceRound:
+    """A member's side of one round: owns the round's machine, memory and signals, and runs its tasks.
+    The averager dispatches the round's calls to :attr:`server`."""
 
     def __init__(
         self,
@@ -138,199 +121,93 @@ class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
         source: torch.Tensor | None = None,
         backup: SpillFile | None = None,
         own_saved: Spilled | None = None,
+        caps: dict[int, float] | None = None,
     ) -> None:
-        """``flat`` receives the averaged values (and holds this member's own values too unless
-        ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
-
-        ``backup`` (an in-place round): ``flat`` is the caller's own tensor (``tensors`` is ``[flat]``),
-        not the pool's. Own values that early results overwrite go to ``backup`` first (a failed
-        reducer's replacement needs them again), and the caller must not change the tensor before
-        ``retired`` is set: the round relays held partitions from it. After an abort it holds a mix of
-        own values and averages. ``own_saved``: this member's values of its own partition, already in
-        ``backup``: the partition is then reduced right where its mean goes, in ``flat``."""
-        self.fault = fault
-        self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
+        """``flat``, ``source``, ``backup``, ``own_saved``: see :class:`RoundTensors` (in place: ``flat``
+        is the caller's own tensor, which must not change before ``retired`` is set). ``caps``: the most
+        weight this member finds plausible per member (see ``agreement``)."""
         m = signed.manifest
-        self.host, self.signed, self.manifest = host, signed, m
-        self.digest = signed.digest
+        self.host, self.signed, self.manifest, self.digest = host, signed, m, signed.digest
         self.peers = m.peers()
-        self.n = len(self.peers)
-        self.me = self.peers.index(host.identity.peer_id)
-        self.mode: Compression = m.settings.mode
-        self.sizes = list(m.sizes)
-        self.offsets = offsets(self.sizes)
-        self.flat, self.weight, self.tensors = flat, weight, tensors
-        self.source = flat if source is None else source
-        self.backup = backup
-        self.saved: dict[int, Spilled] = {}  # in place: partition -> own values overwritten by results
-        if own_saved is not None:
-            self.saved[self.me] = own_saved
+        me = self.peers.index(host.identity.peer_id)
         start = trio.current_time() if clock_start is None else clock_start
-        self.start, self.end = start, start + m.timeout
-        self.deadline = {
-            k: start + f * m.timeout
-            for k, f in (
-                ("scatter", SCATTER),
-                ("decide", DECIDE),
-                ("await", AWAIT_DECISION),
-                ("gather", GATHER),
-            )
-        }
-        self.reducers: dict[int, PartitionReducer] = {}
-        self.audit = m.audit
-        self.sent: dict[int, tuple[list[bytes], bytes]] = {}  # audited: partition -> (pieces, commitment)
-        self.local: dict[int, bytes] = {}  # audited: partition reduced here -> own raw slice
-        self.attestations: dict[int, bytes] = {}
-        # Pipelined rounds (plain means, not audited): each reducer serves its partition's mean chunk by
-        # chunk while the scatter is still running, and members fetch it early (see on_fetch_early).
-        self.pipelined = m.aggregation == "mean" and not self.audit
-        self.early_done: dict[int, trio.Event] = {}  # partition -> its early fetch has ended
-        self.early_scopes: dict[int, trio.CancelScope] = {}
-        self.overwritten: set[int] = set()  # partitions whose early results overwrote our own values
-        self.published = Signal()  # a reducer here published early chunks, decided, or retired
-        if self.sizes[self.me] > 0:
-            self.reducers[self.me] = self._new_reducer(self.me, weight)
-            if self.pipelined:
-                self.reducers[self.me].expect(range(self.n))
-        self.scatter_open = True
-        self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
-        self.unreachable: set[int] = set()  # reducers my slices could not reach
-        self.gone: set[int] = set()  # members whose connections closed for good during the round
-        self.seen: set[int] = set()  # members we were connected with during the round
-        self.coordinator = Coordinator(self.digest, self.sizes) if self.me == 0 else None
-        self.caps: dict[int, float] = {}  # the most weight this member finds plausible per member
-        self.origins = SeenOrigins(m)  # the leader's origins, checked against what we see
-        self.decision: Decision | None = None
-        self.decision_bytes = b""
-        self.decided = trio.Event()
-        self.finalized: dict[int, trio.Event] = {}
-        self.held: set[int] = set()  # partitions whose final values are in ``flat``
-        self.progress: dict[int, float] = {}  # partition -> when its fetch last received something
-        self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
-        self.finished = False  # this member's own part of the round is over (committed or aborted)
-        self.done = trio.Event()  # no one needs this round any more
-        self.retired = trio.Event()  # the averager stopped serving it
-        self.streaming = 0  # handlers sending from ``flat`` or an accumulator right now
-        self.released = False
-        self.changed = Signal()
-        self.phases: dict[str, float] = {}
-        self.meter = RateMeter(host.delivered_traffic, trio.current_time)
-
-    def _buffer(self, numel: int) -> torch.Tensor | None:
-        return None if self.pool is None else self.pool.take(numel)
-
-    def _reduced_in_flat(self, p: int) -> bool:
-        """Partition ``p`` accumulates right where its mean goes, in ``flat`` (no copy at the end): our
-        own partition, unless ``flat`` is also what we send from (it must stay intact until the decision)."""
-        return p == self.me and (self.source is not self.flat or p in self.saved)
-
-    def _new_reducer(self, p: int, weight: float | None) -> PartitionReducer:
-        """A reducer for partition ``p``, holding this member's own slice if ``weight`` is given."""
-        size = self.sizes[p]
-        buffer = self._slice(p) if self._reduced_in_flat(p) else self._buffer(size)
-        red = PartitionReducer(
-            size,
-            self.mode,
-            buffer,
-            self.manifest.aggregation,
-            members=self.n,
-            origins=self.manifest.origins,
-            canonical=self.audit,
+        self.machine = RoundMachine(m, self.digest, me, weight, Deadlines.of(start, m.timeout), caps)
+        self.tensors = RoundTensors(
+            host.identity,
+            m,
+            self.digest,
+            me,
+            weight,
+            flat,
+            tensors,
+            pool=pool,
+            source=source,
+            backup=backup,
+            own_saved=own_saved,
         )
-        if weight is not None:
-            # Reduced in place: its own values are in ``flat``, where the mean goes, and in the backup. (A
-            # failed reducer's partition we replace: in the backup alone, if early averages overwrote them.)
-            in_place = self._reduced_in_flat(p) and p in self.saved
-            own = self._slice(p) if in_place else self._own(p)
-            if self.audit:
-                raw = bytes(encoded_chunk(own, Compression.NONE))
-                self.local[p] = raw
-                red.commits[self.me] = seal_commit(
-                    self.host.identity, self.digest, p, weight, hash_pieces([raw])
-                )
-            red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
-        return red
+        self.signals = RoundSignals()
+        self.meter = RateMeter(host.delivered_traffic, trio.current_time)
+        self.fault = fault
+        self.phases: dict[str, float] = {}
+        # Pipelined rounds (plain means, not audited): each reducer serves its partition's mean chunk by
+        # chunk while the scatter is still running, and members fetch it early.
+        self.pipelined = m.aggregation == "mean" and not m.audit
+        if m.sizes[me] > 0:
+            self.tensors.reduce(me, weight, expect=self.pipelined)
+        self.server = RoundServer(self.machine, self.tensors, self.signals, self.meter, self._point)
+        self.gatherer = Gatherer(host, self.machine, self.tensors, self.signals, self.meter)
+        self.decisions = DecisionExchange(host, self.machine, self.tensors, self.signals)
 
-    def _pieces(
-        self, p: int, values: torch.Tensor | None = None
-    ) -> tuple[Iterable[bytes | memoryview], bytes]:
-        """The encoded chunks of this member's slice of ``p`` (``values``, else read by ``_own``), and its
-        signed commitment (audited rounds: computed once, kept for the audit). Else encoded as they are
-        sent: a compressed copy of the whole slice would cost memory for nothing."""
-        values = self._own(p) if values is None else values
-        if not self.audit:
-            return (encoded_chunk(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)), b""
-        if p not in self.sent:
-            pieces = [
-                bytes(encoded_chunk(values[a:b], self.mode)) for a, b in chunks(self.sizes[p], self.mode)
-            ]
-            commit = seal_commit(self.host.identity, self.digest, p, self.weight, hash_pieces(pieces))
-            self.sent[p] = (pieces, commit)
-        pieces, commit = self.sent[p]
-        return list(pieces), commit
+    # What the averager and a fault hook read:
+
+    @property
+    def me(self) -> int:
+        return self.machine.me
+
+    @property
+    def end(self) -> float:
+        return self.machine.at.end
+
+    @property
+    def done(self) -> trio.Event:
+        """Set once no member needs this round any more."""
+        return self.signals.done
+
+    @property
+    def retired(self) -> trio.Event:
+        return self.signals.retired
+
+    @property
+    def decision_bytes(self) -> bytes:
+        return self.machine.decision_bytes
+
+    @property
+    def reducers(self) -> dict[int, PartitionReducer]:
+        return self.tensors.reducers
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.tensors.source
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.tensors.flat
+
+    def blame(self) -> dict[PeerID, str]:
+        return self.machine.blame()
 
     def retire(self) -> None:
         """No new call is served from now on; the buffers are released once the last stream ends."""
-        for red in self.reducers.values():
-            red.drop()
-        self.retired.set()
-        self.changed.fire()
-        self.published.fire()
-        self._release()
-
-    def _release(self) -> None:
-        if self.released or self.streaming or not self.retired.is_set():
-            return
-        self.released = True
-        if self.pool is not None:
-            for p, red in self.reducers.items():
-                if not self._reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
-                    self.pool.give(red.acc)
-            if self.backup is None:  # (in place, ``flat`` is the caller's)
-                self.pool.give(self.flat)
-        if self.backup is not None:  # (after the above: what was reduced in place depends on it)
-            self.backup.close()
-            self.saved.clear()
-        # Whatever still refers to this round object (a late call's context, a log record) must not keep
-        # the caller's tensors or the buffers alive: they are model-sized.
-        self.flat = self.source = torch.empty(0)
-        self.tensors = []
-        self.reducers.clear()
+        self.tensors.retire()
+        self.signals.retired.set()
+        self.signals.wake()
 
     def _mark(self, phase: str) -> None:
-        self.phases[phase] = round(trio.current_time() - self.start, 6)
+        self.phases[phase] = round(trio.current_time() - self.machine.at.start, 6)
 
     async def _point(self, name: str) -> None:
         if self.fault is not None:
             await self.fault(self, name)
-
-    def _own(self, p: int) -> torch.Tensor:
-        """This member's own values in partition ``p`` (what it sends)."""
-        if p in self.saved:  # (read back on the rare path that needs them: a failed reducer's replacement)
-            return torch.frombuffer(self.saved[p].read(), dtype=torch.float32)
-        if p in self.overwritten:  # early results went where we send from: take them from the tensors
-            return self._own_from_tensors(p)
-        return self.source[self.offsets[p] : self.offsets[p + 1]]
-
-    def _own_from_tensors(self, p: int) -> torch.Tensor:
-        """Our values of partition ``p`` as float32, from the caller's tensors (left alone until commit)."""
-        lo, hi = self.offsets[p], self.offsets[p + 1]
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        off = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                a, b = max(lo, off), min(hi, off + t.numel())
-                if a < b:
-                    out[a - lo : b - lo].copy_(t.detach().reshape(-1)[a - off : b - off])
-                off += t.numel()
-        return out
-
-    def _slice(self, p: int) -> torch.Tensor:
-        """Where partition ``p``'s average goes (the same memory as ``_own`` unless a source was given)."""
-        return self.flat[self.offsets[p] : self.offsets[p + 1]]
-
-    def name(self, i: int) -> str:
-        return self.peers[i].short()
 
     # ---- the member's side -------------------------------------------------------------------------
 
@@ -341,18 +218,14 @@ class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
                 return await self._run()
             raise RoundTimedOut(f"this member did not finish the round in its {self.manifest.timeout:g} s")
         finally:
-            self.finished = True
-            if self.fetches_left <= 0:
-                self.done.set()
+            if self.machine.finish():
+                self.signals.done.set()
 
     async def _run(self) -> RoundResult:
         failure: Exception | None = None
         async with trio.open_nursery() as early:
             if self.pipelined:
-                for p, size in enumerate(self.sizes):
-                    if size > 0 and p != self.me:
-                        self.early_done[p], self.early_scopes[p] = trio.Event(), trio.CancelScope()
-                        early.start_soon(self._fetch_early, p)
+                self.gatherer.start_early(early)
             try:
                 result = await self._phases()
             except Exception as e:  # raised as itself, not inside the nursery's exception group
@@ -363,60 +236,53 @@ class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
         return result
 
     async def _phases(self) -> RoundResult:
-        n = sum(x > 0 for x in self.sizes)
-        log.debug("round %s: scattering to %d reducers", self.digest.hex()[:8], n)
+        m, t = self.machine, self.tensors
+        log.debug("round %s: scattering to %d reducers", self.digest.hex()[:8], len(m.partitions))
         await self._point("before_send")
-        with trio.move_on_at(self.deadline["scatter"]):
+        with trio.move_on_at(m.at.scatter):
             async with trio.open_nursery() as senders:
-                for j, size in enumerate(self.sizes):
-                    if size > 0 and j != self.me:
+                for j in m.partitions:
+                    if j != m.me:
                         senders.start_soon(self._send_slice, j, j)
-                if self.me in self.reducers:
+                if m.me in t.reducers:
                     senders.start_soon(self._await_slices)
-        self.scatter_open = False
+        m.close_scatter()
         self._mark("scattered")
-        if self.coordinator is not None:
+        if m.coordinator is not None:
             await self._point("decide")
-            await self._coordinate()
-        decision = await self._obtain_decision()
+            await self.decisions.coordinate()
+        decision = await self.decisions.obtain()
         self._mark("decided")
-        if decision.abort:
-            raise RoundAborted(f"round aborted by the coordinator: {decision.abort}")
-        for f in decision.failed:  # its reducer failed: whatever it served early is void
-            if f in self.early_scopes:
-                self.early_scopes[f].cancel()
-                await self.early_done[f].wait()
+        plan = m.plan
+        assert plan is not None
+        if plan.abort:
+            raise RoundAborted(plan.reason)
+        for f in plan.void_early:  # its reducer failed: whatever it served early is void
+            await self.gatherer.void(f)
         async with trio.open_nursery() as nursery:
-            if self.me in decision.contributors:
-                for f, r in zip(decision.failed, decision.replacements, strict=True):
-                    if r != self.me:
-                        nursery.start_soon(self._send_slice, f, r, self.deadline["gather"])
-            for p in list(self.reducers):
+            for f, r in plan.resend:
+                nursery.start_soon(self._send_slice, f, r, m.at.gather)
+            for p in list(t.reducers):
                 nursery.start_soon(self._finalize, p, decision)
-            for p, size in enumerate(self.sizes):
-                if size > 0:
-                    nursery.start_soon(self._gather, p, self._holder(p, decision))
+            for p in m.partitions:
+                nursery.start_soon(self.gatherer.gather, p, m.holder(p))
         self._mark("gathered")
-        missing = [p for p, s in enumerate(self.sizes) if s > 0 and p not in self.held]
-        if missing:
-            raise RoundTimedOut(
-                f"partitions {missing} could not be fetched before the deadline; every member that"
-                " lacks them aborts, and none can have committed without them"
-            )
+        outcome = m.outcome()
+        if not outcome.committed:
+            raise RoundTimedOut(outcome.reason)
         return self._commit(decision)
 
     async def _send_slice(self, p: int, to: int, deadline: float | None = None) -> None:
         """Stream my slice of partition ``p`` to member ``to``."""
+        m, t = self.machine, self.tensors
         addr = self.manifest.members[to].addr
-        own = None
-        if p in self.saved and p not in self.sent:  # read back from the backup: a worker thread's job
-            own = await trio.to_thread.run_sync(self._own, p)
-        pieces, commit = self._pieces(p, own)
+        own = await trio.to_thread.run_sync(t.own, p) if t.needs_read_back(p) else None
+        pieces, commit = t.pieces(p, own)
         try:
-            with trio.fail_after(max(0.0, (deadline or self.deadline["scatter"]) - trio.current_time())):
+            with trio.fail_after(max(0.0, (deadline or m.at.scatter) - trio.current_time())):
                 conn = await self.host.connect(addr)
                 async with conn.open_stream(
-                    PART, PartReq(self.digest, p, self.weight, commit), timeout=time_left(self.end)
+                    PART, PartReq(self.digest, p, m.weight, commit), timeout=time_left(m.at.end)
                 ) as stream:
                     for index, piece in enumerate(pieces):
                         await stream.send(piece)
@@ -427,116 +293,111 @@ class AllReduceRound(RoundServing, RoundDeciding, RoundGathering):
             if ack.ok:
                 self.meter.flow_done("upload")
             else:
-                log.info("%s refused my slice of partition %d: %s", self.name(to), p, ack.reason)
+                log.info("%s refused my slice of partition %d: %s", m.name(to), p, ack.reason)
         except (P2PError, trio.TooSlowError) as e:
-            log.info("could not deliver partition %d to %s: %s", p, self.name(to), e)
-            if isinstance(e, RemoteCallError) and e.code == LEFT_ROUND and to not in self.gone:
-                self._mark_gone(to, "it left the round before it started")  # it sends nothing either
-            self.unreachable.add(to)
-            if self.coordinator is not None:
-                self.coordinator.unreachable.add(to)
-                self.changed.fire()
+            log.info("could not deliver partition %d to %s: %s", p, m.name(to), e)
+            left = isinstance(e, RemoteCallError) and e.code == LEFT_ROUND
+            gone = m.unreachable_reducer(to, left, t.delivered(m.me))
+            if gone:
+                log.info("%s", gone)
+            self.signals.changed.fire()
+
+    async def _await_slices(self) -> None:
+        """As a reducer: until every sender of our partition delivered or failed, or the scatter ends."""
+        m = self.machine
+        while not m.slices_settled(self.tensors.delivered(m.me) or {}):
+            await self.signals.changed.wait_until(m.at.scatter)
+            if trio.current_time() >= m.at.scatter:
+                return
 
     async def watch_members(self) -> None:
         """Mark members whose connections with us closed (and stayed closed) as gone, until the decision
-        (run beside :meth:`run` by the averager).
-
-        Only members we were connected with during the round count: one we never reached is the senders'
-        and the coordinator's business (an unreachable reducer, a slice that never came).
-        """
-        lost_at: dict[int, float] = {}
-        while self.decision is None and not self.finished and trio.current_time() < self.end:
-            now = trio.current_time()
+        (run beside :meth:`run` by the averager)."""
+        m = self.machine
+        while m.watching(trio.current_time()):
             live = {c.peer for c in self.host.connections() if not c.closed}
-            for i, peer in enumerate(self.peers):
-                if i == self.me or i in self.gone:
-                    continue
-                if peer in live:
-                    self.seen.add(i)
-                    lost_at.pop(i, None)
-                elif i in self.seen and now - lost_at.setdefault(i, now) >= GONE_AFTER:
-                    self._mark_gone(i, f"no connection for {GONE_AFTER:g} s")
+            gone = m.watch(live, trio.current_time(), self.tensors.delivered(m.me))
+            for line in gone:
+                log.info("%s", line)
+            if gone:
+                self.signals.changed.fire()
             await trio.sleep(WATCH_EVERY)
 
-    def _mark_gone(self, i: int, why: str) -> None:
-        log.info("%s is gone (%s): counted as failed", self.name(i), why)
-        self.gone.add(i)
-        if self.me in self.reducers and i not in self.reducers[self.me].delivered:
-            self.failed_senders.setdefault(self.me, set()).add(i)
-        if (
-            self.coordinator is not None
-            and i in self.coordinator.reducers
-            and i not in self.coordinator.reports
-        ):
-            self.coordinator.unreachable.add(i)
-        self.changed.fire()
-
-    async def _await_slices(self) -> None:
-        own = self.reducers[self.me]
-        while True:
-            failed = self.failed_senders.get(self.me, set())
-            if all(i in own.delivered or i in failed for i in range(self.n)):
+    async def _finalize(self, p: int, decision: Decision) -> None:
+        """Compute partition ``p``'s result over exactly the decided contributors, once all their slices
+        are here (a replacement waits for the re-sent ones)."""
+        m, red = self.machine, self.tensors.reducers[p]
+        event = self.signals.finalized(p)
+        while not m.contributors_in(red.delivered):
+            if trio.current_time() >= m.at.gather:
+                log.info("partition %d: not every contributor re-sent its slice in time", p)
                 return
-            await self.changed.wait_until(self.deadline["scatter"])
-            if trio.current_time() >= self.deadline["scatter"]:
-                return
+            await self.signals.changed.wait_until(m.at.gather)
+        red.finalize(decision.contributors, decision.weights)
+        for sender, ratio in red.outliers:
+            log.warning(
+                "round %s: the slice of partition %d from %s is an outlier (%s the median distance to "
+                "the %s result): its influence was bounded",
+                self.digest.hex()[:8],
+                p,
+                m.name(sender),
+                "NaN times" if math.isnan(ratio) else f"{ratio:.0f}x",
+                red.aggregation,
+            )
+        await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
+        if self.tensors.audit:
+            red.attestation = self._attest(p, red, decision)
+        assert red.result is not None
+        self.tensors.write_result(p, red.result)
+        m.finalized(p)
+        event.set()
+        self.signals.changed.fire()
 
-    def _holder(self, p: int, decision: Decision) -> int:
-        r = decision.replacement_of(p)
-        return p if r is None else r
-
-    def blame(self) -> dict[PeerID, str]:
-        """After an abort: the members this round failed on, as far as this member can tell (the
-        coordinator if no decision came, else the holders of the partitions it never got)."""
-        if self.decision is None:
-            return {} if self.me == 0 else {self.peers[0]: "its decision never came"}
-        if self.decision.abort:
-            return {}
-        out = {}
-        for p, size in enumerate(self.sizes):
-            if size and p not in self.held:
-                holder = self._holder(p, self.decision)
-                if holder != self.me:
-                    out[self.peers[holder]] = f"partition {p} never came from it"
-        return out
+    def _attest(self, p: int, red: PartitionReducer, decision: Decision) -> bytes:
+        assert red.encoded is not None
+        att = Attestation(
+            round=self.digest,
+            partition=p,
+            contributors=decision.contributors,
+            weights=decision.weights,
+            commits=tuple(red.commits[c] for c in decision.contributors),
+            result=hash_pieces(red.encoded),
+        )
+        return seal_attestation(self.host.identity, att)
 
     def _commit(self, decision: Decision) -> RoundResult:
-        off = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                k = t.numel()
-                if t.data_ptr() != self.flat[off:].data_ptr():  # (in place: already there)
-                    t.copy_(self.flat[off : off + k].view(t.shape))
-                off += k
-        names = [self.name(i) for i in range(self.n)]
+        m = self.machine
+        tensors = self.tensors.commit()
+        names = [m.name(i) for i in range(m.n)]
         return RoundResult(
             round=self.digest,
-            tensors=self.tensors,
+            tensors=tensors,
             contributors=[self.peers[i] for i in decision.contributors],
             total_weight=math.fsum(decision.weights),
-            group_size=self.n,
-            reduced=self.sizes[self.me],
-            shares=dict(zip(self.peers, self.sizes, strict=True)),
-            excluded={self.peers[i]: why for i, why in excluded_reasons(decision, self.n, names).items()},
-            round_seconds=trio.current_time() - self.start,
+            group_size=m.n,
+            reduced=m.sizes[m.me],
+            shares=dict(zip(self.peers, m.sizes, strict=True)),
+            excluded={self.peers[i]: why for i, why in excluded_reasons(decision, m.n, names).items()},
+            round_seconds=trio.current_time() - m.at.start,
             phases=self.phases,
-            evidence=self._evidence(decision) if self.audit else None,
+            evidence=self._evidence(decision) if self.tensors.audit else None,
             rates=self.meter.rates,
-            retired=self.retired,
+            retired=self.signals.retired,
         )
 
     def _evidence(self, decision: Decision) -> RoundEvidence:
+        m, t = self.machine, self.tensors
         return RoundEvidence(
             digest=self.digest,
             manifest=self.signed.envelope,
             peers=self.peers,
-            addresses=[m.addr for m in self.manifest.members],
-            sizes=self.sizes,
-            mode=self.mode,
+            addresses=[mm.addr for mm in self.manifest.members],
+            sizes=m.sizes,
+            mode=t.mode,
             aggregation=self.manifest.aggregation,
             origins=self.manifest.origins,
-            holders={p: self._holder(p, decision) for p, s in enumerate(self.sizes) if s > 0},
-            attestations=dict(self.attestations),
-            sent={p: b"".join(pieces) for p, (pieces, _) in self.sent.items()},
-            local=dict(self.local),
+            holders={p: m.holder(p) for p in m.partitions},
+            attestations=dict(self.gatherer.attestations),
+            sent={p: b"".join(pieces) for p, (pieces, _) in t.sent.items()},
+            local=dict(t.local),
         )

@@ -10,7 +10,9 @@ A training loop that overlaps averaging with compute splits the call: ``form_gro
 only), then ``run_round`` with the manifest; if its state moved on in between it calls ``decline``
 instead, so that the group learns at once that this member will not take part.
 
-Forming the group (announcing, leading, following, admitting joiners) is ``grouping``'s.
+Forming the group (announcing, leading, following, admitting joiners) is ``grouping``'s
+:class:`GroupForming`, which the averager owns; each round is an :class:`AllReduceRound` (``allreduce``)
+whose calls the averager dispatches by the round's digest.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import trio
@@ -47,7 +48,7 @@ from .auditor import AUDIT_WINDOW, Auditor
 from .bandwidth import BandwidthEstimate
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression, roundtrip
-from .grouping import JOIN_GRACE, GroupForming, _Looking
+from .grouping import JOIN_GRACE, GroupForming
 from .matchmaking import Quorum
 from .partition import offsets
 from .protocol import (
@@ -66,12 +67,11 @@ from .protocol import (
     PartReq,
     RelayDecisionReq,
     ReportReq,
-    RoundSettings,
     SignedManifest,
     TensorSpec,
     seal_decision,
 )
-from .robust import Aggregation, parse_aggregation
+from .settings import AveragerConfig
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -87,31 +87,6 @@ MAX_WAITING_CALLS = 256
 MAX_WAITING_PER_PEER = 8  # calls one peer may have waiting for rounds we have not started
 MAX_WAITING_PER_SUBNET = 32  # ... and one subnet (/24, /64): ids are free, subnets are not
 MAX_PARTNERS = 4096  # peers remembered as ones we averaged with (see ``Averager.partners``)
-
-
-@dataclass(frozen=True)
-class AveragerConfig:
-    target_size: int = 4
-    min_size: int = 2
-    matchmaking_time: float = 5.0  # how long a leader gathers before forming a smaller group
-    bandwidth: float = 0.0  # bytes per second this peer can move (its share of a reduction); 0: measure it
-    # Text (the command line's) is parsed once, here: the fields then hold the typed values.
-    compression: Compression = Compression.NONE
-    aggregation: Aggregation = Aggregation.MEAN  # or a robust rule (see ``robust``): a group shares one
-    audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_size <= self.target_size <= 64:
-            raise ValueError("need 1 <= min_size <= target_size <= 64")
-        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
-            raise ValueError("bandwidth must be positive, or 0 to measure it")
-        if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
-            raise ValueError("matchmaking_time must be positive")
-        if parse_aggregation(self.aggregation) != self.aggregation:
-            raise ValueError(f"aggregation: write {parse_aggregation(self.aggregation)!r}")
-        settings = RoundSettings.parse(self.compression, self.aggregation, self.audit)  # (the sparse rule)
-        object.__setattr__(self, "compression", settings.mode)
-        object.__setattr__(self, "aggregation", settings.aggregation)
 
 
 def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
@@ -181,7 +156,7 @@ def schema_digest(
     return hashlib.blake2b(pack(fields), digest_size=16).digest()
 
 
-class Averager(GroupForming):
+class Averager:
     """Averages tensors with the peers of a run; one instance per node, serving its rounds."""
 
     def __init__(
@@ -192,11 +167,9 @@ class Averager(GroupForming):
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.host, self._dht = host, dht
+        self.host = host
         self.config = config or AveragerConfig()
-        self.clock = clock
         self._rounds: dict[bytes, AllReduceRound] = {}
-        self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
         self._pool = BufferPool()  # flat copies and accumulators, reused across rounds
         self._round_started: dict[bytes, trio.Event] = {}
         # Rounds this member will not run -> when to forget them, and (if it coordinates them) its
@@ -207,7 +180,6 @@ class Averager(GroupForming):
         self._decided: dict[bytes, tuple[float, bytes]] = {}
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._waiting_subnet: Counter[str] = Counter()  # ... per caller's subnet
-        self._looking: _Looking | None = None
         self._nursery: trio.Nursery | None = None
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
         # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
@@ -217,8 +189,17 @@ class Averager(GroupForming):
         # with us, and paid for it in compute); the trainer trusts their records of later states.
         self.partners: set[PeerID] = set()
         self.measured = BandwidthEstimate()  # from this member's rounds (see ``bandwidth``)
+        self.groups = GroupForming(
+            host,
+            dht,
+            config=lambda: self.config,
+            measured=self.measured,
+            auditor=self.auditor,
+            decline=self.decline,
+            clock=clock,
+        )
         reg = self.host.registry
-        reg.add_unary(JOIN, self._on_join)
+        reg.add_unary(JOIN, self.groups.on_join)
         reg.add_stream(PART, self._on_part)
         reg.add_unary(REPORT, self._on_report)
         reg.add_stream(FETCH, self._on_fetch)
@@ -230,6 +211,7 @@ class Averager(GroupForming):
         """Own the tasks that keep finished rounds serving their last fetches."""
         async with trio.open_nursery() as nursery:
             self._nursery = self.auditor.nursery = nursery
+            await nursery.start(self.groups.run)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -250,7 +232,7 @@ class Averager(GroupForming):
             raise RuntimeError("start Averager.run in a nursery first")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
-        if self._looking is not None:
+        if self.groups.busy:
             raise RuntimeError("an average() call is already in progress on this node")
         mode = parse_compression(compression) if compression else self.config.compression
         tensors = list(tensors)
@@ -259,7 +241,7 @@ class Averager(GroupForming):
         began = trio.current_time()
         try:
             sizes = (self.config.target_size, self.config.min_size)
-            signed = await self._matchmake(
+            signed = await self.groups.form(
                 group_key,
                 schema,
                 schema_digest(schema, mode, self.config.aggregation, self.config.audit),
@@ -275,6 +257,16 @@ class Averager(GroupForming):
         result.matchmaking_seconds = matchmaking
         self.trained_with(result.contributors)
         return result
+
+    @property
+    def bandwidth(self) -> float:
+        """The bytes per second this member announces: the configured bandwidth, else what its recent
+        rounds measured, else 0 (not known yet: a leader gives it a typical share)."""
+        return self.groups.bandwidth
+
+    def address(self, *, reducer: bool = False) -> str:
+        """Where others dial this peer, "" for nowhere (see :meth:`GroupForming.address`)."""
+        return self.groups.address(reducer=reducer)
 
     def trained_with(self, contributors: Iterable[PeerID]) -> None:
         """Remember ``contributors`` as partners: call it once their round's result is applied.
@@ -304,12 +296,12 @@ class Averager(GroupForming):
         configured group sizes for this call (a training run sizes groups by the peers it sees).
         ``quorum``: a group led here forms only with that many of those peers (see ``matchmaking``).
         """
-        if self._looking is not None:
+        if self.groups.busy:
             raise RuntimeError("an average() call is already in progress on this node")
         mode = parse_compression(compression) if compression else self.config.compression
         schema = schema_of(list(tensors))
         sizes = _sizes(self.config, target_size, min_size)
-        return await self._matchmake(
+        return await self.groups.form(
             group_key,
             schema,
             schema_digest(schema, mode, self.config.aggregation, self.config.audit),
@@ -421,14 +413,8 @@ class Averager(GroupForming):
             source=source,
             backup=backup,
             own_saved=own_saved,
+            caps=self._caps(m.peers()),
         )
-        if self.weight_cap is not None:  # the coordinator caps weights; every reducer refuses far-off ones
-            for i, peer in enumerate(rnd.peers):
-                cap = self.weight_cap(peer) if i != rnd.me else None
-                if cap is not None:
-                    rnd.caps[i] = cap
-                    if rnd.coordinator is not None:
-                        rnd.coordinator.caps[i] = cap
         self._start_round(rnd)
         try:
             result = await rnd.run()
@@ -445,6 +431,15 @@ class Averager(GroupForming):
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)
         return result
+
+    def _caps(self, peers: list[PeerID]) -> dict[int, float]:
+        """The most weight each other member may carry in a round: the coordinator caps weights, and
+        every reducer refuses far-off ones (see ``agreement``)."""
+        weight_cap = self.weight_cap
+        if weight_cap is None:
+            return {}
+        caps = {i: weight_cap(peer) for i, peer in enumerate(peers) if peer != self.host.peer_id}
+        return {i: cap for i, cap in caps.items() if cap is not None}
 
     async def _audit(self, evidence: RoundEvidence) -> None:
         """Audit what this member was chosen for, then keep the evidence for the others' audits a while."""
@@ -524,7 +519,7 @@ class Averager(GroupForming):
         return rnd
 
     async def _on_part(self, ctx: CallContext, req: PartReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round, ctx)).on_part(ctx, req, stream)
+        return await (await self._round(req.round, ctx)).server.on_part(ctx, req, stream)
 
     def _known_decision(self, digest: bytes) -> bytes:
         """The signed decision of a round declined or over here, if it had one (else empty)."""
@@ -533,23 +528,23 @@ class Averager(GroupForming):
     async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
         if req.round not in self._rounds and (decision := self._known_decision(req.round)):
             return Reply(DecisionResp(True), decision)
-        return await (await self._round(req.round, ctx)).on_report(ctx, req)
+        return await (await self._round(req.round, ctx)).server.on_report(ctx, req)
 
     async def _on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round, ctx)).on_fetch(ctx, req, stream)
+        return await (await self._round(req.round, ctx)).server.on_fetch(ctx, req, stream)
 
     async def _on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
-        return await (await self._round(req.round, ctx)).on_fetch_early(ctx, req, stream)
+        return await (await self._round(req.round, ctx)).server.on_fetch_early(ctx, req, stream)
 
     async def _on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
         rnd = self._rounds.get(req.round)
         if rnd is None:
             decision = self._known_decision(req.round)
             return Reply(DecisionResp(bool(decision)), decision)
-        return await rnd.on_relay_decision(ctx, req)
+        return await rnd.server.on_relay_decision(ctx, req)
 
     async def _on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         rnd = self._rounds.get(req.round)
         if rnd is None:
             return Ack(False, "unknown round")
-        return await rnd.on_relay_result(ctx, req, stream)
+        return await rnd.server.on_relay_result(ctx, req, stream)

@@ -1,45 +1,40 @@
-"""The gathering side of an all-reduce round: each partition's result, reduced, attested and fetched.
+"""The gathering side of an all-reduce round: fetching every partition's result, and relays.
 
-After the decision, a partition's reducer (or the replacement the decision names) computes its result
-over exactly the decided contributors (``_finalize``; attested in an audited round) and every member
-fetches every partition (``_gather``): from its holder, and once that fails or stalls for
-``STALLED_AFTER`` seconds, from the other members too, who relay it once they hold it. In a pipelined
-round a member fetches each partition's mean chunk by chunk while the scatter still runs
-(``_fetch_early``), held once its reducer confirms the chunks are the round's result. Every fetched chunk
-is checked (size, finite values, in an audited round the reducer's signed attestation) before the
-partition counts as held.
-
-:class:`RoundGathering` is a mixin of :class:`~p2ptrain.averaging.allreduce.AllReduceRound`, which owns
-the attributes declared below.
+Theory of operation: after the decision every member fetches every partition (:meth:`Gatherer.gather`)
+from its holder (the reducer, or the replacement the decision names), and once that fails or stalls for
+``STALLED_AFTER`` seconds, from the other members too, who relay it once they hold it (a reducer that
+serves some members and then hangs cannot split the group). In a pipelined round a member fetches each
+partition's mean chunk by chunk while the scatter still runs (:meth:`Gatherer.fetch_early`), held once
+its reducer confirms the chunks are the round's result; the early fetch of a failed reducer is void
+(:meth:`Gatherer.void`). Every fetched chunk is checked (size, finite values, in an audited round the
+reducer's signed attestation) before the partition counts as held.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Awaitable, Callable, Iterable
 
 import numpy as np
 import torch
 import trio
 
 from ..errors import P2PError, RemoteProtocolError
-from ..identity import PeerID
 from ..net.host import Host
 from . import spill
-from .audit import Attestation, hash_pieces, new_hasher, open_attestation, seal_attestation
+from .audit import new_hasher, open_attestation
 from .bandwidth import RateMeter
 from .compression import Compression, all_finite, decode, encoded_chunk
 from .partition import chunks
-from .protocol import FETCH, FETCH_EARLY, RELAY_RESULT, Decision, FetchReq, Manifest
-from .reducer import PartitionReducer
-from .serving import Signal
-from .spill import Spilled, SpillFile
+from .protocol import FETCH, FETCH_EARLY, RELAY_RESULT, FetchReq
+from .round_machine import STALLED_AFTER, RoundMachine
+from .round_tensors import RoundTensors
+from .signals import RoundSignals
 
 log = logging.getLogger("p2ptrain.averaging.allreduce")  # (the round's lines, as before)
 
 RELAY_RETRY = 0.25  # seconds between rounds of relay queries
-STALLED_AFTER = 2.0  # seconds a fetch may receive nothing before the other members are asked too
+
+__all__ = ["RELAY_RETRY", "STALLED_AFTER", "Gatherer", "time_left"]
 
 
 def time_left(deadline: float) -> float:
@@ -47,137 +42,92 @@ def time_left(deadline: float) -> float:
     return max(1e-3, deadline - trio.current_time())
 
 
-class RoundGathering:
-    """Finalizing the partitions reduced here and fetching every partition (a mixin)."""
+class Gatherer:
+    """Fetches the round's partitions into this member's ``flat`` (handed the round's machine and memory)."""
 
-    # Owned by AllReduceRound:
-    host: Host
-    manifest: Manifest
-    digest: bytes
-    peers: list[PeerID]
-    n: int
-    me: int
-    mode: Compression
-    sizes: list[int]
-    audit: bool
-    deadline: dict[str, float]
-    reducers: dict[int, PartitionReducer]
-    decision: Decision | None
-    finalized: dict[int, trio.Event]
-    held: set[int]
-    fetches_left: int
-    progress: dict[int, float]
-    early_done: dict[int, trio.Event]
-    early_scopes: dict[int, trio.CancelScope]
-    overwritten: set[int]
-    gone: set[int]
-    attestations: dict[int, bytes]
-    flat: torch.Tensor
-    source: torch.Tensor
-    backup: SpillFile | None
-    saved: dict[int, Spilled]
-    changed: Signal
-    meter: RateMeter
-    name: Callable[[int], str]
-    _point: Callable[[str], Awaitable[None]]
-    _slice: Callable[[int], torch.Tensor]
-    _pieces: Callable[[int], tuple[Iterable[bytes | memoryview], bytes]]
+    def __init__(
+        self,
+        host: Host,
+        machine: RoundMachine,
+        tensors: RoundTensors,
+        signals: RoundSignals,
+        meter: RateMeter,
+    ) -> None:
+        self.host, self.m, self.t, self.sig, self.meter = host, machine, tensors, signals, meter
+        self.addrs = [mm.addr for mm in machine.manifest.members]
+        self.early_done: dict[int, trio.Event] = {}  # partition -> its early fetch has ended
+        self.early_scopes: dict[int, trio.CancelScope] = {}
+        self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
 
-    async def _finalize(self, p: int, decision: Decision) -> None:
-        red = self.reducers[p]
-        event = self.finalized.setdefault(p, trio.Event())
-        while not all(i in red.delivered for i in decision.contributors):
-            if trio.current_time() >= self.deadline["gather"]:
-                log.info("partition %d: not every contributor re-sent its slice in time", p)
-                return
-            await self.changed.wait_until(self.deadline["gather"])
-        red.finalize(decision.contributors, decision.weights)
-        for sender, ratio in red.outliers:
-            log.warning(
-                "round %s: the slice of partition %d from %s is an outlier (%s the median distance to "
-                "the %s result): its influence was bounded",
-                self.digest.hex()[:8],
-                p,
-                self.name(sender),
-                "NaN times" if math.isnan(ratio) else f"{ratio:.0f}x",
-                red.aggregation,
-            )
-        await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
-        if self.audit:
-            red.attestation = self._attest(p, red, decision)
-        assert red.result is not None
-        if red.result.data_ptr() != self._slice(p).data_ptr():  # (compressed, or not reduced in flat)
-            self._slice(p).copy_(red.result)
-        self.held.add(p)
-        self.fetches_left += self.n - 1
-        event.set()
-        self.changed.fire()
+    def start_early(self, nursery: trio.Nursery) -> None:
+        """Pipelined rounds: fetch every other partition's mean early, in ``nursery`` (cancelled once the
+        round is over for this member)."""
+        for p in self.m.partitions:
+            if p != self.m.me:
+                self.early_done[p], self.early_scopes[p] = trio.Event(), trio.CancelScope()
+                nursery.start_soon(self.fetch_early, p)
 
-    def _attest(self, p: int, red: PartitionReducer, decision: Decision) -> bytes:
-        assert red.encoded is not None
-        att = Attestation(
-            round=self.digest,
-            partition=p,
-            contributors=decision.contributors,
-            weights=decision.weights,
-            commits=tuple(red.commits[c] for c in decision.contributors),
-            result=hash_pieces(red.encoded),
-        )
-        return seal_attestation(self.host.identity, att)
+    async def void(self, p: int) -> None:
+        """The early results of ``p`` are not the round's (its reducer failed): stop fetching them."""
+        if p in self.early_scopes:
+            self.early_scopes[p].cancel()
+            await self.early_done[p].wait()
 
-    def _check_attestation(self, p: int, frm: int, data: bytes, result_hash: bytes) -> None:
+    def check_attestation(self, p: int, frm: int, data: bytes, result_hash: bytes) -> None:
         """The reducer's attestation fits the decision, the bytes it served, and this member's own
         commitment; RemoteProtocolError says what does not."""
-        decision = self.decision
+        m = self.m
+        decision = m.decision
         assert decision is not None
-        att = open_attestation(data, self.peers[frm], self.digest, p, self.n)
+        att = open_attestation(data, m.peers[frm], m.digest, p, m.n)
         if att.contributors != decision.contributors or att.weights != decision.weights:
             raise RemoteProtocolError("its attestation names other contributors or weights than the decision")
         if att.result != result_hash:
             raise RemoteProtocolError("the result it served is not the one it attested")
         # (Ed25519 signatures are deterministic: our commitment, made again, is the same bytes)
-        if self.me in att.contributors and att.commits[att.contributors.index(self.me)] != self._pieces(p)[1]:
+        if m.me in att.contributors and att.commits[att.contributors.index(m.me)] != self.t.pieces(p)[1]:
             raise RemoteProtocolError("its attestation does not carry this member's commitment")
         self.attestations[p] = bytes(data)
 
-    async def _gather(self, p: int, holder: int) -> None:
-        if holder == self.me:
-            event = self.finalized.setdefault(p, trio.Event())
-            with trio.move_on_at(self.deadline["gather"]):
-                await event.wait()
+    async def gather(self, p: int, holder: int) -> None:
+        """Fetch partition ``p`` (or wait for it to be finalized, if we hold it) until the gather ends."""
+        m, end = self.m, self.m.at.gather
+        if holder == m.me:
+            with trio.move_on_at(end):
+                await self.sig.finalized(p).wait()
             return
-        self.progress[p] = trio.current_time()
+        m.fetched(p, trio.current_time())
         if p in self.early_done:
             # The early fetch confirms once its reducer has the decision: wait while it makes progress.
             done = self.early_done[p]
             while holder == p and not done.is_set():
-                stalled_at = min(self.progress[p] + STALLED_AFTER, self.deadline["gather"])
+                stalled_at = min(m.stalled_at(p), end)
                 if trio.current_time() >= stalled_at:
                     break
                 with trio.move_on_at(stalled_at):
                     await done.wait()
             self.early_scopes[p].cancel()
             await done.wait()
-            if p in self.held:
+            if p in m.held:
                 return
         direct_failed = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._fetch_from_holder, nursery.cancel_scope, p, holder, direct_failed)
             # The others fetch from the holder too: once the direct fetch failed, or stalled (a reducer
             # that serves some members and then hangs), ask them as well; each answers once it holds it.
-            with trio.move_on_at(self.deadline["gather"]):
+            with trio.move_on_at(end):
                 while not direct_failed.is_set():
-                    stalled_at = self.progress[p] + STALLED_AFTER
+                    stalled_at = m.stalled_at(p)
                     if trio.current_time() >= stalled_at:
                         break
                     with trio.move_on_at(stalled_at):
                         await direct_failed.wait()
-                while p not in self.held:
+                while p not in m.held:
                     async with trio.open_nursery() as relays:
-                        for i, m in enumerate(self.manifest.members):
-                            if i not in (self.me, holder) and m.addr:
+                        for i, addr in enumerate(self.addrs):
+                            if i not in (m.me, holder) and addr:
                                 relays.start_soon(self._relay_from, relays.cancel_scope, p, i)
-                    if p not in self.held:
+                    if p not in m.held:
                         await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
             nursery.cancel_scope.cancel()
 
@@ -185,12 +135,12 @@ class RoundGathering:
         self, scope: trio.CancelScope, p: int, holder: int, failed: trio.Event
     ) -> None:
         """Fetch partition ``p`` from its reducer, again after a pause if that failed while it lives."""
-        while trio.current_time() < self.deadline["gather"]:
+        while trio.current_time() < self.m.at.gather:
             if await self._fetch(p, holder, FETCH):
                 scope.cancel()
                 return
             failed.set()
-            if holder in self.gone:
+            if holder in self.m.gone:
                 return
             await trio.sleep(STALLED_AFTER)
 
@@ -198,87 +148,84 @@ class RoundGathering:
         if await self._fetch(p, i, RELAY_RESULT):
             scope.cancel()
 
+    def _held(self, p: int) -> None:
+        self.m.held.add(p)
+        self.sig.changed.fire()
+
     async def _fetch(self, p: int, frm: int, method: object) -> bool:
         """Fetch partition ``p`` from member ``frm`` (its reducer, or a relay); True once held."""
+        m, end = self.m, self.m.at.gather
         relay = method is RELAY_RESULT
-        mode = Compression.NONE if relay else self.mode
-        target = self._slice(p)
-        spans = list(chunks(self.sizes[p], mode))
+        mode = Compression.NONE if relay else self.t.mode
+        target = self.t.slice(p)
+        spans = list(chunks(m.sizes[p], mode))
         try:
-            with trio.fail_after(max(0.0, self.deadline["gather"] - trio.current_time())):
-                conn = await self.host.connect(self.manifest.members[frm].addr)
+            with trio.fail_after(max(0.0, end - trio.current_time())):
+                conn = await self.host.connect(self.addrs[frm])
                 async with conn.open_stream(
-                    RELAY_RESULT if relay else FETCH,
-                    FetchReq(self.digest, p),
-                    timeout=time_left(self.deadline["gather"]),
+                    RELAY_RESULT if relay else FETCH, FetchReq(m.digest, p), timeout=time_left(end)
                 ) as stream:
-                    hasher = new_hasher() if self.audit and not relay else None
+                    hasher = new_hasher() if self.t.audit and not relay else None
                     for a, b in spans:
                         data = await stream.receive_some()
                         if not data:
                             ack = await stream.response()
                             raise RemoteProtocolError(ack.reason or "the stream ended early")
-                        if p in self.held:  # another relay was faster; its bits are the same
+                        if p in m.held:  # another relay was faster; its bits are the same
                             return True
-                        _store(target[a:b], data, mode, 0 if relay else self.n)
-                        self.progress[p] = trio.current_time()
+                        _store(target[a:b], data, mode, 0 if relay else m.n)
+                        m.fetched(p, trio.current_time())
                         if hasher is not None:
                             hasher.update(data)
                     if hasher is not None:  # held only once the reducer's signed attestation checks out
                         ack = await stream.response()
-                        self._check_attestation(p, frm, ack.attestation, hasher.digest())
-                        self.held.add(p)
-                        self.changed.fire()
+                        self.check_attestation(p, frm, ack.attestation, hasher.digest())
+                        self._held(p)
                         return True
-                    self.held.add(p)  # every byte is here: ours, whatever happens to the call now
+                    self._held(p)  # every byte is here: ours, whatever happens to the call now
                     self.meter.flow_done("download")
-                    self.changed.fire()
                     await stream.response()  # let the server finish (it counts who fetched)
         except (P2PError, trio.TooSlowError) as e:
-            if p in self.held:
+            if p in m.held:
                 return True
             if not relay:
-                log.info("could not fetch partition %d from %s: %s", p, self.name(frm), e)
+                log.info("could not fetch partition %d from %s: %s", p, m.name(frm), e)
             return False
-        self.changed.fire()
+        self.sig.changed.fire()
         return True
 
-    async def _fetch_early(self, p: int) -> None:
+    async def fetch_early(self, p: int) -> None:
         """Fetch partition ``p``'s mean from its reducer chunk by chunk while the scatter runs, into
         ``flat``; held once the reducer confirms the chunks are the round's result (else the gather
         fetches it again)."""
-        target, spans = self._slice(p), list(chunks(self.sizes[p], self.mode))
+        m, t, end = self.m, self.t, self.m.at.gather
+        target, spans = t.slice(p), list(chunks(m.sizes[p], t.mode))
         got = 0
         try:
-            with (
-                self.early_scopes[p],
-                trio.fail_after(max(0.0, self.deadline["gather"] - trio.current_time())),
-            ):
-                conn = await self.host.connect(self.manifest.members[p].addr)
+            with self.early_scopes[p], trio.fail_after(max(0.0, end - trio.current_time())):
+                conn = await self.host.connect(self.addrs[p])
                 async with conn.open_stream(
-                    FETCH_EARLY, FetchReq(self.digest, p), timeout=time_left(self.deadline["gather"])
+                    FETCH_EARLY, FetchReq(m.digest, p), timeout=time_left(end)
                 ) as stream:
-                    if self.backup is not None and p not in self.saved and not await self._save(p):
+                    if t.backup is not None and p not in t.saved and not await self._save(p):
                         return  # no backup, no early averages: the gather fetches them after the decision
-                    if self.source is self.flat:
-                        self.overwritten.add(p)
-                    if self.mode is Compression.NONE:  # decrypted straight into place: no copy
+                    t.early_target(p)
+                    if t.mode is Compression.NONE:  # decrypted straight into place: no copy
                         stream.land_in(target[a:b].numpy().data for a, b in spans)
                     for a, b in spans:
                         data = await stream.receive_some()
                         if not data:
                             break
-                        _store(target[a:b], data, self.mode, self.n)
-                        self.progress[p] = trio.current_time()
+                        _store(target[a:b], data, t.mode, m.n)
+                        m.fetched(p, trio.current_time())
                         got += 1
                     if got == len(spans):
                         self.meter.flow_done("download")
                     ack = await stream.response()
                 if ack.ok and got == len(spans):
-                    self.held.add(p)
-                    self.changed.fire()
+                    self._held(p)
         except (P2PError, trio.TooSlowError) as e:
-            log.debug("no early result of partition %d from %s: %s", p, self.name(p), e)
+            log.debug("no early result of partition %d from %s: %s", p, m.name(p), e)
         finally:
             self.early_done[p].set()
 
@@ -286,14 +233,14 @@ class RoundGathering:
         """In place: this member's values of partition ``p`` to the backup, before results overwrite them
         (in a worker thread when large; nothing writes into the partition meanwhile). False if the
         backup cannot be written (a full disk)."""
-        assert self.backup is not None
-        data = encoded_chunk(self._slice(p), Compression.NONE)
+        assert self.t.backup is not None
+        data = encoded_chunk(self.t.slice(p), Compression.NONE)
         try:
-            saved = await spill.put(self.backup, data)
+            saved = await spill.put(self.t.backup, data)
         except OSError as e:
             log.warning("cannot back partition %d up (%s): fetching its average after the decision", p, e)
             return False
-        self.saved[p] = saved
+        self.t.keep_saved(p, saved)
         return True
 
 

@@ -9,8 +9,9 @@ a leader that breaks them is not asked again, and a group that holds a banned pe
 peers this one must average with, is declined. Announcements carry strictly increasing expiries, so a
 closed one still in flight never wins over the next round's.
 
-:class:`GroupForming` is a mixin of :class:`~p2ptrain.averaging.averager.Averager`, which owns the
-attributes declared below.
+:class:`GroupForming` is owned by the node's averager, which hands it what it needs at construction
+(the host, the DHT, the averager's settings, its measured bandwidth, the auditor's bans, and how to
+decline a group) and runs its one task (closing announcements) in :meth:`GroupForming.run`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -48,9 +48,7 @@ from .protocol import (
     TensorSpec,
 )
 from .rules import RoundRules, check_manifest, listed_subnet
-
-if TYPE_CHECKING:
-    from .averager import AveragerConfig
+from .settings import AveragerConfig
 
 log = logging.getLogger("p2ptrain.averaging.averager")  # (the averager's lines, as before)
 
@@ -92,19 +90,43 @@ def _mismatch(count: int, group_key: str) -> str:
 
 
 class GroupForming:
-    """Announcing, leading, following and admitting joiners (a mixin)."""
+    """Announcing, leading, following and admitting joiners: one ``form`` call at a time."""
 
-    # Owned by Averager:
-    host: Host
-    _dht: DHT | None
-    config: AveragerConfig
-    measured: BandwidthEstimate
-    clock: Callable[[], float]
-    auditor: Auditor
-    _looking: _Looking | None
-    _expiries: dict[bytes, float]
-    _nursery: trio.Nursery | None
-    decline: Callable[[SignedManifest], None]
+    def __init__(
+        self,
+        host: Host,
+        dht: DHT | None,
+        *,
+        config: Callable[[], AveragerConfig],
+        measured: BandwidthEstimate,
+        auditor: Auditor,
+        decline: Callable[[SignedManifest], None],
+        clock: Callable[[], float],
+    ) -> None:
+        """``config``: the averager's current settings (a training run hands it its own before any
+        round); ``measured``: what this member's rounds measured of its links; ``decline``: leave a
+        formed group at once (the averager answers its members' calls); ``clock``: wall-clock time."""
+        self.host, self._dht = host, dht
+        self._config, self.measured, self.auditor = config, measured, auditor
+        self.decline, self.clock = decline, clock
+        self._looking: _Looking | None = None
+        self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the tasks that close announcements after a ``form`` call returned."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    @property
+    def busy(self) -> bool:
+        """A ``form`` call is looking for a group."""
+        return self._looking is not None
 
     @property
     def dht(self) -> DHT:
@@ -116,9 +138,10 @@ class GroupForming:
     def bandwidth(self) -> float:
         """The bytes per second this member announces: the configured bandwidth, else what its recent
         rounds measured, else 0 (not known yet: a leader gives it a typical share)."""
-        return self.config.bandwidth or self.measured.value() or 0.0
+        return self._config().bandwidth or self.measured.value() or 0.0
 
-    def _key(self, group_key: str) -> bytes:
+    def key(self, group_key: str) -> bytes:
+        """The DHT key announcements for ``group_key`` go under (the run's)."""
         return f"averaging/{self.host.run_id}/{group_key}".encode()
 
     def _my_addr(self) -> str:
@@ -137,7 +160,7 @@ class GroupForming:
         circuits = self.host.relay.circuit_addresses()
         return "" if not circuits or reducer else str(circuits[0])
 
-    async def _matchmake(
+    async def form(
         self,
         group_key: str,
         schema: tuple[TensorSpec, ...],
@@ -147,7 +170,9 @@ class GroupForming:
         sizes: tuple[int, int],
         quorum: Quorum | None = None,
     ) -> SignedManifest:
-        cfg = self.config
+        """Find or lead a group under ``group_key``: its signed manifest, checked against the run's
+        rules (GroupTooSmall, SchemaMismatch or GroupFormationFailed say why none formed)."""
+        cfg = self._config()
         me = Announcement(
             self.host.identity.peer_id,
             self._my_addr(),
@@ -157,17 +182,17 @@ class GroupForming:
         )
         rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
         looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum)
-        key = self._key(group_key)
+        key = self.key(group_key)
         declined: set[Announcement] = set()
         distrusted: set[PeerID] = set()  # leaders that sent a manifest breaking the rules: never again
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         formed: SignedManifest | None = None
         try:
-            await self._announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
+            await self.announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
-                seen = [a for a in await self._announcements(key) if a.peer not in distrusted]
+                seen = [a for a in await self.announcements(key) if a.peer not in distrusted]
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = choose_leader(me, seen, self.clock(), declined)
@@ -219,7 +244,7 @@ class GroupForming:
             # a store on every replica, each round, for nothing (a latecomer asks and is refused).
             if self._nursery is not None and not _holds_all(formed, looking.announced):
                 expiry = self._expiry(key, me.deadline + JOIN_GRACE)
-                self._nursery.start_soon(self._announce, key, me.closed(), expiry)
+                self._nursery.start_soon(self.announce, key, me.closed(), expiry)
 
     def _expiry(self, key: bytes, wanted: float) -> float:
         """The expiry for our next announcement under ``key``: later than every earlier one.
@@ -235,14 +260,16 @@ class GroupForming:
         self._expiries[key] = expiry
         return expiry
 
-    async def _announce(self, key: bytes, me: Announcement, expiry: float) -> None:
+    async def announce(self, key: bytes, me: Announcement, expiry: float) -> None:
+        """Store ``me`` under ``key`` until ``expiry`` (signed, under our owned subkey)."""
         ttl = expiry - self.clock()
         try:
             await self.dht.store(key, me.to_bytes(), ttl=ttl, subkey=owned_subkey(me.peer), sign=True)
         except P2PError as e:
             log.warning("could not announce readiness to average: %s", e)
 
-    async def _announcements(self, key: bytes) -> list[Announcement]:
+    async def announcements(self, key: bytes) -> list[Announcement]:
+        """The announcements under ``key`` whose owner signed them and is not banned here."""
         out = []
         try:
             entries = await self.dht.get(key, quorum=3)
@@ -284,7 +311,7 @@ class GroupForming:
             me.schema,
             sizes[0],
             sizes[1],
-            by_origin=self.config.aggregation != "mean",
+            by_origin=self._config().aggregation != "mean",
             quorum=looking.quorum,
         )
         looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
@@ -293,7 +320,7 @@ class GroupForming:
                 await looking.full.wait()
             if gathering.ready() or self.clock() >= me.deadline:
                 break
-            smaller = choose_leader(me, await self._announcements(key), self.clock(), declined)
+            smaller = choose_leader(me, await self.announcements(key), self.clock(), declined)
             if smaller is not None and not gathering.full():
                 looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"
                 looking.following = smaller
@@ -318,8 +345,8 @@ class GroupForming:
             schema=schema,
             compression=mode.value,
             timeout=timeout,
-            aggregation=self.config.aggregation,
-            audit=self.config.audit,
+            aggregation=self._config().aggregation,
+            audit=self._config().audit,
         )
         looking.manifest = SignedManifest.sign(self.host.identity, manifest)
         looking.formed.set()
@@ -365,7 +392,8 @@ class GroupForming:
             return None, why, False
         return signed, "", False
 
-    async def _on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
+    async def on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
+        """A follower asks for a place in the group we gather (long-poll until it forms)."""
         looking = self._looking
         if looking is None or looking.group_key != req.group_key:
             return Reply(JoinResp(False, "not looking for a group under this key"))

@@ -136,13 +136,13 @@ async def test_a_member_sending_malformed_topk_chunks_is_left_out_and_the_rest_c
 
         async def hook(rnd, point):
             if point == "before_send":
-                honest = rnd._pieces
+                honest = rnd.tensors.pieces
 
                 def pieces(p, values=None):
                     chunks, commit = honest(p, values)
                     return [spoil(bytes(c)) for c in chunks], commit
 
-                rnd._pieces = pieces
+                rnd.tensors.pieces = pieces
 
         liar.averager.fault = hook
         signed = sign_manifest(group.peers, inputs[0], compression=mode.value)
@@ -177,12 +177,12 @@ async def test_a_reducer_serving_malformed_sums_never_splits_the_group(autojump_
             if point != "before_send":
                 return
             for name in ("on_fetch_early", "on_fetch"):  # what it serves, not what it holds
-                honest = getattr(rnd, name)
+                honest = getattr(rnd.server, name)
 
                 async def serve(ctx, req, stream, honest=honest):
                     return await honest(ctx, req, _Spoiling(stream, spoilt))
 
-                setattr(rnd, name, serve)
+                setattr(rnd.server, name, serve)
 
         group.peers[2].averager.fault = hook
         signed = sign_manifest(group.peers, inputs[0], compression=mode.value, timeout=20.0)

@@ -1,0 +1,230 @@
+"""Where a member's values live during one round: what it sends, what it reduces, where averages land.
+
+Theory of operation: the round works on one flat float32 vector, ``flat``, cut into the manifest's
+partitions. A member sends its own values of each partition (``own``: from ``source``, which is
+``flat`` itself unless the caller's contiguous tensor is sent from where it lies), reduces the
+partitions it holds in :class:`~p2ptrain.averaging.reducer.PartitionReducer`\\ s (our own partition right
+in ``flat`` where its mean goes, when nothing still needs to be sent from there), and receives every
+average into ``flat`` (``slice``). In an audited round the encoded pieces it sends are kept, with its
+signed commitment, for the audit after the round.
+
+In place (``backup`` given: ``flat`` is the caller's own tensor): own values that early averages overwrite
+go to the backup file first, since a failed reducer's replacement needs them again. The memory is given
+back (to the pool, or by closing the backup) only once the round retired and no handler still streams
+from it (:meth:`RoundTensors.reading`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..identity import Identity
+from .audit import hash_pieces, seal_commit
+from .buffers import BufferPool
+from .compression import Compression, encoded_chunk
+from .partition import chunks, offsets
+from .protocol import Manifest
+from .reducer import PartitionReducer
+from .spill import Spilled, SpillFile
+
+
+class RoundTensors:
+    """The round's memory and the partitions reduced here (no I/O: the driver reads and writes it)."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        manifest: Manifest,
+        digest: bytes,
+        me: int,
+        weight: float,
+        flat: torch.Tensor,
+        tensors: list[torch.Tensor],
+        *,
+        pool: BufferPool | None = None,
+        source: torch.Tensor | None = None,
+        backup: SpillFile | None = None,
+        own_saved: Spilled | None = None,
+    ) -> None:
+        """``flat`` receives the averaged values (and holds this member's own values too unless
+        ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
+        ``own_saved``: in place, this member's values of its own partition, already in ``backup``: the
+        partition is then reduced right where its mean goes, in ``flat``."""
+        self.identity, self.digest, self.me, self.weight = identity, digest, me, weight
+        self.mode = manifest.settings.mode
+        self.aggregation = manifest.settings.aggregation
+        self.origins = manifest.origins
+        self.audit = manifest.audit
+        self.n = len(manifest.members)
+        self.sizes = list(manifest.sizes)
+        self.offsets = offsets(self.sizes)
+        self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
+        self.flat, self.tensors = flat, tensors
+        self.source = flat if source is None else source
+        self.backup = backup
+        self.saved: dict[int, Spilled] = {}  # in place: partition -> own values overwritten by results
+        if own_saved is not None:
+            self.saved[me] = own_saved
+        self.overwritten: set[int] = set()  # partitions whose early results overwrote our own values
+        self.reducers: dict[int, PartitionReducer] = {}
+        self.sent: dict[int, tuple[list[bytes], bytes]] = {}  # audited: partition -> (pieces, commitment)
+        self.local: dict[int, bytes] = {}  # audited: partition reduced here -> own raw slice
+        self._readers = 0  # handlers sending from ``flat`` or an accumulator right now
+        self._retired = False
+        self.released = False
+
+    def _buffer(self, numel: int) -> torch.Tensor | None:
+        return None if self.pool is None else self.pool.take(numel)
+
+    def reduced_in_flat(self, p: int) -> bool:
+        """Partition ``p`` accumulates right where its mean goes, in ``flat`` (no copy at the end): our
+        own partition, unless ``flat`` is also what we send from (it must stay intact until the decision)."""
+        return p == self.me and (self.source is not self.flat or p in self.saved)
+
+    def reduce(self, p: int, weight: float | None, *, expect: bool = False) -> PartitionReducer:
+        """Reduce partition ``p`` here, holding this member's own slice if ``weight`` is given.
+        ``expect``: publish its mean chunk by chunk as every member's chunk arrives (pipelined rounds)."""
+        size = self.sizes[p]
+        buffer = self.slice(p) if self.reduced_in_flat(p) else self._buffer(size)
+        red = PartitionReducer(
+            size,
+            self.mode,
+            buffer,
+            self.aggregation,
+            members=self.n,
+            origins=self.origins,
+            canonical=self.audit,
+        )
+        if weight is not None:
+            # Reduced in place: its own values are in ``flat``, where the mean goes, and in the backup. (A
+            # failed reducer's partition we replace: in the backup alone, if early averages overwrote them.)
+            in_place = self.reduced_in_flat(p) and p in self.saved
+            own = self.slice(p) if in_place else self.own(p)
+            if self.audit:
+                raw = bytes(encoded_chunk(own, Compression.NONE))
+                self.local[p] = raw
+                red.commits[self.me] = seal_commit(self.identity, self.digest, p, weight, hash_pieces([raw]))
+            red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
+        if expect:
+            red.expect(range(self.n))
+        self.reducers[p] = red
+        return red
+
+    def stop_reducing(self, p: int) -> None:
+        self.reducers.pop(p, None)
+
+    def delivered(self, p: int) -> dict[int, float] | None:
+        """Whom the partition ``p`` reduced here received complete (None if we do not reduce it)."""
+        red = self.reducers.get(p)
+        return None if red is None else red.delivered
+
+    def pieces(
+        self, p: int, values: torch.Tensor | None = None
+    ) -> tuple[Iterable[bytes | memoryview], bytes]:
+        """The encoded chunks of this member's slice of ``p`` (``values``, else read by ``own``), and its
+        signed commitment (audited rounds: computed once, kept for the audit). Else encoded as they are
+        sent: a compressed copy of the whole slice would cost memory for nothing."""
+        values = self.own(p) if values is None else values
+        if not self.audit:
+            return (encoded_chunk(values[a:b], self.mode) for a, b in chunks(self.sizes[p], self.mode)), b""
+        if p not in self.sent:
+            pieces = [
+                bytes(encoded_chunk(values[a:b], self.mode)) for a, b in chunks(self.sizes[p], self.mode)
+            ]
+            commit = seal_commit(self.identity, self.digest, p, self.weight, hash_pieces(pieces))
+            self.sent[p] = (pieces, commit)
+        pieces, commit = self.sent[p]
+        return list(pieces), commit
+
+    def needs_read_back(self, p: int) -> bool:
+        """Our values of ``p`` must be read back from the backup (a worker thread's job) to send them."""
+        return p in self.saved and p not in self.sent
+
+    def own(self, p: int) -> torch.Tensor:
+        """This member's own values in partition ``p`` (what it sends)."""
+        if p in self.saved:  # (read back on the rare path that needs them: a failed reducer's replacement)
+            return torch.frombuffer(self.saved[p].read(), dtype=torch.float32)
+        if p in self.overwritten:  # early results went where we send from: take them from the tensors
+            return self._own_from_tensors(p)
+        return self.source[self.offsets[p] : self.offsets[p + 1]]
+
+    def _own_from_tensors(self, p: int) -> torch.Tensor:
+        """Our values of partition ``p`` as float32, from the caller's tensors (left alone until commit)."""
+        lo, hi = self.offsets[p], self.offsets[p + 1]
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        off = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                a, b = max(lo, off), min(hi, off + t.numel())
+                if a < b:
+                    out[a - lo : b - lo].copy_(t.detach().reshape(-1)[a - off : b - off])
+                off += t.numel()
+        return out
+
+    def slice(self, p: int) -> torch.Tensor:
+        """Where partition ``p``'s average goes (the same memory as ``own`` unless a source was given)."""
+        return self.flat[self.offsets[p] : self.offsets[p + 1]]
+
+    def early_target(self, p: int) -> None:
+        """Early averages of ``p`` are about to land where we send from: our values come from the
+        caller's tensors from now on."""
+        if self.source is self.flat:
+            self.overwritten.add(p)
+
+    def keep_saved(self, p: int, saved: Spilled) -> None:
+        self.saved[p] = saved
+
+    def write_result(self, p: int, result: torch.Tensor) -> None:
+        """A partition reduced here holds its result: into ``flat`` (unless reduced right there)."""
+        if result.data_ptr() != self.slice(p).data_ptr():  # (compressed, or not reduced in flat)
+            self.slice(p).copy_(result)
+
+    def commit(self) -> list[torch.Tensor]:
+        """Write the averages into the caller's tensors."""
+        off = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                k = t.numel()
+                if t.data_ptr() != self.flat[off:].data_ptr():  # (in place: already there)
+                    t.copy_(self.flat[off : off + k].view(t.shape))
+                off += k
+        return self.tensors
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a handler that streams from this memory: it is not given back meanwhile."""
+        self._readers += 1
+        try:
+            yield
+        finally:
+            self._readers -= 1
+            self._release()
+
+    def retire(self) -> None:
+        """No new reader from now on; the memory is given back once the last stream ends."""
+        for red in self.reducers.values():
+            red.drop()
+        self._retired = True
+        self._release()
+
+    def _release(self) -> None:
+        if self.released or self._readers or not self._retired:
+            return
+        self.released = True
+        if self.pool is not None:
+            for p, red in self.reducers.items():
+                if not self.reduced_in_flat(p):  # (else its accumulator is part of ``flat``)
+                    self.pool.give(red.acc)
+            if self.backup is None:  # (in place, ``flat`` is the caller's)
+                self.pool.give(self.flat)
+        if self.backup is not None:  # (after the above: what was reduced in place depends on it)
+            self.backup.close()
+            self.saved.clear()
+        # Whatever still refers to this round (a late call's context, a log record) must not keep the
+        # caller's tensors or the buffers alive: they are model-sized.
+        self.flat = self.source = torch.empty(0)
+        self.tensors = []
+        self.reducers.clear()

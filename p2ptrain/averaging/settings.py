@@ -1,0 +1,42 @@
+"""The averager's settings: group sizes, matchmaking time, bandwidth, and the round's rules.
+
+Theory of operation: a node's averager is configured once, from a run file (``config``, through
+``node.averaging_settings``) or the command line; text is parsed here, at that edge, into the typed
+:class:`~.compression.Compression` and :class:`~.robust.Aggregation`, and the rule that ties the
+compression to the aggregation and the audit is checked by building :class:`~.protocol.RoundSettings`.
+Everything inside the averager takes these values as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .compression import Compression
+from .protocol import RoundSettings
+from .robust import Aggregation, parse_aggregation
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    target_size: int = 4
+    min_size: int = 2
+    matchmaking_time: float = 5.0  # how long a leader gathers before forming a smaller group
+    bandwidth: float = 0.0  # bytes per second this peer can move (its share of a reduction); 0: measure it
+    # Text (the command line's) is parsed once, here: the fields then hold the typed values.
+    compression: Compression = Compression.NONE
+    aggregation: Aggregation = Aggregation.MEAN  # or a robust rule (see ``robust``): a group shares one
+    audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_size <= self.target_size <= 64:
+            raise ValueError("need 1 <= min_size <= target_size <= 64")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
+            raise ValueError("bandwidth must be positive, or 0 to measure it")
+        if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
+            raise ValueError("matchmaking_time must be positive")
+        if parse_aggregation(self.aggregation) != self.aggregation:
+            raise ValueError(f"aggregation: write {parse_aggregation(self.aggregation)!r}")
+        settings = RoundSettings.parse(self.compression, self.aggregation, self.audit)  # (the sparse rule)
+        object.__setattr__(self, "compression", settings.mode)
+        object.__setattr__(self, "aggregation", settings.aggregation)
