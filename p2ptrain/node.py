@@ -182,8 +182,6 @@ class Node:
         )
         self.host.on_connection(self._on_connection)
         self.dht = DHT(self.host, config=config.dht, clock=clock, relayed_address=self._relayed_address)
-        self.host.punch.where = lambda: (self.dht.observed_host, self.dht.reachable)
-        self.host.punch.located = self.dht.reachability_checked
         self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
         self.members: list[Member] = []
         self._members_changed = trio.Event()  # a connection suggests the peer list changed: read it

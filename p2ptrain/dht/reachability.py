@@ -13,8 +13,10 @@ A node behind a NAT whose hole punching works may serve the DHT anyway at its re
 through the relay, and directly once they punched a hole to it. Without that, the peers behind NATs
 would keep no record among themselves and could not go on as one swarm when the public peers leave.
 
-:class:`Reachability` owns this state (``client_only``, ``reachable``, what peers see this node at) and
-answers the question the rest of the DHT asks it: which contact, if any, to tell a peer.
+:class:`Reachability` owns ``client_only`` and answers the question the rest of the DHT asks it: which
+contact, if any, to tell a peer. What it finds out about the network (``reachable``, the address peers
+see this node at) it reports into the host's ``Location`` (see ``net.location``), which hole punching
+reads too.
 """
 
 from __future__ import annotations
@@ -69,10 +71,23 @@ class Reachability:
         self.client_only = bool(config.client_only)
         # Whether peers can dial this node at its advertised address: None until a peer was asked to
         # dial it back (at the bootstrap, or for the swarm's first peer once it knows a contact).
-        self.reachable: bool | None = None
-        self.checked = trio.Event()  # set after the first check, whatever it found
-        self.observed_host: str | None = None  # the address the last peer that answered a ping saw us at
+        self._location = host.location
+        self._location.checking()  # (its ``checked`` is set after our first check, whatever it found)
         self._recheck_at = 0.0  # (the clock's) when to ask peers to dial us back again
+
+    @property
+    def reachable(self) -> bool | None:
+        return self._location.reachable
+
+    @property
+    def observed_host(self) -> str | None:
+        """The address the last peer that answered a ping saw this node at."""
+        return self._location.observed_host
+
+    @property
+    def checked(self) -> trio.Event:
+        """Set after the first check, whatever it found."""
+        return self._location.checked
 
     @property
     def finds_out(self) -> bool:
@@ -113,8 +128,7 @@ class Reachability:
     def seen_at(self, observed_host: str) -> None:
         """A peer that answered a ping saw this node's calls come from ``observed_host`` (what a peer
         says: printable text only, since it goes into a log line; empty: it did not say)."""
-        if observed_host.isprintable():
-            self.observed_host = observed_host or self.observed_host
+        self._location.seen_at(observed_host)
 
     async def recheck(self, table: RoutingTable, now: float) -> None:
         """Ask again when a re-check is due. The swarm's first peer has nobody to ask at its start: it
@@ -130,7 +144,8 @@ class Reachability:
         self._recheck_at = self._clock() + RECHECK_EVERY
         try:
             if not self._host.listen_addresses:
-                self.client_only, self.reachable = True, False
+                self.client_only = True
+                self._location.found(False)
                 return
             mine = str(self.advertised_address())
             answered = 0
@@ -142,12 +157,14 @@ class Reachability:
                     continue
                 answered += 1
                 if resp.reachable:
-                    self.client_only, self.reachable = False, True
+                    self.client_only = False
+                    self._location.found(True)
                     return
                 log.info("%s could not dial us back at %s: %s", seed.peer_id.short(), mine, resp.reason)
             if not answered and self.reachable is not None:
                 return  # nobody to ask just now: a re-check changes nothing
-            self.client_only, self.reachable = True, False
+            self.client_only = True
+            self._location.found(False)
             seen = f" (peers see it at {self.observed_host})" if self.observed_host else ""
             log.warning(
                 "no peer can dial %s%s: behind a NAT or a firewall, this node runs as a client-only "
@@ -158,4 +175,4 @@ class Reachability:
                 seen,
             )
         finally:
-            self.checked.set()
+            self._location.checked.set()

@@ -52,6 +52,7 @@ from .handshake import (
     reject_frame,
 )
 from .inbound import Inbound, InboundLimits, close_quietly
+from .location import Location
 from .punch import Puncher
 from .relay import Relay, RelayConfig
 from .rpc import RpcRegistry
@@ -138,7 +139,10 @@ class Host:
         self._call_tokens: dict[PeerID, tuple[float, float]] = {}  # peer -> (tokens, when counted)
         self._throttled: dict[PeerID, bool] = {}
         self.relay = Relay(self, self.config.relay)
-        self.punch = Puncher(self, enabled=self.config.punch, handshake_timeout=self.config.handshake_timeout)
+        self.location = Location()  # where peers see this host, as the DHT's checks find out
+        self.punch = Puncher(
+            self, self.location, enabled=self.config.punch, handshake_timeout=self.config.handshake_timeout
+        )
         cfg = self.config
         limits = Limits(
             cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound

@@ -7,8 +7,8 @@ behind one is seen from everywhere at its router's address and its own port.
 
 When a host dialed a peer through a relay (``relay``), it asks that peer, over the new end-to-end
 encrypted connection, to ``punch.connect``, listing where it can be dialed directly: the address its
-peers see it at with its listening port (``Puncher.where``; a dialer that joined through that very
-circuit waits a little for its first direct peers to tell, ``Puncher.located``). The peer starts dialing
+peers see it at with its listening port (the host's ``Location``; a dialer that joined through that very
+circuit waits a little for its first direct peers to tell, ``Location.checked``). The peer starts dialing
 each of those from its own listening port, then answers with its own such addresses; the dialer, on the
 answer, dials them from its listening port. The peer's first SYN dies at the dialer's router but leaves
 in the peer's own router the entry that lets the dialer's SYN in (and the dialer's SYN leaves the entry
@@ -45,6 +45,7 @@ from ..identity import PeerID
 from ..wire.schema import Message, bounded
 from .address import PeerAddress
 from .connection import Connection
+from .location import Location
 from .rpc import CallContext, Method, RpcRegistry
 from .transport import Transport
 
@@ -133,14 +134,14 @@ class PunchHost(Protocol):
 class Puncher:
     """A host's hole punching: the dialer's side (``upgrade``) and the answering side (``punch.connect``)."""
 
-    def __init__(self, host: PunchHost, *, enabled: bool = True, handshake_timeout: float = 10.0) -> None:
+    def __init__(
+        self, host: PunchHost, location: Location, *, enabled: bool = True, handshake_timeout: float = 10.0
+    ) -> None:
+        """``location``: what the host knows of the address peers see it at (see ``location``)."""
         self.host = host
+        self.location = location
         self.enabled = enabled
         self.handshake_timeout = handshake_timeout
-        # (public host as peers observe it, reachable?) for this host: set by whoever learns them (the DHT)
-        self.where: Callable[[], tuple[str | None, bool | None]] = lambda: (None, None)
-        self.located = trio.Event()  # set once ``where`` knows (the DHT's reachability check)
-        self.located.set()
         self.works = False  # a punch with this host on one end succeeded
         self._asked: dict[PeerID, float] = {}  # peer -> when its last request was answered
         self._running = 0
@@ -152,7 +153,7 @@ class Puncher:
     def candidates(self) -> list[str]:
         """Where this host may be dialed directly: its observed public address at its listening port,
         and its concrete listening addresses (peers on the same network)."""
-        public, _ = self.where()
+        public = self.location.observed_host
         port = self.listen_port()
         out = []
         if public and port:
@@ -202,8 +203,8 @@ class Puncher:
         if not self.enabled or not port:
             return None
         with trio.move_on_after(LEARN_TIMEOUT):  # a node that joined through a circuit learns it soon
-            await self.located.wait()
-        _, reachable = self.where()
+            await self.location.checked.wait()
+        reachable = self.location.reachable
         mine = self.candidates()
         try:
             req = PunchReq(tuple(mine), bool(reachable), port)

@@ -100,7 +100,8 @@ async def test_reaching_a_peer_goes_only_through_a_relay_this_host_is_connected_
 async def test_a_public_dialer_is_dialed_back(mem_cluster, memnet, autojump_clock):
     with trio.fail_after(300):
         _, a, b, circuit = await _relayed_pair(mem_cluster, memnet, a_nat=False)
-        a.host.punch.where = lambda: ("a", True)  # (what a's DHT would have learned: peers dial it)
+        a.host.location.seen_at("a")  # (what a's DHT would have learned: peers dial it)
+        a.host.location.found(True)
         await a.host.connect(circuit)
         back = await _direct(b, a)
         assert back.outbound  # b dialed a: a reversal, no punch needed
