@@ -18,7 +18,7 @@ coordinator (the leader, ``members[0]``) collects one report per reducer and dec
 
 The decision is signed and is the only thing that turns reduced partitions into results: a reducer
 computes the mean over exactly the decided contributors, so every member that commits holds the same
-bits. Members that lose the coordinator ask each other for the decision (see ``allreduce``).
+bits. Members that lose the coordinator ask each other for the decision (see ``deciding``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ log = logging.getLogger("p2ptrain.averaging.allreduce")  # (the round's lines, a
 
 RELAY_RETRY = 0.25  # seconds between rounds of relay queries
 
-__all__ = ["RELAY_RETRY", "STALLED_AFTER", "Gatherer", "time_left"]
+__all__ = ["RELAY_RETRY", "Gatherer", "time_left"]
 
 
 def time_left(deadline: float) -> float:

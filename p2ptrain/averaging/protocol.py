@@ -312,7 +312,7 @@ REPORT = Method("avg.report", ReportReq, DecisionResp)
 FETCH = Method("avg.fetch", FetchReq, Ack, streaming=True)
 FETCH_EARLY = Method("avg.fetch_early", FetchReq, Ack, streaming=True)
 """A partition's mean chunk by chunk as the scatter completes each chunk, before the decision; the answer
-says whether those chunks are the round's result (see AllReduceRound.on_fetch_early)."""
+says whether those chunks are the round's result (see serving.RoundServer.on_fetch_early)."""
 RELAY_DECISION = Method("avg.relay_decision", RelayDecisionReq, DecisionResp)
 RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
 AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)
