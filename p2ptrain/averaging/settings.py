@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .compression import Compression
+from .compression import Compression, parse_compression
 from .protocol import RoundSettings
 from .robust import Aggregation, parse_aggregation
 
@@ -35,8 +35,14 @@ class AveragerConfig:
             raise ValueError("bandwidth must be positive, or 0 to measure it")
         if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):
             raise ValueError("matchmaking_time must be positive")
-        if parse_aggregation(self.aggregation) != self.aggregation:
-            raise ValueError(f"aggregation: write {parse_aggregation(self.aggregation)!r}")
-        settings = RoundSettings.parse(self.compression, self.aggregation, self.audit)  # (the sparse rule)
-        object.__setattr__(self, "compression", settings.mode)
-        object.__setattr__(self, "aggregation", settings.aggregation)
+        # Typed values (a run file's, parsed at load) are taken as they are; text is parsed here.
+        mode, rule = self.compression, self.aggregation
+        if not isinstance(mode, Compression):
+            mode = parse_compression(mode)
+        if not isinstance(rule, Aggregation):
+            rule = parse_aggregation(rule)
+            if rule != self.aggregation:
+                raise ValueError(f"aggregation: write {rule.value!r}")
+        RoundSettings(mode, rule, self.audit)  # (checks that the compression goes with the rule and audit)
+        object.__setattr__(self, "compression", mode)
+        object.__setattr__(self, "aggregation", rule)
