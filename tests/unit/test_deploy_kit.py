@@ -1,4 +1,5 @@
-"""The deployment kit in deploy/: every file parses, and every ``p2ptrain`` command in it is one the CLI takes.
+"""The deployment kit in deploy/: every file parses, and every ``p2ptrain`` command in it is one the CLI
+takes.
 
 A kit file is only ever exercised on a provider's host, weeks after it was written; a renamed flag would
 first show up there as a crash loop. So this test reads each file the way its tool would (Dockerfile
@@ -346,7 +347,7 @@ def seconds(text: str | int) -> float:
 
 
 def drain_seconds() -> float:
-    """How long a draining node may take: the node allows averaging.timeout + 30 s (train_cli)."""
+    """How long a draining node may take: the node allows averaging.timeout + 30 s (cli.train)."""
     return max(60.0, load_config(DEFAULT_RUN_FILE).averaging.timeout + 30.0)
 
 
