@@ -195,8 +195,8 @@ class Node:
         # says why). The node itself goes on; the command line stops.
         self.join_refused = trio.Event()
         self.join_refusal = ""
-        # What the peer list says this node processes per second (a trainer sets it: its samples/s).
-        self.throughput: Callable[[], float] = lambda: 0.0
+        # What the peer list says this node processes per second (its trainer reports its samples/s).
+        self._throughput = 0.0
         self._announced = -math.inf  # when this node last announced itself in the peer list
         self._relayed = trio.Event()  # set once this node holds a relay reservation
         # The peers the user told this node to join through (named in the address, or met there).
@@ -346,11 +346,16 @@ class Node:
 
     # ---- membership ----
 
+    def report_throughput(self, samples_per_s: float) -> None:
+        """What this node processes now, for its entry in the peer list (a trainer reports its samples/s
+        after each batch; a node that trains nothing says 0)."""
+        self._throughput = max(0.0, min(float(samples_per_s), 1e12))
+
     def peer_record(self) -> PeerRecord:
         return PeerRecord(
             addresses=tuple(str(a) for a in self.addresses[:8]),
             reachable=not self.dht.client_only,
-            throughput=max(0.0, min(float(self.throughput()), 1e12)),
+            throughput=self._throughput,
             version=__version__,
             published=self.clock(),
         )

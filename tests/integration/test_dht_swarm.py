@@ -297,7 +297,7 @@ async def test_the_peer_list_says_what_is_true_now_and_drops_a_member_that_left(
                     identity(f"f{i}"), config, transport=net.transport(f"f{i}"), clock=trio.current_time
                 )
                 nodes.append(await nursery.start(run_in, scopes[i], node))
-            nodes[1].throughput = lambda: 12.5
+            nodes[1].report_throughput(12.5)
             ids = {n.peer_id for n in nodes}
             while not all({m.peer_id for m in n.members} == ids for n in nodes):  # noqa: ASYNC110
                 await trio.sleep(interval)  # (the lists change every interval; the deadline bounds it)

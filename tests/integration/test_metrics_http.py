@@ -133,7 +133,7 @@ async def test_the_page_lists_this_node_once_at_the_rate_it_trains_now(nursery: 
         me = await nursery.start(node("web1", join=(other.addresses[0],), metrics=("127.0.0.1", 0)).run)
         while len(me.members) < 2:  # noqa: ASYNC110  # both announced before they trained, and read back
             await trio.sleep(0.05)
-        me.throughput = lambda: 25.0  # it trains now (what the trainer tells the node)
+        me.report_throughput(25.0)  # it trains now (what the trainer tells the node)
         line, body = await request(me.metrics_port, get("/api/status"))
     assert line.startswith("HTTP/1.1 200")
     rows = sorted((m["peer_id"], m["throughput"]) for m in json.loads(body)["status"]["members"])

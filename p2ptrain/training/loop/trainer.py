@@ -142,7 +142,6 @@ class Trainer:
         self._stop_requested = False
         self.tracker: Tracker | None = None
         self.node.status_sections["training"] = self.status
-        self.node.throughput = lambda: self.opt.rate.rate  # what the peer list says (samples/s here)
 
     @property
     def checkpoints(self) -> Path | None:
@@ -224,6 +223,7 @@ class Trainer:
                 loss if self.loss is None else LOSS_SMOOTHING * self.loss + (1 - LOSS_SMOOTHING) * loss
             )
             stepped = await self.opt.step(samples)
+            self.node.report_throughput(self.opt.rate.rate)  # what the peer list says (samples/s here)
             if local is not None:  # the workers compute the next batches on the parameters as they are now
                 changed = stepped or self.opt.diloco
                 await trio.to_thread.run_sync(local.publish, self.model, changed, self._done())
