@@ -6,7 +6,8 @@
   (``capture``), and back again after a check against the local ones (``restore``).
 - :mod:`.chunks`: the state cut into fixed-size chunks (its ``Layout``), the chunks' hashes and the root
   digest that commits to them, which peers publish in their progress records.
-- :mod:`.serve`: state download, the donor's side (snapshots served to joiners, and the wire messages).
+- :mod:`.protocol`: state download's wire messages and limits.
+- :mod:`.serve`: state download, the donor's side (snapshots of the live state, served to joiners).
 - :mod:`.download`: state download, the joiner's side (many donors at once, every chunk checked).
 - :mod:`.checkpoint`: checkpoints on disk, written atomically and verified when read.
 - :mod:`.file_tensors`: file-backed tensors, for model-sized state that is touched once per round.

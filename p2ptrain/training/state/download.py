@@ -45,17 +45,17 @@ from ..optimizer.progress import PeerProgress
 from . import chunks as lay
 from . import codec
 from .chunks import HASH_BYTES, Layout
-from .serve import (
+from .protocol import (
     MAX_META_BYTES,
     STATE_CHUNKS,
     STATE_INFO,
     STATE_MANIFEST,
     ChunksReq,
-    LiveState,
     ManifestReq,
     StateInfo,
     StateInfoReq,
 )
+from .serve import LiveState
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Theory of operation: a peer that joins late, missed a step or diverged downloads
 state from peers that have it (:mod:`.download`). A state may be many gigabytes and a joiner's link slow, so
 nothing here bounds a whole transfer; every piece is small and checked on arrival.
 
-A donor serves three methods:
+A donor serves the three methods of :mod:`.protocol`:
 
 - ``train.state_info``: which state it offers (epoch, root digest, size, chunk count, header and
   metadata lengths). Asked for an epoch it still holds a snapshot of, it offers that one (so a joiner
@@ -38,19 +38,24 @@ import trio
 
 from ...errors import CallRefused
 from ...identity import PeerID
-from ...net.rpc import CallContext, Method, RpcRegistry
+from ...net.rpc import CallContext, RpcRegistry
 from ...net.streams import RpcStream
-from ...wire.schema import Message, bounded
-from ..optimizer.progress import DIGEST_BYTES
 from . import chunks as lay
-from .chunks import MAX_CHUNKS, Layout
+from .chunks import Layout
 from .codec import Source
+from .protocol import (
+    STATE_CHUNKS,
+    STATE_INFO,
+    STATE_MANIFEST,
+    ChunksReq,
+    ManifestReq,
+    StateInfo,
+    StateInfoReq,
+    StreamDone,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_STATE_BYTES = 1 << 42
-MAX_META_BYTES = 16 << 20
-MAX_RANGE = 64  # chunks one request may ask for
 MAX_SNAPSHOTS = 2
 MAX_STREAMS = 16
 MAX_STREAMS_PER_PEER = 4
@@ -58,43 +63,6 @@ LINGER = 60.0  # seconds a snapshot nobody reads is kept
 THREAD_BYTES = 8 << 20
 """States at least this large are hashed and written in a worker thread; smaller ones inline (a few
 milliseconds), which keeps tests on a virtual clock deterministic."""
-
-
-@dataclass(frozen=True)
-class StateInfoReq(Message):
-    epoch: int = bounded(0, ge=0, le=2**53)  # the epoch the joiner wants, if the donor still holds it
-
-
-@dataclass(frozen=True)
-class StateInfo(Message):
-    epoch: int = bounded(ge=0, le=2**53)
-    root: bytes = bounded(max_len=DIGEST_BYTES)
-    size: int = bounded(ge=0, le=MAX_STATE_BYTES)
-    chunks: int = bounded(ge=0, le=MAX_CHUNKS)
-    header: int = bounded(ge=0, le=16 << 20)  # header bytes
-    meta: int = bounded(ge=0, le=MAX_META_BYTES)  # metadata bytes
-
-
-@dataclass(frozen=True)
-class ManifestReq(Message):
-    root: bytes = bounded(max_len=DIGEST_BYTES)
-
-
-@dataclass(frozen=True)
-class ChunksReq(Message):
-    root: bytes = bounded(max_len=DIGEST_BYTES)
-    first: int = bounded(ge=0, le=MAX_CHUNKS)
-    count: int = bounded(ge=1, le=MAX_RANGE)
-
-
-@dataclass(frozen=True)
-class StreamDone(Message):
-    ok: bool = True
-
-
-STATE_INFO = Method("train.state_info", StateInfoReq, StateInfo)
-STATE_MANIFEST = Method("train.state_manifest", ManifestReq, StreamDone, streaming=True)
-STATE_CHUNKS = Method("train.state_chunks", ChunksReq, StreamDone, streaming=True)
 
 
 @dataclass(frozen=True)
