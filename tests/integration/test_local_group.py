@@ -30,7 +30,7 @@ from p2ptrain.errors import ConfigError
 from p2ptrain.identity import Identity
 from p2ptrain.tasks import Task, load_task
 from p2ptrain.training.local.group import LocalGroup, local_devices, worker_data_seed
-from p2ptrain.training.local.worker import backend_for
+from p2ptrain.training.local.protocol import backend_for
 from p2ptrain.training.loop.trainer import Trainer, TrainerOptions
 
 BATCH = 8  # each worker's batch size (training.batch_size)

@@ -71,7 +71,7 @@ from .processes import (
     loopback_store,
     peek,
 )
-from .worker import (
+from .protocol import (
     COMPUTE,
     DIGEST,
     GO_KEY,
