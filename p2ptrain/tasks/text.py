@@ -31,16 +31,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .gpt import GPT, GPTConfig
-
-if TYPE_CHECKING:
-    from . import Task
+from .task import Task
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +232,6 @@ def gpt_task(
     Raises:
         p2ptrain.errors.ConfigError: An option has a bad value.
     """
-    from . import Task  # here, not at the top: the package imports this module while defining Task
-
     for name, value in (
         ("n_layer", n_layer),
         ("n_head", n_head),

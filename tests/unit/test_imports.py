@@ -30,12 +30,8 @@ from pathlib import Path
 PACKAGE = "p2ptrain"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
-# Circles that still exist, each with the reason: {frozenset of module names: why}.
-KNOWN: dict[frozenset[str], str] = {
-    frozenset({"p2ptrain.tasks", "p2ptrain.tasks.text"}): (
-        "the built-in task imports Task from the package that imports it; Task moves to its own module"
-    ),
-}
+# Circles that still exist, each with the reason: {frozenset of module names: why}. None left.
+KNOWN: dict[frozenset[str], str] = {}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
