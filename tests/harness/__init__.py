@@ -5,7 +5,9 @@ nursery, on the in-memory network and the virtual clock.
 - :mod:`.training`: peers running a Node and a CollaborativeOptimizer on small models (``swarm``);
 - :mod:`.averaging`: bare all-reduce groups (``open_group``) and the checks every round must pass;
 - :mod:`.dht`: DHT nodes without the rest of a Node (``open_swarm``);
-- :mod:`.nodes`: whole Nodes joined in a chain, for matchmaking (``swarm``).
+- :mod:`.nodes`: whole Nodes joined in a chain, for matchmaking (``swarm``);
+- :mod:`.hosts`: bare Hosts serving probe methods, for the transport tests (their fixtures are in
+  ``tests/integration/conftest.py``).
 
 Test modules import from here, never from one another.
 """
