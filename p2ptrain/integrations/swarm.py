@@ -31,7 +31,7 @@ from ..identity import Identity, load_identity, save_identity
 from ..net.address import PeerAddress
 from ..node import BackgroundNode, NodeConfig, averaging_settings, id_work
 from ..nodebase import lock_data_dir, parse_listen
-from ..training.collaborative import SyncCollaborativeOptimizer
+from ..training.optimizer import SyncCollaborativeOptimizer
 
 
 def join_swarm(

@@ -150,8 +150,8 @@ def _far_epoch(trainer: Trainer) -> None:
             await trio.sleep(0.05)  # trains no more: the forged state stays the one it serves
             return False
         sybils.flip(opt)
-        opt.epoch = FAR
-        opt._state_changed()  # hashed, served and published as the state of step FAR
+        opt.tally.set_epoch(FAR)
+        opt.state_changed()  # hashed, served and published as the state of step FAR
         return True
 
     opt.step = step  # type: ignore[method-assign]

@@ -38,11 +38,11 @@ from ..errors import P2PError
 from ..identity import Identity
 from ..net.address import PeerAddress
 from ..node import Node
-from ..training.progress import ProgressRecord
+from ..training.optimizer.progress import ProgressRecord
 from ..wire.codec import pack
 
 if TYPE_CHECKING:
-    from ..training.collaborative import CollaborativeOptimizer
+    from ..training.optimizer import CollaborativeOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ def install(kind: str, opt: CollaborativeOptimizer) -> Attack:
         nonlocal started
         if not started:
             started = True
-            assert opt._nursery is not None
-            opt._nursery.start_soon(attack, opt, costs)
+            assert opt.nursery is not None
+            opt.nursery.start_soon(attack, opt, costs)
         return await step(samples)
 
     opt.step = first_step  # type: ignore[method-assign]
@@ -170,8 +170,8 @@ def _hold_forged_state(opt: CollaborativeOptimizer, costs: Attack) -> None:
         target = honest_epoch(opt, costs)
         if target != opt.epoch or not flipped:
             flipped = True
-            opt.epoch = target
-            opt._state_changed()  # hashed, served and published as the state of the honest step
+            opt.tally.set_epoch(target)
+            opt.state_changed()  # hashed, served and published as the state of the honest step
         await trio.sleep(0.2)
         return False
 

@@ -21,8 +21,8 @@ import time
 
 import torch
 import trio
-from p2ptrain.training.collaborative import CollaborativeOptimizer
-from p2ptrain.training.progress import PeerProgress, ProgressRecord
+from p2ptrain.training.optimizer import CollaborativeOptimizer
+from p2ptrain.training.optimizer.progress import PeerProgress, ProgressRecord
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig

@@ -194,9 +194,9 @@ def take_local_steps(peer: Peer, n: int) -> None:
     """Steps of a peer on its own, driven directly (no swarm involved)."""
     for _ in range(n):
         loss_of(peer.model, batch_of(0)).backward()
-        peer.opt._accumulate(BATCH)
-        peer.opt.samples += BATCH
-        peer.opt._solo_step()
+        peer.opt.local.accumulate(BATCH)
+        peer.opt.tally.count(BATCH)
+        peer.opt.solo_step()
 
 
 def validation_loss(model: torch.nn.Module) -> float:

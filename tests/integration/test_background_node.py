@@ -61,7 +61,7 @@ def test_a_node_that_cannot_start_says_why_and_a_stopped_one_refuses_to_average(
 
 def test_plain_training_loops_in_threads_train_one_model_with_the_sync_optimizer() -> None:
     from p2ptrain.config import RunConfig
-    from p2ptrain.training.collaborative import SyncCollaborativeOptimizer
+    from p2ptrain.training.optimizer import SyncCollaborativeOptimizer
 
     run = (
         RunConfig()

@@ -109,17 +109,17 @@ async def test_records_that_arrive_all_the_time_wake_reads_without_starving_the_
         await s.until(lambda: all(p.opt.view is not None for p in peers), timeout=120)
         opt = peers[0].opt
         reads: list[bool] = []
-        refresh = opt.refresh
+        refresh = opt.board.refresh
 
         async def counted(*, network: bool = True) -> None:
             reads.append(network)
             await refresh(network=network)
 
-        opt.refresh = counted  # type: ignore[method-assign]
+        opt.board.refresh = counted  # type: ignore[method-assign]
 
         async def arrivals() -> None:
             while True:
-                opt._arrived.set()
+                opt.board.note_arrival()
                 await trio.sleep(0.1)
 
         s.nursery.start_soon(arrivals)

@@ -308,13 +308,13 @@ async def test_a_stopping_peer_names_the_digest_of_a_state_hashed_in_a_thread(
     async with swarm(run_config("sync"), tmp_path) as s:
         peers = [await s.start(max_steps=2, metrics=True) for _ in range(2)]
         for p in peers:  # ... and takes a while to hash (about 3 s for the built-in GPT on 2 cores)
-            real = p.trainer.opt._hash_in_thread
+            real = p.trainer.opt.shared.hash_in_thread
 
             async def slowly(*args: Any, _real: Any = real) -> None:
                 await trio.sleep(3.0)
                 await _real(*args)
 
-            p.trainer.opt._hash_in_thread = slowly  # type: ignore[method-assign]
+            p.trainer.opt.shared.hash_in_thread = slowly  # type: ignore[method-assign]
         with trio.fail_after(DEADLINE):
             for p in peers:
                 await p.exited.wait()

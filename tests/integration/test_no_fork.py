@@ -20,7 +20,7 @@ import trio
 
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.node import Node, NodeConfig
-from p2ptrain.training.progress import ProgressRecord, vouched_digest
+from p2ptrain.training.optimizer.progress import ProgressRecord, vouched_digest
 from tests.harness.identities import identity
 from tests.harness.training import TARGET, check_identical_per_epoch, run_config, swarm
 
@@ -103,7 +103,7 @@ async def test_a_peer_behind_catches_up_from_peers_that_finished_instead_of_step
         await s.until(lambda: all(p.opt.epoch >= 4 for p in done), timeout=120)
         for p in done:
             p.compute = 1e9  # they stop training (after the batch in hand) ...
-        await s.until(lambda: all(p.opt._in_flight is None for p in done), timeout=60)
+        await s.until(lambda: all(p.opt.rounds.in_flight is None for p in done), timeout=60)
         await trio.sleep(1.0)
         for p in done:
             await p.opt.leave()  # ... and say they leave, still serving
@@ -165,20 +165,20 @@ async def test_a_peer_back_in_touch_reads_the_swarm_before_it_would_step_alone(
         await s.until(lambda: all(p.opt.stats.averaged >= 2 for p in peers), timeout=120)
         cut, others = peers[2], peers[:2]
         s.net.partition(["t2"], ["t0", "t1"])
-        await s.until(lambda: cut.opt._cut_off, timeout=600)
-        real = cut.opt.refresh
+        await s.until(lambda: cut.opt.alone.cut_off, timeout=600)
+        real = cut.opt.board.refresh
         blind = True
 
         async def refresh(**kwargs: bool) -> None:
             if blind:  # healed, but no record has reached it yet
-                cut.opt.records = []
-                cut.opt._update_view()
+                cut.opt.board.records = []
+                cut.opt.board.update_view()
                 return
             await real(**kwargs)
 
-        cut.opt.refresh = refresh  # type: ignore[method-assign]
+        cut.opt.board.refresh = refresh  # type: ignore[method-assign]
         s.net.heal()
-        await s.until(lambda: cut.opt._answered, timeout=600)  # its probe got an answer: in touch again
+        await s.until(lambda: cut.opt.alone.answered, timeout=600)  # its probe got an answer: in touch again
         await trio.sleep(2.0)  # (what it decides at its next batches)
         assert cut.opt.stats.solo == 0, "back in touch, it stepped alone before reading the swarm"
         blind = False
@@ -200,7 +200,7 @@ async def test_a_round_refused_for_want_of_a_majority_makes_no_partners(
     async with swarm(run_config(mode)) as s:
         peers = [await s.start(compute=0.1) for _ in range(3)]
         me = peers[1]  # its join peer is the one peer it trusts before its first round
-        real = me.opt._short_of_quorum
+        real = me.opt.rounds.short_of_quorum
         seen: list[tuple[set[object], set[object]]] = []  # (contributors, partners) at the refusal
 
         def refuse_the_first(digest: bytes, result: Any) -> str:
@@ -210,14 +210,14 @@ async def test_a_round_refused_for_want_of_a_majority_makes_no_partners(
             seen.append((set(result.contributors), set(me.node.averager.partners)))
             return "its contributors hold 2 of the 9 peers this one must average with (as if)"
 
-        me.opt._short_of_quorum = refuse_the_first  # type: ignore[method-assign]
+        me.opt.rounds.short_of_quorum = refuse_the_first  # type: ignore[method-assign]
         await s.until(lambda: bool(seen), timeout=120)
         contributors, partners = seen[0]
         assert len(contributors) >= 2 and partners == set(), (contributors, partners)
         assert me.opt.stats.aborted >= 1
         averaged = me.opt.stats.averaged
         await s.until(lambda: me.opt.stats.averaged > averaged, timeout=120)
-        applied = me.opt._cohort[1]
+        applied = me.opt.tally.cohort[1]
         assert applied and applied <= me.node.averager.partners
         assert me.node.peer_id not in me.node.averager.partners
 
@@ -238,7 +238,7 @@ async def test_a_step_a_donor_offers_is_vouched_for_by_a_record_read_before_it_w
     async with swarm(run_config("sync")) as s:
         me = await s.start(train=False)
         friend, stranger = (Identity.from_seed(bytes([n]) * 32).peer_id for n in (8, 9))
-        me.opt.trusted = lambda: frozenset({friend})  # type: ignore[method-assign]
+        me.opt.board.trusted = lambda: frozenset({friend})  # type: ignore[method-assign]
         run = me.opt.fingerprint
 
         def read(*records: tuple[PeerID, ProgressRecord]) -> Any:

@@ -20,7 +20,7 @@ import trio
 
 from p2ptrain.errors import PeerUnavailable
 from p2ptrain.net.memory import LinkProfile
-from p2ptrain.training.progress import PeerProgress
+from p2ptrain.training.optimizer.progress import PeerProgress
 from p2ptrain.training.state import chunks, serve
 from p2ptrain.training.state.download import Fetcher
 from tests.harness.training import Peer, Swarm, run_config, swarm, take_local_steps
@@ -157,7 +157,7 @@ async def test_a_peer_fetches_only_the_chunks_its_own_state_lacks(autojump_clock
         assert donor.opt.digest != joiner.opt.digest
         f = fetcher(joiner)
         got = await f.fetch(
-            records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=joiner.opt._reuse
+            records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=joiner.opt.shared.reuse
         )
         size = sum(t.numel() * t.element_size() for t in got.tensors.values())
         assert 0 < got.delivered[donor.node.peer_id] <= chunks.CHUNK < size / 4
@@ -169,7 +169,7 @@ async def test_a_peer_fetches_only_the_chunks_its_own_state_lacks(autojump_clock
         # nothing, and downloads the whole state.
         fresh = await s.start(train=False)
         got = await fetcher(fresh).fetch(
-            records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=fresh.opt._reuse
+            records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest, reuse=fresh.opt.shared.reuse
         )
         assert sum(got.delivered.values()) == size
         fresh.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
@@ -195,7 +195,7 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
     async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
         # hashed in threads too (one per step taken): wait until the last of them is done
-        await s.until(lambda: bool(donor.opt.digest) and not donor.opt._holds, timeout=30)
+        await s.until(lambda: bool(donor.opt.digest) and not donor.opt.shared.holds, timeout=30)
         f = fetcher(joiner, chunk_timeout=600.0)
         result: list[object] = []
 
@@ -209,9 +209,9 @@ async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
             conn = await joiner.node.host.connect(donor.node.addresses[0])
             await conn.ping(timeout=5)
             assert not release.is_set() and not result  # answered while the snapshot is being written
-            assert donor.opt._holds == 1  # and the state is held still meanwhile
+            assert donor.opt.shared.holds == 1  # and the state is held still meanwhile
             release.set()
-        assert result and donor.opt._holds == 0
+        assert result and donor.opt.shared.holds == 0
 
 
 async def test_an_offer_older_than_the_wanted_step_is_refused(autojump_clock: object) -> None:

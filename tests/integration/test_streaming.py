@@ -10,8 +10,8 @@ import trio
 
 from p2ptrain.config import RunConfig
 from p2ptrain.errors import ConfigError
-from p2ptrain.training.bookkeeping import run_fingerprint
-from p2ptrain.training.fragments import split
+from p2ptrain.training.optimizer.bookkeeping import run_fingerprint
+from p2ptrain.training.optimizer.fragments import split
 from tests.harness.training import (
     TARGET,
     check_identical_per_epoch,
@@ -37,18 +37,18 @@ def watch_outer_steps(opt) -> list[tuple[int, set[int]]]:  # type: ignore[no-unt
     """(step, indices of the global parameters that step changed) for every step ``opt`` takes."""
     seen: list[tuple[int, set[int]]] = []
     before = [g.clone() for g in opt.global_params]
-    advance = opt._advance
+    advance = opt.tally.advance
 
-    def spy(result, weight):  # type: ignore[no-untyped-def]
+    def spy(others):  # type: ignore[no-untyped-def]
         changed = {
             i for i, (a, b) in enumerate(zip(before, opt.global_params, strict=True)) if not torch.equal(a, b)
         }
         seen.append((opt.epoch, changed))
         for a, b in zip(before, opt.global_params, strict=True):
             a.copy_(b)
-        advance(result, weight)
+        advance(others)
 
-    opt._advance = spy
+    opt.tally.advance = spy
     return seen
 
 
@@ -85,7 +85,7 @@ async def test_a_joiner_lands_on_the_streamed_state_and_stays_identical(autojump
         await s.until(lambda: late.opt.stats.syncs >= 1, timeout=60)
         assert late.opt.epoch >= FRAGMENTS + 1
         # the download put the joiner on the fragment of the step it landed on
-        assert late.opt._slots == late.opt.fragments[late.opt.epoch % FRAGMENTS]
+        assert late.opt.contribution.slots == late.opt.fragments[late.opt.epoch % FRAGMENTS]
         await s.until(lambda: late.opt.stats.averaged >= FRAGMENTS, timeout=120)
         check_identical_per_epoch([*peers, late])
         assert late.steps[0][2] == "synced"
@@ -102,7 +102,7 @@ async def test_topk_rounds_keep_a_residual_slice_per_fragment(autojump_clock: ob
         sizes = [p.numel() for p in opt.params]
         # every fragment's round folded its own slice (the biases' blocks are small: the weights' have
         # values top-k left out)
-        for fragment, start in zip(opt.fragments, opt._starts, strict=True):
+        for fragment, start in zip(opt.fragments, opt.contribution.starts, strict=True):
             n = sum(sizes[i] for i in fragment)
             assert start == sum(sizes[: fragment.start])
             assert opt.feedback.residual[start : start + n].abs().sum() > 0, fragment

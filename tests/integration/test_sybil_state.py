@@ -26,7 +26,7 @@ import trio
 
 from p2ptrain.dht.records import owned_subkey
 from p2ptrain.testing import sybils
-from p2ptrain.training.bans import BAN_READ_INTERVAL
+from p2ptrain.training.optimizer.bans import BAN_READ_INTERVAL
 from p2ptrain.wire.codec import pack
 from tests.harness.training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
 
@@ -38,8 +38,8 @@ def forge(peer: Peer, epoch: int) -> None:
     with torch.no_grad():
         for p in peer.model.parameters():
             p.fill_(FORGED)
-    peer.opt.epoch = epoch
-    peer.opt._state_changed()  # rehash, serve and publish the forged state
+    peer.opt.tally.set_epoch(epoch)
+    peer.opt.state_changed()  # rehash, serve and publish the forged state
 
 
 def untouched(peers: list[Peer]) -> None:
@@ -145,8 +145,8 @@ async def test_fresh_keys_on_the_honest_step_that_never_average_do_not_stall_it(
             while True:
                 for a in attackers:
                     if a.opt.epoch != peers[0].opt.epoch:
-                        a.opt.epoch = peers[0].opt.epoch
-                        a.opt._state_changed()
+                        a.opt.tally.set_epoch(peers[0].opt.epoch)
+                        a.opt.state_changed()
                 await trio.sleep(0.1)
 
         s.nursery.start_soon(follow)

@@ -19,7 +19,7 @@ import pytest
 from p2ptrain.averaging.agreement import WEIGHT_SLACK
 from p2ptrain.identity import PeerID
 from p2ptrain.testing import sybils
-from p2ptrain.training.progress import PeerProgress, ProgressRecord
+from p2ptrain.training.optimizer.progress import PeerProgress, ProgressRecord
 from tests.harness.training import check_identical_per_epoch, run_config, swarm
 
 
@@ -90,13 +90,13 @@ async def test_a_stranger_counts_for_no_more_than_a_trusted_peer_whatever_its_re
         claim = ProgressRecord(
             epoch=opt.epoch, samples=2**40, rate=1e9, time=opt.clock(), since=0.0, run=opt.fingerprint
         )
-        opt.records = [*opt.records, PeerProgress(liar, claim)]  # (no await below: read as it stands)
-        bound = max(opt._weight_cap(p.node.peer_id) or 0.0 for p in honest)
+        opt.board.records = [*opt.records, PeerProgress(liar, claim)]  # (no await below: read as it stands)
+        bound = max(opt.board.weight_cap(p.node.peer_id) or 0.0 for p in honest)
         target = run_config("sync").training.target_batch_size
         assert 0 < bound < target
-        assert opt._weight_cap(liar) == pytest.approx(bound)
-        assert opt._weight_cap(silent) == pytest.approx(bound)
-        honest_cap = opt._weight_cap(honest[1].node.peer_id)
+        assert opt.board.weight_cap(liar) == pytest.approx(bound)
+        assert opt.board.weight_cap(silent) == pytest.approx(bound)
+        honest_cap = opt.board.weight_cap(honest[1].node.peer_id)
         assert honest_cap is not None and honest_cap <= bound
 
 
@@ -115,11 +115,11 @@ async def test_a_peer_whose_round_is_landing_is_capped_by_what_it_said_before(au
             epoch=opt.epoch, samples=40, rate=80.0, time=now - 0.1, since=now - 0.6, run=opt.fingerprint
         )
         handed = dataclasses.replace(before, samples=0, time=now, since=now, landing=True)
-        opt.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, before)]
-        vars(opt).setdefault("_counting", {})[other] = before  # (as refresh() keeps it)
-        said = opt._weight_cap(other)
-        opt.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, handed)]
-        assert opt._weight_cap(other) == pytest.approx(said)
+        opt.board.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, before)]
+        opt.board.counting[other] = before  # (as refresh() keeps it)
+        said = opt.board.weight_cap(other)
+        opt.board.records = [r for r in opt.records if r.peer != other] + [PeerProgress(other, handed)]
+        assert opt.board.weight_cap(other) == pytest.approx(said)
         assert said is not None and said > 2 * 80.0 * 0.5  # (the rate over the half second it counted)
 
 
@@ -169,11 +169,11 @@ async def test_a_round_that_lost_the_peers_it_needed_to_fresh_keys_is_not_applie
             return RoundResult(b"r", [], [ids[i] for i in contributors], 1.0, 3)
 
         for contributors, applied in (([0, 2], False), ([0, 1], True), ([0, 1, 2], True), ([0], True)):
-            me.opt._quorums[b"r"] = quorum
-            why = me.opt._short_of_quorum(b"r", result(contributors))
+            me.opt.rounds.quorums[b"r"] = quorum
+            why = me.opt.rounds.short_of_quorum(b"r", result(contributors))
             assert (why == "") == applied, (contributors, why)
-        me.opt._quorums[b"r"] = quorum
-        assert "1 of the 2 peers" in me.opt._short_of_quorum(b"r", result([0, 2]))
+        me.opt.rounds.quorums[b"r"] = quorum
+        assert "1 of the 2 peers" in me.opt.rounds.short_of_quorum(b"r", result([0, 2]))
 
 
 async def test_a_peer_claims_no_more_than_a_reducer_without_its_record_allows(autojump_clock: object) -> None:
@@ -190,10 +190,10 @@ async def test_a_peer_claims_no_more_than_a_reducer_without_its_record_allows(au
         fast = ProgressRecord(
             epoch=opt.epoch, samples=0, rate=100 * target, time=now, since=now - 5.0, run=opt.fingerprint
         )
-        opt.records = [r for r in opt.records if r.peer != opt.node.peer_id] + [
+        opt.board.records = [r for r in opt.records if r.peer != opt.node.peer_id] + [
             PeerProgress(opt.node.peer_id, fast)
         ]
-        assert (opt._weight_cap(opt.node.peer_id) or 0.0) > 10 * target  # its own records: plausible
-        claimed = opt._claim(int(20 * target))
+        assert (opt.board.weight_cap(opt.node.peer_id) or 0.0) > 10 * target  # its own records: plausible
+        claimed = opt.board.claim(int(20 * target))
         assert target <= claimed <= WEIGHT_SLACK * target  # what every reducer accepts, record or not
-        assert opt._claim(int(target / 2)) == int(target / 2)  # (a claim within reach is the true count)
+        assert opt.board.claim(int(target / 2)) == int(target / 2)  # (a claim within reach is the true count)

@@ -195,9 +195,9 @@ async def test_a_pass_over_the_file_backed_outer_state_leaves_none_of_its_pages_
         opt = peer.opt
         opt.release_outer()
         assert mapped_bytes(opt.global_params[0]) == 0
-        opt._pseudo_gradients()
+        opt.outer_step.pseudo_gradients()
         assert mapped_bytes(opt.global_params[0]) == 0
-        opt._outer_step()
+        opt.outer_step.step()
         assert mapped_bytes(opt.global_params[0]) == 0
 
 
@@ -222,8 +222,8 @@ async def test_a_restored_state_lands_in_the_file_backed_outer_state() -> None:
         mine, _ = b.opt.capture()
         assert sorted(mine) == sorted(tensors)
         assert all(torch.equal(mine[k], tensors[k]) for k in tensors)
-        a.opt.epoch = 7
-        a.opt._state_changed()
+        a.opt.tally.set_epoch(7)
+        a.opt.state_changed()
         assert b.opt.digest == a.opt.digest  # hashed through the file, and in memory: the same root
 
 
@@ -237,7 +237,7 @@ async def test_diloco_overlap_keeps_the_local_progress_made_while_the_round_ran(
         opt = peers[0].opt
         at_handoff: list[list[torch.Tensor]] = []
         checked: list[float] = []
-        real_pseudo, real_land = opt._pseudo_gradients, opt._land_flight
+        real_pseudo, real_land = opt.outer_step.pseudo_gradients, opt.rounds.land_flight
 
         def pseudo() -> None:
             real_pseudo()
@@ -259,8 +259,8 @@ async def test_diloco_overlap_keeps_the_local_progress_made_while_the_round_ran(
                 )
             return landed
 
-        opt._pseudo_gradients = pseudo  # type: ignore[method-assign]
-        opt._land_flight = land  # type: ignore[method-assign]
+        opt.outer_step.pseudo_gradients = pseudo  # type: ignore[method-assign]
+        opt.rounds.land_flight = land  # type: ignore[method-assign]
         await s.until(lambda: len(checked) >= 3, timeout=120)
         assert max(checked) > 0  # (some rounds landed after local steps were taken meanwhile)
 
@@ -281,7 +281,7 @@ async def test_a_diloco_peer_leaves_an_aborted_in_place_round_its_buffer(autojum
             return await real(manifest, tensors, weight=weight, in_place=in_place)
 
         opt.node.averager.run_round = abort_once  # type: ignore[method-assign]
-        await s.until(lambda: opt.stats.aborted >= 1 and opt._in_flight is None, timeout=60)
+        await s.until(lambda: opt.stats.aborted >= 1 and opt.rounds.in_flight is None, timeout=60)
         assert spoilt and all(t is not spoilt[0] for t in opt.averaged.tensors)
         await s.until(lambda: all(p.opt.stats.averaged >= 2 for p in peers), timeout=120)
         check_identical_per_epoch(peers)
@@ -326,21 +326,21 @@ async def test_a_diloco_peer_that_missed_a_round_carries_its_work_into_the_next(
 
         late.node.averager.form_group = left_out  # type: ignore[method-assign]
         seen: dict[str, tuple[int, list[torch.Tensor]]] = {}
-        real_land = late.opt._land_download
+        real_land = late.opt.shared.land_download
 
         def local_progress() -> tuple[int, list[torch.Tensor]]:
             opt = late.opt
             return opt.samples, [p.detach() - g for p, g in zip(opt.params, opt.global_params, strict=True)]
 
         def watched() -> bool:
-            flight = late.opt._download
+            flight = late.opt.shared.download
             before = local_progress() if flight is not None and flight.done.is_set() else None
             replaced = real_land()
             if replaced and before is not None and "after" not in seen:
                 seen["before"], seen["after"] = before, local_progress()
             return replaced
 
-        late.opt._land_download = watched  # type: ignore[method-assign]
+        late.opt.shared.land_download = watched  # type: ignore[method-assign]
         await s.until(lambda: "after" in seen, timeout=120)
         assert late.opt.stats.last["outcome"] == "synced" and late.opt.epoch == missed[0] + 1
         (samples_before, before), (samples_after, after) = seen["before"], seen["after"]
@@ -550,21 +550,21 @@ async def test_peers_that_lose_sight_of_each_other_for_a_while_do_not_step_apart
         await s.until(lambda: all(p.opt.stats.averaged >= 1 for p in peers), timeout=60)
         blind = trio.Event()
         for p in peers:
-            real = p.opt.refresh
+            real = p.opt.board.refresh
 
             async def refresh(p: Peer = p, real: object = real, **kwargs: object) -> None:
                 if blind.is_set():
-                    p.opt.records = []  # as if every record of the run had expired
-                    p.opt._update_view()
+                    p.opt.board.records = []  # as if every record of the run had expired
+                    p.opt.board.update_view()
                     return
                 await real(**kwargs)  # type: ignore[operator]
 
-            p.opt.refresh = refresh  # type: ignore[method-assign]
+            p.opt.board.refresh = refresh  # type: ignore[method-assign]
         blind.set()
         await trio.sleep(config.averaging.timeout / 2)
         assert all(p.opt.stats.solo == 0 for p in peers)
         for p in peers:
-            del p.opt.refresh  # the records are back
+            del p.opt.board.refresh  # the records are back
         epoch = max(p.opt.epoch for p in peers)
         await s.until(lambda: all(p.opt.stats.averaged >= 3 and p.opt.epoch > epoch for p in peers), 60)
         assert all(p.opt.stats.solo == 0 for p in peers)
@@ -586,13 +586,13 @@ async def test_large_model_paths_in_worker_threads_keep_peers_identical(
     digests: dict[int, set[bytes]] = {}
 
     def watch(peer: Peer) -> None:
-        real = peer.opt._set_digest
+        real = peer.opt.shared.set_digest
 
         def set_digest(live: object, hashes: list[bytes]) -> None:
             real(live, hashes)  # type: ignore[arg-type]
             digests.setdefault(peer.opt.epoch, set()).add(peer.opt.digest)
 
-        peer.opt._set_digest = set_digest  # type: ignore[method-assign]
+        peer.opt.shared.set_digest = set_digest  # type: ignore[method-assign]
 
     config = run_config(mode, overlap).replace("training", target_batch_size=2 * TARGET)
     async with swarm(config, summed=mode == "sync") as s:  # (the trainer's way in sync mode)
@@ -636,7 +636,7 @@ async def test_a_peer_whose_partner_left_cleanly_steps_on_without_waiting(autoju
         await peers[1].opt.leave()
         peers[1].scope.cancel()
         first = peers[0]
-        await s.until(lambda: first.opt._in_flight is None and first.opt.view is not None, timeout=60)
+        await s.until(lambda: first.opt.rounds.in_flight is None and first.opt.view is not None, timeout=60)
         await s.until(lambda: first.opt.view is not None and first.opt.view.others == 0, timeout=60)
         alone_at = trio.current_time()
         await s.until(lambda: first.opt.stats.solo >= 1, timeout=60)

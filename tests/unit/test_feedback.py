@@ -1,5 +1,6 @@
-"""DiLoCo's error feedback for top-k rounds (``training.feedback``): what a round sends plus what the
-peer keeps is exactly its progress; an aborted round gives the residual back; nothing is ever lost."""
+"""DiLoCo's error feedback for top-k rounds (``training.optimizer.feedback``): what a round sends plus
+what the peer keeps is exactly its progress; an aborted round gives the residual back;
+nothing is ever lost."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 
 from p2ptrain.averaging import sparse
 from p2ptrain.averaging.compression import Compression, roundtrip
-from p2ptrain.training.buffers import ParamBuffer
-from p2ptrain.training.feedback import ErrorFeedback
+from p2ptrain.training.optimizer.buffers import ParamBuffer
+from p2ptrain.training.optimizer.feedback import ErrorFeedback
 from p2ptrain.training.state.codec import StateError
 
 MODE = Compression.TOPK1_Q2

@@ -358,7 +358,7 @@ def _decoders() -> list[Any]:
     from p2ptrain.averaging.audit import open_attestation, open_commit
     from p2ptrain.averaging.matchmaking import Announcement
     from p2ptrain.averaging.protocol import SignedManifest, open_decision
-    from p2ptrain.training.bans import _parse_bans
+    from p2ptrain.training.optimizer.bans import _parse_bans
 
     peer = SIGNER.peer_id
     return [

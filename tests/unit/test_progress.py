@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import PeerID
 from p2ptrain.idwork import find_work
-from p2ptrain.training.progress import (
+from p2ptrain.training.optimizer.progress import (
     DIGEST_BYTES,
     PeerProgress,
     ProgressRecord,

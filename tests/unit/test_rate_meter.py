@@ -1,10 +1,10 @@
-"""The samples/s meter a peer advertises in its progress records (``training.bookkeeping.RateMeter``)."""
+"""The samples/s meter a peer advertises in its progress records (``optimizer.bookkeeping.RateMeter``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from p2ptrain.training.bookkeeping import RateMeter
+from p2ptrain.training.optimizer.bookkeeping import RateMeter
 
 
 def test_a_steady_rate_reads_true_from_the_first_reading() -> None:

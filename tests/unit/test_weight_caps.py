@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2ptrain.averaging.agreement import Coordinator
-from p2ptrain.training.progress import ProgressRecord, plausible_samples
+from p2ptrain.training.optimizer.progress import ProgressRecord, plausible_samples
 
 
 def test_the_coordinator_caps_weights_and_says_whose() -> None:

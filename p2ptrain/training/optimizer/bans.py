@@ -8,8 +8,8 @@ lets its auditor examine the accusations it has not seen: fetch the proof from t
 it, banning the accused if it convicts and the accuser if it does not (``Auditor.examine``). Nothing is
 adopted because of who, or how many, published it. Proofs are fetched one at a time, at most
 ``MAX_EXAMINED_PER_READ`` per read: each can be as large as one partition's slices of every
-contributor. :class:`BanRecords` is a mixin of
-:class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`.
+contributor. :class:`BanBook` owns the reads and the examinations under way; the averager's auditor calls
+:meth:`BanBook.on_ban` (handed to it in the run's ``RoundPolicy``) when it convicts.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import logging
 
 import trio
 
-from ..averaging.auditor import Accusation
-from ..dht.records import owned_subkey, subkey_owner
-from ..errors import P2PError, RemoteProtocolError
-from ..identity import PEER_ID_BYTES, PeerID
-from ..node import Node
-from ..wire.codec import pack, unpack
+from ...averaging.auditor import Accusation
+from ...dht.records import owned_subkey, subkey_owner
+from ...errors import P2PError, RemoteProtocolError
+from ...identity import PEER_ID_BYTES, PeerID
+from ...node import Node
+from ...wire.codec import pack, unpack
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("p2ptrain.training.bans")  # (its lines, as before)
 
 # Seconds between reads of the swarm's ban records: those that meet a convicted reducer next, its
 # round's members, are told at once (``averaging.auditor``); the rest ban it when they read, or when their
@@ -66,15 +66,26 @@ def _parse_bans(value: bytes) -> tuple[str, list[Accusation]]:
     return doc["addr"], out
 
 
-class BanRecords:
-    """Publishing and reading the swarm's ban verdicts (a mixin)."""
+class BanBook:
+    """Publishing and reading the swarm's ban verdicts."""
 
-    node: Node
-    bans_key: bytes
-    _nursery: trio.Nursery | None
-    _examining: bool
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.key = f"p2ptrain/{node.config.run_id}/bans".encode()
+        self._examining = False  # an examination of published bans runs
+        self._nursery: trio.Nursery | None = None
 
-    def _on_ban(self, peer: PeerID, reason: str) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the publications and examinations, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def on_ban(self, peer: PeerID, reason: str) -> None:
         """Our auditor convicted ``peer``: publish our accusations (others re-check their proofs)."""
         assert self._nursery is not None
         self._nursery.start_soon(self._publish_bans)
@@ -91,7 +102,7 @@ class BanRecords:
         record = {"addr": str(self.node.dht.advertised_address()), "bans": bans}
         try:
             await self.node.dht.store(
-                self.bans_key,
+                self.key,
                 pack(record),
                 ttl=BAN_TTL,
                 subkey=owned_subkey(self.node.peer_id),
@@ -101,9 +112,10 @@ class BanRecords:
         except P2PError as e:
             log.warning("could not publish our bans: %s", e)
 
-    async def _read_bans(self) -> None:
+    async def read(self) -> None:
+        """Read the swarm's ban records; examine (in the background) accusations not seen yet."""
         try:
-            entries = await self.node.dht.get(self.bans_key, quorum=3)
+            entries = await self.node.dht.get(self.key, quorum=3)
         except P2PError as e:
             log.info("could not read ban records: %s", e)
             return

@@ -53,10 +53,10 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from ..identity import PeerID
-from ..idwork import WORK_BYTES, work_bits
-from ..net.address import PeerAddress
-from ..wire.schema import Message, bounded
+from ...identity import PeerID
+from ...idwork import WORK_BYTES, work_bits
+from ...net.address import PeerAddress
+from ...wire.schema import Message, bounded
 
 DIGEST_BYTES = 32
 

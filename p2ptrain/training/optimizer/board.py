@@ -1,4 +1,4 @@
-"""Progress records, out and in: a CollaborativeOptimizer's part in the swarm's view of an epoch.
+"""The progress board: this peer's progress records out, the swarm's in, and what they decide.
 
 Theory of operation: every peer publishes a signed progress record (its epoch, samples, rate, state
 digest, averager address; see ``progress``) under its owned subkey of the run's progress key, at once
@@ -7,11 +7,15 @@ new record directly to the partners it trains with (``_offer_to``), so that thei
 need ask nobody: a read asks the DHT's replicas once a record's life, and whenever this peer's view is
 unsure (none yet, alone, behind, a partner's record late). What it reads becomes the ``SwarmView``
 (``progress.swarm_view``) that decides when the epoch's target is reached and who is on it; only the
-records of the peers this one trusts (``trusted``) may move it to another state.
-The same records bound the weight a peer may count for in a round (``_claim``, ``_weight_cap``).
+records of the peers this one trusts (:meth:`ProgressBoard.trusted`) may move it to another state, and
+only the digest they vouch for is downloaded (:meth:`ProgressBoard.vouched_digest`).
+The same records bound the weight a peer may count for in a round (:meth:`ProgressBoard.claim`,
+:meth:`ProgressBoard.weight_cap`: the averager caps the members of this peer's rounds with it).
 
-:class:`ProgressExchange` is a mixin of :class:`~p2ptrain.training.collaborative.CollaborativeOptimizer`,
-which owns the attributes declared below.
+:class:`ProgressBoard` owns the records read, the view, and the loop that publishes and reads; it reads
+this peer's position from the ``Tally`` and its digest from the ``SharedState``, and tells the rules of
+steps alone (``solo``) what each read showed. The swarm's ban records are read on the same loop's
+schedule (``bans``).
 """
 
 from __future__ import annotations
@@ -19,21 +23,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 import trio
 
-from ..averaging.agreement import WEIGHT_SLACK
-from ..dht.records import owned_subkey, subkey_owner
-from ..errors import P2PError, RemoteProtocolError
-from ..identity import PeerID
-from ..net.address import PeerAddress
-from ..waits import either
-from ..wire.codec import pack, unpack
-from .bans import BAN_READ_INTERVAL
-from .bookkeeping import RateMeter
-from .inflight import _InFlight
+from ...averaging.agreement import WEIGHT_SLACK
+from ...config import RunConfig
+from ...dht.records import owned_subkey, subkey_owner
+from ...errors import P2PError, RemoteProtocolError
+from ...identity import PeerID
+from ...net.address import PeerAddress
+from ...node import Node
+from ...waits import either
+from ...wire.codec import pack, unpack
+from .bans import BAN_READ_INTERVAL, BanBook
+from .bookkeeping import Tally
 from .progress import (
     PeerProgress,
     ProgressRecord,
@@ -42,9 +46,12 @@ from .progress import (
     plausible_samples,
     sent_addr,
     swarm_view,
+    vouched_digest,
     with_author,
 )
-from .swarm_state import SwarmState
+from .shared_state import SharedState
+from .solo import StepAlone
+from .wake import Wake
 
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
 
@@ -55,42 +62,74 @@ MAX_SAID = 256  # superseded records kept for their step's digest (see ``said_on
 # A record that arrives here wakes the loop (a trusted peer's view reached the target: look for a group
 # now, not at the next read, seconds later), at most once per this many seconds
 ARRIVAL_PAUSE = 0.25
+LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
 
 
-class ProgressExchange(SwarmState):
-    """Publishing this peer's progress records and reading the swarm's (a mixin, over the shared state's)."""
+class ProgressBoard:
+    """Publishing this peer's progress records and reading the swarm's."""
 
-    # Owned by CollaborativeOptimizer:
-    key: bytes
-    view: SwarmView | None
-    rate: RateMeter
-    leaving: bool
-    _in_flight: _InFlight | None
-    _lead: float
-    _refused: set[PeerID]
-    _records_read: trio.Event
-    _counting: dict[PeerID, ProgressRecord]
-    _published: ProgressRecord | None
-    _partners: set[PeerID]
-    _met_swarm: bool
-    _cut_off: bool
-    _asked_at: float
-    _said: dict[tuple[PeerID, int], ProgressRecord]
-    _arrived: trio.Event
-    _read_bans: Callable[[], Coroutine[Any, Any, None]]
+    def __init__(
+        self,
+        node: Node,
+        config: RunConfig,
+        *,
+        fingerprint: bytes,
+        tally: Tally,
+        state: SharedState,
+        alone: StepAlone,
+        bans: BanBook,
+        wake: Wake,
+        clock: Callable[[], float],
+    ) -> None:
+        """``wake`` is set by whatever changes this peer's record (the board then publishes at once)."""
+        self.node, self.config, self.fingerprint, self.clock = node, config, fingerprint, clock
+        self.tally, self.state, self.alone, self.bans, self.wake = tally, state, alone, bans, wake
+        self.key = f"p2ptrain/{node.config.run_id}/progress".encode()
+        self.view: SwarmView | None = None
+        self.records: list[PeerProgress] = []
+        self.leaving = False
+        self.lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
+        self.met_swarm = False  # records were read once the DHT had bootstrapped (see StepAlone)
+        self._said: dict[tuple[PeerID, int], ProgressRecord] = {}  # see ``said_on``
+        self.counting: dict[PeerID, ProgressRecord] = {}  # see refresh()
+        self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
+        self._arrived = trio.Event()  # a record arrived (see ``_progress_loop``)
+        self._published: ProgressRecord | None = None  # the last record that went out
+        self._records_read = trio.Event()
+        self._asked_at = -math.inf  # when the replicas were last read (see _ask_replicas)
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish progress and read the swarm's, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._progress_loop)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def note_arrival(self) -> None:
+        """A record arrived (stored here as a replica, or offered): the loop reads what it holds."""
+        self._arrived.set()
+
+    def group_took(self, seconds: float) -> None:
+        """A group formed after ``seconds``: matchmaking starts about that long before the target."""
+        self.lead += LEAD_SMOOTHING * (seconds - self.lead)
 
     async def _progress_loop(self) -> None:
         await self.node.dht.bootstrapped.wait()
         interval = self.config.progress.interval
         next_bans = self.clock()
         now, next_read = True, trio.current_time()
-        self.node.dht.watch(self.key, lambda: self._arrived.set())
+        self.node.dht.watch(self.key, self.note_arrival)
         while True:
-            self._publish_now = trio.Event()
+            self.wake.renew()
             record = self.record()
             tolerance = max(self.config.training.target_batch_size / 16, 1.0)
             if now or must_publish(self._published, record, self._heartbeat, tolerance):
-                await self._publish(record)
+                await self.publish(record)
             # Woken by a record that arrived (stored here as a replica, or offered): it is held already,
             # and the reads that may ask the replicas keep their own pace.
             due = now or trio.current_time() >= next_read
@@ -101,7 +140,7 @@ class ProgressExchange(SwarmState):
             # peer averages only with peers under the same rules: a run without audits has no ban of
             # anyone it may meet. (A read of a key nobody wrote asks every replica.)
             if self.config.averaging.audit and self.clock() >= next_bans:
-                await self._read_bans()
+                await self.bans.read()
                 next_bans = self.clock() + BAN_READ_INTERVAL
             arrived = self._arrived = trio.Event()
             with trio.move_on_at(min(next_read, self._next_beat(interval))):
@@ -109,10 +148,10 @@ class ProgressExchange(SwarmState):
                 # together: one read for them); this peer's own new record does not.
                 if not due:
                     with trio.move_on_after(ARRIVAL_PAUSE):
-                        await self._publish_now.wait()
-                if not self._publish_now.is_set():
-                    await either(self._publish_now, arrived)
-            now = self._publish_now.is_set()
+                        await self.wake.wait()
+                if not self.wake.is_set():
+                    await either(self.wake.event, arrived)
+            now = self.wake.is_set()
 
     def _next_beat(self, interval: float) -> float:
         """When (trio time) this peer's heartbeat is due: its last record's time plus a heartbeat, at
@@ -131,7 +170,7 @@ class ProgressExchange(SwarmState):
         view = self.view
         if view is None or view.behind or not math.isfinite(view.eta):
             return interval
-        return min(max(interval, (view.eta - self._lead) / 4), self._heartbeat)
+        return min(max(interval, (view.eta - self.lead) / 4), self._heartbeat)
 
     def _ask_replicas(self) -> bool:
         """Whether the next read asks the DHT's replicas, or reads what this peer holds: its last read,
@@ -183,21 +222,21 @@ class ProgressExchange(SwarmState):
     def record(self) -> ProgressRecord:
         addr = sent_addr(self.node.averager.address(), self.node.peer_id)
         return ProgressRecord(
-            epoch=self.epoch,
-            samples=self.samples,
-            rate=self.rate.rate,
+            epoch=self.tally.epoch,
+            samples=self.tally.samples,
+            rate=self.tally.rate.rate,
             time=self.clock(),
-            digest=self.digest,
+            digest=self.state.digest,
             addr=addr,
             run=self.fingerprint,
-            landing=self._in_flight is not None,
+            landing=self.tally.landing,
             leaving=self.leaving,
-            since=self._epoch_began,
+            since=self.tally.since,
             work=self.node.host.work or b"",
-            ready=self.view is not None and self.view.epoch == self.epoch and self.view.ready,
+            ready=self.view is not None and self.view.epoch == self.tally.epoch and self.view.ready,
         )
 
-    async def _publish(self, record: ProgressRecord | None = None) -> None:
+    async def publish(self, record: ProgressRecord | None = None) -> None:
         record = record or self.record()
         try:
             await self.node.dht.store(
@@ -255,11 +294,11 @@ class ProgressExchange(SwarmState):
         for r in records:
             if not r.record.landing:
                 counting[r.peer] = r.record
-            elif r.peer in self._counting:
-                counting[r.peer] = self._counting[r.peer]
-        self._counting = counting
-        self._met_swarm = self._met_swarm or self.node.dht.bootstrapped.is_set()
-        self._update_view()
+            elif r.peer in self.counting:
+                counting[r.peer] = self.counting[r.peer]
+        self.counting = counting
+        self.met_swarm = self.met_swarm or self.node.dht.bootstrapped.is_set()
+        self.update_view()
         self._reach_directly()
         self._records_read.set()
         self._records_read = trio.Event()
@@ -278,7 +317,8 @@ class ProgressExchange(SwarmState):
             if addr is not None and addr.relay is not None and addr.peer_id == r.peer != self.node.peer_id:
                 self._nursery.start_soon(host.punch.reach, addr)
 
-    def _update_view(self) -> SwarmView:
+    def update_view(self) -> SwarmView:
+        """The swarm's view from the records read last (and this peer's own record as it is now)."""
         trusted = self.trusted()
         self.view = swarm_view(
             self.node.peer_id,
@@ -289,22 +329,12 @@ class ProgressExchange(SwarmState):
             horizon=self._horizon,
             trusted=trusted,
             min_work=self.config.run.id_work,
-            cohort=self._cohort[1] if self._cohort[0] == self.epoch else (),
+            cohort=self.tally.cohort[1] if self.tally.cohort[0] == self.tally.epoch else (),
             met=None if trusted is None else frozenset(self.node.host.connected_peers()),
         )
         if trusted is not None:
             self._note_refused_claims(trusted)
-        if self.view.peers > 1 or self.view.behind:
-            if self._cut_off:
-                log.info("back in touch with the swarm on step %d", self.epoch)
-            self._cut_off = False
-        for r in self.records:
-            if r.peer == self.node.peer_id or r.record.run != self.fingerprint:
-                continue
-            if r.record.leaving:
-                self._partners.discard(r.peer)
-            else:
-                self._partners.add(r.peer)
+        self.alone.observe(self.view, self.records, self.tally.epoch)
         return self.view
 
     def _note_refused_claims(self, trusted: frozenset[PeerID]) -> None:
@@ -352,22 +382,22 @@ class ProgressExchange(SwarmState):
         """Tell the swarm this peer stops (its record says so), so nobody waits for it in a group."""
         self.leaving = True
         with trio.move_on_after(timeout):
-            await self._publish()
+            await self.publish()
 
     async def wait_for_peers(self, count: int, timeout: float) -> int:
         """Wait until ``count`` peers (this one included) publish progress in the run, or ``timeout``;
         returns how many did. Lets a swarm that starts together begin together."""
         with trio.move_on_after(timeout):
-            while self._peers_seen() < count:
+            while self.peers_seen() < count:
                 await self._records_read.wait()
-        return self._peers_seen()
+        return self.peers_seen()
 
-    def _peers_seen(self) -> int:
+    def peers_seen(self) -> int:
         return 1 + sum(r.peer != self.node.peer_id for r in self.records)
 
     # ---- the weight a peer may count for, from its records ----------------------------------------
 
-    def _claim(self, samples: int) -> float:
+    def claim(self, samples: int) -> float:
         """The weight this peer claims for ``samples`` in a round: the true count, but no more than a
         reducer accepts for what this peer's own signed records make plausible (every reducer refuses a
         slice over ``WEIGHT_SLACK`` times that: the peer would be left out), nor than it accepts from a
@@ -375,11 +405,11 @@ class ProgressExchange(SwarmState):
         hundreds of samples gathered while the group formed, was refused whole). The coordinator then
         caps it at what it finds plausible itself. Samples beyond the claim still went into the values
         sent."""
-        cap = self._weight_cap(self.node.peer_id)
+        cap = self.weight_cap(self.node.peer_id)
         target = float(self.config.training.target_batch_size)
         return min(float(samples), WEIGHT_SLACK * (target if cap is None else min(cap, target)))
 
-    def _weight_cap(self, peer: PeerID) -> float | None:
+    def weight_cap(self, peer: PeerID) -> float | None:
         """The most samples ``peer`` may count for in a round this peer coordinates: what its signed
         records make plausible; the whole target for a peer without records. A stranger (not trusted,
         see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
@@ -399,9 +429,9 @@ class ProgressExchange(SwarmState):
         before; with nothing said before, by the whole target as well."""
         target = float(self.config.training.target_batch_size)
         record = next((r.record for r in self.records if r.peer == peer), None)
-        if record is not None and record.landing and record.epoch == self.epoch:
-            record = self._counting.get(peer)
-        if record is None or record.epoch != self.epoch:
+        if record is not None and record.landing and record.epoch == self.tally.epoch:
+            record = self.counting.get(peer)
+        if record is None or record.epoch != self.tally.epoch:
             return target
         if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer
             trusted = self.trusted()
@@ -409,11 +439,18 @@ class ProgressExchange(SwarmState):
                 (
                     r.record.rate
                     for r in self.records
-                    if r.record.epoch == self.epoch and (trusted is None or r.peer in trusted)
+                    if r.record.epoch == self.tally.epoch and (trusted is None or r.peer in trusted)
                 ),
                 default=0.0,
             )
-            if max(fastest, self.rate.rate) <= 0:
+            if max(fastest, self.tally.rate.rate) <= 0:
                 return target
-            record = dataclasses.replace(record, rate=max(fastest, self.rate.rate))
+            record = dataclasses.replace(record, rate=max(fastest, self.tally.rate.rate))
         return plausible_samples(record, self.clock(), self._horizon, slack=target / 8)
+
+    def vouched_digest(self, epoch: int) -> bytes:
+        """The digest of ``epoch``'s state that the peers this one trusts report (what a download must
+        match); our own digest vouches for nothing."""
+        ours = [r for r in self.records if r.record.run == self.fingerprint]  # (leaving ones still serve)
+        trusted = self.trusted()  # (said_on kept only this run's records)
+        return vouched_digest(ours, epoch, trusted) or vouched_digest(self.said_on(epoch), epoch, trusted)

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..averaging import sparse
-from ..averaging.compression import Compression, roundtrip
-from ..averaging.spill import Spilled, SpillFile
+from ...averaging import sparse
+from ...averaging.compression import Compression, roundtrip
+from ...averaging.spill import Spilled, SpillFile
+from ..state.codec import StateError
 from .buffers import ParamBuffer
-from .state import StateError
 
 FEEDBACK = "feedback"
 """The residual's name among a checkpoint's extra tensors."""

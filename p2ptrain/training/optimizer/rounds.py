@@ -1,0 +1,407 @@
+"""A CollaborativeOptimizer's averaging rounds: forming a group, handing the work over, landing the result.
+
+Theory of operation. When the swarm nears the target (early by the time groups take to form, see
+``ProgressBoard.lead``), the peers on this epoch form a group in the background (``_form_group``): sized
+by the freshest records, and held to a quorum of the peers that publish progress (only the trusted ones
+in an open swarm), so that two groups of one step cannot both form. The formed group's round then runs:
+
+- in the background (sync, and DiLoCo with overlap): this peer hands its work to the round and goes on
+  computing (:meth:`RoundRunner.start_in_background`); the round's result lands between two batches
+  (:meth:`RoundRunner.land`). sync: the accumulated gradients leave as the mean gradient (weighted by
+  the samples) and a fresh accumulator takes the batches computed meanwhile; an aborted round's
+  gradients go back into the accumulator, unless the round averaged them in place (then they are
+  dropped). DiLoCo: the pseudo-gradient of the local parameters at the handoff leaves; the local
+  parameters' progress since then is put on top of the new global parameters when the round lands (the
+  handoff's pseudo-gradient waits in a spill file meanwhile).
+- or now, compute paused (DiLoCo without overlap: :meth:`RoundRunner.average`).
+
+Top-k rounds fold the error feedback into what they send, and keep the residual only if the round
+committed. A committed round whose contributors no longer hold the peers this one must average with is
+not applied (:meth:`RoundRunner.short_of_quorum`). A round that lands returns ``(result, weight)``: the
+optimizer then takes the global step (its ``_advance``); nothing here moves the epoch.
+
+:class:`RoundRunner` owns the round in flight, the formed group waiting for ``step``, the quorums of the
+formed rounds and the matchmaking task.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from ...averaging.allreduce import RoundResult
+from ...averaging.matchmaking import Quorum
+from ...averaging.protocol import SignedManifest
+from ...averaging.spill import Spilled, SpillFile
+from ...config import RunConfig
+from ...errors import GroupFormationFailed, RoundAborted
+from ...node import Node
+from ..state import serve as statesync
+from ..state.codec import raw_bytes
+from .board import ProgressBoard
+from .bookkeeping import RoundStats, Tally
+from .buffers import Contribution, ParamBuffer
+from .feedback import Saved
+from .local_steps import LocalSteps
+from .outer import OuterStep
+from .shared_state import SharedState
+from .solo import StepAlone
+from .wake import Wake
+
+log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
+
+RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
+
+Landed = tuple[RoundResult, int]
+"""A round that committed and was applied: its result and the samples this peer handed to it."""
+
+
+@dataclass
+class InFlight:
+    """A round running in the background: what it averages, and its outcome once ``done``."""
+
+    done: trio.Event
+    tensors: ParamBuffer
+    weight: int
+    since: float  # when the batch in progress at the handoff began: later samples count toward the next
+    outcome: RoundResult | BaseException | None = None
+    # diloco: this peer's pseudo-gradient, before the round averaged it (see ``_keep_aside``)
+    own: list[Spilled | torch.Tensor] | None = None
+    # top-k rounds: the error feedback's residual before this round (see ``feedback``)
+    before: Saved | None = None
+    digest: bytes = b""  # the round's
+
+
+class RoundRunner:
+    """Matchmaking, and the hand-off and landing of rounds."""
+
+    def __init__(
+        self,
+        node: Node,
+        config: RunConfig,
+        *,
+        tally: Tally,
+        contribution: Contribution,
+        outer: OuterStep | None,
+        local: LocalSteps,
+        state: SharedState,
+        board: ProgressBoard,
+        alone: StepAlone,
+        stats: RoundStats,
+        wake: Wake,
+        clock: Callable[[], float],
+    ) -> None:
+        self.node, self.config, self.clock = node, config, clock
+        self.tally, self.contribution, self.outer, self.local = tally, contribution, outer, local
+        self.state, self.board, self.alone, self.stats, self.wake = state, board, alone, stats, wake
+        self.in_flight: InFlight | None = None  # a round running in the background
+        self.formed: tuple[int, SignedManifest] | None = None  # a group formed for step() to run
+        self.quorums: dict[bytes, Quorum] = {}  # formed rounds -> the peers they must hold (_form_group)
+        self.matchmaking = False
+        self._matchmaking_scope = trio.CancelScope()
+        self.retry_at = 0.0
+        self.next_batch = clock()  # when the training loop began computing its next batch
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own matchmaking and the rounds in the background, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    # ---- forming groups ----
+
+    def start_matchmaking(self) -> None:
+        """Look for a group for this peer's epoch, in the background."""
+        assert self._nursery is not None
+        self.matchmaking = True
+        self._matchmaking_scope = trio.CancelScope()
+        self._nursery.start_soon(self._matchmake, self.tally.epoch, self._matchmaking_scope)
+
+    def cancel_matchmaking(self) -> None:
+        """The state changed: a group for the epoch we left is no use."""
+        self._matchmaking_scope.cancel()
+
+    def take_formed(self) -> tuple[int, SignedManifest] | None:
+        """The group formed for ``step`` to run (DiLoCo without overlap, summed gradients), if any."""
+        formed, self.formed = self.formed, None
+        return formed
+
+    async def _matchmake(self, epoch: int, scope: trio.CancelScope) -> None:
+        try:
+            with scope:  # cancelled when this peer's epoch changes meanwhile (a download)
+                await self._form_group(epoch)
+        finally:
+            self.matchmaking = False
+
+    async def _form_group(self, epoch: int) -> None:
+        cfg = self.config.averaging
+        diloco = self.outer is not None
+        began = self.clock()
+        try:
+            board = self.board
+            await board.refresh()  # size the group by the freshest records: a peer that just caught up counts
+            view = board.view
+            assert view is not None
+            if view.behind or view.peers <= 1 or not self.alone.majority_here(view, self.tally.epoch):
+                return  # step() catches up, steps alone, or waits for the peers one step behind
+            target = min(view.peers + view.arriving, cfg.max_group_size)
+            # a majority: two groups cannot both form (all of those here, once waiting gave up)
+            minimum = min(view.peers, target, view.quorum)
+            # Only members that publish progress count toward that majority: ids that only join groups
+            # would let two groups of one step both reach it (two lineages). In an open swarm, only the
+            # trusted among them (see ``trusted``): a fresh key that publishes records and joins first
+            # would otherwise make a group of two the "majority" of a joiner that trusts only its join
+            # peer, and start a lineage of its own with it. Members check it too (a leader may lie).
+            publishing = frozenset(r.peer for r in board.records) | {self.node.peer_id}
+            trusted = board.trusted()
+            if trusted is None:
+                quorum = Quorum(publishing, minimum)
+            else:
+                known = publishing & (trusted | {self.node.peer_id})
+                quorum = Quorum(known, min(minimum, view.vouched_here))
+            manifest = await self.node.averager.form_group(
+                self.contribution.buffer.tensors,
+                timeout=cfg.timeout,
+                group_key=self.group_key(epoch),
+                target_size=target,
+                min_size=minimum,
+                quorum=quorum,
+            )
+            while len(self.quorums) >= 4:  # (formed rounds that never ran: declined, or superseded)
+                del self.quorums[next(iter(self.quorums))]
+            self.quorums[manifest.digest] = quorum
+        except GroupFormationFailed as e:
+            log.info("no group for step %d: %s", epoch, e)
+            self.stats.no_group += 1
+            self.stats.last = {"epoch": epoch, "outcome": "no group", "reason": str(e)}
+            self.retry_at = self.clock() + RETRY_MATCHMAKING
+        else:
+            self.board.group_took(min(self.clock() - began, cfg.matchmaking_time))
+            if (diloco and not self.config.diloco.overlap) or self.contribution.summed:
+                # step() runs it, with compute paused; or, summed, hands the gradients over between two
+                # backward passes (one may be adding to them right now)
+                self.formed = (epoch, manifest)
+            elif self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
+                await self.state.idle()  # work in a thread changes what we would send
+                if self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
+                    self.start_in_background(manifest)
+                else:
+                    self.node.averager.decline(manifest)
+            else:  # the state moved on meanwhile: tell the group at once rather than let it wait for us
+                self.node.averager.decline(manifest)
+
+    def group_key(self, epoch: int) -> str:
+        """Groups form per step; streaming DiLoCo's also per fragment count (what each step averages)."""
+        mode, count = self.config.training.mode, len(self.contribution.fragments)
+        return f"{mode}-{epoch}" if count == 1 else f"{mode}/{count}-{epoch}"
+
+    # ---- running a round now (DiLoCo without overlap) ----
+
+    async def average(self, manifest: SignedManifest) -> Landed | None:
+        """DiLoCo without overlap: run the formed group's round now, compute paused; apply it if it
+        commits (an abort changes nothing: the work is still in the local parameters)."""
+        outer = self.outer
+        assert outer is not None
+        weight = self.tally.samples
+        outer.pseudo_gradients()
+        buffer = self.contribution.buffer
+        before = await outer.fold(buffer)
+        try:
+            result = await self.node.averager.run_round(
+                manifest, buffer.tensors, weight=self.board.claim(weight), in_place=buffer.sendable
+            )
+        except RoundAborted as e:
+            self.note_abort(e)
+            outer.unfold(before, committed=False)
+            self.contribution.after_abort(buffer)
+            return None
+        short = self.short_of_quorum(manifest.digest, result)
+        if short:  # the work is still in the local parameters, as after an abort
+            self.note_abort(RoundAborted(short))
+            outer.unfold(before, committed=False)
+            self.contribution.after_abort(buffer)
+            return None
+        outer.unfold(before, committed=True)
+        self.contribution.relay(result.retired)
+        await self.state.unheld()
+        outer.step(after=outer.reset_local)
+        self.tally.took(weight)
+        self.tally.counting_from(self.clock())
+        return result, weight
+
+    # ---- rounds in the background ----
+
+    def start_in_background(self, manifest: SignedManifest) -> None:
+        """Hand what this peer has done so far to the formed group's round and go on computing.
+
+        sync: the accumulated gradients leave in the round (as the mean gradient, weighted by the
+        samples); a fresh accumulator takes the batches computed meanwhile. diloco: the pseudo-gradient
+        of the local parameters as they are now; local progress made meanwhile is kept on top of the new
+        global parameters when the round lands.
+        """
+        assert self._nursery is not None
+        weight = self.tally.samples
+        if weight <= 0:  # nothing to contribute (not expected: matchmaking waits for a first batch)
+            self.node.averager.decline(manifest)
+            return
+        outer = self.outer
+        if outer is not None:
+            outer.pseudo_gradients()
+            tensors = self.contribution.buffer
+        else:
+            tensors = self.contribution.hand_over()
+            tensors.div_(weight)  # the mean gradient; the round weighs it by the sample count
+            self.tally.took(weight)  # the batches computed from now on count toward the next step
+        done = trio.Event()
+        # What is computed from here on counts toward the next step, the batch in progress included.
+        self.in_flight = InFlight(done, tensors, weight, since=self.next_batch, digest=manifest.digest)
+        self.tally.handed(True)
+        if outer is None:
+            self.tally.counting_from(self.next_batch)
+        self.wake.set()  # others count this peer on the next epoch already (see ``landing``)
+
+        async def run(flight: InFlight) -> None:
+            try:
+                if outer is not None:  # kept for the landing, where the local progress since now goes on top
+                    flight.own = await self._keep_aside(flight.tensors)
+                    flight.before = await outer.fold(flight.tensors)
+                flight.outcome = await self.node.averager.run_round(
+                    manifest,
+                    flight.tensors.tensors,
+                    weight=self.board.claim(weight),
+                    in_place=flight.tensors.sendable,
+                )
+            except RoundAborted as e:
+                flight.outcome = e
+            finally:
+                done.set()
+
+        self._nursery.start_soon(run, self.in_flight)
+
+    async def land(self) -> Landed | None:
+        """Apply a background round's result once it is in (between batches: compute is not running);
+        returns it if it was applied (the caller then takes the global step)."""
+        flight = self.in_flight
+        if flight is None or not flight.done.is_set() or self.state.holds:
+            return None
+        self.in_flight = None
+        self.tally.handed(False)
+        outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
+        try:
+            return await self.land_flight(flight, outcome, tensors, weight)
+        finally:
+            for kept in flight.own or ():
+                if isinstance(kept, Spilled):
+                    kept.file.close()
+
+    async def land_flight(
+        self,
+        flight: InFlight,
+        outcome: RoundResult | BaseException | None,
+        tensors: ParamBuffer,
+        weight: int,
+    ) -> Landed | None:
+        """Apply ``flight``'s ``outcome`` (see :meth:`land`)."""
+        outer = self.outer
+        diloco = outer is not None
+        short = self.short_of_quorum(flight.digest, outcome) if isinstance(outcome, RoundResult) else ""
+        if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
+            log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
+            self.note_abort(RoundAborted(short))
+            if not tensors.sendable:  # (in place: the round may relay from them a while; then freed)
+                tensors.zero_()
+                self.contribution.keep_spare(tensors)
+            return None
+        if short:
+            outcome = RoundAborted(short)  # diloco: the work is still in the local parameters
+        if outer is not None:
+            outer.unfold(flight.before, committed=isinstance(outcome, RoundResult))
+        if not isinstance(outcome, RoundResult):
+            self.note_abort(outcome or RoundAborted("the round ended without an outcome"))
+            if not diloco and tensors.sendable:  # averaged in place: they are spoilt
+                what = "step %d: the %d samples handed to the aborted round are dropped"
+                log.warning(what, self.tally.epoch, weight)
+            elif not diloco:  # the gradients go back: the next round counts them
+                self.contribution.buffer.add_(tensors, alpha=weight)
+                tensors.zero_()
+                self.tally.gave_back(weight)
+                self.contribution.keep_spare(tensors)
+            self.contribution.after_abort(tensors)
+            return None  # diloco: the work is still in the local parameters
+        if outer is not None:
+            assert flight.own is not None
+            # parameter index -> kept values
+            own = dict(zip(self.contribution.slots, flight.own, strict=True))
+            params, global_params = outer.params, outer.global_params
+
+            # new global + the local progress since the handoff: local now - (old global - own
+            # pseudo-gradient), the local parameters at the handoff
+            def progress(i: int) -> None:
+                p, g, h = params[i], global_params[i], own[i]
+                kept = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
+                with torch.no_grad():
+                    p.sub_(g).add_(kept.view(p.shape).to(p.device))
+
+            def on_top(i: int) -> None:
+                with torch.no_grad():
+                    params[i].add_(global_params[i])
+
+            await self.state.off_loop(outer.step, progress, on_top)
+            self.contribution.relay(outcome.retired)
+            self.tally.took(weight)
+            self.tally.counting_from(flight.since)
+        elif tensors.sendable:  # averaged in place: the round may relay from them a while; then freed
+            await self.state.off_loop(self.local.apply, tensors, False)
+        else:
+            await self.state.off_loop(self.local.apply, tensors)
+            self.contribution.keep_spare(tensors)
+        return outcome, weight
+
+    def short_of_quorum(self, digest: bytes, result: RoundResult) -> str:
+        """Why a committed round must not be applied here ('' if it may): others contributed, but they
+        no longer hold the peers this one must average with (see ``_form_group``): members of the
+        formed group left it before it started, and with fresh keys in their places the rest would
+        step on its own while those who left form a second group of the same step (two lineages). A
+        round this peer was left alone in is its step alone, as when it is the only one on its step."""
+        quorum = self.quorums.pop(digest, None)
+        if quorum is None or len(result.contributors) <= 1:
+            return ""
+        held = len(quorum.peers & set(result.contributors))
+        if held >= quorum.size:
+            return ""
+        return (
+            f"its contributors hold {held} of the {quorum.size} peers this one must average with:"
+            " applying it could split the swarm"
+        )
+
+    def note_abort(self, e: BaseException) -> None:
+        log.warning("step %d: averaging round aborted, nothing applied: %s", self.tally.epoch, e)
+        self.stats.aborted += 1
+        self.stats.last = {"epoch": self.tally.epoch, "outcome": "aborted", "reason": str(e)}
+
+    async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
+        """``buffer``'s values in a spill file (a worker thread's job when large): a model-sized copy
+        that the landing reads once, so it need not stay in memory meanwhile (in memory if the file
+        cannot be written: a full disk)."""
+        file = SpillFile()
+
+        def write() -> list[Spilled | torch.Tensor]:
+            try:
+                return [file.put(raw_bytes(v)) for v in buffer.views]
+            except OSError as e:
+                log.warning("cannot spill the pseudo-gradient (%s): keeping a copy in memory", e)
+                file.close()
+                return [v.detach().clone() for v in buffer.views]
+
+        if self.state.param_bytes < statesync.THREAD_BYTES:
+            return write()
+        return await trio.to_thread.run_sync(write)

@@ -1,0 +1,378 @@
+"""The state a CollaborativeOptimizer shares with the swarm: its digest, snapshots for joiners, downloads.
+
+Theory of operation: the state peers agree on (and serve to joiners) is the model with, in DiLoCo, the
+global parameters in place of the local ones, plus the optimizer state that global steps change (the
+inner optimizer in sync mode, the outer one in DiLoCo). Its digest (``state.chunks.root``) commits to
+every byte; only global steps and downloads change it, and only between batches. Hashing it after each
+change, and writing a snapshot for joiners (``state.serve``), read the live tensors in a worker thread
+when the state is large: meanwhile the state is *held* (a finished round or download waits to be applied
+until the hold ends), never copied in memory. Work that changes the state in a worker thread (an inner
+step, applying a round: :meth:`SharedState.off_loop`) keeps snapshots waiting the other way round. A peer
+that is behind or diverged downloads the state in the background (``state.download``) and applies it
+between two batches.
+
+:class:`SharedState` owns all of that; the optimizer tells it when a step changed the state
+(:meth:`SharedState.changed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trio
+
+from ...config import RunConfig
+from ...errors import P2PError, RemoteProtocolError
+from ...node import Node
+from ..state import capture as model_state
+from ..state import chunks as lay
+from ..state import serve as statesync
+from ..state.download import Downloaded, Fetcher, Partial, ProgressFn, fill_from
+from ..state.serve import LiveState, Snapshot, StateServer
+from .bookkeeping import RoundStats, Tally
+from .buffers import Contribution
+from .feedback import FEEDBACK
+from .outer import OuterStep
+from .progress import SwarmView
+from .wake import Wake
+
+log = logging.getLogger("p2ptrain.training.swarm_state")  # (its lines, as before)
+
+RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
+HASHED_KEPT = 4  # the digests of this many recent steps are kept for the metrics (``hashed``)
+
+
+@dataclass
+class Download:
+    """A state download running in the background (see :meth:`SharedState.start_download`)."""
+
+    done: trio.Event
+    carry_from: int | None  # diloco: the epoch whose local progress is carried onto the downloaded state
+    outcome: Downloaded | P2PError | None = None
+
+
+class SharedState:
+    """Digest, snapshots and downloads of a CollaborativeOptimizer's shared state."""
+
+    def __init__(
+        self,
+        node: Node,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: RunConfig,
+        *,
+        params: list[torch.Tensor],
+        names: list[str],
+        tally: Tally,
+        contribution: Contribution,
+        outer: OuterStep | None,
+        stats: RoundStats,
+        wake: Wake,
+        clock: Callable[[], float],
+    ) -> None:
+        """``wake`` is set whenever the digest changed (the progress records say it)."""
+        self.model, self.optimizer, self.params, self.names = model, optimizer, params, names
+        self.tally, self.contribution, self.outer, self.stats = tally, contribution, outer, stats
+        self.wake, self.clock = wake, clock
+        self.param_bytes = sum(p.numel() * p.element_size() for p in params)
+        self._nursery: trio.Nursery | None = None
+        self._version = 0  # bumped whenever the state changes
+        self.holds = 0  # threads reading the live state: nothing may change it meanwhile
+        self._released = trio.Event()
+        self._local_idle = trio.Event()  # set while no step work runs in a worker thread (off_loop)
+        self._local_idle.set()
+        self._digest_set = trio.Event()  # set while ``digest`` is known (see ``hashed_digest``)
+        self._hashes: tuple[int, list[bytes]] | None = None  # the chunk hashes of a state version
+        # The digests of the last few steps, once hashed (a large state is hashed in a thread, after
+        # the step's metrics line was written): what the metrics report for comparing peers.
+        self.hashed: dict[int, bytes] = {}
+        self.digest = b""  # the root of the current state; b"" while it is being hashed
+        self.download: Download | None = None  # a state download running in the background
+        self.sync_retry_at = 0.0
+        self.on_download_progress: ProgressFn | None = None
+        self.download_progress = (0, 0)  # bytes received and expected by the download in progress
+        s = config.statesync
+        self.server = StateServer(node.host.registry, self.prepare_snapshot) if s.serve else None
+        self.fetcher = Fetcher(
+            node.host,
+            max_size=self.max_state_bytes(),
+            chunk_timeout=s.chunk_timeout,
+            max_donors=s.max_donors,
+            on_progress=self._on_download_progress,
+        )
+        self._rehash()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve snapshots, and own the hashing and download tasks, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.server is not None:
+                nursery.start_soon(self.server.run)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def changed(self) -> None:
+        """The state changed (a step, a download, a restore): a new version, hashed and served anew."""
+        self._version += 1
+        if self.server is not None:
+            self.server.invalidate()
+        self._rehash()
+        self.wake.set()
+
+    def capture(self, copy: bool = True, own: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """See :meth:`CollaborativeOptimizer.capture`."""
+        if self.outer is not None:
+            global_values = dict(zip(self.names, self.outer.global_params, strict=True))
+            feedback = self.outer.feedback
+            extra = {FEEDBACK: feedback.residual} if own and feedback is not None else {}
+            tensors, meta = model_state.capture(
+                self.model, {"outer": self.outer.sgd}, values=global_values, extra=extra, copy=copy
+            )
+        else:
+            tensors, meta = model_state.capture(self.model, {"inner": self.optimizer}, copy=copy)
+        meta["p2ptrain.epoch"] = str(self.tally.epoch)
+        meta["p2ptrain.inner_steps"] = str(self.tally.inner_steps)
+        return tensors, meta
+
+    def live(self) -> LiveState:
+        """The state as it is now, its tensors the live ones (read them before the next change)."""
+        tensors, meta = self.capture(copy=False)
+        layout = lay.Layout.of(tensors)
+        hashes = self._hashes[1] if self._hashes and self._hashes[0] == self._version else None
+        ordered = [tensors[e.name] for e in layout.entries]
+        source = self.outer.file if self.outer is not None else None
+        return LiveState(self.tally.epoch, layout, ordered, meta, hashes, source=source)
+
+    # ---- threads: readers hold the state still, writers keep snapshots waiting ----
+
+    async def unheld(self) -> None:
+        """Wait until no thread reads the live state (then it may change)."""
+        while self.holds:
+            await self._released.wait()
+
+    async def read_in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread that reads the live state: it is held meanwhile."""
+        self.holds += 1
+        try:
+            return await trio.to_thread.run_sync(fn, *args)
+        finally:
+            self.holds -= 1
+            if not self.holds:
+                self._released.set()
+                self._released = trio.Event()
+
+    async def off_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` (work over the whole model: an inner step, accumulating gradients, applying a
+        round) in a worker thread when the model is large: AdamW over 124M parameters takes about a
+        second of CPU, which the event loop would not serve the network in (a donor's upload ran at 58%
+        of its link). Meanwhile the training loop waits for ``step``, and a round that forms and a
+        snapshot wait for :meth:`idle`."""
+        if self.param_bytes < statesync.THREAD_BYTES:
+            fn(*args)
+            return
+        self._local_idle = trio.Event()
+        try:
+            await trio.to_thread.run_sync(fn, *args)
+        finally:
+            self._local_idle.set()
+
+    async def idle(self) -> None:
+        """Wait until no step work runs in a worker thread (see :meth:`off_loop`)."""
+        await self._local_idle.wait()
+
+    # ---- the digest ----
+
+    def _rehash(self) -> None:
+        """The state changed: its digest is computed now (small states) or in a thread (large ones)."""
+        live = self.live()
+        if live.layout.size < statesync.THREAD_BYTES or self._nursery is None:
+            self.set_digest(live, lay.hash_chunks(live.layout, live.tensors, live.source))
+            return
+        self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
+        if self._digest_set.is_set():
+            self._digest_set = trio.Event()
+        self._nursery.start_soon(self.hash_in_thread, live, self._version)
+
+    async def hashed_digest(self) -> bytes:
+        """The current state's digest, once known: a large state is hashed in a thread after it
+        changes (``digest`` is b"" meanwhile), and a peer that stops reports the digest it stops with."""
+        while not self.digest:  # (a hash of the state's latest version is under way)
+            await self._digest_set.wait()
+        return self.digest
+
+    async def hash_in_thread(self, live: LiveState, version: int) -> None:
+        """Hash a large state in a worker thread; the digest is set unless the state changed meanwhile."""
+        hashes = await self.read_in_thread(lay.hash_chunks, live.layout, live.tensors, live.source)
+        if version == self._version:
+            self.set_digest(live, hashes)
+
+    def set_digest(self, live: LiveState, hashes: list[bytes]) -> None:
+        """``live``'s chunk hashes are in: its digest becomes the current one, and is published."""
+        self._hashes = (self._version, hashes)
+        self.digest = lay.root(live.epoch, live.layout, hashes)
+        self.hashed[live.epoch] = self.digest
+        self._digest_set.set()
+        for old in sorted(self.hashed)[:-HASHED_KEPT]:
+            del self.hashed[old]
+        self.wake.set()
+
+    async def prepare_snapshot(self) -> Snapshot | None:
+        """A snapshot of the state as it is now, for joiners (see ``StateServer``)."""
+        await self.idle()  # a round being applied in a worker thread changes the state
+        live = self.live()
+        if live.layout.size < statesync.THREAD_BYTES:
+            snap = statesync.write_snapshot(live)
+        else:
+            snap = await self.read_in_thread(statesync.write_snapshot, live)
+        return snap
+
+    # ---- loading a state ----
+
+    def restore(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, str],
+        *,
+        epoch: int | None = None,
+        owned: bool = False,
+    ) -> None:
+        """See :meth:`CollaborativeOptimizer.restore` (which then says the state changed)."""
+        verified = epoch is not None
+        try:
+            claimed = int(meta.get("p2ptrain.epoch", ""))
+            inner_steps = int(meta.get("p2ptrain.inner_steps", "0"))
+        except ValueError:
+            raise RemoteProtocolError("the state does not say which step it is") from None
+        epoch = claimed if epoch is None else epoch
+        if not (0 <= epoch <= 2**53 and 0 <= inner_steps <= 2**53):
+            raise RemoteProtocolError(f"implausible step {epoch}")
+        outer = self.outer
+        if outer is not None:
+            # Older checkpoints kept the global parameters apart ("extra.global.*"), the local ones as
+            # the model's; now the model entries are the global parameters.
+            legacy = bool(self.names) and f"extra.global.{self.names[0]}" in tensors
+            old = [f"global.{n}" for n in self.names] if legacy else []
+            # a checkpoint's own error feedback (another peer's state never brings one: see feedback)
+            mine = not verified and f"extra.{FEEDBACK}" in tensors
+            if mine and outer.feedback is not None:
+                outer.feedback.check(tensors[f"extra.{FEEDBACK}"])
+            extra = model_state.restore(
+                self.model,
+                {"outer": outer.sgd},
+                tensors,
+                meta,
+                extra_names=old + [FEEDBACK] * mine,
+                owned=owned,
+                tensors_only=verified,
+            )
+            if outer.feedback is not None:
+                outer.feedback.load(extra.get(FEEDBACK))
+            with torch.no_grad():
+                for i, (g, p) in enumerate(zip(outer.global_params, self.params, strict=True)):
+                    if old:
+                        p.copy_(extra[old[i]])
+                    g.copy_(p)
+            outer.rehome_momentum()
+        else:
+            model_state.restore(
+                self.model, {"inner": self.optimizer}, tensors, meta, owned=owned, tensors_only=verified
+            )
+            self.contribution.buffer.zero_()
+        self.tally.moved_to(epoch, None if verified else inner_steps)
+        self.contribution.fit(self.tally.epoch)
+        self.tally.counting_from(self.clock())
+
+    def max_state_bytes(self) -> int:
+        """The most a download of this model's state could need (bounds what a donor may send): the model,
+        up to three optimizer states per parameter (Adam's moments, amsgrad's maximum) and DiLoCo's
+        global copy and momentum, plus headers. Not our own state's size: a joiner's optimizer has no
+        state yet."""
+        entries = self.model.state_dict()
+        model_bytes: int = sum(t.numel() * t.element_size() for t in entries.values())
+        headers = (len(entries) + 5 * len(self.params)) * 1024
+        return 6 * model_bytes + headers + (1 << 20)
+
+    # ---- downloads ----
+
+    def start_download(self, view: SwarmView, expected: Callable[[int], bytes]) -> None:
+        """Download the state most peers hold (we are behind, or diverged), in the background: compute
+        goes on meanwhile, and ``step`` applies the state between two batches once it is in.
+        ``expected(epoch)``: the digest the peers this one trusts vouch for (see ``ProgressBoard``)."""
+        assert self._nursery is not None
+        epoch = self.tally.epoch
+        why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
+        log.info("catching up: %s", why)
+        # DiLoCo, one step behind (this peer missed the last round): its local progress since the global
+        # parameters it holds is carried onto the new ones, so the work rolls into the next round.
+        carry = self.outer is not None and view.behind and view.newest == epoch + 1
+        flight = self.download = Download(trio.Event(), epoch if carry else None)
+        want = view.newest if view.behind else epoch
+
+        async def run() -> None:
+            try:
+                flight.outcome = await self.fetcher.fetch(
+                    view.donors, want_epoch=want, expected=expected, reuse=self.reuse
+                )
+            except P2PError as e:
+                flight.outcome = e
+            finally:
+                flight.done.set()
+
+        self._nursery.start_soon(run)
+
+    async def reuse(self, partial: Partial) -> None:
+        """Copy the chunks of a new download that this peer's own state holds (``fetch.fill_from``)."""
+        live = self.live()
+        if live.hashes is not None:
+            await self.read_in_thread(fill_from, partial, live)
+
+    def land_download(self) -> bool:
+        """Apply a background download once it is in; True when the state was replaced (the caller
+        then says the state changed)."""
+        flight = self.download
+        if flight is None or not flight.done.is_set() or self.holds:
+            return False
+        self.download = None
+        got = flight.outcome
+        outer = self.outer
+        try:
+            if not isinstance(got, Downloaded):
+                raise got or P2PError("the download ended without an outcome")
+            local: list[torch.Tensor] = []
+            if flight.carry_from is not None and outer is not None:
+                local = [p - g for p, g in zip(self.params, outer.global_params, strict=True)]
+                outer.release()
+            samples, counting_since = self.tally.samples, self.tally.since
+            self.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+            self.tally.forget_cohort()  # a download: no round of ours vouches for this state
+        except P2PError as e:
+            log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
+            self.sync_retry_at = self.clock() + RETRY_SYNC
+            return False
+        carried = flight.carry_from is not None and self.tally.epoch == flight.carry_from + 1
+        if carried:
+            with torch.no_grad():
+                for p, d in zip(self.params, local, strict=True):
+                    p.add_(d)
+            self.tally.carry(samples, counting_since)
+        self.stats.syncs += 1
+        self.stats.last = {"epoch": self.tally.epoch, "outcome": "synced", "from": got.donor.short()}
+        log.info(
+            "now on step %d (state from %s)%s",
+            self.tally.epoch,
+            got.donor.short(),
+            f"; {self.tally.samples} samples of local progress carried into it" if carried else "",
+        )
+        return True
+
+    def _on_download_progress(self, got: int, total: int) -> None:
+        self.download_progress = (got, total)
+        if self.on_download_progress is not None:
+            self.on_download_progress(got, total)
