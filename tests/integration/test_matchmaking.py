@@ -15,7 +15,8 @@ import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, GroupTooSmall, Node, RoundResult, SchemaMismatch
+from p2ptrain import GroupTooSmall, Node, SchemaMismatch
+from p2ptrain.averaging import AveragerConfig, RoundResult
 from p2ptrain.averaging.matchmaking import Announcement
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.dht.records import RecordRefused, owned_subkey
@@ -312,15 +313,15 @@ async def test_nobody_announces_readiness_in_another_peers_name(autojump_clock):
     digest are ignored."""
     async with swarm(4, AveragerConfig()) as nodes:
         reader, victim, stranger = nodes[0], nodes[1], nodes[2]
-        key = reader.averager._key("named")
+        key = reader.averager.groups.key("named")
         now = trio.current_time()
         mine = Announcement(victim.peer_id, victim.averager.address(), now + 5.0, 1.0, b"s" * 16)
-        await victim.averager._announce(key, mine, now + 30.0)
+        await victim.averager.groups.announce(key, mine, now + 30.0)
         forged = Announcement(victim.peer_id, stranger.averager.address(), now + 1.0, 1e9, b"s" * 16)
         for subkey in (victim.peer_id.digest, owned_subkey(victim.peer_id)):
             try:
                 await stranger.dht.store(key, forged.to_bytes(), ttl=60.0, subkey=subkey, sign=True)
             except RecordRefused:
                 pass  # (its own node refuses to sign an entry under another's owned subkey)
-        seen = [a for a in await reader.averager._announcements(key) if a.peer == victim.peer_id]
+        seen = [a for a in await reader.averager.groups.announcements(key) if a.peer == victim.peer_id]
         assert seen == [mine]
