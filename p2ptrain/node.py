@@ -33,7 +33,6 @@ import trio
 
 from . import peercache
 from .averaging import Averager, AveragerConfig, RoundResult
-from .averaging.robust import parse_aggregation
 from .config import RunConfig
 from .dht.peers import Member, PeerRecord, announce, list_members, withdraw
 from .dht.service import DHT, DHTConfig
@@ -86,7 +85,7 @@ def averaging_settings(run: RunConfig) -> AveragerConfig:
         matchmaking_time=a.matchmaking_time,
         bandwidth=a.bandwidth * 1e6,
         compression=a.compression,
-        aggregation=parse_aggregation(a.aggregation),
+        aggregation=a.aggregation,
         audit=a.audit,
     )
 

@@ -22,6 +22,6 @@ into each member's plan, ``gathering`` routes around a reducer that fails or han
 from .allreduce import RoundResult
 from .averager import Averager
 from .compression import Compression
-from .settings import AveragerConfig
+from .settings import AveragerConfig, RoundPolicy
 
-__all__ = ["Averager", "AveragerConfig", "Compression", "RoundResult"]
+__all__ = ["Averager", "AveragerConfig", "Compression", "RoundPolicy", "RoundResult"]

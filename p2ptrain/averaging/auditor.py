@@ -4,9 +4,9 @@ it was chosen for, and keep the list of banned peers (see ``audit`` for the theo
 Evidence of a round is kept for ``AUDIT_WINDOW`` seconds (at most ``MAX_KEPT`` rounds), long enough for
 every auditor to fetch what it needs. A verdict against a peer bans it here at once. A verdict against a
 reducer also keeps its :class:`~p2ptrain.averaging.audit.Proof` (at most ``MAX_PROOFS``), served to
-anyone who asks, and ``on_ban`` lets the owner publish the accusation. A ban someone else published is
-adopted only once its proof, fetched from the accuser, convicts (:meth:`Auditor.examine`); a proof that
-does not convict bans the accuser. The accuser also tells the round's other members at once
+anyone who asks, and the run's ``RoundPolicy.on_ban`` lets it publish the accusation. A ban someone else
+published is adopted only once its proof, fetched from the accuser, convicts (:meth:`Auditor.examine`);
+a proof that does not convict bans the accuser. The accuser also tells the round's other members at once
 (``avg.accuse``): they are the peers the convicted reducer meets next, and a member that only learns of
 it from the ban records would put its slices into another round with it first. A member examines what it
 is told only about a round it kept, a partition that round's holder reduced, from another member of it,
@@ -30,6 +30,7 @@ from ..net.streams import RpcStream
 from .allreduce import RoundEvidence
 from .audit import Proof, Verdict, auditor_of, check_proof, judge, open_attestation
 from .protocol import ACCUSE, AUDIT_SLICE, PROOF, PROOF_HEAD, Ack, FetchReq, ProofHead, SignedManifest
+from .settings import RoundPolicy
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +61,17 @@ class Accusation:
 class Auditor:
     """One per averager: evidence, audits, bans."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, *, policy: Callable[[], RoundPolicy] | None = None) -> None:
+        """``policy``: the run's rules for bans and proofs, as they stand (the averager's, see
+        :meth:`Averager.follow`; None: none)."""
         self.host = host
+        self._policy = policy or RoundPolicy  # (the class itself: a policy with none of the rules)
         self.banned: dict[PeerID, str] = {}  # peer -> why
         self.accusations: dict[PeerID, Accusation] = {}  # our provable verdicts, to publish
         self.proofs: OrderedDict[tuple[bytes, int], Proof] = OrderedDict()  # (round, partition) -> proof
         self.examined: set[tuple[PeerID, PeerID, bytes, int]] = set()  # (accuser, accused, round, p)
-        # The most bytes a proof may take to fetch (None: only the per-slice bound): an accuser signs
-        # the manifest its proof names, so without it one could make us download any size.
-        self.max_proof_bytes: int | None = None
         self.strikes: dict[PeerID, int] = {}  # rounds in a row that failed on a peer
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
-        self.on_ban: Callable[[PeerID, str], None] | None = None
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
         self.nursery: trio.Nursery | None = None  # the owner's: examinations we are told of run there
         self._told = 0  # examinations of what members told us, queued or running
@@ -85,16 +85,17 @@ class Auditor:
 
     def ban(self, peer: PeerID, reason: str, *, accusation: Accusation | None = None) -> None:
         """Ban ``peer``. ``accusation``: our own provable verdict (its proof kept), published through
-        ``on_ban``; bans from anything else (strikes, a contributor's disowned slice, an examined proof)
-        stay local: nobody else could check them, or the accuser serves the proof."""
+        the policy's ``on_ban``; bans from anything else (strikes, a contributor's disowned slice, an
+        examined proof) stay local: nobody else could check them, or the accuser serves the proof."""
         if peer in self.banned or peer == self.host.peer_id or len(self.banned) >= MAX_BANS:
             return
         self.banned[peer] = reason
         log.error("banned %s: %s", peer.short(), reason)
         if accusation is not None:
             self.accusations[peer] = accusation
-            if self.on_ban is not None:
-                self.on_ban(peer, reason)
+            on_ban = self._policy().on_ban
+            if on_ban is not None:
+                on_ban(peer, reason)
 
     def strike(self, peer: PeerID, reason: str) -> None:
         """A round failed on ``peer`` (its partition never came, it never decided). Once is bad luck or
@@ -164,9 +165,10 @@ class Auditor:
         limit = 4 * sizes[accusation.partition] + 1024
         if any(not 0 <= n <= limit for n in head.lengths):
             raise RemoteProtocolError("a slice in the proof is larger than its partition")
-        if self.max_proof_bytes is not None and sum(head.lengths) > self.max_proof_bytes:
+        most = self._policy().max_proof_bytes
+        if most is not None and sum(head.lengths) > most:
             # larger than any proof about this run's model: not fetched, and nobody banned for it
-            raise RemoteProtocolError(f"a proof of {sum(head.lengths)} bytes, over {self.max_proof_bytes}")
+            raise RemoteProtocolError(f"a proof of {sum(head.lengths)} bytes, over {most}")
         async with conn.open_stream(PROOF, req) as stream:
             data = await stream.receive_all(sum(head.lengths))
             ack = await stream.response()

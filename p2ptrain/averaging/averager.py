@@ -71,7 +71,7 @@ from .protocol import (
     TensorSpec,
     seal_decision,
 )
-from .settings import AveragerConfig
+from .settings import AveragerConfig, RoundPolicy
 from .spill import Spilled, SpillFile
 
 log = logging.getLogger(__name__)
@@ -165,10 +165,15 @@ class Averager:
         dht: DHT | None,
         config: AveragerConfig | None = None,
         *,
+        policy: RoundPolicy | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``policy``: the rules of the training run this averager serves (see :class:`RoundPolicy`);
+        a node's averager gets them later, once, from :meth:`follow`."""
         self.host = host
         self.config = config or AveragerConfig()
+        self.policy = policy or RoundPolicy()
+        self._followed = policy is not None
         self._rounds: dict[bytes, AllReduceRound] = {}
         self._pool = BufferPool()  # flat copies and accumulators, reused across rounds
         self._round_started: dict[bytes, trio.Event] = {}
@@ -182,9 +187,7 @@ class Averager:
         self._waiting_subnet: Counter[str] = Counter()  # ... per caller's subnet
         self._nursery: trio.Nursery | None = None
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
-        # The most weight a member may carry in a round this peer coordinates (None: no cap for it).
-        self.weight_cap: Callable[[PeerID], float | None] | None = None
-        self.auditor = Auditor(host)
+        self.auditor = Auditor(host, policy=lambda: self.policy)
         # Peers whose contributions went into a round we committed: they held our state then (trained
         # with us, and paid for it in compute); the trainer trusts their records of later states.
         self.partners: set[PeerID] = set()
@@ -206,6 +209,26 @@ class Averager:
         reg.add_stream(FETCH_EARLY, self._on_fetch_early)
         reg.add_unary(RELAY_DECISION, self._on_relay_decision)
         reg.add_stream(RELAY_RESULT, self._on_relay_result)
+
+    def follow(self, config: AveragerConfig, policy: RoundPolicy) -> None:
+        """Take a training run's rules for this node's rounds: its settings replace the node's, and its
+        policy (weight caps, bans published, the largest proof fetched) takes effect.
+
+        The one way to change them after construction, and only once: a node builds its averager
+        before the run's optimizer exists, and the policy reads that optimizer's progress records and
+        publishes its bans, so the optimizer hands them over when it is built, before any round.
+
+        Args:
+            config: The run's averaging settings.
+            policy: The run's policy.
+
+        Raises:
+            RuntimeError: This averager follows a run already.
+        """
+        if self._followed:
+            raise RuntimeError("this averager follows a training run already (one per node)")
+        self._followed = True
+        self.config, self.policy = config, policy
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the tasks that keep finished rounds serving their last fetches."""
@@ -435,7 +458,7 @@ class Averager:
     def _caps(self, peers: list[PeerID]) -> dict[int, float]:
         """The most weight each other member may carry in a round: the coordinator caps weights, and
         every reducer refuses far-off ones (see ``agreement``)."""
-        weight_cap = self.weight_cap
+        weight_cap = self.policy.weight_cap
         if weight_cap is None:
             return {}
         caps = {i: weight_cap(peer) for i, peer in enumerate(peers) if peer != self.host.peer_id}

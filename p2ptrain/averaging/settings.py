@@ -10,8 +10,10 @@ Everything inside the averager takes these values as they are.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..identity import PeerID
 from .compression import Compression, parse_compression
 from .protocol import RoundSettings
 from .robust import Aggregation, parse_aggregation
@@ -46,3 +48,27 @@ class AveragerConfig:
         RoundSettings(mode, rule, self.audit)  # (checks that the compression goes with the rule and audit)
         object.__setattr__(self, "compression", mode)
         object.__setattr__(self, "aggregation", rule)
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """What the training run a node takes part in decides about its averager's rounds, beyond settings.
+
+    The averager and its auditor are built with one (the default: none of it), or are handed the run's
+    once, by :meth:`Averager.follow`, when the run's optimizer is built (it reads the run's progress
+    records and publishes its bans, so it exists only after the node). ``p2ptrain average`` and
+    ``Node.average`` average without one.
+
+    Attributes:
+        weight_cap: The most weight a member may carry in a round (None: no cap for it): the
+            coordinator caps weights with it, and every reducer refuses far-off ones (``agreement``).
+        on_ban: Called when this peer's auditor convicts a reducer with a proof it keeps (the run
+            publishes the accusation; others re-check the proof).
+        max_proof_bytes: The most bytes a proof may take to fetch (None: only the per-slice bound): an
+            accuser signs the manifest its proof names, so without it one could make us download any
+            size.
+    """
+
+    weight_cap: Callable[[PeerID], float | None] | None = None
+    on_ban: Callable[[PeerID, str], None] | None = None
+    max_proof_bytes: int | None = None

@@ -14,6 +14,7 @@ import pytest
 import torch
 import trio
 
+from p2ptrain.averaging import RoundPolicy
 from p2ptrain.averaging.allreduce import AllReduceRound, RoundResult
 from p2ptrain.averaging.audit import Proof, check_proof, open_attestation
 from p2ptrain.averaging.auditor import Accusation, Auditor
@@ -176,11 +177,13 @@ async def test_the_other_members_are_told_at_once_and_recheck_the_proof(autojump
     await audited_round(liar_reducer=liar, after=told)
 
 
-async def outsider(net: MemoryNetwork, nursery: trio.Nursery, name: str = "outsider") -> Auditor:
+async def outsider(
+    net: MemoryNetwork, nursery: trio.Nursery, name: str = "outsider", policy: RoundPolicy | None = None
+) -> Auditor:
     """A peer that took no part in the round: it reads a published accusation and examines it."""
     host = Host(Identity.generate(), "audit", transport=net.transport(name))
     await nursery.start(host.run, [(name, PORT)])
-    return Auditor(host)
+    return Auditor(host, policy=None if policy is None else lambda: policy)
 
 
 async def test_a_proof_convicts_the_lying_reducer_for_anyone_who_examines_it(autojump_clock: object) -> None:
@@ -201,8 +204,7 @@ async def test_a_proof_convicts_the_lying_reducer_for_anyone_who_examines_it(aut
             assert set(judge.banned) == {liar_id} and "proven by" in judge.banned[liar_id]
             assert await judge.examine(accuser_id, addr, accusation) == "already settled"  # fetched once
             # a proof larger than the examiner's bound is not fetched, and bans nobody
-            wary = await outsider(net, nursery, "wary")
-            wary.max_proof_bytes = 1000
+            wary = await outsider(net, nursery, "wary", RoundPolicy(max_proof_bytes=1000))
             got = await wary.examine(accuser_id, addr, accusation)
             assert "over 1000" in got and not wary.banned
             nursery.cancel_scope.cancel()

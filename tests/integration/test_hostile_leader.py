@@ -18,7 +18,7 @@ import torch
 import trio
 
 from p2ptrain import Node, NodeConfig
-from p2ptrain.averaging import AveragerConfig, RoundResult
+from p2ptrain.averaging import AveragerConfig, RoundPolicy, RoundResult
 from p2ptrain.averaging.protocol import Manifest, SignedManifest
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import Identity
@@ -88,7 +88,8 @@ async def test_a_coordinator_claiming_a_billion_samples_is_left_out_of_its_own_r
     async with swarm(3, cfg, net=MemoryNetwork(seed=5)) as nodes:
         attacker = nodes[0].peer_id
         for node in nodes:
-            node.averager.weight_cap = lambda peer: 10.0  # what everyone's records make plausible
+            # what everyone's records make plausible
+            node.averager.follow(node.averager.config, RoundPolicy(weight_cap=lambda peer: 10.0))
         out: list[RoundResult | Exception | None] = [None, None, None]
 
         async def one(i: int, delay: float) -> None:

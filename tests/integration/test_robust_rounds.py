@@ -10,6 +10,7 @@ import torch
 import trio
 import trio.testing
 
+from p2ptrain.averaging import RoundPolicy
 from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.averaging.averager import Averager, schema_of
 from p2ptrain.averaging.partition import partition_sizes
@@ -112,16 +113,16 @@ async def test_the_coordinator_counts_a_liar_at_its_plausible_weight(claimed: fl
     weights = [1.0, 2.0, 3.0, 4.0, claimed]
     async with trio.open_nursery() as nursery:
         hosts, averagers = [], []
+        liar = identity("w4").peer_id
+        caps = RoundPolicy(weight_cap=lambda peer: 5.0 if peer == liar else None)  # the coordinator's
         for i in range(N):
             ident = identity(f"w{i}")
             host = Host(ident, "caps", transport=net.transport(f"w{i}"))
-            averager = Averager(host, None)
+            averager = Averager(host, None, policy=caps if i == 0 else None)
             await nursery.start(host.run, [(f"w{i}", PORT)])
             await nursery.start(averager.run)
             hosts.append(host)
             averagers.append(averager)
-        liar = hosts[4].identity.peer_id
-        averagers[0].weight_cap = lambda peer: 5.0 if peer == liar else None
         manifest = Manifest(
             round_id=bytes(16),
             group_key="caps",

@@ -57,6 +57,7 @@ from collections.abc import Callable, Mapping
 import torch
 import trio
 
+from ...averaging import RoundPolicy
 from ...averaging.allreduce import RoundResult
 from ...config import RunConfig
 from ...errors import ConfigError
@@ -190,20 +191,24 @@ class CollaborativeOptimizer:
         )
         self._nursery: trio.Nursery | None = None
         a = config.averaging
-        # The run decides how its rounds go, whatever the node was started with.
-        node.averager.config = dataclasses.replace(
-            node.averager.config,
-            compression=a.compression,
-            aggregation=a.aggregation,
-            audit=a.audit,
-            matchmaking_time=a.matchmaking_time,
-        )
-        node.averager.weight_cap = self.board.weight_cap
-        node.averager.auditor.on_ban = self.bans.on_ban
-        # A proof of this run's rounds is about one fp32 copy of the model (a partition's slices from
-        # each contributor); twice that covers uneven partitions.
+        # The run decides how its rounds go, whatever the node was started with. A proof of this run's
+        # rounds is about one fp32 copy of the model (a partition's slices from each contributor); twice
+        # that covers uneven partitions.
         model_bytes = 4 * sum(p.numel() for p in self.params)
-        node.averager.auditor.max_proof_bytes = 2 * model_bytes + (1 << 20)
+        node.averager.follow(
+            dataclasses.replace(
+                node.averager.config,
+                compression=a.compression,
+                aggregation=a.aggregation,
+                audit=a.audit,
+                matchmaking_time=a.matchmaking_time,
+            ),
+            RoundPolicy(
+                weight_cap=self.board.weight_cap,
+                on_ban=self.bans.on_ban,
+                max_proof_bytes=2 * model_bytes + (1 << 20),
+            ),
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
