@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import p2ptrain
 from p2ptrain.errors import InvalidSignature, RemoteProtocolError
 from p2ptrain.identity import Identity, SignedEnvelope
-from p2ptrain.net import rpc
+from p2ptrain.net import frames
 from p2ptrain.net.channel import FrameCipher, open_record, seal_record
 from p2ptrain.net.handshake import Finish, Hello, Reject, Reply, decode_frame
 from p2ptrain.wire.codec import pack, unpack
@@ -158,15 +158,15 @@ def test_decode_frame_only_raises_remote_protocol_error(data: bytes) -> None:
 @FUZZ
 @given(hostile_bytes)
 def test_decode_header_only_raises_remote_protocol_error(data: bytes) -> None:
-    _only_remote_errors(rpc.decode_header, data)
+    _only_remote_errors(frames.decode_header, data)
 
 
 @st.composite
 def header_like(draw: st.DrawFn) -> bytes:
     # Kinds are drawn from the known ints (or out-of-range ints); 'k' of other types is covered by the
     # regression test below.
-    kind = draw(st.one_of(st.sampled_from(sorted(rpc.FRAME_KINDS)), st.integers(-(2**63), 2**64 - 1)))
-    cls = rpc.FRAME_KINDS.get(kind, rpc.Request)
+    kind = draw(st.one_of(st.sampled_from(sorted(frames.FRAME_KINDS)), st.integers(-(2**63), 2**64 - 1)))
+    cls = frames.FRAME_KINDS.get(kind, frames.Request)
     obj = draw(near_valid(cls))
     obj["k"] = kind
     return pack(obj)
@@ -175,8 +175,8 @@ def header_like(draw: st.DrawFn) -> bytes:
 @st.composite
 def header_array_like(draw: st.DrawFn) -> bytes:
     """A header as frames carry it: ``[kind, *fields]``, the fields near valid, some missing or extra."""
-    kind = draw(st.one_of(st.sampled_from(sorted(rpc.FRAME_KINDS)), st.integers(-(2**63), 2**64 - 1)))
-    cls = rpc.FRAME_KINDS.get(kind, rpc.Request)
+    kind = draw(st.one_of(st.sampled_from(sorted(frames.FRAME_KINDS)), st.integers(-(2**63), 2**64 - 1)))
+    cls = frames.FRAME_KINDS.get(kind, frames.Request)
     obj = draw(near_valid(cls))
     values = [obj[f.name] for f in dataclasses.fields(cls) if f.name in obj]
     return pack([kind, *values, *draw(st.lists(field_values, max_size=2))])
@@ -185,35 +185,35 @@ def header_array_like(draw: st.DrawFn) -> bytes:
 @FUZZ
 @given(st.one_of(header_like(), header_array_like()))
 def test_decode_header_near_valid_only_raises_remote_protocol_error(data: bytes) -> None:
-    _only_remote_errors(rpc.decode_header, data)
+    _only_remote_errors(frames.decode_header, data)
 
 
 @pytest.mark.parametrize("kind", [[1], {"a": 1}], ids=["list", "map"])
 def test_decode_header_unhashable_kind(kind: Any) -> None:
     with pytest.raises(RemoteProtocolError):
-        rpc.decode_header(pack({"k": kind, "id": 1}))
+        frames.decode_header(pack({"k": kind, "id": 1}))
     with pytest.raises(RemoteProtocolError):
-        rpc.decode_header(pack([kind, 1]))
+        frames.decode_header(pack([kind, 1]))
 
 
 @pytest.mark.parametrize(
     "header",
     [
-        rpc.Request(7, "dht.store", 10.0, False, b"args"),
-        rpc.Response(8, b"result"),
-        rpc.Data(9),
-        rpc.Credit(9, 4096),
-        rpc.GoAway("bye"),
+        frames.Request(7, "dht.store", 10.0, False, b"args"),
+        frames.Response(8, b"result"),
+        frames.Data(9),
+        frames.Credit(9, 4096),
+        frames.GoAway("bye"),
     ],
 )
 def test_a_header_reads_back_from_the_array_it_is_sent_as_and_from_an_older_peer_s_map(
     header: Message,
 ) -> None:
-    data = rpc.encode_header(header)
+    data = frames.encode_header(header)
     assert isinstance(unpack(data), list)
-    assert rpc.decode_header(data) == header
+    assert frames.decode_header(data) == header
     old = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
-    assert rpc.decode_header(pack(old | {"k": unpack(data)[0]})) == header
+    assert frames.decode_header(pack(old | {"k": unpack(data)[0]})) == header
     assert len(data) < len(pack(old | {"k": 1}))
 
 
