@@ -175,7 +175,7 @@ class Averager:
         self.policy = policy or RoundPolicy()
         self._followed = policy is not None
         self._rounds: dict[bytes, AllReduceRound] = {}
-        self._pool = BufferPool()  # flat copies and accumulators, reused across rounds
+        self.pool = BufferPool()  # flat copies and accumulators, reused across rounds
         self._round_started: dict[bytes, trio.Event] = {}
         # Rounds this member will not run -> when to forget them, and (if it coordinates them) its
         # signed abort decision, given to the members that ask for the decision.
@@ -260,7 +260,7 @@ class Averager:
         mode = parse_compression(compression) if compression else self.config.compression
         tensors = list(tensors)
         schema = schema_of(tensors)
-        source, flat = _flatten(tensors, self._pool)
+        source, flat = _flatten(tensors, self.pool)
         began = trio.current_time()
         try:
             sizes = (self.config.target_size, self.config.min_size)
@@ -273,7 +273,7 @@ class Averager:
                 sizes,
             )
         except BaseException:
-            self._pool.give(flat)  # no round will use it
+            self.pool.give(flat)  # no round will use it
             raise
         matchmaking = trio.current_time() - began
         result = await self._run_round(signed, tensors, source, flat, weight)
@@ -361,7 +361,7 @@ class Averager:
         mode = m.settings.mode
         sparse_mode = mode if mode.sparse and ours else None  # (else _run_round says why not)
         if not in_place:
-            source, flat = _flatten(tensors, self._pool)
+            source, flat = _flatten(tensors, self.pool)
             if sparse_mode is not None:
                 await _compress(source, flat, sparse_mode)
                 source = flat
@@ -423,7 +423,7 @@ class Averager:
             problem = GroupFormationFailed("the manifest does not list this peer")
         if problem is not None:
             if backup is None:  # (in place, ``flat`` is the caller's)
-                self._pool.give(flat)
+                self.pool.give(flat)
             raise problem
         rnd = AllReduceRound(
             self.host,
@@ -432,7 +432,7 @@ class Averager:
             weight,
             tensors,
             fault=self.fault,
-            pool=self._pool,
+            pool=self.pool,
             source=source,
             backup=backup,
             own_saved=own_saved,
@@ -474,6 +474,10 @@ class Averager:
             await trio.sleep(AUDIT_WINDOW)
         finally:
             self.auditor.forget(evidence.digest)
+
+    def round(self, digest: bytes) -> AllReduceRound | None:
+        """The round ``digest`` while this node serves it."""
+        return self._rounds.get(digest)
 
     async def wait_idle(self) -> None:
         """Wait until every round this node took part in is over for all its members (or timed out).

@@ -36,6 +36,11 @@ class BufferPool:
     def __len__(self) -> int:
         return len(self._free)
 
+    @property
+    def idle(self) -> list[torch.Tensor]:
+        """The buffers waiting to be taken again (oldest first)."""
+        return list(self._free)
+
     def take(self, numel: int) -> torch.Tensor:
         """``numel`` elements with arbitrary contents: the start of the smallest kept buffer that holds
         them and is at most twice their size, else of a new one."""

@@ -260,7 +260,7 @@ async def test_members_hold_the_mean_before_the_decision_which_only_confirms_it(
             if name == "decide":
                 await trio.sleep(5.0)  # the members fetch meanwhile
                 for i, peer in enumerate(group.peers[1:], start=1):
-                    early[i] = peer.averager._rounds[rnd.digest].flat.clone()
+                    early[i] = peer.averager.round(rnd.digest).flat.clone()
                 sent_at_decision.append(sent())
 
         group.peers[0].averager.fault = hold_decision
@@ -336,4 +336,4 @@ async def test_an_in_place_round_never_gives_the_callers_tensor_to_the_buffer_po
                 await o.retired.wait()
         for peer, tensors in zip(group.peers, inputs, strict=True):
             mine = tensors[0].untyped_storage().data_ptr()
-            assert all(t.untyped_storage().data_ptr() != mine for t in peer.averager._pool._free)
+            assert all(t.untyped_storage().data_ptr() != mine for t in peer.averager.pool.idle)

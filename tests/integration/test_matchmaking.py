@@ -149,7 +149,7 @@ async def test_bad_arguments_are_refused_before_any_network_traffic(autojump_clo
 
 async def test_rounds_reuse_their_buffers(autojump_clock):
     def kept(node: Node) -> set[int]:
-        return {t.data_ptr() for t in node.averager._pool._free}
+        return {t.data_ptr() for t in node.averager.pool.idle}
 
     async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
         with trio.fail_after(120):
@@ -187,9 +187,9 @@ async def test_a_tensor_sent_in_place_takes_one_buffer_reused_every_round(autoju
     async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
         with trio.fail_after(120):
             first = await average(nodes)
-            after_first = [[t.data_ptr() for t in node.averager._pool._free] for node in nodes]
+            after_first = [[t.data_ptr() for t in node.averager.pool.idle] for node in nodes]
             second = await average(nodes)
-            after_second = [[t.data_ptr() for t in node.averager._pool._free] for node in nodes]
+            after_second = [[t.data_ptr() for t in node.averager.pool.idle] for node in nodes]
     for got in first + second:
         assert torch.allclose(got, expected, rtol=0, atol=1e-3)
     assert all(torch.equal(got, first[0]) for got in first + second)
