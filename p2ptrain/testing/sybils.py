@@ -209,7 +209,8 @@ async def _flood_dht(opt: CollaborativeOptimizer, costs: Attack) -> None:
     mode = opt.config.training.mode
     while True:
         epoch = honest_epoch(opt, costs)
-        keys = [opt.key] + [opt.node.averager._key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
+        groups = opt.node.averager.groups
+        keys = [opt.key] + [groups.key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
         for key in keys:  # one store after the other: the flood's rate is what the replicas take
             for who in ids:
                 await publish_as(opt, costs, who, key, junk, FLOOD_TTL)
