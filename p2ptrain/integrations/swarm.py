@@ -42,11 +42,33 @@ def join_swarm(
     data_dir: str | Path | None = None,
     timeout: float = 60.0,
 ) -> BackgroundNode:
-    """Start a node of ``run`` in a thread of its own and return it once it listens (stop it with
-    ``close()``, or use it as a context manager). ``listen``: ``HOST:PORT`` (port 0: any free one);
-    ``join``: addresses of peers already in the swarm (as ``p2ptrain node`` prints them); ``data_dir``:
-    where the node keeps its identity and remembered peers (held until the node is closed: one node
-    per folder); without one, a fresh identity each time."""
+    """Start a node of ``run`` in a thread of its own and return it once it listens.
+
+    Stop it with ``close()``, or use it as a context manager:
+
+    ```python
+    with join_swarm(run, listen="0.0.0.0:31337", join=[address]) as node:
+        ...
+    ```
+
+    Args:
+        run: The run file's settings (the same on every peer of the run): its run id, averaging
+            settings and identity work are the node's.
+        listen: ``HOST:PORT`` to listen on (port 0: any free one).
+        join: Addresses of peers already in the swarm, as ``p2ptrain node`` prints them; empty for the
+            swarm's first peer.
+        data_dir: Where the node keeps its identity and remembered peers, held until the node is closed
+            (one node per folder). Without one, a fresh identity each time.
+        timeout: Seconds to wait for the node to listen.
+
+    Returns:
+        The started node (a ``BackgroundNode``), listening and bootstrapping towards ``join``.
+
+    Raises:
+        p2ptrain.errors.ConfigError: The data directory is held by another node, or a setting is invalid.
+        p2ptrain.errors.IdentityError: The key file in ``data_dir`` is malformed or readable by others.
+        TimeoutError: The node did not listen within ``timeout`` seconds.
+    """
     folder = None
     release: Callable[[], None] = lambda: None  # noqa: E731
     if data_dir is not None:
@@ -100,15 +122,26 @@ def _start(
 class SwarmOptimizer(torch.optim.Optimizer):
     """``optimizer`` trained by the swarm that ``node`` belongs to, for loops that call ``step()``.
 
-    ::
+    To the loop it *is* a ``torch.optim.Optimizer`` (the wrapped optimizer's parameter groups and state,
+    so schedulers, checkpoints and ``isinstance`` checks keep working); its ``step()`` hands the batch's
+    gradients to the swarm, and the wrapped optimizer steps when the swarm does:
 
-        node = join_swarm(run, listen="0.0.0.0:31337", join=[address])
-        opt = SwarmOptimizer(node, model, torch.optim.AdamW(model.parameters()), run, samples_per_step=32)
-        ...                                   # the loop's own: loss.backward(); opt.step(); opt.zero_grad()
+    ```python
+    node = join_swarm(run, listen="0.0.0.0:31337", join=[address])
+    opt = SwarmOptimizer(node, model, torch.optim.AdamW(model.parameters()), run, samples_per_step=32)
+    ...                                   # the loop's own: loss.backward(); opt.step(); opt.zero_grad()
+    ```
 
-    ``step()`` returns the closure's loss, like any optimizer; :attr:`epoch` is the swarm's global step
-    and :attr:`stats` its last round. ``samples_per_step``: the samples one ``step()`` covers (the
-    batch size times the gradient accumulation steps) unless :meth:`add` counted them."""
+    The learning rate and its warm-up are the run file's (``[training] lr``, ``warmup_steps``).
+
+    Args:
+        node: The node of the swarm (see [`join_swarm`][p2ptrain.integrations.join_swarm]).
+        model: The model whose gradients the swarm averages.
+        optimizer: The optimizer to wrap; build it with every parameter (no group can be added later).
+        run: The run file's settings, the same on every peer.
+        samples_per_step: The samples one ``step()`` covers (the batch size times the gradient
+            accumulation steps) unless [`add`][p2ptrain.integrations.SwarmOptimizer.add] counted them.
+    """
 
     def __init__(
         self,
@@ -155,15 +188,42 @@ class SwarmOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = defaults
 
     def wait_for_peers(self, count: int, timeout: float = 600.0) -> int:
-        """Block until ``count`` peers (this one included) train in the swarm, or ``timeout`` seconds;
-        returns how many do. A swarm that starts together then begins together."""
+        """Block until ``count`` peers (this one included) train in the swarm, or ``timeout`` seconds.
+
+        A swarm that starts together then begins together.
+
+        Args:
+            count: Peers to wait for, this one included.
+            timeout: Seconds to wait at most.
+
+        Returns:
+            How many peers train in the swarm now.
+        """
         return self.swarm.wait_for_peers(count, timeout)
 
     def add(self, samples: int) -> None:
-        """Count ``samples`` toward the next ``step()`` (a loop's callback, once per batch)."""
+        """Count ``samples`` toward the next ``step()`` (a loop's callback, once per batch).
+
+        Args:
+            samples: The samples the batch just computed covered.
+        """
         self._counted += samples
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Hand the gradients of the samples counted since the last call to the swarm.
+
+        The wrapped optimizer steps (with the swarm's averaged gradients, or DiLoCo's outer step) when
+        the swarm has done its target batch; ``stepped`` then says so.
+
+        Args:
+            closure: Recomputes the loss, as for any torch optimizer.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: No samples were counted with ``add()`` and no ``samples_per_step`` was given.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -176,14 +236,20 @@ class SwarmOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: the swarm took the gradients in ``step()`` (see the module docstring)."""
+        """Nothing to do: the swarm took the gradients in ``step()``.
+
+        Args:
+            set_to_none: Ignored; kept for the ``torch.optim.Optimizer`` interface.
+        """
 
     @property
     def epoch(self) -> int:
+        """The swarm's global step."""
         return self.swarm.epoch
 
     @property
     def stats(self) -> Any:
+        """The optimizer's statistics: its last round (``stats.last``) and counters."""
         return self.swarm.stats
 
     def state_dict(self) -> dict[str, Any]:
