@@ -73,13 +73,24 @@ class Auditor:
         self.strikes: dict[PeerID, int] = {}  # rounds in a row that failed on a peer
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
-        self.nursery: trio.Nursery | None = None  # the owner's: examinations we are told of run there
+        self._nursery: trio.Nursery | None = None  # examinations we are told of run here (see ``run``)
         self._told = 0  # examinations of what members told us, queued or running
         self._examining = trio.Lock()
         host.registry.add_unary(ACCUSE, self._on_accuse)
         host.registry.add_stream(AUDIT_SLICE, self._on_audit_slice)
         host.registry.add_unary(PROOF_HEAD, self._on_proof_head)
         host.registry.add_stream(PROOF, self._on_proof)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the examinations of accusations members tell us of, until cancelled (the averager
+        starts this in its nursery)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
 
     # ---- bans ----
 
@@ -304,10 +315,10 @@ class Auditor:
         accusation = Accusation(accused, what, req.round, req.partition)
         if (ctx.peer, accused, req.round, req.partition) in self.examined or accused in self.banned:
             return Ack(True)
-        if self.nursery is None or self._told >= MAX_TOLD:
+        if self._nursery is None or self._told >= MAX_TOLD:
             return Ack(False, "busy examining other accusations: it is in the ban records too")
         self._told += 1
-        self.nursery.start_soon(self._examine_told, ctx.peer, address, accusation)
+        self._nursery.start_soon(self._examine_told, ctx.peer, address, accusation)
         return Ack(True)
 
     async def _examine_told(self, accuser: PeerID, address: str, accusation: Accusation) -> None:

@@ -233,13 +233,14 @@ class Averager:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the tasks that keep finished rounds serving their last fetches."""
         async with trio.open_nursery() as nursery:
-            self._nursery = self.auditor.nursery = nursery
+            self._nursery = nursery
+            await nursery.start(self.auditor.run)
             await nursery.start(self.groups.run)
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
-                self._nursery = self.auditor.nursery = None
+                self._nursery = None
 
     async def average(
         self,

@@ -135,6 +135,13 @@ class PartitionReducer:
         self._counts[sender], self._weights[sender] = index + 1, weight
         return self._advance()
 
+    def keep_own_copy(self, sender: int) -> None:
+        """Keep a copy of the slices ``sender`` handed over in place (this member's own), so that what
+        the reducer holds no longer changes with the sender's tensors (fault injection changes them)."""
+        kept = self._kept.get(sender)
+        if kept:
+            self._kept[sender] = [t.clone() if isinstance(t, torch.Tensor) else t for t in kept]
+
     def _advance(self) -> bool:
         """Publish the early chunks every expected sender has now sent; True if there were any."""
         if self._expected is None or self.early is None or self.result is not None:

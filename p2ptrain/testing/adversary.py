@@ -106,9 +106,7 @@ def _spoil(rnd: AllReduceRound, kind: str, generator: torch.Generator) -> None:
     """Change what this member sends to the others (the partition it reduces itself keeps its honest
     values: the attack is on the contribution, not a refusal to serve)."""
     for red in rnd.reducers.values():
-        kept = red._kept.get(rnd.me)
-        if kept:
-            red._kept[rnd.me] = [t.clone() if isinstance(t, torch.Tensor) else t for t in kept]
+        red.keep_own_copy(rnd.me)
     values = rnd.source
     with torch.no_grad():
         if kind == "nan":
