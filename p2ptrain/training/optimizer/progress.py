@@ -57,8 +57,7 @@ from ...identity import PeerID
 from ...idwork import WORK_BYTES, work_bits
 from ...net.address import PeerAddress
 from ...wire.schema import Message, bounded
-
-DIGEST_BYTES = 32
+from ..state.chunks import HASH_BYTES as DIGEST_BYTES  # (a state's root digest: see ``state.chunks``)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...net.rpc import Method
 from ...wire.schema import Message, bounded
-from ..optimizer.progress import DIGEST_BYTES
+from .chunks import HASH_BYTES as DIGEST_BYTES
 from .chunks import MAX_CHUNKS
 
 MAX_STATE_BYTES = 1 << 42
