@@ -36,6 +36,30 @@ class RoundStats:
     syncs: int = 0  # state downloads applied
     last: dict[str, Any] = field(default_factory=dict)  # the last round's outcome
 
+    def note_step(self, last: dict[str, Any]) -> None:
+        """A global step was taken; ``last`` says how (its ``outcome``: "averaged" or "alone")."""
+        self.steps += 1
+        if last["outcome"] == "averaged":
+            self.averaged += 1
+        else:
+            self.solo += 1
+        self.last = last
+
+    def note_abort(self, epoch: int, reason: str) -> None:
+        """A round of step ``epoch`` aborted (or was not applied): nothing changed."""
+        self.aborted += 1
+        self.last = {"epoch": epoch, "outcome": "aborted", "reason": reason}
+
+    def note_no_group(self, epoch: int, reason: str) -> None:
+        """Matchmaking for step ``epoch`` formed no group."""
+        self.no_group += 1
+        self.last = {"epoch": epoch, "outcome": "no group", "reason": reason}
+
+    def note_sync(self, epoch: int, donor: str) -> None:
+        """A downloaded state (from ``donor``) took this peer to step ``epoch``."""
+        self.syncs += 1
+        self.last = {"epoch": epoch, "outcome": "synced", "from": donor}
+
 
 class RateMeter:
     """Samples per second, exponentially smoothed over time."""

@@ -262,7 +262,7 @@ class CollaborativeOptimizer:
         if self._nursery is None:
             raise RuntimeError("start CollaborativeOptimizer.run in a nursery first")
         rounds, shared, tally = self.rounds, self.shared, self.tally
-        rounds.next_batch = self.clock()  # the training loop computes its next batch from about now
+        rounds.batch_started(self.clock())  # the training loop computes its next batch from about now
         if self.diloco:
             self.local.set_lr(tally.inner_steps)
             await shared.off_loop(self.local.inner_step)
@@ -349,33 +349,32 @@ class CollaborativeOptimizer:
             self.local.apply(self.contribution.buffer)
         self.tally.took(weight)
         self.tally.counting_from(self.clock())
-        self.stats.solo += 1
         self._advance(None, weight)
 
     def _advance(self, result: RoundResult | None, weight: int) -> None:
         """The global step: to the next epoch, after ``result`` (None: alone) took ``weight`` samples."""
         epoch = self.tally.epoch
-        self.stats.steps += 1
         self.alone.stepped()
         if result is not None:
-            self.stats.averaged += 1
             mine = self.node.peer_id in result.contributors
             if not mine:
                 log.warning("step %d: our %d samples were left out of the round", epoch, weight)
-            self.stats.last = {
-                "epoch": epoch,
-                "outcome": "averaged",
-                "group": result.group_size,
-                "contributors": len(result.contributors),
-                "samples": int(result.total_weight),
-                "mine": weight if mine else 0,  # this peer's samples in the average
-                "seconds": round(result.round_seconds, 3),
-                "reduced": result.reduced,  # elements of the average this peer reduced (its share)
-                "shares": {p.short(): n for p, n in result.shares.items()},  # every member's
-                "excluded": {p.short(): why for p, why in result.excluded.items()},
-            }
+            self.stats.note_step(
+                {
+                    "epoch": epoch,
+                    "outcome": "averaged",
+                    "group": result.group_size,
+                    "contributors": len(result.contributors),
+                    "samples": int(result.total_weight),
+                    "mine": weight if mine else 0,  # this peer's samples in the average
+                    "seconds": round(result.round_seconds, 3),
+                    "reduced": result.reduced,  # elements of the average this peer reduced (its share)
+                    "shares": {p.short(): n for p, n in result.shares.items()},  # every member's
+                    "excluded": {p.short(): why for p, why in result.excluded.items()},
+                }
+            )
         else:
-            self.stats.last = {"epoch": epoch, "outcome": "alone", "samples": weight, "mine": weight}
+            self.stats.note_step({"epoch": epoch, "outcome": "alone", "samples": weight, "mine": weight})
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
         self.tally.advance(others)
         self.contribution.fit(self.tally.epoch)
@@ -700,6 +699,15 @@ class SyncCollaborativeOptimizer:
         optimizer: torch.optim.Optimizer,
         config: RunConfig,
     ) -> None:
+        """Build the optimizer in the node's thread and start it there.
+
+        Args:
+            node: The node, started (``BackgroundNode.start`` or ``with``).
+            model: The model; its parameters that require gradients are trained.
+            optimizer: The torch optimizer over them.
+            config: The run file's settings.
+        """
+
         async def build() -> CollaborativeOptimizer:  # in the node's thread: it registers RPC handlers
             return CollaborativeOptimizer(node.node, model, optimizer, config)
 
@@ -709,17 +717,34 @@ class SyncCollaborativeOptimizer:
         node.at_close(self.optimizer.leave)  # peers need not wait for this one once it is gone
 
     def step(self, samples: int) -> bool:
-        """:meth:`CollaborativeOptimizer.step`, from synchronous code."""
+        """:meth:`CollaborativeOptimizer.step`, from synchronous code.
+
+        Args:
+            samples: The samples of the batch whose backward pass just ran.
+
+        Returns:
+            True when the swarm took a global step (or the state was replaced by a download).
+        """
         return self._node.call(lambda: self.optimizer.step(samples))
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
-        """:meth:`CollaborativeOptimizer.wait_for_peers`, from synchronous code."""
+        """:meth:`CollaborativeOptimizer.wait_for_peers`, from synchronous code.
+
+        Args:
+            count: The peers to wait for, this one included.
+            timeout: Seconds to wait at most.
+
+        Returns:
+            How many peers published progress.
+        """
         return self._node.call(lambda: self.optimizer.wait_for_peers(count, timeout))
 
     @property
     def epoch(self) -> int:
+        """The global step this peer is on."""
         return self.optimizer.epoch
 
     @property
     def stats(self) -> RoundStats:
+        """What the optimizer did so far."""
         return self.optimizer.stats

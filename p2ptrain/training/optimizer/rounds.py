@@ -104,7 +104,7 @@ class RoundRunner:
         self.matchmaking = False
         self._matchmaking_scope = trio.CancelScope()
         self.retry_at = 0.0
-        self.next_batch = clock()  # when the training loop began computing its next batch
+        self._next_batch = clock()  # when the training loop began computing its next batch
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -116,6 +116,11 @@ class RoundRunner:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+
+    def batch_started(self, now: float) -> None:
+        """The training loop computes its next batch from ``now`` on: a round handed the work before it
+        ends counts that batch toward the next step."""
+        self._next_batch = now
 
     # ---- forming groups ----
 
@@ -181,8 +186,7 @@ class RoundRunner:
             self.quorums[manifest.digest] = quorum
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)
-            self.stats.no_group += 1
-            self.stats.last = {"epoch": epoch, "outcome": "no group", "reason": str(e)}
+            self.stats.note_no_group(epoch, str(e))
             self.retry_at = self.clock() + RETRY_MATCHMAKING
         else:
             self.board.group_took(min(self.clock() - began, cfg.matchmaking_time))
@@ -263,10 +267,10 @@ class RoundRunner:
             self.tally.took(weight)  # the batches computed from now on count toward the next step
         done = trio.Event()
         # What is computed from here on counts toward the next step, the batch in progress included.
-        self.in_flight = InFlight(done, tensors, weight, since=self.next_batch, digest=manifest.digest)
+        self.in_flight = InFlight(done, tensors, weight, since=self._next_batch, digest=manifest.digest)
         self.tally.handed(True)
         if outer is None:
-            self.tally.counting_from(self.next_batch)
+            self.tally.counting_from(self._next_batch)
         self.wake.set()  # others count this peer on the next epoch already (see ``landing``)
 
         async def run(flight: InFlight) -> None:
@@ -385,8 +389,7 @@ class RoundRunner:
 
     def note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.tally.epoch, e)
-        self.stats.aborted += 1
-        self.stats.last = {"epoch": self.tally.epoch, "outcome": "aborted", "reason": str(e)}
+        self.stats.note_abort(self.tally.epoch, str(e))
 
     async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
         """``buffer``'s values in a spill file (a worker thread's job when large): a model-sized copy

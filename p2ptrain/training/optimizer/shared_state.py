@@ -362,8 +362,7 @@ class SharedState:
                 for p, d in zip(self.params, local, strict=True):
                     p.add_(d)
             self.tally.carry(samples, counting_since)
-        self.stats.syncs += 1
-        self.stats.last = {"epoch": self.tally.epoch, "outcome": "synced", "from": got.donor.short()}
+        self.stats.note_sync(self.tally.epoch, got.donor.short())
         log.info(
             "now on step %d (state from %s)%s",
             self.tally.epoch,
