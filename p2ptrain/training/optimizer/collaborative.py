@@ -22,7 +22,7 @@ more samples to an epoch than slow ones, and nobody waits for anybody until the 
 Failures follow the all-reduce rule: a round that aborted changed nothing, and the peer goes on
 accumulating and tries again; a peer that missed a step (its round failed while others committed, it
 joined late, or its parameters diverged from the majority's) downloads the state from a peer that has
-it (see ``fetch``) and takes part from the next epoch. A peer alone on its epoch steps alone: at once
+it (see ``state.download``) and takes part from the next epoch. A peer alone on its epoch steps alone: at once
 when it never saw another peer or its partners said they left, after an averaging timeout when their
 records vanished, and never while no connected peer answers it (it may be the one cut off: a step
 alone would start a second lineage under the swarm's step numbers).

@@ -328,7 +328,7 @@ class SharedState:
         self._nursery.start_soon(run)
 
     async def reuse(self, partial: Partial) -> None:
-        """Copy the chunks of a new download that this peer's own state holds (``fetch.fill_from``)."""
+        """Copy the chunks of a new download that this peer's own state holds (``download.fill_from``)."""
         live = self.live()
         if live.hashes is not None:
             await self.read_in_thread(fill_from, partial, live)
