@@ -10,20 +10,16 @@ that do not depend on each other run side by side.
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.harness.processes import CLI, NodeProc, wait_until
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
-CLI = [sys.executable, "-m", "p2ptrain"]
 TIMEOUT = 60.0
 
 
@@ -44,69 +40,6 @@ def run_all(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
                 proc.kill()
             proc.communicate()
     return out
-
-
-def wait_until(what: str, predicate: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
-    """Poll the outside world (files other processes write) up to a deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-class NodeProc:
-    def __init__(self, tmp: Path, name: str, *extra: str) -> None:
-        self.folder = tmp / name
-        self.folder.mkdir()
-        self.status_file = self.folder / "status.json"
-        self.err_path, self.out_path = self.folder / "stderr.log", self.folder / "stdout.log"
-        self.err, self.out = open(self.err_path, "w"), open(self.out_path, "w")  # noqa: SIM115
-        args = ["node", "--listen", "127.0.0.1:0", "--data-dir", str(self.folder), "--run-id", "e2e"]
-        args += ["--status-file", str(self.status_file), *extra]
-        self.proc = subprocess.Popen([*CLI, *args], stdout=self.out, stderr=self.err, text=True)
-
-    def address(self) -> str:
-        text = wait_until("the join address on stdout", lambda: self.out_path.read_text().strip())
-        return str(text.splitlines()[0])
-
-    def connected(self) -> list[str]:
-        try:
-            return list(json.loads(self.status_file.read_text()).get("connected_peers", []))
-        except (OSError, ValueError):
-            return []
-
-    def stderr(self) -> str:
-        return self.err_path.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)  # (a busy machine: no few-second bound on an exit)
-        finally:
-            self.err.close()
-            self.out.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[Callable[..., NodeProc]]:
-    started: list[NodeProc] = []
-
-    def start(name: str, *extra: str) -> NodeProc:
-        started.append(NodeProc(tmp_path, name, *extra))
-        return started[-1]
-
-    yield start
-    for node in started:
-        node.kill()
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:

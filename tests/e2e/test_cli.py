@@ -3,97 +3,19 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+from tests.harness.processes import CLI, NodeProc, wait_until
 
-CLI = [sys.executable, "-m", "p2ptrain"]
-STARTUP_TIMEOUT = 30.0
+pytestmark = pytest.mark.e2e
 
 
 def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def wait_until(what: str, predicate: Callable[[], Any], timeout: float = STARTUP_TIMEOUT) -> Any:
-    """Poll a condition on the outside world (files written by another process) up to a deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
-    except (OSError, ValueError):
-        return None
-
-
-class NodeProc:
-    def __init__(self, tmp: Path, name: str, *extra: str) -> None:
-        self.folder = tmp / name
-        self.folder.mkdir(exist_ok=True)  # a node restarted on the same folder keeps its identity
-        self.status_file = self.folder / "status.json"
-        run = len(list(self.folder.glob("stdout*.log")))
-        self.log = open(self.folder / f"stderr{run}.log", "w+")  # noqa: SIM115
-        self.out = open(self.folder / f"stdout{run}.log", "w+")  # noqa: SIM115
-        args = ["node", "--listen", "127.0.0.1:0", "--data-dir", str(self.folder), "--run-id", "e2e"]
-        args += ["--status-file", str(self.status_file), *extra]
-        self.proc = subprocess.Popen([*CLI, *args], stdout=self.out, stderr=self.log, text=True)
-
-    def status(self) -> dict[str, Any] | None:
-        return read_json(self.status_file)
-
-    def address(self) -> str:
-        line = wait_until("the join address on stdout", lambda: Path(self.out.name).read_text().strip())
-        first = line.splitlines()[0]
-        assert first.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in first
-        return first
-
-    def stderr(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then its exit status. The bound is generous (a busy machine may take its time);
-        the logs are closed however it ends (else a ResourceWarning fails some other test)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.log.close()
-            self.out.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[Callable[..., NodeProc]]:
-    started: list[NodeProc] = []
-
-    def start(name: str, *extra: str) -> NodeProc:
-        node = NodeProc(tmp_path, name, *extra)
-        started.append(node)
-        return node
-
-    yield start
-    for node in started:
-        node.kill()
 
 
 def test_keygen_and_id(tmp_path: Path) -> None:
