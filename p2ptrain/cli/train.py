@@ -102,6 +102,8 @@ def train_node(args: argparse.Namespace) -> int:
         from ..training.local.group import LocalGroup
 
         local = LocalGroup(config, task, devices, timeout=settings.local_timeout)
+    live = sys.stdout.isatty() and not args.no_live
+    bar = DownloadBar() if live else None
     options = TrainerOptions(
         device=devices[0],
         data_dir=data_dir,
@@ -113,6 +115,7 @@ def train_node(args: argparse.Namespace) -> int:
         wait_peers=settings.wait_peers,
         tracker=settings.tracker or None,
         local=local,
+        on_download_progress=bar.update if bar is not None else _log_progress(),
     )
     trainer = Trainer(node, config, task, options)
     if args.adversary:  # simulations of hostile peers only (a hidden flag)
@@ -123,12 +126,12 @@ def train_node(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--adversary: {e}") from None
         log.warning("this node attacks its swarm on purpose: %s", args.adversary)
-    live = sys.stdout.isatty() and not args.no_live
-    run_node(_train, node, trainer, live)
+    run_node(_train, node, trainer, bar)
     return 0
 
 
-async def _train(node: Node, trainer: Trainer, live: bool) -> None:
+async def _train(node: Node, trainer: Trainer, bar: DownloadBar | None) -> None:
+    """``bar``: the live view's download bar (None: no live view, log lines instead)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
@@ -156,10 +159,9 @@ async def _train(node: Node, trainer: Trainer, live: bool) -> None:
                     training.cancel()
 
                 nursery.start_soon(stop_on_signal)
-                if live:
-                    await _train_live(node, trainer)
+                if bar is not None:
+                    await _train_live(node, trainer, bar)
                 else:
-                    trainer.opt.on_download_progress = _log_progress()
                     await trainer.run()
             if not training.cancelled_caught:
                 with trio.move_on_after(trainer.config.averaging.timeout):
@@ -193,25 +195,31 @@ def _log_progress() -> Callable[[int, int], None]:
     return report
 
 
-async def _train_live(node: Node, trainer: Trainer) -> None:
-    console = Console()
+class DownloadBar:
+    """The live view's state download bar: its ``update`` goes to the trainer's optimizer when it is
+    built, the view shows it."""
+
+    def __init__(self) -> None:
+        self.console = Console()
+        self.progress = Progress(
+            "state download",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self._task = self.progress.add_task("download", total=None, visible=False)
+
+    def update(self, got: int, total: int) -> None:
+        self.progress.update(self._task, completed=got, total=total, visible=got < total)
+
+
+async def _train_live(node: Node, trainer: Trainer, bar: DownloadBar) -> None:
+    console, progress = bar.console, bar.progress
     root = logging.getLogger()
     handlers = root.handlers[:]
     root.handlers = [RichHandler(console=console, show_path=False, log_time_format="%H:%M:%S")]
-    progress = Progress(
-        "state download",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    )
-    bar = progress.add_task("download", total=None, visible=False)
-
-    def on_progress(got: int, total: int) -> None:
-        progress.update(bar, completed=got, total=total, visible=got < total)
-
-    trainer.opt.on_download_progress = on_progress
     peer = node.peer_id.short()
 
     def view() -> Group:

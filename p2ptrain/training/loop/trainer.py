@@ -92,6 +92,8 @@ class TrainerOptions:
     wait_timeout: float = 120.0
     tracker: str | None = None  # "tensorboard" or "mlflow": the per-step metrics go there too
     local: LocalWorkers | None = None  # this host's other data-parallel workers, if it has several
+    # called with the bytes received and expected as a state download goes on (a progress bar, a log)
+    on_download_progress: Callable[[int, int], None] | None = None
 
 
 class Trainer:
@@ -129,7 +131,13 @@ class Trainer:
         # over their mean gradient instead.)
         self.summed = t.mode == "sync" and self.options.local is None
         self.opt = CollaborativeOptimizer(
-            node, self.model, self.optimizer, config, clock=clock, summed_grads=self.summed
+            node,
+            self.model,
+            self.optimizer,
+            config,
+            clock=clock,
+            summed_grads=self.summed,
+            on_download_progress=self.options.on_download_progress,
         )
         self.max_steps = t.max_steps if self.options.max_steps is None else self.options.max_steps
         self.loss: float | None = None  # smoothed training loss

@@ -96,6 +96,7 @@ class CollaborativeOptimizer:
         *,
         clock: Callable[[], float] = time.time,
         summed_grads: bool = False,
+        on_download_progress: ProgressFn | None = None,
     ) -> None:
         """Build the optimizer's parts and hand the node's averager the run's rules for its rounds.
 
@@ -112,6 +113,8 @@ class CollaborativeOptimizer:
                 accumulator, whose views are the ``.grad`` (one model-sized tensor less than copying each
                 batch's mean gradient into it). Otherwise each backward pass leaves the batch's mean
                 gradient, which ``step`` adds to the accumulator, weighted by the batch's samples.
+            on_download_progress: Called with the bytes received and expected as a state download goes
+                on (a console's progress bar, a log line every tenth).
 
         Raises:
             ConfigError: This node's id carries less work than the run asks for, or the run asks for
@@ -163,6 +166,7 @@ class CollaborativeOptimizer:
             stats=self.stats,
             wake=self.wake,
             clock=clock,
+            on_download_progress=on_download_progress,
         )
         self.board = ProgressBoard(
             node,
@@ -628,15 +632,6 @@ class CollaborativeOptimizer:
     def download_progress(self) -> tuple[int, int]:
         """Bytes received and expected by the state download in progress."""
         return self.shared.download_progress
-
-    @property
-    def on_download_progress(self) -> ProgressFn | None:
-        """Called with (received, expected) bytes as a state download goes on."""
-        return self.shared.on_download_progress
-
-    @on_download_progress.setter
-    def on_download_progress(self, fn: ProgressFn | None) -> None:
-        self.shared.on_download_progress = fn
 
     @property
     def averaged(self) -> ParamBuffer:

@@ -73,8 +73,10 @@ class SharedState:
         stats: RoundStats,
         wake: Wake,
         clock: Callable[[], float],
+        on_download_progress: ProgressFn | None = None,
     ) -> None:
-        """``wake`` is set whenever the digest changed (the progress records say it)."""
+        """``wake`` is set whenever the digest changed (the progress records say it);
+        ``on_download_progress`` is called with the bytes received and expected by a download."""
         self.model, self.optimizer, self.params, self.names = model, optimizer, params, names
         self.tally, self.contribution, self.outer, self.stats = tally, contribution, outer, stats
         self.wake, self.clock = wake, clock
@@ -93,7 +95,7 @@ class SharedState:
         self.digest = b""  # the root of the current state; b"" while it is being hashed
         self.download: Download | None = None  # a state download running in the background
         self.sync_retry_at = 0.0
-        self.on_download_progress: ProgressFn | None = None
+        self._on_progress = on_download_progress
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress
         s = config.statesync
         self.server = StateServer(node.host.registry, self.prepare_snapshot) if s.serve else None
@@ -373,5 +375,5 @@ class SharedState:
 
     def _on_download_progress(self, got: int, total: int) -> None:
         self.download_progress = (got, total)
-        if self.on_download_progress is not None:
-            self.on_download_progress(got, total)
+        if self._on_progress is not None:
+            self._on_progress(got, total)
