@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.training import CollaborativeOptimizer
