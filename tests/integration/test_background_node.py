@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from p2ptrain import AveragerConfig, BackgroundNode, GroupTooSmall, Identity, NodeConfig, RoundResult
+from p2ptrain import BackgroundNode, GroupTooSmall, NodeConfig
+from p2ptrain.averaging import AveragerConfig, RoundResult
+from p2ptrain.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ round: every member commits it with both contributions and holds the same bits, 
 last checkpoint holds the state after the round, and only then does it say it leaves and exit. A drain
 whose group hangs ends within ``Trainer.drain_timeout``, with nothing applied.
 
-Each peer runs as ``p2ptrain node`` does (see ``train_cli._train``): a stop request with a deadline on
+Each peer runs as ``p2ptrain node`` does (see ``cli.train._train``): a stop request with a deadline on
 the training, then serving the round's last fetches, then the process is gone (its connections reset).
 The peers compute inline on the virtual clock (``COMPUTE`` seconds a batch) rather than in threads, so
 that time only moves when every peer waits on the network or a timer; links have a little latency, so
@@ -26,7 +26,8 @@ import pytest
 import torch
 import trio
 
-from p2ptrain import AveragerConfig, Node, NodeConfig
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.allreduce import AllReduceRound
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.config import RunConfig
@@ -156,7 +157,7 @@ class Swarm:
     async def _process(
         self, m: Member, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """One ``p2ptrain node`` process (see ``train_cli._train``)."""
+        """One ``p2ptrain node`` process (see ``cli.train._train``)."""
         async with trio.open_nursery() as nursery:
             await nursery.start(m.node.run)
             task_status.started()
