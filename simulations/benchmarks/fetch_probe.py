@@ -21,13 +21,13 @@ import time
 
 import torch
 import trio
-from p2ptrain.training.optimizer import CollaborativeOptimizer
-from p2ptrain.training.optimizer.progress import PeerProgress, ProgressRecord
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.identity import Identity
 from p2ptrain.net.address import PeerAddress
+from p2ptrain.training.optimizer import CollaborativeOptimizer
+from p2ptrain.training.optimizer.progress import PeerProgress, ProgressRecord
 from p2ptrain.training.state.download import Fetcher
 
 PORT = 4100
