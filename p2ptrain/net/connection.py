@@ -53,7 +53,7 @@ from .frames import (
     encode_header,
 )
 from .rpc import CallContext, Method, Reply, Resp, RpcRegistry
-from .streams import INITIAL_WINDOW, RpcStream
+from .streams import INITIAL_WINDOW, RpcStream, SendFn
 
 log = logging.getLogger(__name__)
 
@@ -213,12 +213,12 @@ class Connection:
         for call in self._out.values():
             call.error = call.error or error
             if call.stream:
-                call.stream._fail(error)
+                call.stream.fail(error)
             call.done.set()
         for inc in self._in.values():
             inc.scope.cancel()
             if inc.stream:
-                inc.stream._fail(error)
+                inc.stream.fail(error)
         for ev in self._pong_waiters.values():
             ev.set()
 
@@ -253,7 +253,7 @@ class Connection:
         call_id = next(self._ids)
         call = _OutCall(method)
         if streaming:
-            call.stream = ClientStream(self, call_id, call)
+            call.stream = ClientStream(call_id, self._send, self.config.stream_window, call, self._result)
         self._out[call_id] = call
         self._last_busy = trio.current_time()
         return call_id, call
@@ -346,7 +346,7 @@ class Connection:
         self._out.pop(call_id, None)
         self._last_busy = trio.current_time()
         if call.stream is not None:
-            call.stream._fail(ConnectionClosed("call finished"))
+            call.stream.fail(ConnectionClosed("call finished"))
         if not call.done.is_set() and not self.closed:
             # We gave up (timeout, cancellation, error): tell the remote to stop working on it.
             with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(ConnectionClosed):
@@ -402,7 +402,7 @@ class Connection:
             if isinstance(msg, Data):
                 stream = self._stream_of(msg.id)
                 if stream is not None:
-                    return stream._sink(size)
+                    return stream.sink_for(size)
             return None
 
         try:
@@ -423,12 +423,12 @@ class Connection:
         if isinstance(msg, Data):
             stream = self._stream_of(msg.id)
             if stream is not None:
-                stream._deliver(msg, body)
+                stream.deliver(msg, body)
             # Data for a call that just ended (cancel race) is dropped.
         elif isinstance(msg, Credit):
             stream = self._stream_of(msg.id)
             if stream is not None:
-                stream._grant(msg.amount)
+                stream.grant(msg.amount)
         elif isinstance(msg, Response | Error):
             self._on_reply(msg, body)
         elif isinstance(msg, Request):
@@ -459,11 +459,11 @@ class Connection:
         if isinstance(msg, Response):
             call.result, call.body = msg.result, body
             if call.stream:
-                call.stream._end()  # the handler returned: no more data will follow
+                call.stream.end_received()  # the handler returned: no more data will follow
         else:
             call.error = RemoteCallError(self.peer.short(), call.method.name, msg.code, msg.message)
             if call.stream:
-                call.stream._fail(call.error)
+                call.stream.fail(call.error)
         call.done.set()
 
     def _on_request(self, req: Request, body: memoryview) -> None:
@@ -492,7 +492,7 @@ class Connection:
         finally:
             self._in.pop(req.id, None)
             if inc.stream:
-                inc.stream._fail(ConnectionClosed("call finished"))
+                inc.stream.fail(ConnectionClosed("call finished"))
             self._last_busy = trio.current_time()
 
     async def _serve_inner(self, req: Request, body: memoryview, inc: _InCall) -> None:
@@ -559,13 +559,22 @@ class Connection:
 class ClientStream(RpcStream, Generic[Resp]):
     """The caller's end of a streaming call: send and receive bytes, then await ``response()``."""
 
-    def __init__(self, conn: Connection, call_id: int, call: _OutCall) -> None:
-        super().__init__(call_id, conn._send, conn.config.stream_window)
-        self._conn = conn
+    def __init__(
+        self,
+        call_id: int,
+        send: SendFn,
+        window: int,
+        call: _OutCall,
+        result: Callable[[int, _OutCall], Any],
+    ) -> None:
+        """``send`` and ``window``: the connection's, as for any stream; ``call``: the call this stream
+        belongs to; ``result``: how the connection turns a finished call into its response."""
+        super().__init__(call_id, send, window)
         self._call = call
+        self._result = result
 
     async def response(self) -> Resp:
         """Wait for the handler's final response message (raises the remote's error)."""
         await self._call.done.wait()
-        result: Resp = self._conn._result(self.call_id, self._call)
+        result: Resp = self._result(self.call_id, self._call)
         return result

@@ -45,7 +45,7 @@ class _Pipe:
         self.reader_gone = False
         self.changed = trio.Event()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
 
@@ -74,7 +74,7 @@ class _Pipe:
         self.last_arrival = max(self.last_arrival, arrival)
         self.queue.append((self.last_arrival, data))
         self.in_flight += len(data)
-        self._wake()
+        self.wake()
         await trio.lowlevel.checkpoint()
 
     async def read(self, max_bytes: int) -> bytes:
@@ -91,7 +91,7 @@ class _Pipe:
                     else:
                         self.queue.popleft()
                     self.in_flight -= len(data)
-                    self._wake()
+                    self.wake()
                     return data
                 await self._wait(arrival)
                 continue
@@ -130,7 +130,7 @@ class MemoryStream(trio.abc.HalfCloseableStream):
 
     async def send_eof(self) -> None:
         self._out.eof = True
-        self._out._wake()
+        self._out.wake()
         await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
@@ -142,9 +142,9 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         if not self._closed:
             self._closed = True
             self._out.eof = True
-            self._out._wake()
+            self._out.wake()
             self._in.reader_gone = True
-            self._in._wake()
+            self._in.wake()
         await trio.lowlevel.checkpoint()
 
 
@@ -204,14 +204,14 @@ class MemoryNetwork:
         for pipe in self._pipes:
             if host in (pipe.src, pipe.dst):
                 pipe.broken = True
-                pipe._wake()
+                pipe.wake()
         for key in [k for k in self._listeners if k[0] == host]:
             del self._listeners[key]
             self._serve_nurseries.pop(key).cancel_scope.cancel()
 
     def _notify(self) -> None:
         for pipe in self._pipes:
-            pipe._wake()
+            pipe.wake()
         self._changed.set()
         self._changed = trio.Event()
 
@@ -226,7 +226,8 @@ class MemoryNetwork:
             return None
         return local_port
 
-    async def _connect(self, src: str, host: str, port: int, local_port: int | None = None) -> MemoryStream:
+    async def dial(self, src: str, host: str, port: int, local_port: int | None = None) -> MemoryStream:
+        """A dial from host ``src`` (what its transport's ``connect`` does)."""
         shown = self._source_port(src, local_port)
         if shown is not None:
             return await self._connect_from(src, shown, host, port)
@@ -279,13 +280,14 @@ class MemoryNetwork:
         nursery.start_soon(handler, server, src, src_port)
         return client
 
-    async def _serve(
+    async def serve_as(
         self,
         host: str,
         port: int,
         handler: StreamHandler,
         task_status: trio.TaskStatus[list[tuple[str, int]]],
     ) -> None:
+        """Listen as host ``host`` (what its transport's ``serve`` does)."""
         if port == 0:
             self._next_port += 1
             port = self._next_port
@@ -311,7 +313,7 @@ class MemoryTransport:
         self.host = host
 
     async def connect(self, host: str, port: int, *, local_port: int | None = None) -> trio.abc.Stream:
-        return await self.net._connect(self.host, host, port, local_port)
+        return await self.net.dial(self.host, host, port, local_port)
 
     async def serve(
         self,
@@ -321,4 +323,4 @@ class MemoryTransport:
         *,
         task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        await self.net._serve(self.host, port, handler, task_status)
+        await self.net.serve_as(self.host, port, handler, task_status)

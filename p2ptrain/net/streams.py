@@ -1,6 +1,6 @@
 """One bidirectional byte stream inside a streaming RPC call, with credit-based flow control.
 
-The connection's reader task hands incoming ``Data`` bodies to :meth:`RpcStream._deliver` without ever
+The connection's reader task hands incoming ``Data`` bodies to :meth:`RpcStream.deliver` without ever
 blocking (the sender may only send what we granted, so the buffer is bounded by the window); the
 application consumes them with :meth:`receive_some`, which returns credit to the sender. Sending waits
 for credit, which is the backpressure a slow receiver exerts.
@@ -144,9 +144,9 @@ class RpcStream:
                 return
             yield chunk
 
-    # ---- connection side ----
+    # ---- connection side: what the connection carrying the stream calls ----
 
-    def _sink(self, size: int) -> memoryview | None:
+    def sink_for(self, size: int) -> memoryview | None:
         """Where the next chunk (``size`` bytes, about to be decrypted) may land: its target from
         :meth:`land_in`, if it has one of exactly that size and the chunk is not out of bounds."""
         if not self._targets or self._eof or self._error is not None or size > self._received_window:
@@ -154,7 +154,7 @@ class RpcStream:
         target = self._targets[0]
         return target if len(target) == size else None
 
-    def _deliver(self, data: Data, body: memoryview) -> None:
+    def deliver(self, data: Data, body: memoryview) -> None:
         if self._eof:
             raise RemoteProtocolError(f"data after end of stream on call {self.call_id}")
         if len(body):
@@ -169,21 +169,21 @@ class RpcStream:
             self._eof = True
         self._arrived.set()
 
-    def _end(self) -> None:
+    def end_received(self) -> None:
         """The remote answered the call: no more data will arrive, and it reads none of ours."""
         self._eof = True
         self._arrived.set()
         self._answered = True
         self._credit_changed.set()  # a sender waiting for credit would otherwise wait forever
 
-    def _grant(self, amount: int) -> None:
+    def grant(self, amount: int) -> None:
         self._credit += amount
         if self._credit > 2**40:
             raise RemoteProtocolError("credit overflow")
         self._credit_changed.set()
         self._credit_changed = trio.Event()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         """Wake everything waiting on this stream with ``error``; drop buffered data, and the targets
         chunks would have landed in (views of the caller's buffers: a finished call sits in a reference
         cycle with its stream until the cyclic collector runs, and a view would keep a model-sized

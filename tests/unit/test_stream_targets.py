@@ -32,7 +32,7 @@ def test_a_failed_stream_drops_its_landing_targets_at_once() -> None:
     assert alive() is not None  # the target keeps the caller's buffer alive while the call runs
     gc.disable()
     try:
-        stream._fail(ConnectionClosed("call finished"))  # what finishing a call does
+        stream.fail(ConnectionClosed("call finished"))  # what finishing a call does
         assert alive() is None  # freed by reference counting, not by a collection
     finally:
         gc.enable()
