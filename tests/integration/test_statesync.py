@@ -177,7 +177,7 @@ async def test_a_peer_fetches_only_the_chunks_its_own_state_lacks(autojump_clock
 
 
 async def test_a_donor_answers_pings_while_it_writes_a_snapshot(
-    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+    autojump_clock_through_threads: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The snapshot is written in a worker thread (states over THREAD_BYTES; lowered here), held up
     until the test has pinged the donor: the ping is answered meanwhile, then the download completes."""

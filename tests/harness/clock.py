@@ -1,0 +1,41 @@
+"""Worker threads on the virtual clock.
+
+trio's autojump clock jumps to the next timer as soon as no task can run, and a task waiting for a
+worker thread cannot run: so while a thread hashes a snapshot for a few real milliseconds, virtual time
+may leap past every deadline in the swarm, and how far depends on how busy the machine is.
+:func:`threads_take_no_virtual_time` makes the test deterministic again: while any thread runs, the
+clock does not jump (its autojump threshold is infinite), so it stands still until the threads are done
+(their work takes no virtual time, as a test's ``compute`` sleeps stand for the real cost)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+
+def threads_take_no_virtual_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Patch ``trio.to_thread.run_sync`` (for the rest of the test) so that an autojump clock stands
+    still while a worker thread runs."""
+    real = trio.to_thread.run_sync
+    running = 0
+
+    async def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        nonlocal running
+        clock = trio.lowlevel.current_clock()
+        if not isinstance(clock, trio.testing.MockClock):
+            return await real(fn, *args, **kwargs)
+        running += 1
+        clock.autojump_threshold = math.inf
+        try:
+            return await real(fn, *args, **kwargs)
+        finally:
+            running -= 1
+            if not running:
+                clock.autojump_threshold = 0
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
