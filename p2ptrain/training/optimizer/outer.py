@@ -23,7 +23,7 @@ import trio
 from ...averaging.compression import Compression
 from ...config import DilocoSection
 from ...errors import ConfigError
-from ..state import serve as statesync
+from ..state import serve
 from ..state.file_tensors import FileTensors
 from .buffers import Contribution, ParamBuffer
 from .feedback import ErrorFeedback, Saved
@@ -46,7 +46,7 @@ class OuterStep:
         self.file: FileTensors | None = None
         self.momentum: list[torch.Tensor] = []
         on_cpu = all(p.device.type == "cpu" for p in params)
-        large = self.param_bytes >= statesync.THREAD_BYTES
+        large = self.param_bytes >= serve.THREAD_BYTES
         if d.outer_state == "file" and not on_cpu:
             raise ConfigError("diloco.outer_state = 'file' needs the parameters on the CPU")
         if d.outer_state == "file" or (d.outer_state == "auto" and on_cpu and large):
@@ -140,7 +140,7 @@ class OuterStep:
         if self.feedback is None:
             return None
         start = self.contribution.start()
-        if self.param_bytes < statesync.THREAD_BYTES:
+        if self.param_bytes < serve.THREAD_BYTES:
             return self.feedback.fold(buffer, start)
         return await trio.to_thread.run_sync(self.feedback.fold, buffer, start)
 

@@ -40,7 +40,7 @@ from ...averaging.spill import Spilled, SpillFile
 from ...config import RunConfig
 from ...errors import GroupFormationFailed, RoundAborted
 from ...node import Node
-from ..state import serve as statesync
+from ..state import serve
 from ..state.codec import raw_bytes
 from .board import ProgressBoard
 from .bookkeeping import RoundStats, Tally
@@ -405,6 +405,6 @@ class RoundRunner:
                 file.close()
                 return [v.detach().clone() for v in buffer.views]
 
-        if self.state.param_bytes < statesync.THREAD_BYTES:
+        if self.state.param_bytes < serve.THREAD_BYTES:
             return write()
         return await trio.to_thread.run_sync(write)

@@ -28,9 +28,7 @@ import trio
 from ...config import RunConfig
 from ...errors import P2PError, RemoteProtocolError
 from ...node import Node
-from ..state import capture as model_state
-from ..state import chunks as lay
-from ..state import serve as statesync
+from ..state import capture, chunks, serve
 from ..state.download import Downloaded, Fetcher, Partial, ProgressFn, fill_from
 from ..state.serve import LiveState, Snapshot, StateServer
 from .bookkeeping import RoundStats, Tally
@@ -134,11 +132,11 @@ class SharedState:
             global_values = dict(zip(self.names, self.outer.global_params, strict=True))
             feedback = self.outer.feedback
             extra = {FEEDBACK: feedback.residual} if own and feedback is not None else {}
-            tensors, meta = model_state.capture(
+            tensors, meta = capture.capture(
                 self.model, {"outer": self.outer.sgd}, values=global_values, extra=extra, copy=copy
             )
         else:
-            tensors, meta = model_state.capture(self.model, {"inner": self.optimizer}, copy=copy)
+            tensors, meta = capture.capture(self.model, {"inner": self.optimizer}, copy=copy)
         meta["p2ptrain.epoch"] = str(self.tally.epoch)
         meta["p2ptrain.inner_steps"] = str(self.tally.inner_steps)
         return tensors, meta
@@ -146,7 +144,7 @@ class SharedState:
     def live(self) -> LiveState:
         """The state as it is now, its tensors the live ones (read them before the next change)."""
         tensors, meta = self.capture(copy=False)
-        layout = lay.Layout.of(tensors)
+        layout = chunks.Layout.of(tensors)
         hashes = self._hashes[1] if self._hashes and self._hashes[0] == self._version else None
         ordered = [tensors[e.name] for e in layout.entries]
         source = self.outer.file if self.outer is not None else None
@@ -176,7 +174,7 @@ class SharedState:
         second of CPU, which the event loop would not serve the network in (a donor's upload ran at 58%
         of its link). Meanwhile the training loop waits for ``step``, and a round that forms and a
         snapshot wait for :meth:`idle`."""
-        if self.param_bytes < statesync.THREAD_BYTES:
+        if self.param_bytes < serve.THREAD_BYTES:
             fn(*args)
             return
         self._local_idle = trio.Event()
@@ -194,8 +192,8 @@ class SharedState:
     def _rehash(self) -> None:
         """The state changed: its digest is computed now (small states) or in a thread (large ones)."""
         live = self.live()
-        if live.layout.size < statesync.THREAD_BYTES or self._nursery is None:
-            self.set_digest(live, lay.hash_chunks(live.layout, live.tensors, live.source))
+        if live.layout.size < serve.THREAD_BYTES or self._nursery is None:
+            self.set_digest(live, chunks.hash_chunks(live.layout, live.tensors, live.source))
             return
         self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
         if self._digest_set.is_set():
@@ -211,14 +209,14 @@ class SharedState:
 
     async def hash_in_thread(self, live: LiveState, version: int) -> None:
         """Hash a large state in a worker thread; the digest is set unless the state changed meanwhile."""
-        hashes = await self.read_in_thread(lay.hash_chunks, live.layout, live.tensors, live.source)
+        hashes = await self.read_in_thread(chunks.hash_chunks, live.layout, live.tensors, live.source)
         if version == self._version:
             self.set_digest(live, hashes)
 
     def set_digest(self, live: LiveState, hashes: list[bytes]) -> None:
         """``live``'s chunk hashes are in: its digest becomes the current one, and is published."""
         self._hashes = (self._version, hashes)
-        self.digest = lay.root(live.epoch, live.layout, hashes)
+        self.digest = chunks.root(live.epoch, live.layout, hashes)
         self.hashed[live.epoch] = self.digest
         self._digest_set.set()
         for old in sorted(self.hashed)[:-HASHED_KEPT]:
@@ -229,10 +227,10 @@ class SharedState:
         """A snapshot of the state as it is now, for joiners (see ``StateServer``)."""
         await self.idle()  # a round being applied in a worker thread changes the state
         live = self.live()
-        if live.layout.size < statesync.THREAD_BYTES:
-            snap = statesync.write_snapshot(live)
+        if live.layout.size < serve.THREAD_BYTES:
+            snap = serve.write_snapshot(live)
         else:
-            snap = await self.read_in_thread(statesync.write_snapshot, live)
+            snap = await self.read_in_thread(serve.write_snapshot, live)
         return snap
 
     # ---- loading a state ----
@@ -265,7 +263,7 @@ class SharedState:
             mine = not verified and f"extra.{FEEDBACK}" in tensors
             if mine and outer.feedback is not None:
                 outer.feedback.check(tensors[f"extra.{FEEDBACK}"])
-            extra = model_state.restore(
+            extra = capture.restore(
                 self.model,
                 {"outer": outer.sgd},
                 tensors,
@@ -283,7 +281,7 @@ class SharedState:
                     g.copy_(p)
             outer.rehome_momentum()
         else:
-            model_state.restore(
+            capture.restore(
                 self.model, {"inner": self.optimizer}, tensors, meta, owned=owned, tensors_only=verified
             )
             self.contribution.buffer.zero_()
