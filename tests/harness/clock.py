@@ -17,7 +17,6 @@ import pytest
 import trio
 import trio.testing
 
-
 _THREADS = trio.to_thread.run_sync  # trio's own, before any test replaced it
 
 
