@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.identity import PeerID
-from simulations.replay.scenario import Scenario, parse_scenario
+from simulations.replay.scenario import REPO_ROOT, Scenario, parse_scenario
 
 OUTCOMES = ("averaged", "alone", "aborted", "no_group", "synced")
 FAILURES = ("kill", "stop", "cut", "partition")
@@ -581,7 +581,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "scenario": sc.name,
         "description": sc.description,
-        "source": sc.source,
+        "source": _shown(sc.source),
         "mode": mode,
         "emulation": data["emulation"],
         "not_emulated": sc.not_emulated(),
@@ -818,6 +818,16 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def _shown(source: str) -> str:
+    """A scenario file as a report names it: relative to the repository when it lies there (a report is
+    committed as a result, and a machine's own paths say nothing to its readers)."""
+    path = Path(source)
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path.name
+
+
 def markdown(s: dict[str, Any], data: dict[str, Any]) -> str:
     sc: Scenario = data["scenario"]
     emu = s["emulation"]
@@ -826,7 +836,7 @@ def markdown(s: dict[str, Any], data: dict[str, Any]) -> str:
         "",
         s["description"] or "",
         "",
-        f"- scenario file: `{s['source']}`; run file: `{sc.run}` merged with the overrides into "
+        f"- scenario file: `{_shown(s['source'])}`; run file: `{sc.run}` merged with the overrides into "
         f"`run.toml`; mode **{s['mode']}**",
         f"- emulation: **{emu.get('emulation')}**: {emu.get('what', '')}",
     ]
