@@ -98,6 +98,13 @@ class RpcRegistry:
             raise LocalProtocolError(f"{method.name} is a unary method; use add_unary")
         self._add(method, handler)
 
+    def replace(self, method: Method[Any, Any], handler: Callable[..., Awaitable[Any]]) -> None:
+        """Serve ``method`` with another handler from now on (a hostile peer built for simulations
+        answers some calls its own way: see ``p2ptrain.testing.adversary``)."""
+        if method.name not in self._methods:
+            raise LocalProtocolError(f"method {method.name!r} is not registered")
+        self._methods[method.name] = _Registered(method, handler)
+
     def _add(self, method: Method[Any, Any], handler: Callable[..., Awaitable[Any]]) -> None:
         if method.name in self._methods:
             raise LocalProtocolError(f"method {method.name!r} is already registered")

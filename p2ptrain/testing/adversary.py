@@ -22,6 +22,20 @@ Attacks on the swarm's state and bans (they need the node's trainer, ``install(.
 - ``manifest-downgrade``: every group it leads gets a manifest with a plain mean, no audit and every
   partition to itself, and it announces with a short deadline so that it leads often.
 
+Attacks on leadership, trust and what a round serves (issue "open swarms, part 2"):
+
+- ``silent-leader``: it trains nothing; under each step's group key it announces itself ready to lead,
+  with the shortest deadline it may (``LEAD_TIME``), again and again; it admits every joiner and holds
+  the call until the joiner gives up, and never signs a manifest;
+- ``partial-leader``: it trains honestly, but in every group it leads it admits one victim (held, as
+  above) and tells every other joiner that the group is full; it announces with ``LEAD_TIME`` too;
+- ``trusted-liar``: it trains honestly for ``LIAR_AFTER`` seconds (long enough to be trusted), then its
+  progress records say its view reached the target (``ready``) at 10^9 samples per second, and it
+  claims ``LIAR_WEIGHT`` samples in every round;
+- ``flaky-reducer``: it serves NaN for the partitions it reduces in two rounds of every three, and
+  behaves in the third (a fault that a strike count wiped by every good round never bans);
+- ``mixed``: ``partial-leader``, ``garbage-reducer`` and ``trusted-liar`` at once.
+
 Attacks by many free identities from one host (``sybil-majority``, ``fake-progress``, ``dht-flood``,
 ``conn-flood``): see :mod:`p2ptrain.testing.sybils`.
 
@@ -42,9 +56,14 @@ from ..averaging.audit import Proof, open_attestation
 from ..averaging.auditor import Accusation
 from ..averaging.averager import Averager
 from ..averaging.compression import Compression, encode
+from ..averaging.grouping import JOIN_GRACE
+from ..averaging.matchmaking import Announcement
 from ..averaging.partition import chunks
-from ..averaging.protocol import Manifest, SignedManifest
-from ..identity import Identity
+from ..averaging.protocol import JOIN, JoinReq, JoinResp, Manifest, SignedManifest
+from ..errors import GroupFormationFailed
+from ..identity import Identity, PeerID
+from ..net.rpc import CallContext, Reply
+from ..training.optimizer.progress import ProgressRecord
 from . import sybils
 
 if TYPE_CHECKING:
@@ -59,11 +78,21 @@ ADVERSARIES = (
     "sybil-epoch",
     "false-accusation",
     "manifest-downgrade",
+    "silent-leader",
+    "partial-leader",
+    "trusted-liar",
+    "flaky-reducer",
+    "mixed",
     *sybils.KINDS,
 )
 LEAD_TIME = 0.5  # the matchmaking time a manifest-downgrade attacker announces with (honest: seconds)
 FACTOR = 100.0
 FAR = 1_000_000  # the step a sybil-epoch adversary claims
+HOLD = 3600.0  # seconds a hostile leader holds a joiner's call (the joiner gives up long before)
+LIAR_AFTER = 30.0  # seconds a trusted-liar trains honestly before it lies
+LIAR_RATE = 1e9  # the samples per second its records claim then (the most a record may say)
+LIAR_WEIGHT = 1e6  # the samples it claims in every round then
+FLAKY_EVERY = 3  # a flaky-reducer behaves in one round of this many
 
 
 def install(kind: str, averager: Averager, *, seed: int = 0, trainer: Trainer | None = None) -> None:
@@ -83,6 +112,19 @@ def install(kind: str, averager: Averager, *, seed: int = 0, trainer: Trainer | 
     if kind == "manifest-downgrade":
         _downgrade(averager)
         return
+    if kind == "silent-leader":
+        _hold_joiners(averager, admit_one=False)
+        _announce_only(averager)
+        return
+    if kind in ("partial-leader", "mixed"):
+        _hold_joiners(averager, admit_one=True)
+        averager.config = dataclasses.replace(averager.config, matchmaking_time=LEAD_TIME)
+        if kind == "partial-leader":
+            return
+    if kind in ("trusted-liar", "mixed"):
+        _lie_once_trusted(_needs(kind, trainer))
+        if kind == "trusted-liar":
+            return
     generator = torch.Generator().manual_seed(seed)
     if kind == "inflate":
         honest = averager.run_round
@@ -93,11 +135,18 @@ def install(kind: str, averager: Averager, *, seed: int = 0, trainer: Trainer | 
         averager.run_round = run_round  # type: ignore[method-assign]
         return
 
+    rounds = 0
+
     async def fault(rnd: AllReduceRound, point: str) -> None:
+        nonlocal rounds
         if point == "before_send" and kind in ("nan", "scale", "random"):
             _spoil(rnd, kind, generator)
-        elif point == "after_reduce" and kind == "garbage-reducer":
+        elif point == "after_reduce" and kind in ("garbage-reducer", "mixed"):
             _garble(rnd, generator)
+        elif point == "after_reduce" and kind == "flaky-reducer":
+            rounds += 1
+            if rounds % FLAKY_EVERY:
+                _garble(rnd, generator, fill=math.nan)
 
     averager.fault = fault
 
@@ -118,14 +167,17 @@ def _spoil(rnd: AllReduceRound, kind: str, generator: torch.Generator) -> None:
             values.copy_(torch.randn(values.shape, generator=generator) * scale)
 
 
-def _garble(rnd: AllReduceRound, generator: torch.Generator) -> None:
-    """Add noise to every partition this member reduced, and serve that instead (encoded as the round
-    says, so the other members accept the bytes)."""
+def _garble(rnd: AllReduceRound, generator: torch.Generator, fill: float | None = None) -> None:
+    """Add noise to every partition this member reduced (or ``fill`` it with one value), and serve that
+    instead (encoded as the round says, so that only the values are wrong)."""
     for red in rnd.reducers.values():
         if red.result is None:
             continue
-        scale = FACTOR * float(red.result.abs().mean().clamp_min(1e-3))
-        red.result.add_(torch.randn(red.result.shape, generator=generator) * scale)
+        if fill is not None:
+            red.result.fill_(fill)
+        else:
+            scale = FACTOR * float(red.result.abs().mean().clamp_min(1e-3))
+            red.result.add_(torch.randn(red.result.shape, generator=generator) * scale)
         if red.mode is not Compression.NONE:
             red.encoded = [
                 bytes(encode(red.result[a:b].contiguous(), red.mode, red.members))
@@ -196,3 +248,68 @@ def _downgrade(averager: Averager) -> None:
 
     SignedManifest.sign = classmethod(sign)  # type: ignore[assignment,method-assign]
     averager.config = dataclasses.replace(averager.config, matchmaking_time=LEAD_TIME)
+
+
+def _hold_joiners(averager: Averager, *, admit_one: bool) -> None:
+    """Answer every request for a place in a group this node leads by holding the call (the joiner waits
+    until it gives up); with ``admit_one``, only the first asker of each group key is held, the others
+    are told the group is full."""
+    victims: dict[str, PeerID] = {}
+
+    async def on_join(ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
+        if admit_one and victims.setdefault(req.group_key, ctx.peer) != ctx.peer:
+            return Reply(JoinResp(False, "the group is full"))
+        await trio.sleep(HOLD)
+        return Reply(JoinResp(False, "the group did not form"))
+
+    averager.host.registry.replace(JOIN, on_join)
+
+
+def _announce_only(averager: Averager) -> None:
+    """Instead of looking for a group, announce readiness to lead under the key, again and again with
+    the shortest deadline, for as long as an honest peer would look (then give up: it trains nothing)."""
+    groups = averager.groups
+    me = averager.host.peer_id
+
+    async def form(group_key: str, schema: Any, digest: bytes, *args: Any, **kwargs: Any) -> Any:
+        key = groups.key(group_key)
+        clock = groups.clock
+        end = clock() + averager.config.matchmaking_time
+        while clock() < end:
+            deadline = clock() + LEAD_TIME
+            announcement = Announcement(me, groups.address(reducer=True), deadline, groups.bandwidth, digest)
+            await groups.announce(key, announcement, deadline + JOIN_GRACE)
+            await trio.sleep(LEAD_TIME / 2)
+        raise GroupFormationFailed("a silent leader forms no group")
+
+    groups.form = form  # type: ignore[method-assign]
+
+
+def _lie_once_trusted(trainer: Trainer) -> None:
+    """Train honestly for ``LIAR_AFTER`` seconds from the first step, then lie in every record and round."""
+    opt = trainer.opt
+    board, averager = opt.board, opt.node.averager
+    honest_record, honest_round, honest_step = board.record, averager.run_round, opt.step
+    began: float | None = None
+
+    def lying() -> bool:
+        return began is not None and opt.clock() - began >= LIAR_AFTER
+
+    def record() -> ProgressRecord:
+        r = honest_record()
+        if not lying():
+            return r
+        return dataclasses.replace(r, ready=True, rate=LIAR_RATE, samples=max(r.samples, int(LIAR_WEIGHT)))
+
+    async def run_round(signed: Any, tensors: Any, *, weight: float = 1.0, in_place: bool = False) -> Any:
+        claimed = LIAR_WEIGHT if lying() else weight
+        return await honest_round(signed, tensors, weight=claimed, in_place=in_place)
+
+    async def step(samples: int) -> bool:
+        nonlocal began
+        began = opt.clock() if began is None else began
+        return await honest_step(samples)
+
+    board.record = record  # type: ignore[method-assign]
+    averager.run_round = run_round  # type: ignore[method-assign]
+    opt.step = step  # type: ignore[method-assign]

@@ -19,7 +19,12 @@ peers, all on the attacker's address. With ``install(kind, opt)`` (for a node:
   honest peer it sees in the records, from its own address, reopening those that are closed;
 - ``group-capture``: the node trains honestly and runs ``SYBILS`` more (client-only) nodes under fresh
   keys, from its own address; at each of the honest peers' steps they ask for places in the groups
-  first, each contributing ``CAPTURE_SCALE`` in every coordinate (a step far off the honest ones).
+  first, each contributing ``CAPTURE_SCALE`` in every coordinate (a step far off the honest ones);
+- ``trust-farm``: the node trains honestly and runs ``SYBILS`` more (client-only) nodes under fresh
+  keys, from its own address; each puts zeros with a weight of one into ``FARM_ROUNDS`` of the honest
+  peers' rounds (no work, nothing to refuse), hoping to be trusted for it. Then the node flips the sign
+  of its every parameter, claims that state as step ``FAR`` and serves it, and every fresh key
+  publishes records of step ``FAR`` with that state's digest and the node's address.
 """
 
 from __future__ import annotations
@@ -46,13 +51,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KINDS = ("sybil-majority", "fake-progress", "dht-flood", "conn-flood", "group-capture")
+KINDS = ("sybil-majority", "fake-progress", "dht-flood", "conn-flood", "group-capture", "trust-farm")
 SYBILS = 8  # fresh identities per attacking host
 FLOOD_IDS = 64  # 64 x 16 KiB: more than the 768 KiB a DHT key holds
 FLOOD_TTL = 24 * 3600.0
 FLOOD_STEPS = 4  # matchmaking keys of this many steps ahead are filled too
 CONN_FLOOD = 600  # silent connections per honest peer (more than a node's 512 inbound)
 CAPTURE_SCALE = 100.0
+FARM_ROUNDS = 4  # rounds each fresh key of a trust-farm puts zeros into before the lie
+FAR = 1_000_000  # the step a trust-farm claims
 REPORT_EVERY = 30.0
 EVERY = 1.0  # seconds between two rounds of forged records (about the honest peers' progress interval)
 
@@ -103,6 +110,7 @@ def install(kind: str, opt: CollaborativeOptimizer) -> Attack:
         "dht-flood": _flood_dht,
         "conn-flood": _flood_connections,
         "group-capture": _capture_groups,
+        "trust-farm": _farm_trust,
     }[kind]
     step = opt.step
     started = False
@@ -255,7 +263,8 @@ async def _hold_silent(costs: Attack, host: str, port: int, source: str | None) 
         await trio.sleep(EVERY)
 
 
-async def _capture_groups(opt: CollaborativeOptimizer, costs: Attack) -> None:
+def _fresh_nodes(opt: CollaborativeOptimizer, costs: Attack) -> list[Node]:
+    """``SYBILS`` client-only nodes under fresh keys, their connections leaving from this node's address."""
     config = opt.node.config
     config = dataclasses.replace(
         config,
@@ -269,10 +278,13 @@ async def _capture_groups(opt: CollaborativeOptimizer, costs: Attack) -> None:
         host=dataclasses.replace(config.host, work=None),
         averaging=opt.node.averager.config,  # (the run's rules, as the node follows them)
     )
+    transport = opt.node.host.transport  # (their connections leave from the node's address)
+    return [Node(who, config, transport=transport, clock=opt.clock) for who in costs.mint(SYBILS)]
+
+
+async def _capture_groups(opt: CollaborativeOptimizer, costs: Attack) -> None:
     async with trio.open_nursery() as nursery:
-        transport = opt.node.host.transport  # (their connections leave from the node's address)
-        made = [Node(who, config, transport=transport, clock=opt.clock) for who in costs.mint(SYBILS)]
-        for node in made:
+        for node in _fresh_nodes(opt, costs):
             await nursery.start(node.run)
             costs.connections += 1
             nursery.start_soon(_ask_for_places, node, opt, costs)
@@ -281,21 +293,59 @@ async def _capture_groups(opt: CollaborativeOptimizer, costs: Attack) -> None:
             await trio.sleep(REPORT_EVERY)
 
 
-async def _ask_for_places(node: Node, opt: CollaborativeOptimizer, costs: Attack) -> None:
-    """One fresh key: a place in the group of every step the swarm reaches, asked for as soon as it is
-    reached (before the honest peers, which first compute their share of the batch)."""
-    mode, asked = opt.config.training.mode, -1
-    while True:
+async def _farm_trust(opt: CollaborativeOptimizer, costs: Attack) -> None:
+    nodes = _fresh_nodes(opt, costs)
+    async with trio.open_nursery() as nursery:
+        for node in nodes:
+            await nursery.start(node.run)
+            costs.connections += 1
+        async with trio.open_nursery() as farming:  # zeros into FARM_ROUNDS rounds per key, all at once
+            for node in nodes:
+                farming.start_soon(_ask_for_places, node, opt, costs, 0.0, FARM_ROUNDS)
+        _claim_far(opt)
+        addr = str(opt.node.averager.address())  # (with this node's id: the fresh keys name it)
+        while True:
+            record = dataclasses.replace(opt.record(), addr=addr, time=opt.clock())
+            await _publish_records(opt, costs, costs.ids, record)
+            await trio.sleep(EVERY)
+
+
+def _claim_far(opt: CollaborativeOptimizer) -> None:
+    """From now on the node trains no more and holds a sign-flipped state, claimed as step ``FAR``."""
+    flip(opt)
+    opt.tally.set_epoch(FAR)
+    opt.state_changed()  # hashed, served and published as the state of step FAR
+
+    async def step(samples: int) -> bool:
+        await trio.sleep(0.2)
+        return False
+
+    opt.step = step  # type: ignore[method-assign]
+
+
+async def _ask_for_places(
+    node: Node,
+    opt: CollaborativeOptimizer,
+    costs: Attack,
+    scale: float = CAPTURE_SCALE,
+    rounds: int | None = None,
+) -> None:
+    """One fresh key: a place in the group of every step the swarm reaches (``rounds`` of them at most),
+    asked for as soon as it is reached (before the honest peers, which first compute their share of the
+    batch), contributing ``scale`` in every coordinate."""
+    mode, asked, placed = opt.config.training.mode, -1, 0
+    while rounds is None or placed < rounds:
         epoch = max(opt.epoch, honest_epoch(opt, costs))
         if epoch == asked:
             await trio.sleep(EVERY / 10)
             continue
         asked = epoch
-        poison = [torch.full(t.shape, CAPTURE_SCALE, dtype=t.dtype) for t in opt.averaged.tensors]
+        poison = [torch.full(t.shape, scale, dtype=t.dtype) for t in opt.averaged.tensors]
         weight = max(1.0, float(opt.samples))  # (no more than the node's own: a bigger claim is left out)
         try:
             timeout = opt.config.averaging.timeout
             await node.averager.average(poison, weight=weight, timeout=timeout, group_key=f"{mode}-{epoch}")
             costs.places += 1
+            placed += 1
         except P2PError as e:
             log.debug("a fresh key got no place in step %d's group: %s", epoch, e)

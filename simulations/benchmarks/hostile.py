@@ -16,12 +16,18 @@ difference. From each run's ``summary.json`` it reports:
   keys (``ANONYMOUS``: nothing ties those to the attacking peer);
 - whether the honest peers *kept training*: none exited by itself and each took a global step within the
   last ``max(30 s, a quarter of the duration)``;
+- whether they kept their *pace*: the global step they reached is at least ``STEPS_FLOOR`` (half) of the
+  step the no-attack run reached in the same time (an attack that stalls the swarm fails even when what
+  little it trained is not worse);
 - the scenario's own checks (the honest peers hold identical parameters, their loss falls, no crashes).
 
-An attack meets the issue's target when all three hold. Usage::
+An attack meets the issue's target when all four hold. Usage::
 
     python -m simulations.bench_hostile [--kinds nan,scale,random,inflate,garbage-reducer] [--peers 4|8]
-        [--duration S] [--quick] [--json PATH] [--workdir DIR] [--reanalyse DIR]
+        [--mode sync|diloco] [--duration S] [--quick] [--json PATH] [--workdir DIR] [--reanalyse DIR]
+
+``--mode diloco`` runs the scenario with DiLoCo (local steps, then an averaged pseudo-gradient and the
+outer step) instead of the scenario's synchronous mode; the report goes to ``hostile-diloco*.json``.
 
 ``--quick`` shortens every run to ``QUICK_S`` seconds (``--duration`` to any length). The JSON report goes
 to PATH (default ``simulations/results/hostile.json``, ``hostile-8.json`` for 8 peers, both under
@@ -57,6 +63,7 @@ from simulations.replay.scenario import SCENARIOS_DIR, Scenario, load_scenario
 MODULE = "simulations.bench_hostile"
 SCENARIOS = {4: "hostile-4", 8: "hostile-8"}
 TOLERANCE = 0.05  # the honest peers' validation loss at most this much above the no-attack run's
+STEPS_FLOOR = 0.5  # the honest peers' global step at least this share of the no-attack run's
 QUICK_S = 90.0
 BASELINE = "no attack"
 # Attacks through records signed by fresh keys: they leave the honest peers nothing that ties them to the
@@ -65,18 +72,21 @@ ANONYMOUS = frozenset(sybils.KINDS)
 OFFENDER_KEYS = ("peer", "peer_id", "named_by", "accusing_lines", "excluded_rounds", "banned_by")
 
 
-def default_json(peers: int, quick: bool) -> Path:
-    """simulations/results/hostile.json (hostile-8.json for 8 peers); under results/quick/ for --quick, so
-    that a smoke run never replaces the full numbers."""
+def default_json(peers: int, quick: bool, mode: str | None = None) -> Path:
+    """simulations/results/hostile.json (hostile-8.json for 8 peers, hostile-diloco[-8].json in DiLoCo
+    mode); under results/quick/ for --quick, so that a smoke run never replaces the full numbers."""
     folder = REPO_ROOT / "simulations" / "results" / ("quick" if quick else "")
-    return folder / ("hostile.json" if peers == 4 else f"hostile-{peers}.json")
+    name = "hostile" + ("-diloco" if mode == "diloco" else "")
+    return folder / (f"{name}.json" if peers == 4 else f"{name}-{peers}.json")
 
 
-def variant(base: Scenario, kind: str | None, duration: float | None = None) -> Scenario:
-    """The scenario with its hostile peers running ``kind`` (None: every peer honest)."""
+def variant(
+    base: Scenario, kind: str | None, duration: float | None = None, mode: str | None = None
+) -> Scenario:
+    """The scenario with its hostile peers running ``kind`` (None: every peer honest), in ``mode``."""
     hostile = base.adversaries
     kinds = [kind if p.index in hostile else None for p in base.peers]
-    return unnamed(base.with_changes(duration=duration, adversaries=kinds), kind)
+    return unnamed(base.with_changes(duration=duration, adversaries=kinds, mode=mode), kind)
 
 
 def unnamed(scenario: Scenario, kind: str | None) -> Scenario:
@@ -134,20 +144,40 @@ def compare(
     return out
 
 
+def pace(final_step: Any, baseline_step: Any, floor: float = STEPS_FLOOR) -> bool | None:
+    """Did the honest peers reach at least ``floor`` of the no-attack run's global step (None: one of the
+    two runs reports none)?"""
+    if not isinstance(final_step, int) or not isinstance(baseline_step, int):
+        return None
+    return final_step >= floor * baseline_step
+
+
 def assess(
     kind: str, summary: dict[str, Any] | None, baseline: dict[str, Any] | None, tolerance: float = TOLERANCE
 ) -> dict[str, Any]:
-    """One attack's row: the loss comparison, offenders named, honest peers kept training, checks."""
+    """One attack's row: the loss comparison, offenders named, honest peers kept training and their
+    pace, checks."""
     if summary is None:
-        return {"kind": kind, "met": None, "named": None, "kept_training": None, "comparison": None}
+        return {
+            "kind": kind,
+            "met": None,
+            "named": None,
+            "kept_training": None,
+            "kept_pace": None,
+            "comparison": None,
+        }
     offenders = summary.get("offenders") or []
     honest = summary.get("honest") or {}
     named = all(o.get("named") for o in offenders) if offenders else None
     anonymous = kind in ANONYMOUS
     kept = honest.get("kept_training")
+    baseline_step = ((baseline or {}).get("honest") or {}).get("final_step")
+    kept_pace = pace(honest.get("final_step"), baseline_step)
     cmp = compare(_points(baseline), _points(summary), tolerance)
-    met: bool | None = cmp["within"] is True and (anonymous or named is True) and kept is True
-    if cmp["within"] is None and named is not False and kept is not False:
+    met: bool | None = (
+        cmp["within"] is True and (anonymous or named is True) and kept is True and kept_pace is True
+    )
+    if cmp["within"] is None and named is not False and kept is not False and kept_pace is not False:
         met = None  # nothing to compare the loss with, and nothing else failed
     failed = [c["check"] for c in summary.get("checks", []) if c.get("passed") is False]
     return {
@@ -157,8 +187,9 @@ def assess(
         "named": "anonymous" if anonymous else named,
         "offenders": [_offender(o) for o in offenders],
         "kept_training": kept,
+        "kept_pace": kept_pace,
         "final_step": honest.get("final_step"),
-        "baseline_final_step": ((baseline or {}).get("honest") or {}).get("final_step"),
+        "baseline_final_step": baseline_step,
         "checks_failed": failed,
         "scenario_passed": summary.get("passed"),
     }
@@ -231,6 +262,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
                 _yes(r.get("named")),
                 _yes(r.get("kept_training")),
                 f"{r.get('final_step', '-')} / {r.get('baseline_final_step', '-')}",
+                _yes(r.get("kept_pace")),
                 ", ".join(r.get("checks_failed") or []) or ("all pass" if r.get("scenario_passed") else "-"),
                 cost_text(r.get("attacker_cost")),
                 {True: "met", False: "NOT met", None: "-"}[r.get("met")],
@@ -250,6 +282,7 @@ def format_table(report: dict[str, Any]) -> str:
         "offender named",
         "kept training",
         "steps / no attack",
+        f">= {100 * STEPS_FLOOR:g}%",
         "checks failed",
         "attackers spent",
         "target",
@@ -260,7 +293,8 @@ def format_table(report: dict[str, Any]) -> str:
     text.insert(1, "  ".join("-" * w for w in widths))
     base = report.get("baseline") or {}
     text.append(
-        f"{report['scenario']}: peers {', '.join(map(str, report['adversaries']))} hostile, "
+        f"{report['scenario']} ({report.get('mode') or 'sync'}): peers "
+        f"{', '.join(map(str, report['adversaries']))} hostile, "
         f"{report['aggregation']} aggregation, audit {'on' if report['audit'] else 'off'}, "
         f"{report['duration_s']:g} s per run; no-attack run: {base.get('status', '-')}, "
         f"final step {base.get('final_step', '-')}"
@@ -312,8 +346,12 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
-def command(peers: int, kinds: Sequence[str], quick: bool, duration: float | None) -> str:
+def command(
+    peers: int, kinds: Sequence[str], quick: bool, duration: float | None, mode: str | None = None
+) -> str:
     cmd = f"python -m {MODULE} --peers {peers} --kinds {','.join(kinds)}"
+    if mode is not None:
+        cmd += f" --mode {mode}"
     if duration is not None:
         cmd += f" --duration {duration:g}"
     return cmd + (" --quick" if quick else "")
@@ -323,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", type=parse_kinds, help="comma list (default all)")
     parser.add_argument("--peers", type=int, choices=sorted(SCENARIOS), default=4)
+    parser.add_argument("--mode", choices=("sync", "diloco"), help="training mode (default: the scenario's)")
     parser.add_argument("--duration", type=float, help="seconds per run (default: the scenario's)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_S:g} s per run (a smoke check)")
     parser.add_argument("--json", metavar="PATH", help="report (default simulations/results/hostile.json)")
@@ -349,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     averaging = (base.run_overrides.get("averaging") or {}) if base.run_overrides else {}
     report: dict[str, Any] = {
         "benchmark": "hostile",
-        "command": command(args.peers, args.kinds, args.quick, args.duration),
+        "command": command(args.peers, args.kinds, args.quick, args.duration, args.mode),
         "scenario": base.name,
+        "mode": args.mode or base.mode,
         "scenario_file": str(Path(base.source).relative_to(REPO_ROOT)),
         "peers": len(base.peers),
         "adversaries": sorted(base.adversaries),
@@ -360,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "tolerance": TOLERANCE,
         "target": f"honest val loss <= +{100 * TOLERANCE:g}% of the no-attack run's, every offender named "
-        "in an honest peer's log, the honest peers keep training",
+        f"in an honest peer's log, the honest peers keep training, and reach >= {100 * STEPS_FLOOR:g}% of "
+        "the no-attack run's global step",
         "environment": environment(("p2ptrain", "torch", "numpy", "trio")),
         "workdir": str(workdir),
         "reanalysed": bool(args.reanalyse),
@@ -369,12 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # between runs too: the report of what ran is still written
     complete = True
     try:
-        baseline = _run(report, BASELINE, variant(base, None, duration), workdir / "no-attack")
+        baseline = _run(report, BASELINE, variant(base, None, duration, args.mode), workdir / "no-attack")
         report["baseline"] = baseline
         report["duration_s"] = (baseline.get("summary") or {}).get("duration_s", report["duration_s"])
         complete = baseline["status"] == "ok"
         for kind in args.kinds if complete else ():
-            r = _run(report, kind, variant(base, kind, duration), workdir / kind)
+            r = _run(report, kind, variant(base, kind, duration, args.mode), workdir / kind)
             summary = r.pop("summary")
             cost = {"attacker_cost": attacker_costs(workdir / kind, report["adversaries"])}
             report["results"].append(r | assess(kind, summary, baseline.get("summary")) | cost)
@@ -386,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         report["interrupted"] = True
     if "baseline" in report:
         report["baseline"].pop("summary", None)
-    json_path = None if args.json == "-" else str(args.json or default_json(args.peers, args.quick))
+    default = default_json(args.peers, args.quick, args.mode)
+    json_path = None if args.json == "-" else str(args.json or default)
     write_report(report, json_path, format_table(report))
     return 0 if complete else 1
 

@@ -22,6 +22,7 @@ from simulations.benchmarks.hostile import (
     compare,
     cost_text,
     format_table,
+    pace,
     parse_kinds,
     reanalyse_one,
     variant,
@@ -122,7 +123,21 @@ def test_the_table_has_a_row_per_attack() -> None:
     scale = next(line for line in text.splitlines() if line.startswith("scale"))
     assert "2.0200 (step 20)" in scale and "+1.0%" in scale and scale.rstrip().endswith("met")
     nan = next(line for line in text.splitlines() if line.startswith("nan"))
-    assert nan.rstrip().endswith("NOT met") and "hostile-4: peers 3 hostile" in text
+    assert nan.rstrip().endswith("NOT met") and "hostile-4 (sync): peers 3 hostile" in text
+
+
+def test_an_attack_that_stalls_the_swarm_fails_even_with_the_loss_kept() -> None:
+    """Global steps within half of the no-attack run's are part of the target: a leader that stalls every
+    group leaves the loss where it was (nothing was trained worse), and must still fail."""
+    base = summary([[10, 2.5], [20, 2.0]], None, True)
+    stalled = summary([[10, 2.52]], True, True)
+    stalled["honest"] = stalled["honest"] | {"final_step": 9}
+    row = assess("silent-leader", stalled, base)
+    assert row["comparison"]["within"] is True and row["kept_pace"] is False and row["met"] is False
+    paced = summary([[10, 2.52]], True, True)
+    paced["honest"] = paced["honest"] | {"final_step": 10}
+    assert assess("silent-leader", paced, base)["met"] is True
+    assert pace(None, 20) is None and pace(10, 20) is True and pace(9, 20) is False
 
 
 def test_kinds_are_checked_and_the_command_reproduces_the_run() -> None:
@@ -132,6 +147,7 @@ def test_kinds_are_checked_and_the_command_reproduces_the_run() -> None:
     quick = command(8, ("scale",), True, None)
     assert quick == "python -m simulations.bench_hostile --peers 8 --kinds scale --quick"
     assert command(4, ("nan", "inflate"), False, 60.0).endswith("--kinds nan,inflate --duration 60")
+    assert command(4, ("mixed",), True, None, "diloco").endswith("--kinds mixed --mode diloco --quick")
 
 
 @pytest.mark.timeout(30)

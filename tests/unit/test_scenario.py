@@ -400,8 +400,8 @@ ERRORS = [
     (
         TEN + "[[peers]]\n[[peers]]\nadversary = 'evil'",
         r"peers\[1\]\.adversary must be one of nan, scale, random, inflate, garbage-reducer, sybil-epoch, "
-        r"false-accusation, manifest-downgrade, sybil-majority, fake-progress, dht-flood, conn-flood, "
-        r"group-capture, "
+        r"false-accusation, manifest-downgrade, silent-leader, partial-leader, trusted-liar, flaky-reducer, "
+        r"mixed, sybil-majority, fake-progress, dht-flood, conn-flood, group-capture, trust-farm, "
         r"not 'evil'",
     ),
     (TEN + "[[peers]]\n[[peers]]\nadversary = 3", r"peers\[1\]\.adversary must be one of .*, not 3"),
