@@ -72,6 +72,9 @@ class RoundResult:
     reduced: int = 0  # elements of the flat vector this member reduced (its share, from its bandwidth)
     shares: dict[PeerID, int] = field(default_factory=dict)  # every member's share (the manifest's)
     excluded: dict[PeerID, str] = field(default_factory=dict)  # members left out, and why
+    # Contributors whose slices every partition reduced here judged useful work (see ``trust``): the
+    # only ones this member may trust for the round. Empty when it reduced nothing (client-only).
+    verified: list[PeerID] = field(default_factory=list)
     round_seconds: float = 0.0  # from the manifest to holding the average
     matchmaking_seconds: float = 0.0  # finding the group (0 when the caller brought the manifest)
     phases: dict[str, float] = field(default_factory=dict)  # seconds from the round's start to each phase
@@ -378,12 +381,24 @@ class AllReduceRound:
             reduced=m.sizes[m.me],
             shares=dict(zip(self.peers, m.sizes, strict=True)),
             excluded={self.peers[i]: why for i, why in excluded_reasons(decision, m.n, names).items()},
+            verified=self._verified(decision),
             round_seconds=trio.current_time() - m.at.start,
             phases=self.phases,
             evidence=self._evidence(decision) if self.tensors.audit else None,
             rates=self.meter.rates,
             retired=self.signals.retired,
         )
+
+    def _verified(self, decision: Decision) -> list[PeerID]:
+        """The other contributors every partition reduced here judged useful (see ``reducer``)."""
+        judged = [red.verdicts for red in self.tensors.reducers.values() if red.verdicts]
+        if not judged:
+            return []
+        return [
+            self.peers[i]
+            for i in decision.contributors
+            if i != self.me and all(i in v and v[i].useful for v in judged)
+        ]
 
     def _evidence(self, decision: Decision) -> RoundEvidence:
         m, t = self.machine, self.tensors

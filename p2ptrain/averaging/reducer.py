@@ -13,6 +13,11 @@ is decoded from them, so with a lossy compression it holds exactly what the othe
 
 With a robust aggregation rule (see ``robust``) the kept slices of the decided contributors are stacked in
 member order at the decision and the rule is applied to them instead of the running sum.
+
+At the decision, before the kept slices go, the reducer judges each decided contributor's slice (see
+``trust.useful``: finite, positive weight, a norm that is not negligible, aligned with the others): one
+pass over the kept chunks builds their Gram matrix. ``verdicts`` holds the judgement; the round names
+the contributors every partition reduced here found useful, and only those can earn this member's trust.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .compression import Compression, accumulate, all_finite, decode, encode, en
 from .partition import chunks
 from .robust import aggregate, by_origin, outliers
 from .spill import SPILL_BYTES, Spilled, SpillFile
+from .trust import Verdict, gram, useful
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ class PartitionReducer:
         self.commits: dict[int, bytes] = {}  # audited rounds: sender -> its signed commitment
         self.attestation = b""  # audited rounds: this reducer's signed attestation of its result
         self.outliers: list[tuple[int, float]] = []  # robust rules: senders far from the result (see robust)
+        self.verdicts: dict[int, Verdict] = {}  # decided contributor -> was its slice useful work (trust)
         # Early results (see expect): chunks of the mean published before the decision.
         self._expected: tuple[int, ...] | None = None
         self._counts: dict[int, int] = {}  # sender -> chunks of its slice added so far
@@ -201,6 +208,7 @@ class PartitionReducer:
             raise ValueError(f"no complete slice from members {missing}")
         if self.aggregation != "mean":
             rows = torch.stack([self._slice_of(i) for i in contributors])
+            self._judge(contributors, weights, gram(rows))
             labels = [self.origins[i] if self.origins else i for i in contributors]
             rows, groups = by_origin(rows, labels)
             self.acc.copy_(aggregate(self.aggregation, rows))
@@ -209,6 +217,7 @@ class PartitionReducer:
             ]
             del rows
             return self._publish(self.acc)
+        self._judge(contributors, weights, self._gram(contributors))
         if self._expected is not None:
             self.early_final = (
                 self.early is not None
@@ -232,6 +241,30 @@ class PartitionReducer:
             for i, w in zip(contributors, weights, strict=True):
                 self._replay(i, w)
         return self._publish(self.acc.div_(sum(weights)))
+
+    def _gram(self, contributors: Sequence[int]) -> torch.Tensor:
+        """The Gram matrix of the kept slices of ``contributors``, chunk by chunk (no partition-sized
+        temporary per contributor)."""
+        g = torch.zeros(len(contributors), len(contributors), dtype=torch.float64)
+        if not contributors:
+            return g
+        for index, (a, b) in enumerate(self.spans):
+            g += gram(self._chunk_of(i, index, a, b) for i in contributors)
+        return g
+
+    def _chunk_of(self, sender: int, index: int, a: int, b: int) -> torch.Tensor:
+        kept = self._kept[sender]
+        if len(kept) == 1 and isinstance(kept[0], torch.Tensor | _Local):
+            own = kept[0]
+            if isinstance(own, _Local):
+                part = own.spilled
+                return torch.frombuffer(part.file.read(part.offset + 4 * a, 4 * (b - a)), dtype=torch.float32)
+            return own[a:b]
+        return decode(_bytes(kept[index]), self.mode, b - a)
+
+    def _judge(self, contributors: Sequence[int], weights: Sequence[float], g: torch.Tensor) -> None:
+        verdicts = useful(g, weights, self.size) if self.size else [Verdict(False, "empty")] * len(g)
+        self.verdicts = dict(zip(contributors, verdicts, strict=True))
 
     def _forget(self) -> None:
         """Drop the kept slices (the result is computed: nothing reads them again)."""

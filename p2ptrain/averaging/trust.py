@@ -1,0 +1,219 @@
+"""Trust earned by verified useful work: which contributors of a round did any, and whom that makes a partner.
+
+Theory of operation. Identities are free, so being counted in a round proves nothing: a client-only key
+that sends zeros (or noise) with weight 1 is a contributor like any other. A member that *reduces* a
+partition holds every contributor's slice of it, and only there can anything about a contributor be
+checked. So trust is granted for what the reducer verified, never for a place in the decision:
+
+- :func:`useful` judges the slices of one partition from their Gram matrix (pairwise dot products, one
+  pass over the kept slices, see ``reducer``). A slice is useful when it is finite, its weight is
+  positive, its norm is not negligible next to the others' (``NEGLIGIBLE`` x their median: zeros and
+  near-zeros fail), and it points the way the others do: its cosine with the leave-one-out aggregate of
+  the others (the sum of their unit vectors, so no single slice's scale steers it) is at least
+  :func:`threshold` of the partition's size. Pure noise of ``d`` elements has a cosine of about
+  ``N(0, 1/d)`` with any fixed direction, so ``ALIGN_SIGMAS / sqrt(d)`` is a bar it reaches with odds of
+  ``3e-5`` per round; honest gradients of one model on one objective share a direction far above it. A
+  sign-flipped copy of another's slice points against the others and fails too.
+- :class:`TrustLedger` (owned by the ``Averager``) turns verified rounds into partners: each verified
+  contributor earns one credit per round (a round counted twice earns nothing more), credits decay with
+  a half-life (``HALF_LIFE``), a peer is named a partner once its credit reaches ``TRUST_AT`` and stays one
+  while it is at least ``KEEP_AT``, at most ``PER_SUBNET`` partners come from one subnet (the address
+  this member saw the peer at), and at most ``ADMIT_PER_WINDOW`` new partners are named per
+  ``ADMIT_WINDOW`` seconds. Partners a checkpoint remembers come back with ``TRUST_AT`` credits.
+
+What it costs. An attacker with ``k`` keys on ``m`` subnets earns at most ``PER_SUBNET * m`` partners per
+honest peer, each only after ``TRUST_AT`` rounds in which it sent a slice aligned with the honest peers'
+gradients: that is, it computed gradients of the run's model on the run's objective (or sent back the
+last averages it fetched, an echo of the swarm's direction that does not move it anywhere new: what is
+left, see the design page). An honest swarm's members verify each other in their first rounds: a
+member reduces a partition of every round it is in, and every contributor sends a slice of it. A
+client-only member reduces nothing and verifies nobody: it trusts its join peers.
+
+Small partitions cannot tell noise from signal (``d = 16`` makes noise reach a cosine of 1/2 one time in
+thirty): the bar is capped at ``MAX_ALIGN``, so that a tiny model's rounds still verify honest peers, and
+``TRUST_AT`` rounds are needed besides. Models worth training have partitions of millions of elements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..identity import PeerID
+
+NEGLIGIBLE = 1e-3  # a slice whose norm is below this share of the others' median norm did no work
+ALIGN_SIGMAS = 4.0  # the bar for alignment, in standard deviations of pure noise's cosine (1/sqrt(d))
+MIN_ALIGN = 0.05  # ... and never below this cosine (huge partitions: a direction, not a rounding error)
+MAX_ALIGN = 0.5  # ... nor above this one (tiny partitions, where no bar tells noise apart: see above)
+
+TRUST_AT = 2.0  # credits (verified rounds, decayed) that make a peer a partner
+KEEP_AT = 1.0  # ... and below which a partner is one no more
+MAX_CREDIT = 16.0  # credits saturate: a long history lasts four half-lives after the useful work stops
+HALF_LIFE = 1800.0  # seconds in which a credit halves
+PER_SUBNET = 4  # partners one subnet may hold (the highest credits win)
+ADMIT_PER_WINDOW = 16  # new partners named at most per window ...
+ADMIT_WINDOW = 60.0  # ... of this many seconds
+MAX_TRACKED = 4096  # peers with credits remembered (the lowest credits go first)
+
+
+def threshold(d: int) -> float:
+    """The cosine a slice of ``d`` elements must reach with the others' aggregate (see the docstring)."""
+    return min(MAX_ALIGN, max(MIN_ALIGN, ALIGN_SIGMAS / math.sqrt(max(d, 1))))
+
+
+def gram(rows: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The Gram matrix (float64) of equally long rows given as one (k, n) block (a chunk of each slice)."""
+    block = torch.stack([r.to(torch.float64) for r in rows])
+    return block @ block.T
+
+
+@dataclass(frozen=True)
+class Verdict:
+    useful: bool
+    reason: str
+
+
+def useful(g: torch.Tensor, weights: Sequence[float], d: int) -> list[Verdict]:
+    """Which of ``k`` slices of a partition of ``d`` elements are useful work (see the module docstring),
+    from their Gram matrix ``g`` (k x k) and the weights they were sent with."""
+    k = len(weights)
+    g = g.to(torch.float64)
+    diag = g.diagonal()
+    finite = bool(torch.isfinite(g).all())
+    norms = [math.sqrt(max(float(x), 0.0)) if math.isfinite(float(x)) else math.nan for x in diag]
+    bar = threshold(d)
+    out: list[Verdict] = []
+    for i in range(k):
+        w, n = float(weights[i]), norms[i]
+        others = sorted(x for j, x in enumerate(norms) if j != i and math.isfinite(x))
+        if not (math.isfinite(w) and w > 0):
+            out.append(Verdict(False, f"its weight {w!r} is not positive"))
+            continue
+        if not math.isfinite(n) or not finite:
+            out.append(Verdict(False, "not finite"))
+            continue
+        if not others:
+            out.append(Verdict(False, "no other slice to check it against"))
+            continue
+        median = others[len(others) // 2]
+        if n <= 0 or n < NEGLIGIBLE * median:
+            out.append(Verdict(False, f"its norm {n:.3g} is negligible (others' median {median:.3g})"))
+            continue
+        # Others as unit vectors: u_j = x_j / |x_j| (zero rows add nothing)
+        live = [j for j in range(k) if j != i and norms[j] > 0]
+        if not live:
+            out.append(Verdict(False, "every other slice is zero"))
+            continue
+        dot = sum(float(g[i, j]) / (n * norms[j]) for j in live)
+        sq = sum(float(g[a, b]) / (norms[a] * norms[b]) for a in live for b in live)
+        if sq <= 0:
+            out.append(Verdict(False, "the others cancel out"))
+            continue
+        cos = dot / math.sqrt(sq)
+        if cos < bar:
+            out.append(Verdict(False, f"cosine {cos:.3f} with the others' aggregate is below {bar:.3f}"))
+        else:
+            out.append(Verdict(True, f"cosine {cos:.3f} with the others' aggregate"))
+    return out
+
+
+@dataclass
+class _Credit:
+    value: float = 0.0
+    at: float = 0.0  # when ``value`` was last brought up to date
+    subnet: str = ""
+    rounds: list[bytes] = field(default_factory=list)  # the last few rounds counted (once each)
+
+
+MAX_ROUNDS_KEPT = 8
+
+
+class TrustLedger:
+    """Credits for verified useful work, and the partners they make (see the module docstring).
+
+    ``me`` never earns credit with itself. ``partners(now)`` is the read-only set callers use."""
+
+    def __init__(self, me: PeerID) -> None:
+        self.me = me
+        self._credits: dict[PeerID, _Credit] = {}
+        self._partners: set[PeerID] = set()
+        self._admitted: list[float] = []  # when recent partners were named (for ADMIT_PER_WINDOW)
+        self._now = 0.0
+
+    def _decayed(self, c: _Credit, now: float) -> float:
+        return float(c.value * 0.5 ** (max(now - c.at, 0.0) / HALF_LIFE))
+
+    def credit(self, round: bytes, verified: Iterable[tuple[PeerID, str]], now: float) -> list[PeerID]:
+        """``verified``: (peer, subnet it was seen at) of the contributors this member verified in the
+        round ``round``; each earns one credit, at most once per round. Returns the peers named partners
+        by it."""
+        for peer, subnet in verified:
+            if peer == self.me:
+                continue
+            c = self._credits.get(peer)
+            if c is None:
+                c = self._credits[peer] = _Credit(at=now)
+            if round in c.rounds:
+                continue
+            c.rounds.append(round)
+            del c.rounds[:-MAX_ROUNDS_KEPT]
+            c.value, c.at = min(MAX_CREDIT, self._decayed(c, now) + 1.0), now
+            c.subnet = subnet or c.subnet
+        self._bound()
+        return self.update(now)
+
+    def seed(self, peers: Iterable[PeerID], now: float, subnet: str = "") -> None:
+        """Peers a checkpoint remembers as partners: they are again, with ``TRUST_AT`` credits (they
+        decay as any), outside the limits on new partners per window (they were admitted before)."""
+        for peer in peers:
+            if peer == self.me:
+                continue
+            c = self._credits.setdefault(peer, _Credit(at=now, subnet=subnet or f"?{peer}"))
+            c.value, c.at = max(self._decayed(c, now), TRUST_AT), now
+            self._partners.add(peer)
+        self._bound()
+
+    def update(self, now: float) -> list[PeerID]:
+        """Name and drop partners as credits stand at ``now``; returns the peers newly named."""
+        self._now = max(self._now, now)
+        values = {p: self._decayed(c, now) for p, c in self._credits.items()}
+        self._partners = {p for p in self._partners if values.get(p, 0.0) >= KEEP_AT}
+        by_subnet: dict[str, int] = {}
+        for p in self._partners:
+            by_subnet[self._credits[p].subnet] = by_subnet.get(self._credits[p].subnet, 0) + 1
+        self._admitted = [t for t in self._admitted if now - t < ADMIT_WINDOW]
+        named = []
+        # Highest credit first (ties: the smaller id, so the order is the same on every run)
+        for p in sorted(values, key=lambda p: (-values[p], p.digest)):
+            if p in self._partners or values[p] < TRUST_AT:
+                continue
+            subnet = self._credits[p].subnet
+            if by_subnet.get(subnet, 0) >= PER_SUBNET or len(self._admitted) >= ADMIT_PER_WINDOW:
+                continue
+            by_subnet[subnet] = by_subnet.get(subnet, 0) + 1
+            self._admitted.append(now)
+            self._partners.add(p)
+            named.append(p)
+        return named
+
+    def value(self, peer: PeerID, now: float) -> float:
+        c = self._credits.get(peer)
+        return 0.0 if c is None else self._decayed(c, now)
+
+    @property
+    def partners(self) -> frozenset[PeerID]:
+        """The partners as of the last update (credit, seed or update)."""
+        return frozenset(self._partners)
+
+    def _bound(self) -> None:
+        if len(self._credits) <= MAX_TRACKED:
+            return
+        now = self._now
+        order = sorted(
+            self._credits, key=lambda p: (p in self._partners, self._decayed(self._credits[p], now))
+        )
+        for p in order[: len(self._credits) - MAX_TRACKED]:
+            del self._credits[p]
