@@ -443,8 +443,10 @@ class Averager:
         try:
             result = await rnd.run()
         except RoundAborted:
-            for peer, why in rnd.blame().items():
+            blame = rnd.blame()
+            for peer, why in blame.items():
                 self.auditor.strike(peer, why)
+            self.groups.round_failed(signed, blame)  # a leader whose round never ran is not followed
             raise
         finally:
             self.measured.add(rnd.meter.rates)  # (an aborted round's flows measured the links too)

@@ -2,12 +2,26 @@
 
 A peer that wants to average announces itself under the run's group key in the DHT (signed, under its
 owned subkey, with a deadline) and reads the others' announcements. The pure rules (``matchmaking``)
-pick a leader: the peer leads (gathers joiners until the group is full or its deadline, then signs a
-manifest of members and partition sizes shared out by their bandwidths) or asks the leader for a
-place (``JOIN``) and checks the manifest it gets against the run's rules before anything is sent:
-a leader that breaks them is not asked again, and a group that holds a banned peer, or too few of the
-peers this one must average with, is declined. Announcements carry strictly increasing expiries, so a
-closed one still in flight never wins over the next round's.
+pick a leader by lottery: the peer leads (gathers joiners until the group is full or its deadline, then
+signs a manifest of members and partition sizes shared out by their bandwidths) or asks the leader for
+a place (``JOIN``) and checks the manifest it gets against the run's rules before anything is sent; a
+group that holds a banned peer, or too few of the peers this one must average with, is declined.
+Announcements carry strictly increasing expiries, so a closed one still in flight never wins over the
+next round's.
+
+Leaders that cannot stall (issue 48). A follower waits for a leader until the leader's deadline +
+``JOIN_GRACE``, and follows only leaders whose deadline lies at most ``DEADLINE_SLACK`` past its own
+(``matchmaking``): one leader holds it for at most its own matchmaking window + slack + grace. A leader
+*failed* this peer when it kept the call open until its deadline (or past it) and delivered no manifest
+(whatever it said then: "full", "too small", a redirect, or nothing), or signed a manifest that breaks
+the run's rules, or coordinated a round whose decision never came (:meth:`GroupForming.round_failed`).
+The node's :class:`~p2ptrain.averaging.leaders.LeaderBook` then keeps it, and the leaders of the subnet
+this peer reached it at, out of every later matchmaking for a long while. One exception, because an
+honest leader says it too: a group that was too small is no failure when this peer saw fewer peers
+announcing compatibly than its own minimum group size (none could have formed). An honest leader
+answers at its deadline at the latest (its reads of the DHT stop there), so ``LATE`` seconds of
+clock skew are allowed for; a leader reached through a relay is blamed by its id alone (the address
+this peer reached is the relay's).
 
 :class:`GroupForming` is owned by the node's averager, which hands it what it needs at construction
 (the host, the DHT, the averager's settings, its measured bandwidth, the auditor's bans, and how to
@@ -27,6 +41,7 @@ from ..dht.records import owned_subkey, subkey_owner
 from ..dht.service import DHT
 from ..errors import GroupFormationFailed, GroupTooSmall, P2PError, SchemaMismatch
 from ..identity import PeerID
+from ..net.address import PeerAddress
 from ..net.admission import subnet_of
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
@@ -35,6 +50,7 @@ from . import sparse
 from .auditor import Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .compression import Compression
+from .leaders import LeaderBook
 from .matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
 from .partition import partition_sizes
 from .protocol import (
@@ -57,6 +73,9 @@ POLL = 0.5  # seconds between reads of the announcements while gathering or look
 EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements under one key
 BAD_MANIFEST = "a manifest that breaks the run's rules"
 RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
+RETRY_FOR = 2.0  # seconds a leader may keep answering "ask again" in one matchmaking; then it is passed over
+LATE = 1.0  # seconds before a leader's deadline (our clock) from which an answer without a manifest is late
+MAX_FOLLOWED = 16  # manifests of groups this peer followed, remembered for ``round_failed``
 
 
 @dataclass
@@ -75,6 +94,18 @@ class _Looking:
     rules: RoundRules | None = None  # what a leader's manifest must follow (see ``rules``)
     quorum: Quorum | None = None  # the known peers a group led here must hold (see ``matchmaking``)
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
+    min_size: int = 2  # the smallest group this peer takes (a smaller one is expected with fewer peers)
+    compatible: set[PeerID] = field(default_factory=set)  # peers seen announcing with our schema
+
+
+def announced_subnet(addr: str) -> str:
+    """The subnet of the host in an announced address ("" for a circuit, nonsense or nothing): where
+    this peer would reach that leader, so a subnet's blame applies before dialing."""
+    try:
+        a = PeerAddress.parse(addr) if addr else None
+    except ValueError:
+        return ""
+    return "" if a is None or a.relay is not None else subnet_of(a.host)
 
 
 def _holds_all(formed: SignedManifest | None, announced: Iterable[PeerID]) -> bool:
@@ -110,6 +141,8 @@ class GroupForming:
         self._config, self.measured, self.auditor = config, measured, auditor
         self.decline, self.clock = decline, clock
         self._looking: _Looking | None = None
+        self.leaders = LeaderBook()  # leaders that failed this peer: not followed for a while
+        self._followed: dict[bytes, tuple[PeerID, str]] = {}  # manifests followed -> leader, its subnet
         self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
         self._nursery: trio.Nursery | None = None
 
@@ -181,10 +214,11 @@ class GroupForming:
             digest,
         )
         rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
-        looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum)
+        looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum, min_size=sizes[1])
+        looking.compatible.add(me.peer)
         key = self.key(group_key)
         declined: set[Announcement] = set()
-        distrusted: set[PeerID] = set()  # leaders that sent a manifest breaking the rules: never again
+        retried: dict[Announcement, float] = {}  # leaders that said "ask again" -> when they first did
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         formed: SignedManifest | None = None
@@ -192,10 +226,11 @@ class GroupForming:
             await self.announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
-                seen = [a for a in await self.announcements(key) if a.peer not in distrusted]
+                seen = await self.announcements(key)
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
+                looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
-                leader = choose_leader(me, seen, self.clock(), declined)
+                leader = self._choose(looking, seen, declined)
                 if leader is None and me.can_lead:
                     signed = await self._lead(looking, key, declined, schema, mode, timeout, sizes)
                     if signed is not None:
@@ -216,13 +251,13 @@ class GroupForming:
                 if signed is not None:
                     formed = signed
                     return signed
-                if retry:  # the leader is between states: ask again (or its own leader) shortly
+                first = retried.setdefault(leader, self.clock()) if retry else 0.0
+                if retry and self.clock() - first < RETRY_FOR:
+                    # the leader is between states: ask again (or its own leader) shortly
                     log.debug("%s did not admit us to %s yet: %s", leader.peer.short(), group_key, why)
                     await trio.sleep(RETRY_JOIN)
                     continue
                 declined.add(leader)
-                if why.startswith(BAD_MANIFEST):
-                    distrusted.add(leader.peer)
                 refusals.append(f"{leader.peer.short()}: {why}")
                 log.info("%s did not admit us to %s: %s", leader.peer.short(), group_key, why)
             if mismatched or any("schema mismatch" in r for r in refusals):
@@ -288,6 +323,43 @@ class GroupForming:
                 out.append(announcement)
         return out
 
+    def _choose(
+        self, looking: _Looking, seen: list[Announcement], declined: set[Announcement]
+    ) -> Announcement | None:
+        """The leader to follow among ``seen`` (``matchmaking``), leaving out those this peer's book
+        excludes by their id or by the subnet of the address they announce."""
+        now = self.clock()
+        excluded = {a.peer for a in seen if self.leaders.excluded(a.peer, announced_subnet(a.addr), now)}
+        return choose_leader(
+            looking.me,
+            seen,
+            now,
+            looking.group_key,
+            declined=declined,
+            excluded=excluded,
+        )
+
+    def _failed(self, leader: PeerID, subnet: str, why: str) -> None:
+        until = self.leaders.failed(leader, subnet, self.clock(), why)
+        log.warning(
+            "leader %s%s failed us (%s): not followed for %.0f s",
+            leader.short(),
+            f" (subnet {subnet})" if subnet else "",
+            why,
+            until - self.clock(),
+        )
+
+    def round_failed(self, signed: SignedManifest, blame: dict[PeerID, str]) -> None:
+        """A round of a group this peer followed aborted; ``blame``: whom it failed on (see
+        ``round_machine``). Its coordinator is the leader: one whose decision never came coordinated a
+        round it never ran (or died in it), and is not followed again for a while."""
+        followed = self._followed.pop(signed.digest, None)
+        if followed is None:
+            return
+        leader, subnet = followed
+        if leader in blame:
+            self._failed(leader, subnet, f"its round {signed.digest.hex()[:8]} failed on it: {blame[leader]}")
+
     async def _lead(
         self,
         looking: _Looking,
@@ -320,7 +392,11 @@ class GroupForming:
                 await looking.full.wait()
             if gathering.ready() or self.clock() >= me.deadline:
                 break
-            smaller = choose_leader(me, await self.announcements(key), self.clock(), declined)
+            seen: list[Announcement] = []
+            # (an honest leader answers by its deadline, however slow the DHT: see the module docstring)
+            with trio.move_on_after(max(0.0, me.deadline - self.clock())):
+                seen = await self.announcements(key)
+            smaller = self._choose(looking, seen, declined)
             if smaller is not None and not gathering.full():
                 looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"
                 looking.following = smaller
@@ -356,27 +432,46 @@ class GroupForming:
     async def _follow(
         self, leader: Announcement, looking: _Looking
     ) -> tuple[SignedManifest | None, str, bool]:
-        """Ask ``leader`` for a place: the manifest, or why not and whether asking again may help."""
+        """Ask ``leader`` for a place: the manifest, or why not and whether asking again may help. A
+        leader that failed us (see the module docstring) goes into the book on the way out."""
         me = looking.me
-        wait = max(0.0, leader.deadline - self.clock()) + JOIN_GRACE
+        asked = self.clock()
+        wait = max(0.0, leader.deadline - asked) + JOIN_GRACE
+        subnet = ""  # where we reached it ("" until connected, or through a relay)
         try:
             with trio.fail_after(wait):
                 conn = await self.host.connect(leader.addr)
+                subnet = "" if conn.relayed else subnet_of(conn.remote_host)
+                excluded = self.leaders.excluded(leader.peer, subnet, self.clock())
+                if excluded:  # (its announced address did not show the subnet we reached it in)
+                    return None, excluded, False
                 reply = await conn.call_with_body(
                     JOIN, JoinReq(looking.group_key, me.schema, me.addr, me.bandwidth), timeout=wait
                 )
-        except (P2PError, trio.TooSlowError) as e:
-            return None, f"unreachable ({e})", False
+        except trio.TooSlowError:
+            why = f"no manifest within {wait:.1f} s, past its deadline"
+            self._failed(leader.peer, subnet, why)
+            return None, why, False
+        except P2PError as e:
+            why = f"unreachable ({e})"
+            if self._late(leader, looking, asked, why):
+                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}")
+            return None, why, False
         if not reply.message.accepted:
-            return None, reply.message.reason or "refused", reply.message.retry
+            why = reply.message.reason or "refused"
+            if self._late(leader, looking, asked, why):
+                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}")
+                return None, why, False
+            return None, why, reply.message.retry
         try:
             signed = SignedManifest.verify(bytes(reply.body), leader.peer)
             assert looking.rules is not None
             announced = {**looking.announced, me.peer: me.bandwidth}
             check_manifest(signed.manifest, looking.rules, me.peer, me.addr, announced)
         except P2PError as e:
-            log.warning("%s from %s: %s", BAD_MANIFEST, leader.peer.short(), e)
+            self._failed(leader.peer, subnet, f"{BAD_MANIFEST}: {e}")  # (logged there)
             return None, f"{BAD_MANIFEST}: {e}", False
+        self.leaders.delivered(leader.peer, self.clock())
         banned = [p for p in signed.manifest.peers() if p in self.auditor.banned]
         if banned:  # its leader has not banned it (yet): our slices never go into a round of theirs
             self.decline(signed)
@@ -390,7 +485,20 @@ class GroupForming:
             why = f"the group holds {held} of the {quorum.size} peers this one must average with"
             log.info("declined the group of %s: %s", leader.peer.short(), why)
             return None, why, False
+        while len(self._followed) >= MAX_FOLLOWED:
+            del self._followed[next(iter(self._followed))]
+        self._followed[signed.digest] = (leader.peer, subnet)
         return signed, "", False
+
+    def _late(self, leader: Announcement, looking: _Looking, asked: float, why: str) -> bool:
+        """Whether an answer without a manifest came so late that the leader failed us: at its deadline
+        or after (an honest one answers ``full``, a redirect, a refusal at once, or before it). A group
+        too small is no failure where this peer saw too few peers for one (see the module docstring)."""
+        now = self.clock()
+        if now < leader.deadline - LATE or now - asked < LATE:
+            return False  # it answered before its deadline, or at once (it did not hold us)
+        too_few = len(looking.compatible) < looking.min_size
+        return not (too_few and why.startswith("only "))
 
     async def on_join(self, ctx: CallContext, req: JoinReq) -> Reply[JoinResp]:
         """A follower asks for a place in the group we gather (long-poll until it forms)."""

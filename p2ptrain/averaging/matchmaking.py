@@ -2,18 +2,33 @@
 
 Theory of operation: a peer ready to average announces itself in the DHT under the run and a group key,
 with a deadline (when it would form a group of its own) and its bandwidth (0 until it measured it, see
-``bandwidth``). Announcements are totally
-ordered by ``(deadline, peer id)``. Each peer follows the smallest announcement below its own that can
-lead (it accepts connections) and has not refused it; with none, it leads: it admits joiners until the
-group reaches its target size or its deadline passes, then sends each a manifest signed with its key.
+``bandwidth``). Who leads is decided by a lottery no peer sets: each peer's *ticket* under a group key is
+``blake2b(group key || peer id)`` (:func:`ticket`), and announcements are ordered by ticket. Each peer
+follows the smallest announcement below its own that may lead (:func:`why_not`: it accepts connections,
+is still open, has our schema, has not refused us, is not excluded by this peer's book of failed
+leaders, and declares no deadline further ahead than the run's matchmaking window allows); with none, it
+leads: it admits joiners until the group reaches its target size or its deadline passes, then sends each
+a manifest signed with its key. A follower waits for a leader until the earlier of the leader's deadline
+and its own, plus a grace (``grouping``); a leader that does not deliver by then is remembered
+(``leaders``) and not followed again for a long while.
+
+Why the lottery: with the order by declared deadline, one fresh key that announced the earliest deadline
+led every group of every step, and could hold them all (issue 48). Nothing in an announcement moves its
+ticket: declared deadlines and bandwidths only decide whether it is followed at all. An identity's
+ticket is fixed by its key and the group key (per step), so a key generator can grind keys with small
+tickets, but each of them is then excluded, with its subnet, by every peer it failed (``leaders``):
+grinding buys stalls per subnet, not per key.
 
 Why no deadlock is possible: a peer only ever waits for an answer from a peer strictly smaller in the
-order, and a leader waits for nobody: it answers every joiner by its own deadline. A chain of waits is
-therefore strictly decreasing, cannot close into a cycle, and ends at a leader whose deadline bounds it.
-A peer asked to admit a joiner while it follows someone else answers at once with a redirect to its own
-leader (smaller still), so requests flow down the order to the peer that gathers the group. hivemind's
-documented deadlock (leaders waiting on each other) needs a wait from a smaller peer to a larger one,
-which this rule forbids.
+ticket order (tickets differ for different ids: a tie is a blake2b collision), and a leader waits for
+nobody: it answers every joiner by its own deadline. A chain of waits is therefore strictly decreasing,
+cannot close into a cycle, and ends at a leader whose deadline bounds it. Each peer's exclusions (its
+own book, the leaders that refused it) only remove candidates; they never reorder the rest, so every
+edge still goes down the one global order, whatever each peer excludes. A peer asked to admit a joiner
+while it follows someone else answers at once with a redirect to its own leader (smaller still), so
+requests flow down the order to the peer that gathers the group. hivemind's documented deadlock
+(leaders waiting on each other) needs a wait from a smaller peer to a larger one, which this rule
+forbids. A client-only peer follows any leader: nobody ever waits for it.
 
 Origins (robust runs). Identities are free, subnets are not: in a run that aggregates with a robust rule,
 a leader counts its joiners by *origin*, the subnet (/24, /64) it sees each one's connection come from,
@@ -33,8 +48,9 @@ the group full takes the place of the newest joiner that is not.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import RemoteProtocolError
@@ -52,10 +68,6 @@ class Announcement:
     deadline: float  # wall-clock seconds: when this peer forms a group of its own
     bandwidth: float
     schema: bytes  # digest of the tensors' schema and the compression
-
-    @property
-    def order(self) -> tuple[float, bytes]:
-        return (self.deadline, self.peer.digest)
 
     @property
     def can_lead(self) -> bool:
@@ -89,30 +101,71 @@ class Announcement:
         return cls(peer, addr, float(deadline), float(bandwidth), schema)
 
 
-def choose_leader(
-    me: Announcement, seen: Iterable[Announcement], now: float, declined: set[Announcement]
-) -> Announcement | None:
-    """The peer to ask for a place, or None when this peer should gather a group itself.
+DEADLINE_SLACK = 5.0  # seconds a leader's deadline may lie past ours (clock skew, later starts)
 
-    Candidates can lead, are still open (deadline in the future), have not refused us under this very
-    announcement (a peer that refused while it was busy with its previous round may be asked again once
-    it announces anew), and come before us in the order. Peers with another schema are skipped: they
-    could never admit us.
+
+def ticket(group_key: str, peer: PeerID) -> bytes:
+    """``peer``'s place in the order of leaders under ``group_key``: smaller leads (see the module
+    docstring). Set by the key and the group key alone, never by anything the peer declares."""
+    # (the digest has a fixed length, so the key and the id cannot run into each other)
+    return hashlib.blake2b(group_key.encode() + peer.digest, digest_size=16, person=b"p2ptrain-lead").digest()
+
+
+def why_not(
+    me: Announcement,
+    a: Announcement,
+    now: float,
+    group_key: str,
+    *,
+    declined: Collection[Announcement] = (),
+    excluded: Collection[PeerID] = (),
+) -> str:
+    """Why ``me`` does not follow ``a`` now ("" if it may).
+
+    A deadline more than ``DEADLINE_SLACK`` past ours is further ahead than the run's matchmaking window
+    allows (ours began no later than it): following it would keep us past our own window.
+    ``declined``: announcements that refused us (a peer that refused while busy with its previous round
+    may be asked again once it announces anew); ``excluded``: leaders this peer's book does not follow.
     """
-    best: Announcement | None = None
+    if a.peer == me.peer:
+        return "ourselves"
+    if not a.can_lead:
+        return "client-only: it cannot lead"
+    if a.schema != me.schema:
+        return "another schema: it could never admit us"
+    if a.deadline <= now:
+        return "closed: its deadline passed"
+    if a.deadline > me.deadline + DEADLINE_SLACK:
+        past = a.deadline - me.deadline
+        return f"its deadline lies {past:.1f} s past ours: further than the run's window allows"
+    if a in declined:
+        return "it refused us under this announcement"
+    if a.peer in excluded:
+        return "it failed us as a leader"
+    if me.can_lead and ticket(group_key, a.peer) >= ticket(group_key, me.peer):
+        return "after us in the order"
+    return ""
+
+
+def choose_leader(
+    me: Announcement,
+    seen: Iterable[Announcement],
+    now: float,
+    group_key: str,
+    *,
+    declined: Collection[Announcement] = (),
+    excluded: Collection[PeerID] = (),
+) -> Announcement | None:
+    """The peer to ask for a place, or None when this peer should gather a group itself: the smallest
+    ticket among the announcements ``me`` may follow (:func:`why_not`)."""
+    best: tuple[bytes, Announcement] | None = None
     for a in seen:
-        if (
-            a.peer == me.peer
-            or not a.can_lead
-            or a.deadline <= now
-            or a in declined
-            or a.schema != me.schema
-            or (me.can_lead and a.order >= me.order)
-        ):
+        if why_not(me, a, now, group_key, declined=declined, excluded=excluded):
             continue
-        if best is None or a.order < best.order:
-            best = a
-    return best
+        t = ticket(group_key, a.peer)
+        if best is None or t < best[0]:
+            best = (t, a)
+    return None if best is None else best[1]
 
 
 @dataclass(frozen=True)

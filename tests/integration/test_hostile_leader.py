@@ -27,6 +27,9 @@ from tests.harness.identities import identity
 from tests.harness.nodes import PORT, swarm
 
 HUGE = 1e4
+# Leaders go by lottery (``matchmaking.ticket``): under this group key n0 holds the smallest ticket of
+# n0..n4, so the attacker leads the group.
+KEY = "hostile-4"
 
 
 def downgrade(m: Manifest) -> Manifest:
@@ -57,13 +60,13 @@ async def test_honest_members_refuse_a_downgraded_manifest_and_average_without_i
                 await trio.sleep(delay)
                 values = [torch.full((1000,), HUGE if i == 0 else float(i))]
                 try:
-                    out[i] = await nodes[i].average(values, weight=1.0, timeout=20.0)
+                    out[i] = await nodes[i].average(values, weight=1.0, timeout=20.0, group_key=KEY)
                 except GroupFormationFailed as e:
                     out[i] = e
 
             with trio.fail_after(120):
                 async with trio.open_nursery() as nursery:
-                    for i, delay in enumerate((0.0, 0.4, 0.9)):  # the attacker announces first: it leads
+                    for i, delay in enumerate((0.0, 0.4, 0.9)):  # the attacker leads (KEY)
                         nursery.start_soon(one, i, delay)
     honest = [out[1], out[2]]
     for r in honest:
@@ -96,13 +99,15 @@ async def test_a_coordinator_claiming_a_billion_samples_is_left_out_of_its_own_r
             await trio.sleep(delay)
             values = [torch.full((1000,), HUGE if i == 0 else float(i))]
             try:
-                out[i] = await nodes[i].average(values, weight=1e9 if i == 0 else 1.0, timeout=20.0)
+                out[i] = await nodes[i].average(
+                    values, weight=1e9 if i == 0 else 1.0, timeout=20.0, group_key=KEY
+                )
             except (GroupFormationFailed, RoundAborted) as e:
                 out[i] = e
 
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
-                for i, delay in enumerate((0.0, 0.4, 0.9)):  # the attacker announces first: it leads
+                for i, delay in enumerate((0.0, 0.4, 0.9)):  # the attacker leads (KEY)
                     nursery.start_soon(one, i, delay)
     for r in out:
         assert isinstance(r, RoundResult), r
@@ -150,7 +155,7 @@ async def test_a_leader_cannot_count_its_client_only_keys_as_origins_of_their_ow
             await trio.sleep(delay)
             values = [torch.full((1000,), HUGE if i < 3 else float(i))]
             try:
-                out[i] = await nodes[i].average(values, weight=1.0, timeout=20.0)
+                out[i] = await nodes[i].average(values, weight=1.0, timeout=20.0, group_key=KEY)
             except (GroupFormationFailed, RoundAborted) as e:
                 out[i] = e
 
@@ -158,9 +163,7 @@ async def test_a_leader_cannot_count_its_client_only_keys_as_origins_of_their_ow
             for node in nodes:
                 await node.dht.bootstrapped.wait()
             async with trio.open_nursery() as round_nursery:
-                for i, delay in enumerate(
-                    (0.0, 0.2, 0.2, 0.4, 0.6)
-                ):  # the attacker announces first: it leads
+                for i, delay in enumerate((0.0, 0.2, 0.2, 0.4, 0.6)):  # the attacker leads (KEY)
                     round_nursery.start_soon(one, i, delay)
         nursery.cancel_scope.cancel()
     for i in (3, 4):

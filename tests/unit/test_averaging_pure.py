@@ -12,7 +12,7 @@ import torch
 
 from p2ptrain.averaging.agreement import Coordinator, excluded_reasons
 from p2ptrain.averaging.compression import DENSE, Compression, encode
-from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
+from p2ptrain.averaging.matchmaking import Announcement, Gathering, Joiner, Quorum
 from p2ptrain.averaging.partition import chunks, offsets, partition_sizes, wire_bytes
 from p2ptrain.averaging.protocol import (
     Decision,
@@ -101,44 +101,7 @@ def ann(i: int, deadline: float, addr: str = "x", schema: bytes = b"s") -> Annou
     return Announcement(pid(i), addr, deadline, 1.0, schema)
 
 
-@pytest.mark.parametrize(
-    ("me", "seen", "now", "declined", "expected"),
-    [
-        (ann(5, 10), [ann(1, 9), ann(2, 8)], 0, set(), 2),  # the earliest deadline leads
-        (ann(5, 10), [ann(1, 8), ann(2, 8)], 0, set(), 1),  # equal deadlines: the smaller id
-        (ann(1, 8), [ann(2, 8), ann(3, 9)], 0, set(), None),  # nobody before us: we lead
-        (ann(5, 10), [ann(2, 8)], 8.5, set(), None),  # closed (deadline passed)
-        (ann(5, 10), [ann(2, 8), ann(3, 9)], 0, {ann(2, 8)}, 3),  # refused us: next one
-        (ann(5, 10), [ann(2, 9), ann(3, 9)], 0, {ann(2, 8)}, 2),  # refused, but announced anew since
-        (ann(5, 10), [ann(2, 8, addr="")], 0, set(), None),  # client-only peers never lead
-        (ann(5, 10), [ann(2, 8, schema=b"t")], 0, set(), None),  # other tensors
-        (ann(5, 10, addr=""), [ann(6, 12)], 0, set(), 6),  # a client-only peer follows anyone open
-        (ann(5, 10), [ann(5, 10), ann(6, 12)], 0, set(), None),  # ourselves and later peers: lead
-    ],
-)
-def test_choose_leader(me, seen, now, declined, expected):
-    got = choose_leader(me, seen, now, declined)
-    assert (got.peer if got else None) == (pid(expected) if expected is not None else None)
-
-
-def test_waits_only_go_down_the_order_so_no_cycle_can_form():
-    """Whatever each peer has seen, the follow graph is acyclic: every edge goes to a smaller peer."""
-    rng = random.Random(11)
-    for _ in range(500):
-        anns = [ann(i, rng.choice([1.0, 2.0, 3.0]), addr=rng.choice(["x", "x", ""])) for i in range(1, 9)]
-        follows = {}
-        for a in anns:
-            seen = rng.sample(anns, rng.randint(0, len(anns)))
-            leader = choose_leader(a, seen, 0.0, set())
-            if leader is not None:
-                follows[a.peer] = leader
-                if a.can_lead:
-                    assert leader.order < a.order
-        for start in follows:  # walk the chain: it must end
-            node, steps = start, 0
-            while node in follows and steps <= len(anns):
-                node, steps = follows[node].peer, steps + 1
-            assert steps <= len(anns), "cycle in the follow graph"
+# (whom to follow, the lottery and its no-deadlock property: tests/unit/test_leaders.py)
 
 
 def test_announcement_round_trip_and_malformed():

@@ -1,0 +1,239 @@
+"""Who leads a group, and which leaders a peer stops following (pure: ``matchmaking``, ``leaders``).
+
+What is proved here: the leader is the smallest lottery ticket among the announcements a peer may follow,
+and nothing an announcement declares (its deadline, its bandwidth) changes who that is; an announcement
+that declares a deadline past the run's window is not followed at all; whatever each peer has seen,
+excluded and been refused by, every wait goes down one global order, so no chain of waits closes into a
+cycle (randomized, hypothesis); and the book of failed leaders keeps a failed leader, and its subnet's
+fresh keys, out for a long while that doubles on repeat, within bounded memory.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.averaging.leaders import EXCLUSION, MAX_PEERS, MAX_SUBNETS, LeaderBook, blames_subnet
+from p2ptrain.averaging.matchmaking import DEADLINE_SLACK, Announcement, choose_leader, ticket, why_not
+from p2ptrain.identity import PeerID
+
+KEY = "sync-7"
+WINDOW = 5.0
+
+
+def pid(i: int) -> PeerID:
+    return PeerID(bytes([i]) * 32)
+
+
+def by_ticket(*ids: int, key: str = KEY) -> list[int]:
+    return sorted(ids, key=lambda i: ticket(key, pid(i)))
+
+
+def ann(i: int, deadline: float, addr: str = "x", schema: bytes = b"s", bw: float = 1.0) -> Announcement:
+    return Announcement(pid(i), addr, deadline, bw, schema)
+
+
+# ---- the lottery ----
+
+
+def test_the_ticket_is_the_peer_and_the_key_alone_and_changes_with_the_key():
+    assert ticket(KEY, pid(1)) == ticket(KEY, pid(1))
+    assert ticket(KEY, pid(1)) != ticket(KEY, pid(2))
+    # per step, another order: no id leads every step
+    orders = {tuple(by_ticket(*range(1, 9), key=f"sync-{s}")) for s in range(20)}
+    assert len(orders) > 10
+    assert len({o[0] for o in orders}) > 3
+
+
+def test_the_smallest_ticket_leads_whatever_deadline_it_declared():
+    first, second, last = by_ticket(1, 2, 3)
+    me = ann(last, 10.0)
+    # the earliest declared deadline does not win: the ticket does
+    seen = [ann(first, 9.0), ann(second, 0.5)]
+    assert choose_leader(me, seen, 0.0, KEY) == seen[0]
+    # the smallest ticket leads: nobody before it
+    assert choose_leader(ann(first, 10.0), [ann(second, 1.0), ann(last, 0.2)], 0.0, KEY) is None
+
+
+@pytest.mark.parametrize(
+    ("case", "a", "now", "expected"),
+    [
+        ("ours", lambda lo, me: ann(me, 5.0), 0.0, "ourselves"),
+        ("client-only", lambda lo, me: ann(lo, 5.0, addr=""), 0.0, "client-only"),
+        ("schema", lambda lo, me: ann(lo, 5.0, schema=b"t"), 0.0, "another schema"),
+        ("closed", lambda lo, me: ann(lo, 5.0), 5.0, "closed"),
+        (
+            "far",
+            lambda lo, me: ann(lo, WINDOW + DEADLINE_SLACK + 0.1),
+            0.0,
+            "further than the run's window allows",
+        ),
+        ("at the edge", lambda lo, me: ann(lo, WINDOW + DEADLINE_SLACK), 0.0, ""),
+        ("after us", lambda lo, me: ann(me + 100, 5.0), 0.0, ""),
+        ("before us", lambda lo, me: ann(lo, 5.0), 0.0, ""),
+    ],
+)
+def test_why_not(case, a, now, expected):
+    lo, hi = by_ticket(1, 2)
+    me = ann(hi, WINDOW)
+    other = a(lo, hi)
+    if case == "after us":  # an id whose ticket is larger than ours
+        other = ann(next(i for i in range(3, 60) if ticket(KEY, pid(i)) > ticket(KEY, pid(hi))), 5.0)
+        expected = "after us"
+    why = why_not(me, other, now, KEY)
+    assert (expected in why and why) if expected else why == "", why
+
+
+def test_refused_and_excluded_leaders_are_passed_over_for_the_next_ticket():
+    first, second, last = by_ticket(1, 2, 3)
+    me, a, b = ann(last, 5.0), ann(first, 5.0), ann(second, 5.0)
+    assert choose_leader(me, [a, b], 0.0, KEY) == a
+    assert choose_leader(me, [a, b], 0.0, KEY, declined={a}) == b
+    assert choose_leader(me, [a, b], 0.0, KEY, excluded={a.peer}) == b
+    # refused under one announcement: asked again once it announces anew
+    assert choose_leader(me, [ann(first, 6.0), b], 0.0, KEY, declined={a}).peer == a.peer
+    # a client-only peer follows any leader, whatever its ticket
+    assert choose_leader(ann(first, 5.0, addr=""), [b], 0.0, KEY) == b
+
+
+# ---- the randomized property: no cycles, nothing declared wins ----
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> tuple[list[Announcement], dict[PeerID, tuple[list, set, set]], float, str]:
+    """Announcements with adversarial declared deadlines (past, now, near, at and beyond the window's
+    edge, absurd), and per observer a random view, refusals and exclusions."""
+    n = draw(st.integers(2, 12))
+    now = 100.0
+    deadlines = st.one_of(
+        st.floats(now - 10, now + WINDOW + DEADLINE_SLACK + 5, allow_nan=False),
+        st.sampled_from([now, now + 1e-9, now + WINDOW + DEADLINE_SLACK, 1e12, -1e12]),
+    )
+    anns = [
+        Announcement(
+            pid(i),
+            draw(st.sampled_from(["x", "x", "x", ""])),
+            draw(deadlines),
+            draw(st.floats(0, 1e15)),
+            draw(st.sampled_from([b"s", b"s", b"s", b"t"])),
+        )
+        for i in range(1, n + 1)
+    ]
+    views = {}
+    for a in anns:
+        seen = draw(st.lists(st.sampled_from(anns), max_size=n, unique=True))
+        declined = set(draw(st.lists(st.sampled_from(anns), max_size=3, unique=True)))
+        excluded = {x.peer for x in draw(st.lists(st.sampled_from(anns), max_size=3, unique=True))}
+        views[a.peer] = (seen, declined, excluded)
+    return anns, views, now, draw(st.sampled_from(["sync-1", "diloco-2", "sync/3-99"]))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(swarms())
+def test_no_wait_chain_has_a_cycle_and_no_declared_field_changes_the_winner(swarm):
+    anns, views, now, key = swarm
+    by_peer = {a.peer: a for a in anns}
+    follows: dict[PeerID, PeerID] = {}
+    rng = random.Random(len(anns))
+    for a in anns:
+        seen, declined, excluded = views[a.peer]
+        leader = choose_leader(a, seen, now, key, declined=declined, excluded=excluded)
+        if leader is None:
+            continue
+        assert not why_not(a, leader, now, key, declined=declined, excluded=excluded)
+        assert leader.peer not in excluded and leader not in declined and leader.can_lead
+        assert now < leader.deadline <= a.deadline + DEADLINE_SLACK
+        if a.can_lead:  # every wait goes down the one order, whatever this observer excluded
+            assert ticket(key, leader.peer) < ticket(key, a.peer)
+            follows[a.peer] = leader.peer
+        # Re-declare every other announcement's deadline (anywhere it stays followable) and bandwidth:
+        # the same peer wins.
+        redeclared = [
+            x
+            if x.peer == a.peer or why_not(a, x, now, key, declined=declined, excluded=excluded)
+            else Announcement(
+                x.peer,
+                x.addr,
+                rng.uniform(now + 1e-6, a.deadline + DEADLINE_SLACK),
+                rng.uniform(0, 1e9),
+                x.schema,
+            )
+            for x in seen
+        ]
+        again = choose_leader(a, redeclared, now, key, declined=declined, excluded=excluded)
+        assert again is not None and again.peer == leader.peer
+    for start in follows:  # walk each chain of waits: it ends, at a leader
+        node, steps = start, 0
+        while node in follows:
+            node, steps = follows[node], steps + 1
+            assert steps <= len(anns), "a cycle of waits"
+        assert by_peer[node].can_lead
+
+
+# ---- the book of failed leaders ----
+
+
+def test_a_failed_leader_is_not_followed_for_the_exclusion_then_again():
+    book = LeaderBook()
+    assert book.excluded(pid(1), "198.18.1.0/24", 0.0) == ""
+    until = book.failed(pid(1), "198.18.1.0/24", 10.0, "no manifest")
+    assert until == 10.0 + EXCLUSION
+    assert "no manifest" in book.excluded(pid(1), "", 10.0 + EXCLUSION - 1)
+    assert book.excluded_peers(20.0) == {pid(1)}
+    assert book.excluded(pid(1), "198.18.1.0/24", until) == ""  # over
+
+
+def test_its_subnet_is_excluded_too_except_leaders_that_delivered_before():
+    book = LeaderBook()
+    book.delivered(pid(3), 0.0)  # an honest neighbour that led us before
+    book.failed(pid(1), "198.18.1.0/24", 10.0, "no manifest")
+    fresh = book.excluded(pid(2), "198.18.1.0/24", 11.0)
+    assert "subnet 198.18.1.0/24" in fresh
+    assert book.excluded(pid(3), "198.18.1.0/24", 11.0) == ""
+    assert book.excluded(pid(2), "198.18.2.0/24", 11.0) == ""  # another subnet
+    assert book.excluded_peers(11.0) == {pid(1)}  # (a subnet's blame needs the address)
+
+
+def test_a_leader_that_fails_after_delivering_loses_its_good_name():
+    book = LeaderBook()
+    book.delivered(pid(3), 0.0)
+    book.failed(pid(3), "198.18.1.0/24", 10.0, "its decision never came")
+    assert book.excluded(pid(3), "198.18.1.0/24", 11.0)
+    book.delivered(pid(3), 12.0)  # (a manifest while blamed: not a good name yet)
+    book.failed(pid(1), "198.18.1.0/24", 10.0 + EXCLUSION + 1, "no manifest")
+    assert book.excluded(pid(3), "198.18.1.0/24", 10.0 + EXCLUSION + 2)
+
+
+def test_loopback_and_unknown_subnets_blame_nobody_else():
+    assert not blames_subnet("") and not blames_subnet("127.0.0.1") and not blames_subnet("::1")
+    assert blames_subnet("198.18.1.0/24") and blames_subnet("n4")
+    book = LeaderBook()
+    book.failed(pid(1), "127.0.0.1", 0.0, "no manifest")
+    assert book.excluded(pid(2), "127.0.0.1", 1.0) == ""
+    assert book.excluded(pid(1), "127.0.0.1", 1.0)
+
+
+def test_the_exclusion_doubles_on_each_repeat():
+    book = LeaderBook()
+    t = 0.0
+    for n in range(4):
+        until = book.failed(pid(1), "10.0.0.0/24", t, "no manifest")
+        assert until - t == EXCLUSION * 2**n
+        assert book.excluded(pid(9), "10.0.0.0/24", until - 1)  # the subnet's fresh keys too
+        t = until + 1
+    # a failure while still excluded (a round it coordinated, after its manifest) does not double
+    book.failed(pid(2), "", t, "a")
+    assert book.failed(pid(2), "", t + 1, "b") == t + 1 + EXCLUSION
+
+
+def test_the_book_is_bounded_and_a_flood_of_failures_pushes_out_what_ends_soonest():
+    book = LeaderBook()
+    book.failed(pid(1), "198.18.1.0/24", 0.0, "the first")
+    book.failed(pid(1), "198.18.1.0/24", EXCLUSION + 1, "again")  # (2 x EXCLUSION: ends last)
+    for i in range(2 * MAX_PEERS):
+        book.failed(PeerID(i.to_bytes(32, "big")), f"n{i}", EXCLUSION + 2, "fresh")
+    assert len(book) <= MAX_PEERS + MAX_SUBNETS
+    assert book.excluded(pid(1), "", EXCLUSION + 3)
