@@ -41,6 +41,7 @@ from ..net.host import Host
 from .agreement import excluded_reasons
 from .audit import Attestation, hash_pieces, seal_attestation
 from .bandwidth import RateMeter, Rates
+from .bounds import ResultHistory, Scale
 from .buffers import BufferPool
 from .compression import Compression
 from .deciding import DecisionExchange
@@ -125,10 +126,12 @@ class AllReduceRound:
         backup: SpillFile | None = None,
         own_saved: Spilled | None = None,
         caps: dict[int, float] | None = None,
+        history: ResultHistory | None = None,
     ) -> None:
         """``flat``, ``source``, ``backup``, ``own_saved``: see :class:`RoundTensors` (in place: ``flat``
         is the caller's own tensor, which must not change before ``retired`` is set). ``caps``: the most
-        weight this member finds plausible per member (see ``agreement``)."""
+        weight this member finds plausible per member (see ``agreement``). ``history``: this member's
+        accepted results, which bound results where it sends only zeros (see ``bounds``)."""
         m = signed.manifest
         self.host, self.signed, self.manifest, self.digest = host, signed, m, signed.digest
         self.peers = m.peers()
@@ -147,7 +150,9 @@ class AllReduceRound:
             source=source,
             backup=backup,
             own_saved=own_saved,
+            history=history.get(m.schema) if history is not None else None,
         )
+        self.history = history
         self.signals = RoundSignals()
         self.meter = RateMeter(host.delivered_traffic, trio.current_time)
         self.fault = fault
@@ -198,6 +203,10 @@ class AllReduceRound:
 
     def blame(self) -> dict[PeerID, str]:
         return self.machine.blame()
+
+    def convicted(self) -> dict[PeerID, str]:
+        """After an abort: members whose served bytes broke the rules beyond doubt (see ``round_machine``)."""
+        return self.machine.convicted()
 
     def retire(self) -> None:
         """No new call is served from now on; the buffers are released once the last stream ends."""
@@ -271,6 +280,8 @@ class AllReduceRound:
                 nursery.start_soon(self.gatherer.gather, p, m.holder(p))
         self._mark("gathered")
         outcome = m.outcome()
+        if m.faults:  # a result broke the rules: nothing of it is applied, the round ends here
+            raise RoundAborted(outcome.reason)
         if not outcome.committed:
             raise RoundTimedOut(outcome.reason)
         return self._commit(decision)
@@ -369,8 +380,10 @@ class AllReduceRound:
         return seal_attestation(self.host.identity, att)
 
     def _commit(self, decision: Decision) -> RoundResult:
-        m = self.machine
-        tensors = self.tensors.commit()
+        m, t = self.machine, self.tensors
+        if self.history is not None and len(t.results) == len(m.partitions):
+            self.history.record(self.manifest.schema, Scale.total(t.results.values()), t.whole)
+        tensors = t.commit()
         names = [m.name(i) for i in range(m.n)]
         return RoundResult(
             round=self.digest,

@@ -11,13 +11,24 @@ a proof that does not convict bans the accuser. The accuser also tells the round
 it from the ban records would put its slices into another round with it first. A member examines what it
 is told only about a round it kept, a partition that round's holder reduced, from another member of it,
 and fetches the proof from the address the accuser had in that round.
+
+Verdicts need no repetition when there is proof (:meth:`Auditor.convict`): bytes a peer served or
+signed that break the rules (a malformed or non-finite result, a result beyond this member's bounds, a
+bad attestation) ban it at once. Faults without proof (a partition that never came, a decision that
+never came: from here a withholding peer and a broken link look alike) are strikes
+(:meth:`Auditor.strike`): each weighs 1, decays with a half-life of ``STRIKE_HALF_LIFE``, and a peer is
+banned once its weight reaches ``STRIKES``. A good round with the peer forgives nothing, so a peer that
+fails one round in a few and behaves in between is banned all the same: one that fails more often than
+about once in ``0.58 * STRIKE_HALF_LIFE`` (six minutes) reaches ``STRIKES`` at last. An honest peer on a
+bad link pays the same: three failed rounds with it in a few minutes and this member stops grouping
+with it (locally: strikes are never published).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -34,7 +45,9 @@ from .settings import RoundPolicy
 
 log = logging.getLogger(__name__)
 
-STRIKES = 3  # rounds in a row that failed on the same peer before it is banned here
+STRIKES = 3.0  # weight of (decaying) strikes at which a peer is banned here
+STRIKE_HALF_LIFE = 600.0  # seconds for a strike's weight to halve
+MAX_STRIKES = 4096  # peers with strikes remembered at most (the lightest are forgotten first)
 AUDIT_WINDOW = 120.0  # seconds a round's evidence is kept for its auditors
 MAX_KEPT = 4  # rounds of evidence kept at most (each is about one copy of this member's contribution)
 FETCH_TIMEOUT = 30.0
@@ -61,16 +74,23 @@ class Accusation:
 class Auditor:
     """One per averager: evidence, audits, bans."""
 
-    def __init__(self, host: Host, *, policy: Callable[[], RoundPolicy] | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        policy: Callable[[], RoundPolicy] | None = None,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         """``policy``: the run's rules for bans and proofs, as they stand (the averager's, see
-        :meth:`Averager.follow`; None: none)."""
+        :meth:`Averager.follow`; None: none). ``clock``: seconds, for the strikes' decay."""
         self.host = host
+        self._clock = clock
         self._policy = policy or RoundPolicy  # (the class itself: a policy with none of the rules)
         self.banned: dict[PeerID, str] = {}  # peer -> why
         self.accusations: dict[PeerID, Accusation] = {}  # our provable verdicts, to publish
         self.proofs: OrderedDict[tuple[bytes, int], Proof] = OrderedDict()  # (round, partition) -> proof
         self.examined: set[tuple[PeerID, PeerID, bytes, int]] = set()  # (accuser, accused, round, p)
-        self.strikes: dict[PeerID, int] = {}  # rounds in a row that failed on a peer
+        self.strikes: dict[PeerID, tuple[float, float]] = {}  # peer -> (strike weight, as of when)
         self.verdicts: list[tuple[bytes, int, Verdict]] = []  # (round, partition, verdict) we reached
         self._kept: OrderedDict[bytes, RoundEvidence] = OrderedDict()
         self._nursery: trio.Nursery | None = None  # examinations we are told of run here (see ``run``)
@@ -108,20 +128,36 @@ class Auditor:
             if on_ban is not None:
                 on_ban(peer, reason)
 
+    def convict(self, peer: PeerID, reason: str) -> None:
+        """``peer`` served or signed bytes that break the rules (``reason``): proof enough, banned at
+        once, here (what it served to us, others cannot re-check: it stays local)."""
+        self.ban(peer, reason)
+
     def strike(self, peer: PeerID, reason: str) -> None:
-        """A round failed on ``peer`` (its partition never came, it never decided). Once is bad luck or
-        a bad link; ``STRIKES`` rounds in a row and we stop grouping with it (not published: from here a
-        withholding peer and a broken link look alike)."""
+        """A round failed on ``peer`` without proof (its partition never came, it never decided). Once
+        is bad luck or a bad link; strikes weigh 1 each and decay (see the module docstring), and at
+        ``STRIKES`` we stop grouping with it (not published: from here a withholding peer and a broken
+        link look alike). A good round forgives nothing."""
         if peer == self.host.peer_id or peer in self.banned:
             return
-        self.strikes[peer] = self.strikes.get(peer, 0) + 1
-        if self.strikes[peer] >= STRIKES:
-            self.ban(peer, f"{self.strikes[peer]} rounds in a row failed on it ({reason})")
-
-    def cleared(self, peers: Sequence[PeerID]) -> None:
-        """A round with ``peers`` committed: their strikes are forgiven."""
-        for peer in peers:
+        now = self._clock()
+        weight = self.strike_weight(peer, now) + 1.0
+        self.strikes[peer] = (weight, now)
+        if weight >= STRIKES:
             self.strikes.pop(peer, None)
+            self.ban(peer, f"rounds kept failing on it ({weight:.2f} strikes, the last: {reason})")
+            return
+        if len(self.strikes) > MAX_STRIKES:
+            lightest = min(self.strikes, key=lambda q: self.strike_weight(q, now))
+            del self.strikes[lightest]
+
+    def strike_weight(self, peer: PeerID, now: float | None = None) -> float:
+        """The weight of ``peer``'s strikes now (each 1 when struck, halving every ``STRIKE_HALF_LIFE``)."""
+        weight, since = self.strikes.get(peer, (0.0, 0.0))
+        if not weight:
+            return 0.0
+        now = self._clock() if now is None else now
+        return float(weight * 0.5 ** (max(0.0, now - since) / STRIKE_HALF_LIFE))
 
     async def examine(self, accuser: PeerID, address: str, accusation: Accusation) -> str:
         """Fetch the proof of someone's published ban from the accuser (at ``address``) and re-check it:

@@ -46,6 +46,7 @@ from . import sparse, spill
 from .allreduce import AllReduceRound, FaultHook, RoundEvidence, RoundResult
 from .auditor import AUDIT_WINDOW, Auditor
 from .bandwidth import BandwidthEstimate
+from .bounds import ResultHistory
 from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression, roundtrip
 from .grouping import JOIN_GRACE, GroupForming
@@ -188,6 +189,7 @@ class Averager:
         self._nursery: trio.Nursery | None = None
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
         self.auditor = Auditor(host, policy=lambda: self.policy)
+        self.history = ResultHistory()  # this member's accepted results: bounds where it sends zeros
         # Peers whose contributions went into a round we committed: they held our state then (trained
         # with us, and paid for it in compute); the trainer trusts their records of later states.
         self.partners: set[PeerID] = set()
@@ -438,11 +440,14 @@ class Averager:
             backup=backup,
             own_saved=own_saved,
             caps=self._caps(m.peers()),
+            history=self.history,
         )
         self._start_round(rnd)
         try:
             result = await rnd.run()
         except RoundAborted:
+            for peer, why in rnd.convicted().items():  # bytes it served broke the rules: banned at once
+                self.auditor.convict(peer, why)
             blame = rnd.blame()
             for peer, why in blame.items():
                 self.auditor.strike(peer, why)
@@ -450,7 +455,6 @@ class Averager:
             raise
         finally:
             self.measured.add(rnd.meter.rates)  # (an aborted round's flows measured the links too)
-        self.auditor.cleared(result.contributors)
         for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
             self.host.protect(peer)
         if result.evidence is not None and self._nursery is not None:

@@ -6,8 +6,10 @@ from its holder (the reducer, or the replacement the decision names), and once t
 serves some members and then hangs cannot split the group). In a pipelined round a member fetches each
 partition's mean chunk by chunk while the scatter still runs (:meth:`Gatherer.fetch_early`), held once
 its reducer confirms the chunks are the round's result; the early fetch of a failed reducer is void
-(:meth:`Gatherer.void`). Every fetched chunk is checked (size, finite values, in an audited round the
-reducer's signed attestation) before the partition counts as held.
+(:meth:`Gatherer.void`). Every fetched chunk is checked (size, finite values, its size against this
+member's own values: ``bounds``; in an audited round the reducer's signed attestation) before it lands
+and before the partition counts as held. Bytes that break the rules are the fault of whoever served
+them (``RoundMachine.fault``): that partition is not fetched again, and the round aborts for this member.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..net.host import Host
 from . import spill
 from .audit import new_hasher, open_attestation
 from .bandwidth import RateMeter
+from .bounds import ResultCheck
 from .compression import Compression, all_finite, decode, encoded_chunk
 from .partition import chunks
 from .protocol import FETCH, FETCH_EARLY, RELAY_RESULT, FetchReq
@@ -34,7 +37,19 @@ log = logging.getLogger("p2ptrain.averaging.allreduce")  # (the round's lines, a
 
 RELAY_RETRY = 0.25  # seconds between rounds of relay queries
 
-__all__ = ["RELAY_RETRY", "Gatherer", "time_left"]
+__all__ = ["RELAY_RETRY", "Gatherer", "Malformed", "OutOfBounds", "ServedFault", "time_left"]
+
+
+class ServedFault(RemoteProtocolError):
+    """The bytes a member served as a partition's result break the rules: its fault, whoever it is."""
+
+
+class Malformed(ServedFault):
+    """Not a result at all: wrong sizes, bad encodings, values that are not finite, a bad attestation."""
+
+
+class OutOfBounds(ServedFault):
+    """A well-formed result larger than this member accepts against its own values (see ``bounds``)."""
 
 
 def time_left(deadline: float) -> float:
@@ -58,6 +73,7 @@ class Gatherer:
         self.early_done: dict[int, trio.Event] = {}  # partition -> its early fetch has ended
         self.early_scopes: dict[int, trio.CancelScope] = {}
         self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
+        self.gather_scopes: dict[int, trio.CancelScope] = {}  # partition -> its gather (after the decision)
 
     def start_early(self, nursery: trio.Nursery) -> None:
         """Pipelined rounds: fetch every other partition's mean early, in ``nursery`` (cancelled once the
@@ -79,14 +95,17 @@ class Gatherer:
         m = self.m
         decision = m.decision
         assert decision is not None
-        att = open_attestation(data, m.peers[frm], m.digest, p, m.n)
+        try:
+            att = open_attestation(data, m.peers[frm], m.digest, p, m.n)
+        except RemoteProtocolError as e:
+            raise Malformed(f"its attestation: {e}") from None
         if att.contributors != decision.contributors or att.weights != decision.weights:
-            raise RemoteProtocolError("its attestation names other contributors or weights than the decision")
+            raise Malformed("its attestation names other contributors or weights than the decision")
         if att.result != result_hash:
-            raise RemoteProtocolError("the result it served is not the one it attested")
+            raise Malformed("the result it served is not the one it attested")
         # (Ed25519 signatures are deterministic: our commitment, made again, is the same bytes)
         if m.me in att.contributors and att.commits[att.contributors.index(m.me)] != self.t.pieces(p)[1]:
-            raise RemoteProtocolError("its attestation does not carry this member's commitment")
+            raise Malformed("its attestation does not carry this member's commitment")
         self.attestations[p] = bytes(data)
 
     async def gather(self, p: int, holder: int) -> None:
@@ -95,6 +114,8 @@ class Gatherer:
         if holder == m.me:
             with trio.move_on_at(end):
                 await self.sig.finalized(p).wait()
+            return
+        if m.faulty(p):  # its early result broke the rules: the round is over for this member
             return
         m.fetched(p, trio.current_time())
         if p in self.early_done:
@@ -108,10 +129,11 @@ class Gatherer:
                     await done.wait()
             self.early_scopes[p].cancel()
             await done.wait()
-            if p in m.held:
+            if p in m.held or m.faulty(p):
                 return
         direct_failed = trio.Event()
         async with trio.open_nursery() as nursery:
+            self.gather_scopes[p] = nursery.cancel_scope  # (cancelled once its result is at fault)
             nursery.start_soon(self._fetch_from_holder, nursery.cancel_scope, p, holder, direct_failed)
             # The others fetch from the holder too: once the direct fetch failed, or stalled (a reducer
             # that serves some members and then hangs), ask them as well; each answers once it holds it.
@@ -148,8 +170,25 @@ class Gatherer:
         if await self._fetch(p, i, RELAY_RESULT):
             scope.cancel()
 
-    def _held(self, p: int) -> None:
+    def _held(self, p: int, check: ResultCheck) -> None:
         self.m.held.add(p)
+        self.t.results[p] = check.seen
+        self.sig.changed.fire()
+
+    def _fault(self, p: int, frm: int, e: ServedFault, *, relay: bool = False) -> None:
+        """``frm`` served partition ``p``'s result, and it broke the rules: never applied, not fetched
+        again. Proven against ``frm`` when it computed what it served (a reducer: its result, or its
+        early chunks), or when the bytes are malformed (an honest relay holds checked values only); a
+        relayed result out of this member's bounds may be one the relay accepted within its own: that
+        counts against the holder, unproven."""
+        proven = not relay or isinstance(e, Malformed)
+        line = self.m.fault(p, frm, str(e), proven=proven)
+        if line:
+            log.warning("round %s: %s", self.m.digest.hex()[:8], line)
+        if p in self.early_scopes:
+            self.early_scopes[p].cancel()
+        if p in self.gather_scopes:
+            self.gather_scopes[p].cancel()
         self.sig.changed.fire()
 
     async def _fetch(self, p: int, frm: int, method: object) -> bool:
@@ -159,6 +198,7 @@ class Gatherer:
         mode = Compression.NONE if relay else self.t.mode
         target = self.t.slice(p)
         spans = list(chunks(m.sizes[p], mode))
+        check = ResultCheck(self.t.limit(p))
         try:
             with trio.fail_after(max(0.0, end - trio.current_time())):
                 conn = await self.host.connect(self.addrs[frm])
@@ -171,20 +211,25 @@ class Gatherer:
                         if not data:
                             ack = await stream.response()
                             raise RemoteProtocolError(ack.reason or "the stream ended early")
-                        if p in m.held:  # another relay was faster; its bits are the same
-                            return True
-                        _store(target[a:b], data, mode, 0 if relay else m.n)
+                        if p in m.held or m.faulty(p):  # another relay was faster; its bits are the same
+                            return p in m.held
+                        _store(target[a:b], data, mode, 0 if relay else m.n, check)
                         m.fetched(p, trio.current_time())
                         if hasher is not None:
                             hasher.update(data)
                     if hasher is not None:  # held only once the reducer's signed attestation checks out
                         ack = await stream.response()
                         self.check_attestation(p, frm, ack.attestation, hasher.digest())
-                        self._held(p)
+                        self._held(p, check)
                         return True
-                    self._held(p)  # every byte is here: ours, whatever happens to the call now
+                    self._held(p, check)  # every byte is here: ours, whatever happens to the call now
                     self.meter.flow_done("download")
                     await stream.response()  # let the server finish (it counts who fetched)
+        except ServedFault as e:
+            if p in m.held:  # (another relay was faster: these bytes landed nowhere)
+                return True
+            self._fault(p, frm, e, relay=relay)
+            return False
         except (P2PError, trio.TooSlowError) as e:
             if p in m.held:
                 return True
@@ -200,6 +245,7 @@ class Gatherer:
         fetches it again)."""
         m, t, end = self.m, self.t, self.m.at.gather
         target, spans = t.slice(p), list(chunks(m.sizes[p], t.mode))
+        check = ResultCheck(t.limit(p))
         got = 0
         try:
             with self.early_scopes[p], trio.fail_after(max(0.0, end - trio.current_time())):
@@ -216,14 +262,17 @@ class Gatherer:
                         data = await stream.receive_some()
                         if not data:
                             break
-                        _store(target[a:b], data, t.mode, m.n)
+                        _store(target[a:b], data, t.mode, m.n, check)
                         m.fetched(p, trio.current_time())
                         got += 1
                     if got == len(spans):
                         self.meter.flow_done("download")
                     ack = await stream.response()
                 if ack.ok and got == len(spans):
-                    self._held(p)
+                    self._held(p, check)
+        except ServedFault as e:  # from its reducer: its own fault; what landed in place is undone
+            t.restore(p)
+            self._fault(p, p, e)
         except (P2PError, trio.TooSlowError) as e:
             log.debug("no early result of partition %d from %s: %s", p, m.name(p), e)
         finally:
@@ -244,16 +293,36 @@ class Gatherer:
         return True
 
 
-def _store(target: torch.Tensor, data: memoryview, mode: Compression, members: int) -> None:
-    """Decode a fetched chunk (a reduced sum of ``members``: see ``compression.encode``) into its
-    place; RemoteProtocolError if it is malformed or not finite."""
+def _store(
+    target: torch.Tensor, data: memoryview, mode: Compression, members: int, check: ResultCheck
+) -> None:
+    """Decode a fetched chunk (a reduced sum of ``members``: see ``compression.encode``) into its place,
+    once ``check`` passed it; :class:`Malformed` if it is malformed or not finite, :class:`OutOfBounds`
+    if it is beyond this member's bounds. Nothing lands of a chunk that fails, unless the stream
+    decrypted it in place already (``RpcStream.land_in``: the caller then restores what was there)."""
     if mode is not Compression.NONE:
-        target.copy_(decode(data, mode, target.numel(), members))
+        try:
+            values = decode(data, mode, target.numel(), members)
+        except RemoteProtocolError as e:
+            raise Malformed(str(e)) from None
+        _check(check, values)
+        target.copy_(values)
         return
     if len(data) != 4 * target.numel():
-        raise RemoteProtocolError(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")
-    place, values = target.numpy(), np.frombuffer(data, dtype=np.float32)
-    if values.ctypes.data != place.ctypes.data:  # not decrypted in place (RpcStream.land_in): copy
-        place[:] = values
-    if not all_finite(target):
-        raise RemoteProtocolError("a reduced partition holds NaN or infinite values")
+        raise Malformed(f"a chunk of {len(data)} bytes where {4 * target.numel()} were expected")
+    place, raw = target.numpy(), np.frombuffer(data, dtype=np.float32)
+    if raw.ctypes.data == place.ctypes.data:  # decrypted in place (RpcStream.land_in): check it there
+        if not all_finite(target):
+            raise Malformed("a reduced partition holds NaN or infinite values")
+        _check(check, target)
+        return
+    if not np.isfinite(raw.min()) or not np.isfinite(raw.max()):
+        raise Malformed("a reduced partition holds NaN or infinite values")
+    _check(check, raw)
+    place[:] = raw
+
+
+def _check(check: ResultCheck, values: torch.Tensor | np.ndarray) -> None:
+    why = check.add(values)
+    if why:
+        raise OutOfBounds(why)

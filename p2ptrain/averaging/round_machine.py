@@ -21,8 +21,17 @@ trio driver around this is ``allreduce``):
    every member fetches every partition from its holder (:meth:`~RoundMachine.holder`), and from the other
    members too once that fetch failed or stalled for ``STALLED_AFTER`` seconds
    (:meth:`~RoundMachine.stalled_at`): a reducer that serves some and then hangs cannot split the group.
-5. Commit when every partition is held, else abort (:meth:`~RoundMachine.outcome`); after an abort,
-   :meth:`~RoundMachine.blame` names whom this member's round failed on.
+   Every result is checked before it counts as held (``gathering``: its form, its reducer's signed
+   attestation, and its size against this member's own values, see ``bounds``). Bytes that break the
+   rules are a fault of whoever served them (:meth:`~RoundMachine.fault`): that partition is not
+   fetched again, and this member's round ends in an abort. A fault is *proven* when the bytes came
+   from the partition's holder (malformed, not finite, not what it attested, out of bounds) or from a
+   relay (malformed, not finite: an honest relay holds only checked values); a relayed result that is
+   merely out of this member's bounds is not proven against anyone (the relay may have accepted it
+   within its own), and counts against the holder as a strike.
+5. Commit when every partition is held and none is at fault, else abort (:meth:`~RoundMachine.outcome`);
+   after an abort, :meth:`~RoundMachine.convicted` names whom a proven fault bans, and
+   :meth:`~RoundMachine.blame` whom else this member's round failed on.
 
 Only the holder of a partition computes it, and the decision settles which result it is, so every member
 that commits holds the same bits (commit by agreement). Every decision returns its reason in words.
@@ -80,6 +89,16 @@ class Plan:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class Fault:
+    """Bytes of a partition's result that broke the rules: who served them, and whether that proves it."""
+
+    server: int  # the member that served the bytes (the holder, or a relay)
+    holder: int  # the partition's holder
+    reason: str
+    proven: bool  # the server is at fault beyond doubt (see ``RoundMachine.fault``)
+
+
 @dataclass
 class Outcome:
     """How this member's round ends: committed, or aborted and why."""
@@ -125,6 +144,7 @@ class RoundMachine:
         self.progress: dict[int, float] = {}  # partition -> when its fetch last received something
         self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
         self.finished = False  # this member's own part of the round is over (committed or aborted)
+        self.faults: dict[int, Fault] = {}  # partition -> the first fault found in its result
 
     def name(self, i: int) -> str:
         return self.peers[i].short()
@@ -325,8 +345,31 @@ class RoundMachine:
         self.finished = True
         return self.fetches_left <= 0
 
+    def fault(self, p: int, server: int, reason: str, *, proven: bool) -> str:
+        """The result of partition ``p`` that ``server`` served broke the rules (``reason``): nothing of
+        it is applied, ``p`` is not fetched again, and the round ends in an abort for this member.
+        ``proven``: the bytes themselves convict the server. Returns a log line ('' for a later fault
+        of a partition already at fault)."""
+        if p in self.faults or server == self.me:
+            return ""
+        holder = self.holder(p)
+        self.faults[p] = Fault(server, holder, reason, proven)
+        via = "" if server == holder else f" relayed by {self.name(server)}"
+        return f"the result of partition {p} from {self.name(holder)}{via} is refused: {reason}"
+
+    def faulty(self, p: int) -> bool:
+        return p in self.faults
+
     def outcome(self) -> Outcome:
-        """After the gather: commit if every partition is held, else abort (and say which are missing)."""
+        """After the gather: commit if every partition is held and none is at fault, else abort (and say
+        which are missing)."""
+        if self.faults:
+            p, f = next(iter(self.faults.items()))
+            return Outcome(
+                False,
+                f"the result of partition {p} from {self.name(f.server)} broke the rules: {f.reason}",
+                sorted(self.faults),
+            )
         missing = [p for p in self.partitions if p not in self.held]
         if missing:
             return Outcome(
@@ -337,9 +380,23 @@ class RoundMachine:
             )
         return Outcome(True, "every partition is here")
 
+    def convicted(self) -> dict[PeerID, str]:
+        """After an abort: the members whose served bytes broke the rules beyond doubt (banned at once)."""
+        return {
+            self.peers[f.server]: f"served the result of partition {p} in round {self.digest.hex()[:8]}"
+            f" that broke the rules: {f.reason}"
+            for p, f in self.faults.items()
+            if f.proven
+        }
+
     def blame(self) -> dict[PeerID, str]:
         """After an abort: the members this round failed on, as far as this member can tell (the
-        coordinator if no decision came, else the holders of the partitions it never got)."""
+        coordinator if no decision came, else the holders of the partitions it never got), but those
+        :meth:`convicted` names."""
+        convicted = self.convicted()
+        return {peer: why for peer, why in self._blame().items() if peer not in convicted}
+
+    def _blame(self) -> dict[PeerID, str]:
         if self.decision is None:
             return {} if self.me == 0 else {self.peers[0]: "its decision never came"}
         if self.decision.abort:
@@ -348,6 +405,10 @@ class RoundMachine:
         for p in self.partitions:
             if p not in self.held:
                 holder = self.holder(p)
-                if holder != self.me:
+                f = self.faults.get(p)
+                if f is not None and not f.proven:
+                    why = f"its result of partition {p}, relayed, broke the rules: {f.reason}"
+                    out[self.peers[holder]] = why
+                elif holder != self.me and (f is None or f.server != holder):
                     out[self.peers[holder]] = f"partition {p} never came from it"
         return out

@@ -8,6 +8,11 @@ in ``flat`` where its mean goes, when nothing still needs to be sent from there)
 average into ``flat`` (``slice``). In an audited round the encoded pieces it sends are kept, with its
 signed commitment, for the audit after the round.
 
+Bounds (see ``bounds``): before anything of the round lands, the size of this member's own values in
+each partition is measured (:attr:`RoundTensors.own_scales`); a partition's result is accepted only within the
+:class:`~p2ptrain.averaging.bounds.Limit` that gives (:meth:`RoundTensors.limit`), and the scale of each
+accepted one is kept (:attr:`RoundTensors.results`) for the member's history.
+
 In place (``backup`` given: ``flat`` is the caller's own tensor): own values that early averages overwrite
 go to the backup file first, since a failed reducer's replacement needs them again. The memory is given
 back (to the pool, or by closing the backup) only once the round retired and no handler still streams
@@ -23,6 +28,7 @@ import torch
 
 from ..identity import Identity
 from .audit import hash_pieces, seal_commit
+from .bounds import Limit, Scale, limit
 from .buffers import BufferPool
 from .compression import Compression, encoded_chunk
 from .partition import chunks, offsets
@@ -48,11 +54,13 @@ class RoundTensors:
         source: torch.Tensor | None = None,
         backup: SpillFile | None = None,
         own_saved: Spilled | None = None,
+        history: Scale | None = None,
     ) -> None:
         """``flat`` receives the averaged values (and holds this member's own values too unless
         ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
         ``own_saved``: in place, this member's values of its own partition, already in ``backup``: the
-        partition is then reduced right where its mean goes, in ``flat``."""
+        partition is then reduced right where its mean goes, in ``flat``. ``history``: the scale of this
+        member's last accepted result of these tensors (bounds results where it sends only zeros)."""
         self.identity, self.digest, self.me, self.weight = identity, digest, me, weight
         self.mode = manifest.settings.mode
         self.aggregation = manifest.settings.aggregation
@@ -75,6 +83,17 @@ class RoundTensors:
         self._readers = 0  # handlers sending from ``flat`` or an accumulator right now
         self._retired = False
         self.released = False
+        # Measured before anything is reduced or lands: nothing has written into ``source`` yet.
+        self.own_scales = [
+            Scale.of(self.source[self.offsets[p] : self.offsets[p + 1]]) for p in range(self.n)
+        ]
+        self.whole = Scale.total(self.own_scales)
+        self.history = history
+        self.results: dict[int, Scale] = {}  # partition -> the scale of the result accepted here
+
+    def limit(self, p: int) -> Limit | None:
+        """The most partition ``p``'s result may be for this member (None: nothing to bound it by)."""
+        return limit(self.own_scales[p], self.whole, self.history)
 
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
@@ -181,6 +200,13 @@ class RoundTensors:
         """A partition reduced here holds its result: into ``flat`` (unless reduced right there)."""
         if result.data_ptr() != self.slice(p).data_ptr():  # (compressed, or not reduced in flat)
             self.slice(p).copy_(result)
+        self.results[p] = Scale.of(result)
+
+    def restore(self, p: int) -> None:
+        """A result of ``p`` that landed where our own values were (in place, early) is refused: our own
+        values go back there (the backup has them), so nothing of it stays in the caller's tensor."""
+        if self.backup is not None and p in self.saved and self.flat.numel():
+            self.slice(p).copy_(torch.frombuffer(self.saved[p].read(), dtype=torch.float32))
 
     def commit(self) -> list[torch.Tensor]:
         """Write the averages into the caller's tensors."""
