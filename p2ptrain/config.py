@@ -276,7 +276,8 @@ class RunConfig:
 
     Raises:
         p2ptrain.errors.ConfigError: A combination that cannot work: top-k compression or streaming
-            fragments outside DiLoCo mode, or top-k with a robust rule or audits.
+            fragments outside DiLoCo mode, top-k with a robust rule or audits, or top-k in an open
+            swarm (no ``run.authority``).
     """
 
     run: RunSection = field(default_factory=RunSection)
@@ -304,6 +305,15 @@ class RunConfig:
         problem = sparse_problem(mode, self.averaging.aggregation, self.averaging.audit)
         if problem:
             raise ConfigError(f"averaging: {problem}")
+        if mode.sparse and not self.run.authority.strip():
+            raise ConfigError(
+                f"averaging.compression = {mode.value!r} is for private swarms, and run.authority is empty"
+                " (an open swarm): top-k rounds cannot be audited and take no robust rule, so any stranger"
+                " that reduces a partition could serve wrong sums round after round unseen. Set"
+                " run.authority to your swarm authority's public key (`p2ptrain authority init`; members"
+                " need its certificates), or, in an open swarm, use a dense compression (int8) with"
+                " averaging.audit = true"
+            )
 
     def replace(self, section: str, **changes: Any) -> RunConfig:
         """A copy with some keys of one section changed, validated like the file's.

@@ -7,15 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2ptrain.authority import authority_key_text
 from p2ptrain.training.state import checkpoint
 from p2ptrain.training.state.codec import StateError
 from tests.harness.training import check_identical_per_epoch, mid_model, run_config, swarm, validation_loss
 
 pytestmark = pytest.mark.timeout(300)
+PRIVATE = authority_key_text(
+    bytes(range(32))
+)  # top-k is for private swarms: a run file refuses it in an open one
 
 
 def topk_config(overlap: bool = False):
-    return run_config("diloco", overlap).replace("averaging", compression="topk3-q4")
+    return (
+        run_config("diloco", overlap)
+        .replace("run", authority=PRIVATE)
+        .replace("averaging", compression="topk3-q4")
+    )
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["diloco", "diloco-overlap"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 import trio
 
+from p2ptrain.authority import authority_key_text
 from p2ptrain.config import RunConfig
 from p2ptrain.errors import ConfigError
 from p2ptrain.training.optimizer.bookkeeping import run_fingerprint
@@ -23,11 +24,15 @@ from tests.harness.training import (
 
 pytestmark = pytest.mark.timeout(300)
 FRAGMENTS = 3
+PRIVATE = authority_key_text(
+    bytes(range(32))
+)  # top-k is for private swarms: a run file refuses it in an open one
 
 
 def streaming(overlap: bool = False, fragments: int = FRAGMENTS, compression: str = "none") -> RunConfig:
     return (
         run_config("diloco", overlap)
+        .replace("run", authority=PRIVATE if compression.startswith("topk") else "")
         .replace("diloco", fragments=fragments)
         .replace("averaging", compression=compression)
     )
@@ -128,7 +133,7 @@ async def test_fragments_need_diloco_parameters_enough_and_are_part_of_the_run()
     assert run_fingerprint(streaming(), model) != run_fingerprint(streaming(fragments=1), model)
     assert run_fingerprint(streaming(fragments=1), model) == run_fingerprint(run_config("diloco"), model)
     # top-k runs: releases whose reduced sums differ on the wire are not one run either
-    topk = run_config("diloco").replace("averaging", compression="topk1-q2")
+    topk = run_config("diloco").replace("run", authority=PRIVATE).replace("averaging", compression="topk1-q2")
     assert run_fingerprint(topk, model) != run_fingerprint(run_config("diloco"), model)
     with trio.fail_after(30):
         async with swarm(streaming(fragments=7)) as s:

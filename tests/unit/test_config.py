@@ -659,3 +659,35 @@ def test_the_node_section_is_not_part_of_the_runs_fingerprint(tmp_path: Path) ->
     model = torch.nn.Linear(3, 2)
     assert run_fingerprint(a, model) == run_fingerprint(b, model)
     assert run_fingerprint(a, model) != run_fingerprint(a.replace("run", id="other"), model)
+
+
+# ---- top-k is for private swarms -----------------------------------------------------------------
+
+TOPK_RUN = '[training]\nmode = "diloco"\n[averaging]\ncompression = "topk1-q2"\n'
+
+
+@pytest.mark.parametrize("authority", ["", "   "], ids=["empty", "blank"])
+def test_topk_in_an_open_swarm_is_refused_with_what_to_do(tmp_path: Path, authority: str) -> None:
+    """Top-k rounds are neither audited nor robust: in an open swarm any stranger that reduces a partition
+    could serve wrong sums within every member's bounds, round after round. Before, a run file took it
+    (the README said 'private swarms' only); now it is refused, saying why and what to do instead."""
+    path = tmp_path / "open.toml"
+    path.write_text(f'[run]\nauthority = "{authority}"\n' + TOPK_RUN)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    for fragment in ("averaging.compression", "topk1-q2", "private", "run.authority", "audit", "int8"):
+        assert fragment in message, message
+    # the same rule for settings built in code, and for every top-k mode
+    for mode in (m for m in Compression if m.sparse):
+        with pytest.raises(ConfigError, match=r"run\.authority"):
+            RunConfig().replace("training", mode="diloco").replace("averaging", compression=mode.value)
+
+
+def test_topk_in_a_private_swarm_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "private.toml"
+    path.write_text('[run]\nauthority = "2x7VjQ4y"\n' + TOPK_RUN)
+    config = load_config(path)
+    assert config.averaging.compression is Compression.TOPK1_Q2 and config.run.authority
+    # and dense compressions stay open to anyone
+    assert parse_config({"averaging": {"compression": "int8", "audit": True}}).run.authority == ""
