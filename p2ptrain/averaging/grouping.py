@@ -246,7 +246,7 @@ class GroupForming:
                     continue
                 looking.following = leader
                 log.debug("asking %s for a place in %s", leader.peer.short(), group_key)
-                signed, why, retry = await self._follow(leader, looking)
+                signed, why, retry = await self._follow(leader, looking, declined)
                 looking.following = None
                 if signed is not None:
                     formed = signed
@@ -430,7 +430,7 @@ class GroupForming:
         return looking.manifest
 
     async def _follow(
-        self, leader: Announcement, looking: _Looking
+        self, leader: Announcement, looking: _Looking, declined: set[Announcement]
     ) -> tuple[SignedManifest | None, str, bool]:
         """Ask ``leader`` for a place: the manifest, or why not and whether asking again may help. A
         leader that failed us (see the module docstring) goes into the book on the way out."""
@@ -462,6 +462,9 @@ class GroupForming:
             if self._late(leader, looking, asked, why):
                 self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}")
                 return None, why, False
+            redirect = reply.message.redirect
+            if redirect and self._passed_over(redirect, declined):
+                return None, f"{why}, one this peer does not follow", False  # asking again cannot help
             return None, why, reply.message.retry
         try:
             signed = SignedManifest.verify(bytes(reply.body), leader.peer)
@@ -489,6 +492,17 @@ class GroupForming:
             del self._followed[next(iter(self._followed))]
         self._followed[signed.digest] = (leader.peer, subnet)
         return signed, "", False
+
+    def _passed_over(self, addr: str, declined: set[Announcement]) -> bool:
+        """Whether the leader at ``addr`` (where a peer we asked said it follows) is one we do not follow:
+        it refused us, or our book excludes it."""
+        if any(d.addr == addr for d in declined):
+            return True
+        try:
+            peer = PeerAddress.parse(addr).peer_id
+        except ValueError:
+            return False
+        return peer is not None and bool(self.leaders.excluded(peer, announced_subnet(addr), self.clock()))
 
     def _late(self, leader: Announcement, looking: _Looking, asked: float, why: str) -> bool:
         """Whether an answer without a manifest came so late that the leader failed us: at its deadline
