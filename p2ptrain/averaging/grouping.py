@@ -51,7 +51,7 @@ from .auditor import Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .compression import Compression
 from .leaders import LeaderBook
-from .matchmaking import Announcement, Gathering, Joiner, Quorum, choose_leader
+from .matchmaking import Announcement, Gathering, Joiner, Quorum, cannot_join, choose_leader
 from .partition import partition_sizes
 from .protocol import (
     JOIN,
@@ -232,7 +232,7 @@ class GroupForming:
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = self._choose(looking, seen, declined)
                 if leader is None and me.can_lead:
-                    signed = await self._lead(looking, key, declined, schema, mode, timeout, sizes)
+                    signed = await self._lead(looking, key, seen, declined, schema, mode, timeout, sizes)
                     if signed is not None:
                         formed = signed
                         return signed
@@ -360,10 +360,18 @@ class GroupForming:
         if leader in blame:
             self._failed(leader, subnet, f"its round {signed.digest.hex()[:8]} failed on it: {blame[leader]}")
 
+    def _away(self, looking: _Looking, gathering: Gathering, seen: list[Announcement]) -> None:
+        """Stop waiting for the known peers that never join this group (``matchmaking.cannot_join``)."""
+        if looking.quorum is not None and seen:
+            gathering.away = cannot_join(looking.me, seen, looking.group_key, looking.quorum.peers)
+            if gathering.ready() and looking.full is not None:
+                looking.full.set()
+
     async def _lead(
         self,
         looking: _Looking,
         key: bytes,
+        seen: list[Announcement],
         declined: set[Announcement],
         schema: tuple[TensorSpec, ...],
         mode: Compression,
@@ -387,15 +395,17 @@ class GroupForming:
             quorum=looking.quorum,
         )
         looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
+        self._away(looking, gathering, seen)
         while not gathering.ready() and self.clock() < me.deadline:
             with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
                 await looking.full.wait()
             if gathering.ready() or self.clock() >= me.deadline:
                 break
-            seen: list[Announcement] = []
+            seen = []
             # (an honest leader answers by its deadline, however slow the DHT: see the module docstring)
             with trio.move_on_after(max(0.0, me.deadline - self.clock())):
                 seen = await self.announcements(key)
+            self._away(looking, gathering, seen)
             smaller = self._choose(looking, seen, declined)
             if smaller is not None and not gathering.full():
                 looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"

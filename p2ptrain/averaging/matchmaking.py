@@ -43,7 +43,11 @@ Quorum of known peers. A step's group must hold a majority of the step's peers, 
 both commit it (two lineages). Counted by id, fresh keys that join two groups would let both reach it;
 so a training run names the peers it knows (those that publish progress) and how many of them the group
 must hold (:class:`Quorum`): the group forms only with that many of them, and a known joiner that finds
-the group full takes the place of the newest joiner that is not.
+the group full takes the place of the newest joiner that is not. The run's target size counts the known
+peers on the step; a known peer that announced under the key, may lead, and holds a smaller ticket than
+the leader never joins it (it leads, or follows a smaller one): the leader does not wait for it
+(:func:`cannot_join`). Without that, a known peer whose group nobody joins (a leader the others stopped
+following: ``leaders``) held every other group of the step to its leader's deadline.
 """
 
 from __future__ import annotations
@@ -168,6 +172,20 @@ def choose_leader(
     return None if best is None else best[1]
 
 
+def cannot_join(
+    leader: Announcement, seen: Iterable[Announcement], group_key: str, known: Collection[PeerID]
+) -> frozenset[PeerID]:
+    """The ``known`` peers (counted in the leader's target) that will never join ``leader``'s group:
+    they announced under the key, may lead, and hold a smaller ticket (a peer only ever follows smaller
+    tickets). A client-only peer may follow anyone: it is never among them."""
+    mine = ticket(group_key, leader.peer)
+    return frozenset(
+        a.peer
+        for a in seen
+        if a.peer in known and a.peer != leader.peer and a.can_lead and ticket(group_key, a.peer) < mine
+    )
+
+
 @dataclass(frozen=True)
 class Joiner:
     peer: PeerID
@@ -197,6 +215,7 @@ class Gathering:
     joiners: list[Joiner] = field(default_factory=list)
     bumped: dict[PeerID, str] = field(default_factory=dict)  # joiners that lost their place, and why
     formed: bool = False
+    away: frozenset[PeerID] = frozenset()  # peers counted in the target that never join (``cannot_join``)
 
     def offer(self, joiner: Joiner, schema: bytes) -> str | None:
         """Admit ``joiner``, or return why not."""
@@ -291,7 +310,7 @@ class Gathering:
         return 1 + len(self.joiners)
 
     def full(self) -> bool:
-        return self.size() >= self.target_size
+        return self.size() >= max(self.min_size, self.target_size - len(self.away))
 
     def form(self) -> list[Joiner] | str:
         """The members in order (leader first, then by peer id), or why the group cannot form."""

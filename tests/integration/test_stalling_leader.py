@@ -27,7 +27,7 @@ from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig, RoundResult
 from p2ptrain.averaging.averager import schema_digest, schema_of
 from p2ptrain.averaging.grouping import JOIN_GRACE
-from p2ptrain.averaging.matchmaking import DEADLINE_SLACK, Announcement, ticket
+from p2ptrain.averaging.matchmaking import DEADLINE_SLACK, Announcement, Quorum, ticket
 from p2ptrain.averaging.protocol import JOIN, JoinReq, JoinResp
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
 from p2ptrain.identity import PeerID
@@ -259,3 +259,60 @@ async def test_mixed_stalling_leaders_stall_each_peer_at_most_once_per_subnet(
                     before.add(a.subnet)
                 elif n.peer_id in stalled:  # not held: only when no other honest peer was free to average
                     assert len(set(a.asked) - held) + HONEST - len(set(a.asked)) < 2, (r, mode, outcomes)
+
+
+async def test_a_known_peer_that_leads_alone_does_not_hold_the_other_groups_to_their_deadline(
+    autojump_clock: object,
+) -> None:
+    """A training run counts every known peer of the step in its groups' target, the attacker too (it
+    publishes progress like the others). Once every honest peer stopped following it, the attacker
+    (smallest ticket of every round) leads a group nobody joins, and no group could ever be full: each
+    waited for its leader's deadline, a matchmaking window per step for as long as the attacker stays
+    (half the peers told "full" in attack 2 slowed down this way). A known peer that may lead with a
+    smaller ticket never joins a leader, so the leader does not wait for it: after the round in which
+    everyone was held once, the honest group forms as soon as the four are in."""
+    net = MemoryNetwork(seed=9)
+    keys = [f"known-{r}" for r in range(3)]
+    async with honest_swarm(net) as (honest, nursery):
+        best = {k: min(ticket(k, n.peer_id) for n in honest) for k in keys}
+        name = next(
+            f"known-{j}"
+            for j in range(100_000)
+            if all(ticket(k, identity(f"known-{j}").peer_id) < best[k] for k in keys)
+        )
+        a = await attacker(nursery, net, honest, name, "198.18.9.1")
+        quorum = Quorum(frozenset([*(n.peer_id for n in honest), a.node.peer_id]), 3)
+        for r, key in enumerate(keys):
+            await a.announce(key, "silent", trio.current_time() + WINDOW)
+            took: list[float] = [0.0] * HONEST
+            out: list[RoundResult | Exception] = [RuntimeError("not run")] * HONEST
+
+            async def one(i: int) -> None:
+                await trio.sleep(0.1 * i)
+                began = trio.current_time()
+                try:
+                    signed = await honest[i].averager.form_group(
+                        values(i),
+                        timeout=TIMEOUT,
+                        group_key=key,  # noqa: B023
+                        target_size=HONEST + 1,
+                        min_size=3,
+                        quorum=quorum,
+                    )
+                    took[i] = trio.current_time() - began  # noqa: B023
+                    out[i] = await honest[i].averager.run_round(signed, values(i))  # noqa: B023
+                except (GroupFormationFailed, RoundAborted) as e:
+                    took[i] = trio.current_time() - began  # noqa: B023
+                    out[i] = e  # noqa: B023
+
+            with trio.fail_after(4 * TIMEOUT):
+                async with trio.open_nursery() as round_nursery:
+                    for i in range(HONEST):
+                        round_nursery.start_soon(one, i)
+            if r == 0:  # everyone followed it, and was held
+                assert all(not isinstance(o, RoundResult) for o in out), out
+                continue
+            for o in out:
+                assert isinstance(o, RoundResult) and o.group_size == HONEST, o
+                assert torch.equal(o.tensors[0], torch.full((64,), 1.5))
+            assert max(took) < WINDOW / 2, took  # (before: each waited for its leader's deadline)

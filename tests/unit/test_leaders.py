@@ -17,7 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.averaging.leaders import EXCLUSION, MAX_PEERS, MAX_SUBNETS, LeaderBook, blames_subnet
-from p2ptrain.averaging.matchmaking import DEADLINE_SLACK, Announcement, choose_leader, ticket, why_not
+from p2ptrain.averaging.matchmaking import (
+    DEADLINE_SLACK,
+    Announcement,
+    Gathering,
+    Joiner,
+    cannot_join,
+    choose_leader,
+    ticket,
+    why_not,
+)
 from p2ptrain.identity import PeerID
 
 KEY = "sync-7"
@@ -237,3 +246,29 @@ def test_the_book_is_bounded_and_a_flood_of_failures_pushes_out_what_ends_soones
         book.failed(PeerID(i.to_bytes(32, "big")), f"n{i}", EXCLUSION + 2, "fresh")
     assert len(book) <= MAX_PEERS + MAX_SUBNETS
     assert book.excluded(pid(1), "", EXCLUSION + 3)
+
+
+# ---- whom a leader waits for ----
+
+
+def test_a_leader_does_not_wait_for_known_peers_that_never_join_it():
+    """A known peer that may lead and holds a smaller ticket leads, or follows a smaller one: never this
+    leader. Counted in the target, it would keep the group from being full until the deadline."""
+    first, second, third, fourth = by_ticket(1, 2, 3, 4)  # (9: a stranger)
+    me = ann(second, 5.0)
+    seen = [ann(first, 5.0), ann(third, 5.0), ann(fourth, 5.0, addr=""), ann(9, 5.0)]
+    known = {pid(i) for i in (1, 2, 3, 4)}
+    away = cannot_join(me, seen, KEY, known)
+    assert away == {pid(first)}
+    assert cannot_join(ann(first, 5.0), seen, KEY, known) == set()  # nobody before the first
+    assert cannot_join(me, [ann(first, 5.0, addr="")], KEY, known) == set()  # client-only: may follow us
+    assert cannot_join(me, seen, KEY, set()) == set()  # strangers are not in the target
+
+    g = Gathering(Joiner(pid(second), "l", 1.0), b"s", target_size=4, min_size=2)
+    g.offer(Joiner(pid(third), "a", 1.0), b"s")
+    g.offer(Joiner(pid(fourth), "b", 1.0), b"s")
+    assert not g.full() and not g.ready()
+    g.away = frozenset({pid(first)})
+    assert g.full() and g.ready()
+    g.away = frozenset({pid(i) for i in range(10, 20)})  # never below the smallest group
+    assert Gathering(Joiner(pid(second), "l", 1.0), b"s", 4, 2, away=g.away).full() is False
