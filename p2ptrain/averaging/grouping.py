@@ -21,7 +21,9 @@ honest leader says it too: a group that was too small is no failure when this pe
 announcing compatibly than its own minimum group size (none could have formed). An honest leader
 answers at its deadline at the latest (its reads of the DHT stop there), so ``LATE`` seconds of
 clock skew are allowed for; a leader reached through a relay is blamed by its id alone (the address
-this peer reached is the relay's).
+this peer reached is the relay's), as is one whose address does not connect within ``DIAL_LIMIT``
+seconds (its address may name anyone's subnet). A leader that keeps answering "ask again" is passed
+over after ``RETRY_FOR`` seconds, or at once when it says it follows a leader this peer does not.
 
 :class:`GroupForming` is owned by the node's averager, which hands it what it needs at construction
 (the host, the DHT, the averager's settings, its measured bandwidth, the auditor's bans, and how to
@@ -74,6 +76,7 @@ EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements u
 BAD_MANIFEST = "a manifest that breaks the run's rules"
 RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
 RETRY_FOR = 2.0  # seconds a leader may keep answering "ask again" in one matchmaking; then it is passed over
+DIAL_LIMIT = 3.0  # seconds a leader's address may take to connect (one announcing a dead address costs that)
 LATE = 1.0  # seconds before a leader's deadline (our clock) from which an answer without a manifest is late
 MAX_FOLLOWED = 16  # manifests of groups this peer followed, remembered for ``round_failed``
 
@@ -450,7 +453,7 @@ class GroupForming:
         subnet = ""  # where we reached it ("" until connected, or through a relay)
         try:
             with trio.fail_after(wait):
-                conn = await self.host.connect(leader.addr)
+                conn = await self.host.connect(leader.addr, timeout=min(wait, DIAL_LIMIT))
                 subnet = "" if conn.relayed else subnet_of(conn.remote_host)
                 excluded = self.leaders.excluded(leader.peer, subnet, self.clock())
                 if excluded:  # (its announced address did not show the subnet we reached it in)
@@ -466,6 +469,8 @@ class GroupForming:
             why = f"unreachable ({e})"
             if self._late(leader, looking, asked, why):
                 self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}")
+            elif self.clock() - asked >= min(wait, DIAL_LIMIT):  # an address that swallows dials
+                self._failed(leader.peer, "", f"no answer at its address for {DIAL_LIMIT:g} s")
             return None, why, False
         if not reply.message.accepted:
             why = reply.message.reason or "refused"

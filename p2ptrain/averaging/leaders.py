@@ -16,10 +16,14 @@ loopback address blames nobody else (processes of one machine share it in tests 
 
 The cost to an attacker, stated as an invariant: with k identities on m subnets, each honest peer is
 stalled at most m times (plus once per identity that delivered it a good manifest before) per
-``EXCLUSION``, each time for at most one matchmaking window + grace (or one averaging timeout, for a
-coordinator that never starts its round); the exclusion doubles on every repeat. A failure is
-recorded only by the peer that saw it (nobody takes another's word for it), so the attacker pays
-those stalls once per honest peer, never more.
+``EXCLUSION``, each time for at most its own matchmaking window + ``DEADLINE_SLACK`` + ``JOIN_GRACE``
+(or one averaging timeout, for a coordinator that never starts its round); the exclusion doubles on
+every repeat. Two cheaper nuisances are bounded per identity instead, as nothing ties them to a subnet:
+an address where dials hang costs ``DIAL_LIMIT`` once per identity, and a leader that keeps answering
+"ask again" costs ``RETRY_FOR`` per matchmaking it wins (``grouping``). A failure is recorded only by
+the peer that saw it (nobody takes another's word for it), so the attacker pays those stalls once per
+honest peer, never more. Ids are free but win the lottery by grinding only: each ground id still
+fails each peer once at most, and its subnet with it.
 
 What it costs an honest swarm: an honest leader that failed a follower (its machine died, its group
 was too small while the follower saw enough peers to form one) is not followed by that follower for

@@ -73,29 +73,38 @@ class Attacker:
         await trio.sleep_forever()
         raise AssertionError  # (unreachable)
 
-    async def announce(self, group_key: str, mode: str, deadline: float) -> None:
+    async def announce(self, group_key: str, mode: str, deadline: float, addr: str = "") -> None:
         self.mode, self.deadline = mode, deadline
         groups = self.node.averager.groups
-        me = Announcement(self.node.peer_id, groups.address(reducer=True), deadline, 1e9, DIGEST)
+        me = Announcement(self.node.peer_id, addr or groups.address(reducer=True), deadline, 1e9, DIGEST)
         await groups.announce(groups.key(group_key), me, min(deadline, trio.current_time() + 60) + 5)
 
 
 @asynccontextmanager
-async def honest_swarm(net: MemoryNetwork) -> AsyncIterator[tuple[list[Node], trio.Nursery]]:
+async def honest_swarm(
+    net: MemoryNetwork, cfg: AveragerConfig = CFG
+) -> AsyncIterator[tuple[list[Node], trio.Nursery]]:
     nodes: list[Node] = []
     async with trio.open_nursery() as nursery:
         for i in range(HONEST):
-            nodes.append(await start(nursery, net, f"h{i}", f"198.18.{i + 1}.1", nodes))
+            nodes.append(await start(nursery, net, f"h{i}", f"198.18.{i + 1}.1", nodes, cfg))
         yield nodes, nursery
         nursery.cancel_scope.cancel()
 
 
-async def start(nursery: trio.Nursery, net: MemoryNetwork, name: str, host: str, nodes: list[Node]) -> Node:
+async def start(
+    nursery: trio.Nursery,
+    net: MemoryNetwork,
+    name: str,
+    host: str,
+    nodes: list[Node],
+    cfg: AveragerConfig = CFG,
+) -> Node:
     config = NodeConfig(
         run_id="mm",
         listen=((host, PORT),),
         join=(nodes[0].addresses[0],) if nodes else (),
-        averaging=CFG,
+        averaging=cfg,
     )
     node = Node(identity(name), config, transport=net.transport(host), clock=trio.current_time)
     node = await nursery.start(node.run)
