@@ -74,6 +74,7 @@ from .protocol import (
 )
 from .settings import AveragerConfig, RoundPolicy
 from .spill import Spilled, SpillFile
+from .trust import TrustLedger
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +191,10 @@ class Averager:
         self.fault: FaultHook | None = None  # tests: awaited at each phase of every round
         self.auditor = Auditor(host, policy=lambda: self.policy)
         self.history = ResultHistory()  # this member's accepted results: bounds where it sends zeros
-        # Peers whose contributions went into a round we committed: they held our state then (trained
-        # with us, and paid for it in compute); the trainer trusts their records of later states.
-        self.partners: set[PeerID] = set()
+        # Credits for verified useful work: whose records of later states the trainer trusts (see
+        # ``trust``; ``partners`` is the read-only view).
+        self.trust = TrustLedger(host.peer_id)
+        self._clock = clock
         self.measured = BandwidthEstimate()  # from this member's rounds (see ``bandwidth``)
         self.groups = GroupForming(
             host,
@@ -281,7 +283,7 @@ class Averager:
         matchmaking = trio.current_time() - began
         result = await self._run_round(signed, tensors, source, flat, weight)
         result.matchmaking_seconds = matchmaking
-        self.trained_with(result.contributors)
+        self.trained_with(result)
         return result
 
     @property
@@ -294,15 +296,31 @@ class Averager:
         """Where others dial this peer, "" for nowhere (see :meth:`GroupForming.address`)."""
         return self.groups.address(reducer=reducer)
 
-    def trained_with(self, contributors: Iterable[PeerID]) -> None:
-        """Remember ``contributors`` as partners: call it once their round's result is applied.
+    @property
+    def partners(self) -> frozenset[PeerID]:
+        """The peers this one trusts for verified useful work (see ``trust``): whose records of later
+        states the trainer may follow. Read-only: rounds change it through :meth:`trained_with`, a
+        checkpoint through :meth:`remember_partners`."""
+        self.trust.update(self._clock())
+        return self.trust.partners
+
+    def trained_with(self, result: RoundResult) -> None:
+        """Credit the contributors this member verified in ``result`` (its reducers judged their slices
+        useful work, see ``trust``): call it once the round's result is applied. Contributors it did
+        not verify (zeros, noise, or any contributor when it reduced nothing) earn nothing.
 
         A round that completes is not yet a round its members apply: a trainer may refuse it (its
         contributors fell short of the peers it must average with), and a peer that trusted them
         anyway would follow their records into a second lineage of the swarm's steps."""
-        for peer in contributors:
-            if peer != self.host.peer_id and len(self.partners) < MAX_PARTNERS:
-                self.partners.add(peer)
+        seen = {c.peer: subnet_of(c.remote_host) for c in self.host.connections() if not c.relayed}
+        verified = [(p, seen.get(p, f"?{p}")) for p in result.verified if p in result.contributors]
+        named = self.trust.credit(result.round, verified, self._clock())
+        if named:
+            log.info("trusted from now on, for verified useful work: %s", ", ".join(p.short() for p in named))
+
+    def remember_partners(self, peers: Iterable[PeerID]) -> None:
+        """Partners a checkpoint remembers: trusted again (their credits decay as any, see ``trust``)."""
+        self.trust.seed(peers, self._clock())
 
     async def form_group(
         self,

@@ -208,13 +208,14 @@ class PartitionReducer:
             raise ValueError(f"no complete slice from members {missing}")
         if self.aggregation != "mean":
             rows = torch.stack([self._slice_of(i) for i in contributors])
-            self._judge(contributors, weights, gram(rows))
+            g = gram(rows)
             labels = [self.origins[i] if self.origins else i for i in contributors]
             rows, groups = by_origin(rows, labels)
             self.acc.copy_(aggregate(self.aggregation, rows))
             self.outliers = [
                 (contributors[k], ratio) for row, ratio in outliers(rows, self.acc) for k in groups[row]
             ]
+            self._judge(contributors, weights, g)
             del rows
             return self._publish(self.acc)
         self._judge(contributors, weights, self._gram(contributors))
@@ -263,8 +264,16 @@ class PartitionReducer:
         return decode(_bytes(kept[index]), self.mode, b - a)
 
     def _judge(self, contributors: Sequence[int], weights: Sequence[float], g: torch.Tensor) -> None:
-        verdicts = useful(g, weights, self.size) if self.size else [Verdict(False, "empty")] * len(g)
+        """``verdicts`` for ``contributors`` (see ``trust.useful``); a slice the robust rule bounded
+        as an outlier is no useful work either."""
+        if not self.size:
+            self.verdicts = {i: Verdict(False, "an empty partition") for i in contributors}
+            return
+        labels = [self.origins[i] for i in contributors] if self.origins else ()
+        verdicts = useful(g, weights, self.size, labels)
         self.verdicts = dict(zip(contributors, verdicts, strict=True))
+        for sender, _ in self.outliers:
+            self.verdicts[sender] = Verdict(False, "an outlier the robust rule bounded")
 
     def _forget(self) -> None:
         """Drop the kept slices (the result is computed: nothing reads them again)."""

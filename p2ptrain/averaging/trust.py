@@ -7,13 +7,16 @@ checked. So trust is granted for what the reducer verified, never for a place in
 
 - :func:`useful` judges the slices of one partition from their Gram matrix (pairwise dot products, one
   pass over the kept slices, see ``reducer``). A slice is useful when it is finite, its weight is
-  positive, its norm is not negligible next to the others' (``NEGLIGIBLE`` x their median: zeros and
+  positive, its norm is not negligible next to the others' (``NEGLIGIBLE`` x their lower median: zeros and
   near-zeros fail), and it points the way the others do: its cosine with the leave-one-out aggregate of
-  the others (the sum of their unit vectors, so no single slice's scale steers it) is at least
+  the others (the sum of their unit vectors, so no single slice's scale steers it; in rounds that
+  count origins, only other origins' slices, each origin as one: keys of one host that send the same
+  values do not vouch for each other) is at least
   :func:`threshold` of the partition's size. Pure noise of ``d`` elements has a cosine of about
   ``N(0, 1/d)`` with any fixed direction, so ``ALIGN_SIGMAS / sqrt(d)`` is a bar it reaches with odds of
   ``3e-5`` per round; honest gradients of one model on one objective share a direction far above it. A
-  sign-flipped copy of another's slice points against the others and fails too.
+  sign-flipped copy of another's slice points against the others and fails too. A slice a robust
+  rule bounded as an outlier (see ``robust``) is no useful work either.
 - :class:`TrustLedger` (owned by the ``Averager``) turns verified rounds into partners: each verified
   contributor earns one credit per round (a round counted twice earns nothing more), credits decay with
   a half-life (``HALF_LIFE``), a peer is named a partner once its credit reaches ``TRUST_AT`` and stays one
@@ -44,13 +47,15 @@ import torch
 
 from ..identity import PeerID
 
-NEGLIGIBLE = 1e-3  # a slice whose norm is below this share of the others' median norm did no work
+NEGLIGIBLE = 1e-3  # a slice whose norm is below this share of the others' (lower) median norm did no work
 ALIGN_SIGMAS = 4.0  # the bar for alignment, in standard deviations of pure noise's cosine (1/sqrt(d))
-MIN_ALIGN = 0.05  # ... and never below this cosine (huge partitions: a direction, not a rounding error)
+MIN_ALIGN = (
+    0.01  # ... and never below this cosine (huge partitions: minibatch gradients of LLMs agree weakly)
+)
 MAX_ALIGN = 0.5  # ... nor above this one (tiny partitions, where no bar tells noise apart: see above)
 
-TRUST_AT = 2.0  # credits (verified rounds, decayed) that make a peer a partner
-KEEP_AT = 1.0  # ... and below which a partner is one no more
+TRUST_AT = 1.0  # credits (verified rounds, decayed) that make a peer a partner
+KEEP_AT = 0.5  # ... and below which a partner is one no more
 MAX_CREDIT = 16.0  # credits saturate: a long history lasts four half-lives after the useful work stops
 HALF_LIFE = 1800.0  # seconds in which a credit halves
 PER_SUBNET = 4  # partners one subnet may hold (the highest credits win)
@@ -76,19 +81,30 @@ class Verdict:
     reason: str
 
 
-def useful(g: torch.Tensor, weights: Sequence[float], d: int) -> list[Verdict]:
+def useful(g: torch.Tensor, weights: Sequence[float], d: int, origins: Sequence[int] = ()) -> list[Verdict]:
     """Which of ``k`` slices of a partition of ``d`` elements are useful work (see the module docstring),
-    from their Gram matrix ``g`` (k x k) and the weights they were sent with."""
+    from their Gram matrix ``g`` (k x k) and the weights they were sent with. ``origins``: a label per
+    slice (the manifest's origin of its member, see ``robust.by_origin``; () : each its own): a slice
+    is checked against the slices of *other* origins only, each origin counting as one (its unit
+    vectors averaged), so that keys of one host that send the same values do not vouch for each other."""
     k = len(weights)
+    labels = list(origins) if origins else list(range(k))
+    per_origin = {o: labels.count(o) for o in labels}
     g = g.to(torch.float64)
     diag = g.diagonal()
     finite = bool(torch.isfinite(g).all())
     norms = [math.sqrt(max(float(x), 0.0)) if math.isfinite(float(x)) else math.nan for x in diag]
     bar = threshold(d)
+    # Each origin's typical norm (the lower median of its slices'): the scale its slices are judged by
+    typical: dict[int, float] = {}
+    for o in per_origin:
+        mine = sorted(x for j, x in enumerate(norms) if labels[j] == o and math.isfinite(x))
+        if mine:
+            typical[o] = mine[(len(mine) - 1) // 2]
     out: list[Verdict] = []
     for i in range(k):
         w, n = float(weights[i]), norms[i]
-        others = sorted(x for j, x in enumerate(norms) if j != i and math.isfinite(x))
+        others = sorted(x for o, x in typical.items() if o != labels[i])
         if not (math.isfinite(w) and w > 0):
             out.append(Verdict(False, f"its weight {w!r} is not positive"))
             continue
@@ -98,17 +114,19 @@ def useful(g: torch.Tensor, weights: Sequence[float], d: int) -> list[Verdict]:
         if not others:
             out.append(Verdict(False, "no other slice to check it against"))
             continue
-        median = others[len(others) // 2]
+        median = others[(len(others) - 1) // 2]  # (lower: huge slices cannot make the honest negligible)
         if n <= 0 or n < NEGLIGIBLE * median:
             out.append(Verdict(False, f"its norm {n:.3g} is negligible (others' median {median:.3g})"))
             continue
-        # Others as unit vectors: u_j = x_j / |x_j| (zero rows add nothing)
-        live = [j for j in range(k) if j != i and norms[j] > 0]
+        # Others as unit vectors u_j = x_j / |x_j|, of other origins, 1 / (its size) each (zero rows
+        # add nothing)
+        live = [j for j in range(k) if labels[j] != labels[i] and norms[j] > 0]
         if not live:
-            out.append(Verdict(False, "every other slice is zero"))
+            out.append(Verdict(False, "no other origin sent anything"))
             continue
-        dot = sum(float(g[i, j]) / (n * norms[j]) for j in live)
-        sq = sum(float(g[a, b]) / (norms[a] * norms[b]) for a in live for b in live)
+        share = {j: 1.0 / (norms[j] * per_origin[labels[j]]) for j in live}
+        dot = sum(float(g[i, j]) * share[j] for j in live) / n
+        sq = sum(float(g[a, b]) * share[a] * share[b] for a in live for b in live)
         if sq <= 0:
             out.append(Verdict(False, "the others cancel out"))
             continue
@@ -202,6 +220,10 @@ class TrustLedger:
     def value(self, peer: PeerID, now: float) -> float:
         c = self._credits.get(peer)
         return 0.0 if c is None else self._decayed(c, now)
+
+    def __len__(self) -> int:
+        """How many peers hold credits (at most ``MAX_TRACKED``)."""
+        return len(self._credits)
 
     @property
     def partners(self) -> frozenset[PeerID]:

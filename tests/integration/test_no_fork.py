@@ -142,7 +142,7 @@ async def test_a_peer_resumed_from_a_checkpoint_waits_for_the_peers_it_trained_w
     config = run_config("sync")
     async with swarm(config) as s:
         resumed = await s.start(compute=0.1)
-        resumed.node.averager.partners = {Identity.from_seed(b"\x07" * 32).peer_id}  # (as restored)
+        resumed.node.averager.remember_partners([Identity.from_seed(b"\x07" * 32).peer_id])  # (as restored)
         await trio.sleep(4 * config.averaging.timeout)
         assert resumed.opt.stats.solo == 0, "the resumed peer stepped alone under the swarm's step numbers"
         newcomer = await s.start(compute=0.1)  # the swarm comes back (here: a peer joins through it)
@@ -217,9 +217,11 @@ async def test_a_round_refused_for_want_of_a_majority_makes_no_partners(
         assert me.opt.stats.aborted >= 1
         averaged = me.opt.stats.averaged
         await s.until(lambda: me.opt.stats.averaged > averaged, timeout=120)
-        applied = me.opt.tally.cohort[1]
-        assert applied and applied <= me.node.averager.partners
-        assert me.node.peer_id not in me.node.averager.partners
+        # Partners come of applied rounds whose contributions this peer verified (see averaging.trust):
+        # a tiny model's partitions (a few elements) do not verify every round, so wait for one that did.
+        await s.until(lambda: bool(me.node.averager.partners), timeout=120)
+        others = {p.node.peer_id for p in peers} - {me.node.peer_id}
+        assert me.node.averager.partners <= others
 
 
 async def test_a_step_a_donor_offers_is_vouched_for_by_a_record_read_before_it_was_superseded() -> None:

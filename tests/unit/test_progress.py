@@ -818,9 +818,10 @@ def test_view_independent_of_record_order(
 
 
 def test_ready_independent_of_record_order_with_inexact_rates() -> None:
-    """0.1 + 0.2 + 0.7 is 1.0 in some summation orders and 0.9999999999999999 in others."""
+    """0.18 + 0.35 + 0.47 is 1.0 in some summation orders and 0.9999999999999999 in others. (Rates
+    within ``SPREAD`` of each other: 0.1, 0.2 and 0.7 had the fastest capped, see test_spread_*.)"""
     mine = rec(samples=0, rate=0.0)
-    others = [peer(n, rate=r, time=NOW - 1.0) for n, r in [(1, 0.1), (2, 0.2), (3, 0.7)]]
+    others = [peer(n, rate=r, time=NOW - 1.0) for n, r in [(1, 0.18), (2, 0.35), (3, 0.47)]]
     readiness = {view(mine, *order, target=1).ready for order in itertools.permutations(others)}
     assert readiness == {True}
 

@@ -348,11 +348,13 @@ class Trainer:
         step, tensors, meta, info = found
         self.opt.restore(tensors, meta, owned=True)
         partners = info.get("partners")
+        remembered = []
         for text in partners[:MAX_PARTNERS] if isinstance(partners, list) else ():
             try:
-                self.node.averager.partners.add(PeerID.from_string(text))
+                remembered.append(PeerID.from_string(text))
             except (TypeError, ValueError):
                 log.warning("the checkpoint names a partner %r that is no peer id", text)
+        self.node.averager.remember_partners(remembered)
         log.info("resumed from the checkpoint of step %d", step)
         return True
 

@@ -42,9 +42,11 @@ from .progress import (
     PeerProgress,
     ProgressRecord,
     SwarmView,
+    estimate,
     must_publish,
     plausible_samples,
     sent_addr,
+    spread_cap,
     swarm_view,
     vouched_digest,
     with_author,
@@ -414,13 +416,40 @@ class ProgressBoard:
         records make plausible; the whole target for a peer without records. A stranger (not trusted,
         see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
         peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
-        second since long ago, or publishing no record at all, is one peer's worth."""
+        second since long ago, or publishing no record at all, is one peer's worth. A trusted peer counts
+        for no more than ``SPREAD`` times the (lower) median of the samples the records of this peer and
+        the other trusted peers on the step say they have done by now (see ``progress``), plus an
+        eighth of the target: a partner that turned to lying carries a bounded share of a round's
+        weight, about ``SPREAD / (n + SPREAD)`` beside ``n`` honest peers of equal speed. (A private
+        swarm's members: as they say.)"""
         cap = self._plausible(peer)
+        me = self.node.peer_id
         trusted = self.trusted()
-        if trusted is None or peer == self.node.peer_id or peer in trusted:
+        if trusted is None or peer == me:
             return cap
+        if peer in trusted:
+            epoch = self.tally.epoch
+            on_step = {
+                r.peer
+                for r in self.records
+                if r.peer in trusted and r.peer not in (peer, me) and r.record.epoch == epoch
+            }
+            target = float(self.config.training.target_batch_size)
+            typical = spread_cap(self._counted(p) for p in (me, *on_step)) + target / 8
+            return min(cap, typical)
         vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
-        return min(cap, max(self._plausible(p) for p in (self.node.peer_id, *vouched)))
+        return min(cap, max(self._plausible(p) for p in (me, *vouched)))
+
+    def _counted(self, peer: PeerID) -> float:
+        """The samples ``peer``'s records say it has done toward this epoch by now (extrapolated as
+        ``progress.estimate`` does; a landing peer's by what it said before); the whole target without a
+        record of this epoch."""
+        record = next((r.record for r in self.records if r.peer == peer), None)
+        if record is not None and record.landing and record.epoch == self.tally.epoch:
+            record = self.counting.get(peer)
+        if record is None or record.epoch != self.tally.epoch:
+            return float(self.config.training.target_batch_size)
+        return estimate(record, self.clock(), self._horizon)
 
     def _plausible(self, peer: PeerID) -> float:
         """What ``peer``'s records make plausible for this epoch (see ``progress.plausible_samples``);

@@ -382,7 +382,8 @@ class CollaborativeOptimizer:
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
         self.tally.advance(others)
         self.contribution.fit(self.tally.epoch)
-        self.node.averager.trained_with(others)  # trusted from now on (see ``trusted``)
+        if result is not None:  # those it verified earn trust (see ``averaging.trust``)
+            self.node.averager.trained_with(result)
         self.state_changed()
 
     def state_changed(self) -> None:

@@ -39,9 +39,21 @@ Any peer, trusted or not, may serve the chosen state as a donor: every chunk is 
 trusted digest on arrival. Untrusted records still count toward the group size (capped in its quorum,
 above), and toward the samples of this peer's epoch for at most as much as this peer's and the trusted
 records together (fresh keys that claim any number of samples at most halve the batch a step is taken
-with). A peer's own samples are never extrapolated: it knows them exactly. A trusted peer on the epoch
-whose record says its view reached the target (``ready``) makes this one's reach it too: a peer that
-trusts few peers would otherwise see the target reached long after the others.
+with). A peer's own samples are never extrapolated: it knows them exactly.
+
+Trust is earned by useful work, and a partner may lie later. So no trusted record's claims count for
+more than ``SPREAD`` times the (lower) median of this peer's and the trusted records on the epoch: its
+samples and its rate (:func:`spread_cap`; ``board`` caps its weight in a round the same way; a
+private swarm's members, vouched for by its authority, are believed as they say). A
+partner that claims a billion samples a second counts as ``SPREAD`` typical peers: with ``n`` honest
+peers on the step, it brings at most ``SPREAD / (n + SPREAD)`` of the samples a step is taken with.
+The price for honest hardware: a peer more than ``SPREAD`` times faster than the median is counted,
+in the others' views, as ``SPREAD`` times the median (its own view counts it whole): the swarm's step
+waits a little longer than its samples alone would make it. The trusted peers on the epoch whose
+records say their view reached the target (``ready``) make this one's reach it too, once they are at
+least half of the trusted peers on the epoch (with a single trusted peer, that one): a peer that trusts
+few peers would otherwise see the target reached long after the others, and one partner alone that
+says ``ready`` at once does not make a swarm of honest peers step with the few samples it has.
 """
 
 from __future__ import annotations
@@ -210,6 +222,16 @@ def must_publish(
 
 
 PLAUSIBLE_RATE = 2.0  # a peer may do this many times its advertised samples per second (rates lag)
+SPREAD = 3.0  # a trusted peer's claims count for at most this many times the median peer's (see above)
+
+
+def spread_cap(values: Iterable[float], spread: float = SPREAD) -> float:
+    """The most any one of ``values`` (this peer's and the trusted peers' claims) counts for:
+    ``spread`` times their lower median (the upper half of them cannot raise it), inf when empty."""
+    ordered = sorted(values)
+    if not ordered or math.isinf(spread):
+        return math.inf
+    return spread * ordered[(len(ordered) - 1) // 2]
 
 
 def plausible_samples(record: ProgressRecord, now: float, horizon: float, slack: float) -> float:
@@ -271,18 +293,28 @@ def swarm_view(
     # claiming 2**53 samples at most halves the batch a step is taken with.
     sure = [o for o in same if vouches(o)]
     unsure = [o for o in same if not vouches(o)]
-    samples = math.fsum([mine.samples, *(estimate(o.record, now, horizon) for o in sure)])
+    # A trusted peer's claims count for at most SPREAD times the median's (see the module docstring);
+    # not in a private swarm, whose authority vouches for every member.
+    spread = SPREAD if trusted is not None else math.inf
+    claimed = [estimate(o.record, now, horizon) for o in sure]
+    most = spread_cap([float(mine.samples), *claimed], spread)
+    samples = math.fsum([mine.samples, *(min(c, most) for c in claimed)])
     samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
-    # A trusted peer on this step whose own view reached the target looks for a group now: so does this
-    # one. A peer that trusts few (a joiner: its join peer; one a round left out: no partner) counts the
-    # others for at most as much as itself and those few: on 8 peers it saw half the swarm's samples,
-    # looked for a group when the others' had formed without it, and was left out again each round.
-    ready_said = any(o.record.ready for o in sure)
+    # Trusted peers on this step whose own view reached the target look for a group now: so does this
+    # one, once they are half of the trusted peers here. A peer that trusts few (a joiner: its join
+    # peer; one a round left out: no partner) counts the others for at most as much as itself and those
+    # few: on 8 peers it saw half the swarm's samples, looked for a group when the others' had formed
+    # without it, and was left out again each round. One partner's word is not enough where it has
+    # company: a partner that said ``ready`` at once took every step with the few samples it had.
+    said_ready = sum(o.record.ready for o in sure)
+    ready_said = said_ready > 0 and 2 * said_ready >= len(sure)
     if ready_said:
         samples = max(samples, float(target))
-    rate = math.fsum([mine.rate, *(o.record.rate for o in sure)])
+    fastest = spread_cap([mine.rate, *(o.record.rate for o in sure)], spread)
+    rate = math.fsum([mine.rate, *(min(o.record.rate, fastest) for o in sure)])
     rate += min(math.fsum(o.record.rate for o in unsure), rate)
-    swarm_rate = math.fsum([mine.rate, *(o.record.rate for o in vouched)])
+    quickest = spread_cap([mine.rate, *(o.record.rate for o in vouched)], spread)
+    swarm_rate = math.fsum([mine.rate, *(min(o.record.rate, quickest) for o in vouched)])
     swarm_rate += min(math.fsum(o.record.rate for o in others if not vouches(o)), swarm_rate)
     # Records lag behind rounds: right after a round committed, its members' records still show the
     # step before, and a trusted peer's record of this step with another digest (one that stepped

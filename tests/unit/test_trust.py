@@ -1,0 +1,263 @@
+"""Trust earned by verified useful work (``averaging.trust``): the usefulness check a reducer makes of
+each contributor's slice, and the ledger that turns verified rounds into partners.
+
+The property tests draw many seeded groups: honest-like slices (a shared signal plus noise of up to the
+signal's size) always pass; zeros, pure noise of any scale and sign-flipped copies of an honest slice
+never do, whatever mix of them joins the honest ones. Before this module, every contributor of an
+applied round was trusted (``Averager.trained_with(result.contributors)``): zeros with weight 1 made a
+client-only fresh key a partner after one round.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from p2ptrain.averaging.compression import Compression
+from p2ptrain.averaging.reducer import PartitionReducer
+from p2ptrain.averaging.trust import (
+    ADMIT_PER_WINDOW,
+    ADMIT_WINDOW,
+    ALIGN_SIGMAS,
+    HALF_LIFE,
+    MAX_ALIGN,
+    PER_SUBNET,
+    TrustLedger,
+    gram,
+    threshold,
+    useful,
+)
+from p2ptrain.identity import Identity, PeerID
+
+SEEDS = 300
+
+
+def pid(n: int) -> PeerID:
+    return Identity.from_seed(n.to_bytes(32, "big")).peer_id
+
+
+def judge(rows: list[torch.Tensor], weights: list[float] | None = None) -> list[bool]:
+    d = rows[0].numel()
+    return [v.useful for v in useful(gram(rows), weights or [1.0] * len(rows), d)]
+
+
+def honest_rows(rng: torch.Generator, k: int, d: int, noise: float) -> list[torch.Tensor]:
+    """``k`` honest-like slices: one signal (a random direction of random scale), each with its own
+    positive scale and noise of up to ``noise`` times its signal's norm."""
+    signal = torch.randn(d, generator=rng, dtype=torch.float64)
+    signal /= signal.norm()
+    rows = []
+    for _ in range(k):
+        scale = 10 ** (torch.rand(1, generator=rng).item() * 2 - 1)  # a hundredfold spread
+        n = torch.randn(d, generator=rng, dtype=torch.float64)
+        rows.append((signal + noise * torch.rand(1, generator=rng).item() * n / n.norm()) * scale)
+    return [r.float() for r in rows]
+
+
+def test_the_bar_is_a_few_sigmas_of_pure_noise_capped_for_tiny_partitions() -> None:
+    assert threshold(10_000) == pytest.approx(ALIGN_SIGMAS / 100)
+    assert threshold(16) == MAX_ALIGN
+    assert 0 < threshold(10**12) < 0.1
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_honest_like_slices_are_useful(seed: int) -> None:
+    rng = torch.Generator().manual_seed(seed)
+    draw = random.Random(seed)
+    d, k = draw.randint(256, 4096), draw.randint(2, 8)
+    assert all(judge(honest_rows(rng, k, d, noise=1.0))), (d, k)
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_zeros_noise_and_flipped_copies_are_never_useful(seed: int) -> None:
+    """Any mix of attackers beside at least two honest slices: no attacker's slice passes. Honest
+    slices still pass where no flipped copy cancels them and noise does not outnumber them."""
+    rng = torch.Generator().manual_seed(seed)
+    draw = random.Random(seed)
+    d, h = draw.randint(256, 4096), draw.randint(2, 6)
+    honest = honest_rows(rng, h, d, noise=1.0)
+    attackers: list[tuple[str, torch.Tensor]] = []
+    for _ in range(draw.randint(1, 6)):
+        kind = draw.choice(["zeros", "noise", "flip", "tiny"])
+        if kind == "zeros":
+            attackers.append((kind, torch.zeros(d)))
+        elif kind == "tiny":  # an honest direction at a billionth of the scale: no work to speak of
+            attackers.append((kind, honest[0] * 1e-9))
+        elif kind == "noise":
+            scale = 10 ** (torch.rand(1, generator=rng).item() * 8 - 4)
+            attackers.append((kind, torch.randn(d, generator=rng) * scale))
+        else:
+            attackers.append((kind, -honest[draw.randrange(h)]))
+    rows = [r for _, r in attackers] + honest
+    order = list(range(len(rows)))
+    draw.shuffle(order)  # member order does not matter
+    verdicts = dict(zip(order, judge([rows[i] for i in order]), strict=True))
+    kinds = [kind for kind, _ in attackers]
+    # (a slice at a billionth of the honest scale is negligible next to the others' lower median
+    # while such slices are fewer than the rest: more of them make the median theirs; they still
+    # had to compute an honest direction to scale down)
+    tiny_median = kinds.count("tiny") + kinds.count("zeros") >= h + kinds.count("noise") + kinds.count("flip")
+    for i, kind in enumerate(kinds):
+        if not (kind == "tiny" and tiny_median):
+            assert not verdicts[i], f"a {kind} slice passed (d={d}, seed={seed})"
+    if "flip" not in kinds and kinds.count("noise") <= h:
+        assert all(verdicts[len(attackers) + j] for j in range(h)), (kinds, d)
+
+
+def test_a_slice_needs_a_positive_finite_weight_and_finite_values() -> None:
+    rng = torch.Generator().manual_seed(1)
+    rows = honest_rows(rng, 3, 512, noise=0.5)
+    assert judge(rows, [1.0, 0.0, 1.0]) == [True, False, True]
+    assert judge(rows, [1.0, math.nan, 1.0])[1] is False
+    bad = [*rows[:2], torch.full((512,), math.inf)]
+    assert not any(judge(bad))  # (a reducer refuses such bytes on arrival; the check holds alone too)
+
+
+def test_keys_of_one_origin_sending_the_same_values_do_not_vouch_for_each_other() -> None:
+    """Eight keys of one host send one vector (100 in every coordinate) beside three honest slices:
+    counted by id, each of them is aligned with the other seven; by origin, with the honest only."""
+    rng = torch.Generator().manual_seed(3)
+    d = 1024
+    honest = honest_rows(rng, 3, d, noise=0.5)
+    rows = [*honest, *(torch.full((d,), 100.0) for _ in range(8))]
+    g, weights = gram(rows), [1.0] * len(rows)
+    assert all(v.useful for v in useful(g, weights, d)[3:])  # (by id: they vouch for each other)
+    by_origin = useful(g, weights, d, origins=[0, 1, 2] + [3] * 8)
+    assert [v.useful for v in by_origin] == [True] * 3 + [False] * 8
+
+
+def test_a_lone_slice_verifies_nothing() -> None:
+    assert judge([torch.ones(300)]) == [False]
+
+
+def reducer_with(rows: list[torch.Tensor], weights: list[float], mode: Compression) -> PartitionReducer:
+    """A reducer holding ``rows[0]`` as its own slice and the others as received chunks."""
+    red = PartitionReducer(rows[0].numel(), mode)
+    red.add_local(0, rows[0], weights[0])
+    for sender, row in enumerate(rows[1:], start=1):
+        for index, (a, b) in enumerate(red.spans):
+            data = row[a:b].numpy().tobytes() if mode is Compression.NONE else bytes(_enc(row[a:b], mode))
+            red.add_chunk(sender, index, memoryview(bytearray(data)), weights[sender])
+        red.complete(sender, weights[sender])
+    return red
+
+
+def _enc(values: torch.Tensor, mode: Compression) -> bytes:
+    from p2ptrain.averaging.compression import encode
+
+    return bytes(encode(values.contiguous(), mode))
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize("mode", [Compression.NONE, Compression.FP16])
+def test_the_reducer_judges_the_decided_contributors_slices(aggregation: str, mode: Compression) -> None:
+    """Members 0-2 honest, 3 sends zeros (weight 1, the attack), 4 noise, 5 a flipped copy of 1; member
+    6 sent too but is not in the decision: it is not judged."""
+    rng = torch.Generator().manual_seed(5)
+    d = 3000  # several chunks
+    honest = honest_rows(rng, 3, d, noise=0.8)
+    rows = [*honest, torch.zeros(d), torch.randn(d, generator=rng), -honest[1], honest[2].clone()]
+    weights = [8.0, 8.0, 8.0, 1.0, 8.0, 8.0, 8.0]
+    red = reducer_with(rows, weights, mode) if aggregation == "mean" else _robust(rows, weights, mode)
+    red.finalize(list(range(6)), weights[:6])
+    assert {i: v.useful for i, v in red.verdicts.items()} == {
+        0: True,
+        1: True,  # its flipped copy does not cancel it: two other honest slices point its way
+        2: True,
+        3: False,
+        4: False,
+        5: False,
+    }, {i: v.reason for i, v in red.verdicts.items()}
+    assert "negligible" in red.verdicts[3].reason
+
+
+def _robust(rows: list[torch.Tensor], weights: list[float], mode: Compression) -> PartitionReducer:
+    red = PartitionReducer(rows[0].numel(), mode, aggregation="trimmed_mean")
+    red.add_local(0, rows[0], weights[0])
+    for sender, row in enumerate(rows[1:], start=1):
+        for index, (a, b) in enumerate(red.spans):
+            data = row[a:b].numpy().tobytes() if mode is Compression.NONE else _enc(row[a:b], mode)
+            red.add_chunk(sender, index, memoryview(bytearray(data)), weights[sender])
+        red.complete(sender, weights[sender])
+    return red
+
+
+def test_the_reducer_judges_a_pipelined_round_whose_early_chunks_are_the_result() -> None:
+    rng = torch.Generator().manual_seed(9)
+    d = 2000
+    rows = [*honest_rows(rng, 2, d, noise=0.5), torch.zeros(d)]
+    red = PartitionReducer(d, Compression.NONE)
+    red.add_local(0, rows[0], 1.0)
+    red.expect(range(3))
+    for sender in (1, 2):
+        for index, (a, b) in enumerate(red.spans):
+            red.add_chunk(sender, index, memoryview(bytearray(rows[sender][a:b].numpy().tobytes())), 1.0)
+        red.complete(sender, 1.0)
+    red.finalize([0, 1, 2], [1.0, 1.0, 1.0])
+    assert red.early_final
+    assert [red.verdicts[i].useful for i in range(3)] == [True, True, False]
+
+
+# ---- the ledger -------------------------------------------------------------------------------------
+
+ME = pid(0)
+
+
+def test_one_verified_round_makes_a_partner_and_a_round_counts_once() -> None:
+    ledger = TrustLedger(ME)
+    assert ledger.credit(b"r1", [(pid(1), "10.0.0.0/24"), (ME, "")], now=0.0) == [pid(1)]
+    assert ledger.partners == {pid(1)}  # never itself
+    ledger.credit(b"r1", [(pid(1), "10.0.0.0/24")], now=1.0)
+    assert ledger.value(pid(1), 1.0) == pytest.approx(0.5 ** (1 / HALF_LIFE))  # the same round: no more
+
+
+def test_credits_decay_and_a_partner_that_stops_working_is_one_no_more() -> None:
+    ledger = TrustLedger(ME)
+    ledger.credit(b"r1", [(pid(1), "a")], now=0.0)
+    ledger.update(HALF_LIFE * 0.9)
+    assert pid(1) in ledger.partners
+    ledger.update(HALF_LIFE * 1.1)
+    assert pid(1) not in ledger.partners
+    for r in range(20):  # a long history saturates: it lasts a bounded time
+        ledger.credit(bytes([r]), [(pid(2), "b")], now=float(r))
+    ledger.update(HALF_LIFE * 5.1)
+    assert pid(2) not in ledger.partners
+
+
+def test_one_subnet_holds_a_few_partners_at_most() -> None:
+    ledger = TrustLedger(ME)
+    ledger.credit(b"r1", [(pid(i), "198.18.0.0/24") for i in range(1, 11)], now=0.0)
+    ledger.credit(b"r2", [(pid(11), "198.18.1.0/24")], now=1.0)
+    assert len(ledger.partners) == PER_SUBNET + 1 and pid(11) in ledger.partners
+
+
+def test_new_partners_per_window_are_bounded() -> None:
+    ledger = TrustLedger(ME)
+    named = ledger.credit(b"r1", [(pid(i), f"net{i}") for i in range(1, 41)], now=0.0)
+    assert len(named) == ADMIT_PER_WINDOW
+    assert ledger.update(ADMIT_WINDOW / 2) == []
+    # the others earn it again in a later window (their first credit decayed below the bar meanwhile)
+    later = ledger.credit(b"r2", [(pid(i), f"net{i}") for i in range(1, 41)], now=ADMIT_WINDOW + 1)
+    assert len(later) == ADMIT_PER_WINDOW and not set(later) & set(named)
+
+
+def test_partners_a_checkpoint_remembers_are_partners_again() -> None:
+    ledger = TrustLedger(ME)
+    ledger.seed([pid(1), pid(2), ME], now=0.0)
+    assert ledger.partners == {pid(1), pid(2)}
+    ledger.update(HALF_LIFE * 0.5)
+    assert ledger.partners == {pid(1), pid(2)}
+
+
+def test_the_ledger_remembers_a_bounded_number_of_peers() -> None:
+    from p2ptrain.averaging import trust
+
+    ledger = TrustLedger(ME)
+    for r in range(trust.MAX_TRACKED // 100 + 2):
+        ledger.credit(
+            bytes([r % 256, r // 256]), [(pid(1000 + r * 100 + i), f"n{r}.{i}") for i in range(100)], 0.0
+        )
+    assert len(ledger) <= trust.MAX_TRACKED
