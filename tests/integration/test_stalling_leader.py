@@ -325,3 +325,48 @@ async def test_a_known_peer_that_leads_alone_does_not_hold_the_other_groups_to_t
                 assert isinstance(o, RoundResult) and o.group_size == HONEST, o
                 assert torch.equal(o.tensors[0], torch.full((64,), 1.5))
             assert max(took) < WINDOW / 2, took  # (before: each waited for its leader's deadline)
+
+
+async def test_a_coordinator_that_never_starts_its_round_is_not_followed_again(
+    autojump_clock: object,
+) -> None:
+    """A leader that delivers a valid manifest and then never runs the round it coordinates: its
+    members' round aborts (its decision never came) and each of them remembers it; in the next round
+    they form their group without it, at once, and average."""
+    net = MemoryNetwork(seed=11)
+    async with honest_swarm(net) as (nodes, _):
+        ids = [n.peer_id for n in nodes]
+
+        def winner(key: str) -> int:
+            return min(range(HONEST), key=lambda i: ticket(key, ids[i]))
+
+        j = next(j for j in range(10_000) if winner(f"c{j}") == winner(f"d{j}"))
+        keys = (f"c{j}", f"d{j}")
+        lead = min(range(HONEST), key=lambda i: ticket(keys[0], ids[i]))  # it wins both lotteries
+        out: dict[int, list[RoundResult | Exception]] = {i: [] for i in range(HONEST)}
+
+        async def one(i: int, key: str, first: bool) -> None:
+            await trio.sleep(0.1 * i)
+            try:
+                signed = await nodes[i].averager.form_group(values(i), timeout=8.0, group_key=key)
+                if first and i == lead:
+                    return  # it never starts the round it coordinates
+                out[i].append(await nodes[i].averager.run_round(signed, values(i)))
+            except (GroupFormationFailed, RoundAborted) as e:
+                out[i].append(e)
+
+        for key, first in ((keys[0], True), (keys[1], False)):
+            with trio.fail_after(4 * TIMEOUT):
+                async with trio.open_nursery() as nursery:
+                    for i in range(HONEST):
+                        nursery.start_soon(one, i, key, first)
+        others = [i for i in range(HONEST) if i != lead]
+        for i in others:
+            first_round, second_round = out[i]
+            assert isinstance(first_round, RoundAborted), first_round
+            why = nodes[i].averager.groups.leaders.excluded(ids[lead], "", trio.current_time())
+            assert "decision never came" in why, why
+            assert isinstance(second_round, RoundResult) and set(second_round.contributors) == {
+                ids[j] for j in others
+            }, second_round
+            assert torch.equal(second_round.tensors[0], torch.full((64,), sum(others) / len(others)))
