@@ -221,7 +221,7 @@ class GroupForming:
         looking.compatible.add(me.peer)
         key = self.key(group_key)
         declined: set[Announcement] = set()
-        retried: dict[Announcement, float] = {}  # leaders that said "ask again" -> when they first did
+        retried: dict[PeerID, float] = {}  # leaders that said "ask again" -> when they first did
         refusals: list[str] = []
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         formed: SignedManifest | None = None
@@ -254,7 +254,7 @@ class GroupForming:
                 if signed is not None:
                     formed = signed
                     return signed
-                first = retried.setdefault(leader, self.clock()) if retry else 0.0
+                first = retried.setdefault(leader.peer, self.clock()) if retry else 0.0
                 if retry and self.clock() - first < RETRY_FOR:
                     # the leader is between states: ask again (or its own leader) shortly
                     log.debug("%s did not admit us to %s yet: %s", leader.peer.short(), group_key, why)

@@ -41,7 +41,7 @@ WINDOW = 3.0
 TIMEOUT = 20.0
 CFG = AveragerConfig(target_size=HONEST, min_size=2, matchmaking_time=WINDOW)
 STALL = WINDOW + DEADLINE_SLACK + JOIN_GRACE + 1.0  # the longest one leader may hold a follower
-MODES = ("silent", "admit-one", "too-small", "far")
+MODES = ("silent", "admit-one", "too-small", "far", "ask-again")
 
 
 def values(i: int) -> list[torch.Tensor]:
@@ -67,6 +67,8 @@ class Attacker:
         self.asked.append(ctx.peer)
         if self.mode == "admit-one" and self.victims.setdefault(req.group_key, ctx.peer) != ctx.peer:
             return Reply(JoinResp(False, "the group is full"))
+        if self.mode == "ask-again":  # "between states", forever: passed over after RETRY_FOR
+            return Reply(JoinResp(False, "not gathering a group yet", retry=True))
         if self.mode == "too-small":  # held to its deadline, then what an honest leader says then
             await trio.sleep_until(self.deadline)
             return Reply(JoinResp(False, "only 1 of at least 2 peers joined in time"))
@@ -229,9 +231,10 @@ async def test_mixed_stalling_leaders_stall_each_peer_at_most_once_per_subnet(
 ) -> None:
     """Seeded adversaries on two subnets mix the attacks round by round: a silent leader, one that
     admits one and says "full", one that holds its joiners to its deadline and then says the group was
-    too small, and one that declares a deadline far ahead; each round's attacker is a fresh key of its
-    subnet that wins that round's lottery, with a deadline anywhere from the earliest to the latest a
-    follower takes. Invariants, every round: results hold honest peers only and exact means; every call
+    too small, one that declares a deadline far ahead, and one that answers "ask again" forever (it
+    costs ``RETRY_FOR`` a round, no stall); each round's attacker is a fresh key of its subnet that
+    wins that round's lottery, with a deadline anywhere from the earliest to the latest a follower
+    takes. Invariants, every round: results hold honest peers only and exact means; every call
     ends within a stall + a round; a far deadline stalls nobody; a peer held by an attacker was never
     held by its subnet before, and excludes it from then on; a peer not held averages within its
     matchmaking window whenever another honest peer was free to average with it."""
