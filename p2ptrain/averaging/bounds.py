@@ -12,6 +12,11 @@ own values (:class:`ResultCheck`, chunk by chunk as they arrive), with the parti
   all zero, or small by chance, is bounded by its values elsewhere);
 - magnitude: ``max|result_p| <= BOUND * absmax + SLACK``, ``absmax`` the largest value it sends.
 
+A reducer holds every contributor's slice of its partition to the same limit, against its own values
+(``reducer``: a slice beyond it is refused and its sender left out), so an honest reducer's mean stays
+within ``BOUND`` times its own values: one hostile contributor sending huge values cannot make the
+members refuse an honest reducer's result (and ban it).
+
 Where every value it sends is zero, its recent accepted result stands in for its own values
 (:class:`ResultHistory`, recorded only from rounds bounded by its own values, so a liar cannot ratchet
 it up round after round). A member with neither (it sent only zeros and never accepted a result) has
@@ -38,7 +43,12 @@ member's largest value: a sign flip, noise, or a result up to 32x too large, in 
 reduces (one partition of the group's vector per reducer). That is one step of at most 32 honest
 steps' size there per round; an audited round's audit then convicts it (after the round), a top-k
 round is not audited (top-k is for private swarms, see ``config``). A result beyond the bound is never
-applied, and the reducer that served it is banned at once by the member that caught it.
+applied, and the reducer that served it is banned at once by the member that caught it. What a hostile
+*contributor* can still do: send slices just under a reducer's limit (32x the reducer's own values) in
+a plain-mean round; where the honest members' values differ by more than about ``BOUND / n`` in a
+group of ``n``, that can push an honest reducer's mean past a smaller member's limit, and that member
+then refuses the round and bans an honest reducer. It costs the attacker a place in the group each
+time; the robust rules (trimmed mean, centered clip) remove such slices before they count.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ member that fetches it gets the same bits, whatever order chunks arrived in.
 The result is encoded once with the round's compression and served as those bytes; the reducer's own copy
 is decoded from them, so with a lossy compression it holds exactly what the others decode.
 
+A slice larger than the reducer accepts against its own values (``bounds``: the limit each member also
+holds results to) is refused chunk by chunk before it is added (:class:`SliceOutOfBounds`): its sender
+is left out of the round, and an honest reducer's mean stays within the bound of its own values, so a
+contributor sending huge values cannot make the members refuse an honest reducer's result.
+
 With a robust aggregation rule (see ``robust``) the kept slices of the decided contributors are stacked in
 member order at the decision and the rule is applied to them instead of the running sum.
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RemoteProtocolError
+from .bounds import Limit, ResultCheck
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
 from .robust import aggregate, by_origin, outliers
@@ -36,6 +42,10 @@ from .spill import SPILL_BYTES, Spilled, SpillFile
 from .trust import Verdict, gram, useful
 
 log = logging.getLogger(__name__)
+
+
+class SliceOutOfBounds(RemoteProtocolError):
+    """A contributor's slice is larger than this reducer accepts against its own values (``bounds``)."""
 
 
 class PartitionReducer:
@@ -52,6 +62,7 @@ class PartitionReducer:
         origins: Sequence[int] = (),
         canonical: bool = False,
         spill: bool | None = None,
+        bound: Limit | None = None,
     ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
         overwritten by the first slice added).
@@ -61,8 +72,12 @@ class PartitionReducer:
         ``canonical``: always sum in member order at the end (an auditor can then redo it bit for bit),
         not in the order chunks happened to arrive.
         ``spill``: keep received chunks in a spill file rather than in memory (default: for partitions
-        of ``SPILL_BYTES`` or more)."""
+        of ``SPILL_BYTES`` or more).
+        ``bound``: the most a contributor's slice may be (``bounds.limit`` of this reducer's own values);
+        None: unchecked."""
         self.size = size
+        self.bound = bound
+        self._checks: dict[int, ResultCheck] = {}  # sender -> its slice's check so far
         self.mode = mode
         self.members = members
         self.aggregation = aggregation
@@ -136,7 +151,8 @@ class PartitionReducer:
             )
         if not self.touched:  # the first slice adds to zeros (add_local writes its product instead)
             self.acc.zero_()
-        self._add(index, data, weight)
+        check = self._checks.setdefault(sender, ResultCheck(self.bound)) if self.bound is not None else None
+        self._add(index, data, weight, check)
         self.touched.add(sender)
         self._kept.setdefault(sender, []).append(self._keep(data))
         self._counts[sender], self._weights[sender] = index + 1, weight
@@ -176,16 +192,23 @@ class PartitionReducer:
         """How many early chunks are published."""
         return 0 if self.early is None else len(self.early)
 
-    def _add(self, index: int, data: memoryview, weight: float) -> None:
-        """Add a well-sized chunk's values times ``weight``; nothing is added if any value is bad."""
+    def _add(self, index: int, data: memoryview, weight: float, check: ResultCheck | None = None) -> None:
+        """Add a well-sized chunk's values times ``weight``; nothing is added if any value is bad, or
+        (``check``) beyond the bound."""
         a, b = self.spans[index]
         if self.mode is Compression.NONE and len(data):  # straight from the frame: no decoded copy
             values = torch.frombuffer(data, dtype=torch.float32)
             if not all_finite(values):
                 raise RemoteProtocolError("a slice holds NaN or infinite values")
+            _bounded(check, values)
             self.acc[a:b].add_(values if weight == 1.0 else values * weight)
-        else:
+        elif check is None:
             accumulate(self.acc[a:b], data, self.mode, weight)
+        else:  # (as ``accumulate``: a rounded multiply, then a rounded add)
+            decoded = decode(data, self.mode, b - a)
+            _bounded(check, decoded)
+            decoded.mul_(weight)
+            self.acc[a:b].add_(decoded)
 
     def _keep(self, data: memoryview) -> memoryview | Spilled:
         if self._spill is None or self._spill.closed:  # (closed: the result is out, nothing reads it)
@@ -333,6 +356,12 @@ class PartitionReducer:
         self.encoded = None
         self.result = None
         self.early = None
+
+
+def _bounded(check: ResultCheck | None, values: torch.Tensor) -> None:
+    why = "" if check is None else check.add(values)
+    if why:
+        raise SliceOutOfBounds(why.replace("its result", "the slice"))
 
 
 @dataclass(frozen=True)

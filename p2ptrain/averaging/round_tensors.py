@@ -116,6 +116,7 @@ class RoundTensors:
             members=self.n,
             origins=self.origins,
             canonical=self.audit,
+            bound=self.limit(p),
         )
         if weight is not None:
             # Reduced in place: its own values are in ``flat``, where the mean goes, and in the backup. (A

@@ -26,6 +26,7 @@ from .bandwidth import RateMeter
 from .compression import Compression, encoded_chunk
 from .partition import chunks
 from .protocol import Ack, DecisionResp, FetchReq, PartReq, RelayDecisionReq, ReportReq
+from .reducer import SliceOutOfBounds
 from .round_machine import RoundMachine
 from .round_tensors import RoundTensors
 from .signals import RoundSignals
@@ -101,6 +102,10 @@ class RoundServer:
             red.complete(sender, req.weight)
             self.meter.flow_done("download")
             return Ack(True)
+        except SliceOutOfBounds as e:  # (well formed, too large for us: refused, its sender left out)
+            log.warning("round %s: %s: slice of partition %d refused: %s", self.tag, m.name(sender), p, e)
+            m.sender_failed(p, sender)
+            return Ack(False, str(e))
         except P2PError as e:
             log.info("slice of partition %d from %s failed: %s", p, m.name(sender), e)
             m.sender_failed(p, sender)

@@ -90,7 +90,7 @@ def manifest(
     peers: list[Peer], size: int, *, mode: Compression, aggregation: str, audit: bool, round_id: int = 0
 ) -> SignedManifest:
     align = sparse.BLOCK if mode.sparse else 1
-    sizes = partition_sizes(size, [1.0] * len(peers), [True] * len(peers), align)
+    sizes = partition_sizes(size, [1.0] * len(peers), [p.listen for p in peers], align)
     m = Manifest(
         round_id=random.Random(size * 1000 + round_id).randbytes(16),
         group_key="bounded",
@@ -286,3 +286,29 @@ async def test_seeded_hostile_reducers_never_land_anything_and_are_banned_in_the
                     assert torch.equal(inputs[i][at[j] : at[j + 1]], sent[i][at[j] : at[j + 1]]), (what, i, j)
         check_banned(group, honest, liars)
         assert math.isfinite(float(torch.stack([inputs[i] for i in honest]).abs().max()))
+
+
+async def test_a_contributor_sending_huge_values_cannot_get_an_honest_reducer_banned(
+    autojump_clock: object,
+) -> None:
+    """A reducer holds each contributor's slice to the same bound as results: a member sending 1000x its
+    values in a plain-mean round is left out, so the honest reducers' means stay within every member's
+    bound, every honest member commits the honest mean, and nobody is banned (else one hostile
+    contributor would make every member refuse, and ban, every honest reducer)."""
+    n, size, hostile = 4, 3001, 2
+    async with open_group(n, client_only=(hostile,)) as group:  # (a reducer would serve its own values)
+        inputs = inputs_for(n, size, 7)
+        originals = [x.clone() for x in inputs]
+        inputs[hostile].mul_(1000.0)
+        signed = manifest(group.peers, size, mode=Compression.NONE, aggregation="mean", audit=False)
+        outcomes = await one_round(group, signed, inputs)
+        honest = [i for i in range(n) if i != hostile]
+        ids = [p.host.identity.peer_id for p in group.peers]
+        for i in honest:
+            result = outcomes[i]
+            assert isinstance(result, RoundResult), result
+            assert ids[hostile] not in result.contributors
+            weights = {k: 1.0 + k for k in honest}
+            want = sum(originals[k] * w for k, w in weights.items()) / sum(weights.values())
+            torch.testing.assert_close(inputs[i], want, rtol=1e-5, atol=1e-7)
+            assert not group.peers[i].averager.auditor.banned

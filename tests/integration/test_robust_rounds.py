@@ -1,5 +1,7 @@
 """Rounds with a robust aggregation rule: one hostile member sends scaled values; every member still
-commits the same bits, and they stay close to the honest members' mean (the plain mean does not)."""
+commits the same bits, and they stay close to the honest members' mean (the plain mean does not).
+Values scaled past a reducer's bound (``bounds``: 32x its own) are refused outright, whatever the rule:
+the scaling member is left out."""
 
 from __future__ import annotations
 
@@ -24,12 +26,17 @@ PORT = 2100
 N = 5
 
 
-async def run_round(aggregation: str, compression: str = "none") -> tuple[list[RoundResult], torch.Tensor]:
+SCALE = 20.0  # what the hostile member multiplies its values by: within every reducer's bound (32x)
+
+
+async def run_round(
+    aggregation: str, compression: str = "none", scale: float = SCALE
+) -> tuple[list[RoundResult], torch.Tensor]:
     net = MemoryNetwork(seed=11)
     g = torch.Generator().manual_seed(1)
     inputs = [[1.0 + 0.1 * torch.randn(3001, generator=g)] for _ in range(N)]
     honest_mean = torch.stack([x[0] for x in inputs[1:]]).mean(dim=0)
-    inputs[0][0] *= 100.0  # member 0 is hostile: it scales everything it sends
+    inputs[0][0] *= scale  # member 0 is hostile: it scales everything it sends
     async with trio.open_nursery() as nursery:
         hosts, averagers = [], []
         for i in range(N):
@@ -87,7 +94,17 @@ async def test_a_robust_round_shrugs_off_a_scaled_contribution(
 
 async def test_the_plain_mean_is_dragged_away_by_the_same_contribution() -> None:
     _, error = await run_round("mean")
-    assert error.max() > 5.0
+    assert error.max() > 1.0  # (20 + 2 + 3 + 4 + 5) / 15 where the honest mean is 1
+
+
+@pytest.mark.parametrize("rule", ["mean", "trimmed_mean"])
+async def test_a_contribution_past_the_bound_is_refused_whatever_the_rule(rule: str) -> None:
+    """100x the honest values is past every reducer's bound: its slices are refused, the member is left
+    out, and even the plain mean is the honest one. (Before, the plain mean was dragged 5x away.)"""
+    results, error = await run_round(rule, scale=100.0)
+    hostile = identity("r0").peer_id
+    assert all(hostile not in r.contributors and len(r.contributors) == N - 1 for r in results)
+    assert error.max() < 0.25, error.max()
 
 
 def test_a_manifest_with_an_unknown_rule_is_refused() -> None:
