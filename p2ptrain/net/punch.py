@@ -8,18 +8,31 @@ behind one is seen from everywhere at its router's address and its own port.
 When a host dialed a peer through a relay (``relay``), it asks that peer, over the new end-to-end
 encrypted connection, to ``punch.connect``, listing where it can be dialed directly: the address its
 peers see it at with its listening port (the host's ``Location``; a dialer that joined through that very
-circuit waits a little for its first direct peers to tell, ``Location.checked``). The peer starts dialing
-each of those from its own listening port, then answers with its own such addresses; the dialer, on the
-answer, dials them from its listening port. The peer's first SYN dies at the dialer's router but leaves
-in the peer's own router the entry that lets the dialer's SYN in (and the dialer's SYN leaves the entry
-for the peer's retransmitted one): the two dials meet in a TCP *simultaneous open*, one connection both
-dials return. (An attempt abandoned early would not do: the router tracks the SYN's sequence numbers,
-and a listener's answer from a new socket does not match them.) Over it the dialer runs the handshake's
-initiator side and the peer the responder's, as with any inbound connection, so each end checks the
-other's id: a wrong address reaches nobody who can finish it. The newest connection to a peer is the one
-used, so calls move to the direct connection at once; the relayed one is closed a little later. A dialer
-that is reachable itself (a public peer dialing a NATed one through a relay) is dialed back directly
-instead (a *reversal*).
+circuit waits a little for its first direct peers to tell, ``Location.checked``). The peer answers with
+its own such addresses. The dialer dials them from its listening port, then tells the peer (``punch.go``,
+over the relay) to dial the dialer's addresses from its own listening port. The two dials meet in a TCP
+*simultaneous open*, one connection both dials return. (An attempt abandoned early would not do: the
+router tracks the SYN's sequence numbers, and a listener's answer from a new socket does not match them.)
+
+Many home routers answer a SYN that no entry of theirs expects, addressed to the router itself, with a
+TCP reset, and the reset closes, in the other router, the entry that the other side's own SYN had
+opened (the SYNs would have to cross in flight, within one trip between the routers). So each dial's
+first SYN goes out with a TTL of ``PRIME_TTL``: it opens the dialing host's own router's entry and dies
+at the next hop, before the peer's router (``TcpTransport.connect_primed``; the socket lives on, and its
+retransmissions, the first a second later, go the whole way). The dialer's first SYN is out before the
+peer dials, so the peer's SYNs find the dialer's router open and the dialer's dial waiting; the peer's
+own first SYN opens its router for the dialer's retransmission. A dial that a reset ends anyway is made
+again, primed again, after ``REDIAL`` (jittered, so the two sides never stay in step), until
+``PUNCH_TIMEOUT``; and a dialer asks up to ``ATTEMPTS`` times before it stays relayed. (A peer that
+hears no "go", from an older dialer, dials after ``GO_WAIT``.)
+
+Over the direct connection the dialer runs the handshake's initiator side and the peer the responder's,
+as with any inbound connection, so each end checks the other's id: a wrong address reaches nobody who
+can finish it. The newest connection to a peer is the one used, so calls move to the direct connection
+at once; the relayed one is closed a little later. A dialer that is reachable itself (a public peer
+dialing a NATed one through a relay) is dialed back directly instead (a *reversal*). A host that loses
+the relayed connection to a peer it could not punch with says so at WARNING (which peer, why, what
+would fix it).
 
 A symmetric NAT maps each connection to a new port: the attempt and the dial then never meet, the
 punch fails after ``PUNCH_TIMEOUT``, and the peers stay relayed. ``Puncher.works`` records whether a
@@ -27,13 +40,15 @@ punch with this host on either end succeeded: proof that its NAT maps ports as p
 averager then lets the host reduce a share, see ``averaging``).
 
 What a peer says is bounded: at most ``MAX_ADDRESSES`` IP literals (never names), attempts only over
-relayed connections, one request per peer per ``MIN_INTERVAL`` and ``MAX_RUNNING`` at a time; the
-worst a liar gets is a few SYNs sent where it said.
+relayed connections, ``ATTEMPTS`` requests per peer per ``MIN_INTERVAL`` and ``MAX_RUNNING`` at a time;
+the worst a liar gets is a few SYNs sent where it said.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,12 +68,17 @@ log = logging.getLogger(__name__)
 
 MAX_ADDRESSES = 4
 PUNCH_TIMEOUT = 10.0  # seconds a punch's dials have (SYNs retransmit at 1, 3, 7 s)
-HEAD_START = 0.05  # seconds the peer's dials have before its answer leaves (their SYNs first)
-REDIAL = 0.5  # seconds between dials to one address that failed at once (a reset)
-MIN_INTERVAL = 30.0  # seconds between two punch requests a peer is answered
+PRIME_TTL = 2  # hops a dial's first SYN lives: out of this host's own router, dead at the next one
+GO_AFTER = 0.05  # seconds the dialer's dials have before it tells the peer to dial (their SYNs first)
+GO_WAIT = 2.0  # seconds the peer waits for the dialer's "go" before dialing anyway (an older dialer)
+REDIAL = 0.5  # seconds between dials to one address that failed at once (a reset), +-50% jitter
+ATTEMPTS = 3  # punches a dialer tries in a row before it stays relayed ...
+ATTEMPT_PAUSE = 2.0  # ... seconds apart (+-50%)
+MIN_INTERVAL = 30.0  # seconds in which a peer's punch requests are answered ``ATTEMPTS`` times at most
 MAX_RUNNING = 8  # punches answered at once
 RELAYED_GRACE = 30.0  # seconds a relayed connection lives on beside the direct one (calls in flight)
 RETRY = 120.0  # seconds before ``reach`` tries a peer again
+MAX_FAILED = 256  # peers whose failed punch a host remembers (to say why, should their relay go)
 LEARN_TIMEOUT = 30.0  # seconds a dialer waits to learn its public address and reachability first
 
 
@@ -76,7 +96,18 @@ class PunchResp(Message):
     addresses: tuple[str, ...] = bounded((), max_len=MAX_ADDRESSES)
 
 
+@dataclass(frozen=True)
+class GoReq(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class GoResp(Message):
+    ok: bool = False
+
+
 PUNCH = Method("punch.connect", PunchReq, PunchResp)
+GO = Method("punch.go", GoReq, GoResp)  # the dialer primed its router and dials: the peer dials now
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -143,11 +174,14 @@ class Puncher:
         self.enabled = enabled
         self.handshake_timeout = handshake_timeout
         self.works = False  # a punch with this host on one end succeeded
-        self._asked: dict[PeerID, float] = {}  # peer -> when its last request was answered
+        self._asked: dict[PeerID, list[float]] = {}  # peer -> when its recent requests were answered
         self._running = 0
         self._awaiting: dict[PeerID, trio.Event] = {}  # peers whose direct dial this host waits for
+        self._go: dict[PeerID, trio.Event] = {}  # peers this host answered and waits for the "go" of
         self._tried: dict[PeerID, float] = {}  # peer -> when ``reach`` last tried it
+        self._failed: dict[PeerID, str] = {}  # peer -> why the last punch with it failed (until one works)
         host.registry.add_unary(PUNCH, self._on_punch)
+        host.registry.add_unary(GO, self._on_go)
         host.on_connection(self._on_connection)
 
     def candidates(self) -> list[str]:
@@ -197,40 +231,71 @@ class Puncher:
             log.info("could not reach %s through its relay: %s", peer.short(), e)
 
     async def upgrade(self, relayed: Connection) -> Connection | None:
-        """Try to replace ``relayed`` (an outbound connection through a relay) by a direct one; the
-        direct connection, or None (the reason logged)."""
-        peer, port = relayed.peer, self.listen_port()
-        if not self.enabled or not port:
+        """Try to replace ``relayed`` (an outbound connection through a relay) by a direct one, up to
+        ``ATTEMPTS`` times; the direct connection, or None (the reason logged)."""
+        if not self.enabled or not self.listen_port():
             return None
         with trio.move_on_after(LEARN_TIMEOUT):  # a node that joined through a circuit learns it soon
             await self.location.checked.wait()
+        for attempt in range(1, ATTEMPTS + 1):
+            direct, why = await self._attempt(relayed)
+            if direct is not None:
+                self._succeeded(relayed.peer, relayed, "dialed")
+                return direct
+            last = attempt == ATTEMPTS or relayed.closed or why.startswith("refused")
+            log.info(
+                "hole punch with %s failed (attempt %d of %d): %s%s",
+                relayed.peer.short(),
+                attempt,
+                ATTEMPTS,
+                why,
+                ": staying relayed" if last else "; trying again",
+            )
+            if last:
+                self._failure(relayed.peer, why)
+                break
+            await trio.sleep(ATTEMPT_PAUSE * random.uniform(0.5, 1.5))
+        return None
+
+    async def _attempt(self, relayed: Connection) -> tuple[Connection | None, str]:
+        """One punch over ``relayed``: the direct connection, or None and why not."""
+        peer, port = relayed.peer, self.listen_port()
         reachable = self.location.reachable
         mine = self.candidates()
         try:
             req = PunchReq(tuple(mine), bool(reachable), port)
             resp = await relayed.call(PUNCH, req, timeout=PUNCH_TIMEOUT)
         except P2PError as e:
-            log.info("no hole punch with %s: %s", peer.short(), e)
-            return None
+            return None, f"refused: {e}"
         if not resp.ok:
-            log.info("no hole punch with %s: %s", peer.short(), resp.reason)
-            return None
+            return None, f"refused: {resp.reason}"
         event = self._awaiting[peer] = trio.Event()  # (the peer's own dial may get through first)
         try:
             if reachable:  # it dials back (or cannot): wait for that connection
                 with trio.move_on_after(PUNCH_TIMEOUT):
                     await event.wait()
             else:
-                await self._dial_any(peer, _endpoints(peer, resp.addresses), port, event)
+                # Dial first (a low first SYN: it opens our router's mapping and dies before the
+                # peer's), then tell the peer to dial: its SYN gets in here and meets our dial's.
+                targets = _endpoints(peer, resp.addresses)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._send_go, relayed)
+                    await self._dial_any(peer, targets, port, event)
+                    nursery.cancel_scope.cancel()
         finally:
             if self._awaiting.get(peer) is event:
                 del self._awaiting[peer]
         direct = self.host.connection(peer)
         if direct is None or direct.relayed:
-            log.info("hole punch with %s failed: staying relayed", peer.short())
-            return None
-        self._succeeded(peer, relayed, "dialed")
-        return direct
+            return None, f"no direct connection in {PUNCH_TIMEOUT:g} s"
+        return direct, ""
+
+    async def _send_go(self, relayed: Connection) -> None:
+        await trio.sleep(GO_AFTER)  # (our first SYNs out)
+        try:
+            await relayed.call(GO, GoReq(), timeout=PUNCH_TIMEOUT)
+        except P2PError as e:  # (an older peer: it dials after ``GO_WAIT`` by itself)
+            log.debug("no punch go to %s: %s", relayed.peer.short(), e)
 
     async def _dial_any(
         self,
@@ -238,26 +303,37 @@ class Puncher:
         endpoints: list[tuple[str, int]],
         port: int,
         done: trio.Event,
-        answered: trio.Event | None = None,
+        *,
+        initiate: bool = True,
     ) -> None:
-        """Dial every endpoint at once from ``port`` (again after a reset) until ``PUNCH_TIMEOUT`` or
-        ``done`` (a direct connection with ``peer`` opened); the first stream wins and the other dials
-        are cancelled. On it, the dialer (``answered`` None) runs the handshake's initiator side. The
-        peer serves it as an inbound connection, unless it came before ``answered``: before the dialer
-        even knew where to dial, so it reached the dialer's listener (no NAT in the way), and the peer
-        initiates."""
+        """Dial every endpoint at once from ``port`` (again after a reset, primed anew) until
+        ``PUNCH_TIMEOUT`` or ``done`` (a direct connection with ``peer`` opened); the first stream wins
+        and the other dials are cancelled. On it, the dialer (``initiate``) runs the handshake's initiator
+        side; the peer serves it as an inbound connection."""
         deadline = trio.current_time() + PUNCH_TIMEOUT
 
+        primed_dial = getattr(self.host.transport, "connect_primed", None)
+
         async def one(host: str, p: int) -> None:
+            low = primed_dial is not None
             while True:
                 try:
-                    stream = await self.host.transport.connect(host, p, local_port=port)
+                    if low and primed_dial is not None:
+                        stream = await primed_dial(host, p, local_port=port, ttl=PRIME_TTL)
+                    else:
+                        stream = await self.host.transport.connect(host, p, local_port=port)
                     break
                 except OSError as e:
                     log.debug("punch dial to %s:%d failed: %s", host, p, e)
-                    await trio.sleep(min(REDIAL, max(0.0, deadline - trio.current_time())))
+                    if low and e.errno == errno.EHOSTUNREACH:
+                        low = False  # (a system that gave up on the low SYN: it opened the mapping)
+                        continue
+                    # a reset: the mapping on either side may be gone; dial anew, primed, a little later
+                    low = primed_dial is not None
+                    pause = REDIAL * random.uniform(0.5, 1.5)  # (two sides never stay in step)
+                    await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
             nursery.cancel_scope.cancel()  # (the other dials: this one is through)
-            if answered is not None and answered.is_set():
+            if not initiate:
                 assert self.host.nursery is not None
                 self.host.nursery.start_soon(self.host.accept_stream, stream, host, p)
                 return
@@ -286,8 +362,9 @@ class Puncher:
             return PunchResp(False, "this host does not punch holes")
         if relayed is None or not relayed.relayed or not ctx.relayed:
             return PunchResp(False, "only over a relayed connection")
-        if now - self._asked.get(ctx.peer, -MIN_INTERVAL) < MIN_INTERVAL:
-            return PunchResp(False, f"one punch per {MIN_INTERVAL:g} s")
+        recent = [t for t in self._asked.get(ctx.peer, []) if now - t < MIN_INTERVAL]
+        if len(recent) >= ATTEMPTS:
+            return PunchResp(False, f"{ATTEMPTS} punches per {MIN_INTERVAL:g} s at most")
         if self._running >= MAX_RUNNING:
             return PunchResp(False, "too many punches at once; try later")
         port = self.listen_port()
@@ -301,17 +378,24 @@ class Puncher:
                 return PunchResp(False, f"bad address: {e}")
         if relayed.relayed_from and req.port and (relayed.relayed_from, req.port) not in targets:
             targets.append((relayed.relayed_from, req.port))  # (where its relay saw it, its port)
-        self._asked = {p: t for p, t in self._asked.items() if now - t < MIN_INTERVAL}
-        self._asked[ctx.peer] = now
+        self._asked = {p: ts for p, ts in self._asked.items() if any(now - t < MIN_INTERVAL for t in ts)}
+        self._asked[ctx.peer] = [*recent, now]
         assert self.host.nursery is not None
         if req.reachable:  # a reversal: dial it back directly
             self.host.nursery.start_soon(self._dial_back, ctx.peer, targets, relayed)
             return PunchResp(True, "")
-        answered = trio.Event()
-        self.host.nursery.start_soon(self._answer, ctx.peer, targets, port, relayed, answered)
-        await trio.sleep(HEAD_START)
-        answered.set()
+        go = self._go[ctx.peer] = trio.Event()
+        event = self._awaiting[ctx.peer] = trio.Event()
+        self._running += 1
+        self.host.nursery.start_soon(self._answer, ctx.peer, targets, port, relayed, go, event)
         return PunchResp(True, "", tuple(self.candidates()))
+
+    async def _on_go(self, ctx: CallContext, req: GoReq) -> GoResp:
+        go = self._go.get(ctx.peer)
+        if go is None or not ctx.relayed:
+            return GoResp(False)
+        go.set()
+        return GoResp(True)
 
     async def _answer(
         self,
@@ -319,21 +403,28 @@ class Puncher:
         targets: list[tuple[str, int]],
         port: int,
         relayed: Connection,
-        answered: trio.Event,
+        go: trio.Event,
+        event: trio.Event,
     ) -> None:
-        """The peer's side of a punch: dial the dialer's addresses, serve what comes through."""
-        self._running += 1
-        event = self._awaiting[peer] = trio.Event()
+        """The peer's side of a punch: once the dialer primed its router (its "go", or ``GO_WAIT``),
+        dial the dialer's addresses; serve what comes through (the dialer initiates)."""
         try:
-            await self._dial_any(peer, targets, port, event, answered)
+            with trio.move_on_after(GO_WAIT):
+                await go.wait()
+            if not event.is_set():
+                await self._dial_any(peer, targets, port, event, initiate=False)
             with trio.move_on_after(self.handshake_timeout):
                 await event.wait()
         finally:
             self._running -= 1
             if self._awaiting.get(peer) is event:
                 del self._awaiting[peer]
+            if self._go.get(peer) is go:
+                del self._go[peer]
         if event.is_set():
             self._succeeded(peer, relayed, "was dialed by")
+        else:
+            self._failure(peer, f"no direct connection in {PUNCH_TIMEOUT:g} s")
 
     async def _dial_back(self, peer: PeerID, targets: list[tuple[str, int]], relayed: Connection) -> None:
         for host, port in targets:
@@ -348,9 +439,41 @@ class Puncher:
     def _on_connection(self, conn: Connection, opened: bool) -> None:
         if opened and not conn.relayed and (event := self._awaiting.get(conn.peer)) is not None:
             event.set()
+        if (
+            not opened
+            and conn.relayed
+            and conn.peer in self._failed
+            and self.host.connection(conn.peer) is None
+        ):
+            self._lost(conn)
+
+    def _failure(self, peer: PeerID, why: str) -> None:
+        self._failed.pop(peer, None)
+        self._failed[peer] = why
+        while len(self._failed) > MAX_FAILED:
+            del self._failed[next(iter(self._failed))]
+
+    def _lost(self, conn: Connection) -> None:
+        """The relayed connection to a peer this host could not punch with closed, and no other one is
+        left: say which peer, why, and what would fix it."""
+        why = conn.close_reason or "closed"
+        if why == "shutting down":
+            return
+        log.warning(
+            "lost touch with peer %s: this node reached it only through the relay at %s, and that "
+            "connection is gone (%s); a hole punch with it had failed (%s: the NATs in the way map each "
+            "connection to a new port, or a firewall drops what punching sends). The two stay apart "
+            "until a relay both can reach is back. To fix it for good: forward a port to one of them "
+            "(and start it with --announce), or keep a public peer in the swarm",
+            conn.peer.short(),
+            conn.remote_host,
+            why,
+            self._failed[conn.peer],
+        )
 
     def _succeeded(self, peer: PeerID, relayed: Connection, how: str) -> None:
         self.works = True
+        self._failed.pop(peer, None)
         direct = self.host.connection(peer)
         if direct is not None and not direct.relayed:
             direct.keep_open = True  # (its NAT entries are not made again without another punch)

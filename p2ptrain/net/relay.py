@@ -1,8 +1,10 @@
 """Circuit relays: a peer that nobody can dial (behind a NAT) is still reached, encrypted end to end.
 
 Theory of operation. Any host relays unless told not to (``RelayConfig.enabled``). A peer that learned
-it cannot be dialed keeps a *reservation* with a relay it can reach: ``relay.reserve`` over its own
-outbound connection, renewed before it runs out. Others then reach it at a *circuit address*::
+it cannot be dialed keeps a *reservation* with every relay it can reach, up to a few (the node decides
+how many): ``relay.reserve`` over its own outbound connection, renewed before it runs out; a relay whose
+connection closed is dropped at once (the last one with a warning), so losing one relay does not cut
+the peer off while it holds others. Others then reach it at a *circuit address*::
 
     /ip4/RELAY_HOST/tcp/PORT/p2p/RELAY_ID/p2p-circuit/p2p/TARGET_ID
 
@@ -142,6 +144,8 @@ class RelayHost(Protocol):
 
     def connection(self, peer: PeerID) -> Connection | None: ...
 
+    def on_connection(self, observer: Callable[[Connection, bool], None]) -> None: ...
+
     async def connect(
         self, address: PeerAddress | str, *, timeout: float | None = None, direct: bool = False
     ) -> Connection: ...
@@ -164,6 +168,33 @@ class Relay:
         reg.add_unary(RESERVE, self._on_reserve)
         reg.add_stream(CONNECT, self._on_connect)
         reg.add_stream(INCOMING, self._on_incoming)
+        host.on_connection(self._on_connection)
+
+    def _on_connection(self, conn: Connection, opened: bool) -> None:
+        """A relay this host held a reservation with is gone once its connection is: say so (plainly if
+        it was the last one) and stop listing it."""
+        if opened or conn.relayed or conn.peer not in self.relays or self.host.connection(conn.peer):
+            return
+        del self.relays[conn.peer]
+        why = conn.close_reason or "closed"
+        if why == "shutting down":
+            return
+        if self.relays:
+            log.info(
+                "lost relay %s (%s); still reached through %d other relay(s): %s",
+                conn.peer.short(),
+                why,
+                len(self.relays),
+                ", ".join(p.short() for p in self.relays),
+            )
+        else:
+            log.warning(
+                "lost relay %s (%s), the last relay this node held a reservation with: until it finds "
+                "another, peers that cannot dial it (behind a NAT) reach it only over connections already "
+                "open or punched; it looks for another reachable peer to relay for it",
+                conn.peer.short(),
+                why,
+            )
 
     # ---- the relay's side ----------------------------------------------------------------------------
 

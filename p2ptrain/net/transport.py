@@ -7,6 +7,8 @@ for both, which is what lets in-process tests exercise the real protocol code.
 Hole punching (``punch``) needs one more thing of a transport: a dial that leaves from the port the
 host listens on (``connect(..., local_port=)``), so that a NAT maps it as it maps that port. Two such
 dials towards each other meet in a TCP *simultaneous open*: both return the two ends of one connection.
+A transport may also dial so that its first SYN has a low TTL (``TcpTransport.connect_primed``); one
+without it (the in-memory network) dials as ``connect`` does.
 TCP listeners get SO_REUSEPORT set after the bind: a dial may then share the listening port, while
 another program's plain listener on that port is still refused.
 """
@@ -14,15 +16,32 @@ another program's plain listener on that port is still refused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
+import os
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
 
 log = logging.getLogger(__name__)
+
+TCP_ESTABLISHED, TCP_SYN_SENT = 1, 2  # (Linux's TCP states, as TCP_INFO gives them)
+SOFT_ERROR_PAUSE = 0.01  # seconds between looks at a dial that reported a soft error
+
+
+def _tcp_state(sock: socket.socket) -> int | None:
+    """A TCP socket's state (Linux), or None where the system does not say."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        return int(struct.unpack("B", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0])
+    except OSError:
+        return None
+
 
 StreamHandler = Callable[[trio.abc.Stream, str, int], Awaitable[None]]
 """Called with (stream, remote host, remote port) for each accepted connection."""
@@ -84,6 +103,50 @@ class TcpTransport:
             sock.close()
             raise
         return sock
+
+    async def connect_primed(self, host: str, port: int, *, local_port: int, ttl: int) -> trio.abc.Stream:
+        """A dial from ``local_port`` (as ``connect``) whose first SYN lives ``ttl`` hops: behind a NAT it
+        opens this host's mapping towards the peer but dies before the peer's router, which may answer
+        a SYN it was not expecting with a reset (closing that mapping again). The SYN's retransmissions
+        (the first after a second) go the whole way, by when the peer's own dial opened its side: see
+        ``punch``. The socket lives on through the dead SYN's ICMP error (a soft error while the SYN is
+        retransmitted: TCP_INFO tells); where the kernel gives up on it instead, OSError (EHOSTUNREACH),
+        and that dial served to open the mapping."""
+        try:
+            family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        except ValueError:
+            raise OSError(f"not an IP address: {host!r}") from None
+        level, name = (
+            (socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS)
+            if family == socket.AF_INET6
+            else (socket.IPPROTO_IP, socket.IP_TTL)
+        )
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((self.source_address or ("::" if family == socket.AF_INET6 else "0.0.0.0"), local_port))
+            sock.setsockopt(level, name, ttl)
+            err = sock.connect_ex((host, port))
+            sock.setsockopt(level, name, -1)  # (the system's default from here on)
+            if err not in (0, errno.EINPROGRESS):
+                raise OSError(err, f"connecting to {host}:{port}: {os.strerror(err)}")
+            while err != 0:
+                await trio.lowlevel.wait_writable(sock)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # (reading it clears it)
+                state = _tcp_state(sock)
+                if state == TCP_ESTABLISHED or (state is None and err == 0):
+                    break
+                if state != TCP_SYN_SENT:
+                    failed = err or errno.ECONNREFUSED
+                    raise OSError(failed, f"connecting to {host}:{port}: {os.strerror(failed)}")
+                err = errno.EINPROGRESS  # still trying (a wake-up for the dead SYN's soft error)
+                await trio.sleep(SOFT_ERROR_PAUSE)
+            return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        except BaseException:
+            sock.close()
+            raise
 
     async def serve(
         self,

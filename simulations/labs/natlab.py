@@ -2,11 +2,16 @@
 
 Layout (namespaces this module creates; nothing is added to the host's own namespace)::
 
-    hub:        bridge br0, the "internet" (198.18.0.0/24)
-    public:     eth0 198.18.0.2/24
+    hub:        bridge br0 198.18.0.1/24, the "internet": it routes between every two peers (one hop,
+                so a packet's TTL drops on the way, as on the internet)
+    public:     eth0 198.18.0.2/24, default route via the hub
     router i:   wan 198.18.0.{10+i}/24 on the bridge, lan 198.19.{i}.1/24; forwards, MASQUERADEs what
-                leaves by wan, and drops every new connection that arrives on wan, for the LAN or for
-                itself (a home router: no reset for strangers)
+                leaves by wan, and forwards nothing new that arrives on wan (FORWARD policy DROP). A SYN
+                from a stranger addressed to the router itself: ``router="drop"`` drops it too (an INPUT
+                rule: no answer), ``router="reset"`` has no such rule, so the router's own TCP stack
+                answers it with a reset (most home routers: OpenWrt's REJECT on its WAN zone, any Linux
+                router without an INPUT drop), and that reset also closes the entry the stranger's router
+                opened for its own host's attempt (what makes hole punching hard, see ``p2ptrain.net.punch``)
     home i:     eth0 198.19.{i}.2/24, default route via its router
 
 The routers' mappings are endpoint-independent by default (Linux MASQUERADE keeps the source port when
@@ -18,13 +23,16 @@ each router's wan) with ``tc tbf`` both ways, as ``simulations.labs.netns`` does
 
 Usage::
 
-    python -m simulations.natlab relay-join [--symmetric] [--json PATH]
+    python -m simulations.natlab relay-join [--symmetric] [--router drop|reset] [--leave S] [--json PATH]
 
 ``relay-join``: real ``p2ptrain node`` processes: the public peer P; home 1 joins P and prints the
 address others join it with (through a relay: nobody can dial it); home 2 pastes only that address.
 It reports whether home 2 got in (connected to home 1 through P, and to the swarm), how long each step
 took, and whether home 2's connection to home 1 was then upgraded by a hole punch (``p2ptrain.net.punch``:
-expected behind endpoint-independent NATs, not behind symmetric ones). JSON first, then a table.
+expected behind endpoint-independent NATs of either router kind, not behind symmetric ones). With
+``--leave S`` the public peer then stops, and it reports whether the two homes stayed connected
+directly for S seconds (their status files list each other at the other's router). JSON first, then
+a table.
 
 Needs root, ``ip`` and ``iptables``; :func:`unavailable` says why a lab cannot be built (or None).
 """
@@ -54,7 +62,9 @@ from simulations.labs.netns import unavailable as netns_unavailable
 
 PREFIX = "p2pnat"
 PUBLIC = "198.18.0.2"
+HUB = "198.18.0.1"  # the internet's one router, between every two peers
 IPT_TIMEOUT = 20.0
+ROUTERS = ("drop", "reset")  # what a router does with a stranger's SYN to itself (see the module docstring)
 
 
 def unavailable() -> str | None:
@@ -79,10 +89,19 @@ class NatLab(Lab):
     """``homes`` home peers behind routers and one public peer (see the module docstring)."""
 
     def __init__(
-        self, homes: int = 2, *, symmetric: bool = False, nat: bool = True, rate_mbit: float | None = None
+        self,
+        homes: int = 2,
+        *,
+        symmetric: bool = False,
+        nat: bool = True,
+        rate_mbit: float | None = None,
+        router: str = "drop",
     ) -> None:
         if not 1 <= homes <= 50:
             raise ValueError("homes must be between 1 and 50")
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
+        self.router = router
         super().__init__(PREFIX)
         self.homes = homes
         self.symmetric = symmetric
@@ -101,8 +120,12 @@ class NatLab(Lab):
         _ip("-n", self.hub, "link", "add", hub_dev, "type", "veth", "peer", "name", dev, "netns", ns)
         _ip("-n", self.hub, "link", "set", hub_dev, "master", "br0")
         _ip("-n", self.hub, "link", "set", hub_dev, "up")
-        _ip("-n", ns, "addr", "add", addr, "dev", dev)
+        # no route of its own to the others on the bridge: everything goes through the hub's router, one
+        # hop (as on the internet: a packet's TTL drops between any two peers)
+        _ip("-n", ns, "addr", "add", addr, "dev", dev, "noprefixroute")
         _ip("-n", ns, "link", "set", dev, "up")
+        _ip("-n", ns, "route", "add", HUB, "dev", dev, "scope", "link")
+        _ip("-n", ns, "route", "add", "default", "via", HUB, "dev", dev)
         if self.rate_mbit:
             for where, d in ((ns, dev), (self.hub, hub_dev)):
                 burst = max(MIN_BURST_KB, self.rate_mbit * 1e6 / 8 * DEFAULT_BURST_MS / 1e3 / 1024)
@@ -128,7 +151,11 @@ class NatLab(Lab):
         remove_stale(PREFIX)
         self.hub = self._ns("hub")
         _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "addr", "add", f"{HUB}/24", "dev", "br0")
         _ip("-n", self.hub, "link", "set", "br0", "up")
+        for setting in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0"):
+            _ip("netns", "exec", self.hub, "sysctl", "-q", "-w", setting)
+        _ip("netns", "exec", self.hub, "sysctl", "-q", "-w", "net.ipv4.conf.br0.send_redirects=0")
         self.public = self._ns("public")
         self._wire(self.public, "eth0", f"{PUBLIC}/24")
         self.home_ns: list[str] = []
@@ -160,16 +187,23 @@ class NatLab(Lab):
                 "-j",
                 "ACCEPT",
             )
-            _ipt(router, "-A", "FORWARD", "-i", "wan", "-j", "DROP")  # nothing unsolicited gets in
-            # ... nor to the router itself: it does not answer a stranger's SYN with a reset (which would
-            # also close the entry a home peer's own attempt left towards that stranger)
-            established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
-            _ipt(router, "-A", "INPUT", "-i", "wan", *established)
-            _ipt(router, "-A", "INPUT", "-i", "wan", "-j", "DROP")
+            _ipt(router, "-A", "FORWARD", "-i", "lan", "-j", "ACCEPT")
+            _ipt(router, "-P", "FORWARD", "DROP")  # nothing unsolicited gets in
+            if self.router == "drop":
+                # ... nor to the router itself: it does not answer a stranger's SYN with a reset (which
+                # would also close the entry a home peer's own attempt left towards that stranger)
+                established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+                _ipt(router, "-A", "INPUT", "-i", "wan", *established)
+                _ipt(router, "-A", "INPUT", "-i", "wan", "-j", "DROP")
+            # "reset": no rule for what is addressed to the router itself, so its own TCP stack answers a
+            # stranger's SYN (to a port it does not listen on) with a reset, as most home routers do
         if not self.nat:  # every LAN routed from everywhere: the homes are public peers
             for i in range(1, self.homes + 1):
-                for ns in [self.public, *(f"{self.base}-r{j}" for j in range(1, self.homes + 1) if j != i)]:
-                    _ip("-n", ns, "route", "add", f"198.19.{i}.0/24", "via", f"198.18.0.{10 + i}")
+                _ip("-n", self.hub, "route", "add", f"198.19.{i}.0/24", "via", f"198.18.0.{10 + i}")
+
+    def router_address(self, i: int) -> str:
+        """Router i's address on the internet (1-based): where the world sees home i."""
+        return f"198.18.0.{10 + i}"
 
     def home_address(self, i: int) -> str:
         """Home i's LAN address (1-based): what it sees itself as, and what nobody outside can dial."""
@@ -201,21 +235,51 @@ def _wait_for_any(path: Path, texts: list[str], timeout: float) -> tuple[str, fl
     return None
 
 
-def relay_join(workdir: Path, timeout: float = 120.0, *, symmetric: bool = False) -> dict[str, Any]:
-    """The ``relay-join`` scenario (see the module docstring)."""
+def _status(workdir: Path, name: str) -> dict[str, Any]:
+    try:
+        out: dict[str, Any] = json.loads((workdir / name / "status.json").read_text())
+        return out
+    except (OSError, ValueError):
+        return {}
+
+
+def _direct_to(workdir: Path, name: str, peer: str, at: str) -> bool:
+    """Does node ``name``'s status file list a connection to ``peer`` (its id) at host ``at`` (not
+    through a relay, which would show the relay's address)?"""
+    conns = _status(workdir, name).get("connections", [])
+    return any(c["peer_id"] == peer and c["remote"].startswith(f"{at}:") for c in conns)
+
+
+def relay_join(
+    workdir: Path,
+    timeout: float = 120.0,
+    *,
+    symmetric: bool = False,
+    router: str = "drop",
+    leave_s: float = 0.0,
+) -> dict[str, Any]:
+    """The ``relay-join`` scenario (see the module docstring). ``leave_s``: once the homes punched,
+    the public peer stops, and the report says whether the two homes stayed connected directly for
+    that many seconds after."""
     nat = "symmetric" if symmetric else "endpoint-independent"
-    out: dict[str, Any] = {"scenario": "relay-join", "nat": nat, "ok": False}
-    with NatLab(2, symmetric=symmetric) as lab:
+    out: dict[str, Any] = {"scenario": "relay-join", "nat": nat, "router": router, "ok": False}
+    with NatLab(2, symmetric=symmetric, router=router) as lab:
         began = time.monotonic()
         public = _node(lab, lab.public, workdir, "public", "--listen", f"{PUBLIC}:4001")
         p_addr = read_line(public, timeout).strip()
         out["public_address"] = p_addr
-        home1 = _node(lab, lab.home_ns[0], workdir, "home1", "--listen", "0.0.0.0:4001", "--join", p_addr)
+        status = ["--status-file", str(workdir / "home1" / "status.json")]
+        home1 = _node(
+            lab, lab.home_ns[0], workdir, "home1", "--listen", "0.0.0.0:4001", "--join", p_addr, *status
+        )
         pasted = read_line(home1, timeout).strip()  # printed once nobody could dial it back
         out["home1_address"] = pasted
         out["home1_address_s"] = round(time.monotonic() - began, 1)
         out["home1_relayed"] = "/p2p-circuit/" in pasted and pasted.startswith(f"/ip4/{PUBLIC}/")
-        home2 = _node(lab, lab.home_ns[1], workdir, "home2", "--listen", "0.0.0.0:4001", "--join", pasted)
+        status = ["--status-file", str(workdir / "home2" / "status.json")]
+        home2 = _node(
+            lab, lab.home_ns[1], workdir, "home2", "--listen", "0.0.0.0:4001", "--join", pasted, *status
+        )
         joined = _wait_for(workdir / "home2.log", "joined the swarm through", timeout)
         out["home2_joined_s"] = None if joined is None else round(joined, 1)
         p_id = p_addr.rsplit("/", 1)[-1][:6]
@@ -230,6 +294,20 @@ def relay_join(workdir: Path, timeout: float = 120.0, *, symmetric: bool = False
         out["home2_punch_s"] = None if punch is None else round(punch[1], 1)
         expected = "relayed" if symmetric else "direct"
         out["ok"] = bool(out["home1_relayed"] and joined and met and out["home2_punch"] == expected)
+        if leave_s and out["home2_punch"] == "direct":
+            # the public peer (the homes' only relay) stops: are the homes still connected directly?
+            ids = {n: _status(workdir, n).get("peer_id", "") for n in ("home1", "home2")}
+            public.terminate()
+            public.wait(timeout)
+            began = time.monotonic()
+            stayed = True
+            while stayed and time.monotonic() - began < leave_s:
+                stayed = _direct_to(workdir, "home2", ids["home1"], lab.router_address(1)) and _direct_to(
+                    workdir, "home1", ids["home2"], lab.router_address(2)
+                )
+                time.sleep(0.5)
+            out["homes_direct_after_public_left_s"] = round(time.monotonic() - began, 1) if stayed else None
+            out["ok"] = out["ok"] and stayed
         for proc in (home2, home1, public):
             proc.terminate()
     return out
@@ -261,13 +339,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.natlab", description=__doc__.split("\n")[0])
     parser.add_argument("scenario", choices=["relay-join"])
     parser.add_argument("--symmetric", action="store_true", help="routers map each connection anew")
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="drop",
+        help="what the routers do with a stranger's SYN to themselves: drop it, or answer with a reset",
+    )
+    parser.add_argument(
+        "--leave",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="once the homes punched, stop the public peer and check they stay connected for S seconds",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
     args = parser.parse_args(argv)
     workdir = workdir_for(args.workdir)
     if workdir is None:
         return 2
-    report = relay_join(workdir, symmetric=args.symmetric) | {"workdir": str(workdir)}
+    report = relay_join(workdir, symmetric=args.symmetric, router=args.router, leave_s=args.leave) | {
+        "workdir": str(workdir)
+    }
     print_report(report, args.json)
     rows = [(k, str(v)) for k, v in report.items()]
     width = max(len(k) for k, _ in rows)

@@ -23,9 +23,16 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("symmetric", [False, True], ids=["endpoint-independent", "symmetric"])
-def test_a_home_user_joins_through_another_home_users_relayed_address(tmp_path: Path, symmetric) -> None:
-    report = relay_join(tmp_path, timeout=240.0, symmetric=symmetric)
+@pytest.mark.parametrize(
+    ("symmetric", "router"),
+    [(False, "drop"), (True, "drop"), (True, "reset")],
+    ids=["endpoint-independent", "symmetric", "symmetric-reset"],
+)
+def test_a_home_user_joins_through_another_home_users_relayed_address(
+    tmp_path: Path, symmetric, router
+) -> None:
+    """(Endpoint-independent routers that answer with a reset: ``test_nat_reset``.)"""
+    report = relay_join(tmp_path, timeout=240.0, symmetric=symmetric, router=router)
     logs = {p.name: p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log")}
     assert report["home1_relayed"], (report, logs)
     assert report["home1_address"].startswith(f"/ip4/{PUBLIC}/tcp/4001/p2p/"), report
@@ -58,3 +65,38 @@ def test_the_lab_leaves_nothing_behind() -> None:
         names = list(lab._created)
         assert all(n in list_namespaces() for n in names)
     assert not any(n in list_namespaces() for n in names)
+
+
+def _syn_from_outside(lab: NatLab, to: str) -> str:
+    """What a SYN from the public peer to ``to``:4001 gets: "reset", "dropped" or "connected"."""
+    probe = (
+        "import socket\n"
+        "s = socket.socket(); s.settimeout(3)\n"
+        "try:\n"
+        f"    s.connect(({to!r}, 4001)); print('connected')\n"
+        "except ConnectionRefusedError: print('reset')\n"
+        "except TimeoutError: print('dropped')\n"
+    )
+    done = lab.popen_in(lab.public, [sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True)
+    out, _ = done.communicate(timeout=60)
+    return out.strip()
+
+
+@pytest.mark.timeout(180)
+def test_routers_of_the_resetting_kind_answer_a_strangers_syn_with_a_reset() -> None:
+    """``router="reset"``: a SYN from outside to the router's own address gets a reset (as from most home
+    routers); ``router="drop"``: it is dropped silently. Neither lets it through to the home peer."""
+    for router, expected in (("reset", "reset"), ("drop", "dropped")):
+        with NatLab(1, router=router) as lab:
+            listener = lab.popen_in(
+                lab.home_ns[0],
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket,time; s=socket.create_server(('0.0.0.0', 4001)); time.sleep(60)",
+                ],
+            )
+            try:
+                assert _syn_from_outside(lab, lab.router_address(1)) == expected, router
+            finally:
+                listener.kill()

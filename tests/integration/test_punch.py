@@ -25,7 +25,7 @@ from p2ptrain.averaging import AveragerConfig, RoundResult
 from p2ptrain.identity import Identity
 from p2ptrain.net import MemoryNetwork, PeerAddress
 from p2ptrain.net.connection import Connection
-from p2ptrain.net.punch import PUNCH, PUNCH_TIMEOUT, RELAYED_GRACE, PunchReq
+from p2ptrain.net.punch import ATTEMPTS, PUNCH, PUNCH_TIMEOUT, RELAYED_GRACE, PunchReq
 from p2ptrain.net.relay import RelayConfig
 
 
@@ -118,9 +118,10 @@ async def test_punch_requests_are_refused_when_they_should_be(mem_cluster, memne
         a.host.punch.enabled = False  # (so that its own upgrade attempt does not use up the request)
         resp = await relayed.call(PUNCH, PunchReq(("no port here",)))
         assert not resp.ok and "bad address" in resp.reason
-        assert (await relayed.call(PUNCH, PunchReq(("a:1",)))).ok
-        resp = await relayed.call(PUNCH, PunchReq(("a:1",)))  # asked again too soon
-        assert not resp.ok and "one punch per" in resp.reason
+        for _ in range(ATTEMPTS):  # (a dialer may retry a failed punch at once, a few times)
+            assert (await relayed.call(PUNCH, PunchReq(("a:1",)))).ok
+        resp = await relayed.call(PUNCH, PunchReq(("a:1",)))  # asked too often
+        assert not resp.ok and f"{ATTEMPTS} punches per" in resp.reason
 
 
 async def test_punching_on_real_sockets_shares_the_listening_port(tcp_cluster, kit):

@@ -1,0 +1,49 @@
+"""Hole punching behind home routers that answer a stranger's SYN with a reset (``NatLab(router="reset")``,
+real ``p2ptrain node`` processes behind real MASQUERADE routers).
+
+Such a router answers a SYN addressed to itself that no entry of its own expects with a TCP reset, and
+the reset, passing the other router, closes the entry that router's own host's attempt had opened. Before,
+the two home peers dialed each other from their listening ports, the answering peer 50 ms first: its SYN
+reached the other router before that one had an entry for it, was reset, and so was every later attempt
+(both sides redialed in step): "hole punch with ... failed: staying relayed", every time. So when the
+public peer (their only relay) left, the homes lost each other. Now each side's first SYN has a low TTL
+(it opens its own router's entry and dies on the way), the dialer tells the peer to dial only once its own
+dial is out, and the SYNs' retransmissions meet (``p2ptrain.net.punch``).
+
+Runs only where the lab can be built (root, iproute2, iptables, network namespaces); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from simulations.labs.natlab import relay_join, unavailable
+
+REASON = unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def _logs(tmp_path: Path) -> dict[str, str]:
+    return {p.name: p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log")}
+
+
+@pytest.mark.timeout(600)
+def test_home_peers_behind_resetting_routers_punch_to_each_other(tmp_path: Path) -> None:
+    """1 public + 2 home peers; home 2 joins through home 1's relayed address, then the two punch. (Before:
+    "staying relayed".)"""
+    report = relay_join(tmp_path, timeout=240.0, router="reset")
+    assert report["home1_relayed"] and report["home2_joined_s"] is not None, (report, _logs(tmp_path))
+    assert report["home2_punch"] == "direct", (report, _logs(tmp_path))
+    assert report["ok"]
+
+
+@pytest.mark.timeout(600)
+def test_home_peers_stay_connected_directly_when_the_public_peer_leaves(tmp_path: Path) -> None:
+    """After the punch the public peer (the homes' only relay) stops: the two homes still hold their
+    direct connection 30 s later. (Before: they had only the relay, and lost each other with it.)"""
+    report = relay_join(tmp_path, timeout=240.0, router="reset", leave_s=30.0)
+    assert report["home2_punch"] == "direct", (report, _logs(tmp_path))
+    assert report["homes_direct_after_public_left_s"] is not None, (report, _logs(tmp_path))
+    assert report["ok"]
