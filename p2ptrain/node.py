@@ -68,9 +68,12 @@ MEMBERS_BACKOFF = 12  # a steady peer list is read this many times less often th
 T = TypeVar("T")
 
 
-RELAYS = 2  # relays a node nobody can dial keeps a reservation with
+# relays a node nobody can dial keeps a reservation with: every reachable peer it knows, up to this many
+# (each costs it a connection kept open and a renewal every few minutes), so losing one cuts nothing off
+RELAYS = 4
 RELAY_RETRY = 30.0  # seconds before a node that needs no relay looks again
 RELAY_SOON = 5.0  # ... and one that needs a relay and has none
+RELAY_BACKOFF = 300.0  # seconds before a peer that refused to relay (or failed to) is asked again
 # Handshake refusals that retrying cannot change: another protocol or version, another run, another peer
 # at that address, no membership of a private run. (``busy`` passes; id work is done on demand.)
 LASTING_REFUSALS = frozenset({"protocol", "version", "run_id", "peer_id", "membership"})
@@ -315,33 +318,47 @@ class Node:
             delay = min(delay * 2, self.config.reconnect_max_delay)
 
     async def _keep_relayed(self) -> None:
-        """Behind a NAT (no peer could dial this node back): hold reservations with up to ``RELAYS``
-        reachable peers, the join peers first, so that others reach this node through them (``relay``);
-        renewed at half their lifetime, replaced when one fails."""
+        """Behind a NAT (no peer could dial this node back): hold reservations with every reachable peer
+        it knows, up to ``RELAYS``, the join peers first, so that others reach this node through them
+        (``relay``); renewed at half their lifetime; while it holds fewer, it looks for more (a relay
+        that left, a public peer that came) every ``RELAY_RETRY`` seconds."""
         await self.dht.reachability_checked.wait()
+        relays = self.host.relay.relays
+        due: dict[PeerID, float] = {}  # relay -> when its reservation is renewed
+        failed: dict[PeerID, float] = {}  # peer -> when it last refused or failed (asked again later)
         while True:
-            ttl = 0.0
+            now = self.clock()
             if self.dht.reachable is False:
-                relays, asked = self.host.relay.relays, set()
                 joins = [a.relay_address or a for a in self.config.join]  # (a circuit's relay is public)
+                asked = set()
                 for addr in [*relays.values(), *joins, *self.dht.recent_contacts()]:
                     peer = addr.peer_id
                     if peer is None or addr.relay is not None or peer == self.peer_id or peer in asked:
                         continue
-                    if peer not in relays and len(relays) >= RELAYS:
+                    if peer in relays and due.get(peer, 0.0) > now:
+                        continue  # (held, not due yet)
+                    backoff = relays and now - failed.get(peer, -RELAY_BACKOFF) < RELAY_BACKOFF  # (none: all)
+                    if peer not in relays and (len(relays) >= RELAYS or backoff):
                         continue
                     asked.add(peer)
                     try:
                         got = await self.host.relay.reserve(addr)
                     except P2PError as e:
                         relays.pop(peer, None)
+                        failed[peer] = self.clock()
                         log.info("no relay reservation with %s: %s", peer.short(), e)
                         continue
-                    ttl = min(ttl, got) if ttl else got
+                    due[peer] = self.clock() + got / 2
                     if not self._relayed.is_set():
                         log.info("others reach this node through relay %s", peer.short())
                         self._relayed.set()
-            await trio.sleep(ttl / 2 if ttl else RELAY_RETRY if self.dht.reachable else RELAY_SOON)
+            held = [due[p] for p in relays if p in due]
+            if not relays:
+                wait = RELAY_RETRY if self.dht.reachable else RELAY_SOON
+            else:
+                wait = max(0.0, min(held, default=now + RELAY_RETRY) - self.clock())
+                wait = wait if len(relays) >= RELAYS else min(wait, RELAY_RETRY)
+            await trio.sleep(max(wait, 1.0))
 
     # ---- membership ----
 
