@@ -447,6 +447,10 @@ class Puncher:
         ):
             self._lost(conn)
 
+    def failure(self, peer: PeerID) -> str:
+        """Why the last punch with ``peer`` failed ("" if none did, or one worked since)."""
+        return self._failed.get(peer, "")
+
     def _failure(self, peer: PeerID, why: str) -> None:
         self._failed.pop(peer, None)
         self._failed[peer] = why

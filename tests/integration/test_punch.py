@@ -14,6 +14,7 @@ of every round like public ones.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -79,6 +80,32 @@ async def test_behind_a_symmetric_nat_the_peers_stay_relayed(mem_cluster, memnet
         assert a.host.connection(b.host.peer_id) is conn and conn.relayed and not conn.closed
         assert not a.host.punch.works and not b.host.punch.works
         assert (await conn.call(kit.ECHO, kit.Text("via relay"))).text == "via relay"
+
+
+async def test_peers_that_could_not_punch_say_so_when_their_relay_goes(
+    mem_cluster, memnet, autojump_clock, caplog
+):
+    """Behind a symmetric NAT the punch fails and the peers stay relayed; when the relay dies, each of
+    the two says at WARNING which peer it lost, why (the failed punch) and what would fix it (before:
+    only "disconnected from ..." at INFO, and "out of touch with the swarm" later)."""
+    with trio.fail_after(300):
+        _, a, b, circuit = await _relayed_pair(mem_cluster, memnet, symmetric=True)
+        await a.host.connect(circuit)
+        while not (a.host.punch.failure(b.host.peer_id) and b.host.punch.failure(a.host.peer_id)):  # noqa: ASYNC110
+            await trio.sleep(1.0)  # (polled under the deadline: every attempt over)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="p2ptrain.net"):
+            memnet.kill("relay")
+            while a.host.connection(b.host.peer_id) or b.host.connection(a.host.peer_id):  # noqa: ASYNC110
+                await trio.sleep(0.5)
+            await trio.sleep(1.0)
+        lost = [r.getMessage() for r in caplog.records if "lost touch with peer" in r.getMessage()]
+        assert len(lost) == 2, lost
+        for message in lost:
+            assert "hole punch with it had failed" in message
+            assert "forward a port" in message and "public peer" in message
+        assert {m.split()[4].rstrip(":") for m in lost} == {a.host.peer_id.short(), b.host.peer_id.short()}
+        assert any("the last relay" in r.getMessage() for r in caplog.records)  # (b held one there)
 
 
 async def test_reaching_a_peer_goes_only_through_a_relay_this_host_is_connected_to(

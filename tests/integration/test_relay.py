@@ -161,3 +161,41 @@ async def test_a_reservation_outlives_the_idle_timeout(mem_cluster, memnet, kit,
         assert target.host.connection(relay.host.peer_id) is not None
         conn = await dialer.host.connect(target.host.relay.circuit_addresses()[0])
         assert (await conn.call(kit.ECHO, kit.Text("still there"))).text == "still there"
+
+
+async def test_a_home_node_keeps_a_relay_with_every_public_peer_and_survives_losing_one(autojump_clock):
+    """Three public peers; a node behind a NAT holds a reservation with each of them (before: with two
+    at most), and when the one it joined through dies, it drops that relay at once (before: it listed a
+    dead relay in its addresses until the next renewal, minutes later) and is still reached through the
+    others: a second home node that knows only a live public peer gets to it through a circuit."""
+    net = MemoryNetwork(seed=7)
+    net.nat("home1")
+    net.nat("home2")
+
+    def node(name: str, join: list[PeerAddress]) -> Node:
+        config = NodeConfig(run_id="relays", listen=((name, 1000),), join=tuple(join))
+        return Node(Identity.generate(), config, transport=net.transport(name), clock=trio.current_time)
+
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            publics = [node("p0", [])]
+            await nursery.start(publics[0].run)
+            for name in ("p1", "p2"):
+                publics.append(node(name, [publics[0].addresses[0]]))
+                await nursery.start(publics[-1].run)
+            home1 = node("home1", [publics[0].addresses[0]])
+            await nursery.start(home1.run)
+            everyone = {p.peer_id for p in publics}
+            while set(home1.host.relay.relays) != everyone:  # noqa: ASYNC110
+                await trio.sleep(1.0)  # (polled under the deadline above)
+            net.kill("p0")
+            with trio.fail_after(60):
+                while publics[0].peer_id in home1.host.relay.relays:  # noqa: ASYNC110
+                    await trio.sleep(0.5)
+            circuits = await home1.dialable_addresses()
+            assert circuits and all(c.relay in everyone - {publics[0].peer_id} for c in circuits), circuits
+            home2 = node("home2", [publics[1].addresses[0]])
+            await nursery.start(home2.run)
+            conn = await home2.host.connect(circuits[0])
+            assert conn.relayed and conn.peer == home1.peer_id
+            nursery.cancel_scope.cancel()
