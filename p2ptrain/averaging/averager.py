@@ -464,8 +464,6 @@ class Averager:
         try:
             result = await rnd.run()
         except RoundAborted:
-            for peer, why in rnd.convicted().items():  # bytes it served broke the rules: banned at once
-                self.auditor.convict(peer, why)
             blame = rnd.blame()
             for peer, why in blame.items():
                 self.auditor.strike(peer, why)
@@ -473,6 +471,8 @@ class Averager:
             raise
         finally:
             self.measured.add(rnd.meter.rates)  # (an aborted round's flows measured the links too)
+            for peer, why in rnd.convicted().items():  # bytes it sent or served broke the rules
+                self.auditor.convict(peer, why)
         for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
             self.host.protect(peer)
         if result.evidence is not None and self._nursery is not None:

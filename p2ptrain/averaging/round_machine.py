@@ -145,6 +145,7 @@ class RoundMachine:
         self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
         self.finished = False  # this member's own part of the round is over (committed or aborted)
         self.faults: dict[int, Fault] = {}  # partition -> the first fault found in its result
+        self.bad_senders: dict[int, str] = {}  # member -> why a slice it sent us broke the rules
 
     def name(self, i: int) -> str:
         return self.peers[i].short()
@@ -357,6 +358,13 @@ class RoundMachine:
         via = "" if server == holder else f" relayed by {self.name(server)}"
         return f"the result of partition {p} from {self.name(holder)}{via} is refused: {reason}"
 
+    def bad_slice(self, sender: int, p: int, reason: str) -> None:
+        """As a reducer: ``sender``'s slice of ``p`` broke the rules beyond doubt (malformed, not finite,
+        not what it signed): it is left out, and convicted (:meth:`convicted`)."""
+        self.sender_failed(p, sender)
+        if sender != self.me:
+            self.bad_senders.setdefault(sender, f"its slice of partition {p}: {reason}")
+
     def faulty(self, p: int) -> bool:
         return p in self.faults
 
@@ -381,13 +389,23 @@ class RoundMachine:
         return Outcome(True, "every partition is here")
 
     def convicted(self) -> dict[PeerID, str]:
-        """After an abort: the members whose served bytes broke the rules beyond doubt (banned at once)."""
-        return {
-            self.peers[f.server]: f"served the result of partition {p} in round {self.digest.hex()[:8]}"
-            f" that broke the rules: {f.reason}"
-            for p, f in self.faults.items()
-            if f.proven
+        """The members whose bytes broke the rules beyond doubt, as results they served (the round then
+        aborts) or slices they sent (they are left out): banned at once."""
+        tag = self.digest.hex()[:8]
+        out = {
+            self.peers[s]: f"sent bytes that broke the rules in round {tag}: {why}"
+            for s, why in self.bad_senders.items()
         }
+        out.update(
+            {
+                self.peers[
+                    f.server
+                ]: f"served the result of partition {p} in round {tag} that broke the rules: {f.reason}"
+                for p, f in self.faults.items()
+                if f.proven
+            }
+        )
+        return out
 
     def blame(self) -> dict[PeerID, str]:
         """After an abort: the members this round failed on, as far as this member can tell (the

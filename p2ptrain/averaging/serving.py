@@ -85,8 +85,14 @@ class RoundServer:
                     return Ack(False, late)
                 if red.result is not None:
                     return Ack(False, "too late: the partition is reduced")
-                if red.add_chunk(sender, index, data, req.weight):
-                    self.sig.published.fire()
+                try:
+                    if red.add_chunk(sender, index, data, req.weight):
+                        self.sig.published.fire()
+                except SliceOutOfBounds:
+                    raise
+                except RemoteProtocolError as e:  # malformed or not finite: its own bytes, proof enough
+                    m.bad_slice(sender, p, str(e))
+                    raise
                 if hasher is not None:
                     hasher.update(data)
                 if index == 0:
@@ -95,7 +101,9 @@ class RoundServer:
                 raise RemoteProtocolError("more data than the partition holds")
             if hasher is not None:
                 if hasher.digest() != commit.hash:
-                    raise RemoteProtocolError("the slice does not match its sender's commitment")
+                    why = "the slice does not match its sender's commitment"
+                    m.bad_slice(sender, p, why)
+                    raise RemoteProtocolError(why)
                 red.commits[sender] = req.commit
             if p == m.me and not m.scatter_open:
                 return Ack(False, late)

@@ -312,3 +312,24 @@ async def test_a_contributor_sending_huge_values_cannot_get_an_honest_reducer_ba
             want = sum(originals[k] * w for k, w in weights.items()) / sum(weights.values())
             torch.testing.assert_close(inputs[i], want, rtol=1e-5, atol=1e-7)
             assert not group.peers[i].averager.auditor.banned
+
+
+async def test_a_contributor_sending_nan_is_banned_by_every_reducer_it_sent_to(
+    autojump_clock: object,
+) -> None:
+    """Malformed slices are the sender's own bytes: proof enough (R2). Before, the reducers only refused
+    them, and the sender was back in the next round."""
+    from p2ptrain.testing.adversary import install
+
+    n, size, hostile = 4, 2000, 3
+    async with open_group(n) as group:
+        install("nan", group.peers[hostile].averager)
+        inputs = inputs_for(n, size, 9)
+        signed = manifest(group.peers, size, mode=Compression.NONE, aggregation="trimmed_mean", audit=False)
+        outcomes = await one_round(group, signed, inputs)
+        ids = [p.host.identity.peer_id for p in group.peers]
+        for i in range(n - 1):
+            result = outcomes[i]
+            assert isinstance(result, RoundResult) and ids[hostile] not in result.contributors
+            banned = group.peers[i].averager.auditor.banned
+            assert set(banned) == {ids[hostile]} and "NaN" in banned[ids[hostile]], banned

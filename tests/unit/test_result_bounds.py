@@ -320,3 +320,12 @@ def test_a_relayed_result_out_of_bounds_strikes_the_holder_not_the_relay() -> No
     m2.fault(2, 1, "NaN", proven=True)
     assert set(m2.convicted()) == {m2.peers[1]}
     assert set(m2.blame()) == {m2.peers[2]}  # its own partition never came from the holder either
+
+
+def test_a_malformed_slice_convicts_its_sender_and_leaves_it_out() -> None:
+    m = _machine()
+    m.bad_slice(3, 0, "a slice holds NaN or infinite values")
+    assert 3 in m.failed_senders[0]
+    assert set(m.convicted()) == {m.peers[3]} and "NaN" in m.convicted()[m.peers[3]]
+    m.bad_slice(0, 0, "ours")  # never ourselves
+    assert set(m.convicted()) == {m.peers[3]}
