@@ -18,7 +18,11 @@ metrics files) and, for the return, how long until all three were on one step ag
 
 Usage::
 
-    python -m simulations.nat_scenarios rounds|public-leaves|public-returns [--json PATH]
+    python -m simulations.nat_scenarios rounds|public-leaves|public-returns [--router R] [--json PATH]
+    python -m simulations.nat_scenarios rounds --router reset --homes 2 --no-symmetric
+
+``--router reset``: home routers that answer a stranger's SYN to themselves with a reset (see
+``simulations.labs.natlab``); the default drops it.
 
 JSON first, then a table. Needs what ``simulations.labs.natlab`` needs (root, ``ip``, ``iptables``).
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from simulations.benchmarks.training_runs import read_jsonl
-from simulations.labs.natlab import PUBLIC, NatLab, print_report, workdir_for
+from simulations.labs.natlab import PUBLIC, ROUTERS, NatLab, print_report, workdir_for
 from simulations.labs.netns import read_line
 from simulations.replay.report import digest_lines, divergence
 
@@ -132,18 +136,28 @@ def _round_stats(nodes: list[_Node], since: float) -> dict[str, Any]:
     }
 
 
-def rounds(workdir: Path, *, rate_mbit: float, seconds: float, warmup: float) -> dict[str, Any]:
+def rounds(
+    workdir: Path,
+    *,
+    rate_mbit: float,
+    seconds: float,
+    warmup: float,
+    router: str = "drop",
+    homes: int = 3,
+    symmetric: bool = True,
+) -> dict[str, Any]:
     """The ``rounds`` scenario (see the module docstring)."""
     out: dict[str, Any] = {"scenario": "rounds", "rate_mbit": rate_mbit, "seconds": seconds, "warmup": warmup}
-    out["ways"] = {}
-    for way, kw in (
+    out |= {"router": router, "homes": homes, "ways": {}}
+    ways: list[tuple[str, dict[str, Any]]] = [
         ("all public", {"nat": False}),
-        ("endpoint-independent NATs", {}),
-        ("symmetric NATs", {"symmetric": True}),
-    ):
-        with NatLab(3, rate_mbit=rate_mbit, **kw) as lab:
+        ("endpoint-independent NATs", {"router": router}),
+    ]
+    ways += [("symmetric NATs", {"symmetric": True, "router": router})] if symmetric else []
+    for way, kw in ways:
+        with NatLab(homes, rate_mbit=rate_mbit, **kw) as lab:
             folder = workdir / way.replace(" ", "-")
-            nodes = _swarm(lab, folder, 3)
+            nodes = _swarm(lab, folder, homes)
             began = time.time()
             time.sleep(seconds)
             for n in nodes:
@@ -173,11 +187,13 @@ def _steps(node: _Node) -> int:
     return int(lines[-1]["step"]) if lines else 0
 
 
-def public_leaves(workdir: Path, *, rate_mbit: float, seconds: float, away: float | None) -> dict[str, Any]:
+def public_leaves(
+    workdir: Path, *, rate_mbit: float, seconds: float, away: float | None, router: str = "drop"
+) -> dict[str, Any]:
     """``public-leaves`` (``away`` None) or ``public-returns`` (see the module docstring)."""
     name = "public-leaves" if away is None else "public-returns"
-    out: dict[str, Any] = {"scenario": name, "rate_mbit": rate_mbit}
-    with NatLab(2, rate_mbit=rate_mbit) as lab:
+    out: dict[str, Any] = {"scenario": name, "rate_mbit": rate_mbit, "router": router}
+    with NatLab(2, rate_mbit=rate_mbit, router=router) as lab:
         nodes = _swarm(lab, workdir, 2)
         public, homes = nodes[0], nodes[1:]
         time.sleep(seconds)
@@ -265,6 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="training time per way or phase")
     parser.add_argument("--warmup", type=float, default=40.0, help="rounds before this are not measured")
     parser.add_argument("--away", type=float, default=60.0, help="public-returns: seconds the peer is gone")
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="drop",
+        help="what the home routers do with a stranger's SYN to themselves: drop it, or answer with a reset",
+    )
+    parser.add_argument("--homes", type=int, default=3, help="rounds: home peers (default 3)")
+    parser.add_argument("--no-symmetric", action="store_true", help="rounds: skip the symmetric-NAT way")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
     args = parser.parse_args(argv)
@@ -272,10 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     if workdir is None:
         return 2
     if args.scenario == "rounds":
-        report = rounds(workdir, rate_mbit=args.rate_mbit, seconds=args.seconds, warmup=args.warmup)
+        report = rounds(
+            workdir,
+            rate_mbit=args.rate_mbit,
+            seconds=args.seconds,
+            warmup=args.warmup,
+            router=args.router,
+            homes=args.homes,
+            symmetric=not args.no_symmetric,
+        )
     else:
         away = args.away if args.scenario == "public-returns" else None
-        report = public_leaves(workdir, rate_mbit=args.rate_mbit, seconds=args.seconds, away=away)
+        report = public_leaves(
+            workdir, rate_mbit=args.rate_mbit, seconds=args.seconds, away=away, router=args.router
+        )
     report["workdir"] = str(workdir)
     print_report(report, args.json)
     _table(report)
