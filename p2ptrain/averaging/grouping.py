@@ -342,8 +342,16 @@ class GroupForming:
             excluded=excluded,
         )
 
-    def _failed(self, leader: PeerID, subnet: str, why: str) -> None:
-        until = self.leaders.failed(leader, subnet, self.clock(), why)
+    def _failed(self, leader: PeerID, subnet: str, why: str, *, surely: bool = True) -> None:
+        """Book a leader's failure: ``surely`` (no honest leader does that), else a suspicion
+        (``leaders.SUSPICIONS`` of them make a failure)."""
+        if surely:
+            until: float | None = self.leaders.failed(leader, subnet, self.clock(), why)
+        else:
+            until = self.leaders.suspect(leader, subnet, self.clock(), why)
+        if until is None:
+            log.info("leader %s failed us (%s): suspected", leader.short(), why)
+            return
         log.warning(
             "leader %s%s failed us (%s): not followed for %.0f s",
             leader.short(),
@@ -361,7 +369,8 @@ class GroupForming:
             return
         leader, subnet = followed
         if leader in blame:
-            self._failed(leader, subnet, f"its round {signed.digest.hex()[:8]} failed on it: {blame[leader]}")
+            why = f"its round {signed.digest.hex()[:8]} failed on it: {blame[leader]}"
+            self._failed(leader, subnet, why, surely=False)
 
     def _away(self, looking: _Looking, gathering: Gathering, seen: list[Announcement]) -> None:
         """Stop waiting for the known peers that never join this group (``matchmaking.cannot_join``)."""
@@ -468,14 +477,14 @@ class GroupForming:
         except P2PError as e:
             why = f"unreachable ({e})"
             if self._late(leader, looking, asked, why):
-                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}")
+                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False)
             elif self.clock() - asked >= min(wait, DIAL_LIMIT):  # an address that swallows dials
-                self._failed(leader.peer, "", f"no answer at its address for {DIAL_LIMIT:g} s")
+                self._failed(leader.peer, "", f"no answer at its address for {DIAL_LIMIT:g} s", surely=False)
             return None, why, False
         if not reply.message.accepted:
             why = reply.message.reason or "refused"
             if self._late(leader, looking, asked, why):
-                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}")
+                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False)
                 return None, why, False
             redirect = reply.message.redirect
             if redirect and self._passed_over(redirect, declined):

@@ -49,6 +49,7 @@ MEMORY = 24 * 3600.0  # how long after its exclusion ended a failure still count
 MAX_PEERS = 1024
 MAX_SUBNETS = 256
 MAX_DELIVERED = 1024
+SUSPICIONS = 3  # failures an honest leader also shows (see the module docstring) that make a failure
 
 K = TypeVar("K")
 
@@ -79,6 +80,8 @@ class LeaderBook:
         self._peers: dict[PeerID, _Blame] = {}
         self._subnets: dict[str, _Blame] = {}
         self._delivered: dict[PeerID, float] = {}  # leaders that delivered us a manifest -> when, last
+        self._suspected: dict[PeerID, tuple[int, float]] = {}  # -> suspicions since it delivered, last when
+        self._suspected_subnets: dict[str, tuple[int, float]] = {}  # -> suspicions, last when
 
     def failed(self, peer: PeerID, subnet: str, now: float, why: str) -> float:
         """``peer`` (reached at ``subnet``, "" if unknown) failed this peer as a leader: it is not
@@ -89,8 +92,31 @@ class LeaderBook:
             until = max(until, _blame(self._subnets, subnet, now, why, self.exclusion, MAX_SUBNETS))
         return until
 
+    def suspect(self, peer: PeerID, subnet: str, now: float, why: str) -> float | None:
+        """``peer`` failed this peer in a way an honest leader may too (a group too small, a late refusal,
+        a round that failed on it): at the ``SUSPICIONS``-th such failure of the peer since it last
+        delivered, or of its subnet within ``EXCLUSION``, it counts as :meth:`failed` (when, returned)."""
+        self._forget_suspicions(now)
+        n = self._suspected.get(peer, (0, now))[0] + 1
+        self._suspected[peer] = (n, now)
+        sub = self._suspected_subnets.get(subnet, (0, now))[0] + 1 if blames_subnet(subnet) else 0
+        if sub:
+            self._suspected_subnets[subnet] = (sub, now)
+        if n < SUSPICIONS and sub < SUSPICIONS:
+            return None
+        self._suspected.pop(peer, None)
+        if sub >= SUSPICIONS:
+            self._suspected_subnets.pop(subnet, None)
+        return self.failed(peer, subnet if sub >= SUSPICIONS else "", now, f"{SUSPICIONS} times: {why}")
+
+    def _forget_suspicions(self, now: float) -> None:
+        _forget(self._suspected, now - self.exclusion)
+        _forget(self._suspected_subnets, now - self.exclusion)
+
     def delivered(self, peer: PeerID, now: float) -> None:
-        """``peer`` led a group this peer took part in: its subnet's blame does not extend to it."""
+        """``peer`` led a group this peer took part in: its subnet's blame does not extend to it, and
+        what it was suspected of is forgotten."""
+        self._suspected.pop(peer, None)
         if peer in self._peers and self._peers[peer].until > now:
             return  # (not while its own blame lasts)
         self._delivered.pop(peer, None)
@@ -134,3 +160,11 @@ def _blame(table: dict[K, _Blame], key: K, now: float, why: str, base: float, li
     while len(table) > limit:
         del table[min(table, key=lambda k: table[k].until)]
     return until
+
+
+def _forget(table: dict[K, tuple[int, float]], before: float) -> None:
+    """Drop the suspicions last raised before ``before``; keep the table bounded (oldest first)."""
+    for k in [k for k, (_, at) in table.items() if at < before]:
+        del table[k]
+    while len(table) > MAX_PEERS:
+        del table[next(iter(table))]

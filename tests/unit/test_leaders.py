@@ -16,7 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.averaging.leaders import EXCLUSION, MAX_PEERS, MAX_SUBNETS, LeaderBook, blames_subnet
+from p2ptrain.averaging.leaders import (
+    EXCLUSION,
+    MAX_PEERS,
+    MAX_SUBNETS,
+    SUSPICIONS,
+    LeaderBook,
+    blames_subnet,
+)
 from p2ptrain.averaging.matchmaking import (
     DEADLINE_SLACK,
     Announcement,
@@ -272,3 +279,27 @@ def test_a_leader_does_not_wait_for_known_peers_that_never_join_it():
     assert g.full() and g.ready()
     g.away = frozenset({pid(i) for i in range(10, 20)})  # never below the smallest group
     assert Gathering(Joiner(pid(second), "l", 1.0), b"s", 4, 2, away=g.away).full() is False
+
+
+def test_failures_an_honest_leader_also_shows_count_only_when_they_repeat_without_a_manifest():
+    """A group too small, a late refusal, a round that failed on it: honest leaders do that too. The
+    ``SUSPICIONS``-th such failure without a manifest between excludes the leader; a manifest it
+    delivers wipes its suspicions. A subnet is suspected for its keys together (fresh keys do not
+    start afresh), and no good manifest of one key wipes the subnet's."""
+    book = LeaderBook()
+    for n in range(SUSPICIONS - 1):
+        assert book.suspect(pid(1), "198.18.1.0/24", float(n), "too small") is None
+    book.delivered(pid(1), 5.0)  # a good round: its suspicions are forgotten
+    for n in range(SUSPICIONS - 1):
+        assert book.suspect(pid(1), "", 10.0 + n, "too small") is None
+    assert book.suspect(pid(1), "", 20.0, "too small") == 20.0 + EXCLUSION
+    assert "too small" in book.excluded(pid(1), "", 21.0)
+    # fresh keys of one subnet, each suspected once: the subnet's count reaches it
+    results = [book.suspect(pid(10 + k), "198.18.9.0/24", 30.0 + k, "too small") for k in range(SUSPICIONS)]
+    assert results[:-1] == [None] * (SUSPICIONS - 1) and results[-1] is not None
+    assert book.excluded(pid(99), "198.18.9.0/24", 40.0)
+    # suspicions older than the exclusion are forgotten
+    book2 = LeaderBook()
+    book2.suspect(pid(2), "", 0.0, "late")
+    book2.suspect(pid(2), "", 1.0, "late")
+    assert book2.suspect(pid(2), "", 2.0 + 2 * EXCLUSION, "late") is None
