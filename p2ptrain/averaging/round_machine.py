@@ -393,18 +393,14 @@ class RoundMachine:
         aborts) or slices they sent (they are left out): banned at once."""
         tag = self.digest.hex()[:8]
         out = {
-            self.peers[s]: f"sent bytes that broke the rules in round {tag}: {why}"
+            self.peers[s]: f"contributor in round {tag}: sent bytes that broke the rules: {why}"
             for s, why in self.bad_senders.items()
         }
-        out.update(
-            {
-                self.peers[
-                    f.server
-                ]: f"served the result of partition {p} in round {tag} that broke the rules: {f.reason}"
-                for p, f in self.faults.items()
-                if f.proven
-            }
-        )
+        for p, f in self.faults.items():
+            if f.proven:
+                role = "reducer" if f.server == f.holder else "relay"
+                why = f"{role} of partition {p} in round {tag}: what it served broke the rules: {f.reason}"
+                out[self.peers[f.server]] = why
         return out
 
     def blame(self) -> dict[PeerID, str]:
