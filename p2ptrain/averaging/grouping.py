@@ -12,13 +12,14 @@ next round's.
 Leaders that cannot stall (issue 48). A follower waits for a leader until the leader's deadline +
 ``JOIN_GRACE``, and follows only leaders whose deadline lies at most ``DEADLINE_SLACK`` past its own
 (``matchmaking``): one leader holds it for at most its own matchmaking window + slack + grace. A leader
-*failed* this peer when it kept the call open until its deadline (or past it) and delivered no manifest
-(whatever it said then: "full", "too small", a redirect, or nothing), or signed a manifest that breaks
-the run's rules, or coordinated a round whose decision never came (:meth:`GroupForming.round_failed`).
-The node's :class:`~p2ptrain.averaging.leaders.LeaderBook` then keeps it, and the leaders of the subnet
-this peer reached it at, out of every later matchmaking for a long while. One exception, because an
-honest leader says it too: a group that was too small is no failure when this peer saw fewer peers
-announcing compatibly than its own minimum group size (none could have formed). An honest leader
+*failed* this peer when it held the call to the end of that wait, or signed a manifest that breaks the
+run's rules: the node's :class:`~p2ptrain.averaging.leaders.LeaderBook` then keeps it, and the leaders
+of the subnet this peer reached it at, out of every later matchmaking for a long while. It is
+*suspected* (``leaders``: three suspicions make a failure) when it kept the call open until its
+deadline and then delivered no manifest (whatever it said then: "full", "too small", a redirect), or
+coordinated a round that failed on it (:meth:`GroupForming.round_failed`): honest leaders do that
+too. A group too small is not even a suspicion when this peer saw fewer peers announcing compatibly
+than its own minimum group size (none could have formed). An honest leader
 answers at its deadline at the latest (its reads of the DHT stop there), so ``LATE`` seconds of
 clock skew are allowed for; a leader reached through a relay is blamed by its id alone (the address
 this peer reached is the relay's), as is one whose address does not connect within ``DIAL_LIMIT``

@@ -7,28 +7,37 @@ rules, or coordinate a round it never starts. Each of those costs the follower o
 window + grace) or one round, and nothing else can stop the next one: so the follower remembers.
 
 :class:`LeaderBook` belongs to the node's group forming and lives across matchmakings. A leader that
-failed this peer (:meth:`LeaderBook.failed`, with the reason) is not followed again for ``EXCLUSION``
+surely failed this peer (:meth:`LeaderBook.failed`, with the reason: it held the follower past its
+deadline + grace, or signed a manifest that breaks the rules) is not followed again for ``EXCLUSION``
 seconds, twice as long on each repeat (up to ``MAX_EXCLUSION``); neither is any leader on the same
 subnet (the /24 or /64 of the address this peer reached it at), since fresh keys are free and subnets
 are not. A subnet's blame spares the leaders that delivered this peer a manifest before
 (:meth:`LeaderBook.delivered`): honest peers that share a LAN with a failed one keep leading it. A
 loopback address blames nobody else (processes of one machine share it in tests and small setups).
 
-The cost to an attacker, stated as an invariant: with k identities on m subnets, each honest peer is
-stalled at most m times (plus once per identity that delivered it a good manifest before) per
-``EXCLUSION``, each time for at most its own matchmaking window + ``DEADLINE_SLACK`` + ``JOIN_GRACE``
-(or one averaging timeout, for a coordinator that never starts its round); the exclusion doubles on
-every repeat. Two cheaper nuisances are bounded per identity instead, as nothing ties them to a subnet:
-an address where dials hang costs ``DIAL_LIMIT`` once per identity, and a leader that keeps answering
-"ask again" costs ``RETRY_FOR`` per matchmaking it wins (``grouping``). A failure is recorded only by
-the peer that saw it (nobody takes another's word for it), so the attacker pays those stalls once per
-honest peer, never more. Ids are free but win the lottery by grinding only: each ground id still
-fails each peer once at most, and its subnet with it.
+Some failures honest leaders show too: a group too small at the deadline (a quorum not met), a joiner
+bumped at the deadline, an address that does not answer, a round that failed on its coordinator.
+Excluding a leader for one of those split honest swarms: its followers led groups of their own, which
+were too small in turn, and excluded each other. So each is a *suspicion* (:meth:`LeaderBook.suspect`):
+the ``SUSPICIONS``-th of a leader since it last delivered a manifest, or of one subnet's leaders within
+``EXCLUSION`` of each other, counts as a failure.
 
-What it costs an honest swarm: an honest leader that failed a follower (its machine died, its group
-was too small while the follower saw enough peers to form one) is not followed by that follower for
-a while; it still joins groups and leads the others. Exclusion only removes candidates, it never
-reorders the rest, so the no-deadlock argument of ``matchmaking`` is untouched.
+The cost to an attacker, stated as an invariant: with k identities on m subnets, each honest peer is
+stalled at most ``SUSPICIONS`` x m times (plus that many per identity that delivered it a good manifest
+before) per ``EXCLUSION``, each time for at most its own matchmaking window + ``DEADLINE_SLACK`` +
+``JOIN_GRACE`` (or one averaging timeout, for a coordinator that never starts its round); a stall no
+honest leader causes (holding the follower to the end of its wait) counts once, not ``SUSPICIONS``
+times. The exclusion doubles on every repeat. Two cheaper nuisances are bounded per identity
+instead, as nothing ties them to a subnet: an address where dials hang costs ``DIAL_LIMIT``
+``SUSPICIONS`` times per identity, and a leader that keeps answering "ask again" costs ``RETRY_FOR``
+per matchmaking it wins (``grouping``). A failure is recorded only by the peer that saw it (nobody
+takes another's word for it), so the attacker pays those stalls per honest peer. Ids are free and a
+key generator can grind ones that win the lottery, but each counts against its subnet.
+
+What it costs an honest swarm: an honest leader that failed a follower (its machine died, or three of
+its groups in a row were too small while the follower saw enough peers to form one) is not followed by
+that follower for a while; it still joins groups and leads the others. Exclusion only removes
+candidates, it never reorders the rest, so the no-deadlock argument of ``matchmaking`` is untouched.
 
 The book is bounded: at most ``MAX_PEERS`` leaders, ``MAX_SUBNETS`` subnets and ``MAX_DELIVERED``
 good leaders; past that, the entry that ends soonest goes (a flood of fresh failures can only push out
