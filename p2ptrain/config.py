@@ -375,11 +375,14 @@ def _check(ok: bool, key: str, what: str) -> None:
         raise ConfigError(f"{key} {what}")
 
 
-def load_config(path: str | Path) -> RunConfig:
+def load_config(path: str | Path, flags: Mapping[str, Mapping[str, Any]] | None = None) -> RunConfig:
     """Read and validate a run file.
 
     Args:
         path: The TOML run file (UTF-8).
+        flags: Command-line values that take the place of the file's before it is validated, by section
+            and key (None: a flag left out), for the combinations a flag completes: ``--authority`` makes
+            a top-k run, which an open swarm refuses, a private one.
 
     Returns:
         The run's settings, every value typed and checked.
@@ -399,6 +402,11 @@ def load_config(path: str | Path) -> RunConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    for name, given in (flags or {}).items():
+        given = {key: value for key, value in given.items() if value is not None}
+        if given:
+            table = data.get(name, {})
+            data[name] = {**table, **given} if isinstance(table, Mapping) else table
     try:
         return parse_config(data)
     except ConfigError as e:

@@ -9,6 +9,12 @@ every second and one line of metrics per global step. The simulation shows every
 writes a last checkpoint), and writes a report folder: ``peer-N.json`` per node (its metrics and final
 status), ``loss.png`` (every peer's loss against time) and ``summary.json``. It exits non-zero when a node
 failed, or when the nodes that finished on the same step do not hold the same parameters.
+
+``--private`` makes the local swarm a private one (what a run with top-k compression needs: a run file
+refuses top-k in an open swarm): the simulation mints a throwaway authority, gives each node a key of
+its own and a membership certificate for it in the node's folder, and starts every node with that
+authority (over the run file's, which may be a placeholder). The authority's secret key is never
+written: nothing outside the simulation can issue certificates for it.
 """
 
 from __future__ import annotations
@@ -34,13 +40,17 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from .authority import authority_key_text, issue_certificate, save_certificate
 from .config import load_config
 from .errors import ConfigError, P2PError
+from .identity import Identity, load_or_create_identity
 from .training.loop.console import swarm_table
 
 FORM_TIMEOUT = 120.0  # seconds for node 0 to print its address
 STOP_TIMEOUT = 120.0  # seconds a node may take to drain after SIGTERM (a last round, a checkpoint)
 POLL = 0.5
+CERT_LIFETIME = 30 * 86400.0  # seconds a private simulation's certificates are valid
+PRIVATE = "(the simulation's own)"  # the authority a run file is checked with in a private simulation
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class SimulationOptions:
     run_id: str | None = None  # None: the run file's
     live: bool = True
     extra: tuple[str, ...] = ()  # more flags for every node
+    private: bool = False  # a private swarm under a throwaway authority (see the module docstring)
 
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 64:
@@ -68,7 +79,7 @@ class SimulationOptions:
         if any(s < 1 for s in self.slowdown):
             raise ConfigError("--slowdown factors must be at least 1")
         if self.config:  # a missing or broken run file: said here, not in every node's log
-            load_config(self.config)
+            load_config(self.config, {"run": {"authority": PRIVATE if self.private else None}})
 
 
 @dataclass
@@ -128,7 +139,20 @@ def node_host(index: int) -> str:
     return f"127.0.0.{2 + index}" if _own_addresses() else "127.0.0.1"
 
 
-def _start(opts: SimulationOptions, index: int, folder: Path, join: str | None) -> SimNode:
+def _membership(authority: Identity, sub: Path) -> list[str]:
+    """A node's flags in a private simulation: its key (created in its folder, where the node finds it)
+    and a certificate for it signed by ``authority``."""
+    identity, _ = load_or_create_identity(sub / "identity.key")
+    now = time.time()
+    cert = issue_certificate(authority, identity.peer_id, not_before=now - 60.0, expires=now + CERT_LIFETIME)
+    save_certificate(cert, sub / "membership.cert", overwrite=True)
+    key = authority_key_text(authority.public_key)
+    return ["--authority", key, "--certificate", str(sub / "membership.cert")]
+
+
+def _start(
+    opts: SimulationOptions, index: int, folder: Path, join: str | None, authority: Identity | None = None
+) -> SimNode:
     sub = folder / f"node{index}"
     sub.mkdir(parents=True, exist_ok=True)
     host = node_host(index)
@@ -153,6 +177,8 @@ def _start(opts: SimulationOptions, index: int, folder: Path, join: str | None) 
         cmd += ["--slowdown", str(opts.slowdown[index % len(opts.slowdown)])]
     if join:
         cmd += ["--join", join]
+    if authority is not None:
+        cmd += _membership(authority, sub)
     cmd += list(opts.extra)
     stdout = open(sub / "stdout.log", "wb")  # noqa: SIM115 (closed in _stop)
     env = {**os.environ, "OMP_NUM_THREADS": str(opts.threads)}
@@ -267,12 +293,16 @@ def run_simulation(opts: SimulationOptions) -> int:
     started = time.time()
     nodes: list[SimNode] = []
     problems: list[str] = []
+    authority = Identity.generate() if opts.private else None
+    if authority is not None:
+        key = authority_key_text(authority.public_key)
+        console.print(f"a private swarm: every node holds a certificate of the throwaway authority {key}")
     try:
         with _interruptible():
-            nodes.append(_start(opts, 0, folder, None))
+            nodes.append(_start(opts, 0, folder, None, authority))
             join = _wait_address(nodes[0])
             console.print(f"node 0 listens at [bold]{join}[/]; {opts.peers - 1} more join through it")
-            nodes += [_start(opts, i, folder, join) for i in range(1, opts.peers)]
+            nodes += [_start(opts, i, folder, join, authority) for i in range(1, opts.peers)]
             _watch(nodes, opts, console)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the nodes (each writes a last checkpoint)")

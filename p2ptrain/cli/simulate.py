@@ -30,6 +30,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         report=args.report,
         run_id=args.run_id,
         live=sys.stdout.isatty() and not args.no_live,
+        private=args.private,
     )
     return run_simulation(opts)
 
@@ -56,4 +57,9 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--report", metavar="DIR", help="report folder (default WORKDIR/report)")
     s.add_argument("--run-id", help="default: the run file's")
     s.add_argument("--no-live", action="store_true", help="print the table every 10 s instead of live")
+    s.add_argument(
+        "--private",
+        action="store_true",
+        help="a private swarm: a throwaway authority and a certificate per node (top-k run files need one)",
+    )
     s.set_defaults(func=cmd_simulate)

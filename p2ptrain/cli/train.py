@@ -45,7 +45,8 @@ log = logging.getLogger("p2ptrain")
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The run file with the command line's overrides applied (a flag given wins: ``with_flags``)."""
-    config = load_config(args.config) if args.config else RunConfig()
+    flags = {"run": {"authority": args.authority}}
+    config = load_config(args.config, flags) if args.config else RunConfig()
     if args.task and args.task != config.task.name:  # another task: the run file's options are its task's
         config = config.replace("task", name=args.task, options={})
     config = config.with_flags("training", mode=args.mode, threads=args.threads)

@@ -11,7 +11,8 @@ processes on loopback). Recipes:
 - ``diloco-fp16``, ``diloco-int8``: DiLoCo with a target of H batches per peer per outer round (H = 16
   as in ``configs/tiny-gpt-diloco.toml``; ``--h``), pseudo-gradients in fp16 or blockwise int8;
 - ``diloco-topk0.5-q2`` ... ``diloco-topk3-q4``: DiLoCo with the sparse top-k compressions, run with
-  just those config values (their error feedback is the optimizer's business);
+  just those config values (their error feedback is the optimizer's business), in a private swarm
+  (``simulate --private``: a run file refuses top-k in an open one);
 - ``streaming-int8``, ``streaming-topk1-q2``, ``streaming-topk0.5-q2``: the same in 4 fragments, one
   averaged per round (``diloco.fragments = 4``); ``streaming-topk0.5-q2-h32``: with H = 32 whatever
   ``--h`` says (half the rounds per token: the payload per token halves); ``...-h32-ttl30``,
@@ -289,6 +290,7 @@ def run_recipe(plan: Plan, name: str, peers: int, folder: Path) -> dict[str, Any
     bound = 4 * plan.budget(peers) // (plan.block * plan.per_step(name, peers)) + 4
     argv = [*cli(), "simulate", "--peers", str(peers), "--max-steps", str(bound), "--config", str(config)]
     argv += ["--threads", "1", "--workdir", str(folder), "--no-live"]
+    argv += ["--private"] if compression.startswith("topk") else []  # (an open swarm refuses top-k)
     out: dict[str, Any] = {"recipe": name, "mode": mode, "compression": compression, "peers": peers}
     out |= {"command": shown(argv), "run_file": text, "step_bound": bound, "bench_command": plan.command()}
     out["budget"] = plan.budget(peers)

@@ -344,3 +344,35 @@ def wait_for_json(path: Path, ready: Any, timeout: float = 60.0) -> dict[str, An
             return content  # type: ignore[no-any-return]
         time.sleep(0.1)
     raise AssertionError(f"{path} never satisfied the condition within {timeout} s")
+
+
+TOPK_RUN = (
+    SMALL_RUN.replace('id = "e2e-train"', 'id = "e2e-topk"\nauthority = "REPLACE-WITH-YOUR-AUTHORITY-KEY"')
+    + """
+[averaging]
+compression = "topk1-q2"
+"""
+).replace("[training]\n", '[training]\nmode = "diloco"\n')
+
+
+def test_a_private_simulation_trains_a_top_k_run_that_an_open_swarm_refuses(tmp_path: Path) -> None:
+    """A run file refuses top-k in an open swarm (its rounds cannot be audited), and the shipped top-k run
+    files name a placeholder authority: ``simulate --private`` gives the local swarm a throwaway authority
+    and each node a certificate, so such a run trains locally as it would in a private swarm."""
+    config = tmp_path / "topk.toml"
+    config.write_text(TOPK_RUN.replace('authority = "REPLACE-WITH-YOUR-AUTHORITY-KEY"\n', ""))
+    refused = subprocess.run(
+        [*CLI, "node", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode != 0 and "is for private swarms" in refused.stdout + refused.stderr
+    config.write_text(TOPK_RUN)
+    args = ["simulate", "--peers", "2", "--max-steps", "3", "--config", str(config), "--no-live", "--private"]
+    result = subprocess.run(
+        [*CLI, *args, "--workdir", str(tmp_path / "sim")], capture_output=True, text=True, timeout=280
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "a private swarm" in result.stdout
+    summary = json.loads((tmp_path / "sim" / "report" / "summary.json").read_text())
+    assert summary["last_step"] == 3 and summary["finished"] == 2 and summary["identical"] is True
+    for i in range(2):
+        assert (tmp_path / "sim" / f"node{i}" / "membership.cert").read_text().startswith("-----")

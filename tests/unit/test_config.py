@@ -691,3 +691,15 @@ def test_topk_in_a_private_swarm_is_accepted(tmp_path: Path) -> None:
     assert config.averaging.compression is Compression.TOPK1_Q2 and config.run.authority
     # and dense compressions stay open to anyone
     assert parse_config({"averaging": {"compression": "int8", "audit": True}}).run.authority == ""
+
+
+def test_the_authority_flag_completes_a_top_k_run_file_before_it_is_checked(tmp_path: Path) -> None:
+    """A top-k run file without an authority is refused (an open swarm), but ``--authority`` on the
+    command line makes it a private run: the flag takes the file's place before the file is validated."""
+    path = tmp_path / "topk.toml"
+    path.write_text('[training]\nmode = "diloco"\n[averaging]\ncompression = "topk1-q2"\n')
+    with pytest.raises(ConfigError, match="is for private swarms"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="is for private swarms"):
+        load_config(path, {"run": {"authority": None}})  # a flag left out changes nothing
+    assert load_config(path, {"run": {"authority": "KEY"}}).run.authority == "KEY"
