@@ -227,7 +227,7 @@ async def test_a_leader_that_admits_one_and_says_full_holds_each_victim_once(aut
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_mixed_stalling_leaders_stall_each_peer_at_most_once_per_subnet(
+async def test_mixed_stalling_leaders_stall_each_peer_a_bounded_number_of_times_per_subnet(
     autojump_clock: object, seed: int
 ) -> None:
     """Seeded adversaries on two subnets mix the attacks round by round: a silent leader, one that
