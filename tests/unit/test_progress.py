@@ -22,6 +22,7 @@ from p2ptrain.identity import PeerID
 from p2ptrain.idwork import find_work
 from p2ptrain.training.optimizer.progress import (
     DIGEST_BYTES,
+    SPREAD,
     PeerProgress,
     ProgressRecord,
     SwarmView,
@@ -29,6 +30,7 @@ from p2ptrain.training.optimizer.progress import (
     majority_digest,
     must_publish,
     sent_addr,
+    spread_cap,
     swarm_view,
     upper_median,
     with_author,
@@ -1100,3 +1102,51 @@ def test_a_steady_peer_publishes_on_changes_and_heartbeats_not_every_second():
     assert not must_publish(last, replace(at(1.0), samples=114), heartbeat=3.0, tolerance=5)
     # A first rate after none is a change too.
     assert must_publish(replace(last, rate=0.0), at(0.5, rate=1.0), heartbeat=3.0, tolerance=5)
+
+
+# ---- a trusted peer's claims are bounded (issue: open swarms, part 2) --------------------------------
+
+
+def test_spread_cap_is_spread_times_the_lower_median() -> None:
+    assert spread_cap([1.0, 2.0, 3.0, 1e9]) == SPREAD * 2.0
+    assert spread_cap([5.0]) == SPREAD * 5.0
+    assert spread_cap([]) == math.inf and spread_cap([1.0], math.inf) == math.inf
+
+
+def test_a_trusted_liar_saying_ready_does_not_make_the_honest_view_ready() -> None:
+    """Before: one trusted record with ``ready`` and 2**40 samples made this peer's view reach the target
+    at once (``ready_said = any(...)``), with 10 of 100 samples done by the honest peers."""
+    liar = peer(9, samples=2**40, rate=1e9, ready=True)
+    mine = rec(samples=4, rate=5.0)
+    honest = [peer(1, samples=3, rate=5.0), peer(2, samples=3, rate=5.0)]
+    v = view(mine, *honest, liar, trusted={pid(1), pid(2), pid(9)})
+    assert not v.ready
+    assert v.samples == 10.0 + SPREAD * 3.0  # (the lower median of 4, 3, 3, 2**40 is 3)
+    assert v.rate == 15.0 + SPREAD * 5.0
+    # half of the trusted peers on the step saying it is enough (an honest one reached the target)
+    said = replace(honest[0].record, ready=True)
+    assert view(mine, PeerProgress(pid(1), said), honest[1], liar, trusted={pid(1), pid(2), pid(9)}).ready
+    # a single trusted peer decides alone, as before (a joiner's join peer)
+    assert view(mine, liar, trusted={pid(9)}).ready
+
+
+@given(
+    honest=st.lists(st.integers(0, 200), min_size=1, max_size=8),
+    mine=st.integers(0, 200),
+    lie=st.integers(0, 2**53),
+)
+@settings(max_examples=300, deadline=None)
+def test_one_trusted_liar_counts_for_at_most_spread_times_the_median(
+    honest: list[int], mine: int, lie: int
+) -> None:
+    records = [peer(i + 1, samples=s, rate=0.0) for i, s in enumerate(honest)]
+    liar = peer(99, samples=lie, rate=1e9, ready=True)
+    trusted = {r.peer for r in records} | {pid(99)}
+    v = view(rec(samples=mine, rate=0.0), *records, liar, trusted=trusted)
+    ordered = sorted([mine, *honest, lie])
+    cap = SPREAD * ordered[(len(ordered) - 1) // 2]
+    expected = mine + sum(min(s, cap) for s in honest) + min(lie, cap)
+    if len(honest) >= 2:  # its "ready" alone is not half of the trusted peers on the step
+        assert v.samples == expected and v.ready == (expected >= TARGET)
+    else:  # one trusted peer beside it: half of them, as a single trusted peer decides alone
+        assert v.ready

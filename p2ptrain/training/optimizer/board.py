@@ -42,7 +42,6 @@ from .progress import (
     PeerProgress,
     ProgressRecord,
     SwarmView,
-    estimate,
     must_publish,
     plausible_samples,
     sent_addr,
@@ -267,10 +266,15 @@ class ProgressBoard:
         else:
             entries = self.node.dht.held(self.key)
         records = []
+        banned = self.node.averager.auditor.banned
         for subkey, entry in entries.items():
             peer = subkey_owner(subkey)
             if peer is None:
                 continue  # only owned subkeys: the DHT checked that the peer named signed it
+            if peer in banned:
+                # A peer banned here counts for nothing: no group of ours holds it, so counting it
+                # toward the step's peers would hold every group to its leader's deadline, each step.
+                continue
             try:
                 rec = ProgressRecord.from_obj(unpack(entry.value))
             except RemoteProtocolError:
@@ -417,11 +421,11 @@ class ProgressBoard:
         see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
         peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
         second since long ago, or publishing no record at all, is one peer's worth. A trusted peer counts
-        for no more than ``SPREAD`` times the (lower) median of the samples the records of this peer and
-        the other trusted peers on the step say they have done by now (see ``progress``), plus an
-        eighth of the target: a partner that turned to lying carries a bounded share of a round's
-        weight, about ``SPREAD / (n + SPREAD)`` beside ``n`` honest peers of equal speed. (A private
-        swarm's members: as they say.)"""
+        for no more than ``SPREAD`` times the (lower) median of what the records of this peer and the
+        other trusted peers on the step make plausible (see ``progress``): a partner that turned to
+        lying carries a bounded share of a round's weight. (Plausible, not the samples said so far: a
+        peer that just began the step would cap the others at a few samples, and every reducer then
+        refuses their slices.) A private swarm's members: as they say."""
         cap = self._plausible(peer)
         me = self.node.peer_id
         trusted = self.trusted()
@@ -434,22 +438,9 @@ class ProgressBoard:
                 for r in self.records
                 if r.peer in trusted and r.peer not in (peer, me) and r.record.epoch == epoch
             }
-            target = float(self.config.training.target_batch_size)
-            typical = spread_cap(self._counted(p) for p in (me, *on_step)) + target / 8
-            return min(cap, typical)
+            return min(cap, spread_cap(self._plausible(p) for p in (me, *on_step)))
         vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
         return min(cap, max(self._plausible(p) for p in (me, *vouched)))
-
-    def _counted(self, peer: PeerID) -> float:
-        """The samples ``peer``'s records say it has done toward this epoch by now (extrapolated as
-        ``progress.estimate`` does; a landing peer's by what it said before); the whole target without a
-        record of this epoch."""
-        record = next((r.record for r in self.records if r.peer == peer), None)
-        if record is not None and record.landing and record.epoch == self.tally.epoch:
-            record = self.counting.get(peer)
-        if record is None or record.epoch != self.tally.epoch:
-            return float(self.config.training.target_batch_size)
-        return estimate(record, self.clock(), self._horizon)
 
     def _plausible(self, peer: PeerID) -> float:
         """What ``peer``'s records make plausible for this epoch (see ``progress.plausible_samples``);
