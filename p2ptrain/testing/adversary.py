@@ -68,6 +68,7 @@ from . import sybils
 
 if TYPE_CHECKING:
     from ..training.loop.trainer import Trainer
+    from ..training.optimizer import CollaborativeOptimizer
 
 ADVERSARIES = (
     "nan",
@@ -113,16 +114,16 @@ def install(kind: str, averager: Averager, *, seed: int = 0, trainer: Trainer | 
         _downgrade(averager)
         return
     if kind == "silent-leader":
-        _hold_joiners(averager, admit_one=False)
-        _announce_only(averager)
+        hold_joiners(averager, admit_one=False)
+        announce_only(averager)
         return
     if kind in ("partial-leader", "mixed"):
-        _hold_joiners(averager, admit_one=True)
+        hold_joiners(averager, admit_one=True)
         averager.config = dataclasses.replace(averager.config, matchmaking_time=LEAD_TIME)
         if kind == "partial-leader":
             return
     if kind in ("trusted-liar", "mixed"):
-        _lie_once_trusted(_needs(kind, trainer))
+        lie_once_trusted(_needs(kind, trainer).opt)
         if kind == "trusted-liar":
             return
     generator = torch.Generator().manual_seed(seed)
@@ -250,7 +251,7 @@ def _downgrade(averager: Averager) -> None:
     averager.config = dataclasses.replace(averager.config, matchmaking_time=LEAD_TIME)
 
 
-def _hold_joiners(averager: Averager, *, admit_one: bool) -> None:
+def hold_joiners(averager: Averager, *, admit_one: bool) -> None:
     """Answer every request for a place in a group this node leads by holding the call (the joiner waits
     until it gives up); with ``admit_one``, only the first asker of each group key is held, the others
     are told the group is full."""
@@ -265,7 +266,7 @@ def _hold_joiners(averager: Averager, *, admit_one: bool) -> None:
     averager.host.registry.replace(JOIN, on_join)
 
 
-def _announce_only(averager: Averager) -> None:
+def announce_only(averager: Averager) -> None:
     """Instead of looking for a group, announce readiness to lead under the key, again and again with
     the shortest deadline, for as long as an honest peer would look (then give up: it trains nothing)."""
     groups = averager.groups
@@ -285,15 +286,14 @@ def _announce_only(averager: Averager) -> None:
     groups.form = form  # type: ignore[method-assign]
 
 
-def _lie_once_trusted(trainer: Trainer) -> None:
-    """Train honestly for ``LIAR_AFTER`` seconds from the first step, then lie in every record and round."""
-    opt = trainer.opt
+def lie_once_trusted(opt: CollaborativeOptimizer, after: float = LIAR_AFTER) -> None:
+    """Train honestly for ``after`` seconds from the first step, then lie in every record and round."""
     board, averager = opt.board, opt.node.averager
     honest_record, honest_round, honest_step = board.record, averager.run_round, opt.step
     began: float | None = None
 
     def lying() -> bool:
-        return began is not None and opt.clock() - began >= LIAR_AFTER
+        return began is not None and opt.clock() - began >= after
 
     def record() -> ProgressRecord:
         r = honest_record()

@@ -302,7 +302,7 @@ async def _farm_trust(opt: CollaborativeOptimizer, costs: Attack) -> None:
         async with trio.open_nursery() as farming:  # zeros into FARM_ROUNDS rounds per key, all at once
             for node in nodes:
                 farming.start_soon(_ask_for_places, node, opt, costs, 0.0, FARM_ROUNDS)
-        _claim_far(opt)
+        claim_far(opt)
         addr = str(opt.node.averager.address())  # (with this node's id: the fresh keys name it)
         while True:
             record = dataclasses.replace(opt.record(), addr=addr, time=opt.clock())
@@ -310,7 +310,7 @@ async def _farm_trust(opt: CollaborativeOptimizer, costs: Attack) -> None:
             await trio.sleep(EVERY)
 
 
-def _claim_far(opt: CollaborativeOptimizer) -> None:
+def claim_far(opt: CollaborativeOptimizer) -> None:
     """From now on the node trains no more and holds a sign-flipped state, claimed as step ``FAR``."""
     flip(opt)
     opt.tally.set_epoch(FAR)
