@@ -54,7 +54,7 @@ from .auditor import Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .compression import Compression
 from .leaders import LeaderBook
-from .matchmaking import Announcement, Gathering, Joiner, Quorum, cannot_join, choose_leader
+from .matchmaking import Announcement, Gathering, Joiner, Quorum, cannot_join, choose_leader, why_not
 from .partition import partition_sizes
 from .protocol import (
     JOIN,
@@ -333,15 +333,18 @@ class GroupForming:
         """The leader to follow among ``seen`` (``matchmaking``), leaving out those this peer's book
         excludes by their id or by the subnet of the address they announce."""
         now = self.clock()
-        excluded = {a.peer for a in seen if self.leaders.excluded(a.peer, announced_subnet(a.addr), now)}
         return choose_leader(
             looking.me,
             seen,
             now,
             looking.group_key,
             declined=declined,
-            excluded=excluded,
+            excluded=self._excluded(seen, now),
         )
+
+    def _excluded(self, seen: list[Announcement], now: float) -> set[PeerID]:
+        """The announcers among ``seen`` this peer's book excludes, by their id or announced subnet."""
+        return {a.peer for a in seen if self.leaders.excluded(a.peer, announced_subnet(a.addr), now)}
 
     def _failed(self, leader: PeerID, subnet: str, why: str, *, surely: bool = True) -> None:
         """Book a leader's failure: ``surely`` (no honest leader does that), else a suspicion
@@ -373,10 +376,18 @@ class GroupForming:
             why = f"its round {signed.digest.hex()[:8]} failed on it: {blame[leader]}"
             self._failed(leader, subnet, why, surely=False)
 
-    def _away(self, looking: _Looking, gathering: Gathering, seen: list[Announcement]) -> None:
-        """Stop waiting for the known peers that never join this group (``matchmaking.cannot_join``)."""
+    def _away(
+        self, looking: _Looking, gathering: Gathering, seen: list[Announcement], declined: set[Announcement]
+    ) -> None:
+        """Stop waiting for the known peers that never join this group (``matchmaking.cannot_join``);
+        not for those this peer may follow (it redirects to the smallest of them instead)."""
         if looking.quorum is not None and seen:
-            gathering.away = cannot_join(looking.me, seen, looking.group_key, looking.quorum.peers)
+            now, me, key = self.clock(), looking.me, looking.group_key
+            excluded = self._excluded(seen, now)
+            followable = {
+                a.peer for a in seen if not why_not(me, a, now, key, declined=declined, excluded=excluded)
+            }
+            gathering.away = cannot_join(me, seen, key, looking.quorum.peers, followable=followable)
             if gathering.ready() and looking.full is not None:
                 looking.full.set()
 
@@ -408,7 +419,7 @@ class GroupForming:
             quorum=looking.quorum,
         )
         looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
-        self._away(looking, gathering, seen)
+        self._away(looking, gathering, seen, declined)
         while not gathering.ready() and self.clock() < me.deadline:
             with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
                 await looking.full.wait()
@@ -418,7 +429,7 @@ class GroupForming:
             # (an honest leader answers by its deadline, however slow the DHT: see the module docstring)
             with trio.move_on_after(max(0.0, me.deadline - self.clock())):
                 seen = await self.announcements(key)
-            self._away(looking, gathering, seen)
+            self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
             if smaller is not None and not gathering.full():
                 looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"

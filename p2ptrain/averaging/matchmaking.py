@@ -46,8 +46,9 @@ must hold (:class:`Quorum`): the group forms only with that many of them, and a 
 the group full takes the place of the newest joiner that is not. The run's target size counts the known
 peers on the step; a known peer that announced under the key, may lead, and holds a smaller ticket than
 the leader never joins it (it leads, or follows a smaller one): the leader does not wait for it
-(:func:`cannot_join`). Without that, a known peer whose group nobody joins (a leader the others stopped
-following: ``leaders``) held every other group of the step to its leader's deadline.
+(:func:`cannot_join`), unless the leader may follow it (then it redirects to it instead). Without that,
+a known peer whose group nobody joins (a leader the others stopped following: ``leaders``) held every
+other group of the step to its leader's deadline.
 """
 
 from __future__ import annotations
@@ -173,16 +174,29 @@ def choose_leader(
 
 
 def cannot_join(
-    leader: Announcement, seen: Iterable[Announcement], group_key: str, known: Collection[PeerID]
+    leader: Announcement,
+    seen: Iterable[Announcement],
+    group_key: str,
+    known: Collection[PeerID],
+    *,
+    followable: Collection[PeerID] = (),
 ) -> frozenset[PeerID]:
     """The ``known`` peers (counted in the leader's target) that will never join ``leader``'s group:
     they announced under the key, may lead, and hold a smaller ticket (a peer only ever follows smaller
-    tickets). A client-only peer may follow anyone: it is never among them."""
+    tickets). A client-only peer may follow anyone: it is never among them. Nor is a peer in
+    ``followable``, one the leader may follow itself (:func:`why_not`): the leader goes to it (its group
+    is not full without it, so it redirects its joiners there) rather than forming without it; else a
+    leader that two peers reached before the smallest did formed a group without it, and the smallest
+    led a group of one."""
     mine = ticket(group_key, leader.peer)
     return frozenset(
         a.peer
         for a in seen
-        if a.peer in known and a.peer != leader.peer and a.can_lead and ticket(group_key, a.peer) < mine
+        if a.peer in known
+        and a.peer != leader.peer
+        and a.can_lead
+        and a.peer not in followable
+        and ticket(group_key, a.peer) < mine
     )
 
 

@@ -281,6 +281,23 @@ def test_a_leader_does_not_wait_for_known_peers_that_never_join_it():
     assert Gathering(Joiner(pid(second), "l", 1.0), b"s", 4, 2, away=g.away).full() is False
 
 
+def test_a_leader_waits_for_a_smaller_peer_it_may_follow_and_goes_to_it():
+    """A smaller known peer the leader may follow is not away: the group is not full without it, so the
+    leader redirects to it. Before, it counted as away: a leader two peers reached before the smallest
+    formed a group of two, and the smallest (it never follows a larger ticket) led a group of one and
+    fell a step behind (streaming DiLoCo with overlap)."""
+    first, second, third = by_ticket(1, 2, 3)
+    me = ann(second, 5.0)
+    seen = [ann(first, 5.0), ann(third, 5.0)]
+    known = {pid(i) for i in (1, 2, 3)}
+    assert cannot_join(me, seen, KEY, known, followable={pid(first)}) == set()
+    assert cannot_join(me, seen, KEY, known, followable={pid(third)}) == {pid(first)}
+    g = Gathering(Joiner(pid(second), "l", 1.0), b"s", target_size=3, min_size=2)
+    g.offer(Joiner(pid(third), "a", 1.0), b"s")
+    g.away = cannot_join(me, seen, KEY, known, followable={pid(first)})
+    assert not g.full()  # (the leader redirects to the first instead of forming without it)
+
+
 def test_failures_an_honest_leader_also_shows_count_only_when_they_repeat_without_a_manifest():
     """A group too small, a late refusal, a round that failed on it: honest leaders do that too. The
     ``SUSPICIONS``-th such failure without a manifest between excludes the leader; a manifest it
