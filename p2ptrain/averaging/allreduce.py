@@ -43,7 +43,7 @@ from .audit import Attestation, hash_pieces, seal_attestation
 from .bandwidth import RateMeter, Rates
 from .bounds import ResultHistory, Scale
 from .buffers import BufferPool
-from .compression import Compression
+from .compression import Compression, all_finite
 from .deciding import DecisionExchange
 from .gathering import Gatherer, time_left
 from .protocol import LEFT_ROUND, PART, Decision, PartReq, SignedManifest
@@ -362,7 +362,10 @@ class AllReduceRound:
         if self.tensors.audit:
             red.attestation = self._attest(p, red, decision)
         assert red.result is not None
-        self.tensors.write_result(p, red.result)
+        if all_finite(red.result):
+            self.tensors.write_result(p, red.result)
+        else:  # never applied here, whoever built it (the others check what we serve themselves)
+            log.warning("round %s: %s", self.digest.hex()[:8], m.spoilt(p, "it holds NaN or infinite values"))
         m.finalized(p)
         event.set()
         self.signals.changed.fire()
@@ -381,6 +384,8 @@ class AllReduceRound:
 
     def _commit(self, decision: Decision) -> RoundResult:
         m, t = self.machine, self.tensors
+        if not all_finite(t.flat):  # (every partition passed its checks: a last guard, one pass)
+            raise RoundAborted("the round's result holds NaN or infinite values: not applied")
         if self.history is not None and len(t.results) == len(m.partitions):
             self.history.record(self.manifest.schema, Scale.total(t.results.values()), t.whole)
         tensors = t.commit()

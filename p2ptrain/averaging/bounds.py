@@ -21,7 +21,11 @@ Where every value it sends is zero, its recent accepted result stands in for its
 (:class:`ResultHistory`, recorded only from rounds bounded by its own values, so a liar cannot ratchet
 it up round after round). A member with neither (it sent only zeros and never accepted a result) has
 nothing to bound by: :func:`limit` returns None, and only the form checks apply (its tensors are the
-caller's business: the training loop never averages an all-zero contribution).
+caller's business: the training loop never averages an all-zero contribution). A member whose own
+values are not finite (the averager refuses such tensors; only a member that spoils its own buffer
+mid-round has them) has no size either, and an infinite bound would pass anything: its limit is
+:data:`NOTHING`, which no result and no slice passes. No comparison here passes on NaN: each is written
+``not value <= bound``.
 
 ``BOUND`` is 32. Honest results stay inside it: the ratio ``||result|| / ||own||`` is at most the
 spread of the honest slices' norms, and that spread comes from the members' differences in work per
@@ -129,10 +133,17 @@ class Limit:
     absmax: float
 
 
+NOTHING = Limit(math.nan, math.nan)
+"""The limit of a member whose own values are not finite: no comparison with NaN passes, so nothing
+does (it has no size to bound a result by, and a bound of infinity would accept any)."""
+
+
 def limit(own: Scale, whole: Scale, history: Scale | None = None) -> Limit | None:
     """The limit of a partition's result for a member whose own values there have scale ``own``, and
     over all it sends ``whole``; ``history``: its last accepted result's scale over the whole vector
     (used only where ``whole`` is zero). None: nothing to bound by."""
+    if not all(math.isfinite(x) for x in (own.sumsq, own.absmax, whole.sumsq, whole.absmax)):
+        return NOTHING  # (an infinite bound would pass anything: none passes instead)
     base = whole if not whole.zero else history
     if base is None or base.zero:
         if own.zero:
@@ -159,6 +170,8 @@ class ResultCheck:
         seen = self.seen + scale
         b = self.bound
         if b is not None:
+            if math.isnan(b.norm) or math.isnan(b.absmax):
+                return "this member's own values there are not finite: it accepts nothing to apply"
             if not seen.absmax <= b.absmax:  # (NaN fails too)
                 return (
                     f"a value of magnitude {seen.absmax:.4g} in its result, over the {b.absmax:.4g} this"

@@ -117,6 +117,9 @@ class PartitionReducer:
         spill file (raw float32), to recompute from: then ``values`` may be ``acc`` itself."""
         if values.numel() != self.size:
             raise ValueError("a slice must cover the whole partition")
+        if not all_finite(values):  # refused as any other sender's would be: it is left out
+            log.warning("this member's own slice holds NaN or infinite values: it reduces without it")
+            return
         if self.touched:
             self.acc.add_(values * weight)
         else:  # the first slice: no temporary the size of the partition
@@ -177,6 +180,9 @@ class PartitionReducer:
         for a, b in self.spans[len(self.early) : ready]:
             mean = self.acc[a:b].div_(self._total)
             self._divided += 1
+            if not all_finite(mean):  # (its own values changed under it, in place): none published
+                self.early = None
+                return True
             if self.mode is Compression.NONE:
                 self.early.append(_view(mean))
                 continue
@@ -260,7 +266,14 @@ class PartitionReducer:
                 self.result = self.acc if self.mode is Compression.NONE else self._decode_into_acc(self.early)
                 return self.result
         streamed = all(self.delivered[i] == w for i, w in zip(contributors, weights, strict=True))
-        if self.canonical or self.touched != set(contributors) or not streamed or self._divided:
+        # (not finite: values summed in place changed under it; the kept slices were checked on arrival)
+        if (
+            self.canonical
+            or self.touched != set(contributors)
+            or not streamed
+            or self._divided
+            or not all_finite(self.acc)
+        ):
             self.acc.zero_()
             for i, w in zip(contributors, weights, strict=True):
                 self._replay(i, w)

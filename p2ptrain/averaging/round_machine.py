@@ -358,6 +358,13 @@ class RoundMachine:
         via = "" if server == holder else f" relayed by {self.name(server)}"
         return f"the result of partition {p} from {self.name(holder)}{via} is refused: {reason}"
 
+    def spoilt(self, p: int, reason: str) -> str:
+        """The result of partition ``p`` that this member reduced itself broke the rules (``reason``):
+        nothing of it is applied here, and the round ends in an abort for this member. Nobody is blamed
+        or convicted for it here (the others judge what we serve them). Returns a log line."""
+        self.faults.setdefault(p, Fault(self.me, self.me, reason, False))
+        return f"our own result of partition {p} is refused: {reason}"
+
     def bad_slice(self, sender: int, p: int, reason: str) -> None:
         """As a reducer: ``sender``'s slice of ``p`` broke the rules beyond doubt (malformed, not finite,
         not what it signed): it is left out, and convicted (:meth:`convicted`)."""
@@ -420,6 +427,8 @@ class RoundMachine:
             if p not in self.held:
                 holder = self.holder(p)
                 f = self.faults.get(p)
+                if holder == self.me:  # (its own result: ``spoilt`` blames nobody)
+                    continue
                 if f is not None and not f.proven:
                     why = f"its result of partition {p}, relayed, broke the rules: {f.reason}"
                     out[self.peers[holder]] = why

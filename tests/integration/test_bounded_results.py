@@ -333,3 +333,33 @@ async def test_a_contributor_sending_nan_is_banned_by_every_reducer_it_sent_to(
             assert isinstance(result, RoundResult) and ids[hostile] not in result.contributors
             banned = group.peers[i].averager.auditor.banned
             assert set(banned) == {ids[hostile]} and "NaN" in banned[ids[hostile]], banned
+
+
+@pytest.mark.parametrize("seed", range(16))
+async def test_no_member_applies_a_non_finite_result_not_even_one_of_its_own_partition(
+    autojump_clock: object, seed: int
+) -> None:
+    """A member never applies a non-finite result, whoever built it: one hostile member (the coordinator
+    or another, by seed) spoils the values it sends with NaN (``nan``: in place that is also where it
+    reduces its own partition) or fills its own result with NaN (``flaky-reducer``), in plain-mean and
+    trimmed-mean rounds, in place or not. Every member ends the round with finite tensors committed, or
+    an abort (16 seeds; 14 of them failed before). Before, the attacker
+    committed the NaN of its own partition (reduced in place over the values it spoilt, or filled after
+    reducing) and its next round raised on its NaN model (seen once leaders were chosen by lottery)."""
+    from p2ptrain.testing.adversary import install
+
+    rng = random.Random(seed)
+    n, size = 4, rng.choice([1000, 2000, 3001])
+    kind = rng.choice(["nan", "flaky-reducer"])
+    aggregation = rng.choice(["mean", "trimmed_mean"])
+    in_place, hostile = rng.random() < 0.5, rng.choice([0, rng.randrange(1, n)])
+    async with open_group(n) as group:
+        install(kind, group.peers[hostile].averager)
+        inputs = inputs_for(n, size, seed)
+        signed = manifest(group.peers, size, mode=Compression.NONE, aggregation=aggregation, audit=False)
+        outcomes = await one_round(group, signed, inputs, in_place=in_place)
+        for i, outcome in enumerate(outcomes):
+            assert isinstance(outcome, RoundResult | RoundAborted), (i, outcome)
+            if isinstance(outcome, RoundResult):
+                assert all(torch.isfinite(t).all() for t in outcome.tensors), (i, kind, in_place)
+                assert torch.isfinite(inputs[i]).all(), (i, kind, in_place)

@@ -23,8 +23,10 @@ from p2ptrain.averaging.compression import DENSE, Compression, decode, encode, e
 from p2ptrain.averaging.gathering import Malformed, OutOfBounds, _store
 from p2ptrain.averaging.partition import chunks, offsets, partition_sizes
 from p2ptrain.averaging.protocol import Decision, Manifest, MemberMsg, TensorSpec
+from p2ptrain.averaging.reducer import PartitionReducer, SliceOutOfBounds
 from p2ptrain.averaging.robust import aggregate
 from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
+from p2ptrain.averaging.spill import SpillFile
 from p2ptrain.net import Host, MemoryNetwork
 from tests.harness.identities import identity
 
@@ -210,6 +212,42 @@ def test_the_bound_in_numbers() -> None:
     assert limit(zero, zero) is None
     assert limit(zero, zero, history=elsewhere) is not None
     assert _check(torch.full((100,), 1e9), None) == ""
+
+
+def test_a_member_whose_own_values_are_not_finite_accepts_nothing() -> None:
+    """Its limit is NaN, and no comparison with NaN passes: not a result, not zeros, not a slice. Before,
+    NaN own values made the bound infinite, and anything passed it (a reducer's slices included)."""
+    finite = Scale.of(torch.ones(10))
+    for bad in (torch.full((10,), math.nan), torch.tensor([1.0] * 9 + [math.inf])):
+        spoilt = Scale.of(bad)
+        for b in (limit(spoilt, spoilt), limit(finite, finite + spoilt)):
+            assert b is not None
+            assert _check(torch.zeros(10), b) and _check(torch.ones(10), b) and _check(bad, b)
+    red = PartitionReducer(10, Compression.NONE, bound=limit(Scale.of(torch.full((10,), math.nan)), finite))
+    with pytest.raises(SliceOutOfBounds):
+        red.add_chunk(1, 0, memoryview(bytearray(torch.ones(10).numpy().tobytes())), 1.0)
+
+
+def test_a_reducer_refuses_its_own_non_finite_slice_and_never_finalizes_values_spoilt_in_place() -> None:
+    """Its own slice is held to the rules of every other: a non-finite one is left out. Values summed in
+    place that change under it (its caller spoils its own buffer mid-round) are not its result: it sums
+    the kept, checked slices again. Before, both went into the mean."""
+    red = PartitionReducer(10, Compression.NONE)
+    red.add_local(0, torch.full((10,), math.nan), 1.0)
+    assert 0 not in red.delivered and not red.touched
+    own, other = torch.arange(10.0), torch.ones(10)
+    buffer = own.clone()
+    backup = SpillFile()
+    try:
+        kept = backup.put(memoryview(own.numpy().tobytes()))
+        red = PartitionReducer(10, Compression.NONE, buffer=buffer)
+        red.add_local(0, buffer, 1.0, kept=kept)  # (reduced in place, as its own partition is)
+        red.add_chunk(1, 0, memoryview(bytearray(other.numpy().tobytes())), 1.0)
+        red.complete(1, 1.0)
+        buffer.fill_(math.nan)  # its caller spoils the buffer the sum lives in
+        torch.testing.assert_close(red.finalize([0, 1], [1.0, 1.0]), (own + other) / 2)
+    finally:
+        backup.close()
 
 
 def test_history_records_only_results_its_own_values_bounded() -> None:
