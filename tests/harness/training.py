@@ -191,6 +191,33 @@ def check_identical_per_epoch(peers: list[Peer], since: int = 0) -> dict[int, se
     return by_epoch
 
 
+def check_healed(peers: list[Peer], within: int = 3) -> list[int]:
+    """Peers that held different parameters on a step agree again within ``within`` steps, and on the
+    last step all of them reached; returns the steps they held apart.
+
+    Where a hostile reducer serves a result within one member's bound and beyond another's (each bounds
+    a result by its own values, see ``averaging.bounds``), the first commits the round and the second
+    refuses it and takes the step with the others: the swarm splits for a step, and the minority
+    downloads the majority's state. Tests of such attacks check this instead of
+    :func:`check_identical_per_epoch`."""
+    by_epoch: dict[int, set[bytes]] = {}
+    holders: dict[int, int] = {}
+    for p in peers:
+        for epoch, digest, _, _ in p.steps:
+            by_epoch.setdefault(epoch, set()).add(digest)
+        for epoch in {e for e, _, _, _ in p.steps}:
+            holders[epoch] = holders.get(epoch, 0) + 1
+    apart = sorted(e for e, ds in by_epoch.items() if len(ds) > 1)
+    agreed = [e for e, ds in by_epoch.items() if len(ds) == 1 and holders[e] == len(peers)]
+    for e in apart:
+        assert any(e < a <= e + within for a in agreed), f"the peers split on step {e} and stayed apart"
+    last = max((e for e in by_epoch if holders[e] == len(peers)), default=None)
+    assert last is not None and len(by_epoch[last]) == 1, (
+        f"the peers hold different parameters on step {last}"
+    )
+    return apart
+
+
 def take_local_steps(peer: Peer, n: int) -> None:
     """Steps of a peer on its own, driven directly (no swarm involved)."""
     for _ in range(n):

@@ -39,13 +39,13 @@ from ...wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL, BanBook
 from .bookkeeping import Tally
 from .progress import (
+    SPREAD,
     PeerProgress,
     ProgressRecord,
     SwarmView,
     must_publish,
     plausible_samples,
     sent_addr,
-    spread_cap,
     swarm_view,
     vouched_digest,
     with_author,
@@ -421,11 +421,12 @@ class ProgressBoard:
         see :meth:`trusted`: its records are claims of a key) counts for no more than the most that this
         peer's or a trusted peer's records make plausible: a fresh key advertising a billion samples a
         second since long ago, or publishing no record at all, is one peer's worth. A trusted peer counts
-        for no more than ``SPREAD`` times the (lower) median of what the records of this peer and the
-        other trusted peers on the step make plausible (see ``progress``): a partner that turned to
-        lying carries a bounded share of a round's weight. (Plausible, not the samples said so far: a
-        peer that just began the step would cap the others at a few samples, and every reducer then
-        refuses their slices.) A private swarm's members: as they say."""
+        for no more than ``SPREAD`` times the (upper) median of what the records of this peer, the
+        other trusted peers on the step and itself make plausible (see ``progress``): a partner that
+        turned to lying carries a bounded share of a round's weight once two others vouch here.
+        (Plausible, not the samples said so far: a peer that just began the step would cap the others
+        at a few samples, and every reducer then refuses their slices.) A private swarm's members: as
+        they say."""
         cap = self._plausible(peer)
         me = self.node.peer_id
         trusted = self.trusted()
@@ -438,7 +439,11 @@ class ProgressBoard:
                 for r in self.records
                 if r.peer in trusted and r.peer not in (peer, me) and r.record.epoch == epoch
             }
-            return min(cap, spread_cap(self._plausible(p) for p in (me, *on_step)))
+            # The median counts the peer itself (upper median): with one other trusted peer it decides
+            # (a fast honest peer beside a slow coordinator, 22x its speed, is not capped), with two or
+            # more the median is one of theirs (a liar among honest peers is).
+            ordered = sorted(self._plausible(p) for p in (me, peer, *on_step))
+            return min(cap, SPREAD * ordered[len(ordered) // 2])
         vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
         return min(cap, max(self._plausible(p) for p in (me, *vouched)))
 
