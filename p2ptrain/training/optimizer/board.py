@@ -267,13 +267,16 @@ class ProgressBoard:
             entries = self.node.dht.held(self.key)
         records = []
         banned = self.node.averager.auditor.banned
+        vouched = self.trusted()
+        failed_us = self.node.averager.groups.leaders.excluded_peers(self.clock())
         for subkey, entry in entries.items():
             peer = subkey_owner(subkey)
             if peer is None:
                 continue  # only owned subkeys: the DHT checked that the peer named signed it
-            if peer in banned:
-                # A peer banned here counts for nothing: no group of ours holds it, so counting it
-                # toward the step's peers would hold every group to its leader's deadline, each step.
+            if peer in banned or (peer in failed_us and vouched is not None and peer not in vouched):
+                # A peer banned here, or a stranger that failed this peer as a leader (it held us and
+                # delivered nothing), counts for nothing: counting it toward the step's peers would
+                # hold every group to its leader's deadline, each step, while it never joins one.
                 continue
             try:
                 rec = ProgressRecord.from_obj(unpack(entry.value))
