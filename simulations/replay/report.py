@@ -336,6 +336,7 @@ ACCUSING_FORMS = (  # the node's own accusing log lines; {id}: the accused peer'
     r"connection to {id}: protocol violation",
     r"peer {id} makes more than",
     r"record\(s\) from {id}",
+    r"leader {id}( \(subnet [^)]*\))? failed us .*: not followed",  # excluded (averaging.leaders)
 )
 ACCUSING_WORDS = re.compile(
     r"\b(ban|bans|banned|exclud\w*|left out|outliers?|clipp\w*|refus\w*|reject\w*|invalid|nan|"

@@ -648,6 +648,12 @@ ACCUSING = [  # (a node.log line about peer 3, does it accuse it?)
     ("WARNING p2ptrain.training.statesync: state download from {x} failed: timed out", False),
     ("WARNING p2ptrain.averaging.averager: {x} has a low bandwidth estimate", False),
     ("ERROR   p2ptrain.averaging.auditor: banned {y}: reducer of partition 1", False),  # another peer
+    (
+        "WARNING p2ptrain.averaging.averager: leader {x} (subnet 10.0.0.0/24) failed us (no manifest"
+        " within 5.5 s, past its deadline): not followed for 1800 s",
+        True,
+    ),
+    ("INFO    p2ptrain.averaging.averager: leader {x} failed us (a group too small): suspected", False),
 ]
 
 
