@@ -38,6 +38,7 @@ from ..errors import (
 )
 from ..identity import PeerID
 from ..net.admission import subnet_of
+from ..net.connection import Connection
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
@@ -74,7 +75,7 @@ from .protocol import (
 )
 from .settings import AveragerConfig, RoundPolicy
 from .spill import Spilled, SpillFile
-from .trust import TrustLedger
+from .trust import UNSEEN, TrustLedger
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,18 @@ def schema_digest(
     if aggregation != "mean" or audit:  # a plain group's digest stays what it was before these existed
         fields += [str(aggregation), audit]
     return hashlib.blake2b(pack(fields), digest_size=16).digest()
+
+
+def seen_at(connections: Iterable[Connection], peers: Iterable[PeerID]) -> list[tuple[PeerID, str]]:
+    """(peer, the subnet it counts in) for each of ``peers``, from the ``connections`` a member holds:
+    a direct connection's subnet first, else the subnet of the relay a circuit runs through, else
+    ``UNSEEN`` (see :meth:`Averager._seen_at`)."""
+    direct: dict[PeerID, str] = {}
+    relayed: dict[PeerID, str] = {}
+    for c in connections:
+        (relayed if c.relayed else direct)[c.peer] = subnet_of(c.remote_host)  # circuits: the relay's
+    seen = relayed | direct
+    return [(p, seen.get(p, UNSEEN)) for p in peers]
 
 
 class Averager:
@@ -312,11 +325,20 @@ class Averager:
         A round that completes is not yet a round its members apply: a trainer may refuse it (its
         contributors fell short of the peers it must average with), and a peer that trusted them
         anyway would follow their records into a second lineage of the swarm's steps."""
-        seen = {c.peer: subnet_of(c.remote_host) for c in self.host.connections() if not c.relayed}
-        verified = [(p, seen.get(p, f"?{p}")) for p in result.verified if p in result.contributors]
+        verified = [(p, seen) for p, seen in self._seen_at(result.verified) if p in result.contributors]
         named = self.trust.credit(result.round, verified, self._clock())
         if named:
             log.info("trusted from now on, for verified useful work: %s", ", ".join(p.short() for p in named))
+
+    def _seen_at(self, peers: Iterable[PeerID]) -> list[tuple[PeerID, str]]:
+        """The subnet each of ``peers`` counts in for the ledger's per-subnet bound: where this member
+        reached it directly; through a relay's circuit, the relay's subnet (a circuit hides the peer's
+        own address, and a key that only ever shows up relayed must not stand for a subnet of its own:
+        keys behind one relay share its bound, so an attacker's relay lends its keys one subnet's
+        worth of partners, and an honest relay's home peers compete for that much); seen nowhere
+        (its connection closed before the round ended), ``UNSEEN``, one bucket all such keys share
+        unless the ledger knows where the key was seen before."""
+        return seen_at(self.host.connections(), peers)
 
     def remember_partners(self, peers: Iterable[PeerID]) -> None:
         """Partners a checkpoint remembers: trusted again (their credits decay as any, see ``trust``)."""

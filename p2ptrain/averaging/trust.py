@@ -21,7 +21,8 @@ checked. So trust is granted for what the reducer verified, never for a place in
   contributor earns one credit per round (a round counted twice earns nothing more), credits decay with
   a half-life (``HALF_LIFE``), a peer is named a partner once its credit reaches ``TRUST_AT`` and stays one
   while it is at least ``KEEP_AT``, at most ``PER_SUBNET`` partners come from one subnet (the address
-  this member saw the peer at), and at most ``ADMIT_PER_WINDOW`` new partners are named per
+  this member saw the peer at; through a relay's circuit, the relay's; at no address, one bucket
+  ``UNSEEN`` all such keys share), and at most ``ADMIT_PER_WINDOW`` new partners are named per
   ``ADMIT_WINDOW`` seconds. Partners a checkpoint remembers come back with ``TRUST_AT`` credits.
 
 What it costs. An attacker with ``k`` keys on ``m`` subnets earns at most ``PER_SUBNET * m`` partners per
@@ -58,6 +59,7 @@ TRUST_AT = 1.0  # credits (verified rounds, decayed) that make a peer a partner
 KEEP_AT = 0.5  # ... and below which a partner is one no more
 MAX_CREDIT = 16.0  # credits saturate: a long history lasts four half-lives after the useful work stops
 HALF_LIFE = 1800.0  # seconds in which a credit halves
+UNSEEN = "?"  # the subnet of a verified key seen at no address: one bucket all such keys share
 PER_SUBNET = 4  # partners one subnet may hold (the highest credits win)
 ADMIT_PER_WINDOW = 16  # new partners named at most per window ...
 ADMIT_WINDOW = 60.0  # ... of this many seconds
@@ -179,7 +181,8 @@ class TrustLedger:
             c.rounds.append(round)
             del c.rounds[:-MAX_ROUNDS_KEPT]
             c.value, c.at = min(MAX_CREDIT, self._decayed(c, now) + 1.0), now
-            c.subnet = subnet or c.subnet
+            if subnet and (subnet != UNSEEN or not c.subnet):  # where it was seen before outlasts "nowhere"
+                c.subnet = subnet
         self._bound()
         return self.update(now)
 

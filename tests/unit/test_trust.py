@@ -261,3 +261,38 @@ def test_the_ledger_remembers_a_bounded_number_of_peers() -> None:
             bytes([r % 256, r // 256]), [(pid(1000 + r * 100 + i), f"n{r}.{i}") for i in range(100)], 0.0
         )
     assert len(ledger) <= trust.MAX_TRACKED
+
+
+def test_keys_seen_only_through_one_relay_share_its_subnet_bound() -> None:
+    """A key that only ever shows up through a relay's circuit counts in the relay's subnet, and one
+    seen nowhere counts in one bucket all such keys share. Before, each got a subnet of its own
+    (``?<peer>``), so an attacker's relay lent any number of its keys a partner's place each, past
+    ``PER_SUBNET``."""
+    from types import SimpleNamespace
+
+    from p2ptrain.averaging.averager import seen_at
+
+    relay_host, direct_host = "198.18.7.1", "198.18.9.5"
+    conns = [SimpleNamespace(peer=pid(i), relayed=True, remote_host=relay_host) for i in range(1, 11)]
+    # pid(1) was also reached directly (a punched connection): its own subnet wins over the relay's
+    conns.append(SimpleNamespace(peer=pid(1), relayed=False, remote_host=direct_host))
+    keys = [pid(i) for i in range(1, 21)]  # 11..20: connections already closed
+    seen = dict(seen_at(conns, keys))  # type: ignore[arg-type]
+    assert seen[pid(1)] == "198.18.9.0/24" and seen[pid(2)] == "198.18.7.0/24" and seen[pid(15)] == "?"
+    ledger = TrustLedger(ME)
+    named = ledger.credit(b"r1", list(seen.items()), now=0.0)
+    # pid(1) on its own subnet, PER_SUBNET through the relay, PER_SUBNET seen nowhere
+    assert len(named) == 1 + 2 * PER_SUBNET
+    assert pid(1) in named
+
+
+def test_a_key_seen_nowhere_keeps_the_subnet_it_was_seen_at_before() -> None:
+    """Closing its connection before a round ends moves no key out of its subnet's bound."""
+    ledger = TrustLedger(ME)
+    ledger.credit(b"r1", [(pid(i), "198.18.0.0/24") for i in range(1, 6)], now=0.0)
+    assert len(ledger.partners) == PER_SUBNET
+    # the same keys seen nowhere in the next round, with four more seen nowhere: those four fill the
+    # unseen bucket; the first five stay in their subnet, whose bound still holds the fifth out
+    ledger.credit(b"r2", [(pid(i), "?") for i in range(1, 10)], now=1.0)
+    first = {pid(i) for i in range(1, 6)}
+    assert len(ledger.partners & first) == PER_SUBNET and len(ledger.partners - first) == PER_SUBNET
