@@ -153,10 +153,14 @@ class StateSyncSection:
     chunk_timeout: float = 30.0  # seconds a donor may go without delivering a chunk before it is dropped
     max_donors: int = 4  # donors a joiner downloads from at once
     serve: bool = True  # serve this peer's state to joiners
+    # steps whose committed results each peer keeps and serves: a peer this many steps behind replays
+    # them instead of downloading the state (0: always download)
+    replay_steps: int = 4
 
     def __post_init__(self) -> None:
         _check(self.chunk_timeout > 0, "statesync.chunk_timeout", "must be positive")
         _check(1 <= self.max_donors <= 16, "statesync.max_donors", "must be between 1 and 16")
+        _check(0 <= self.replay_steps <= 64, "statesync.replay_steps", "must be between 0 and 64")
 
 
 @dataclass(frozen=True)
