@@ -1,0 +1,68 @@
+"""Starting a site's ranks on one host: N processes joined by ``torch.distributed``.
+
+``spawn`` runs ``fn(rank, world, *args)`` in N fresh processes (``torch.multiprocessing``'s spawn: no
+fork of a process that may hold threads), each with the site's process group initialised: NCCL when
+CUDA devices are there (rank r on device r), gloo on the CPU, the rendezvous on 127.0.0.1 only (the
+ranks never face the network; rank 0 alone runs the p2p node). Several hosts use torch's own launcher
+instead (``torchrun``), which sets the same environment; :func:`init_from_env` joins either way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def backend_for(device: str | None = None) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if kind.startswith("cuda") else "gloo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def init_from_env(timeout: float = 600.0, device: str | None = None) -> tuple[int, int]:
+    """Join the site's process group from the launcher's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun`` and :func:`spawn` set them); returns (rank, world)."""
+    backend = backend_for(device)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, timeout: float, args: tuple[Any, ...]
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    init_from_env(timeout)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` local ranks and wait for them all; raises if one
+    failed (``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``)."""
+    if world < 1:
+        raise ValueError("a site has at least one rank")
+    mp.spawn(_entry, args=(fn, world, free_port(), timeout, args), nprocs=world, join=True)  # type: ignore[attr-defined,no-untyped-call]
