@@ -27,6 +27,7 @@ from .idwork import MAX_WORK_BITS
 from .net.address import PeerAddress
 from .net.handshake import MAX_RUN_ID
 from .nodebase import parse_announce, parse_join_address, parse_listen
+from .pipeline.settings import PipelineSection
 
 MODES = ("sync", "diloco")
 OUTER_STATES = ("auto", "memory", "file")
@@ -276,6 +277,8 @@ class RunConfig:
         statesync: ``[statesync]``: how a joiner downloads the swarm's state.
         checkpoint: ``[checkpoint]``: how often checkpoints are written and how many are kept.
         eval: ``[eval]``: how often the validation loss is measured.
+        pipeline: ``[pipeline]``: the model split into stages served by different peers (empty
+            ``stages``: no pipeline; see the pipelines page).
         node: ``[node]``: this host's settings, not the run's.
 
     Raises:
@@ -293,6 +296,7 @@ class RunConfig:
     statesync: StateSyncSection = field(default_factory=StateSyncSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     node: NodeSection = field(default_factory=NodeSection)  # this host's, not the run's (see its rule)
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ from p2ptrain.config import (
 )
 from p2ptrain.errors import ConfigError
 from p2ptrain.net.address import PeerAddress
+from p2ptrain.pipeline.settings import PipelineSection
 
 SECTIONS = (
     "run",
@@ -43,6 +44,7 @@ SECTIONS = (
     "statesync",
     "checkpoint",
     "eval",
+    "pipeline",
     "node",
 )
 
@@ -100,6 +102,13 @@ DEFAULTS = {
     "checkpoint.keep": 2,
     "eval.every_steps": 10,
     "eval.batch_size": 16,
+    "pipeline.stages": (),
+    "pipeline.micro_batch": 4,
+    "pipeline.compression": Compression.INT8,
+    "pipeline.check_fraction": 0.0,
+    "pipeline.timeout": 10.0,
+    "pipeline.retries": 3,
+    "pipeline.max_abs": 1e4,
     "node.listen": (("0.0.0.0", 31337),),
     "node.announce": None,
     "node.source_address": "",
@@ -201,6 +210,15 @@ keep = 5
 every_steps = 0
 batch_size = 64
 
+[pipeline]
+stages = [0, 2]
+micro_batch = 2
+compression = "none"
+check_fraction = 0.1
+timeout = 5.0
+retries = 2
+max_abs = 100.0
+
 [node]
 listen = ["127.0.0.1:4001", "[::1]:4001"]
 announce = "node.example.org:31337"
@@ -246,6 +264,15 @@ FULL = RunConfig(
     statesync=StateSyncSection(chunk_timeout=120.0, max_donors=2, serve=False),
     checkpoint=CheckpointSection(every_steps=0, keep=5),
     eval=EvalSection(every_steps=0, batch_size=64),
+    pipeline=PipelineSection(
+        stages=(0, 2),
+        micro_batch=2,
+        compression=Compression.NONE,
+        check_fraction=0.1,
+        timeout=5.0,
+        retries=2,
+        max_abs=100.0,
+    ),
     node=NodeSection(
         listen=(("127.0.0.1", 4001), ("::1", 4001)),
         announce=("node.example.org", 31337),

@@ -1,0 +1,88 @@
+"""The run's pipeline directory in the DHT: who serves which stage, how fast, how busy.
+
+Theory of operation: every stage peer publishes, under :func:`pipeline_key`, an owner-signed subkey
+(only it can write its entry: ``dht.records``) holding a :class:`~.protocol.StageRecord`: its stage,
+addresses, measured throughput (samples per second through its stage), queue and step. Readers verify
+every signature (the DHT does), decode each value against the schema and skip anything malformed.
+
+A record is a peer's *claim* about itself. Callers use it only to choose among a stage's peers (a
+liar that claims a high throughput gets more micro-batches, each still checked: see ``router``), and a
+joiner uses the totals to choose its stage (:func:`choose_stage`, pure): the stage whose summed
+throughput is lowest limits a pipeline, so it needs the newcomer most; a stage nobody serves comes
+first. Ties go to the stage with fewer peers, then the lower index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dht.records import owned_subkey, subkey_owner
+from ..dht.service import DHT
+from ..errors import RemoteProtocolError
+from ..identity import PeerID
+from ..wire.codec import pack, unpack
+from .protocol import StageRecord
+
+
+def pipeline_key(run_id: str) -> bytes:
+    return f"p2ptrain/{run_id}/pipeline".encode()
+
+
+@dataclass(frozen=True)
+class StagePeer:
+    peer: PeerID
+    record: StageRecord
+
+
+async def announce_stage(dht: DHT, run_id: str, record: StageRecord, *, ttl: float) -> int:
+    """Publish this peer's entry (replacing its last one); returns the replicas reached."""
+    return await dht.store(
+        pipeline_key(run_id), pack(record.to_obj()), ttl=ttl, subkey=owned_subkey(dht.peer_id), sign=True
+    )
+
+
+async def read_directory(dht: DHT, run_id: str, num_stages: int, *, quorum: int = 3) -> list[StagePeer]:
+    """The stage peers of the run (signatures verified, malformed or foreign-shaped entries skipped)."""
+    entries = await dht.get(pipeline_key(run_id), quorum=quorum)
+    peers = []
+    for subkey, entry in entries.items():
+        owner = subkey_owner(subkey)
+        if owner is None:
+            continue
+        try:
+            record = StageRecord.from_obj(unpack(entry.value))
+        except RemoteProtocolError:
+            continue
+        if not record.left and record.stages == num_stages and record.stage < num_stages:
+            peers.append(StagePeer(owner, record))
+    peers.sort(key=lambda p: p.peer)
+    return peers
+
+
+def stage_totals(peers: list[StagePeer], num_stages: int) -> list[tuple[float, int]]:
+    """Per stage: (summed throughput, peers)."""
+    totals = [(0.0, 0)] * num_stages
+    for p in peers:
+        t, n = totals[p.record.stage]
+        totals[p.record.stage] = (t + p.record.throughput, n + 1)
+    return totals
+
+
+def choose_stage(peers: list[StagePeer], num_stages: int, *, me: PeerID | None = None) -> tuple[int, str]:
+    """The stage a joiner should serve, and why (see the module docstring). ``me``: this peer's own
+    entry, if the directory holds one, is left out (it asks where it would help most, as a newcomer)."""
+    others = [p for p in peers if p.peer != me]
+    totals = stage_totals(others, num_stages)
+    empty = [s for s, (_, n) in enumerate(totals) if n == 0]
+    if empty:
+        return empty[0], f"stage {empty[0]} has no peer"
+    best = min(range(num_stages), key=lambda s: (totals[s][0], totals[s][1], s))
+    t, n = totals[best]
+    return best, f"stage {best} has the lowest throughput ({t:.1f} samples/s over {n} peers)"
+
+
+def bottleneck(peers: list[StagePeer], num_stages: int) -> tuple[int, float]:
+    """The stage that limits the pipeline and its throughput (0 when a stage has no peer)."""
+    totals = stage_totals(peers, num_stages)
+    best = min(range(num_stages), key=lambda s: (totals[s][0], s))
+    return best, totals[best][0]

@@ -1,0 +1,212 @@
+"""A pipeline peer: a node that serves one stage and sends its own micro-batches through the pipeline.
+
+Theory of operation: a :class:`PipelinePeer` is handed a running :class:`~p2ptrain.node.Node` (its
+host, DHT and averager) and composes the pipeline's parts around it: a
+:class:`~.server.StageServer` for its stage (registered on the node's RPC registry), a
+:class:`~.router.Router` for its micro-batches, its stage's optimizer, and a task that publishes its
+directory record (``directory``) and reads the others' every ``interval`` seconds.
+
+One step (:meth:`PipelinePeer.step`): send this peer's micro-batches of the step through the pipeline,
+``concurrency`` at a time (a pipeline is full when each stage has one in flight); wait until its own
+stage server has been quiet for a moment (the other callers of the step are done with it); close the
+step; average the stage's gradients with its peers (``stagewise``); apply the optimizer step; open the
+next step. Peers run their steps in lockstep by construction: a stage server refuses micro-batches of
+a step it has not reached yet (``pipeline_not_yet``: the caller asks again) and of steps it closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from ..node import Node
+from ..tasks.gpt import GPTConfig
+from .directory import StagePeer, announce_stage, choose_stage, read_directory
+from .protocol import StageRecord
+from .router import Candidate, MicroBatch, Router
+from .server import StageServer
+from .settings import PipelineSection
+from .stages import Stage, build_stage
+from .stagewise import StageAverage, average_stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReport:
+    step: int
+    stage: int
+    losses: list[float]  # of this peer's micro-batches that passed (the last stage's loss)
+    given_up: int
+    retries: int
+    counted: int  # samples this peer's stage server counted in the step
+    average: StageAverage
+    seconds: float = 0.0
+
+
+@dataclass
+class PeerMetrics:
+    steps: list[StepReport] = field(default_factory=list)
+
+
+class PipelinePeer:
+    """One peer of a pipeline run (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: Node,
+        pipeline: PipelineSection,
+        model: GPTConfig,
+        *,
+        seed: int,
+        lr: float = 1e-3,
+        stage: int | None = None,
+        interval: float = 2.0,
+        concurrency: int | None = None,
+        rng: random.Random | None = None,
+        throughput: float | None = None,
+    ) -> None:
+        """``stage``: the stage to serve (None: the one the directory says limits the swarm, chosen in
+        :meth:`join`); ``throughput``: a fixed figure to announce instead of the measured one (tests)."""
+        self.node = node
+        self.pipeline = pipeline
+        self.model = model
+        self.seed = seed
+        self.lr = lr
+        self.interval = interval
+        self.concurrency = concurrency or pipeline.num_stages
+        self.rng = rng or random.Random()
+        self.fixed_throughput = throughput
+        self.stage_index = stage
+        self.directory: list[StagePeer] = []
+        self.metrics = PeerMetrics()
+        self.server: StageServer | None = None
+        self.router: Router | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step_number = 0
+        self.why = ""
+
+    @property
+    def stage(self) -> Stage:
+        assert self.server is not None, "join() first"
+        return self.server.stage
+
+    def record(self) -> StageRecord:
+        assert self.server is not None
+        speed = self.fixed_throughput if self.fixed_throughput is not None else self.server.throughput
+        addresses = tuple(str(a) for a in self.node.host.advertised_addresses())
+        return StageRecord(
+            self.server.index,
+            self.pipeline.num_stages,
+            addresses,
+            speed,
+            self.server.queue,
+            self.step_number,
+            self.node.clock(),
+        )
+
+    async def refresh(self) -> None:
+        """Publish this peer's record and read the directory again."""
+        if self.server is not None:
+            await announce_stage(self.node.dht, self.node.config.run_id, self.record(), ttl=6 * self.interval)
+        found = await read_directory(self.node.dht, self.node.config.run_id, self.pipeline.num_stages)
+        if self.server is not None and not any(p.peer == self.node.identity.peer_id for p in found):
+            found.append(StagePeer(self.node.identity.peer_id, self.record()))
+        self.directory = found
+
+    def candidates(self, stage: int) -> list[Candidate]:
+        out = []
+        for p in self.directory:
+            r = p.record
+            if r.stage != stage or (not r.addresses and p.peer != self.node.identity.peer_id):
+                continue
+            address = r.addresses[0] if r.addresses else ""
+            out.append(Candidate(p.peer, address, r.throughput, r.queue))
+        return out
+
+    def members(self) -> int:
+        """The live peers of this peer's stage, as the directory says (this one included)."""
+        return max(1, sum(1 for p in self.directory if p.record.stage == self.stage.index))
+
+    async def join(self) -> None:
+        """Choose a stage (unless given), build it from the run's seed, serve it and announce it."""
+        await self.refresh()
+        if self.stage_index is None:
+            self.stage_index, self.why = choose_stage(
+                self.directory, self.pipeline.num_stages, me=self.node.identity.peer_id
+            )
+            log.info("serving %s", self.why)
+        stage = build_stage(self.model, self.pipeline, self.stage_index, self.seed)
+        self.server = StageServer(stage, self.pipeline, step=self.step_number)
+        self.server.register(self.node.registry)
+        self.optimizer = torch.optim.AdamW(stage.parameters(), lr=self.lr, weight_decay=0.0)
+        self.router = Router(
+            self.node.host, self.pipeline, self.model, self.candidates, local=self.server, rng=self.rng
+        )
+        await self.refresh()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the directory fresh (publish ours, read the others') every ``interval`` seconds."""
+        await self.join()
+        task_status.started()
+        while True:
+            await trio.sleep(self.interval)
+            await self.refresh()
+
+    async def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepReport:
+        """One step: this peer's micro-batches through the pipeline, then the stage-wise average."""
+        assert self.server is not None and self.router is not None and self.optimizer is not None
+        began = trio.current_time()
+        results: list[MicroBatch] = []
+        limit = trio.Semaphore(self.concurrency)
+        router = self.router
+
+        async def one(x: torch.Tensor, y: torch.Tensor) -> None:
+            async with limit:
+                results.append(await router.run(self.step_number, x, y))
+
+        async with trio.open_nursery() as nursery:
+            for x, y in micro_batches:
+                nursery.start_soon(one, x, y)
+        await self.server.quiet(idle=1.0, limit=self.pipeline.timeout)
+        grads, counted = self.server.close_step()
+        avg = await average_stage(
+            self.node.averager,
+            self.server.index,
+            grads,
+            counted,
+            members=self.members(),
+            timeout=max(30.0, 3 * self.pipeline.timeout),
+        )
+        if avg.applied:
+            for p, g in zip(self.server.params, grads, strict=True):
+                p.grad = g
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step_number += 1
+        self.server.open_step(self.step_number)
+        report = StepReport(
+            self.step_number,
+            self.server.index,
+            [r.loss for r in results if r.loss is not None],
+            sum(1 for r in results if r.loss is None),
+            sum(r.retries for r in results),
+            counted,
+            avg,
+            trio.current_time() - began,
+        )
+        self.metrics.steps.append(report)
+        return report
+
+    def weights_digest(self) -> str:
+        """A digest of this peer's stage weights: equal on every peer of a stage after every step."""
+        h = hashlib.blake2b(digest_size=16)
+        for p in self.stage.parameters():
+            h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()

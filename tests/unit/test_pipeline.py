@@ -1,0 +1,170 @@
+"""The pipeline's pure parts: the [pipeline] section, the split of the GPT, the activation codec and its
+checks, the router's choice of peer and a joiner's choice of stage."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from p2ptrain.averaging.compression import Compression
+from p2ptrain.config import parse_config
+from p2ptrain.errors import ConfigError, RemoteProtocolError
+from p2ptrain.identity import Identity
+from p2ptrain.pipeline import codec
+from p2ptrain.pipeline.directory import StagePeer, choose_stage
+from p2ptrain.pipeline.protocol import StageRecord
+from p2ptrain.pipeline.router import Candidate, pick
+from p2ptrain.pipeline.settings import PipelineSection
+from p2ptrain.pipeline.stages import build_stage, split_gpt, stage_loss
+from p2ptrain.tasks.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=32)
+
+
+def test_the_section_is_checked() -> None:
+    assert not PipelineSection().enabled
+    p = PipelineSection(stages=(0, 1, 3), compression="none")  # type: ignore[arg-type]
+    assert p.bounds(4) == [(0, 1), (1, 3), (3, 4)] and p.compression is Compression.NONE
+    for bad, words in [
+        ({"stages": (1, 2)}, "start with 0"),
+        ({"stages": (0, 2, 2)}, "increasing"),
+        ({"stages": (0,)}, "2 to"),
+        ({"micro_batch": 0}, "micro_batch"),
+        ({"check_fraction": 1.5}, "check_fraction"),
+        ({"compression": "topk1-q2"}, "top-k"),
+        ({"compression": "zip"}, "unknown compression"),
+        ({"timeout": 0.0}, "timeout"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            PipelineSection(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="at least one"):
+        PipelineSection(stages=(0, 4)).bounds(4)
+
+
+def test_a_run_file_takes_the_section() -> None:
+    run = parse_config({"pipeline": {"stages": [0, 2], "micro_batch": 2, "compression": "int8"}})
+    assert run.pipeline.stages == (0, 2) and run.pipeline.compression is Compression.INT8
+    with pytest.raises(ConfigError, match=r"pipeline\.nope"):
+        parse_config({"pipeline": {"nope": 1}})
+
+
+def _batch(seed: int, b: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (b, CFG.block_size + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def test_the_split_model_gives_the_unsplit_gradients_exactly() -> None:
+    torch.manual_seed(3)
+    full = GPT(CFG)
+    torch.manual_seed(3)
+    stages = split_gpt(GPT(CFG), PipelineSection(stages=(0, 1, 3)))
+    x, y = _batch(0)
+    loss = stage_loss(full(x), y)
+    loss.backward()
+    h = x
+    for stage in stages:
+        h = stage(h)
+    split_loss = stage_loss(h, y)
+    split_loss.backward()
+    assert split_loss.item() == loss.item()
+    first, last = stages[0], stages[-1]
+    assert first.wte is not None and last.lm_head is not None
+    tied = first.wte.weight.grad + last.lm_head.weight.grad  # type: ignore[operator]
+    torch.testing.assert_close(tied, full.wte.weight.grad, rtol=0, atol=1e-7)
+    for i, block in enumerate(full.blocks):
+        stage = next(s for s in stages if s.first_layer <= i < s.end_layer)
+        mine = stage.blocks[i - stage.first_layer]
+        for (name, p), q in zip(block.named_parameters(), mine.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-7, msg=name)
+    assert sum(s.num_parameters() for s in stages) == full.num_parameters() + CFG.vocab_size * CFG.n_embd
+
+
+def test_every_peer_builds_the_same_stage() -> None:
+    p = PipelineSection(stages=(0, 2))
+    a, b = build_stage(CFG, p, 1, seed=7), build_stage(CFG, p, 1, seed=7)
+    assert all(torch.equal(u, v) for u, v in zip(a.parameters(), b.parameters(), strict=True))
+    with pytest.raises(ValueError, match="dropout"):
+        split_gpt(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, dropout=0.1)), p)
+
+
+@pytest.mark.parametrize("mode", list(Compression)[:4])
+def test_activations_roundtrip_within_the_bound(mode: Compression) -> None:
+    x = torch.randn(2, 16, 32)
+    buf = codec.encode_tensor(x, mode)
+    assert len(memoryview(buf)) == codec.wire_size(mode, (2, 16, 32))
+    out = codec.decode_tensor(buf, mode, (2, 16, 32), 1e4, "test")
+    assert codec.agree(x, out, mode)
+    assert float((x - out).abs().max()) <= codec.tolerance(x, mode)
+
+
+def test_hostile_activations_are_refused() -> None:
+    x = torch.randn(2, 16, 32)
+    good = bytes(codec.encode_tensor(x, Compression.INT8))
+    shape = (2, 16, 32)
+    nan_scale = bytearray(good)
+    nan_scale[:4] = torch.tensor([float("nan")]).numpy().tobytes()
+    raw = bytearray(bytes(codec.encode_tensor(x, Compression.NONE)))
+    raw[8:12] = torch.tensor([float("inf")]).numpy().tobytes()
+    cases = [
+        (good[:-1], Compression.INT8, "bytes"),
+        (good + b"\0", Compression.INT8, "bytes"),
+        (bytes(nan_scale), Compression.INT8, "scale"),
+        (bytes(raw), Compression.NONE, "NaN or infinite"),
+        (bytes(codec.encode_tensor(x * 1e6, Compression.INT8)), Compression.INT8, "magnitude"),
+    ]
+    for buf, mode, words in cases:
+        with pytest.raises(RemoteProtocolError, match=words):
+            codec.decode_tensor(buf, mode, shape, 1e4, "test")
+    ids = torch.tensor([[1, 2], [3, 300]])
+    with pytest.raises(RemoteProtocolError, match="outside"):
+        codec.decode_tokens(codec.encode_tokens(ids), (2, 2), 256, "test")
+    with pytest.raises(RemoteProtocolError, match="bytes"):
+        codec.decode_tokens(codec.encode_tokens(ids)[:-1], (2, 2), 256, "test")
+    assert torch.equal(codec.decode_tokens(codec.encode_tokens(ids), (2, 2), 512, "t"), ids)
+
+
+def _peers(n: int) -> list[Identity]:
+    return [Identity.generate() for _ in range(n)]
+
+
+def test_the_router_weighs_by_throughput_and_queue() -> None:
+    ids = _peers(3)
+    cands = [
+        Candidate(ids[0].peer_id, "a", throughput=10.0),
+        Candidate(ids[1].peer_id, "b", throughput=30.0),
+        Candidate(ids[2].peer_id, "c", throughput=30.0, queue=2),
+    ]
+    rng = random.Random(1)
+    seen = Counter(pick(cands, rng, set()).address for _ in range(6000))  # type: ignore[union-attr]
+    # weights 10 : 30 : 10
+    assert (
+        0.15 < seen["a"] / 6000 < 0.25 and 0.55 < seen["b"] / 6000 < 0.65 and 0.15 < seen["c"] / 6000 < 0.25
+    )
+    assert pick(cands, rng, {ids[1].peer_id, ids[2].peer_id}).address == "a"  # type: ignore[union-attr]
+    assert pick(cands, rng, {i.peer_id for i in ids}) is None
+    fresh = [Candidate(ids[0].peer_id, "a"), Candidate(ids[1].peer_id, "b", throughput=4.0)]
+    assert {pick(fresh, rng, set()).address for _ in range(100)} == {"a", "b"}  # type: ignore[union-attr]
+
+
+def test_a_joiner_takes_the_stage_that_limits_the_swarm() -> None:
+    ids = _peers(4)
+
+    def peer(i: int, stage: int, speed: float) -> StagePeer:
+        return StagePeer(ids[i].peer_id, StageRecord(stage, 3, ("x",), speed))
+
+    assert choose_stage([], 3) == (0, "stage 0 has no peer")
+    assert choose_stage([peer(0, 0, 5.0), peer(1, 2, 5.0)], 3)[0] == 1
+    stage, why = choose_stage([peer(0, 0, 5.0), peer(1, 1, 2.0), peer(2, 2, 9.0)], 3)
+    assert stage == 1 and "lowest throughput" in why
+    # its own entry is left out: it asks as a newcomer
+    assert (
+        choose_stage(
+            [peer(0, 0, 5.0), peer(1, 1, 2.0), peer(2, 2, 9.0), peer(3, 1, 100.0)], 3, me=ids[3].peer_id
+        )[0]
+        == 1
+    )
