@@ -30,6 +30,7 @@ class Candidate:
     distance: int
     state: str = PENDING
     tries: int = 0
+    hops: int = 1  # queries on the chain that named it (a seed from the routing table: 1)
 
 
 class Lookup:
@@ -54,7 +55,7 @@ class Lookup:
         self.queries = 0
         self._add(seeds)
 
-    def _add(self, contacts: list[Contact]) -> int:
+    def _add(self, contacts: list[Contact], hops: int = 1) -> int:
         added = 0
         for c in contacts:
             if c.peer_id == self.local:
@@ -66,7 +67,7 @@ class Lookup:
             d = int.from_bytes(c.peer_id.digest, "big") ^ self._t
             if len(self._cands) >= self.max_candidates and not self._make_room(d):
                 continue
-            self._cands[c.peer_id] = Candidate(c, d)
+            self._cands[c.peer_id] = Candidate(c, d, hops=hops)
             added += 1
         return added
 
@@ -132,7 +133,7 @@ class Lookup:
         if cand is None or cand.state != IN_FLIGHT:
             return 0
         cand.state = ANSWERED
-        return self._add(contacts)
+        return self._add(contacts, cand.hops + 1)
 
     def on_failure(self, peer: PeerID) -> None:
         cand = self._cands.get(peer)
@@ -158,6 +159,13 @@ class Lookup:
         answered = [c for c in self._cands.values() if c.state == ANSWERED]
         answered.sort(key=lambda c: c.distance)
         return [c.contact for c in answered[: self.k if count is None else count]]
+
+    @property
+    def hops(self) -> int:
+        """Hops to the closest peer that answered: the length of the chain of answers that led to it
+        (1: the routing table knew it already; 0: nobody answered)."""
+        answered = [c for c in self._cands.values() if c.state == ANSWERED]
+        return min(answered, key=lambda c: c.distance).hops if answered else 0
 
     def failed(self) -> list[PeerID]:
         return [p for p, c in self._cands.items() if c.state == FAILED]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import trio
@@ -54,6 +54,7 @@ from .routing import Contact
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
 
+RECENT_LOOKUPS = 1024  # lookups remembered in Reader.recent_lookups
 # A direct read asks one more replica when none answered for this long
 READ_HEDGE = 1.0
 
@@ -80,6 +81,8 @@ class Reader:
         self._authors = authors
         self._clock = clock
         self._cache = ReadCache()  # what this node read last: replicas leave those entries out
+        # The last lookups' (hops, queries): how far a lookup goes in this swarm (simulations read it).
+        self.recent_lookups: deque[tuple[int, int]] = deque(maxlen=RECENT_LOOKUPS)
 
     def reads(self, kid: bytes) -> bool:
         """Whether this node read the key ``kid`` lately (only such keys take offered entries)."""
@@ -159,6 +162,7 @@ class Reader:
                 changed = trio.Event()
             # Converged (or has what it needs): queries still in flight cannot change the answer.
             nursery.cancel_scope.cancel()
+        self.recent_lookups.append((search.hops, search.queries))
         return [reached.get(c.peer_id, c) for c in search.closest()], found
 
     async def get(self, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:

@@ -27,6 +27,7 @@ import struct
 import sys
 import termios
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 
 import nacl.bindings  # noqa: F401  (importing it initializes libsodium: CPU feature detection)
@@ -106,6 +107,20 @@ class UnsentBudget:
         return want
 
 
+class FrameCarrier(trio.abc.Stream):
+    """A stream that carries whole frames rather than bytes (the message-level simulated network's,
+    ``messages``): it frames itself, and :func:`framed_stream` asks it to."""
+
+    @abstractmethod
+    def framed(self, max_frame: int) -> FramedStream: ...
+
+
+def framed_stream(stream: trio.abc.Stream, max_frame: int = 0) -> FramedStream:
+    """Length-prefixed framing over ``stream`` (or the stream's own, where it carries frames)."""
+    limit = max_frame or MAX_FRAME
+    return stream.framed(limit) if isinstance(stream, FrameCarrier) else FramedStream(stream, limit)
+
+
 class FramedStream:
     """Length-prefixed frames over a byte stream, with a hard frame size limit."""
 
@@ -141,6 +156,10 @@ class FramedStream:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionClosed(f"connection lost while sending: {e}") from None
         self.bytes_sent += n + LENGTH.size
+
+    def secure(self, keys: HandshakeResult, bodies: BodyBuffers | None = None) -> SecureChannel:
+        """The encrypted record channel over these frames, once the handshake gave ``keys``."""
+        return SecureChannel(self, keys, bodies)
 
     async def send_raw(self, data: memoryview) -> None:
         """Send bytes that already carry their length prefix (the encrypted channel's frames)."""

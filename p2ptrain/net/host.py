@@ -40,7 +40,7 @@ from ..identity import Identity, PeerID
 from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
 from .admission import Limits
-from .channel import MAX_FRAME, BodyBuffers, FramedStream, SecureChannel
+from .channel import MAX_FRAME, BodyBuffers, FramedStream, framed_stream
 from .connection import Connection, ConnectionConfig
 from .handshake import (
     MAX_HANDSHAKE_FRAME,
@@ -260,7 +260,7 @@ class Host:
                         f"cannot reach {address.host}:{address.port}: {_os_reason(e)}"
                     ) from None
                 try:
-                    framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+                    framed = framed_stream(stream, MAX_HANDSHAKE_FRAME)
                     await self._initiate(framed, address.peer_id)
                 finally:
                     await close_quietly(stream)
@@ -399,7 +399,7 @@ class Host:
         if self._nursery is None:
             await close_quietly(stream)
             raise PeerUnavailable("host is not running")
-        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        framed = framed_stream(stream, MAX_HANDSHAKE_FRAME)
         try:
             with trio.fail_after(self.config.handshake_timeout):
                 result = await self._initiate(framed, expected)
@@ -479,7 +479,7 @@ class Host:
     ) -> Connection:
         framed.max_frame = MAX_FRAME
         return Connection(
-            SecureChannel(framed, result, self._bodies),
+            framed.secure(result, self._bodies),
             result.remote_peer,
             outbound=outbound,
             remote_host=host,

@@ -24,7 +24,7 @@ import trio
 from ..errors import ConnectionClosed, HandshakeRefused, RemoteProtocolError
 from ..identity import PeerID
 from .admission import Arrivals, Limits, Slot, Tally, admit, subnet_of
-from .channel import FramedStream
+from .channel import FramedStream, framed_stream
 from .connection import Connection
 from .handshake import MAX_HANDSHAKE_FRAME, HandshakeResult, ResponderHandshake, reject_frame
 from .linger import Lingering
@@ -102,7 +102,7 @@ class Inbound:
     async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None:
         """A connection that reached this host through one of its relays: the handshake, then the
         connection, until it closes. It counts as coming from the relay's address (see ``relay``)."""
-        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        framed = framed_stream(stream, MAX_HANDSHAKE_FRAME)
         if self._relayed_inbound >= MAX_RELAYED_INBOUND:
             with trio.move_on_after(1.0):
                 await _send_quietly(framed, reject_frame("busy", "too many relayed connections; try later"))
@@ -159,7 +159,7 @@ class Inbound:
         """Serve ``stream`` as an inbound connection (the responder's handshake, admission included),
         until it closes: what the listener does with each accepted stream (and ``punch`` with a
         simultaneous open's)."""
-        framed = FramedStream(stream, MAX_HANDSHAKE_FRAME)
+        framed = framed_stream(stream, MAX_HANDSHAKE_FRAME)
         known = remote_host in self._protected_ips
         if not self._arrivals.allow(remote_host, trio.current_time()) and not known:
             _say(
