@@ -1,0 +1,344 @@
+"""Sharded sites: memory per rank and the outer round of a site of N ranks (FSDP2, gloo on the CPU).
+
+For each N (``--ranks``, default 1,2,4) one site trains the built-in GPT (``--size``, default ``350m``:
+GPT-2 medium's shape at the byte vocabulary, 302.6M parameters at a 64-byte context) with AdamW inner
+steps under FSDP2 (every block a unit, the root the rest), then takes one DiLoCo outer round: every rank
+streams its shard of the pseudo-gradient into rank 0's wire buffer piece by piece
+(``ShardedOuter.contribute``), rank 0 reads and writes the whole wire vector once as an averaging round
+does in place (a stand-in for the round: the network is not part of this measurement), and the landing
+scatters the pieces back and steps every rank's shard of the outer state (``land``). Measured per rank:
+
+* the **footprint** before the model exists (imports, gloo, one FSDP2 step of a 1-layer model: the
+  libraries and their buffers), then the kernel's high-water mark reset (``/proc/self/clear_refs``);
+* the **peak RSS** of each phase (build, inner steps, outer round), each phase's high-water mark read
+  from ``VmHWM`` and reset after it;
+* the **multiple**: (peak - footprint) / (4 x parameters), the figure the issue targets at
+  ``7 / N + 0.5`` (2.25 at N = 4; unsharded DiLoCo peers measure 5.5-5.8, see the scale benchmark).
+
+Also: an **unsharded peer's** outer step (``OuterStep.pseudo_gradients`` and ``step``, same size, one
+process) against the site's (``contribute`` + ``land``), the time a site adds around a round whose bytes on
+the wire are the same; and **two sites** of 2 ranks each (``--pair-size``, default ``10m``), each training
+on its own data, whose rank 0s exchange their wire vectors (a stand-in for the averager, which
+tests/integration/test_sharded_swarm.py runs for real) and average them: after every outer step the two
+sites' global parameters must hash the same.
+
+Usage::
+
+    python -m simulations.bench_sharded [--size 350m] [--ranks 1,2,4] [--compression none|topk3-q4]
+        [--inner 2] [--pair-size 10m] [--skip-pair] [--json PATH] [--timeout 1800]
+
+The JSON report goes to PATH (default ``simulations/results/sharded.json``; ``-``: stdout), a table to
+stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from simulations.benchmarks.environment import environment, write_report
+
+DEFAULT_JSON = "simulations/results/sharded.json"
+SIZES: dict[str, tuple[int, int, int]] = {
+    "10m": (6, 6, 384),
+    "124m": (25, 10, 640),
+    "350m": (24, 16, 1024),
+    "1b": (36, 20, 1520),
+}
+BLOCK_SIZE = 64
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _config(size: str) -> Any:
+    from p2ptrain.tasks.gpt import GPTConfig
+
+    n_layer, n_head, n_embd = SIZES[size]
+    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=BLOCK_SIZE)
+
+
+def _sharded_gpt(cfg: Any, mesh: Any, seed: int) -> torch.nn.Module:
+    """The GPT built on the meta device, sharded (a unit per block, the root the rest), then each rank's
+    shards filled from a per-parameter seed: the same values for any N, no full tensor but one
+    parameter's at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    from p2ptrain.tasks.gpt import GPT
+    from p2ptrain.training.site.layout import rows_of
+    from p2ptrain.training.site.outer import local_of
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    world, rank = mesh.size(), mesh.get_local_rank()
+    with torch.no_grad():
+        for k, (name, p) in enumerate(model.named_parameters()):
+            g = torch.Generator().manual_seed(seed * 100_003 + k)
+            if name.endswith("bias"):
+                full = torch.zeros(p.shape)
+            elif "ln" in name:
+                full = torch.ones(p.shape)
+            else:
+                full = torch.randn(p.shape, generator=g) * 0.02
+            rows = rows_of(p.shape[0], world, rank)
+            local_of(p).copy_(full[rows.start : rows.stop])
+    return model
+
+
+def _inner(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> float:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 256, (1, BLOCK_SIZE + 1), generator=g)
+    logits = model(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _footprint(mesh: Any) -> int:
+    """The process's peak RSS once everything but the model is loaded (a tiny FSDP2 step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from p2ptrain.tasks.gpt import GPT, GPTConfig
+
+    tiny = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
+    fully_shard(tiny, mesh=mesh)
+    opt = torch.optim.AdamW(tiny.parameters())
+    tiny(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    del tiny, opt
+    return _status("VmHWM")
+
+
+def site_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from p2ptrain.averaging.compression import Compression, all_finite
+    from p2ptrain.config import DilocoSection
+    from p2ptrain.training.site.layout import WireLayout
+    from p2ptrain.training.site.outer import ShardedOuter
+    from p2ptrain.training.site.pieces import PieceChannel
+    from p2ptrain.training.site.wire import WireBuffer
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {"rank": rank, "footprint_bytes": _footprint(mesh)}
+    _reset_peak()
+    cfg = _config(spec["size"])
+    model = _sharded_gpt(cfg, mesh, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    names = [n for n, _ in model.named_parameters()]
+    layout = WireLayout(names, [p.shape for p in model.parameters()], world)
+    outer = ShardedOuter(
+        list(model.parameters()),
+        layout,
+        PieceChannel(layout, rank),
+        DilocoSection(),
+        Compression(spec["compression"]),
+    )
+    out["parameters"] = layout.total
+    dist.barrier()
+    out["build_peak_bytes"] = _status("VmHWM")
+    _reset_peak()
+    began = time.perf_counter()
+    for k in range(spec["inner"]):
+        _inner(model, opt, seed=1000 * rank + k)
+    dist.barrier()
+    out["inner_s"] = round((time.perf_counter() - began) / spec["inner"], 3)
+    out["inner_peak_bytes"] = _status("VmHWM")
+    _reset_peak()
+    every = range(len(names))
+    began = time.perf_counter()
+    wire = WireBuffer(layout.total) if rank == 0 else None
+    outer.contribute(every, wire)
+    dist.barrier()
+    out["contribute_s"] = round(time.perf_counter() - began, 3)
+    if wire is not None:  # what an in-place round touches: it reads every value and writes the mean
+        assert all_finite(wire.flat)
+        wire.flat.mul_(1.0)
+    began = time.perf_counter()
+    outer.land(every, wire, committed=True)
+    dist.barrier()
+    out["land_s"] = round(time.perf_counter() - began, 3)
+    if wire is not None:
+        wire.close()
+    out["round_peak_bytes"] = _status("VmHWM")
+    out["maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(spec["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def unsharded(spec: dict[str, Any]) -> dict[str, Any]:
+    """An unsharded peer's outer step at the same size: the time around a round a site compares with."""
+    from p2ptrain.averaging.compression import Compression
+    from p2ptrain.config import DilocoSection
+    from p2ptrain.tasks.gpt import GPT
+    from p2ptrain.training.optimizer.buffers import Contribution
+    from p2ptrain.training.optimizer.outer import OuterStep
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    model = GPT(_config(spec["size"]))
+    params = list(model.parameters())
+    contribution = Contribution(params, [range(len(params))], diloco=True, summed=False)
+    outer = OuterStep(
+        params, contribution, DilocoSection(outer_state="memory"), Compression(spec["compression"])
+    )
+    began = time.perf_counter()
+    outer.pseudo_gradients()
+    if outer.feedback is not None:
+        outer.feedback.fold(contribution.buffer, 0)
+    pseudo = time.perf_counter() - began
+    began = time.perf_counter()
+    outer.step(after=outer.reset_local)
+    return {"pseudo_gradient_s": round(pseudo, 3), "step_s": round(time.perf_counter() - began, 3)}
+
+
+def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """Two sites of ``world // 2`` ranks; their rank 0s (global 0 and world // 2) swap wire vectors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from p2ptrain.averaging.compression import Compression
+    from p2ptrain.config import DilocoSection
+    from p2ptrain.training.site.layout import WireLayout
+    from p2ptrain.training.site.outer import ShardedOuter
+    from p2ptrain.training.site.pieces import PieceChannel
+    from p2ptrain.training.site.wire import WireBuffer
+
+    torch.set_num_threads(1)
+    per = world // 2
+    mesh = init_device_mesh("cpu", (2, per), mesh_dim_names=("site", "shard"))["shard"]
+    site, local = divmod(rank, per)
+    model = _sharded_gpt(_config(spec["pair_size"]), mesh, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    names = [n for n, _ in model.named_parameters()]
+    layout = WireLayout(names, [p.shape for p in model.parameters()], per)
+    channel = PieceChannel(layout, local, group=mesh.get_group())
+    outer = ShardedOuter(
+        list(model.parameters()), layout, channel, DilocoSection(), Compression(spec["compression"])
+    )
+    digests = []
+    for step in range(spec["pair_steps"]):
+        for k in range(spec["inner"]):
+            _inner(model, opt, seed=10_000 * site + 100 * local + 10 * step + k)
+        wire = WireBuffer(layout.total) if local == 0 else None
+        outer.contribute(range(len(names)), wire)
+        if wire is not None:  # the two faces swap their contributions and take the same mean
+            theirs = torch.empty_like(wire.flat)
+            other = per if site == 0 else 0
+            if site == 0:
+                dist.send(wire.flat.clone(), dst=other)
+                dist.recv(theirs, src=other)
+            else:
+                dist.recv(theirs, src=other)
+                dist.send(wire.flat.clone(), dst=other)
+            mean = (wire.flat + theirs) / 2 if site == 0 else (theirs + wire.flat) / 2
+            wire.flat.copy_(mean)
+        outer.land(range(len(names)), wire, committed=True)
+        if wire is not None:
+            wire.close()
+        h = hashlib.sha256()
+        for g in outer.global_params:
+            h.update(g.full_tensor().numpy().tobytes())
+        digests.append(h.hexdigest())
+    if local == 0:
+        Path(spec["out"]).joinpath(f"pair{site}.json").write_text(json.dumps({"digests": digests}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from p2ptrain.training.site import launch
+
+    ap = argparse.ArgumentParser(
+        prog="python -m simulations.bench_sharded", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--size", default="350m", choices=sorted(SIZES))
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--compression", default="none")
+    ap.add_argument("--inner", type=int, default=2)
+    ap.add_argument("--pair-size", default="10m", choices=sorted(SIZES))
+    ap.add_argument("--pair-steps", type=int, default=3)
+    ap.add_argument("--skip-pair", action="store_true")
+    ap.add_argument("--json", default=DEFAULT_JSON)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    spec: dict[str, Any] = {"size": args.size, "compression": args.compression, "inner": args.inner}
+    report: dict[str, Any] = {
+        "benchmark": "sharded",
+        "command": "python -m simulations.bench_sharded "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "environment": environment(("torch",)),
+        "size": args.size,
+        "compression": args.compression,
+        "sites": [],
+    }
+    rows = [
+        f"{'ranks':>5} {'rank':>4} {'multiple':>8} {'inner':>8} {'round':>8} {'target':>7}"
+        "  (peak RSS - footprint) / fp32 bytes"
+    ]
+    for n in [int(x) for x in args.ranks.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            launch.spawn(site_rank, n, {**spec, "out": tmp}, timeout=args.timeout)
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(n)]
+        fp32 = 4 * ranks[0]["parameters"]
+        for r in ranks:
+            for phase in ("build", "inner", "round"):
+                r[f"{phase}_multiple"] = round((r[f"{phase}_peak_bytes"] - r["footprint_bytes"]) / fp32, 3)
+            r["multiple"] = max(r["build_multiple"], r["inner_multiple"], r["round_multiple"])
+        target = round(7 / n + 0.5, 3)
+        report["sites"].append(
+            {"ranks": n, "parameters": ranks[0]["parameters"], "target": target, "per_rank": ranks}
+        )
+        for r in ranks:
+            rows.append(
+                f"{n:>5} {r['rank']:>4} {r['multiple']:>8.2f} {r['inner_multiple']:>8.2f}"
+                f" {r['round_multiple']:>8.2f} {target:>7.2f}"
+                f"  inner step {r['inner_s']} s, contribute {r['contribute_s']} s, land {r['land_s']} s"
+            )
+    report["unsharded_outer_step"] = unsharded(spec)
+    rows.append(f"unsharded peer's outer step at {args.size}: {report['unsharded_outer_step']}")
+    if not args.skip_pair:
+        with tempfile.TemporaryDirectory() as tmp:
+            pair = {**spec, "pair_size": args.pair_size, "pair_steps": args.pair_steps, "out": tmp}
+            launch.spawn(pair_rank, 4, pair, timeout=args.timeout)
+            a, b = (json.loads(Path(tmp, f"pair{s}.json").read_text())["digests"] for s in (0, 1))
+        report["two_sites"] = {
+            "size": args.pair_size,
+            "ranks_each": 2,
+            "steps": args.pair_steps,
+            "identical_after_every_step": a == b,
+            "digests": a,
+        }
+        rows.append(
+            f"two sites of 2 ranks at {args.pair_size}: identical global parameters after every step:"
+            f" {a == b}"
+        )
+    write_report(report, None if args.json == "-" else args.json, "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
