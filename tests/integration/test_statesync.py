@@ -263,16 +263,49 @@ async def test_a_late_joiner_behind_a_slow_link_catches_up(autojump_clock: objec
 
 async def test_an_offer_newer_than_the_records_is_taken_once_they_name_it(autojump_clock: object) -> None:
     """A donor that stepped since the joiner read the records offers a step no record names yet: the
-    joiner looks again as its records catch up (a second here), instead of failing the attempt; a step
-    that no record ever names is never taken."""
+    joiner downloads it at once (every chunk checked against the donor's own root) and hands it over
+    when its records name that root, instead of failing the attempt and starting over (the retry loop of
+    "offers step N, for which no peer published a digest", each retry finding the swarm a step further)."""
     async with swarm(run_config("sync"), model=big_model) as s:
         (donor,), joiner = await donors_and_joiner(s, 1)
-        known_from = trio.current_time() + 1.5
+        known_from = trio.current_time() + 5.0
 
         def records_catch_up(epoch: int) -> bytes:
             return donor.opt.digest if trio.current_time() >= known_from else b""
 
-        got = await fetcher(joiner).fetch(records([donor]), want_epoch=2, expected=records_catch_up)
+        f = fetcher(joiner)
+        got = await f.fetch(records([donor]), want_epoch=2, expected=records_catch_up)
         assert got.epoch == 2 and trio.current_time() >= known_from
-        with pytest.raises(PeerUnavailable, match="no peer published a digest"):
-            await fetcher(joiner).fetch(records([donor]), want_epoch=2, expected=lambda e: b"")
+        assert not any("no peer published a digest" in line for line in f.failures)
+        joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+        assert joiner.opt.digest == donor.opt.digest
+
+
+async def test_a_state_no_record_names_is_never_handed_over_and_not_fetched_twice(
+    autojump_clock: object,
+) -> None:
+    """Never named: the attempt ends after ``CONFIRM_WAIT`` with the complete state kept, not handed
+    over; once the records name it, the next attempt hands it over without a byte more. A root the
+    records refute is dropped and its donor blamed."""
+    async with swarm(run_config("sync"), model=big_model) as s:
+        (donor,), joiner = await donors_and_joiner(s, 1)
+        named = False
+        f = fetcher(joiner)
+        with pytest.raises(PeerUnavailable, match="no trusted record names its digest yet"):
+            await f.fetch(
+                records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest if named else b""
+            )
+        assert f.partial is not None and f.partial.complete
+        served = chunks_served(donor)
+        named = True
+        got = await f.fetch(records([donor]), want_epoch=2, expected=lambda e: donor.opt.digest)
+        assert got.epoch == 2 and chunks_served(donor) == served
+        # a root the records refute: nothing handed over, the donor blamed
+        other = fetcher(joiner)
+
+        def refuted_once_in(epoch: int) -> bytes:
+            return b"\x02" * 32 if other.partial is not None and other.partial.complete else b""
+
+        with pytest.raises(PeerUnavailable, match="not the one the trusted records name"):
+            await other.fetch(records([donor]), want_epoch=2, expected=refuted_once_in)
+        assert other.partial is None and other.blamed == {donor.node.peer_id}

@@ -333,10 +333,10 @@ async def test_a_diloco_peer_that_missed_a_round_carries_its_work_into_the_next(
             opt = late.opt
             return opt.samples, [p.detach() - g for p, g in zip(opt.params, opt.global_params, strict=True)]
 
-        def watched() -> bool:
+        async def watched() -> bool:
             flight = late.opt.shared.download
             before = local_progress() if flight is not None and flight.done.is_set() else None
-            replaced = real_land()
+            replaced = await real_land()
             if replaced and before is not None and "after" not in seen:
                 seen["before"], seen["after"] = before, local_progress()
             return replaced

@@ -167,6 +167,7 @@ class CollaborativeOptimizer:
             wake=self.wake,
             clock=clock,
             on_download_progress=on_download_progress,
+            local=self.local,
         )
         self.board = ProgressBoard(
             node,
@@ -275,14 +276,14 @@ class CollaborativeOptimizer:
             await shared.off_loop(self.local.accumulate, samples)
         tally.count(samples, self.clock())
         changed = await self._land_round()
-        changed = self._land_download() or changed
+        changed = await self._land_download() or changed
         flight = shared.download
         if flight is not None and flight.carry_from is None and rounds.in_flight is None:
             # Nothing computed meanwhile would survive the download (sync accumulators are reset, and
             # DiLoCo carries local progress only one step): the link and the CPU are the download's.
             await flight.done.wait()
             await shared.unheld()
-            changed = self._land_download() or changed
+            changed = await self._land_download() or changed
         if rounds.in_flight is not None or shared.download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self.board.update_view()
@@ -330,9 +331,9 @@ class CollaborativeOptimizer:
         self._advance(*landed)
         return True
 
-    def _land_download(self) -> bool:
-        """A background download, applied once it is in; True when the state was replaced."""
-        if not self.shared.land_download():
+    async def _land_download(self) -> bool:
+        """A background download or replay, applied once it is in; True when the state was replaced."""
+        if not await self.shared.land_download():
             return False
         self.state_changed()
         return True
@@ -347,9 +348,11 @@ class CollaborativeOptimizer:
         if outer is not None:
             outer.pseudo_gradients()
             outer.flush_feedback()  # nothing to send: what earlier rounds left out goes in whole
+            self.shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
             outer.step(after=outer.reset_local)
         else:
             self.contribution.buffer.div_(weight)
+            self.shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
             self.local.apply(self.contribution.buffer)
         self.tally.took(weight)
         self.tally.counting_from(self.clock())

@@ -236,6 +236,7 @@ class RoundRunner:
             return None
         outer.unfold(before, committed=True)
         self.contribution.relay(result.retired)
+        await self.state.keep_result(self.tally.epoch, buffer.views)  # for peers behind (``state.replay``)
         await self.state.unheld()
         outer.step(after=outer.reset_local)
         self.tally.took(weight)
@@ -359,13 +360,16 @@ class RoundRunner:
                 with torch.no_grad():
                     params[i].add_(global_params[i])
 
+            await self.state.keep_result(self.tally.epoch, tensors.views)  # for peers behind
             await self.state.off_loop(outer.step, progress, on_top)
             self.contribution.relay(outcome.retired)
             self.tally.took(weight)
             self.tally.counting_from(flight.since)
         elif tensors.sendable:  # averaged in place: the round may relay from them a while; then freed
+            await self.state.keep_result(self.tally.epoch, tensors.views)  # for peers behind
             await self.state.off_loop(self.local.apply, tensors, False)
         else:
+            await self.state.keep_result(self.tally.epoch, tensors.views)
             await self.state.off_loop(self.local.apply, tensors)
             self.contribution.keep_spare(tensors)
         return outcome, weight

@@ -9,7 +9,9 @@ when the state is large: meanwhile the state is *held* (a finished round or down
 until the hold ends), never copied in memory. Work that changes the state in a worker thread (an inner
 step, applying a round: :meth:`SharedState.off_loop`) keeps snapshots waiting the other way round. A peer
 that is behind or diverged downloads the state in the background (``state.download``) and applies it
-between two batches.
+between two batches; one at most ``statesync.replay_steps`` steps behind, on the trusted lineage, instead
+fetches the missed steps' results and replays them (``state.replay``: each step's result is kept here,
+served to others, and a replayed one is checked against the trusted digest of the step it leads to).
 
 :class:`SharedState` owns all of that; the optimizer tells it when a step changed the state
 (:meth:`SharedState.changed`).
@@ -25,15 +27,18 @@ from typing import Any
 import torch
 import trio
 
+from ...averaging.compression import Compression
 from ...config import RunConfig
 from ...errors import P2PError, RemoteProtocolError
 from ...node import Node
 from ..state import capture, chunks, serve
 from ..state.download import Downloaded, Fetcher, Partial, ProgressFn, fill_from
+from ..state.replay import Fetched, Replay, ResultFetcher, ResultStore
 from ..state.serve import LiveState, Snapshot, StateServer
 from .bookkeeping import RoundStats, Tally
-from .buffers import Contribution
+from .buffers import Contribution, ParamBuffer
 from .feedback import FEEDBACK
+from .local_steps import LocalSteps
 from .outer import OuterStep
 from .progress import SwarmView
 from .wake import Wake
@@ -50,7 +55,8 @@ class Download:
 
     done: trio.Event
     carry_from: int | None  # diloco: the epoch whose local progress is carried onto the downloaded state
-    outcome: Downloaded | P2PError | None = None
+    outcome: Downloaded | Replay | P2PError | None = None
+    expected: Callable[[int], bytes] = lambda epoch: b""  # the trusted digest of a step (a replay's check)
 
 
 class SharedState:
@@ -72,12 +78,13 @@ class SharedState:
         wake: Wake,
         clock: Callable[[], float],
         on_download_progress: ProgressFn | None = None,
+        local: LocalSteps | None = None,
     ) -> None:
         """``wake`` is set whenever the digest changed (the progress records say it);
         ``on_download_progress`` is called with the bytes received and expected by a download."""
         self.model, self.optimizer, self.params, self.names = model, optimizer, params, names
         self.tally, self.contribution, self.outer, self.stats = tally, contribution, outer, stats
-        self.wake, self.clock = wake, clock
+        self.wake, self.clock, self.local = wake, clock, local
         self.param_bytes = sum(p.numel() * p.element_size() for p in params)
         self._nursery: trio.Nursery | None = None
         self._version = 0  # bumped whenever the state changes
@@ -104,6 +111,21 @@ class SharedState:
             max_donors=s.max_donors,
             on_progress=self._on_download_progress,
         )
+        # the last few steps' results, served to peers that are behind (see ``state.replay``)
+        self.replay_steps = s.replay_steps
+        self.results = ResultStore(
+            node.host.registry if s.serve else None, s.replay_steps, lambda epoch: self.hashed.get(epoch, b"")
+        )
+        self.replayer = ResultFetcher(node.host, chunk_timeout=s.chunk_timeout)
+        compression = config.averaging.compression
+        self._compact = {Compression.FP16: [torch.float16], Compression.BF16: [torch.bfloat16]}.get(
+            compression, []
+        )
+        self._replay_failed = -1  # the step a replay was refuted on: the next catch-up downloads
+        self.downloads = 0  # full state downloads applied
+        self.replayed = 0  # steps caught up by replaying their results
+        self.replayed_bytes = 0
+        self._checked: list[bytes] = []  # the chunk hashes of a replayed state, checked as it landed
         self._rehash()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -123,7 +145,11 @@ class SharedState:
         self._version += 1
         if self.server is not None:
             self.server.invalidate()
-        self._rehash()
+        checked, self._checked = self._checked, []
+        if checked:
+            self.set_digest(self.live(), checked)
+        else:
+            self._rehash()
         self.wake.set()
 
     def capture(self, copy: bool = True, own: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -219,7 +245,7 @@ class SharedState:
         self.digest = chunks.root(live.epoch, live.layout, hashes)
         self.hashed[live.epoch] = self.digest
         self._digest_set.set()
-        for old in sorted(self.hashed)[:-HASHED_KEPT]:
+        for old in sorted(self.hashed)[: -max(HASHED_KEPT, self.replay_steps + 2)]:
             del self.hashed[old]
         self.wake.set()
 
@@ -302,8 +328,10 @@ class SharedState:
     # ---- downloads ----
 
     def start_download(self, view: SwarmView, expected: Callable[[int], bytes]) -> None:
-        """Download the state most peers hold (we are behind, or diverged), in the background: compute
-        goes on meanwhile, and ``step`` applies the state between two batches once it is in.
+        """Catch up with the state most peers hold (we are behind, or diverged), in the background:
+        compute goes on meanwhile, and ``step`` applies what came between two batches. A peer at most
+        ``replay_steps`` behind whose own state the trusted records vouch for fetches the missed steps'
+        results (``state.replay``); otherwise, or when no peer serves them, it downloads the state.
         ``expected(epoch)``: the digest the peers this one trusts vouch for (see ``ProgressBoard``)."""
         assert self._nursery is not None
         epoch = self.tally.epoch
@@ -312,11 +340,33 @@ class SharedState:
         # DiLoCo, one step behind (this peer missed the last round): its local progress since the global
         # parameters it holds is carried onto the new ones, so the work rolls into the next round.
         carry = self.outer is not None and view.behind and view.newest == epoch + 1
-        flight = self.download = Download(trio.Event(), epoch if carry else None)
+        flight = self.download = Download(trio.Event(), epoch if carry else None, expected=expected)
         want = view.newest if view.behind else epoch
+        start = self.digest
+        replay = (
+            view.behind
+            and want - epoch <= self.replay_steps
+            and bool(start)
+            and start == expected(epoch)
+            and self._replay_failed != epoch
+        )
 
         async def run() -> None:
             try:
+                if replay:
+                    try:
+                        flight.outcome = await self.replayer.fetch(
+                            view.donors,
+                            first=epoch,
+                            last=want,
+                            start=start,
+                            expected=expected,
+                            layout=self.result_layout,
+                            bound=self.results.scale(),
+                        )
+                        return
+                    except P2PError as e:
+                        log.info("no replay of steps %d-%d (%s): downloading the state", epoch, want - 1, e)
                 flight.outcome = await self.fetcher.fetch(
                     view.donors, want_epoch=want, expected=expected, reuse=self.reuse
                 )
@@ -333,14 +383,135 @@ class SharedState:
         if live.hashes is not None:
             await self.read_in_thread(fill_from, partial, live)
 
-    def land_download(self) -> bool:
-        """Apply a background download once it is in; True when the state was replaced (the caller
-        then says the state changed)."""
+    # ---- step results: kept for others, replayed when behind ----
+
+    def result_layout(self, epoch: int) -> tuple[range, int, torch.dtype]:
+        """The parameters step ``epoch``'s result updates here, their element count and dtype."""
+        slots = self.contribution.fragments[epoch % len(self.contribution.fragments)]
+        count = sum(self.params[i].numel() for i in slots)
+        dtype = self.params[slots.start].dtype if len(slots) else torch.float32
+        return slots, count, dtype
+
+    async def keep_result(self, epoch: int, values: list[torch.Tensor]) -> None:
+        """Keep the result that takes step ``epoch``'s state to the next (the parameters of the step's
+        fragment, in order), to serve it to peers that are behind; call it before the step applies it."""
+        if not self.results.keep_count:
+            return
+        slots, _, _ = self.result_layout(epoch)
+        if len(values) != len(slots):
+            return  # (not expected: a result for another fragment is not kept rather than kept wrong)
+        if self.param_bytes < serve.THREAD_BYTES:
+            self.results.keep(epoch, slots, values, self._compact)
+        else:
+            await trio.to_thread.run_sync(self.results.keep, epoch, slots, values, self._compact)
+
+    def keep_result_now(self, epoch: int, values: list[torch.Tensor]) -> None:
+        """:meth:`keep_result`, blocking (a step alone, from synchronous code)."""
+        slots, _, _ = self.result_layout(epoch)
+        if self.results.keep_count and len(values) == len(slots):
+            self.results.keep(epoch, slots, values, self._compact)
+
+    def _apply_result(self, got: Fetched) -> None:
+        """Apply one replayed step's result, as the step's members applied it (blocking)."""
+        self.tally.moved_to(got.epoch)
+        self.contribution.fit(got.epoch)
+        slot_params = [self.params[i] for i in got.slots]
+        outer = self.outer
+        buffer = self.contribution.unrelayed() if outer is not None else ParamBuffer(slot_params)
+        off = 0
+        with torch.no_grad():
+            for view in buffer.views:
+                view.copy_(got.values[off : off + view.numel()].view(view.shape))
+                off += view.numel()
+        if outer is not None:
+            outer.step()
+        else:
+            assert self.local is not None
+            self.local.apply(buffer)
+        self.tally.moved_to(got.epoch + 1)
+
+    async def _replay(self, flight: Download, replay: Replay) -> bool:
+        """Apply ``replay``'s results in order, each checked against the trusted digest of the step it
+        leads to; True when at least one step was taken. A result the digest refutes leaves the state off
+        the swarm's lineage: its sender is blamed, and the next catch-up downloads the state."""
+        outer = self.outer
+        first = self.tally.epoch
+        if replay.first != first:
+            return False  # (the state moved meanwhile: not expected, nothing to apply)
+        local: list[torch.Tensor] = []
+        carried = flight.carry_from is not None and len(replay.results) == 1 and outer is not None
+        if outer is not None and carried:
+            local = [p - g for p, g in zip(self.params, outer.global_params, strict=True)]
+        samples, since = self.tally.samples, self.tally.since
+        applied = 0
+        hashes: list[bytes] = []
+        for got in replay.results:
+            await self.off_loop(self._apply_result, got)
+            live = self.live()
+            if live.layout.size < serve.THREAD_BYTES:
+                hashes = chunks.hash_chunks(live.layout, live.tensors, live.source)
+            else:
+                hashes = await self.read_in_thread(chunks.hash_chunks, live.layout, live.tensors, live.source)
+            digest = chunks.root(live.epoch, live.layout, hashes)
+            trusted = flight.expected(got.epoch + 1) or got.after
+            if digest != trusted:
+                self.replayer.blamed.add(got.peer)
+                self.fetcher.blamed.add(got.peer)
+                log.warning(
+                    "step %d's result from %s does not lead to the state the trusted records name: %s is"
+                    " blamed, and this peer downloads the state",
+                    got.epoch,
+                    got.peer.short(),
+                    got.peer.short(),
+                )
+                self._replay_failed = got.epoch + 1
+                self.sync_retry_at = 0.0
+                hashes = []
+                break
+            applied += 1
+            self.replayed += 1
+            self.replayed_bytes += got.size
+        if outer is not None:
+            with torch.no_grad():
+                for i in range(len(self.params)):
+                    outer.reset_local(i)
+                if carried and applied:
+                    for p, d in zip(self.params, local, strict=True):
+                        p.add_(d)
+        else:
+            self.contribution.buffer.zero_()  # gradients of parameters this peer no longer holds
+        self.tally.forget_cohort()  # no round of ours vouches for these steps
+        if carried and applied:
+            self.tally.carry(samples, since)
+        else:
+            self.tally.counting_from(self.clock())
+        if applied:
+            self.stats.note_sync(self.tally.epoch, replay.results[0].peer.short())
+            peers = sorted({r.peer.short() for r in replay.results[:applied]})
+            log.info(
+                "now on step %d: replayed %d step(s) from step %d (%.1f MB from %s in %.1f s)%s",
+                self.tally.epoch,
+                applied,
+                first,
+                sum(r.size for r in replay.results[:applied]) / 1e6,
+                ", ".join(peers),
+                replay.seconds,
+                f"; {samples} samples of local progress carried into it" if carried and applied else "",
+            )
+        self._checked = hashes  # the digest just checked is the new state's: ``changed`` needs no hash
+        return True
+
+    async def land_download(self) -> bool:
+        """Apply a background download or replay once it is in; True when the state was replaced (the
+        caller then says the state changed)."""
         flight = self.download
         if flight is None or not flight.done.is_set() or self.holds:
             return False
         self.download = None
         got = flight.outcome
+        if isinstance(got, Replay):
+            await self.unheld()
+            return await self._replay(flight, got)
         outer = self.outer
         try:
             if not isinstance(got, Downloaded):
@@ -356,17 +527,20 @@ class SharedState:
             log.warning("could not catch up (%s); retrying in %.0f s", e, RETRY_SYNC)
             self.sync_retry_at = self.clock() + RETRY_SYNC
             return False
+        self.downloads += 1
+        self._replay_failed = -1
         carried = flight.carry_from is not None and self.tally.epoch == flight.carry_from + 1
         if carried:
             with torch.no_grad():
                 for p, d in zip(self.params, local, strict=True):
                     p.add_(d)
             self.tally.carry(samples, counting_since)
-        self.stats.note_sync(self.tally.epoch, got.donor.short())
+        donor = got.donors[0].short() if got.donors else "this peer's own chunks"
+        self.stats.note_sync(self.tally.epoch, donor)
         log.info(
             "now on step %d (state from %s)%s",
             self.tally.epoch,
-            got.donor.short(),
+            donor,
             f"; {self.tally.samples} samples of local progress carried into it" if carried else "",
         )
         return True

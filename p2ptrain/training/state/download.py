@@ -3,11 +3,18 @@
 Theory of operation: :class:`Fetcher` downloads one state (named by its root digest) and keeps what it
 has across attempts, so a broken connection or a failed attempt never costs a byte already received.
 
-1. *Offers*: every candidate donor is asked (concurrently) what it offers for the wanted epoch. An offer
-   counts only if its epoch is at least the wanted one, its size fits what this model could need, and
-   its root is the digest the swarm's progress records report for that epoch (``expected``). Among the
-   acceptable roots the one already partly downloaded wins, then the newest epoch, then the one most
-   donors offer.
+1. *Offers*: every candidate donor is asked (concurrently) what it offers for the wanted epoch; an offer
+   names its step and the root digest of the state it serves. An offer counts only if its epoch is at
+   least the wanted one, its size fits what this model could need, and its root is the digest the
+   swarm's trusted progress records report for that epoch (``expected``). Among the acceptable roots the
+   one already partly downloaded wins, then the newest epoch, then the one most donors offer. A donor
+   that stepped since the records were read offers a step no record names yet: when no offer is
+   acceptable, such an offer is downloaded all the same (its chunks are checked against its own root as
+   always), and the state is handed over only once the trusted records name that root for its step
+   (``confirm``: the records catch up within a progress interval or two; a root they refute is
+   dropped and its donors are blamed; one still unnamed after ``CONFIRM_WAIT`` is kept, complete, for
+   the next attempt). Nothing is applied that trusted records do not name, and no attempt fails and
+   starts over just because the swarm stepped meanwhile.
 2. *Manifest*: the layout header, the chunk hashes and the metadata, from one donor of that root; the
    root is recomputed from them (it commits to the epoch, the layout and every hash), so a donor cannot
    change any of it. Destination tensors are allocated from the layout (pages untouched until written).
@@ -64,8 +71,8 @@ STREAMS_PER_DONOR = 2  # two ranges in flight per donor hide the gap between req
 RANGE = 16  # chunks per request
 BUSY_BACKOFF = 1.0  # seconds before asking a busy donor again
 MAX_BUSY = 30  # busy answers in a row before a donor is given up
-UNKNOWN_RETRIES = 5  # looks at the offers again when they name a step no record names yet...
-UNKNOWN_WAIT = 1.0  # ...this many seconds apart
+UNKNOWN_WAIT = 1.0  # seconds between looks at the records while a step no record names yet is confirmed
+CONFIRM_WAIT = 60.0  # seconds a downloaded state waits for the trusted records to name its root
 
 ProgressFn = Callable[[int, int], None]
 """Called with (bytes received, bytes expected) as a download proceeds."""
@@ -96,6 +103,8 @@ class Partial:
     have: bytearray
     received: int = 0
     reused: int = 0  # of ``received``: bytes copied from this peer's own state (see ``fill_from``)
+    sources: dict[PeerID, int] = field(default_factory=dict)  # checked bytes from each donor
+    finished: float = 0.0  # when the last chunk came in (monotonic)
 
     @property
     def complete(self) -> bool:
@@ -209,18 +218,17 @@ class Fetcher:
         fetched."""
         self.failures = []
         began = time.monotonic()
+        partial = self.partial
+        if partial is not None and partial.complete and partial.epoch >= want_epoch:
+            # complete already, waiting for the records to name it (see ``confirm``)
+            await self.confirm(partial, expected)
+            return self._done(partial, began)
         offers = await self._offers(donors, want_epoch)
         chosen = self._choose(offers, want_epoch, expected)
-        for _ in range(UNKNOWN_RETRIES):
-            # A donor that stepped since we read the records offers a state no record names yet: the
-            # caller's records catch up within a progress interval or two.
-            if chosen or not any(o.info.epoch >= want_epoch and not expected(o.info.epoch) for o in offers):
-                break
-            await trio.sleep(UNKNOWN_WAIT)
-            chosen = self._choose(offers, want_epoch, expected)
+        if not chosen:
+            chosen = self._unnamed(offers, want_epoch, expected)
         if not chosen:
             raise PeerUnavailable("no peer offered the swarm's state" + self._why())
-        partial = self.partial
         if partial is None or partial.root != chosen[0].info.root:
             self.partial = None  # a state nobody serves any more: its memory goes
             partial = await self._manifest(chosen)
@@ -233,10 +241,37 @@ class Fetcher:
             raise PeerUnavailable(
                 f"{missing} of {partial.layout.chunks} chunks still missing; kept the rest" + self._why()
             )
+        await self.confirm(partial, expected)
+        return self._done(partial, began, chosen)
+
+    async def confirm(self, partial: Partial, expected: Callable[[int], bytes]) -> None:
+        """Wait until the trusted records name ``partial``'s root for its step (at most ``CONFIRM_WAIT``
+        seconds); raise if they name another root (its donors are blamed, the state dropped) or none yet
+        (the complete state is kept for the next attempt)."""
+        with trio.move_on_after(CONFIRM_WAIT):
+            while not expected(partial.epoch):  # noqa: ASYNC110  (the records change on their own)
+                await trio.sleep(UNKNOWN_WAIT)
+        vouched = expected(partial.epoch)
+        if vouched == partial.root:
+            return
+        if not vouched:
+            raise PeerUnavailable(
+                f"step {partial.epoch}'s state is in, but no trusted record names its digest yet; kept it"
+            )
+        self.partial = None
+        self.blamed.update(partial.sources)
+        raise PeerUnavailable(
+            f"step {partial.epoch}'s state from {', '.join(p.short() for p in partial.sources)} is not the"
+            " one the trusted records name; dropped, and its donors blamed"
+        )
+
+    def _done(self, partial: Partial, began: float, chosen: Sequence[Offer] = ()) -> Downloaded:
         self.partial = None
         lay.check_bool_entries(partial.layout, partial.tensors)
-        used = sorted((o for o in chosen if o.delivered), key=lambda o: -o.delivered)
-        took = time.monotonic() - began
+        # this attempt's donors (a state completed in an earlier attempt: that one's)
+        delivered = {o.donor.peer: o.delivered for o in chosen if o.delivered} or dict(partial.sources)
+        used = sorted(delivered, key=lambda p: -delivered[p])
+        took = max(0.0, (partial.finished or time.monotonic()) - began)
         fetched = partial.layout.size - partial.reused
         log.info(
             "downloaded step %d's state (%.1f MB%s) from %d donor(s) in %.1f s (%.1f MB/s): %s",
@@ -246,14 +281,14 @@ class Fetcher:
             len(used),
             took,
             fetched / 1e6 / max(took, 1e-9),
-            ", ".join(f"{o.donor.peer.short()} {o.delivered / 1e6:.1f} MB" for o in used),
+            ", ".join(f"{p.short()} {delivered[p] / 1e6:.1f} MB" for p in used),
         )
         return Downloaded(
             partial.epoch,
             lay.as_dict(partial.layout, partial.tensors),
             partial.metadata,
-            tuple(o.donor.peer for o in used),
-            {o.donor.peer: o.delivered for o in used},
+            tuple(used),
+            delivered,
             took,
         )
 
@@ -297,7 +332,7 @@ class Fetcher:
             elif i.size > self.max_size:
                 self._fail(o.donor.peer, f"offers {i.size} bytes, more than this model could need")
             elif not expected(i.epoch):
-                self._fail(o.donor.peer, f"offers step {i.epoch}, for which no peer published a digest")
+                pass  # a step no trusted record names yet (see ``_unnamed``)
             elif i.root != expected(i.epoch):
                 self._fail(
                     o.donor.peer, f"offers a state for step {i.epoch} that most peers did not start from"
@@ -312,6 +347,24 @@ class Fetcher:
         if self.partial is not None and self.partial.root in roots:
             return roots[self.partial.root]
         return max(roots.values(), key=lambda group: (group[0].info.epoch, len(group)))
+
+    def _unnamed(self, offers: list[Offer], want_epoch: int, expected: Callable[[int], bytes]) -> list[Offer]:
+        """The offers of the newest step that no trusted record names yet (the donors stepped since the
+        records were read), most offered root first: downloaded, then confirmed (see ``confirm``)."""
+        roots: dict[bytes, list[Offer]] = {}
+        for o in offers:
+            i = o.info
+            if i.epoch >= want_epoch and i.size <= self.max_size and not expected(i.epoch):
+                roots.setdefault(i.root, []).append(o)
+        if not roots:
+            return []
+        group = max(roots.values(), key=lambda g: (g[0].info.epoch, len(g)))
+        log.info(
+            "step %d's state is offered before any trusted record names it: downloading it, to apply once"
+            " they do",
+            group[0].info.epoch,
+        )
+        return group
 
     async def _manifest(self, offers: list[Offer]) -> Partial:
         for offer in offers:
@@ -400,6 +453,7 @@ class Fetcher:
         self._fail(peer, f"{why} (dropped)")
 
     async def _range(self, partial: Partial, offer: Offer, run: list[int]) -> None:
+        peer = offer.donor.peer
         timeout = self.chunk_timeout * (len(run) + 1)  # never reached before a chunk stalls
         request = ChunksReq(partial.root, run[0], len(run))
         async with offer.conn.open_stream(STATE_CHUNKS, request, timeout=timeout) as stream:
@@ -416,6 +470,9 @@ class Fetcher:
                 partial.have[i] = 1
                 partial.received += size
                 offer.delivered += size
+                partial.sources[peer] = partial.sources.get(peer, 0) + size
+                if partial.complete:
+                    partial.finished = time.monotonic()
                 self.on_progress(partial.received, partial.layout.size)
             with trio.fail_after(self.chunk_timeout):
                 await stream.response()

@@ -1,0 +1,406 @@
+"""Catching up by replay: a peer a few steps behind applies the missed steps' committed results.
+
+Theory of operation. Every chunk of the state changes in a global step (the parameters, Adam's moments,
+DiLoCo's outer momentum), so a state download is obsolete the moment the swarm steps again: a peer whose
+download takes about as long as a step would download at every step and never average. What changes the
+state in a step is small and deterministic, though: every member applies the same committed result (the
+averaged gradient in sync mode, the averaged pseudo-gradient of the step's fragment in DiLoCo) with the
+same optimizer, and the states stay bit-identical. So each peer keeps the results of its last
+``statesync.replay_steps`` global steps (:class:`ResultStore`: in an unnamed spill file, losslessly in
+fp16 or bf16 when the round's compression made every value one of those) and serves them by step; a peer
+``k <= replay_steps`` steps behind fetches the ``k`` results (:class:`ResultFetcher`: from several peers
+at once, each step from whichever offers it) and applies them in order, between two batches.
+
+The invariant: *a peer k <= K steps behind reaches the swarm's step by applying the missed steps'
+results, each verified against the digest chain of trusted records, with bytes proportional to k
+results, not to the state.* It holds by construction:
+
+- A replay starts only from a state whose digest the trusted records of its step name (else: a download).
+- A result is fetched only from an entry whose ``after`` digest is the one trusted records publish for the
+  next step, and whose ``before`` is the chain so far; its slots, dtype and size must be exactly those of
+  this peer's own parameters for that step (nothing else is read), its values finite and within the
+  R1 bound (``averaging.bounds``: ``BOUND`` times the size of the last result this peer applied itself).
+- After each result is applied the state is hashed and compared with the trusted digest of that step.
+  A mismatch names the sender (it is blamed: nothing more is fetched from it) and, the state being off
+  the chain now, the peer downloads the state (``download``), once.
+- Nothing is believed because several ids say it: entries only say where to fetch; the trusted digests
+  alone decide what is applied.
+
+A steps-behind count above ``K``, a start from an unvouched state, or no peer serving a step's result all
+lead to the full download, as before.
+
+Wire protocol (donor side: :class:`ResultStore`):
+
+- ``train.results_info``: the results a peer holds from a step on (``ResultEntry``: step, slots, dtype,
+  size, and its own digests of the state before and after).
+- ``train.result_data`` (stream): one result's bytes, named by its step and its ``after`` digest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from ...averaging.bounds import BOUND, SLACK, Scale
+from ...errors import CallRefused, P2PError, PeerUnavailable, RemoteProtocolError
+from ...identity import PeerID
+from ...net.connection import Connection
+from ...net.host import Host
+from ...net.rpc import CallContext, Method, RpcRegistry
+from ...net.streams import RpcStream
+from ...wire.schema import Message, bounded
+from ..optimizer.progress import PeerProgress
+from .chunks import HASH_BYTES
+from .protocol import StreamDone
+
+log = logging.getLogger("p2ptrain.training.state.replay")
+
+MAX_KEPT = 64  # results one peer may hold (and list in one answer)
+MAX_ASKED = 8  # peers asked what they hold, per catch-up
+PIECE = 1 << 20  # bytes per stream record of a result
+MAX_RESULT_BYTES = 1 << 40
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ResultEntry(Message):
+    """One committed step's result a peer holds: it takes the state of ``epoch`` to ``epoch + 1``."""
+
+    epoch: int = bounded(ge=0, le=2**53)
+    first: int = bounded(ge=0, le=2**31)  # the parameters it updates: ``range(first, stop)``
+    stop: int = bounded(ge=0, le=2**31)
+    dtype: str = bounded(max_len=16)
+    size: int = bounded(ge=0, le=MAX_RESULT_BYTES)  # bytes
+    before: bytes = bounded(max_len=HASH_BYTES)  # the holder's digest of ``epoch``'s state
+    after: bytes = bounded(max_len=HASH_BYTES)  # ... and of ``epoch + 1``'s
+
+
+@dataclass(frozen=True)
+class ResultsReq(Message):
+    first: int = bounded(ge=0, le=2**53)  # the oldest step wanted
+
+
+@dataclass(frozen=True)
+class ResultsInfo(Message):
+    entries: tuple[ResultEntry, ...] = bounded((), max_len=MAX_KEPT)
+
+
+@dataclass(frozen=True)
+class ResultReq(Message):
+    epoch: int = bounded(ge=0, le=2**53)
+    after: bytes = bounded(max_len=HASH_BYTES)
+
+
+RESULTS_INFO = Method("train.results_info", ResultsReq, ResultsInfo)
+RESULT_DATA = Method("train.result_data", ResultReq, StreamDone, streaming=True)
+
+
+def flat_bytes(values: Sequence[torch.Tensor], dtype: torch.dtype) -> bytes:
+    """``values`` (CPU or not) as one run of ``dtype`` bytes, in order."""
+    flat = torch.cat([v.detach().reshape(-1).to("cpu", dtype) for v in values]) if values else torch.empty(0)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def compact_dtype(values: Sequence[torch.Tensor], candidates: Sequence[torch.dtype]) -> torch.dtype:
+    """The first of ``candidates`` that holds every value exactly (a round compressed to fp16 or bf16
+    leaves only such values), else the values' own dtype: results are kept and served losslessly."""
+    own = values[0].dtype if values else torch.float32
+    for dtype in candidates:
+        if dtype.itemsize < own.itemsize and all(torch.equal(v.to(dtype).to(own), v) for v in values):
+            return dtype
+    return own
+
+
+@dataclass
+class Kept:
+    epoch: int
+    slots: range
+    dtype: torch.dtype
+    data: bytes
+    before: bytes = b""
+    after: bytes = b""
+
+
+class ResultStore:
+    """The last ``keep`` committed results of this peer's steps, served to peers that are behind.
+
+    ``digest_of(epoch)``: this peer's digest of its state at ``epoch`` (b"" when not known): an entry is
+    listed once both of its digests are known."""
+
+    def __init__(self, registry: RpcRegistry | None, keep: int, digest_of: Callable[[int], bytes]) -> None:
+        self.keep_count = max(0, min(keep, MAX_KEPT))
+        self._digest_of = digest_of
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self.served_bytes = 0
+        if registry is not None and self.keep_count:
+            registry.add_unary(RESULTS_INFO, self._on_info)
+            registry.add_stream(RESULT_DATA, self._on_data)
+
+    def keep(
+        self, epoch: int, slots: range, values: Sequence[torch.Tensor], compact: Sequence[torch.dtype]
+    ) -> None:
+        """Keep the result that takes the state of ``epoch`` to the next step (blocking: a model-sized copy;
+        call it in a worker thread for a large model). ``values``: the parameters ``slots``' updates."""
+        if not self.keep_count:
+            return
+        dtype = compact_dtype(values, compact)
+        self._kept[epoch] = Kept(epoch, slots, dtype, flat_bytes(values, dtype))
+        self._kept.move_to_end(epoch)
+        while len(self._kept) > self.keep_count:
+            self._kept.popitem(last=False)
+
+    def get(self, epoch: int) -> Kept | None:
+        kept = self._kept.get(epoch)
+        if kept is not None:
+            kept.before = kept.before or self._digest_of(epoch)
+            kept.after = kept.after or self._digest_of(epoch + 1)
+        return kept
+
+    def scale(self) -> Scale | None:
+        """The size of the newest result this peer applied (bounds what a replay may apply)."""
+        if not self._kept:
+            return None
+        kept = next(reversed(self._kept.values()))
+        return Scale.of(torch.frombuffer(bytearray(kept.data), dtype=kept.dtype).float())
+
+    def entries(self, first: int) -> list[ResultEntry]:
+        out = []
+        for epoch in [e for e in self._kept if e >= first]:
+            k = self.get(epoch)
+            if k is not None and k.before and k.after:
+                out.append(
+                    ResultEntry(
+                        epoch,
+                        k.slots.start,
+                        k.slots.stop,
+                        str(k.dtype).split(".")[-1],
+                        len(k.data),
+                        k.before,
+                        k.after,
+                    )
+                )
+        return out
+
+    async def _on_info(self, ctx: CallContext, req: ResultsReq) -> ResultsInfo:
+        return ResultsInfo(tuple(self.entries(req.first)))
+
+    async def _on_data(self, ctx: CallContext, req: ResultReq, stream: RpcStream) -> StreamDone:
+        kept = self.get(req.epoch)
+        if kept is None or kept.after != req.after:
+            raise CallRefused("moved_on", f"this peer holds no result of step {req.epoch} with that digest")
+        data = memoryview(kept.data)
+        for at in range(0, len(data), PIECE):
+            await stream.send(data[at : at + PIECE])
+            self.served_bytes += min(PIECE, len(data) - at)
+        await stream.send_eof()
+        return StreamDone(True)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One step's result, fetched and checked in form and size (not yet against the digest: that needs it
+    applied)."""
+
+    epoch: int
+    after: bytes  # the trusted digest of ``epoch + 1``'s state, which applying it must give
+    slots: range
+    values: torch.Tensor  # flat, in the parameters' dtype
+    peer: PeerID
+    size: int  # bytes that travelled
+
+
+@dataclass
+class Replay:
+    """The outcome of a replay fetch: the results of consecutive steps from ``first`` on."""
+
+    first: int
+    results: list[Fetched] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.size for r in self.results)
+
+
+def check_bound(values: torch.Tensor, bound: Scale | None) -> str:
+    """Why ``values`` may not be applied ('' if they may): non-finite, or beyond ``BOUND`` times the last
+    result this peer applied itself (R1, see ``averaging.bounds``; no bound without such a result)."""
+    scale = Scale.of(values)
+    if not (math.isfinite(scale.sumsq) and math.isfinite(scale.absmax)):
+        return "values that are not finite"
+    if bound is None or bound.zero:
+        return ""
+    d = max(1, scale.count)
+    norm = BOUND * bound.rms * math.sqrt(d) + SLACK * math.sqrt(d)
+    if not scale.absmax <= BOUND * bound.absmax + SLACK:
+        return f"a value of magnitude {scale.absmax:.4g}, over {BOUND:g}x the last result applied here"
+    if not scale.norm <= norm:
+        return f"a norm of {scale.norm:.4g}, over {BOUND:g}x the last result applied here"
+    return ""
+
+
+class ResultFetcher:
+    """Fetches the results of the steps a peer missed (see the module docstring); keeps the peers that
+    sent a result its digest refuted (``blamed``) out of later fetches."""
+
+    def __init__(self, host: Host, *, chunk_timeout: float) -> None:
+        self.host = host
+        self.chunk_timeout = chunk_timeout
+        self.blamed: set[PeerID] = set()
+        self.failures: list[str] = []
+
+    def _fail(self, peer: PeerID, why: str) -> None:
+        log.info("replay from %s: %s", peer.short(), why)
+        self.failures.append(f"{peer.short()}: {why}")
+
+    async def fetch(
+        self,
+        donors: Sequence[PeerProgress],
+        *,
+        first: int,
+        last: int,
+        start: bytes,
+        expected: Callable[[int], bytes],
+        layout: Callable[[int], tuple[range, int, torch.dtype]],
+        bound: Scale | None,
+    ) -> Replay:
+        """The results of steps ``first .. last - 1``, the longest prefix that trusted digests vouch for
+        and some donor serves. ``start``: this peer's own (vouched) digest of ``first``'s state;
+        ``expected(e)``: the trusted digest of step ``e``'s state; ``layout(e)``: the parameter slots,
+        element count and dtype that step ``e``'s result must have here."""
+        self.failures = []
+        began = trio.current_time()
+        asked = [d for d in donors if d.peer not in self.blamed][:MAX_ASKED]
+        holders: dict[int, list[tuple[PeerProgress, Connection, ResultEntry]]] = {}
+
+        async def ask(donor: PeerProgress) -> None:
+            try:
+                with trio.fail_after(2 * self.chunk_timeout):
+                    conn = await self.host.connect(donor.record.addr)
+                    if conn.peer != donor.peer:
+                        raise RemoteProtocolError("its address leads to another peer")
+                    info = await conn.call(RESULTS_INFO, ResultsReq(first), timeout=2 * self.chunk_timeout)
+                for e in info.entries:
+                    holders.setdefault(e.epoch, []).append((donor, conn, e))
+            except trio.TooSlowError:
+                self._fail(donor.peer, "no answer in time")
+            except P2PError as e:
+                self._fail(donor.peer, str(e))
+            except ValueError as e:
+                self._fail(donor.peer, f"unusable address: {e}")
+
+        async with trio.open_nursery() as nursery:
+            for donor in asked:
+                nursery.start_soon(ask, donor)
+        # The chain: each step's entry must start where the last one ended and end at the trusted digest.
+        plan: list[tuple[int, bytes, list[tuple[PeerProgress, Connection, ResultEntry]]]] = []
+        before = start
+        for epoch in range(first, last):
+            after = expected(epoch + 1)
+            if not after:
+                break  # no trusted record names that step's digest: nothing past it can be checked
+            slots, count, dtype = layout(epoch)
+            ok = []
+            for donor, conn, e in holders.get(epoch, []):
+                why = self._entry_problem(e, before, after, slots, count, dtype)
+                if why:
+                    self._fail(donor.peer, why)
+                else:
+                    ok.append((donor, conn, e))
+            if not ok:
+                break
+            plan.append((epoch, after, ok))
+            before = after
+        if not plan:
+            raise PeerUnavailable(f"no peer serves step {first}'s result" + self._why())
+        got: dict[int, Fetched] = {}
+
+        async def one(
+            index: int, epoch: int, after: bytes, sources: list[tuple[PeerProgress, Connection, ResultEntry]]
+        ) -> None:
+            _, _, dtype = layout(epoch)
+            rotated = sources[index % len(sources) :] + sources[: index % len(sources)]
+            for donor, conn, e in rotated:
+                if donor.peer in self.blamed:
+                    continue
+                try:
+                    values = await self._data(conn, e, after, dtype)
+                except (P2PError, trio.TooSlowError) as err:
+                    self._fail(donor.peer, f"step {epoch}: {err or 'no progress'}")
+                    continue
+                why = check_bound(values, bound)
+                if why:
+                    self.blamed.add(donor.peer)
+                    self._fail(donor.peer, f"step {epoch}'s result has {why}")
+                    continue
+                got[epoch] = Fetched(epoch, after, range(e.first, e.stop), values, donor.peer, e.size)
+                return
+
+        async with trio.open_nursery() as nursery:
+            for index, (epoch, after, sources) in enumerate(plan):
+                nursery.start_soon(one, index, epoch, after, sources)
+        results = []
+        for epoch, _, _ in plan:
+            if epoch not in got:
+                break
+            results.append(got[epoch])
+        if not results:
+            raise PeerUnavailable(f"no peer delivered step {first}'s result" + self._why())
+        return Replay(first, results, trio.current_time() - began)
+
+    @staticmethod
+    def _entry_problem(
+        e: ResultEntry, before: bytes, after: bytes, slots: range, count: int, dtype: torch.dtype
+    ) -> str:
+        if e.after != after:
+            return f"its result of step {e.epoch} leads to a state the trusted records do not name"
+        if e.before != before:
+            return f"its result of step {e.epoch} starts from another state than this peer's"
+        if range(e.first, e.stop) != slots:
+            return f"its result of step {e.epoch} updates other parameters than this step's"
+        kind = DTYPES.get(e.dtype)
+        if (
+            kind is None
+            or kind.itemsize > dtype.itemsize
+            or (kind.is_floating_point != dtype.is_floating_point)
+        ):
+            return f"its result of step {e.epoch} is in {e.dtype!r}"
+        if e.size != count * kind.itemsize:
+            return f"its result of step {e.epoch} is {e.size} bytes, not {count * kind.itemsize}"
+        return ""
+
+    async def _data(self, conn: Connection, e: ResultEntry, after: bytes, dtype: torch.dtype) -> torch.Tensor:
+        buf = bytearray(e.size)
+        filled = 0
+        pieces = -(-e.size // PIECE)
+        async with conn.open_stream(
+            RESULT_DATA, ResultReq(e.epoch, after), timeout=self.chunk_timeout * (2 + pieces)
+        ) as stream:
+            while filled < e.size:
+                with trio.fail_after(self.chunk_timeout):
+                    got = await stream.receive_some()
+                if not got:
+                    raise RemoteProtocolError(f"its result ended {e.size - filled} bytes early")
+                if filled + len(got) > e.size:
+                    raise RemoteProtocolError("it sent more bytes than its result has")
+                buf[filled : filled + len(got)] = got
+                filled += len(got)
+            with trio.fail_after(self.chunk_timeout):
+                await stream.response()
+        values = (
+            torch.frombuffer(buf, dtype=DTYPES[e.dtype]) if e.size else torch.empty(0, dtype=DTYPES[e.dtype])
+        )
+        return values.to(dtype)
+
+    def _why(self) -> str:
+        return f" ({'; '.join(self.failures[-4:])})" if self.failures else ""

@@ -1,0 +1,237 @@
+"""Catching up by replay, over the in-memory network on the virtual clock (see ``state.replay``).
+
+The invariant: a peer k <= K steps behind, on the trusted lineage, reaches the swarm's step by applying
+the missed steps' results, each checked against the trusted digest of the step it leads to, with bytes
+proportional to k results, not the state; a result that the digest refutes names its sender (blamed)
+and the peer downloads the state once; a result beyond the R1 bound is never applied; a step whose
+digest no holder knows ends the replay there (the rest is downloaded). Randomized over seeds: the steps
+behind, sync or DiLoCo, which step a liar serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+import pytest
+import torch
+
+from p2ptrain.config import RunConfig
+from p2ptrain.net.memory import LinkProfile
+from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
+from p2ptrain.training.state.replay import ResultStore
+from tests.harness.training import (
+    BATCH,
+    Peer,
+    Swarm,
+    batch_of,
+    loss_of,
+    run_config,
+    swarm,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+SEEDS = range(6)
+
+
+def step_alone(peer: Peer, n: int, batch: int = 0) -> None:
+    """Global steps of a peer on its own, driven directly (sync: one batch's gradient; DiLoCo: two inner
+    steps, then the outer step)."""
+    opt = peer.opt
+    for _ in range(n):
+        for _ in range(2 if opt.diloco else 1):
+            loss_of(peer.model, batch_of(batch)).backward()
+            if opt.diloco:
+                opt.local.inner_step()
+                opt.tally.inner_step()
+            else:
+                opt.local.accumulate(BATCH)
+            opt.tally.count(BATCH)
+        opt.solo_step()
+
+
+def records(peers: list[Peer]) -> tuple[PeerProgress, ...]:
+    return tuple(
+        PeerProgress(p.node.peer_id, dataclasses.replace(p.opt.record(), addr=str(p.node.addresses[0])))
+        for p in peers
+    )
+
+
+def behind_view(peer: Peer, donors: list[Peer], newest: int) -> SwarmView:
+    return SwarmView(
+        epoch=peer.opt.epoch,
+        newest=newest,
+        peers=1,
+        quorum=1,
+        others=len(donors),
+        samples=0.0,
+        rate=0.0,
+        target=48,
+        majority=b"",
+        overtaken=True,
+        donors=records(donors),
+        reason=f"behind: the trusted peers are on step {newest}",
+    )
+
+
+async def catch_up(peer: Peer, donors: list[Peer], newest: int, trusted: dict[int, bytes]) -> None:
+    """What ``step`` does when the records say the peer is behind: start, wait, land."""
+    shared = peer.opt.shared
+    shared.start_download(behind_view(peer, donors, newest), lambda e: trusted.get(e, b""))
+    assert shared.download is not None
+    await shared.download.done.wait()
+    assert await peer.opt._land_download()
+
+
+async def lineage(
+    s: Swarm, donors: int, together: int, apart: int
+) -> tuple[list[Peer], Peer, dict[int, bytes]]:
+    """``donors`` peers and one more take ``together`` steps with the same batches (identical states);
+    then the donors take ``apart`` more: the last peer is ``apart`` steps behind. Returns the donors, the
+    peer behind and each step's digest (what trusted records would name)."""
+    peers = [await s.start(train=False) for _ in range(donors + 1)]
+    trusted: dict[int, bytes] = {0: peers[0].opt.digest}
+    for _ in range(together):
+        for p in peers:
+            step_alone(p, 1)
+        trusted[peers[0].opt.epoch] = peers[0].opt.digest
+    assert len({p.opt.digest for p in peers}) == 1
+    for _ in range(apart):
+        for p in peers[:donors]:
+            step_alone(p, 1)
+        trusted[peers[0].opt.epoch] = peers[0].opt.digest
+    assert len({p.opt.digest for p in peers[:donors]}) == 1
+    return peers[:donors], peers[donors], trusted
+
+
+def state_bytes(peer: Peer) -> int:
+    tensors, _ = peer.opt.capture(copy=False)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def config(mode: str, fragments: int = 1) -> RunConfig:
+    c = run_config(mode)
+    return c.replace("diloco", fragments=fragments) if mode == "diloco" else c
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_peer_k_steps_behind_replays_the_results_instead_of_downloading(
+    autojump_clock: object, seed: int
+) -> None:
+    rng = random.Random(seed)
+    mode = rng.choice(["sync", "diloco"])
+    k = rng.randint(1, 4)
+    async with swarm(config(mode, fragments=rng.choice([1, 2]) if mode == "diloco" else 1)) as s:
+        donors, peer, trusted = await lineage(
+            s, donors=rng.randint(1, 2), together=rng.randint(0, 2), apart=k
+        )
+        start = peer.opt.epoch
+        await catch_up(peer, donors, start + k, trusted)
+        shared = peer.opt.shared
+        assert peer.opt.epoch == start + k and peer.opt.digest == donors[0].opt.digest
+        assert shared.replayed == k and shared.downloads == 0
+        params = sum(p.numel() * p.element_size() for p in peer.opt.params)
+        assert shared.replayed_bytes <= k * params < k * state_bytes(peer)  # k results, not the state
+        for d in donors:
+            assert d.opt.server is not None and d.opt.server.served_bytes == 0  # no state served
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_result_the_digest_refutes_names_its_sender_and_one_download_follows(
+    autojump_clock: object, seed: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The liar serves one step's result with the right digests in its entry and wrong bytes (the honest
+    donor does not hold that step's result, so the liar's is the one fetched): the peer applies it, its
+    digest differs from the trusted one, the liar is named and blamed, and the peer downloads the state
+    from the honest donor, once; it never keeps a state the records do not name."""
+    rng = random.Random(seed)
+    mode = rng.choice(["sync", "diloco"])
+    k = rng.randint(1, 4)
+    async with swarm(config(mode)) as s:
+        (honest, liar), peer, trusted = await lineage(s, donors=2, together=1, apart=k)
+        start = peer.opt.epoch
+        bad = rng.randrange(start, start + k)
+        kept = liar.opt.shared.results._kept[bad]
+        values = torch.frombuffer(bytearray(kept.data), dtype=kept.dtype)
+        kept.data = (values * -1.0).numpy().tobytes()  # within any bound, and wrong
+        del honest.opt.shared.results._kept[bad]
+        with caplog.at_level(logging.WARNING, "p2ptrain.training.swarm_state"):
+            await catch_up(peer, [honest, liar], start + k, trusted)
+        shared = peer.opt.shared
+        assert liar.node.peer_id in shared.replayer.blamed and liar.node.peer_id in shared.fetcher.blamed
+        assert any(liar.node.peer_id.short() in r.message and "blamed" in r.message for r in caplog.records)
+        assert shared.replayed == bad - start and peer.opt.epoch == bad + 1
+        assert peer.opt.digest != trusted[bad + 1]  # off the lineage: the next catch-up downloads
+        await catch_up(peer, [honest, liar], start + k, trusted)
+        assert shared.downloads == 1 and peer.opt.epoch == start + k
+        assert peer.opt.digest == honest.opt.digest == trusted[start + k]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_result_beyond_the_bound_is_never_applied_and_another_holder_serves_it(
+    autojump_clock: object, seed: int
+) -> None:
+    """R1: the peer has applied results itself, so it bounds what it replays by the last of them; a
+    holder serving 1000x the values is blamed before anything is applied, and the honest holder's
+    result is replayed instead (no download)."""
+    rng = random.Random(seed)
+    mode = rng.choice(["sync", "diloco"])
+    k = rng.randint(1, 3)
+    async with swarm(config(mode)) as s:
+        (honest, liar), peer, trusted = await lineage(s, donors=2, together=2, apart=k)
+        start = peer.opt.epoch
+        for kept in liar.opt.shared.results._kept.values():
+            values = torch.frombuffer(bytearray(kept.data), dtype=kept.dtype)
+            kept.data = (values * 1000.0).numpy().tobytes()
+        # the honest holder answers later: the liar is the first source tried for the first step
+        s.net.set_link(f"t{honest.index}", f"t{peer.index}", LinkProfile(latency=0.5))
+        await catch_up(peer, [liar, honest], start + k, trusted)
+        shared = peer.opt.shared
+        assert liar.node.peer_id in shared.replayer.blamed
+        assert shared.replayed == k and shared.downloads == 0 and peer.opt.digest == honest.opt.digest
+        assert any("over 32x" in f for f in shared.replayer.failures)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+async def test_a_step_no_holder_has_a_digest_of_ends_the_replay_there(
+    autojump_clock: object, seed: int
+) -> None:
+    """The donor lost the digest of one step (its records never named it): the replay stops before the
+    result that leads to it (nothing unverifiable is applied); the peer then downloads the state."""
+    rng = random.Random(seed)
+    k = rng.randint(3, 4)
+    async with swarm(config("sync")) as s:
+        (donor,), peer, trusted = await lineage(s, donors=1, together=0, apart=k)
+        gap = rng.randrange(2, k)
+        del donor.opt.shared.hashed[gap]  # its result entries around that step name no digest now
+        await catch_up(peer, [donor], k, trusted)
+        shared = peer.opt.shared
+        assert shared.replayed == gap - 1 and shared.downloads == 0  # the steps before the gap
+        assert peer.opt.epoch == gap - 1 and peer.opt.digest == trusted[gap - 1]
+        await catch_up(peer, [donor], k, trusted)
+        assert peer.opt.epoch == k and peer.opt.digest == donor.opt.digest and shared.downloads == 1
+
+
+async def test_a_peer_too_far_behind_or_off_the_lineage_downloads(autojump_clock: object) -> None:
+    async with swarm(config("sync")) as s:
+        (donor,), peer, trusted = await lineage(s, donors=1, together=0, apart=6)  # K = 4
+        await catch_up(peer, [donor], 6, trusted)
+        assert peer.opt.shared.downloads == 1 and peer.opt.shared.replayed == 0
+        assert peer.opt.digest == donor.opt.digest
+        # a state the records do not vouch for is not replayed onto
+        other = await s.start(train=False)
+        step_alone(other, 1, batch=3)  # another lineage's step 1
+        await catch_up(other, [donor], 6, trusted)
+        assert other.opt.shared.downloads == 1 and other.opt.shared.replayed == 0
+
+
+def test_a_store_keeps_the_last_results_and_lists_only_those_with_both_digests() -> None:
+    digests = {0: b"a" * 32, 1: b"b" * 32, 2: b"c" * 32}
+    store = ResultStore(None, 2, lambda e: digests.get(e, b""))
+    for epoch in range(3):
+        store.keep(epoch, range(0, 1), [torch.full((4,), float(epoch))], [torch.float16])
+    assert [e.epoch for e in store.entries(0)] == [1]  # 0 dropped (keep 2); 2's "after" is unknown
+    entry = store.entries(0)[0]
+    assert (entry.before, entry.after, entry.dtype, entry.size) == (b"b" * 32, b"c" * 32, "float16", 8)
