@@ -97,6 +97,7 @@ DEFAULTS = {
     "progress.ttl": 10.0,
     "statesync.chunk_timeout": 30.0,
     "statesync.max_donors": 4,
+    "statesync.replay_steps": 4,
     "statesync.serve": True,
     "checkpoint.every_steps": 50,
     "checkpoint.keep": 2,
@@ -201,6 +202,7 @@ ttl = 30
 chunk_timeout = 120
 max_donors = 2
 serve = false
+replay_steps = 8
 
 [checkpoint]
 every_steps = 0
@@ -261,7 +263,7 @@ FULL = RunConfig(
         timeout=120.0, matchmaking_time=7.5, compression="int8", bandwidth=12.5, max_group_size=8
     ),
     progress=ProgressSection(interval=2.0, ttl=30.0),
-    statesync=StateSyncSection(chunk_timeout=120.0, max_donors=2, serve=False),
+    statesync=StateSyncSection(chunk_timeout=120.0, max_donors=2, serve=False, replay_steps=8),
     checkpoint=CheckpointSection(every_steps=0, keep=5),
     eval=EvalSection(every_steps=0, batch_size=64),
     pipeline=PipelineSection(
