@@ -1,0 +1,159 @@
+"""Rank 0's side of a site on one host: it starts ranks 1..N-1, joins their group, and restarts the
+group when a rank fails, without the site leaving the swarm.
+
+Theory of operation. Rank 0 is the node's own process; :meth:`SiteGroup.start` spawns the other ranks
+(``torch.multiprocessing``'s spawn context: no fork of a process that holds threads), each running the
+site's worker function, and joins them in a process group on a fresh port of 127.0.0.1 (a restarted
+group never meets a stale rank). Everything rank 0 does with the group goes through
+:meth:`SiteGroup.call`: if it raises because the group broke (gloo raises at once when a rank's
+connection drops; a hung rank runs into the group's timeout), or a rank's process is gone, rank 0 kills
+every other rank, destroys the process group, starts a new generation, and raises
+:class:`GroupRestarted`. The caller then rebuilds its shards (the model's FSDP2 mesh belonged to the old
+group) and reloads the site's last whole checkpoint on every rank (``checkpoint``): whatever the failed
+call had done on some ranks (a landing that stepped two ranks of three) is gone everywhere, so no rank
+ever goes on from half a step. Meanwhile the node is still in the swarm: the round the site was in is
+aborted on its side, exactly as a round that failed on an unsharded peer.
+
+After ``max_restarts`` failures within ``window`` seconds, :class:`GroupRestarted` says so and the group
+stays down (:attr:`SiteGroup.up` is False): the site stops training rather than restart forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .launch import free_port
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class GroupRestarted(RuntimeError):
+    """The site's group broke during a call and was started again (or, after too many failures, not):
+    the call's effects must be discarded on every rank (reload the last checkpoint)."""
+
+
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    timeout: float,
+    generation: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    try:
+        fn(rank, world, generation, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+class SiteGroup:
+    """Ranks 1..N-1 of a site as processes of this host, and the process group rank 0 shares with them."""
+
+    def __init__(
+        self,
+        world: int,
+        worker: Callable[..., Any],
+        *args: Any,
+        timeout: float = 60.0,
+        max_restarts: int = 3,
+        window: float = 600.0,
+    ) -> None:
+        """``worker(rank, world, generation, *args)`` runs on every other rank (a module-level function:
+        the spawn context imports it by name)."""
+        if world < 1:
+            raise ValueError("a site has at least one rank")
+        self.world, self.worker, self.args, self.timeout = world, worker, args, timeout
+        self.max_restarts, self.window = max_restarts, window
+        self.generation = 0
+        self.failures: list[float] = []
+        self._procs: list[BaseProcess] = []
+        self.up = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def start(self) -> None:
+        """Spawn the other ranks and join the group with them (rank 0)."""
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.generation += 1
+        for rank in range(1, self.world):
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.world, port, self.timeout, self.generation, self.worker, self.args),
+                daemon=True,
+            )
+            p.start()
+            self._procs.append(p)
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(self.world)
+        )
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        self.up = True
+
+    def call(self, action: Callable[[], T]) -> T:
+        """``action()`` (collectives of the site); :class:`GroupRestarted` if the group broke meanwhile."""
+        if not self.up:
+            raise GroupRestarted("the site's group is down")
+        try:
+            result = action()
+        except (RuntimeError, dist.DistError) as e:  # gloo: a rank's connection closed, or a timeout
+            self._restart(f"{type(e).__name__}: {e}")
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            self._restart(f"rank process {dead[0].pid} exited with {dead[0].exitcode}")
+        return result
+
+    def _restart(self, reason: str) -> None:
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t < self.window] + [now]
+        log.warning("site group generation %d failed (%s): restarting it", self.generation, reason)
+        self._teardown()
+        if len(self.failures) > self.max_restarts:
+            raise GroupRestarted(
+                f"{len(self.failures)} failures within {self.window:g} s (the last: {reason}): the site's"
+                " group stays down"
+            )
+        self.start()
+        raise GroupRestarted(
+            f"generation {self.generation - 1} failed ({reason}); generation {self.generation} is up"
+        )
+
+    def _teardown(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=30)
+        self._procs = []
+        if self.up:
+            self.up = False
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError) as e:
+                log.warning("destroying the site's process group failed: %s", e)
+
+    def close(self, stop: Callable[[], None] | None = None) -> None:
+        """``stop()`` (tells the ranks to end, e.g. a STOP command), then the ranks are joined or killed."""
+        if self.up and stop is not None:
+            try:
+                stop()
+            except (RuntimeError, dist.DistError) as e:
+                log.warning("could not tell the site's ranks to stop: %s", e)
+            for p in self._procs:
+                p.join(timeout=10)
+        self._teardown()
