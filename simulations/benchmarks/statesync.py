@@ -17,6 +17,14 @@ with ``--log-format json``: millisecond timestamps) and metrics file:
 * the **time from the joiner's start to its first contribution**: its first metrics line whose last
   round was averaged with its own samples in it and at least one other contributor.
 
+``--catchup`` (issue 49): the donors' rounds last about ``CATCHUP_ROUND_FACTOR`` times the state's
+transfer time instead, so that the swarm steps once or twice while the joiner downloads; then it must
+catch up without a second download (by replaying the missed steps' results, see
+``p2ptrain.training.state.replay``). Reported besides: the downloads and the replayed steps, and
+**caught up s**, the time from its first "catching up" line to the last "now on step" line before its
+first contribution (targets: one download, and at most ``CATCHUP_TARGET`` times the state's transfer
+time at the link rate).
+
 The run file is ``configs/gpt2-124m.toml``'s DiLoCo (overlap on, fp16 pseudo-gradients, a 600 s round
 timeout, 30 s progress records) at ``--size``, with one sample per batch, a 64-byte context (a CPU step
 in seconds), evaluation and periodic checkpoints off. Rounds are long on purpose: the donors' target
@@ -31,7 +39,8 @@ the machine's MemAvailable falls below 1.5 GiB.
 Usage::
 
     python -m simulations.bench_statesync [--donors 1,3] [--size 124m] [--rate-mbit 100] [--timeout 900]
-        [--userspace] [--max-failures 4] [--round-samples N] [--quick] [--json PATH] [--workdir DIR]
+        [--userspace] [--max-failures 4] [--round-samples N] [--catchup] [--quick] [--json PATH]
+        [--workdir DIR]
 
 ``--quick``: ``--size 10m --donors 1`` (a smoke run of a few minutes). The JSON report goes to PATH
 (default ``simulations/results/statesync.json``; ``-``: stdout), a table to stderr.
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -93,6 +103,8 @@ MIN_ROUND_S = 60.0  # ... and at least this
 # the 124M model with a 64-byte context): sizes the donors' rounds from the model's 6 x params x tokens.
 GFLOPS = 24.0
 DONOR_STEP_TIMEOUT = 900.0  # seconds for the donors' first global step
+CATCHUP_ROUND_FACTOR = 0.4  # --catchup: a round lasts this many expected transfer times
+CATCHUP_TARGET = 1.5  # --catchup: on the swarm's step within this many transfer times at the link rate
 
 
 # ---- pure helpers: the joiner's log ---------------------------------------------------------------------
@@ -107,6 +119,7 @@ PATTERNS = {  # message kinds in a node's log (p2ptrain/training/collaborative.p
     "failed": re.compile(r"state download from (\S+?)(?: failed)?: (.*)"),
     "could_not": re.compile(r"could not catch up \((.*)\)"),
     "applied": re.compile(r"now on step (\d+)"),
+    "replayed": re.compile(r"replayed (\d+) step"),
 }
 
 
@@ -131,7 +144,8 @@ def parse_events(lines: Iterable[str]) -> list[Event]:
             m = pattern.search(message)
             if m:
                 out.append(Event(t, kind, m.groups(), message))
-                break
+                if kind != "applied":  # ("now on step N: replayed k step(s) ...": both)
+                    break
     return out
 
 
@@ -210,11 +224,14 @@ def failure_reason(events: list[Event], limit: int = 3) -> str | None:
     return "; ".join(bad[-limit:]) if bad else None
 
 
-def round_samples(donors: int, parameters: int, state_bytes: int, rate_mbit: float, cores: int) -> int:
+def round_samples(
+    donors: int, parameters: int, state_bytes: int, rate_mbit: float, cores: int, catchup: bool = False
+) -> int:
     """The donors' target batch: a round of about ROUND_FACTOR x the state's transfer time (at least
-    MIN_ROUND_S), at the estimated samples/s of ``donors`` 1-thread nodes sharing ``cores`` cores."""
+    MIN_ROUND_S; ``catchup``: CATCHUP_ROUND_FACTOR x, no minimum), at the estimated samples/s of
+    ``donors`` 1-thread nodes sharing ``cores`` cores."""
     transfer = state_bytes * 8 / (rate_mbit * 1e6)
-    seconds = max(MIN_ROUND_S, ROUND_FACTOR * transfer)
+    seconds = CATCHUP_ROUND_FACTOR * transfer if catchup else max(MIN_ROUND_S, ROUND_FACTOR * transfer)
     per_node = GFLOPS * 1e9 / (6 * parameters * BLOCK_SIZE * BATCH_SIZE)  # samples/s
     rate = per_node * min(donors, max(1, cores))
     return max(2 * donors, round(seconds * rate))
@@ -329,6 +346,7 @@ class Plan:
     round_samples: int | None
     workdir: Path
     quick: bool
+    catchup: bool = False
 
     def command(self, donors: int | None = None) -> str:
         d = str(donors) if donors is not None else ",".join(str(x) for x in self.donors)
@@ -344,6 +362,7 @@ class Plan:
         words += ["--timeout", f"{self.timeout:g}"]
         words += ["--userspace"] if self.userspace else []
         words += ["--round-samples", str(self.round_samples)] if self.round_samples else []
+        words += ["--catchup"] if self.catchup else []
         return " ".join(words)
 
 
@@ -381,7 +400,7 @@ def run_donors(plan: Plan, donors: int) -> dict[str, Any]:
     params = parameter_count(plan.shape)
     state_bytes = STATE_COPIES * 4 * params
     target = plan.round_samples or round_samples(
-        donors, params, state_bytes, plan.rate_mbit, os.cpu_count() or 1
+        donors, params, state_bytes, plan.rate_mbit, os.cpu_count() or 1, plan.catchup
     )
     folder = plan.workdir / f"donors-{donors}"
     config = folder / "run.toml"
@@ -529,6 +548,23 @@ def watch_joiner(plan: Plan, joiner: Proc, t0: float, alive: list[Proc]) -> dict
         last = contributed["rounds"]["last"]
         out["first_contribution_s"] = round(contributed["time"] - t0, 2)
         out["first_contribution"] = {"step": contributed["step"], **last}
+    out |= catchup_figures(events, contributed["time"] if contributed is not None else None)
+    return out
+
+
+def catchup_figures(events: list[Event], contributed_at: float | None) -> dict[str, Any]:
+    """Downloads and replayed steps until the first contribution (all of them if none), and the time
+    from the first "catching up" line to the last "now on step" line before it (``caught_up_s``)."""
+    until = contributed_at if contributed_at is not None else math.inf
+    before = [e for e in events if e.t <= until]
+    out: dict[str, Any] = {
+        "downloads": sum(1 for e in before if e.kind == "downloaded"),
+        "replayed_steps": sum(int(e.groups[0]) for e in before if e.kind == "replayed"),
+    }
+    start = next((e.t for e in before if e.kind == "catching_up"), None)
+    landed = [e.t for e in before if e.kind == "applied"]
+    if start is not None and landed and contributed_at is not None:
+        out["caught_up_s"] = round(landed[-1] - start, 2)
     return out
 
 
@@ -569,7 +605,7 @@ def link_figures(
 
 def format_table(report: dict[str, Any]) -> str:
     head = ["donors", "size", "MB down", "download s", "Mbit/s", "of link", "target", "first contribution s"]
-    head += ["status", "s"]
+    head += ["downloads", "replayed", "caught up s", "status", "s"]
     lines = [head]
     for r in report["results"]:
         d = r.get("download") or {}
@@ -585,6 +621,9 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{100 * frac:.0f}%" if frac is not None else "-",
                 target,
                 f"{r['first_contribution_s']:.1f}" if r.get("first_contribution_s") is not None else "-",
+                str(r.get("downloads", "-")),
+                str(r.get("replayed_steps", "-")),
+                f"{r['caught_up_s']:.1f}" if r.get("caught_up_s") is not None else "-",
                 r.get("status", "?")
                 + (f": {r.get('reason') or r.get('error')}"[:160] if r.get("status") != "ok" else ""),
                 f"{r.get('seconds', 0):.0f}",
@@ -598,15 +637,21 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(text)
 
 
-def met(r: dict[str, Any]) -> bool | None:
-    """One donor: the download reached the target fraction of the link; other donor counts: reported."""
+def met(r: dict[str, Any], catchup: bool = False) -> bool | None:
+    """One donor: the download reached the target fraction of the link; other donor counts: reported.
+    ``catchup``: also one download only, and on the swarm's step within CATCHUP_TARGET transfer times."""
     d = r.get("download") or {}
     if r["donors"] != 1:
         return None
     if not d:  # no download: the joiner failed to get one (a miss), or the run broke (no verdict)
         return False if r.get("status") == "failed" else None
     frac = d.get("fraction_of_link")
-    return frac is not None and frac >= TARGET_FRACTION
+    ok = frac is not None and frac >= TARGET_FRACTION
+    if catchup:
+        at_link = d["bytes"] * 8 / (r["rate_mbit"] * 1e6)
+        caught = r.get("caught_up_s")
+        ok = ok and r.get("downloads") == 1 and caught is not None and caught <= CATCHUP_TARGET * at_link
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -621,6 +666,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--round-samples", type=int, help="the donors' target batch (default: from the link)")
     parser.add_argument("--quick", action="store_true", help="--size 10m --donors 1: a smoke run")
+    parser.add_argument(
+        "--catchup",
+        action="store_true",
+        help="rounds shorter than the download: the swarm moves on meanwhile",
+    )
     parser.add_argument(
         "--json", default=DEFAULT_JSON, metavar="PATH", help=f"report (default {DEFAULT_JSON}; -: stdout)"
     )
@@ -647,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         round_samples=args.round_samples,
         workdir=workdir.resolve(),
         quick=args.quick,
+        catchup=args.catchup,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: nodes killed, lab deleted
     emulation = "userspace" if args.userspace or unavailable() else "netns"
@@ -662,7 +713,12 @@ def main(argv: list[str] | None = None) -> int:
         "environment": base_environment(("p2ptrain", "torch", "numpy", "trio")),
         "workdir": str(plan.workdir),
         "emulation": emulation + ("" if emulation == "netns" or args.userspace else f" ({unavailable()})"),
-        "target": f"download >= {100 * TARGET_FRACTION:g}% of the link rate from one donor",
+        "target": f"download >= {100 * TARGET_FRACTION:g}% of the link rate from one donor"
+        + (
+            f"; one download, on the swarm's step within {CATCHUP_TARGET:g}x its time at the link rate"
+            if plan.catchup
+            else ""
+        ),
         "load_before": loadavg(),
         "results": [],
     }
@@ -676,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = {"donors": d, "size": size, "status": "error", "error": f"{type(e).__name__}: {e}"}
             finally:
                 kill_all()
-            r["met"] = met(r)
+            r["met"] = met(r, plan.catchup)
             report["results"].append(r)
             save_partial(report, json_path)
     finally:
