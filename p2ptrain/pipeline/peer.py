@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from ..errors import P2PError
+from ..identity import PeerID
 from ..node import Node
 from ..tasks.gpt import GPTConfig
 from .directory import StagePeer, announce_stage, choose_stage, read_directory
@@ -130,9 +132,29 @@ class PipelinePeer:
             out.append(Candidate(p.peer, address, r.throughput, r.queue))
         return out
 
-    def members(self) -> int:
-        """The live peers of this peer's stage, as the directory says (this one included)."""
-        return max(1, sum(1 for p in self.directory if p.record.stage == self.stage.index))
+    async def answering(self, cands: list[Candidate]) -> set[PeerID]:
+        """Those of ``cands`` that answer a ping within the pipeline's timeout (this peer does)."""
+        alive: set[PeerID] = set()
+
+        async def one(c: Candidate) -> None:
+            if c.peer == self.node.identity.peer_id:
+                alive.add(c.peer)
+                return
+            try:
+                with trio.fail_after(self.pipeline.timeout):
+                    conn = await self.node.host.connect(c.address, timeout=self.pipeline.timeout)
+                    await conn.ping(timeout=self.pipeline.timeout)
+                alive.add(c.peer)
+            except (P2PError, trio.TooSlowError):
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for c in cands:
+                nursery.start_soon(one, c)
+        return alive
+
+    def everyone(self) -> list[Candidate]:
+        return [c for s in range(self.pipeline.num_stages) for c in self.candidates(s)]
 
     async def join(self) -> None:
         """Choose a stage (unless given), build it from the run's seed, serve it and announce it."""
@@ -174,14 +196,21 @@ class PipelinePeer:
         async with trio.open_nursery() as nursery:
             for x, y in micro_batches:
                 nursery.start_soon(one, x, y)
-        await self.server.quiet(idle=1.0, limit=self.pipeline.timeout)
+        # the step ends for this stage once every caller is done with it (a dead one: after a while)
+        everyone = self.everyone()
+        await router.done(self.step_number, everyone)
+        expected = {c.peer for c in everyone}
+        done = await self.server.wait_done(expected, limit=2 * self.pipeline.timeout)
+        # the stage's peers that are done and still answer: a peer that died after it was done must not
+        # hold the others' group up (the group needs every member: see stagewise)
+        mates = await self.answering([c for c in self.candidates(self.server.index) if c.peer in done])
         grads, counted = self.server.close_step()
         avg = await average_stage(
             self.node.averager,
             self.server.index,
             grads,
             counted,
-            members=self.members(),
+            members=max(1, len(mates | {self.node.identity.peer_id})),
             timeout=max(30.0, 3 * self.pipeline.timeout),
         )
         if avg.applied:

@@ -55,6 +55,7 @@ class CommitReq(Message):
     step: int = bounded(ge=0, le=2**62)
     mbs: tuple[bytes, ...] = bounded(max_len=MAX_COMMITS)
     keep: bool = True  # False: drop them (a duplicated micro-batch's other peer)
+    done: bool = False  # the caller sent every micro-batch of this step: it calls no more in it
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 NOT_YET_WAIT = 0.25  # seconds before asking a peer that is still on an earlier step again
+SUSPECT_SECONDS = 30.0  # a peer that failed a call is tried last for this long
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,45 @@ class Router:
         self.rng = rng or random.Random()
         self.stats = RouterStats()
         self.stages = pipeline.num_stages
+        self._suspects: dict[PeerID, float] = {}  # peers that failed a call lately -> until when
+
+    def _pick(self, s: int, tried: set[PeerID]) -> Candidate | None:
+        """A peer of stage ``s`` not tried and not dropped; one that failed lately only if no other is
+        left (it may have been a passing fault)."""
+        now = trio.current_time()
+        self._suspects = {p: t for p, t in self._suspects.items() if t > now}
+        excluded = tried | set(self.stats.bans)
+        cands = self.candidates(s)
+        return pick(cands, self.rng, excluded | set(self._suspects)) or pick(cands, self.rng, excluded)
+
+    def _suspect(self, cand: Candidate) -> None:
+        if cand.peer != self.host.peer_id:
+            self._suspects[cand.peer] = trio.current_time() + SUSPECT_SECONDS
+
+    async def done(self, step: int, peers: list[Candidate]) -> int:
+        """Tell ``peers`` (every stage peer) that this caller sent every micro-batch of ``step``; how
+        many heard it."""
+        heard = 0
+        req = CommitReq(step, (), True, True)
+
+        async def one(cand: Candidate) -> None:
+            nonlocal heard
+            try:
+                with trio.fail_after(self.pipeline.timeout):
+                    if cand.peer == self.host.peer_id:
+                        if self.local is not None:
+                            self.local.local_commit(self.host.peer_id, req)
+                    else:
+                        conn = await self.host.connect(cand.address, timeout=self.pipeline.timeout)
+                        await conn.call(COMMIT, req, timeout=self.pipeline.timeout)
+                heard += 1
+            except (P2PError, trio.TooSlowError) as e:
+                log.info("%s did not hear that step %d is done here: %s", cand.peer.short(), step, e)
+
+        async with trio.open_nursery() as nursery:
+            for cand in peers:
+                nursery.start_soon(one, cand)
+        return heard
 
     # ------------------------------------------------------------------ one micro-batch
 
@@ -278,7 +318,7 @@ class Router:
         failure; GiveUp when none is left (None instead when ``optional``: a check's second peer)."""
         attempts = 0
         while True:
-            cand = pick(self.candidates(s), self.rng, tried | set(self.stats.bans))
+            cand = self._pick(s, tried)
             if cand is None or attempts > self.pipeline.retries:
                 if optional:
                     return None
@@ -293,6 +333,7 @@ class Router:
             except _Garbage as e:
                 self._ban(cand, str(e))
             except _Failed as e:
+                self._suspect(cand)
                 log.info("stage %d peer %s failed a forward: %s; trying another", s, cand.peer.short(), e)
 
     async def _backward_stage(
@@ -308,10 +349,11 @@ class Router:
         except _Garbage as e:
             self._ban(first, str(e))
         except _Failed as e:
+            self._suspect(first)
             log.info("stage %d peer %s failed a backward: %s; replaying elsewhere", s, first.peer.short(), e)
         attempts = 0
         while True:
-            cand = pick(self.candidates(s), self.rng, tried | set(self.stats.bans))
+            cand = self._pick(s, tried)
             if cand is None or attempts >= self.pipeline.retries:
                 raise GiveUp(f"stage {s}: no peer left to replay the backward on (tried {len(tried)})")
             tried.add(cand.peer)
@@ -324,6 +366,7 @@ class Router:
             except _Garbage as e:
                 self._ban(cand, str(e))
             except _Failed as e:
+                self._suspect(cand)
                 log.info("stage %d peer %s failed a replay: %s", s, cand.peer.short(), e)
 
     # ------------------------------------------------------------------ calls

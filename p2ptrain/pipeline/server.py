@@ -119,6 +119,8 @@ class StageServer:
         self._idle.set()
         self._last_call = clock()
         self._threaded = stage.num_parameters() > THREAD_PARAMS
+        self._done: dict[int, set[PeerID]] = {}  # step -> the callers done with it
+        self._done_changed = trio.Event()
         # tests: awaited at the start of every forward and backward (a stall, a crash at that point)
         self.fault: Callable[[str], Awaitable[None]] | None = None
 
@@ -164,6 +166,20 @@ class StageServer:
         self.samples = 0
         self.step = step
         self.open = True
+        self._done = {s: d for s, d in self._done.items() if s >= step}
+
+    def done(self, step: int) -> frozenset[PeerID]:
+        """The callers that said they sent every micro-batch of ``step``."""
+        return frozenset(self._done.get(step, ()))
+
+    async def wait_done(self, expected: set[PeerID], *, limit: float) -> frozenset[PeerID]:
+        """Wait until every caller in ``expected`` is done with the current step (or ``limit`` passed:
+        a caller that died says nothing); the callers that are done."""
+        with trio.move_on_after(limit):
+            while not expected <= self._done.get(self.step, set()):
+                self._done_changed = trio.Event()
+                await self._done_changed.wait()
+        return self.done(self.step)
 
     async def quiet(self, *, idle: float, limit: float) -> None:
         """Return once no call has been served for ``idle`` seconds (or after ``limit``): the callers of
@@ -398,6 +414,9 @@ class StageServer:
         return self._commit(ctx.peer, req)
 
     def _commit(self, peer: PeerID, req: CommitReq) -> CommitResp:
+        if req.done and self.step <= req.step <= self.step + 1:
+            self._done.setdefault(req.step, set()).add(peer)
+            self._done_changed.set()
         counted = 0
         for mb in req.mbs:
             held = self._held.get((peer, mb))
