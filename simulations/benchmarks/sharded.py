@@ -268,6 +268,59 @@ def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
         Path(spec["out"]).joinpath(f"pair{site}.json").write_text(json.dumps({"digests": digests}))
 
 
+PLAN_SIZES = {"7B": 7e9, "13B": 13e9, "34B": 34e9, "70B": 70e9}
+PLAN_SITES = [(4, 24), (8, 24), (4, 80), (8, 80), (16, 80), (32, 80)]  # (GPUs, GB each); 8 a host
+GB = 1e9
+
+
+def wire_bytes_per_param(compression: str, peers: int) -> float:
+    """Bytes a member sends (about the same it receives) per parameter in a butterfly round of ``peers``:
+    its contribution to the other reducers, and its partition's result to the other members."""
+    from p2ptrain.averaging import sparse
+    from p2ptrain.averaging.compression import Compression, encoded_size
+
+    mode = Compression(compression)
+    count = 10**9
+    out = (peers - 1) / peers * encoded_size(mode, count) / count
+    if mode.sparse:
+        density, _ = mode.sparse
+        back = sparse.sum_size(density, peers, count) / count
+    else:
+        back = encoded_size(mode, count) / count
+    return out + (peers - 1) / peers * back
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Sharded sites of 7B-70B: arithmetic on the layout of a site's memory (every figure labelled) and
+    on measured rates (the all-reduce's and the state download's fractions of the link)."""
+    rows = []
+    for size, params in PLAN_SIZES.items():
+        for gpus, gb in PLAN_SITES:
+            per_gpu = 16 * params / gpus / GB  # fp32 parameters, gradients, AdamW moments: FSDP2 shards
+            hosts = max(1, gpus // 8)
+            outer = (
+                (8 if args.compression == "int8" else 12) * params / hosts / GB
+            )  # global + momentum (+ residual)
+            wire = wire_bytes_per_param(args.compression, args.peers) * params / GB
+            rows.append(
+                {
+                    "size": size,
+                    "site": f"{gpus} x {gb} GB" + (f" ({hosts} hosts)" if hosts > 1 else ""),
+                    "gpu_state_gb": round(per_gpu, 1),
+                    "fits": per_gpu <= 0.8 * gb,  # a fifth of the card left for activations and one unit
+                    "host_ram_gb": round(outer, 1),
+                    "rank0_page_cache_gb": round(4 * params / GB, 1),
+                    "round_gb_each_way": round(wire, 2),
+                    "round_s_1g": round(wire * 8 / 1.0 / args.allreduce_efficiency, 1),
+                    "round_s_10g": round(wire * 8 / 10.0 / args.allreduce_efficiency, 1),
+                    "state_gb": round(8 * params / GB, 1),
+                    "state_s_1g": round(8 * params * 8 / 1e9 / args.sync_efficiency, 1),
+                    "state_s_10g": round(8 * params * 8 / 10e9 / args.sync_efficiency, 1),
+                }
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from p2ptrain.training.site import launch
 
@@ -283,7 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-pair", action="store_true")
     ap.add_argument("--json", default=DEFAULT_JSON)
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--plan", action="store_true", help="print the 7B-70B sites' arithmetic and exit")
+    ap.add_argument("--peers", type=int, default=8, help="--plan: members of a round")
+    ap.add_argument("--allreduce-efficiency", type=float, default=0.81, help="--plan: of the link bound")
+    ap.add_argument("--sync-efficiency", type=float, default=0.93, help="--plan: a download, of the link")
     args = ap.parse_args(argv)
+    if args.plan:
+        rows = plan(args)
+        print(json.dumps(rows, indent=2))
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     spec: dict[str, Any] = {"size": args.size, "compression": args.compression, "inner": args.inner}
     report: dict[str, Any] = {
