@@ -1,0 +1,106 @@
+"""State sync between sites of different sizes: a donor site of 2 ranks publishes the root an unsharded
+peer with the same state publishes and serves its chunks from its ranks' shards; a joining site of 3
+ranks checks every chunk on arrival at its rank 0 and writes it straight into its ranks' shards. A chunk
+the donor corrupted is caught, its sender named, and the chunk is fetched again from the other donor (an
+unsharded peer's state); nothing unverified reaches a rank, and the joiner ends with the donor's state.
+One process group of 5 (donor ranks 0-1, joiner ranks 2-4); the faces' link is a stand-in for the
+download protocol."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from p2ptrain.training.site import launch
+from p2ptrain.training.site.layout import rows_of
+from p2ptrain.training.site.state import ShardedState
+from p2ptrain.training.state import chunks
+
+pytestmark = pytest.mark.timeout(150)
+DONOR, JOINER = [0, 1], [2, 3, 4]
+EPOCH, BAD = 12, 1
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    """A DiLoCo state's names (see ``state.capture``): uneven rows, chunk edges inside tensors."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model.0.weight": torch.randn(301, 257, generator=g),
+        "model.0.bias": torch.randn(301, generator=g),
+        "model.1.weight": torch.randn(517, 301, generator=g),
+        "optim.outer.0.momentum_buffer": torch.randn(301, 257, generator=g),
+        "optim.outer.1.momentum_buffer": torch.randn(517, 301, generator=g),
+        "optim.outer.step": torch.tensor(5, dtype=torch.int64),
+    }
+
+
+def rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.clone()
+    r = rows_of(t.shape[0], world, rank)
+    return t[r.start : r.stop].clone()
+
+
+def run(rank: int, world: int, out: str) -> None:
+    groups = [dist.new_group(DONOR), dist.new_group(JOINER)]
+    full = full_state()
+    shapes = {n: list(t.shape) for n, t in full.items()}
+    if rank in DONOR:
+        me, n = DONOR.index(rank), len(DONOR)
+        state = ShardedState({k: rows(t, n, me) for k, t in full.items()}, shapes, me, n, group=groups[0])
+        root = state.root(EPOCH)
+        if me == 0:  # the root an unsharded peer publishes for the same state
+            layout = chunks.Layout.of(full)
+            unsharded = chunks.root(
+                EPOCH, layout, chunks.hash_chunks(layout, [full[e.name] for e in layout.entries])
+            )
+            assert root == unsharded
+            dist.send(torch.frombuffer(bytearray(root), dtype=torch.uint8), dst=JOINER[0])
+        for i in range(state.layout.chunks):
+            data = state.chunk(i)
+            if data is not None:
+                if i == BAD:
+                    data[100] ^= 0xFF  # a hostile donor
+                dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=JOINER[0])
+        return
+    me, n = JOINER.index(rank), len(JOINER)
+    mine = {k: torch.zeros_like(rows(t, n, me)) for k, t in full.items()}
+    state = ShardedState(mine, shapes, me, n, group=groups[1])
+    named: list[tuple[int, str]] = []
+    if me == 0:
+        expected = torch.empty(32, dtype=torch.uint8)
+        dist.recv(expected, src=DONOR[0])
+        # the joiner knows the root to expect; the hash list is checked against it
+        layout = chunks.Layout.of(full)
+        second = [full[e.name] for e in layout.entries]  # the other donor: an unsharded peer
+        hashes = chunks.hash_chunks(layout, second)
+        assert chunks.root(EPOCH, state.layout, hashes) == bytes(expected.numpy())
+    assert state.layout.chunks >= BAD + 1
+    for i in range(state.layout.chunks):
+        data: bytes | None = None
+        if me == 0:
+            got = torch.empty(state.layout.chunk_size(i), dtype=torch.uint8)
+            dist.recv(got, src=DONOR[0])
+            data = bytes(got.numpy())
+            if chunks.hash_chunk([data]) != hashes[i]:
+                named.append((i, "donor site"))
+                data = b"".join(bytes(p) for p in chunks.chunk_pieces(layout, second, i))
+                assert chunks.hash_chunk([data]) == hashes[i]
+        state.place(i, data)
+    for k, t in full.items():
+        if t.dim() == 0 and me != 0:
+            continue
+        assert torch.equal(mine[k], rows(t, n, me)), k
+    dist.barrier(group=groups[1])
+    if me == 0:
+        assert named == [(BAD, "donor site")], named
+        Path(out).write_text("ok")
+
+
+def test_a_joining_site_of_3_downloads_into_its_shards_from_donors_of_2_and_1(tmp_path: Path) -> None:
+    out = tmp_path / "ok"
+    launch.spawn(run, 5, str(out), timeout=60)
+    assert out.read_text() == "ok"
