@@ -1,0 +1,252 @@
+"""``python -m simulations.scale``: the real node at N peers in one process, in virtual time.
+
+::
+
+    python -m simulations.scale --peers 16,64,256 [--duration 210] [--warmup 90] [--nat-share 0.3]
+        [--join-rate R] [--leave-rate R] [--kill-rate R] [--loss P] [--seed S]
+    python -m simulations.scale --dht 1000,10000 [--keys 200] [--kill 0.1]
+    python -m simulations.scale --plot-only      # redraw the plots from the JSON reports
+
+Each run's figures go into ``simulations/results/scale-swarm.json`` (training peers) or
+``scale-dht.json`` (DHT only), merged with the runs of other sizes already there (a run of the same
+size and settings replaces its old entry), with the fits of the per-peer control bytes against N; the
+table goes to stderr; each figure is plotted against N on a log axis (``scale-swarm.png``,
+``scale-dht.png``) where matplotlib can be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from simulations.benchmarks.environment import REPO_ROOT, environment, write_report
+from simulations.scale.model import Churn
+
+RESULTS = REPO_ROOT / "simulations" / "results"
+SWARM_JSON = RESULTS / "scale-swarm.json"
+DHT_JSON = RESULTS / "scale-dht.json"
+
+SWARM_FIGURES = (
+    ("control_bytes_sent_per_peer_per_step", "control bytes sent / peer / step"),
+    ("control_bytes_received_per_peer_per_step", "control bytes received / peer / step"),
+    ("max_node_control_over_median", "max node's control bytes / median"),
+    ("dht_lookup_hops_median", "DHT lookup hops (median)"),
+    ("target_to_commit_s_median", "target reached -> committed (s)"),
+    ("share_in_committed_round_mean", "share of live peers in a committed round"),
+    ("step_rate_per_min", "global steps / minute"),
+    ("sim.wall_s", "simulation wall time (s)"),
+    ("sim.peak_rss_mb", "simulation peak RSS (MB)"),
+)
+DHT_FIGURES = (
+    ("lookup_hops_median", "lookup hops (median)"),
+    ("lookup_hops_p99", "lookup hops (p99)"),
+    ("get_success", "get success after 10% killed"),
+    ("sim.build_wall_s", "build wall time (s)"),
+    ("sim.peak_rss_mb", "peak RSS (MB)"),
+)
+
+
+def figure(run: dict[str, Any], key: str) -> Any:
+    value: Any = run
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def fits(xs: list[float], ys: list[float]) -> dict[str, Any]:
+    """Least squares of y = a + b log2(N) and of log y = log c + p log N (the growth's exponent)."""
+    pts = [(x, y) for x, y in zip(xs, ys, strict=True) if x > 0 and y and y > 0]
+    if len(pts) < 2:
+        return {"points": len(pts)}
+
+    def line(us: list[float], vs: list[float]) -> tuple[float, float]:
+        mu, mv = sum(us) / len(us), sum(vs) / len(vs)
+        var = sum((u - mu) ** 2 for u in us)
+        slope = sum((u - mu) * (v - mv) for u, v in zip(us, vs, strict=True)) / var if var else 0.0
+        return mv - slope * mu, slope
+
+    a, b = line([math.log2(x) for x, _ in pts], [y for _, y in pts])
+    lc, p = line([math.log(x) for x, _ in pts], [math.log(y) for _, y in pts])
+    return {
+        "points": len(pts),
+        "log_fit": f"{a:.0f} + {b:.0f} * log2(N)",
+        "power_fit": f"{math.exp(lc):.0f} * N^{p:.2f}",
+        "exponent": round(p, 3),
+    }
+
+
+def merge(path: Path, runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    old: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(path.read_text())
+    kept = [
+        r
+        for r in old.get("runs", [])
+        if (r.get(key), r.get("settings")) not in {(n.get(key), n.get("settings")) for n in runs}
+    ]
+    merged = sorted(kept + runs, key=lambda r: (str(r.get("settings")), r.get(key, 0)))
+    return {"benchmark": path.stem, "environment": environment(("torch", "trio")), "runs": merged}
+
+
+def swarm_table(report: dict[str, Any]) -> str:
+    rows = [
+        "peers  steps/min  ctl-sent/peer/step  ctl-recv  max/median  hops(med,p99)  "
+        "target->commit(s)  in-round(mean,min)  forks  wall(s)  RSS(MB)"
+    ]
+    for r in report["runs"]:
+        rows.append(
+            f"{r['peers']:5}  {r['step_rate_per_min']:9}  {r['control_bytes_sent_per_peer_per_step']:18}  "
+            f"{r['control_bytes_received_per_peer_per_step']:8}  {r['max_node_control_over_median']!s:10}  "
+            f"{r['dht_lookup_hops_median']!s:>5},{r['dht_lookup_hops_p99']!s:<6}  "
+            f"{r['target_to_commit_s_median']!s:17}  "
+            f"{r['share_in_committed_round_mean']!s:>8},{r['share_in_committed_round_min']!s:<9}  "
+            f"{r['forks']:5}  {r['sim']['wall_s']:7}  {r['sim']['peak_rss_mb']:7}"
+        )
+    for r in report["runs"]:
+        top = list(r["control_by_method_per_peer_per_step"].items())[:5]
+        rows.append(f"  N={r['peers']}: " + ", ".join(f"{m} {v}" for m, v in top))
+    if "fit" in report:
+        rows.append(f"control bytes / peer / step against N: {report['fit']}")
+    return "\n".join(rows)
+
+
+def dht_table(report: dict[str, Any]) -> str:
+    rows = ["nodes  store-ok  get-ok(10% killed)  hops(med,p99)  queries  build-wall(s)  wall(s)  RSS(MB)"]
+    for r in report["runs"]:
+        rows.append(
+            f"{r['nodes']:5}  {r['store_success']:8}  {r['get_success']:18}  "
+            f"{r['lookup_hops_median']!s:>5},{r['lookup_hops_p99']!s:<6}  {r['lookup_queries_median']!s:7}  "
+            f"{r['sim']['build_wall_s']:13}  {r['sim']['wall_s']:7}  {r['sim']['peak_rss_mb']:7}"
+        )
+    return "\n".join(rows)
+
+
+def plot(report: dict[str, Any], figures: tuple[tuple[str, str], ...], key: str, path: Path) -> bool:
+    """Each figure against N on a log axis; False where matplotlib cannot be imported."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = sorted(report["runs"], key=lambda r: r[key])
+    cols = 3
+    rows = math.ceil(len(figures) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (name, label) in zip(axes.flat, figures, strict=False):
+        pts = [(r[key], figure(r, name)) for r in runs if isinstance(figure(r, name), int | float)]
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(key)
+        ax.set_title(label, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(figures) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def finish_swarm(report: dict[str, Any]) -> dict[str, Any]:
+    base = [r for r in report["runs"] if r.get("settings") == "default"]
+    if base:
+        report["fit"] = fits(
+            [float(r["peers"]) for r in base],
+            [float(r["control_bytes_sent_per_peer_per_step"]) for r in base],
+        )
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simulations.scale", description=__doc__.split("\n")[0])
+    ap.add_argument("--peers", default="", help="training peers per run, comma-separated (16,64,256)")
+    ap.add_argument("--dht", default="", help="DHT-only runs: nodes, comma-separated (1000,10000)")
+    ap.add_argument("--duration", type=float, default=210.0, help="virtual seconds per training run")
+    ap.add_argument("--warmup", type=float, default=90.0, help="virtual seconds before measuring")
+    ap.add_argument("--batches-per-step", type=int, default=10)
+    ap.add_argument("--nat-share", type=float, default=0.0)
+    ap.add_argument("--join-rate", type=float, default=0.0, help="joins per peer per hour")
+    ap.add_argument("--leave-rate", type=float, default=0.0, help="clean leaves per peer per hour")
+    ap.add_argument("--kill-rate", type=float, default=0.0, help="crashes per peer per hour")
+    ap.add_argument("--loss", type=float, default=0.0, help="chance a message is retransmitted")
+    ap.add_argument("--keys", type=int, default=200)
+    ap.add_argument("--kill", type=float, default=0.1, help="share of DHT nodes killed before the reads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL)
+    if args.plot_only:
+        for path, figs, key in ((SWARM_JSON, SWARM_FIGURES, "peers"), (DHT_JSON, DHT_FIGURES, "nodes")):
+            with contextlib.suppress(OSError):
+                plot(json.loads(path.read_text()), figs, key, path.with_suffix(".png"))
+        return 0
+    command = "python -m simulations.scale " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.peers:
+        from simulations.scale.swarm import SwarmSpec, run
+
+        churn = Churn(args.join_rate, args.leave_rate, args.kill_rate)
+        default = (
+            not any((args.nat_share, args.join_rate, args.leave_rate, args.kill_rate, args.loss))
+            and args.batches_per_step == 10
+        )
+        settings = (
+            "default"
+            if default
+            else (
+                f"nat={args.nat_share},churn={args.join_rate}/{args.leave_rate}/{args.kill_rate},"
+                f"loss={args.loss},bps={args.batches_per_step}"
+            )
+        )
+        runs = []
+        for n in (int(x) for x in args.peers.split(",")):
+            spec = SwarmSpec(
+                peers=n,
+                duration=args.duration,
+                warmup=args.warmup,
+                batches_per_step=args.batches_per_step,
+                nat_share=args.nat_share,
+                churn=churn,
+                loss=args.loss,
+                seed=args.seed,
+            )
+            t0 = time.perf_counter()
+            result = run(spec)
+            result.update(settings=settings, command=command, finished=time.strftime("%Y-%m-%d %H:%M"))
+            print(f"N={n}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            print(json.dumps(result))
+            runs.append(result)
+            report = finish_swarm(merge(SWARM_JSON, runs, "peers"))
+            if plot(report, SWARM_FIGURES, "peers", SWARM_JSON.with_suffix(".png")):
+                report["plot"] = str(SWARM_JSON.with_suffix(".png").relative_to(REPO_ROOT))
+            write_report(report, str(SWARM_JSON), swarm_table(report))
+    if args.dht:
+        from simulations.scale.dht import DhtSpec, run_dht
+
+        runs = []
+        for n in (int(x) for x in args.dht.split(",")):
+            result = run_dht(DhtSpec(nodes=n, keys=args.keys, kill=args.kill, seed=args.seed))
+            result.update(settings="default", command=command, finished=time.strftime("%Y-%m-%d %H:%M"))
+            print(json.dumps(result))
+            runs.append(result)
+            report = merge(DHT_JSON, runs, "nodes")
+            if plot(report, DHT_FIGURES, "nodes", DHT_JSON.with_suffix(".png")):
+                report["plot"] = str(DHT_JSON.with_suffix(".png").relative_to(REPO_ROOT))
+            write_report(report, str(DHT_JSON), dht_table(report))
+    if not (args.peers or args.dht):
+        ap.error("say --peers, --dht or --plot-only")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

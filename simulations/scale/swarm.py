@@ -1,0 +1,359 @@
+"""N training peers of the real node in one process, on trio's virtual clock, over the message-level
+in-memory network; and what the run measures (see the package docstring).
+
+Each peer is a real :class:`~p2ptrain.Node` (host, DHT, relays, averager) and a real
+:class:`~p2ptrain.training.CollaborativeOptimizer` on a tiny model (49 parameters): progress records,
+matchmaking, butterfly rounds, bans, state-sync metadata and downloads all run as in a deployment. A
+peer computes one batch per ``compute / speed`` virtual seconds (its compute is a sleep), so the swarm's
+step rate at a fixed per-peer batch is a property of the protocol alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import resource
+import statistics
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+import trio.testing
+
+from p2ptrain import Node, NodeConfig
+from p2ptrain.config import RunConfig
+from p2ptrain.identity import Identity
+from p2ptrain.net import PeerAddress
+from p2ptrain.net.messages import MessageNetwork
+from p2ptrain.training import CollaborativeOptimizer
+from simulations.scale.model import Churn, PeerPlace, World, churn_events
+
+PORT = 4000
+BATCH = 8  # samples per batch, every peer
+DATA_METHODS = frozenset(
+    {"avg.part", "avg.fetch", "avg.fetch_early", "avg.audit_slice", "train.state_chunks", "train.result_data"}
+)
+"""Methods that carry tensors (the model's values); everything else a peer sends is control traffic."""
+
+
+@dataclass(frozen=True)
+class SwarmSpec:
+    peers: int
+    duration: float = 300.0  # virtual seconds
+    warmup: float = 90.0  # virtual seconds before the measurement window opens
+    batches_per_step: int = 10  # the target batch is peers x BATCH x this
+    compute: float = 1.0  # virtual seconds per batch of a peer of speed 1
+    join_spread: float = 30.0  # peers join over this many virtual seconds
+    nat_share: float = 0.0
+    churn: Churn = field(default_factory=Churn)
+    loss: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class SimPeer:
+    index: int
+    place: PeerPlace
+    node: Node
+    opt: CollaborativeOptimizer
+    model: torch.nn.Module
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    joined: float = 0.0
+    gone: float | None = None
+    steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
+    # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
+
+
+def identity_of(name: str) -> Identity:
+    return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # every peer starts from the same weights
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def run_config(spec: SwarmSpec) -> RunConfig:
+    return (
+        RunConfig()
+        .replace(
+            "training",
+            mode="sync",
+            target_batch_size=spec.peers * BATCH * spec.batches_per_step,
+            warmup_steps=0,
+            lr=0.01,
+            grad_clip=0.0,
+        )
+        .replace("averaging", matchmaking_time=3.0)
+    )
+
+
+class Simulation:
+    def __init__(self, spec: SwarmSpec, nursery: trio.Nursery) -> None:
+        self.spec = spec
+        self.nursery = nursery
+        self.world = World(spec.seed, spec.nat_share)
+        self.net = MessageNetwork(latency=self.world.latency, loss=spec.loss, seed=spec.seed)
+        self.config = run_config(spec)
+        self.rng = random.Random(spec.seed + 1)
+        self.peers: list[SimPeer] = []
+        self.samples: Counter[int] = Counter()  # epoch -> samples the swarm computed on it
+        self.reached: dict[int, float] = {}  # epoch -> when its samples reached the target
+        self.events: Counter[str] = Counter()
+
+    def live(self) -> list[SimPeer]:
+        return [p for p in self.peers if p.gone is None]
+
+    async def start_peer(self) -> SimPeer:
+        i = len(self.peers)
+        place = self.world.place(i)
+        self.net.set_host(place.name, place.link)
+        if place.natted:
+            self.net.nat(place.name)
+        public = [p for p in self.live() if not p.place.natted]
+        join: tuple[PeerAddress, ...] = ()
+        if public:
+            picks = [public[0], *self.rng.sample(public, min(2, len(public)))]
+            join = tuple(dict.fromkeys(p.node.addresses[0] for p in picks))
+        node = Node(
+            identity_of(place.name),
+            NodeConfig(run_id="scale", listen=((place.name, PORT),), join=join),
+            transport=self.net.transport(place.name),
+            clock=trio.current_time,
+        )
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = CollaborativeOptimizer(node, model, inner, self.config, clock=trio.current_time)
+        peer = SimPeer(i, place, node, opt, model, joined=trio.current_time())
+        self.peers.append(peer)
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with peer.scope:
+                async with trio.open_nursery() as inner_nursery:
+                    await inner_nursery.start(node.run)
+                    await inner_nursery.start(opt.run)
+                    task_status.started()
+                    await self._train(peer)
+
+        await self.nursery.start(run)
+        return peer
+
+    async def _train(self, peer: SimPeer) -> None:
+        g = torch.Generator().manual_seed(100 + peer.index)
+        x = torch.randn(BATCH, 4, generator=g)
+        y = x.sum(1, keepdim=True)
+        target = self.config.training.target_batch_size
+        while True:
+            torch.nn.functional.mse_loss(peer.model(x), y).backward()
+            await trio.sleep(self.spec.compute / peer.place.speed)
+            epoch = peer.opt.epoch
+            self.samples[epoch] += BATCH
+            if self.samples[epoch] >= target and epoch not in self.reached:
+                self.reached[epoch] = trio.current_time()
+            if await peer.opt.step(BATCH):
+                last = peer.opt.stats.last
+                peer.steps.append(
+                    (
+                        int(last.get("epoch", epoch)),
+                        peer.opt.epoch,
+                        peer.opt.digest,
+                        str(last.get("outcome")),
+                        int(last.get("mine", 0)),
+                        trio.current_time(),
+                    )
+                )
+
+    def stop(self, peer: SimPeer, crash: bool) -> None:
+        if crash:
+            self.net.kill(peer.place.name)
+        peer.gone = trio.current_time()
+        peer.scope.cancel()
+
+    async def churn(self, events: list[tuple[float, str]]) -> None:
+        for at, kind in events:
+            await trio.sleep_until(at)
+            self.events[kind] += 1
+            if kind == "join":
+                await self.start_peer()
+                continue
+            candidates = [p for p in self.live() if p.index != 0]  # the seed stays
+            if candidates:
+                self.stop(self.rng.choice(candidates), crash=kind == "kill")
+
+
+def snapshot(peers: list[SimPeer]) -> dict[int, tuple[Counter[str], int]]:
+    """Each live peer's bytes sent by method and bytes received, now."""
+    return {p.index: (Counter(p.node.host.sent_by_method()), p.node.host.traffic()[1]) for p in peers}
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+async def simulate(spec: SwarmSpec) -> dict[str, Any]:
+    """Run the swarm for ``spec.duration`` virtual seconds and measure it (see the package docstring)."""
+    began = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        sim = Simulation(spec, nursery)
+        gap = spec.join_spread / max(1, spec.peers)
+        for _ in range(spec.peers):
+            await sim.start_peer()
+            await trio.sleep(gap)
+        built = time.perf_counter() - began
+        events = churn_events(spec.churn, spec.peers, spec.warmup, spec.duration - spec.warmup, sim.rng)
+        nursery.start_soon(sim.churn, events)
+        await trio.sleep_until(spec.warmup)
+        window_start = trio.current_time()
+        before = snapshot(sim.live())
+        epoch_before = max(p.opt.epoch for p in sim.live())
+        await trio.sleep_until(spec.duration)
+        window = trio.current_time() - window_start
+        after = snapshot(sim.live())
+        epoch_after = max(p.opt.epoch for p in sim.live())
+        report = measure(sim, before, after, epoch_before, epoch_after, window_start, window)
+        nursery.cancel_scope.cancel()
+    report["sim"] = {
+        "wall_s": round(time.perf_counter() - began, 1),
+        "build_wall_s": round(built, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "connections_made": sim.net.connections_made,
+        "churn_events": dict(sim.events),
+    }
+    return report
+
+
+def measure(
+    sim: Simulation,
+    before: dict[int, tuple[Counter[str], int]],
+    after: dict[int, tuple[Counter[str], int]],
+    epoch_before: int,
+    epoch_after: int,
+    window_start: float,
+    window: float,
+) -> dict[str, Any]:
+    steps = max(1, epoch_after - epoch_before)
+    # ---- bytes, per peer present over the whole window ----
+    by_method: Counter[str] = Counter()
+    control_sent: list[float] = []
+    control_received: list[float] = []
+    data_sent: list[float] = []
+    both = [i for i in after if i in before]
+    for i in both:
+        delta = after[i][0] - before[i][0]
+        by_method.update(delta)
+        control = sum(v for m, v in delta.items() if m not in DATA_METHODS)
+        control_sent.append(control / steps)
+        data_sent.append(sum(v for m, v in delta.items() if m in DATA_METHODS) / steps)
+        control_received.append((after[i][1] - before[i][1]) / steps)
+    n = max(1, len(both))
+    per_method = {m: round(v / n / steps) for m, v in by_method.most_common() if m not in DATA_METHODS}
+    median_sent = statistics.median(control_sent) if control_sent else 0.0
+    # ---- steps: forks, who was in each committed round, target reached -> committed ----
+    digests: dict[int, set[bytes]] = {}
+    members: Counter[int] = Counter()
+    committed_at: dict[int, float] = {}
+    for p in sim.peers:
+        for left, now, digest, outcome, mine, at in p.steps:
+            digests.setdefault(now, set()).add(digest)
+            if outcome == "averaged":
+                committed_at[left] = min(committed_at.get(left, math.inf), at)
+                if mine:
+                    members[left] += 1
+    forks = sorted(e for e, ds in digests.items() if len(ds) > 1)
+    shares = []
+    for epoch, at in sorted(committed_at.items()):
+        if at < window_start:
+            continue
+        alive = [p for p in sim.peers if p.joined < at - 30.0 and (p.gone is None or p.gone > at)]
+        if alive:
+            shares.append(min(1.0, members[epoch] / len(alive)))
+    waits = [
+        committed_at[e] - sim.reached[e]
+        for e in committed_at
+        if e in sim.reached and committed_at[e] >= window_start
+    ]
+    # ---- DHT lookups ----
+    hops: list[float] = []
+    queries: list[float] = []
+    for p in sim.peers:
+        for h, q in p.node.dht.reader.recent_lookups:
+            hops.append(h)
+            queries.append(q)
+    return {
+        "peers": sim.spec.peers,
+        "live_at_end": len(sim.live()),
+        "virtual_s": round(window, 1),
+        "global_steps": steps,
+        "step_rate_per_min": round(steps / window * 60, 2),
+        "control_bytes_sent_per_peer_per_step": round(median_sent),
+        "control_bytes_sent_per_peer_per_step_mean": round(statistics.fmean(control_sent))
+        if control_sent
+        else 0,
+        "control_bytes_received_per_peer_per_step": round(statistics.median(control_received))
+        if control_received
+        else 0,
+        "data_bytes_sent_per_peer_per_step": round(statistics.median(data_sent)) if data_sent else 0,
+        "control_by_method_per_peer_per_step": per_method,
+        "max_node_control_over_median": round(max(control_sent) / median_sent, 2) if median_sent else None,
+        "dht_lookup_hops_median": pct(hops, 0.5),
+        "dht_lookup_hops_p99": pct(hops, 0.99),
+        "dht_lookup_queries_median": pct(queries, 0.5),
+        "dht_lookups": len(hops),
+        "target_to_commit_s_median": round(pct(waits, 0.5), 2) if waits else None,
+        "target_to_commit_s_p90": round(pct(waits, 0.9), 2) if waits else None,
+        "share_in_committed_round_mean": round(statistics.fmean(shares), 3) if shares else 0.0,
+        "share_in_committed_round_min": round(min(shares), 3) if shares else 0.0,
+        "steps_with_95pct": round(sum(s >= 0.95 for s in shares) / len(shares), 3) if shares else 0.0,
+        "forks": len(forks),
+        "fork_epochs": forks[:10],
+    }
+
+
+def run(spec: SwarmSpec, *, threads_stop_clock: bool = True) -> dict[str, Any]:
+    """One run on an autojump clock (worker threads take no virtual time: see ``hold_clock``)."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    with hold_clock(clock, threads_stop_clock):
+        result: dict[str, Any] = trio.run(simulate, spec, clock=clock)
+    return result
+
+
+class hold_clock:
+    """While a worker thread runs, the autojump clock does not jump (its work takes no virtual time,
+    as a peer's compute sleeps stand for it), so a run is deterministic whatever the machine's load."""
+
+    def __init__(self, clock: trio.testing.MockClock, enabled: bool) -> None:
+        self.clock, self.enabled = clock, enabled
+        self._real: Callable[..., Awaitable[Any]] | None = None
+
+    def __enter__(self) -> hold_clock:
+        if not self.enabled:
+            return self
+        real = self._real = trio.to_thread.run_sync
+        clock = self.clock
+        running = 0
+
+        async def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            nonlocal running
+            running += 1
+            clock.autojump_threshold = math.inf
+            try:
+                return await real(fn, *args, **kwargs)
+            finally:
+                running -= 1
+                if not running:
+                    clock.autojump_threshold = 0
+
+        trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._real is not None:
+            trio.to_thread.run_sync = self._real  # type: ignore[assignment]
