@@ -16,16 +16,17 @@ import random
 
 import pytest
 import torch
+import trio
 
 from p2ptrain.config import RunConfig
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
-from p2ptrain.training.state.replay import ResultStore
 from tests.harness.training import (
     BATCH,
     Peer,
     Swarm,
     batch_of,
+    check_identical_per_epoch,
     loss_of,
     run_config,
     swarm,
@@ -227,11 +228,56 @@ async def test_a_peer_too_far_behind_or_off_the_lineage_downloads(autojump_clock
         assert other.opt.shared.downloads == 1 and other.opt.shared.replayed == 0
 
 
-def test_a_store_keeps_the_last_results_and_lists_only_those_with_both_digests() -> None:
-    digests = {0: b"a" * 32, 1: b"b" * 32, 2: b"c" * 32}
-    store = ResultStore(None, 2, lambda e: digests.get(e, b""))
-    for epoch in range(3):
-        store.keep(epoch, range(0, 1), [torch.full((4,), float(epoch))], [torch.float16])
-    assert [e.epoch for e in store.entries(0)] == [1]  # 0 dropped (keep 2); 2's "after" is unknown
-    entry = store.entries(0)[0]
-    assert (entry.before, entry.after, entry.dtype, entry.size) == (b"b" * 32, b"c" * 32, "float16", 8)
+# ---- a slow-link peer in a sync swarm ----------------------------------------------------------------
+
+SLOW_LINK = 25_000  # bytes per second, each way: the home peer's link (its state download takes ~8 s)
+
+
+def mid_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128), torch.nn.Linear(128, 1)
+    )
+
+
+async def slow_link_swarm(replay_steps: int, seconds: float) -> tuple[Peer, list[Peer], int]:
+    """Three peers on fast links train in sync mode (steps of ~3 s, less than the slow peer's state
+    download); a fourth on ``SLOW_LINK`` joins once they took a few steps. Returns the slow peer, the
+    others, and the steps the swarm took while the slow peer was present (from its first step on)."""
+    cfg = (
+        run_config("sync")
+        .replace("training", target_batch_size=96)
+        .replace("statesync", replay_steps=replay_steps)
+    )
+    # One donor at a time: the in-memory network shapes each pair of peers apart, so downloading from
+    # several donors at once would multiply the home peer's link (its downlink is the bottleneck).
+    slow_cfg = cfg.replace("statesync", max_donors=1)
+    async with swarm(cfg, model=mid_model) as s:
+        fast = [await s.start(compute=1.0) for _ in range(3)]
+        for p in fast:
+            s.net.set_link(f"t{p.index}", "t3", LinkProfile(bandwidth=SLOW_LINK))
+        await s.until(lambda: fast[0].opt.epoch >= 3, timeout=60)
+        slow = await s.start(compute=1.0, config=slow_cfg)
+        await s.until(lambda: bool(slow.steps), timeout=120)
+        first = fast[0].opt.epoch
+        await trio.sleep(seconds)
+        return slow, fast, fast[0].opt.epoch - first
+
+
+@pytest.mark.timeout(300)  # ~25 s of CPU; longer on a busy machine
+async def test_a_slow_link_peer_in_a_sync_swarm_averages_instead_of_downloading_each_step(
+    autojump_clock: object,
+) -> None:
+    """The sync-mode chase of issue 49: a peer whose state download takes longer than a step downloaded
+    again each time it fell behind (each download obsolete when it landed: every chunk changes each
+    step). With replay it downloads once (its join) and catches up from a step or two behind with those
+    steps' results, averaging in most steps. On the code before (``replay_steps=0``: every catch-up a
+    download) the same swarm's slow peer downloaded 3 times in these 40 s, averaging in 6 of the 7 steps
+    the swarm managed while it held the others back (10 with replay): this test fails there on
+    ``downloads == 1``."""
+    slow, fast, steps = await slow_link_swarm(replay_steps=4, seconds=40)
+    shared = slow.opt.shared
+    averaged = sum(1 for _, _, outcome, _ in slow.steps[1:] if outcome == "averaged")
+    assert shared.downloads == 1 and shared.replayed >= 1, (shared.downloads, shared.replayed)
+    assert steps >= 8 and averaged >= steps / 2, (averaged, steps)
+    check_identical_per_epoch([slow, *fast])

@@ -64,6 +64,8 @@ log = logging.getLogger("p2ptrain.training.state.replay")
 MAX_KEPT = 64  # results one peer may hold (and list in one answer)
 MAX_ASKED = 8  # peers asked what they hold, per catch-up
 PIECE = 1 << 20  # bytes per stream record of a result
+DIGEST_TRIES = 4  # asks for the results this many times while the digests they lead to are unknown...
+DIGEST_WAIT = 1.0  # ...this many seconds apart
 MAX_RESULT_BYTES = 1 << 40
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -280,6 +282,28 @@ class ResultFetcher:
         element count and dtype that step ``e``'s result must have here."""
         self.failures = []
         began = trio.current_time()
+        for _ in range(DIGEST_TRIES):
+            # Right after a step its digest is still being hashed (a large state, in a thread) and
+            # published: the entry of the step before names no "after" yet. Ask again shortly, rather
+            # than download the whole state for want of a digest.
+            replay = await self._attempt(donors, first, last, start, expected, layout, bound)
+            if replay is not None:
+                replay.seconds = trio.current_time() - began
+                return replay
+            await trio.sleep(DIGEST_WAIT)
+        raise PeerUnavailable(f"no peer serves step {first}'s result" + self._why())
+
+    async def _attempt(
+        self,
+        donors: Sequence[PeerProgress],
+        first: int,
+        last: int,
+        start: bytes,
+        expected: Callable[[int], bytes],
+        layout: Callable[[int], tuple[range, int, torch.dtype]],
+        bound: Scale | None,
+    ) -> Replay | None:
+        """One try of :meth:`fetch`; None when no step's result could be planned yet (digests unknown)."""
         asked = [d for d in donors if d.peer not in self.blamed][:MAX_ASKED]
         holders: dict[int, list[tuple[PeerProgress, Connection, ResultEntry]]] = {}
 
@@ -322,7 +346,7 @@ class ResultFetcher:
             plan.append((epoch, after, ok))
             before = after
         if not plan:
-            raise PeerUnavailable(f"no peer serves step {first}'s result" + self._why())
+            return None
         got: dict[int, Fetched] = {}
 
         async def one(
@@ -356,7 +380,7 @@ class ResultFetcher:
             results.append(got[epoch])
         if not results:
             raise PeerUnavailable(f"no peer delivered step {first}'s result" + self._why())
-        return Replay(first, results, trio.current_time() - began)
+        return Replay(first, results)
 
     @staticmethod
     def _entry_problem(
