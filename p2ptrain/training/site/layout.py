@@ -72,7 +72,7 @@ class WireLayout:
             row = s.numel() // s[0] if s[0] else 0
             for r in range(world):
                 rows = rows_of(s[0], world, r)
-                if len(rows):
+                if len(rows) and row:  # (no empty runs: they would tie with real ones in within())
                     lo = self.offsets[i] + rows.start * row
                     self.runs[r].append(Run(r, i, lo, lo + len(rows) * row, 0))
         self._all = sorted((run for rs in self.runs for run in rs), key=lambda x: x.lo)
