@@ -1,8 +1,9 @@
-"""A site's sharded DiLoCo outer step against an unsharded peer's (``optimizer.outer.OuterStep``), on
-real ranks (gloo on the CPU, spawned processes): given the same state, the wire vector rank 0 assembles
-from the ranks' pieces is the unsharded contribution bit for bit, and after every outer step (committed
-or aborted, with and without top-k's error feedback) the global and local parameters and the residual
-are the same bits. The full tensors are gathered here, in the test only."""
+"""A site's sharded DiLoCo outer step (plain, top-k, streaming) against an unsharded peer's
+(``optimizer.outer.OuterStep``), on real ranks (gloo on the CPU, spawned processes): given the same
+state, the wire vector rank 0 assembles from the ranks' pieces is the unsharded contribution bit for
+bit, and after every outer step (committed or aborted, with and without top-k's error feedback) the
+global and local parameters and the residual are the same bits. The full tensors are gathered here, in
+the test only."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from p2ptrain.averaging import sparse
 from p2ptrain.averaging.compression import Compression
 from p2ptrain.config import DilocoSection
+from p2ptrain.training.optimizer import fragments
 from p2ptrain.training.optimizer.buffers import Contribution
 from p2ptrain.training.optimizer.outer import OuterStep
 from p2ptrain.training.site import launch
@@ -53,14 +55,15 @@ def rows(t: torch.Tensor, layout: WireLayout, i: int, rank: int) -> torch.Tensor
 
 def check(rank: int, world: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    for mode in ("none", "topk3-q4"):
-        check_mode(rank, world, mesh, mode)
+    for mode, count in (("none", 1), ("topk3-q4", 1), ("topk3-q4", 2)):
+        check_mode(rank, world, mesh, mode, count)
     dist.barrier()
     if rank == 0:
         Path(out).write_text("ok")
 
 
-def check_mode(rank: int, world: int, mesh: object, mode: str) -> None:
+def check_mode(rank: int, world: int, mesh: object, mode: str, count: int) -> None:
+    """``count`` > 1: streaming DiLoCo, one fragment of the parameters a step."""
     reference = model()
     site = copy.deepcopy(reference)
     fully_shard(site, mesh=mesh)
@@ -71,28 +74,34 @@ def check_mode(rank: int, world: int, mesh: object, mode: str) -> None:
         list(site.parameters()), layout, PieceChannel(layout, rank), d, Compression(mode), piece=sparse.BLOCK
     )
     ref_params = list(reference.parameters())
-    contribution = Contribution(ref_params, [range(len(ref_params))], diloco=True, summed=False)
+    split = fragments.split([p.numel() for p in ref_params], count)
+    contribution = Contribution(ref_params, split, diloco=True, summed=False)
     ref = OuterStep(ref_params, contribution, d, Compression(mode)) if rank == 0 else None
-    for step in range(4):
+    epoch = 0
+    for step in range(5):
+        slots = split[epoch % count]
+        lo, hi = outer.span(slots)
         # "inner steps": the same change on both, the site's ranks each on their rows
         with torch.no_grad():
             for i, (dn, p) in enumerate(zip(noise(layout.shapes, step), site.parameters(), strict=True)):
                 local_of(p).add_(rows(dn, layout, i, rank))
                 if ref is not None:
                     ref_params[i].add_(dn)
-        wire = WireBuffer(layout.total) if rank == 0 else None
-        outer.contribute(range(len(names)), wire)
+        wire = WireBuffer(hi - lo) if rank == 0 else None
+        outer.contribute(slots, wire)
         committed = step != 2  # the third round aborts
         if ref is not None:
             assert wire is not None
+            contribution.fit(epoch)
+            assert contribution.slots == slots and contribution.start() == lo
             ref.pseudo_gradients()
             buf = contribution.buffer
             assert buf.flat is not None
-            saved = ref.feedback.fold(buf, 0) if ref.feedback is not None else None
+            saved = ref.feedback.fold(buf, lo) if ref.feedback is not None else None
             assert torch.equal(wire.flat.view(torch.int32), buf.flat.view(torch.int32)), (
                 f"wire differs at {step}"
             )
-            other = torch.randn(layout.total, generator=torch.Generator().manual_seed(100 + step))
+            other = torch.randn(hi - lo, generator=torch.Generator().manual_seed(100 + step))
             avg = (buf.flat + other) / 2  # "the round": another member's values, averaged
             wire.flat.copy_(avg)
             buf.flat.copy_(avg)
@@ -103,7 +112,8 @@ def check_mode(rank: int, world: int, mesh: object, mode: str) -> None:
                     ref.feedback.unfold(saved)
             if committed:
                 ref.step(after=ref.reset_local)
-        outer.land(range(len(names)), wire, committed=committed)
+        outer.land(slots, wire, committed=committed)
+        epoch += committed
         if wire is not None:
             wire.close()
         got = [full(g) for g in outer.global_params]
