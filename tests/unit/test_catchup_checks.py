@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from p2ptrain.averaging.bounds import BOUND, Scale
+from p2ptrain.averaging.spill import Spilled
 from p2ptrain.training.state.replay import (
     ResultEntry,
     ResultFetcher,
@@ -107,3 +108,15 @@ def test_an_entry_is_fetched_only_if_it_fits_the_chain_and_this_model(seed: int)
     }
     for why, entry in bad.items():
         assert why in check(entry, A, B, slots, count, torch.float32), why
+
+
+def test_a_large_result_waits_in_a_spill_file_and_goes_with_its_eviction() -> None:
+    store = ResultStore(None, 1, lambda e: A if e == 0 else B)
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: over SPILL_BYTES
+    store.keep(0, range(0, 1), [big], [])
+    kept = store.get(0)
+    assert kept is not None and isinstance(kept.data, Spilled) and kept.size == big.numel() * 4
+    assert torch.equal(torch.frombuffer(bytearray(kept.read()), dtype=torch.float32), big)
+    assert store.scale() == Scale.of(big)
+    store.keep(1, range(0, 1), [torch.ones(2)], [])
+    assert kept.data.file.closed  # evicted: its file is gone

@@ -48,6 +48,7 @@ import torch
 import trio
 
 from ...averaging.bounds import BOUND, SLACK, Scale
+from ...averaging.spill import SPILL_BYTES, Spilled, SpillFile
 from ...errors import CallRefused, P2PError, PeerUnavailable, RemoteProtocolError
 from ...identity import PeerID
 from ...net.connection import Connection
@@ -128,9 +129,21 @@ class Kept:
     epoch: int
     slots: range
     dtype: torch.dtype
-    data: bytes
+    data: bytes | Spilled  # a large result waits in a spill file (page cache, not process memory)
+    scale: Scale
     before: bytes = b""
     after: bytes = b""
+
+    @property
+    def size(self) -> int:
+        return len(self.data) if isinstance(self.data, bytes) else self.data.length
+
+    def read(self) -> bytes:
+        return self.data if isinstance(self.data, bytes) else bytes(self.data.read())
+
+    def close(self) -> None:
+        if isinstance(self.data, Spilled):
+            self.data.file.close()
 
 
 class ResultStore:
@@ -156,10 +169,20 @@ class ResultStore:
         if not self.keep_count:
             return
         dtype = compact_dtype(values, compact)
-        self._kept[epoch] = Kept(epoch, slots, dtype, flat_bytes(values, dtype))
-        self._kept.move_to_end(epoch)
+        raw = flat_bytes(values, dtype)
+        scale = Scale.total(Scale.of(v.detach().reshape(-1).float()) for v in values)
+        data: bytes | Spilled = raw
+        if len(raw) >= SPILL_BYTES:
+            try:
+                data = SpillFile().put(raw)
+            except OSError as e:  # a full disk: kept in memory
+                log.warning("cannot spill step %d's result (%s): keeping it in memory", epoch, e)
+        old = self._kept.pop(epoch, None)
+        if old is not None:
+            old.close()
+        self._kept[epoch] = Kept(epoch, slots, dtype, data, scale)
         while len(self._kept) > self.keep_count:
-            self._kept.popitem(last=False)
+            self._kept.popitem(last=False)[1].close()
 
     def get(self, epoch: int) -> Kept | None:
         kept = self._kept.get(epoch)
@@ -172,8 +195,7 @@ class ResultStore:
         """The size of the newest result this peer applied (bounds what a replay may apply)."""
         if not self._kept:
             return None
-        kept = next(reversed(self._kept.values()))
-        return Scale.of(torch.frombuffer(bytearray(kept.data), dtype=kept.dtype).float())
+        return next(reversed(self._kept.values())).scale
 
     def entries(self, first: int) -> list[ResultEntry]:
         out = []
@@ -186,7 +208,7 @@ class ResultStore:
                         k.slots.start,
                         k.slots.stop,
                         str(k.dtype).split(".")[-1],
-                        len(k.data),
+                        k.size,
                         k.before,
                         k.after,
                     )
@@ -200,7 +222,10 @@ class ResultStore:
         kept = self.get(req.epoch)
         if kept is None or kept.after != req.after:
             raise CallRefused("moved_on", f"this peer holds no result of step {req.epoch} with that digest")
-        data = memoryview(kept.data)
+        if kept.size < SPILL_BYTES:
+            data = memoryview(kept.read())
+        else:  # a disk read of a large result may take a while: not on the event loop
+            data = memoryview(await trio.to_thread.run_sync(kept.read))
         for at in range(0, len(data), PIECE):
             await stream.send(data[at : at + PIECE])
             self.served_bytes += min(PIECE, len(data) - at)
