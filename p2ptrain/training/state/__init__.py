@@ -9,6 +9,8 @@
 - :mod:`.protocol`: state download's wire messages and limits.
 - :mod:`.serve`: state download, the donor's side (snapshots of the live state, served to joiners).
 - :mod:`.download`: state download, the joiner's side (many donors at once, every chunk checked).
+- :mod:`.replay`: catching up a few steps by replaying their committed results (kept and served by
+  every peer, each checked against the trusted digest of the step it leads to) instead of a download.
 - :mod:`.checkpoint`: checkpoints on disk, written atomically and verified when read.
 - :mod:`.file_tensors`: file-backed tensors, for model-sized state that is touched once per round.
 
