@@ -1,4 +1,4 @@
-"""A site's sharded DiLoCo outer step (plain, top-k, streaming) against an unsharded peer's
+"""A site's sharded DiLoCo outer step (plain, top-k, streaming, overlap) against an unsharded peer's
 (``optimizer.outer.OuterStep``), on real ranks (gloo on the CPU, spawned processes): given the same
 state, the wire vector rank 0 assembles from the ranks' pieces is the unsharded contribution bit for
 bit, and after every outer step (committed or aborted, with and without top-k's error feedback) the
@@ -55,15 +55,16 @@ def rows(t: torch.Tensor, layout: WireLayout, i: int, rank: int) -> torch.Tensor
 
 def check(rank: int, world: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    for mode, count in (("none", 1), ("topk3-q4", 1), ("topk3-q4", 2)):
-        check_mode(rank, world, mesh, mode, count)
+    for mode, count, overlap in (("none", 1, False), ("topk3-q4", 1, True), ("topk3-q4", 2, False)):
+        check_mode(rank, world, mesh, mode, count, overlap)
     dist.barrier()
     if rank == 0:
         Path(out).write_text("ok")
 
 
-def check_mode(rank: int, world: int, mesh: object, mode: str, count: int) -> None:
-    """``count`` > 1: streaming DiLoCo, one fragment of the parameters a step."""
+def check_mode(rank: int, world: int, mesh: object, mode: str, count: int, overlap: bool) -> None:
+    """``count`` > 1: streaming DiLoCo, one fragment of the parameters a step; ``overlap``: the inner
+    steps go on during the round, and their progress lands on top of the new global parameters."""
     reference = model()
     site = copy.deepcopy(reference)
     fully_shard(site, mesh=mesh)
@@ -81,14 +82,17 @@ def check_mode(rank: int, world: int, mesh: object, mode: str, count: int) -> No
     for step in range(5):
         slots = split[epoch % count]
         lo, hi = outer.span(slots)
-        # "inner steps": the same change on both, the site's ranks each on their rows
-        with torch.no_grad():
-            for i, (dn, p) in enumerate(zip(noise(layout.shapes, step), site.parameters(), strict=True)):
-                local_of(p).add_(rows(dn, layout, i, rank))
-                if ref is not None:
-                    ref_params[i].add_(dn)
+
+        def inner(seed: int) -> None:  # "inner steps": the same change on both, each rank on its rows
+            with torch.no_grad():
+                for i, (dn, p) in enumerate(zip(noise(layout.shapes, seed), site.parameters(), strict=True)):
+                    local_of(p).add_(rows(dn, layout, i, rank))
+                    if ref is not None:
+                        ref_params[i].add_(dn)
+
+        inner(step)
         wire = WireBuffer(hi - lo) if rank == 0 else None
-        outer.contribute(slots, wire)
+        outer.contribute(slots, wire, keep=overlap)
         committed = step != 2  # the third round aborts
         if ref is not None:
             assert wire is not None
@@ -97,6 +101,7 @@ def check_mode(rank: int, world: int, mesh: object, mode: str, count: int) -> No
             ref.pseudo_gradients()
             buf = contribution.buffer
             assert buf.flat is not None
+            own = [v.clone() for v in buf.views]  # (the round runner keeps it aside before the fold)
             saved = ref.feedback.fold(buf, lo) if ref.feedback is not None else None
             assert torch.equal(wire.flat.view(torch.int32), buf.flat.view(torch.int32)), (
                 f"wire differs at {step}"
@@ -110,7 +115,20 @@ def check_mode(rank: int, world: int, mesh: object, mode: str, count: int) -> No
                     ref.feedback.forget(saved)
                 else:
                     ref.feedback.unfold(saved)
-            if committed:
+        if overlap:
+            inner(50 + step)  # computed while the round runs
+        if ref is not None:
+            if committed and overlap:
+                kept = dict(zip(contribution.slots, own, strict=True))
+
+                def progress(i: int, kept: dict[int, torch.Tensor] = kept) -> None:
+                    ref_params[i].detach().sub_(ref.global_params[i]).add_(kept[i])
+
+                def on_top(i: int) -> None:
+                    ref_params[i].detach().add_(ref.global_params[i])
+
+                ref.step(progress, on_top)
+            elif committed:
                 ref.step(after=ref.reset_local)
         outer.land(slots, wire, committed=committed)
         epoch += committed

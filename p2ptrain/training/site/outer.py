@@ -88,6 +88,7 @@ class ShardedOuter:
         for g, m in zip(self._g, self._m, strict=True):
             self.sgd.state[g]["momentum_buffer"] = m
         self._saved: list[tuple[int, Spilled]] = []  # residual shards before a top-k round (for an abort)
+        self._own: dict[int, Spilled | torch.Tensor] = {}  # overlap: pseudo-gradient shards at the handoff
 
     def locals(self) -> list[torch.Tensor]:
         """This rank's shards of the local (trained) parameters, read afresh (FSDP2 may swap them)."""
@@ -107,13 +108,22 @@ class ShardedOuter:
             d.add_(self._e[run.param].view(-1)[run.at : run.at + run.size])
         return d
 
-    def contribute(self, params: range, wire: WireBuffer | None) -> None:
+    def contribute(self, params: range, wire: WireBuffer | None, *, keep: bool = False) -> None:
         """Collective: the pseudo-gradient of ``params`` (error feedback folded in) into rank 0's
-        ``wire`` (the span's size; None on the other ranks)."""
+        ``wire`` (the span's size; None on the other ranks). ``keep`` (DiLoCo with overlap: compute goes
+        on during the round): every rank keeps its shard of the pseudo-gradient aside in a spill file, so
+        that :meth:`land` can put the progress made meanwhile on top of the new global parameters."""
         lo, hi = self.span(params)
         if (wire is not None) != (self.rank == 0) or (wire is not None and wire.numel != hi - lo):
             raise ValueError("rank 0 alone contributes into a wire buffer of the span's size")
         locals_ = self.locals()
+        self._forget_own()
+        if keep:
+            file = SpillFile()
+            with torch.no_grad():
+                for i in params:
+                    d = torch.sub(self._g[i], locals_[i])
+                    self._own[i] = file.put(d.view(torch.uint8).numpy().data) if d.numel() else d
         self._save_residual(params)
         for a, b in self.layout.pieces(lo, hi, self.piece):
             piece = wire.piece(a - lo, b - lo) if wire is not None else None
@@ -122,20 +132,22 @@ class ShardedOuter:
                 if piece is not None:
                     piece.copy_(roundtrip(piece, self.mode))
 
-                def keep(run: Run, c: torch.Tensor) -> None:
+                def keep_residual(run: Run, c: torch.Tensor) -> None:
                     e = self._e[run.param].view(-1)[run.at : run.at + run.size]
                     e.copy_(self._delta(run, locals_) - c.to(e.device))
 
-                self.channel.scatter(a, b, piece, keep)
+                self.channel.scatter(a, b, piece, keep_residual)
             if wire is not None:
                 wire.release(a - lo, b - lo)
 
     def land(self, params: range, wire: WireBuffer | None, *, committed: bool) -> None:
         """Collective, after the round: committed, the average in rank 0's ``wire`` steps every rank's
-        shards of the global parameters, and the local ones restart from them; aborted, the residual
-        goes back to what it was before :meth:`contribute` and nothing else changes."""
+        shards of the global parameters, and the local ones restart from them (with what was computed
+        since the handoff on top, if :meth:`contribute` kept the pseudo-gradient aside); aborted, the
+        residual goes back to what it was before :meth:`contribute` and nothing else changes."""
         if not committed:
             self._restore_residual()
+            self._forget_own()
             return
         self._forget_residual()
         lo, hi = self.span(params)
@@ -153,6 +165,7 @@ class ShardedOuter:
     def step_alone(self, params: range) -> None:
         """A step alone (no round): every rank steps with its own pseudo-gradient (and all the residual:
         nothing was left out of a round). Nothing crosses ranks."""
+        self._forget_own()
         locals_ = self.locals()
         avg: dict[int, torch.Tensor] = {}
         with torch.no_grad():
@@ -166,13 +179,28 @@ class ShardedOuter:
 
     def _step(self, avg: dict[int, torch.Tensor]) -> None:
         locals_ = self.locals()
+        own, self._own = self._own, {}
         with torch.no_grad():
             for i, d in avg.items():  # one parameter at a time, as an unsharded peer's OuterStep.step
-                g = self._g[i]
+                g, p = self._g[i], locals_[i]
+                kept = own.get(i)
+                if kept is not None:  # the progress since the handoff: local now - local at the handoff
+                    raw = (
+                        kept
+                        if isinstance(kept, torch.Tensor)
+                        else torch.frombuffer(kept.read(), dtype=p.dtype)
+                    )
+                    p.sub_(g).add_(raw.view(p.shape))
                 g.grad = d
                 self.sgd.step()
                 g.grad = None
-                locals_[i].copy_(g)
+                if kept is not None:
+                    p.add_(g)
+                else:
+                    p.copy_(g)
+        for kept in own.values():
+            if isinstance(kept, Spilled):
+                kept.file.close()
 
     # ---- the residual's way back after an abort ----
 
@@ -189,6 +217,12 @@ class ShardedOuter:
         for i, kept in self._saved:
             self._e[i].view(-1).view(torch.uint8).numpy()[:] = memoryview(kept.read())
         self._forget_residual()
+
+    def _forget_own(self) -> None:
+        for kept in self._own.values():
+            if isinstance(kept, Spilled):
+                kept.file.close()
+        self._own = {}
 
     def _forget_residual(self) -> None:
         for _, kept in self._saved:
