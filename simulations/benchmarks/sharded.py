@@ -180,6 +180,10 @@ def site_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     if wire is not None:  # what an in-place round touches: it reads every value and writes the mean
         assert all_finite(wire.flat)
         wire.flat.mul_(1.0)
+    # what the resident set holds at the end of the round: anonymous memory, and mapped file pages (the
+    # wire buffer's: page cache, which the kernel can write back and drop under pressure)
+    out["round_end_rss_anon_bytes"] = _status("RssAnon")
+    out["round_end_rss_file_bytes"] = _status("RssFile")
     began = time.perf_counter()
     outer.land(every, wire, committed=True)
     dist.barrier()
@@ -369,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             for phase in ("build", "inner", "round"):
                 r[f"{phase}_multiple"] = round((r[f"{phase}_peak_bytes"] - r["footprint_bytes"]) / fp32, 3)
             r["multiple"] = max(r["build_multiple"], r["inner_multiple"], r["round_multiple"])
+            r["round_end_anon_multiple"] = round(
+                (r["round_end_rss_anon_bytes"] - r["footprint_bytes"]) / fp32, 3
+            )
+            r["round_end_file_multiple"] = round(r["round_end_rss_file_bytes"] / fp32, 3)
         target = round(7 / n + 0.5, 3)
         report["sites"].append(
             {"ranks": n, "parameters": ranks[0]["parameters"], "target": target, "per_rank": ranks}
@@ -377,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 f"{n:>5} {r['rank']:>4} {r['multiple']:>8.2f} {r['inner_multiple']:>8.2f}"
                 f" {r['round_multiple']:>8.2f} {target:>7.2f}"
-                f"  inner step {r['inner_s']} s, contribute {r['contribute_s']} s, land {r['land_s']} s"
+                f"  inner step {r['inner_s']} s, contribute {r['contribute_s']} s, land {r['land_s']} s;"
+                f" at the round's end: anon {r['round_end_anon_multiple']}, mapped files {r['round_end_file_multiple']}"
             )
     report["unsharded_outer_step"] = unsharded(spec)
     rows.append(f"unsharded peer's outer step at {args.size}: {report['unsharded_outer_step']}")
