@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n:>5} {r['rank']:>4} {r['multiple']:>8.2f} {r['inner_multiple']:>8.2f}"
                 f" {r['round_multiple']:>8.2f} {target:>7.2f}"
                 f"  inner step {r['inner_s']} s, contribute {r['contribute_s']} s, land {r['land_s']} s;"
-                f" at the round's end: anon {r['round_end_anon_multiple']}, mapped files {r['round_end_file_multiple']}"
+                f" at the round's end: anon {r['round_end_anon_multiple']},"
+                f" mapped files {r['round_end_file_multiple']}"
             )
     report["unsharded_outer_step"] = unsharded(spec)
     rows.append(f"unsharded peer's outer step at {args.size}: {report['unsharded_outer_step']}")
