@@ -1,0 +1,63 @@
+"""Pure parts of the scale work: a lookup counts its hops; the simulator's churn schedule and fits."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from p2ptrain.dht.lookup import Lookup
+from p2ptrain.dht.routing import Contact
+from p2ptrain.identity import PEER_ID_BYTES, PeerID
+from p2ptrain.net.address import PeerAddress
+from simulations.scale.__main__ import fits
+from simulations.scale.model import RTT_MS, Churn, World, churn_events
+
+
+def contact(i: int, first: int) -> Contact:
+    """A contact whose id starts with ``first`` (so its XOR distance to a target of zeros is ordered)."""
+    raw = bytes([first]) + i.to_bytes(PEER_ID_BYTES - 1, "big")
+    return Contact(PeerID(raw), PeerAddress.for_host(f"10.0.{i}.1", 4000))
+
+
+def test_a_lookup_counts_the_chain_of_answers_to_the_closest_peer() -> None:
+    target = bytes(PEER_ID_BYTES)
+    far, mid, near = contact(1, 0x80), contact(2, 0x40), contact(3, 0x01)
+    local = PeerID(bytes([0xFF]) * PEER_ID_BYTES)
+    search = Lookup(target, [far], local=local, k=3, alpha=1)
+    assert search.hops == 0  # nobody answered yet
+    assert search.next_queries() == [far]
+    search.on_response(far.peer_id, [mid])  # the routing table knew far: hop 1; mid: hop 2
+    assert search.hops == 1
+    assert search.next_queries() == [mid]
+    search.on_response(mid.peer_id, [near])
+    assert search.next_queries() == [near]
+    search.on_response(near.peer_id, [])
+    assert search.finished and search.hops == 3
+
+
+def test_churn_is_seeded_and_at_its_rates() -> None:
+    churn = Churn(join=60.0, leave=30.0, kill=0.0)
+    a = churn_events(churn, 100, 0.0, 3600.0, random.Random(1))
+    assert a == churn_events(churn, 100, 0.0, 3600.0, random.Random(1))
+    kinds = [k for _, k in a]
+    assert "kill" not in kinds
+    assert abs(kinds.count("join") - 6000) < 400 and abs(kinds.count("leave") - 3000) < 300
+    assert all(0.0 <= t < 3600.0 for t, _ in a) and a == sorted(a)
+
+
+def test_world_latency_is_half_the_regions_rtt_and_the_seed_is_public() -> None:
+    world = World(seed=3, nat_share=1.0)
+    places = [world.place(i) for i in range(50)]
+    assert not places[0].natted and all(p.natted for p in places[1:])
+    a, b = places[0], places[1]
+    assert world.latency(a.name, b.name) == RTT_MS[a.region][b.region] / 2000.0
+    assert world.latency(a.name, b.name) == world.latency(b.name, a.name)
+
+
+def test_fits_recover_a_logarithm_and_a_power() -> None:
+    xs = [16.0, 64.0, 256.0, 1024.0]
+    log_fit = fits(xs, [1000 + 500 * math.log2(x) for x in xs])
+    assert log_fit["log_fit"] == "1000 + 500 * log2(N)"
+    power = fits(xs, [3 * x**1.5 for x in xs])
+    assert power["exponent"] == 1.5
+    assert fits([16.0], [1.0]) == {"points": 1}
