@@ -137,6 +137,11 @@ async def test_a_peer_k_steps_behind_replays_the_results_instead_of_downloading(
         assert shared.replayed_bytes <= k * params < k * state_bytes(peer)  # k results, not the state
         for d in donors:
             assert d.opt.server is not None and d.opt.server.served_bytes == 0  # no state served
+        # what it replayed, checked, it serves on to peers further behind
+        listed = shared.results.entries(start)
+        assert [(e.epoch, e.before, e.after) for e in listed] == [
+            (e, trusted[e], trusted[e + 1]) for e in range(start, start + k)
+        ]
 
 
 @pytest.mark.parametrize("seed", SEEDS)

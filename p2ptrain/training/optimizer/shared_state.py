@@ -445,6 +445,7 @@ class SharedState:
         samples, since = self.tally.samples, self.tally.since
         applied = 0
         hashes: list[bytes] = []
+        before = self.digest  # the chain so far (the replay began on this, vouched, digest)
         for got in replay.results:
             await self.off_loop(self._apply_result, got)
             live = self.live()
@@ -471,6 +472,15 @@ class SharedState:
             applied += 1
             self.replayed += 1
             self.replayed_bytes += got.size
+            # verified: served on to peers further behind
+            chain = (before, digest)
+            if self.param_bytes < serve.THREAD_BYTES:
+                self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain)
+            else:
+                await trio.to_thread.run_sync(
+                    self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain
+                )
+            before = digest
         if outer is not None:
             with torch.no_grad():
                 for i in range(len(self.params)):

@@ -162,10 +162,16 @@ class ResultStore:
             registry.add_stream(RESULT_DATA, self._on_data)
 
     def keep(
-        self, epoch: int, slots: range, values: Sequence[torch.Tensor], compact: Sequence[torch.dtype]
+        self,
+        epoch: int,
+        slots: range,
+        values: Sequence[torch.Tensor],
+        compact: Sequence[torch.dtype],
+        digests: tuple[bytes, bytes] = (b"", b""),
     ) -> None:
         """Keep the result that takes the state of ``epoch`` to the next step (blocking: a model-sized copy;
-        call it in a worker thread for a large model). ``values``: the parameters ``slots``' updates."""
+        call it in a worker thread for a large model). ``values``: the parameters ``slots``' updates;
+        ``digests``: the states' before and after, if known already (a replayed step's)."""
         if not self.keep_count:
             return
         dtype = compact_dtype(values, compact)
@@ -180,7 +186,7 @@ class ResultStore:
         old = self._kept.pop(epoch, None)
         if old is not None:
             old.close()
-        self._kept[epoch] = Kept(epoch, slots, dtype, data, scale)
+        self._kept[epoch] = Kept(epoch, slots, dtype, data, scale, *digests)
         while len(self._kept) > self.keep_count:
             self._kept.popitem(last=False)[1].close()
 
