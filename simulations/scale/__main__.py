@@ -45,6 +45,8 @@ SWARM_FIGURES = (
     ("sim.peak_rss_mb", "simulation peak RSS (MB)"),
 )
 DHT_FIGURES = (
+    ("hot_key.sent_per_node_per_s_median", "one progress key: B/s sent per node (median)"),
+    ("hot_key.max_over_median", "one progress key: max node / median"),
     ("lookup_hops_median", "lookup hops (median)"),
     ("lookup_hops_p99", "lookup hops (p99)"),
     ("get_success", "get success after 10% killed"),
@@ -125,6 +127,15 @@ def dht_table(report: dict[str, Any]) -> str:
             f"{r['lookup_hops_median']!s:>5},{r['lookup_hops_p99']!s:<6}  {r['lookup_queries_median']!s:7}  "
             f"{r['sim']['build_wall_s']:13}  {r['sim']['wall_s']:7}  {r['sim']['peak_rss_mb']:7}"
         )
+    for r in report["runs"]:
+        if r.get("hot_key"):
+            h = r["hot_key"]
+            rows.append(
+                f"  N={r['nodes']} one progress key: {h['records_per_read_median']} records a read, "
+                f"{h['sent_per_node_per_s_median']} B/s sent per node (median), "
+                f"max {h['sent_per_node_per_s_max']} "
+                f"({h['max_over_median']}x): {h['by_method_per_node_per_s']}"
+            )
     return "\n".join(rows)
 
 
@@ -181,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss", type=float, default=0.0, help="chance a message is retransmitted")
     ap.add_argument("--keys", type=int, default=200)
     ap.add_argument("--kill", type=float, default=0.1, help="share of DHT nodes killed before the reads")
+    ap.add_argument(
+        "--hot-key",
+        type=float,
+        default=0.0,
+        help="DHT runs: virtual seconds of the one-key progress workload afterwards",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--verbose", action="store_true")
@@ -235,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = []
         for n in (int(x) for x in args.dht.split(",")):
-            result = run_dht(DhtSpec(nodes=n, keys=args.keys, kill=args.kill, seed=args.seed))
-            result.update(settings="default", command=command, finished=time.strftime("%Y-%m-%d %H:%M"))
+            spec = DhtSpec(nodes=n, keys=args.keys, kill=args.kill, seed=args.seed, hot_key=args.hot_key)
+            result = run_dht(spec)
+            result.update(
+                settings="default" if not args.hot_key else f"hot_key={args.hot_key:g}",
+                command=command,
+                finished=time.strftime("%Y-%m-%d %H:%M"),
+            )
             print(json.dumps(result))
             runs.append(result)
             report = merge(DHT_JSON, runs, "nodes")

@@ -11,11 +11,13 @@ closest peer reached).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import resource
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,8 @@ import trio
 import trio.testing
 
 from p2ptrain.dht import DHT, DHTConfig
+from p2ptrain.dht.records import owned_subkey
+from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
@@ -39,6 +43,60 @@ class DhtSpec:
     kill: float = 0.1
     wave: int = 32
     seed: int = 0
+    hot_key: float = 0.0  # virtual seconds of the one-key progress workload (0: none; see hot_key)
+
+
+RECORD_BYTES = 490  # a progress record's value, as the optimizer's are
+PUBLISH_EVERY = 5.0  # its heartbeat (half the default record ttl of 10 s)
+READ_EVERY = 2.0  # a peer's reads of the key between heartbeats (the board reads ~1 s near a target)
+
+
+async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random) -> dict[str, Any]:
+    """The training swarm's shape on the DHT alone: every node publishes a signed ~490-byte record under
+    its owned subkey of one key every PUBLISH_EVERY s and reads the whole key every READ_EVERY s (quorum
+    3, as ``board`` does). Returns bytes per node per second, by method, and the hot spots."""
+    key = b"progress/scale"
+    before = [Counter(d.host.sent_by_method()) for d in nodes]
+    sizes: list[int] = []
+
+    async def peer(d: DHT, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep(rng.uniform(0, PUBLISH_EVERY))
+        next_publish = trio.current_time()
+        while True:
+            if trio.current_time() >= next_publish:
+                with contextlib.suppress(P2PError):
+                    await d.store(
+                        key,
+                        rng.randbytes(RECORD_BYTES),
+                        ttl=2 * PUBLISH_EVERY,
+                        subkey=owned_subkey(d.host.peer_id),
+                        sign=True,
+                    )
+                next_publish += PUBLISH_EVERY
+            with contextlib.suppress(P2PError):
+                sizes.append(len(await d.get(key, quorum=3)))
+            await trio.sleep(READ_EVERY)
+
+    async with trio.open_nursery() as nursery:
+        for d in nodes:
+            await nursery.start(peer, d)
+        await trio.sleep(seconds)
+        nursery.cancel_scope.cancel()
+    sent = [Counter(d.host.sent_by_method()) - b for d, b in zip(nodes, before, strict=True)]
+    totals = [sum(c.values()) / seconds for c in sent]
+    by_method: Counter[str] = Counter()
+    for c in sent:
+        by_method.update(c)
+    median = statistics.median(totals)
+    return {
+        "seconds": seconds,
+        "records_per_read_median": pct([float(x) for x in sizes], 0.5),
+        "sent_per_node_per_s_median": round(median),
+        "sent_per_node_per_s_max": round(max(totals)),
+        "max_over_median": round(max(totals) / median, 2) if median else None,
+        "by_method_per_node_per_s": {m: round(v / len(nodes) / seconds) for m, v in by_method.most_common(6)},
+    }
 
 
 async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
@@ -127,6 +185,7 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
         async with trio.open_nursery() as ops:
             for key, value in stored.items():
                 ops.start_soon(get, key, value)
+        hot = await hot_key([d for _, d, _ in live], spec.hot_key, rng) if spec.hot_key else None
         hops = [h for _, d, _ in live for h, _ in d.reader.recent_lookups]
         queries = [q for _, d, _ in live for _, q in d.reader.recent_lookups]
         nursery.cancel_scope.cancel()
@@ -142,6 +201,7 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
         "lookup_queries_median": pct([float(q) for q in queries], 0.5),
         "lookups": len(hops),
         "build_virtual_s": round(built_virtual, 1),
+        "hot_key": hot,
         "sim": {
             "wall_s": round(time.perf_counter() - began, 1),
             "build_wall_s": round(built_wall, 1),
