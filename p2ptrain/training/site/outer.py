@@ -123,7 +123,7 @@ class ShardedOuter:
             with torch.no_grad():
                 for i in params:
                     d = torch.sub(self._g[i], locals_[i])
-                    self._own[i] = file.put(d.view(torch.uint8).numpy().data) if d.numel() else d
+                    self._own[i] = file.put(d.cpu().view(torch.uint8).numpy().data) if d.numel() else d
         self._save_residual(params)
         for a, b in self.layout.pieces(lo, hi, self.piece):
             piece = wire.piece(a - lo, b - lo) if wire is not None else None
@@ -190,7 +190,7 @@ class ShardedOuter:
                         if isinstance(kept, torch.Tensor)
                         else torch.frombuffer(kept.read(), dtype=p.dtype)
                     )
-                    p.sub_(g).add_(raw.view(p.shape))
+                    p.sub_(g).add_(raw.view(p.shape).to(p.device))
                 g.grad = d
                 self.sgd.step()
                 g.grad = None
@@ -211,11 +211,13 @@ class ShardedOuter:
         file = SpillFile()
         for i in params:
             if self._e[i].numel():
-                self._saved.append((i, file.put(self._e[i].contiguous().view(torch.uint8).numpy().data)))
+                raw = self._e[i].detach().cpu().contiguous().view(torch.uint8)
+                self._saved.append((i, file.put(raw.numpy().data)))
 
     def _restore_residual(self) -> None:
         for i, kept in self._saved:
-            self._e[i].view(-1).view(torch.uint8).numpy()[:] = memoryview(kept.read())
+            back = torch.frombuffer(kept.read(), dtype=self._e[i].dtype)
+            self._e[i].copy_(back.view(self._e[i].shape))
         self._forget_residual()
 
     def _forget_own(self) -> None:
