@@ -39,6 +39,8 @@ from .stagewise import StageAverage, average_stage
 
 log = logging.getLogger(__name__)
 
+FORGET_AFTER = 4  # directory refreshes without a peer's entry before it is forgotten
+
 
 @dataclass
 class StepReport:
@@ -50,6 +52,11 @@ class StepReport:
     counted: int  # samples this peer's stage server counted in the step
     average: StageAverage
     seconds: float = 0.0
+    bytes_sent: int = 0  # activations, gradients and tokens this peer's micro-batches sent to stage peers
+    bytes_received: int = 0
+    micro_batches: int = 0
+    queue: int = 0  # this peer's stage server's micro-batches in flight at the end of the step
+    throughput: float = 0.0  # samples per second its stage server computes (its measured speed)
 
 
 @dataclass
@@ -87,6 +94,7 @@ class PipelinePeer:
         self.fixed_throughput = throughput
         self.stage_index = stage
         self.directory: list[StagePeer] = []
+        self._known: dict[PeerID, tuple[StagePeer, float]] = {}  # every entry read lately, and when
         self.metrics = PeerMetrics()
         self.server: StageServer | None = None
         self.router: Router | None = None
@@ -114,13 +122,23 @@ class PipelinePeer:
         )
 
     async def refresh(self) -> None:
-        """Publish this peer's record and read the directory again."""
+        """Publish this peer's record and read the directory again. A read may miss entries that other
+        replicas hold (a lookup stops at its quorum), so what was read is merged with what was known:
+        an entry stays until no read has returned it for ``FORGET_AFTER`` intervals."""
         if self.server is not None:
             await announce_stage(self.node.dht, self.node.config.run_id, self.record(), ttl=6 * self.interval)
         found = await read_directory(self.node.dht, self.node.config.run_id, self.pipeline.num_stages)
-        if self.server is not None and not any(p.peer == self.node.identity.peer_id for p in found):
-            found.append(StagePeer(self.node.identity.peer_id, self.record()))
-        self.directory = found
+        now = trio.current_time()
+        for p in found:
+            self._known[p.peer] = (p, now)
+        if self.server is not None:
+            self._known[self.node.identity.peer_id] = (
+                StagePeer(self.node.identity.peer_id, self.record()),
+                now,
+            )
+        horizon = now - FORGET_AFTER * self.interval
+        self._known = {k: v for k, v in self._known.items() if v[1] >= horizon}
+        self.directory = sorted((p for p, _ in self._known.values()), key=lambda p: p.peer)
 
     def candidates(self, stage: int) -> list[Candidate]:
         out = []
@@ -185,6 +203,7 @@ class PipelinePeer:
         """One step: this peer's micro-batches through the pipeline, then the stage-wise average."""
         assert self.server is not None and self.router is not None and self.optimizer is not None
         began = trio.current_time()
+        sent0, received0 = self.router.stats.bytes_sent, self.router.stats.bytes_received
         results: list[MicroBatch] = []
         limit = trio.Semaphore(self.concurrency)
         router = self.router
@@ -229,6 +248,11 @@ class PipelinePeer:
             counted,
             avg,
             trio.current_time() - began,
+            self.router.stats.bytes_sent - sent0,
+            self.router.stats.bytes_received - received0,
+            len(results),
+            self.server.queue,
+            self.server.throughput,
         )
         self.metrics.steps.append(report)
         return report
