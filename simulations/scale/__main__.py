@@ -131,7 +131,8 @@ def dht_table(report: dict[str, Any]) -> str:
         if r.get("hot_key"):
             h = r["hot_key"]
             rows.append(
-                f"  N={r['nodes']} one progress key: {h['records_per_read_median']} records a read, "
+                f"  N={r['nodes']} ({r.get('settings')}) one progress key: "
+                f"{h['records_per_read_median']} records a read, "
                 f"{h['sent_per_node_per_s_median']} B/s sent per node (median), "
                 f"max {h['sent_per_node_per_s_max']} "
                 f"({h['max_over_median']}x): {h['by_method_per_node_per_s']}"
@@ -153,9 +154,16 @@ def plot(report: dict[str, Any], figures: tuple[tuple[str, str], ...], key: str,
     rows = math.ceil(len(figures) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, (name, label) in zip(axes.flat, figures, strict=False):
-        pts = [(r[key], figure(r, name)) for r in runs if isinstance(figure(r, name), int | float)]
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o")
+        for settings in sorted({str(r.get("settings")) for r in runs}):
+            pts = [
+                (r[key], figure(r, name))
+                for r in runs
+                if str(r.get("settings")) == settings and isinstance(figure(r, name), int | float)
+            ]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=settings)
+        if len({str(r.get("settings")) for r in runs}) > 1:
+            ax.legend(fontsize=6)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(key)
         ax.set_title(label, fontsize=9)
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="DHT runs: virtual seconds of the one-key progress workload afterwards",
     )
+    ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--verbose", action="store_true")
@@ -255,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = DhtSpec(nodes=n, keys=args.keys, kill=args.kill, seed=args.seed, hot_key=args.hot_key)
             result = run_dht(spec)
             result.update(
-                settings="default" if not args.hot_key else f"hot_key={args.hot_key:g}",
+                settings=("default" if not args.hot_key else f"hot_key={args.hot_key:g}")
+                + (f",{args.tag}" if args.tag else ""),
                 command=command,
                 finished=time.strftime("%Y-%m-%d %H:%M"),
             )
