@@ -78,6 +78,12 @@ def _devices(settings: NodeSection) -> list[str]:
 
 def train_node(args: argparse.Namespace) -> int:
     config = run_config(args)
+    if config.pipeline.enabled:  # (rather than train it data-parallel, silently ignoring the section)
+        raise UsageError(
+            f"{args.config}: [pipeline] splits the model into stages served by different peers, which a"
+            " node does not run yet (see docs/pipeline.md: the pipeline runs in process, in its tests and"
+            " `python -m simulations.bench_pipeline`)"
+        )
     task = load_task(config.task.name, config.task.options)
     if args.slowdown < 1:
         raise UsageError("--slowdown must be at least 1")
