@@ -146,7 +146,8 @@ async def swarm(args: argparse.Namespace, replay_steps: int) -> dict[str, Any]:
     digests: dict[int, set[bytes]] = {}
     for p in peers:
         for epoch, _, _, digest in p.steps:
-            digests.setdefault(epoch, set()).add(digest)
+            if digest:  # (b"": a large state still being hashed when the step returned)
+                digests.setdefault(epoch, set()).add(digest)
     params = sum(p.numel() for p in home.model.parameters())
     state = 3 * 4 * params  # AdamW: the parameters and two moments, fp32
     rate = args.rate_mbit * 1e6 / 8

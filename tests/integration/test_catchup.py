@@ -21,6 +21,7 @@ import trio
 from p2ptrain.config import RunConfig
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
+from p2ptrain.training.state import serve
 from tests.harness.training import (
     BATCH,
     Peer,
@@ -231,6 +232,27 @@ async def test_a_peer_too_far_behind_or_off_the_lineage_downloads(autojump_clock
         step_alone(other, 1, batch=3)  # another lineage's step 1
         await catch_up(other, [donor], 6, trusted)
         assert other.opt.shared.downloads == 1 and other.opt.shared.replayed == 0
+
+
+async def test_a_large_state_still_being_hashed_replays_once_its_digest_is_in(
+    autojump_clock_through_threads: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large state is hashed in a worker thread after each change (its digest is b"" meanwhile): a
+    peer that starts catching up right then waits for its digest, and replays (a 45M joiner that had
+    just landed a download one step behind downloaded again for want of it)."""
+    monkeypatch.setattr(serve, "THREAD_BYTES", 1)
+    async with swarm(config("diloco")) as s:
+        donor, peer = await s.start(train=False), await s.start(train=False)
+        await s.until(lambda: bool(donor.opt.digest) and bool(peer.opt.digest), timeout=30)
+        trusted = {0: donor.opt.digest}
+        for epoch in (1, 2):  # the donor's steps, each hashed before the next (as steps seconds apart are)
+            step_alone(donor, 1)
+            await s.until(lambda: bool(donor.opt.digest) and not donor.opt.shared.holds, timeout=30)
+            trusted[epoch] = donor.opt.digest
+        peer.opt.state_changed()  # as a landing does: hashed anew, in a thread
+        assert peer.opt.digest == b""
+        await catch_up(peer, [donor], 2, trusted)
+        assert peer.opt.shared.replayed == 2 and peer.opt.shared.downloads == 0
 
 
 # ---- a slow-link peer in a sync swarm ----------------------------------------------------------------

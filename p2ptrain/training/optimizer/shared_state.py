@@ -342,18 +342,15 @@ class SharedState:
         carry = self.outer is not None and view.behind and view.newest == epoch + 1
         flight = self.download = Download(trio.Event(), epoch if carry else None, expected=expected)
         want = view.newest if view.behind else epoch
-        start = self.digest
-        replay = (
-            view.behind
-            and want - epoch <= self.replay_steps
-            and bool(start)
-            and start == expected(epoch)
-            and self._replay_failed != epoch
-        )
+        near = view.behind and want - epoch <= self.replay_steps and self._replay_failed != epoch
 
         async def run() -> None:
             try:
-                if replay:
+                # Right after a download or a step, a large state is still being hashed: its digest
+                # decides whether a replay may start from it (a 45M joiner, just landed one step behind,
+                # downloaded again for want of it).
+                start = await self.hashed_digest() if near else b""
+                if near and start == expected(epoch):
                     try:
                         flight.outcome = await self.replayer.fetch(
                             view.donors,
