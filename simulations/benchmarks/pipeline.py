@@ -231,8 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     sent = sum(r.bytes_sent + r.bytes_received for step in run["reports"] for r in step)
     given_up = sum(r.given_up for step in run["reports"] for r in step)
     shape = (args.micro_batch, args.block, args.embd)
+    # Through the caller's link per micro-batch: each boundary's activation comes from one stage and
+    # goes to the next, and its gradient likewise back (4 crossings of the caller's link); the token
+    # ids go to stage 0 and the targets to the last stage (int32).
     per_mb = {
-        mode.value: 2 * (args.stages - 1) * codec.wire_size(mode, shape)
+        mode.value: 4 * (args.stages - 1) * codec.wire_size(mode, shape)
         + 2 * 4 * args.micro_batch * args.block
         for mode in (Compression.NONE, Compression.INT8)
     }
