@@ -95,6 +95,7 @@ class PipelinePeer:
         self.stage_index = stage
         self.directory: list[StagePeer] = []
         self._known: dict[PeerID, tuple[StagePeer, float]] = {}  # every entry read lately, and when
+        self.empty_stages: list[int] = []  # stages no peer in the directory serves
         self.metrics = PeerMetrics()
         self.server: StageServer | None = None
         self.router: Router | None = None
@@ -139,6 +140,18 @@ class PipelinePeer:
         horizon = now - FORGET_AFTER * self.interval
         self._known = {k: v for k, v in self._known.items() if v[1] >= horizon}
         self.directory = sorted((p for p, _ in self._known.values()), key=lambda p: p.peer)
+        served = {p.record.stage for p in self.directory}
+        empty = [s for s in range(self.pipeline.num_stages) if s not in served]
+        if empty != self.empty_stages and self.server is not None:
+            if empty:  # said out loud, once per change: no micro-batch passes until a peer takes it
+                log.warning(
+                    "no peer serves stage %s: micro-batches cannot pass until a peer takes it (a joiner"
+                    " takes an empty stage first)",
+                    ", ".join(map(str, empty)),
+                )
+            else:
+                log.info("every stage has a peer again")
+        self.empty_stages = empty
 
     def candidates(self, stage: int) -> list[Candidate]:
         out = []

@@ -318,3 +318,18 @@ async def test_stage_peers_that_return_garbage_are_dropped_and_reported(autojump
             assert sum(r.given_up for r in step) == 0
         # the honest peers of every stage hold identical weights (the hostile ones average honestly)
         assert_stage_weights_identical(swarm)
+
+
+async def test_a_stage_whose_last_peer_left_is_said_out_loud_and_costs_no_hang(autojump_clock, caplog):
+    pipeline = PipelineSection(stages=(0, 2), micro_batch=4, compression=Compression.INT8, timeout=5.0)
+    async with pipeline_swarm(pipeline, [0, 1, 0]) as swarm:
+        swarm.kill(1)  # stage 1's only peer
+        with trio.fail_after(300):
+            await trio.sleep(60)  # its directory entry expires; the others' refreshes notice
+            assert all(p.empty_stages == [1] for p in swarm.alive())
+            reports = await run_steps(swarm, 1, 1, 4)
+    assert "no peer serves stage 1" in caplog.text
+    step = reports[0]
+    assert len(step) == 2 and all(r.given_up == 1 and not r.losses for r in step)
+    assert all(r.average.applied and r.counted == 0 for r in step)  # nothing passed: nothing counted
+    assert_stage_weights_identical(swarm)
