@@ -151,6 +151,7 @@ class AllReduceRound:
             backup=backup,
             own_saved=own_saved,
             history=history.get(m.schema) if history is not None else None,
+            prior=history.prior(m.schema, flat.numel()) if history is not None else None,
         )
         self.history = history
         self.signals = RoundSignals()
@@ -388,6 +389,7 @@ class AllReduceRound:
             raise RoundAborted("the round's result holds NaN or infinite values: not applied")
         if self.history is not None and len(t.results) == len(m.partitions):
             self.history.record(self.manifest.schema, Scale.total(t.results.values()), t.whole)
+            self.history.remember(self.manifest.schema, t.flat)
         tensors = t.commit()
         names = [m.name(i) for i in range(m.n)]
         return RoundResult(
@@ -412,6 +414,12 @@ class AllReduceRound:
         judged = [red.verdicts for red in self.tensors.reducers.values() if red.verdicts]
         if not judged:
             return []
+        for p, red in self.tensors.reducers.items():
+            for i, v in red.verdicts.items():
+                if not v.useful and i != self.me:
+                    log.debug(
+                        "partition %d: %s's slice earns no trust: %s", p, self.peers[i].short(), v.reason
+                    )
         return [
             self.peers[i]
             for i in decision.contributors

@@ -187,14 +187,33 @@ class ResultCheck:
 
 
 class ResultHistory:
-    """A member's last accepted result per tensor layout (its whole vector's scale), for rounds in which
-    it sends only zeros. Owned by the averager across rounds; bounded."""
+    """A member's last accepted result per tensor layout: its whole vector's scale, for rounds in which
+    it sends only zeros, and its values (bfloat16: 2 bytes per element), against which the slices it
+    reduces next must carry new work (``trust.useful``: an echo of the last result earns no trust).
+    Owned by the averager across rounds; bounded (``MAX_HISTORIES`` layouts)."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[Hashable, Scale] = OrderedDict()
+        self._values: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
 
     def get(self, key: Hashable) -> Scale | None:
         return self._kept.get(key)
+
+    def prior(self, key: Hashable, numel: int) -> torch.Tensor | None:
+        """The values of the last result accepted for ``key`` (None: none, or of another length)."""
+        values = self._values.get(key)
+        return values if values is not None and values.numel() == numel else None
+
+    def remember(self, key: Hashable, values: torch.Tensor) -> None:
+        """The values of a result accepted for ``key`` (copied, as bfloat16)."""
+        kept = self._values.pop(key, None)
+        if kept is not None and kept.numel() == values.numel():
+            kept.copy_(values.reshape(-1))  # (no new allocation round after round)
+        else:
+            kept = values.detach().reshape(-1).to(torch.bfloat16, copy=True)
+        self._values[key] = kept
+        while len(self._values) > MAX_HISTORIES:
+            self._values.popitem(last=False)
 
     def record(self, key: Hashable, result: Scale, own: Scale) -> None:
         """A round was accepted with ``result`` where this member sent ``own``: kept only when its own

@@ -63,6 +63,7 @@ class PartitionReducer:
         canonical: bool = False,
         spill: bool | None = None,
         bound: Limit | None = None,
+        prior: torch.Tensor | None = None,
     ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
         overwritten by the first slice added).
@@ -74,8 +75,13 @@ class PartitionReducer:
         ``spill``: keep received chunks in a spill file rather than in memory (default: for partitions
         of ``SPILL_BYTES`` or more).
         ``bound``: the most a contributor's slice may be (``bounds.limit`` of this reducer's own values);
-        None: unchecked."""
+        None: unchecked.
+        ``prior``: this member's last accepted result of the partition (``size`` elements, any float
+        dtype; None: none at hand): a slice must carry useful work beyond it (``trust.useful``)."""
+        if prior is not None and prior.numel() != size:
+            raise ValueError(f"the prior result must hold {size} elements, not {prior.numel()}")
         self.size = size
+        self.prior = prior
         self.bound = bound
         self._checks: dict[int, ResultCheck] = {}  # sender -> its slice's check so far
         self.mode = mode
@@ -237,7 +243,7 @@ class PartitionReducer:
             raise ValueError(f"no complete slice from members {missing}")
         if self.aggregation != "mean":
             rows = torch.stack([self._slice_of(i) for i in contributors])
-            g = gram(rows)
+            g = gram([*rows, self.prior.float()] if self.prior is not None else rows)
             labels = [self.origins[i] if self.origins else i for i in contributors]
             rows, groups = by_origin(rows, labels)
             self.acc.copy_(aggregate(self.aggregation, rows))
@@ -282,11 +288,15 @@ class PartitionReducer:
     def _gram(self, contributors: Sequence[int]) -> torch.Tensor:
         """The Gram matrix of the kept slices of ``contributors``, chunk by chunk (no partition-sized
         temporary per contributor)."""
-        g = torch.zeros(len(contributors), len(contributors), dtype=torch.float64)
+        k = len(contributors) + (self.prior is not None)  # (the prior result's row last)
+        g = torch.zeros(k, k, dtype=torch.float64)
         if not contributors:
             return g
         for index, (a, b) in enumerate(self.spans):
-            g += gram(self._chunk_of(i, index, a, b) for i in contributors)
+            rows = [self._chunk_of(i, index, a, b) for i in contributors]
+            if self.prior is not None:
+                rows.append(self.prior[a:b].float())
+            g += gram(rows)
         return g
 
     def _chunk_of(self, sender: int, index: int, a: int, b: int) -> torch.Tensor:
@@ -297,7 +307,7 @@ class PartitionReducer:
                 part = own.spilled
                 return torch.frombuffer(part.file.read(part.offset + 4 * a, 4 * (b - a)), dtype=torch.float32)
             return own[a:b]
-        return decode(_bytes(kept[index]), self.mode, b - a)
+        return decode(_bytes(kept[index]), self.mode, b - a, checked=True)  # (checked on arrival)
 
     def _judge(self, contributors: Sequence[int], weights: Sequence[float], g: torch.Tensor) -> None:
         """``verdicts`` for ``contributors`` (see ``trust.useful``); a slice the robust rule bounded
@@ -306,7 +316,7 @@ class PartitionReducer:
             self.verdicts = {i: Verdict(False, "an empty partition") for i in contributors}
             return
         labels = [self.origins[i] for i in contributors] if self.origins else ()
-        verdicts = useful(g, weights, self.size, labels)
+        verdicts = useful(g, weights, self.size, labels, prior=self.prior is not None)
         self.verdicts = dict(zip(contributors, verdicts, strict=True))
         for sender, _ in self.outliers:
             self.verdicts[sender] = Verdict(False, "an outlier the robust rule bounded")

@@ -55,12 +55,14 @@ class RoundTensors:
         backup: SpillFile | None = None,
         own_saved: Spilled | None = None,
         history: Scale | None = None,
+        prior: torch.Tensor | None = None,
     ) -> None:
         """``flat`` receives the averaged values (and holds this member's own values too unless
         ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
         ``own_saved``: in place, this member's values of its own partition, already in ``backup``: the
         partition is then reduced right where its mean goes, in ``flat``. ``history``: the scale of this
-        member's last accepted result of these tensors (bounds results where it sends only zeros)."""
+        member's last accepted result of these tensors (bounds results where it sends only zeros);
+        ``prior``: its values (the slices reduced here must carry work beyond them, see ``trust``)."""
         self.identity, self.digest, self.me, self.weight = identity, digest, me, weight
         self.mode = manifest.settings.mode
         self.aggregation = manifest.settings.aggregation
@@ -89,6 +91,7 @@ class RoundTensors:
         ]
         self.whole = Scale.total(self.own_scales)
         self.history = history
+        self.prior = prior  # this member's last accepted result of these tensors (see ``trust.useful``)
         self.results: dict[int, Scale] = {}  # partition -> the scale of the result accepted here
 
     def limit(self, p: int) -> Limit | None:
@@ -117,6 +120,7 @@ class RoundTensors:
             origins=self.origins,
             canonical=self.audit,
             bound=self.limit(p),
+            prior=None if self.prior is None else self.prior[self.offsets[p] : self.offsets[p + 1]],
         )
         if weight is not None:
             # Reduced in place: its own values are in ``flat``, where the mean goes, and in the backup. (A

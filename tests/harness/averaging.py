@@ -92,6 +92,7 @@ def sign_manifest(
     bandwidths: list[float] | None = None,
     compression: str = "none",
     timeout: float = 30.0,
+    round_id: bytes | None = None,
 ) -> SignedManifest:
     schema = schema_of(tensors)
     total = sum(t.numel() for t in tensors)
@@ -99,7 +100,7 @@ def sign_manifest(
     align = sparse.BLOCK if Compression(compression).sparse else 1
     sizes = partition_sizes(total, bws, [p.listen for p in peers], align)
     manifest = Manifest(
-        round_id=random.Random(len(peers)).randbytes(16),
+        round_id=round_id or random.Random(len(peers)).randbytes(16),
         group_key="test",
         members=tuple(
             MemberMsg(p.host.identity.peer_id.digest, p.addr, bw) for p, bw in zip(peers, bws, strict=True)

@@ -22,10 +22,12 @@ from p2ptrain.averaging.trust import (
     ADMIT_PER_WINDOW,
     ADMIT_WINDOW,
     ALIGN_SIGMAS,
+    BEYOND_PRIOR_FROM,
     HALF_LIFE,
     MAX_ALIGN,
     PER_SUBNET,
     TrustLedger,
+    Verdict,
     gram,
     threshold,
     useful,
@@ -296,3 +298,70 @@ def test_a_key_seen_nowhere_keeps_the_subnet_it_was_seen_at_before() -> None:
     ledger.credit(b"r2", [(pid(i), "?") for i in range(1, 10)], now=1.0)
     first = {pid(i) for i in range(1, 6)}
     assert len(ledger.partners & first) == PER_SUBNET and len(ledger.partners - first) == PER_SUBNET
+
+
+def judge_with_prior(rows: list[torch.Tensor], prior: torch.Tensor) -> list[Verdict]:
+    d = rows[0].numel()
+    return useful(gram([*rows, prior]), [1.0] * len(rows), d, prior=True)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_echoes_of_the_last_result_are_never_useful_and_new_work_always_is(seed: int) -> None:
+    """The echo attack: a key sends back the last averaged result it received (scaled, mixed with
+    noise of any size), which points the way the honest peers' next gradients do, so the plain check
+    passes it: it earned trust without computing. Each slice must now also carry work beyond the
+    judging member's last result. Honest slices of the next step (a part along the last result of
+    any sign and size, alike for all of them, plus the new step's direction, plus noise) always pass;
+    echoes never do."""
+    rng = torch.Generator().manual_seed(seed)
+    draw = random.Random(seed)
+    d, h = draw.randint(BEYOND_PRIOR_FROM, 4096), draw.randint(2, 6)
+    prior = torch.randn(d, generator=rng)
+    prior *= 10 ** (draw.random() * 4 - 2) / prior.norm()
+    along = draw.uniform(-1.0, 3.0)  # how far the next step's gradients point along the last result
+    honest = [
+        r + prior * (along * draw.uniform(0.7, 1.3) * r.norm() / prior.norm())
+        for r in honest_rows(rng, h, d, noise=1.0)
+    ]
+    echoes = []
+    for _ in range(draw.randint(1, h)):
+        base = prior * draw.choice([1.0, -1.0, draw.uniform(0.01, 100.0)])
+        noise = torch.randn(d, generator=rng)
+        echoes.append(base + noise * (draw.choice([0.0, 1e-3, 0.1, 1.0, 10.0]) * base.norm() / noise.norm()))
+    rows = echoes + honest
+    plain = judge(rows)
+    verdicts = judge_with_prior(rows, prior)
+    assert not any(v.useful for v in verdicts[: len(echoes)]), [v.reason for v in verdicts[: len(echoes)]]
+    # An honest slice the plain check passes passes beyond the prior too (the plain check alone fails
+    # one where many echoes of the opposite sign dilute the others' aggregate, as noise does)
+    for v, passed in zip(verdicts[len(echoes) :], plain[len(echoes) :], strict=True):
+        assert v.useful or not passed, v.reason
+    assert any(v.useful for v in verdicts[len(echoes) :]) or not any(plain[len(echoes) :])
+
+
+def test_an_exact_echo_passed_the_plain_check_and_fails_beyond_the_prior() -> None:
+    rng = torch.Generator().manual_seed(7)
+    d = 2048
+    prior = torch.randn(d, generator=rng)
+    honest = [r + 2.0 * prior * r.norm() / prior.norm() for r in honest_rows(rng, 3, d, noise=0.5)]
+    rows = [prior.clone(), *honest]
+    assert judge(rows) == [True, True, True, True]  # what the attack relied on
+    verdicts = judge_with_prior(rows, prior)
+    assert [v.useful for v in verdicts] == [False, True, True, True]
+    assert "echo of the last result" in verdicts[0].reason
+
+
+def test_a_reducer_judges_slices_against_the_prior_it_is_given() -> None:
+    """The reducer's own Gram pass carries the prior as one more row (chunk by chunk)."""
+    rng = torch.Generator().manual_seed(3)
+    d = 5000
+    prior = torch.randn(d, generator=rng)
+    honest = [r + prior * r.norm() / prior.norm() for r in honest_rows(rng, 3, d, noise=0.5)]
+    for given, echo_passes in ((None, True), (prior.to(torch.bfloat16), False)):
+        red = PartitionReducer(d, Compression.NONE, prior=given, spill=False)
+        for i, row in enumerate([prior * 3.0, *honest]):
+            red.add_local(i, row.clone(), 1.0)
+            red.complete(i, 1.0)
+        red.finalize(list(range(4)), [1.0] * 4)
+        assert red.verdicts[0].useful is echo_passes, red.verdicts[0].reason
+        assert all(red.verdicts[i].useful for i in range(1, 4))
