@@ -56,10 +56,9 @@ class State:
             self.opt.zero_grad()
 
 
-def worker(rank: int, world: int, generation: int, folder: str) -> None:
+def worker(rank: int, world: int, generation: int, commands: Commands, folder: str) -> None:
     st = State(rank, world)
     st.resume(Path(folder))
-    commands = Commands(rank)
     while (cmd := commands.receive()).op is not Op.STOP:
         if cmd.op is Op.TRAIN:
             st.train(cmd.a, cmd.b)
@@ -77,11 +76,10 @@ def rank0(folder: str) -> None:
     path = Path(folder)
     group = SiteGroup(2, worker, folder, timeout=30)
     group.start()
-    commands = Commands(0)
     st = State(0, 2)
 
     def round_(step: int, die: bool = False) -> None:
-        n = len(st.layout.names)
+        commands, n = group.commands, len(st.layout.names)  # (each generation has its own store)
         commands.send(Command(Op.TRAIN, 2, step))
         st.train(2, step)
         wire = WireBuffer(st.layout.total)
@@ -107,7 +105,7 @@ def rank0(folder: str) -> None:
         assert torch.equal(local_of(p), k)
     group.call(lambda: round_(1))  # the site goes on with the new group
     assert checkpoint.latest(path) is not None and checkpoint.latest(path)[0] == 2  # type: ignore[index]
-    group.close(lambda: commands.send(Command(Op.STOP)))
+    group.close(lambda: group.commands.send(Command(Op.STOP)))
     (path / "ok").write_text("ok")
 
 

@@ -4,17 +4,25 @@ Theory of operation. Rank 0 alone talks to the swarm, so it alone knows when a r
 committed, when to checkpoint or stop. Every other rank waits for its next command and then enters the
 collectives the command names, in the same order as rank 0 (FSDP2's all-gathers in a batch, the pieces
 of a round, DCP's writes): a site's ranks are in lockstep per command, so every collective is bounded by
-the group's timeout. A command is four int64 values broadcast over the site's process group (no pickled
-objects: ``op`` and three integer arguments, checked on arrival).
+the group's timeout. A command is four integers (no pickled objects: ``op`` and three arguments, checked
+on arrival). With the site's store (what ``group.SiteGroup`` hands out) they go through it, and an idle
+rank waits for the next one as long as rank 0 takes (minutes in a round, an evaluation), in slices of
+``IDLE_WAIT``; without one they are an int64 broadcast over the process group, and an idle rank waits
+at most the group's timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import enum
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store  # torch.distributed.Store, where mypy sees its type
+
+IDLE_WAIT = datetime.timedelta(minutes=10)
+"""One wait on the store for the next command; running out only means: wait again."""
 
 
 class Op(enum.IntEnum):
@@ -37,21 +45,52 @@ class Command:
 class Commands:
     """Rank 0 :meth:`send` s commands; every other rank :meth:`receive` s them, in order."""
 
-    def __init__(self, rank: int, *, group: dist.ProcessGroup | None = None, device: str = "cpu") -> None:
-        self.rank, self.group, self.device = rank, group, device
+    def __init__(
+        self,
+        rank: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: str = "cpu",
+        store: Store | None = None,
+    ) -> None:
+        self.rank, self.group, self.device, self.store = rank, group, device, store
+        self.seq = 0
 
     def send(self, cmd: Command) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 sends a site's commands")
+        if self.store is not None:
+            self.store.set(f"site/cmd/{self.seq}", f"{int(cmd.op)},{cmd.a},{cmd.b},{cmd.c}")
+            self.seq += 1
+            return
         t = torch.tensor([int(cmd.op), cmd.a, cmd.b, cmd.c], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=self._src(), group=self.group)
 
     def receive(self) -> Command:
         if self.rank == 0:
             raise RuntimeError("rank 0 sends a site's commands")
+        if self.store is not None:
+            key = f"site/cmd/{self.seq}"
+            while True:
+                try:
+                    self.store.wait([key], IDLE_WAIT)
+                    break
+                except dist.DistStoreError:  # a timeout: rank 0 is busy (a lost store raises otherwise)
+                    continue
+            self.seq += 1
+            fields = self.store.get(key).decode("ascii", "replace").split(",")
+            try:
+                op, a, b, c = (int(x) for x in fields)
+            except ValueError:
+                raise RuntimeError(f"rank 0 sent a malformed command {fields!r}") from None
+            return self._command(op, a, b, c)
         t = torch.empty(4, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=self._src(), group=self.group)
         op, a, b, c = (int(x) for x in t.tolist())
+        return self._command(op, a, b, c)
+
+    @staticmethod
+    def _command(op: int, a: int, b: int, c: int) -> Command:
         try:
             return Command(Op(op), a, b, c)
         except ValueError:

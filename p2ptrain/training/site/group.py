@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -30,7 +29,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._distributed_c10d import (
+    PrefixStore,
+    TCPStore,
+)  # torch.distributed's, where mypy sees their types
 
+from .commands import Commands
 from .launch import free_port
 
 log = logging.getLogger(__name__)
@@ -51,10 +55,13 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    wait = datetime.timedelta(seconds=timeout)
+    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=wait)
+    dist.init_process_group(
+        "gloo", store=PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
+    )
     try:
-        fn(rank, world, generation, *args)
+        fn(rank, world, generation, Commands(rank, store=store), *args)
     finally:
         dist.destroy_process_group()
 
@@ -71,8 +78,9 @@ class SiteGroup:
         max_restarts: int = 3,
         window: float = 600.0,
     ) -> None:
-        """``worker(rank, world, generation, *args)`` runs on every other rank (a module-level function:
-        the spawn context imports it by name)."""
+        """``worker(rank, world, generation, commands, *args)`` runs on every other rank (a module-level
+        function: the spawn context imports it by name); its ``commands`` receive rank 0's through the
+        site's store (:attr:`commands` sends them), so an idle rank waits as long as rank 0 takes."""
         if world < 1:
             raise ValueError("a site has at least one rank")
         self.world, self.worker, self.args, self.timeout = world, worker, args, timeout
@@ -80,6 +88,8 @@ class SiteGroup:
         self.generation = 0
         self.failures: list[float] = []
         self._procs: list[BaseProcess] = []
+        self._store: TCPStore | None = None
+        self.commands = Commands(0)  # (bound to each generation's store by start())
         self.up = False
 
     @property
@@ -89,6 +99,11 @@ class SiteGroup:
     def start(self) -> None:
         """Spawn the other ranks and join the group with them (rank 0)."""
         port = free_port()
+        wait = datetime.timedelta(seconds=self.timeout)
+        self._store = TCPStore(
+            "127.0.0.1", port, self.world, is_master=True, timeout=wait, wait_for_workers=False
+        )
+        self.commands = Commands(0, store=self._store)
         ctx = mp.get_context("spawn")
         self.generation += 1
         for rank in range(1, self.world):
@@ -99,10 +114,9 @@ class SiteGroup:
             )
             p.start()
             self._procs.append(p)
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(self.world)
+        dist.init_process_group(
+            "gloo", store=PrefixStore("pg/", self._store), rank=0, world_size=self.world, timeout=wait
         )
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self.up = True
 
     def call(self, action: Callable[[], T]) -> T:
@@ -146,6 +160,7 @@ class SiteGroup:
                 dist.destroy_process_group()
             except (RuntimeError, ValueError) as e:
                 log.warning("destroying the site's process group failed: %s", e)
+        self._store = None  # the last reference: its server stops
 
     def close(self, stop: Callable[[], None] | None = None) -> None:
         """``stop()`` (tells the ranks to end, e.g. a STOP command), then the ranks are joined or killed."""
