@@ -19,8 +19,9 @@ byte size, finite values within ``max_abs``); a peer whose answer fails a check 
 caller for good, logged and counted (``RouterStats.bans``), and the stage is retried elsewhere.
 
 Duplicated micro-batches (``check_fraction``): at a stage drawn for a check, the forward goes to a
-second peer too and the answers are compared (``codec.agree``); on a mismatch a third peer decides, the
-odd one is dropped and reported; with no third, or no majority, the micro-batch is given up. Only the
+second peer too and the answers are compared (``codec.agree``), then the gradients their backwards send
+back; on a mismatch a third peer decides, the odd one is dropped and reported; with no third, or no
+majority, the micro-batch is given up. Only the
 peer whose answer is used is committed; the others are told to drop their state.
 
 A stage's parameter gradients are committed (``pipeline_commit``) only at the peer whose backward answer
@@ -139,6 +140,7 @@ class _Run:
     sent: list[bytes | memoryview]
     used: list[Candidate | None]
     commits: list[tuple[Candidate, int, bool]] = field(default_factory=list)  # (peer, stage, keep)
+    checked: dict[int, Candidate] = field(default_factory=dict)  # a stage's second peer, forward agreed
     retries: int = 0
 
 
@@ -273,6 +275,7 @@ class Router:
         self.stats.checks += 1
         if self._agree(s, answer, second):
             run.commits.append((second[0], s, False))
+            run.checked[s] = second[0]  # its backward is compared too
             return answer
         self.stats.mismatches += 1
         third = await self._forward_somewhere(run, s, h, targets, tried, optional=True)
@@ -284,6 +287,7 @@ class Router:
         self._ban(odd[0], f"its stage-{s} answer disagreed with two other peers'")
         for a in (odd, third):
             run.commits.append((a[0], s, False))
+        run.checked[s] = third[0]
         return winner
 
     def _agree(
@@ -337,6 +341,55 @@ class Router:
                 log.info("stage %d peer %s failed a forward: %s; trying another", s, cand.peer.short(), e)
 
     async def _backward_stage(
+        self, run: _Run, s: int, g: bytes | memoryview
+    ) -> tuple[Candidate, bytes | memoryview]:
+        """The gradient for stage ``s``'s input (see :meth:`_backward_once`); when the stage's forward was
+        checked on a second peer, that peer's backward is compared too, and a third decides a mismatch."""
+        cand, gin = await self._backward_once(run, s, g)
+        other = run.checked.get(s)
+        if s == 0 or other is None or other.peer == cand.peer or other.peer in self.stats.bans:
+            return cand, gin  # (stage 0 sends no gradient back: nothing to compare)
+        try:
+            gin2 = await self._call_backward(run, s, other, g)
+        except _Garbage as e:
+            self._ban(other, str(e))
+            return cand, gin
+        except _Failed:
+            return cand, gin
+        self.stats.checks += 1
+        if self._agree_grads(run, s, gin, gin2):
+            return cand, gin
+        self.stats.mismatches += 1
+        run.commits += [(cand, s, False), (other, s, False)]
+        third = self._pick(s, {cand.peer, other.peer})
+        if third is None:
+            raise GiveUp(f"stage {s}: two peers' backward answers disagree and no third settles it")
+        run.commits.append((third, s, False))
+        try:
+            await self._call_forward(run, s, third, run.sent[s], b"")
+            gin3 = await self._call_backward(run, s, third, g)
+        except (_Garbage, _Failed) as e:
+            raise GiveUp(
+                f"stage {s}: two backward answers disagree, and the third peer failed: {e}"
+            ) from None
+        if self._agree_grads(run, s, gin, gin3):
+            self._ban(other, f"its stage-{s} backward disagreed with two other peers'")
+            run.commits.remove((cand, s, False))
+            return cand, gin
+        if self._agree_grads(run, s, gin2, gin3):
+            self._ban(cand, f"its stage-{s} backward disagreed with two other peers'")
+            run.commits.remove((other, s, False))
+            run.used[s] = other
+            return other, gin2
+        raise GiveUp(f"stage {s}: three peers' backward answers disagree")
+
+    def _agree_grads(self, run: _Run, s: int, a: bytes | memoryview, b: bytes | memoryview) -> bool:
+        mode, shape = self.pipeline.compression, self._in_shape(run, s)
+        ta = codec.decode_tensor(a, mode, shape, self.pipeline.max_abs, "")
+        tb = codec.decode_tensor(b, mode, shape, self.pipeline.max_abs, "")
+        return codec.agree(ta, tb, mode)
+
+    async def _backward_once(
         self, run: _Run, s: int, g: bytes | memoryview
     ) -> tuple[Candidate, bytes | memoryview]:
         """The gradient for stage ``s``'s input, from the peer that ran its forward, else replayed (forward

@@ -26,7 +26,7 @@ from p2ptrain.averaging.compression import Compression
 from p2ptrain.net import CallContext, LinkProfile, MemoryNetwork, RpcStream
 from p2ptrain.pipeline import codec
 from p2ptrain.pipeline.peer import PipelinePeer
-from p2ptrain.pipeline.protocol import FORWARD, ForwardReq, ForwardResp
+from p2ptrain.pipeline.protocol import BACKWARD, FORWARD, BackwardReq, BackwardResp, ForwardReq, ForwardResp
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.stages import stage_loss
 from p2ptrain.tasks.gpt import GPT, GPTConfig
@@ -333,3 +333,32 @@ async def test_a_stage_whose_last_peer_left_is_said_out_loud_and_costs_no_hang(a
     assert len(step) == 2 and all(r.given_up == 1 and not r.losses for r in step)
     assert all(r.average.applied and r.counted == 0 for r in step)  # nothing passed: nothing counted
     assert_stage_weights_identical(swarm)
+
+
+async def test_a_stage_peer_whose_backward_lies_subtly_is_caught_by_duplication(autojump_clock):
+    # 3 stages, stage 1 has three peers: p4 answers forwards honestly and backwards with noise
+    pipeline = PipelineSection(
+        stages=(0, 1, 3), micro_batch=4, compression=Compression.INT8, check_fraction=1.0, timeout=5.0
+    )
+    async with pipeline_swarm(pipeline, [0, 1, 2, 1, 1]) as swarm:
+        liar = swarm.peers[4]
+        server = liar.server
+        assert server is not None
+
+        async def bad(ctx: CallContext, req: BackwardReq, stream: RpcStream) -> BackwardResp:
+            body = await stream.receive_all(1 << 24)
+            resp, out = await server.local_backward(ctx.peer, req, body)
+            t = codec.decode_tensor(out, Compression.INT8, tuple(resp.shape), 1e30, "own")
+            await stream.send(codec.encode_tensor(t + 0.5 * t.std() * torch.randn_like(t), Compression.INT8))
+            await stream.send_eof()
+            return resp
+
+        liar.node.registry.replace(BACKWARD, bad)
+        with trio.fail_after(300):
+            reports = await run_steps(swarm, 2, 2, 4)
+        routers = [p.router for i, p in enumerate(swarm.peers) if i != 4]
+        assert all(r is not None for r in routers)
+        assert any(liar.node.identity.peer_id in r.stats.bans for r in routers if r is not None)
+        assert all(set(r.stats.bans) <= {liar.node.identity.peer_id} for r in routers if r is not None)
+        assert all(r.average.applied for step in reports for r in step)
+        assert_stage_weights_identical(swarm)
