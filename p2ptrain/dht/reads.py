@@ -196,7 +196,7 @@ class Reader:
         and most of an answer from each of up to ``replication`` peers, per read). A later replica is
         told what the earlier ones sent, as held. None, to look the key up instead, when no such
         replicas are known or fewer than ``quorum`` origins among them answered with entries."""
-        replicas = self._replicas.read_order(kid)  # (each reader starts at a replica of its own)
+        replicas = self._replicas.known(kid)
         if not replicas:
             return None
         found: list[Entry] = []

@@ -3,13 +3,8 @@
 Theory of operation: a store goes to the key's ``replication`` closest peers, looked up once per
 ``TARGETS_TTL`` (a peer publishing a record every few seconds looked them up every time), and again
 after a store that a replica failed or refused; a read of a key stored under lately asks those replicas
-directly (see :meth:`~p2ptrain.dht.reads.Reader.get`), each reader in an order of its own
-(:meth:`Replicas.read_order`: the list turned to start at a place drawn from the reader's id and the
-key), so that the readers of a hot key spread over its replicas: asked closest first, the key's
-closest replica served nearly every read of the swarm's progress key (measured on the DHT alone: the
-busiest node sent 7.9x the median node's bytes at 32 nodes, 72x at 64; with the readers' own orders
-2.4x and 12.6x). Peers that join closer to a key meanwhile get its records from
-the maintenance's re-replication. Two shortcuts for a swarm smaller than the DHT's
+directly (see :meth:`~p2ptrain.dht.reads.Reader.get`). Peers that join closer to a key meanwhile get
+its records from the maintenance's re-replication. Two shortcuts for a swarm smaller than the DHT's
 parameters:
 
 - Fewer than ``replication`` replicas found means every peer the lookup found is one: the routing
@@ -27,7 +22,6 @@ parameters:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 from ..identity import PeerID
@@ -48,7 +42,6 @@ class Replicas:
         self._clock = clock
         self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
         self._swarm: tuple[float, dict[PeerID, Contact]] | None = None  # (until, every peer)
-        self._slow: dict[bytes, PeerID] = {}  # key id -> the replica a read asked first that was late
 
     def cached(self, kid: bytes, now: float) -> list[Contact] | None:
         """A key's replicas without a lookup: remembered, else from the swarm's last exhaustive lookup
@@ -91,32 +84,15 @@ class Replicas:
         cached = self._targets.get(kid)
         return None if cached is None else list(cached[1])
 
-    def read_order(self, kid: bytes) -> list[Contact] | None:
-        """:meth:`known`, in the order this node's reads ask them: turned to start at a place drawn from
-        this node's id and the key (readers of one key start at different replicas), a replica that
-        was late as the first asked moved last. None: none known."""
-        targets = self.known(kid)
-        if not targets:
-            return targets
-        h = hashlib.blake2b(self._table.local.digest + kid, digest_size=8).digest()
-        start = int.from_bytes(h, "big") % len(targets)
-        order = targets[start:] + targets[:start]
-        slow = self._slow.get(kid)
-        return [c for c in order if c.peer_id != slow] + [c for c in order if c.peer_id == slow]
-
     def demote(self, kid: bytes, contact: Contact) -> None:
-        """``contact``, asked first for ``kid``, was slow: where it still comes first, it goes last (in
-        this node's read order; the replicas stay as they are)."""
-        order = self.read_order(kid)
-        if order and order[0] == contact:
-            self._slow[kid] = contact.peer_id
-            while len(self._slow) > MAX_TARGET_KEYS:
-                self._slow.pop(next(iter(self._slow)))
+        """``contact``, asked first for ``kid``, was slow: where it still comes first, it goes last."""
+        cached = self._targets.get(kid)
+        if cached is not None and cached[1] and cached[1][0] == contact:
+            cached[1].append(cached[1].pop(0))
 
     def drop(self, kid: bytes) -> None:
         """A replica of ``kid`` failed or refused: the next read and store look them up again."""
         self._targets.pop(kid, None)
-        self._slow.pop(kid, None)
 
     def forget(self, peer: PeerID) -> None:
         """``peer`` failed a store: no key's replica from the swarm's set, until a lookup finds it again."""

@@ -82,7 +82,7 @@ async def test_a_silent_replica_does_not_hold_a_direct_read_up(autojump_clock: o
                 await swarm.start(f"s{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             writer = swarm.nodes[-1]
             assert await writer.dht.store(KEY, b"v1", ttl=600.0) >= 3  # (itself too, if among them)
-            first = writer.dht.replicas.read_order(key_id(KEY))[0].peer_id  # (the replica a read asks first)
+            first = writer.dht.replicas.remembered(key_id(KEY))[0].peer_id  # (the replica a read asks first)
             silent = next(n for n in swarm.nodes if n.host.peer_id == first)
             swarm.net.partition([writer.name], [silent.name])
             began = trio.current_time()
@@ -105,7 +105,7 @@ async def test_a_direct_read_asks_no_more_replicas_than_its_quorum_needs(autojum
                 await swarm.start(f"q{i}", [swarm.nodes[0].address] if swarm.nodes else [])
             writer = swarm.nodes[-1]
             assert await writer.dht.store(KEY, b"v1", ttl=600.0) >= 12
-            replicas = writer.dht.replicas.read_order(key_id(KEY))  # (in the order the writer's reads ask)
+            replicas = writer.dht.replicas.remembered(key_id(KEY))
             assert len(replicas) == 12
             asked: list[tuple[bool, int]] = []
             count_value_queries(writer.dht, asked)

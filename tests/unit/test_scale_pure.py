@@ -1,5 +1,4 @@
-"""Pure parts of the scale work: a lookup counts its hops; readers of a hot key spread over its replicas;
-the simulator's churn schedule, latency model and fits."""
+"""Pure parts of the scale work: a lookup counts its hops; the simulator's churn schedule and fits."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ import math
 import random
 
 from p2ptrain.dht.lookup import Lookup
-from p2ptrain.dht.replicas import Replicas
-from p2ptrain.dht.routing import Contact, RoutingTable
+from p2ptrain.dht.routing import Contact
 from p2ptrain.identity import PEER_ID_BYTES, PeerID
 from p2ptrain.net.address import PeerAddress
 from simulations.scale.__main__ import fits
@@ -63,25 +61,3 @@ def test_fits_recover_a_logarithm_and_a_power() -> None:
     power = fits(xs, [3 * x**1.5 for x in xs])
     assert power["exponent"] == 1.5
     assert fits([16.0], [1.0]) == {"points": 1}
-
-
-def test_readers_of_a_hot_key_start_at_replicas_of_their_own() -> None:
-    """Asked closest first by every reader, a key's closest replica served nearly every read of the
-    swarm's progress key; each reader now turns the list to a start of its own. The replicas (a store's
-    targets, the farthest last) stay as they were."""
-    kid = bytes(PEER_ID_BYTES)
-    targets = [contact(i, 0x10 + i) for i in range(20)]  # closest to kid first
-    firsts = set()
-    for r in range(64):
-        local = PeerID(bytes([0xF0]) + r.to_bytes(PEER_ID_BYTES - 1, "big"))
-        replicas = Replicas(RoutingTable(local, k=20), k=20, replication=20, clock=lambda: 0.0)
-        assert replicas.found(kid, targets, 0.0) == targets
-        order = replicas.read_order(kid)
-        assert order is not None and sorted(order, key=targets.index) == targets
-        assert order == replicas.read_order(kid)  # the same reader, the same order
-        firsts.add(order[0].peer_id)
-        replicas.demote(kid, order[0])  # late as the first asked: last from now on, for this reader
-        again = replicas.read_order(kid)
-        assert again is not None and again[-1] == order[0] and again[0] == order[1]
-        assert replicas.known(kid) == targets  # a store's targets untouched
-    assert len(firsts) >= 12  # 64 readers over 20 replicas: spread, not all on the closest
