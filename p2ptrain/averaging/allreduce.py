@@ -414,12 +414,12 @@ class AllReduceRound:
         judged = [red.verdicts for red in self.tensors.reducers.values() if red.verdicts]
         if not judged:
             return []
-        for p, red in self.tensors.reducers.items():
-            for i, v in red.verdicts.items():
-                if not v.useful and i != self.me:
-                    log.debug(
-                        "partition %d: %s's slice earns no trust: %s", p, self.peers[i].short(), v.reason
-                    )
+        if log.isEnabledFor(logging.DEBUG):  # (why a contributor earned nothing, where asked for)
+            for p, red in self.tensors.reducers.items():
+                for i, v in red.verdicts.items():
+                    if not v.useful and i != self.me:
+                        who = self.peers[i].short()
+                        log.debug("partition %d: %s's slice earns no trust: %s", p, who, v.reason)
         return [
             self.peers[i]
             for i in decision.contributors
