@@ -15,7 +15,7 @@ and no separate gradient tensor exists besides it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import trio
@@ -76,15 +76,24 @@ class Contribution:
     """
 
     def __init__(
-        self, params: Sequence[torch.Tensor], fragments: list[range], *, diloco: bool, summed: bool
+        self,
+        params: Sequence[torch.Tensor],
+        fragments: list[range],
+        *,
+        diloco: bool,
+        summed: bool,
+        make_buffer: Callable[[Sequence[torch.Tensor]], ParamBuffer] = ParamBuffer,
     ) -> None:
+        """``make_buffer``: a buffer shaped like the parameters it is given (a sharded site's rank 0
+        gives one in a mapped file, see ``site.wire``)."""
         self.params = list(params)
+        self.make_buffer = make_buffer
         self.fragments = fragments
         self.diloco, self.summed = diloco, summed
         sizes = [p.numel() for p in self.params]
         self.starts = [sum(sizes[: f.start]) for f in fragments]  # each fragment's first element
         self.slots = fragments[0]  # the parameters ``buffer`` holds: the current step's fragment
-        self.buffer = ParamBuffer(self.slot_params())
+        self.buffer = self.make_buffer(self.slot_params())
         self._spare: ParamBuffer | None = None  # sync: the accumulator the last round gave back
         self._relaying: trio.Event | None = None  # set once the last round stopped reading ``buffer``
         if summed:
@@ -108,14 +117,14 @@ class Contribution:
         slots = self.fragments[epoch % len(self.fragments)]
         if slots != self.slots:
             self.slots = slots
-            self.buffer = ParamBuffer(self.slot_params())
+            self.buffer = self.make_buffer(self.slot_params())
             self._relaying = None
 
     def unrelayed(self) -> ParamBuffer:
         """The buffer to write the next pseudo-gradient into: a new one if the last round may still relay
         averages from the current one to slower members."""
         if self._relaying is not None and not self._relaying.is_set():
-            self.buffer = ParamBuffer(self.slot_params())
+            self.buffer = self.make_buffer(self.slot_params())
         self._relaying = None
         return self.buffer
 
@@ -127,14 +136,14 @@ class Contribution:
         """DiLoCo: an aborted in-place round may still relay the averages it holds to members that
         commit: its buffer is left to it, and the next pseudo-gradient goes into a new one."""
         if self.diloco and tensors.sendable and tensors is self.buffer:
-            self.buffer = ParamBuffer(self.slot_params())
+            self.buffer = self.make_buffer(self.slot_params())
             self._relaying = None
 
     def hand_over(self) -> ParamBuffer:
         """Sync: the accumulated gradients leave for a round; a fresh accumulator (the spare the last
         round gave back, if any) takes the batches computed meanwhile."""
         tensors = self.buffer
-        self.buffer = self._spare or ParamBuffer(self.params)  # (a spare only when not in place)
+        self.buffer = self._spare or self.make_buffer(self.params)  # (a spare only when not in place)
         self._spare = None
         if self.summed:
             self.attach()

@@ -52,14 +52,15 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import trio
 
 from ...averaging import RoundPolicy
 from ...averaging.allreduce import RoundResult
-from ...config import RunConfig
+from ...averaging.compression import Compression
+from ...config import DilocoSection, RunConfig
 from ...errors import ConfigError
 from ...identity import PeerID
 from ...idwork import work_bits
@@ -84,6 +85,17 @@ from .wake import Wake
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
 
 
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """The parts that hold a peer's model-sized state, for a peer that does not hold its model whole (a
+    sharded site's rank 0, see ``training.site``): they are built by these instead of the usual ones,
+    with the same arguments."""
+
+    buffer: Callable[[Sequence[torch.Tensor]], ParamBuffer]
+    outer: Callable[[list[torch.Tensor], Contribution, DilocoSection, Compression], OuterStep]
+    state: type[SharedState]
+
+
 class CollaborativeOptimizer:
     """Wraps a torch optimizer; ``await step(samples)`` after every backward pass."""
 
@@ -97,6 +109,7 @@ class CollaborativeOptimizer:
         clock: Callable[[], float] = time.time,
         summed_grads: bool = False,
         on_download_progress: ProgressFn | None = None,
+        parts: Parts | None = None,
     ) -> None:
         """Build the optimizer's parts and hand the node's averager the run's rules for its rounds.
 
@@ -115,6 +128,8 @@ class CollaborativeOptimizer:
                 gradient, which ``step`` adds to the accumulator, weighted by the batch's samples.
             on_download_progress: Called with the bytes received and expected as a state download goes
                 on (a console's progress bar, a log line every tenth).
+            parts: Builds the buffer, the outer step and the shared state of a peer that does not hold
+                its model whole (a sharded site's rank 0); None: the usual ones.
 
         Raises:
             ConfigError: This node's id carries less work than the run asks for, or the run asks for
@@ -143,17 +158,22 @@ class CollaborativeOptimizer:
         self.tally = Tally(clock())
         self.wake = Wake()
         self.contribution = Contribution(
-            self.params, split, diloco=self.diloco, summed=summed_grads and not self.diloco
+            self.params,
+            split,
+            diloco=self.diloco,
+            summed=summed_grads and not self.diloco,
+            make_buffer=parts.buffer if parts is not None else ParamBuffer,
         )
+        make_outer = parts.outer if parts is not None else OuterStep
         self.outer_step = (
-            OuterStep(self.params, self.contribution, config.diloco, config.averaging.compression)
+            make_outer(self.params, self.contribution, config.diloco, config.averaging.compression)
             if self.diloco
             else None
         )
         self.local = LocalSteps(optimizer, self.params, config.training, self.contribution, self.tally)
         self.bans = BanBook(node)
         self.alone = StepAlone(node, config, self.fingerprint, clock)
-        self.shared = SharedState(
+        self.shared = (parts.state if parts is not None else SharedState)(
             node,
             model,
             optimizer,

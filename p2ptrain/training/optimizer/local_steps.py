@@ -21,6 +21,11 @@ from .bookkeeping import Tally
 from .buffers import Contribution, ParamBuffer
 
 
+def inner_lr(t: TrainingSection, step: int) -> float:
+    """The learning rate of step ``step`` (linear warmup, then constant): every rank of a site, too."""
+    return t.lr * min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else t.lr
+
+
 class LocalSteps:
     """The wrapped torch optimizer's side of the collaborative one."""
 
@@ -37,8 +42,7 @@ class LocalSteps:
         self.inner_seconds = 0.0  # DiLoCo: time in the inner optimizer's steps (training compute too)
 
     def set_lr(self, step: int) -> None:
-        t = self.training
-        lr = t.lr * min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else t.lr
+        lr = inner_lr(self.training, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
