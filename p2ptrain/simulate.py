@@ -44,6 +44,7 @@ from .authority import authority_key_text, issue_certificate, save_certificate
 from .config import load_config
 from .errors import ConfigError, P2PError
 from .identity import Identity, load_or_create_identity
+from .pipeline.console import is_pipeline, pipeline_summary, pipeline_table
 from .training.loop.console import swarm_table
 
 FORM_TIMEOUT = 120.0  # seconds for node 0 to print its address
@@ -206,7 +207,9 @@ def _watch(nodes: list[SimNode], opts: SimulationOptions, console: Console) -> N
             n.read_status()
         done = sum(n.proc.poll() is not None for n in nodes)
         title = f"p2ptrain local swarm: {len(nodes)} nodes, {time.monotonic() - start:.0f} s"
-        return swarm_table([n.status for n in nodes], title + (f", {done} finished" if done else ""))
+        title += f", {done} finished" if done else ""
+        statuses = [n.status for n in nodes]
+        return pipeline_table(statuses, title) if is_pipeline(statuses) else swarm_table(statuses, title)
 
     last_print = 0.0
     with (
@@ -349,8 +352,9 @@ def _metrics(node: SimNode) -> list[dict[str, Any]]:
 
 def _diverged_steps(series: Sequence[Sequence[dict[str, Any]]]) -> list[int]:
     """The steps that two nodes' metrics lines name with different state digests (a step's digest is
-    the parameters a node held on it; "" while a large state was being hashed)."""
-    held: dict[int, set[str]] = {}
+    the parameters a node held on it; "" while a large state was being hashed). In a pipeline run a
+    digest is of one stage's weights: only nodes of the same stage are compared."""
+    held: dict[tuple[Any, int], set[str]] = {}
     for lines in series:
         for line in lines:
             named = dict(line.get("digests") or {})
@@ -358,8 +362,8 @@ def _diverged_steps(series: Sequence[Sequence[dict[str, Any]]]) -> list[int]:
                 named[str(line["step"])] = line.get("digest")
             for step, digest in named.items():
                 if isinstance(digest, str) and digest and step.isdigit():
-                    held.setdefault(int(step), set()).add(digest)
-    return sorted(step for step, digests in held.items() if len(digests) > 1)
+                    held.setdefault((line.get("stage"), int(step)), set()).add(digest)
+    return sorted({step for (_, step), digests in held.items() if len(digests) > 1})
 
 
 def write_report(
@@ -387,9 +391,11 @@ def write_report(
     steps = [f.get("step", 0) for f in finals]
     last_step = max(steps, default=0)
     at_last = [f for f in finals if f.get("step") == last_step]
-    digests = {f.get("digest") for f in at_last}
+    # (a pipeline run: each stage's peers hold that stage's weights, compared stage by stage)
+    stages = {f.get("stage") for f in at_last}
+    digests = {(f.get("stage"), f.get("digest")) for f in at_last}
     problems = []
-    if len(digests) > 1:
+    if len(digests) > len(stages):
         problems.append(f"nodes on step {last_step} hold different parameters: {sorted(map(str, digests))}")
     forks = _diverged_steps(series)
     losses = [float(f["loss"]) for f in at_last if f.get("loss") is not None]
@@ -401,7 +407,7 @@ def write_report(
         "seconds": round(time.time() - started, 1),
         "last_step": last_step,
         "finished": len(at_last),
-        "identical": len(digests) == 1,
+        "identical": len(digests) == len(stages),
         # steps on which two nodes held different parameters at some time (forks, repaired or not)
         "diverged_steps": forks,
         "final_loss": round(min(losses), 4) if losses else None,  # training loss (smoothed)
@@ -413,6 +419,9 @@ def write_report(
         "bytes_sent": [f.get("bytes_sent") for f in finals],
         "problems": problems,
     }
+    statuses = [n.status for n in nodes]
+    if is_pipeline(statuses):  # each peer's stage, queue and throughput
+        summary["pipeline"] = pipeline_summary(statuses)
     (report / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_losses(series, report / "loss.png", started)
     return summary

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -25,8 +26,9 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from ..config import NodeSection, RunConfig, load_config
+from ..errors import ConfigError
 from ..node import Node, averaging_settings, id_work
-from ..tasks import load_task
+from ..tasks import Task, load_task
 from ..training.loop.console import node_table
 from ..training.loop.trainer import Trainer, TrainerOptions
 from .common import (
@@ -39,6 +41,9 @@ from .common import (
     run_node,
     stop_if_join_refused,
 )
+
+if TYPE_CHECKING:
+    from ..pipeline.trainer import PipelineTrainer
 
 log = logging.getLogger("p2ptrain")
 
@@ -78,12 +83,6 @@ def _devices(settings: NodeSection) -> list[str]:
 
 def train_node(args: argparse.Namespace) -> int:
     config = run_config(args)
-    if config.pipeline.enabled:  # (rather than train it data-parallel, silently ignoring the section)
-        raise UsageError(
-            f"{args.config}: [pipeline] splits the model into stages served by different peers, which a"
-            " node does not run yet (see docs/pipeline.md: the pipeline runs in process, in its tests and"
-            " `python -m simulations.bench_pipeline`)"
-        )
     task = load_task(config.task.name, config.task.options)
     if args.slowdown < 1:
         raise UsageError("--slowdown must be at least 1")
@@ -103,6 +102,8 @@ def train_node(args: argparse.Namespace) -> int:
         host = dataclasses.replace(node_config_.host, id_work=config.run.id_work, work=work)
         node_config_ = dataclasses.replace(node_config_, host=host)
     node = Node(identity, node_config_)
+    if config.pipeline.enabled:  # one stage of the model, served to the swarm (docs/pipeline.md)
+        return _pipeline_node(args, node, config, task, settings)
     devices = _devices(settings)
     local = None
     if len(devices) > 1:
@@ -137,7 +138,34 @@ def train_node(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _train(node: Node, trainer: Trainer, bar: DownloadBar | None) -> None:
+def _pipeline_node(
+    args: argparse.Namespace, node: Node, config: RunConfig, task: Task, settings: NodeSection
+) -> int:
+    from ..pipeline.trainer import PipelineOptions, PipelineTrainer
+
+    if settings.devices or settings.local_workers:
+        raise UsageError("a [pipeline] run serves one stage per node: it takes no local workers")
+    if args.resume or args.adversary:
+        raise UsageError("a [pipeline] run takes no --resume or --adversary yet (see docs/pipeline.md)")
+    if config.training.threads:
+        torch.set_num_threads(config.training.threads)
+    options = PipelineOptions(
+        max_steps=args.max_steps,
+        duration=args.duration,
+        slowdown=args.slowdown,
+        metrics_file=settings.metrics_file,
+        wait_peers=settings.wait_peers,
+    )
+    try:
+        trainer = PipelineTrainer(node, config, task, options)
+    except ConfigError as e:
+        raise UsageError(f"{args.config}: {e}") from None
+    live = sys.stdout.isatty() and not args.no_live
+    run_node(_train, node, trainer, DownloadBar() if live else None)
+    return 0
+
+
+async def _train(node: Node, trainer: Trainer | PipelineTrainer, bar: DownloadBar | None) -> None:
     """``bar``: the live view's download bar (None: no live view, log lines instead)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -175,7 +203,7 @@ async def _train(node: Node, trainer: Trainer, bar: DownloadBar | None) -> None:
                     await node.averager.wait_idle()  # slower members may still fetch from us
                 await node.leave()
             nursery.cancel_scope.cancel()
-    log.info("node stopped at step %d", trainer.opt.epoch)
+    log.info("node stopped at step %d", trainer.status()["step"])
 
 
 def _log_progress() -> Callable[[int, int], None]:
@@ -222,7 +250,7 @@ class DownloadBar:
         self.progress.update(self._task, completed=got, total=total, visible=got < total)
 
 
-async def _train_live(node: Node, trainer: Trainer, bar: DownloadBar) -> None:
+async def _train_live(node: Node, trainer: Trainer | PipelineTrainer, bar: DownloadBar) -> None:
     console, progress = bar.console, bar.progress
     root = logging.getLogger()
     handlers = root.handlers[:]

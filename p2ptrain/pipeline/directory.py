@@ -42,7 +42,8 @@ async def announce_stage(dht: DHT, run_id: str, record: StageRecord, *, ttl: flo
 
 
 async def read_directory(dht: DHT, run_id: str, num_stages: int, *, quorum: int = 3) -> list[StagePeer]:
-    """The stage peers of the run (signatures verified, malformed or foreign-shaped entries skipped)."""
+    """The stage peers of the run (signatures verified, malformed or foreign-shaped entries skipped),
+    those still joining included (``record.joining``: they serve nothing yet)."""
     entries = await dht.get(pipeline_key(run_id), quorum=quorum)
     peers = []
     for subkey, entry in entries.items():
@@ -60,9 +61,11 @@ async def read_directory(dht: DHT, run_id: str, num_stages: int, *, quorum: int 
 
 
 def stage_totals(peers: list[StagePeer], num_stages: int) -> list[tuple[float, int]]:
-    """Per stage: (summed throughput, peers)."""
+    """Per stage: (summed throughput, serving peers)."""
     totals = [(0.0, 0)] * num_stages
     for p in peers:
+        if p.record.joining:
+            continue
         t, n = totals[p.record.stage]
         totals[p.record.stage] = (t + p.record.throughput, n + 1)
     return totals

@@ -25,17 +25,19 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from ..errors import P2PError
+from ..errors import CallRefused, P2PError
 from ..identity import PeerID
+from ..net.rpc import CallContext, Reply
 from ..node import Node
 from ..tasks.gpt import GPTConfig
 from .directory import StagePeer, announce_stage, choose_stage, read_directory
-from .protocol import StageRecord
+from .protocol import WRONG_STAGE, StageRecord
 from .router import Candidate, MicroBatch, Router
 from .server import StageServer
 from .settings import PipelineSection
 from .stages import Stage, build_stage
 from .stagewise import StageAverage, average_stage
+from .transfer import NO_STATE, STATE, Snapshot, StateReq, StateResp, apply_snapshot, take_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,11 @@ class PipelinePeer:
         concurrency: int | None = None,
         rng: random.Random | None = None,
         throughput: float | None = None,
+        slowdown: float = 1.0,
     ) -> None:
         """``stage``: the stage to serve (None: the one the directory says limits the swarm, chosen in
-        :meth:`join`); ``throughput``: a fixed figure to announce instead of the measured one (tests)."""
+        :meth:`join`); ``throughput``: a fixed figure to announce instead of the measured one (tests);
+        ``slowdown``: this peer's stage computes that many times slower (an emulated slow device)."""
         self.node = node
         self.pipeline = pipeline
         self.model = model
@@ -102,31 +106,67 @@ class PipelinePeer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_number = 0
         self.why = ""
+        self.slowdown = slowdown
+        self.announcing = False  # publish a joining record before this peer serves (see ``trainer``)
+        self.downloads = 0  # stage states downloaded (``transfer``)
+        self._digest = b""  # of the stage's weights at the start of the current step
+        self._prepared: Stage | None = None
+        # snapshots of the stage's state at step starts, taken while somebody asks (``transfer``)
+        self._snapshots: dict[int, Snapshot] = {}
+        self._snapshot_taken = trio.Event()
+        self._wanted_until = -1.0
+        self._between_steps = True  # (no step in progress: the state is a step's start)
 
     @property
     def stage(self) -> Stage:
         assert self.server is not None, "join() first"
         return self.server.stage
 
-    def record(self) -> StageRecord:
-        assert self.server is not None
-        speed = self.fixed_throughput if self.fixed_throughput is not None else self.server.throughput
+    def throughput(self) -> float:
+        """Samples per second this peer's stage computes (what it announces)."""
+        if self.fixed_throughput is not None:
+            return self.fixed_throughput
+        return self.server.throughput if self.server is not None else 0.0
+
+    def record(self, *, left: bool = False) -> StageRecord:
+        """This peer's directory entry: its stage, or (before it serves) that it is joining."""
         addresses = tuple(str(a) for a in self.node.host.advertised_addresses())
+        if self.server is None:
+            return StageRecord(
+                self.stage_index or 0,
+                self.pipeline.num_stages,
+                addresses,
+                0.0,
+                0,
+                self.step_number,
+                self.node.clock(),
+                left,
+                True,
+            )
         return StageRecord(
             self.server.index,
             self.pipeline.num_stages,
             addresses,
-            speed,
+            self.throughput(),
             self.server.queue,
             self.step_number,
             self.node.clock(),
+            left,
+            False,
+            self.digest_bytes(),
         )
+
+    def digest_bytes(self) -> bytes:
+        """The first 8 bytes of :meth:`weights_digest` at the start of the current step (cached)."""
+        if not self._digest and self.server is not None:
+            self._digest = bytes.fromhex(self.weights_digest())[:8]
+        return self._digest
 
     async def refresh(self) -> None:
         """Publish this peer's record and read the directory again. A read may miss entries that other
         replicas hold (a lookup stops at its quorum), so what was read is merged with what was known:
         an entry stays until no read has returned it for ``FORGET_AFTER`` intervals."""
-        if self.server is not None:
+        if self.server is not None or self.announcing:
             await announce_stage(self.node.dht, self.node.config.run_id, self.record(), ttl=6 * self.interval)
         found = await read_directory(self.node.dht, self.node.config.run_id, self.pipeline.num_stages)
         now = trio.current_time()
@@ -140,7 +180,7 @@ class PipelinePeer:
         horizon = now - FORGET_AFTER * self.interval
         self._known = {k: v for k, v in self._known.items() if v[1] >= horizon}
         self.directory = sorted((p for p, _ in self._known.values()), key=lambda p: p.peer)
-        served = {p.record.stage for p in self.directory}
+        served = {p.record.stage for p in self.directory if not p.record.joining}
         empty = [s for s in range(self.pipeline.num_stages) if s not in served]
         if empty != self.empty_stages and self.server is not None:
             if empty:  # said out loud, once per change: no micro-batch passes until a peer takes it
@@ -157,7 +197,7 @@ class PipelinePeer:
         out = []
         for p in self.directory:
             r = p.record
-            if r.stage != stage or (not r.addresses and p.peer != self.node.identity.peer_id):
+            if r.stage != stage or r.joining or (not r.addresses and p.peer != self.node.identity.peer_id):
                 continue
             address = r.addresses[0] if r.addresses else ""
             out.append(Candidate(p.peer, address, r.throughput, r.queue))
@@ -187,34 +227,106 @@ class PipelinePeer:
     def everyone(self) -> list[Candidate]:
         return [c for s in range(self.pipeline.num_stages) for c in self.candidates(s)]
 
-    async def join(self) -> None:
-        """Choose a stage (unless given), build it from the run's seed, serve it and announce it."""
+    def prepare(self, index: int) -> Stage:
+        """Stage ``index`` built from the run's seed (what :meth:`join` serves next), e.g. to size the
+        download of its state."""
+        if self._prepared is None or self._prepared.index != index:
+            self._prepared = build_stage(self.model, self.pipeline, index, self.seed)
+        return self._prepared
+
+    async def join(self, stage_index: int | None = None, snapshot: Snapshot | None = None) -> None:
+        """Serve a stage and announce it: ``stage_index``, else the one given at construction, else the
+        one the directory says limits the swarm. Its weights are the run's initial ones, or
+        ``snapshot``'s (a state downloaded from the stage's peers: ``transfer``), with its step. Called
+        again (a move to another stage, or a resync), it replaces what this peer served."""
         await self.refresh()
+        if stage_index is not None:
+            self.stage_index = stage_index
         if self.stage_index is None:
             self.stage_index, self.why = choose_stage(
                 self.directory, self.pipeline.num_stages, me=self.node.identity.peer_id
             )
             log.info("serving %s", self.why)
-        stage = build_stage(self.model, self.pipeline, self.stage_index, self.seed)
-        self.server = StageServer(stage, self.pipeline, step=self.step_number)
-        self.server.register(self.node.registry)
-        self.optimizer = torch.optim.AdamW(stage.parameters(), lr=self.lr, weight_decay=0.0)
-        self.router = Router(
+        if self.server is not None and self.server.index == self.stage_index:
+            stage = self.server.stage  # a resync: the same stage, other weights
+        else:
+            stage = self.prepare(self.stage_index)
+        self._prepared = None
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=self.lr, weight_decay=0.0)
+        params = [p for p in stage.parameters() if p.requires_grad]
+        if snapshot is not None:
+            apply_snapshot(snapshot, params, optimizer)
+            self.step_number = snapshot.step
+        if self.server is not None and self.server.stage is stage:
+            self.server.close_step()
+            self.server.open_step(self.step_number)
+        else:
+            self.server = StageServer(stage, self.pipeline, step=self.step_number, slowdown=self.slowdown)
+            self.server.register(self.node.registry, replace=True)
+        self.optimizer = optimizer
+        self._digest = b""
+        self._snapshots.clear()
+        if self.node.registry.get(STATE.name) is None:
+            self.node.registry.add_unary(STATE, self._on_state)
+        self.router = self.router or Router(
             self.node.host, self.pipeline, self.model, self.candidates, local=self.server, rng=self.rng
         )
+        self.router.local = self.server
         await self.refresh()
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep the directory fresh (publish ours, read the others') every ``interval`` seconds."""
-        await self.join()
-        task_status.started()
+    async def keep_fresh(self) -> None:
+        """Publish this peer's record and read the others' every ``interval`` seconds."""
         while True:
             await trio.sleep(self.interval)
-            await self.refresh()
+            with trio.move_on_after(3 * self.interval):
+                await self.refresh()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join, then keep the directory fresh (:meth:`keep_fresh`)."""
+        await self.join()
+        task_status.started()
+        await self.keep_fresh()
+
+    async def leave(self) -> None:
+        """Tell the directory this peer serves no more (its callers stop picking it at their next read)."""
+        await announce_stage(
+            self.node.dht, self.node.config.run_id, self.record(left=True), ttl=6 * self.interval
+        )
+
+    # ------------------------------------------------------------------ the stage's state (``transfer``)
+
+    async def _on_state(self, ctx: CallContext, req: StateReq) -> Reply[StateResp]:
+        if self.server is None or self.server.index != req.stage or self.optimizer is None:
+            raise CallRefused(WRONG_STAGE, f"this peer serves no stage {req.stage}")
+        self._wanted_until = trio.current_time() + 2 * self.pipeline.timeout + 3 * self.interval
+        if req.chunk >= 0:
+            snap = self._snapshots.get(req.step)
+            if snap is None or req.chunk >= len(snap.digests):
+                raise CallRefused(NO_STATE, f"no state of step {req.step} here")
+            return Reply(StateResp(snap.step, snap.adam_steps, len(snap.body), ()), snap.chunk(req.chunk))
+        if req.step <= self.step_number and self.step_number not in self._snapshots and self._between_steps:
+            self._snapshot()
+        with trio.move_on_after(self.pipeline.timeout + 3 * self.interval):
+            while not any(s >= req.step for s in self._snapshots):
+                self._snapshot_taken = trio.Event()
+                await self._snapshot_taken.wait()
+        recent = [s for s in self._snapshots if s >= req.step]
+        if not recent:
+            raise CallRefused(NO_STATE, f"no state of step {req.step} or later here yet")
+        return Reply(self._snapshots[max(recent)].manifest())
+
+    def _snapshot(self) -> None:
+        assert self.server is not None and self.optimizer is not None
+        snap = take_snapshot(self.step_number, self.server.params, self.optimizer)
+        self._snapshots[snap.step] = snap
+        for old in sorted(self._snapshots)[:-2]:
+            del self._snapshots[old]
+        self._snapshot_taken.set()
 
     async def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepReport:
         """One step: this peer's micro-batches through the pipeline, then the stage-wise average."""
         assert self.server is not None and self.router is not None and self.optimizer is not None
+        self._between_steps = False
         began = trio.current_time()
         sent0, received0 = self.router.stats.bytes_sent, self.router.stats.bytes_received
         results: list[MicroBatch] = []
@@ -240,6 +352,7 @@ class PipelinePeer:
         avg = await average_stage(
             self.node.averager,
             self.server.index,
+            self.step_number,
             grads,
             counted,
             members=max(1, len(mates | {self.node.identity.peer_id})),
@@ -252,6 +365,10 @@ class PipelinePeer:
             self.optimizer.zero_grad(set_to_none=True)
         self.step_number += 1
         self.server.open_step(self.step_number)
+        self._digest = b""
+        self._between_steps = True
+        if trio.current_time() < self._wanted_until:  # somebody is downloading the stage's state
+            self._snapshot()
         report = StepReport(
             self.step_number,
             self.server.index,

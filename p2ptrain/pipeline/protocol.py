@@ -87,3 +87,6 @@ class StageRecord(Message, positional=True):
     step: int = bounded(0, ge=0, le=2**62)
     published: float = bounded(0.0, ge=0.0)
     left: bool = False
+    # not serving yet: waiting for the swarm to start, or downloading its stage's state (see ``trainer``)
+    joining: bool = False
+    digest: bytes = bounded(b"", max_len=16)  # of its stage's weights at the start of ``step``

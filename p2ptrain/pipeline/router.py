@@ -284,7 +284,7 @@ class Router:
                 run.commits.append((a[0], s, False))
             raise GiveUp(f"stage {s}: the answers of two peers disagree and no third settles it")
         odd, winner = (second, answer) if self._agree(s, answer, third) else (answer, second)
-        self._ban(odd[0], f"its stage-{s} answer disagreed with two other peers'")
+        self.ban(odd[0], f"its stage-{s} answer disagreed with two other peers'")
         for a in (odd, third):
             run.commits.append((a[0], s, False))
         run.checked[s] = third[0]
@@ -335,7 +335,7 @@ class Router:
                 resp, out = await self._call_forward(run, s, cand, h, targets)
                 return cand, resp, out
             except _Garbage as e:
-                self._ban(cand, str(e))
+                self.ban(cand, str(e))
             except _Failed as e:
                 self._suspect(cand)
                 log.info("stage %d peer %s failed a forward: %s; trying another", s, cand.peer.short(), e)
@@ -352,7 +352,7 @@ class Router:
         try:
             gin2 = await self._call_backward(run, s, other, g)
         except _Garbage as e:
-            self._ban(other, str(e))
+            self.ban(other, str(e))
             return cand, gin
         except _Failed:
             return cand, gin
@@ -373,11 +373,11 @@ class Router:
                 f"stage {s}: two backward answers disagree, and the third peer failed: {e}"
             ) from None
         if self._agree_grads(run, s, gin, gin3):
-            self._ban(other, f"its stage-{s} backward disagreed with two other peers'")
+            self.ban(other, f"its stage-{s} backward disagreed with two other peers'")
             run.commits.remove((cand, s, False))
             return cand, gin
         if self._agree_grads(run, s, gin2, gin3):
-            self._ban(cand, f"its stage-{s} backward disagreed with two other peers'")
+            self.ban(cand, f"its stage-{s} backward disagreed with two other peers'")
             run.commits.remove((other, s, False))
             run.used[s] = other
             return other, gin2
@@ -400,7 +400,7 @@ class Router:
         try:
             return first, await self._call_backward(run, s, first, g)
         except _Garbage as e:
-            self._ban(first, str(e))
+            self.ban(first, str(e))
         except _Failed as e:
             self._suspect(first)
             log.info("stage %d peer %s failed a backward: %s; replaying elsewhere", s, first.peer.short(), e)
@@ -417,7 +417,7 @@ class Router:
                 run.used[s] = cand
                 return cand, await self._call_backward(run, s, cand, g)
             except _Garbage as e:
-                self._ban(cand, str(e))
+                self.ban(cand, str(e))
             except _Failed as e:
                 self._suspect(cand)
                 log.info("stage %d peer %s failed a replay: %s", s, cand.peer.short(), e)
@@ -527,7 +527,7 @@ class Router:
             if scope.cancelled_caught:
                 raise _Failed(f"no answer within {self.pipeline.timeout:g} s")
 
-    def _ban(self, cand: Candidate, reason: str) -> None:
+    def ban(self, cand: Candidate, reason: str) -> None:
         if cand.peer == self.host.peer_id:
             return  # (our own stage: nothing to drop)
         if cand.peer not in self.stats.bans:

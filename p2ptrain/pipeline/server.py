@@ -102,8 +102,12 @@ class StageServer:
         *,
         step: int = 0,
         clock: Callable[[], float] = trio.current_time,
+        slowdown: float = 1.0,
     ) -> None:
+        """``slowdown``: compute takes that many times longer here (an emulated slow device: the
+        benchmarks' and the simulation's heterogeneous peers)."""
         self.stage = stage
+        self.slowdown = slowdown
         self.pipeline = pipeline
         self.params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
@@ -141,7 +145,13 @@ class StageServer:
         s = self.stats
         return s.computed_samples / s.compute_seconds if s.compute_seconds > 0 else 0.0
 
-    def register(self, registry: RpcRegistry) -> None:
+    def register(self, registry: RpcRegistry, *, replace: bool = False) -> None:
+        """Serve the stage's methods on ``registry`` (``replace``: in place of another server's)."""
+        if replace and registry.get(FORWARD.name) is not None:
+            registry.replace(FORWARD, self._on_forward)
+            registry.replace(BACKWARD, self._on_backward)
+            registry.replace(COMMIT, self._on_commit)
+            return
         registry.add_stream(FORWARD, self._on_forward)
         registry.add_stream(BACKWARD, self._on_backward)
         registry.add_unary(COMMIT, self._on_commit)
@@ -238,7 +248,11 @@ class StageServer:
                 await trio.to_thread.run_sync(fn)
             else:
                 fn()
-            self.stats.compute_seconds += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            if self.slowdown > 1:  # a slower device: the same work, later
+                await trio.sleep((self.slowdown - 1) * spent)
+                spent *= self.slowdown
+            self.stats.compute_seconds += spent
             self.stats.computed_samples += samples
 
     async def _on_forward(self, ctx: CallContext, req: ForwardReq, stream: RpcStream) -> ForwardResp:

@@ -1,7 +1,7 @@
 """Stage-wise averaging: the peers of one stage average their gradients with the existing all-reduce.
 
 Theory of operation: at the end of a step every peer of a stage holds the mean gradient of the samples
-*it* counted and their number. The stage's peers form a group under the group key ``pipeline/<stage>``
+*it* counted and their number. The stage's peers form a group under the group key ``pipeline/<stage>/<step>``
 (only peers of the same stage, with the same tensors, meet there) and run one butterfly round with
 weights equal to their sample counts: the result is the mean over every sample the stage counted,
 bit-identical on every member, or the round aborts on every member (commit by agreement). Each member
@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 EMPTY_WEIGHT = 1e-6  # the weight of a member that counted no sample (weights must be positive)
 
 
-def group_key(stage: int) -> str:
-    return f"pipeline/{stage}"
+def group_key(stage: int, step: int) -> str:
+    """Only peers of the same stage on the same step meet: a peer a step behind (it downloaded its
+    state late) never mixes its gradients, of other weights, into another step's average."""
+    return f"pipeline/{stage}/{step}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class StageAverage:
 async def average_stage(
     averager: Averager,
     stage: int,
+    step: int,
     grads: list[torch.Tensor],
     samples: int,
     *,
@@ -56,7 +59,7 @@ async def average_stage(
         return StageAverage(True, 1, weight, "alone in the stage")
     try:
         signed = await averager.form_group(
-            grads, group_key=group_key(stage), timeout=timeout, target_size=members, min_size=members
+            grads, group_key=group_key(stage, step), timeout=timeout, target_size=members, min_size=members
         )
         result = await averager.run_round(signed, grads, weight=weight)
     except (GroupFormationFailed, RoundAborted) as e:

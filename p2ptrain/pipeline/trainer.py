@@ -1,0 +1,398 @@
+"""A node's training loop for a ``[pipeline]`` run: what ``p2ptrain node --config RUN.toml`` runs.
+
+Theory of operation: a :class:`PipelineTrainer` wraps a :class:`~.peer.PipelinePeer` around a running
+node and drives it step after step with the task's data (micro-batches of ``pipeline.micro_batch``
+windows, ``training.batch_size`` samples per step and peer), until ``max_steps``, ``duration`` or a
+stop request, writing a status section and one metrics line per step (what ``p2ptrain simulate``
+shows). Which stage this peer serves is decided in :meth:`PipelineTrainer.take_stage`:
+
+- **a swarm that starts together** (``--wait-peers N``, what ``simulate`` uses): every peer announces
+  itself as joining (a directory record with ``joining`` set: it serves nothing yet) and waits until
+  N peers are in the directory; then, while no peer has taken a step, the peers sorted by id take the
+  stages in turn (rank modulo the number of stages): a pure function of the set, so peers that read
+  the same set agree without talking, and every stage gets a peer when N >= stages. (No throughput is
+  measured before the first step; peers measured slow move later: see ``rebalance``.)
+- **a peer joining a running swarm** takes the stage that limits the swarm's throughput
+  (``directory.choose_stage``) and downloads that stage's state from its peers (``transfer``: weights,
+  optimizer state and step, verified per chunk) before it serves.
+
+After every step the peer checks that it is still on its stage's lineage (``transfer.behind``): a
+stage-mate on a later step, or a majority of its mates on the same step with other weights, means this
+peer fell out (it was slow, or its own average aborted while theirs did not); it downloads the stage's
+state again instead of training a second lineage of the stage's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..errors import ConfigError, P2PError
+from ..tasks.gpt import GPT, GPTConfig
+from .directory import choose_stage
+from .peer import PipelinePeer, StepReport
+from .transfer import StateUnavailable, behind, download_state, state_size
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..node import Node
+    from ..tasks import Task
+
+log = logging.getLogger(__name__)
+
+LOSS_SMOOTHING = 0.9
+WAIT_POLL = 0.5  # seconds between directory reads while waiting for the swarm to start
+RATE_WINDOW = 8  # steps the samples-per-second figures are measured over
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    max_steps: int | None = None  # overrides training.max_steps
+    duration: float = 0.0  # seconds; 0: no limit
+    slowdown: float = 1.0  # this peer's stage computes this many times slower (an emulated slow device)
+    metrics_file: Path | None = None
+    wait_peers: int = 1
+    wait_timeout: float = 300.0
+    interval: float = 2.0  # seconds between directory refreshes
+
+
+def model_config(task: Task) -> GPTConfig:
+    """The GPT a pipeline run splits: the task's model must be the built-in GPT (``tiny-gpt``)."""
+    model = task.model()
+    if not isinstance(model, GPT):
+        raise ConfigError(
+            f"[pipeline] splits the built-in GPT by layer; task {task.name!r} builds a"
+            f" {type(model).__name__}, which a pipeline cannot split"
+        )
+    return model.config
+
+
+def assign_at_start(ids: list[bytes], me: bytes, num_stages: int) -> int:
+    """A swarm that starts together: the stage of peer ``me`` among ``ids`` (every peer's id, ``me``
+    included), the same on every peer that read the same set (see the module docstring)."""
+    ranked = sorted(set(ids))
+    return ranked.index(me) % num_stages
+
+
+class PipelineTrainer:
+    """Trains one stage of a pipeline run with the swarm; see the module docstring."""
+
+    def __init__(
+        self,
+        node: Node,
+        config: RunConfig,
+        task: Task,
+        options: PipelineOptions | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not config.pipeline.enabled:
+            raise ConfigError("this run file has no [pipeline] section")
+        self.node, self.config, self.task = node, config, task
+        self.options = options or PipelineOptions()
+        if not (math.isfinite(self.options.slowdown) and self.options.slowdown >= 1):
+            raise ValueError("slowdown must be at least 1")
+        self.clock = clock
+        self.pipeline = config.pipeline
+        self.model = model_config(task)
+        self.pipeline.bounds(self.model.n_layer)  # (a ConfigError now, not at the first step)
+        self.per_step = max(1, config.training.batch_size // self.pipeline.micro_batch)
+        self.peer = PipelinePeer(
+            node,
+            self.pipeline,
+            self.model,
+            seed=config.run.seed,
+            lr=config.training.lr,
+            interval=self.options.interval,
+            slowdown=self.options.slowdown,
+        )
+        self.max_steps = self.options.max_steps if self.options.max_steps is not None else 0
+        self.max_steps = self.max_steps or config.training.max_steps
+        self.loss: float | None = None
+        self.started = 0.0
+        self.finished = False
+        self.resyncs = 0
+        self.last: StepReport | None = None
+        self._stop_requested = False
+        self._times: list[tuple[float, int, float]] = []  # (when, samples sent here, samples in the swarm)
+        self.rounds = {"averaged": 0, "alone": 0, "aborted": 0, "synced": 0}
+        self.node.status_sections["training"] = self.status
+        self.node.status_sections["pipeline"] = self.pipeline_status
+
+    # ---- stopping (what the command's signal handler calls) ----
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        """Stop after the step in progress (its micro-batches and its stage average)."""
+        self._stop_requested = True
+
+    @property
+    def drain_timeout(self) -> float:
+        """The longest a step's end may take: the callers' done wait and the stage's average."""
+        return 2 * self.pipeline.timeout + max(30.0, 3 * self.pipeline.timeout)
+
+    @property
+    def step(self) -> int:
+        return self.peer.step_number
+
+    def _done(self) -> bool:
+        if self._stop_requested:
+            return True
+        if self.max_steps and self.peer.step_number >= self.max_steps:
+            return True
+        return bool(self.options.duration) and self.clock() - self.started >= self.options.duration
+
+    def _data_seed(self) -> int:
+        """Different data on every peer, the same for a peer across restarts."""
+        h = hashlib.blake2b(self.node.peer_id.digest + str(self.config.run.seed).encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "little") & (2**62 - 1)
+
+    # ---- the run ----
+
+    async def take_stage(self) -> None:
+        """Choose this peer's stage and serve it (see the module docstring)."""
+        peer, me = self.peer, self.node.peer_id
+        peer.announcing = True
+        if self.options.wait_peers > 1:
+            log.info("waiting for %d pipeline peers to start together", self.options.wait_peers)
+        with trio.move_on_after(self.options.wait_timeout) as waited:
+            while True:
+                await peer.refresh()
+                serving = [p for p in peer.directory if not p.record.joining]
+                if any(p.record.step > 0 for p in serving):
+                    break  # a running swarm: join it
+                if len(peer.directory) >= self.options.wait_peers:
+                    break
+                await trio.sleep(WAIT_POLL)
+        if waited.cancelled_caught:
+            log.warning(
+                "only %d of %d pipeline peers appeared within %.0f s: starting with those",
+                len(peer.directory),
+                self.options.wait_peers,
+                self.options.wait_timeout,
+            )
+        serving = [p for p in peer.directory if not p.record.joining]
+        if not any(p.record.step > 0 for p in serving):
+            ids = [p.peer.digest for p in peer.directory] + [me.digest]
+            stage = assign_at_start(ids, me.digest, self.pipeline.num_stages)
+            peer.why = f"stage {stage}: the swarm starts together (peer {sorted(set(ids)).index(me.digest)})"
+            log.info("serving %s", peer.why)
+            await peer.join(stage)
+            await self._wait_for_every_stage()
+            return
+        stage, why = choose_stage(serving, self.pipeline.num_stages, me=me)
+        peer.why = why
+        log.info("joining a running swarm: serving %s", why)
+        await self._download_and_join(stage)
+
+    def _state_size(self, stage: int) -> int:
+        peer = self.peer
+        if peer.server is not None and peer.server.index == stage:
+            return state_size(peer.server.params)
+        return state_size([p for p in peer.prepare(stage).parameters() if p.requires_grad])
+
+    async def _download_and_join(self, stage: int) -> None:
+        """Serve ``stage`` with its state downloaded from its peers (``transfer``), asking again while
+        the download fails and the stage has peers; with none, a peer already serving it keeps its
+        weights, and a newcomer starts it from the run's initial weights, said out loud."""
+        peer, me = self.peer, self.node.peer_id
+        size = self._state_size(stage)
+        while not self._stop_requested:
+            try:
+                snapshot = await download_state(peer, stage, size)
+            except StateUnavailable as e:
+                if not [c for c in peer.candidates(stage) if c.peer != me]:
+                    if peer.server is not None and peer.server.index == stage:
+                        log.warning("stage %d: no other peer to download its state from: keeping ours", stage)
+                        return
+                    log.warning(
+                        "stage %d has no peer to download its state from (%s): it starts from the run's"
+                        " initial weights, its training so far is lost",
+                        stage,
+                        e,
+                    )
+                    await peer.join(stage)
+                    return
+                log.warning("stage %d's state: %s; asking again", stage, e)
+                await trio.sleep(WAIT_POLL)
+                await peer.refresh()
+                continue
+            await peer.join(stage, snapshot)
+            return
+
+    async def _wait_for_every_stage(self) -> None:
+        """Before the first step: until every stage has a peer serving it (or the wait times out)."""
+        with trio.move_on_after(self.options.wait_timeout):
+            while True:
+                await self.peer.refresh()
+                serving = [p for p in self.peer.directory if not p.record.joining]
+                if not self.peer.empty_stages and len(serving) >= min(
+                    self.options.wait_peers, len(self.peer.directory)
+                ):
+                    return
+                await trio.sleep(WAIT_POLL)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        peer = self.peer
+        try:
+            await self.take_stage()
+            task_status.started()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer.keep_fresh)
+                await self._loop()
+                nursery.cancel_scope.cancel()
+            with trio.move_on_after(self.pipeline.timeout):
+                await peer.leave()
+        finally:  # no await here: this runs even when cancelled
+            self.finished = True
+            self._write_metrics({"event": "stopped", **self.status()})
+
+    async def _loop(self) -> None:
+        peer = self.peer
+        batches: Iterator[Any] = self.task.batches(self._data_seed(), self.pipeline.micro_batch)
+        self.started = self.clock()
+        log.info(
+            "training stage %d of %d (layers %s) of %s from step %d, %d micro-batches of %d per step",
+            peer.stage.index,
+            self.pipeline.num_stages,
+            self.pipeline.bounds(self.model.n_layer)[peer.stage.index],
+            self.task.name,
+            peer.step_number,
+            self.per_step,
+            self.pipeline.micro_batch,
+        )
+        while not self._done():
+            micro = [await trio.to_thread.run_sync(next, batches) for _ in range(self.per_step)]
+            report = await peer.step(micro)
+            self._account(report)
+            if behind(peer):
+                self.resyncs += 1
+                self.rounds["synced"] += 1
+                log.warning(
+                    "stage %d's other peers hold other weights or a later step: downloading the stage's"
+                    " state again",
+                    peer.stage.index,
+                )
+                await self._download_and_join(peer.stage.index)
+
+    def _account(self, r: StepReport) -> None:
+        if r.losses:
+            loss = sum(r.losses) / len(r.losses)
+            smooth = LOSS_SMOOTHING
+            self.loss = loss if self.loss is None else smooth * self.loss + (1 - smooth) * loss
+        if r.average.applied:
+            self.rounds["averaged" if r.average.members > 1 else "alone"] += 1
+        else:
+            self.rounds["aborted"] += 1
+        sent = (r.micro_batches - r.given_up) * self.pipeline.micro_batch
+        swarm = r.average.samples if r.average.applied else 0.0
+        self._times = [*self._times[-RATE_WINDOW:], (self.clock(), sent, swarm)]
+        self.last = r
+        status = self.status()
+        self._write_metrics(status)
+        log.info(
+            "step %d: stage %d, loss %s, %d micro-batches (%d given up, %d retries), %.1f samples/s here,"
+            " %.1f in the swarm, queue %d, stage throughput %.1f samples/s",
+            r.step,
+            r.stage,
+            "-" if self.loss is None else f"{self.loss:.4f}",
+            r.micro_batches,
+            r.given_up,
+            r.retries,
+            status["samples_per_s"],
+            status["swarm_samples_per_s"],
+            r.queue,
+            r.throughput,
+        )
+
+    def _rates(self) -> tuple[float, float]:
+        t = self._times
+        if len(t) < 2 or t[-1][0] <= t[0][0]:
+            return 0.0, 0.0
+        span = t[-1][0] - t[0][0]
+        return sum(x[1] for x in t[1:]) / span, sum(x[2] for x in t[1:]) / span
+
+    # ---- what the status file, the live view and the metrics say ----
+
+    def status(self) -> dict[str, Any]:
+        here, swarm = self._rates()
+        sent, received = self.node.host.traffic()
+        server = self.peer.server
+        stage = server.index if server is not None else None
+        return {
+            "time": self.clock(),
+            "task": self.task.name,
+            "mode": "pipeline",
+            "step": self.peer.step_number,
+            "loss": self.loss,
+            "val_loss": None,  # (a validation pass needs every stage: not run by a pipeline peer)
+            "samples_per_s": here,
+            "swarm_samples_per_s": swarm,
+            "swarm_peers": len([p for p in self.peer.directory if not p.record.joining]) or 1,
+            "stage": stage,
+            "queue": server.queue if server is not None else 0,
+            "throughput": self.peer.throughput(),
+            "rounds": dict(self.rounds),
+            # the stage's weights: equal on every peer of the same stage after every step
+            "digest": self.peer.weights_digest()[:16] if server is not None else "",
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "finished": self.finished,
+        }
+
+    def pipeline_status(self) -> dict[str, Any]:
+        peer, router = self.peer, self.peer.router
+        per_stage: list[dict[str, Any]] = []
+        for s in range(self.pipeline.num_stages):
+            cands = peer.candidates(s)
+            per_stage.append(
+                {
+                    "peers": len(cands),
+                    "throughput": round(sum(c.throughput for c in cands), 2),
+                    "queue": sum(c.queue for c in cands),
+                }
+            )
+        last = self.last
+        return {
+            "stage": peer.server.index if peer.server is not None else None,
+            "stages": self.pipeline.num_stages,
+            "why": peer.why,
+            "per_stage": per_stage,
+            "empty_stages": list(peer.empty_stages),
+            "micro_batches": router.stats.micro_batches if router else 0,
+            "given_up": router.stats.given_up if router else 0,
+            "retries": router.stats.retries if router else 0,
+            "checks": router.stats.checks if router else 0,
+            "mismatches": router.stats.mismatches if router else 0,
+            "dropped_peers": {p.short(): why for p, why in (router.stats.bans.items() if router else [])},
+            "bytes_per_micro_batch": (
+                round((last.bytes_sent + last.bytes_received) / max(1, last.micro_batches))
+                if last is not None
+                else 0
+            ),
+            "resyncs": self.resyncs,
+            "downloads": peer.downloads,
+        }
+
+    def _write_metrics(self, line: dict[str, Any]) -> None:
+        path = self.options.metrics_file
+        if path is None:
+            return
+        import json
+
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps({**line, "pipeline": self.pipeline_status()}) + "\n")
+        except (OSError, P2PError) as e:
+            log.warning("cannot write metrics to %s: %s", path, e)
