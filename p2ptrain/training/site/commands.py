@@ -26,12 +26,13 @@ IDLE_WAIT = datetime.timedelta(minutes=10)
 
 
 class Op(enum.IntEnum):
-    TRAIN = 1  # a: inner steps to take
-    CONTRIBUTE = 2  # a, b: the parameters [a, b) (a fragment) into rank 0's wire buffer
+    TRAIN = 1  # a: inner steps to take (a node's site: a batch, then inner step number a)
+    CONTRIBUTE = 2  # a, b: the parameters [a, b) (a fragment) into rank 0's wire buffer (c: 1 keep aside)
     LAND = 3  # a, b: those parameters; c: 1 committed, 0 aborted
     STEP_ALONE = 4  # a, b: a step with no round
     SAVE = 5  # a: the step to checkpoint (the folder is the site's own)
     STOP = 6
+    ALONE = 7  # a, b: CONTRIBUTE for a step alone (the residual goes in whole, uncompressed)
 
 
 @dataclass(frozen=True)

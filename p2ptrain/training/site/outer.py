@@ -108,11 +108,16 @@ class ShardedOuter:
             d.add_(self._e[run.param].view(-1)[run.at : run.at + run.size])
         return d
 
-    def contribute(self, params: range, wire: WireBuffer | None, *, keep: bool = False) -> None:
+    def contribute(
+        self, params: range, wire: WireBuffer | None, *, keep: bool = False, alone: bool = False
+    ) -> None:
         """Collective: the pseudo-gradient of ``params`` (error feedback folded in) into rank 0's
         ``wire`` (the span's size; None on the other ranks). ``keep`` (DiLoCo with overlap: compute goes
         on during the round): every rank keeps its shard of the pseudo-gradient aside in a spill file, so
-        that :meth:`land` can put the progress made meanwhile on top of the new global parameters."""
+        that :meth:`land` can put the progress made meanwhile on top of the new global parameters.
+        ``alone`` (a step alone: nothing goes on the wire): what earlier rounds left out goes in whole,
+        uncompressed, and the residual becomes zero (an unsharded peer's ``flush_into``); land it
+        committed."""
         lo, hi = self.span(params)
         if (wire is not None) != (self.rank == 0) or (wire is not None and wire.numel != hi - lo):
             raise ValueError("rank 0 alone contributes into a wire buffer of the span's size")
@@ -128,7 +133,7 @@ class ShardedOuter:
         for a, b in self.layout.pieces(lo, hi, self.piece):
             piece = wire.piece(a - lo, b - lo) if wire is not None else None
             self.channel.gather(a, b, lambda run: self._delta(run, locals_), piece)
-            if self._e:
+            if self._e and not alone:
                 if piece is not None:
                     piece.copy_(roundtrip(piece, self.mode))
 
@@ -139,6 +144,11 @@ class ShardedOuter:
                 self.channel.scatter(a, b, piece, keep_residual)
             if wire is not None:
                 wire.release(a - lo, b - lo)
+        if alone and self._e:
+            self._forget_residual()
+            with torch.no_grad():
+                for i in params:
+                    self._e[i].zero_()
 
     def land(self, params: range, wire: WireBuffer | None, *, committed: bool) -> None:
         """Collective, after the round: committed, the average in rank 0's ``wire`` steps every rank's

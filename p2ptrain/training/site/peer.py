@@ -1,0 +1,307 @@
+"""A site in the swarm: rank 0 runs the node and the real ``CollaborativeOptimizer``; every rank holds its
+shards and follows rank 0's commands.
+
+Theory of operation. The collaborative optimizer decides everything a peer does in the swarm (progress
+records, when to look for a group, the round, when to step alone) and builds the parts that hold its
+model-sized state from ``collaborative.Parts``. On a site's rank 0 those parts hold no model-sized
+tensor on the heap:
+
+- the **contribution's buffer** is a :class:`WireParams`: the wire vector in rank 0's mapped file
+  (``wire``), which the round averages in place as it does an unsharded peer's flat buffer;
+- the **outer step** is a :class:`SiteOuter`: where an unsharded ``OuterStep`` computes the
+  pseudo-gradient, folds top-k's error feedback, steps the global parameters or puts the residual back,
+  it sends the matching command (``commands``) to the other ranks and runs the same collective
+  (``outer.ShardedOuter``) on its own shards;
+- the **shared state** is a :class:`SiteState`, which neither hashes, serves nor downloads a site's
+  state yet (see below).
+
+Every other rank runs :meth:`SiteRank.follow`: a batch and an inner step for each TRAIN, the pieces of
+a contribution, the landing of a round. Their FSDP2 collectives (a batch's all-gathers and
+reduce-scatters, the gradient clip's norm) are entered in the same order as rank 0's: rank 0 sends TRAIN
+before computing its batch, and its ``LocalSteps.inner_step`` clips and steps its own shards inside
+``CollaborativeOptimizer.step``. The lr of inner step k is :func:`local_steps.inner_lr`, computed on
+every rank from the k that TRAIN carries.
+
+What a site refuses at start (:func:`check_run`): sync mode (it averages gradients every step, which is
+what a site over a WAN is meant to avoid; its gradients would be full tensors on rank 0), DiLoCo with
+``overlap`` (the landing puts the progress made during the round on top of the global parameters on
+the whole model at once, not yet shard by shard). What it does not do yet: publish its state's digest
+(it publishes none: others never take it for diverged, nor does it them), serve its state or results to
+joiners, download one (a site that falls behind says so and stays behind), checkpoint through the
+node's checkpoint files (``site.checkpoint`` is the per-rank format).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ...averaging.compression import Compression
+from ...config import DilocoSection, RunConfig, TrainingSection
+from ...errors import ConfigError
+from ..optimizer.buffers import Contribution, ParamBuffer
+from ..optimizer.collaborative import Parts
+from ..optimizer.feedback import PIECE
+from ..optimizer.local_steps import inner_lr
+from ..optimizer.outer import OuterStep
+from ..optimizer.progress import SwarmView
+from ..optimizer.shared_state import SharedState
+from ..state.serve import Snapshot
+from .commands import Command, Commands, Op
+from .layout import WireLayout
+from .outer import ShardedOuter, local_of
+from .pieces import PieceChannel
+from .wire import WireBuffer
+
+log = logging.getLogger(__name__)
+
+
+def check_run(config: RunConfig) -> None:
+    """ConfigError unless a site can train this run (see the module's docstring)."""
+    if config.training.mode != "diloco":
+        raise ConfigError(
+            f"training.mode = {config.training.mode!r}: a sharded site trains with DiLoCo only (sync mode"
+            " averages full gradients every step, which is what a site over a WAN is meant to avoid);"
+            " set training.mode = 'diloco' or run the node without --shard"
+        )
+    if config.diloco.overlap:
+        raise ConfigError(
+            "diloco.overlap = true: a sharded site does not overlap its rounds with compute yet; set"
+            " diloco.overlap = false or run the node without --shard"
+        )
+
+
+class SiteRank:
+    """One rank of a site: its FSDP2 model's trainable parameters, its inner optimizer and its shards
+    of DiLoCo's outer state, and the commands it follows (ranks 1..N-1) or sends (rank 0)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: RunConfig,
+        commands: Commands,
+        *,
+        world: int,
+        device: torch.device | str = "cpu",
+        group: Any = None,
+        piece: int = PIECE,
+    ) -> None:
+        """``model``: sharded with ``fully_shard`` over the site's ``world`` ranks (its trainable
+        parameters DTensors, float32); ``commands``: this rank's end of rank 0's commands."""
+        check_run(config)
+        self.model, self.optimizer, self.config, self.commands = model, optimizer, config, commands
+        self.rank, self.world = commands.rank, world
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.layout = WireLayout(self.names, [p.shape for p in self.params], world)
+        self.channel = PieceChannel(self.layout, self.rank, device=device, group=group)
+        self.outer = ShardedOuter(
+            self.params, self.layout, self.channel, config.diloco, config.averaging.compression, piece=piece
+        )
+        self.inner_steps = 0
+
+    # ---- every rank ----
+
+    def inner_step(self, step: int) -> None:
+        """Inner step ``step`` on this rank's shards, as ``LocalSteps.inner_step`` takes it on rank 0
+        (the clip's norm is a collective of the site)."""
+        t: TrainingSection = self.config.training
+        for g in self.optimizer.param_groups:
+            g["lr"] = inner_lr(t, step)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.inner_steps = step + 1
+
+    def handle(self, cmd: Command, compute: Callable[[], object]) -> None:
+        """Ranks 1..N-1: do what ``cmd`` says (``compute``: forward and backward of this rank's next
+        batch)."""
+        fragment = range(cmd.a, cmd.b)
+        if cmd.op is Op.TRAIN:
+            compute()
+            self.inner_step(cmd.a)
+        elif cmd.op is Op.CONTRIBUTE:
+            self.outer.contribute(fragment, None, keep=bool(cmd.c))
+        elif cmd.op is Op.ALONE:
+            self.outer.contribute(fragment, None, alone=True)
+        elif cmd.op is Op.LAND:
+            self.outer.land(fragment, None, committed=bool(cmd.c))
+        elif cmd.op is Op.STEP_ALONE:
+            self.outer.step_alone(fragment)
+        else:
+            raise RuntimeError(f"rank {self.rank} cannot do {cmd.op.name} here")
+
+    def follow(self, compute: Callable[[], object]) -> None:
+        """Ranks 1..N-1: follow rank 0's commands until it says STOP."""
+        while (cmd := self.commands.receive()).op is not Op.STOP:
+            self.handle(cmd, compute)
+
+    # ---- rank 0 ----
+
+    def train(self, compute: Callable[[], object], step: int) -> None:
+        """Rank 0: the site's batch (every rank computes its own) before ``CollaborativeOptimizer.step``
+        takes inner step ``step`` on rank 0's shards (``opt.inner_steps``)."""
+        self.commands.send(Command(Op.TRAIN, step))
+        compute()
+
+    def stop(self) -> None:
+        """Rank 0: the other ranks end :meth:`follow`."""
+        self.commands.send(Command(Op.STOP))
+
+    def parts(self) -> Parts:
+        """Rank 0: what ``CollaborativeOptimizer(parts=...)`` builds its model-sized state from."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 runs the collaborative optimizer")
+
+        def outer(
+            params: list[torch.Tensor], contribution: Contribution, d: DilocoSection, compression: Compression
+        ) -> OuterStep:
+            return SiteOuter(self, params, contribution)
+
+        return Parts(buffer=WireParams, outer=outer, state=SiteState)
+
+    def global_shards(self) -> list[torch.Tensor]:
+        """This rank's shards of the global parameters (tests and checks read them)."""
+        return [local_of(g) for g in self.outer.global_params]
+
+
+class WireParams(ParamBuffer):
+    """A contribution buffer whose flat vector is a wire buffer (``wire``: a mapped file, not the
+    heap): the shapes of ``params``, no copy of their values."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError("a site's wire vector is float32")
+        self.wire = WireBuffer(sum(p.numel() for p in params))
+        self.flat: torch.Tensor | None = self.wire.flat
+        self.views: list[torch.Tensor] = []
+        off = 0
+        for p in params:
+            self.views.append(self.wire.flat[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+
+
+class SiteOuter(OuterStep):
+    """Rank 0's outer step of a site: each of ``OuterStep``'s moves is a command to the other ranks and
+    the same collective on rank 0's shards (``ShardedOuter``)."""
+
+    def __init__(self, site: SiteRank, params: list[torch.Tensor], contribution: Contribution) -> None:
+        # (OuterStep's own __init__ would copy the global parameters whole: a site's are sharded)
+        self.site, self.params, self.contribution = site, params, contribution
+        self.param_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.file = None
+        self.global_params = site.outer.global_params
+        self.momentum = site.outer.momentum
+        self.sgd = site.outer.sgd
+        self.feedback = None  # (folded shard by shard: see ``fold``)
+        self._handed = False
+
+    def _wire(self) -> WireBuffer:
+        buffer = self.contribution.buffer
+        if not isinstance(buffer, WireParams):
+            raise TypeError("a site's contribution buffer is a WireParams (parts.buffer)")
+        return buffer.wire
+
+    def _send(self, op: Op, c: int = 0) -> range:
+        slots = self.contribution.slots
+        self.site.commands.send(Command(op, slots.start, slots.stop, c))
+        return slots
+
+    def pseudo_gradients(self) -> None:
+        """The round's buffer (a new one if the last round may still relay from it); what goes into
+        it is computed by :meth:`fold` (a round) or :meth:`flush_feedback` (a step alone), which
+        follow."""
+        self.contribution.unrelayed()
+        self._handed = True
+
+    async def fold(self, buffer: ParamBuffer) -> None:
+        """Collective: the pseudo-gradient, top-k's error feedback folded in, into the wire buffer."""
+        if buffer is not self.contribution.buffer:
+            raise RuntimeError("a site folds the buffer its pseudo-gradients went into")
+        slots = self._send(Op.CONTRIBUTE)
+        self.site.outer.contribute(slots, self._wire())
+        self._handed = False
+        return None
+
+    def unfold(self, before: object, *, committed: bool) -> None:
+        """An aborted round: every rank's residual goes back (a committed one lands in :meth:`step`)."""
+        if not committed:
+            slots = self._send(Op.LAND, 0)
+            self.site.outer.land(slots, self._wire(), committed=False)
+
+    def flush_feedback(self) -> None:
+        """A step alone: the pseudo-gradient with all of the residual, uncompressed."""
+        slots = self._send(Op.ALONE)
+        self.site.outer.contribute(slots, self._wire(), alone=True)
+        self._handed = False
+
+    def step(
+        self,
+        before: Callable[[int], None] | None = None,
+        after: Callable[[int], None] | None = None,
+    ) -> None:
+        """Collective: the average in the wire buffer steps every rank's shards of the global
+        parameters, and the local ones restart from them (``after`` is ``reset_local``: the ranks do
+        it; nothing else is passed here)."""
+        if self._handed:  # (a step alone with nothing flushed: no top-k, so no residual)
+            self.flush_feedback()
+        slots = self._send(Op.LAND, 1)
+        self.site.outer.land(slots, self._wire(), committed=True)
+
+    def reset_local(self, i: int) -> None:
+        """(Done by :meth:`step` on every rank.)"""
+
+    def release(self) -> None:
+        """(A site's outer state is not file-backed.)"""
+
+    def rehome_momentum(self) -> None:
+        """(A site does not load a state through the outer optimizer.)"""
+
+
+class SiteState(SharedState):
+    """A site's shared state: for now none published, served or downloaded (see the module's
+    docstring); the optimizer's part that would otherwise hash the whole model on rank 0."""
+
+    def _rehash(self) -> None:
+        self.digest = b""  # published as unknown: nobody takes the site for diverged
+
+    async def hashed_digest(self) -> bytes:
+        return b""
+
+    def capture(self, copy: bool = True, own: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        raise ConfigError("a sharded site's state is not captured whole (its checkpoints are per rank)")
+
+    def restore(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, str],
+        *,
+        epoch: int | None = None,
+        owned: bool = False,
+    ) -> None:
+        raise ConfigError("a sharded site does not load a whole state (its checkpoints are per rank)")
+
+    async def prepare_snapshot(self) -> Snapshot | None:
+        return None
+
+    async def keep_result(self, epoch: int, values: list[torch.Tensor]) -> None:
+        return None
+
+    def keep_result_now(self, epoch: int, values: list[torch.Tensor]) -> None:
+        return None
+
+    def start_download(self, view: SwarmView, expected: Callable[[int], bytes]) -> None:
+        if self.sync_retry_at != float("inf"):
+            log.warning(
+                "step %d: the swarm is on step %d and a sharded site cannot download its state yet:"
+                " this site stays behind (restart it from a checkpoint of the swarm's step)",
+                self.tally.epoch,
+                view.newest,
+            )
+        self.sync_retry_at = float("inf")
