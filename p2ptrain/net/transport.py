@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 TCP_ESTABLISHED, TCP_SYN_SENT = 1, 2  # (Linux's TCP states, as TCP_INFO gives them)
 SOFT_ERROR_PAUSE = 0.01  # seconds between looks at a dial that reported a soft error
+MAX_QUEUED_ERRORS = 64  # queued ICMP errors read off a primed dial's socket, at most
 
 
 def _tcp_state(sock: socket.socket) -> int | None:
@@ -41,6 +42,22 @@ def _tcp_state(sock: socket.socket) -> int | None:
         return int(struct.unpack("B", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0])
     except OSError:
         return None
+
+
+def drain_error_queue(sock: socket.socket) -> int:
+    """Discard the ICMP errors queued on ``sock``'s error queue (Linux queues there the "time exceeded"
+    that a primed dial's dead SYN draws, without IP_RECVERR); how many. While one is queued, poll and
+    epoll report the socket in error for good, and every wait for it to become readable returns at once
+    with nothing to read: a reader would spin, taking a core (a punched connection's whole life)."""
+    flag = getattr(socket, "MSG_ERRQUEUE", 0)
+    drained = 0
+    while flag and drained < MAX_QUEUED_ERRORS:
+        try:
+            sock.recvmsg(1, 1024, flag | getattr(socket, "MSG_DONTWAIT", 0))
+        except OSError:  # (BlockingIOError: the queue is empty)
+            break
+        drained += 1
+    return drained
 
 
 StreamHandler = Callable[[trio.abc.Stream, str, int], Awaitable[None]]
@@ -111,7 +128,8 @@ class TcpTransport:
         (the first after a second) go the whole way, by when the peer's own dial opened its side: see
         ``punch``. The socket lives on through the dead SYN's ICMP error (a soft error while the SYN is
         retransmitted: TCP_INFO tells); where the kernel gives up on it instead, OSError (EHOSTUNREACH),
-        and that dial served to open the mapping."""
+        and that dial served to open the mapping. The ICMP error the dead SYN left queued on the socket is
+        read off before the stream is handed out (``drain_error_queue``)."""
         try:
             family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
         except ValueError:
@@ -143,6 +161,7 @@ class TcpTransport:
                     raise OSError(failed, f"connecting to {host}:{port}: {os.strerror(failed)}")
                 err = errno.EINPROGRESS  # still trying (a wake-up for the dead SYN's soft error)
                 await trio.sleep(SOFT_ERROR_PAUSE)
+            drain_error_queue(sock)
             return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
         except BaseException:
             sock.close()
