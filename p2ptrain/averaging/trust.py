@@ -155,6 +155,7 @@ def _useful(g: torch.Tensor, weights: Sequence[float], d: int, origins: Sequence
         mine = sorted(x for j, x in enumerate(norms) if labels[j] == o and math.isfinite(x))
         if mine:
             typical[o] = mine[(len(mine) - 1) // 2]
+    cell = g.tolist()  # (read as floats once: the loops below read O(k^3) cells)
     out: list[Verdict] = []
     for i in range(k):
         w, n = float(weights[i]), norms[i]
@@ -179,8 +180,8 @@ def _useful(g: torch.Tensor, weights: Sequence[float], d: int, origins: Sequence
             out.append(Verdict(False, "no other origin sent anything"))
             continue
         share = {j: 1.0 / (norms[j] * per_origin[labels[j]]) for j in live}
-        dot = sum(float(g[i, j]) * share[j] for j in live) / n
-        sq = sum(float(g[a, b]) * share[a] * share[b] for a in live for b in live)
+        dot = sum(cell[i][j] * share[j] for j in live) / n
+        sq = sum(cell[a][b] * share[a] * share[b] for a in live for b in live)
         if sq <= 0:
             out.append(Verdict(False, "the others cancel out"))
             continue
