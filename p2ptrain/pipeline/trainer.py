@@ -232,16 +232,21 @@ class PipelineTrainer:
             return
 
     async def _wait_for_every_stage(self) -> None:
-        """Before the first step: until every stage has a peer serving it (or the wait times out)."""
-        with trio.move_on_after(self.options.wait_timeout):
+        """Before the first step: until every stage has a peer and every peer the swarm waits for serves
+        its stage in this peer's directory (or the wait times out). A peer that started with a part of
+        the directory would end its first step without the callers it did not see, and close the step
+        on them."""
+        with trio.move_on_after(self.options.wait_timeout) as waited:
             while True:
                 await self.peer.refresh()
                 serving = [p for p in self.peer.directory if not p.record.joining]
-                if not self.peer.empty_stages and len(serving) >= min(
-                    self.options.wait_peers, len(self.peer.directory)
-                ):
+                if not self.peer.empty_stages and len(serving) >= self.options.wait_peers:
                     return
                 await trio.sleep(WAIT_POLL)
+        if waited.cancelled_caught:
+            log.warning(
+                "starting with %d serving peer(s) of the %d waited for", len(serving), self.options.wait_peers
+            )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         peer = self.peer
