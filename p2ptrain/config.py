@@ -216,6 +216,7 @@ class NodeSection:
     devices: tuple[str, ...] = ()  # one device per local worker, this one first; (): from device
     local_workers: int = 0  # more data-parallel workers on this host (its other GPUs, CPU processes)
     local_timeout: float = 30.0  # seconds a local collective may take
+    shard: int = 1  # ranks of this host's sharded site (FSDP2; docs/sharded-sites.md); 1: not a site
     wait_peers: int = 1  # start training once this many peers are in the run
     metrics_file: Path | None = None  # one JSON line of metrics per global step
     tracker: str = ""  # also log the metrics to tensorboard or mlflow
@@ -239,6 +240,9 @@ class NodeSection:
         _check(bool(self.device.strip()), "node.device", "must not be empty")
         _check(all(d.strip() for d in self.devices), "node.devices", "must not hold an empty name")
         _check(self.local_workers >= 0, "node.local_workers", "must not be negative")
+        _check(self.shard >= 1, "node.shard", "must be at least 1")
+        ok = self.shard == 1 or not self.local_workers
+        _check(ok, "node.shard", "and node.local_workers exclude each other (a site's ranks are its workers)")
         ok = math.isfinite(self.local_timeout) and self.local_timeout > 0
         _check(ok, "node.local_timeout", "must be positive")
         _check(self.wait_peers >= 1, "node.wait_peers", "must be at least 1")

@@ -191,6 +191,12 @@ def _training_flags(s: argparse.ArgumentParser) -> None:
         "--devices", metavar="LIST", help="one device per local worker, this one first: cuda:0,cuda:1"
     )
     g.add_argument("--local-timeout", type=float, help="seconds a local collective may take")
+    g.add_argument(
+        "--shard",
+        type=int,
+        metavar="N",
+        help="a sharded site of N ranks on this host (FSDP2; DiLoCo runs): one peer, the model in N shards",
+    )
     g.add_argument("--mode", choices=["sync", "diloco"], help="override the run file's training.mode")
     g.add_argument("--resume", action="store_true", help="start from this node's newest checkpoint")
     g.add_argument("--max-steps", type=int, metavar="N", help="stop after N global steps")

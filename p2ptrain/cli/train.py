@@ -28,6 +28,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from ..config import NodeSection, RunConfig, load_config
 from ..errors import ConfigError
 from ..node import Node, averaging_settings, id_work
+from ..nodebase import default_data_dir
 from ..tasks import Task, load_task
 from ..training.loop.console import node_table
 from ..training.loop.trainer import Trainer, TrainerOptions
@@ -44,6 +45,8 @@ from .common import (
 
 if TYPE_CHECKING:
     from ..pipeline.trainer import PipelineTrainer
+    from ..training.site.group import SiteGroup
+    from ..training.site.peer import SiteRank
 
 log = logging.getLogger("p2ptrain")
 
@@ -81,6 +84,26 @@ def _devices(settings: NodeSection) -> list[str]:
     return [_device(d) for d in local_devices(settings.local_workers + 1, settings.device)]
 
 
+def _site_rank(config: RunConfig, settings: NodeSection) -> tuple[SiteRank, SiteGroup | None] | bool | None:
+    """Started by ``torchrun`` (every rank runs this command): rank 0's shards (it runs the node), or
+    False on the other ranks once they followed rank 0 to the end; None when not (``--shard`` spawns
+    its ranks later, once this node's data folder is known)."""
+    from ..training.site.node import join_launched, launched
+
+    if not launched():
+        return None
+    if settings.shard > 1 or settings.local_workers:
+        raise UsageError(
+            "under torchrun the launcher starts a site's ranks: give no --shard or --local-workers"
+        )
+    folder = settings.data_dir or (default_data_dir() if settings.identity is None else None)
+    try:
+        rank0 = join_launched(config, folder / "checkpoints" / "site" if folder is not None else None)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return (rank0, None) if rank0 is not None else False
+
+
 def train_node(args: argparse.Namespace) -> int:
     config = run_config(args)
     task = load_task(config.task.name, config.task.options)
@@ -89,6 +112,10 @@ def train_node(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 0:
         raise UsageError("--max-steps must not be negative")
     settings = node_settings(args, config.node, training=True)
+    launched = _site_rank(config, settings)  # a sharded site's rank (docs/sharded-sites.md)
+    if launched is False:
+        return 0  # (a rank other than 0 of a torchrun site: it followed rank 0 until it stopped)
+    site = launched if isinstance(launched, tuple) else None
     identity = node_identity(settings)
     data_dir = data_folder(settings)
     node_config_ = node_config(
@@ -106,7 +133,17 @@ def train_node(args: argparse.Namespace) -> int:
         return _pipeline_node(args, node, config, task, settings)
     devices = _devices(settings)
     local = None
-    if len(devices) > 1:
+    if settings.shard > 1 and site is None:  # this host's site: rank 0 here, ranks 1..N-1 spawned
+        from ..training.local.group import local_devices
+        from ..training.site.node import start_group
+
+        devices = [_device(d) for d in local_devices(settings.shard, settings.device)]
+        checkpoints = data_dir / "checkpoints" / "site" if data_dir is not None else None
+        try:
+            site = start_group(config, settings.shard, devices, checkpoints, settings.local_timeout)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+    elif len(devices) > 1:
         from ..training.local.group import LocalGroup
 
         local = LocalGroup(config, task, devices, timeout=settings.local_timeout)
@@ -125,7 +162,13 @@ def train_node(args: argparse.Namespace) -> int:
         local=local,
         on_download_progress=bar.update if bar is not None else _log_progress(),
     )
-    trainer = Trainer(node, config, task, options)
+    if site is not None:
+        from ..training.site.node import SiteTrainer
+
+        rank0, group = site
+        trainer: Trainer = SiteTrainer(node, config, task, options, rank0, group)
+    else:
+        trainer = Trainer(node, config, task, options)
     if args.adversary:  # simulations of hostile peers only (a hidden flag)
         from ..testing.adversary import install
 

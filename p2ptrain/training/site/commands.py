@@ -33,6 +33,9 @@ class Op(enum.IntEnum):
     SAVE = 5  # a: the step to checkpoint (the folder is the site's own)
     STOP = 6
     ALONE = 7  # a, b: CONTRIBUTE for a step alone (the residual goes in whole, uncompressed)
+    SEED = 8  # a, b: the site's data seed (its high and low 31 bits); rank r draws from seed + r
+    EVAL = 9  # the validation batches' forward passes
+    LOAD = 10  # a: the step whose checkpoint every rank reads
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,12 @@ def _worker(
     generation: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    backend: str = "gloo",
 ) -> None:
     wait = datetime.timedelta(seconds=timeout)
     store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=wait)
     dist.init_process_group(
-        "gloo", store=PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
+        backend, store=PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
     )
     try:
         fn(rank, world, generation, Commands(rank, store=store), *args)
@@ -77,6 +78,7 @@ class SiteGroup:
         timeout: float = 60.0,
         max_restarts: int = 3,
         window: float = 600.0,
+        backend: str = "gloo",
     ) -> None:
         """``worker(rank, world, generation, commands, *args)`` runs on every other rank (a module-level
         function: the spawn context imports it by name); its ``commands`` receive rank 0's through the
@@ -84,7 +86,7 @@ class SiteGroup:
         if world < 1:
             raise ValueError("a site has at least one rank")
         self.world, self.worker, self.args, self.timeout = world, worker, args, timeout
-        self.max_restarts, self.window = max_restarts, window
+        self.max_restarts, self.window, self.backend = max_restarts, window, backend
         self.generation = 0
         self.failures: list[float] = []
         self._procs: list[BaseProcess] = []
@@ -109,13 +111,22 @@ class SiteGroup:
         for rank in range(1, self.world):
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world, port, self.timeout, self.generation, self.worker, self.args),
+                args=(
+                    rank,
+                    self.world,
+                    port,
+                    self.timeout,
+                    self.generation,
+                    self.worker,
+                    self.args,
+                    self.backend,
+                ),
                 daemon=True,
             )
             p.start()
             self._procs.append(p)
         dist.init_process_group(
-            "gloo", store=PrefixStore("pg/", self._store), rank=0, world_size=self.world, timeout=wait
+            self.backend, store=PrefixStore("pg/", self._store), rank=0, world_size=self.world, timeout=wait
         )
         self.up = True
 
