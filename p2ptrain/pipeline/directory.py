@@ -89,3 +89,60 @@ def bottleneck(peers: list[StagePeer], num_stages: int) -> tuple[int, float]:
     totals = stage_totals(peers, num_stages)
     best = min(range(num_stages), key=lambda s: (totals[s][0], s))
     return best, totals[best][0]
+
+
+MOVE_GAIN = 1.2  # a move for throughput must raise the swarm's (the slowest stage's) by 20%
+
+
+def plan_move(peers: list[StagePeer], me: PeerID, num_stages: int) -> tuple[int, str] | None:
+    """The stage this peer should move to now, and why; None to stay. Pure: every peer that read the
+    same directory plans the same moves, and at most one peer moves into a stage at a time.
+
+    - A stage no peer serves is refilled first: the peers of stages with two or more peers, by id, are
+      paired with the empty stages in order (never a stage's last peer).
+    - Otherwise, once every peer has measured its throughput, the one peer whose move from a stage of
+      two or more raises the slowest stage's throughput most moves there, if by :data:`MOVE_GAIN` at
+      least (a peer's speed on another stage is its speed here scaled by the two stages' median per-peer
+      throughputs: stages differ in cost). Ties go to the lower id.
+    """
+    serving = sorted((p for p in peers if not p.record.joining), key=lambda p: p.peer)
+    if not any(p.peer == me for p in serving):
+        return None
+    by_stage: list[list[StagePeer]] = [[] for _ in range(num_stages)]
+    for p in serving:
+        by_stage[p.record.stage].append(p)
+    empty = [s for s in range(num_stages) if not by_stage[s]]
+    if empty:
+        left = [len(ps) for ps in by_stage]
+        movers = []
+        for p in serving:  # (by id; never the last peer of a stage)
+            if left[p.record.stage] >= 2:
+                left[p.record.stage] -= 1
+                movers.append(p)
+        for stage, p in zip(empty, movers, strict=False):
+            if p.peer == me:
+                return stage, f"stage {stage} has no peer"
+        return None
+    if any(p.record.throughput <= 0 for p in serving):
+        return None  # (not every speed measured yet)
+    totals = [sum(p.record.throughput for p in peers_) for peers_ in by_stage]
+    medians = [sorted(p.record.throughput for p in ps)[len(ps) // 2] for ps in by_stage]
+    low = min(range(num_stages), key=lambda s: (totals[s], s))
+    options: list[tuple[float, bytes, PeerID]] = []
+    for p in serving:
+        a = p.record.stage
+        if a == low or len(by_stage[a]) < 2:
+            continue
+        after = list(totals)
+        after[a] -= p.record.throughput
+        after[low] += p.record.throughput * medians[low] / medians[a]
+        options.append((min(after), p.peer.digest, p.peer))
+    if not options:
+        return None
+    gain, _, mover = min(options, key=lambda o: (-o[0], o[1]))
+    if gain < MOVE_GAIN * totals[low] or mover != me:
+        return None
+    return low, (
+        f"stage {low} limits the swarm ({totals[low]:.1f} samples/s): the move raises the slowest stage to"
+        f" {gain:.1f}"
+    )

@@ -37,7 +37,7 @@ import trio
 
 from ..errors import ConfigError, P2PError
 from ..tasks.gpt import GPT, GPTConfig
-from .directory import choose_stage
+from .directory import choose_stage, plan_move
 from .peer import PipelinePeer, StepReport
 from .transfer import StateUnavailable, behind, download_state, state_size
 
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 LOSS_SMOOTHING = 0.9
 WAIT_POLL = 0.5  # seconds between directory reads while waiting for the swarm to start
 RATE_WINDOW = 8  # steps the samples-per-second figures are measured over
+SETTLE_STEPS = 3  # steps after a move before this peer moves again
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class PipelineTrainer:
         self.started = 0.0
         self.finished = False
         self.resyncs = 0
+        self.moves = 0
+        self._settled = SETTLE_STEPS  # no move for throughput before this step (speeds are measured)
         self.last: StepReport | None = None
         self._stop_requested = False
         self._times: list[tuple[float, int, float]] = []  # (when, samples sent here, samples in the swarm)
@@ -281,6 +284,16 @@ class PipelineTrainer:
             micro = [await trio.to_thread.run_sync(next, batches) for _ in range(self.per_step)]
             report = await peer.step(micro)
             self._account(report)
+            move = plan_move(peer.directory, self.node.peer_id, self.pipeline.num_stages)
+            # (a stage with no peer is refilled at once; a move for throughput waits for measured speeds)
+            if move is not None and (peer.empty_stages or peer.step_number >= self._settled):
+                stage, why = move
+                self.moves += 1
+                self._settled = peer.step_number + SETTLE_STEPS
+                log.warning("moving from stage %d to stage %d: %s", peer.stage.index, stage, why)
+                peer.why = why
+                await self._download_and_join(stage)
+                continue
             if behind(peer):
                 self.resyncs += 1
                 self.rounds["synced"] += 1
@@ -387,6 +400,7 @@ class PipelineTrainer:
                 else 0
             ),
             "resyncs": self.resyncs,
+            "moves": self.moves,
             "downloads": peer.downloads,
         }
 

@@ -14,7 +14,7 @@ from p2ptrain.config import parse_config
 from p2ptrain.errors import ConfigError, RemoteProtocolError
 from p2ptrain.identity import Identity
 from p2ptrain.pipeline import codec
-from p2ptrain.pipeline.directory import StagePeer, choose_stage
+from p2ptrain.pipeline.directory import StagePeer, choose_stage, plan_move
 from p2ptrain.pipeline.protocol import StageRecord
 from p2ptrain.pipeline.router import Candidate, pick
 from p2ptrain.pipeline.settings import PipelineSection
@@ -168,3 +168,48 @@ def test_a_joiner_takes_the_stage_that_limits_the_swarm() -> None:
         )[0]
         == 1
     )
+
+
+def _entry(peer: Identity, stage: int, throughput: float, joining: bool = False) -> StagePeer:
+    return StagePeer(
+        peer.peer_id, StageRecord(stage, 3, ("/ip4/1.2.3.4/tcp/1",), throughput, joining=joining)
+    )
+
+
+def test_a_stage_with_no_peer_is_refilled_by_a_spare_peer_of_another_stage() -> None:
+    rng = random.Random(5)
+    for _ in range(50):
+        ids = [Identity.generate() for _ in range(rng.randint(3, 7))]
+        stages = [rng.choice([0, 1]) for _ in ids]  # stage 2 is empty
+        entries = [_entry(i, s, rng.uniform(1, 10)) for i, s in zip(ids, stages, strict=True)]
+        plans = {i.peer_id: plan_move(entries, i.peer_id, 3) for i in ids}
+        movers = [p for p, plan in plans.items() if plan is not None]
+        empty = [s for s in range(3) if s not in stages]
+        spare = sum(max(0, stages.count(s) - 1) for s in range(3))
+        assert len(movers) == min(len(empty), spare)
+        assert sorted(plan[0] for plan in plans.values() if plan is not None) == empty[: len(movers)]
+        after = list(stages)
+        for p in movers:
+            plan = plans[p]
+            assert plan is not None
+            after[[i.peer_id for i in ids].index(p)] = plan[0]
+        assert all(after.count(s) >= 1 for s in set(stages))  # no stage emptied by the moves
+
+
+def test_one_peer_moves_to_the_stage_that_limits_the_swarm_when_that_raises_it_enough() -> None:
+    a, b, c, d = (Identity.generate() for _ in range(4))
+    # stage 1 costs three times stage 0 per sample: 2 peers each leave stage 1 the bottleneck
+    entries = [_entry(a, 0, 30.0), _entry(b, 0, 30.0), _entry(c, 1, 10.0), _entry(d, 1, 10.0)]
+    plans = {i.peer_id: plan_move(entries, i.peer_id, 2) for i in (a, b, c, d)}
+    movers = {p: plan for p, plan in plans.items() if plan is not None}
+    assert len(movers) == 1  # one of stage 0's peers (the same one on every peer)
+    (mover, plan) = next(iter(movers.items()))
+    assert mover in (a.peer_id, b.peer_id) and plan is not None and plan[0] == 1
+    # balanced enough: nobody moves (a move would gain less than MOVE_GAIN)
+    balanced = [_entry(a, 0, 30.0), _entry(c, 1, 10.0), _entry(d, 1, 10.0), _entry(b, 1, 10.0)]
+    assert all(plan_move(balanced, i.peer_id, 2) is None for i in (a, b, c, d))
+    # a speed not measured yet (0): no move for throughput
+    unmeasured = [*entries[:3], _entry(d, 1, 0.0)]
+    assert all(plan_move(unmeasured, i.peer_id, 2) is None for i in (a, b, c, d))
+    # a joining peer serves nothing and moves nowhere
+    assert plan_move([*entries[:3], _entry(d, 1, 10.0, joining=True)], d.peer_id, 2) is None
