@@ -178,8 +178,9 @@ def site_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     dist.barrier()
     out["contribute_s"] = round(time.perf_counter() - began, 3)
     if wire is not None:  # what an in-place round touches: it reads every value and writes the mean
-        assert all_finite(wire.flat)
-        wire.flat.mul_(1.0)
+        with wire.keep_released():  # (as a site's rank 0 does while its round runs)
+            assert all_finite(wire.flat)
+            wire.flat.mul_(1.0)
     # what the resident set holds at the end of the round: anonymous memory, and mapped file pages (the
     # wire buffer's: page cache, which the kernel can write back and drop under pressure)
     out["round_end_rss_anon_bytes"] = _status("RssAnon")

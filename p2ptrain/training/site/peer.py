@@ -33,6 +33,7 @@ node's checkpoint files (``site.checkpoint`` is the per-rank format).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -201,6 +202,7 @@ class SiteOuter(OuterStep):
         self.sgd = site.outer.sgd
         self.feedback = None  # (folded shard by shard: see ``fold``)
         self._handed = False
+        self._round = contextlib.ExitStack()  # while a round runs: its wire pages kept released
 
     def _wire(self) -> WireBuffer:
         buffer = self.contribution.buffer
@@ -225,12 +227,16 @@ class SiteOuter(OuterStep):
         if buffer is not self.contribution.buffer:
             raise RuntimeError("a site folds the buffer its pseudo-gradients went into")
         slots = self._send(Op.CONTRIBUTE)
-        self.site.outer.contribute(slots, self._wire())
+        wire = self._wire()
+        self.site.outer.contribute(slots, wire)
         self._handed = False
+        self._round.close()
+        self._round.enter_context(wire.keep_released())  # (the round touches every page of it)
         return None
 
     def unfold(self, before: object, *, committed: bool) -> None:
         """An aborted round: every rank's residual goes back (a committed one lands in :meth:`step`)."""
+        self._round.close()
         if not committed:
             slots = self._send(Op.LAND, 0)
             self.site.outer.land(slots, self._wire(), committed=False)
@@ -249,6 +255,7 @@ class SiteOuter(OuterStep):
         """Collective: the average in the wire buffer steps every rank's shards of the global
         parameters, and the local ones restart from them (``after`` is ``reset_local``: the ranks do
         it; nothing else is passed here)."""
+        self._round.close()
         if self._handed:  # (a step alone with nothing flushed: no top-k, so no residual)
             self.flush_feedback()
         slots = self._send(Op.LAND, 1)
