@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,7 +131,7 @@ def train_node(args: argparse.Namespace) -> int:
         node_config_ = dataclasses.replace(node_config_, host=host)
     node = Node(identity, node_config_)
     if config.pipeline.enabled:  # one stage of the model, served to the swarm (docs/pipeline.md)
-        return _pipeline_node(args, node, config, task, settings)
+        return _pipeline_node(args, node, config, task, settings, data_dir)
     devices = _devices(settings)
     local = None
     if settings.shard > 1 and site is None:  # this host's site: rank 0 here, ranks 1..N-1 spawned
@@ -182,7 +183,12 @@ def train_node(args: argparse.Namespace) -> int:
 
 
 def _pipeline_node(
-    args: argparse.Namespace, node: Node, config: RunConfig, task: Task, settings: NodeSection
+    args: argparse.Namespace,
+    node: Node,
+    config: RunConfig,
+    task: Task,
+    settings: NodeSection,
+    data_dir: Path | None,
 ) -> int:
     from ..pipeline.trainer import PipelineOptions, PipelineTrainer
 
@@ -198,6 +204,7 @@ def _pipeline_node(
         slowdown=args.slowdown,
         metrics_file=settings.metrics_file,
         wait_peers=settings.wait_peers,
+        data_dir=data_dir,
     )
     try:
         trainer = PipelineTrainer(node, config, task, options)

@@ -83,10 +83,12 @@ class PipelinePeer:
         rng: random.Random | None = None,
         throughput: float | None = None,
         slowdown: float = 1.0,
+        costs: Sequence[float] = (),
     ) -> None:
         """``stage``: the stage to serve (None: the one the directory says limits the swarm, chosen in
         :meth:`join`); ``throughput``: a fixed figure to announce instead of the measured one (tests);
-        ``slowdown``: this peer's stage computes that many times slower (an emulated slow device)."""
+        ``slowdown``: this peer's stage computes that many times slower (an emulated slow device);
+        ``costs``: per stage, emulated seconds of compute per sample (``StageServer``'s ``cost``)."""
         self.node = node
         self.pipeline = pipeline
         self.model = model
@@ -107,6 +109,7 @@ class PipelinePeer:
         self.step_number = 0
         self.why = ""
         self.slowdown = slowdown
+        self.costs = tuple(costs)
         self.announcing = False  # publish a joining record before this peer serves (see ``trainer``)
         self.downloads = 0  # stage states downloaded (``transfer``)
         self._digest = b""  # of the stage's weights at the start of the current step
@@ -261,7 +264,10 @@ class PipelinePeer:
             self.server.close_step()
             self.server.open_step(self.step_number)
         else:
-            self.server = StageServer(stage, self.pipeline, step=self.step_number, slowdown=self.slowdown)
+            cost = self.costs[stage.index] if self.costs else 0.0
+            self.server = StageServer(
+                stage, self.pipeline, step=self.step_number, slowdown=self.slowdown, cost=cost
+            )
             self.server.register(self.node.registry, replace=True)
         self.optimizer = optimizer
         self._digest = b""

@@ -103,11 +103,15 @@ class StageServer:
         step: int = 0,
         clock: Callable[[], float] = trio.current_time,
         slowdown: float = 1.0,
+        cost: float = 0.0,
     ) -> None:
         """``slowdown``: compute takes that many times longer here (an emulated slow device: the
-        benchmarks' and the simulation's heterogeneous peers)."""
+        benchmarks' and the simulation's heterogeneous peers); ``cost``: if positive, compute is
+        emulated instead of measured: it takes ``cost * slowdown`` seconds per sample on the server's
+        clock (a benchmark on a virtual clock, where real compute takes no time)."""
         self.stage = stage
         self.slowdown = slowdown
+        self.cost = cost
         self.pipeline = pipeline
         self.params: list[torch.Tensor] = [p for p in stage.parameters() if p.requires_grad]
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
@@ -249,7 +253,10 @@ class StageServer:
             else:
                 fn()
             spent = time.perf_counter() - began
-            if self.slowdown > 1:  # a slower device: the same work, later
+            if self.cost > 0:  # emulated compute (see __init__)
+                spent = self.cost * self.slowdown * samples
+                await trio.sleep(spent)
+            elif self.slowdown > 1:  # a slower device: the same work, later
                 await trio.sleep((self.slowdown - 1) * spent)
                 spent *= self.slowdown
             self.stats.compute_seconds += spent

@@ -24,6 +24,7 @@ state again instead of training a second lineage of the stage's weights.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -39,7 +40,16 @@ from ..errors import ConfigError, P2PError
 from ..tasks.gpt import GPT, GPTConfig
 from .directory import choose_stage, plan_move
 from .peer import PipelinePeer, StepReport
-from .transfer import StateUnavailable, behind, download_state, state_size
+from .transfer import (
+    Snapshot,
+    StateUnavailable,
+    behind,
+    download_state,
+    load_checkpoint,
+    save_checkpoint,
+    state_size,
+    take_snapshot,
+)
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -63,6 +73,7 @@ class PipelineOptions:
     wait_peers: int = 1
     wait_timeout: float = 300.0
     interval: float = 2.0  # seconds between directory refreshes
+    data_dir: Path | None = None  # this peer's stage checkpoint goes to data_dir/pipeline/stage.ckpt
 
 
 def model_config(task: Task) -> GPTConfig:
@@ -127,6 +138,8 @@ class PipelineTrainer:
         self._stop_requested = False
         self._times: list[tuple[float, int, float]] = []  # (when, samples sent here, samples in the swarm)
         self.rounds = {"averaged": 0, "alone": 0, "aborted": 0, "synced": 0}
+        data = self.options.data_dir
+        self.checkpoint = data / "pipeline" / "stage.ckpt" if data is not None else None
         self.node.status_sections["training"] = self.status
         self.node.status_sections["pipeline"] = self.pipeline_status
 
@@ -194,10 +207,16 @@ class PipelineTrainer:
             await peer.join(stage)
             await self._wait_for_every_stage()
             return
-        stage, why = choose_stage(serving, self.pipeline.num_stages, me=me)
+        saved = load_checkpoint(self.checkpoint) if self.checkpoint is not None else None
+        if saved is not None:  # a restart: back to the stage it served (from its peers, or its own disk)
+            stage, why = saved[0], f"stage {saved[0]}, the one this peer served before it restarted"
+            if not 0 <= stage < self.pipeline.num_stages:
+                saved, (stage, why) = None, choose_stage(serving, self.pipeline.num_stages, me=me)
+        else:
+            stage, why = choose_stage(serving, self.pipeline.num_stages, me=me)
         peer.why = why
         log.info("joining a running swarm: serving %s", why)
-        await self._download_and_join(stage)
+        await self._download_and_join(stage, saved[1] if saved is not None and saved[0] == stage else None)
 
     def _state_size(self, stage: int) -> int:
         peer = self.peer
@@ -205,10 +224,11 @@ class PipelineTrainer:
             return state_size(peer.server.params)
         return state_size([p for p in peer.prepare(stage).parameters() if p.requires_grad])
 
-    async def _download_and_join(self, stage: int) -> None:
+    async def _download_and_join(self, stage: int, saved: Snapshot | None = None) -> None:
         """Serve ``stage`` with its state downloaded from its peers (``transfer``), asking again while
         the download fails and the stage has peers; with none, a peer already serving it keeps its
-        weights, and a newcomer starts it from the run's initial weights, said out loud."""
+        weights, one that kept a checkpoint of it (``saved``) restores that, and a newcomer starts it
+        from the run's initial weights; each said out loud."""
         peer, me = self.peer, self.node.peer_id
         size = self._state_size(stage)
         while not self._stop_requested:
@@ -218,6 +238,17 @@ class PipelineTrainer:
                 if not [c for c in peer.candidates(stage) if c.peer != me]:
                     if peer.server is not None and peer.server.index == stage:
                         log.warning("stage %d: no other peer to download its state from: keeping ours", stage)
+                        return
+                    if saved is not None:
+                        now = max((p.record.step for p in peer.directory), default=saved.step)
+                        log.warning(
+                            "stage %d has no peer to download its state from: restoring this peer's"
+                            " checkpoint of step %d (the swarm is on step %d)",
+                            stage,
+                            saved.step,
+                            now,
+                        )
+                        await peer.join(stage, dataclasses.replace(saved, step=max(now, saved.step)))
                         return
                     log.warning(
                         "stage %d has no peer to download its state from (%s): it starts from the run's"
@@ -264,6 +295,7 @@ class PipelineTrainer:
                 await peer.leave()
         finally:  # no await here: this runs even when cancelled
             self.finished = True
+            self._save_checkpoint(now=True)
             self._write_metrics({"event": "stopped", **self.status()})
 
     async def _loop(self) -> None:
@@ -284,6 +316,7 @@ class PipelineTrainer:
             micro = [await trio.to_thread.run_sync(next, batches) for _ in range(self.per_step)]
             report = await peer.step(micro)
             self._account(report)
+            self._save_checkpoint()
             move = plan_move(peer.directory, self.node.peer_id, self.pipeline.num_stages)
             # (a stage with no peer is refilled at once; a move for throughput waits for measured speeds)
             if move is not None and (peer.empty_stages or peer.step_number >= self._settled):
@@ -303,6 +336,19 @@ class PipelineTrainer:
                     peer.stage.index,
                 )
                 await self._download_and_join(peer.stage.index)
+
+    def _save_checkpoint(self, *, now: bool = False) -> None:
+        """This peer's stage state on its disk every ``checkpoint.every_steps`` steps (and at a stop)."""
+        peer, every = self.peer, self.config.checkpoint.every_steps
+        if self.checkpoint is None or peer.server is None or peer.optimizer is None:
+            return
+        if not now and not (every and peer.step_number % every == 0):
+            return
+        try:
+            snap = take_snapshot(peer.step_number, peer.server.params, peer.optimizer)
+            save_checkpoint(self.checkpoint, peer.server.index, snap)
+        except (OSError, ValueError) as e:
+            log.warning("cannot write the stage checkpoint %s: %s", self.checkpoint, e)
 
     def _account(self, r: StepReport) -> None:
         if r.losses:

@@ -29,10 +29,12 @@ download (a cost), never take a state it could not verify.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -170,7 +172,7 @@ async def download_state(peer: PipelinePeer, stage: int, size: int) -> Snapshot:
     peer.rng.shuffle(cands)
     manifests: dict[bytes, tuple[Candidate, StateResp]] = {}
 
-    async def manifest(c: Candidate) -> None:
+    async def manifest(c: Candidate, step: int) -> None:
         try:
             resp, _ = await _ask(peer, c, StateReq(stage, step, -1), timeout)
         except (P2PError, trio.TooSlowError) as e:
@@ -183,16 +185,22 @@ async def download_state(peer: PipelinePeer, stage: int, size: int) -> Snapshot:
 
     async with trio.open_nursery() as nursery:
         for c in cands[:2]:
-            nursery.start_soon(manifest, c)
-    if len(manifests) == 2 and len({(m.step, m.digests) for _, m in manifests.values()}) == 2:
+            nursery.start_soon(manifest, c, step)
+    latest = max((m.step for _, m in manifests.values()), default=step)
+    for c, m in list(manifests.values()):  # a peer a step behind the other: asked for the later one
+        if m.step < latest:
+            del manifests[c.peer.digest]
+            await manifest(c, latest)
+    manifests = {k: v for k, v in manifests.items() if v[1].step == latest}
+    if len(manifests) == 2 and len({m.digests for _, m in manifests.values()}) == 2:
         if cands[2:]:  # a third settles it
-            await manifest(cands[2])
+            await manifest(cands[2], latest)
         votes = Counter((m.step, m.digests) for _, m in manifests.values())
         best, n = votes.most_common(1)[0]
         if n < 2:
             raise StateUnavailable(f"stage {stage}'s peers disagree about its state")
     elif manifests:
-        best = max(((m.step, m.digests) for _, m in manifests.values()), key=lambda x: x[0])
+        best = next((m.step, m.digests) for _, m in manifests.values())
     else:
         raise StateUnavailable(f"no peer of stage {stage} offered its state")
     sources = [c for c, m in manifests.values() if (m.step, m.digests) == best]
@@ -251,3 +259,34 @@ def behind(peer: PipelinePeer) -> bool:
     top = max(same.values())
     winner = min(d for d, n in same.items() if n == top)
     return winner != mine
+
+
+CHECKPOINT_MAGIC = b"p2ptrain-stage-1\n"
+
+
+def save_checkpoint(path: Path, stage: int, snapshot: Snapshot) -> None:
+    """This peer's stage state on its own disk (a header line, then the snapshot's body): what it
+    restores a stage from when it restarts and the stage has no peer left to download from."""
+    header = json.dumps({"stage": stage, "step": snapshot.step, "adam_steps": snapshot.adam_steps})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(CHECKPOINT_MAGIC + header.encode() + b"\n" + snapshot.body)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path) -> tuple[int, Snapshot] | None:
+    """(stage, snapshot) of :func:`save_checkpoint`'s file, or None when there is none or it is not one
+    (it is checked again, against the stage's size and values, when applied)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if not data.startswith(CHECKPOINT_MAGIC):
+        return None
+    head, _, body = data[len(CHECKPOINT_MAGIC) :].partition(b"\n")
+    try:
+        meta = json.loads(head)
+        stage, step, adam = int(meta["stage"]), int(meta["step"]), int(meta["adam_steps"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return stage, Snapshot(step, adam, body, chunk_digests(body))

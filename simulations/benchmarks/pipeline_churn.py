@@ -59,6 +59,9 @@ batch_size = 8
 [averaging]
 matchmaking_time = 1.0
 
+[checkpoint]
+every_steps = 2          # each peer's stage state on its disk: what a restart restores an empty stage from
+
 [pipeline]
 stages = {stages}
 micro_batch = 4
