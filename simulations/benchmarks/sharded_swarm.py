@@ -1,0 +1,308 @@
+"""Sharded sites in a real swarm: two sites of N ranks (``p2ptrain node --shard N``) against two unsharded
+peers that process the same tokens per step (``batch_size`` x N), each run on this host's loopback.
+
+For each compression (``--compression``, default ``int8,topk3-q4``; top-k runs as a private swarm
+under a throwaway authority, as ``p2ptrain simulate --private`` does):
+
+1. **sites**: site A starts, site B joins it; both train the built-in GPT (``--layers``/``--width``)
+   for ``--steps`` DiLoCo outer steps, each writing a per-rank checkpoint (DCP) after every step and
+   evaluating every ``--eval-every`` steps. Checked afterwards: the two sites' global parameters,
+   converted from their checkpoints (``dcp_to_torch_save``), are equal bit for bit at every step.
+   Sampled meanwhile (every 0.2 s): each process's peak RSS (``VmHWM``) of both sites' process trees.
+2. **unsharded**: the same run with two unsharded peers whose batches hold N times the samples.
+
+Reported: the validation losses at equal tokens (the sites' against the unsharded peers', relative
+difference; the target is within 1%), each step's round time from the nodes' metrics (the averager's
+``seconds``), the wall time per step, and the per-process peak RSS (at these sizes the libraries'
+footprint dominates it: the memory multiple at 350M parameters is ``bench_sharded``'s).
+
+Usage::
+
+    python -m simulations.bench_sharded_swarm [--ranks 4] [--compression int8,topk3-q4] [--steps 6]
+        [--layers 4] [--width 256] [--json PATH] [--timeout 1500]
+
+The JSON report goes to PATH (default ``simulations/results/sharded-swarm.json``), a table to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from simulations.benchmarks.environment import environment, write_report
+
+DEFAULT_JSON = "simulations/results/sharded-swarm.json"
+
+
+def run_file(folder: Path, args: argparse.Namespace, compression: str, batch: int, authority: str) -> Path:
+    text = f"""
+[run]
+id = "sharded-swarm"
+seed = 0
+authority = "{authority}"
+
+[task]
+name = "tiny-gpt"
+
+[task.options]
+n_layer = {args.layers}
+n_head = 4
+n_embd = {args.width}
+block_size = {args.block}
+max_bytes = 2000000
+
+[training]
+mode = "diloco"
+batch_size = {batch}
+target_batch_size = {args.target}
+lr = 0.001
+warmup_steps = 4
+grad_clip = 1.0
+threads = 1
+
+[diloco]
+overlap = false
+
+[averaging]
+timeout = 300.0
+matchmaking_time = 3.0
+compression = "{compression}"
+
+[progress]
+interval = 0.5
+
+[eval]
+every_steps = {args.eval_every}
+batch_size = 16
+
+[checkpoint]
+every_steps = 1
+keep = {args.steps + 2}
+"""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"run-{compression}-{batch}.toml"
+    path.write_text(text)
+    return path
+
+
+def membership(folder: Path, authority: Any) -> list[str]:
+    """A node's key and its certificate from ``authority`` (a private swarm), as flags."""
+    from p2ptrain.authority import authority_key_text, issue_certificate, save_certificate
+    from p2ptrain.identity import load_or_create_identity
+
+    identity, _ = load_or_create_identity(folder / "identity.key")
+    now = time.time()
+    cert = issue_certificate(authority, identity.peer_id, not_before=now - 60, expires=now + 86400)
+    save_certificate(cert, folder / "membership.cert", overwrite=True)
+    return [
+        "--authority",
+        authority_key_text(authority.public_key),
+        "--certificate",
+        str(folder / "membership.cert"),
+        "--identity",
+        str(folder / "identity.key"),
+    ]
+
+
+def start(
+    folder: Path, run: Path, steps: int, shard: int, join: str | None, extra: list[str]
+) -> subprocess.Popen[bytes]:
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "p2ptrain", "node", "--config", str(run), "--listen", "127.0.0.1:0"]
+    cmd += ["--data-dir", str(folder), "--max-steps", str(steps), "--no-live", "--wait-peers", "2"]
+    cmd += ["--metrics-file", str(folder / "metrics.jsonl")]
+    cmd += ["--shard", str(shard)] if shard > 1 else []
+    cmd += ["--join", join] if join else []
+    cmd += extra
+    log = open(folder / "node.log", "wb")  # noqa: SIM115  (closed with the process)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def address(folder: Path, timeout: float) -> str:
+    end = time.time() + timeout
+    while time.time() < end:
+        for line in (folder / "node.log").read_text(errors="replace").splitlines():
+            if line.startswith("/ip4/"):
+                return line.strip()
+        time.sleep(0.5)
+    raise TimeoutError(f"no join address in {folder / 'node.log'}")
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (t / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def peak(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def watch(procs: dict[str, subprocess.Popen[bytes]], timeout: float) -> dict[str, dict[int, int]]:
+    """Wait for the nodes to end; each process's peak RSS meanwhile, per node."""
+    peaks: dict[str, dict[int, int]] = {name: {} for name in procs}
+    end = time.time() + timeout
+    while any(p.poll() is None for p in procs.values()):
+        if time.time() > end:
+            for p in procs.values():
+                p.kill()
+            raise TimeoutError("the nodes did not finish in time")
+        for name, p in procs.items():
+            if p.poll() is None:
+                for pid in tree(p.pid):
+                    peaks[name][pid] = max(peaks[name].get(pid, 0), peak(pid))
+        time.sleep(0.2)
+    for name, p in procs.items():
+        if p.returncode:
+            raise RuntimeError(f"{name} exited with {p.returncode}")
+    return peaks
+
+
+def metrics(folder: Path) -> list[dict[str, Any]]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def pair(
+    folder: Path, args: argparse.Namespace, compression: str, shard: int, authority: Any
+) -> dict[str, Any]:
+    batch = args.batch * (shard if shard > 1 else args.ranks)  # unsharded: a site's samples per batch
+    key = ""
+    if authority is not None:
+        from p2ptrain.authority import authority_key_text
+
+        key = authority_key_text(authority.public_key)
+    run = run_file(folder, args, compression, args.batch if shard > 1 else batch, key)
+    a, b = folder / "a", folder / "b"
+    for f in (a, b):
+        f.mkdir(parents=True, exist_ok=True)
+    extra_a = membership(a, authority) if authority is not None else []
+    extra_b = membership(b, authority) if authority is not None else []
+    began = time.time()
+    procs = {"a": start(a, run, args.steps, shard, None, extra_a)}
+    procs["b"] = start(b, run, args.steps, shard, address(a, args.timeout), extra_b)
+    peaks = watch(procs, args.timeout)
+    out: dict[str, Any] = {"wall_s": round(time.time() - began, 1)}
+    for name, f in (("a", a), ("b", b)):
+        lines = [m for m in metrics(f) if m.get("step")]
+        steps = {m["step"]: m for m in lines}
+        started = [m["time"] for m in lines]
+        out[name] = {
+            "val_loss": {s: m["val_loss"] for s, m in sorted(steps.items()) if m.get("val_loss") is not None},
+            "round_s": [m["rounds"]["last"].get("seconds") for _, m in sorted(steps.items())],
+            "outcomes": [m["rounds"]["last"].get("outcome") for _, m in sorted(steps.items())],
+            "contributors": [m["rounds"]["last"].get("contributors") for _, m in sorted(steps.items())],
+            "step_wall_s": round((max(started) - min(started)) / max(len(steps) - 1, 1), 2)
+            if started
+            else None,
+            "peak_rss_mb": sorted(round(v / 2**20) for v in peaks[name].values() if v),
+        }
+    if shard > 1:
+        out["identical_steps"] = identical(a, b, args.steps, folder)
+    return out
+
+
+def identical(a: Path, b: Path, steps: int, scratch: Path) -> dict[str, bool]:
+    """Per step: whether the two sites' global parameters (from their checkpoints) are equal."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = {}
+    for step in range(1, steps + 1):
+        full = []
+        for f in (a, b):
+            where = f / "checkpoints" / "site" / f"step-{step}"
+            if not where.is_dir():
+                break
+            dst = scratch / f"{f.name}-{step}.pt"
+            dcp_to_torch_save(str(where), str(dst))
+            state = torch.load(dst, weights_only=False)
+            full.append({k: v for k, v in state["outer"].items() if k.startswith("global.")})
+        if len(full) == 2:
+            same = full[0].keys() == full[1].keys() and all(
+                torch.equal(full[0][k], full[1][k]) for k in full[0]
+            )
+            out[str(step)] = bool(same and full[0])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simulations.bench_sharded_swarm", description=__doc__)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--compression", default="int8,topk3-q4")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4, help="samples per batch on each rank")
+    ap.add_argument("--target", type=int, default=128, help="samples per outer step")
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--json", default=DEFAULT_JSON)
+    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run of two nodes")
+    args = ap.parse_args(argv)
+    report: dict[str, Any] = {
+        "benchmark": "sharded-swarm",
+        "command": "python -m simulations.bench_sharded_swarm " + " ".join(argv or sys.argv[1:]),
+        "settings": vars(args),
+        "environment": environment(("torch",)),
+        "runs": {},
+    }
+    rows = []
+    for compression in args.compression.split(","):
+        authority = None
+        if compression.startswith("topk"):
+            from p2ptrain.identity import Identity
+
+            authority = Identity.generate()
+        with tempfile.TemporaryDirectory(prefix="p2ptrain-sharded-swarm-") as tmp:
+            sites = pair(Path(tmp) / "sites", args, compression, args.ranks, authority)
+            plain = pair(Path(tmp) / "plain", args, compression, 1, authority)
+        run = {"sites": sites, "unsharded": plain}
+        va, vp = sites["a"]["val_loss"], plain["a"]["val_loss"]
+        common = sorted(set(va) & set(vp))
+        if common:
+            last = common[-1]
+            run["val_loss_step"] = last
+            run["val_loss_relative_difference"] = abs(va[last] - vp[last]) / vp[last]
+        report["runs"][compression] = run
+        rounds_site = [s for s in sites["a"]["round_s"] if s]
+        rounds_plain = [s for s in plain["a"]["round_s"] if s]
+        same = all(sites.get("identical_steps", {}).values()) and bool(sites.get("identical_steps"))
+        diff = run.get("val_loss_relative_difference", float("nan"))
+        mean_site = sum(rounds_site) / max(len(rounds_site), 1)
+        mean_plain = sum(rounds_plain) / max(len(rounds_plain), 1)
+        rows.append(
+            f"{compression:>10} {same!s:>9} {diff:>9.4f} {mean_site:>8.2f} {mean_plain:>8.2f}"
+            f" {sites['a']['step_wall_s']!s:>8} {plain['a']['step_wall_s']!s:>8}"
+            f"  site peaks MB {sites['a']['peak_rss_mb']}, unsharded {plain['a']['peak_rss_mb']}"
+        )
+    head = "  ".join(f"{h:>8}" for h in ("compress", "identical", "val diff", "round s", "unsh. s", "step s"))
+    table = "\n".join([head + "    unsh.", *rows])
+    write_report(report, args.json, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
