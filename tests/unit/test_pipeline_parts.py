@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,15 @@ from p2ptrain.pipeline.protocol import StageRecord
 from p2ptrain.pipeline.router import Candidate, pick
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.stages import build_stage, split_gpt, stage_loss
+from p2ptrain.pipeline.transfer import (
+    CHECKPOINT_MAGIC,
+    Snapshot,
+    StateUnavailable,
+    apply_snapshot,
+    load_checkpoint,
+    save_checkpoint,
+    take_snapshot,
+)
 from p2ptrain.tasks.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=32)
@@ -213,3 +223,35 @@ def test_one_peer_moves_to_the_stage_that_limits_the_swarm_when_that_raises_it_e
     assert all(plan_move(unmeasured, i.peer_id, 2) is None for i in (a, b, c, d))
     # a joining peer serves nothing and moves nowhere
     assert plan_move([*entries[:3], _entry(d, 1, 10.0, joining=True)], d.peer_id, 2) is None
+
+
+def test_a_stage_checkpoint_round_trips_and_anything_else_is_no_checkpoint(tmp_path) -> None:
+    pipeline = PipelineSection(stages=(0, 2))
+    stage = build_stage(CFG, pipeline, 1, seed=3)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    stage_loss(stage(torch.randn(2, 8, CFG.n_embd)), torch.randint(0, 256, (2, 8))).backward()
+    opt.step()
+    snap = take_snapshot(7, params, opt)
+    path = tmp_path / "pipeline" / "stage.ckpt"
+    save_checkpoint(path, 1, snap)
+    loaded = load_checkpoint(path)
+    assert loaded is not None and loaded[0] == 1
+    assert (loaded[1].step, loaded[1].adam_steps, loaded[1].body) == (7, 1, snap.body)
+    other = build_stage(CFG, pipeline, 1, seed=4)
+    other_params = [p for p in other.parameters() if p.requires_grad]
+    other_opt = torch.optim.AdamW(other_params, lr=0.1)
+    apply_snapshot(loaded[1], other_params, other_opt)
+    for a, b in zip(params, other_params, strict=True):
+        assert torch.equal(a, b) and torch.equal(opt.state[a]["exp_avg_sq"], other_opt.state[b]["exp_avg_sq"])
+    for junk in (b"", b"not a checkpoint", CHECKPOINT_MAGIC + b"{broken\n" + snap.body):
+        path.write_bytes(junk)
+        assert load_checkpoint(path) is None
+    assert load_checkpoint(tmp_path / "missing") is None
+    # a checkpoint of another stage's size, or with a NaN, is refused whole when applied
+    with pytest.raises(StateUnavailable):
+        apply_snapshot(Snapshot(7, 1, snap.body[:-4], ()), other_params, other_opt)
+    nan = bytearray(snap.body)
+    nan[0:4] = np.float32("nan").tobytes()
+    with pytest.raises(StateUnavailable):
+        apply_snapshot(Snapshot(7, 1, bytes(nan), ()), other_params, other_opt)
