@@ -19,7 +19,7 @@ metrics files) and, for the return, how long until all three were on one step ag
 Usage::
 
     python -m simulations.nat_scenarios rounds|public-leaves|public-returns [--router R] [--json PATH]
-    python -m simulations.nat_scenarios rounds --router reset --homes 2 --no-symmetric
+    python -m simulations.nat_scenarios rounds --router reset --homes 2 --no-symmetric [--repeat N]
 
 ``--router reset``: home routers that answer a stranger's SYN to themselves with a reset (see
 ``simulations.labs.natlab``); the default drops it.
@@ -110,15 +110,17 @@ def _swarm(lab: NatLab, workdir: Path, homes: int) -> list[_Node]:
 
 
 def _round_stats(nodes: list[_Node], since: float) -> dict[str, Any]:
-    """Median round seconds and, per peer, the share of its averaged rounds it reduced part of."""
+    """Median round seconds and, per peer, the share of its averaged rounds it reduced part of (each
+    round once: a node's last metrics line repeats its last round)."""
     seconds: list[float] = []
     per_peer = []
     for n in nodes:
-        rounds = [
-            m["rounds"]["last"]
+        by_epoch = {
+            m["rounds"]["last"]["epoch"]: m["rounds"]["last"]
             for m in n.metrics()
             if m.get("t", 0) >= since and (m.get("rounds") or {}).get("last", {}).get("outcome") == "averaged"
-        ]
+        }
+        rounds = list(by_epoch.values())
         seconds += [r["seconds"] for r in rounds]
         reduced = sum(1 for r in rounds if r.get("reduced", 0) > 0)
         per_peer.append(
@@ -133,6 +135,7 @@ def _round_stats(nodes: list[_Node], since: float) -> dict[str, Any]:
         "median_round_s": round(statistics.median(seconds), 3) if seconds else None,
         "rounds_measured": len(seconds),
         "peers": per_peer,
+        "_seconds": seconds,
     }
 
 
@@ -145,25 +148,34 @@ def rounds(
     router: str = "drop",
     homes: int = 3,
     symmetric: bool = True,
+    repeat: int = 1,
 ) -> dict[str, Any]:
-    """The ``rounds`` scenario (see the module docstring)."""
+    """The ``rounds`` scenario (see the module docstring). ``repeat``: the ways run that many times,
+    interleaved (all public, NATs, all public, NATs...), their rounds pooled: on a shared machine the
+    load drifts, and a way run once after the other may see another load."""
     out: dict[str, Any] = {"scenario": "rounds", "rate_mbit": rate_mbit, "seconds": seconds, "warmup": warmup}
-    out |= {"router": router, "homes": homes, "ways": {}}
+    out |= {"router": router, "homes": homes, "repeat": repeat, "ways": {}}
     ways: list[tuple[str, dict[str, Any]]] = [
         ("all public", {"nat": False}),
         ("endpoint-independent NATs", {"router": router}),
     ]
     ways += [("symmetric NATs", {"symmetric": True, "router": router})] if symmetric else []
-    for way, kw in ways:
-        with NatLab(homes, rate_mbit=rate_mbit, **kw) as lab:
-            folder = workdir / way.replace(" ", "-")
-            nodes = _swarm(lab, folder, homes)
-            began = time.time()
-            time.sleep(seconds)
-            for n in nodes:
-                n.stop()
-            out["ways"][way] = _round_stats(nodes, began + warmup)
+    runs: dict[str, list[dict[str, Any]]] = {way: [] for way, _ in ways}
+    for r in range(repeat):
+        for way, kw in ways:
+            with NatLab(homes, rate_mbit=rate_mbit, **kw) as lab:
+                folder = workdir / (way.replace(" ", "-") + (f"-{r + 1}" if repeat > 1 else ""))
+                nodes = _swarm(lab, folder, homes)
+                began = time.time()
+                time.sleep(seconds)
+                for n in nodes:
+                    n.stop()
+                runs[way].append(_round_stats(nodes, began + warmup) | {"load": os.getloadavg()[0]})
+    for way, stats in runs.items():
+        out["ways"][way] = _pooled(stats)
     ways = out["ways"]
+    for r in ways.values():
+        r.pop("_seconds", None)
     base = ways["all public"]["median_round_s"]
     punched = ways["endpoint-independent NATs"]
     ratio = punched["median_round_s"] / base if base and punched["median_round_s"] else None
@@ -171,6 +183,35 @@ def rounds(
     everyone = all((p["reduced_in"] or 0) >= 0.9 for p in punched["peers"])
     out["ok"] = ratio is not None and ratio <= 1.15 and everyone
     return out
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One way's repeated runs as one: the median of all their rounds, per peer the rounds summed and
+    the reduced shares weighted by them; each run's median and the load at its end besides."""
+    if len(runs) == 1:
+        return runs[0]
+    seconds = [s for r in runs for s in r["_seconds"]]
+    peers = []
+    for i, p in enumerate(runs[0]["peers"]):
+        mine = [r["peers"][i] for r in runs]
+        n = sum(q["rounds"] for q in mine)
+        reduced = sum((q["reduced_in"] or 0) * q["rounds"] for q in mine)
+        punches = sum(q["hole_punches"] for q in mine)
+        peers.append(
+            {
+                "peer": p["peer"],
+                "rounds": n,
+                "reduced_in": round(reduced / n, 2) if n else None,
+                "hole_punches": punches,
+            }
+        )
+    return {
+        "median_round_s": round(statistics.median(seconds), 3) if seconds else None,
+        "rounds_measured": len(seconds),
+        "peers": peers,
+        "runs": [{"median_round_s": r["median_round_s"], "load": round(r["load"], 1)} for r in runs],
+        "_seconds": seconds,
+    }
 
 
 def _shared_steps(nodes: list[_Node], since: float = 0.0) -> dict[str, Any]:
@@ -289,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--homes", type=int, default=3, help="rounds: home peers (default 3)")
     parser.add_argument("--no-symmetric", action="store_true", help="rounds: skip the symmetric-NAT way")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds: run the ways this many times, interleaved, pooled"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     parser.add_argument("--workdir", metavar="DIR", help="node logs and data (default: a new temp folder)")
     args = parser.parse_args(argv)
@@ -304,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             router=args.router,
             homes=args.homes,
             symmetric=not args.no_symmetric,
+            repeat=args.repeat,
         )
     else:
         away = args.away if args.scenario == "public-returns" else None
