@@ -39,6 +39,7 @@ DATA_METHODS = frozenset(
     {"avg.part", "avg.fetch", "avg.fetch_early", "avg.audit_slice", "train.state_chunks", "train.result_data"}
 )
 """Methods that carry tensors (the model's values); everything else a peer sends is control traffic."""
+LANDING = 5.0  # virtual seconds a committed round is given to land on every member before the run ends
 
 
 @dataclass(frozen=True)
@@ -270,8 +271,8 @@ def measure(
     forks = sorted(e for e, ds in digests.items() if len(ds) > 1)
     shares = []
     for epoch, at in sorted(committed_at.items()):
-        if at < window_start:
-            continue
+        if at < window_start or at > window_start + window - LANDING:
+            continue  # (a round committed as the run ends may not have landed on all its members yet)
         alive = [p for p in sim.peers if p.joined < at - 30.0 and (p.gone is None or p.gone > at)]
         if alive:
             shares.append(min(1.0, members[epoch] / len(alive)))
