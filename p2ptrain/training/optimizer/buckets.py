@@ -1,0 +1,118 @@
+"""The swarm's view at scale, its pure parts: progress records spread over bucket keys, and what a
+reader that reads a few buckets may conclude (see the scale page of the docs for the design).
+
+Theory of operation: every peer reading every peer's progress record from one key costs O(N) bytes per
+read and O(N^2) at the key's replicas. Here the records go under ``2^bits`` keys, one per bucket of
+peers (the top ``bits`` bits of a hash of the peer id), with ``bits`` chosen so that a bucket holds
+about ``BUCKET_TARGET`` records (:func:`bucket_bits`); a swarm of fewer than ``2 * BUCKET_TARGET``
+peers has one bucket, whose key is the progress key of today (:func:`progress_key`: a small swarm reads
+and writes exactly as before). A reader reads its own bucket and ``SAMPLED`` others drawn at random per
+read (:func:`buckets_to_read`) and scales what the sampled buckets say to the buckets it did not read
+(:func:`scaled_total`): bytes per read O(``(SAMPLED + 1) * BUCKET_TARGET``) whatever N, and each
+bucket's replicas serve O(``SAMPLED + 1``) readers per bucket of readers.
+
+``bits`` comes from the reader's own estimate of the swarm's size (:func:`size_estimate`: the XOR
+distances to the closest contacts of its routing table, whose ids it verified by handshake), not from
+anything a record claims.
+
+What k ids can do (the threat model's rules hold: nothing is believed because many ids say it):
+
+* Claim samples: the trust rules of ``progress.swarm_view`` cap untrusted records at what this peer
+  and its trusted peers say; :func:`scaled_total` scales the capped sums, so k ids at most double the
+  estimate, whatever k, as today.
+* Grind ids into one bucket (its key is a hash prefix: 2^bits tries an id): they fill that bucket's
+  key, which is one of ``SAMPLED + 1`` a reader reads, capped as above; the key's replicas keep a quota
+  per subnet.
+* Skew a reader's size estimate by crowding its routing table: ``bits`` moves by a level or two (twice
+  or four times the bytes, or half the records per bucket): cost, not correctness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterable, Sequence
+
+BUCKET_TARGET = 64  # records a bucket key holds, about
+SAMPLED = 4  # buckets a reader reads besides its own
+MAX_BITS = 12  # 4,096 buckets: 262,144 peers at the target
+
+
+def size_estimate(me: bytes, contacts: Iterable[bytes]) -> float:
+    """The swarm's size as ``me``'s routing table shows it: with ids uniform over 2^L, the i-th closest
+    of n lies at about ``i * 2^L / n`` from ``me``; the least-squares fit of that line through the 20
+    closest contacts (one contact placed near ``me`` moves it by a twentieth). Counts ``me``; 1 with no
+    contacts."""
+    space = 1 << (8 * len(me))
+    mine = int.from_bytes(me, "big")
+    distances = sorted(int.from_bytes(c, "big") ^ mine for c in contacts if c != me)
+    distances = [d for d in distances if d > 0][:20]
+    if not distances:
+        return 1.0
+    squares = sum(i * i for i in range(1, len(distances) + 1))
+    spread = math.fsum(i * d / space for i, d in enumerate(distances, start=1))
+    return 1.0 + squares / spread
+
+
+def bucket_bits(size: float, target: int = BUCKET_TARGET, max_bits: int = MAX_BITS) -> int:
+    """How many bits of the hashed id name a bucket, for a swarm of ``size``: buckets of ``target`` to
+    ``2 * target`` records; 0 (one bucket) below ``2 * target`` peers."""
+    if not math.isfinite(size) or size < 2 * target:
+        return 0
+    return min(max_bits, int(math.log2(size / target)))
+
+
+def bucket_of(peer: bytes, bits: int) -> int:
+    """The bucket of a peer id at ``bits`` bits: the top bits of a hash of it (not of the id itself, so
+    the buckets do not follow the DHT's own neighbourhoods)."""
+    if bits <= 0:
+        return 0
+    h = int.from_bytes(hashlib.blake2b(peer, digest_size=8, person=b"p2pt-bucket").digest(), "big")
+    return h >> (64 - bits)
+
+
+def progress_key(run_id: str, bits: int, bucket: int) -> bytes:
+    """The DHT key of a bucket's progress records; with one bucket, the run's progress key as it is."""
+    if bits <= 0:
+        return f"p2ptrain/{run_id}/progress".encode()
+    if not 0 <= bucket < 1 << bits:
+        raise ValueError(f"bucket {bucket} out of range for {bits} bits")
+    return f"p2ptrain/{run_id}/progress/{bits}/{bucket}".encode()
+
+
+def buckets_to_read(mine: int, bits: int, rng: random.Random, sampled: int = SAMPLED) -> list[int]:
+    """This peer's bucket first, then ``sampled`` others drawn at random (all of them when fewer)."""
+    count = 1 << max(bits, 0)
+    others = [b for b in range(count) if b != mine] if count <= 4 * (sampled + 1) else None
+    if others is not None:
+        rng.shuffle(others)
+        return [mine, *others[:sampled]]
+    picked: set[int] = set()
+    while len(picked) < min(sampled, count - 1):
+        b = rng.randrange(count)
+        if b != mine:
+            picked.add(b)
+    return [mine, *sorted(picked)]
+
+
+def scaled_total(own: float, sampled: Sequence[float], bits: int) -> float:
+    """The swarm's total of a quantity (samples, rate) from this peer's bucket's total ``own``, read
+    whole, and the totals of the other buckets it read (``sampled``): those stand for all the buckets it
+    did not read. Every total is what the trust rules let count (capped before it comes here)."""
+    others = (1 << max(bits, 0)) - 1
+    if others == 0 or not sampled:
+        return own
+    return own + math.fsum(sampled) / len(sampled) * others
+
+
+def capped_estimate(
+    trusted: tuple[float, Sequence[float]], untrusted: tuple[float, Sequence[float]], bits: int
+) -> float:
+    """The swarm's samples as a reader of a few buckets counts them: the totals of this peer's own and
+    its trusted peers' records (its bucket's, then each sampled bucket's) scaled, plus the untrusted
+    records' scaled totals for at most as much (the rule of ``progress.swarm_view``, kept at scale):
+    ids that only write records at most double the estimate, however many there are and wherever they
+    crowd."""
+    sure = scaled_total(trusted[0], trusted[1], bits)
+    return sure + min(scaled_total(untrusted[0], untrusted[1], bits), sure)
