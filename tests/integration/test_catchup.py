@@ -20,6 +20,7 @@ import trio
 
 from p2ptrain.config import RunConfig
 from p2ptrain.net.memory import LinkProfile
+from p2ptrain.training.optimizer.bookkeeping import RoundStats
 from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
 from p2ptrain.training.state import serve
 from tests.harness.training import (
@@ -308,3 +309,58 @@ async def test_a_slow_link_peer_in_a_sync_swarm_averages_instead_of_downloading_
     assert shared.downloads == 1 and shared.replayed >= 1, (shared.downloads, shared.replayed)
     assert steps >= 8 and averaged >= steps / 2, (averaged, steps)
     check_identical_per_epoch([slow, *fast])
+
+
+# ---- a DiLoCo joiner whose replay lands after the next round's group formed ---------------------------
+
+JOINER_LINK = 20_000  # bytes per second, each way: one step's result (69 KB) takes ~3.5 s to fetch
+FAST_LINK = 13_000  # between the two others: their round takes about as long as a step's compute
+
+
+async def diloco_joiner_swarm(seconds: float) -> tuple[Peer, list[Peer], int]:
+    """Two peers on fast links train in DiLoCo with overlap (a round every ~6 s); a third on
+    ``JOINER_LINK`` joins once they took a few steps: it downloads the state, then falls a step behind
+    at each round, and its replay of that step lands after the next round's group formed. Returns the
+    joiner, the others, and the steps the swarm took from the joiner's first step on."""
+    cfg = (
+        run_config("diloco", overlap=True)
+        .replace("training", target_batch_size=96)
+        .replace("averaging", timeout=30.0)
+        .replace("statesync", max_donors=1)
+    )
+    async with swarm(cfg, model=mid_model) as s:
+        fast = [await s.start(compute=1.0) for _ in range(2)]
+        s.net.set_link("t0", "t1", LinkProfile(bandwidth=FAST_LINK))
+        for p in fast:
+            s.net.set_link(f"t{p.index}", "t2", LinkProfile(bandwidth=JOINER_LINK))
+        await s.until(lambda: fast[0].opt.epoch >= 2, timeout=60)
+        joiner = await s.start(compute=1.0)
+        await s.until(lambda: bool(joiner.steps), timeout=120)
+        first = fast[0].opt.epoch
+        await trio.sleep(seconds)
+        return joiner, fast, fast[0].opt.epoch - first
+
+
+@pytest.mark.timeout(300)  # ~25 s of CPU; longer on a busy machine
+async def test_a_diloco_joiner_whose_replay_lands_late_joins_the_round_of_the_step_it_lands_on(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DiLoCo joiner one step behind replays the missed step's result; when that takes longer than the
+    time from a step to the next round's group, it landed after the group had formed without it, and
+    trailed by a step (each replay landing mid-round; in this swarm on the code before, its state left
+    the lineage once and it downloaded the state a second time, in 60 s). Now it joins the group of the
+    step it is about to land on and hands its work over once the replay landed: one download, and it
+    averages with its own samples in most of the swarm's steps, on the same parameters."""
+    mine: dict[int, list[int]] = {}
+    note_step = RoundStats.note_step
+
+    def noted(self: RoundStats, last: dict[str, object]) -> None:
+        mine.setdefault(id(self), []).append(int(last.get("mine", 0)))  # type: ignore[call-overload]
+        note_step(self, last)
+
+    monkeypatch.setattr(RoundStats, "note_step", noted)
+    joiner, fast, steps = await diloco_joiner_swarm(seconds=60)
+    contributed = sum(1 for m in mine.get(id(joiner.opt.stats), []) if m > 0)
+    assert joiner.opt.shared.downloads == 1, (joiner.opt.shared.downloads, joiner.steps)
+    assert steps >= 5 and contributed >= steps / 2, (contributed, steps, joiner.steps)
+    check_identical_per_epoch([joiner, *fast])

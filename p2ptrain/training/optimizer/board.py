@@ -346,6 +346,24 @@ class ProgressBoard:
         self.alone.observe(self.view, self.records, self.tally.epoch)
         return self.view
 
+    def view_of(self, epoch: int) -> SwarmView:
+        """The swarm's view of ``epoch`` as this peer would see it there (a DiLoCo peer one step behind,
+        its replay in flight, joining the round of the swarm's step: see ``RoundRunner``); its own record
+        and ``view`` are left as they are."""
+        trusted = self.trusted()
+        mine = dataclasses.replace(self.record(), epoch=epoch, digest=b"", landing=False, ready=False)
+        return swarm_view(
+            self.node.peer_id,
+            mine,
+            self.records,
+            now=self.clock(),
+            target=self.config.training.target_batch_size,
+            horizon=self._horizon,
+            trusted=trusted,
+            min_work=self.config.run.id_work,
+            met=None if trusted is None else frozenset(self.node.host.connected_peers()),
+        )
+
     def _note_refused_claims(self, trusted: frozenset[PeerID]) -> None:
         """Say once per peer when an untrusted record claims a step far past the trusted peers' (an
         honest newcomer is at most a step or two ahead: this is a forged step, or a swarm this peer has

@@ -304,6 +304,8 @@ class CollaborativeOptimizer:
             await flight.done.wait()
             await shared.unheld()
             changed = await self._land_download() or changed
+        if flight is not None and rounds.in_flight is None:
+            self._join_ahead(flight.carry_from)
         if rounds.in_flight is not None or shared.download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self.board.update_view()
@@ -347,6 +349,25 @@ class CollaborativeOptimizer:
                 self.solo_step()
                 return True
         return changed
+
+    def _join_ahead(self, carry_from: int | None) -> None:
+        """DiLoCo, one step behind with the missed step's replay in flight (its local progress to be
+        carried onto the new global parameters): look for a group of the swarm's step as a peer there
+        would, to take part in its round once the replay landed (``RoundRunner.start_matchmaking``)."""
+        rounds, tally = self.rounds, self.tally
+        if (
+            not self.diloco
+            or carry_from != tally.epoch
+            or rounds.matchmaking
+            or tally.samples <= 0
+            or self.clock() < rounds.retry_at
+        ):
+            return
+        view = self.board.view_of(tally.epoch + 1)
+        if view.behind or view.peers <= 1:
+            return
+        if view.samples + view.rate * self.board.lead >= view.target:
+            rounds.start_matchmaking(ahead=True)
 
     async def _land_round(self) -> bool:
         """A background round's result, applied once it is in; True when it took a global step."""

@@ -55,6 +55,11 @@ from .wake import Wake
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
 
 RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
+# A peer that joined the group of the step after its own (its replay of the missed step in flight, see
+# ``RoundRunner.start_matchmaking``) hands its work over once the replay landed, within this share of
+# the round's timeout (the round's scatter deadline is 0.4 of it); else it declines.
+AHEAD_WAIT = 0.3
+AHEAD_POLL = 0.05  # seconds between looks at whether the replay landed
 
 Landed = tuple[RoundResult, int]
 """A round that committed and was applied: its result and the samples this peer handed to it."""
@@ -103,6 +108,7 @@ class RoundRunner:
         self.quorums: dict[bytes, Quorum] = {}  # formed rounds -> the peers they must hold (_form_group)
         self.matchmaking = False
         self._matchmaking_scope = trio.CancelScope()
+        self._ahead: int | None = None  # the step of a group joined ahead of this peer's (a replay landing)
         self.retry_at = 0.0
         self._next_batch = clock()  # when the training loop began computing its next batch
         self._nursery: trio.Nursery | None = None
@@ -124,15 +130,28 @@ class RoundRunner:
 
     # ---- forming groups ----
 
-    def start_matchmaking(self) -> None:
-        """Look for a group for this peer's epoch, in the background."""
+    def start_matchmaking(self, ahead: bool = False) -> None:
+        """Look for a group for this peer's epoch, in the background.
+
+        ``ahead``: for the next epoch instead. DiLoCo, one step behind, the missed step's replay in flight
+        (``state.replay``, its local progress to be carried onto the new global parameters): the peer
+        joins the swarm's round of the step it is about to land on, and hands its work over once the
+        replay landed (the round waits for its slices until then). Replaying alone, a peer whose replay
+        takes longer than the time from a step to the next round's group lands after every group formed
+        and trails by one step for good; so it takes part in that round. Its pseudo-gradient is the same
+        whichever global parameters it is taken against once its progress is carried onto them."""
         assert self._nursery is not None
+        epoch = self.tally.epoch + (1 if ahead else 0)
         self.matchmaking = True
+        self._ahead = epoch if ahead else None
         self._matchmaking_scope = trio.CancelScope()
-        self._nursery.start_soon(self._matchmake, self.tally.epoch, self._matchmaking_scope)
+        self._nursery.start_soon(self._matchmake, epoch, self._matchmaking_scope)
 
     def cancel_matchmaking(self) -> None:
-        """The state changed: a group for the epoch we left is no use."""
+        """The state changed: a group for the epoch we left is no use (one joined ahead, for the epoch a
+        replay just landed this peer on, is)."""
+        if self._ahead is not None and self._ahead == self.tally.epoch:
+            return
         self._matchmaking_scope.cancel()
 
     def take_formed(self) -> tuple[int, SignedManifest] | None:
@@ -146,6 +165,7 @@ class RoundRunner:
                 await self._form_group(epoch)
         finally:
             self.matchmaking = False
+            self._ahead = None
 
     async def _form_group(self, epoch: int) -> None:
         cfg = self.config.averaging
@@ -154,9 +174,9 @@ class RoundRunner:
         try:
             board = self.board
             await board.refresh()  # size the group by the freshest records: a peer that just caught up counts
-            view = board.view
+            view = board.view if epoch == self.tally.epoch else board.view_of(epoch)
             assert view is not None
-            if view.behind or view.peers <= 1 or not self.alone.majority_here(view, self.tally.epoch):
+            if view.behind or view.peers <= 1 or not self.alone.majority_here(view, epoch):
                 return  # step() catches up, steps alone, or waits for the peers one step behind
             target = min(view.peers + view.arriving, cfg.max_group_size)
             # a majority: two groups cannot both form (all of those here, once waiting gave up)
@@ -192,9 +212,16 @@ class RoundRunner:
             self.board.group_took(min(self.clock() - began, cfg.matchmaking_time))
             if (diloco and not self.config.diloco.overlap) or self.contribution.summed:
                 # step() runs it, with compute paused; or, summed, hands the gradients over between two
-                # backward passes (one may be adding to them right now)
+                # backward passes (one may be adding to them right now); a group joined ahead, once the
+                # replay landed (``step`` lands it first)
                 self.formed = (epoch, manifest)
-            elif self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
+                return
+            if self.tally.epoch + 1 == epoch and self.state.download is not None:
+                # joined ahead: the replay lands between two batches (``step``), then the work goes
+                with trio.move_on_after(AHEAD_WAIT * cfg.timeout):
+                    while self.tally.epoch < epoch and self.state.download is not None:  # noqa: ASYNC110
+                        await trio.sleep(AHEAD_POLL)
+            if self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
                 await self.state.idle()  # work in a thread changes what we would send
                 if self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
                     self.start_in_background(manifest)
