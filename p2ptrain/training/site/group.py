@@ -41,6 +41,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+START_WAIT = 300.0
+"""The least the site's store waits for a rank (its start: a spawned rank imports torch and joins, tens of
+seconds on a busy host); the group's own timeout bounds its collectives."""
+
+
+def _rendezvous(timeout: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(timeout, START_WAIT))
+
+
 class GroupRestarted(RuntimeError):
     """The site's group broke during a call and was started again (or, after too many failures, not):
     the call's effects must be discarded on every rank (reload the last checkpoint)."""
@@ -57,7 +66,7 @@ def _worker(
     backend: str = "gloo",
 ) -> None:
     wait = datetime.timedelta(seconds=timeout)
-    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=wait)
+    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=_rendezvous(timeout))
     dist.init_process_group(
         backend, store=PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
     )
@@ -103,7 +112,12 @@ class SiteGroup:
         port = free_port()
         wait = datetime.timedelta(seconds=self.timeout)
         self._store = TCPStore(
-            "127.0.0.1", port, self.world, is_master=True, timeout=wait, wait_for_workers=False
+            "127.0.0.1",
+            port,
+            self.world,
+            is_master=True,
+            timeout=_rendezvous(self.timeout),
+            wait_for_workers=False,
         )
         self.commands = Commands(0, store=self._store)
         ctx = mp.get_context("spawn")
