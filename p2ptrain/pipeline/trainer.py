@@ -73,6 +73,7 @@ class PipelineOptions:
     wait_peers: int = 1
     wait_timeout: float = 300.0
     interval: float = 2.0  # seconds between directory refreshes
+    refill_after: float = 120.0  # seconds a stage stays empty before a spare peer moves in afresh
     data_dir: Path | None = None  # this peer's stage checkpoint goes to data_dir/pipeline/stage.ckpt
 
 
@@ -134,6 +135,7 @@ class PipelineTrainer:
         self.resyncs = 0
         self.moves = 0
         self._settled = SETTLE_STEPS  # no move for throughput before this step (speeds are measured)
+        self._empty_since: dict[int, float] = {}  # stage -> when this peer first saw it empty
         self.last: StepReport | None = None
         self._stop_requested = False
         self._times: list[tuple[float, int, float]] = []  # (when, samples sent here, samples in the swarm)
@@ -224,7 +226,9 @@ class PipelineTrainer:
             return state_size(peer.server.params)
         return state_size([p for p in peer.prepare(stage).parameters() if p.requires_grad])
 
-    async def _download_and_join(self, stage: int, saved: Snapshot | None = None) -> None:
+    async def _download_and_join(
+        self, stage: int, saved: Snapshot | None = None, *, fresh: bool = True
+    ) -> None:
         """Serve ``stage`` with its state downloaded from its peers (``transfer``), asking again while
         the download fails and the stage has peers; with none, a peer already serving it keeps its
         weights, one that kept a checkpoint of it (``saved``) restores that, and a newcomer starts it
@@ -238,6 +242,9 @@ class PipelineTrainer:
                 if not [c for c in peer.candidates(stage) if c.peer != me]:
                     if peer.server is not None and peer.server.index == stage:
                         log.warning("stage %d: no other peer to download its state from: keeping ours", stage)
+                        return
+                    if peer.server is not None and not fresh:
+                        log.warning("stage %d has no peer to download its state from: not moving", stage)
                         return
                     if saved is not None:
                         now = max((p.record.step for p in peer.directory), default=saved.step)
@@ -317,15 +324,7 @@ class PipelineTrainer:
             report = await peer.step(micro)
             self._account(report)
             self._save_checkpoint()
-            move = plan_move(peer.directory, self.node.peer_id, self.pipeline.num_stages)
-            # (a stage with no peer is refilled at once; a move for throughput waits for measured speeds)
-            if move is not None and (peer.empty_stages or peer.step_number >= self._settled):
-                stage, why = move
-                self.moves += 1
-                self._settled = peer.step_number + SETTLE_STEPS
-                log.warning("moving from stage %d to stage %d: %s", peer.stage.index, stage, why)
-                peer.why = why
-                await self._download_and_join(stage)
+            if await self._maybe_move():
                 continue
             if behind(peer):
                 self.resyncs += 1
@@ -336,6 +335,66 @@ class PipelineTrainer:
                     peer.stage.index,
                 )
                 await self._download_and_join(peer.stage.index)
+
+    async def _maybe_move(self) -> bool:
+        """After a step: move to another stage if ``plan_move`` says so and the swarm is in a state to
+        judge. A stage no peer serves is refilled only once it has been empty for ``refill_after``
+        seconds (its restarting peers come back with its state meanwhile: a spare peer has none); a
+        move for throughput only in a settled swarm (every stage served, nobody joining, every peer on
+        this step, this peer's last move ``SETTLE_STEPS`` ago), and only with the new stage's state
+        downloaded (else it stays). Also catches up with the swarm's step (see ``catch_up``)."""
+        peer = self.peer
+        now = self.clock()
+        for s in list(self._empty_since):
+            if s not in peer.empty_stages:
+                del self._empty_since[s]
+        for s in peer.empty_stages:
+            self._empty_since.setdefault(s, now)
+        self.catch_up()
+        move = plan_move(peer.directory, self.node.peer_id, self.pipeline.num_stages)
+        if move is None:
+            return False
+        stage, why = move
+        if peer.empty_stages:
+            waited = now - self._empty_since.get(stage, now)
+            if stage not in peer.empty_stages or waited < self.options.refill_after:
+                return False
+        else:
+            records = [p.record for p in peer.directory]
+            settled = all(not r.joining and r.step == peer.step_number for r in records)
+            if not settled or peer.step_number < self._settled:
+                return False
+        self._settled = peer.step_number + SETTLE_STEPS
+        log.warning("moving from stage %d to stage %d: %s", peer.stage.index, stage, why)
+        self.moves += 1
+        peer.why = why
+        await self._download_and_join(stage, fresh=bool(peer.empty_stages))
+        return True
+
+    def catch_up(self) -> None:
+        """A peer whose step is behind the swarm's (the median of the serving peers' steps: one claim
+        cannot drag the swarm) and whose stage-mates cannot hand it a later state (it is its stage's
+        only peer, or they are behind too) jumps to the swarm's step with the weights it holds: its
+        calls of an old step would be refused everywhere, and everyone's calls to it would wait."""
+        peer = self.peer
+        if peer.server is None:
+            return
+        steps = sorted(p.record.step for p in peer.directory if not p.record.joining)
+        if not steps:
+            return
+        swarm = steps[len(steps) // 2]
+        me = self.node.peer_id
+        mates_ahead = any(
+            p.record.step > peer.step_number
+            for p in peer.directory
+            if p.peer != me and not p.record.joining and p.record.stage == peer.server.index
+        )
+        if swarm > peer.step_number and not mates_ahead:
+            log.warning("the swarm is on step %d, this peer on %d: catching up", swarm, peer.step_number)
+            peer.server.close_step()
+            peer.step_number = swarm
+            peer.server.open_step(swarm)
+            self.rounds["synced"] += 1
 
     def _save_checkpoint(self, *, now: bool = False) -> None:
         """This peer's stage state on its disk every ``checkpoint.every_steps`` steps (and at a stop)."""
