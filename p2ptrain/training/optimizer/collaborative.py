@@ -304,7 +304,7 @@ class CollaborativeOptimizer:
             await flight.done.wait()
             await shared.unheld()
             changed = await self._land_download() or changed
-        if flight is not None and rounds.in_flight is None:
+        if flight is not None and flight.replaying and rounds.in_flight is None:
             self._join_ahead(flight.carry_from)
         if rounds.in_flight is not None or shared.download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
@@ -353,7 +353,9 @@ class CollaborativeOptimizer:
     def _join_ahead(self, carry_from: int | None) -> None:
         """DiLoCo, one step behind with the missed step's replay in flight (its local progress to be
         carried onto the new global parameters): look for a group of the swarm's step as a peer there
-        would, to take part in its round once the replay landed (``RoundRunner.start_matchmaking``)."""
+        would, to take part in its round once the replay landed (``RoundRunner.start_matchmaking``). Not
+        while a whole state downloads: that rarely lands within the round's wait, and a coordinator that
+        declines aborts the round for all."""
         rounds, tally = self.rounds, self.tally
         if (
             not self.diloco

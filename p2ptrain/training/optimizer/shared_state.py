@@ -57,6 +57,7 @@ class Download:
     carry_from: int | None  # diloco: the epoch whose local progress is carried onto the downloaded state
     outcome: Downloaded | Replay | P2PError | None = None
     expected: Callable[[int], bytes] = lambda epoch: b""  # the trusted digest of a step (a replay's check)
+    replaying: bool = False  # fetching the missed steps' results (not the whole state)
 
 
 class SharedState:
@@ -351,6 +352,7 @@ class SharedState:
                 # downloaded again for want of it).
                 start = await self.hashed_digest() if near else b""
                 if near and start == expected(epoch):
+                    flight.replaying = True
                     try:
                         flight.outcome = await self.replayer.fetch(
                             view.donors,
@@ -363,6 +365,7 @@ class SharedState:
                         )
                         return
                     except P2PError as e:
+                        flight.replaying = False
                         log.info("no replay of steps %d-%d (%s): downloading the state", epoch, want - 1, e)
                 flight.outcome = await self.fetcher.fetch(
                     view.donors, want_epoch=want, expected=expected, reuse=self.reuse
