@@ -21,10 +21,11 @@ import trio
 from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.compression import Compression
+from p2ptrain.config import parse_config
 from p2ptrain.net import CallContext, Reply
 from p2ptrain.pipeline.peer import PipelinePeer
 from p2ptrain.pipeline.settings import PipelineSection
-from p2ptrain.pipeline.trainer import assign_at_start
+from p2ptrain.pipeline.trainer import PipelineTrainer, assign_at_start
 from p2ptrain.pipeline.transfer import (
     STATE,
     Snapshot,
@@ -36,6 +37,7 @@ from p2ptrain.pipeline.transfer import (
     state_size,
     take_snapshot,
 )
+from p2ptrain.tasks import load_task
 from tests.harness.identities import identity
 from tests.integration.test_pipeline import MODEL, PORT, SEED, Swarm, pipeline_swarm, run_steps
 
@@ -197,3 +199,42 @@ def test_a_swarm_that_starts_together_fills_every_stage_the_same_way_everywhere(
         assert max(counts) - min(counts) <= 1  # balanced; every stage served once n >= stages
         if n >= stages:
             assert min(counts) >= 1
+
+
+async def test_a_peer_behind_the_swarms_step_catches_up_and_one_claim_drags_nobody(autojump_clock):
+    """The swarm's step is the median of its serving peers': a lone stage peer left behind jumps to it
+    (its old step's calls would be refused everywhere); one peer claiming a far later step moves no one."""
+    pipeline = PipelineSection(stages=(0, 1, 3), micro_batch=4, compression=Compression.INT8, timeout=5.0)
+    config = parse_config(
+        {
+            "task": {
+                "name": "tiny-gpt",
+                "options": {"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16},
+            },
+            "pipeline": {"stages": [0, 1, 3], "micro_batch": 4},
+        }
+    )
+    task = load_task(
+        "tiny-gpt", {"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16, "max_bytes": 50_000}
+    )
+    async with pipeline_swarm(pipeline, [0, 1, 2, 0, 1]) as swarm:
+        with trio.fail_after(300):
+            await run_steps(swarm, 1, 1, 4)
+            lone = swarm.peers[2]  # stage 2's only peer
+            trainers = []
+            for p in swarm.peers:
+                t = PipelineTrainer(p.node, config, task)
+                t.peer = p  # (the swarm's peer: the trainer's step rules on it)
+                trainers.append(t)
+            assert lone.server is not None
+            lone.step_number = 0  # left behind a step
+            lone.server.close_step()
+            lone.server.open_step(0)
+            swarm.peers[0].step_number = 100  # a claim far ahead
+            for _ in range(2):
+                for p in swarm.peers:
+                    await p.refresh()
+            for t in trainers:
+                t.catch_up()
+        assert lone.step_number == 1 and lone.server.step == 1
+        assert [p.step_number for p in swarm.peers] == [100, 1, 1, 1, 1]
