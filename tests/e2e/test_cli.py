@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.processes import CLI, NodeProc, wait_until
+from tests.harness.processes import CLI, TIMEOUT, NodeProc, wait_until
 
 pytestmark = pytest.mark.e2e
 
 
-def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
