@@ -14,14 +14,18 @@ first. Ties go to the stage with fewer peers, then the lower index.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..dht.records import owned_subkey, subkey_owner
 from ..dht.service import DHT
 from ..errors import RemoteProtocolError
 from ..identity import PeerID
+from ..tasks.gpt import GPTConfig
 from ..wire.codec import pack, unpack
+from . import codec
 from .protocol import StageRecord
+from .settings import PipelineSection
 
 
 def pipeline_key(run_id: str) -> bytes:
@@ -60,22 +64,59 @@ async def read_directory(dht: DHT, run_id: str, num_stages: int, *, quorum: int 
     return peers
 
 
-def stage_totals(peers: list[StagePeer], num_stages: int) -> list[tuple[float, int]]:
-    """Per stage: (summed throughput, serving peers)."""
+def link_bytes_per_sample(model: GPTConfig, pipeline: PipelineSection) -> list[float]:
+    """Per stage: the bytes one sample moves over a stage peer's link, its boundary activations and
+    their gradients (in and out) as the pipeline's compression encodes them, and stage 0's tokens."""
+    seq, width = model.block_size, model.n_embd
+    boundary = 2 * codec.wire_size(pipeline.compression, (1, seq, width))  # the activation, its gradient
+    out = []
+    for s in range(pipeline.num_stages):
+        n = 4 * seq if s == 0 else boundary  # stage 0: the tokens in; else the input and its gradient
+        n += boundary if s < pipeline.num_stages - 1 else 4 * seq  # the output and its gradient; targets
+        out.append(float(n))
+    return out
+
+
+def effective(throughput: float, bandwidth: float, link_bytes: float) -> float:
+    """A peer's throughput as its stage's callers get it: its compute speed, or the samples per second
+    its link carries (``bandwidth`` over ``link_bytes`` per sample) if that is lower. An unknown
+    bandwidth or size (0) leaves the speed as measured."""
+    if bandwidth > 0 and link_bytes > 0:
+        return min(throughput, bandwidth / link_bytes)
+    return throughput
+
+
+def _speed(p: StagePeer, link_bytes: Sequence[float]) -> float:
+    r = p.record
+    return effective(r.throughput, r.bandwidth, link_bytes[r.stage] if link_bytes else 0.0)
+
+
+def stage_totals(
+    peers: list[StagePeer], num_stages: int, link_bytes: Sequence[float] = ()
+) -> list[tuple[float, int]]:
+    """Per stage: (summed effective throughput, serving peers). ``link_bytes``: per stage, the bytes
+    one sample moves over a peer's link (:func:`link_bytes_per_sample`; empty: links are not counted)."""
     totals = [(0.0, 0)] * num_stages
     for p in peers:
         if p.record.joining:
             continue
         t, n = totals[p.record.stage]
-        totals[p.record.stage] = (t + p.record.throughput, n + 1)
+        totals[p.record.stage] = (t + _speed(p, link_bytes), n + 1)
     return totals
 
 
-def choose_stage(peers: list[StagePeer], num_stages: int, *, me: PeerID | None = None) -> tuple[int, str]:
+def choose_stage(
+    peers: list[StagePeer],
+    num_stages: int,
+    *,
+    me: PeerID | None = None,
+    link_bytes: Sequence[float] = (),
+) -> tuple[int, str]:
     """The stage a joiner should serve, and why (see the module docstring). ``me``: this peer's own
-    entry, if the directory holds one, is left out (it asks where it would help most, as a newcomer)."""
+    entry, if the directory holds one, is left out (it asks where it would help most, as a newcomer);
+    ``link_bytes``: see :func:`stage_totals`."""
     others = [p for p in peers if p.peer != me]
-    totals = stage_totals(others, num_stages)
+    totals = stage_totals(others, num_stages, link_bytes)
     empty = [s for s, (_, n) in enumerate(totals) if n == 0]
     if empty:
         return empty[0], f"stage {empty[0]} has no peer"
@@ -84,9 +125,11 @@ def choose_stage(peers: list[StagePeer], num_stages: int, *, me: PeerID | None =
     return best, f"stage {best} has the lowest throughput ({t:.1f} samples/s over {n} peers)"
 
 
-def bottleneck(peers: list[StagePeer], num_stages: int) -> tuple[int, float]:
+def bottleneck(
+    peers: list[StagePeer], num_stages: int, link_bytes: Sequence[float] = ()
+) -> tuple[int, float]:
     """The stage that limits the pipeline and its throughput (0 when a stage has no peer)."""
-    totals = stage_totals(peers, num_stages)
+    totals = stage_totals(peers, num_stages, link_bytes)
     best = min(range(num_stages), key=lambda s: (totals[s][0], s))
     return best, totals[best][0]
 
@@ -94,7 +137,9 @@ def bottleneck(peers: list[StagePeer], num_stages: int) -> tuple[int, float]:
 MOVE_GAIN = 1.2  # a move for throughput must raise the swarm's (the slowest stage's) by 20%
 
 
-def plan_move(peers: list[StagePeer], me: PeerID, num_stages: int) -> tuple[int, str] | None:
+def plan_move(
+    peers: list[StagePeer], me: PeerID, num_stages: int, link_bytes: Sequence[float] = ()
+) -> tuple[int, str] | None:
     """The stage this peer should move to now, and why; None to stay. Pure: every peer that read the
     same directory plans the same moves, and at most one peer moves into a stage at a time.
 
@@ -104,6 +149,10 @@ def plan_move(peers: list[StagePeer], me: PeerID, num_stages: int) -> tuple[int,
       two or more raises the slowest stage's throughput most moves there, if by :data:`MOVE_GAIN` at
       least (a peer's speed on another stage is its speed here scaled by the two stages' median per-peer
       throughputs: stages differ in cost). Ties go to the lower id.
+
+    Throughputs are effective ones (:func:`effective`, with ``link_bytes``): a peer whose link cannot
+    carry its stage's activations at its compute speed counts at its link's rate, on its stage and on
+    the one it would move to (whose activations may be heavier or lighter).
     """
     serving = sorted((p for p in peers if not p.record.joining), key=lambda p: p.peer)
     if not any(p.peer == me for p in serving):
@@ -125,7 +174,8 @@ def plan_move(peers: list[StagePeer], me: PeerID, num_stages: int) -> tuple[int,
         return None
     if any(p.record.throughput <= 0 for p in serving):
         return None  # (not every speed measured yet)
-    totals = [sum(p.record.throughput for p in peers_) for peers_ in by_stage]
+    speed = {p.peer: _speed(p, link_bytes) for p in serving}
+    totals = [sum(speed[p.peer] for p in peers_) for peers_ in by_stage]
     medians = [sorted(p.record.throughput for p in ps)[len(ps) // 2] for ps in by_stage]
     low = min(range(num_stages), key=lambda s: (totals[s], s))
     options: list[tuple[float, bytes, PeerID]] = []
@@ -134,8 +184,9 @@ def plan_move(peers: list[StagePeer], me: PeerID, num_stages: int) -> tuple[int,
         if a == low or len(by_stage[a]) < 2:
             continue
         after = list(totals)
-        after[a] -= p.record.throughput
-        after[low] += p.record.throughput * medians[low] / medians[a]
+        after[a] -= speed[p.peer]
+        there = p.record.throughput * medians[low] / medians[a]  # (its compute speed on stage ``low``)
+        after[low] += effective(there, p.record.bandwidth, link_bytes[low] if link_bytes else 0.0)
         options.append((min(after), p.peer.digest, p.peer))
     if not options:
         return None

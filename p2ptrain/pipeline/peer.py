@@ -25,12 +25,16 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from ..averaging.compression import Compression
+from ..config import DilocoSection
 from ..errors import CallRefused, P2PError
 from ..identity import PeerID
 from ..net.rpc import CallContext, Reply
 from ..node import Node
 from ..tasks.gpt import GPTConfig
-from .directory import StagePeer, announce_stage, choose_stage, read_directory
+from ..training.optimizer.buffers import Contribution
+from ..training.optimizer.outer import OuterStep
+from .directory import StagePeer, announce_stage, choose_stage, link_bytes_per_sample, read_directory
 from .protocol import WRONG_STAGE, StageRecord
 from .router import Candidate, MicroBatch, Router
 from .server import StageServer
@@ -84,11 +88,21 @@ class PipelinePeer:
         throughput: float | None = None,
         slowdown: float = 1.0,
         costs: Sequence[float] = (),
+        diloco: DilocoSection | None = None,
+        local_steps: int = 1,
     ) -> None:
         """``stage``: the stage to serve (None: the one the directory says limits the swarm, chosen in
         :meth:`join`); ``throughput``: a fixed figure to announce instead of the measured one (tests);
         ``slowdown``: this peer's stage computes that many times slower (an emulated slow device);
-        ``costs``: per stage, emulated seconds of compute per sample (``StageServer``'s ``cost``)."""
+        ``costs``: per stage, emulated seconds of compute per sample (``StageServer``'s ``cost``);
+        ``diloco``: the run's ``[diloco]`` in a DiLoCo run (None: sync), whose stage peers average their
+        pseudo-gradients every ``local_steps`` steps (see :meth:`step`)."""
+        if local_steps < 1:
+            raise ValueError("local_steps must be at least 1")
+        self.diloco = diloco
+        self.local_steps = local_steps
+        self.outer: OuterStep | None = None  # DiLoCo: the stage's global weights and outer optimizer
+        self._round_samples = 0  # DiLoCo: samples this peer's stage counted since the last outer step
         self.node = node
         self.pipeline = pipeline
         self.model = model
@@ -99,6 +113,7 @@ class PipelinePeer:
         self.rng = rng or random.Random()
         self.fixed_throughput = throughput
         self.stage_index = stage
+        self.link_bytes = link_bytes_per_sample(model, pipeline)  # per stage: a sample's bytes on a link
         self.directory: list[StagePeer] = []
         self._known: dict[PeerID, tuple[StagePeer, float]] = {}  # every entry read lately, and when
         self.empty_stages: list[int] = []  # stages no peer in the directory serves
@@ -131,6 +146,10 @@ class PipelinePeer:
             return self.fixed_throughput
         return self.server.throughput if self.server is not None else 0.0
 
+    def bandwidth(self) -> float:
+        """Bytes per second this peer's link carried its stage's inputs at (what it announces)."""
+        return self.server.bandwidth if self.server is not None else 0.0
+
     def record(self, *, left: bool = False) -> StageRecord:
         """This peer's directory entry: its stage, or (before it serves) that it is joining."""
         addresses = tuple(str(a) for a in self.node.host.advertised_addresses())
@@ -157,6 +176,7 @@ class PipelinePeer:
             left,
             False,
             self.digest_bytes(),
+            self.bandwidth(),
         )
 
     def digest_bytes(self) -> bytes:
@@ -203,7 +223,7 @@ class PipelinePeer:
             if r.stage != stage or r.joining or (not r.addresses and p.peer != self.node.identity.peer_id):
                 continue
             address = r.addresses[0] if r.addresses else ""
-            out.append(Candidate(p.peer, address, r.throughput, r.queue))
+            out.append(Candidate(p.peer, address, r.throughput, r.queue, r.bandwidth))
         return out
 
     async def answering(self, cands: list[Candidate]) -> set[PeerID]:
@@ -247,7 +267,10 @@ class PipelinePeer:
             self.stage_index = stage_index
         if self.stage_index is None:
             self.stage_index, self.why = choose_stage(
-                self.directory, self.pipeline.num_stages, me=self.node.identity.peer_id
+                self.directory,
+                self.pipeline.num_stages,
+                me=self.node.identity.peer_id,
+                link_bytes=self.link_bytes,
             )
             log.info("serving %s", self.why)
         if self.server is not None and self.server.index == self.stage_index:
@@ -257,9 +280,21 @@ class PipelinePeer:
         self._prepared = None
         optimizer = torch.optim.AdamW(stage.parameters(), lr=self.lr, weight_decay=0.0)
         params = [p for p in stage.parameters() if p.requires_grad]
+        moments: list[torch.Tensor | None] = []
         if snapshot is not None:
             apply_snapshot(snapshot, params, optimizer)
             self.step_number = snapshot.step
+            if self.diloco is not None:  # (a DiLoCo state: the global weights and the outer momentum)
+                moments = [optimizer.state.pop(p, {}).get("exp_avg") for p in params]
+        if self.diloco is not None:
+            contribution = Contribution(params, [range(len(params))], diloco=True, summed=False)
+            tensors: list[torch.Tensor] = list(params)
+            self.outer = OuterStep(tensors, contribution, self.diloco, Compression.NONE)
+            with torch.no_grad():
+                for m, saved in zip(self.outer.momentum, moments, strict=False):
+                    if saved is not None:
+                        m.copy_(saved)
+            self._round_samples = 0
         if self.server is not None and self.server.stage is stage:
             self.server.close_step()
             self.server.open_step(self.step_number)
@@ -321,9 +356,24 @@ class PipelinePeer:
             raise CallRefused(NO_STATE, f"no state of step {req.step} or later here yet")
         return Reply(self._snapshots[max(recent)].manifest())
 
+    def state_snapshot(self) -> Snapshot:
+        """The stage's state as the start of the current step (what a joiner downloads and a checkpoint
+        holds): the weights and AdamW's moments; in a DiLoCo run the stage's global weights (those of
+        its last outer step, the same on all its peers) with the outer momentum in the first moment's
+        place (a joiner's inner optimizer starts afresh: the inner state is every peer's own)."""
+        assert self.server is not None and self.optimizer is not None
+        if self.outer is None:
+            return take_snapshot(self.step_number, self.server.params, self.optimizer)
+        holder = torch.optim.SGD(self.outer.global_params, lr=1.0)
+        for g, m in (
+            zip(self.outer.global_params, self.outer.momentum, strict=True) if self.outer.momentum else ()
+        ):
+            holder.state[g] = {"step": torch.tensor(1.0), "exp_avg": m, "exp_avg_sq": torch.zeros_like(m)}
+        return take_snapshot(self.step_number, self.outer.global_params, holder)
+
     def _snapshot(self) -> None:
         assert self.server is not None and self.optimizer is not None
-        snap = take_snapshot(self.step_number, self.server.params, self.optimizer)
+        snap = self.state_snapshot()
         self._snapshots[snap.step] = snap
         for old in sorted(self._snapshots)[:-2]:
             del self._snapshots[old]
@@ -338,6 +388,9 @@ class PipelinePeer:
         results: list[MicroBatch] = []
         limit = trio.Semaphore(self.concurrency)
         router = self.router
+        # duplicated micro-batches compare two stage peers' answers: only on a step whose weights are the
+        # same on every peer of a stage (DiLoCo: the first inner step after an outer one)
+        router.checking = self.outer is None or self.step_number % self.local_steps == 0
 
         async def one(x: torch.Tensor, y: torch.Tensor) -> None:
             async with limit:
@@ -355,20 +408,24 @@ class PipelinePeer:
         # hold the others' group up (the group needs every member: see stagewise)
         mates = await self.answering([c for c in self.candidates(self.server.index) if c.peer in done])
         grads, counted = self.server.close_step()
-        avg = await average_stage(
-            self.node.averager,
-            self.server.index,
-            self.step_number,
-            grads,
-            counted,
-            members=max(1, len(mates | {self.node.identity.peer_id})),
-            timeout=max(30.0, 3 * self.pipeline.timeout),
-        )
-        if avg.applied:
-            for p, g in zip(self.server.params, grads, strict=True):
-                p.grad = g
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        members = max(1, len(mates | {self.node.identity.peer_id}))
+        if self.outer is not None:
+            avg = await self._diloco_step(grads, counted, members)
+        else:
+            avg = await average_stage(
+                self.node.averager,
+                self.server.index,
+                self.step_number,
+                grads,
+                counted,
+                members=members,
+                timeout=max(30.0, 3 * self.pipeline.timeout),
+            )
+            if avg.applied:
+                for p, g in zip(self.server.params, grads, strict=True):
+                    p.grad = g
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         self.step_number += 1
         self.server.open_step(self.step_number)
         self._digest = b""
@@ -393,9 +450,53 @@ class PipelinePeer:
         self.metrics.steps.append(report)
         return report
 
+    async def _diloco_step(self, grads: list[torch.Tensor], counted: int, members: int) -> StageAverage:
+        """DiLoCo per stage: one inner step with this peer's own gradients; after every ``local_steps``-th
+        step the stage's pseudo-gradients (global minus local weights) are averaged by its peers
+        (``stagewise``, weighted by the samples each counted in the round) and the outer optimizer
+        (``OuterStep``: Nesterov SGD) steps the global weights, which every peer's local weights restart
+        from: the same average into the same outer state gives every peer of the stage the same weights.
+        An aborted average aborts on every member: each then restarts from the global weights it held
+        (the round's inner steps are lost), so they stay identical too."""
+        assert self.server is not None and self.optimizer is not None and self.outer is not None
+        if counted > 0:
+            for p, g in zip(self.server.params, grads, strict=True):
+                p.grad = g
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._round_samples += counted
+        if (self.step_number + 1) % self.local_steps:
+            return StageAverage(True, 1, float(counted), "inner step")
+        outer = self.outer
+        outer.pseudo_gradients()
+        avg = await average_stage(
+            self.node.averager,
+            self.server.index,
+            self.step_number,
+            outer.contribution.buffer.tensors,
+            self._round_samples,
+            members=members,
+            timeout=max(30.0, 3 * self.pipeline.timeout),
+        )
+        self._round_samples = 0
+        if avg.applied:
+            outer.step(after=outer.reset_local)
+        else:
+            for i in range(len(outer.params)):
+                outer.reset_local(i)
+        return avg
+
+    def stage_weights(self) -> list[torch.Tensor]:
+        """The stage's agreed weights: the local ones (sync), or the global ones of the last outer step
+        (DiLoCo: the local ones differ between outer steps)."""
+        if self.outer is not None:
+            return list(self.outer.global_params)
+        return list(self.stage.parameters())
+
     def weights_digest(self) -> str:
-        """A digest of this peer's stage weights: equal on every peer of a stage after every step."""
+        """A digest of this peer's stage weights (:meth:`stage_weights`): equal on every peer of a stage
+        after every step."""
         h = hashlib.blake2b(digest_size=16)
-        for p in self.stage.parameters():
+        for p in self.stage_weights():
             h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

@@ -90,3 +90,5 @@ class StageRecord(Message, positional=True):
     # not serving yet: waiting for the swarm to start, or downloading its stage's state (see ``trainer``)
     joining: bool = False
     digest: bytes = bounded(b"", max_len=16)  # of its stage's weights at the start of ``step``
+    # bytes per second its stage server received request bodies at (its link, measured); 0: not yet
+    bandwidth: float = bounded(0.0, ge=0.0, le=1e12)

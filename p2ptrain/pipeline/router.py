@@ -44,6 +44,7 @@ from ..identity import PeerID
 from ..net.host import Host
 from ..tasks.gpt import GPTConfig
 from . import codec
+from .directory import effective, link_bytes_per_sample
 from .protocol import (
     BACKWARD,
     COMMIT,
@@ -73,23 +74,28 @@ class Candidate:
     address: str
     throughput: float = 0.0
     queue: int = 0
+    bandwidth: float = 0.0  # bytes per second its link carries (measured by it), 0: unknown
 
 
-def weight(c: Candidate, typical: float) -> float:
-    """How likely ``c`` is picked: its throughput (``typical`` while it has measured none) over its
-    queue plus one."""
+def weight(c: Candidate, typical: float, link_bytes: float = 0.0) -> float:
+    """How likely ``c`` is picked: its throughput (``typical`` while it has measured none), at most
+    what its link carries (``directory.effective``: ``link_bytes`` per sample through the stage), over
+    its queue plus one."""
     speed = c.throughput if c.throughput > 0 else typical
+    speed = effective(speed, c.bandwidth, link_bytes)
     return max(speed, 1e-9) / (1 + c.queue)
 
 
-def pick(candidates: list[Candidate], rng: random.Random, exclude: set[PeerID]) -> Candidate | None:
+def pick(
+    candidates: list[Candidate], rng: random.Random, exclude: set[PeerID], link_bytes: float = 0.0
+) -> Candidate | None:
     """One of ``candidates`` not in ``exclude``, at random by :func:`weight`; None when none is left."""
     left = [c for c in candidates if c.peer not in exclude]
     if not left:
         return None
     known = sorted(c.throughput for c in left if c.throughput > 0)
     typical = known[len(known) // 2] if known else 1.0
-    return rng.choices(left, weights=[weight(c, typical) for c in left])[0]
+    return rng.choices(left, weights=[weight(c, typical, link_bytes) for c in left])[0]
 
 
 class _Garbage(Exception):
@@ -166,7 +172,9 @@ class Router:
         self.local = local
         self.rng = rng or random.Random()
         self.stats = RouterStats()
+        self.checking = True  # duplicated micro-batches allowed this step (see ``PipelinePeer.step``)
         self.stages = pipeline.num_stages
+        self.link_bytes = link_bytes_per_sample(model, pipeline)
         self._suspects: dict[PeerID, float] = {}  # peers that failed a call lately -> until when
 
     def _pick(self, s: int, tried: set[PeerID]) -> Candidate | None:
@@ -175,8 +183,10 @@ class Router:
         now = trio.current_time()
         self._suspects = {p: t for p, t in self._suspects.items() if t > now}
         excluded = tried | set(self.stats.bans)
-        cands = self.candidates(s)
-        return pick(cands, self.rng, excluded | set(self._suspects)) or pick(cands, self.rng, excluded)
+        cands, per_sample = self.candidates(s), self.link_bytes[s]
+        return pick(cands, self.rng, excluded | set(self._suspects), per_sample) or pick(
+            cands, self.rng, excluded, per_sample
+        )
 
     def _suspect(self, cand: Candidate) -> None:
         if cand.peer != self.host.peer_id:
@@ -264,7 +274,8 @@ class Router:
         """The stage's answer to ``h``, from the first peer that gives a good one (and, if this stage
         is drawn for a check, one that a second peer confirms)."""
         tried: set[PeerID] = set()
-        check = self.pipeline.check_fraction > 0 and self.rng.random() < self.pipeline.check_fraction
+        check = self.checking and self.pipeline.check_fraction > 0
+        check = check and self.rng.random() < self.pipeline.check_fraction
         answer = await self._forward_somewhere(run, s, h, targets, tried)
         assert answer is not None  # (not optional: GiveUp instead)
         if not check:

@@ -89,6 +89,8 @@ class ServerStats:
     refused: int = 0
     compute_seconds: float = 0.0
     computed_samples: int = 0
+    received_bytes: int = 0  # request bodies (activations, gradients, tokens) received ...
+    receive_seconds: float = 0.0  # ... in this long: from a request's header to its body's last byte
     per_step: list[int] = field(default_factory=list)  # samples counted in each closed step
 
 
@@ -148,6 +150,20 @@ class StageServer:
         """Samples per second this stage computed (forward and backward), 0 before the first."""
         s = self.stats
         return s.computed_samples / s.compute_seconds if s.compute_seconds > 0 else 0.0
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second this stage received request bodies at (its link as its callers reach it),
+        0 before the first measurable one."""
+        s = self.stats
+        return s.received_bytes / s.receive_seconds if s.receive_seconds > 0 else 0.0
+
+    async def _receive(self, stream: RpcStream, n: int) -> bytes | memoryview:
+        began = trio.current_time()
+        body = await stream.receive_all(n)
+        self.stats.received_bytes += n
+        self.stats.receive_seconds += trio.current_time() - began
+        return body
 
     def register(self, registry: RpcRegistry, *, replace: bool = False) -> None:
         """Serve the stage's methods on ``registry`` (``replace``: in place of another server's)."""
@@ -266,7 +282,7 @@ class StageServer:
         in_bytes = self._check_forward(ctx.peer, req)
         self._enter()
         try:
-            body = await stream.receive_all(in_bytes)
+            body = await self._receive(stream, in_bytes)
             resp, out = await self._forward(ctx.peer, req, body)
             await stream.send(out)
             await stream.send_eof()
@@ -278,7 +294,7 @@ class StageServer:
         in_bytes = self._check_backward(ctx.peer, req)
         self._enter()
         try:
-            body = await stream.receive_all(in_bytes)
+            body = await self._receive(stream, in_bytes)
             resp, out = await self._backward(ctx.peer, req, body)
             if out:
                 await stream.send(out)

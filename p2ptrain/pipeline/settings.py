@@ -36,6 +36,8 @@ class PipelineSection:
     timeout: float = 10.0  # seconds one stage peer may take on one micro-batch before a retry elsewhere
     retries: int = 3  # other peers of a stage tried before a micro-batch is given up
     max_abs: float = 1e4  # an activation or gradient value beyond this magnitude is garbage
+    # training.mode = "diloco": inner steps between a stage's outer averages (DiLoCo's H)
+    local_steps: int = 8
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -51,6 +53,7 @@ class PipelineSection:
         _check(math.isfinite(self.timeout) and self.timeout > 0, "timeout", "must be positive")
         _check(0 <= self.retries <= 16, "retries", "must be between 0 and 16")
         _check(math.isfinite(self.max_abs) and self.max_abs > 0, "max_abs", "must be positive")
+        _check(1 <= self.local_steps <= 100_000, "local_steps", "must be between 1 and 100000")
         try:
             mode = parse_compression(self.compression)
         except ValueError as e:

@@ -48,7 +48,6 @@ from .transfer import (
     load_checkpoint,
     save_checkpoint,
     state_size,
-    take_snapshot,
 )
 
 if TYPE_CHECKING:
@@ -126,6 +125,8 @@ class PipelineTrainer:
             lr=config.training.lr,
             interval=self.options.interval,
             slowdown=self.options.slowdown,
+            diloco=config.diloco if config.training.mode == "diloco" else None,
+            local_steps=self.pipeline.local_steps,
         )
         self.max_steps = self.options.max_steps if self.options.max_steps is not None else 0
         self.max_steps = self.max_steps or config.training.max_steps
@@ -213,9 +214,12 @@ class PipelineTrainer:
         if saved is not None:  # a restart: back to the stage it served (from its peers, or its own disk)
             stage, why = saved[0], f"stage {saved[0]}, the one this peer served before it restarted"
             if not 0 <= stage < self.pipeline.num_stages:
-                saved, (stage, why) = None, choose_stage(serving, self.pipeline.num_stages, me=me)
+                saved, (stage, why) = (
+                    None,
+                    choose_stage(serving, self.pipeline.num_stages, me=me, link_bytes=peer.link_bytes),
+                )
         else:
-            stage, why = choose_stage(serving, self.pipeline.num_stages, me=me)
+            stage, why = choose_stage(serving, self.pipeline.num_stages, me=me, link_bytes=peer.link_bytes)
         peer.why = why
         log.info("joining a running swarm: serving %s", why)
         await self._download_and_join(stage, saved[1] if saved is not None and saved[0] == stage else None)
@@ -351,7 +355,7 @@ class PipelineTrainer:
         for s in peer.empty_stages:
             self._empty_since.setdefault(s, now)
         self.catch_up()
-        move = plan_move(peer.directory, self.node.peer_id, self.pipeline.num_stages)
+        move = plan_move(peer.directory, self.node.peer_id, self.pipeline.num_stages, peer.link_bytes)
         if move is None:
             return False
         stage, why = move
@@ -404,7 +408,7 @@ class PipelineTrainer:
         if not now and not (every and peer.step_number % every == 0):
             return
         try:
-            snap = take_snapshot(peer.step_number, peer.server.params, peer.optimizer)
+            snap = peer.state_snapshot()
             save_checkpoint(self.checkpoint, peer.server.index, snap)
         except (OSError, ValueError) as e:
             log.warning("cannot write the stage checkpoint %s: %s", self.checkpoint, e)

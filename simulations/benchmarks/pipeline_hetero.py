@@ -154,7 +154,7 @@ async def run(
                 await p.refresh()
             if rebalance:
                 for i, p in enumerate(peers):
-                    move = plan_move(p.directory, p.node.peer_id, args.stages)
+                    move = plan_move(p.directory, p.node.peer_id, args.stages, p.link_bytes)
                     if move is not None and (p.empty_stages or p.step_number >= settled[i]):
                         target, why = move
                         size = state_size([q for q in p.prepare(target).parameters() if q.requires_grad])
