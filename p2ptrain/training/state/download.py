@@ -180,6 +180,22 @@ class _Reader:
         return memoryview(buf)[:n]
 
 
+class Sink:
+    """Where a download's verified chunks go: by default tensors of the whole state, allocated from the
+    layout. A peer that does not hold its state whole (a sharded site) puts each chunk where it belongs
+    instead (``place`` may wait until that is safe)."""
+
+    def allocate(self, layout: Layout) -> list[torch.Tensor]:
+        return lay.empty_like(layout)
+
+    async def place(self, layout: Layout, tensors: list[torch.Tensor], i: int, data: memoryview) -> None:
+        lay.place(layout, tensors, i, data)
+
+    def finish(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        lay.check_bool_entries(layout, tensors)
+        return lay.as_dict(layout, tensors)
+
+
 class Fetcher:
     """Downloads the swarm's state for one peer; keeps partial progress across :meth:`fetch` calls."""
 
@@ -191,8 +207,10 @@ class Fetcher:
         chunk_timeout: float,
         max_donors: int,
         on_progress: ProgressFn | None = None,
+        sink: Sink | None = None,
     ) -> None:
         self.host = host
+        self.sink = sink or Sink()
         self.max_size = max_size
         self.chunk_timeout = chunk_timeout
         self.max_donors = max_donors
@@ -267,7 +285,7 @@ class Fetcher:
 
     def _done(self, partial: Partial, began: float, chosen: Sequence[Offer] = ()) -> Downloaded:
         self.partial = None
-        lay.check_bool_entries(partial.layout, partial.tensors)
+        tensors = self.sink.finish(partial.layout, partial.tensors)
         # this attempt's donors (a state completed in an earlier attempt: that one's)
         delivered = {o.donor.peer: o.delivered for o in chosen if o.delivered} or dict(partial.sources)
         used = sorted(delivered, key=lambda p: -delivered[p])
@@ -285,7 +303,7 @@ class Fetcher:
         )
         return Downloaded(
             partial.epoch,
-            lay.as_dict(partial.layout, partial.tensors),
+            tensors,
             partial.metadata,
             tuple(used),
             delivered,
@@ -401,7 +419,7 @@ class Fetcher:
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise RemoteProtocolError("state metadata must be an object of strings")
         log.info("downloading step %d's state: %s", i.epoch, layout.describe())
-        tensors = lay.empty_like(layout)
+        tensors = self.sink.allocate(layout)
         return Partial(i.epoch, i.root, layout, hashes, meta, tensors, bytearray(layout.chunks))
 
     # ---- chunks ----
@@ -466,7 +484,7 @@ class Fetcher:
                     continue  # fetched meanwhile by another worker (not expected: ranges are disjoint)
                 if lay.hash_chunk([data]) != partial.hashes[i]:
                     raise BadChunk(f"sent a corrupted chunk {i} of step {partial.epoch}'s state")
-                lay.place(partial.layout, partial.tensors, i, data)
+                await self.sink.place(partial.layout, partial.tensors, i, data)
                 partial.have[i] = 1
                 partial.received += size
                 offer.delivered += size
