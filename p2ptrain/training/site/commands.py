@@ -36,6 +36,9 @@ class Op(enum.IntEnum):
     SEED = 8  # a, b: the site's data seed (its high and low 31 bits); rank r draws from seed + r
     EVAL = 9  # the validation batches' forward passes
     LOAD = 10  # a: the step whose checkpoint every rank reads
+    HASH = 11  # every chunk of the site's state assembled on rank 0 (its digest, its snapshot)
+    PLACE = 12  # a: a downloaded chunk, verified by rank 0, into the ranks' staging shards
+    ADOPT = 13  # the staged (downloaded) state becomes the site's: global, momentum, local parameters
 
 
 @dataclass(frozen=True)

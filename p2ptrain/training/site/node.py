@@ -165,6 +165,7 @@ class SiteWorkers:
         self, model: torch.nn.Module, compute: Callable[[Any], float], batch: Any
     ) -> tuple[float, int]:
         assert self.opt is not None
+        self.site.busy()
         self.site.commands.send(Command(Op.TRAIN, self.opt.inner_steps))
         loss = compute(batch)
         return loss, self.task.samples(batch) * self.site.world  # (every rank's batch has its size)
@@ -245,6 +246,7 @@ class SiteTrainer(Trainer):
         return self.checkpoints / "site" if self.checkpoints is not None else None
 
     def evaluate(self) -> float:
+        self.site.busy()
         self.site.commands.send(Command(Op.EVAL))
         return evaluate(self.model, self.task, self.config, str(self.device))
 
@@ -255,6 +257,7 @@ class SiteTrainer(Trainer):
         step = self.opt.epoch
         if (folder / f"step-{step}" / checkpoint.MARK).is_file():
             return  # (this step's is written: the last one at a stop, say)
+        self.site.busy()
         self.site.commands.send(Command(Op.SAVE, step))
         where = checkpoint.save(folder, step, self.model, self.optimizer, self.site.outer, self.site.layout)
         log.info("checkpoint of step %d written to %s (every rank its shards)", step, where)
@@ -274,6 +277,7 @@ class SiteTrainer(Trainer):
             log.info("no site checkpoint to resume from%s", f" in {folder}" if folder else "")
             return False
         step, where = found
+        self.site.busy()
         self.site.commands.send(Command(Op.LOAD, step))
         checkpoint.load(where, self.model, self.optimizer, self.site.outer, self.site.layout)
         self.opt.tally.epoch = step

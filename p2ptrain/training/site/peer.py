@@ -34,27 +34,35 @@ node's checkpoint files (``site.checkpoint`` is the per-rank format).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import trio
 
 from ...averaging.compression import Compression
 from ...config import DilocoSection, RunConfig, TrainingSection
-from ...errors import ConfigError
+from ...errors import ConfigError, P2PError, RemoteProtocolError
 from ..optimizer.buffers import Contribution, ParamBuffer
 from ..optimizer.collaborative import Parts
 from ..optimizer.feedback import PIECE
 from ..optimizer.local_steps import inner_lr
 from ..optimizer.outer import OuterStep
 from ..optimizer.progress import SwarmView
-from ..optimizer.shared_state import SharedState
+from ..optimizer.shared_state import RETRY_SYNC, Download, SharedState
+from ..state import capture, chunks
+from ..state.chunks import Layout
+from ..state.download import Downloaded, Sink
 from ..state.serve import Snapshot
 from .commands import Command, Commands, Op
 from .layout import WireLayout
 from .outer import ShardedOuter, local_of
 from .pieces import PieceChannel
+from .state import ShardedState
 from .wire import WireBuffer
 
 log = logging.getLogger(__name__)
@@ -105,6 +113,73 @@ class SiteRank:
             self.params, self.layout, self.channel, config.diloco, config.averaging.compression, piece=piece
         )
         self.inner_steps = 0
+        self.group = group
+        self._staging: ShardedState | None = None  # a download's verified chunks, until adopted
+        self.on_busy: Callable[[], None] | None = None  # rank 0: the ranks start collectives of their own
+
+    # ---- the site's state in the swarm's format (state sync) ----
+
+    def state_shards(self) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+        """This rank's shards of the state an unsharded DiLoCo peer shares (``SharedState.capture``):
+        ``model.<name>``, the global parameters, and ``optim.outer.<k>.momentum_buffer``, the outer
+        momentum; with the full shapes."""
+        if set(self.model.state_dict()) != set(self.names):
+            raise ConfigError(
+                "a site syncs the state of models whose state is their trainable parameters (this model"
+                " has buffers or frozen parameters)"
+            )
+        shards: dict[str, torch.Tensor] = {}
+        shapes: dict[str, list[int]] = {}
+        outer = self.outer
+        for k, (n, g) in enumerate(zip(self.names, outer.global_params, strict=True)):
+            shards[f"model.{n}"], shapes[f"model.{n}"] = local_of(g), list(g.shape)
+            if outer.momentum:
+                m = outer.momentum[k]
+                key = f"optim.outer.{k}.momentum_buffer"
+                shards[key], shapes[key] = local_of(m), list(m.shape)
+        return shards, shapes
+
+    def live_state(self) -> ShardedState:
+        """The site's state as it is now, read in place from this rank's shards."""
+        shards, shapes = self.state_shards()
+        return ShardedState(shards, shapes, self.rank, self.world, group=self.group)
+
+    def staging(self) -> ShardedState:
+        """Where a download's chunks go on this rank (its shards' size, kept until :meth:`adopt`)."""
+        if self._staging is None:
+            shards, shapes = self.state_shards()
+            staged = {n: torch.zeros_like(t) for n, t in shards.items()}
+            self._staging = ShardedState(staged, shapes, self.rank, self.world, group=self.group)
+        return self._staging
+
+    def adopt(self) -> None:
+        """The staged state becomes this rank's: global parameters and momentum, the local parameters
+        restart from the global ones, top-k's residual is zero (as an unsharded peer's download)."""
+        staged = self.staging()
+        live = self.live_state()
+        with torch.no_grad():
+            for dst, src in zip(live.local, staged.local, strict=True):
+                dst.copy_(src)
+            for p, g in zip(self.outer.locals(), self.outer.global_params, strict=True):
+                p.copy_(local_of(g))
+            for e in self.outer.residual:
+                local_of(e).zero_()
+        self._staging = None
+
+    def busy(self) -> None:
+        """Rank 0: the ranks are about to run collectives of their own (a batch, an evaluation, a
+        checkpoint); state sync sends no command until rank 0's loop is between two batches again."""
+        if self.on_busy is None:
+            return
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            try:
+                trio.from_thread.run_sync(self.on_busy)
+            except RuntimeError:  # (no event loop at all: nothing else sends commands)
+                self.on_busy()
+            return
+        self.on_busy()
 
     # ---- every rank ----
 
@@ -135,6 +210,12 @@ class SiteRank:
             self.outer.land(fragment, None, committed=bool(cmd.c))
         elif cmd.op is Op.STEP_ALONE:
             self.outer.step_alone(fragment)
+        elif cmd.op is Op.HASH:
+            self.live_state().hashes()
+        elif cmd.op is Op.PLACE:
+            self.staging().place(cmd.a, None)
+        elif cmd.op is Op.ADOPT:
+            self.adopt()
         else:
             raise RuntimeError(f"rank {self.rank} cannot do {cmd.op.name} here")
 
@@ -148,6 +229,7 @@ class SiteRank:
     def train(self, compute: Callable[[], object], step: int) -> None:
         """Rank 0: the site's batch (every rank computes its own) before ``CollaborativeOptimizer.step``
         takes inner step ``step`` on rank 0's shards (``opt.inner_steps``)."""
+        self.busy()
         self.commands.send(Command(Op.TRAIN, step))
         compute()
 
@@ -165,7 +247,8 @@ class SiteRank:
         ) -> OuterStep:
             return SiteOuter(self, params, contribution)
 
-        return Parts(buffer=WireParams, outer=outer, state=SiteState)
+        state = type("SiteStateOf", (SiteState,), {"site": self})
+        return Parts(buffer=WireParams, outer=outer, state=state)
 
     def global_shards(self) -> list[torch.Tensor]:
         """This rank's shards of the global parameters (tests and checks read them)."""
@@ -271,15 +354,90 @@ class SiteOuter(OuterStep):
         """(A site does not load a state through the outer optimizer.)"""
 
 
+class SiteSink(Sink):
+    """A download's verified chunks go straight into the ranks' staging shards (``ShardedState.place``),
+    once the ranks are between two batches (the site's collectives are entered in one order)."""
+
+    def __init__(self, state: SiteState) -> None:
+        self.state = state
+
+    def allocate(self, layout: Layout) -> list[torch.Tensor]:
+        mine = self.state.site.live_state().layout
+        if layout.header != mine.header:
+            raise RemoteProtocolError(
+                f"its state is laid out as {layout.describe()}, this site's as {mine.describe()}"
+            )
+        return []
+
+    async def place(self, layout: Layout, tensors: list[torch.Tensor], i: int, data: memoryview) -> None:
+        await self.state.ranks_idle()
+        site = self.state.site
+        site.commands.send(Command(Op.PLACE, i))
+        site.staging().place(i, data)
+
+    def finish(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}  # (the state is in the ranks' staging shards: ``SiteState.land_download`` adopts it)
+
+
 class SiteState(SharedState):
-    """A site's shared state: for now none published, served or downloaded (see the module's
-    docstring); the optimizer's part that would otherwise hash the whole model on rank 0."""
+    """A site's shared state: its digest and snapshot assembled chunk by chunk on rank 0 from the
+    ranks' shards (``ShardedState``: the root an unsharded peer with this state publishes), and a
+    download placed chunk by chunk into the ranks' staging shards, adopted between two batches. Rank 0
+    holds one chunk at a time; the snapshot served to joiners is a file. No replay of missed steps'
+    results (a site that is behind downloads the state) and no local progress carried over a download."""
+
+    site: SiteRank  # (set by ``SiteRank.parts``)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._idle = trio.Event()
+        # the snapshot served to joiners: its file, epoch, root, layout, chunk hashes, metadata
+        self._snap: tuple[int, int, bytes, Layout, list[bytes], bytes] | None = None
+        super().__init__(*args, **kwargs)
+        self.site.on_busy = self._busy
+        self.fetcher.sink = SiteSink(self)
+
+    def _busy(self) -> None:
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    async def ranks_idle(self) -> None:
+        """Wait until the ranks are between two batches (they follow commands only)."""
+        while not self._idle.is_set():
+            await self._idle.wait()
 
     def _rehash(self) -> None:
-        self.digest = b""  # published as unknown: nobody takes the site for diverged
-
-    async def hashed_digest(self) -> bytes:
-        return b""
+        """Collective: every chunk assembled on rank 0, hashed and written to the snapshot file."""
+        site = self.site
+        site.commands.send(Command(Op.HASH))
+        state = site.live_state()
+        fd, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-")
+        os.unlink(path)
+        try:
+            hashes = []
+            for i in range(state.layout.chunks):
+                data = state.chunk(i)
+                assert data is not None
+                hashes.append(chunks.hash_chunk([data]))
+                os.pwrite(fd, data, i * chunks.CHUNK)
+        except BaseException:
+            os.close(fd)
+            raise
+        epoch = self.tally.epoch
+        root = chunks.root(epoch, state.layout, hashes)
+        _, meta = capture.capture(torch.nn.Module(), {"outer": site.outer.sgd}, copy=False)
+        meta["p2ptrain.epoch"] = str(epoch)
+        meta["p2ptrain.inner_steps"] = str(self.tally.inner_steps)
+        encoded = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+        if self._snap is not None:
+            os.close(self._snap[0])
+        self._snap = (fd, epoch, root, state.layout, hashes, encoded)
+        self._hashes = (self._version, hashes)
+        self.digest = root
+        self.hashed[epoch] = root
+        self._digest_set.set()
+        for old in sorted(self.hashed)[: -max(4, self.replay_steps + 2)]:
+            del self.hashed[old]
+        self.wake.set()
 
     def capture(self, copy: bool = True, own: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise ConfigError("a sharded site's state is not captured whole (its checkpoints are per rank)")
@@ -295,7 +453,10 @@ class SiteState(SharedState):
         raise ConfigError("a sharded site does not load a whole state (its checkpoints are per rank)")
 
     async def prepare_snapshot(self) -> Snapshot | None:
-        return None
+        if self._snap is None:
+            return None
+        fd, epoch, root, layout, hashes, meta = self._snap
+        return Snapshot(epoch, root, layout, list(hashes), meta, os.dup(fd), last_used=0.0)
 
     async def keep_result(self, epoch: int, values: list[torch.Tensor]) -> None:
         return None
@@ -304,11 +465,46 @@ class SiteState(SharedState):
         return None
 
     def start_download(self, view: SwarmView, expected: Callable[[int], bytes]) -> None:
-        if self.sync_retry_at != float("inf"):
-            log.warning(
-                "step %d: the swarm is on step %d and a sharded site cannot download its state yet:"
-                " this site stays behind (restart it from a checkpoint of the swarm's step)",
-                self.tally.epoch,
-                view.newest,
-            )
-        self.sync_retry_at = float("inf")
+        """Download the swarm's state into the ranks' shards (in the background; the chunks are placed
+        while the training loop waits for it between two batches)."""
+        assert self._nursery is not None
+        self._idle.set()  # (called between two batches)
+        why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
+        log.info("catching up (a site downloads the state into its ranks' shards): %s", why)
+        flight = self.download = Download(trio.Event(), None, expected=expected)
+        want = view.newest if view.behind else self.tally.epoch
+
+        async def run() -> None:
+            try:
+                flight.outcome = await self.fetcher.fetch(view.donors, want_epoch=want, expected=expected)
+            except P2PError as e:
+                flight.outcome = e
+            finally:
+                flight.done.set()
+
+        self._nursery.start_soon(run)
+
+    async def land_download(self) -> bool:
+        """Between two batches: the ranks are idle (chunks may be placed); a download that is in and
+        confirmed is adopted by every rank."""
+        self._idle.set()
+        flight = self.download
+        if flight is None or not flight.done.is_set():
+            return False
+        self.download = None
+        got = flight.outcome
+        if not isinstance(got, Downloaded):
+            log.warning("could not catch up (%s); retrying in %.0f s", got, RETRY_SYNC)
+            self.sync_retry_at = self.clock() + RETRY_SYNC
+            return False
+        self.site.commands.send(Command(Op.ADOPT))
+        self.site.adopt()
+        self.tally.moved_to(got.epoch)
+        self.contribution.fit(self.tally.epoch)
+        self.tally.counting_from(self.clock())
+        self.tally.forget_cohort()
+        self.downloads += 1
+        donor = got.donors[0].short() if got.donors else "this site's own chunks"
+        self.stats.note_sync(self.tally.epoch, donor)
+        log.info("now on step %d (state from %s, placed into the ranks' shards)", self.tally.epoch, donor)
+        return True
