@@ -12,8 +12,10 @@ tensor on the heap:
   pseudo-gradient, folds top-k's error feedback, steps the global parameters or puts the residual back,
   it sends the matching command (``commands``) to the other ranks and runs the same collective
   (``outer.ShardedOuter``) on its own shards;
-- the **shared state** is a :class:`SiteState`, which neither hashes, serves nor downloads a site's
-  state yet (see below).
+- the **shared state** is a :class:`SiteState`: the site's digest and the snapshot it serves are
+  assembled chunk by chunk on rank 0 from the ranks' shards (``ShardedState``: the root and the chunks
+  an unsharded peer with the same state has), and a download's verified chunks go straight into the
+  ranks' staging shards (``SiteSink``), adopted by every rank between two batches.
 
 Every other rank runs :meth:`SiteRank.follow`: a batch and an inner step for each TRAIN, the pieces of
 a contribution, the landing of a round. Their FSDP2 collectives (a batch's all-gathers and
@@ -25,10 +27,18 @@ every rank from the k that TRAIN carries.
 What a site refuses at start (:func:`check_run`): sync mode (it averages gradients every step, which is
 what a site over a WAN is meant to avoid; its gradients would be full tensors on rank 0), DiLoCo with
 ``overlap`` (the landing puts the progress made during the round on top of the global parameters on
-the whole model at once, not yet shard by shard). What it does not do yet: publish its state's digest
-(it publishes none: others never take it for diverged, nor does it them), serve its state or results to
-joiners, download one (a site that falls behind says so and stays behind), checkpoint through the
-node's checkpoint files (``site.checkpoint`` is the per-rank format).
+the whole model at once, not yet shard by shard). What it does not do yet: serve or replay the missed steps'
+results (a site that is behind downloads the whole state, and carries no local progress over it),
+checkpoint through the node's checkpoint files (``site.checkpoint`` is the per-rank format).
+
+State sync and the site's collectives. The ranks enter collectives in the order rank 0's commands name
+them; TRAIN's (a batch's all-gathers and reduce-scatters, the clip's norm) run between TRAIN and the
+inner step inside ``CollaborativeOptimizer.step``, and an evaluation or a checkpoint runs in a worker
+thread. So rank 0 sends HASH, PLACE and ADOPT only while the ranks are idle: :meth:`SiteRank.busy` marks
+them busy before each TRAIN, EVAL, SAVE and LOAD, and ``SiteState.land_download`` (called after the
+inner step) marks them idle; a chunk that arrives meanwhile waits (``SiteSink.place``). A site that is
+behind waits for its download between two batches (no local progress to carry), so its chunks are
+placed as they arrive.
 """
 
 from __future__ import annotations
