@@ -66,6 +66,7 @@ from ..optimizer.progress import SwarmView
 from ..optimizer.shared_state import RETRY_SYNC, Download, SharedState
 from ..state import capture, chunks
 from ..state.chunks import Layout
+from ..state.codec import TIED_KEY
 from ..state.download import Downloaded, Sink
 from ..state.serve import Snapshot
 from .commands import Command, Commands, Op
@@ -132,22 +133,44 @@ class SiteRank:
     def state_shards(self) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
         """This rank's shards of the state an unsharded DiLoCo peer shares (``SharedState.capture``):
         ``model.<name>``, the global parameters, and ``optim.outer.<k>.momentum_buffer``, the outer
-        momentum; with the full shapes."""
-        if set(self.model.state_dict()) != set(self.names):
-            raise ConfigError(
-                "a site syncs the state of models whose state is their trainable parameters (this model"
-                " has buffers or frozen parameters)"
-            )
+        momentum; with the full shapes. A tied entry (GPT's LM head, the token embedding) is stored
+        once, under its first name, as ``capture`` does."""
+        first = self._first_names()
         shards: dict[str, torch.Tensor] = {}
         shapes: dict[str, list[int]] = {}
         outer = self.outer
-        for k, (n, g) in enumerate(zip(self.names, outer.global_params, strict=True)):
+        for k, g in enumerate(outer.global_params):
+            n = first.get(k, self.names[k])
             shards[f"model.{n}"], shapes[f"model.{n}"] = local_of(g), list(g.shape)
             if outer.momentum:
                 m = outer.momentum[k]
                 key = f"optim.outer.{k}.momentum_buffer"
                 shards[key], shapes[key] = local_of(m), list(m.shape)
         return shards, shapes
+
+    def _first_names(self) -> dict[int, str]:
+        """Each trainable parameter's first name in the model's state (ConfigError for other state)."""
+        index = {id(p): k for k, p in enumerate(self.params)}
+        first: dict[int, str] = {}
+        named = list(self.model.named_parameters(remove_duplicate=False))
+        for name, p in named:
+            k = index.get(id(p))
+            if k is None:
+                raise ConfigError(f"a site syncs trainable parameters only ({name} is frozen)")
+            first.setdefault(k, name)
+        if set(self.model.state_dict()) != {n for n, _ in named}:
+            raise ConfigError("a site syncs the state of models without buffers (this one has some)")
+        return first
+
+    def tied(self) -> dict[str, str]:
+        """The model's tied entries: each later name to the first (``capture``'s metadata)."""
+        index = {id(p): k for k, p in enumerate(self.params)}
+        first = self._first_names()
+        return {
+            n: first[index[id(p)]]
+            for n, p in self.model.named_parameters(remove_duplicate=False)
+            if first[index[id(p)]] != n
+        }
 
     def live_state(self) -> ShardedState:
         """The site's state as it is now, read in place from this rank's shards."""
@@ -435,6 +458,9 @@ class SiteState(SharedState):
         epoch = self.tally.epoch
         root = chunks.root(epoch, state.layout, hashes)
         _, meta = capture.capture(torch.nn.Module(), {"outer": site.outer.sgd}, copy=False)
+        tied = site.tied()
+        if tied:
+            meta[TIED_KEY] = json.dumps(tied, separators=(",", ":"), sort_keys=True)
         meta["p2ptrain.epoch"] = str(epoch)
         meta["p2ptrain.inner_steps"] = str(self.tally.inner_steps)
         encoded = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
