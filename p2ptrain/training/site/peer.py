@@ -395,7 +395,9 @@ class SiteSink(Sink):
         self.state = state
 
     def allocate(self, layout: Layout) -> list[torch.Tensor]:
-        mine = self.state.site.live_state().layout
+        # (the layout of the site's last hash: the model's parameters are not read here, where a batch
+        # may be running in a worker thread with FSDP2's unsharded parameters registered)
+        mine = self.state.layout
         if layout.header != mine.header:
             raise RemoteProtocolError(
                 f"its state is laid out as {layout.describe()}, this site's as {mine.describe()}"
@@ -420,6 +422,7 @@ class SiteState(SharedState):
     results (a site that is behind downloads the state) and no local progress carried over a download."""
 
     site: SiteRank  # (set by ``SiteRank.parts``)
+    layout: Layout  # the state's chunk layout (set by every hash)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._idle = trio.Event()
@@ -467,6 +470,7 @@ class SiteState(SharedState):
         if self._snap is not None:
             os.close(self._snap[0])
         self._snap = (fd, epoch, root, state.layout, hashes, encoded)
+        self.layout = state.layout
         self._hashes = (self._version, hashes)
         self.digest = root
         self.hashed[epoch] = root
