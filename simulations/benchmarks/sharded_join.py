@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     d = report["download"] or {}
     same = report["identical_steps_a_c"]
     table = (
-        f"site of {args.ranks_c} joined at step {args.join_at}: downloaded {d.get('mb')} MB"
+        f"site of {args.ranks_c} started when A was on step {args.join_at}: downloaded {d.get('mb')} MB"
         f" in {d.get('seconds')} s ({d.get('mb_per_s')} MB/s);"
         f" synced after {report['c_synced_after_s']} s,"
         f" first round after {report['c_first_round_after_s']} s; identical to site A: {same}"
