@@ -38,13 +38,12 @@ import trio
 
 from ..errors import ConfigError, P2PError
 from ..tasks.gpt import GPT, GPTConfig
+from .catchup import behind, download_state
 from .directory import choose_stage, plan_move
 from .peer import PipelinePeer, StepReport
 from .transfer import (
     Snapshot,
     StateUnavailable,
-    behind,
-    download_state,
     load_checkpoint,
     save_checkpoint,
     state_size,

@@ -23,6 +23,7 @@ from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.compression import Compression
 from p2ptrain.config import parse_config
 from p2ptrain.net import CallContext, Reply
+from p2ptrain.pipeline.catchup import behind, download_state
 from p2ptrain.pipeline.peer import PipelinePeer
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.trainer import PipelineTrainer, assign_at_start
@@ -31,9 +32,7 @@ from p2ptrain.pipeline.transfer import (
     Snapshot,
     StateReq,
     StateResp,
-    behind,
     chunk_digests,
-    download_state,
     state_size,
     take_snapshot,
 )

@@ -110,6 +110,7 @@ DEFAULTS = {
     "pipeline.timeout": 10.0,
     "pipeline.retries": 3,
     "pipeline.max_abs": 1e4,
+    "pipeline.local_steps": 8,
     "node.listen": (("0.0.0.0", 31337),),
     "node.announce": None,
     "node.source_address": "",
