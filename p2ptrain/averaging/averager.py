@@ -247,6 +247,12 @@ class Averager:
         self._followed = True
         self.config, self.policy = config, policy
 
+    def unfollow(self) -> None:
+        """The run's optimizer that this averager follows is replaced by another of the same run (a
+        sharded site rebuilds its parts when its group restarts: ``training.site``): the next
+        :meth:`follow` takes the new one's rules. Until then the old ones stay."""
+        self._followed = False
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the tasks that keep finished rounds serving their last fetches."""
         async with trio.open_nursery() as nursery:
@@ -497,6 +503,8 @@ class Averager:
                 self.auditor.convict(peer, why)
         for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
             self.host.protect(peer)
+        partners = [p for p in result.contributors if p != self.host.peer_id]
+        self.groups.leaders.averaged_with(partners, self.groups.clock())
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)
