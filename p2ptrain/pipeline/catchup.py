@@ -113,6 +113,8 @@ def behind(peer: PipelinePeer) -> bool:
     """Whether ``peer`` left its stage's lineage (see the module docstring)."""
     if peer.server is None:
         return False
+    if peer.stale:  # it sat out its stage's last average (its mates did not know it yet)
+        return True
     me, stage, step = peer.node.peer_id, peer.server.index, peer.step_number
     mates = [p.record for p in peer.directory if p.peer != me and p.record.stage == stage]
     mates = [r for r in mates if not r.joining]

@@ -128,6 +128,7 @@ class PipelinePeer:
         self.announcing = False  # publish a joining record before this peer serves (see ``trainer``)
         self.downloads = 0  # stage states downloaded (``transfer``)
         self._digest = b""  # of the stage's weights at the start of the current step
+        self.stale = False  # it sat out its stage's average: off the lineage until it downloads again
         self._prepared: Stage | None = None
         # snapshots of the stage's state at step starts, taken while somebody asks (``transfer``)
         self._snapshots: dict[int, Snapshot] = {}
@@ -175,7 +176,7 @@ class PipelinePeer:
             self.node.clock(),
             left,
             False,
-            self.digest_bytes(),
+            b"" if self.stale else self.digest_bytes(),
             self.bandwidth(),
         )
 
@@ -306,6 +307,7 @@ class PipelinePeer:
             self.server.register(self.node.registry, replace=True)
         self.optimizer = optimizer
         self._digest = b""
+        self.stale = False
         self._snapshots.clear()
         if self.node.registry.get(STATE.name) is None:
             self.node.registry.add_unary(STATE, self._on_state)
@@ -399,17 +401,41 @@ class PipelinePeer:
         async with trio.open_nursery() as nursery:
             for x, y in micro_batches:
                 nursery.start_soon(one, x, y)
-        # the step ends for this stage once every caller is done with it (a dead one: after a while)
-        everyone = self.everyone()
-        await router.done(self.step_number, everyone)
-        expected = {c.peer for c in everyone}
-        done = await self.server.wait_done(expected, limit=2 * self.pipeline.timeout)
+        # the step ends for this stage once every live caller is done with it: those that heard this
+        # peer's "done" (a dead or unreachable one cannot, and calls nobody), less those that answered
+        # that they were done already (their own "done" went out before this peer served, e.g. after a
+        # restart); a caller that dies meanwhile: after a while
+        self.server.caller_done = self.step_number
+        heard, finished = await router.done(self.step_number, self.everyone())
+        self.server.mark_done(self.step_number, finished)
+        done = await self.server.wait_done(
+            heard | {self.node.identity.peer_id}, limit=2 * self.pipeline.timeout
+        )
         # the stage's peers that are done and still answer: a peer that died after it was done must not
         # hold the others' group up (the group needs every member: see stagewise)
         mates = await self.answering([c for c in self.candidates(self.server.index) if c.peer in done])
+        # a mate known done only from its answer never told this peer itself: it did not know this peer
+        # served when it ended its step (this peer just joined), so it will not wait for it in the
+        # stage's group; waiting for it would cost the round's whole timeout
+        unaware = mates - self.server.told(self.step_number) - {self.node.identity.peer_id}
         grads, counted = self.server.close_step()
         members = max(1, len(mates | {self.node.identity.peer_id}))
-        if self.outer is not None:
+        averages = self.outer is None or (self.step_number + 1) % self.local_steps == 0
+        if unaware and averages:
+            log.info(
+                "stage %d's peers %s do not know this peer serves yet: it sits out step %d's average and"
+                " downloads the stage's state again",
+                self.server.index,
+                ", ".join(p.short() for p in sorted(unaware)),
+                self.step_number,
+            )
+            avg = StageAverage(False, 0, 0.0, "the stage's other peers do not know this peer yet")
+            self.stale = True  # (no digest in its record until it downloads: see ``catchup.behind``)
+            if self.outer is not None:
+                for i in range(len(self.outer.params)):
+                    self.outer.reset_local(i)
+                self._round_samples = 0
+        elif self.outer is not None:
             avg = await self._diloco_step(grads, counted, members)
         else:
             avg = await average_stage(

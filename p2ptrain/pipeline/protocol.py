@@ -61,6 +61,9 @@ class CommitReq(Message):
 @dataclass(frozen=True)
 class CommitResp(Message):
     counted: int = bounded(ge=0, le=MAX_COMMITS)
+    # the answering peer, as a caller, sent every micro-batch of the request's step (it told its "done"
+    # to the stage peers it knew then: a peer that started serving after that never heard it)
+    done: bool = False
 
 
 FORWARD = Method("pipeline_forward", ForwardReq, ForwardResp, streaming=True)

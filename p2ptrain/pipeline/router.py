@@ -30,8 +30,10 @@ this caller used, once it has that answer: a sample enters each stage's sum at m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -176,6 +178,7 @@ class Router:
         self.stages = pipeline.num_stages
         self.link_bytes = link_bytes_per_sample(model, pipeline)
         self._suspects: dict[PeerID, float] = {}  # peers that failed a call lately -> until when
+        self._busy: Counter[PeerID] = Counter()  # this caller's calls in flight, per peer
 
     def _pick(self, s: int, tried: set[PeerID]) -> Candidate | None:
         """A peer of stage ``s`` not tried and not dropped; one that failed lately only if no other is
@@ -184,6 +187,12 @@ class Router:
         self._suspects = {p: t for p, t in self._suspects.items() if t > now}
         excluded = tried | set(self.stats.bans)
         cands, per_sample = self.candidates(s), self.link_bytes[s]
+        # the directory's queues are as old as its last read: this caller's own calls in flight now
+        # count at once (callers pick at the same moments; without this they pile onto one peer)
+        cands = [
+            dataclasses.replace(c, queue=max(c.queue, self._busy[c.peer])) if self._busy[c.peer] else c
+            for c in cands
+        ]
         return pick(cands, self.rng, excluded | set(self._suspects), per_sample) or pick(
             cands, self.rng, excluded, per_sample
         )
@@ -192,30 +201,36 @@ class Router:
         if cand.peer != self.host.peer_id:
             self._suspects[cand.peer] = trio.current_time() + SUSPECT_SECONDS
 
-    async def done(self, step: int, peers: list[Candidate]) -> int:
-        """Tell ``peers`` (every stage peer) that this caller sent every micro-batch of ``step``; how
-        many heard it."""
-        heard = 0
+    async def done(self, step: int, peers: list[Candidate]) -> tuple[set[PeerID], set[PeerID]]:
+        """Tell ``peers`` (every stage peer) that this caller sent every micro-batch of ``step``:
+        ``(heard, finished)``, the peers that heard it and those of them that answered that they, as
+        callers, are done with ``step`` too. A peer that did not hear it (gone, unreachable) is not
+        calling this peer either: a step's end waits for ``heard`` alone."""
+        heard: set[PeerID] = set()
+        finished: set[PeerID] = set()
         req = CommitReq(step, (), True, True)
 
         async def one(cand: Candidate) -> None:
-            nonlocal heard
             try:
                 with trio.fail_after(self.pipeline.timeout):
                     if cand.peer == self.host.peer_id:
                         if self.local is not None:
                             self.local.local_commit(self.host.peer_id, req)
+                        resp = None
                     else:
                         conn = await self.host.connect(cand.address, timeout=self.pipeline.timeout)
-                        await conn.call(COMMIT, req, timeout=self.pipeline.timeout)
-                heard += 1
+                        resp = await conn.call(COMMIT, req, timeout=self.pipeline.timeout)
+                heard.add(cand.peer)
+                if resp is not None and resp.done:
+                    finished.add(cand.peer)
             except (P2PError, trio.TooSlowError) as e:
                 log.info("%s did not hear that step %d is done here: %s", cand.peer.short(), step, e)
+                self._suspect(cand)
 
         async with trio.open_nursery() as nursery:
             for cand in peers:
                 nursery.start_soon(one, cand)
-        return heard
+        return heard, finished
 
     # ------------------------------------------------------------------ one micro-batch
 
@@ -513,6 +528,18 @@ class Router:
     ) -> tuple[R, bytes | memoryview]:
         """One call to ``cand``, local or remote, within ``timeout``; failures sorted into _Failed (try
         another) and _Garbage (drop the peer). A peer still on an earlier step is asked again."""
+        self._busy[cand.peer] += 1
+        try:
+            return await self._call_once(cand, remote, local)
+        finally:
+            self._busy[cand.peer] -= 1
+
+    async def _call_once(
+        self,
+        cand: Candidate,
+        remote: Callable[[], Awaitable[tuple[R, bytes | memoryview]]],
+        local: Callable[[StageServer], Awaitable[tuple[R, bytes | memoryview]]],
+    ) -> tuple[R, bytes | memoryview]:
         while True:
             with trio.move_on_after(self.pipeline.timeout) as scope:
                 try:

@@ -129,8 +129,11 @@ class StageServer:
         self._idle.set()
         self._last_call = clock()
         self._threaded = stage.num_parameters() > THREAD_PARAMS
-        self._done: dict[int, set[PeerID]] = {}  # step -> the callers done with it
+        self._done: dict[int, set[PeerID]] = {}  # step -> the callers that told this peer they are done
+        self._answered: dict[int, set[PeerID]] = {}  # step -> callers done by their answer (``mark_done``)
         self._done_changed = trio.Event()
+        # the last step whose micro-batches this peer's own router sent them all (see ``PipelinePeer``)
+        self.caller_done = -1
         # tests: awaited at the start of every forward and backward (a stall, a crash at that point)
         self.fault: Callable[[str], Awaitable[None]] | None = None
 
@@ -197,16 +200,27 @@ class StageServer:
         self.step = step
         self.open = True
         self._done = {s: d for s, d in self._done.items() if s >= step}
+        self._answered = {s: d for s, d in self._answered.items() if s >= step}
 
     def done(self, step: int) -> frozenset[PeerID]:
         """The callers that said they sent every micro-batch of ``step``."""
+        return frozenset(self._done.get(step, set()) | self._answered.get(step, set()))
+
+    def told(self, step: int) -> frozenset[PeerID]:
+        """Those of :meth:`done` that told this peer so themselves (they knew it served then)."""
         return frozenset(self._done.get(step, ()))
+
+    def mark_done(self, step: int, peers: set[PeerID]) -> None:
+        """``peers`` are done calling in ``step`` (they said so when answering this peer's own "done")."""
+        if peers and self.step <= step <= self.step + 1:
+            self._answered.setdefault(step, set()).update(peers)
+            self._done_changed.set()
 
     async def wait_done(self, expected: set[PeerID], *, limit: float) -> frozenset[PeerID]:
         """Wait until every caller in ``expected`` is done with the current step (or ``limit`` passed:
         a caller that died says nothing); the callers that are done."""
         with trio.move_on_after(limit):
-            while not expected <= self._done.get(self.step, set()):
+            while not expected <= self.done(self.step):
                 self._done_changed = trio.Event()
                 await self._done_changed.wait()
         return self.done(self.step)
@@ -472,7 +486,7 @@ class StageServer:
             self.stats.committed += 1
             self.stats.committed_samples += held.samples
             counted += 1
-        return CommitResp(counted)
+        return CommitResp(counted, req.step < self.step or req.step <= self.caller_done)
 
 
 def _scaled(

@@ -25,6 +25,7 @@ The JSON report goes to PATH (default ``simulations/results/pipeline_churn.json`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import sys
@@ -121,7 +122,14 @@ def main(argv: list[str] | None = None) -> None:
                 node.proc.wait()
                 node.log_file.close()
                 nodes[victim] = _start(opts, victim, folder, join)
-                kills.append({"node": victim, "time": round(time.time() - trained, 1), "swarm_step": step})
+                kills.append(
+                    {
+                        "node": victim,
+                        "time": round(time.time() - trained, 1),
+                        "swarm_step": step,
+                        "at": time.time(),
+                    }
+                )
                 print(f"killed and restarted node {victim} at swarm step {step}", file=sys.stderr)
                 victim = victim % (args.peers - 1) + 1
                 next_kill += args.every
@@ -143,6 +151,50 @@ def main(argv: list[str] | None = None) -> None:
         "given_up_per_kill",
     ):
         print(f"{k:30s} {report[k]}", file=sys.stderr)
+
+
+MARKS = {  # a restarted node's log line -> the phase of its restart it ends
+    "process_up_s": "waiting for",
+    "directory_read_s": "joining a running swarm",
+    "state_downloaded_s": "downloaded stage",
+    "serving_s": "training stage",
+    "first_step_s": "trainer: step ",
+}
+
+
+def _clock_s(stamp: str) -> float | None:
+    try:
+        h, m, sec = (int(x) for x in stamp.split(":"))
+    except ValueError:
+        return None
+    return float(h * 3600 + m * 60 + sec)
+
+
+def restart_timeline(node: SimNode, killed_at: float) -> dict[str, float | None]:
+    """Seconds from the kill to each phase of the node's restart, from its log's time stamps (whole
+    seconds, local time): the process up (imports, data, the node's start), the directory read, its
+    stage's state downloaded, serving, its first step."""
+    lt = time.localtime(killed_at)
+    base = lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + (killed_at % 1)
+    out: dict[str, float | None] = dict.fromkeys(MARKS)
+    try:
+        lines = (node.folder / "node.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        t = _clock_s(line[:8])
+        if t is None:
+            continue
+        for key, mark in MARKS.items():
+            if out[key] is None and mark in line:
+                out[key] = round((t - base) % 86400, 1)
+    return out
+
+
+def survivor_steps(nodes: list[SimNode], kills: list[dict[str, Any]]) -> list[float]:
+    """The seconds node 0 (never killed) took per step, in order (from its metrics lines' times)."""
+    times = [float(m["time"]) for m in _metrics(nodes[0]) if "event" not in m and "time" in m]
+    return [round(b - a, 1) for a, b in itertools.pairwise(times)]
 
 
 def analyse(
@@ -189,12 +241,16 @@ def analyse(
         "every_s": args.every,
         "duration_s": args.duration,
         "kills": len(kills),
-        "kill_log": kills,
+        "kill_log": [{k: v for k, v in kill.items() if k != "at"} for kill in kills],
         "steps": last_step,
         "loss_first": next(iter(curve.values()), None),
         "loss_before_first_kill": before[-1] if before else None,
         "loss_last": list(curve.values())[-1] if curve else None,
         "loss_curve": curve,
+        "restarts": [
+            {"node": k["node"], **restart_timeline(nodes[k["node"]], k["at"])} for k in kills if "at" in k
+        ],
+        "node0_step_s": survivor_steps(nodes, kills),
         "given_up": given_up,
         "given_up_per_kill": round(given_up / len(kills), 2) if kills else None,
         "retries": sum(last(x, "retries") for x in lines),

@@ -44,10 +44,11 @@ from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.compression import Compression
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork
+from p2ptrain.pipeline.catchup import behind, download_state
 from p2ptrain.pipeline.directory import plan_move
 from p2ptrain.pipeline.peer import PipelinePeer
 from p2ptrain.pipeline.settings import PipelineSection
-from p2ptrain.pipeline.transfer import behind, download_state, state_size
+from p2ptrain.pipeline.transfer import state_size
 from p2ptrain.tasks.gpt import GPTConfig
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
