@@ -1,15 +1,19 @@
 """Where a key's records go: its replicas, found once and remembered.
 
-Theory of operation: a store goes to the key's ``replication`` closest peers, looked up once per
-``TARGETS_TTL`` (a peer publishing a record every few seconds looked them up every time), and again
-after a store that a replica failed or refused; a read of a key stored under lately asks those replicas
-directly (see :meth:`~p2ptrain.dht.reads.Reader.get`). Peers that join closer to a key meanwhile get
-its records from the maintenance's re-replication. Two shortcuts for a swarm smaller than the DHT's
-parameters:
+Theory of operation: a store goes to the key's ``replication`` closest peers, looked up when they
+change, not on a timer: again after a store that a replica failed or refused (it left, or it is full),
+and at the latest ``TARGETS_TTL`` after the last lookup; a read of a key stored under lately asks those
+replicas directly (see :meth:`~p2ptrain.dht.reads.Reader.get`). Peers that join closer to a key
+meanwhile take the place of the farthest replicas as soon as this node has met them (its routing
+table's answering contacts are merged in, at most every ``NEWCOMERS_CHECK``): a lookup costs about
+``k`` queries of ``k`` contacts each, and with one every 30 s per key written (a progress record, the
+peer list, what is re-published) those were half of a 32-peer swarm's control bytes. Peers that join
+closer to a key and that this node has not met get its records from the maintenance's re-replication.
+Two shortcuts for a swarm smaller than the DHT's parameters:
 
 - Fewer than ``replication`` replicas found means every peer the lookup found is one: the routing
   table's answering contacts met since are added at once (else a peer's first records, stored while it
-  knew a few peers, reached only those for ``TARGETS_TTL``, and a read of two replicas missed them).
+  knew a few peers, reached only those until the next lookup, and a read of two replicas missed them).
 - A lookup that found fewer than ``k`` peers asked every peer it heard of: for ``SWARM_TTL`` after, any
   key's replicas are the closest of those and of the routing table's answering contacts (newcomers
   call us and land there), with no lookup per key (a new group key each round, a record's replicas
@@ -23,13 +27,22 @@ parameters:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..identity import PeerID
 from .routing import Contact, RoutingTable
 
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers ...
-TARGETS_TTL = 30.0  # ... for this many seconds
+TARGETS_TTL = 300.0  # ... for this many seconds at most (less: a store that a replica failed or refused)
+NEWCOMERS_CHECK = 10.0  # how often the peers met since join a remembered key's replicas (see known)
 SWARM_TTL = 120.0  # how long an exhaustive lookup stands for the whole swarm (peers met since: the table)
+
+
+@dataclass
+class _Known:
+    until: float  # looked up again from then on
+    checked: float  # when the peers met since were last merged in
+    targets: list[Contact]  # closest to the key first
 
 
 class Replicas:
@@ -40,7 +53,7 @@ class Replicas:
         self._k = k
         self._replication = replication
         self._clock = clock
-        self._targets: dict[bytes, tuple[float, list[Contact]]] = {}  # key id -> (until, its replicas)
+        self._targets: dict[bytes, _Known] = {}  # key id -> its replicas
         self._swarm: tuple[float, dict[PeerID, Contact]] | None = None  # (until, every peer)
 
     def cached(self, kid: bytes, now: float) -> list[Contact] | None:
@@ -63,32 +76,38 @@ class Replicas:
         return targets
 
     def _remember(self, kid: bytes, targets: list[Contact], now: float) -> None:
-        self._targets[kid] = (now + TARGETS_TTL, targets)
+        self._targets[kid] = _Known(now + TARGETS_TTL, now, targets)
         while len(self._targets) > MAX_TARGET_KEYS:
             self._targets.pop(next(iter(self._targets)))
 
     def known(self, kid: bytes) -> list[Contact] | None:
-        """The replicas a store under ``kid`` found lately, with the peers met since where every peer is
-        one; None: none within ``TARGETS_TTL``."""
+        """The replicas a store under ``kid`` found lately, with the peers met since that are closer to
+        the key than the farthest of them in their places (every peer met, where every peer is one);
+        None: none within ``TARGETS_TTL``."""
         cached = self._targets.get(kid)
-        if cached is None or cached[0] <= self._clock():
+        now = self._clock()
+        if cached is None or cached.until <= now:
             return None
-        if len(cached[1]) < self._replication:
-            grown = self._closest(kid, {c.peer_id: c for c in cached[1]})
-            if len(grown) > len(cached[1]):
-                cached = self._targets[kid] = (cached[0], grown)
-        return list(cached[1])
+        if len(cached.targets) < self._replication or now >= cached.checked + NEWCOMERS_CHECK:
+            cached.checked = now
+            closest = self._closest(kid, {c.peer_id: c for c in cached.targets})
+            keep = {c.peer_id for c in closest}
+            # (in the order they had: a replica demoted for being slow stays last)
+            kept = [c for c in cached.targets if c.peer_id in keep]
+            had = {c.peer_id for c in kept}
+            cached.targets = kept + [c for c in closest if c.peer_id not in had]
+        return list(cached.targets)
 
     def remembered(self, kid: bytes) -> list[Contact] | None:
         """The replicas remembered for ``kid`` as they stand, expired or not (None: none)."""
         cached = self._targets.get(kid)
-        return None if cached is None else list(cached[1])
+        return None if cached is None else list(cached.targets)
 
     def demote(self, kid: bytes, contact: Contact) -> None:
         """``contact``, asked first for ``kid``, was slow: where it still comes first, it goes last."""
         cached = self._targets.get(kid)
-        if cached is not None and cached[1] and cached[1][0] == contact:
-            cached[1].append(cached[1].pop(0))
+        if cached is not None and cached.targets and cached.targets[0] == contact:
+            cached.targets.append(cached.targets.pop(0))
 
     def drop(self, kid: bytes) -> None:
         """A replica of ``kid`` failed or refused: the next read and store look them up again."""

@@ -1,0 +1,89 @@
+"""A key's replicas are looked up when they change, not on a timer: a node that writes a key every few
+seconds (a progress record's heartbeat, the peer list, what it re-publishes) in a swarm larger than
+``k`` (past the small-swarm shortcut) looks them up once, and peers that join closer to the key take
+the farthest replicas' places without a lookup. (With a lookup every 30 s per key written, each of
+about ``k`` queries answered with ``k`` contacts, node lookups were half of a 32-peer swarm's control
+bytes.)"""
+
+from __future__ import annotations
+
+import trio
+
+from p2ptrain.dht import DHTConfig, key_id
+from p2ptrain.dht.replicas import NEWCOMERS_CHECK
+from tests.harness.dht import open_swarm
+from tests.harness.identities import identity
+
+KEY = b"scale/hot"
+CONFIG = DHTConfig(k=4, replication=3, get_quorum=1)  # (10 nodes: more than k, no shortcut)
+
+
+def count_lookups(dht) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """Record the target of each node lookup ``dht`` runs."""
+    find_node, targets = dht.reader.find_node, []
+
+    async def counting(target: bytes):  # type: ignore[no-untyped-def]
+        targets.append(target)
+        return await find_node(target)
+
+    dht.reader.find_node = counting
+    return targets
+
+
+def closest_name(kid: bytes, taken: set[str]) -> str:
+    """A node name whose id is closer to ``kid`` than any of ``taken``'s."""
+    t = int.from_bytes(kid, "big")
+
+    def far(name: str) -> int:
+        return int.from_bytes(identity(name).peer_id.digest, "big") ^ t
+
+    best = min(far(n) for n in taken)
+    return next(n for n in (f"near{i}" for i in range(100_000)) if far(n) < best)
+
+
+async def test_a_key_written_every_few_seconds_is_looked_up_once(autojump_clock: object) -> None:
+    with trio.fail_after(600):
+        async with open_swarm(CONFIG) as swarm:
+            for i in range(10):
+                await swarm.start(f"s{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[-1]
+            lookups = count_lookups(writer.dht)
+            kid = key_id(KEY)
+            for beat in range(40):  # 200 virtual seconds of heartbeats
+                assert await writer.dht.store(KEY, b"beat %d" % beat, ttl=10.0) >= CONFIG.replication
+                await trio.sleep(5.0)
+            assert lookups.count(kid) == 1, len(lookups)  # (30 s apart before: 7)
+
+            # A peer that joins closer to the key than every replica, met by the writer, takes the
+            # farthest one's place at the next stores: no lookup.
+            kid_names = {n.name for n in swarm.nodes}
+            near = await swarm.start(closest_name(kid, kid_names), [writer.address])
+            assert writer.dht.table.get(near.host.peer_id) is not None  # (it joined through the writer)
+            lookups.clear()
+            await trio.sleep(NEWCOMERS_CHECK)
+            assert await writer.dht.store(KEY, b"after", ttl=10.0) >= CONFIG.replication
+            assert kid not in lookups, len(lookups)
+            held = near.dht.held(KEY)
+            assert held[b""].value == b"after"
+            replicas = writer.dht.replicas.remembered(kid) or []
+            assert len(replicas) == CONFIG.replication and replicas[-1].peer_id == near.host.peer_id
+
+
+async def test_a_replica_that_fails_makes_the_next_store_look_them_up(autojump_clock: object) -> None:
+    """Remembered for long, but not past a failure: a replica that crashed is replaced at once."""
+    with trio.fail_after(600):
+        async with open_swarm(CONFIG) as swarm:
+            for i in range(10):
+                await swarm.start(f"f{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[-1]
+            lookups = count_lookups(writer.dht)
+            kid = key_id(KEY)
+            assert await writer.dht.store(KEY, b"one", ttl=60.0) >= CONFIG.replication
+            gone = {c.peer_id for c in writer.dht.replicas.remembered(kid) or []}
+            victim = next(n for n in swarm.nodes if n.host.peer_id in gone and n is not swarm.nodes[0])
+            await swarm.kill(victim)
+            await writer.dht.store(KEY, b"two", ttl=60.0)  # (fails on the dead one: looked up next)
+            assert await writer.dht.store(KEY, b"three", ttl=60.0) >= CONFIG.replication
+            assert lookups.count(kid) == 2, len(lookups)
+            now = {c.peer_id for c in writer.dht.replicas.remembered(kid) or []}
+            assert victim.host.peer_id not in now
