@@ -387,3 +387,71 @@ async def test_a_coordinator_that_never_starts_its_round_is_not_followed_again(
                 ids[j] for j in others
             }, second_round
             assert torch.equal(second_round.tensors[0], torch.full((64,), sum(others) / len(others)))
+
+
+LAN = "198.18.5"
+
+
+@asynccontextmanager
+async def lan_swarm(net: MemoryNetwork) -> AsyncIterator[tuple[list[Node], trio.Nursery]]:
+    """``HONEST`` peers on one /24, each of whose books blames that /24 (three of their groups came out
+    too small under load, say: what honest LAN-mates do to each other)."""
+    nodes: list[Node] = []
+    async with trio.open_nursery() as nursery:
+        for i in range(HONEST):
+            nodes.append(await start(nursery, net, f"lan{i}", f"{LAN}.{i + 1}", nodes))
+        for n in nodes:
+            for j in range(SUSPICIONS):
+                n.averager.groups.leaders.suspect(
+                    identity(f"gone-{j}").peer_id, f"{LAN}.0/24", trio.current_time(), "only 1 of 2 joined"
+                )
+            assert n.averager.groups.leaders.excluded(nodes[0].peer_id, f"{LAN}.0/24", trio.current_time())
+        yield nodes, nursery
+        nursery.cancel_scope.cancel()
+
+
+async def test_honest_peers_that_blamed_their_own_subnet_still_form_groups(autojump_clock: object) -> None:
+    """Peers of one LAN whose books all blame the LAN's subnet: on the code before, each excluded every
+    other as a leader, led alone, and nobody joined anybody for ``EXCLUSION`` (30 min): no group. The
+    subnet's blame yields where it would leave a peer without a group's worth of leaders: the first
+    round averages all of them within the matchmaking window, and so does every round after."""
+    net = MemoryNetwork(seed=11)
+    async with lan_swarm(net) as (honest, _):
+        for r in range(3):
+            outcomes = await average_round(honest, f"lan-{r}")
+            check_results(outcomes, honest)
+            for o in outcomes:
+                assert isinstance(o.result, RoundResult), (r, o)
+                assert o.result.group_size == HONEST and o.result.matchmaking_seconds <= WINDOW, (r, o)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_an_attacker_on_the_lan_stalls_a_peer_only_until_its_lan_mates_delivered(
+    autojump_clock: object, seed: int
+) -> None:
+    """The same LAN with an attacker on its subnet: every round a fresh key of the /24 that wins the
+    lottery, in a seeded mode. What sparing the subnet gives up, and no more: a peer is held only in a
+    round it began with fewer leaders that delivered it a manifest than a group needs (less itself);
+    results hold honest peers only, with exact means, and every call ends within a stall + a round."""
+    rng = random.Random(seed)
+    net = MemoryNetwork(seed=seed)
+    need = CFG.min_size - 1
+    async with lan_swarm(net) as (honest, nursery):
+        for r in range(6):
+            key = f"lan-attack-{r}"
+            mode = rng.choice(("silent", "admit-one", "too-small"))
+            a = await attacker(
+                nursery, net, honest, winning_name(f"l{seed}-{r}", key, honest), f"{LAN}.{r + 9}"
+            )
+            now = trio.current_time()
+            await a.announce(key, mode, now + rng.uniform(0.2, WINDOW + DEADLINE_SLACK))
+            vouched = [len(n.averager.groups.leaders.vouched()) for n in honest]
+            outcomes = await average_round(honest, key)
+            check_results(outcomes, honest)
+            for n, o, v in zip(honest, outcomes, vouched, strict=True):
+                held = n.peer_id in a.asked and (
+                    not isinstance(o.result, RoundResult) or o.result.matchmaking_seconds > WINDOW + 0.5
+                )
+                assert not held or v < need, (r, mode, v, o)
+                if v >= need:
+                    assert n.peer_id not in a.asked, (r, mode, v)

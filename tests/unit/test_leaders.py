@@ -320,3 +320,64 @@ def test_failures_an_honest_leader_also_shows_count_only_when_they_repeat_withou
     book2.suspect(pid(2), "", 0.0, "late")
     book2.suspect(pid(2), "", 1.0, "late")
     assert book2.suspect(pid(2), "", 2.0 + 2 * EXCLUSION, "late") is None
+
+
+# ---- a peer's own subnet, blamed by honest LAN-mates ----
+
+
+def test_own_subnet_yields_only_while_short_of_leaders_and_names_never_do():
+    """Peers of one LAN that blamed their own /24: the subnet yields while a peer has fewer leaders than
+    a group needs (so they do not each lead alone for the whole exclusion), never for a leader blamed by
+    name, never for another subnet, and no more once the peer has partners from a round of its own."""
+    lan, other = "198.18.5.0/24", "198.18.6.0/24"
+    book = LeaderBook()
+    book.failed(pid(9), lan, 0.0, "no manifest")  # pid(9) by name, and the LAN
+    book.failed(pid(8), other, 0.0, "no manifest")
+    mates = [(pid(1), lan), (pid(2), lan), (pid(9), lan)]
+    spared = book.spared(mates, 1.0, 2, lan)
+    assert spared == {lan}
+    assert book.excluded(pid(1), lan, 1.0, spared=spared) == ""
+    assert book.excluded(pid(9), lan, 1.0, spared=spared)  # its name's blame holds
+    assert book.spared([(pid(3), other), (pid(4), other)], 1.0, 2, other) == {other}  # (its own LAN)
+    assert book.spared([(pid(3), other), (pid(4), other)], 1.0, 2, lan) == frozenset()  # not ours
+    assert book.spared([(pid(9), lan), (pid(1), lan)], 1.0, 2, lan) == frozenset()  # one mate is too few
+    book.averaged_with([pid(1), pid(2)], 2.0)
+    assert book.excluded(pid(1), lan, 2.0) == ""  # a partner: the subnet's blame spares it
+    assert (
+        book.spared([(pid(3), lan), (pid(4), lan)], 2.0, 2, lan) == frozenset()
+    )  # not short: fresh keys wait
+    assert book.excluded(pid(3), lan, 2.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sparing_never_frees_a_name_or_a_foreign_subnet_and_only_when_short(seed):
+    """Randomized books (names and subnets blamed, leaders that delivered, round partners) and candidate
+    sets: whatever :meth:`LeaderBook.spared` returns is at most the peer's own subnet, only when the
+    leaders it may follow without it (vouched or unblamed) are fewer than it needs; with it, a leader
+    blamed by name or on another blamed subnet is still excluded, and the peer is no longer short
+    where its own subnet holds enough unnamed mates."""
+    rng = random.Random(seed)
+    subnets = [f"198.18.{i}.0/24" for i in range(4)]
+    book = LeaderBook()
+    now = 100.0
+    for p in range(1, 30):
+        r = rng.random()
+        if r < 0.25:
+            book.failed(pid(p), rng.choice(subnets), rng.uniform(0, now), "no manifest")
+        elif r < 0.4:
+            book.delivered(pid(p), rng.uniform(0, now))
+        elif r < 0.5:
+            book.averaged_with([pid(p)], rng.uniform(0, now))
+    own, need = rng.choice(subnets), rng.randint(1, 4)
+    candidates = [(pid(p), rng.choice(subnets)) for p in rng.sample(range(1, 40), rng.randint(0, 12))]
+    spared = book.spared(candidates, now, need, own)
+    assert spared <= {own}
+    vouched = {p for p in book.vouched() if p not in book.excluded_peers(now)}
+    free = vouched | {p for p, s in candidates if not book.excluded(p, s, now)}
+    if spared:
+        assert len(free) < need
+        after = vouched | {p for p, s in candidates if not book.excluded(p, s, now, spared=spared)}
+        assert len(after) >= need
+    for p, s in candidates:
+        if p in book.excluded_peers(now) or (s != own and book.excluded(p, s, now)):
+            assert book.excluded(p, s, now, spared=spared)
