@@ -8,6 +8,14 @@ encoded size of that shape, values that are NaN or infinite, and values beyond `
 :class:`RemoteProtocolError` with the reason, so the caller drops the peer that sent it. Token ids
 travel as little-endian int32 and must lie in ``[0, vocab)``.
 
+:class:`Wire` is what a run's ``[pipeline]`` sends: the compression alone, or with ``rank`` r > 0 a
+low-rank code (PowerSGD's and Pluralis' idea for activations): a boundary tensor of shape (..., C) is
+taken as the matrix of its n = B*T rows by C columns, truncated to its r largest singular values, and
+sent as two factors, ``U sqrt(S)`` (n x r) then ``sqrt(S) V^T`` (r x C), each coded with the
+compression; the receiver multiplies them back. Its size follows from the shape alone (r*(n + C) values
+instead of n*C: at r = 8, C = 64, about 8x fewer), each factor and the product are checked as above,
+and the error is the truncation's (what the singular values past r held) plus the compression's.
+
 :func:`tolerance` is how far two honest peers' answers to the same micro-batch may differ: each was
 quantized once, so twice the compression's bound, plus a small relative slack for hardware that does
 not compute bit for bit alike.
@@ -16,6 +24,7 @@ not compute bit for bit alike.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,6 +70,101 @@ def decode_tensor(
         if max(-lo, hi) > max_abs:
             raise RemoteProtocolError(f"{what} holds a value of magnitude {max(-lo, hi):.3g} > {max_abs:g}")
     return flat.view(shape)
+
+
+EXACT_SVD = 512  # matrices whose smaller side is at most this are factored exactly; larger: randomized
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How activations and their gradients travel (see the module docstring): ``mode`` for every value,
+    and with ``rank`` > 0 as two low-rank factors."""
+
+    mode: Compression
+    rank: int = 0
+
+    @property
+    def name(self) -> str:
+        """What a request's ``compression`` field says (a server refuses any other)."""
+        return self.mode.value if not self.rank else f"{self.mode.value}+r{self.rank}"
+
+    def _dims(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """``(rows, columns, rank)`` of the low-rank code of ``shape``; None: sent whole."""
+        if not self.rank or len(shape) < 2:
+            return None
+        c = shape[-1]
+        n = numel(shape) // c if c else 0
+        return n, c, min(self.rank, n, c)
+
+    def size(self, shape: tuple[int, ...]) -> int:
+        dims = self._dims(shape)
+        if dims is None:
+            return wire_size(self.mode, shape)
+        n, c, r = dims
+        return encoded_size(self.mode, n * r) + encoded_size(self.mode, r * c)
+
+    def encode(self, x: torch.Tensor) -> bytes | memoryview:
+        dims = self._dims(tuple(x.shape))
+        if dims is None:
+            return encode_tensor(x, self.mode)
+        n, c, r = dims
+        a, b = factor(x.detach().to(torch.float32).reshape(n, c), r)
+        return bytes(encode_tensor(a, self.mode)) + bytes(encode_tensor(b, self.mode))
+
+    def decode(
+        self, buf: bytes | memoryview, shape: tuple[int, ...], max_abs: float, what: str
+    ) -> torch.Tensor:
+        """The tensor of ``shape`` in ``buf``, checked: each factor as :func:`decode_tensor` checks a
+        tensor, then the product (its values within ``max_abs``)."""
+        dims = self._dims(shape)
+        if dims is None:
+            return decode_tensor(buf, self.mode, shape, max_abs, what)
+        n, c, r = dims
+        view = memoryview(buf).cast("B")
+        if len(view) != self.size(shape):
+            raise RemoteProtocolError(f"{what}: {len(view)} bytes, expected {self.size(shape)}")
+        if not 0 < n * c <= MAX_ELEMENTS:
+            raise RemoteProtocolError(f"{what}: {n * c} values is out of bounds")
+        split = encoded_size(self.mode, n * r)
+        a = decode_tensor(view[:split], self.mode, (n, r), max_abs, f"{what}'s left factor")
+        b = decode_tensor(view[split:], self.mode, (r, c), max_abs, f"{what}'s right factor")
+        out = a @ b
+        if not bool(torch.isfinite(out).all()):
+            raise RemoteProtocolError(f"{what}: its factors multiply to values that are not finite")
+        peak = float(out.abs().max()) if out.numel() else 0.0
+        if peak > max_abs:
+            raise RemoteProtocolError(f"{what} holds a value of magnitude {peak:.3g} > {max_abs:g}")
+        return out.view(shape)
+
+    def agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether two honest peers' decoded answers to one micro-batch agree: :func:`agree` for the
+        compression alone; with a rank, within ``LOWRANK_SLACK`` of the answer's largest value (the
+        truncations of two nearly equal matrices differ where their singular values r and r+1 are
+        close: a coarser check, see docs/pipeline.md)."""
+        if not self.rank:
+            return agree(a, b, self.mode)
+        if a.shape != b.shape:
+            return False
+        if not a.numel():
+            return True
+        return float((a - b).abs().max()) <= LOWRANK_SLACK * float(a.abs().max()) + tolerance(a, self.mode)
+
+
+LOWRANK_SLACK = 0.05
+
+
+def factor(m: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U sqrt(S), sqrt(S) V^T)`` of the rank-``r`` truncation of the matrix ``m`` (n x C): exact SVD
+    for matrices up to ``EXACT_SVD`` on their smaller side (the same on every peer for the same input),
+    a randomized one (``torch.svd_lowrank``, 2 power iterations) for larger ones."""
+    if min(m.shape) <= EXACT_SVD:
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        u, s, vh = u[:, :r], s[:r], vh[:r]
+    else:
+        u, s, v = torch.svd_lowrank(m, q=min(r + 8, *m.shape), niter=2)
+        u, s, vh = u[:, :r], s[:r], v[:, :r].T
+    root = s.clamp_min(0).sqrt()
+    return (u * root).contiguous(), (root[:, None] * vh).contiguous()
 
 
 def encode_tokens(idx: torch.Tensor) -> bytes:

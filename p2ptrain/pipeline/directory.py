@@ -23,7 +23,6 @@ from ..errors import RemoteProtocolError
 from ..identity import PeerID
 from ..tasks.gpt import GPTConfig
 from ..wire.codec import pack, unpack
-from . import codec
 from .protocol import StageRecord
 from .settings import PipelineSection
 
@@ -68,7 +67,9 @@ def link_bytes_per_sample(model: GPTConfig, pipeline: PipelineSection) -> list[f
     """Per stage: the bytes one sample moves over a stage peer's link, its boundary activations and
     their gradients (in and out) as the pipeline's compression encodes them, and stage 0's tokens."""
     seq, width = model.block_size, model.n_embd
-    boundary = 2 * codec.wire_size(pipeline.compression, (1, seq, width))  # the activation, its gradient
+    # the activation and its gradient, per sample of a micro-batch (a low-rank code is per micro-batch)
+    b = pipeline.micro_batch
+    boundary = 2 * pipeline.wire.size((b, seq, width)) / b
     out = []
     for s in range(pipeline.num_stages):
         n = 4 * seq if s == 0 else boundary  # stage 0: the tokens in; else the input and its gradient

@@ -322,13 +322,13 @@ class Router:
         a: tuple[Candidate, ForwardResp, bytes | memoryview],
         b: tuple[Candidate, ForwardResp, bytes | memoryview],
     ) -> bool:
-        mode = self.pipeline.compression
+        wire = self.pipeline.wire
         shape = self._out_shape_of(a)
-        ta = codec.decode_tensor(a[2], mode, shape, self.pipeline.max_abs, "")
-        tb = codec.decode_tensor(b[2], mode, shape, self.pipeline.max_abs, "")
+        ta = wire.decode(a[2], shape, self.pipeline.max_abs, "")
+        tb = wire.decode(b[2], shape, self.pipeline.max_abs, "")
         if s == self.stages - 1 and abs(a[1].loss - b[1].loss) > 1e-4 * max(1.0, abs(a[1].loss)):
             return False
-        return codec.agree(ta, tb, mode)
+        return wire.agree(ta, tb)
 
     @staticmethod
     def _out_shape_of(a: tuple[Candidate, ForwardResp, bytes | memoryview]) -> tuple[int, ...]:
@@ -410,10 +410,10 @@ class Router:
         raise GiveUp(f"stage {s}: three peers' backward answers disagree")
 
     def _agree_grads(self, run: _Run, s: int, a: bytes | memoryview, b: bytes | memoryview) -> bool:
-        mode, shape = self.pipeline.compression, self._in_shape(run, s)
-        ta = codec.decode_tensor(a, mode, shape, self.pipeline.max_abs, "")
-        tb = codec.decode_tensor(b, mode, shape, self.pipeline.max_abs, "")
-        return codec.agree(ta, tb, mode)
+        wire, shape = self.pipeline.wire, self._in_shape(run, s)
+        ta = wire.decode(a, shape, self.pipeline.max_abs, "")
+        tb = wire.decode(b, shape, self.pipeline.max_abs, "")
+        return wire.agree(ta, tb)
 
     async def _backward_once(
         self, run: _Run, s: int, g: bytes | memoryview
@@ -453,11 +453,11 @@ class Router:
     async def _call_forward(
         self, run: _Run, s: int, cand: Candidate, h: bytes | memoryview, targets: bytes
     ) -> tuple[ForwardResp, bytes | memoryview]:
-        mode = self.pipeline.compression
-        req = ForwardReq(run.step, s, run.mb, self._in_shape(run, s), mode.value, len(targets) // 4)
+        wire = self.pipeline.wire
+        req = ForwardReq(run.step, s, run.mb, self._in_shape(run, s), wire.name, len(targets) // 4)
         body = bytes(h) + targets if targets else h
         expected = self._out_shape(run, s)
-        limit = codec.wire_size(mode, expected)
+        limit = wire.size(expected)
 
         async def remote() -> tuple[ForwardResp, bytes | memoryview]:
             conn = await self.host.connect(cand.address, timeout=self.pipeline.timeout)
@@ -476,7 +476,7 @@ class Router:
         if tuple(resp.shape) != expected:
             raise _Garbage(f"stage {s} answered with shape {tuple(resp.shape)}, expected {expected}")
         try:
-            codec.decode_tensor(out, mode, expected, self.pipeline.max_abs, f"stage {s}'s answer")
+            wire.decode(out, expected, self.pipeline.max_abs, f"stage {s}'s answer")
         except RemoteProtocolError as e:
             raise _Garbage(str(e)) from None
         if s == self.stages - 1 and not resp.loss >= 0:
@@ -486,10 +486,10 @@ class Router:
     async def _call_backward(
         self, run: _Run, s: int, cand: Candidate, g: bytes | memoryview
     ) -> bytes | memoryview:
-        mode = self.pipeline.compression
-        req = BackwardReq(run.step, s, run.mb, (run.batch, run.seq, self.model.n_embd), mode.value)
+        wire = self.pipeline.wire
+        req = BackwardReq(run.step, s, run.mb, (run.batch, run.seq, self.model.n_embd), wire.name)
         expected: tuple[int, ...] = () if s == 0 else self._in_shape(run, s)
-        limit = codec.wire_size(mode, expected) if expected else 0
+        limit = wire.size(expected) if expected else 0
 
         async def remote() -> tuple[ForwardResp, bytes | memoryview]:
             conn = await self.host.connect(cand.address, timeout=self.pipeline.timeout)
@@ -513,7 +513,7 @@ class Router:
             )
         if expected:
             try:
-                codec.decode_tensor(out, mode, expected, self.pipeline.max_abs, f"stage {s}'s input gradient")
+                wire.decode(out, expected, self.pipeline.max_abs, f"stage {s}'s input gradient")
             except RemoteProtocolError as e:
                 raise _Garbage(str(e)) from None
         elif len(memoryview(out)):

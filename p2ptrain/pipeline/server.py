@@ -350,8 +350,8 @@ class StageServer:
     def _check_forward(self, peer: PeerID, req: ForwardReq) -> int:
         """The request's body size, once the request is one this stage serves now; else CallRefused."""
         self._admit(req.step, req.stage)
-        if req.compression != self.pipeline.compression.value:
-            raise CallRefused("bad_request", f"this run sends {self.pipeline.compression.value} activations")
+        if req.compression != self.pipeline.wire.name:
+            raise CallRefused("bad_request", f"this run sends {self.pipeline.wire.name} activations")
         shape = self._input_shape(req.shape)
         if len(req.mb) != MB_ID_BYTES:
             raise CallRefused("bad_request", f"a micro-batch id is {MB_ID_BYTES} bytes")
@@ -364,36 +364,37 @@ class StageServer:
             raise CallRefused(
                 "bad_request", f"stage {self.index} takes {n_targets} targets, not {req.targets}"
             )
-        mode = self.pipeline.compression
-        in_bytes = 4 * codec.numel(shape) if self.stage.is_first else codec.wire_size(mode, shape)
+        in_bytes = 4 * codec.numel(shape) if self.stage.is_first else self.pipeline.wire.size(shape)
         return in_bytes + 4 * n_targets
 
     def _check_backward(self, peer: PeerID, req: BackwardReq) -> int:
         self._admit(req.step, req.stage)
         if self.stage.is_last:
             raise CallRefused("bad_request", "the last stage's backward comes with its forward")
+        if req.compression != self.pipeline.wire.name:
+            raise CallRefused("bad_request", f"this run sends {self.pipeline.wire.name} gradients")
         held = self._held.get((peer, req.mb))
         if held is None or held.y is None:
             raise CallRefused(UNKNOWN_MB, "no forward of that micro-batch is held here")
         expected = tuple(held.y.shape)
         if tuple(req.shape) != expected:
             raise CallRefused("bad_request", f"the output gradient must have shape {expected}")
-        return codec.wire_size(self.pipeline.compression, expected)
+        return self.pipeline.wire.size(expected)
 
     async def _forward(
         self, peer: PeerID, req: ForwardReq, body: bytes | memoryview
     ) -> tuple[ForwardResp, bytes | memoryview]:
         if self.fault is not None:
             await self.fault("forward")
-        mode, shape = self.pipeline.compression, tuple(req.shape)
-        in_bytes = 4 * codec.numel(shape) if self.stage.is_first else codec.wire_size(mode, shape)
+        wire, shape = self.pipeline.wire, tuple(req.shape)
+        in_bytes = 4 * codec.numel(shape) if self.stage.is_first else wire.size(shape)
         view = memoryview(body).cast("B")
         what = f"stage {self.index}'s input from {peer.short()}"
         x: torch.Tensor
         if self.stage.is_first:
             x = codec.decode_tokens(view[:in_bytes], shape, self.stage.config.vocab_size, what)
         else:
-            x = codec.decode_tensor(view[:in_bytes], mode, shape, self.pipeline.max_abs, what)
+            x = wire.decode(view[:in_bytes], shape, self.pipeline.max_abs, what)
             x.requires_grad_(True)
         held = _Held(req.step, shape[0], self._clock(), x=x)
         out: dict[str, torch.Tensor] = {}
@@ -428,7 +429,7 @@ class StageServer:
         self._held[(peer, req.mb)] = held
         self.stats.forwards += 1
         loss = float(out["loss"]) if "loss" in out else 0.0
-        return ForwardResp(tuple(result.shape), loss), codec.encode_tensor(result, mode)
+        return ForwardResp(tuple(result.shape), loss), wire.encode(result)
 
     async def _backward(
         self, peer: PeerID, req: BackwardReq, body: bytes | memoryview
@@ -438,9 +439,9 @@ class StageServer:
         held = self._held.get((peer, req.mb))
         if held is None or held.y is None or held.x is None:  # (taken meanwhile: a duplicate call)
             raise CallRefused(UNKNOWN_MB, "no forward of that micro-batch is held here")
-        mode = self.pipeline.compression
+        wire = self.pipeline.wire
         what = f"stage {self.index}'s output gradient from {peer.short()}"
-        g = codec.decode_tensor(body, mode, tuple(held.y.shape), self.pipeline.max_abs, what)
+        g = wire.decode(body, tuple(held.y.shape), self.pipeline.max_abs, what)
         x, y = held.x, held.y
         held.y = None  # one backward per forward: a second call finds nothing
         inputs = self.params if self.stage.is_first else [x, *self.params]
@@ -459,7 +460,7 @@ class StageServer:
         self.stats.backwards += 1
         if dx is None:
             return BackwardResp(()), b""
-        return BackwardResp(tuple(dx.shape)), codec.encode_tensor(dx, mode)
+        return BackwardResp(tuple(dx.shape)), wire.encode(dx)
 
     async def _on_commit(self, ctx: CallContext, req: CommitReq) -> CommitResp:
         return self._commit(ctx.peer, req)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..averaging.compression import DENSE, Compression, parse_compression
 from ..errors import ConfigError
+from .codec import Wire
 
 MAX_STAGES = 64
 
@@ -38,6 +39,9 @@ class PipelineSection:
     max_abs: float = 1e4  # an activation or gradient value beyond this magnitude is garbage
     # training.mode = "diloco": inner steps between a stage's outer averages (DiLoCo's H)
     local_steps: int = 8
+    # > 0: activations and their gradients travel as rank-r factors, each coded with ``compression``
+    # (``codec.Wire``); 0: whole
+    rank: int = 0
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -54,12 +58,19 @@ class PipelineSection:
         _check(0 <= self.retries <= 16, "retries", "must be between 0 and 16")
         _check(math.isfinite(self.max_abs) and self.max_abs > 0, "max_abs", "must be positive")
         _check(1 <= self.local_steps <= 100_000, "local_steps", "must be between 1 and 100000")
+        ok = isinstance(self.rank, int) and not isinstance(self.rank, bool)
+        _check(ok and 0 <= self.rank <= 4096, "rank", "must be an integer between 0 and 4096")
         try:
             mode = parse_compression(self.compression)
         except ValueError as e:
             raise ConfigError(f"pipeline.compression: {e}") from None
         _check(mode in DENSE, "compression", "must be none, fp16, bf16 or int8 (top-k drops activations)")
         object.__setattr__(self, "compression", mode)
+
+    @property
+    def wire(self) -> Wire:
+        """How activations and their gradients travel (``codec.Wire``)."""
+        return Wire(self.compression, self.rank)
 
     @property
     def enabled(self) -> bool:

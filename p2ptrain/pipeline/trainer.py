@@ -297,6 +297,8 @@ class PipelineTrainer:
         try:
             await self.take_stage()
             task_status.started()
+            if self.peer.server is None:  # stopped before it served (a signal during its download)
+                return
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(peer.keep_fresh)
                 await self._loop()

@@ -20,8 +20,9 @@ Reported:
   step (no overlap of network and compute: a bound), and ``bubble_bound`` is that time's share. Also,
   per stage, the share of steps in which it was the bottleneck (the most compute seconds).
 * **activation bytes per token** through a caller's link (activations and gradients relay through the
-  caller), measured with int8 (what the callers sent and received), and computed exactly from the wire
-  format for float32 and int8.
+  caller), measured (what the callers sent and received: int8, or with ``--rank R`` int8 rank-R
+  factors, ``pipeline.rank``), and computed exactly from the wire format for float32, int8 and the
+  rank-R code.
 * the largest share of the parameters one peer holds (target: at most ~30%).
 
 Usage::
@@ -53,7 +54,7 @@ from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.compression import Compression
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork
-from p2ptrain.pipeline import codec
+from p2ptrain.pipeline.codec import Wire
 from p2ptrain.pipeline.peer import PipelinePeer, StepReport
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.stages import Stage, stage_loss
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--rate-mbit", type=float, default=100.0)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--rank", type=int, default=0, help="pipeline.rank: low-rank activations (0: int8 alone)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--json", default=str(RESULTS / "pipeline.json"))
@@ -120,7 +122,11 @@ def data_parallel(
 async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any) -> dict[str, Any]:
     bounds = tuple(round(i * args.layers / args.stages) for i in range(args.stages))
     pipeline = PipelineSection(
-        stages=bounds, micro_batch=args.micro_batch, compression=Compression.INT8, timeout=30.0
+        stages=bounds,
+        micro_batch=args.micro_batch,
+        compression=Compression.INT8,
+        timeout=30.0,
+        rank=args.rank,
     )
     link = LinkProfile(latency=args.latency_ms / 1000, bandwidth=args.rate_mbit * 1e6 / 8)
     net = MemoryNetwork(seed=1, default=link)
@@ -234,10 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     # Through the caller's link per micro-batch: each boundary's activation comes from one stage and
     # goes to the next, and its gradient likewise back (4 crossings of the caller's link); the token
     # ids go to stage 0 and the targets to the last stage (int32).
+    wires = {"none": Wire(Compression.NONE), "int8": Wire(Compression.INT8)}
+    if args.rank:
+        wires[f"int8+r{args.rank}"] = Wire(Compression.INT8, args.rank)
     per_mb = {
-        mode.value: 4 * (args.stages - 1) * codec.wire_size(mode, shape)
-        + 2 * 4 * args.micro_batch * args.block
-        for mode in (Compression.NONE, Compression.INT8)
+        name: 4 * (args.stages - 1) * wire.size(shape) + 2 * 4 * args.micro_batch * args.block
+        for name, wire in wires.items()
     }
     # (tokens go to stage 0 and, as targets, to the last; each boundary carries the activation forward
     # and its gradient back)
@@ -272,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         "estimated_samples_s": round(samples / (ideal + protocol), 2),
         "bubble_bound": round(protocol / (ideal + protocol), 3),
         "bottleneck_share": [round(b / args.steps, 2) for b in bottleneck],
-        "activation_bytes_per_token_int8_measured": round(sent / tokens, 1),
+        "rank": args.rank,
+        "activation_bytes_per_token_measured": round(sent / tokens, 1),
         "activation_bytes_per_token": {
             m: round(b / (args.micro_batch * args.block), 1) for m, b in per_mb.items()
         },
@@ -302,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         ),
         ("bottleneck share per stage", str(report["bottleneck_share"])),
         (
-            "activation bytes/token: fp32 / int8 (measured int8)",
-            f"{abpt['none']} / {abpt['int8']} ({report['activation_bytes_per_token_int8_measured']})",
+            "activation bytes/token: " + " / ".join(abpt) + " (measured)",
+            " / ".join(str(v) for v in abpt.values()) + f" ({report['activation_bytes_per_token_measured']})",
         ),
         ("largest stage's share of the parameters", f"{report['largest_stage_share']:.0%}"),
         ("stage peers hold identical weights", str(run["identical"])),

@@ -111,6 +111,7 @@ DEFAULTS = {
     "pipeline.retries": 3,
     "pipeline.max_abs": 1e4,
     "pipeline.local_steps": 8,
+    "pipeline.rank": 0,
     "node.listen": (("0.0.0.0", 31337),),
     "node.announce": None,
     "node.source_address": "",
