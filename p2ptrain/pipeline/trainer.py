@@ -249,6 +249,8 @@ class PipelineTrainer:
                     if peer.server is not None and not fresh:
                         log.warning("stage %d has no peer to download its state from: not moving", stage)
                         return
+                    if saved is None:
+                        saved = self._kept(stage)
                     if saved is not None:
                         now = max((p.record.step for p in peer.directory), default=saved.step)
                         log.warning(
@@ -371,6 +373,7 @@ class PipelineTrainer:
                 return False
         self._settled = peer.step_number + SETTLE_STEPS
         log.warning("moving from stage %d to stage %d: %s", peer.stage.index, stage, why)
+        self._keep(peer.stage.index)
         self.moves += 1
         peer.why = why
         await self._download_and_join(stage, fresh=bool(peer.empty_stages))
@@ -400,6 +403,27 @@ class PipelineTrainer:
             peer.step_number = swarm
             peer.server.open_step(swarm)
             self.rounds["synced"] += 1
+
+    def _kept_path(self, stage: int) -> Path | None:
+        return self.checkpoint.with_name(f"stage-{stage}.ckpt") if self.checkpoint is not None else None
+
+    def _keep(self, stage: int) -> None:
+        """Before a move: this peer's state of the stage it leaves, kept on its disk (``stage-N.ckpt``):
+        if that stage later loses every peer and this one refills it, it restores that instead of
+        starting the stage from the run's initial weights."""
+        path, peer = self._kept_path(stage), self.peer
+        if path is None or peer.server is None or peer.optimizer is None:
+            return
+        try:
+            save_checkpoint(path, stage, peer.state_snapshot())
+        except (OSError, ValueError) as e:
+            log.warning("cannot keep stage %d's state in %s: %s", stage, path, e)
+
+    def _kept(self, stage: int) -> Snapshot | None:
+        """This peer's kept state of ``stage`` (see :meth:`_keep`), if it has one."""
+        path = self._kept_path(stage)
+        saved = load_checkpoint(path) if path is not None else None
+        return saved[1] if saved is not None and saved[0] == stage else None
 
     def _save_checkpoint(self, *, now: bool = False) -> None:
         """This peer's stage state on its disk every ``checkpoint.every_steps`` steps (and at a stop)."""

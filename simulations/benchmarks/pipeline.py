@@ -23,6 +23,11 @@ Reported:
   caller), measured (what the callers sent and received: int8, or with ``--rank R`` int8 rank-R
   factors, ``pipeline.rank``), and computed exactly from the wire format for float32, int8 and the
   rank-R code.
+
+``--diloco H``: each stage's peers run DiLoCo (``training.mode = "diloco"``, ``pipeline.local_steps``
+H): inner AdamW steps alone, an outer average every H steps; the data-parallel reference stays
+synchronous, so the gap is DiLoCo per stage against sync at equal tokens (end on a multiple of H: the
+weights evaluated are then the outer step's).
 * the largest share of the parameters one peer holds (target: at most ~30%).
 
 Usage::
@@ -52,6 +57,7 @@ import trio.testing
 from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.compression import Compression
+from p2ptrain.config import DilocoSection
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork
 from p2ptrain.pipeline.codec import Wire
@@ -80,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate-mbit", type=float, default=100.0)
     ap.add_argument("--latency-ms", type=float, default=50.0)
     ap.add_argument("--rank", type=int, default=0, help="pipeline.rank: low-rank activations (0: int8 alone)")
+    ap.add_argument(
+        "--diloco", type=int, default=0, help="DiLoCo per stage with this many local steps (0: sync)"
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--json", default=str(RESULTS / "pipeline.json"))
@@ -127,6 +136,7 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
         compression=Compression.INT8,
         timeout=30.0,
         rank=args.rank,
+        local_steps=max(1, args.diloco),
     )
     link = LinkProfile(latency=args.latency_ms / 1000, bandwidth=args.rate_mbit * 1e6 / 8)
     net = MemoryNetwork(seed=1, default=link)
@@ -152,7 +162,16 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
             await nursery.start(node.run)
             await node.dht.bootstrapped.wait()
             nodes.append(node)
-            peer = PipelinePeer(node, pipeline, model_cfg, seed=SEED, lr=args.lr, rng=random.Random(i))
+            peer = PipelinePeer(
+                node,
+                pipeline,
+                model_cfg,
+                seed=SEED,
+                lr=args.lr,
+                rng=random.Random(i),
+                diloco=DilocoSection() if args.diloco else None,
+                local_steps=max(1, args.diloco),
+            )
             await nursery.start(peer.run)  # joins: takes the stage that limits the swarm
             peers.append(peer)
         for _ in range(20):  # until every peer's directory lists every peer (a few reads at most)
@@ -281,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         "bubble_bound": round(protocol / (ideal + protocol), 3),
         "bottleneck_share": [round(b / args.steps, 2) for b in bottleneck],
         "rank": args.rank,
+        "diloco_local_steps": args.diloco,
         "activation_bytes_per_token_measured": round(sent / tokens, 1),
         "activation_bytes_per_token": {
             m: round(b / (args.micro_batch * args.block), 1) for m, b in per_mb.items()

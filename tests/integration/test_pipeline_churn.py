@@ -21,10 +21,13 @@ import trio
 from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.compression import Compression
+from p2ptrain.config import parse_config
 from p2ptrain.pipeline.catchup import behind, download_state
 from p2ptrain.pipeline.peer import PipelinePeer
 from p2ptrain.pipeline.settings import PipelineSection
+from p2ptrain.pipeline.trainer import PipelineOptions, PipelineTrainer
 from p2ptrain.pipeline.transfer import state_size
+from p2ptrain.tasks import load_task
 from tests.harness.identities import identity
 from tests.integration.test_pipeline import (
     MODEL,
@@ -142,3 +145,35 @@ async def test_a_restarted_peer_its_mates_do_not_know_yet_sits_out_without_waiti
         assert all(r.average.applied and r.given_up == 0 for r in others)
         assert all(r.average.applied and r.average.members == 2 for r in then)
         assert_stage_weights_identical(swarm)
+
+
+async def test_a_stage_left_empty_is_refilled_from_a_kept_state_not_from_scratch(autojump_clock, tmp_path):
+    """A peer that served a stage before it moved keeps that stage's state on its disk: when the stage
+    later loses every peer and this one refills it, it restores that state (said in a warning), not the
+    run's initial weights."""
+    config = parse_config(
+        {
+            "task": {"name": "tiny-gpt", "options": {"n_layer": 4, "n_head": 2, "n_embd": 32}},
+            "pipeline": {"stages": [0, 2], "micro_batch": 4, "timeout": TIMEOUT},
+        }
+    )
+    task = load_task("tiny-gpt", {"n_layer": 4, "n_head": 2, "n_embd": 32, "max_bytes": 50_000})
+    async with pipeline_swarm(PIPELINE, [0, 1, 1]) as swarm:
+        with trio.fail_after(300):
+            await run_steps(swarm, 2, 1, 4)
+            mover = swarm.peers[2]
+            trainer = PipelineTrainer(mover.node, config, task, PipelineOptions(data_dir=tmp_path))
+            trainer.peer = mover  # (the swarm's peer: the trainer's rules act on it)
+            trained = mover.weights_digest()
+            trainer._keep(1)  # (what a move away from stage 1 does first)
+            await mover.join(0)  # it moved to stage 0 (its state of it does not matter here)
+            await swarm.peers[1].leave()  # stage 1's last other peer leaves for good
+            swarm.kill(1)
+            await trio.sleep(5 * mover.interval)  # (its entry is forgotten after 4 reads without it)
+            for p in swarm.alive():
+                await p.refresh()
+            assert 1 in mover.empty_stages
+            await trainer._download_and_join(1)
+        assert mover.stage.index == 1
+        assert mover.weights_digest() == trained  # the kept state, not the initial weights
+        assert mover.step_number == 2
