@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -117,6 +118,8 @@ def train_node(args: argparse.Namespace) -> int:
     if launched is False:
         return 0  # (a rank other than 0 of a torchrun site: it followed rank 0 until it stopped)
     site = launched if isinstance(launched, tuple) else None
+    # torchrun restarted the site (a rank failed; ``--max-restarts``): it resumes its last checkpoint
+    resume = args.resume or (site is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
     identity = node_identity(settings)
     data_dir = data_folder(settings)
     node_config_ = node_config(
@@ -153,7 +156,7 @@ def train_node(args: argparse.Namespace) -> int:
     options = TrainerOptions(
         device=devices[0],
         data_dir=data_dir,
-        resume=args.resume,
+        resume=resume,
         max_steps=args.max_steps,
         duration=args.duration,
         slowdown=args.slowdown,

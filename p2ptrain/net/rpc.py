@@ -105,6 +105,14 @@ class RpcRegistry:
             raise LocalProtocolError(f"method {method.name!r} is not registered")
         self._methods[method.name] = _Registered(method, handler)
 
+    def release(self, owner: object) -> list[str]:
+        """Stop serving the methods whose handlers are bound methods of ``owner`` (a component that
+        ended, so that one built in its place may serve them); returns their names."""
+        names = [name for name, r in self._methods.items() if getattr(r.handler, "__self__", None) is owner]
+        for name in names:
+            del self._methods[name]
+        return names
+
     def _add(self, method: Method[Any, Any], handler: Callable[..., Awaitable[Any]]) -> None:
         if method.name in self._methods:
             raise LocalProtocolError(f"method {method.name!r} is already registered")

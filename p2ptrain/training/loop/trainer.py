@@ -38,7 +38,7 @@ from ...config import RunConfig
 from ...identity import PeerID
 from ...node import Node
 from ...tasks import Task
-from ..optimizer.collaborative import CollaborativeOptimizer
+from ..optimizer.collaborative import CollaborativeOptimizer, Parts
 from ..state import checkpoint
 from .data_swarm import reading_for
 from .trackers import Tracker, open_tracker, scalars
@@ -96,6 +96,30 @@ class TrainerOptions:
     on_download_progress: Callable[[int, int], None] | None = None
 
 
+@dataclass(frozen=True)
+class TrainerParts:
+    """What a ``Trainer`` trains, built by its caller: the model, its (inner) optimizer, and what the
+    collaborative optimizer builds its model-sized state from when the model is not held whole
+    (``collaborative.Parts``; None: the usual parts)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    optimizer_parts: Parts | None = None
+
+
+def default_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
+    """The run's AdamW over ``model``'s trainable parameters (every peer's, sharded or not): weight decay
+    on matrices only."""
+    t = config.training
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(0.9, 0.95),
+    )
+
+
 class Trainer:
     """Trains the task's model with the swarm; see the module docstring."""
 
@@ -107,7 +131,11 @@ class Trainer:
         options: TrainerOptions | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        parts: TrainerParts | None = None,
     ) -> None:
+        """``parts``: the model and optimizer to train, from a caller that builds them its own way (a
+        sharded site: ``training.site.node``); None: the task's model, built whole from the run's seed,
+        and the run's AdamW (:func:`default_optimizer`)."""
         self.node, self.config, self.task = node, config, task
         self.options = options or TrainerOptions()
         if not (math.isfinite(self.options.slowdown) and self.options.slowdown >= 1):
@@ -115,30 +143,13 @@ class Trainer:
         self.clock = clock
         self.device = torch.device(self.options.device)
         t = config.training
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        torch.manual_seed(config.run.seed)  # every peer builds the same initial weights
-        self.model = task.model().to(self.device)
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr,
-            betas=(0.9, 0.95),
-        )
-        # Sync mode on one worker: each backward adds samples x its mean gradient straight into the
-        # swarm's accumulator (the parameters' .grad), no separate gradient tensor. (Local workers hand
-        # over their mean gradient instead.)
-        self.summed = t.mode == "sync" and self.options.local is None
-        self.opt = CollaborativeOptimizer(
-            node,
-            self.model,
-            self.optimizer,
-            config,
-            clock=clock,
-            summed_grads=self.summed,
-            on_download_progress=self.options.on_download_progress,
-        )
+        if parts is None:
+            if t.threads:
+                torch.set_num_threads(t.threads)
+            torch.manual_seed(config.run.seed)  # every peer builds the same initial weights
+            model = task.model().to(self.device)
+            parts = TrainerParts(model, default_optimizer(model, config))
+        self._take(parts)
         self.max_steps = t.max_steps if self.options.max_steps is None else self.options.max_steps
         self.loss: float | None = None  # smoothed training loss
         self.val_loss: float | None = None
@@ -150,6 +161,26 @@ class Trainer:
         self._stop_requested = False
         self.tracker: Tracker | None = None
         self.node.status_sections["training"] = self.status
+
+    def _take(self, parts: TrainerParts) -> None:
+        """Train ``parts``: its model and optimizer, and a collaborative optimizer built over them (with
+        its ``optimizer_parts`` where the model is not held whole). A sharded site calls it again with
+        the parts of its group's next generation (``training.site``)."""
+        self.model, self.optimizer = parts.model, parts.optimizer
+        # Sync mode on one worker: each backward adds samples x its mean gradient straight into the
+        # swarm's accumulator (the parameters' .grad), no separate gradient tensor. (Local workers hand
+        # over their mean gradient instead.)
+        self.summed = self.config.training.mode == "sync" and self.options.local is None
+        self.opt = CollaborativeOptimizer(
+            self.node,
+            self.model,
+            self.optimizer,
+            self.config,
+            clock=self.clock,
+            summed_grads=self.summed,
+            on_download_progress=self.options.on_download_progress,
+            parts=parts.optimizer_parts,
+        )
 
     @property
     def checkpoints(self) -> Path | None:
@@ -169,32 +200,37 @@ class Trainer:
         self.tracker = open_tracker(
             self.options.tracker, folder, f"{self.config.run.id}-{self.node.peer_id.short()}", params
         )
+        try:
+            await self._session(batches, task_status)
+        finally:  # no await here: this runs even when cancelled
+            self.finished = True
+            self.save_checkpoint()
+            self._write_metrics({"event": "stopped", **self.status()})
+            if self.tracker is not None:
+                self.tracker.close()
+            if self.options.local is not None:
+                self.options.local.close()
+
+    async def _session(self, batches: Iterator[Any], task_status: trio.TaskStatus[None]) -> None:
+        """The collaborative optimizer's tasks and the training loop, to the end of training (then the
+        drain, the last digest, leaving the swarm's records)."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.opt.run)
             task_status.started()
-            try:
-                if self.options.local is not None:  # after a resume: the workers start from its weights
-                    await trio.to_thread.run_sync(self.options.local.start, self.model, self._data_seed())
-                if self.options.wait_peers > 1:
-                    log.info("waiting for %d peers to start together", self.options.wait_peers)
-                    seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
-                    log.info("%d peer(s) in the run: starting", seen)
-                with reading_for(self.node, self.options.data_dir, self.opt.trusted):
-                    await self._loop(batches)
-                await self._drain()
-                # The last step's digest, hashed in a thread for a large state: the final metrics line
-                # names it (it was "" there, and `simulate` took the peers for diverged).
-                with trio.move_on_after(DIGEST_WAIT):
-                    await self.opt.hashed_digest()
-                await self.opt.leave()
-            finally:  # no await here: this runs even when cancelled
-                self.finished = True
-                self.save_checkpoint()
-                self._write_metrics({"event": "stopped", **self.status()})
-                if self.tracker is not None:
-                    self.tracker.close()
-                if self.options.local is not None:
-                    self.options.local.close()
+            if self.options.local is not None:  # after a resume: the workers start from its weights
+                await trio.to_thread.run_sync(self.options.local.start, self.model, self._data_seed())
+            if self.options.wait_peers > 1:
+                log.info("waiting for %d peers to start together", self.options.wait_peers)
+                seen = await self.opt.wait_for_peers(self.options.wait_peers, self.options.wait_timeout)
+                log.info("%d peer(s) in the run: starting", seen)
+            with reading_for(self.node, self.options.data_dir, self.opt.trusted):
+                await self._loop(batches)
+            await self._drain()
+            # The last step's digest, hashed in a thread for a large state: the final metrics line
+            # names it (it was "" there, and `simulate` took the peers for diverged).
+            with trio.move_on_after(DIGEST_WAIT):
+                await self.opt.hashed_digest()
+            await self.opt.leave()
             nursery.cancel_scope.cancel()
 
     async def _loop(self, batches: Iterator[Any]) -> None:

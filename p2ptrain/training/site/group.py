@@ -14,6 +14,11 @@ call had done on some ranks (a landing that stepped two ranks of three) is gone 
 ever goes on from half a step. Meanwhile the node is still in the swarm: the round the site was in is
 aborted on its side, exactly as a round that failed on an unsharded peer.
 
+A live node's site (``node.SiteTrainer``) runs its collectives where the training loop and the
+collaborative optimizer need them, not inside one ``call``: when something raises there,
+:meth:`SiteGroup.failure` says whether the group broke, and :meth:`SiteGroup.restart` starts the next
+generation; the node then builds the site's parts anew and resumes.
+
 After ``max_restarts`` failures within ``window`` seconds, :class:`GroupRestarted` says so and the group
 stays down (:attr:`SiteGroup.up` is False): the site stops training rather than restart forever.
 """
@@ -74,6 +79,13 @@ def _worker(
         fn(rank, world, generation, Commands(rank, store=store), *args)
     finally:
         dist.destroy_process_group()
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """``error``'s leaves (an exception group's, its causes')."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error] + (_leaves(error.__cause__) if error.__cause__ is not None else [])
 
 
 class SiteGroup:
@@ -151,13 +163,43 @@ class SiteGroup:
         try:
             result = action()
         except (RuntimeError, dist.DistError) as e:  # gloo: a rank's connection closed, or a timeout
-            self._restart(f"{type(e).__name__}: {e}")
-        dead = [p for p in self._procs if not p.is_alive()]
-        if dead:
-            self._restart(f"rank process {dead[0].pid} exited with {dead[0].exitcode}")
+            self.restart(f"{type(e).__name__}: {e}")
+            raise GroupRestarted(
+                f"generation {self.generation - 1} failed ({type(e).__name__}: {e}); generation"
+                f" {self.generation} is up"
+            ) from e
+        gone = self.dead()
+        if gone is not None:
+            self.restart(gone)
+            raise GroupRestarted(
+                f"generation {self.generation - 1} failed ({gone}); generation {self.generation} is up"
+            )
         return result
 
-    def _restart(self, reason: str) -> None:
+    def dead(self) -> str | None:
+        """Which rank's process is gone, if one is (None while all of them run)."""
+        for rank, p in enumerate(self._procs, start=1):
+            if not p.is_alive():
+                return f"rank {rank}'s process {p.pid} exited with {p.exitcode}"
+        return None
+
+    def failure(self, error: BaseException) -> str | None:
+        """Why ``error``, raised on rank 0 while it worked with the group, means that the group broke: a
+        rank's process is gone, or a collective failed (gloo raises a ``DistError`` when a rank's
+        connection drops, or when a hung rank runs into the group's timeout); None when it is not the
+        group's (rank 0's own error: it is raised on)."""
+        gone = self.dead()
+        if gone is not None:
+            return gone
+        for leaf in _leaves(error):
+            if isinstance(leaf, dist.DistError):
+                return f"{type(leaf).__name__}: {leaf}"
+        return None
+
+    def restart(self, reason: str) -> None:
+        """Every rank killed, the process group destroyed, a new generation started (rank 0 joins it);
+        :class:`GroupRestarted` instead when this is failure ``max_restarts + 1`` within ``window``
+        seconds: the group stays down."""
         now = time.monotonic()
         self.failures = [t for t in self.failures if now - t < self.window] + [now]
         log.warning("site group generation %d failed (%s): restarting it", self.generation, reason)
@@ -168,9 +210,6 @@ class SiteGroup:
                 " group stays down"
             )
         self.start()
-        raise GroupRestarted(
-            f"generation {self.generation - 1} failed ({reason}); generation {self.generation} is up"
-        )
 
     def _teardown(self) -> None:
         for p in self._procs:

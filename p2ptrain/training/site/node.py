@@ -18,6 +18,7 @@ shared by all of them.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -28,16 +29,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import trio
 
-from ...config import RunConfig, TrainingSection
+from ...config import RunConfig
 from ...node import Node
 from ...tasks import Task, load_task
-from ..loop.trainer import Trainer, TrainerOptions
-from ..optimizer.collaborative import CollaborativeOptimizer
+from ..loop.trainer import Trainer, TrainerOptions, TrainerParts, default_optimizer
 from . import checkpoint
 from .commands import Command, Commands, Op
 from .group import SiteGroup
-from .peer import SiteRank, check_run
+from .peer import SiteRank, SiteState, check_run
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,15 @@ def shard_model(model: torch.nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def inner_optimizer(model: torch.nn.Module, t: TrainingSection) -> torch.optim.AdamW:
+def inner_optimizer(model: torch.nn.Module, config: RunConfig) -> torch.optim.AdamW:
     """The inner AdamW every peer of a run uses (the node's ``Trainer``'s), over the site's shards."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr,
-        betas=(0.9, 0.95),
-    )
+    return default_optimizer(model, config)
+
+
+def site_parts(site: SiteRank) -> TrainerParts:
+    """What the node's ``Trainer`` trains on a site's rank 0: its shards, its inner optimizer, and the
+    collaborative optimizer's site parts (``SiteRank.parts``)."""
+    return TrainerParts(site.model, site.optimizer, site.parts())
 
 
 def build_rank(config: RunConfig, task: Task, commands: Commands, world: int, device: str) -> SiteRank:
@@ -89,9 +90,7 @@ def build_rank(config: RunConfig, task: Task, commands: Commands, world: int, de
     model = task.model()  # (whole for a moment, as on every peer, then sharded)
     shard_model(model, init_device_mesh(torch.device(device).type, (world,)))
     model.to(device)
-    return SiteRank(
-        model, inner_optimizer(model, config.training), config, commands, world=world, device=device
-    )
+    return SiteRank(model, inner_optimizer(model, config), config, commands, world=world, device=device)
 
 
 def evaluate(model: torch.nn.Module, task: Task, config: RunConfig, device: str) -> float:
@@ -155,22 +154,27 @@ def rank_main(
 
 class SiteWorkers:
     """The training loop's view of the other ranks (``trainer.LocalWorkers``): each batch is every
-    rank's, the gradients stay where FSDP2 reduce-scattered them."""
+    rank's, the gradients stay where FSDP2 reduce-scattered them. ``inner_steps()``: the inner step the
+    next batch is for (the collaborative optimizer's count)."""
 
-    def __init__(self, site: SiteRank, task: Task, group: SiteGroup | None) -> None:
-        self.site, self.task, self.group = site, task, group
-        self.opt: CollaborativeOptimizer | None = None  # (set once built: it counts the inner steps)
+    def __init__(
+        self, site: SiteRank, task: Task, group: SiteGroup | None, inner_steps: Callable[[], int]
+    ) -> None:
+        self.site, self.task, self.group, self.inner_steps = site, task, group, inner_steps
 
     def backward(
         self, model: torch.nn.Module, compute: Callable[[Any], float], batch: Any
     ) -> tuple[float, int]:
-        assert self.opt is not None
         self.site.busy()
-        self.site.commands.send(Command(Op.TRAIN, self.opt.inner_steps))
+        self.site.commands.send(Command(Op.TRAIN, self.inner_steps()))
         loss = compute(batch)
         return loss, self.task.samples(batch) * self.site.world  # (every rank's batch has its size)
 
     def start(self, model: torch.nn.Module, data_seed: int) -> bool:
+        generation = self.group.generation if self.group is not None else 1
+        if generation > 1:  # (a restarted group's ranks do not draw their predecessors' batches again)
+            h = hashlib.blake2b(f"{data_seed}/{generation}".encode(), digest_size=8)
+            data_seed = int.from_bytes(h.digest(), "little") & (2**62 - 1)
         self.site.commands.send(Command(Op.SEED, (data_seed >> 31) & (2**31 - 1), data_seed & (2**31 - 1)))
         return True
 
@@ -178,6 +182,7 @@ class SiteWorkers:
         return {
             "ranks": self.site.world,
             "generation": self.group.generation if self.group is not None else 1,
+            "restarts": self.group.generation - 1 if self.group is not None else 0,
             "shard_elements": self.site.layout.shard_numel(0),
         }
 
@@ -192,9 +197,21 @@ class SiteWorkers:
 
 
 class SiteTrainer(Trainer):
-    """The node's training loop on a site's rank 0: the site's FSDP2 model and optimizer, the
-    collaborative optimizer built from the site's parts, each batch every rank's, evaluation and
-    checkpoints collectives of the site."""
+    """The node's training loop on a site's rank 0: the node's ``Trainer`` over the site's parts (its
+    FSDP2 model and inner optimizer, the collaborative optimizer's site parts), each batch every rank's,
+    evaluation and checkpoints collectives of the site.
+
+    A rank that fails (one host: ``SiteGroup``) does not end the node. Whatever raised on rank 0 while
+    the group was broken (a collective of a batch, a round's pieces, a hash, a checkpoint) ends the
+    training session, not the node: :meth:`_recover` restarts the group (a new generation of ranks),
+    builds the site's parts anew on it, resumes from the site's last checkpoint (or from the initial
+    weights when it has none), and the session starts again; the collaborative optimizer then finds the
+    site behind the swarm and downloads its state into the new shards, as for any peer that is behind.
+    Nothing of the failed generation is kept on any rank, so no rank goes on from half a step; the round
+    the site was in saw all of its contribution or none of it (rank 0 sends it only once every rank's
+    pieces are in its wire buffer), and aborts or excludes it, as a round does any peer that failed.
+    Under ``torchrun`` the launcher restarts the whole site instead (``--max-restarts``), and its rank
+    0 resumes from the site's checkpoint (``cli.train``)."""
 
     def __init__(
         self,
@@ -207,43 +224,62 @@ class SiteTrainer(Trainer):
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        # (Trainer's own __init__ builds the whole model and an unsharded optimizer: the site's instead)
-        workers = SiteWorkers(site, task, group)
-        self.site = site
-        self.node, self.config, self.task = node, config, task
-        self.options = dataclasses.replace(options, local=workers)
-        self.clock = clock
-        self.device = torch.device(options.device)
         if not isinstance(site.optimizer, torch.optim.AdamW):
             raise TypeError("a node's site trains with the run's AdamW (inner_optimizer)")
-        self.model, self.optimizer = site.model, site.optimizer
-        self.summed = False
-        self.opt = CollaborativeOptimizer(
-            node,
-            self.model,
-            self.optimizer,
-            config,
-            clock=clock,
-            on_download_progress=options.on_download_progress,
-            parts=site.parts(),
-        )
-        workers.opt = self.opt
-        t = config.training
-        self.max_steps = t.max_steps if options.max_steps is None else options.max_steps
-        self.loss: float | None = None
-        self.val_loss: float | None = None
-        self.compute_seconds = 0.0
-        self.started = 0.0
-        self.local_samples = 0
-        self.finished = False
-        self._fastest = float("inf")
-        self._stop_requested = False
-        self.tracker = None
-        self.node.status_sections["training"] = self.status
+        self.site, self.group = site, group
+        self.workers = SiteWorkers(site, task, group, lambda: self.opt.inner_steps)
+        options = dataclasses.replace(options, local=self.workers)
+        super().__init__(node, config, task, options, clock=clock, parts=site_parts(site))
 
     @property
     def site_checkpoints(self) -> Path | None:
         return self.checkpoints / "site" if self.checkpoints is not None else None
+
+    async def _session(self, batches: Iterator[Any], task_status: trio.TaskStatus[None]) -> None:
+        """The node's training session, started again on a new generation of the site's group after a
+        rank failed (see the class's docstring)."""
+        status = task_status
+        while True:
+            try:
+                await super()._session(batches, status)
+                return
+            except Exception as e:  # (an exception group too; trio's Cancelled is no Exception)
+                reason = self.group.failure(e) if self.group is not None else None
+                if reason is None:
+                    raise
+                log.warning("the site's group broke (%s)", reason, exc_info=e)
+            status = trio.TASK_STATUS_IGNORED  # (reported once, by the first session)
+            # (the peers it waited for to start together are in the swarm with it already)
+            self.options = dataclasses.replace(self.options, wait_peers=1)
+            await self._recover(reason)
+
+    async def _recover(self, reason: str) -> None:
+        """A new generation of the group, the site's parts built on it, its last checkpoint resumed."""
+        group = self.group
+        assert group is not None
+        old = self.opt.shared
+        if isinstance(old, SiteState):
+            old.close()  # (its RPC methods: the next generation's state serves them)
+        # (the ranks start and join in tens of seconds: the node keeps serving meanwhile)
+        await trio.to_thread.run_sync(group.restart, reason)  # GroupRestarted: the group stays down
+        world, device = self.site.world, str(self.device)
+        site = await trio.to_thread.run_sync(
+            build_rank, self.config, self.task, group.commands, world, device
+        )
+        self.site = self.workers.site = site
+        self.node.averager.unfollow()  # (the next collaborative optimizer hands it the run's rules)
+        self._take(site_parts(site))
+        self.node.status_sections["training"] = self.status
+        log.warning(
+            "site group generation %d is up (%d ranks): its parts rebuilt; the site stays in the swarm",
+            group.generation,
+            world,
+        )
+        if not self.resume():
+            log.warning(
+                "no site checkpoint: the site starts again from the initial weights, and catches up"
+                " with the swarm by downloading its state"
+            )
 
     def evaluate(self) -> float:
         self.site.busy()
@@ -253,6 +289,9 @@ class SiteTrainer(Trainer):
     def save_checkpoint(self) -> None:
         folder = self.site_checkpoints
         if folder is None:
+            return
+        if self.group is not None and (not self.group.up or self.group.dead() is not None):
+            log.warning("no checkpoint of step %d: the site's group is down", self.opt.epoch)
             return
         step = self.opt.epoch
         if (folder / f"step-{step}" / checkpoint.MARK).is_file():

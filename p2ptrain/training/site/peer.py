@@ -424,13 +424,24 @@ class SiteState(SharedState):
     site: SiteRank  # (set by ``SiteRank.parts``)
     layout: Layout  # the state's chunk layout (set by every hash)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, node: Any, *args: Any, **kwargs: Any) -> None:
+        self._registry = node.host.registry  # (what it serves there is released by ``close``)
         self._idle = trio.Event()
         # the snapshot served to joiners: its file, epoch, root, layout, chunk hashes, metadata
         self._snap: tuple[int, int, bytes, Layout, list[bytes], bytes] | None = None
-        super().__init__(*args, **kwargs)
+        super().__init__(node, *args, **kwargs)
         self.site.on_busy = self._busy
         self.fetcher.sink = SiteSink(self)
+
+    def close(self) -> None:
+        """This state's life ended (the site's group broke: the state of its next generation takes its
+        place on the same node): the methods it served are released, its snapshot file closed."""
+        for owner in (self.server, self.results):
+            if owner is not None:
+                self._registry.release(owner)
+        if self._snap is not None:
+            os.close(self._snap[0])
+            self._snap = None
 
     def _busy(self) -> None:
         if self._idle.is_set():
