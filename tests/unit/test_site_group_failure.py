@@ -1,0 +1,65 @@
+"""Which errors a live site takes for its group's failure (``SiteGroup.failure``: then it restarts the
+group and goes on), and which it raises on as rank 0's own; and the RPC methods a site's state releases
+when its next generation takes its place (``RpcRegistry.release``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from p2ptrain.net.rpc import RpcRegistry
+from p2ptrain.training.site.group import SiteGroup
+from p2ptrain.training.state.serve import StateServer
+
+
+def worker(*args: object) -> None:  # (never started here)
+    raise AssertionError("not spawned")
+
+
+def group() -> SiteGroup:
+    return SiteGroup(2, worker)  # (not started: no rank process, so none is gone)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        dist.DistError("gloo: connection reset by peer"),
+        dist.DistBackendError("timed out"),
+        ExceptionGroup("round", [ValueError("x"), dist.DistNetworkError("closed")]),
+        RuntimeError("a batch failed"),  # (with a DistError as its cause)
+    ],
+)
+def test_a_collective_that_failed_is_the_groups(error: Exception) -> None:
+    if type(error) is RuntimeError:
+        error.__cause__ = dist.DistBackendError("the connection dropped")
+    assert group().failure(error) is not None
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("start CollaborativeOptimizer.run in a nursery first"),
+        FloatingPointError("the loss is nan: training diverged"),
+        ExceptionGroup("both", [ValueError("x"), KeyError("y")]),
+    ],
+)
+def test_rank_0s_own_errors_are_not_the_groups(error: Exception) -> None:
+    assert group().failure(error) is None
+
+
+async def prepare() -> None:
+    return None
+
+
+def test_a_released_owner_no_longer_serves_and_another_can_take_its_methods() -> None:
+    registry = RpcRegistry()
+    old = StateServer(registry, prepare)
+    served = registry.names()
+    assert served
+    with pytest.raises(Exception, match="already registered"):
+        StateServer(registry, prepare)
+    assert sorted(registry.release(old)) == served
+    assert registry.names() == []
+    StateServer(registry, prepare)
+    assert registry.names() == served
+    assert registry.release(old) == []
