@@ -182,6 +182,7 @@ class PipelineTrainer:
         """Choose this peer's stage and serve it (see the module docstring)."""
         peer, me = self.peer, self.node.peer_id
         peer.announcing = True
+        await peer.warm_up()
         if self.options.wait_peers > 1:
             log.info("waiting for %d pipeline peers to start together", self.options.wait_peers)
         with trio.move_on_after(self.options.wait_timeout) as waited:
