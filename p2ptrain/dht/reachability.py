@@ -74,6 +74,7 @@ class Reachability:
         self._location = host.location
         self._location.checking()  # (its ``checked`` is set after our first check, whatever it found)
         self._recheck_at = 0.0  # (the clock's) when to ask peers to dial us back again
+        self._sender: tuple[tuple[object, ...], ContactMsg | None] | None = None  # (made of, the contact)
 
     @property
     def reachable(self) -> bool | None:
@@ -109,9 +110,22 @@ class Reachability:
         return Contact(self._host.peer_id, self.advertised_address())
 
     def sender(self) -> ContactMsg | None:
-        """The contact a request carries (None: this node is no routing-table contact)."""
-        me = self.my_contact()
-        return ContactMsg.of(me) if me else None
+        """The contact a request carries (None: this node is no routing-table contact); built again
+        only when what it is made of changed (every request carries it: building it parsed the host's
+        addresses each time)."""
+        host = self._host
+        relayed = self._relayed_address() if self.client_only else None
+        made_of = (
+            self.client_only,
+            relayed,
+            tuple(host.listen_addresses),
+            host.config.announce_host,
+            host.config.announce_port,
+        )
+        if self._sender is None or self._sender[0] != made_of:
+            me = self.my_contact()
+            self._sender = (made_of, ContactMsg.of(me) if me else None)
+        return self._sender[1]
 
     @property
     def serving(self) -> bool:

@@ -93,6 +93,9 @@ class ProgressBoard:
         self.met_swarm = False  # records were read once the DHT had bootstrapped (see StepAlone)
         self._said: dict[tuple[PeerID, int], ProgressRecord] = {}  # see ``said_on``
         self.counting: dict[PeerID, ProgressRecord] = {}  # see refresh()
+        # Each subkey's record as last read, parsed: every read returns every record, most unchanged
+        # (parsing them all again was most of a read's cost to a peer of a swarm of dozens)
+        self._parsed: dict[bytes, tuple[bytes, PeerProgress]] = {}
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._arrived = trio.Event()  # a record arrived (see ``_progress_loop``)
         self._published: ProgressRecord | None = None  # the last record that went out
@@ -278,12 +281,17 @@ class ProgressBoard:
                 # delivered nothing), counts for nothing: counting it toward the step's peers would
                 # hold every group to its leader's deadline, each step, while it never joins one.
                 continue
-            try:
-                rec = ProgressRecord.from_obj(unpack(entry.value))
-            except RemoteProtocolError:
-                continue
-            records.append(PeerProgress(peer, with_author(rec, peer)))
+            parsed = self._parsed.get(subkey)
+            if parsed is None or parsed[0] != entry.value:  # (a record read again: parsed once)
+                try:
+                    rec = ProgressRecord.from_obj(unpack(entry.value))
+                except RemoteProtocolError:
+                    continue
+                parsed = self._parsed[subkey] = (entry.value, PeerProgress(peer, with_author(rec, peer)))
+            records.append(parsed[1])
         self.records = records
+        if len(self._parsed) > 2 * len(entries) + MAX_OFFERS:  # (the records of peers gone)
+            self._parsed = {k: v for k, v in self._parsed.items() if k in entries}
         # Only what could vouch later: the trusted peers' records of this run (a hundred free ids
         # writing records would otherwise push the trusted ones out of the history).
         trusted = self.trusted()
