@@ -81,6 +81,12 @@ def _worker(
         dist.destroy_process_group()
 
 
+BACKEND_MARKS = ("third_party/gloo", "gloo/transport", "NCCL", "ProcessGroup")
+"""What the message of a collective's failure carries when the backend raises a plain RuntimeError
+(gloo does, for a dropped connection, "Read error ... Connection reset by peer", and for its timeout,
+"Timed out waiting 3000ms for recv operation", both from its sources under ``third_party/gloo``)."""
+
+
 def _leaves(error: BaseException) -> list[BaseException]:
     """``error``'s leaves (an exception group's, its causes')."""
     if isinstance(error, BaseExceptionGroup):
@@ -185,14 +191,17 @@ class SiteGroup:
 
     def failure(self, error: BaseException) -> str | None:
         """Why ``error``, raised on rank 0 while it worked with the group, means that the group broke: a
-        rank's process is gone, or a collective failed (gloo raises a ``DistError`` when a rank's
-        connection drops, or when a hung rank runs into the group's timeout); None when it is not the
-        group's (rank 0's own error: it is raised on)."""
+        rank's process is gone, or a collective failed (a ``DistError``, or the backend's RuntimeError:
+        gloo raises one when a rank's connection drops, or when a hung rank runs into the group's
+        timeout, see :data:`BACKEND_MARKS`); None when it is not the group's (rank 0's own error: it is
+        raised on)."""
         gone = self.dead()
         if gone is not None:
             return gone
         for leaf in _leaves(error):
-            if isinstance(leaf, dist.DistError):
+            if isinstance(leaf, dist.DistError) or (
+                isinstance(leaf, RuntimeError) and any(m in str(leaf) for m in BACKEND_MARKS)
+            ):
                 return f"{type(leaf).__name__}: {leaf}"
         return None
 
