@@ -27,15 +27,29 @@ def autojump_clock_through_threads() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)
 
 
-# The tests that start real ``p2ptrain`` processes or build network-namespace labs: they run one after
-# another on one worker, beside the in-process tests on the others (two of them side by side would
-# share the cores their processes and timeouts were sized for).
-ONE_AT_A_TIME = (
-    "tests/e2e/",
-    "tests/integration/test_nat_lab.py",
-    "tests/integration/test_nat_reset.py",
-    "tests/integration/test_netns_lab.py",
-)
+# Tests that start processes of their own run one after another within their group, on one worker,
+# beside the in-process tests on the others (two of them side by side would share the cores their
+# processes and timeouts were sized for): the tests that start real ``p2ptrain`` processes or build
+# network-namespace labs, and the sharded-site tests that spawn their rank processes. The groups are the
+# largest scopes, so xdist hands them out first, one to each worker.
+GROUPS = {
+    "one-at-a-time": (
+        "tests/e2e/",
+        "tests/integration/test_nat_lab.py",
+        "tests/integration/test_nat_reset.py",
+        "tests/integration/test_netns_lab.py",
+    ),
+    "site-ranks": (
+        "tests/integration/test_sharded_checkpoint.py",
+        "tests/integration/test_sharded_failure.py",
+        "tests/integration/test_sharded_outer.py",
+        "tests/integration/test_sharded_statesync.py",
+        "tests/integration/test_sharded_swarm.py",
+        "tests/integration/test_site_recovery.py",
+        "tests/integration/test_site_statesync.py",
+        "tests/integration/test_site_swarm.py",
+    ),
+}
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -45,12 +59,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Every test is a unit of work of its own, except ``ONE_AT_A_TIME``'s, which are one unit. (Not
+    """Every test is a unit of work of its own, except each of ``GROUPS``, which is one unit. (Not
     ``--dist loadgroup`` with marks: pytest 9.2 ignores the node-id suffix that xdist 3.8 groups by.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduler(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "one-at-a-time" if nodeid.startswith(ONE_AT_A_TIME) else nodeid
+            return next((group for group, paths in GROUPS.items() if nodeid.startswith(paths)), nodeid)
 
     return Scheduler(config, log)
