@@ -116,6 +116,9 @@ def swarm_table(report: dict[str, Any]) -> str:
         rows.append(f"  N={r['peers']}: " + ", ".join(f"{m} {v}" for m, v in top))
     if "fit" in report:
         rows.append(f"control bytes / peer / step against N: {report['fit']}")
+    if "fit_per_s" in report:
+        per_s = ", ".join(f"N={r['peers']}: {round(per_second(r))}" for r in report["runs"])
+        rows.append(f"control bytes / peer / virtual second: {per_s}; against N: {report['fit_per_s']}")
     return "\n".join(rows)
 
 
@@ -176,13 +179,23 @@ def plot(report: dict[str, Any], figures: tuple[tuple[str, str], ...], key: str,
     return True
 
 
+def per_second(run: dict[str, Any]) -> float:
+    """A run's median control bytes sent per peer per virtual second: the per-step figure times the steps
+    in the window over its length (per step, a swarm whose step rate fell shows every byte it sent
+    while waiting; per second, what the protocol costs a peer whatever the step rate)."""
+    return float(run["control_bytes_sent_per_peer_per_step"]) * run["global_steps"] / run["virtual_s"]
+
+
 def finish_swarm(report: dict[str, Any]) -> dict[str, Any]:
+    for r in report["runs"]:
+        r["control_bytes_sent_per_peer_per_s"] = round(per_second(r))
     base = [r for r in report["runs"] if r.get("settings") == "default"]
     if base:
         report["fit"] = fits(
             [float(r["peers"]) for r in base],
             [float(r["control_bytes_sent_per_peer_per_step"]) for r in base],
         )
+        report["fit_per_s"] = fits([float(r["peers"]) for r in base], [per_second(r) for r in base])
     return report
 
 
