@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._distributed_c10d import PrefixStore, TCPStore  # torch.distributed's, typed for mypy
 
 
 def backend_for(device: str | None = None) -> str:
@@ -39,8 +40,32 @@ def init_from_env(timeout: float = 600.0, device: str | None = None) -> tuple[in
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+    wait = datetime.timedelta(seconds=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=wait)
+        return dist.get_rank(), dist.get_world_size()
+    # Under torchrun the store outlives a restart of the workers (``--max-restarts``): the group's keys
+    # go under the attempt's prefix, or the new ranks read the old ones' addresses (and gloo's full
+    # mesh fails with "Connection refused").
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent and rank == 0,
+        timeout=wait,
+        multi_tenant=not agent,
+    )
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(f"p2ptrain/attempt-{attempt}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=wait,
+    )
+    return rank, world
 
 
 def _entry(
