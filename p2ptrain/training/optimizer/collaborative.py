@@ -77,8 +77,8 @@ from .feedback import ErrorFeedback
 from .local_steps import LocalSteps
 from .outer import OuterStep
 from .progress import PeerProgress, ProgressRecord, SwarmView
-from .rounds import RoundRunner
-from .shared_state import SharedState
+from .rounds import AHEAD_STEPS, RoundRunner
+from .shared_state import Download, SharedState
 from .solo import StepAlone
 from .wake import Wake
 
@@ -296,16 +296,24 @@ class CollaborativeOptimizer:
             await shared.off_loop(self.local.accumulate, samples)
         tally.count(samples, self.clock())
         changed = await self._land_round()
-        changed = await self._land_download() or changed
+        if await self._land_download():
+            changed = True
+            changed = await self._land_round() or changed  # a round joined ahead of the replay's step
         flight = shared.download
-        if flight is not None and flight.carry_from is None and rounds.in_flight is None:
+        if (
+            flight is not None
+            and flight.carry_from is None
+            and not flight.replaying
+            and rounds.in_flight is None
+        ):
             # Nothing computed meanwhile would survive the download (sync accumulators are reset, and
             # DiLoCo carries local progress only one step): the link and the CPU are the download's.
             await flight.done.wait()
             await shared.unheld()
             changed = await self._land_download() or changed
+        flight = shared.download
         if flight is not None and flight.replaying and rounds.in_flight is None:
-            self._join_ahead(flight.carry_from)
+            self._join_ahead(flight, samples)
         if rounds.in_flight is not None or shared.download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self.board.update_view()
@@ -337,7 +345,7 @@ class CollaborativeOptimizer:
                 # wait for it in vain. Nor while the peers here are no majority of those on this step
                 # and the one before (see ``progress``): they arrive soon, and a group without them would
                 # commit this step on a lineage of its own.
-                if tally.samples > 0 and self.alone.majority_here(view, tally.epoch):
+                if tally.samples > 0 and self.alone.majority_here(view, tally.epoch) and not self._left_out():
                     rounds.start_matchmaking()
             elif (
                 view.peers <= 1
@@ -350,26 +358,54 @@ class CollaborativeOptimizer:
                 return True
         return changed
 
-    def _join_ahead(self, carry_from: int | None) -> None:
-        """DiLoCo, one step behind with the missed step's replay in flight (its local progress to be
-        carried onto the new global parameters): look for a group of the swarm's step as a peer there
-        would, to take part in its round once the replay landed (``RoundRunner.start_matchmaking``). Not
+    def _left_out(self) -> bool:
+        """Whether every trusted peer on this step handed its work to the step's round already (their
+        records say ``landing``): that round runs without this peer (one just caught up), and a group of
+        the step would hold nobody but it. It waits for their step, behind by one, and replays it."""
+        me, epoch, trusted = self.node.peer_id, self.tally.epoch, self.board.trusted()
+        here = [
+            r.record
+            for r in self.board.records
+            if r.peer != me
+            and r.record.epoch == epoch
+            and r.record.run == self.fingerprint
+            and not r.record.leaving
+            and (trusted is None or r.peer in trusted)
+        ]
+        return bool(here) and all(rec.landing for rec in here)
+
+    def _join_ahead(self, flight: Download, samples: int) -> None:
+        """A replay of the missed steps' results in flight: look for a group of the step it lands this
+        peer on, as a peer there would, to take part in that round (``RoundRunner.start_matchmaking``):
+        DiLoCo one step behind (its local progress carried onto the new global parameters) hands its
+        work over once the replay landed; sync, at most ``AHEAD_STEPS`` behind, hands over at once the
+        gradients it computed meanwhile (a group formed for ``step`` to hand them to is taken here). Not
         while a whole state downloads: that rarely lands within the round's wait, and a coordinator that
         declines aborts the round for all."""
         rounds, tally = self.rounds, self.tally
+        if not self.diloco:
+            formed = rounds.take_formed()  # summed gradients: a group joined ahead, handed over here
+            if formed is not None:
+                epoch, manifest = formed
+                if rounds.joined_ahead(epoch):
+                    rounds.start_in_background(manifest, epoch)
+                    return
+                self.node.averager.decline(manifest)
+        epoch = tally.epoch + 1 if self.diloco else flight.target
         if (
-            not self.diloco
-            or carry_from != tally.epoch
+            (flight.carry_from != tally.epoch if self.diloco else not 0 < epoch - tally.epoch <= AHEAD_STEPS)
             or rounds.matchmaking
             or tally.samples <= 0
             or self.clock() < rounds.retry_at
         ):
             return
-        view = self.board.view_of(tally.epoch + 1)
+        view = self.board.view_of(epoch)
         if view.behind or view.peers <= 1:
             return
-        if view.samples + view.rate * self.board.lead >= view.target:
-            rounds.start_matchmaking(ahead=True)
+        rate = tally.rate.rate  # (this peer's own batch, where longer: see ``step``)
+        batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
+        if view.samples + view.rate * max(self.board.lead, batch) >= view.target:
+            rounds.start_matchmaking(ahead=epoch - tally.epoch)
 
     async def _land_round(self) -> bool:
         """A background round's result, applied once it is in; True when it took a global step."""

@@ -60,6 +60,9 @@ RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed
 # the round's timeout (the round's scatter deadline is 0.4 of it); else it declines.
 AHEAD_WAIT = 0.3
 AHEAD_POLL = 0.05  # seconds between looks at whether the replay landed
+AHEAD_STEPS = (
+    2  # sync: a peer at most this many steps behind, replaying, joins the round of the step it lands on
+)
 
 Landed = tuple[RoundResult, int]
 """A round that committed and was applied: its result and the samples this peer handed to it."""
@@ -79,6 +82,7 @@ class InFlight:
     # top-k rounds: the error feedback's residual before this round (see ``feedback``)
     before: Saved | None = None
     digest: bytes = b""  # the round's
+    epoch: int = 0  # the step whose state its result is applied to (past this peer's own: joined ahead)
 
 
 class RoundRunner:
@@ -130,18 +134,26 @@ class RoundRunner:
 
     # ---- forming groups ----
 
-    def start_matchmaking(self, ahead: bool = False) -> None:
+    def start_matchmaking(self, ahead: int = 0) -> None:
         """Look for a group for this peer's epoch, in the background.
 
-        ``ahead``: for the next epoch instead. DiLoCo, one step behind, the missed step's replay in flight
-        (``state.replay``, its local progress to be carried onto the new global parameters): the peer
-        joins the swarm's round of the step it is about to land on, and hands its work over once the
-        replay landed (the round waits for its slices until then). Replaying alone, a peer whose replay
+        ``ahead``: for the epoch that many steps further instead, the one the replay in flight of the
+        missed steps' results (``state.replay``) lands this peer on. Replaying alone, a peer whose replay
         takes longer than the time from a step to the next round's group lands after every group formed
-        and trails by one step for good; so it takes part in that round. Its pseudo-gradient is the same
-        whichever global parameters it is taken against once its progress is carried onto them."""
+        and trails the swarm for good (a sync peer on 10 Mbit/s, its replays landing each just after the
+        next group formed, averaged in none of 9 steps); so it takes part in the round of the step it
+        lands on:
+
+        - DiLoCo, one step behind (its local progress to be carried onto the new global parameters):
+          it hands its work over once the replay landed (the round waits for its slices until then).
+          Its pseudo-gradient is the same whichever global parameters it is taken against once its
+          progress is carried onto them.
+        - sync, at most ``AHEAD_STEPS`` behind: it hands over at once the gradients it computed while
+          replaying (on the state it replays from: as stale as the steps it is behind, weighted by their
+          samples like anyone's), and the round's result is applied once the replay landed on its step
+          (:meth:`land`): from then on it is on the swarm's step, averaging with it."""
         assert self._nursery is not None
-        epoch = self.tally.epoch + (1 if ahead else 0)
+        epoch = self.tally.epoch + ahead
         self.matchmaking = True
         self._ahead = epoch if ahead else None
         self._matchmaking_scope = trio.CancelScope()
@@ -153,6 +165,19 @@ class RoundRunner:
         if self._ahead is not None and self._ahead == self.tally.epoch:
             return
         self._matchmaking_scope.cancel()
+
+    def joined_ahead(self, epoch: int) -> bool:
+        """Whether a group of ``epoch``, past this peer's step, is this peer's to hand its work to now
+        (sync, a replay in flight that lands it there: see :meth:`start_matchmaking`)."""
+        flight = self.state.download
+        return (
+            self.outer is None
+            and flight is not None
+            and flight.replaying
+            and flight.target == epoch
+            and 0 < epoch - self.tally.epoch <= AHEAD_STEPS
+            and self.in_flight is None
+        )
 
     def take_formed(self) -> tuple[int, SignedManifest] | None:
         """The group formed for ``step`` to run (DiLoCo without overlap, summed gradients), if any."""
@@ -216,6 +241,13 @@ class RoundRunner:
                 # replay landed (``step`` lands it first)
                 self.formed = (epoch, manifest)
                 return
+            if self.joined_ahead(epoch):  # sync, replaying: the gradients computed meanwhile go now
+                await self.state.idle()  # (a batch being added in a worker thread)
+                if self.joined_ahead(epoch):
+                    self.start_in_background(manifest, epoch)
+                else:
+                    self.node.averager.decline(manifest)
+                return
             if self.tally.epoch + 1 == epoch and self.state.download is not None:
                 # joined ahead: the replay lands between two batches (``step``), then the work goes
                 with trio.move_on_after(AHEAD_WAIT * cfg.timeout):
@@ -272,19 +304,31 @@ class RoundRunner:
 
     # ---- rounds in the background ----
 
-    def start_in_background(self, manifest: SignedManifest) -> None:
+    def start_in_background(self, manifest: SignedManifest, epoch: int | None = None) -> None:
         """Hand what this peer has done so far to the formed group's round and go on computing.
 
         sync: the accumulated gradients leave in the round (as the mean gradient, weighted by the
         samples); a fresh accumulator takes the batches computed meanwhile. diloco: the pseudo-gradient
         of the local parameters as they are now; local progress made meanwhile is kept on top of the new
-        global parameters when the round lands.
+        global parameters when the round lands. ``epoch``: the step of the group (sync: one joined
+        ahead, see :meth:`start_matchmaking`); this peer's own by default.
         """
         assert self._nursery is not None
         weight = self.tally.samples
         if weight <= 0:  # nothing to contribute (not expected: matchmaking waits for a first batch)
             self.node.averager.decline(manifest)
             return
+        ahead = epoch is not None and epoch != self.tally.epoch
+        if ahead:
+            download = self.state.download
+            assert download is not None and self.outer is None
+            download.keep_work = False  # what is computed from now on, on the old state, is dropped
+            log.info(
+                "step %d: %d samples' gradients computed while replaying from step %d go to its round",
+                epoch,
+                weight,
+                self.tally.epoch,
+            )
         outer = self.outer
         if outer is not None:
             outer.pseudo_gradients()
@@ -295,7 +339,14 @@ class RoundRunner:
             self.tally.took(weight)  # the batches computed from now on count toward the next step
         done = trio.Event()
         # What is computed from here on counts toward the next step, the batch in progress included.
-        self.in_flight = InFlight(done, tensors, weight, since=self._next_batch, digest=manifest.digest)
+        self.in_flight = InFlight(
+            done,
+            tensors,
+            weight,
+            since=self._next_batch,
+            digest=manifest.digest,
+            epoch=self.tally.epoch if epoch is None else epoch,
+        )
         self.tally.handed(True)
         if outer is None:
             self.tally.counting_from(self._next_batch)
@@ -325,10 +376,26 @@ class RoundRunner:
         flight = self.in_flight
         if flight is None or not flight.done.is_set() or self.state.holds:
             return None
+        if flight.epoch > self.tally.epoch and self.state.download is not None:
+            return None  # joined ahead: its result is applied to the state the replay lands on
         self.in_flight = None
         self.tally.handed(False)
         outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
         try:
+            if flight.epoch != self.tally.epoch:  # the replay did not land on the round's step
+                self.quorums.pop(flight.digest, None)
+                self.note_abort(
+                    RoundAborted(f"the round was of step {flight.epoch}, and the catch-up ended elsewhere")
+                )
+                if self.outer is not None:  # (not expected: DiLoCo hands over once its replay landed)
+                    self.outer.unfold(flight.before, committed=False)
+                    self.contribution.after_abort(tensors)
+                    return None
+                if isinstance(outcome, RoundResult) or tensors.sendable:
+                    return None  # (its buffer holds the average, or a round's relay may still read it)
+                tensors.zero_()
+                self.contribution.keep_spare(tensors)
+                return None
             return await self.land_flight(flight, outcome, tensors, weight)
         finally:
             for kept in flight.own or ():

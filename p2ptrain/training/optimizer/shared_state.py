@@ -57,7 +57,13 @@ class Download:
     carry_from: int | None  # diloco: the epoch whose local progress is carried onto the downloaded state
     outcome: Downloaded | Replay | P2PError | None = None
     expected: Callable[[int], bytes] = lambda epoch: b""  # the trusted digest of a step (a replay's check)
-    replaying: bool = False  # fetching the missed steps' results (not the whole state)
+    # fetching (or about to fetch) the missed steps' results, not the whole state: compute goes on
+    # meanwhile, and the peer may join the round of the step it lands on (``RoundRunner``)
+    replaying: bool = False
+    target: int = 0  # the step it lands on
+    # sync, one step replayed: the gradients computed meanwhile count toward the step it lands on (one
+    # step stale); False once they went to a round joined ahead (those computed after it are dropped)
+    keep_work: bool = True
 
 
 class SharedState:
@@ -127,6 +133,7 @@ class SharedState:
         self.replayed = 0  # steps caught up by replaying their results
         self.replayed_bytes = 0
         self._checked: list[bytes] = []  # the chunk hashes of a replayed state, checked as it landed
+        self._carried = -1  # sync: the step a replay carried gradients onto (not carried again from it)
         self._rehash()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -341,9 +348,11 @@ class SharedState:
         # DiLoCo, one step behind (this peer missed the last round): its local progress since the global
         # parameters it holds is carried onto the new ones, so the work rolls into the next round.
         carry = self.outer is not None and view.behind and view.newest == epoch + 1
-        flight = self.download = Download(trio.Event(), epoch if carry else None, expected=expected)
         want = view.newest if view.behind else epoch
         near = view.behind and want - epoch <= self.replay_steps and self._replay_failed != epoch
+        flight = self.download = Download(
+            trio.Event(), epoch if carry else None, expected=expected, replaying=near, target=want
+        )
 
         async def run() -> None:
             try:
@@ -351,8 +360,8 @@ class SharedState:
                 # decides whether a replay may start from it (a 45M joiner, just landed one step behind,
                 # downloaded again for want of it).
                 start = await self.hashed_digest() if near else b""
-                if near and start == expected(epoch):
-                    flight.replaying = True
+                flight.replaying = near and start == expected(epoch)
+                if flight.replaying:
                     try:
                         flight.outcome = await self.replayer.fetch(
                             view.donors,
@@ -439,7 +448,12 @@ class SharedState:
         if replay.first != first:
             return False  # (the state moved meanwhile: not expected, nothing to apply)
         local: list[torch.Tensor] = []
-        carried = flight.carry_from is not None and len(replay.results) == 1 and outer is not None
+        # sync: only gradients computed on the state replayed from (not ones carried here already)
+        carried = len(replay.results) == 1 and (
+            flight.carry_from is not None
+            if outer is not None
+            else flight.keep_work and self._carried != first
+        )
         if outer is not None and carried:
             local = [p - g for p, g in zip(self.params, outer.global_params, strict=True)]
         samples, since = self.tally.samples, self.tally.since
@@ -488,11 +502,12 @@ class SharedState:
                 if carried and applied:
                     for p, d in zip(self.params, local, strict=True):
                         p.add_(d)
-        else:
+        elif not (carried and applied):
             self.contribution.buffer.zero_()  # gradients of parameters this peer no longer holds
         self.tally.forget_cohort()  # no round of ours vouches for these steps
         if carried and applied:
             self.tally.carry(samples, since)
+            self._carried = self.tally.epoch
         else:
             self.tally.counting_from(self.clock())
         if applied:
