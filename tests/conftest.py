@@ -48,6 +48,7 @@ GROUPS = {
         "tests/integration/test_site_recovery.py",
         "tests/integration/test_site_statesync.py",
         "tests/integration/test_site_swarm.py",
+        "tests/integration/test_site_torchrun_restart.py",
     ),
 }
 
