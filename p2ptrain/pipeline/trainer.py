@@ -60,6 +60,7 @@ LOSS_SMOOTHING = 0.9
 WAIT_POLL = 0.5  # seconds between directory reads while waiting for the swarm to start
 RATE_WINDOW = 8  # steps the samples-per-second figures are measured over
 SETTLE_STEPS = 3  # steps after a move before this peer moves again
+EMPTY_SAY_EVERY = 30.0  # seconds between the warnings while the swarm waits for an empty stage
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class PipelineTrainer:
         self._stop_requested = False
         self._times: list[tuple[float, int, float]] = []  # (when, samples sent here, samples in the swarm)
         self.rounds = {"averaged": 0, "alone": 0, "aborted": 0, "synced": 0}
+        self.waiting: list[int] = []  # the empty stages this peer is waiting for (none: it trains)
         data = self.options.data_dir
         self.checkpoint = data / "pipeline" / "stage.ckpt" if data is not None else None
         self.node.status_sections["training"] = self.status
@@ -328,6 +330,9 @@ class PipelineTrainer:
             self.pipeline.micro_batch,
         )
         while not self._done():
+            if peer.empty_stages:  # no micro-batch can pass: wait for the stage, do not burn steps
+                await self._wait_for_empty_stages()
+                continue
             micro = [await trio.to_thread.run_sync(next, batches) for _ in range(self.per_step)]
             report = await peer.step(micro)
             self._account(report)
@@ -343,6 +348,32 @@ class PipelineTrainer:
                     peer.stage.index,
                 )
                 await self._download_and_join(peer.stage.index)
+
+    async def _wait_for_empty_stages(self) -> None:
+        """While a stage has no peer, no micro-batch passes: rather than run steps that give every one
+        of them up (and count steps nobody trained), this peer waits on its step, its stage server open,
+        saying so every ``EMPTY_SAY_EVERY`` seconds, until the stage is served again (its restarted
+        peers come back, a joiner takes it, or after ``refill_after`` a spare peer moves in:
+        :meth:`_maybe_move`, checked every interval)."""
+        peer = self.peer
+        said = -math.inf
+        while peer.empty_stages and not self._done():
+            now = self.clock()
+            if now - said >= EMPTY_SAY_EVERY:
+                said = now
+                log.warning(
+                    "waiting on step %d: no peer serves stage %s, so no micro-batch can pass (its peers"
+                    " come back with its state, a joiner takes it first, or a spare peer moves in after"
+                    " %.0f s)",
+                    peer.step_number,
+                    ", ".join(map(str, peer.empty_stages)),
+                    self.options.refill_after,
+                )
+            self.waiting = list(peer.empty_stages)
+            await trio.sleep(self.options.interval)
+            if await self._maybe_move():
+                break
+        self.waiting = []
 
     async def _maybe_move(self) -> bool:
         """After a step: move to another stage if ``plan_move`` says so and the swarm is in a state to
@@ -523,6 +554,7 @@ class PipelineTrainer:
             "why": peer.why,
             "per_stage": per_stage,
             "empty_stages": list(peer.empty_stages),
+            "waiting_for_stages": list(self.waiting),
             "micro_batches": router.stats.micro_batches if router else 0,
             "given_up": router.stats.given_up if router else 0,
             "retries": router.stats.retries if router else 0,

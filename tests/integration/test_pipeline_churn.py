@@ -177,3 +177,66 @@ async def test_a_stage_left_empty_is_refilled_from_a_kept_state_not_from_scratch
         assert mover.stage.index == 1
         assert mover.weights_digest() == trained  # the kept state, not the initial weights
         assert mover.step_number == 2
+
+
+async def test_the_swarm_waits_for_an_empty_stage_instead_of_burning_steps(autojump_clock, caplog):
+    """While a stage has no peer, nodes do not run steps whose every micro-batch is given up: they wait
+    on their step, say so, and train on once the stage is served again."""
+    options = {"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16}
+    config = parse_config(
+        {
+            "task": {"name": "tiny-gpt", "options": options},
+            "training": {"batch_size": 8},
+            "pipeline": {"stages": [0, 2], "micro_batch": 4, "timeout": TIMEOUT},
+        }
+    )
+    task = load_task("tiny-gpt", {**options, "max_bytes": 50_000})
+    async with pipeline_swarm(PIPELINE, [0, 1, 0, 1]) as swarm:
+        with trio.fail_after(600):
+            await run_steps(swarm, 1, 1, 4)
+            for i in (1, 3):  # stage 1's two peers leave
+                await swarm.peers[i].leave()
+                swarm.kill(i)
+            await trio.sleep(5 * swarm.peers[0].interval)  # (their entries are forgotten)
+            stay = [swarm.peers[0], swarm.peers[2]]
+            trainers = []
+            for p in stay:
+                t = PipelineTrainer(p.node, config, task, PipelineOptions(max_steps=3, interval=2.0))
+                t.peer = p
+                trainers.append(t)
+            async with trio.open_nursery() as nursery:
+                for t in trainers:
+                    nursery.start_soon(t._loop)
+                await trio.sleep(40)
+                assert all(t.step == 1 and t.waiting == [1] for t in trainers)
+                assert all(p.router is not None and p.router.stats.given_up == 0 for p in stay)
+                back = await restart_fresh(swarm, 3, stage=1, step=1)
+                t = PipelineTrainer(back.node, config, task, PipelineOptions(max_steps=3, interval=2.0))
+                t.peer = back
+                trainers.append(t)
+                nursery.start_soon(t._loop)
+        assert all(t.step == 3 and not t.waiting for t in trainers)
+        assert all(p.router is not None and p.router.stats.given_up == 0 for p in stay)
+        assert "no peer serves stage 1, so no micro-batch can pass" in caplog.text
+
+
+async def restart_fresh(swarm: Swarm, i: int, *, stage: int, step: int) -> PipelinePeer:
+    """Peer ``i`` comes back serving ``stage`` from ``step`` with the run's initial weights (its stage had
+    no peer to download from)."""
+    name = f"p{i}"
+    config = NodeConfig(
+        run_id="pipe",
+        listen=((name, PORT),),
+        join=(swarm.peers[0].node.addresses[0],),
+        averaging=AveragerConfig(target_size=8, min_size=1, matchmaking_time=2.0),
+    )
+    node = Node(identity(name), config, transport=swarm.net.transport(name), clock=trio.current_time)
+    await swarm.nursery.start(node.run)
+    await node.dht.bootstrapped.wait()
+    peer = PipelinePeer(node, PIPELINE, MODEL, seed=SEED, rng=random.Random(i))
+    peer.step_number = step
+    await peer.join(stage)
+    swarm.nursery.start_soon(peer.keep_fresh)
+    swarm.peers[i] = peer
+    swarm.dead.discard(i)
+    return peer
