@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(660)  # (five torch processes start on a busy machine)
+pytestmark = pytest.mark.timeout(1200)  # (a ceiling for a loaded machine: about 90-130 s alone)
 STEPS = 5
 KILL_AT = 2
 SLOW = 20
@@ -138,9 +138,9 @@ def test_a_rank_killed_in_a_live_site_restarts_its_group_and_the_site_stays_in_t
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(start(a, run, 2, None))
-        join = until("A's address", lambda: address(a), procs, 120)
+        join = until("A's address", lambda: address(a), procs, 300)
         procs.append(start(b, run, 1, join, slowdown=SLOW))
-        until(f"A's step {KILL_AT}", lambda: any(m.get("step", 0) >= KILL_AT for m in lines(a)), procs, 180)
+        until(f"A's step {KILL_AT}", lambda: any(m.get("step", 0) >= KILL_AT for m in lines(a)), procs, 300)
         ranks = rank_processes(procs[0].pid)
         assert len(ranks) == 1, ranks
         # B is slow (``--slowdown``) and paused until A trains again: in a round, a member refuses a
@@ -150,10 +150,10 @@ def test_a_rank_killed_in_a_live_site_restarts_its_group_and_the_site_stays_in_t
         os.kill(procs[1].pid, signal.SIGSTOP)
         os.kill(ranks[0], signal.SIGKILL)
         try:
-            until("A's second session", lambda: text(a).count(SESSION) >= 2, procs[:1], 180)
+            until("A's second session", lambda: text(a).count(SESSION) >= 2, procs[:1], 300)
         finally:
             os.kill(procs[1].pid, signal.SIGCONT)
-        procs[0].wait(timeout=240)
+        procs[0].wait(timeout=300)
         if procs[0].returncode == 0:  # (else B would wait for a peer that left)
             procs[1].wait(timeout=60)
     finally:

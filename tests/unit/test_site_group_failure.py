@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from p2ptrain.net.rpc import RpcRegistry
-from p2ptrain.training.site.group import SiteGroup
+from p2ptrain.training.site.group import GroupRestarted, SiteGroup
 from p2ptrain.training.state.serve import StateServer
 
 
@@ -50,6 +50,8 @@ def test_a_collective_that_failed_is_the_groups(error: Exception) -> None:
         RuntimeError("start CollaborativeOptimizer.run in a nursery first"),
         FloatingPointError("the loss is nan: training diverged"),
         ExceptionGroup("both", [ValueError("x"), KeyError("y")]),
+        # the group stays down (too many failures): never restarted again, whatever the last one was
+        GroupRestarted("4 failures within 600 s (the last: RuntimeError: [third_party/gloo/...]): down"),
     ],
 )
 def test_rank_0s_own_errors_are_not_the_groups(error: Exception) -> None:

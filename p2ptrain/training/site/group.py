@@ -195,10 +195,13 @@ class SiteGroup:
         gloo raises one when a rank's connection drops, or when a hung rank runs into the group's
         timeout, see :data:`BACKEND_MARKS`); None when it is not the group's (rank 0's own error: it is
         raised on)."""
+        leaves = _leaves(error)
+        if any(isinstance(leaf, GroupRestarted) for leaf in leaves):
+            return None  # (the group stays down: restarting it again is what that says not to do)
         gone = self.dead()
         if gone is not None:
             return gone
-        for leaf in _leaves(error):
+        for leaf in leaves:
             if isinstance(leaf, dist.DistError) or (
                 isinstance(leaf, RuntimeError) and any(m in str(leaf) for m in BACKEND_MARKS)
             ):

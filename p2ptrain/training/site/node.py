@@ -239,8 +239,11 @@ class SiteTrainer(Trainer):
         """The node's training session, started again on a new generation of the site's group after a
         rank failed (see the class's docstring)."""
         status = task_status
+        reason: str | None = None
         while True:
             try:
+                if reason is not None:  # (a failure while recovering is the group's too: restarted again)
+                    await self._recover(reason)
                 await super()._session(batches, status)
                 return
             except Exception as e:  # (an exception group too; trio's Cancelled is no Exception)
@@ -251,7 +254,6 @@ class SiteTrainer(Trainer):
             status = trio.TASK_STATUS_IGNORED  # (reported once, by the first session)
             # (the peers it waited for to start together are in the swarm with it already)
             self.options = dataclasses.replace(self.options, wait_peers=1)
-            await self._recover(reason)
 
     async def _recover(self, reason: str) -> None:
         """A new generation of the group, the site's parts built on it, its last checkpoint resumed."""
