@@ -31,7 +31,7 @@ from ...averaging.compression import Compression
 from ...config import RunConfig
 from ...errors import P2PError, RemoteProtocolError
 from ...node import Node
-from ..state import capture, chunks, serve
+from ..state import capture, chunks, result_codec, serve
 from ..state.download import Downloaded, Fetcher, Partial, ProgressFn, fill_from
 from ..state.replay import Fetched, Replay, ResultFetcher, ResultStore
 from ..state.serve import LiveState, Snapshot, StateServer
@@ -127,6 +127,14 @@ class SharedState:
         compression = config.averaging.compression
         self._compact = {Compression.FP16: [torch.float16], Compression.BF16: [torch.bfloat16]}.get(
             compression, []
+        )
+        # int8 and top-k results kept in the compact form the round's wire left them in (lossless)
+        self._packs: tuple[str, ...] = (
+            (result_codec.SPARSE,)
+            if compression.sparse
+            else (result_codec.INT8,)
+            if compression is Compression.INT8
+            else ()
         )
         self._replay_failed = -1  # the step a replay was refuted on: the next catch-up downloads
         self.downloads = 0  # full state downloads applied
@@ -410,15 +418,17 @@ class SharedState:
         if len(values) != len(slots):
             return  # (not expected: a result for another fragment is not kept rather than kept wrong)
         if self.param_bytes < serve.THREAD_BYTES:
-            self.results.keep(epoch, slots, values, self._compact)
+            self.results.keep(epoch, slots, values, self._compact, packs=self._packs)
         else:
-            await trio.to_thread.run_sync(self.results.keep, epoch, slots, values, self._compact)
+            await trio.to_thread.run_sync(
+                lambda: self.results.keep(epoch, slots, values, self._compact, packs=self._packs)
+            )
 
     def keep_result_now(self, epoch: int, values: list[torch.Tensor]) -> None:
         """:meth:`keep_result`, blocking (a step alone, from synchronous code)."""
         slots, _, _ = self.result_layout(epoch)
         if self.results.keep_count and len(values) == len(slots):
-            self.results.keep(epoch, slots, values, self._compact)
+            self.results.keep(epoch, slots, values, self._compact, packs=self._packs)
 
     def _apply_result(self, got: Fetched) -> None:
         """Apply one replayed step's result, as the step's members applied it (blocking)."""
@@ -489,10 +499,10 @@ class SharedState:
             # verified: served on to peers further behind
             chain = (before, digest)
             if self.param_bytes < serve.THREAD_BYTES:
-                self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain)
+                self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain, self._packs)
             else:
                 await trio.to_thread.run_sync(
-                    self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain
+                    self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain, self._packs
                 )
             before = digest
         if outer is not None:

@@ -57,6 +57,7 @@ from ...net.rpc import CallContext, Method, RpcRegistry
 from ...net.streams import RpcStream
 from ...wire.schema import Message, bounded
 from ..optimizer.progress import PeerProgress
+from . import result_codec
 from .chunks import HASH_BYTES
 from .protocol import StreamDone
 
@@ -128,7 +129,7 @@ def compact_dtype(values: Sequence[torch.Tensor], candidates: Sequence[torch.dty
 class Kept:
     epoch: int
     slots: range
-    dtype: torch.dtype
+    kind: str  # its form: a dtype's name ("float32", "float16", "bfloat16") or ``result_codec``'s
     data: bytes | Spilled  # a large result waits in a spill file (page cache, not process memory)
     scale: Scale
     before: bytes = b""
@@ -137,6 +138,13 @@ class Kept:
     @property
     def size(self) -> int:
         return len(self.data) if isinstance(self.data, bytes) else self.data.length
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its bytes (a raw form); a packed one (``result_codec``) has none: ValueError."""
+        if self.kind not in DTYPES:
+            raise ValueError(f"a {self.kind} result is packed: unpack it (result_codec.unpack)")
+        return DTYPES[self.kind]
 
     def read(self) -> bytes:
         return self.data if isinstance(self.data, bytes) else bytes(self.data.read())
@@ -168,14 +176,25 @@ class ResultStore:
         values: Sequence[torch.Tensor],
         compact: Sequence[torch.dtype],
         digests: tuple[bytes, bytes] = (b"", b""),
+        packs: tuple[str, ...] = (),
     ) -> None:
         """Keep the result that takes the state of ``epoch`` to the next step (blocking: a model-sized copy;
         call it in a worker thread for a large model). ``values``: the parameters ``slots``' updates;
-        ``digests``: the states' before and after, if known already (a replayed step's)."""
+        ``digests``: the states' before and after, if known already (a replayed step's); ``packs``: the
+        ``result_codec`` forms to try on float32 values (the round's compression: int8, top-k), the
+        smallest exact one kept."""
         if not self.keep_count:
             return
         dtype = compact_dtype(values, compact)
-        raw = flat_bytes(values, dtype)
+        kind = str(dtype).split(".")[-1]
+        packed = None
+        if packs and dtype == torch.float32:
+            flat = torch.cat([v.detach().reshape(-1).to("cpu", torch.float32) for v in values])
+            packed = result_codec.pack(flat, packs)
+        if packed is not None:
+            kind, raw = packed
+        else:
+            raw = flat_bytes(values, dtype)
         scale = Scale.total(Scale.of(v.detach().reshape(-1).float()) for v in values)
         data: bytes | Spilled = raw
         if len(raw) >= SPILL_BYTES:
@@ -186,7 +205,7 @@ class ResultStore:
         old = self._kept.pop(epoch, None)
         if old is not None:
             old.close()
-        self._kept[epoch] = Kept(epoch, slots, dtype, data, scale, *digests)
+        self._kept[epoch] = Kept(epoch, slots, kind, data, scale, *digests)
         while len(self._kept) > self.keep_count:
             self._kept.popitem(last=False)[1].close()
 
@@ -213,7 +232,7 @@ class ResultStore:
                         epoch,
                         k.slots.start,
                         k.slots.stop,
-                        str(k.dtype).split(".")[-1],
+                        k.kind,
                         k.size,
                         k.before,
                         k.after,
@@ -383,13 +402,13 @@ class ResultFetcher:
         async def one(
             index: int, epoch: int, after: bytes, sources: list[tuple[PeerProgress, Connection, ResultEntry]]
         ) -> None:
-            _, _, dtype = layout(epoch)
+            _, count, dtype = layout(epoch)
             rotated = sources[index % len(sources) :] + sources[: index % len(sources)]
             for donor, conn, e in rotated:
                 if donor.peer in self.blamed:
                     continue
                 try:
-                    values = await self._data(conn, e, after, dtype)
+                    values = await self._data(conn, e, after, dtype, count)
                 except (P2PError, trio.TooSlowError) as err:
                     self._fail(donor.peer, f"step {epoch}: {err or 'no progress'}")
                     continue
@@ -423,6 +442,12 @@ class ResultFetcher:
             return f"its result of step {e.epoch} starts from another state than this peer's"
         if range(e.first, e.stop) != slots:
             return f"its result of step {e.epoch} updates other parameters than this step's"
+        if e.dtype in result_codec.PACKED:
+            if dtype != torch.float32:
+                return f"its result of step {e.epoch} is packed ({e.dtype}) for parameters in {dtype}"
+            if not 4 <= e.size <= result_codec.max_size(e.dtype, count):
+                return f"its {e.dtype} result of step {e.epoch} is {e.size} bytes, for {count} values"
+            return ""
         kind = DTYPES.get(e.dtype)
         if (
             kind is None
@@ -434,7 +459,9 @@ class ResultFetcher:
             return f"its result of step {e.epoch} is {e.size} bytes, not {count * kind.itemsize}"
         return ""
 
-    async def _data(self, conn: Connection, e: ResultEntry, after: bytes, dtype: torch.dtype) -> torch.Tensor:
+    async def _data(
+        self, conn: Connection, e: ResultEntry, after: bytes, dtype: torch.dtype, count: int
+    ) -> torch.Tensor:
         buf = bytearray(e.size)
         filled = 0
         pieces = -(-e.size // PIECE)
@@ -452,6 +479,8 @@ class ResultFetcher:
                 filled += len(got)
             with trio.fail_after(self.chunk_timeout):
                 await stream.response()
+        if e.dtype in result_codec.PACKED:  # (checked in full: a malformed one raises)
+            return result_codec.unpack(e.dtype, buf, count)
         values = (
             torch.frombuffer(buf, dtype=DTYPES[e.dtype]) if e.size else torch.empty(0, dtype=DTYPES[e.dtype])
         )
