@@ -7,7 +7,8 @@ state in a step is small and deterministic, though: every member applies the sam
 averaged gradient in sync mode, the averaged pseudo-gradient of the step's fragment in DiLoCo) with the
 same optimizer, and the states stay bit-identical. So each peer keeps the results of its last
 ``statesync.replay_steps`` global steps (:class:`ResultStore`: in an unnamed spill file, losslessly in
-fp16 or bf16 when the round's compression made every value one of those) and serves them by step; a peer
+fp16 or bf16 when the round's compression made every value one of those, and in int8's or top-k's own
+form, see ``result_codec``) and serves them by step; a peer
 ``k <= replay_steps`` steps behind fetches the ``k`` results (:class:`ResultFetcher`: from several peers
 at once, each step from whichever offers it) and applies them in order, between two batches.
 
