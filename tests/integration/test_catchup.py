@@ -311,63 +311,6 @@ async def test_a_slow_link_peer_in_a_sync_swarm_averages_instead_of_downloading_
     check_identical_per_epoch([slow, *fast])
 
 
-# ---- a sync peer whose replays land after the next round's group formed --------------------------------
-
-HOME_LINK = 15_000  # bytes per second, each way: one step's result (69 KB) takes ~4.6 s, half a step
-HOME_BATCH = 3.0  # seconds per batch on the home peer: a third of a step (the lab's home: 16 samples at ~2/s)
-
-
-async def sync_home_swarm(seconds: float) -> tuple[Peer, list[Peer], int]:
-    """Two peers on fast links train in sync mode (summed gradients, as a node does; steps of ~9 s); a
-    third on ``HOME_LINK`` with batches of ``HOME_BATCH`` joins once they took a few steps. Returns the
-    home peer, the others, and the steps the swarm took from the home's first step on."""
-    cfg = (
-        run_config("sync")
-        .replace("training", target_batch_size=96)
-        .replace("averaging", timeout=30.0)
-        .replace("statesync", max_donors=1)
-    )
-    async with swarm(cfg, model=mid_model, summed=True) as s:
-        fast = [await s.start(compute=1.0) for _ in range(2)]
-        for p in fast:
-            s.net.set_link(f"t{p.index}", "t2", LinkProfile(bandwidth=HOME_LINK))
-        await s.until(lambda: fast[0].opt.epoch >= 3, timeout=60)
-        home = await s.start(compute=HOME_BATCH)
-        await s.until(lambda: bool(home.steps), timeout=120)
-        first = fast[0].opt.epoch
-        await trio.sleep(seconds)
-        return home, fast, fast[0].opt.epoch - first
-
-
-@pytest.mark.timeout(300)  # ~20 s of CPU; longer on a busy machine
-async def test_a_sync_peer_whose_replay_lands_late_joins_the_round_of_the_step_it_lands_on(
-    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The lab's sync home peer on 10 Mbit/s (issue 49): a step's result took most of a step to fetch,
-    so each replay landed just after the next step's group had formed, and the peer (its training loop
-    waiting for the replay, then a whole batch before it could look for a group) replayed every step a
-    step behind and averaged in none. On the code before, this swarm's home peer replayed 4 steps in a
-    row and averaged in 1 of 6. Now, while the replay is in flight it keeps computing, joins the group of
-    the step the replay lands it on and hands those gradients over at once (the result is applied once
-    the replay landed); a replay that lands first carries them into that step: one download, and it
-    averages with its own samples in most steps, on the same parameters."""
-    contributed: dict[int, list[int]] = {}
-    note_step = RoundStats.note_step
-
-    def noted(self: RoundStats, last: dict[str, object]) -> None:
-        epoch, mine = int(last["epoch"]), int(last.get("mine", 0))  # type: ignore[call-overload]
-        contributed.setdefault(id(self), []).append(epoch if mine > 0 else -1)
-        note_step(self, last)
-
-    monkeypatch.setattr(RoundStats, "note_step", noted)
-    home, fast, steps = await sync_home_swarm(seconds=45)
-    first = fast[0].opt.epoch - steps
-    averaged = [e for e in contributed.get(id(home.opt.stats), []) if e >= first]
-    assert home.opt.shared.downloads == 1, (home.opt.shared.downloads, home.steps)
-    assert steps >= 4 and len(averaged) >= steps / 2, (averaged, steps, home.steps)
-    check_identical_per_epoch([home, *fast])
-
-
 # ---- a DiLoCo joiner whose replay lands after the next round's group formed ---------------------------
 
 JOINER_LINK = 20_000  # bytes per second, each way: one step's result (69 KB) takes ~3.5 s to fetch
