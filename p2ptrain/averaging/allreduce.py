@@ -41,7 +41,7 @@ from ..net.host import Host
 from .agreement import excluded_reasons
 from .audit import Attestation, hash_pieces, seal_attestation
 from .bandwidth import RateMeter, Rates
-from .bounds import ResultHistory, Scale, work_ratio
+from .bounds import ResultHistory, Scale
 from .buffers import BufferPool
 from .compression import Compression, all_finite
 from .deciding import DecisionExchange
@@ -152,7 +152,6 @@ class AllReduceRound:
             own_saved=own_saved,
             history=history.get(m.schema) if history is not None else None,
             prior=history.prior(m.schema, flat.numel()) if history is not None else None,
-            work=work_ratio(weight, (caps or {}).values()),
         )
         self.history = history
         self.signals = RoundSignals()

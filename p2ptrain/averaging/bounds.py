@@ -36,14 +36,10 @@ linearly while its steps stay aligned, as the square root once they do not): a h
 fastest member of its group sees up to ~16x its own norm (the aligned worst case), half the bound.
 Quantized sums (int8, fp16, bf16, the top-k sum's 8-bit codes) are within a percent of the exact mean;
 top-k contributions with error feedback differ by their residuals, a few times at most.
-``tests/unit/test_result_bounds.py`` draws such rounds over many seeds: none trips it. A member that did
-far less work than another in the round (one that just restarted, a slow host beside a fast one, in
-aligned DiLoCo steps) sees the others' values grow with their work, past 32x its own: so its bound grows
-by :func:`work_ratio`, how many times its own weight the most weight it finds plausible for another
-member is (the caps of ``agreement``, which a stranger cannot raise past a trusted peer's, up to
-``MAX_WORK``). Before, such a member refused the true result and banned an honest reducer. What that
-gives a hostile reducer: up to that many times more room in the results of the members that did little
-work, and nothing more in the others' (each checks by its own work).
+``tests/unit/test_result_bounds.py`` draws such rounds over many seeds: none trips it. The cost to an
+honest swarm: a host that does under 1/32 of the fastest member's work per round, in aligned DiLoCo
+steps, may refuse a true result (and ban its reducer); keep a run's hardware within ~16x (the weight
+caps and bandwidth shares assume as much).
 
 What a reducer can still do within the bound, without being caught by it: serve any values of at most
 ``BOUND`` times the member's own norm in its partition, and no coordinate above ``BOUND`` times the
@@ -69,12 +65,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .agreement import WEIGHT_SLACK
-
 BOUND = 32.0
 """How many times its own values' size a member accepts in a result (see the module docstring)."""
-MAX_WORK = 1024.0
-"""The most the bound grows with a member's work ratio (:func:`work_ratio`)."""
 SLACK = 1e-6
 """An absolute allowance per element: results where a member's own values are (near) zero."""
 MAX_HISTORIES = 8  # tensor layouts whose last accepted result a member remembers
@@ -146,12 +138,10 @@ NOTHING = Limit(math.nan, math.nan)
 does (it has no size to bound a result by, and a bound of infinity would accept any)."""
 
 
-def limit(own: Scale, whole: Scale, history: Scale | None = None, work: float = 1.0) -> Limit | None:
+def limit(own: Scale, whole: Scale, history: Scale | None = None) -> Limit | None:
     """The limit of a partition's result for a member whose own values there have scale ``own``, and
     over all it sends ``whole``; ``history``: its last accepted result's scale over the whole vector
-    (used only where ``whole`` is zero); ``work``: how many times this member's weight the most
-    plausible weight of another member is (:func:`work_ratio`; the bound grows with it). None: nothing
-    to bound by."""
+    (used only where ``whole`` is zero). None: nothing to bound by."""
     if not all(math.isfinite(x) for x in (own.sumsq, own.absmax, whole.sumsq, whole.absmax)):
         return NOTHING  # (an infinite bound would pass anything: none passes instead)
     base = whole if not whole.zero else history
@@ -160,20 +150,9 @@ def limit(own: Scale, whole: Scale, history: Scale | None = None, work: float = 
             return None
         base = own
     d = own.count
-    bound = BOUND * min(max(1.0, work), MAX_WORK) if math.isfinite(work) else BOUND
-    norm = bound * max(own.norm, base.rms * math.sqrt(d)) + SLACK * math.sqrt(d)
-    absmax = bound * max(own.absmax, base.absmax) + SLACK
+    norm = BOUND * max(own.norm, base.rms * math.sqrt(d)) + SLACK * math.sqrt(d)
+    absmax = BOUND * max(own.absmax, base.absmax) + SLACK
     return Limit(norm, absmax)
-
-
-def work_ratio(weight: float, caps: Iterable[float]) -> float:
-    """How many times ``weight`` (this member's, in a round) the most weight another member may carry
-    (``caps``: what this member finds plausible for each, see ``agreement``): 1 where none is larger or
-    none is known. The bound scales with it: values grow with work (see the module docstring)."""
-    top = max((c for c in caps if math.isfinite(c) and c > 0), default=0.0)
-    if not (math.isfinite(weight) and weight > 0) or top <= weight:
-        return 1.0
-    return min(WEIGHT_SLACK * top / weight, MAX_WORK)
 
 
 class ResultCheck:

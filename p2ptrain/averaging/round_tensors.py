@@ -56,15 +56,13 @@ class RoundTensors:
         own_saved: Spilled | None = None,
         history: Scale | None = None,
         prior: torch.Tensor | None = None,
-        work: float = 1.0,
     ) -> None:
         """``flat`` receives the averaged values (and holds this member's own values too unless
         ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
         ``own_saved``: in place, this member's values of its own partition, already in ``backup``: the
         partition is then reduced right where its mean goes, in ``flat``. ``history``: the scale of this
         member's last accepted result of these tensors (bounds results where it sends only zeros);
-        ``prior``: its values (the slices reduced here must carry work beyond them, see ``trust``);
-        ``work``: the most plausible weight of another member over this one's (``bounds.work_ratio``)."""
+        ``prior``: its values (the slices reduced here must carry work beyond them, see ``trust``)."""
         self.identity, self.digest, self.me, self.weight = identity, digest, me, weight
         self.mode = manifest.settings.mode
         self.aggregation = manifest.settings.aggregation
@@ -93,13 +91,12 @@ class RoundTensors:
         ]
         self.whole = Scale.total(self.own_scales)
         self.history = history
-        self.work = work
         self.prior = prior  # this member's last accepted result of these tensors (see ``trust.useful``)
         self.results: dict[int, Scale] = {}  # partition -> the scale of the result accepted here
 
     def limit(self, p: int) -> Limit | None:
         """The most partition ``p``'s result may be for this member (None: nothing to bound it by)."""
-        return limit(self.own_scales[p], self.whole, self.history, self.work)
+        return limit(self.own_scales[p], self.whole, self.history)
 
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
