@@ -503,8 +503,6 @@ class Averager:
                 self.auditor.convict(peer, why)
         for peer in result.contributors:  # peers we trained with: a connection flood never evicts them
             self.host.protect(peer)
-        partners = [p for p in result.contributors if p != self.host.peer_id]
-        self.groups.leaders.averaged_with(partners, self.groups.clock())
         if result.evidence is not None and self._nursery is not None:
             self.auditor.keep(result.evidence)
             self._nursery.start_soon(self._audit, result.evidence)

@@ -100,7 +100,6 @@ class _Looking:
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
     min_size: int = 2  # the smallest group this peer takes (a smaller one is expected with fewer peers)
     compatible: set[PeerID] = field(default_factory=set)  # peers seen announcing with our schema
-    spared: frozenset[str] = frozenset()  # blamed subnets not applied this time (``LeaderBook.spared``)
 
 
 def announced_subnet(addr: str) -> str:
@@ -333,21 +332,19 @@ class GroupForming:
     ) -> Announcement | None:
         """The leader to follow among ``seen`` (``matchmaking``), leaving out those this peer's book
         excludes by their id or by the subnet of the address they announce."""
-        now, me = self.clock(), looking.me
-        candidates = [
-            (a.peer, announced_subnet(a.addr))
-            for a in seen
-            if a.peer != me.peer and a.can_lead and a.schema == me.schema and a.deadline > now
-        ]
-        looking.spared = self.leaders.spared(candidates, now, looking.min_size - 1, announced_subnet(me.addr))
+        now = self.clock()
         return choose_leader(
-            me, seen, now, looking.group_key, declined=declined, excluded=self._excluded(looking, seen, now)
+            looking.me,
+            seen,
+            now,
+            looking.group_key,
+            declined=declined,
+            excluded=self._excluded(seen, now),
         )
 
-    def _excluded(self, looking: _Looking, seen: list[Announcement], now: float) -> set[PeerID]:
+    def _excluded(self, seen: list[Announcement], now: float) -> set[PeerID]:
         """The announcers among ``seen`` this peer's book excludes, by their id or announced subnet."""
-        book, spared = self.leaders, looking.spared
-        return {a.peer for a in seen if book.excluded(a.peer, announced_subnet(a.addr), now, spared=spared)}
+        return {a.peer for a in seen if self.leaders.excluded(a.peer, announced_subnet(a.addr), now)}
 
     def _failed(self, leader: PeerID, subnet: str, why: str, *, surely: bool = True) -> None:
         """Book a leader's failure: ``surely`` (no honest leader does that), else a suspicion
@@ -386,7 +383,7 @@ class GroupForming:
         not for those this peer may follow (it redirects to the smallest of them instead)."""
         if looking.quorum is not None and seen:
             now, me, key = self.clock(), looking.me, looking.group_key
-            excluded = self._excluded(looking, seen, now)
+            excluded = self._excluded(seen, now)
             followable = {
                 a.peer for a in seen if not why_not(me, a, now, key, declined=declined, excluded=excluded)
             }
@@ -479,7 +476,7 @@ class GroupForming:
             with trio.fail_after(wait):
                 conn = await self.host.connect(leader.addr, timeout=min(wait, DIAL_LIMIT))
                 subnet = "" if conn.relayed else subnet_of(conn.remote_host)
-                excluded = self.leaders.excluded(leader.peer, subnet, self.clock(), spared=looking.spared)
+                excluded = self.leaders.excluded(leader.peer, subnet, self.clock())
                 if excluded:  # (its announced address did not show the subnet we reached it in)
                     return None, excluded, False
                 reply = await conn.call_with_body(
@@ -502,7 +499,7 @@ class GroupForming:
                 self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False)
                 return None, why, False
             redirect = reply.message.redirect
-            if redirect and self._passed_over(redirect, looking, declined):
+            if redirect and self._passed_over(redirect, declined):
                 return None, f"{why}, one this peer does not follow", False  # asking again cannot help
             return None, why, reply.message.retry
         try:
@@ -532,7 +529,7 @@ class GroupForming:
         self._followed[signed.digest] = (leader.peer, subnet)
         return signed, "", False
 
-    def _passed_over(self, addr: str, looking: _Looking, declined: set[Announcement]) -> bool:
+    def _passed_over(self, addr: str, declined: set[Announcement]) -> bool:
         """Whether the leader at ``addr`` (where a peer we asked said it follows) is one we do not follow:
         it refused us, or our book excludes it."""
         if any(d.addr == addr for d in declined):
@@ -541,9 +538,7 @@ class GroupForming:
             peer = PeerAddress.parse(addr).peer_id
         except ValueError:
             return False
-        if peer is None:
-            return False
-        return bool(self.leaders.excluded(peer, announced_subnet(addr), self.clock(), spared=looking.spared))
+        return peer is not None and bool(self.leaders.excluded(peer, announced_subnet(addr), self.clock()))
 
     def _late(self, leader: Announcement, looking: _Looking, asked: float, why: str) -> bool:
         """Whether an answer without a manifest came so late that the leader failed us: at its deadline

@@ -34,16 +34,6 @@ per matchmaking it wins (``grouping``). A failure is recorded only by the peer t
 takes another's word for it), so the attacker pays those stalls per honest peer. Ids are free and a
 key generator can grind ones that win the lottery, but each counts against its subnet.
 
-Honest peers that share a subnet (a LAN, a lab, one provider's /24) blame it together when a few of
-their groups come out too small under load; if each then excluded the others, each would lead alone,
-nobody would join anybody, and the swarm would stop for the whole ``EXCLUSION``. So the blame of a
-peer's own subnet yields where it would leave the peer fewer leaders to follow than a group needs while
-enough of its subnet are blamed by no name (:meth:`LeaderBook.spared`); every name's blame and every
-other subnet's still hold. The invariant becomes: the bound above holds against every attacker off the
-peer's own subnet; one on the same /24 as the peer stalls it at most ``SUSPICIONS`` times per identity,
-and only while the peer has fewer leaders that delivered it a manifest than a group needs (its
-LAN-mates' first manifests end that).
-
 What it costs an honest swarm: an honest leader that failed a follower (its machine died, or three of
 its groups in a row were too small while the follower saw enough peers to form one) is not followed by
 that follower for a while; it still joins groups and leads the others. Exclusion only removes
@@ -57,7 +47,6 @@ blame that was about to end anyway).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -100,7 +89,6 @@ class LeaderBook:
         self._peers: dict[PeerID, _Blame] = {}
         self._subnets: dict[str, _Blame] = {}
         self._delivered: dict[PeerID, float] = {}  # leaders that delivered us a manifest -> when, last
-        self._partners: dict[PeerID, float] = {}  # peers that contributed to a round of ours -> when, last
         self._suspected: dict[PeerID, tuple[int, float]] = {}  # -> suspicions since it delivered, last when
         self._suspected_subnets: dict[str, tuple[int, float]] = {}  # -> suspicions, last when
 
@@ -108,7 +96,6 @@ class LeaderBook:
         """``peer`` (reached at ``subnet``, "" if unknown) failed this peer as a leader: it is not
         followed, nor are the leaders of its subnet, until the time returned."""
         self._delivered.pop(peer, None)
-        self._partners.pop(peer, None)
         until = _blame(self._peers, peer, now, why, self.exclusion, MAX_PEERS)
         if blames_subnet(subnet):
             until = max(until, _blame(self._subnets, subnet, now, why, self.exclusion, MAX_SUBNETS))
@@ -146,68 +133,19 @@ class LeaderBook:
         while len(self._delivered) > MAX_DELIVERED:
             del self._delivered[next(iter(self._delivered))]  # the least recently good
 
-    def excluded(self, peer: PeerID, subnet: str, now: float, *, spared: Collection[str] = ()) -> str:
-        """Why ``peer``, reached (or announced) at ``subnet``, is not followed now ("" if it may be);
-        the blame of a subnet in ``spared`` (:meth:`spared`) does not count."""
+    def excluded(self, peer: PeerID, subnet: str, now: float) -> str:
+        """Why ``peer``, reached (or announced) at ``subnet``, is not followed now ("" if it may be)."""
         blame = self._peers.get(peer)
         if blame is not None and blame.until > now:
             left = blame.until - now
             return f"it failed this peer as a leader ({blame.why}); not followed for {left:.0f} s"
-        sub = self._subnets.get(subnet) if subnet and subnet not in spared else None
-        if sub is not None and sub.until > now and peer not in self._delivered and peer not in self._partners:
+        sub = self._subnets.get(subnet) if subnet else None
+        if sub is not None and sub.until > now and peer not in self._delivered:
             return (
                 f"a leader of its subnet {subnet} failed this peer ({sub.why});"
                 f" its subnet is not followed for {sub.until - now:.0f} s"
             )
         return ""
-
-    def spared(
-        self, candidates: Iterable[tuple[PeerID, str]], now: float, need: int, own: str
-    ) -> frozenset[str]:
-        """The blamed subnets whose blame this matchmaking does not apply: this peer's ``own`` subnet,
-        where it would leave the peer fewer than ``need`` leaders to follow (among ``candidates``, the
-        leaders it could follow now, with their subnets, and the peers it vouches for: :meth:`vouched`)
-        while enough of its own subnet are blamed by no name; else none.
-
-        A subnet blame that leaves a peer no leader to follow but itself, among peers of its own subnet
-        that it blames by no name, is what honest peers that share a subnet (a LAN, a lab, one provider's
-        /24) do to each other when a few of their groups came out too small under load: each blamed the
-        subnet, so each led alone, nobody joined anybody, and the swarm stopped for the whole
-        ``EXCLUSION``. Sparing keeps every name's blame (and its ``SUSPICIONS`` bound per identity) and
-        every other subnet's; only a peer's own subnet yields, and only while it is short of leaders.
-        """
-        if not own or not blames_subnet(own):
-            return frozenset()
-        free = {p for p in self.vouched() if not self._named(p, now)}
-        mates = 0
-        for peer, subnet in candidates:
-            if self._named(peer, now) or peer in free:
-                continue
-            if not self.excluded(peer, subnet, now):
-                free.add(peer)
-            elif subnet == own:
-                mates += 1
-        return frozenset([own]) if len(free) < need <= len(free) + mates else frozenset()
-
-    def _named(self, peer: PeerID, now: float) -> bool:
-        blame = self._peers.get(peer)
-        return blame is not None and blame.until > now
-
-    def averaged_with(self, peers: Iterable[PeerID], now: float) -> None:
-        """``peers`` contributed to a round this peer completed: a subnet's blame spares them, as it
-        spares the leaders that delivered (what they were suspected of by name still counts)."""
-        for peer in peers:
-            self._partners.pop(peer, None)
-            if peer in self._peers and self._peers[peer].until > now:
-                continue  # (not while its own blame lasts)
-            self._partners[peer] = now
-        while len(self._partners) > MAX_DELIVERED:
-            del self._partners[next(iter(self._partners))]  # the least recent partner
-
-    def vouched(self) -> frozenset[PeerID]:
-        """The peers a subnet's blame spares: leaders that delivered this peer a manifest, and peers that
-        contributed to a round of its."""
-        return frozenset(self._delivered) | frozenset(self._partners)
 
     def excluded_peers(self, now: float) -> frozenset[PeerID]:
         """The leaders blamed by name now (a subnet's blame needs the address: :meth:`excluded`)."""
