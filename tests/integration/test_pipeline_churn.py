@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
 import trio
 
 from p2ptrain import Node, NodeConfig
@@ -35,6 +33,7 @@ from tests.integration.test_pipeline import (
     SEED,
     Swarm,
     assert_stage_weights_identical,
+    one_thread,  # noqa: F401 (its autouse fixture: one torch thread here too)
     pipeline_swarm,
     run_steps,
 )
@@ -42,14 +41,6 @@ from tests.integration.test_pipeline import (
 TIMEOUT = 5.0
 PIPELINE = PipelineSection(stages=(0, 2), micro_batch=4, compression=Compression.INT8, timeout=TIMEOUT)
 SLACK = 2.0  # virtual seconds a step after a kill may take beyond the slowest step before it
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 async def restart(swarm: Swarm, i: int) -> PipelinePeer:

@@ -19,15 +19,12 @@ from p2ptrain.averaging.compression import Compression, encoded_size
 from p2ptrain.errors import ConfigError, RemoteProtocolError
 from p2ptrain.pipeline.codec import Wire
 from p2ptrain.pipeline.settings import PipelineSection
-from tests.integration.test_pipeline import assert_stage_weights_identical, pipeline_swarm, run_steps
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.integration.test_pipeline import (
+    assert_stage_weights_identical,
+    one_thread,  # noqa: F401 (its autouse fixture: one torch thread here too)
+    pipeline_swarm,
+    run_steps,
+)
 
 
 def low_rank(n: int, c: int, r: int, seed: int) -> torch.Tensor:

@@ -38,17 +38,17 @@ from p2ptrain.pipeline.transfer import (
 )
 from p2ptrain.tasks import load_task
 from tests.harness.identities import identity
-from tests.integration.test_pipeline import MODEL, PORT, SEED, Swarm, pipeline_swarm, run_steps
+from tests.integration.test_pipeline import (
+    MODEL,
+    PORT,
+    SEED,
+    Swarm,
+    one_thread,  # noqa: F401 (its autouse fixture: one torch thread here too)
+    pipeline_swarm,
+    run_steps,
+)
 
 PIPELINE = PipelineSection(stages=(0, 2), micro_batch=4, compression=Compression.INT8, timeout=5.0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 async def add_joiner(swarm: Swarm, name: str) -> PipelinePeer:
