@@ -355,14 +355,17 @@ class ProgressBoard:
         return self.view
 
     def view_of(self, epoch: int) -> SwarmView:
-        """The swarm's view of ``epoch`` as this peer would see it there (a DiLoCo peer one step behind,
-        its replay in flight, joining the round of the swarm's step: see ``RoundRunner``); its own record
-        and ``view`` are left as they are."""
+        """The swarm's view of ``epoch``, a step past this peer's (its replay in flight lands it there:
+        it joins that step's round, see ``RoundRunner.start_matchmaking``), as the peers on ``epoch``
+        see it: this peer's record says its own step, so its samples and rate count toward ``epoch`` in
+        nobody's view, its own included (``progress.swarm_view``'s ``epoch``). Counted here, they made
+        a sync home peer on 10 Mbit/s see the target seconds before the others did and lead groups of
+        its own for steps the swarm's records did not yet put within reach; it averaged in 0 of 3
+        steps. ``view`` is left as it is."""
         trusted = self.trusted()
-        mine = dataclasses.replace(self.record(), epoch=epoch, digest=b"", landing=False, ready=False)
         return swarm_view(
             self.node.peer_id,
-            mine,
+            self.record(),
             self.records,
             now=self.clock(),
             target=self.config.training.target_batch_size,
@@ -370,6 +373,7 @@ class ProgressBoard:
             trusted=trusted,
             min_work=self.config.run.id_work,
             met=None if trusted is None else frozenset(self.node.host.connected_peers()),
+            epoch=epoch,
         )
 
     def _note_refused_claims(self, trusted: frozenset[PeerID]) -> None:

@@ -41,6 +41,15 @@ above), and toward the samples of this peer's epoch for at most as much as this 
 records together (fresh keys that claim any number of samples at most halve the batch a step is taken
 with). A peer's own samples are never extrapolated: it knows them exactly.
 
+Every peer's view of a step is computed from the same published records, its own included as the
+others read it. A peer may view a step its record does not say (``epoch``: a peer whose replay in
+flight lands it on the swarm's step joins that step's round): there its own samples and rate count for
+nothing, as in every other peer's view of that step (its record is of the step before, or two), and it
+counts itself where the others count it (one step behind: arriving). So it never looks for a group of a
+step sooner than the records of the peers on that step put the target within reach: counting the
+samples it computed on the state it replays from, a sync peer on a slow link saw the target seconds
+before the others and led groups nobody joined in time.
+
 Trust is earned by useful work, and a partner may lie later. So no trusted record's claims count for
 more than ``SPREAD`` times the (lower) median of this peer's and the trusted records on the epoch: its
 samples and its rate (:func:`spread_cap`; ``board`` caps its weight in a round the same way; a
@@ -254,6 +263,7 @@ def swarm_view(
     min_work: int = 0,
     cohort: Collection[PeerID] = (),
     met: Collection[PeerID] | None = None,
+    epoch: int | None = None,
 ) -> SwarmView:
     """Decide from the live records (``others`` excludes this peer; stale ones already dropped).
     ``trusted``: the peers whose records may move this one to another state (None: every peer's, as in
@@ -262,7 +272,12 @@ def swarm_view(
     this peer's state with it (it saw them commit the same bits): until their records say otherwise,
     they hold its digest. ``met``: the peers connected to this one (None: everyone); records of
     untrusted ids count toward the majority a group needs only if their peers passed a handshake
-    with this one (see below)."""
+    with this one (see below). ``epoch``: the step to view, this peer's own by default; another one
+    (a step its replay in flight lands it on, see ``RoundRunner.start_matchmaking``) is viewed as a
+    peer on it sees it: this peer's record counts as what it says, like anyone's (see the module
+    docstring)."""
+    at = mine.epoch if epoch is None else epoch
+    here = at == mine.epoch  # False: a spectator of ``at`` (its record says another step)
     others = [
         o
         for o in others
@@ -270,35 +285,42 @@ def swarm_view(
         and o.record.run == mine.run
         and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
     ]
+    # A spectator's own record is one of the swarm's records, read as the others read it (it vouches for
+    # itself): on another step than ``at``, it adds no samples and no rate to ``at``'s.
+    own = [] if here else [PeerProgress(me, mine)]
 
     # Peers that said they leave count for nothing but this: the trusted among them may have taken the
     # swarm past this peer's step, and a step taken alone now would start a second lineage under the
     # swarm's step numbers (a peer catching up while the others shut down).
     def vouches(o: PeerProgress) -> bool:
-        return trusted is None or o.peer in trusted
+        return trusted is None or o.peer in trusted or o.peer == me
 
     # They still serve their state until they stop: a peer they left behind catches up from them.
     leaving = [o for o in others if o.record.leaving and vouches(o)]
     others = [o for o in others if not o.record.leaving]
     vouched = [o for o in others if vouches(o)]
-    same = [o for o in others if o.record.epoch == mine.epoch]
+    same = [o for o in others if o.record.epoch == at]
     newest = max(
-        mine.epoch,
-        upper_median([mine.epoch, *(o.record.epoch for o in vouched)]),
-        upper_median([mine.epoch, *(o.record.epoch for o in (*vouched, *leaving))]),
+        at,
+        upper_median([at, *(o.record.epoch for o in vouched)]),
+        upper_median([at, *(o.record.epoch for o in (*vouched, *leaving))]),
     )
-    overtaken = newest > mine.epoch
+    overtaken = newest > at
     # fsum: exact, so the verdict does not depend on the order the DHT returned the records in. The
     # untrusted count for at most as much as this peer and the trusted do: any number of fresh keys
     # claiming 2**53 samples at most halves the batch a step is taken with.
     sure = [o for o in same if vouches(o)]
     unsure = [o for o in same if not vouches(o)]
+    # What this peer itself brings to ``at``: its exact count and rate on its own step; nothing on a
+    # step its record does not say (a spectator), as in every other peer's view of that step.
+    mine_samples = [float(mine.samples)] if here else []
+    mine_rate = [mine.rate] if here else []
     # A trusted peer's claims count for at most SPREAD times the median's (see the module docstring);
     # not in a private swarm, whose authority vouches for every member.
     spread = SPREAD if trusted is not None else math.inf
     claimed = [estimate(o.record, now, horizon) for o in sure]
-    most = spread_cap([float(mine.samples), *claimed], spread)
-    samples = math.fsum([mine.samples, *(min(c, most) for c in claimed)])
+    most = spread_cap([*mine_samples, *claimed], spread)
+    samples = math.fsum([*mine_samples, *(min(c, most) for c in claimed)])
     samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
     # Trusted peers on this step whose own view reached the target look for a group now: so does this
     # one, once they are half of the trusted peers here. A peer that trusts few (a joiner: its join
@@ -310,8 +332,8 @@ def swarm_view(
     ready_said = said_ready > 0 and 2 * said_ready >= len(sure)
     if ready_said:
         samples = max(samples, float(target))
-    fastest = spread_cap([mine.rate, *(o.record.rate for o in sure)], spread)
-    rate = math.fsum([mine.rate, *(min(o.record.rate, fastest) for o in sure)])
+    fastest = spread_cap([*mine_rate, *(o.record.rate for o in sure)], spread)
+    rate = math.fsum([*mine_rate, *(min(o.record.rate, fastest) for o in sure)])
     rate += min(math.fsum(o.record.rate for o in unsure), rate)
     quickest = spread_cap([mine.rate, *(o.record.rate for o in vouched)], spread)
     swarm_rate = math.fsum([mine.rate, *(min(o.record.rate, quickest) for o in vouched)])
@@ -320,11 +342,10 @@ def swarm_view(
     # step before, and a trusted peer's record of this step with another digest (one that stepped
     # alone, or lied) would be the "majority" it ties with. The members of the round this peer
     # committed hold its digest until a record of theirs on this step says otherwise.
-    said = {o.peer for o in vouched if o.record.epoch == mine.epoch}
+    said = {o.peer for o in vouched if o.record.epoch == at}
     held = sum(1 for p in set(cohort) if p != me and p not in said and (trusted is None or p in trusted))
-    majority = majority_digest(
-        [mine, *(o.record for o in vouched if o.record.epoch == mine.epoch)] + [mine] * held
-    )
+    ours = [mine] * (1 + held) if here else []  # (a spectator holds no state of ``at``)
+    majority = majority_digest([*ours, *(o.record for o in vouched if o.record.epoch == at)])
     at_newest = [o for o in (*others, *leaving) if o.record.epoch == newest]
     best = vouched_digest(
         [*vouched, *leaving], newest, None
@@ -333,9 +354,9 @@ def swarm_view(
         (o for o in at_newest if o.record.addr and best and o.record.digest == best),
         key=lambda o: hashlib.blake2b(me.digest + o.peer.digest, digest_size=8).digest(),
     )
-    landing = [o for o in others if o.record.landing and o.record.epoch + 1 == mine.epoch]
-    lagging = [o for o in others if not o.record.landing and o.record.epoch + 1 == mine.epoch]
-    peers = 1 + len(same) + len(landing)
+    landing = [o for o in (*others, *own) if o.record.landing and o.record.epoch + 1 == at]
+    lagging = [o for o in (*others, *own) if not o.record.landing and o.record.epoch + 1 == at]
+    peers = here + len(same) + len(landing)
     # A group must be a majority of the epoch's peers (two groups cannot both commit it), but records of
     # ids that never join a group would raise that majority past the honest peers: untrusted ones count
     # toward it for at most as many as the trusted. The group a leader waits for still counts them all
@@ -351,9 +372,9 @@ def swarm_view(
     # on it would take it a second time. Records travel for seconds: on 8 peers of a loaded machine,
     # 3 that had read the new step of some of the 5 whose round committed formed a group of 3 for the
     # step those had left, a lineage of its own that ran on for minutes.
-    past = [o for o in others if o.record.epoch > mine.epoch]
+    past = [o for o in others if o.record.epoch > at]
     counted = (*same, *landing, *lagging, *past)
-    sure_n = 1 + sum(vouches(o) for o in counted)
+    sure_n = here + sum(vouches(o) for o in counted)
     unsure_n = sum(1 for o in counted if not vouches(o) and (met is None or o.peer in met))
     quorum = (sure_n + min(unsure_n, sure_n - 1)) // 2 + 1
     # Peers one step behind are catching up (a download, a record not re-published yet): a group waits
@@ -362,15 +383,18 @@ def swarm_view(
     # to travel and a download to land. (A joiner is trusted by nobody yet; ids that only publish such
     # records cost what those on the step do: the leader's deadline.)
     arriving = len(lagging)
-    vouched_here = 1 + sum(vouches(o) for o in (*same, *landing))
-    if newest > mine.epoch:
+    # A spectator two steps behind is in no other peer's count; it looks for the group all the same.
+    arriving += not here and not any(o.peer == me for o in (*landing, *lagging))
+    vouched_here = here + sum(vouches(o) for o in (*same, *landing))
+    if newest > at:
         ahead = sum(o.record.epoch == newest for o in vouched)
-        reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {mine.epoch}"
+        reason = f"behind: {ahead} trusted peer(s) are on step {newest}, this one on {at}"
     else:
-        reason = f"{peers} peer(s) on step {mine.epoch}: {samples:.0f} of {target} samples at {rate:.1f}/s"
+        reason = f"{peers} peer(s) on step {at}: {samples:.0f} of {target} samples at {rate:.1f}/s"
         reason += " (a trusted peer's view reached it)" if ready_said else ""
+        reason += "" if here else f" (this one's record is of step {mine.epoch})"
     return SwarmView(
-        epoch=mine.epoch,
+        epoch=at,
         newest=newest,
         peers=peers,
         quorum=quorum,
