@@ -39,8 +39,8 @@ from .protocol import WRONG_STAGE, StageRecord
 from .router import Candidate, MicroBatch, Router
 from .server import StageServer
 from .settings import PipelineSection
-from .stages import Stage, build_stage
-from .stagewise import StageAverage, average_stage
+from .stages import Stage, build_stage, tied_index
+from .stagewise import StageAverage, average_stage, tie_ends
 from .transfer import NO_STATE, STATE, Snapshot, StateReq, StateResp, apply_snapshot, take_snapshot
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class StepReport:
     micro_batches: int = 0
     queue: int = 0  # this peer's stage server's micro-batches in flight at the end of the step
     throughput: float = 0.0  # samples per second its stage server computes (its measured speed)
+    tied: StageAverage | None = None  # stage 0 and the last stage: the tied embedding's round
 
 
 @dataclass
@@ -425,14 +426,26 @@ class PipelinePeer:
         done = await self.server.wait_done(
             heard | {self.node.identity.peer_id}, limit=2 * self.pipeline.timeout
         )
-        # the stage's peers that are done and still answer: a peer that died after it was done must not
-        # hold the others' group up (the group needs every member: see stagewise)
-        mates = await self.answering([c for c in self.candidates(self.server.index) if c.peer in done])
+        # stage 0's embedding and the last stage's head are one tensor held twice: the two ends sum their
+        # gradients after their stage averages (``stagewise.tie_ends``); DiLoCo's stages keep them apart
+        # (their inner steps are every peer's own)
+        tied = tied_index(self.stage) if self.outer is None else None
+        ends: list[Candidate] = []
+        if tied is not None:
+            other = self.pipeline.num_stages - 1 - self.server.index
+            ends = [c for c in self.candidates(other) if c.peer in done]
+        # the peers that are done and still answer: a peer that died after it was done must not hold the
+        # others' group up (the group needs every member: see stagewise)
+        own = [c for c in self.candidates(self.server.index) if c.peer in done]
+        alive = await self.answering(own + ends)
+        mates = {c.peer for c in own} & alive
+        partners = {c.peer for c in ends} & alive
         # a mate known done only from its answer never told this peer itself: it did not know this peer
         # served when it ended its step (this peer just joined), so it will not wait for it in the
         # stage's group; waiting for it would cost the round's whole timeout
         unaware = mates - self.server.told(self.step_number) - {self.node.identity.peer_id}
         grads, counted = self.server.close_step()
+        tie: StageAverage | None = None
         members = max(1, len(mates | {self.node.identity.peer_id}))
         averages = self.outer is None or (self.step_number + 1) % self.local_steps == 0
         if unaware and averages:
@@ -461,9 +474,20 @@ class PipelinePeer:
                 members=members,
                 timeout=max(30.0, 3 * self.pipeline.timeout),
             )
+            if tied is not None:  # the two copies of the tied embedding get the sum of their gradients
+                tie = await tie_ends(
+                    self.node.averager,
+                    self.step_number,
+                    grads[tied],
+                    share=1.0 / max(1, avg.members),
+                    steps=avg.applied,
+                    members=len(mates | {self.node.identity.peer_id}) + len(partners),
+                    timeout=max(30.0, 3 * self.pipeline.timeout),
+                )
             if avg.applied:
-                for p, g in zip(self.server.params, grads, strict=True):
-                    p.grad = g
+                for i, (p, g) in enumerate(zip(self.server.params, grads, strict=True)):
+                    # (a tied round that did not apply: neither end moves its copy this step)
+                    p.grad = None if i == tied and tie is not None and not tie.applied else g
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         self.step_number += 1
@@ -486,6 +510,7 @@ class PipelinePeer:
             len(results),
             self.server.queue,
             self.server.throughput,
+            tie,
         )
         self.metrics.steps.append(report)
         return report

@@ -10,9 +10,11 @@ large for one host would be built stage by stage from the same generator: not ne
 tests and benchmarks use.)
 
 GPT-2 ties its head to the token embedding, which stage 0 and the last stage would then share across
-two peers. The split unties it: the last stage's head starts as a *copy* of the embedding and trains on
-its own, so the stages' parameters are disjoint. At the first step, stage 0's embedding gradient plus
-the last stage's head gradient is exactly the tied model's embedding gradient (the tests check it).
+two peers. The split gives each end a copy: the last stage's head starts as a *copy* of the embedding,
+so the stages' parameters are disjoint. Stage 0's embedding gradient plus the last stage's head
+gradient is exactly the tied model's embedding gradient (the tests check it), and a pipeline keeps the
+copies one tensor by applying that sum to both every step (``stagewise.tie_ends``; :func:`tied_index`
+says which of a stage's parameters is its copy).
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class Stage(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def tied_index(stage: Stage) -> int | None:
+    """The position, among ``stage``'s parameters, of its copy of the tied embedding (stage 0: the token
+    embedding, the last stage: the head), None for a middle stage."""
+    tied = stage.wte if stage.is_first else stage.lm_head if stage.is_last else None
+    if tied is None:
+        return None
+    params = [p for p in stage.parameters() if p.requires_grad]
+    return next(i for i, p in enumerate(params) if p is tied.weight)
 
 
 def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

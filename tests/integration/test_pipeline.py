@@ -3,7 +3,8 @@ serving one stage of a small GPT and sending its own micro-batches through the p
 
 What is proved here: a pipeline of 2-4 stages trains and every stage's peers end each step with
 identical weights; the pipelined forward and backward give the unsplit model's gradients (to float
-rounding without compression, within the int8 error with it); a stage peer killed in the middle of a
+rounding without compression, within the int8 error with it), and its steps the unsplit, tied model's
+(stage 0's embedding and the last stage's head stay one tensor); a stage peer killed in the middle of a
 micro-batch costs a retry, not a step, and no sample is counted twice; a stage peer that returns garbage
 (NaN, infinities, wrong shapes, wrong sizes, huge values, subtly wrong values caught by duplicated
 micro-batches) is dropped and reported, in seeded random mixes.
@@ -216,6 +217,39 @@ async def test_the_pipelined_gradients_are_the_unsplit_models(autojump_clock, mo
     wte = grad_of(0, "wte.weight") + grad_of(2, "lm_head.weight")  # the embedding + the untied head
     assert full.wte.weight.grad is not None
     torch.testing.assert_close(wte, full.wte.weight.grad, **tol)
+
+
+async def test_a_pipeline_trains_the_tied_unsplit_model(autojump_clock):
+    """Stage 0's embedding and the last stage's head stay one tensor (both ends apply the sum of their
+    gradients every step), so the pipeline's steps are the unsplit, tied model's: the same weights, to
+    float rounding, after two steps (two copies trained apart part at once: by about lr per step)."""
+    pipeline = PipelineSection(stages=(0, 2), micro_batch=4, compression=Compression.NONE)
+    async with pipeline_swarm(pipeline, [0, 1, 0, 1]) as swarm:
+        with trio.fail_after(300):
+            reports = await run_steps(swarm, 2, 2, 4)
+        for step in reports:
+            assert all(r.tied is not None and r.tied.applied for r in step), [r.tied for r in step]
+        assert_stage_weights_identical(swarm)
+        first, last = (swarm.by_stage()[s][0].stage for s in (0, 1))
+        assert first.wte is not None and last.lm_head is not None
+        assert torch.equal(first.wte.weight, last.lm_head.weight)
+        lr = swarm.peers[0].lr
+    torch.manual_seed(SEED)
+    full = GPT(MODEL)
+    opt = torch.optim.AdamW(full.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(2):
+        data = [b for k in range(4) for b in batches(1000 * step + k, 2, 4)]
+        x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+        stage_loss(full(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for stage in (first, last):
+        for name, p in stage.named_parameters():
+            if name.startswith("blocks."):
+                i = int(name.split(".")[1]) + stage.first_layer
+                name = f"blocks.{i}." + name.split(".", 2)[2]
+            ref = full.wte.weight if name == "lm_head.weight" else full.get_parameter(name)
+            torch.testing.assert_close(p, ref, rtol=0, atol=2e-5, msg=name)
 
 
 async def test_a_stage_peer_killed_mid_micro_batch_costs_a_retry_not_a_step(autojump_clock):
