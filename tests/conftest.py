@@ -30,10 +30,18 @@ def autojump_clock_through_threads() -> trio.testing.MockClock:
 # Tests that start processes of their own run one after another within their group, on one worker,
 # beside the in-process tests on the others (two of them side by side would share the cores their
 # processes and timeouts were sized for): the tests that start real ``p2ptrain`` processes or build
-# network-namespace labs, and the sharded-site tests that spawn their rank processes. The groups are the
-# largest scopes, so xdist hands them out first, one to each worker.
+# network-namespace labs (two groups of about equal time), and the sharded-site tests that spawn their
+# rank processes. The seeded attacker mixes share their baselines (one honest swarm per mode) only
+# within one worker, so they form a group too. The groups are the largest scopes, so xdist hands them
+# out first.
 GROUPS = {
-    "one-at-a-time": (
+    "processes-train": (
+        "tests/e2e/test_training_cli.py",
+        "tests/e2e/test_average.py",
+        "tests/e2e/test_scenario_run.py",
+        "tests/e2e/test_dataset_task.py",
+    ),
+    "processes-net": (
         "tests/e2e/",
         "tests/integration/test_nat_lab.py",
         "tests/integration/test_nat_reset.py",
@@ -50,13 +58,15 @@ GROUPS = {
         "tests/integration/test_site_swarm.py",
         "tests/integration/test_site_torchrun_restart.py",
     ),
+    "attacker-mixes": ("tests/integration/test_adversarial_swarm.py",),
 }
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (the default, in pyproject.toml): one worker per core, at most four (the heavy tests
-    start several processes of their own)."""
-    return max(1, min(os.cpu_count() or 1, 4))
+    """``-n auto`` (the default, in pyproject.toml): one worker more than the cores, at most four. The
+    process groups spend much of their time waiting on real processes and clocks; the extra worker keeps
+    the cores busy meanwhile with the in-process tests (on the virtual clock, which load does not move)."""
+    return max(1, min((os.cpu_count() or 1) + 1, 4))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
