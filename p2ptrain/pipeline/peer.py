@@ -479,7 +479,7 @@ class PipelinePeer:
                     self.node.averager,
                     self.step_number,
                     grads[tied],
-                    share=1.0 / max(1, avg.members),
+                    group=mates | {self.node.identity.peer_id},
                     steps=avg.applied,
                     members=len(mates | {self.node.identity.peer_id}) + len(partners),
                     timeout=max(30.0, 3 * self.pipeline.timeout),

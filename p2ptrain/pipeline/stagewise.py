@@ -22,28 +22,33 @@ apply the *sum* of the two stages' agreed gradients, the tied tensor's gradient,
 state to the same values: the embedding and the head stay one tensor held twice, as in the unsplit
 model.
 
-Every member of a stage holds the same agreed gradient, and every member brings it, with weight
-``1 / its stage group's size``: the weights of each end add up to 1, the round's total weight is 2 and
-its mean times 2 is the sum. (Every member brings values of the same size, its own gradient: a round's
-reducers refuse slices far larger than their own, ``averaging.bounds``.) A member whose stage skips
-the step (its stage average aborted) brings its own gradient with :data:`SKIP_WEIGHT`. The round's
-agreed weights, identical on every member, then say whether it is whole: their total is 2 exactly
-when each end's group is in the round entire and no member skips. Only then does any member apply it;
-otherwise, or when the round aborts (on every member), neither copy moves this step. A member left out
-of the round that applied does not move its copy while its stage mates do: its weights part from
-theirs, and it downloads its stage's state again (``catchup.behind``), as any peer off its stage's
-lineage does.
+Every member of a stage holds the same agreed gradient ``g`` of its copy, and every member brings it,
+scaled to a largest magnitude of 1 (``g / s``, ``s`` its largest magnitude), with weight ``s / n``
+(``n`` its stage group's size): the weighted sum over the round is then the sum of the two stages'
+gradients, and the mean times the total weight gives it back. The scaling is needed: the head's
+gradient is up to ~60x larger than the embedding's (measured), and a round's reducers refuse slices
+far larger than their own (``averaging.bounds``), which banned honest peers before it. A member whose
+stage skips the step (its stage average aborted, or it counted nothing) brings weight
+:data:`SKIP_WEIGHT`. The round's agreed weights and contributors, identical on every member, decide:
+the sum is applied only if no member skips and both ends contributed (the total less the weights of
+a member's own stage group is positive); otherwise, or when the round aborts (on every member),
+neither copy moves this step. A member left out of a round that applied does not move its copy while
+its stage mates do: its weights part from theirs, and it downloads its stage's state again
+(``catchup.behind``), as any peer off its stage's lineage does; a member of an end that was in the
+round only in part applies a sum short of that member's share, the same on every member.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..averaging.averager import Averager
 from ..errors import GroupFormationFailed, RoundAborted
+from ..identity import PeerID
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +96,7 @@ async def average_stage(
     return StageAverage(True, len(signed.manifest.members), float(result.total_weight), "")
 
 
-SKIP_WEIGHT = 4.0  # a tied-round member whose stage skips the step: the total is not 2, nobody applies
-WHOLE = 2.0  # the total weight of a whole tied round: each end's group brings 1
+SKIP_WEIGHT = 1e12  # a tied-round member whose stage skips the step (a gradient's largest value is far less)
 
 
 def tied_key(step: int) -> str:
@@ -104,20 +108,22 @@ async def tie_ends(
     step: int,
     grad: torch.Tensor,
     *,
-    share: float,
+    group: set[PeerID],
     steps: bool,
     members: int,
     timeout: float,
 ) -> StageAverage:
     """Sum, in place, the gradients of the tied tensor's two copies (stage 0's token embedding and the
     last stage's head; see the module docstring) with the peers of both ends (``members`` in all,
-    this one included). ``grad``: this peer's stage's agreed gradient of its copy; ``share``: 1 / its
-    stage group's size; ``steps``: its stage applies this step. Applied (the result says so) only if
-    the round is whole; then ``grad`` holds the sum."""
+    this one included). ``grad``: this peer's stage's agreed gradient of its copy; ``group``: its stage
+    group (this peer included); ``steps``: its stage applies this step. Applied (the result says so)
+    only if no member skips and both ends contributed; then ``grad`` holds the sum."""
     if members <= 1:
         return StageAverage(False, 1, 0.0, "no peer of the other end")
-    weight = share if steps else SKIP_WEIGHT
-    contribution = [grad]
+    scale = float(grad.abs().max()) if grad.numel() else 0.0
+    skips = not (steps and math.isfinite(scale) and scale > 0)
+    weight = SKIP_WEIGHT if skips else scale / max(1, len(group))
+    contribution = [torch.zeros_like(grad) if skips or scale == 0 else grad / scale]
     try:
         signed = await averager.form_group(
             contribution,
@@ -133,10 +139,12 @@ async def tie_ends(
         return StageAverage(False, 0, 0.0, str(e))
     total = float(result.total_weight)
     size = len(result.contributors)
-    if abs(total - WHOLE) > 1e-9:
-        why = "a member's stage skips the step" if total >= SKIP_WEIGHT else "an end's group is not whole"
-        return StageAverage(False, size, total, why)
+    if total >= SKIP_WEIGHT:
+        return StageAverage(False, size, total, "a member's stage skips the step")
+    own = math.fsum(weight for p in result.contributors if p in group)
+    if not total - own > 1e-9 * total:
+        return StageAverage(False, size, total, "the other end's peers did not contribute")
     with torch.no_grad():
-        grad.mul_(WHOLE)
+        grad.copy_(contribution[0].mul_(total))
     averager.trained_with(result)
     return StageAverage(True, size, total, "")

@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--rate-mbit", type=float, default=100.0)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument(
+        "--compression",
+        default="int8",
+        choices=["none", "fp16", "bf16", "int8"],
+        help="pipeline.compression: activations and their gradients on the wire",
+    )
     ap.add_argument("--rank", type=int, default=0, help="pipeline.rank: low-rank activations (0: int8 alone)")
     ap.add_argument(
         "--diloco", type=int, default=0, help="DiLoCo per stage with this many local steps (0: sync)"
@@ -133,7 +139,7 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
     pipeline = PipelineSection(
         stages=bounds,
         micro_batch=args.micro_batch,
-        compression=Compression.INT8,
+        compression=Compression(args.compression),
         timeout=30.0,
         rank=args.rank,
         local_steps=max(1, args.diloco),
@@ -210,6 +216,10 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
             len({p.weights_digest() for p in peers if p.stage.index == s}) == 1 for s in range(args.stages)
         )
         params = [s.num_parameters() for s in stages]
+        # stage 0's embedding and the last stage's head: one tensor held twice (``stagewise.tie_ends``)
+        ends = [p.stage.wte if p.stage.is_first else p.stage.lm_head for p in peers]
+        copies = [e.weight for e in ends if e is not None]
+        tied = all(torch.equal(c, copies[0]) for c in copies)
         nursery.cancel_scope.cancel()
     return {
         "stages": stages,
@@ -218,6 +228,7 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
         "walls": walls,
         "computes": computes,
         "identical": identical,
+        "tied": tied,
         "params": params,
         "bounds": bounds,
     }
@@ -291,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         "val_loss_data_parallel": round(dp_loss, 4),
         "val_loss_gap_pct": round(100 * (pipe_loss - dp_loss) / dp_loss, 2),
         "stage_weights_identical": run["identical"],
+        "embedding_and_head_tied": run["tied"],
         "micro_batches_given_up": given_up,
         "protocol_s_per_step": round(protocol / args.steps, 3),
         "compute_s_per_step_by_stage": [round(c / args.steps, 3) for c in per_stage],
@@ -336,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         ("largest stage's share of the parameters", f"{report['largest_stage_share']:.0%}"),
         ("stage peers hold identical weights", str(run["identical"])),
+        ("stage 0's embedding == the last stage's head", str(run["tied"])),
     ]
     for k, v in rows:
         print(f"{k:55s} {v}", file=sys.stderr)

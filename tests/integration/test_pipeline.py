@@ -30,6 +30,7 @@ from p2ptrain.pipeline.peer import PipelinePeer
 from p2ptrain.pipeline.protocol import BACKWARD, FORWARD, BackwardReq, BackwardResp, ForwardReq, ForwardResp
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.stages import stage_loss
+from p2ptrain.pipeline.stagewise import StageAverage, tie_ends
 from p2ptrain.tasks.gpt import GPT, GPTConfig
 from tests.harness.identities import identity
 
@@ -250,6 +251,43 @@ async def test_a_pipeline_trains_the_tied_unsplit_model(autojump_clock):
                 name = f"blocks.{i}." + name.split(".", 2)[2]
             ref = full.wte.weight if name == "lm_head.weight" else full.get_parameter(name)
             torch.testing.assert_close(p, ref, rtol=0, atol=2e-5, msg=name)
+
+
+async def test_the_tied_round_sums_gradients_of_different_sizes_and_skips_together(autojump_clock):
+    """The head's gradient is far larger than the embedding's (~60x measured): brought as they are, the
+    round's reducers refused each other's slices and banned honest peers. Scaled, the round sums them
+    on every member; a member whose stage skips the step makes every member skip."""
+    pipeline = PipelineSection(stages=(0, 2), micro_batch=4, compression=Compression.NONE)
+    g = torch.Generator().manual_seed(3)
+    first = torch.randn(64, 32, generator=g) * 1e-3
+    first[5:] = 0  # (an embedding's gradient: rows of the tokens seen only)
+    last = torch.randn(64, 32, generator=g) * 0.1
+    async with pipeline_swarm(pipeline, [0, 1, 0, 1]) as swarm:
+        ids = [p.node.identity.peer_id for p in swarm.peers]
+        groups = [{ids[0], ids[2]}, {ids[1], ids[3]}, {ids[0], ids[2]}, {ids[1], ids[3]}]
+        for step, skipping in ((0, None), (1, 3)):
+            grads = [(first if i % 2 == 0 else last).clone() for i in range(4)]
+            out: list[StageAverage | None] = [None] * 4
+
+            async def one(i: int, step: int, grads: list, out: list, skipping: int | None) -> None:
+                out[i] = await tie_ends(
+                    swarm.peers[i].node.averager,
+                    step,
+                    grads[i],
+                    group=groups[i],
+                    steps=i != skipping,
+                    members=4,
+                    timeout=30.0,
+                )
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i, step, grads, out, skipping)
+            assert all(r is not None and r.applied == (skipping is None) for r in out), out
+            if skipping is None:
+                for t in grads:
+                    torch.testing.assert_close(t, first + last, rtol=1e-5, atol=1e-8)
 
 
 async def test_a_stage_peer_killed_mid_micro_batch_costs_a_retry_not_a_step(autojump_clock):
