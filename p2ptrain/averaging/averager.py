@@ -328,9 +328,11 @@ class Averager:
         useful work, see ``trust``): call it once the round's result is applied. Contributors it did
         not verify (zeros, noise, or any contributor when it reduced nothing) earn nothing.
 
-        A round that completes is not yet a round its members apply: a trainer may refuse it (its
-        contributors fell short of the peers it must average with), and a peer that trusted them
-        anyway would follow their records into a second lineage of the swarm's steps."""
+        A round that completes is not yet a round its members apply: a trainer may drop it (a replay
+        that landed it on another step than the round's), and a peer that trusted its contributors
+        anyway would follow their records into a second lineage of the swarm's steps. (Whether the
+        contributors hold the peers a member must average with is settled before the round commits,
+        the same for every member: see ``matchmaking``.)"""
         verified = [(p, seen) for p, seen in self._seen_at(result.verified) if p in result.contributors]
         named = self.trust.credit(result.round, verified, self._clock())
         if named:

@@ -4,8 +4,9 @@ A peer that wants to average announces itself under the run's group key in the D
 owned subkey, with a deadline) and reads the others' announcements. The pure rules (``matchmaking``)
 pick a leader by lottery: the peer leads (gathers joiners until the group is full or its deadline, then
 signs a manifest of members and partition sizes shared out by their bandwidths) or asks the leader for
-a place (``JOIN``) and checks the manifest it gets against the run's rules before anything is sent; a
-group that holds a banned peer, or too few of the peers this one must average with, is declined.
+a place (``JOIN``, naming its quorum: the peers it must average with) and checks the manifest it gets
+against the run's rules before anything is sent; a group that holds a banned peer, or whose signed
+quorum for this peer does not hold it to its own (``matchmaking.holds_me``), is declined.
 Announcements carry strictly increasing expiries, so a closed one still in flight never wins over the
 next round's.
 
@@ -43,7 +44,7 @@ import trio
 from ..dht.records import owned_subkey, subkey_owner
 from ..dht.service import DHT
 from ..errors import GroupFormationFailed, GroupTooSmall, P2PError, SchemaMismatch
-from ..identity import PeerID
+from ..identity import PEER_ID_BYTES, PeerID
 from ..net.address import PeerAddress
 from ..net.admission import subnet_of
 from ..net.host import Host
@@ -54,7 +55,16 @@ from .auditor import Auditor
 from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .compression import Compression
 from .leaders import LeaderBook
-from .matchmaking import Announcement, Gathering, Joiner, Quorum, cannot_join, choose_leader, why_not
+from .matchmaking import (
+    Announcement,
+    Gathering,
+    Joiner,
+    Quorum,
+    cannot_join,
+    choose_leader,
+    holds_me,
+    why_not,
+)
 from .partition import partition_sizes
 from .protocol import (
     JOIN,
@@ -441,6 +451,7 @@ class GroupForming:
             looking.refusal = members
             looking.formed.set()
             return None
+        needs, counts = gathering.entries(members)  # every member's quorum, signed (see ``matchmaking``)
         bandwidths = partition_bandwidths([m.bandwidth for m in members])
         total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
         shares = partition_sizes(total, bandwidths, [bool(m.addr) for m in members], align)
@@ -452,6 +463,8 @@ class GroupForming:
             ),
             sizes=tuple(shares),
             origins=gathering.origins(members),
+            needs=needs,
+            counts=counts,
             schema=schema,
             compression=mode.value,
             timeout=timeout,
@@ -479,9 +492,12 @@ class GroupForming:
                 excluded = self.leaders.excluded(leader.peer, subnet, self.clock())
                 if excluded:  # (its announced address did not show the subnet we reached it in)
                     return None, excluded, False
-                reply = await conn.call_with_body(
-                    JOIN, JoinReq(looking.group_key, me.schema, me.addr, me.bandwidth), timeout=wait
+                quorum = looking.quorum
+                need, named = (0, ()) if quorum is None else (quorum.size, quorum.named(looking.announced))
+                req = JoinReq(
+                    looking.group_key, me.schema, me.addr, me.bandwidth, need, tuple(p.digest for p in named)
                 )
+                reply = await conn.call_with_body(JOIN, req, timeout=wait)
         except trio.TooSlowError:
             why = f"no manifest within {wait:.1f} s, past its deadline"
             self._failed(leader.peer, subnet, why)
@@ -518,10 +534,9 @@ class GroupForming:
             log.info("declined the group of %s: %s", leader.peer.short(), why)
             return None, why, False
         quorum = looking.quorum
-        held = len(quorum.peers & set(signed.manifest.peers())) if quorum is not None else 0
-        if quorum is not None and held < quorum.size:  # its leader's word on the majority is not ours
+        why = "" if quorum is None else holds_me(signed.manifest, me.peer, quorum)
+        if why:  # its leader's word on the majority is not ours: refuse now, never discard its round later
             self.decline(signed)
-            why = f"the group holds {held} of the {quorum.size} peers this one must average with"
             log.info("declined the group of %s: %s", leader.peer.short(), why)
             return None, why, False
         while len(self._followed) >= MAX_FOLLOWED:
@@ -565,8 +580,10 @@ class GroupForming:
         if ctx.peer in self.auditor.banned:
             return Reply(JoinResp(False, f"banned here: {self.auditor.banned[ctx.peer]}"))
         before = len(gathering.bumped)
+        counts = frozenset(PeerID(c) for c in req.counts if len(c) == PEER_ID_BYTES)
         why = gathering.offer(
-            Joiner(ctx.peer, req.addr, req.bandwidth, subnet_of(ctx.remote_host)), req.schema_digest
+            Joiner(ctx.peer, req.addr, req.bandwidth, subnet_of(ctx.remote_host), req.need, counts),
+            req.schema_digest,
         )
         if why:
             return Reply(JoinResp(False, why))
@@ -587,5 +604,6 @@ class GroupForming:
         finally:
             gathering.withdraw(ctx.peer)  # no effect once formed
         if looking.manifest is None or ctx.peer not in looking.manifest.manifest.peers():
-            return Reply(JoinResp(False, looking.refusal or "the group did not form"))
+            why = gathering.bumped.get(ctx.peer) or looking.refusal or "the group did not form"
+            return Reply(JoinResp(False, why))
         return Reply(JoinResp(True), looking.manifest.envelope)

@@ -49,6 +49,26 @@ the leader never joins it (it leads, or follows a smaller one): the leader does 
 (:func:`cannot_join`), unless the leader may follow it (then it redirects to it instead). Without that,
 a known peer whose group nobody joins (a leader the others stopped following: ``leaders``) held every
 other group of the step to its leader's deadline.
+
+One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
+and sizes its majority by its own records), and members drop out between formation and the round (a
+state that moved on, a crash), so a round's contributors may hold one member's quorum and not
+another's. Each member checking them against its own quorum *after* the round split the swarm (at 32
+peers, most members threw a committed round away while the others applied it; the former formed a
+second group of the same step: two lineages). So the quorums are fixed and signed at formation: each
+joiner names its quorum in its join request, the leader signs every member's as an entry of the
+manifest (:meth:`Gathering.entries`: the need over the *other* members, counting only peers the leader
+knows to publish progress, and needing at most ``NEED_SLACK``
+more than the leader's own need or a majority of the members the leader counts), every member checks
+that its entry holds it to its own quorum before it takes part (:func:`holds_me`; else it declines
+the group), and the round commits only if the decided
+contributors meet every entry (``Manifest.short_of_quorum``: the coordinator signs an abort, and every
+member refuses a decision that breaks them). The invariant: all members of one committed round make
+the same apply/discard decision, computed only from what the leader signed (the manifest and the
+decision); a committed round is applied. A member that disagrees with a group refuses to join it; it
+never discards a round it took part in. A joiner whose quorum the group cannot meet (it needs more
+than the members it counts, or more than that bound) loses its place before the manifest is
+signed (:meth:`Gathering.form`).
 """
 
 from __future__ import annotations
@@ -61,7 +81,10 @@ from dataclasses import dataclass, field
 from ..errors import RemoteProtocolError
 from ..identity import PeerID
 from ..wire.codec import pack, unpack
+from .protocol import MAX_COUNTS, Manifest
 from .rules import listed_subnet
+
+NEED_SLACK = 2  # more of the peers a leader counts than its own quorum needs a joiner's quorum may need
 
 
 @dataclass(frozen=True)
@@ -206,14 +229,56 @@ class Joiner:
     addr: str
     bandwidth: float
     origin: str = ""  # the subnet its leader sees it from (the leader: its own, "" when it does not know)
+    # its quorum, as its join request named it: ``need`` of ``counts`` (itself included) among a round's
+    # contributors; 0: none (a peer averaging outside a training run)
+    need: int = 0
+    counts: frozenset[PeerID] = frozenset()
 
 
 @dataclass(frozen=True)
 class Quorum:
-    """A group forms only once it holds at least ``size`` of ``peers`` (the leader included)."""
+    """A group forms only once it holds at least ``size`` of ``peers`` (the leader included); a member's
+    round commits only with that many of them among its contributors (see the module docstring)."""
 
     peers: frozenset[PeerID]
     size: int
+    # the peers a joiner's quorum may name (those that publish progress, trusted or not: a newcomer
+    # leader trusts few, and the joiners' quorums name the peers they trust); empty: ``peers``
+    nameable: frozenset[PeerID] = frozenset()
+
+    def named(self, seen: Iterable[PeerID] = ()) -> tuple[PeerID, ...]:
+        """The peers a join request names: all of them, or past ``MAX_COUNTS`` those ``seen`` (announcing
+        under the group key) first. Leaving peers out only makes the quorum harder to meet."""
+        if len(self.peers) <= MAX_COUNTS:
+            return tuple(self.peers)
+        first = [p for p in dict.fromkeys(seen) if p in self.peers]
+        taken = set(first)
+        rest = [p for p in self.peers if p not in taken]
+        return tuple([*first, *rest][:MAX_COUNTS])
+
+
+def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:
+    """Why the manifest's entry for ``me`` does not hold it to its ``own`` quorum ('' if it does): any
+    contributors that meet the entry must hold ``own.size`` of ``own.peers`` (counting ``me``, which a
+    round counts only as its own member: its entry is over the others). The entry needs ``need`` of the
+    members in its mask; at worst they are all of the mask's members ``me`` does not count, then the
+    rest from those it does."""
+    peers = manifest.peers()
+    if me not in peers:
+        return "this peer is no member of the group"
+    i = peers.index(me)
+    if not manifest.needs:
+        return "the manifest holds no member to a quorum"
+    need, mask = manifest.needs[i], manifest.counts[i]
+    mine = sum(1 << j for j, p in enumerate(peers) if j != i and p in own.peers)
+    worst = need - (mask & ~mine).bit_count()
+    wanted = own.size - (1 if me in own.peers else 0)
+    if worst >= wanted:
+        return ""
+    return (
+        f"the group is held to {need} of the {mask.bit_count()} other members its leader signed for this"
+        f" peer, which may hold only {max(worst, 0)} of the {wanted} others it must average with"
+    )
 
 
 @dataclass
@@ -241,6 +306,11 @@ class Gathering:
             return "already in this group"
         if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth >= 0):
             return "bandwidth must be finite and not negative (0: not measured yet)"
+        most = self._most_needed(len(self.quorum.peers)) if self.quorum is not None else 0
+        if self.quorum is not None and joiner.need - (joiner.peer in joiner.counts) > most:
+            return (  # (told at once: whoever joins, the group's quorum will not hold it)
+                f"its quorum needs {joiner.need} peers, more than this group can be held to ({most} others)"
+            )
         listed = listed_subnet(joiner.addr)
         if self.by_origin and listed and joiner.origin and listed != joiner.origin:
             # Members refuse a manifest that splits a listed subnet over origins, or merges two: a joiner
@@ -327,10 +397,58 @@ class Gathering:
         return self.size() >= max(self.min_size, self.target_size - len(self.away))
 
     def form(self) -> list[Joiner] | str:
-        """The members in order (leader first, then by peer id), or why the group cannot form."""
+        """The members in order (leader first, then by peer id), or why the group cannot form. Joiners
+        whose quorum the group cannot meet lose their place first (see :meth:`entry`)."""
         self.formed = True
+        while True:
+            members = [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]
+            unmet = {m.peer: why for m in members[1:] if isinstance(why := self.entry(m, members), str)}
+            if not unmet:
+                break
+            self.joiners = [j for j in self.joiners if j.peer not in unmet]
+            self.bumped.update(unmet)
         if self.size() < self.min_size:
             return f"only {self.size()} of at least {self.min_size} peers joined in time"
         if self.quorum is not None and self.counted() < self.quorum.size:
             return f"only {self.counted()} of the at least {self.quorum.size} peers it knows joined in time"
-        return [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]
+        return members
+
+    def entry(self, m: Joiner, members: list[Joiner]) -> tuple[int, int] | str:
+        """Member ``m``'s quorum as the manifest signs it: (need, bitmask of the other members it counts),
+        or why the group cannot meet it. The leader's is its own; a joiner's counts only peers the
+        leader knows publish progress (``Quorum.nameable``: a stranger's list names no ids of its own
+        that never published), and needs at most what :meth:`_most_needed` allows."""
+        if self.quorum is None:
+            return 0, 0
+        leading = m.peer == self.leader.peer
+        counts = self.quorum.peers if leading else m.counts & (self.quorum.nameable or self.quorum.peers)
+        need = self.quorum.size if leading else m.need
+        need = max(0, need - (1 if m.peer in (self.quorum.peers if leading else m.counts) else 0))
+        mask = sum(1 << j for j, o in enumerate(members) if o.peer != m.peer and o.peer in counts)
+        most = self._most_needed(sum(o.peer in self.quorum.peers for o in members))
+        if need > most:
+            return f"its quorum needs {need} other peers, more than this group is held to ({most})"
+        if need > mask.bit_count():
+            return (
+                f"its quorum needs {need} other peers, and the group holds {mask.bit_count()} of those"
+                " it counts that its leader knows"
+            )
+        return need, mask
+
+    def _most_needed(self, counted: int) -> int:
+        """The most other members a joiner's quorum may need, of ``counted`` members the leader counts:
+        the leader's own need and the slack, or a majority of them (views differ: a joiner that sees
+        more peers on the step than the leader wants more), never all of them (so no joiner makes the
+        round abort at every drop-out)."""
+        assert self.quorum is not None
+        return max(self.quorum.size - 1 + NEED_SLACK, counted // 2 + 1)
+
+    def entries(self, members: list[Joiner]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The manifest's ``needs`` and ``counts`` for the formed group (() when it has no quorum)."""
+        if self.quorum is None:
+            return (), ()
+        pairs = [self.entry(m, members) for m in members]
+        assert all(isinstance(p, tuple) for p in pairs), pairs  # (``form`` left out those it cannot meet)
+        return tuple(p[0] for p in pairs if isinstance(p, tuple)), tuple(
+            p[1] for p in pairs if isinstance(p, tuple)
+        )

@@ -41,6 +41,7 @@ from .robust import Aggregation, parse_aggregation
 
 MAX_GROUP = 64
 MAX_TENSORS = 4096
+MAX_COUNTS = 256  # peers a joiner may name in its quorum (the group holds at most MAX_GROUP of them)
 MAX_ELEMENTS = 1 << 36
 MAX_ROUND_TIMEOUT = 24 * 3600.0
 ROUND_ID_BYTES = 16
@@ -112,6 +113,14 @@ class Manifest(Message):
     # Robust rules: members[i] shares an origin (a subnet) with members[origins[i]], the first member of
     # it; reducers count each origin once (see ``robust``). () : every member is an origin of its own.
     origins: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
+    # The round's quorum, fixed here at formation: member i needs ``needs[i]`` of the other members in
+    # the bitmask ``counts[i]`` (bit j: member j) among the decided contributors, and the round commits
+    # only if every member's need is met (:meth:`short_of_quorum`). Each member checked, before it took
+    # part, that its entry holds it to its own quorum (``matchmaking.holds_me``); every member checks the
+    # decision against all entries: so all members of a committed round make the same apply/discard
+    # decision, from signed facts alone. () : no quorum (averaging outside a training run).
+    needs: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
+    counts: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
 
     @property
     def total(self) -> int:
@@ -119,6 +128,20 @@ class Manifest(Message):
 
     def peers(self) -> list[PeerID]:
         return [PeerID(m.peer) for m in self.members]
+
+    def short_of_quorum(self, contributors: tuple[int, ...]) -> str:
+        """Why a decision with these ``contributors`` (member indices) must not commit ('' if it may):
+        they hold fewer of the members some member counts than it needs. The same answer on every
+        member, as it reads only what the leader signed here and in the decision."""
+        held = sum(1 << i for i in contributors)
+        for i, (need, mask) in enumerate(zip(self.needs, self.counts, strict=True)):
+            have = (mask & held).bit_count()
+            if have < need:
+                return (
+                    f"its contributors hold {have} of the {need} other peers member {i} must average with"
+                    f" (of {mask.bit_count()} it counts): committed, it could split the swarm"
+                )
+        return ""
 
     @functools.cached_property
     def settings(self) -> RoundSettings:
@@ -153,6 +176,14 @@ class Manifest(Message):
             or any(self.origins[o] != o for o in self.origins)
         ):
             raise RemoteProtocolError("the origins must name, for each member, the first member sharing it")
+        if self.needs or self.counts:
+            if len(self.needs) != n or len(self.counts) != n:
+                raise RemoteProtocolError("a manifest's quorum needs one need and one count per member")
+            for i, (need, mask) in enumerate(zip(self.needs, self.counts, strict=True)):
+                if not (0 <= mask < 1 << n) or mask >> i & 1:
+                    raise RemoteProtocolError("a member's quorum counts members outside the group, or itself")
+                if not 0 <= need <= mask.bit_count():
+                    raise RemoteProtocolError("a member's quorum needs more members than it counts")
         try:
             settings = self.settings  # (also checks that the compression goes with the rule and the audit)
         except ValueError as e:
@@ -243,6 +274,10 @@ class JoinReq(Message, positional=True):
     schema_digest: bytes = bounded(max_len=32)
     addr: str = bounded("", max_len=300)  # "" when client-only
     bandwidth: float = bounded(1.0, ge=0.0, le=1e15)
+    # The joiner's quorum (see ``matchmaking``): how many of the peers it counts (itself included) it
+    # needs among a round's contributors; the leader signs it into the manifest (``needs``, ``counts``).
+    need: int = bounded(0, ge=0, le=MAX_COUNTS)
+    counts: tuple[bytes, ...] = bounded((), max_len=MAX_COUNTS)  # the peers it counts toward it (ids)
 
 
 @dataclass(frozen=True)

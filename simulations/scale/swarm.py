@@ -315,6 +315,9 @@ def measure(
         "steps_with_95pct": round(sum(s >= 0.95 for s in shares) / len(shares), 3) if shares else 0.0,
         "forks": len(forks),
         "fork_epochs": forks[:10],
+        # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
+        # contributors miss a member's signed quorum aborts on all its members)
+        "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
     }
 
 

@@ -188,42 +188,6 @@ async def test_a_peer_back_in_touch_reads_the_swarm_before_it_would_step_alone(
         check_identical_per_epoch(peers)
 
 
-@pytest.mark.parametrize("mode", ["sync", "diloco"])
-async def test_a_round_refused_for_want_of_a_majority_makes_no_partners(
-    autojump_clock: object, mode: str
-) -> None:
-    """A round that completes but that its member refuses to apply (its contributors no longer hold the
-    peers it must average with) is no round trained together. 8 peers on a loaded machine: three whose
-    group of four lost a member before it started completed it, refused it, yet took each other as
-    partners, trusted each other's records from then on, formed a group of three for the step the
-    other five had taken, and went on as a lineage of their own. Partners are those of applied rounds."""
-    async with swarm(run_config(mode)) as s:
-        peers = [await s.start(compute=0.1) for _ in range(3)]
-        me = peers[1]  # its join peer is the one peer it trusts before its first round
-        real = me.opt.rounds.short_of_quorum
-        seen: list[tuple[set[object], set[object]]] = []  # (contributors, partners) at the refusal
-
-        def refuse_the_first(digest: bytes, result: Any) -> str:
-            why = real(digest, result)
-            if seen or len(result.contributors) <= 1:
-                return why
-            seen.append((set(result.contributors), set(me.node.averager.partners)))
-            return "its contributors hold 2 of the 9 peers this one must average with (as if)"
-
-        me.opt.rounds.short_of_quorum = refuse_the_first  # type: ignore[method-assign]
-        await s.until(lambda: bool(seen), timeout=120)
-        contributors, partners = seen[0]
-        assert len(contributors) >= 2 and partners == set(), (contributors, partners)
-        assert me.opt.stats.aborted >= 1
-        averaged = me.opt.stats.averaged
-        await s.until(lambda: me.opt.stats.averaged > averaged, timeout=120)
-        # Partners come of applied rounds whose contributions this peer verified (see averaging.trust):
-        # a tiny model's partitions (a few elements) do not verify every round, so wait for one that did.
-        await s.until(lambda: bool(me.node.averager.partners), timeout=120)
-        others = {p.node.peer_id for p in peers} - {me.node.peer_id}
-        assert me.node.averager.partners <= others
-
-
 async def test_a_step_a_donor_offers_is_vouched_for_by_a_record_read_before_it_was_superseded() -> None:
     """A donor offers the step it holds when asked. In a swarm that steps faster than records travel,
     the records read by then name later steps: on the code before, the offer named a step that no

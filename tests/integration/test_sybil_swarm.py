@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from p2ptrain.averaging.agreement import WEIGHT_SLACK
-from p2ptrain.identity import PeerID
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.testing import sybils
 from p2ptrain.training.optimizer.progress import PeerProgress, ProgressRecord
 from tests.harness.training import check_identical_per_epoch, run_config, swarm
@@ -150,30 +150,39 @@ async def test_a_partner_that_leads_first_and_steps_apart_moves_no_honest_peer(
         assert all(p.opt.stats.syncs == 0 for p in honest), [p.opt.stats.syncs for p in honest]
 
 
-async def test_a_round_that_lost_the_peers_it_needed_to_fresh_keys_is_not_applied() -> None:
+def test_a_round_that_lost_the_peers_it_needed_to_fresh_keys_is_not_applied() -> None:
     """A formed group of two honest peers and a fresh key: one honest peer leaves it before it starts
     (its state moved on) and forms the step's group with the others. The round goes on with the other
     honest peer and the key; applied, it would be a second step of the same epoch (two lineages: seen
-    on a loaded machine in the test above). Contributors that no longer hold the peers this one must
-    average with: not applied. Left alone in it, a peer steps alone, as when nobody else is on its step."""
-    from p2ptrain.averaging.allreduce import RoundResult
-    from p2ptrain.averaging.matchmaking import Quorum
+    on a loaded machine in the test above). The quorums the manifest signed for its members (each the
+    one it named when it joined) do not hold: the round aborts for every member alike. (On the code
+    before, each member checked the contributors against its own quorum after the round committed, and
+    members with other views decided differently: see ``tests/unit/test_round_decision.py``.)"""
+    from p2ptrain.averaging.matchmaking import Gathering, Joiner, Quorum
+    from p2ptrain.averaging.protocol import Manifest, MemberMsg, TensorSpec
 
-    async with swarm(run_config("sync")) as s:
-        peers = [await s.start(train=False) for _ in range(3)]
-        me = peers[0]
-        ids = [p.node.peer_id for p in peers]
-        quorum = Quorum(frozenset(ids[:2]), 2)  # the key is no trusted partner
-
-        def result(contributors: list[int]) -> RoundResult:
-            return RoundResult(b"r", [], [ids[i] for i in contributors], 1.0, 3)
-
-        for contributors, applied in (([0, 2], False), ([0, 1], True), ([0, 1, 2], True), ([0], True)):
-            me.opt.rounds.quorums[b"r"] = quorum
-            why = me.opt.rounds.short_of_quorum(b"r", result(contributors))
-            assert (why == "") == applied, (contributors, why)
-        me.opt.rounds.quorums[b"r"] = quorum
-        assert "1 of the 2 peers" in me.opt.rounds.short_of_quorum(b"r", result([0, 2]))
+    ids = [Identity.from_seed(bytes([n]) * 32).peer_id for n in (1, 2, 3)]
+    honest = Quorum(frozenset(ids[:2]), 2)  # the key is no trusted partner
+    gathering = Gathering(Joiner(ids[0], "a", 1.0), b"s", target_size=3, min_size=2, quorum=honest)
+    gathering.offer(Joiner(ids[1], "a", 1.0, need=2, counts=honest.peers), b"s")
+    gathering.offer(Joiner(ids[2], "a", 1.0, need=2, counts=frozenset({ids[2], ids[1]})), b"s")
+    members = gathering.form()
+    assert not isinstance(members, str)
+    needs, counts = gathering.entries(members)
+    manifest = Manifest(
+        round_id=bytes(16),
+        group_key="sync-1",
+        members=tuple(MemberMsg(m.peer.digest, "a", 1.0) for m in members),
+        sizes=(1, 1, 1),
+        schema=(TensorSpec((3,), "float32"),),
+        needs=needs,
+        counts=counts,
+    )
+    at = {m.peer: i for i, m in enumerate(members)}
+    for contributors, applied in (([0, 2], False), ([0, 1], True), ([0, 1, 2], True), ([0], False)):
+        why = manifest.short_of_quorum(tuple(sorted(at[ids[c]] for c in contributors)))
+        assert (why == "") == applied, (contributors, why)
+    assert "0 of the 1 other peers" in manifest.short_of_quorum(tuple(sorted((at[ids[0]], at[ids[2]]))))
 
 
 async def test_a_peer_claims_no_more_than_a_reducer_without_its_record_allows(autojump_clock: object) -> None:

@@ -16,12 +16,17 @@ in an open swarm), so that two groups of one step cannot both form. The formed g
 - or now, compute paused (DiLoCo without overlap: :meth:`RoundRunner.average`).
 
 Top-k rounds fold the error feedback into what they send, and keep the residual only if the round
-committed. A committed round whose contributors no longer hold the peers this one must average with is
-not applied (:meth:`RoundRunner.short_of_quorum`). A round that lands returns ``(result, weight)``: the
-optimizer then takes the global step (its ``_advance``); nothing here moves the epoch.
+committed. A committed round is applied: whether its contributors hold the peers this one must average
+with was settled before it ran and signed (the quorum this peer named when it joined is the manifest's
+entry for it, which it checked; the round commits only if every member's entry is met, see
+``averaging.matchmaking``), so every member of it decides alike. On the code before, each member checked
+the contributors against its own quorum once the round had committed, and at 32 peers most members
+threw a committed round away while the others applied it: two lineages of one step. A round that lands
+returns ``(result, weight)``: the optimizer then takes the global step (its ``_advance``); nothing here
+moves the epoch.
 
-:class:`RoundRunner` owns the round in flight, the formed group waiting for ``step``, the quorums of the
-formed rounds and the matchmaking task.
+:class:`RoundRunner` owns the round in flight, the formed group waiting for ``step`` and the matchmaking
+task.
 """
 
 from __future__ import annotations
@@ -109,7 +114,6 @@ class RoundRunner:
         self.state, self.board, self.alone, self.stats, self.wake = state, board, alone, stats, wake
         self.in_flight: InFlight | None = None  # a round running in the background
         self.formed: tuple[int, SignedManifest] | None = None  # a group formed for step() to run
-        self.quorums: dict[bytes, Quorum] = {}  # formed rounds -> the peers they must hold (_form_group)
         self.matchmaking = False
         self._matchmaking_scope = trio.CancelScope()
         self._ahead: int | None = None  # the step of a group joined ahead of this peer's (a replay landing)
@@ -214,10 +218,10 @@ class RoundRunner:
             publishing = frozenset(r.peer for r in board.records) | {self.node.peer_id}
             trusted = board.trusted()
             if trusted is None:
-                quorum = Quorum(publishing, minimum)
+                quorum = Quorum(publishing, minimum, publishing)
             else:
                 known = publishing & (trusted | {self.node.peer_id})
-                quorum = Quorum(known, min(minimum, view.vouched_here))
+                quorum = Quorum(known, min(minimum, view.vouched_here), publishing)
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
@@ -226,9 +230,6 @@ class RoundRunner:
                 min_size=minimum,
                 quorum=quorum,
             )
-            while len(self.quorums) >= 4:  # (formed rounds that never ran: declined, or superseded)
-                del self.quorums[next(iter(self.quorums))]
-            self.quorums[manifest.digest] = quorum
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)
             self.stats.note_no_group(epoch, str(e))
@@ -284,12 +285,6 @@ class RoundRunner:
             )
         except RoundAborted as e:
             self.note_abort(e)
-            outer.unfold(before, committed=False)
-            self.contribution.after_abort(buffer)
-            return None
-        short = self.short_of_quorum(manifest.digest, result)
-        if short:  # the work is still in the local parameters, as after an abort
-            self.note_abort(RoundAborted(short))
             outer.unfold(before, committed=False)
             self.contribution.after_abort(buffer)
             return None
@@ -383,7 +378,6 @@ class RoundRunner:
         outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
         try:
             if flight.epoch != self.tally.epoch:  # the replay did not land on the round's step
-                self.quorums.pop(flight.digest, None)
                 self.note_abort(
                     RoundAborted(f"the round was of step {flight.epoch}, and the catch-up ended elsewhere")
                 )
@@ -412,16 +406,6 @@ class RoundRunner:
         """Apply ``flight``'s ``outcome`` (see :meth:`land`)."""
         outer = self.outer
         diloco = outer is not None
-        short = self.short_of_quorum(flight.digest, outcome) if isinstance(outcome, RoundResult) else ""
-        if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
-            log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
-            self.note_abort(RoundAborted(short))
-            if not tensors.sendable:  # (in place: the round may relay from them a while; then freed)
-                tensors.zero_()
-                self.contribution.keep_spare(tensors)
-            return None
-        if short:
-            outcome = RoundAborted(short)  # diloco: the work is still in the local parameters
         if outer is not None:
             outer.unfold(flight.before, committed=isinstance(outcome, RoundResult))
         if not isinstance(outcome, RoundResult):
@@ -467,23 +451,6 @@ class RoundRunner:
             await self.state.off_loop(self.local.apply, tensors)
             self.contribution.keep_spare(tensors)
         return outcome, weight
-
-    def short_of_quorum(self, digest: bytes, result: RoundResult) -> str:
-        """Why a committed round must not be applied here ('' if it may): others contributed, but they
-        no longer hold the peers this one must average with (see ``_form_group``): members of the
-        formed group left it before it started, and with fresh keys in their places the rest would
-        step on its own while those who left form a second group of the same step (two lineages). A
-        round this peer was left alone in is its step alone, as when it is the only one on its step."""
-        quorum = self.quorums.pop(digest, None)
-        if quorum is None or len(result.contributors) <= 1:
-            return ""
-        held = len(quorum.peers & set(result.contributors))
-        if held >= quorum.size:
-            return ""
-        return (
-            f"its contributors hold {held} of the {quorum.size} peers this one must average with:"
-            " applying it could split the swarm"
-        )
 
     def note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.tally.epoch, e)

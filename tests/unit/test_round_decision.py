@@ -1,0 +1,231 @@
+"""One committed round, one decision (issue 51's forks at 32 peers).
+
+The invariant: every member of one committed round makes the same apply/discard decision, computed only
+from what the leader signed (the manifest, whose entries hold each member to the quorum it named when it
+joined, and the coordinator's decision); and a member that applies a round advances with peers that hold
+its own quorum (itself among them). A member that disagrees with a group refuses to join it; it never
+discards a round it took part in.
+
+On the code before, each member checked the contributors of a committed round against its own quorum
+and threw the round away if they fell short: members with other views (trust sets, sizes) decided
+differently, and at 32 simulated peers the discarders formed a second group of the step (two lineages).
+The randomized test below plays formation, drop-outs, the decision and each member's landing through the
+real pieces (``Gathering``, ``holds_me``, ``Coordinator``, ``RoundMachine.settle``) with varied views,
+late joiners, hostile leaders and coordinators, and checks that the old per-member rule splits some of
+those rounds while the signed one never does.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from p2ptrain.averaging.agreement import Coordinator
+from p2ptrain.averaging.matchmaking import NEED_SLACK, Gathering, Joiner, Quorum, holds_me
+from p2ptrain.averaging.protocol import Decision, JoinReq, Manifest, MemberMsg, TensorSpec
+from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
+from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.identity import Identity, PeerID
+
+IDS = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(16)]
+DIGEST = bytes(16)
+
+
+def manifest_of(members: list[Joiner], needs: tuple[int, ...], counts: tuple[int, ...]) -> Manifest:
+    n = len(members)
+    m = Manifest(
+        round_id=bytes(16),
+        group_key="sync-3",
+        members=tuple(MemberMsg(j.peer.digest, "addr", 1.0) for j in members),
+        sizes=(1,) * n,
+        schema=(TensorSpec((n,), "float32"),),
+        needs=needs,
+        counts=counts,
+    )
+    m.check()
+    return m
+
+
+def joiner(peer: PeerID, view: Quorum) -> Joiner:
+    return Joiner(peer, "addr", 1.0, need=view.size, counts=view.peers)
+
+
+def random_views(rng: random.Random, peers: list[PeerID]) -> dict[PeerID, Quorum]:
+    """Each peer's quorum as its own records and trust make it: most know most peers and want a majority
+    of them, give or take one (records travel for seconds); some are newcomers that trust only their
+    join peer, and so need all of what they trust (the join peer and themselves)."""
+    views = {}
+    for p in peers:
+        others = [q for q in peers if q != p]
+        if rng.random() < 0.2:
+            views[p] = Quorum(frozenset({p, rng.choice(others)}), 2)
+            continue
+        known = frozenset({p, *(q for q in others if rng.random() < 0.85)})
+        size = len(known) // 2 + 1 + rng.choice((-1, 0, 0, 0, 1))
+        views[p] = Quorum(known, max(1, min(size, len(known))))
+    return views
+
+
+def trial(rng: random.Random) -> dict[str, bool | str]:
+    n = rng.randint(3, len(IDS))
+    peers = IDS[:n]
+    views = random_views(rng, peers)
+    leader = rng.choice(peers)
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0),
+        b"s",
+        target_size=rng.randint(2, n),
+        min_size=2,
+        quorum=views[leader],
+    )
+    for p in rng.sample([q for q in peers if q != leader], n - 1):  # (past the target: late joiners)
+        gathering.offer(joiner(p, views[p]), b"s")
+    members = gathering.form()
+    if isinstance(members, str):
+        return {"formed": False}
+    needs, counts = gathering.entries(members)
+    hostile_leader = rng.random() < 0.2
+    if hostile_leader:  # weakens some member's entry: a need lowered, or peers it does not count added
+        i = rng.randrange(1, len(members)) if len(members) > 1 else 0
+        needs = tuple(rng.randint(0, v) if k == i else v for k, v in enumerate(needs))
+        extra = sum(1 << j for j in range(len(members)) if j != i and rng.random() < 0.5)
+        counts = tuple(c | extra if k == i else c for k, c in enumerate(counts))
+        needs = tuple(min(v, c.bit_count()) for v, c in zip(needs, counts, strict=True))
+    manifest = manifest_of(members, needs, counts)
+    # each member checks its entry before it takes part; some drop out at formation (a state that moved
+    # on, a crash); of those that run the round, some fail to deliver every slice in time
+    accepted = [i for i, m in enumerate(members) if i == 0 or not holds_me(manifest, m.peer, views[m.peer])]
+    running = [i for i in accepted if i == 0 or rng.random() > 0.2]
+    delivered = [i for i in running if rng.random() > 0.15]
+    coordinator = Coordinator(DIGEST, manifest.sizes, short_of_quorum=manifest.short_of_quorum)
+    for r in running:
+        coordinator.report(r, dict.fromkeys(delivered, 1.0))
+    decision = coordinator.decide()
+    hostile_coordinator = rng.random() < 0.15
+    if hostile_coordinator and running:  # signs a commit whatever the quorums say
+        chosen = sorted(rng.sample(running, rng.randint(1, len(running))))
+        decision = Decision(DIGEST, contributors=tuple(chosen), weights=(1.0,) * len(chosen))
+    applied = {}
+    for i in running:
+        machine = RoundMachine(manifest, DIGEST, i, 1.0, Deadlines.of(0.0, 60.0))
+        plan = machine.settle(decision, b"signed")
+        assert plan is not None
+        applied[i] = not plan.abort
+    contributors = set(decision.contributors) if not decision.abort else set()
+    # the invariant: one decision for every member that ran the round
+    assert len(set(applied.values())) <= 1, (applied, decision, needs, counts)
+    if any(applied.values()):
+        for i in running:  # and those that apply it advance with peers holding their own quorum
+            if i == 0 and (hostile_leader or hostile_coordinator):
+                continue  # (the hostile one's own view is its business)
+            view = views[members[i].peer]
+            held = len(view.peers & {members[j].peer for j in contributors | {i}})
+            assert held >= view.size, (i, held, view.size, needs, counts, decision)
+    # the rule before: a committed round (the coordinator aborted none for quorums) that each member
+    # applied iff its contributors held its own quorum, or it was alone in it
+    old_contributors = [members[i].peer for i in delivered]
+    old = {
+        i: len(old_contributors) <= 1
+        or len(views[members[i].peer].peers & set(old_contributors)) >= views[members[i].peer].size
+        for i in running
+    }
+    old_split = bool(delivered) and len(set(old.values())) > 1 and not hostile_coordinator
+    return {"formed": True, "committed": any(applied.values()), "old_split": old_split}
+
+
+def test_every_member_of_a_committed_round_decides_alike_from_what_was_signed() -> None:
+    rng = random.Random(51)
+    outcomes = [trial(rng) for _ in range(1500)]
+    formed = [o for o in outcomes if o["formed"]]
+    assert len(formed) > 400
+    assert sum(bool(o["committed"]) for o in formed) > 100  # (the rule does not abort everything)
+    # the same scenarios split the swarm under the rule before
+    assert sum(bool(o["old_split"]) for o in formed) > 50
+
+
+def test_a_newcomer_that_trusts_its_join_peer_only_needs_that_peer_in_the_round() -> None:
+    """A joiner trusting only its join peer (before its first round) is held to its quorum by its
+    entry: the round commits only if that peer contributes, for every member alike, instead of the
+    joiner alone throwing away a round its partner applied (or applying one its partner refused)."""
+    leader, partner, newcomer, other = IDS[:4]
+    everyone = frozenset(IDS[:4])
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0), b"s", target_size=4, min_size=2, quorum=Quorum(everyone, 3)
+    )
+    for p, view in ((partner, Quorum(everyone, 3)), (newcomer, Quorum(frozenset({newcomer, partner}), 2))):
+        assert gathering.offer(joiner(p, view), b"s") is None
+    assert gathering.offer(joiner(other, Quorum(everyone, 3)), b"s") is None
+    members = gathering.form()
+    assert not isinstance(members, str)
+    manifest = manifest_of(members, *gathering.entries(members))
+    index = {m.peer: i for i, m in enumerate(members)}
+    assert holds_me(manifest, newcomer, Quorum(frozenset({newcomer, partner}), 2)) == ""
+    without_partner = tuple(sorted({index[leader], index[newcomer], index[other]}))
+    assert "member" in manifest.short_of_quorum(without_partner)
+    assert manifest.short_of_quorum(tuple(sorted(index.values()))) == ""
+
+
+def test_a_member_refuses_an_entry_weaker_than_its_own_quorum() -> None:
+    leader, a, b, c = IDS[:4]
+    everyone = frozenset(IDS[:4])
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0), b"s", target_size=4, min_size=2, quorum=Quorum(everyone, 3)
+    )
+    for p in (a, b, c):
+        gathering.offer(joiner(p, Quorum(everyone, 3)), b"s")
+    members = gathering.form()
+    assert not isinstance(members, str)
+    needs, counts = gathering.entries(members)
+    assert holds_me(manifest_of(members, needs, counts), a, Quorum(everyone, 3)) == ""
+    i = [m.peer for m in members].index(a)
+    weaker = tuple(v - 1 if k == i else v for k, v in enumerate(needs))
+    assert "may hold only 1 of the 2" in holds_me(
+        manifest_of(members, weaker, counts), a, Quorum(everyone, 3)
+    )
+    assert "no member to a quorum" in holds_me(manifest_of(members, (), ()), a, Quorum(everyone, 3))
+    # a stricter view than the leader's, within the slack: its entry holds it, and the round needs it
+    strict = Quorum(everyone, 4)
+    assert holds_me(manifest_of(members, needs, counts), a, strict) != ""
+
+
+def test_a_joiner_whose_quorum_the_group_cannot_meet_loses_its_place_before_the_manifest() -> None:
+    leader, a, b, stranger = IDS[:4]
+    known = frozenset({leader, a, b})
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0), b"s", target_size=4, min_size=2, quorum=Quorum(known, 2)
+    )
+    gathering.offer(joiner(a, Quorum(known, 2)), b"s")
+    # names only strangers of its own (the leader counts none of them): nothing it counts is here
+    gathering.offer(Joiner(stranger, "addr", 1.0, need=2, counts=frozenset({stranger, IDS[9]})), b"s")
+    # needs every peer the leader counts and more than the slack allows
+    why = gathering.offer(Joiner(b, "addr", 1.0, need=2 + NEED_SLACK + 1, counts=frozenset(IDS)), b"s")
+    assert why is not None and "more than this group can be held to" in why  # (at once: no wait for nothing)
+    members = gathering.form()
+    assert not isinstance(members, str)
+    assert [m.peer for m in members] == [leader, a]
+    assert "holds 0" in gathering.bumped[stranger]
+
+
+@pytest.mark.parametrize(
+    ("needs", "counts", "why"),
+    [
+        ((1, 1), (2,), "one need and one count per member"),
+        ((1, 1, 1), (0b010, 0b001, 0b1000), "outside the group"),
+        ((1, 1, 1), (0b011, 0b001, 0b001), "or itself"),
+        ((2, 1, 1), (0b010, 0b001, 0b001), "more members than it counts"),
+    ],
+)
+def test_a_manifest_with_malformed_quorums_is_refused(
+    needs: tuple[int, ...], counts: tuple[int, ...], why: str
+) -> None:
+    members = [Joiner(p, "addr", 1.0) for p in IDS[:3]]
+    with pytest.raises(RemoteProtocolError, match=why):
+        manifest_of(members, needs, counts)
+
+
+def test_a_join_request_carries_the_quorum_and_old_requests_still_parse() -> None:
+    req = JoinReq("sync-3", b"s", "addr", 1.0, 3, tuple(p.digest for p in IDS[:3]))
+    assert JoinReq.from_obj(req.to_obj()) == req
+    old = JoinReq.from_obj(["sync-3", b"s", "addr", 1.0])
+    assert (old.need, old.counts) == (0, ())
