@@ -20,14 +20,20 @@ bumped at the deadline, an address that does not answer, a round that failed on 
 Excluding a leader for one of those split honest swarms: its followers led groups of their own, which
 were too small in turn, and excluded each other. So each is a *suspicion* (:meth:`LeaderBook.suspect`):
 the ``SUSPICIONS``-th of a leader since it last delivered a manifest, or of one subnet's leaders within
-``EXCLUSION`` of each other, counts as a failure.
+``EXCLUSION`` of each other, counts as a failure, but a failure inferred from suspicions is not followed
+for ``SUSPECTED`` seconds only (doubling on each repeat like any other): evidence an honest leader also
+leaves must not keep it from delivering the manifest that clears it. (With ``EXCLUSION`` there, peers of
+one LAN whose first groups came out too small under load excluded each other's whole subnet for half an
+hour before any of them had delivered, and no group formed meanwhile.)
 
-The cost to an attacker, stated as an invariant: with k identities on m subnets, each honest peer is
-stalled at most ``SUSPICIONS`` x m times (plus that many per identity that delivered it a good manifest
-before) per ``EXCLUSION``, each time for at most its own matchmaking window + ``DEADLINE_SLACK`` +
-``JOIN_GRACE`` (or one averaging timeout, for a coordinator that never starts its round); a stall no
-honest leader causes (holding the follower to the end of its wait) counts once, not ``SUSPICIONS``
-times. The exclusion doubles on every repeat. Two cheaper nuisances are bounded per identity
+The cost to an attacker, stated as an invariant: with k identities on m subnets, in any period of T
+seconds (T up to ``MEMORY``) each honest peer is stalled at most ``SUSPICIONS`` x m x (1 + log2(1 +
+T / ``SUSPECTED``)) times (plus ``SUSPICIONS`` per identity that delivered it a good manifest before),
+each time for at most its own matchmaking window + ``DEADLINE_SLACK`` + ``JOIN_GRACE`` (or one
+averaging timeout, for a coordinator that never starts its round): each cycle of ``SUSPICIONS`` stalls
+buys an exclusion twice as long as the last. A stall no honest leader causes (holding the follower to
+the end of its wait) counts once, not ``SUSPICIONS`` times, and excludes for ``EXCLUSION``, doubling.
+Two cheaper nuisances are bounded per identity
 instead, as nothing ties them to a subnet: an address where dials hang costs ``DIAL_LIMIT``
 ``SUSPICIONS`` times per identity, and a leader that keeps answering "ask again" costs ``RETRY_FOR``
 per matchmaking it wins (``grouping``). A failure is recorded only by the peer that saw it (nobody
@@ -53,6 +59,7 @@ from typing import TypeVar
 from ..identity import PeerID
 
 EXCLUSION = 1800.0  # seconds a failed leader (and its subnet) is not followed, the first time
+SUSPECTED = 120.0  # the same after SUSPICIONS failures an honest leader also shows (see the docstring)
 MAX_EXCLUSION = 24 * 3600.0  # doubling stops here
 MEMORY = 24 * 3600.0  # how long after its exclusion ended a failure still counts as a repeat
 MAX_PEERS = 1024
@@ -84,27 +91,30 @@ def blames_subnet(subnet: str) -> bool:
 class LeaderBook:
     """Leaders (and subnets) this peer does not follow, and until when; see the module docstring."""
 
-    def __init__(self, *, exclusion: float = EXCLUSION) -> None:
-        self.exclusion = exclusion
+    def __init__(self, *, exclusion: float = EXCLUSION, suspected: float = SUSPECTED) -> None:
+        self.exclusion, self.suspected = exclusion, suspected
         self._peers: dict[PeerID, _Blame] = {}
         self._subnets: dict[str, _Blame] = {}
         self._delivered: dict[PeerID, float] = {}  # leaders that delivered us a manifest -> when, last
         self._suspected: dict[PeerID, tuple[int, float]] = {}  # -> suspicions since it delivered, last when
         self._suspected_subnets: dict[str, tuple[int, float]] = {}  # -> suspicions, last when
 
-    def failed(self, peer: PeerID, subnet: str, now: float, why: str) -> float:
+    def failed(self, peer: PeerID, subnet: str, now: float, why: str, *, base: float | None = None) -> float:
         """``peer`` (reached at ``subnet``, "" if unknown) failed this peer as a leader: it is not
-        followed, nor are the leaders of its subnet, until the time returned."""
+        followed, nor are the leaders of its subnet, until the time returned (``base``: the first
+        exclusion's length, ``EXCLUSION`` unless given; doubled on each repeat)."""
+        length = self.exclusion if base is None else base
         self._delivered.pop(peer, None)
-        until = _blame(self._peers, peer, now, why, self.exclusion, MAX_PEERS)
+        until = _blame(self._peers, peer, now, why, length, MAX_PEERS)
         if blames_subnet(subnet):
-            until = max(until, _blame(self._subnets, subnet, now, why, self.exclusion, MAX_SUBNETS))
+            until = max(until, _blame(self._subnets, subnet, now, why, length, MAX_SUBNETS))
         return until
 
     def suspect(self, peer: PeerID, subnet: str, now: float, why: str) -> float | None:
         """``peer`` failed this peer in a way an honest leader may too (a group too small, a late refusal,
         a round that failed on it): at the ``SUSPICIONS``-th such failure of the peer since it last
-        delivered, or of its subnet within ``EXCLUSION``, it counts as :meth:`failed` (when, returned)."""
+        delivered, or of its subnet within ``EXCLUSION``, it counts as :meth:`failed`, for ``SUSPECTED``
+        seconds the first time (until when: returned)."""
         self._forget_suspicions(now)
         n = self._suspected.get(peer, (0, now))[0] + 1
         self._suspected[peer] = (n, now)
@@ -116,7 +126,8 @@ class LeaderBook:
         self._suspected.pop(peer, None)
         if sub >= SUSPICIONS:
             self._suspected_subnets.pop(subnet, None)
-        return self.failed(peer, subnet if sub >= SUSPICIONS else "", now, f"{SUSPICIONS} times: {why}")
+        why = f"{SUSPICIONS} times: {why}"
+        return self.failed(peer, subnet if sub >= SUSPICIONS else "", now, why, base=self.suspected)
 
     def _forget_suspicions(self, now: float) -> None:
         _forget(self._suspected, now - self.exclusion)

@@ -5,11 +5,15 @@ and nothing an announcement declares (its deadline, its bandwidth) changes who t
 that declares a deadline past the run's window is not followed at all; whatever each peer has seen,
 excluded and been refused by, every wait goes down one global order, so no chain of waits closes into a
 cycle (randomized, hypothesis); and the book of failed leaders keeps a failed leader, and its subnet's
-fresh keys, out for a long while that doubles on repeat, within bounded memory.
+fresh keys, out for a long while that doubles on repeat, within bounded memory. Randomized against the
+book: an attacker with fresh keys on m subnets stalls a peer at most SUSPICIONS x m x (1 + log2(1 +
+T / SUSPECTED)) times in T seconds, and honest leaders of one LAN that a burst of too-small groups got
+suspected before any of them delivered are followed again within minutes, not half an hour.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -20,6 +24,8 @@ from p2ptrain.averaging.leaders import (
     EXCLUSION,
     MAX_PEERS,
     MAX_SUBNETS,
+    MEMORY,
+    SUSPECTED,
     SUSPICIONS,
     LeaderBook,
     blames_subnet,
@@ -309,7 +315,7 @@ def test_failures_an_honest_leader_also_shows_count_only_when_they_repeat_withou
     book.delivered(pid(1), 5.0)  # a good round: its suspicions are forgotten
     for n in range(SUSPICIONS - 1):
         assert book.suspect(pid(1), "", 10.0 + n, "too small") is None
-    assert book.suspect(pid(1), "", 20.0, "too small") == 20.0 + EXCLUSION
+    assert book.suspect(pid(1), "", 20.0, "too small") == 20.0 + SUSPECTED
     assert "too small" in book.excluded(pid(1), "", 21.0)
     # fresh keys of one subnet, each suspected once: the subnet's count reaches it
     results = [book.suspect(pid(10 + k), "198.18.9.0/24", 30.0 + k, "too small") for k in range(SUSPICIONS)]
@@ -320,3 +326,70 @@ def test_failures_an_honest_leader_also_shows_count_only_when_they_repeat_withou
     book2.suspect(pid(2), "", 0.0, "late")
     book2.suspect(pid(2), "", 1.0, "late")
     assert book2.suspect(pid(2), "", 2.0 + 2 * EXCLUSION, "late") is None
+
+
+# ---- what suspicions cost an attacker, and an honest LAN ----
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fresh_keys_on_m_subnets_stall_a_peer_a_logarithmic_number_of_times(seed: int) -> None:
+    """Whatever an attacker with free keys on m subnets does, each matchmaking it wins with a leader the
+    peer still follows is one stall; in T seconds there are at most SUSPICIONS x m x (1 + log2(1 + T /
+    SUSPECTED)) of them, plus SUSPICIONS for each good manifest one of its keys delivered (a real round
+    led for the peer). Its choices, random: which subnet, a fresh key or one already used, a stall an
+    honest leader also causes (a suspicion) or a sure failure, and now and then a good round."""
+    rng = random.Random(seed)
+    m = rng.randint(1, 4)
+    subnets = [f"198.18.{40 + i}.0/24" for i in range(m)]
+    book = LeaderBook()
+    keys: list[tuple[PeerID, str]] = []
+    stalls = delivered = 0
+    t, horizon = 0.0, rng.uniform(600.0, MEMORY / 4)
+    while t < horizon:
+        t += rng.uniform(1.0, 30.0)  # the next matchmaking the attacker wins
+        if keys and rng.random() < 0.5:
+            who, subnet = rng.choice(keys)
+        else:
+            who, subnet = PeerID(rng.randbytes(32)), rng.choice(subnets)
+            keys.append((who, subnet))
+        if book.excluded(who, subnet, t):
+            continue  # passed over: no stall
+        if rng.random() < 0.05:
+            book.delivered(who, t)  # a good round: it led the peer's group honestly
+            delivered += 1
+            continue
+        stalls += 1
+        if rng.random() < 0.2:
+            book.failed(who, subnet, t, "held to the end of its wait")
+        else:
+            book.suspect(who, subnet, t, "too small")
+        bound = SUSPICIONS * m * (1 + math.log2(1 + t / SUSPECTED)) + SUSPICIONS * delivered
+        assert stalls <= bound, (seed, t, stalls, bound)
+    assert stalls > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_honest_leaders_of_one_lan_suspected_in_a_burst_are_followed_again_within_minutes(seed: int) -> None:
+    """Peers of one /24 (a LAN, one provider's subnet) whose first groups came out too small under load:
+    before any of them delivered a manifest, a burst of suspicions of their leaders excludes the subnet.
+    Invariants: each is followed again within 5 minutes of the burst (the old book: EXCLUSION, half an
+    hour, in which no group formed); one that then delivers is never again excluded by its subnet's
+    blame, only by SUSPICIONS suspicions of its own in a row."""
+    rng = random.Random(seed)
+    lan = "198.18.0.0/24"
+    honest = [pid(i) for i in range(1, rng.randint(3, 8))]
+    book = LeaderBook()
+    t = 0.0
+    for _ in range(rng.randint(SUSPICIONS, 2 * SUSPICIONS)):  # the burst: a minute of short groups
+        t += rng.uniform(0.5, 60.0 / (2 * SUSPICIONS))
+        book.suspect(rng.choice(honest), lan, t, "only 2 of at least 3 peers joined in time")
+    back = t + 300.0
+    left = [book.excluded(p, lan, back) for p in honest]
+    assert left == [""] * len(honest), left
+    good = rng.choice(honest)
+    book.delivered(good, back)
+    for _ in range(50):  # more short groups, of the others, for a long while
+        t = max(t, back) + rng.uniform(1.0, 60.0)
+        book.suspect(rng.choice([p for p in honest if p != good] or honest), lan, t, "too small")
+        if good not in book.excluded_peers(t):
+            assert book.excluded(good, lan, t) == "", book.excluded(good, lan, t)
