@@ -112,6 +112,19 @@ def test_activations_roundtrip_within_the_bound(mode: Compression) -> None:
     assert float((x - out).abs().max()) <= codec.tolerance(x, mode)
 
 
+def test_int8_activations_keep_every_tokens_resolution() -> None:
+    """One scale per token: a token with a large value does not flatten its neighbours' vectors (with a
+    scale per 1024 values they quantized to nearly constant rows, which a LayerNorm then blew up)."""
+    x = torch.randn(2, 16, 32) * 0.01
+    x[0, 0, 0] = 100.0
+    out = codec.decode_tensor(
+        codec.encode_tensor(x, Compression.INT8), Compression.INT8, (2, 16, 32), 1e4, "t"
+    )
+    rows, got = x.reshape(-1, 32)[1:], out.reshape(-1, 32)[1:]
+    assert float(((rows - got).abs().amax(dim=1) / rows.abs().amax(dim=1)).max()) <= 1 / 254 + 1e-6
+    assert codec.wire_size(Compression.INT8, (2, 16, 32)) == 4 * 32 + 2 * 16 * 32
+
+
 def test_hostile_activations_are_refused() -> None:
     x = torch.randn(2, 16, 32)
     good = bytes(codec.encode_tensor(x, Compression.INT8))
