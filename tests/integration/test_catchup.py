@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 
 import pytest
@@ -20,8 +21,9 @@ import trio
 
 from p2ptrain.config import RunConfig
 from p2ptrain.net.memory import LinkProfile
+from p2ptrain.training.optimizer.board import ProgressBoard
 from p2ptrain.training.optimizer.bookkeeping import RoundStats
-from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
+from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView, estimate
 from p2ptrain.training.state import serve
 from tests.harness.training import (
     BATCH,
@@ -309,6 +311,106 @@ async def test_a_slow_link_peer_in_a_sync_swarm_averages_instead_of_downloading_
     assert shared.downloads == 1 and shared.replayed >= 1, (shared.downloads, shared.replayed)
     assert steps >= 8 and averaged >= steps / 2, (averaged, steps)
     check_identical_per_epoch([slow, *fast])
+
+
+# ---- a sync peer whose replays land after the next round's group formed --------------------------------
+
+HOME_LINK = 15_000  # bytes per second, each way: one step's result (69 KB) takes ~4.6 s, half a step
+HOME_BATCH = 3.0  # seconds per batch on the home peer: a third of a step (the lab's home: 16 samples at ~2/s)
+
+
+@dataclasses.dataclass
+class HomeRun:
+    """What the home peer of :func:`sync_home_swarm` did."""
+
+    home: Peer
+    fast: list[Peer]
+    steps: int  # the swarm's steps from the home's first step on
+    averaged: list[int]  # the steps the home's own samples went into
+    # each time it viewed a step ahead (to look for a group of it): (its step, that step, the samples its
+    # view of that step counted, the samples the records of the peers on that step say they did)
+    looks: list[tuple[int, int, float, float]]
+    given_up: list[tuple[int, int, str]]  # (its step, the group's step, why) each group it found none of
+
+
+async def sync_home_swarm(seconds: float, monkeypatch: pytest.MonkeyPatch) -> HomeRun:
+    """Two peers on fast links train in sync mode (summed gradients, as a node does; steps of ~9 s); a
+    third on ``HOME_LINK`` with batches of ``HOME_BATCH`` joins once they took a few steps."""
+    run: HomeRun | None = None
+    contributed: list[int] = []
+    looks: list[tuple[int, int, float, float]] = []
+    given_up: list[tuple[int, int, str]] = []
+    note_step, note_no_group = RoundStats.note_step, RoundStats.note_no_group
+    view_of = ProgressBoard.view_of
+
+    def noted(self: RoundStats, last: dict[str, object]) -> None:
+        if run is not None and self is run.home.opt.stats and int(last.get("mine", 0)) > 0:  # type: ignore[call-overload]
+            contributed.append(int(last["epoch"]))  # type: ignore[call-overload]
+        note_step(self, last)
+
+    def no_group(self: RoundStats, epoch: int, reason: str) -> None:
+        if run is not None and self is run.home.opt.stats:
+            given_up.append((run.home.opt.epoch, epoch, reason))
+        note_no_group(self, epoch, reason)
+
+    def viewed(self: ProgressBoard, epoch: int) -> SwarmView:
+        view = view_of(self, epoch)
+        if run is not None and self is run.home.opt.board:
+            # what the records of the peers on the step say, as any reader extrapolates them (for at most
+            # a heartbeat and two reads: the board's horizon); a view their ``ready`` moved counts the
+            # target
+            said = [r.record for r in self.records if r.record.epoch == epoch and r.peer != home_id]
+            horizon = cfg.progress.ttl / 2 + 2 * cfg.progress.interval
+            done = math.fsum(estimate(r, trio.current_time(), horizon) for r in said)
+            if any(r.ready for r in said):
+                done = max(done, float(cfg.training.target_batch_size))
+            looks.append((run.home.opt.epoch, epoch, view.samples, done))
+        return view
+
+    monkeypatch.setattr(RoundStats, "note_step", noted)
+    monkeypatch.setattr(RoundStats, "note_no_group", no_group)
+    monkeypatch.setattr(ProgressBoard, "view_of", viewed)
+    cfg = (
+        run_config("sync")
+        .replace("training", target_batch_size=96)
+        .replace("averaging", timeout=30.0)
+        .replace("statesync", max_donors=1)
+    )
+    async with swarm(cfg, model=mid_model, summed=True) as s:
+        fast = [await s.start(compute=1.0) for _ in range(2)]
+        for p in fast:
+            s.net.set_link(f"t{p.index}", "t2", LinkProfile(bandwidth=HOME_LINK))
+        await s.until(lambda: fast[0].opt.epoch >= 3, timeout=60)
+        home = await s.start(compute=HOME_BATCH)
+        home_id = home.node.peer_id
+        run = HomeRun(home, fast, 0, contributed, looks, given_up)
+        await s.until(lambda: bool(home.steps), timeout=120)
+        first = fast[0].opt.epoch
+        await trio.sleep(seconds)
+        run.steps = fast[0].opt.epoch - first
+        run.averaged = [e for e in contributed if e >= first]
+        return run
+
+
+@pytest.mark.timeout(300)  # ~20 s of CPU; longer on a busy machine
+async def test_a_sync_peer_replaying_looks_for_a_group_ahead_by_the_records_of_the_peers_there(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lab's sync home peer on 10 Mbit/s (issue 49): a step's result takes half a step to fetch and a
+    batch a third of a step, so it replays most steps, and views the step its replay lands it on
+    meanwhile, to look for a group of it (``RoundRunner.start_matchmaking(ahead)``). That view counted
+    its own samples, which no other peer's view of the step does (its record is of the step before):
+    it looked for a group seconds before the peers on the step, and led groups nobody joined in time.
+    The invariant, checked at each such view (every batch it computes while replaying): it counts no
+    more than the records of the peers on the step say (``progress.swarm_view``'s ``epoch``); the code
+    before counted its own samples on top at every one, and this test fails there. It downloads the
+    state once, replays after that, and holds the swarm's parameters on every step."""
+    run = await sync_home_swarm(30, monkeypatch)
+    home = run.home
+    detail = (run.averaged, run.steps, [s[::2] for s in home.steps], run.looks, run.given_up)
+    assert home.opt.shared.downloads == 1 and home.opt.shared.replayed >= 1, detail
+    assert run.looks and all(counted <= done + 1e-6 for _, _, counted, done in run.looks), detail
+    check_identical_per_epoch([home, *run.fast])
 
 
 # ---- a DiLoCo joiner whose replay lands after the next round's group formed ---------------------------
