@@ -359,9 +359,9 @@ class ProgressBoard:
         it joins that step's round, see ``RoundRunner.start_matchmaking``), as the peers on ``epoch``
         see it: this peer's record says its own step, so its samples and rate count toward ``epoch`` in
         nobody's view, its own included (``progress.swarm_view``'s ``epoch``). Counted here, they made
-        a sync home peer on 10 Mbit/s see the target seconds before the others did and lead groups of
-        its own for steps the swarm's records did not yet put within reach; it averaged in 0 of 3
-        steps. ``view`` is left as it is."""
+        a sync home peer on a slow link see the target seconds before the others did and lead groups of
+        its own for steps the swarm's records did not yet put within reach. ``view`` is left as it
+        is."""
         trusted = self.trusted()
         return swarm_view(
             self.node.peer_id,
