@@ -173,12 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     problems: list[str] = []
     with WanSwitch(profiles).in_thread() as switch:
         try:
-            deadline = time.monotonic() + 300
-            join = None
-            for i in range(args.peers):
-                nodes.append(start(i, folder, config, args, switch, join))
+            deadline = time.monotonic() + 600
+            nodes.append(start(0, folder, config, args, switch, None))
+            switch.set_upstream(0, listening(nodes[0], switch.source_address(0), deadline))
+            join = _wait_address(nodes[0])  # (its announced address, through the switch)
+            # the others at once (one by one, a loaded machine took longer than the start's wait)
+            nodes += [start(i, folder, config, args, switch, join) for i in range(1, args.peers)]
+            for i in range(1, args.peers):
                 switch.set_upstream(i, listening(nodes[i], switch.source_address(i), deadline))
-                join = join or _wait_address(nodes[0])  # (its announced address, through the switch)
             print(f"{args.peers} nodes started in {time.time() - began:.0f} s", file=sys.stderr)
             deadline = time.monotonic() + args.timeout
             while any(n.proc.poll() is None for n in nodes) and time.monotonic() < deadline:
