@@ -9,8 +9,6 @@ coordinator (the leader, ``members[0]``) collects one report per reducer and dec
   contributor, and its partition goes to a surviving reducer, to which every contributor sends its
   slice again (each member still holds its own tensors);
 - with no contributor or no surviving reducer, the round aborts;
-- contributors that hold fewer of the members some member counts than it needs (the quorums signed in
-  the manifest, see ``Manifest.short_of_quorum``): the round aborts, for every member alike;
 - a contributor's weight is capped at what the coordinator's ``caps`` allow (for sample counts: what the
   sender's own signed progress records make plausible), so a peer cannot buy influence by lying. The
   coordinator does not cap itself: every reducer refuses a slice whose weight is more than
@@ -26,7 +24,7 @@ bits. Members that lose the coordinator ask each other for the decision (see ``d
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .protocol import Decision
@@ -43,8 +41,6 @@ class Coordinator:
     decision: Decision | None = None
     caps: dict[int, float] = field(default_factory=dict)  # the most weight each member may carry
     capped: dict[int, tuple[float, float]] = field(default_factory=dict)  # member -> (claimed, allowed)
-    # why contributors may not commit ('' if they may): the manifest's signed quorums
-    short_of_quorum: Callable[[tuple[int, ...]], str] = lambda contributors: ""
 
     @property
     def reducers(self) -> list[int]:
@@ -98,9 +94,6 @@ class Coordinator:
                 weights.append(min(claimed, allowed))
         if not contributors:
             return Decision(self.round, abort="no member delivered its slices to every reducer")
-        short = self.short_of_quorum(tuple(contributors))
-        if short:
-            return Decision(self.round, abort=short)
         # each failed partition goes to the live reducer with the least to do so far
         load = {r: float(self.sizes[r]) for r in live}
         replacements = []

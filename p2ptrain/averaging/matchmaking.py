@@ -58,17 +58,18 @@ peers, most members threw a committed round away while the others applied it; th
 second group of the same step: two lineages). So the quorums are fixed and signed at formation: each
 joiner names its quorum in its join request, the leader signs every member's as an entry of the
 manifest (:meth:`Gathering.entries`: the need over the *other* members, counting only peers the leader
-knows to publish progress, and needing at most ``NEED_SLACK``
-more than the leader's own need or a majority of the members the leader counts), every member checks
-that its entry holds it to its own quorum before it takes part (:func:`holds_me`; else it declines
-the group), and the round commits only if the decided
-contributors meet every entry (``Manifest.short_of_quorum``: the coordinator signs an abort, and every
-member refuses a decision that breaks them). The invariant: all members of one committed round make
-the same apply/discard decision, computed only from what the leader signed (the manifest and the
-decision); a committed round is applied. A member that disagrees with a group refuses to join it; it
-never discards a round it took part in. A joiner whose quorum the group cannot meet (it needs more
-than the members it counts, or more than that bound) loses its place before the manifest is
-signed (:meth:`Gathering.form`).
+knows to publish progress, and needing at most ``NEED_SLACK`` more than the leader's own need or a
+majority of the members the leader counts), every member checks that its entry holds it to its own
+quorum before it takes part (:func:`holds_me`; else it declines the group), and a committed round is
+applied only if the decided contributors meet every entry (:func:`short_of_quorums`), by every member
+alike. The invariant: all members of one committed round make the same apply/discard decision,
+computed only from what the leader signed (the manifest and the decision), never from a member's own
+view. A member that disagrees with a group refuses to join it before the round. The round itself still
+commits when the entries are not met, so that its audits run: a hostile reducer that refused honest
+slices to make the round fall short is convicted as after any round (aborting instead, such a round
+was never audited, and a zero farmer kept every round of an adversarial test's swarm aborting). A
+joiner whose quorum the group cannot meet (it needs more than the members it counts, or more than that
+bound) loses its place before the manifest is signed (:meth:`Gathering.form`).
 """
 
 from __future__ import annotations
@@ -255,6 +256,18 @@ class Quorum:
         taken = set(first)
         rest = [p for p in self.peers if p not in taken]
         return tuple([*first, *rest][:MAX_COUNTS])
+
+
+def short_of_quorums(manifest: Manifest, contributors: Iterable[PeerID]) -> str:
+    """Why no member applies a committed round of ``manifest`` with these ``contributors`` ('' if every
+    member does): they miss some member's signed quorum (``Manifest.short_of_quorum``). Every member
+    computes it from the same signed manifest and decision, so all decide alike. A round of one
+    contributor is applied, as before the quorums were signed: its result is that member's own values,
+    a step as when it steps alone (a zero farmer whose bounds refused every honest slice left rounds of
+    one, and their members stalled on the step for good)."""
+    at = {p: i for i, p in enumerate(manifest.peers())}
+    held = tuple(sorted({at[p] for p in contributors if p in at}))
+    return "" if len(held) <= 1 else manifest.short_of_quorum(held)
 
 
 def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:

@@ -12,8 +12,7 @@ trio driver around this is ``allreduce``):
 2. Decide, until ``0.5 T``: reducers report whom they received (:meth:`~RoundMachine.report`); the
    coordinator decides who counts as a contributor and which reducers failed, and names a replacement
    for each (``agreement``; :meth:`~RoundMachine.decide`). Losing the coordinator, a member asks the
-   others for the signed decision until ``0.9 T``. A decision whose contributors break the quorums the
-   manifest signed is an abort on every member (:meth:`~RoundMachine.settle`), whoever signed it.
+   others for the signed decision until ``0.9 T``.
 3. A reducer's failure: the decision names it in ``failed`` with its replacement. :meth:`~RoundMachine.
    settle` turns the decision into this member's :class:`Plan`: the early results of a failed reducer
    are void, every contributor sends that partition's slice again to its replacement, the replacement
@@ -130,11 +129,7 @@ class RoundMachine:
         self.sizes = list(manifest.sizes)
         self.at = deadlines
         self.caps = dict(caps or {})
-        self.coordinator = (
-            Coordinator(digest, self.sizes, caps=dict(self.caps), short_of_quorum=manifest.short_of_quorum)
-            if me == 0
-            else None
-        )
+        self.coordinator = Coordinator(digest, self.sizes, caps=dict(self.caps)) if me == 0 else None
         self.origins = SeenOrigins(manifest)  # the leader's origins, checked against what we see
         self.scatter_open = True
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
@@ -299,12 +294,6 @@ class RoundMachine:
                 abort=decision.abort, reason=f"round aborted by the coordinator: {decision.abort}"
             )
             return self.plan
-        short = self.manifest.short_of_quorum(decision.contributors)
-        if short:  # (an honest coordinator signs an abort instead: the same on every member either way)
-            self.plan = Plan(
-                abort=short, reason=f"the coordinator's decision breaks the manifest's quorums: {short}"
-            )
-            return self.plan
         contributor = self.me in decision.contributors
         pairs = list(zip(decision.failed, decision.replacements, strict=True))
         self.plan = Plan(
@@ -433,8 +422,6 @@ class RoundMachine:
             return {} if self.me == 0 else {self.peers[0]: "its decision never came"}
         if self.decision.abort:
             return {}
-        if self.plan is not None and self.plan.abort:  # a commit its signer's own manifest forbids
-            return {} if self.me == 0 else {self.peers[0]: self.plan.reason}
         out = {}
         for p in self.partitions:
             if p not in self.held:

@@ -10,7 +10,8 @@ On the code before, each member checked the contributors of a committed round ag
 and threw the round away if they fell short: members with other views (trust sets, sizes) decided
 differently, and at 32 simulated peers the discarders formed a second group of the step (two lineages).
 The randomized test below plays formation, drop-outs, the decision and each member's landing through the
-real pieces (``Gathering``, ``holds_me``, ``Coordinator``, ``RoundMachine.settle``) with varied views,
+real pieces (``Gathering``, ``holds_me``, ``Coordinator``, ``RoundMachine.settle``,
+``short_of_quorums``) with varied views,
 late joiners, hostile leaders and coordinators, and checks that the old per-member rule splits some of
 those rounds while the signed one never does.
 """
@@ -22,7 +23,7 @@ import random
 import pytest
 
 from p2ptrain.averaging.agreement import Coordinator
-from p2ptrain.averaging.matchmaking import NEED_SLACK, Gathering, Joiner, Quorum, holds_me
+from p2ptrain.averaging.matchmaking import NEED_SLACK, Gathering, Joiner, Quorum, holds_me, short_of_quorums
 from p2ptrain.averaging.protocol import Decision, JoinReq, Manifest, MemberMsg, TensorSpec
 from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
 from p2ptrain.errors import RemoteProtocolError
@@ -98,7 +99,7 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
     accepted = [i for i, m in enumerate(members) if i == 0 or not holds_me(manifest, m.peer, views[m.peer])]
     running = [i for i in accepted if i == 0 or rng.random() > 0.2]
     delivered = [i for i in running if rng.random() > 0.15]
-    coordinator = Coordinator(DIGEST, manifest.sizes, short_of_quorum=manifest.short_of_quorum)
+    coordinator = Coordinator(DIGEST, manifest.sizes)
     for r in running:
         coordinator.report(r, dict.fromkeys(delivered, 1.0))
     decision = coordinator.decide()
@@ -111,7 +112,11 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
         machine = RoundMachine(manifest, DIGEST, i, 1.0, Deadlines.of(0.0, 60.0))
         plan = machine.settle(decision, b"signed")
         assert plan is not None
-        applied[i] = not plan.abort
+        # what a member's trainer applies: the committed round, unless its signed quorums say no
+        contributors_seen = (
+            [members[j].peer for j in machine.decision.contributors] if machine.decision else []
+        )
+        applied[i] = not plan.abort and not short_of_quorums(manifest, contributors_seen)
     contributors = set(decision.contributors) if not decision.abort else set()
     # the invariant: one decision for every member that ran the round
     assert len(set(applied.values())) <= 1, (applied, decision, needs, counts)
@@ -122,7 +127,7 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
             view = views[members[i].peer]
             held = len(view.peers & {members[j].peer for j in contributors | {i}})
             assert held >= view.size, (i, held, view.size, needs, counts, decision)
-    # the rule before: a committed round (the coordinator aborted none for quorums) that each member
+    # the rule before: a committed round that each member
     # applied iff its contributors held its own quorum, or it was alone in it
     old_contributors = [members[i].peer for i in delivered]
     old = {

@@ -16,12 +16,12 @@ in an open swarm), so that two groups of one step cannot both form. The formed g
 - or now, compute paused (DiLoCo without overlap: :meth:`RoundRunner.average`).
 
 Top-k rounds fold the error feedback into what they send, and keep the residual only if the round
-committed. A committed round is applied: whether its contributors hold the peers this one must average
-with was settled before it ran and signed (the quorum this peer named when it joined is the manifest's
-entry for it, which it checked; the round commits only if every member's entry is met, see
-``averaging.matchmaking``), so every member of it decides alike. On the code before, each member checked
-the contributors against its own quorum once the round had committed, and at 32 peers most members
-threw a committed round away while the others applied it: two lineages of one step. A round that lands
+committed. Whether a committed round is applied is decided from what its leader signed alone, the same
+on every member: the quorum this peer named when it joined is the manifest's entry for it (checked
+before it took part), and the round is applied only if its decided contributors meet every member's
+entry (``averaging.matchmaking.short_of_quorums``). On the code before, each member checked the
+contributors against its own quorum once the round had committed, and at 32 peers most members threw a
+committed round away while the others applied it: two lineages of one step. A round that lands
 returns ``(result, weight)``: the optimizer then takes the global step (its ``_advance``); nothing here
 moves the epoch.
 
@@ -39,7 +39,7 @@ import torch
 import trio
 
 from ...averaging.allreduce import RoundResult
-from ...averaging.matchmaking import Quorum
+from ...averaging.matchmaking import Quorum, short_of_quorums
 from ...averaging.protocol import SignedManifest
 from ...averaging.spill import Spilled, SpillFile
 from ...config import RunConfig
@@ -88,6 +88,7 @@ class InFlight:
     before: Saved | None = None
     digest: bytes = b""  # the round's
     epoch: int = 0  # the step whose state its result is applied to (past this peer's own: joined ahead)
+    manifest: SignedManifest | None = None  # the round's (its signed quorums decide whether it is applied)
 
 
 class RoundRunner:
@@ -288,6 +289,12 @@ class RoundRunner:
             outer.unfold(before, committed=False)
             self.contribution.after_abort(buffer)
             return None
+        short = short_of_quorums(manifest.manifest, result.contributors)
+        if short:  # (every member alike) the work is still in the local parameters, as after an abort
+            self.note_abort(RoundAborted(short))
+            outer.unfold(before, committed=False)
+            self.contribution.after_abort(buffer)
+            return None
         outer.unfold(before, committed=True)
         self.contribution.relay(result.retired)
         await self.state.keep_result(self.tally.epoch, buffer.views)  # for peers behind (``state.replay``)
@@ -341,6 +348,7 @@ class RoundRunner:
             since=self._next_batch,
             digest=manifest.digest,
             epoch=self.tally.epoch if epoch is None else epoch,
+            manifest=manifest,
         )
         self.tally.handed(True)
         if outer is None:
@@ -406,6 +414,18 @@ class RoundRunner:
         """Apply ``flight``'s ``outcome`` (see :meth:`land`)."""
         outer = self.outer
         diloco = outer is not None
+        short = ""
+        if isinstance(outcome, RoundResult) and flight.manifest is not None:
+            short = short_of_quorums(flight.manifest.manifest, outcome.contributors)  # (every member alike)
+        if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
+            log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
+            self.note_abort(RoundAborted(short))
+            if not tensors.sendable:  # (in place: the round may relay from them a while; then freed)
+                tensors.zero_()
+                self.contribution.keep_spare(tensors)
+            return None
+        if short:
+            outcome = RoundAborted(short)  # diloco: the work is still in the local parameters
         if outer is not None:
             outer.unfold(flight.before, committed=isinstance(outcome, RoundResult))
         if not isinstance(outcome, RoundResult):
