@@ -261,13 +261,11 @@ class Quorum:
 def short_of_quorums(manifest: Manifest, contributors: Iterable[PeerID]) -> str:
     """Why no member applies a committed round of ``manifest`` with these ``contributors`` ('' if every
     member does): they miss some member's signed quorum (``Manifest.short_of_quorum``). Every member
-    computes it from the same signed manifest and decision, so all decide alike. A round of one
-    contributor is applied, as before the quorums were signed: its result is that member's own values,
-    a step as when it steps alone (a zero farmer whose bounds refused every honest slice left rounds of
-    one, and their members stalled on the step for good)."""
+    computes it from the same signed manifest and decision, so all decide alike. (A round of one
+    contributor is no exception: applied, its contributor stepped alone while the members that left
+    its group formed another of the same step, a fork in the in-memory swarm test.)"""
     at = {p: i for i, p in enumerate(manifest.peers())}
-    held = tuple(sorted({at[p] for p in contributors if p in at}))
-    return "" if len(held) <= 1 else manifest.short_of_quorum(held)
+    return manifest.short_of_quorum(tuple(sorted({at[p] for p in contributors if p in at})))
 
 
 def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:

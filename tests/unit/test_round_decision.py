@@ -120,7 +120,7 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
     contributors = set(decision.contributors) if not decision.abort else set()
     # the invariant: one decision for every member that ran the round
     assert len(set(applied.values())) <= 1, (applied, decision, needs, counts)
-    if any(applied.values()):
+    if any(applied.values()) and len(contributors) > 1:  # (a round of one is its contributor's step)
         for i in running:  # and those that apply it advance with peers holding their own quorum
             if i == 0 and (hostile_leader or hostile_coordinator):
                 continue  # (the hostile one's own view is its business)

@@ -291,7 +291,7 @@ class RoundRunner:
             return None
         short = short_of_quorums(manifest.manifest, result.contributors)
         if short:  # (every member alike) the work is still in the local parameters, as after an abort
-            self.note_abort(RoundAborted(short))
+            self.short(manifest, short)
             outer.unfold(before, committed=False)
             self.contribution.after_abort(buffer)
             return None
@@ -417,15 +417,19 @@ class RoundRunner:
         short = ""
         if isinstance(outcome, RoundResult) and flight.manifest is not None:
             short = short_of_quorums(flight.manifest.manifest, outcome.contributors)  # (every member alike)
+        if short and flight.manifest is not None:
+            self.short(flight.manifest, short)
         if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
             log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
-            self.note_abort(RoundAborted(short))
             if not tensors.sendable:  # (in place: the round may relay from them a while; then freed)
                 tensors.zero_()
                 self.contribution.keep_spare(tensors)
             return None
-        if short:
-            outcome = RoundAborted(short)  # diloco: the work is still in the local parameters
+        if short:  # diloco: the work is still in the local parameters
+            if outer is not None:
+                outer.unfold(flight.before, committed=False)
+            self.contribution.after_abort(tensors)
+            return None
         if outer is not None:
             outer.unfold(flight.before, committed=isinstance(outcome, RoundResult))
         if not isinstance(outcome, RoundResult):
@@ -471,6 +475,16 @@ class RoundRunner:
             await self.state.off_loop(self.local.apply, tensors)
             self.contribution.keep_spare(tensors)
         return outcome, weight
+
+    def short(self, manifest: SignedManifest, why: str) -> None:
+        """A committed round whose contributors miss its signed quorums: not applied (by any member),
+        and its leader suspected (three suspicions and it is not followed for a while), so that a group
+        whose rounds keep falling short (a reducer refusing the slices others need) is not formed again
+        and again under the same leader."""
+        self.note_abort(RoundAborted(why))
+        leader = manifest.manifest.peers()[0]
+        if leader != self.node.peer_id:
+            self.node.averager.groups.round_failed(manifest, {leader: f"its round fell short: {why}"})
 
     def note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.tally.epoch, e)
