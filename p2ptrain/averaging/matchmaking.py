@@ -69,7 +69,7 @@ commits when the entries are not met, so that its audits run: a hostile reducer 
 slices to make the round fall short is convicted as after any round (aborting instead, such a round
 was never audited, and a zero farmer kept every round of an adversarial test's swarm aborting). A
 joiner whose quorum the group cannot meet (it needs more than the members it counts, or more than that
-bound) loses its place before the manifest is signed (:meth:`Gathering.form`).
+bound) gets an empty entry and declines the group itself (:meth:`Gathering.entries`).
 """
 
 from __future__ import annotations
@@ -408,21 +408,13 @@ class Gathering:
         return self.size() >= max(self.min_size, self.target_size - len(self.away))
 
     def form(self) -> list[Joiner] | str:
-        """The members in order (leader first, then by peer id), or why the group cannot form. Joiners
-        whose quorum the group cannot meet lose their place first (see :meth:`entry`)."""
+        """The members in order (leader first, then by peer id), or why the group cannot form."""
         self.formed = True
-        while True:
-            members = [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]
-            unmet = {m.peer: why for m in members[1:] if isinstance(why := self.entry(m, members), str)}
-            if not unmet:
-                break
-            self.joiners = [j for j in self.joiners if j.peer not in unmet]
-            self.bumped.update(unmet)
         if self.size() < self.min_size:
             return f"only {self.size()} of at least {self.min_size} peers joined in time"
         if self.quorum is not None and self.counted() < self.quorum.size:
             return f"only {self.counted()} of the at least {self.quorum.size} peers it knows joined in time"
-        return members
+        return [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]
 
     def entry(self, m: Joiner, members: list[Joiner]) -> tuple[int, int] | str:
         """Member ``m``'s quorum as the manifest signs it: (need, bitmask of the other members it counts),
@@ -458,8 +450,11 @@ class Gathering:
         """The manifest's ``needs`` and ``counts`` for the formed group (() when it has no quorum)."""
         if self.quorum is None:
             return (), ()
+        # A member whose quorum the group cannot meet gets no entry (0, 0): it declines the group itself
+        # (``holds_me``), as it did before the entries were signed, and the round goes on without it.
+        # (Leaving it out before signing made others' entries, which counted it, unmeetable in turn: at
+        # 32 simulated peers whole groups came apart that way, and matchmaking stalled.)
         pairs = [self.entry(m, members) for m in members]
-        assert all(isinstance(p, tuple) for p in pairs), pairs  # (``form`` left out those it cannot meet)
-        return tuple(p[0] for p in pairs if isinstance(p, tuple)), tuple(
-            p[1] for p in pairs if isinstance(p, tuple)
+        return tuple(p[0] if isinstance(p, tuple) else 0 for p in pairs), tuple(
+            p[1] if isinstance(p, tuple) else 0 for p in pairs
         )

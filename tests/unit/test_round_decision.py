@@ -194,22 +194,26 @@ def test_a_member_refuses_an_entry_weaker_than_its_own_quorum() -> None:
     assert holds_me(manifest_of(members, needs, counts), a, strict) != ""
 
 
-def test_a_joiner_whose_quorum_the_group_cannot_meet_loses_its_place_before_the_manifest() -> None:
+def test_a_joiner_whose_quorum_the_group_cannot_meet_gets_no_entry_and_declines() -> None:
     leader, a, b, stranger = IDS[:4]
     known = frozenset({leader, a, b})
     gathering = Gathering(
         Joiner(leader, "addr", 1.0), b"s", target_size=4, min_size=2, quorum=Quorum(known, 2)
     )
     gathering.offer(joiner(a, Quorum(known, 2)), b"s")
-    # names only strangers of its own (the leader counts none of them): nothing it counts is here
-    gathering.offer(Joiner(stranger, "addr", 1.0, need=2, counts=frozenset({stranger, IDS[9]})), b"s")
-    # needs every peer the leader counts and more than the slack allows
+    # names only ids of its own (the leader knows none of them): nothing it counts is here
+    own = Quorum(frozenset({stranger, IDS[9]}), 2)
+    gathering.offer(Joiner(stranger, "addr", 1.0, need=2, counts=own.peers), b"s")
+    # needs every peer the leader counts and more than the slack allows: refused at once
     why = gathering.offer(Joiner(b, "addr", 1.0, need=2 + NEED_SLACK + 1, counts=frozenset(IDS)), b"s")
-    assert why is not None and "more than this group can be held to" in why  # (at once: no wait for nothing)
+    assert why is not None and "more than this group can be held to" in why
     members = gathering.form()
     assert not isinstance(members, str)
-    assert [m.peer for m in members] == [leader, a]
-    assert "holds 0" in gathering.bumped[stranger]
+    assert members[0].peer == leader and len(members) == 3
+    needs, counts = gathering.entries(members)
+    at = [m.peer for m in members].index(stranger)
+    assert (needs[at], counts[at]) == (0, 0)
+    assert holds_me(manifest_of(members, needs, counts), stranger, own) != ""  # it declines the group
 
 
 @pytest.mark.parametrize(
