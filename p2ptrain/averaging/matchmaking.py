@@ -52,24 +52,27 @@ other group of the step to its leader's deadline.
 
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
 and sizes its majority by its own records), and members drop out between formation and the round (a
-state that moved on, a crash), so a round's contributors may hold one member's quorum and not
-another's. Each member checking them against its own quorum *after* the round split the swarm (at 32
-peers, most members threw a committed round away while the others applied it; the former formed a
-second group of the same step: two lineages). So the quorums are fixed and signed at formation: each
-joiner names its quorum in its join request, the leader signs every member's as an entry of the
-manifest (:meth:`Gathering.entries`: the need over the *other* members, counting only peers the leader
-knows to publish progress, and needing at most ``NEED_SLACK`` more than the leader's own need or a
-majority of the members the leader counts), every member checks that its entry holds it to its own
-quorum before it takes part (:func:`holds_me`; else it declines the group), and a committed round is
-applied only if the decided contributors meet every entry (:func:`short_of_quorums`), by every member
-alike. The invariant: all members of one committed round make the same apply/discard decision,
-computed only from what the leader signed (the manifest and the decision), never from a member's own
-view. A member that disagrees with a group refuses to join it before the round. The round itself still
-commits when the entries are not met, so that its audits run: a hostile reducer that refused honest
-slices to make the round fall short is convicted as after any round (aborting instead, such a round
-was never audited, and a zero farmer kept every round of an adversarial test's swarm aborting). A
-joiner whose quorum the group cannot meet (it needs more than the members it counts, or more than that
-bound) gets an empty entry and declines the group itself (:meth:`Gathering.entries`).
+state that moved on, a crash), so a round's contributors may hold one member's quorum and not another's.
+Each member checking them against its own quorum *after* the round split the swarm (at 32 peers, most
+members threw a committed round away while the others applied it; the former formed a second group of
+the same step: two lineages). So the quorums are fixed and signed at formation: each joiner names its
+quorum in its join request, the leader signs every member's as an entry of the manifest
+(:meth:`Gathering.entries`: the need over the *other* members, counting only peers the leader knows to
+publish progress, and needing at most ``NEED_SLACK`` more than the leader's own need or a majority of
+the members the leader counts), every member checks that its entry holds it to its own quorum before it
+takes part (:func:`holds_me`; else it declines the group), and a committed round is applied only if the
+decided contributors meet the entries of the leader and of the members the leader counts
+(:func:`short_of_quorums`), by every member alike; a member the leader does not count (a stranger to it)
+also holds the round to its own entry, and may discard it alone. The invariant: the leader and all the
+members it counts make the same apply/discard decision, computed only from what the leader signed (the
+manifest and the decision), never from a member's own view; no member applies a round they discard; and
+a stranger's entry binds only the stranger. A member that disagrees with a group refuses to join it
+before the round. The round itself still commits when the entries are not met, so that its audits run: a
+hostile reducer that refused honest slices to make the round fall short is convicted as after any round
+(aborting instead, such a round was never audited, and a zero farmer kept every round of an adversarial
+test's swarm aborting). A joiner whose quorum the group cannot meet (it needs more than the members it
+counts, or more than that bound) gets an empty entry and declines the group itself
+(:meth:`Gathering.entries`).
 """
 
 from __future__ import annotations
@@ -258,14 +261,24 @@ class Quorum:
         return tuple([*first, *rest][:MAX_COUNTS])
 
 
-def short_of_quorums(manifest: Manifest, contributors: Iterable[PeerID]) -> str:
-    """Why no member applies a committed round of ``manifest`` with these ``contributors`` ('' if every
-    member does): they miss some member's signed quorum (``Manifest.short_of_quorum``). Every member
-    computes it from the same signed manifest and decision, so all decide alike. (A round of one
-    contributor is no exception: applied, its contributor stepped alone while the members that left
-    its group formed another of the same step, a fork in the in-memory swarm test.)"""
-    at = {p: i for i, p in enumerate(manifest.peers())}
-    return manifest.short_of_quorum(tuple(sorted({at[p] for p in contributors if p in at})))
+def short_of_quorums(manifest: Manifest, contributors: Iterable[PeerID], me: PeerID | None = None) -> str:
+    """Why ``me`` does not apply a committed round of ``manifest`` with these ``contributors`` ('' if it
+    does): they miss the signed quorum of the leader, of a member the leader counts, or of ``me``
+    (``Manifest.short_of_quorum``). The leader and the members it counts (in an open swarm, those it
+    trusts) decide alike, from the signed manifest and decision alone; a member it does not count may in
+    addition discard the round for its own entry, which costs that member alone (it catches up by
+    replay), never apply one the others discard. A stranger's entry binds nobody else: enforced on every
+    member, it let a stranger name an accomplice that publishes records and have it drop out, and no
+    member applied the round (two free ids in the group, any round stalled). (A round of one
+    contributor is no exception: applied, its contributor stepped alone while the members that left its
+    group formed another of the same step, a fork in the in-memory swarm test.)"""
+    peers = manifest.peers()
+    at = {p: i for i, p in enumerate(peers)}
+    counted = manifest.counts[0] if manifest.counts else 0
+    binding = {0} | {j for j in range(len(peers)) if counted >> j & 1}
+    if me is not None and me in at:
+        binding.add(at[me])
+    return manifest.short_of_quorum(tuple(sorted({at[p] for p in contributors if p in at})), binding)
 
 
 def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import RemoteProtocolError
@@ -129,12 +130,16 @@ class Manifest(Message):
     def peers(self) -> list[PeerID]:
         return [PeerID(m.peer) for m in self.members]
 
-    def short_of_quorum(self, contributors: tuple[int, ...]) -> str:
-        """Why a decision with these ``contributors`` (member indices) must not commit ('' if it may):
-        they hold fewer of the members some member counts than it needs. The same answer on every
-        member, as it reads only what the leader signed here and in the decision."""
+    def short_of_quorum(self, contributors: tuple[int, ...], binding: Iterable[int] | None = None) -> str:
+        """Why a decision with these ``contributors`` (member indices) must not be applied ('' if it may):
+        they hold fewer of the members some member counts than it needs (of the members ``binding``,
+        every member if None). The same answer on every member, as it reads only what the leader signed
+        here and in the decision."""
         held = sum(1 << i for i in contributors)
+        only = None if binding is None else set(binding)
         for i, (need, mask) in enumerate(zip(self.needs, self.counts, strict=True)):
+            if only is not None and i not in only:
+                continue
             have = (mask & held).bit_count()
             if have < need:
                 return (

@@ -1,9 +1,11 @@
 """One committed round, one decision (issue 51's forks at 32 peers).
 
-The invariant: every member of one committed round makes the same apply/discard decision, computed only
+The invariant: the leader and every member it counts make the same apply/discard decision, computed only
 from what the leader signed (the manifest, whose entries hold each member to the quorum it named when it
-joined, and the coordinator's decision); and a member that applies a round advances with peers that hold
-its own quorum (itself among them). A member that disagrees with a group refuses to join it; it never
+joined, and the coordinator's decision); a member the leader does not count (a stranger to it) may in
+addition discard alone for its own entry, never apply a round the others discard, and its entry binds
+nobody else; and a member that applies a round advances with peers that hold its own quorum (itself
+among them). A member that disagrees with a group refuses to join it; it never
 discards a round it took part in.
 
 On the code before, each member checked the contributors of a committed round against its own quorum
@@ -116,10 +118,14 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
         contributors_seen = (
             [members[j].peer for j in machine.decision.contributors] if machine.decision else []
         )
-        applied[i] = not plan.abort and not short_of_quorums(manifest, contributors_seen)
+        applied[i] = not plan.abort and not short_of_quorums(manifest, contributors_seen, members[i].peer)
     contributors = set(decision.contributors) if not decision.abort else set()
-    # the invariant: one decision for every member that ran the round
-    assert len(set(applied.values())) <= 1, (applied, decision, needs, counts)
+    # the invariant: one decision for the leader and every member it counts that ran the round; a member
+    # it does not count may discard alone, never apply a round those discard
+    binding = {i for i in applied if i == 0 or counts[0] >> i & 1}
+    assert len({applied[i] for i in binding}) <= 1, (applied, binding, decision, needs, counts)
+    if binding and not applied[min(binding)]:
+        assert not any(applied.values()), (applied, binding, decision, needs, counts)
     if any(applied.values()) and len(contributors) > 1:  # (a round of one is its contributor's step)
         for i in running:  # and those that apply it advance with peers holding their own quorum
             if i == 0 and (hostile_leader or hostile_coordinator):
@@ -238,3 +244,33 @@ def test_a_join_request_carries_the_quorum_and_old_requests_still_parse() -> Non
     assert JoinReq.from_obj(req.to_obj()) == req
     old = JoinReq.from_obj(["sync-3", b"s", "addr", 1.0])
     assert (old.need, old.counts) == (0, ())
+
+
+def test_a_strangers_entry_binds_nobody_else() -> None:
+    """A stranger to the leader names, in its quorum, an accomplice that publishes records, and the
+    accomplice drops out after formation. Enforced on every member, the stranger's entry made no member
+    apply the round (two free ids in a group stalled any round); now the leader and the members it counts
+    apply it, and only the stranger, held to its own entry, discards it."""
+    leader, a, b, stranger, accomplice = IDS[:5]
+    trusted = frozenset({leader, a, b})
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0),
+        b"s",
+        target_size=5,
+        min_size=2,
+        quorum=Quorum(trusted, 2, frozenset({*trusted, stranger, accomplice})),
+    )
+    for p in (a, b):
+        assert gathering.offer(joiner(p, Quorum(trusted, 2)), b"s") is None
+    assert gathering.offer(joiner(stranger, Quorum(frozenset({stranger, accomplice}), 2)), b"s") is None
+    assert gathering.offer(joiner(accomplice, Quorum(frozenset({accomplice}), 1)), b"s") is None
+    members = gathering.form()
+    assert not isinstance(members, str)
+    manifest = manifest_of(members, *gathering.entries(members))
+    without_accomplice = [leader, a, b, stranger]
+    assert "member" in manifest.short_of_quorum(
+        tuple(i for i, m in enumerate(members) if m.peer != accomplice)
+    )
+    for p in (leader, a, b):
+        assert short_of_quorums(manifest, without_accomplice, p) == ""
+    assert short_of_quorums(manifest, without_accomplice, stranger) != ""

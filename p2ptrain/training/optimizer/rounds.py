@@ -289,7 +289,7 @@ class RoundRunner:
             outer.unfold(before, committed=False)
             self.contribution.after_abort(buffer)
             return None
-        short = short_of_quorums(manifest.manifest, result.contributors)
+        short = short_of_quorums(manifest.manifest, result.contributors, self.node.peer_id)
         if short:  # (every member alike) the work is still in the local parameters, as after an abort
             self.short(manifest, short)
             outer.unfold(before, committed=False)
@@ -416,7 +416,7 @@ class RoundRunner:
         diloco = outer is not None
         short = ""
         if isinstance(outcome, RoundResult) and flight.manifest is not None:
-            short = short_of_quorums(flight.manifest.manifest, outcome.contributors)  # (every member alike)
+            short = short_of_quorums(flight.manifest.manifest, outcome.contributors, self.node.peer_id)
         if short and flight.manifest is not None:
             self.short(flight.manifest, short)
         if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
