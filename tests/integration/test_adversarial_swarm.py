@@ -15,7 +15,7 @@ baseline, once per mode and size). What must hold, whatever the mix:
   (see ``PACE``).
 
 On the code before the trust model (checked with this file and ``p2ptrain.testing`` copied onto it), five
-of the six seeds fail: a garbage reducer's result reached honest parameters (86 against a largest of
+of the first six seeds fail: a garbage reducer's result reached honest parameters (86 against a largest of
 3.5), a zero farmer was trusted, a NaN reducer crashed the round, and with a silent leader the honest
 peers stalled: in 60 s they never all took one step.
 """
@@ -35,7 +35,10 @@ from tests.harness.training import BATCH, Peer, Swarm, check_healed, run_config,
 
 KINDS = ("silent-leader", "partial-leader", "trusted-liar", "garbage-reducer", "flaky-reducer", "zero-farmer")
 WORKLESS = ("silent-leader", "zero-farmer")  # attackers that never contribute useful work
-SEEDS = range(6)
+# Seeds 0, 2, 3 and 5 draw both modes and five of the six kinds (garbage reducer, silent leader, zero
+# farmer, flaky reducer, trusted liar); 1 and 4 repeat the silent leader in sync mode (run them, or any
+# other seed, with ``-k`` after editing here for a longer hunt).
+SEEDS = (0, 2, 3, 5)
 DURATION = 60.0  # virtual seconds each swarm trains
 FARM_STEPS = 3  # steps a zero farmer contributes zeros to before it claims the far step
 LIAR_AFTER = 20.0  # virtual seconds a trusted liar trains honestly first
