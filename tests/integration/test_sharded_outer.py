@@ -55,16 +55,24 @@ def rows(t: torch.Tensor, layout: WireLayout, i: int, rank: int) -> torch.Tensor
 
 def check(rank: int, world: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    for mode, count, overlap in (("none", 1, False), ("topk3-q4", 1, True), ("topk3-q4", 2, False)):
-        check_mode(rank, world, mesh, mode, count, overlap)
+    for mode, count, overlap, stage in (
+        ("none", 1, False, False),
+        ("topk3-q4", 1, True, False),
+        ("topk3-q4", 2, False, False),
+        ("topk3-q4", 1, False, True),  # rank 0 staging pieces through one buffer (a GPU's pinned path)
+    ):
+        check_mode(rank, world, mesh, mode, count, overlap, stage)
     dist.barrier()
     if rank == 0:
         Path(out).write_text("ok")
 
 
-def check_mode(rank: int, world: int, mesh: object, mode: str, count: int, overlap: bool) -> None:
+def check_mode(
+    rank: int, world: int, mesh: object, mode: str, count: int, overlap: bool, stage: bool = False
+) -> None:
     """``count`` > 1: streaming DiLoCo, one fragment of the parameters a step; ``overlap``: the inner
-    steps go on during the round, and their progress lands on top of the new global parameters."""
+    steps go on during the round, and their progress lands on top of the new global parameters;
+    ``stage``: rank 0 moves every piece through one reused staging buffer (on a GPU: pinned memory)."""
     reference = model()
     site = copy.deepcopy(reference)
     fully_shard(site, mesh=mesh)
@@ -72,7 +80,12 @@ def check_mode(rank: int, world: int, mesh: object, mode: str, count: int, overl
     layout = WireLayout(names, [p.shape for p in site.parameters()], world)
     d = DilocoSection(outer_lr=0.7, outer_momentum=0.9)
     outer = ShardedOuter(
-        list(site.parameters()), layout, PieceChannel(layout, rank), d, Compression(mode), piece=sparse.BLOCK
+        list(site.parameters()),
+        layout,
+        PieceChannel(layout, rank, stage=stage),
+        d,
+        Compression(mode),
+        piece=sparse.BLOCK,
     )
     ref_params = list(reference.parameters())
     split = fragments.split([p.numel() for p in ref_params], count)

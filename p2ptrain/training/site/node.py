@@ -51,8 +51,12 @@ rank 0 (a round, an evaluation) before the group fails."""
 
 
 def launched() -> bool:
-    """Whether this process is one rank of several started by ``torchrun`` (or its environment)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    """Whether this process is a rank of a site started by ``torchrun`` (or its environment): one of
+    several, or the only rank of a site of one (``torchrun --nproc-per-node 1``: one GPU, the model
+    under FSDP2 on a group of one; the same site, with its checkpoints and NCCL, as on more GPUs)."""
+    if "RANK" not in os.environ:
+        return False
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def shard_model(model: torch.nn.Module, mesh: Any) -> None:
@@ -184,6 +188,19 @@ class SiteWorkers:
             "generation": self.group.generation if self.group is not None else 1,
             "restarts": self.group.generation - 1 if self.group is not None else 0,
             "shard_elements": self.site.layout.shard_numel(0),
+            **self._device_memory(),
+        }
+
+    def _device_memory(self) -> dict[str, int]:
+        """On a GPU: rank 0's peak device memory (allocated by tensors, and reserved by torch's caching
+        allocator) and the pinned host memory its piece channel holds."""
+        device = self.site.device
+        if device.type != "cuda":
+            return {}
+        return {
+            "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            "pinned_bytes": self.site.channel.pinned_bytes,
         }
 
     def publish(self, model: torch.nn.Module, changed: bool, stop: bool) -> None:

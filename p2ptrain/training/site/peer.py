@@ -115,6 +115,7 @@ class SiteRank:
         check_run(config)
         self.model, self.optimizer, self.config, self.commands = model, optimizer, config, commands
         self.rank, self.world = commands.rank, world
+        self.device = torch.device(device)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
