@@ -154,7 +154,7 @@ def train_node(args: argparse.Namespace) -> int:
     live = sys.stdout.isatty() and not args.no_live
     bar = DownloadBar() if live else None
     options = TrainerOptions(
-        device=devices[0],
+        device=str(site[0].device) if site is not None else devices[0],  # (a site's: its rank 0's)
         data_dir=data_dir,
         resume=resume,
         max_steps=args.max_steps,
