@@ -17,15 +17,21 @@ scatters the pieces back and steps every rank's shard of the outer state (``land
 
 Also: an **unsharded peer's** outer step (``OuterStep.pseudo_gradients`` and ``step``, same size, one
 process) against the site's (``contribute`` + ``land``), the time a site adds around a round whose bytes on
-the wire are the same; and **two sites** of 2 ranks each (``--pair-size``, default ``10m``), each training
-on its own data, whose rank 0s exchange their wire vectors (a stand-in for the averager, which
-tests/integration/test_sharded_swarm.py runs for real) and average them: after every outer step the two
-sites' global parameters must hash the same.
+the wire are the same (``--skip-unsharded``: not measured); and **two sites** of ``--pair-ranks`` ranks
+each (default 2; ``--pair-size``, default ``10m``), each training on its own data, whose rank 0s exchange
+their wire vectors piece by piece (a stand-in for the averager, which tests/integration/test_sharded_swarm.py
+runs for real) and average them: after every outer step the two sites' global parameters must hash the
+same, and every rank's peak RSS per phase is measured as for the single site. Two sites of 4 ranks at ~1B
+parameters (8 processes, about 2.25 x 4 GB of RSS each at the target: a host of 64 GB or more)::
+
+    python -m simulations.bench_sharded --size 1b --ranks "" --skip-unsharded --pair-size 1b \
+        --pair-ranks 4 --pair-steps 2 --inner 1 --compression int8
 
 Usage::
 
     python -m simulations.bench_sharded [--size 350m] [--ranks 1,2,4] [--compression none|topk3-q4]
-        [--inner 2] [--pair-size 10m] [--skip-pair] [--json PATH] [--timeout 1800]
+        [--inner 2] [--pair-size 10m] [--pair-ranks 2] [--pair-steps 3] [--skip-pair] [--skip-unsharded]
+        [--json PATH] [--timeout 1800]
 
 The JSON report goes to PATH (default ``simulations/results/sharded.json``; ``-``: stdout), a table to
 stderr.
@@ -222,8 +228,28 @@ def unsharded(spec: dict[str, Any]) -> dict[str, Any]:
     return {"pseudo_gradient_s": round(pseudo, 3), "step_s": round(time.perf_counter() - began, 3)}
 
 
+def _exchange(wire: Any, other: int, first: bool, piece: int = 1 << 20) -> None:
+    """A stand-in for the averager between two sites' rank 0s (global ``other`` is the other's): the
+    wire vectors swapped piece by piece and averaged in place, each piece's pages released after it (as
+    the site's round keeps them out of rank 0's resident set). ``(a + b) / 2`` is the same bits on both
+    sides (IEEE addition commutes)."""
+    theirs = torch.empty(min(piece, wire.numel), dtype=torch.float32)
+    for lo in range(0, wire.numel, piece):
+        hi = min(lo + piece, wire.numel)
+        mine, got = wire.piece(lo, hi), theirs[: hi - lo]
+        if first:
+            dist.send(mine.contiguous(), dst=other)
+            dist.recv(got, src=other)
+        else:
+            dist.recv(got, src=other)
+            dist.send(mine.contiguous(), dst=other)
+        mine.add_(got).div_(2)
+        wire.release(lo, hi)
+
+
 def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
-    """Two sites of ``world // 2`` ranks; their rank 0s (global 0 and world // 2) swap wire vectors."""
+    """Two sites of ``world // 2`` ranks; their rank 0s (global 0 and world // 2) swap wire vectors. Each
+    rank's peak RSS per phase is measured as in :func:`site_rank` (build, inner steps, outer rounds)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from p2ptrain.averaging.compression import Compression
@@ -237,6 +263,8 @@ def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     per = world // 2
     mesh = init_device_mesh("cpu", (2, per), mesh_dim_names=("site", "shard"))["shard"]
     site, local = divmod(rank, per)
+    out: dict[str, Any] = {"rank": local, "site": site, "footprint_bytes": _footprint(mesh)}
+    _reset_peak()
     model = _sharded_gpt(_config(spec["pair_size"]), mesh, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     names = [n for n, _ in model.named_parameters()]
@@ -245,32 +273,52 @@ def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     outer = ShardedOuter(
         list(model.parameters()), layout, channel, DilocoSection(), Compression(spec["compression"])
     )
+    out["parameters"] = layout.total
+    dist.barrier()
+    out["build_peak_bytes"] = _status("VmHWM")
+    out["inner_peak_bytes"] = out["round_peak_bytes"] = 0
+    out["inner_s"], out["round_s"] = [], []
     digests = []
     for step in range(spec["pair_steps"]):
+        _reset_peak()
+        began = time.perf_counter()
         for k in range(spec["inner"]):
             _inner(model, opt, seed=10_000 * site + 100 * local + 10 * step + k)
+        dist.barrier()
+        out["inner_s"].append(round((time.perf_counter() - began) / spec["inner"], 3))
+        out["inner_peak_bytes"] = max(out["inner_peak_bytes"], _status("VmHWM"))
+        _reset_peak()
+        began = time.perf_counter()
         wire = WireBuffer(layout.total) if local == 0 else None
         outer.contribute(range(len(names)), wire)
         if wire is not None:  # the two faces swap their contributions and take the same mean
-            theirs = torch.empty_like(wire.flat)
-            other = per if site == 0 else 0
-            if site == 0:
-                dist.send(wire.flat.clone(), dst=other)
-                dist.recv(theirs, src=other)
-            else:
-                dist.recv(theirs, src=other)
-                dist.send(wire.flat.clone(), dst=other)
-            mean = (wire.flat + theirs) / 2 if site == 0 else (theirs + wire.flat) / 2
-            wire.flat.copy_(mean)
+            _exchange(wire, per if site == 0 else 0, first=site == 0)
         outer.land(range(len(names)), wire, committed=True)
         if wire is not None:
             wire.close()
+        dist.barrier()
+        out["round_s"].append(round(time.perf_counter() - began, 3))
+        out["round_peak_bytes"] = max(out["round_peak_bytes"], _status("VmHWM"))
         h = hashlib.sha256()
-        for g in outer.global_params:
-            h.update(g.full_tensor().numpy().tobytes())
+        for g in outer.global_params:  # (every rank of the site gathers one parameter at a time)
+            full = g.full_tensor()
+            if local == 0:
+                h.update(full.numpy().tobytes())
+            del full
         digests.append(h.hexdigest())
+    out["maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(spec["out"]).joinpath(f"pair{rank}.json").write_text(json.dumps(out))
     if local == 0:
-        Path(spec["out"]).joinpath(f"pair{site}.json").write_text(json.dumps({"digests": digests}))
+        Path(spec["out"]).joinpath(f"pair-site{site}.json").write_text(json.dumps({"digests": digests}))
+
+
+def _multiples(ranks: list[dict[str, Any]]) -> None:
+    """Each rank's (peak - footprint) / fp32 parameter bytes, per phase and the largest."""
+    fp32 = 4 * ranks[0]["parameters"]
+    for r in ranks:
+        for phase in ("build", "inner", "round"):
+            r[f"{phase}_multiple"] = round((r[f"{phase}_peak_bytes"] - r["footprint_bytes"]) / fp32, 3)
+        r["multiple"] = max(r["build_multiple"], r["inner_multiple"], r["round_multiple"])
 
 
 PLAN_SIZES = {"7B": 7e9, "13B": 13e9, "34B": 34e9, "70B": 70e9}
@@ -338,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner", type=int, default=2)
     ap.add_argument("--pair-size", default="10m", choices=sorted(SIZES))
     ap.add_argument("--pair-steps", type=int, default=3)
+    ap.add_argument("--pair-ranks", type=int, default=2, help="ranks of each of the two sites")
     ap.add_argument("--skip-pair", action="store_true")
+    ap.add_argument("--skip-unsharded", action="store_true", help="no unsharded peer's outer step")
     ap.add_argument("--json", default=DEFAULT_JSON)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--plan", action="store_true", help="print the 7B-70B sites' arithmetic and exit")
@@ -365,15 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{'ranks':>5} {'rank':>4} {'multiple':>8} {'inner':>8} {'round':>8} {'target':>7}"
         "  (peak RSS - footprint) / fp32 bytes"
     ]
-    for n in [int(x) for x in args.ranks.split(",")]:
+    for n in [int(x) for x in args.ranks.split(",") if x.strip()]:
         with tempfile.TemporaryDirectory() as tmp:
             launch.spawn(site_rank, n, {**spec, "out": tmp}, timeout=args.timeout)
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(n)]
         fp32 = 4 * ranks[0]["parameters"]
+        _multiples(ranks)
         for r in ranks:
-            for phase in ("build", "inner", "round"):
-                r[f"{phase}_multiple"] = round((r[f"{phase}_peak_bytes"] - r["footprint_bytes"]) / fp32, 3)
-            r["multiple"] = max(r["build_multiple"], r["inner_multiple"], r["round_multiple"])
             r["round_end_anon_multiple"] = round(
                 (r["round_end_rss_anon_bytes"] - r["footprint_bytes"]) / fp32, 3
             )
@@ -390,24 +438,42 @@ def main(argv: list[str] | None = None) -> int:
                 f" at the round's end: anon {r['round_end_anon_multiple']},"
                 f" mapped files {r['round_end_file_multiple']}"
             )
-    report["unsharded_outer_step"] = unsharded(spec)
-    rows.append(f"unsharded peer's outer step at {args.size}: {report['unsharded_outer_step']}")
+    if not args.skip_unsharded:
+        report["unsharded_outer_step"] = unsharded(spec)
+        rows.append(f"unsharded peer's outer step at {args.size}: {report['unsharded_outer_step']}")
     if not args.skip_pair:
+        per = args.pair_ranks
         with tempfile.TemporaryDirectory() as tmp:
             pair = {**spec, "pair_size": args.pair_size, "pair_steps": args.pair_steps, "out": tmp}
-            launch.spawn(pair_rank, 4, pair, timeout=args.timeout)
-            a, b = (json.loads(Path(tmp, f"pair{s}.json").read_text())["digests"] for s in (0, 1))
+            began = time.perf_counter()
+            launch.spawn(pair_rank, 2 * per, pair, timeout=args.timeout)
+            wall = time.perf_counter() - began
+            a, b = (json.loads(Path(tmp, f"pair-site{s}.json").read_text())["digests"] for s in (0, 1))
+            ranks = [json.loads(Path(tmp, f"pair{r}.json").read_text()) for r in range(2 * per)]
+        _multiples(ranks)
+        target = round(7 / per + 0.5, 3)
         report["two_sites"] = {
             "size": args.pair_size,
-            "ranks_each": 2,
+            "parameters": ranks[0]["parameters"],
+            "ranks_each": per,
             "steps": args.pair_steps,
             "identical_after_every_step": a == b,
             "digests": a,
+            "target": target,
+            "worst_multiple": max(r["multiple"] for r in ranks),
+            "wall_s": round(wall, 1),
+            "per_rank": ranks,
         }
         rows.append(
-            f"two sites of 2 ranks at {args.pair_size}: identical global parameters after every step:"
-            f" {a == b}"
+            f"two sites of {per} ranks at {args.pair_size} ({ranks[0]['parameters']} parameters):"
+            f" identical global parameters after every step: {a == b}; {wall:.0f} s in all"
         )
+        for r in ranks:
+            rows.append(
+                f"  site {r['site']} rank {r['rank']}: multiple {r['multiple']:.2f} (target {target:.2f}:"
+                f" build {r['build_multiple']:.2f}, inner {r['inner_multiple']:.2f}, round"
+                f" {r['round_multiple']:.2f}); inner step {r['inner_s']} s, round {r['round_s']} s"
+            )
     write_report(report, None if args.json == "-" else args.json, "\n".join(rows))
     return 0
 

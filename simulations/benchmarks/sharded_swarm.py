@@ -311,7 +311,13 @@ def pair(
 
     procs = {"a": node(a, shards[0], None, extra_a)}
     procs["b"] = node(b, shards[1], address(a, args.timeout), extra_b)
-    seen = watch(procs, args.timeout, gpu=args.device == "cuda")
+    try:
+        seen = watch(procs, args.timeout, gpu=args.device == "cuda")
+    except (TimeoutError, RuntimeError):
+        for name, f in (("a", a), ("b", b)):  # (the folder goes with the run: say what the nodes said)
+            tail = (f / "node.log").read_text(errors="replace")[-4000:]
+            print(f"--- node {name}'s log, its end ---\n{tail}", file=sys.stderr)
+        raise
     out: dict[str, Any] = {"wall_s": round(time.time() - began, 1), "ranks": list(shards)}
     fp32 = 4 * args.parameters
     for name, f in (("a", a), ("b", b)):

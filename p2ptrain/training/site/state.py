@@ -88,6 +88,8 @@ class ShardedState:
             if tuple(t.shape) != expected and not (len(e.shape) == 0 and rank != 0):
                 raise ValueError(f"rank {rank}'s shard of {e.name} is {tuple(t.shape)}, expected {expected}")
             self.local.append(t)
+        # (what travels between ranks is on the shards' device: NCCL moves GPU tensors only)
+        self.device = self.local[0].device if self.local else torch.device("cpu")
 
     def parts(self, i: int) -> list[Part]:
         """Chunk ``i``'s bytes by the ranks that hold them, in chunk order."""
@@ -118,7 +120,7 @@ class ShardedState:
         if self.rank != 0:
             mine = parts.get(self.rank, [])
             if mine:
-                packed = torch.cat([self._bytes(p).cpu() for p in mine])
+                packed = torch.cat([self._bytes(p).to(self.device) for p in mine])
                 dist.send(packed, dst=self._peer(0), group=self.group)
             return None
         out = bytearray(self.layout.chunk_size(i))
@@ -128,9 +130,9 @@ class ShardedState:
                 for p in theirs:
                     view[p.offset : p.offset + p.hi - p.lo] = self._bytes(p).cpu().numpy().data
                 continue
-            buf = torch.empty(sum(p.hi - p.lo for p in theirs), dtype=torch.uint8)
+            buf = torch.empty(sum(p.hi - p.lo for p in theirs), dtype=torch.uint8, device=self.device)
             dist.recv(buf, src=self._peer(r), group=self.group)
-            data, at = buf.numpy().data, 0
+            data, at = buf.cpu().numpy().data, 0
             for p in theirs:
                 view[p.offset : p.offset + p.hi - p.lo] = data[at : at + p.hi - p.lo]
                 at += p.hi - p.lo
@@ -157,7 +159,7 @@ class ShardedState:
         if self.rank != 0:
             mine = parts.get(self.rank, [])
             if mine:
-                buf = torch.empty(sum(p.hi - p.lo for p in mine), dtype=torch.uint8)
+                buf = torch.empty(sum(p.hi - p.lo for p in mine), dtype=torch.uint8, device=self.device)
                 dist.recv(buf, src=self._peer(0), group=self.group)
                 at = 0
                 for p in mine:
@@ -173,4 +175,4 @@ class ShardedState:
                     self._bytes(p).copy_(raw[p.offset : p.offset + p.hi - p.lo])
                 continue
             packed = torch.cat([raw[p.offset : p.offset + p.hi - p.lo] for p in theirs])
-            dist.send(packed, dst=self._peer(r), group=self.group)
+            dist.send(packed.to(self.device), dst=self._peer(r), group=self.group)
