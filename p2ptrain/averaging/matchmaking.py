@@ -59,7 +59,7 @@ the same step: two lineages). So the quorums are fixed and signed at formation: 
 quorum in its join request, the leader signs every member's as an entry of the manifest
 (:meth:`Gathering.entries`: the need over the *other* members, counting only peers the leader knows to
 publish progress, and needing at most ``NEED_SLACK`` more than the leader's own need or a majority of
-the members the leader counts), every member checks that its entry holds it to its own quorum before it
+the peers the leader knows to publish progress), every member checks that its entry holds it to its own quorum before it
 takes part (:func:`holds_me`; else it declines the group), and a committed round is applied only if the
 decided contributors meet the entries of the leader and of the members the leader counts
 (:func:`short_of_quorums`), by every member alike; a member the leader does not count (a stranger to it)
@@ -71,8 +71,9 @@ before the round. The round itself still commits when the entries are not met, s
 hostile reducer that refused honest slices to make the round fall short is convicted as after any round
 (aborting instead, such a round was never audited, and a zero farmer kept every round of an adversarial
 test's swarm aborting). A joiner whose quorum the group cannot meet (it needs more than the members it
-counts, or more than that bound) gets an empty entry and declines the group itself
-(:meth:`Gathering.entries`).
+counts, or more than that bound) gets an empty entry and declines the group itself, and the others'
+entries do not count it: every entry signed is met by the members that take part
+(:meth:`Gathering.entries`), so a group that forms does not fall short for the members it holds.
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ class Gathering:
             return "already in this group"
         if not (math.isfinite(joiner.bandwidth) and joiner.bandwidth >= 0):
             return "bandwidth must be finite and not negative (0: not measured yet)"
-        most = self._most_needed(len(self.quorum.peers)) if self.quorum is not None else 0
+        most = self._most_needed() if self.quorum is not None else 0
         if self.quorum is not None and joiner.need - (joiner.peer in joiner.counts) > most:
             return (  # (told at once: whoever joins, the group's quorum will not hold it)
                 f"its quorum needs {joiner.need} peers, more than this group can be held to ({most} others)"
@@ -429,19 +430,26 @@ class Gathering:
             return f"only {self.counted()} of the at least {self.quorum.size} peers it knows joined in time"
         return [self.leader, *sorted(self.joiners, key=lambda j: j.peer.digest)]
 
-    def entry(self, m: Joiner, members: list[Joiner]) -> tuple[int, int] | str:
+    def entry(
+        self, m: Joiner, members: list[Joiner], taking: Collection[PeerID] | None = None
+    ) -> tuple[int, int] | str:
         """Member ``m``'s quorum as the manifest signs it: (need, bitmask of the other members it counts),
         or why the group cannot meet it. The leader's is its own; a joiner's counts only peers the
         leader knows publish progress (``Quorum.nameable``: a stranger's list names no ids of its own
-        that never published), and needs at most what :meth:`_most_needed` allows."""
+        that never published), and needs at most what :meth:`_most_needed` allows. ``taking``: the
+        members that take part (all of ``members`` if None); the mask counts only those."""
         if self.quorum is None:
             return 0, 0
         leading = m.peer == self.leader.peer
         counts = self.quorum.peers if leading else m.counts & (self.quorum.nameable or self.quorum.peers)
         need = self.quorum.size if leading else m.need
         need = max(0, need - (1 if m.peer in (self.quorum.peers if leading else m.counts) else 0))
-        mask = sum(1 << j for j, o in enumerate(members) if o.peer != m.peer and o.peer in counts)
-        most = self._most_needed(sum(o.peer in self.quorum.peers for o in members))
+        mask = sum(
+            1 << j
+            for j, o in enumerate(members)
+            if o.peer != m.peer and o.peer in counts and (taking is None or o.peer in taking)
+        )
+        most = self._most_needed()
         if need > most:
             return f"its quorum needs {need} other peers, more than this group is held to ({most})"
         if need > mask.bit_count():
@@ -451,23 +459,55 @@ class Gathering:
             )
         return need, mask
 
-    def _most_needed(self, counted: int) -> int:
-        """The most other members a joiner's quorum may need, of ``counted`` members the leader counts:
-        the leader's own need and the slack, or a majority of them (views differ: a joiner that sees
-        more peers on the step than the leader wants more), never all of them (so no joiner makes the
-        round abort at every drop-out)."""
-        assert self.quorum is not None
-        return max(self.quorum.size - 1 + NEED_SLACK, counted // 2 + 1)
+    def _most_needed(self) -> int:
+        """The most other members a joiner's quorum may need: the leader's own need, or a majority of the
+        peers the leader knows to publish progress (``Quorum.nameable``, the peers an entry may count),
+        whichever is more, and the slack (views differ: records travel for seconds, and a joiner that
+        sees more peers on the step wants more).
 
-    def entries(self, members: list[Joiner]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The manifest's ``needs`` and ``counts`` for the formed group (() when it has no quorum)."""
+        The invariant: an honest joiner with the leader's records is never refused for its quorum. Its
+        need is a majority of the peers on the step as it sees them (``progress``), or fewer where it
+        trusts fewer, so at most a majority of the publishing peers; it never depends on how many of
+        them the *leader* trusts. Capped by the leader's trusted peers instead, a leader trusting its 3
+        join peers refused the one joiner that trusts everyone (the swarm's first peer, its join peer:
+        need 17 of 32), while its own quorum needed that very peer: neither could form a group, their
+        followers suspected them, and at 32 simulated peers matchmaking stalled for good. A large need
+        costs the group nothing it did not owe: the entry is signed only where the group can meet it
+        (:meth:`entry`), and a stranger's entry binds the stranger alone (``short_of_quorums``)."""
+        assert self.quorum is not None
+        known = len(self.quorum.nameable or self.quorum.peers)
+        return max(self.quorum.size - 1, known // 2) + NEED_SLACK
+
+    def entries(self, members: list[Joiner]) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+        """The manifest's ``needs`` and ``counts`` for the formed group (() when it has no quorum), or why
+        the group cannot form: the leader's own quorum cannot be met by the members that take part.
+
+        The invariant (a group that forms can meet every entry it signs): every member with an entry
+        counts only members that take part, and needs no more of them than it counts. A member whose
+        quorum the members taking part cannot meet gets no entry (0, 0) and declines the group itself
+        (``holds_me``); the others' entries then no longer count it, and so on until none changes: the
+        largest set of members each of whose quorum the set itself meets (removing a member only ever
+        removes others' counted members, so the order does not matter). Signing entries that counted
+        members bound to decline made each round of such a group fall short as soon as they declined
+        (at 32 simulated peers: "its contributors hold 11 of the 15 other peers member 7 must average
+        with"), every member discarded it and suspected its leader, and three such rounds had a leader
+        passed over for minutes: matchmaking stalled. An entry that is met at formation can still fall
+        short in the round (a member that drops out later): that is the round's ordinary failure."""
         if self.quorum is None:
             return (), ()
-        # A member whose quorum the group cannot meet gets no entry (0, 0): it declines the group itself
-        # (``holds_me``), as it did before the entries were signed, and the round goes on without it.
-        # (Leaving it out before signing made others' entries, which counted it, unmeetable in turn: at
-        # 32 simulated peers whole groups came apart that way, and matchmaking stalled.)
-        pairs = [self.entry(m, members) for m in members]
-        return tuple(p[0] if isinstance(p, tuple) else 0 for p in pairs), tuple(
-            p[1] if isinstance(p, tuple) else 0 for p in pairs
+        out: set[PeerID] = set()  # members that decline: the members taking part cannot meet their quorums
+        while True:
+            taking = {m.peer for m in members} - out
+            pairs = {m.peer: self.entry(m, members, taking) for m in members if m.peer not in out}
+            failing = {p for p, e in pairs.items() if isinstance(e, str)}
+            if self.leader.peer in failing:
+                why = pairs[self.leader.peer]
+                assert isinstance(why, str)
+                return f"the members taking part cannot meet the leader's own quorum: {why}"
+            if not failing:
+                break
+            out |= failing
+        final = [pairs.get(m.peer, (0, 0)) for m in members]
+        return tuple(e[0] if isinstance(e, tuple) else 0 for e in final), tuple(
+            e[1] if isinstance(e, tuple) else 0 for e in final
         )

@@ -87,7 +87,15 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
     members = gathering.form()
     if isinstance(members, str):
         return {"formed": False}
-    needs, counts = gathering.entries(members)
+    entries = gathering.entries(members)
+    if isinstance(entries, str):  # the members that take part cannot meet the leader's own quorum
+        return {"formed": False}
+    needs, counts = entries
+    # a group that forms can meet every entry it signs: if every member that accepts its entry takes
+    # part, no entry falls short (before, entries counted members bound to decline)
+    signed = manifest_of(members, needs, counts)
+    taking = tuple(i for i, m in enumerate(members) if i == 0 or not holds_me(signed, m.peer, views[m.peer]))
+    assert not signed.short_of_quorum(taking), (needs, counts, taking)
     hostile_leader = rng.random() < 0.2
     if hostile_leader:  # weakens some member's entry: a need lowered, or peers it does not count added
         i = rng.randrange(1, len(members)) if len(members) > 1 else 0
@@ -128,6 +136,8 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
         assert not any(applied.values()), (applied, binding, decision, needs, counts)
     if any(applied.values()) and len(contributors) > 1:  # (a round of one is its contributor's step)
         for i in running:  # and those that apply it advance with peers holding their own quorum
+            if not applied[i]:
+                continue  # (a member the leader does not count may discard alone)
             if i == 0 and (hostile_leader or hostile_coordinator):
                 continue  # (the hostile one's own view is its business)
             view = views[members[i].peer]
