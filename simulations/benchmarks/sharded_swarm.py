@@ -168,12 +168,15 @@ def start(
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def address(folder: Path, timeout: float) -> str:
+def address(folder: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> str:
     end = time.time() + timeout
     while time.time() < end:
         for line in (folder / "node.log").read_text(errors="replace").splitlines():
             if line.startswith("/ip4/"):
                 return line.strip()
+        if proc is not None and proc.poll() is not None:
+            tail = (folder / "node.log").read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the node exited with {proc.returncode} before its address:\n{tail}")
         time.sleep(0.5)
     raise TimeoutError(f"no join address in {folder / 'node.log'}")
 
@@ -310,7 +313,12 @@ def pair(
         return start(f, runs[n], args.steps, n, join, extra, device=args.device, keep=keep)
 
     procs = {"a": node(a, shards[0], None, extra_a)}
-    procs["b"] = node(b, shards[1], address(a, args.timeout), extra_b)
+    try:
+        join = address(a, args.timeout, procs["a"])
+    except (TimeoutError, RuntimeError):
+        procs["a"].kill()
+        raise
+    procs["b"] = node(b, shards[1], join, extra_b)
     try:
         seen = watch(procs, args.timeout, gpu=args.device == "cuda")
     except (TimeoutError, RuntimeError):
