@@ -24,9 +24,10 @@ larger per sample). Summed over the round's weights that gives the limit, per pa
   ``sqrt(sum_j max(1, w_j/w_m)^2)`` for a robust rule; no coordinate is larger than that norm either.
 
 Before the decision (the early results of a pipelined round) a member knows only the weights sent to it
-as a reducer: a chunk beyond the limit those give is not a fault, the early fetch just stops and the
-result is fetched again after the decision, with its signed weights (each capped at ``WEIGHT_SLACK``
-times what this member finds plausible for its sender, ``agreement``).
+as a reducer: a chunk beyond the limit those give is not a fault yet: the early fetch stops, and once
+the decision is in, what it refused is judged again by the decision's signed weights (each capped at
+``WEIGHT_SLACK`` times what this member finds plausible for its sender, ``agreement``): its reducer's
+fault if it breaks that limit too, else the result is fetched again (``gathering``).
 
 A reducer ``r`` holds each contributor's slice of its partition to the same measure, with the slice's
 own (capped) weight: ``||x_j,p|| <= SPREAD * max(1, w_j/w_r) * max(||own_r||, ||last accepted result||)``
