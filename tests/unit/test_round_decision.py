@@ -284,3 +284,71 @@ def test_a_strangers_entry_binds_nobody_else() -> None:
     for p in (leader, a, b):
         assert short_of_quorums(manifest, without_accomplice, p) == ""
     assert short_of_quorums(manifest, without_accomplice, stranger) != ""
+
+
+def test_a_leader_trusting_few_admits_the_joiner_its_own_quorum_needs() -> None:
+    """The 32-peer stall, first cause: a leader trusting only its 3 join peers needs all of them, and one
+    of them (the swarm's first peer, everyone's join peer) trusts every peer and needs a majority of the
+    swarm. The cap on a joiner's need went by the peers the leader trusts (5 others), so the leader
+    refused the very peer its own quorum needed, and neither ever formed a group. The cap now goes by
+    the peers the leader knows to publish progress: an honest joiner with the leader's records is never
+    refused for its quorum."""
+    swarm = IDS[:16]
+    leader, first = swarm[0], swarm[1]
+    trusted = frozenset({leader, first, swarm[2], swarm[3]})
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0),
+        b"s",
+        target_size=16,
+        min_size=4,
+        quorum=Quorum(trusted, 4, frozenset(swarm)),  # all of what it trusts; every peer publishes
+    )
+    everyone = Quorum(frozenset(swarm), len(swarm) // 2 + 1)  # the first peer's: a majority of all
+    assert gathering.offer(joiner(first, everyone), b"s") is None
+    for p in swarm[2:12]:
+        assert gathering.offer(joiner(p, Quorum(frozenset({p, leader, first}), 3)), b"s") is None
+    members = gathering.form()
+    assert not isinstance(members, str)
+    entries = gathering.entries(members)
+    assert not isinstance(entries, str)
+    manifest = manifest_of(members, *entries)
+    at = [m.peer for m in members].index(first)
+    assert manifest.needs[at] == len(swarm) // 2 and holds_me(manifest, first, everyone) == ""
+    assert not manifest.short_of_quorum(tuple(range(len(members))))
+
+
+def test_entries_never_count_members_bound_to_decline() -> None:
+    """The 32-peer stall, second cause: a member whose quorum the group cannot meet gets no entry and
+    declines, but the entries of the others still counted it, so that every round of the group fell
+    short once it left ("its contributors hold 11 of the 15 other peers member 7 must average with"),
+    no member applied it and each suspected the leader. The entries are now the largest set of members
+    whose quorums the set itself meets: a group that forms can meet every entry it signs."""
+    leader, a, b, c, d, outsider = IDS[:6]
+    own = Quorum(frozenset({leader, a, b, d}), 3)  # the leader's: 2 of a, b and d besides itself
+    gathering = Gathering(
+        Joiner(leader, "addr", 1.0),
+        b"s",
+        target_size=5,
+        min_size=2,
+        quorum=Quorum(own.peers, own.size, frozenset(IDS[:6])),
+    )
+    strict = Quorum(frozenset({leader, a, b, c, outsider}), 5)  # c needs the outsider, which never joins
+    needs_c = Quorum(frozenset({leader, a, b, c}), 4)  # a needs c
+    views = {
+        leader: own,
+        a: needs_c,
+        b: Quorum(frozenset({leader, b}), 2),
+        c: strict,
+        d: Quorum(own.peers, 3),
+    }
+    for p in (a, b, c, d):
+        assert gathering.offer(joiner(p, views[p]), b"s") is None
+    members = gathering.form()
+    assert not isinstance(members, str)
+    entries = gathering.entries(members)
+    assert not isinstance(entries, str)
+    manifest = manifest_of(members, *entries)
+    peers = [m.peer for m in members]
+    taking = tuple(i for i, p in enumerate(peers) if i == 0 or not holds_me(manifest, p, views[p]))
+    assert peers.index(c) not in taking  # c declines (and a with it: its entry may not count c)
+    assert not manifest.short_of_quorum(taking)  # those that take part meet every entry
