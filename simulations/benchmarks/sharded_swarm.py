@@ -244,12 +244,34 @@ class Watched:
     gpu: dict[str, dict[int, int]]
 
 
-def watch(procs: dict[str, subprocess.Popen[bytes]], timeout: float, *, gpu: bool = False) -> Watched:
-    """Wait for the nodes to end; sample each process's memory meanwhile, per node."""
+def last_line(folder: Path) -> str:
+    try:
+        lines = (folder / "node.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:160] if lines else ""
+
+
+def watch(
+    procs: dict[str, subprocess.Popen[bytes]],
+    timeout: float,
+    *,
+    gpu: bool = False,
+    folders: dict[str, Path] | None = None,
+    every: float = 15.0,
+) -> Watched:
+    """Wait for the nodes to end; sample each process's memory meanwhile, per node. Every ``every``
+    seconds the last line of each node's log (in ``folders``) goes to stderr: a run that is stopped
+    from outside still says where it was."""
     seen = Watched({name: {} for name in procs}, {name: [] for name in procs}, {name: {} for name in procs})
-    end = time.time() + timeout
-    last_gpu = 0.0
+    began = time.time()
+    end = began + timeout
+    last_gpu = last_said = 0.0
     while any(p.poll() is None for p in procs.values()):
+        if folders and time.time() - last_said >= every:
+            last_said = time.time()
+            for name, f in folders.items():
+                print(f"[{last_said - began:.0f}s] {name}: {last_line(f)}", file=sys.stderr, flush=True)
         if time.time() > end:
             for p in procs.values():
                 p.kill()
@@ -313,6 +335,7 @@ def pair(
         return start(f, runs[n], args.steps, n, join, extra, device=args.device, keep=keep)
 
     procs = {"a": node(a, shards[0], None, extra_a)}
+    deadline = began + args.timeout  # (for the whole run: the start and the steps)
     try:
         join = address(a, args.timeout, procs["a"])
     except (TimeoutError, RuntimeError):
@@ -320,7 +343,8 @@ def pair(
         raise
     procs["b"] = node(b, shards[1], join, extra_b)
     try:
-        seen = watch(procs, args.timeout, gpu=args.device == "cuda")
+        left = max(deadline - time.time(), 1.0)
+        seen = watch(procs, left, gpu=args.device == "cuda", folders={"a": a, "b": b})
     except (TimeoutError, RuntimeError):
         for name, f in (("a", a), ("b", b)):  # (the folder goes with the run: say what the nodes said)
             tail = (f / "node.log").read_text(errors="replace")[-4000:]
@@ -423,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint-every", type=int, default=1, help="0: the nodes keep no data folder (no checkpoints)"
     )
     ap.add_argument("--json", default=DEFAULT_JSON)
-    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run of two nodes")
+    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run of two nodes, all told")
     args = ap.parse_args(argv)
     args.parameters = parameters(args)
     report: dict[str, Any] = {

@@ -1,9 +1,10 @@
 """Starting a site's ranks on one host: N processes joined by ``torch.distributed``.
 
 ``spawn`` runs ``fn(rank, world, *args)`` in N fresh processes (``torch.multiprocessing``'s spawn: no
-fork of a process that may hold threads), each with the site's process group initialised: NCCL when
-CUDA devices are there (rank r on device r), gloo on the CPU, the rendezvous on 127.0.0.1 only (the
-ranks never face the network; rank 0 alone runs the p2p node). Several hosts use torch's own launcher
+fork of a process that may hold threads), each with the site's process group initialised: gloo for
+``device="cpu"`` (the default, whatever the host has: a CPU site or test on a GPU host stays on gloo),
+NCCL for ``device="cuda"`` (rank r on device r), the rendezvous on 127.0.0.1 only (the ranks never face
+the network; rank 0 alone runs the p2p node). Several hosts use torch's own launcher
 instead (``torchrun``), which sets the same environment; :func:`init_from_env` joins either way.
 """
 
@@ -69,7 +70,13 @@ def init_from_env(timeout: float = 600.0, device: str | None = None) -> tuple[in
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world: int, port: int, timeout: float, args: tuple[Any, ...]
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    timeout: float,
+    device: str,
+    args: tuple[Any, ...],
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -78,16 +85,19 @@ def _entry(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
     )
-    init_from_env(timeout)
+    init_from_env(timeout, device)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0) -> None:
+def spawn(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0, device: str = "cpu"
+) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` local ranks and wait for them all; raises if one
-    failed (``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``)."""
+    failed (``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``). ``device``:
+    "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)."""
     if world < 1:
         raise ValueError("a site has at least one rank")
-    mp.spawn(_entry, args=(fn, world, free_port(), timeout, args), nprocs=world, join=True)  # type: ignore[attr-defined,no-untyped-call]
+    mp.spawn(_entry, args=(fn, world, free_port(), timeout, device, args), nprocs=world, join=True)  # type: ignore[attr-defined,no-untyped-call]
