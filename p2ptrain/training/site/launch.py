@@ -10,9 +10,11 @@ instead (``torchrun``), which sets the same environment; :func:`init_from_env` j
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # torch.distributed's, typed for mypy
+
+MMAP_THRESHOLD = 1 << 20
+"""Allocations of at least this many bytes get their own mapping, returned to the system when freed."""
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> None:
+    """Freed buffers of ``threshold`` bytes or more go back to the system at once (glibc's
+    ``M_MMAP_THRESHOLD``; ``MALLOC_MMAP_THRESHOLD_``, if set, wins; no effect on other C libraries).
+
+    Why: glibc serves a large allocation from its own mapping only above a threshold that it raises, up
+    to 32 MiB, every time such a mapping is freed; below it, freed blocks stay in its heaps. A site's rank
+    allocates and frees FSDP2's gathered unit (a transformer block's parameters, then their gradients)
+    many times a step, and at mid sizes that block is under 32 MiB: measured at 124M parameters (20 MB
+    blocks), every rank of a site of 4 peaked at 3.8-5.0x its fp32 parameter bytes with glibc's default
+    and at 1.8-1.9x with this (target 2.25x; at 350M, 50 MB blocks, the default was already within it).
+    Fixing the threshold also stops the raising."""
+    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def backend_for(device: str | None = None) -> str:
@@ -38,6 +63,7 @@ def free_port() -> int:
 def init_from_env(timeout: float = 600.0, device: str | None = None) -> tuple[int, int]:
     """Join the site's process group from the launcher's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun`` and :func:`spawn` set them); returns (rank, world)."""
+    return_freed_memory()
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))

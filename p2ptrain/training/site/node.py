@@ -38,6 +38,7 @@ from ..loop.trainer import Trainer, TrainerOptions, TrainerParts, default_optimi
 from . import checkpoint
 from .commands import Command, Commands, Op
 from .group import SiteGroup
+from .launch import return_freed_memory
 from .peer import SiteRank, SiteState, check_run
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def build_rank(config: RunConfig, task: Task, commands: Commands, world: int, de
     from torch.distributed.device_mesh import init_device_mesh
 
     check_run(config)
+    return_freed_memory()  # (every rank: rank 0 of ``--shard N``, its spawned ranks, torchrun's)
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
     torch.manual_seed(config.run.seed)
