@@ -50,8 +50,13 @@ def untouched(honest: list[Peer], since: int) -> None:
 async def test_fresh_keys_that_put_zeros_into_rounds_earn_no_trust(autojump_clock: object) -> None:
     """Attack 1 of the issue. Before: each honest peer took the eight keys as partners after their
     rounds (``trained_with(result.contributors)``), then their records of step 1,000,000 were the
-    upper median of the trusted steps, and every honest peer downloaded the flipped state."""
-    async with swarm(run_config("sync")) as s:
+    upper median of the trusted steps, and every honest peer downloaded the flipped state.
+
+    Steps of ~1.5 s (480 samples; 3 peers of 80 samples a second): the keys ask for the step the
+    published records are on (every 0.5 s), which at the default ~0.2 s steps was nearly always one
+    the swarm had left: the farm then took hundreds to thousands of rounds (the test's CPU went into
+    them, five rounds per virtual second) before the keys had their places."""
+    async with swarm(run_config("sync").replace("training", target_batch_size=480)) as s:
         honest = [await s.start(compute=0.1) for _ in range(3)]
         await s.until(lambda: all(p.opt.epoch >= 2 for p in honest), timeout=120)
         attacker = await s.start(compute=0.1)
