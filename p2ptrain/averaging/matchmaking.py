@@ -61,9 +61,9 @@ quorum in its join request, the leader signs every member's as an entry of the m
 publish progress, and needing at most ``NEED_SLACK`` more than the leader's own need or a majority of
 the peers the leader knows to publish progress), every member checks that its entry holds it to its own
 quorum before it takes part (:func:`holds_me`; else it declines the group), and a committed round is
-applied only if the decided contributors meet the entries of the leader and of the members the leader
-counts (:func:`short_of_quorums`), by every member alike; a member the leader does not count (a stranger to it)
-also holds the round to its own entry, and may discard it alone. The invariant: the leader and all the
+applied only if the decided contributors meet the entries of the leader and of the members the
+leader counts (:func:`short_of_quorums`), by every member alike; a member the leader does not count (a
+stranger to it) also holds the round to its own entry, and may discard it alone. The invariant: the leader and all the
 members it counts make the same apply/discard decision, computed only from what the leader signed (the
 manifest and the decision), never from a member's own view; no member applies a round they discard; and
 a stranger's entry binds only the stranger. A member that disagrees with a group refuses to join it
