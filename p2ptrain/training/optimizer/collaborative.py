@@ -297,6 +297,9 @@ class CollaborativeOptimizer:
             await shared.off_loop(self.local.accumulate, samples)
         tally.count(samples, self.clock())
         changed = await self._land_round()
+        flight = shared.download
+        if flight is not None and flight.replaying and rounds.in_flight is None:
+            self._hand_over_ahead()  # before the replay lands: it may drop the gradients computed meanwhile
         if await self._land_download():
             changed = True
             changed = await self._land_round() or changed  # a round joined ahead of the replay's step
@@ -434,16 +437,28 @@ class CollaborativeOptimizer:
         gradients it computed meanwhile (a group formed for ``step`` to hand them to is taken here). Not
         while a whole state downloads: that rarely lands within the round's wait, and a coordinator that
         declines aborts the round for all."""
+        if not self._hand_over_ahead():
+            self._look_ahead(flight, self._batch(samples))
+
+    def _hand_over_ahead(self) -> bool:
+        """Sync, a replay in flight: a group formed ahead, for the step the replay lands on, takes the
+        gradients computed meanwhile now (summed gradients: between two backward passes). Before the
+        replay lands, not after: a replay of one step carries those gradients into its step only once,
+        and the next one drops them, so that, handed over after it landed, a joined group was left for
+        want of samples (the lab's home peer: "left the group formed for sync-10 before its round
+        started"). True when they went."""
         rounds = self.rounds
-        if not self.diloco:
-            formed = rounds.take_formed()  # summed gradients: a group joined ahead, handed over here
-            if formed is not None:
-                epoch, manifest = formed
-                if rounds.joined_ahead(epoch):
-                    rounds.start_in_background(manifest, epoch)
-                    return
-                self.node.averager.decline(manifest)
-        self._look_ahead(flight, self._batch(samples))
+        if self.diloco:
+            return False
+        formed = rounds.take_formed()  # summed gradients: a group joined ahead, handed over here
+        if formed is None:
+            return False
+        epoch, manifest = formed
+        if rounds.joined_ahead(epoch):
+            rounds.start_in_background(manifest, epoch)
+            return True
+        self.node.averager.decline(manifest)
+        return False
 
     def _look_ahead(self, flight: Download, ahead: float) -> None:
         """Start matchmaking for the step ``flight`` lands this peer on, when the view of that step (as
