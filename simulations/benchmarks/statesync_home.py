@@ -19,7 +19,7 @@ the home peer's log, over ``--seconds`` from its first step:
 Usage::
 
     python -m simulations.benchmarks.statesync_home [--rate-mbit 10] [--fast 3] [--fast-mbit 100]
-        [--seconds 150] [--target 64] [--replay-steps 4] [--json PATH] [--workdir DIR]
+        [--seconds 150] [--target 64] [--replay-steps 4] [--subnets] [--json PATH] [--workdir DIR]
 
 JSON report to PATH (default ``simulations/results/statesync_home.json``; ``-``: stdout), a table to
 stderr. Needs root, ``ip`` and ``tc`` (``simulations.labs.netns``).
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             raise RuntimeError(f"{CONFIG} has no {key} line to set")
     config.write_text(text)
     wait = ["--wait-peers", str(args.fast)]
-    with NetnsLab(args.fast + 1, rates=rates, prefix="p2phome") as lab:
+    with NetnsLab(args.fast + 1, rates=rates, prefix="p2phome", subnets=args.subnets) as lab:
         fast = [_Node(lab, 0, workdir / "fast0", None, config, wait)]
         fast += [
             _Node(lab, i, workdir / f"fast{i}", fast[0].address, config, wait) for i in range(1, args.fast)
@@ -155,6 +155,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "rate_mbit": args.rate_mbit,
         "replay_steps": args.replay_steps,
         "target_batch_size": args.target,
+        "subnets": args.subnets,
         "state_mb": round(state / 1e6, 1),
         "state_download_s_at_link_rate": round(state * 8 / (args.rate_mbit * 1e6), 1),
         "seconds": args.seconds,
@@ -221,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="another line of the run file (e.g. n_embd=384, block_size=32: a larger state for the compute)",
+    )
+    parser.add_argument(
+        "--subnets",
+        action="store_true",
+        help="each peer in a /24 of its own (as home peers on different connections are); default: one /24",
     )
     parser.add_argument("--json", default=DEFAULT_JSON, metavar="PATH")
     parser.add_argument("--workdir", metavar="DIR", help="node folders (default: a new temp folder)")

@@ -4,6 +4,8 @@ Layout (all of it inside namespaces this module creates; nothing is added to the
 
     hub namespace:   bridge br0 <- h0, h1, ... (bridge side of each veth pair; egress = the peer's download)
     peer namespace i: eth0 198.18.0.{i+1}/24 (peer side; egress = the peer's upload), lo up
+                      (``subnets=True``: 198.18.{i+1}.1/15, each peer in a /24 of its own, as peers
+                      behind different home connections are; still one bridge)
 
 Addresses are in 198.18.0.0/15, the range set aside for benchmarking; test traffic never leaves the
 lab. Each direction of each link is shaped with a token bucket (``tbf``: this kernel has tbf and htb, not
@@ -46,6 +48,7 @@ from typing import Any, Self
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "198.18.0"  # in 198.18.0.0/15 (RFC 2544 benchmarking range): the only addresses a lab uses
 PREFIX_LEN = 24
+WIDE_PREFIX_LEN = 15  # ``subnets``: one /24 per peer, all of 198.18.0.0/15 on the bridge
 PEER_DEV = "eth0"
 BRIDGE = "br0"
 IP_TIMEOUT = 20.0  # seconds for one ip/tc command (they take milliseconds; the machine may be loaded)
@@ -227,6 +230,7 @@ class NetnsLab(Lab):
         latency_ms: float = DEFAULT_LATENCY_MS,
         prefix: str = "p2pb",
         congestion: str | None = None,
+        subnets: bool = False,
     ) -> None:
         """``rates``: per peer, one rate (Mbit/s, both directions) or (upload, download); else ``rate_mbit``.
 
@@ -234,6 +238,8 @@ class NetnsLab(Lab):
         MIN_BURST_KB); ``latency_ms``: the longest a packet may wait in the shaper's queue.
         ``congestion``: the TCP congestion control inside the peers' namespaces (``cubic``, ``bbr``...;
         default: what a new namespace gets here). It decides how competing flows share a shaped link.
+        ``subnets``: each peer in a /24 of its own (the swarm tells peers' origins apart by /24: one
+        lab /24 makes every peer one origin, so that excluding one leader's /24 excludes them all).
         """
         if not 1 <= n <= MAX_PEERS:
             raise ValueError(f"1 to {MAX_PEERS} peers")
@@ -246,6 +252,7 @@ class NetnsLab(Lab):
         self.prefix = prefix
         self.latency_ms = latency_ms
         self.congestion = congestion
+        self.subnets = subnets
         self._allowed_before: str | None = None  # the host's allowed list, to restore (see _allow)
         self._burst_kb = burst_kb
         self.rates: list[tuple[float, float]] = [
@@ -291,7 +298,8 @@ class NetnsLab(Lab):
             _ip("-n", self.hub, "link", "add", hub_dev, "type", "veth", "peer", "name", PEER_DEV, "netns", ns)
             _ip("-n", self.hub, "link", "set", hub_dev, "master", BRIDGE)
             _ip("-n", self.hub, "link", "set", hub_dev, "up")
-            _ip("-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", PEER_DEV)
+            length = WIDE_PREFIX_LEN if self.subnets else PREFIX_LEN
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/{length}", "dev", PEER_DEV)
             _ip("-n", ns, "link", "set", PEER_DEV, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             if self.congestion:
@@ -335,7 +343,7 @@ class NetnsLab(Lab):
     def address(self, i: int) -> str:
         if not 0 <= i < self.n:
             raise IndexError(i)
-        return f"{SUBNET}.{i + 1}"
+        return f"198.18.{i + 1}.1" if self.subnets else f"{SUBNET}.{i + 1}"
 
     def rate_mbit(self, i: int) -> tuple[float, float]:
         """(upload, download) of peer i's link, Mbit/s."""
