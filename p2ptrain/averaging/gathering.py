@@ -7,14 +7,9 @@ serves some members and then hangs cannot split the group). In a pipelined round
 partition's mean chunk by chunk while the scatter still runs (:meth:`Gatherer.fetch_early`), held once
 its reducer confirms the chunks are the round's result; the early fetch of a failed reducer is void
 (:meth:`Gatherer.void`). Every fetched chunk is checked (size, finite values, its size against this
-member's own values per unit of weight, for the weights of the signed decision: ``bounds``; in an
-audited round the reducer's signed attestation) before it lands and before the partition counts as
-held. An early chunk beyond the limit that the weights known before the decision give is no fault
-yet: the early fetch stops, what landed is undone, and once the decision is in, those chunks are
-judged again by its weights (a fault of their reducer if they break that limit too; else the result
-is fetched again).
-Bytes that break the rules are the fault of whoever served them (``RoundMachine.fault``): that
-partition is not fetched again, and the round aborts for this member.
+member's own values: ``bounds``; in an audited round the reducer's signed attestation) before it lands
+and before the partition counts as held. Bytes that break the rules are the fault of whoever served
+them (``RoundMachine.fault``): that partition is not fetched again, and the round aborts for this member.
 """
 
 from __future__ import annotations
@@ -28,10 +23,9 @@ import trio
 from ..errors import P2PError, RemoteProtocolError
 from ..net.host import Host
 from . import spill
-from .agreement import WEIGHT_SLACK
 from .audit import new_hasher, open_attestation
 from .bandwidth import RateMeter
-from .bounds import ResultCheck, Scale, breaks
+from .bounds import ResultCheck
 from .compression import Compression, all_finite, decode, encoded_chunk
 from .partition import chunks
 from .protocol import FETCH, FETCH_EARLY, RELAY_RESULT, FetchReq
@@ -58,10 +52,6 @@ class OutOfBounds(ServedFault):
     """A well-formed result larger than this member accepts against its own values (see ``bounds``)."""
 
 
-class Deferred(P2PError):
-    """An early result beyond the limit of the weights known before the decision: fetched again after."""
-
-
 def time_left(deadline: float) -> float:
     """Seconds until ``deadline`` for a call's own timeout (an enclosing scope enforces the deadline)."""
     return max(1e-3, deadline - trio.current_time())
@@ -84,8 +74,6 @@ class Gatherer:
         self.early_scopes: dict[int, trio.CancelScope] = {}
         self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
         self.gather_scopes: dict[int, trio.CancelScope] = {}  # partition -> its gather (after the decision)
-        # partition -> the scale of its early chunks beyond the limit before the decision
-        self.deferred: dict[int, Scale] = {}
 
     def start_early(self, nursery: trio.Nursery) -> None:
         """Pipelined rounds: fetch every other partition's mean early, in ``nursery`` (cancelled once the
@@ -100,25 +88,6 @@ class Gatherer:
         if p in self.early_scopes:
             self.early_scopes[p].cancel()
             await self.early_done[p].wait()
-
-    def reach(self) -> tuple[float, bool]:
-        """``bounds.reach`` for this member's limits, and whether it is final: the signed decision's
-        weights, else (before it) the weights sent to this member as a reducer; each capped at
-        ``WEIGHT_SLACK`` times what this member finds plausible for its sender."""
-        m, t = self.m, self.t
-
-        def capped(i: int, w: float) -> float:
-            cap = m.caps.get(i)
-            return w if cap is None else min(w, WEIGHT_SLACK * cap)
-
-        d = m.decision
-        if d is not None and d.contributors:
-            weights = [capped(i, w) for i, w in zip(d.contributors, d.weights, strict=True)]
-            mine = d.weights[d.contributors.index(m.me)] if m.me in d.contributors else None
-            return t.reach(weights, mine), True
-        red = t.reducers.get(m.me)
-        seen = {} if red is None else red.weights
-        return t.reach([capped(i, w) for i, w in seen.items()]), False
 
     def check_attestation(self, p: int, frm: int, data: bytes, result_hash: bytes) -> None:
         """The reducer's attestation fits the decision, the bytes it served, and this member's own
@@ -161,11 +130,6 @@ class Gatherer:
             self.early_scopes[p].cancel()
             await done.wait()
             if p in m.held or m.faulty(p):
-                return
-            early = self.deferred.pop(p, None)
-            why = "" if early is None else breaks(early, self.t.limit(p, self.reach()[0]))
-            if why and holder == p:  # its early chunks break the limit of the decided weights too
-                self._fault(p, p, OutOfBounds(why))
                 return
         direct_failed = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -234,7 +198,7 @@ class Gatherer:
         mode = Compression.NONE if relay else self.t.mode
         target = self.t.slice(p)
         spans = list(chunks(m.sizes[p], mode))
-        check = ResultCheck(self.t.limit(p, self.reach()[0]))
+        check = ResultCheck(self.t.limit(p))
         try:
             with trio.fail_after(max(0.0, end - trio.current_time())):
                 conn = await self.host.connect(self.addrs[frm])
@@ -281,7 +245,7 @@ class Gatherer:
         fetches it again)."""
         m, t, end = self.m, self.t, self.m.at.gather
         target, spans = t.slice(p), list(chunks(m.sizes[p], t.mode))
-        check = ResultCheck(t.limit(p, self.reach()[0]))
+        check = ResultCheck(t.limit(p))
         got = 0
         try:
             with self.early_scopes[p], trio.fail_after(max(0.0, end - trio.current_time())):
@@ -298,14 +262,7 @@ class Gatherer:
                         data = await stream.receive_some()
                         if not data:
                             break
-                        try:
-                            _store(target[a:b], data, t.mode, m.n, check)
-                        except OutOfBounds as e:
-                            factor, final = self.reach()
-                            if check.refused is not None and (not final or check.bound != t.limit(p, factor)):
-                                self.deferred[p] = check.refused  # (judged again by the decided weights)
-                                raise Deferred(str(e)) from None
-                            raise
+                        _store(target[a:b], data, t.mode, m.n, check)
                         m.fetched(p, trio.current_time())
                         got += 1
                     if got == len(spans):
@@ -316,9 +273,6 @@ class Gatherer:
         except ServedFault as e:  # from its reducer: its own fault; what landed in place is undone
             t.restore(p)
             self._fault(p, p, e)
-        except Deferred as e:  # (no fault yet: the gather fetches it again, bounded by the decision)
-            t.restore(p)
-            log.info("early result of partition %d from %s waits for the decision: %s", p, m.name(p), e)
         except (P2PError, trio.TooSlowError) as e:
             log.debug("no early result of partition %d from %s: %s", p, m.name(p), e)
         finally:

@@ -11,11 +11,10 @@ member that fetches it gets the same bits, whatever order chunks arrived in.
 The result is encoded once with the round's compression and served as those bytes; the reducer's own copy
 is decoded from them, so with a lossy compression it holds exactly what the others decode.
 
-A slice larger than the reducer accepts against its own values per unit of weight (``bounds``: the
-measure each member also holds results to; the slice's limit scaled by ``max(1, its weight / ours)``) is
-refused chunk by chunk before it is added (:class:`SliceOutOfBounds`): its sender is left out of the
-round, and an honest reducer's mean stays within that measure, so a contributor sending huge values
-cannot make the members refuse an honest reducer's result.
+A slice larger than the reducer accepts against its own values (``bounds``: the limit each member also
+holds results to) is refused chunk by chunk before it is added (:class:`SliceOutOfBounds`): its sender
+is left out of the round, and an honest reducer's mean stays within the bound of its own values, so a
+contributor sending huge values cannot make the members refuse an honest reducer's result.
 
 With a robust aggregation rule (see ``robust``) the kept slices of the decided contributors are stacked in
 member order at the decision and the rule is applied to them instead of the running sum.
@@ -64,7 +63,6 @@ class PartitionReducer:
         canonical: bool = False,
         spill: bool | None = None,
         bound: Limit | None = None,
-        weight: float = 1.0,
         prior: torch.Tensor | None = None,
     ) -> None:
         """``buffer``: ``size`` float32 elements to accumulate in (reused memory; whatever it holds is
@@ -76,8 +74,7 @@ class PartitionReducer:
         not in the order chunks happened to arrive.
         ``spill``: keep received chunks in a spill file rather than in memory (default: for partitions
         of ``SPILL_BYTES`` or more).
-        ``bound``: the most a contributor's slice of ``weight`` (this reducer's own) may be (``bounds.limit``
-        of this reducer's own values); a slice of weight ``w`` may be ``max(1, w / weight)`` times that.
+        ``bound``: the most a contributor's slice may be (``bounds.limit`` of this reducer's own values);
         None: unchecked.
         ``prior``: this member's last accepted result of the partition (``size`` elements, any float
         dtype; None: none at hand): a slice must carry useful work beyond it (``trust.useful``)."""
@@ -86,7 +83,6 @@ class PartitionReducer:
         self.size = size
         self.prior = prior
         self.bound = bound
-        self.weight = weight
         self._checks: dict[int, ResultCheck] = {}  # sender -> its slice's check so far
         self.mode = mode
         self.members = members
@@ -115,11 +111,6 @@ class PartitionReducer:
         self._divided = 0  # chunks of ``acc`` divided in place (published early): a sum no longer
         self.early: list[bytes | memoryview] | None = None  # encoded mean chunks published so far
         self.early_final: bool | None = None  # set by finalize: are the early chunks the result?
-
-    @property
-    def weights(self) -> dict[int, float]:
-        """The weight each sender sent with its slice so far (complete or not)."""
-        return dict(self._weights)
 
     def chunk_bytes(self, index: int) -> int:
         a, b = self.spans[index]
@@ -169,10 +160,7 @@ class PartitionReducer:
             )
         if not self.touched:  # the first slice adds to zeros (add_local writes its product instead)
             self.acc.zero_()
-        check = self._checks.get(sender)
-        if check is None and self.bound is not None:  # (its weight cannot change: the stream carries one)
-            factor = weight / self.weight if self.weight > 0 else 1.0
-            check = self._checks[sender] = ResultCheck(self.bound.scaled(factor))
+        check = self._checks.setdefault(sender, ResultCheck(self.bound)) if self.bound is not None else None
         self._add(index, data, weight, check)
         self.touched.add(sender)
         self._kept.setdefault(sender, []).append(self._keep(data))

@@ -10,10 +10,8 @@ signed commitment, for the audit after the round.
 
 Bounds (see ``bounds``): before anything of the round lands, the size of this member's own values in
 each partition is measured (:attr:`RoundTensors.own_scales`); a partition's result is accepted only within the
-:class:`~p2ptrain.averaging.bounds.Limit` that gives for the round's weights (:meth:`RoundTensors.limit`,
-:meth:`RoundTensors.reach`), a slice reduced here only within :meth:`RoundTensors.slice_limit` for its
-sender's weight, and the scale of each accepted result is kept (:attr:`RoundTensors.results`) for the
-member's history.
+:class:`~p2ptrain.averaging.bounds.Limit` that gives (:meth:`RoundTensors.limit`), and the scale of each
+accepted one is kept (:attr:`RoundTensors.results`) for the member's history.
 
 In place (``backup`` given: ``flat`` is the caller's own tensor): own values that early averages overwrite
 go to the backup file first, since a failed reducer's replacement needs them again. The memory is given
@@ -23,15 +21,14 @@ from it (:meth:`RoundTensors.reading`).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from ..identity import Identity
 from .audit import hash_pieces, seal_commit
-from .bounds import Limit, Scale, limit, reach
+from .bounds import Limit, Scale, limit
 from .buffers import BufferPool
 from .compression import Compression, encoded_chunk
 from .partition import chunks, offsets
@@ -97,25 +94,9 @@ class RoundTensors:
         self.prior = prior  # this member's last accepted result of these tensors (see ``trust.useful``)
         self.results: dict[int, Scale] = {}  # partition -> the scale of the result accepted here
 
-    def limit(self, p: int, factor: float = 1.0) -> Limit | None:
-        """The most partition ``p``'s result may be for this member (None: nothing to bound it by), for
-        a round whose weights give ``factor`` (:meth:`reach`)."""
-        return limit(self.own_scales[p], self.whole, self.history, factor=factor)
-
-    def reach(self, weights: Sequence[float], mine: float | None = None) -> float:
-        """``bounds.reach`` of a round counting ``weights``, for this member (of weight ``mine``: the one
-        the round counted for it, else the one it sent)."""
-        robust = self.aggregation != "mean"
-        return reach(self.weight if mine is None else mine, weights, robust=robust)
-
-    def slice_limit(self, p: int) -> Limit | None:
-        """The most a slice of partition ``p`` of this member's weight may be, as a reducer here (scaled
-        by each sender's weight, ``PartitionReducer``): its own values, or its last accepted result if
-        that is larger (a round in which it did little work must not refuse the others' slices)."""
-        whole = self.whole
-        if self.history is not None and whole.sumsq < self.history.sumsq and math.isfinite(whole.sumsq):
-            whole = Scale(self.history.sumsq, max(whole.absmax, self.history.absmax), whole.count)
-        return limit(self.own_scales[p], whole, self.history)
+    def limit(self, p: int) -> Limit | None:
+        """The most partition ``p``'s result may be for this member (None: nothing to bound it by)."""
+        return limit(self.own_scales[p], self.whole, self.history)
 
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
@@ -138,8 +119,7 @@ class RoundTensors:
             members=self.n,
             origins=self.origins,
             canonical=self.audit,
-            bound=self.slice_limit(p),
-            weight=self.weight,
+            bound=self.limit(p),
             prior=None if self.prior is None else self.prior[self.offsets[p] : self.offsets[p + 1]],
         )
         if weight is not None:

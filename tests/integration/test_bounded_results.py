@@ -1,5 +1,5 @@
 """Results bounded before they are applied, on the in-memory network: hostile reducers serve garbage
-(3e4 everywhere), well-formed but wrong top-k sums (1e5 in every kept slot) or malformed bytes (NaN),
+(1000 everywhere), well-formed but wrong top-k sums (100 in every kept slot) or malformed bytes (NaN),
 and no honest member applies anything of it; each hostile reducer is banned by every honest member by
 the end of its first bad round, and no honest member is banned.
 
@@ -21,7 +21,6 @@ import trio
 from p2ptrain.averaging import sparse
 from p2ptrain.averaging.allreduce import AllReduceRound, RoundResult
 from p2ptrain.averaging.averager import schema_of
-from p2ptrain.averaging.bounds import Scale, limit, reach
 from p2ptrain.averaging.compression import Compression, decode, encode, roundtrip
 from p2ptrain.averaging.partition import offsets, partition_sizes
 from p2ptrain.averaging.protocol import Manifest, MemberMsg, SignedManifest
@@ -32,9 +31,7 @@ from tests.harness.averaging import Group, Outcome, Peer, open_group
 pytestmark = pytest.mark.timeout(600)
 
 NAN = b"\x00\x00\xc0\x7f"  # a float32 NaN, little-endian
-# Attacks are far beyond ``bounds.SPREAD`` (128) times the members' values (about 1 each) per unit of
-# weight: a result within it is one an honest round could produce (a peer's spike), and is not refused.
-GARBAGE, WRONG_SUM, NEGATIVE = 3e4, 1e5, -2e4  # (dense ones within float16)
+OWN_BOUND = 32.0  # the bound each member holds a result to: BOUND x its own values (bounds.BOUND)
 
 Garble = Callable[[torch.Tensor], torch.Tensor]
 
@@ -148,9 +145,8 @@ def check_nothing_applied(
             for p in range(len(at) - 1):  # every partition within BOUND x its own values
                 mine, res = own[at[p] : at[p + 1]], got[at[p] : at[p + 1]]
                 if res.numel():
-                    weights = [1.0 + k for k in range(len(at) - 1)]  # (one_round's; robust: the widest)
-                    b = limit(Scale.of(mine), Scale.of(own), factor=reach(1.0 + i, weights, robust=True))
-                    assert b is not None and float(res.norm()) <= b.norm, (i, p)
+                    limit = OWN_BOUND * max(float(mine.abs().max()), float(own.abs().max())) + 1e-6
+                    assert float(res.abs().max()) <= limit, (i, p)
         else:
             assert isinstance(outcomes[i], RoundAborted), outcomes[i]
             if not in_place:  # an abort leaves the caller's tensors as they were
@@ -177,7 +173,7 @@ def inputs_for(n: int, size: int, seed: int) -> list[torch.Tensor]:
 async def test_a_garbage_reducer_in_an_audited_trimmed_mean_round_lands_nothing_and_is_banned_at_once(
     autojump_clock: object,
 ) -> None:
-    """Attack 1: the reducer of partition 2 serves 3e4 everywhere in an audited trimmed-mean round
+    """Attack 1: the reducer of partition 2 serves 1000 everywhere in an audited trimmed-mean round
     (attested: a consistent liar). Before, every member applied it at once (the audit ran afterwards, in
     the background, and banned it there, after the damage); now no member applies it, and every honest
     member bans it by the end of the round."""
@@ -186,7 +182,7 @@ async def test_a_garbage_reducer_in_an_audited_trimmed_mean_round_lands_nothing_
         inputs = inputs_for(n, size, 1)
         sent = [x.clone() for x in inputs]
         originals = sent
-        lie_as_reducer(group.peers[liar], fill(GARBAGE))
+        lie_as_reducer(group.peers[liar], fill(1000.0))
         signed = manifest(group.peers, size, mode=Compression.NONE, aggregation="trimmed_mean", audit=True)
         outcomes = await one_round(group, signed, inputs)
         honest = [i for i in range(n) if i != liar]
@@ -198,7 +194,7 @@ async def test_a_garbage_reducer_in_an_audited_trimmed_mean_round_lands_nothing_
 async def test_wrong_topk_sums_land_nothing_and_their_reducer_is_banned_at_once(
     autojump_clock: object,
 ) -> None:
-    """Attack 2: a top-k reducer serves well-formed sums with 1e5 in every kept slot. Before, they were
+    """Attack 2: a top-k reducer serves well-formed sums with 100 in every kept slot. Before, they were
     checked for form only and applied (the largest value of every member became 100), and nobody was
     banned: top-k rounds are not audited."""
     n, liar = 4, 1
@@ -208,7 +204,7 @@ async def test_wrong_topk_sums_land_nothing_and_their_reducer_is_banned_at_once(
         inputs = inputs_for(n, size, 2)
         sent = [roundtrip(x, mode) for x in inputs]  # what a top-k round sends of them
         originals = [x.clone() for x in inputs]
-        lie_as_reducer(group.peers[liar], kept_slots(WRONG_SUM))
+        lie_as_reducer(group.peers[liar], kept_slots(100.0))
         signed = manifest(group.peers, size, mode=mode, aggregation="mean", audit=False)
         outcomes = await one_round(group, signed, inputs)
         honest = [i for i in range(n) if i != liar]
@@ -262,7 +258,7 @@ async def test_seeded_hostile_reducers_never_land_anything_and_are_banned_in_the
         mode = rng.choice([m for m in Compression if m.sparse])
         aggregation, audit, in_place = "mean", False, False
         size = sparse.BLOCK * n * rng.randint(1, 3) + rng.randrange(sparse.BLOCK)
-        attacks: list[Garble | None] = [fill(GARBAGE), kept_slots(WRONG_SUM), None]
+        attacks: list[Garble | None] = [fill(1000.0), kept_slots(100.0), None]
     else:
         mode = rng.choice([Compression.NONE, Compression.INT8, Compression.FP16])
         if kind == 1:  # pipelined: the liar's early chunks are what members fetch
@@ -271,7 +267,7 @@ async def test_seeded_hostile_reducers_never_land_anything_and_are_banned_in_the
             aggregation, audit = rng.choice(["mean", "trimmed_mean", "centered_clip"]), kind == 2
         in_place = rng.random() < 0.5
         size = rng.randint(50 * n, 3000)
-        attacks = [fill(GARBAGE), fill(NEGATIVE), kept_slots(WRONG_SUM), None]
+        attacks = [fill(1000.0), fill(-55.0), kept_slots(100.0), None]
     async with open_group(n, seed=seed) as group:
         for j in liars:
             lie_as_reducer(group.peers[j], rng.choice(attacks))
@@ -295,7 +291,7 @@ async def test_seeded_hostile_reducers_never_land_anything_and_are_banned_in_the
 async def test_a_contributor_sending_huge_values_cannot_get_an_honest_reducer_banned(
     autojump_clock: object,
 ) -> None:
-    """A reducer holds each contributor's slice to the same bound as results: a member sending 1e4x its
+    """A reducer holds each contributor's slice to the same bound as results: a member sending 1000x its
     values in a plain-mean round is left out, so the honest reducers' means stay within every member's
     bound, every honest member commits the honest mean, and nobody is banned (else one hostile
     contributor would make every member refuse, and ban, every honest reducer)."""
@@ -303,7 +299,7 @@ async def test_a_contributor_sending_huge_values_cannot_get_an_honest_reducer_ba
     async with open_group(n, client_only=(hostile,)) as group:  # (a reducer would serve its own values)
         inputs = inputs_for(n, size, 7)
         originals = [x.clone() for x in inputs]
-        inputs[hostile].mul_(1e4)
+        inputs[hostile].mul_(1000.0)
         signed = manifest(group.peers, size, mode=Compression.NONE, aggregation="mean", audit=False)
         outcomes = await one_round(group, signed, inputs)
         honest = [i for i in range(n) if i != hostile]

@@ -143,10 +143,10 @@ def test_a_rank_killed_in_a_live_site_restarts_its_group_and_the_site_stays_in_t
         until(f"A's step {KILL_AT}", lambda: any(m.get("step", 0) >= KILL_AT for m in lines(a)), procs, 300)
         ranks = rank_processes(procs[0].pid)
         assert len(ranks) == 1, ranks
-        # B is slow (``--slowdown``) and paused until A trains again, so the two bring comparable work
-        # to each round and what this checks is the site's recovery alone (the result bound,
-        # ``averaging.bounds``, is per unit of the round's weights: a peer back with few inner steps
-        # accepts its mate's larger values; the fixed 32x of its own values it replaced did not)
+        # B is slow (``--slowdown``) and paused until A trains again: in a round, a member refuses a
+        # result over 32x its own values (``averaging.bounds``), so neither may bring many times the
+        # other's inner steps to a round (and B, going on alone while A's group restarts, would: then
+        # one bans the other): a limit of the bounds, not of the site
         os.kill(procs[1].pid, signal.SIGSTOP)
         os.kill(ranks[0], signal.SIGKILL)
         try:

@@ -489,14 +489,13 @@ async def test_honest_peers_train_on_through_one_hostile_peer_in_four(
     clean = CLEAN_RUN["clean"]
     attacked, peers = await train_with(kind)
     start = validation_loss(make_model())
-    # The honest peers keep most of the progress the clean run made (the garbage reducer's noise, 100x
-    # its result's size, is within the result bound of 128x per unit of weight: applied once, then the
-    # audit convicts it); without defences each attack undoes all of it.
+    # The honest peers keep most of the progress the clean run made (the garbage reducer's rounds abort:
+    # its result is beyond their bounds); without defences each attack undoes all of it.
     assert start - attacked >= 0.5 * (start - clean) > 0, (start, clean, attacked)
     honest = peers[:3]
-    if kind == "garbage-reducer":  # beyond the bound: banned at once; within it: by the audit's proof
+    if kind == "garbage-reducer":  # its result is beyond their bounds: whoever fetched it banned it at once
         reasons = [p.node.averager.auditor.banned.get(peers[3].node.peer_id, "") for p in honest]
-        assert any("broke the rules" in r or "committed slices" in r for r in reasons), reasons
+        assert any("broke the rules" in r for r in reasons), reasons
     if kind == "nan":
         last = honest[0].opt.stats.last
         assert last.get("contributors") == 3  # the NaN sender is left out of every round
