@@ -101,7 +101,6 @@ class ProgressBoard:
         self._published: ProgressRecord | None = None  # the last record that went out
         self._records_read = trio.Event()
         self._asked_at = -math.inf  # when the replicas were last read (see _ask_replicas)
-        self._publishing = False  # a record is being stored (see ``_publish_beside``)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -133,10 +132,8 @@ class ProgressBoard:
             self.wake.renew()
             record = self.record()
             tolerance = max(self.config.training.target_batch_size / 16, 1.0)
-            if (
-                now or must_publish(self._published, record, self._heartbeat, tolerance)
-            ) and not self._publishing:
-                self._publish_beside(record)
+            if now or must_publish(self._published, record, self._heartbeat, tolerance):
+                await self.publish(record)
             # Woken by a record that arrived (stored here as a replica, or offered): it is held already,
             # and the reads that may ask the replicas keep their own pace.
             due = now or trio.current_time() >= next_read
@@ -159,26 +156,6 @@ class ProgressBoard:
                 if not self.wake.is_set():
                     await either(self.wake.event, arrived)
             now = self.wake.is_set()
-
-    def _publish_beside(self, record: ProgressRecord) -> None:
-        """Store ``record`` beside the reads, not before them: a store waits for every replica, and one on
-        a slow link whose downlink a catch-up fills (a home peer's) answered seconds late, so that every
-        peer's reads stopped meanwhile (4 s at a time in an in-memory swarm with a 15 kB/s peer): views
-        a step's group was sized by missed records, its own included, and leaders did not wait for the
-        peers one step behind. A record that changes while one is being stored goes out after it (the
-        loop is woken to compare it with the one stored)."""
-        if self._nursery is None:
-            return  # (stopping)
-        self._publishing = True
-
-        async def store() -> None:
-            try:
-                await self.publish(record)
-            finally:
-                self._publishing = False
-                self._arrived.set()  # (the loop looks again at what must go out)
-
-        self._nursery.start_soon(store)
 
     def _next_beat(self, interval: float) -> float:
         """When (trio time) this peer's heartbeat is due: its last record's time plus a heartbeat, at
@@ -453,10 +430,6 @@ class ProgressBoard:
             while self.peers_seen() < count:
                 await self._records_read.wait()
         return self.peers_seen()
-
-    async def records_read(self) -> None:
-        """Wait until the swarm's records are read next (the view is then fresh: ``update_view`` ran)."""
-        await self._records_read.wait()
 
     def peers_seen(self) -> int:
         return 1 + sum(r.peer != self.node.peer_id for r in self.records)

@@ -251,7 +251,6 @@ class CollaborativeOptimizer:
             await nursery.start(self.alone.run)
             await nursery.start(self.rounds.run)
             await nursery.start(self.board.run)
-            nursery.start_soon(self._look_between_batches)
             self._nursery = nursery
             task_status.started()
             try:
@@ -297,9 +296,6 @@ class CollaborativeOptimizer:
             await shared.off_loop(self.local.accumulate, samples)
         tally.count(samples, self.clock())
         changed = await self._land_round()
-        flight = shared.download
-        if flight is not None and flight.replaying and rounds.in_flight is None:
-            self._hand_over_ahead()  # before the replay lands: it may drop the gradients computed meanwhile
         if await self._land_download():
             changed = True
             changed = await self._land_round() or changed  # a round joined ahead of the replay's step
@@ -338,8 +334,19 @@ class CollaborativeOptimizer:
                 return changed
             self.node.averager.decline(manifest)
         if not rounds.matchmaking and self.clock() >= rounds.retry_at:
-            if self._near_target(view, self._batch(samples)):
-                self._gather(view)
+            # (Or by this peer's own batch where that is longer: it looks again only once its next batch
+            # is done. On 8 simulated peers, one whose batches took 1.1 s came to every group up to a
+            # batch late, found it formed without it, and downloaded each step instead of averaging.)
+            rate = tally.rate.rate
+            batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
+            if view.peers > 1 and view.samples + view.rate * max(self.board.lead, batch) >= view.target:
+                # Early by the time groups take to form: the round starts on target. Not before this
+                # peer's first batch (just synced): it would have nothing to send, and its group would
+                # wait for it in vain. Nor while the peers here are no majority of those on this step
+                # and the one before (see ``progress``): they arrive soon, and a group without them would
+                # commit this step on a lineage of its own.
+                if tally.samples > 0 and self.alone.majority_here(view, tally.epoch) and not self._left_out():
+                    rounds.start_matchmaking()
             elif (
                 view.peers <= 1
                 and view.ready
@@ -350,72 +357,6 @@ class CollaborativeOptimizer:
                 self.solo_step()
                 return True
         return changed
-
-    def _batch(self, samples: int) -> float:
-        """How long this peer's batch takes (at most the matchmaking time): how far ahead ``step`` looks,
-        between two batches (:meth:`_near_target`)."""
-        rate = self.tally.rate.rate
-        return min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
-
-    def _near_target(self, view: SwarmView, ahead: float) -> bool:
-        """Whether ``view``'s step reaches the target within the time groups take to form (``lead``), or
-        within ``ahead`` seconds where that is longer: the time until this peer looks again."""
-        return view.peers > 1 and view.samples + view.rate * max(self.board.lead, ahead) >= view.target
-
-    def _gather(self, view: SwarmView) -> None:
-        """Look for a group of this peer's step (its view near the target). Early by the time groups take
-        to form: the round starts on target. Not before this peer's first batch (just synced): it would
-        have nothing to send, and its group would wait for it in vain. Nor while the peers here are no
-        majority of those on this step and the one before (see ``progress``): they arrive soon, and a
-        group without them would commit this step on a lineage of its own."""
-        tally = self.tally
-        if tally.samples > 0 and self.alone.majority_here(view, tally.epoch) and not self._left_out():
-            self.rounds.start_matchmaking()
-
-    async def _look_between_batches(self) -> None:
-        """Look for a group each time the swarm's records are read, not only when a batch ends (sync mode;
-        see :meth:`_look`).
-
-        The invariant: a peer that is on a step (or whose replay in flight lands it on one, see
-        :meth:`_join_ahead`) and has samples to give joins that step's group whenever the records put
-        its target within reach while it is there, whether it is mid-batch or catching up. ``step``
-        alone looks once per batch; a group forms within ``lead`` of the target and its leader waits
-        the matchmaking time at most, so a peer whose batch is longer than that (a sync home peer's 3 s
-        batch, against a 3 s window) found groups formed without it, and one whose replay landed
-        between two looks missed the round of the step it landed on: the lab's home peer on 10 Mbit/s
-        averaged in 1 to 3 of 4 steps that way, and chased the swarm by replay the rest of the time.
-        Only matchmaking starts here (nothing the state holds changes): the formed group's work is
-        handed over between two batches, as ever (``step``; a round waits for its members' slices
-        longer than a batch takes)."""
-        while True:
-            await self.board.records_read()
-            self._look()
-
-    def _look(self) -> None:
-        """:meth:`_look_between_batches`' decision: start matchmaking where ``step`` would (looking
-        ``lead`` ahead: the next read comes sooner than a batch ends)."""
-        rounds, shared = self.rounds, self.shared
-        if (
-            self.diloco  # (sync only: looking at every read made test_catchup's DiLoCo joiner download
-            # the state a second time in 4 of 4 runs on a loaded machine, 0 of 4 without; why is not
-            # established, so a DiLoCo peer looks from ``step`` alone, as before)
-            or rounds.in_flight is not None
-            or rounds.matchmaking
-            or rounds.formed is not None
-            or self.clock() < rounds.retry_at
-            or self.tally.samples <= 0
-        ):
-            return
-        flight = shared.download
-        if flight is not None:
-            if flight.replaying:
-                self._look_ahead(flight, 0.0)
-            return
-        view = self.board.view
-        if view is None or view.epoch != self.tally.epoch or view.behind or view.diverged(shared.digest):
-            return  # (``step`` catches up, between two batches)
-        if self._near_target(view, 0.0):
-            self._gather(view)
 
     def _left_out(self) -> bool:
         """Whether every trusted peer on this step handed its work to the step's round already (their
@@ -441,33 +382,15 @@ class CollaborativeOptimizer:
         gradients it computed meanwhile (a group formed for ``step`` to hand them to is taken here). Not
         while a whole state downloads: that rarely lands within the round's wait, and a coordinator that
         declines aborts the round for all."""
-        if not self._hand_over_ahead():
-            self._look_ahead(flight, self._batch(samples))
-
-    def _hand_over_ahead(self) -> bool:
-        """Sync, a replay in flight: a group formed ahead, for the step the replay lands on, takes the
-        gradients computed meanwhile now (summed gradients: between two backward passes). Before the
-        replay lands, not after: a replay of one step carries those gradients into its step only once,
-        and the next one drops them, so that, handed over after it landed, a joined group was left for
-        want of samples (the lab's home peer: "left the group formed for sync-10 before its round
-        started"). True when they went."""
-        rounds = self.rounds
-        if self.diloco:
-            return False
-        formed = rounds.take_formed()  # summed gradients: a group joined ahead, handed over here
-        if formed is None:
-            return False
-        epoch, manifest = formed
-        if rounds.joined_ahead(epoch):
-            rounds.start_in_background(manifest, epoch)
-            return True
-        self.node.averager.decline(manifest)
-        return False
-
-    def _look_ahead(self, flight: Download, ahead: float) -> None:
-        """Start matchmaking for the step ``flight`` lands this peer on, when the view of that step (as
-        the peers there see it) is within reach of the target (see :meth:`_join_ahead`)."""
         rounds, tally = self.rounds, self.tally
+        if not self.diloco:
+            formed = rounds.take_formed()  # summed gradients: a group joined ahead, handed over here
+            if formed is not None:
+                epoch, manifest = formed
+                if rounds.joined_ahead(epoch):
+                    rounds.start_in_background(manifest, epoch)
+                    return
+                self.node.averager.decline(manifest)
         epoch = tally.epoch + 1 if self.diloco else flight.target
         if (
             (flight.carry_from != tally.epoch if self.diloco else not 0 < epoch - tally.epoch <= AHEAD_STEPS)
@@ -479,7 +402,9 @@ class CollaborativeOptimizer:
         view = self.board.view_of(epoch)
         if view.behind or view.peers <= 1:
             return
-        if self._near_target(view, ahead):
+        rate = tally.rate.rate  # (this peer's own batch, where longer: see ``step``)
+        batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
+        if view.samples + view.rate * max(self.board.lead, batch) >= view.target:
             rounds.start_matchmaking(ahead=epoch - tally.epoch)
 
     async def _land_round(self) -> bool:
