@@ -13,14 +13,13 @@ with one line on stderr that says what went wrong, and a non-zero exit status.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from ..errors import ConfigError, IdentityError, P2PError
+from ..malloc import M_ARENA_MAX, mallopt
 from ..version import __version__
 from . import authority, keys, node, query, simulate
 from .common import UsageError
@@ -79,13 +78,7 @@ def _fewer_malloc_arenas(arenas: int = 2) -> None:
     and snapshot threads each grew one to the size of a model's tensors, and freed memory stayed
     spread over them: a 124M-parameter node peaked at 10.9x its fp32 parameter bytes, 8.2-8.9x with
     two arenas. Same as MALLOC_ARENA_MAX=2, which, if set, wins. No effect on other C libraries."""
-    if sys.platform != "linux" or "MALLOC_ARENA_MAX" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-8, arenas)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass  # not glibc
+    mallopt(M_ARENA_MAX, arenas, "MALLOC_ARENA_MAX")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

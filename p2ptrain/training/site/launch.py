@@ -10,11 +10,9 @@ instead (``torchrun``), which sets the same environment; :func:`init_from_env` j
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # torch.distributed's, typed for mypy
+
+from ...malloc import M_MMAP_THRESHOLD, mallopt
 
 MMAP_THRESHOLD = 1 << 20
 """Allocations of at least this many bytes get their own mapping, returned to the system when freed."""
@@ -38,13 +38,7 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> None:
     blocks), every rank of a site of 4 peaked at 3.8-5.0x its fp32 parameter bytes with glibc's default
     and at 1.8-1.9x with this (target 2.25x; at 350M, 50 MB blocks, the default was already within it).
     Fixing the threshold also stops the raising."""
-    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc
+    mallopt(M_MMAP_THRESHOLD, threshold, "MALLOC_MMAP_THRESHOLD_")
 
 
 def backend_for(device: str | None = None) -> str:
