@@ -195,20 +195,12 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def peak(pid: int) -> int:
+def status_bytes(pid: int, field: str) -> int:
+    """A memory figure of ``/proc/<pid>/status`` in bytes ("VmHWM": peak resident, "VmRSS": resident
+    now); 0 once the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -283,8 +275,8 @@ def watch(
             if p.poll() is None:
                 now: dict[int, int] = {}
                 for pid in tree(p.pid):
-                    seen.peaks[name][pid] = max(seen.peaks[name].get(pid, 0), peak(pid))
-                    now[pid] = rss(pid)
+                    seen.peaks[name][pid] = max(seen.peaks[name].get(pid, 0), status_bytes(pid, "VmHWM"))
+                    now[pid] = status_bytes(pid, "VmRSS")
                     if pid in used:
                         seen.gpu[name][pid] = max(seen.gpu[name].get(pid, 0), used[pid])
                 seen.samples[name].append((time.time(), now))
