@@ -290,7 +290,7 @@ class RoundRunner:
             self.contribution.after_abort(buffer)
             return None
         short = short_of_quorums(manifest.manifest, result.contributors, self.node.peer_id)
-        if short:  # (every member alike) the work is still in the local parameters, as after an abort
+        if short:  # (the leader and the members it counts alike) the work is still in the local parameters
             self.short(manifest, short)
             outer.unfold(before, committed=False)
             self.contribution.after_abort(buffer)
@@ -477,8 +477,9 @@ class RoundRunner:
         return outcome, weight
 
     def short(self, manifest: SignedManifest, why: str) -> None:
-        """A committed round whose contributors miss its signed quorums: not applied (by any member),
-        and its leader suspected (three suspicions and it is not followed for a while), so that a group
+        """A committed round whose contributors miss its signed quorums: not applied (by the leader and
+        the members it counts alike; a member it does not count also for its own entry), and its leader
+        suspected (three suspicions and it is not followed for a while), so that a group
         whose rounds keep falling short (a reducer refusing the slices others need) is not formed again
         and again under the same leader."""
         self.note_abort(RoundAborted(why))
