@@ -50,6 +50,7 @@ MANIFEST_DOMAIN = "p2ptrain/averaging-manifest"
 DECISION_DOMAIN = "p2ptrain/averaging-decision"
 MAX_COMMIT_ENVELOPE = 384
 MAX_ATTESTATION = MAX_GROUP * MAX_COMMIT_ENVELOPE + 1024
+MAX_CLAIM_ENVELOPE = 256  # a contributor's signed scale of its slice (see ``bounds.Claim``)
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -299,6 +300,7 @@ class PartReq(Message, positional=True):
     partition: int = bounded(ge=0, le=MAX_GROUP)
     weight: float = bounded(ge=0.0, le=1e30)
     commit: bytes = bounded(b"", max_len=MAX_COMMIT_ENVELOPE)  # audited rounds: the signed commitment
+    scale: bytes = bounded(b"", max_len=MAX_CLAIM_ENVELOPE)  # the sender's signed scale (``bounds``)
 
 
 @dataclass(frozen=True)
@@ -306,6 +308,8 @@ class Ack(Message, positional=True):
     ok: bool = True
     reason: str = bounded("", max_len=512)
     attestation: bytes = bounded(b"", max_len=MAX_ATTESTATION)  # audited fetches: the reducer's signature
+    # fetches and relays of a result: each decided contributor's signed scale, in the decision's order
+    scales: tuple[bytes, ...] = bounded((), max_len=MAX_GROUP)
 
 
 @dataclass(frozen=True)
