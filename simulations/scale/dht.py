@@ -30,6 +30,7 @@ from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
+from simulations.scale.heap import few_collections
 from simulations.scale.model import World
 from simulations.scale.swarm import pct
 
@@ -213,5 +214,8 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
 
 
 def run_dht(spec: DhtSpec) -> dict[str, Any]:
-    result: dict[str, Any] = trio.run(simulate_dht, spec, clock=trio.testing.MockClock(autojump_threshold=0))
+    with few_collections():
+        result: dict[str, Any] = trio.run(
+            simulate_dht, spec, clock=trio.testing.MockClock(autojump_threshold=0)
+        )
     return result
