@@ -31,7 +31,9 @@ not compute bit for bit alike.
 
 from __future__ import annotations
 
+import enum
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,11 +59,33 @@ def _per_row(mode: Compression, shape: tuple[int, ...]) -> bool:
     return mode is Compression.INT8 and len(shape) >= 2 and shape[-1] > 0
 
 
-def encode_tensor(x: torch.Tensor, mode: Compression) -> bytes | memoryview:
-    """The wire bytes of a float tensor of any shape (as float32). ValueError on NaN/inf."""
+class Rounding(enum.StrEnum):
+    """How int8 of an activation or its gradient rounds a value to its row's grid (see the module
+    docstring): to the nearest point, or to one of the two around it at random, with the probability
+    that makes the decoded value's mean the value itself (unbiased)."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
+# The noise of stochastic rounding: a generator of its own, so that encoding does not move torch's
+# global one (which builds models and draws data); seeded from the system unless a benchmark reseeds it.
+_noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def seed_rounding(seed: int) -> None:
+    """Make stochastic rounding's draws repeat (benchmarks that compare runs seed by seed)."""
+    _noise.manual_seed(seed)
+
+
+def encode_tensor(
+    x: torch.Tensor, mode: Compression, rounding: Rounding = Rounding.NEAREST
+) -> bytes | memoryview:
+    """The wire bytes of a float tensor of any shape (as float32). ValueError on NaN/inf. ``rounding``
+    applies to int8 with one scale per row (tensors of 2 or more dimensions)."""
     values = x.detach().to(torch.float32)
     if _per_row(mode, tuple(x.shape)):
-        return _encode_rows(values.reshape(-1, x.shape[-1]))
+        return _encode_rows(values.reshape(-1, x.shape[-1]), rounding)
     return encode(values.reshape(-1).contiguous(), mode)
 
 
@@ -71,9 +95,10 @@ def wire_size(mode: Compression, shape: tuple[int, ...]) -> int:
     return encoded_size(mode, numel(shape))
 
 
-def _encode_rows(m: torch.Tensor) -> bytes:
+def _encode_rows(m: torch.Tensor, rounding: Rounding = Rounding.NEAREST) -> bytes:
     """int8 with one float32 scale per row (``absmax / 127``; a row of zeros: scale 0): all the scales,
-    then the int8 values, little-endian."""
+    then the int8 values, little-endian. Stochastic: ``v = x / scale`` goes to ``floor(v) + 1`` with
+    probability ``v - floor(v)`` (exact in float32), else to ``floor(v)``: the mean is ``v``."""
     absmax = m.abs().amax(dim=1) if m.numel() else torch.zeros(m.shape[0])
     if not bool(torch.isfinite(absmax).all()):
         raise ValueError("cannot encode a tensor that holds NaN or infinite values")
@@ -82,7 +107,15 @@ def _encode_rows(m: torch.Tensor) -> bytes:
     # decoder refuses it): step such scales down one ulp; the clamp below absorbs the tiny excess
     scale = torch.where(torch.isinf(scale * 127), torch.nextafter(scale, torch.zeros_like(scale)), scale)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.div(m, divisor[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    v = torch.div(m, divisor[:, None])
+    if rounding is Rounding.STOCHASTIC:
+        low = v.floor()
+        up = torch.rand(v.shape, generator=_noise) < (v - low)
+        v = low.add_(up)
+    else:
+        v = v.round_()
+    # (|v| <= 127 but for float rounding at a row's largest value: the clamp keeps it on the grid)
+    q = v.clamp_(-127, 127).to(torch.int8)
     return scale.numpy().astype("<f4", copy=False).tobytes() + q.numpy().tobytes()
 
 
@@ -131,6 +164,7 @@ class Wire:
 
     mode: Compression
     rank: int = 0
+    rounding: Rounding = Rounding.NEAREST  # int8 per row only (the low-rank factors round to nearest)
 
     @property
     def name(self) -> str:
@@ -155,7 +189,7 @@ class Wire:
     def encode(self, x: torch.Tensor) -> bytes | memoryview:
         dims = self._dims(tuple(x.shape))
         if dims is None:
-            return encode_tensor(x, self.mode)
+            return encode_tensor(x, self.mode, self.rounding)
         n, c, r = dims
         a, b = factor(x.detach().to(torch.float32).reshape(n, c), r)
         # (the factors as flat vectors: int8 in blocks of 1024, not per row: a row of the left factor
@@ -193,7 +227,7 @@ class Wire:
         truncations of two nearly equal matrices differ where their singular values r and r+1 are
         close: a coarser check, see docs/pipeline.md)."""
         if not self.rank:
-            return agree(a, b, self.mode)
+            return agree(a, b, self.mode, self.rounding)
         if a.shape != b.shape:
             return False
         if not a.numel():
@@ -233,15 +267,17 @@ def decode_tokens(buf: bytes | memoryview, shape: tuple[int, ...], vocab: int, w
     return ids
 
 
-def tolerance(a: torch.Tensor, mode: Compression) -> float:
+def tolerance(a: torch.Tensor, mode: Compression, rounding: Rounding = Rounding.NEAREST) -> float:
     """How far an honest peer's answer may lie from ``a``, another honest peer's answer to the same
-    input with the same weights (see the module docstring)."""
+    input with the same weights (see the module docstring). Stochastic rounding moves a value by up to
+    one step of its row's grid, not half of one: twice the bound of rounding to nearest."""
     m = float(a.abs().max()) if a.numel() else 0.0
-    return 2 * error_bound(a.reshape(-1).to(torch.float32), mode) + 1e-4 * m + 1e-6
+    times = 4 if rounding is Rounding.STOCHASTIC and mode is Compression.INT8 else 2
+    return times * error_bound(a.reshape(-1).to(torch.float32), mode) + 1e-4 * m + 1e-6
 
 
-def agree(a: torch.Tensor, b: torch.Tensor, mode: Compression) -> bool:
+def agree(a: torch.Tensor, b: torch.Tensor, mode: Compression, rounding: Rounding = Rounding.NEAREST) -> bool:
     """Whether two answers to one micro-batch agree within :func:`tolerance`."""
     if a.shape != b.shape:
         return False
-    return float((a - b).abs().max()) <= tolerance(a, mode) if a.numel() else True
+    return float((a - b).abs().max()) <= tolerance(a, mode, rounding) if a.numel() else True

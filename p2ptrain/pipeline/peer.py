@@ -45,6 +45,10 @@ from .transfer import NO_STATE, STATE, Snapshot, StateReq, StateResp, apply_snap
 
 log = logging.getLogger(__name__)
 
+# DiLoCo: the tied embedding's two copies step with this share of the sum of their stages' averaged
+# pseudo-gradients (0.5: their mean; see ``PipelinePeer._diloco_step`` and docs/pipeline.md)
+TIED_OUTER = 0.5
+
 FORGET_AFTER = 4  # directory refreshes without a peer's entry before it is forgotten
 
 
@@ -427,9 +431,10 @@ class PipelinePeer:
             heard | {self.node.identity.peer_id}, limit=2 * self.pipeline.timeout
         )
         # stage 0's embedding and the last stage's head are one tensor held twice: the two ends sum their
-        # gradients after their stage averages (``stagewise.tie_ends``); DiLoCo's stages keep them apart
-        # (their inner steps are every peer's own)
-        tied = tied_index(self.stage) if self.outer is None else None
+        # gradients after their stage averages (``stagewise.tie_ends``); under DiLoCo their inner steps
+        # are every peer's own, and the two ends tie their averaged pseudo-gradients at the outer steps
+        averages = self.outer is None or (self.step_number + 1) % self.local_steps == 0
+        tied = tied_index(self.stage) if averages else None
         ends: list[Candidate] = []
         if tied is not None:
             other = self.pipeline.num_stages - 1 - self.server.index
@@ -447,7 +452,7 @@ class PipelinePeer:
         grads, counted = self.server.close_step()
         tie: StageAverage | None = None
         members = max(1, len(mates | {self.node.identity.peer_id}))
-        averages = self.outer is None or (self.step_number + 1) % self.local_steps == 0
+        group = mates | {self.node.identity.peer_id}
         if unaware and averages:
             log.info(
                 "stage %d's peers %s do not know this peer serves yet: it sits out step %d's average and"
@@ -463,7 +468,9 @@ class PipelinePeer:
                     self.outer.reset_local(i)
                 self._round_samples = 0
         elif self.outer is not None:
-            avg = await self._diloco_step(grads, counted, members)
+            avg, tie = await self._diloco_step(
+                grads, counted, members, tied=tied, group=group, ends=len(partners)
+            )
         else:
             avg = await average_stage(
                 self.node.averager,
@@ -479,9 +486,9 @@ class PipelinePeer:
                     self.node.averager,
                     self.step_number,
                     grads[tied],
-                    group=mates | {self.node.identity.peer_id},
+                    group=group,
                     steps=avg.applied,
-                    members=len(mates | {self.node.identity.peer_id}) + len(partners),
+                    members=len(group) + len(partners),
                     timeout=max(30.0, 3 * self.pipeline.timeout),
                 )
             if avg.applied:
@@ -515,14 +522,31 @@ class PipelinePeer:
         self.metrics.steps.append(report)
         return report
 
-    async def _diloco_step(self, grads: list[torch.Tensor], counted: int, members: int) -> StageAverage:
+    async def _diloco_step(
+        self,
+        grads: list[torch.Tensor],
+        counted: int,
+        members: int,
+        *,
+        tied: int | None,
+        group: set[PeerID],
+        ends: int,
+    ) -> tuple[StageAverage, StageAverage | None]:
         """DiLoCo per stage: one inner step with this peer's own gradients; after every ``local_steps``-th
         step the stage's pseudo-gradients (global minus local weights) are averaged by its peers
         (``stagewise``, weighted by the samples each counted in the round) and the outer optimizer
         (``OuterStep``: Nesterov SGD) steps the global weights, which every peer's local weights restart
         from: the same average into the same outer state gives every peer of the stage the same weights.
         An aborted average aborts on every member: each then restarts from the global weights it held
-        (the round's inner steps are lost), so they stay identical too."""
+        (the round's inner steps are lost), so they stay identical too.
+
+        The tied embedding (``tied``: this stage's copy, on stage 0 and the last stage; ``group``: this
+        peer's stage group, ``ends``: the other end's peers in the round): after the stage average the
+        two ends' peers tie their copy's averaged pseudo-gradient (``stagewise.tie_ends``) and both
+        step their copy with the mean of the two ends' (:data:`TIED_OUTER`), the same value into the
+        same outer state: the copies stay equal after every outer step. When the tied round does not
+        apply (on every member alike), neither end moves its copy: its global value and outer momentum
+        are put back after the outer step."""
         assert self.server is not None and self.optimizer is not None and self.outer is not None
         if counted > 0:
             for p, g in zip(self.server.params, grads, strict=True):
@@ -531,25 +555,52 @@ class PipelinePeer:
             self.optimizer.zero_grad(set_to_none=True)
         self._round_samples += counted
         if (self.step_number + 1) % self.local_steps:
-            return StageAverage(True, 1, float(counted), "inner step")
+            return StageAverage(True, 1, float(counted), "inner step"), None
         outer = self.outer
         outer.pseudo_gradients()
+        buffer = outer.contribution.buffer
+        timeout = max(30.0, 3 * self.pipeline.timeout)
         avg = await average_stage(
             self.node.averager,
             self.server.index,
             self.step_number,
-            outer.contribution.buffer.tensors,
+            buffer.tensors,
             self._round_samples,
             members=members,
-            timeout=max(30.0, 3 * self.pipeline.timeout),
+            timeout=timeout,
         )
         self._round_samples = 0
-        if avg.applied:
-            outer.step(after=outer.reset_local)
-        else:
+        tie: StageAverage | None = None
+        if tied is not None:
+            tie = await tie_ends(
+                self.node.averager,
+                self.step_number,
+                buffer.views[tied],  # (a view: the sum lands in the buffer the outer step reads)
+                group=group,
+                steps=avg.applied,
+                members=len(group) + ends,
+                timeout=timeout,
+            )
+            if tie.applied:
+                with torch.no_grad():
+                    buffer.views[tied].mul_(TIED_OUTER)
+        if not avg.applied:
             for i in range(len(outer.params)):
                 outer.reset_local(i)
-        return avg
+            return avg, tie
+        kept: list[torch.Tensor] = []
+        if tied is not None and tie is not None and not tie.applied:
+            # (neither end moves its copy: the value and the momentum it held stay)
+            kept = [outer.global_params[tied].detach().clone()]
+            kept += [outer.momentum[tied].detach().clone()] if outer.momentum else []
+        outer.step(after=outer.reset_local)
+        if kept and tied is not None:
+            with torch.no_grad():
+                outer.global_params[tied].copy_(kept[0])
+                if outer.momentum:
+                    outer.momentum[tied].copy_(kept[1])
+            outer.reset_local(tied)
+        return avg, tie
 
     def stage_weights(self) -> list[torch.Tensor]:
         """The stage's agreed weights: the local ones (sync), or the global ones of the last outer step

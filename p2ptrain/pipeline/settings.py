@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..averaging.compression import DENSE, Compression, parse_compression
 from ..errors import ConfigError
-from .codec import Wire
+from .codec import Rounding, Wire
 
 MAX_STAGES = 64
 
@@ -42,6 +42,9 @@ class PipelineSection:
     # > 0: activations and their gradients travel as rank-r factors, each coded with ``compression``
     # (``codec.Wire``); 0: whole
     rank: int = 0
+    # int8: how a value rounds to its token's grid: "nearest" or "stochastic" (unbiased: the mean decoded
+    # value is the value; measured worse at 40 steps: see docs/pipeline.md, "Measured")
+    rounding: Rounding = Rounding.NEAREST
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -66,11 +69,17 @@ class PipelineSection:
             raise ConfigError(f"pipeline.compression: {e}") from None
         _check(mode in DENSE, "compression", "must be none, fp16, bf16 or int8 (top-k drops activations)")
         object.__setattr__(self, "compression", mode)
+        try:
+            object.__setattr__(self, "rounding", Rounding(self.rounding))
+        except ValueError:
+            raise ConfigError(
+                f"pipeline.rounding must be stochastic or nearest, not {self.rounding!r}"
+            ) from None
 
     @property
     def wire(self) -> Wire:
         """How activations and their gradients travel (``codec.Wire``)."""
-        return Wire(self.compression, self.rank)
+        return Wire(self.compression, self.rank, self.rounding)
 
     @property
     def enabled(self) -> bool:

@@ -33,7 +33,8 @@ weights evaluated are then the outer step's).
 Usage::
 
     python -m simulations.bench_pipeline [--steps 12] [--layers 8] [--embd 64] [--block 32]
-        [--rate-mbit 100] [--latency-ms 50] [--quick] [--json PATH]
+        [--rate-mbit 100] [--latency-ms 50] [--seed 0] [--rounding stochastic|nearest] [--quick]
+        [--json PATH]
 
 ``--quick``: 3 steps of a smaller model (a smoke run). The JSON report goes to PATH (default
 ``simulations/results/pipeline.json``; ``-``: stdout), a table to stderr.
@@ -60,7 +61,7 @@ from p2ptrain.averaging.compression import Compression
 from p2ptrain.config import DilocoSection
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork
-from p2ptrain.pipeline.codec import Wire
+from p2ptrain.pipeline.codec import Rounding, Wire, seed_rounding
 from p2ptrain.pipeline.peer import PipelinePeer, StepReport
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.stages import Stage, stage_loss
@@ -93,6 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--rank", type=int, default=0, help="pipeline.rank: low-rank activations (0: int8 alone)")
     ap.add_argument(
+        "--rounding",
+        default=PipelineSection().rounding.value,
+        choices=[r.value for r in Rounding],
+        help="pipeline.rounding: how int8 rounds activations and their gradients",
+    )
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the model's initial weights and the peers' data (0: the default)"
+    )
+    ap.add_argument(
         "--diloco", type=int, default=0, help="DiLoCo per stage with this many local steps (0: sync)"
     )
     ap.add_argument("--quick", action="store_true")
@@ -119,10 +129,10 @@ def val_loss(stages: list[Stage] | GPT, batches: list[tuple[torch.Tensor, torch.
 
 
 def data_parallel(
-    model_cfg: GPTConfig, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float
+    model_cfg: GPTConfig, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float, seed: int = SEED
 ) -> GPT:
     """The reference: the unsplit, tied GPT trained on the mean gradient of every peer's batches."""
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = GPT(model_cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for batch in steps:
@@ -143,12 +153,15 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
         timeout=30.0,
         rank=args.rank,
         local_steps=max(1, args.diloco),
+        rounding=Rounding(args.rounding),
     )
+    seed_rounding(args.seed)
     link = LinkProfile(latency=args.latency_ms / 1000, bandwidth=args.rate_mbit * 1e6 / 8)
     net = MemoryNetwork(seed=1, default=link)
     avg = AveragerConfig(target_size=8, min_size=1, matchmaking_time=1.0)
     peers: list[PipelinePeer] = []
-    iters = [task.batches(1000 + i, args.micro_batch) for i in range(args.peers)]
+    # (seed 0: the data every earlier run of this benchmark used)
+    iters = [task.batches(1000 + 100 * args.seed + i, args.micro_batch) for i in range(args.peers)]
     batches_per_step: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
     reports: list[list[StepReport]] = []
     walls: list[float] = []
@@ -172,7 +185,7 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
                 node,
                 pipeline,
                 model_cfg,
-                seed=SEED,
+                seed=args.seed,
                 lr=args.lr,
                 rng=random.Random(i),
                 diloco=DilocoSection() if args.diloco else None,
@@ -251,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     run = trio.run(run_pipeline, args, model_cfg, task, clock=trio.testing.MockClock(autojump_threshold=0))
     val = task.validation(16)[:4]
     pipe_loss = val_loss(run["stages"], val)
-    ref = data_parallel(model_cfg, run["batches"], args.lr)
+    ref = data_parallel(model_cfg, run["batches"], args.lr, args.seed)
     dp_loss = val_loss(ref, val)
     samples = sum(len(b) * args.micro_batch for b in run["batches"])
     tokens = samples * args.block
@@ -312,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         "bubble_bound": round(protocol / (ideal + protocol), 3),
         "bottleneck_share": [round(b / args.steps, 2) for b in bottleneck],
         "rank": args.rank,
+        "rounding": args.rounding,
+        "seed": args.seed,
         "diloco_local_steps": args.diloco,
         "activation_bytes_per_token_measured": round(sent / tokens, 1),
         "activation_bytes_per_token": {

@@ -3,7 +3,9 @@ every ``pipeline.local_steps`` steps with the stage-wise all-reduce, through DiL
 
 What is proved here (Nodes over the in-memory network on the virtual clock): between outer steps a
 stage's peers hold different local weights and the same global ones; after every outer step every peer
-of a stage holds the same weights, local and global; duplicated micro-batches run only on the first
+of a stage holds the same weights, local and global; the tied embedding's two copies (stage 0's and the
+last stage's) are equal, value and outer momentum, after every outer step, and when the two ends' tied
+round does not apply neither copy moves; duplicated micro-batches run only on the first
 inner step after an outer step (when a stage's peers agree) and find no mismatch; a run file with
 ``[pipeline]`` and ``training.mode = "diloco"`` builds a DiLoCo pipeline peer and its nodes train.
 """
@@ -17,9 +19,16 @@ from p2ptrain.averaging.compression import Compression
 from p2ptrain.config import DilocoSection, parse_config
 from p2ptrain.pipeline.peer import PipelinePeer
 from p2ptrain.pipeline.settings import PipelineSection
+from p2ptrain.pipeline.stages import tied_index
 from p2ptrain.pipeline.trainer import PipelineOptions, PipelineTrainer
 from p2ptrain.tasks import load_task
-from tests.integration.test_pipeline import Swarm, one_thread, pipeline_swarm, run_steps
+from tests.integration.test_pipeline import (
+    Swarm,
+    assert_stage_weights_identical,
+    one_thread,
+    pipeline_swarm,
+    run_steps,
+)
 
 __all__ = ["one_thread"]  # (the fixture: tiny matrices on one thread)
 
@@ -32,6 +41,18 @@ def local_digests(peers: list[PipelinePeer]) -> set[bytes]:
         flat = torch.cat([t.detach().reshape(-1) for t in p.stage.parameters() if t.requires_grad])
         out.add(flat.numpy().tobytes())
     return out
+
+
+def tied_copies(peers: list[PipelinePeer]) -> list[torch.Tensor]:
+    """Every peer's local copy of the tied embedding (stage 0's embedding, the last stage's head)."""
+    return [p.stage.wte.weight if p.stage.wte is not None else p.stage.lm_head.weight for p in peers]  # type: ignore[union-attr]
+
+
+def tied_outer(peer: PipelinePeer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A peer's global copy of the tied embedding and its outer momentum."""
+    i = tied_index(peer.stage)
+    assert i is not None and peer.outer is not None
+    return peer.outer.global_params[i], peer.outer.momentum[i]
 
 
 async def as_diloco(swarm: Swarm) -> None:
@@ -62,6 +83,19 @@ async def test_stage_peers_hold_identical_weights_after_every_outer_step(autojum
                             assert p.outer is not None
                             for g, t in zip(p.outer.global_params, p.outer.params, strict=True):
                                 assert torch.equal(g, t)
+                # the tied embedding: stage 0's copy and the last stage's, equal on every peer of both
+                # ends after every outer step (their inner steps are their own: apart in between)
+                copies = tied_copies(swarm.peers)
+                assert all(torch.equal(c, copies[0]) for c in copies) == outer, (step, "tied copies")
+                if outer:
+                    assert all(r.tied is not None and r.tied.applied and r.tied.members == 4 for r in reports)
+                    # the same value into the same outer state: global copies and momentum equal too
+                    states = [tied_outer(p) for p in swarm.peers]
+                    for value, momentum in states:
+                        assert torch.equal(value, copies[0]) and torch.equal(momentum, states[0][1])
+                    assert bool(states[0][1].abs().sum() > 0)
+                else:
+                    assert all(r.tied is None for r in reports)
         stats = [p.router.stats for p in swarm.peers if p.router is not None]
         assert sum(s.checks for s in stats) > 0
         assert sum(s.mismatches for s in stats) == 0
@@ -115,3 +149,32 @@ async def test_a_pipeline_run_file_in_diloco_mode_trains(autojump_clock):
             peers = [t.peer for t in trainers if t.peer.stage.index == stage]
             assert len(peers) == 2 and len({p.weights_digest() for p in peers}) == 1
             assert len(local_digests(peers)) == 1
+
+
+async def test_an_outer_step_whose_tied_round_does_not_apply_moves_neither_copy(autojump_clock, monkeypatch):
+    """When the two ends' tied round does not apply (it aborted: on every member alike), each stage
+    takes its outer step on every other tensor, and neither end moves its copy of the tied embedding,
+    nor its outer momentum: the copies stay equal."""
+    from p2ptrain.pipeline import peer as peer_module
+    from p2ptrain.pipeline.stagewise import StageAverage
+
+    async def aborted(*args, **kwargs) -> StageAverage:
+        return StageAverage(False, 0, 0.0, "aborted (test)")
+
+    pipeline = PipelineSection(stages=(0, 2), micro_batch=4, compression=Compression.INT8)
+    async with pipeline_swarm(pipeline, [0, 1, 0, 1]) as swarm:
+        await as_diloco(swarm)
+        with trio.fail_after(600):
+            await run_steps(swarm, H, 1, 4)  # one outer step, tied
+            before = [(v.clone(), m.clone()) for v, m in (tied_outer(p) for p in swarm.peers)]
+            others = [p.weights_digest() for p in swarm.peers]
+            monkeypatch.setattr(peer_module, "tie_ends", aborted)
+            reports = (await run_steps(swarm, H, 1, 4))[-1]  # the next outer step: its tied round aborts
+        assert all(r.average.applied and r.tied is not None and not r.tied.applied for r in reports)
+        for p, (value, momentum), digest in zip(swarm.peers, before, others, strict=True):
+            now_value, now_momentum = tied_outer(p)
+            assert torch.equal(now_value, value) and torch.equal(now_momentum, momentum)
+            assert p.weights_digest() != digest  # (the stage's other tensors took their outer step)
+        copies = tied_copies(swarm.peers)
+        assert all(torch.equal(c, copies[0]) for c in copies)
+        assert_stage_weights_identical(swarm)

@@ -86,7 +86,8 @@ def test_honest_low_rank_answers_agree_and_a_subtly_wrong_one_does_not():
 
 
 def test_a_run_files_rank_is_checked():
-    assert PipelineSection(stages=(0, 1), rank=8).wire == Wire(Compression.INT8, 8)
+    wire = PipelineSection(stages=(0, 1), rank=8).wire
+    assert (wire.mode, wire.rank) == (Compression.INT8, 8)
     for bad in (-1, 5000, 2.5, True):
         with pytest.raises(ConfigError, match="rank"):
             PipelineSection(stages=(0, 1), rank=bad)  # type: ignore[arg-type]

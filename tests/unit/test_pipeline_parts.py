@@ -151,6 +151,89 @@ def test_hostile_activations_are_refused() -> None:
     assert torch.equal(codec.decode_tokens(codec.encode_tokens(ids), (2, 2), 512, "t"), ids)
 
 
+def test_stochastic_rounding_is_unbiased() -> None:
+    """int8 rounding at random (``pipeline.rounding = "stochastic"``): each draw lands on one of the two
+    grid points around a value, and the mean of many draws converges to the value itself, where rounding
+    to the nearest point keeps its error however many draws are averaged."""
+    codec.seed_rounding(5)
+    torch.manual_seed(5)
+    shape = (2, 8, 32)
+    x = torch.randn(shape) * torch.logspace(-3, 1, 16).view(2, 8, 1)  # rows of very different scales
+    step = (x.abs().amax(dim=-1, keepdim=True) / 127).expand(shape)
+    sto = codec.Wire(Compression.INT8, rounding=codec.Rounding.STOCHASTIC)
+    near = codec.Wire(Compression.INT8, rounding=codec.Rounding.NEAREST)
+    draws = 4000
+    total = torch.zeros(shape, dtype=torch.float64)
+    for _ in range(draws):
+        out = sto.decode(sto.encode(x), shape, 1e4, "t")
+        assert float(((out - x).abs() / step).max()) < 1 + 1e-4  # one of the two points around x
+        assert sto.agree(x, out)
+        total += out
+    mean = (total / draws).to(torch.float32)
+    # a draw's error is at most one step, so its spread at most half a step: the mean's, over 4000
+    # draws, at most 0.008 steps; 0.05 steps is over six of those
+    assert float(((mean - x).abs() / step).max()) < 0.05
+    nearest = near.decode(near.encode(x), shape, 1e4, "t")
+    assert float(((nearest - x).abs() / step).max()) > 0.4  # nearest: a bias of up to half a step
+    # on average over the values: stochastic's mean error is far below nearest's
+    assert float(((mean - x).abs() / step).mean()) < 0.1 * float(((nearest - x).abs() / step).mean())
+    # the draws are the codec's own: torch's global generator (models, data) does not move
+    state = torch.get_rng_state()
+    sto.encode(x)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_stochastic_rounding_keeps_the_wire_checks() -> None:
+    """Rounding is the sender's business: the decoder, and so every check on what arrives, is the same.
+    An honest encoding stays within ``max_abs`` and finite; whatever bytes a hostile peer sends (seeded
+    random scales, values and sizes) decode to finite values within ``max_abs`` or are refused."""
+    codec.seed_rounding(6)
+    shape = (2, 4, 16)
+    sto = codec.Wire(Compression.INT8, rounding=codec.Rounding.STOCHASTIC)
+    x = torch.randn(shape)
+    x[0, 0, 0] = 9999.99  # a row's largest value right at max_abs: never rounded past it
+    for _ in range(200):
+        out = sto.decode(sto.encode(x), shape, 1e4, "t")
+        assert bool(torch.isfinite(out).all()) and float(out.abs().max()) <= 1e4
+    with pytest.raises(RemoteProtocolError, match="magnitude"):
+        sto.decode(sto.encode(x * 2), shape, 1e4, "t")
+    with pytest.raises(ValueError, match="NaN"):
+        sto.encode(torch.full(shape, float("nan")))
+    rng = np.random.default_rng(6)
+    rows, cols = 8, 16
+    specials = np.array([np.nan, np.inf, -np.inf, -1.0, 1e38, 3e38, 1e4 / 127, 1e4 / 126, 0.0], "<f4")
+    refused = 0
+    for trial in range(300):
+        scales = (rng.normal(size=rows) * 10.0 ** rng.integers(-3, 2)).astype("<f4")
+        scales = np.abs(scales) if trial % 3 else scales  # negative scales now and then
+        hits = rng.random(rows) < 0.2
+        scales[hits] = rng.choice(specials, size=int(hits.sum()))
+        values = rng.integers(-127, 128, size=rows * cols, dtype=np.int8)
+        if trial % 5 == 0:
+            values[int(rng.integers(0, values.size))] = -128  # outside the symmetric range
+        buf = scales.tobytes() + values.tobytes()
+        if trial % 7 == 0:
+            buf = buf[: int(rng.integers(0, len(buf)))]
+        try:
+            out = sto.decode(buf, shape, 1e4, "hostile")
+        except RemoteProtocolError:
+            refused += 1
+            continue
+        assert bool(torch.isfinite(out).all()) and float(out.abs().max()) <= 1e4
+    assert 0 < refused < 300
+
+
+def test_the_rounding_is_a_setting() -> None:
+    assert PipelineSection().rounding is codec.Rounding.NEAREST
+    assert PipelineSection().wire.rounding is codec.Rounding.NEAREST
+    run = parse_config({"pipeline": {"stages": [0, 2], "rounding": "stochastic"}})
+    assert run.pipeline.wire.rounding is codec.Rounding.STOCHASTIC
+    # the wire format is the same either way: a swarm that mixes the two interoperates
+    assert run.pipeline.wire.name == PipelineSection().wire.name == "int8"
+    with pytest.raises(ConfigError, match="rounding"):
+        PipelineSection(rounding="up")  # type: ignore[arg-type]
+
+
 def _peers(n: int) -> list[Identity]:
     return [Identity.generate() for _ in range(n)]
 
