@@ -46,8 +46,9 @@ from .transfer import NO_STATE, STATE, Snapshot, StateReq, StateResp, apply_snap
 log = logging.getLogger(__name__)
 
 # DiLoCo: the tied embedding's two copies step with this share of the sum of their stages' averaged
-# pseudo-gradients (0.5: their mean; see ``PipelinePeer._diloco_step`` and docs/pipeline.md)
-TIED_OUTER = 0.5
+# pseudo-gradients: 1, the sum, as the synchronous path sums the gradients (measured against the mean,
+# 0.5, with ``bench_pipeline --diloco 4 --tied-outer``: see docs/pipeline.md)
+TIED_OUTER = 1.0
 
 FORGET_AFTER = 4  # directory refreshes without a peer's entry before it is forgotten
 
@@ -543,7 +544,7 @@ class PipelinePeer:
         The tied embedding (``tied``: this stage's copy, on stage 0 and the last stage; ``group``: this
         peer's stage group, ``ends``: the other end's peers in the round): after the stage average the
         two ends' peers tie their copy's averaged pseudo-gradient (``stagewise.tie_ends``) and both
-        step their copy with the mean of the two ends' (:data:`TIED_OUTER`), the same value into the
+        step their copy with the sum of the two ends' (:data:`TIED_OUTER`), the same value into the
         same outer state: the copies stay equal after every outer step. When the tied round does not
         apply (on every member alike), neither end moves its copy: its global value and outer momentum
         are put back after the outer step."""
@@ -581,7 +582,7 @@ class PipelinePeer:
                 members=len(group) + ends,
                 timeout=timeout,
             )
-            if tie.applied:
+            if tie.applied and TIED_OUTER != 1.0:
                 with torch.no_grad():
                     buffer.views[tied].mul_(TIED_OUTER)
         if not avg.applied:

@@ -21,7 +21,7 @@ one more round, under ``pipeline/tied/<step>``, on that tensor alone (uncompress
 apply the *sum* of the two stages' agreed gradients, the tied tensor's gradient, with the same AdamW
 state to the same values: the embedding and the head stay one tensor held twice, as in the unsplit
 model. Under DiLoCo the same round ties the copies' averaged pseudo-gradients at every outer step
-(``PipelinePeer._diloco_step``: both ends then step their copy with the mean of the two), so the copies
+(``PipelinePeer._diloco_step``: both ends then step their copy with the sum of the two), so the copies
 are equal after every outer step and apart only within an epoch of inner steps.
 
 Every member of a stage holds the same agreed gradient ``g`` of its copy, and every member brings it,

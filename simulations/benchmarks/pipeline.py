@@ -27,7 +27,9 @@ Reported:
 ``--diloco H``: each stage's peers run DiLoCo (``training.mode = "diloco"``, ``pipeline.local_steps``
 H): inner AdamW steps alone, an outer average every H steps; the data-parallel reference stays
 synchronous, so the gap is DiLoCo per stage against sync at equal tokens (end on a multiple of H: the
-weights evaluated are then the outer step's).
+weights evaluated are then the outer step's). The tied embedding's copies are tied at the outer steps;
+``--untie`` (an ablation) trains them apart, as the pipeline did before, and ``--tied-outer F`` steps each
+copy with F times the two ends' summed pseudo-gradients (the pipeline's 1: their sum).
 * the largest share of the parameters one peer holds (target: at most ~30%).
 
 Usage::
@@ -61,6 +63,7 @@ from p2ptrain.averaging.compression import Compression
 from p2ptrain.config import DilocoSection
 from p2ptrain.identity import Identity
 from p2ptrain.net import LinkProfile, MemoryNetwork
+from p2ptrain.pipeline import peer as peer_module
 from p2ptrain.pipeline.codec import Rounding, Wire, seed_rounding
 from p2ptrain.pipeline.peer import PipelinePeer, StepReport
 from p2ptrain.pipeline.settings import PipelineSection
@@ -104,6 +107,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--diloco", type=int, default=0, help="DiLoCo per stage with this many local steps (0: sync)"
+    )
+    ap.add_argument(
+        "--untie",
+        action="store_true",
+        help="ablation: the embedding's two copies trained apart (no tied round), as before they were tied",
+    )
+    ap.add_argument(
+        "--tied-outer",
+        type=float,
+        default=None,
+        help="ablation under --diloco: the share of the two ends' summed pseudo-gradients each copy steps"
+        " with (default: the pipeline's, 1: their sum)",
     )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--verbose", action="store_true")
@@ -249,6 +264,10 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.untie:  # (an ablation: no stage holds a tied copy, so no tied round runs)
+        peer_module.tied_index = lambda stage: None
+    if args.tied_outer is not None:
+        peer_module.TIED_OUTER = args.tied_outer
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(relativeCreated)d %(name)s %(message)s",
@@ -328,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         "rounding": args.rounding,
         "seed": args.seed,
         "diloco_local_steps": args.diloco,
+        "untied": args.untie,
+        "tied_outer": peer_module.TIED_OUTER,
         "activation_bytes_per_token_measured": round(sent / tokens, 1),
         "activation_bytes_per_token": {
             m: round(b / (args.micro_batch * args.block), 1) for m, b in per_mb.items()
