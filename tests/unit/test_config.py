@@ -32,6 +32,7 @@ from p2ptrain.config import (
 )
 from p2ptrain.errors import ConfigError
 from p2ptrain.net.address import PeerAddress
+from p2ptrain.pipeline.codec import Rounding
 from p2ptrain.pipeline.settings import PipelineSection
 
 SECTIONS = (
@@ -112,6 +113,7 @@ DEFAULTS = {
     "pipeline.max_abs": 1e4,
     "pipeline.local_steps": 8,
     "pipeline.rank": 0,
+    "pipeline.rounding": Rounding.NEAREST,
     "node.listen": (("0.0.0.0", 31337),),
     "node.announce": None,
     "node.source_address": "",
