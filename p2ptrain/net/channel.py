@@ -77,6 +77,69 @@ SEND_TIMEOUT = 60.0
 channel); if the remote reads nothing for this long, the connection is closed instead."""
 
 
+FRAME_SECONDS = 0.05
+"""Background bulk (a state download, a replayed result: catching up, never a round's own traffic) is
+sent in records of about this long at the rate the connection drains (:meth:`DrainRate.piece`), so that a
+control message sent behind it (a progress record, a join request, a DHT reply) waits for at most one
+such record plus what the kernel and the network hold (see ``UNSENT_SECONDS``). At a fixed 1 MiB a record
+takes 0.84 s on a 10 Mbit/s link, and a home peer catching up on one had its records and join requests
+arrive a second or more late behind the records in flight."""
+MIN_PIECE = 64 * 1024  # (= BULK_BODY: a background record still counts as bulk at the SendGate)
+_PIECE_STEP = 16 * 1024
+
+
+class DrainRate:
+    """How fast a connection drains, from the time its large sends take (pure: times in, a size out).
+
+    A send returns once the transport took all of it, and while the sender keeps it busy the transport
+    takes bytes only as fast as they leave, so a send's bytes over its duration sample the rate. Only a
+    large send that began as the large one before it ended counts: one that found the transport idle
+    returns before its bytes left (the kernel, or the network, holds some) and would sample a rate the
+    link does not have. A slower sample is taken at once; a faster one moves the time per byte by a
+    quarter (the time, not the rate: one fast sample cannot multiply the rate). Until a sample, a
+    background record is the smallest size (a fresh connection may be slow); once sends take no time,
+    the largest.
+    """
+
+    ALPHA = 0.25
+    BACK_TO_BACK = 0.005  # seconds between the end of one send and the next's start that still count
+
+    def __init__(self) -> None:
+        self.seconds_per_byte: float | None = None
+        self._last_end: float | None = None
+
+    def sent(self, nbytes: int, began: float, ended: float) -> None:
+        """Account for a send of ``nbytes`` from ``began`` to ``ended`` (seconds on one clock)."""
+        busy = self._last_end is not None and began - self._last_end <= self.BACK_TO_BACK
+        self._last_end = ended if nbytes >= MIN_PIECE else None  # (a short send leaves the link idle)
+        if nbytes < MIN_PIECE or not busy:
+            return  # a short send says little; one after a pause found the link idle
+        sample = max(ended - began, 0.0) / nbytes
+        if self.seconds_per_byte is None or sample > self.seconds_per_byte:
+            self.seconds_per_byte = sample  # slower: at once (a control message's wait is at stake)
+        else:
+            self.seconds_per_byte += self.ALPHA * (sample - self.seconds_per_byte)
+
+    @property
+    def rate(self) -> float | None:
+        """Bytes per second: None until measured, inf where sends take no time."""
+        spb = self.seconds_per_byte
+        if spb is None:
+            return None
+        return float("inf") if spb <= 0 else 1.0 / spb
+
+    def piece(self, seconds: float = FRAME_SECONDS) -> int:
+        """The size of a background record: what drains in ``seconds``, between MIN_PIECE and MAX_CHUNK
+        (MIN_PIECE until measured)."""
+        rate = self.rate
+        if rate is None:
+            return MIN_PIECE
+        if rate == float("inf"):
+            return MAX_CHUNK
+        want = int(rate * seconds) // _PIECE_STEP * _PIECE_STEP
+        return min(max(want, MIN_PIECE), MAX_CHUNK)
+
+
 class UnsentBudget:
     """How much not yet sent data a connection lets the kernel hold (pure: sends in, a size out).
 
@@ -139,6 +202,7 @@ class FramedStream:
                 self._unsent = UnsentBudget()
             except OSError:  # not TCP: nothing to tune
                 pass
+        self.drain = DrainRate()
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -165,11 +229,13 @@ class FramedStream:
         """Send bytes that already carry their length prefix (the encrypted channel's frames)."""
         timed = self._unsent is not None and len(data) >= _TIMED_SEND
         began = time.perf_counter() if timed else 0.0
+        since = trio.current_time()  # (trio's clock: virtual on the in-memory network)
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionClosed(f"connection lost while sending: {e}") from None
         self.bytes_sent += len(data)
+        self.drain.sent(len(data), since, trio.current_time())
         if timed:
             self._retune(len(data), time.perf_counter() - began)
 
@@ -505,7 +571,7 @@ class BodyBuffers:
             self._taken.pop()
 
 
-BULK_BODY = 64 * 1024
+BULK_BODY = MIN_PIECE
 """Records with a body at least this large are bulk data: waiting to be sent, they let smaller ones go
 first (see :class:`SendGate`)."""
 
@@ -583,6 +649,10 @@ class SecureChannel:
                 raise ConnectionClosed(f"the remote read nothing for {SEND_TIMEOUT:g} s")
         finally:
             self._gate.release()
+
+    def bulk_piece(self) -> int:
+        """The body size for background bulk records on this channel (see :data:`FRAME_SECONDS`)."""
+        return self.framed.drain.piece()
 
     async def receive(self, sink: BodySink | None = None) -> tuple[memoryview, memoryview]:
         """The next record: (header, body); the body goes where ``sink`` says (see :func:`open_record`),

@@ -253,7 +253,9 @@ class Connection:
         call_id = next(self._ids)
         call = _OutCall(method)
         if streaming:
-            call.stream = ClientStream(call_id, self._send, self.config.stream_window, call, self._result)
+            call.stream = ClientStream(
+                call_id, self._send, self.config.stream_window, call, self._result, self.channel.bulk_piece
+            )
         self._out[call_id] = call
         self._last_busy = trio.current_time()
         return call_id, call
@@ -475,7 +477,7 @@ class Connection:
         scope = trio.CancelScope(deadline=trio.current_time() + req.timeout)
         inc = _InCall(scope, method=req.method if self._registry.get(req.method) is not None else OTHER)
         if req.streaming:
-            inc.stream = RpcStream(req.id, self._send, self.config.stream_window)
+            inc.stream = RpcStream(req.id, self._send, self.config.stream_window, self.channel.bulk_piece)
         self._in[req.id] = inc
         self._last_busy = trio.current_time()
         self._nursery.start_soon(self._serve, req, body, inc)
@@ -566,10 +568,12 @@ class ClientStream(RpcStream, Generic[Resp]):
         window: int,
         call: _OutCall,
         result: Callable[[int, _OutCall], Any],
+        background_piece: Callable[[], int] | None = None,
     ) -> None:
-        """``send`` and ``window``: the connection's, as for any stream; ``call``: the call this stream
-        belongs to; ``result``: how the connection turns a finished call into its response."""
-        super().__init__(call_id, send, window)
+        """``send``, ``window`` and ``background_piece``: the connection's, as for any stream; ``call``:
+        the call this stream belongs to; ``result``: how the connection turns a finished call into its
+        response."""
+        super().__init__(call_id, send, window, background_piece)
         self._call = call
         self._result = result
 

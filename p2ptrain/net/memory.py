@@ -1,9 +1,12 @@
 """An in-memory network with latency, bandwidth, loss and partitions, behind the Transport interface.
 
 Theory of operation: each connection is a pair of one-way pipes. A write is stamped with the virtual
-time at which it would arrive: the link serializes writes at its bandwidth, adds its latency, and a
-"lost" write arrives one retransmission timeout later (a byte stream never loses data, it stalls, as
-TCP does). Pipes hold a bounded number of bytes in flight, so writers feel backpressure. A partition
+time at which it would arrive: the link serializes writes at its bandwidth (after the sender's access
+link and before the receiver's, where hosts have one: :meth:`MemoryNetwork.set_access`, shared by all
+of a host's connections), adds its latency, and a "lost" write arrives one retransmission timeout later
+(a byte stream never loses data, it stalls, as TCP does). A write returns once what is ahead of it
+would be through within ``SEND_QUEUE_SECONDS``, as a TCP sender's kernel takes only that much, and
+pipes hold a bounded number of unread bytes, so writers feel backpressure. A partition
 freezes delivery between the two sides and makes new dials hang, as a real network split does;
 :meth:`MemoryNetwork.kill` resets every connection of a host, as a crashed process would.
 
@@ -21,6 +24,12 @@ import trio
 from .transport import StreamHandler
 
 _PIPE_LIMIT = 4 * 1024 * 1024
+SEND_QUEUE_SECONDS = 0.05
+"""On a link with a bandwidth, a write returns once what is queued ahead of its last byte would leave
+within this long: the time's worth of unsent data a TCP sender's kernel takes (``TCP_NOTSENT_LOWAT``,
+see ``channel.UNSENT_SECONDS``) plus what its congestion window keeps queued at the bottleneck. Without
+it a writer queued up to ``_PIPE_LIMIT`` ahead of the link (3.4 s at 10 Mbit/s), which no TCP
+connection does, and every message written behind a bulk transfer waited that long."""
 
 
 @dataclass
@@ -64,18 +73,24 @@ class _Pipe:
             raise trio.BrokenResourceError("connection reset")
         now = trio.current_time()
         prof = self.net.profile(self.src, self.dst)
+        n = len(data)
         start = max(now, self.link_free_at)
+        start = self.net.through_uplink(self.src, start, n)
         if prof.bandwidth:
-            start += len(data) / prof.bandwidth
+            start += n / prof.bandwidth
         self.link_free_at = start
-        arrival = start + prof.latency
+        arrival = self.net.through_downlink(self.dst, start + prof.latency, n)
+        leaves = arrival - prof.latency  # when its last byte is through the slowest link on the way
         if prof.loss and self.net.rng.random() < prof.loss:
             arrival += prof.rto
         self.last_arrival = max(self.last_arrival, arrival)
         self.queue.append((self.last_arrival, data))
-        self.in_flight += len(data)
+        self.in_flight += n
         self.wake()
         await trio.lowlevel.checkpoint()
+        until = leaves - SEND_QUEUE_SECONDS
+        while trio.current_time() < until and not self.broken and not self.reader_gone:
+            await self._wait(until)
 
     async def read(self, max_bytes: int) -> bytes:
         while True:
@@ -154,6 +169,9 @@ class MemoryNetwork:
     def __init__(self, *, default: LinkProfile | None = None, seed: int = 0) -> None:
         self.default = default or LinkProfile()
         self.links: dict[tuple[str, str], LinkProfile] = {}
+        self._access: dict[str, tuple[float | None, float | None]] = {}  # host -> (up, down), bytes/s
+        self._up_free: dict[str, float] = {}  # when each access link is free again, each way
+        self._down_free: dict[str, float] = {}
         self.rng = random.Random(seed)
         self._listeners: dict[tuple[str, int], StreamHandler] = {}
         self._serve_nurseries: dict[tuple[str, int], trio.Nursery] = {}
@@ -167,6 +185,32 @@ class MemoryNetwork:
         self._next_port = 40000
 
     # ---- conditions ----
+
+    def set_access(self, host: str, *, up: float | None = None, down: float | None = None) -> None:
+        """Give ``host`` an access link (bytes per second each way; None: unlimited) that all its
+        connections share, as a home connection's router does: bytes to and from every peer queue in
+        one line each way, on top of each path's own ``LinkProfile``."""
+        self._access[host] = (up, down)
+        self._up_free.setdefault(host, 0.0)
+        self._down_free.setdefault(host, 0.0)
+
+    def through_uplink(self, host: str, ready: float, nbytes: int) -> float:
+        """When ``nbytes`` ready to leave ``host`` at ``ready`` are through its uplink (and book it)."""
+        up = self._access.get(host, (None, None))[0]
+        if not up:
+            return ready
+        done = max(ready, self._up_free[host]) + nbytes / up
+        self._up_free[host] = done
+        return done
+
+    def through_downlink(self, host: str, arriving: float, nbytes: int) -> float:
+        """When ``nbytes`` arriving at ``host``'s downlink at ``arriving`` are through it (and book it)."""
+        down = self._access.get(host, (None, None))[1]
+        if not down:
+            return arriving
+        done = max(arriving, self._down_free[host]) + nbytes / down
+        self._down_free[host] = done
+        return done
 
     def profile(self, src: str, dst: str) -> LinkProfile:
         return self.links.get((src, dst), self.default)

@@ -253,6 +253,9 @@ class PlainChannel(SecureChannel):
     async def send(self, header: bytes, body: bytes | bytearray | memoryview = b"") -> None:
         await self._framing.send_record(header, body)
 
+    def bulk_piece(self) -> int:
+        return MAX_CHUNK  # (whole messages: nothing here is paced by the time a send takes)
+
     async def receive(self, sink: BodySink | None = None) -> tuple[memoryview, memoryview]:
         header, body = await self._framing.receive_plain()
         head = memoryview(header)

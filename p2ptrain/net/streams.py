@@ -34,9 +34,18 @@ SendFn = Callable[["Message", "bytes | memoryview"], Awaitable[None]]
 class RpcStream:
     """The byte stream of one streaming call, as seen from one end."""
 
-    def __init__(self, call_id: int, send: SendFn, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        call_id: int,
+        send: SendFn,
+        window: int = DEFAULT_WINDOW,
+        background_piece: Callable[[], int] | None = None,
+    ) -> None:
+        """``background_piece``: the record size for ``send(..., background=True)`` (the connection's
+        :meth:`~p2ptrain.net.channel.SecureChannel.bulk_piece`); MAX_CHUNK without one."""
         self.call_id = call_id
         self._send = send
+        self._background_piece = background_piece
         if window < INITIAL_WINDOW:
             raise LocalProtocolError(f"a stream window must be at least {INITIAL_WINDOW} bytes")
         self._window = window
@@ -69,8 +78,13 @@ class RpcStream:
 
     # ---- application side ----
 
-    async def send(self, data: bytes | memoryview) -> None:
+    async def send(self, data: bytes | memoryview, *, background: bool = False) -> None:
         """Send bytes, in chunks, waiting for the receiver's credit (backpressure).
+
+        ``background``: bulk that must not hold control messages up (catching up: a state download, a
+        replayed result): records of what the connection drains in a fraction of a second
+        (:data:`~p2ptrain.net.channel.FRAME_SECONDS`), so a control message queued behind waits that
+        long at most. The receiver must then read the bytes as a stream, not a record per ``send``.
 
         Once the remote has answered the call it reads nothing more, so the rest is discarded and the
         answer waits in ``response()`` (as an HTTP/2 server may answer before the request body ends).
@@ -78,8 +92,13 @@ class RpcStream:
         if self._sent_eof:
             raise LocalProtocolError("send after send_eof")
         view = memoryview(data).cast("B")
-        for start in range(0, len(view), self._chunk):
-            piece = view[start : start + self._chunk]
+        start = 0
+        while start < len(view):
+            size = self._chunk
+            if background and self._background_piece is not None:
+                size = max(1, min(self._chunk, self._background_piece()))
+            piece = view[start : start + size]
+            start += len(piece)
             while self._credit < len(piece) and not self._answered:
                 self._raise_if_failed()
                 await self._credit_changed.wait()

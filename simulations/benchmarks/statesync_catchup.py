@@ -6,9 +6,12 @@ in-memory network (``p2ptrain.net.memory``) on trio's virtual clock: ``--fast`` 
 links, then, once they took a few steps, a home peer whose links to each of them carry ``--rate-mbit``
 each way. Each peer computes one batch per ``--compute`` virtual seconds; the target batch makes a step
 take about ``--step-s`` seconds of the swarm's compute, less than the home peer's state download (the
-report says both). The in-memory network shapes each pair of peers apart, so the home peer downloads
-from one donor at a time (``statesync.max_donors = 1``) as its own link would allow; its rounds send to
-several peers at once, which is kinder to it than one shared uplink.
+report says both). By default the in-memory network shapes each pair of peers apart, so the home peer
+downloads from one donor at a time (``statesync.max_donors = 1``) as its own link would allow; its
+rounds send to several peers at once, which is kinder to it than one shared uplink. ``--access`` gives
+the home peer one access link instead, shared by all its connections each way, as a home router's is
+(``MemoryNetwork.set_access``): a download, a replay and its rounds then queue on one line, as in the
+namespace lab (``simulations.benchmarks.statesync_home``).
 
 It runs twice: with ``statesync.replay_steps`` at its default (a peer a few steps behind replays the
 missed steps' results, ``p2ptrain.training.state.replay``) and at 0 (the code before: every catch-up is
@@ -19,7 +22,7 @@ downloads and replayed steps, and whether every peer held the same parameters at
 Usage::
 
     python -m simulations.benchmarks.statesync_catchup [--rate-mbit 10] [--params 1000000] [--fast 3]
-        [--seconds 120] [--compute 1.0] [--step-s 4.0] [--json PATH]
+        [--seconds 120] [--compute 1.0] [--step-s 4.0] [--access] [--no-baseline] [--json PATH]
 
 The JSON report goes to PATH (default ``simulations/results/statesync_catchup.json``; ``-``: stdout), a
 table to stderr.
@@ -128,8 +131,12 @@ async def swarm(args: argparse.Namespace, replay_steps: int) -> dict[str, Any]:
 
     async with trio.open_nursery() as nursery:
         fast = [await start(nursery, cfg) for _ in range(args.fast)]
-        for p in fast:
-            net.set_link(f"p{p.index}", f"p{args.fast}", LinkProfile(bandwidth=args.rate_mbit * 1e6 / 8))
+        rate = args.rate_mbit * 1e6 / 8
+        if args.access:  # one access link, shared by all its connections (as behind a home router)
+            net.set_access(f"p{args.fast}", up=rate, down=rate)
+        else:
+            for p in fast:
+                net.set_link(f"p{p.index}", f"p{args.fast}", LinkProfile(bandwidth=rate))
         with trio.fail_after(600):
             while fast[0].opt.epoch < 3:  # noqa: ASYNC110  (the peers' loops move it)
                 await trio.sleep(0.1)
@@ -205,21 +212,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="virtual seconds measured (default 120)")
     parser.add_argument("--compute", type=float, default=1.0, help="virtual seconds per batch (default 1)")
     parser.add_argument("--step-s", type=float, default=4.0, help="compute seconds per step (default 4)")
+    parser.add_argument(
+        "--access", action="store_true", help="the home's rate is one access link all its connections share"
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run with replay_steps 0")
     parser.add_argument("--json", default=DEFAULT_JSON, metavar="PATH")
     args = parser.parse_args(argv)
     words = [f"python -m {MODULE}", f"--rate-mbit {args.rate_mbit:g}", f"--params {args.params}"]
     words += [f"--fast {args.fast}", f"--seconds {args.seconds:g}", f"--compute {args.compute:g}"]
     words += [f"--step-s {args.step_s:g}"]
+    words += ["--access"] if args.access else []
+    words += ["--no-baseline"] if args.no_baseline else []
     report: dict[str, Any] = {
         "benchmark": "state-sync-catchup",
         "command": " ".join(words),
         "environment": base_environment(("p2ptrain", "torch", "trio")),
-        "emulation": "in-memory network, virtual clock; the home peer's links shaped per pair",
+        "emulation": "in-memory network, virtual clock; "
+        + (
+            "the home peer's one access link, shared"
+            if args.access
+            else "the home peer's links shaped per pair"
+        ),
         "target": f"the home peer averages in >= {100 * TARGET:g}% of the steps it is present for",
         "results": [],
     }
     began = time.perf_counter()
-    for replay in (RunConfig().statesync.replay_steps, 0):
+    default = RunConfig().statesync.replay_steps
+    for replay in (default,) if args.no_baseline else (default, 0):
         print(f"replay_steps = {replay} ...", file=sys.stderr, flush=True)
         result = trio.run(swarm, args, replay, clock=trio.testing.MockClock(autojump_threshold=0))
         report["results"].append(result)

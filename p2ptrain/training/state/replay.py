@@ -253,7 +253,7 @@ class ResultStore:
         else:  # a disk read of a large result may take a while: not on the event loop
             data = memoryview(await trio.to_thread.run_sync(kept.read))
         for at in range(0, len(data), PIECE):
-            await stream.send(data[at : at + PIECE])
+            await stream.send(data[at : at + PIECE], background=True)  # (control messages go first)
             self.served_bytes += min(PIECE, len(data) - at)
         await stream.send_eof()
         return StreamDone(True)

@@ -245,7 +245,7 @@ class StateServer:
                     data = snap.read(i)
                 else:  # a large state need not be in the page cache: a disk read may take a while
                     data = await trio.to_thread.run_sync(snap.read, i)
-                await stream.send(data)
+                await stream.send(data, background=True)  # (catching up: control messages go first)
                 snap.last_used = trio.current_time()
                 self.served_bytes += len(data)
                 self.served_chunks += 1
