@@ -297,7 +297,7 @@ class AllReduceRound:
             with trio.fail_after(max(0.0, (deadline or m.at.scatter) - trio.current_time())):
                 conn = await self.host.connect(addr)
                 async with conn.open_stream(
-                    PART, PartReq(self.digest, p, m.weight, commit), timeout=time_left(m.at.end)
+                    PART, PartReq(self.digest, p, m.weight, commit, t.claim(p)), timeout=time_left(m.at.end)
                 ) as stream:
                     for index, piece in enumerate(pieces):
                         await stream.send(piece)
@@ -364,7 +364,7 @@ class AllReduceRound:
             red.attestation = self._attest(p, red, decision)
         assert red.result is not None
         if all_finite(red.result):
-            self.tensors.write_result(p, red.result)
+            self.tensors.write_result(p, red.result, red.scales)
         else:  # never applied here, whoever built it (the others check what we serve themselves)
             log.warning("round %s: %s", self.digest.hex()[:8], m.spoilt(p, "it holds NaN or infinite values"))
         m.finalized(p)

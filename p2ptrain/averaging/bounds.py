@@ -1,75 +1,109 @@
-"""Bounds on a round's result that a member checks alone, before anything of it is applied (pure).
+"""Bounds on a round's result that a member checks alone, before anything of it is applied.
 
-Theory of operation: a partition's result is the weighted mean (or a robust rule: trimmed mean,
-centered clip) of its contributors' slices, so it is no larger than the largest honest slice:
-``||mean|| <= max_i ||x_i||`` (the triangle inequality, weights positive), and every robust rule here
-keeps each coordinate within the range of the slices it kept. A member holds one of those slices, its
-own, and knows how large it is. So before a fetched partition lands, the member checks it against its
-own values (:class:`ResultCheck`, chunk by chunk as they arrive), with the partition's :class:`Limit`:
+The invariant: **a member applies a partition's result only if it is within the limit its decided
+contributors' signed scales give** (:func:`result_limit`), each scale believed no further than this
+member's own cap on its signer (:func:`cap`); and **an honest reducer adds a slice only if it is within
+its sender's signed scale and the reducer's cap on that sender** (:func:`widened`, :func:`over_cap`). The
+form checks (sizes, encodings, finite values) come first and stay as they were.
 
-- norm: ``||result_p|| <= BOUND * max(||own_p||, rms * sqrt(d_p)) + SLACK * sqrt(d_p)``, where ``rms``
-  is this member's typical element over the whole vector it sends (a partition where its own values are
-  all zero, or small by chance, is bounded by its values elsewhere);
-- magnitude: ``max|result_p| <= BOUND * absmax + SLACK``, ``absmax`` the largest value it sends.
+The evidence: every contributor signs, with its identity key, the scale of its slice of each partition
+(:class:`Claim`: round, partition, sum of squares, largest magnitude, count; :func:`seal_claim`) and sends
+it with the slice. The reducer checks the slice against it as it arrives (a slice larger than its own
+signed scale is refused and its sender left out: a liar's claim must match its data) and serves the
+decided contributors' signed scales, in the decision's order, with the partition's result (with its
+relays too). The fetching member opens each with the contributor's key from the manifest
+(:func:`open_claim`: another signer, round, partition or size is a malformed result, its server's fault),
+and bounds the result by what those scales allow:
 
-A reducer holds every contributor's slice of its partition to the same limit, against its own values
-(``reducer``: a slice beyond it is refused and its sender left out), so an honest reducer's mean stays
-within ``BOUND`` times its own values: one hostile contributor sending huge values cannot make the
-members refuse an honest reducer's result (and ban it).
+- plain weighted mean: ``||sum w_i x_i / W|| <= sum (w_i / W) ||x_i||`` and ``max|.| <= sum (w_i / W)
+  absmax_i`` (the triangle inequality, weights positive, the decision's weights);
+- trimmed mean (``t`` rows trimmed each way; a row is an origin's mean, no larger than its members'
+  mean scale): each kept value lies within the coordinate's ``(t+1)``-th largest and smallest, so leaving
+  out any ``t`` rows some other row is at least as large there: the norm is at most the root of the sum
+  of the squared norms of all rows but the ``t`` largest, the magnitude at most the ``(t+1)``-th largest;
+- centered clip: it starts at the lower coordinate-wise median (within the rows but the ``q = (k-1)//2``
+  largest, as above), and each of its ``CLIP_ITERATIONS`` steps moves it by at most ``tau``, the lower
+  median of the rows' distances to that start (at most the ``q``-th smallest row norm plus the start's);
+- each scale widened by the compression's rounding (``QUANTIZATION``: ``norm (1+eps) + eps absmax
+  sqrt(d)``), and the result again (it is encoded with the round's compression too).
 
-Where every value it sends is zero, its recent accepted result stands in for its own values
-(:class:`ResultHistory`, recorded only from rounds bounded by its own values, so a liar cannot ratchet
-it up round after round). A member with neither (it sent only zeros and never accepted a result) has
-nothing to bound by: :func:`limit` returns None, and only the form checks apply (its tensors are the
-caller's business: the training loop never averages an all-zero contribution). A member whose own
-values are not finite (the averager refuses such tensors; only a member that spoils its own buffer
-mid-round has them) has no size either, and an infinite bound would pass anything: its limit is
-:data:`NOTHING`, which no result and no slice passes. No comparison here passes on NaN: each is written
-``not value <= bound``.
+The result's chunks land as they arrive (finite, well formed); its scales come last and decide before
+the partition counts as held. In place, the member's own values of the partition are saved first and
+go back if the result is refused. Honest results pass: the limit is the honest slices' own sizes
+combined as the rule combines them, however far apart the members' work is (a DiLoCo host with one
+inner step beside one with a hundred, a member 70x its mate, sparse rows: its own slice zero where
+others' are not, a member that sends only zeros). ``tests/unit/test_result_bounds_signed.py`` draws such
+rounds over many seeds, through a real reducer.
 
-``BOUND`` is 32. Honest results stay inside it: the ratio ``||result|| / ||own||`` is at most the
-spread of the honest slices' norms, and that spread comes from the members' differences in work per
-round. Sync gradients of batches of 1 and of 1,000 samples differ ~32x in noise norm, but a
-sample-weighted mean is smaller than the noisier slice, and robust rules weigh rows alike (~10x at
-most in draws of such groups). DiLoCo pseudo-gradients grow with a host's inner steps (under Adam about
-linearly while its steps stay aligned, as the square root once they do not): a host 16x slower than the
-fastest member of its group sees up to ~16x its own norm (the aligned worst case), half the bound.
-Quantized sums (int8, fp16, bf16, the top-k sum's 8-bit codes) are within a percent of the exact mean;
-top-k contributions with error feedback differ by their residuals, a few times at most.
-``tests/unit/test_result_bounds.py`` draws such rounds over many seeds: none trips it. The cost to an
-honest swarm: a host that does under 1/32 of the fastest member's work per round, in aligned DiLoCo
-steps, may refuse a true result (and ban its reducer); keep a run's hardware within ~16x (the weight
-caps and bandwidth shares assume as much).
+What a hostile reducer can do: a result within its contributors' signed scales. With honest
+contributors that is about one honest step (a garbage reducer's noise 100x its result is refused by
+every member); its own scale counts at its weight, as anyone's. Identities are free, so it may collude
+with hostile contributors who sign huge scales: a member believes a contributor's scale only up to its
+:func:`cap`, ``CAP`` times a size per unit of weight: ``max(1, w_i / w_me)`` times the larger of the
+member's own size there (its norm in the partition, at least its typical element times ``sqrt(d)``;
+its largest magnitude anywhere) and the partition's :func:`typical` signed scale (the weighted lower
+median of the decided contributors' scales, each weighed by its weight in the signed decision).
+Colluders holding at most half the decision's weight cannot lift that median above the largest honest
+scale, however many ids they sign with; and a reducer refuses a slice whose signed scale is beyond its
+own cap on it (over the scales at hand when the slice completes). So k colluders move a result by no
+more than their weight lets them move an honest reducer's mean, and nothing is believed because
+several ids say it (under the robust rules the largest ``t`` or ``q`` rows do not count at all). The
+typical scale is what lets a member whose own values are small (restarted, or with little work for its
+weight) accept its mates' usual steps; the per-weight factor lets a host with little work accept its
+mates' larger ones; a contributor of less weight may still be noisier (sync gradients of small
+batches), hence never less than ``CAP`` times that size. ``CAP`` is 128: honest spreads stay inside it.
 
-What a reducer can still do within the bound, without being caught by it: serve any values of at most
-``BOUND`` times the member's own norm in its partition, and no coordinate above ``BOUND`` times the
-member's largest value: a sign flip, noise, or a result up to 32x too large, in the partitions it
-reduces (one partition of the group's vector per reducer). That is one step of at most 32 honest
-steps' size there per round; an audited round's audit then convicts it (after the round), a top-k
-round is not audited (top-k is for private swarms, see ``config``). A result beyond the bound is never
-applied, and the reducer that served it is banned at once by the member that caught it. What a hostile
-*contributor* can still do: send slices just under a reducer's limit (32x the reducer's own values) in
-a plain-mean round; where the honest members' values differ by more than about ``BOUND / n`` in a
-group of ``n``, that can push an honest reducer's mean past a smaller member's limit, and that member
-then refuses the round and bans an honest reducer. It costs the attacker a place in the group each
-time; the robust rules (trimmed mean, centered clip) remove such slices before they count.
+What is left: a contributor may send, through an honest reducer, a slice within that reducer's cap and
+beyond another member's (their sizes, or the scales at hand, differ): that member then refuses an
+honest reducer's result and bans it (the attacker spends a place in the group each time; robust rules
+trim such rows). Colluders with more than half the decision's weight lift the typical scale: they
+also own the plain mean of any honest reducer. The decision's weights are the coordinator's, checked
+against each member's caps on weights (``agreement``), not by this module. Where every signed scale and
+the member's own values are zero (and it has no accepted result, :class:`ResultHistory`), there is
+nothing to cap by. A member whose own values are not finite accepts nothing (:data:`NOTHING`). No
+comparison here passes on NaN: each is written ``not value <= bound``.
+
+:func:`limit`, ``BOUND`` (32) times a member's own size, is the older bound by own values alone: it still
+bounds what a member takes without signed scales (a catch-up replay's results, see ``training.state``),
+and its size there (:func:`base`) is what :func:`cap` multiplies.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ..errors import RemoteProtocolError
+from ..identity import Identity, PeerID, SignedEnvelope
+from ..wire.codec import pack, unpack
+from ..wire.schema import Message, bounded
+from .compression import Compression
+from .protocol import MAX_CLAIM_ENVELOPE
+from .robust import CLIP_ITERATIONS, trimmed_count
 
 BOUND = 32.0
 """How many times its own values' size a member accepts in a result (see the module docstring)."""
 SLACK = 1e-6
 """An absolute allowance per element: results where a member's own values are (near) zero."""
 MAX_HISTORIES = 8  # tensor layouts whose last accepted result a member remembers
+CAP = 128.0
+"""How many times its own values' size, per unit of its own weight, a member believes of a contributor's
+signed scale, per unit of that contributor's weight (see the module docstring: what a hostile reducer's
+colluders can add to a partition's bound)."""
+CLAIM_DOMAIN = "p2ptrain/averaging-scale"
+QUANTIZATION = {
+    Compression.NONE: 1e-4,  # (float32 sums: rounding only)
+    Compression.FP16: 2e-3,
+    Compression.BF16: 8e-3,
+    Compression.INT8: 1e-2,  # (half a step of absmax / 127 per element)
+}
+"""Per mode, ``eps``: a decoded value differs from what was encoded by at most ``eps`` times the largest
+magnitude encoded with it (top-k modes: 1, they drop and requantize values)."""
 
 
 @dataclass(frozen=True)
@@ -175,14 +209,29 @@ class ResultCheck:
             if not seen.absmax <= b.absmax:  # (NaN fails too)
                 return (
                     f"a value of magnitude {seen.absmax:.4g} in its result, over the {b.absmax:.4g} this"
-                    f" member accepts ({BOUND:g}x its own largest)"
+                    " member accepts"
                 )
             if not seen.norm <= b.norm:
-                return (
-                    f"its result's norm reached {seen.norm:.4g}, over the {b.norm:.4g} this member"
-                    f" accepts ({BOUND:g}x its own there)"
-                )
+                return f"its result's norm reached {seen.norm:.4g}, over the {b.norm:.4g} this member accepts"
         self.seen = seen
+        return ""
+
+    def within(self, bound: Limit | None) -> str:
+        """Why everything passed so far breaks ``bound`` ('' if it does not; None: no bound)."""
+        if bound is None:
+            return ""
+        if math.isnan(bound.norm) or math.isnan(bound.absmax):
+            return "this member's own values there are not finite: it accepts nothing to apply"
+        if not self.seen.absmax <= bound.absmax:
+            return (
+                f"a value of magnitude {self.seen.absmax:.4g} in its result, over the {bound.absmax:.4g} its"
+                " contributors' signed scales allow"
+            )
+        if not self.seen.norm <= bound.norm:
+            return (
+                f"its result's norm is {self.seen.norm:.4g}, over the {bound.norm:.4g} its contributors'"
+                " signed scales allow"
+            )
         return ""
 
 
@@ -224,3 +273,184 @@ class ResultHistory:
         self._kept.move_to_end(key)
         while len(self._kept) > MAX_HISTORIES:
             self._kept.popitem(last=False)
+
+
+# ---- signed scales: per-partition evidence a reducer cannot forge ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim(Message):
+    """What a contributor signs about its slice of one partition of one round: its scale."""
+
+    round: bytes = bounded(max_len=16)
+    partition: int = bounded(ge=0, le=1 << 16)
+    sumsq: float = bounded(ge=0.0)
+    absmax: float = bounded(ge=0.0)
+    count: int = bounded(ge=0, le=1 << 40)
+
+
+def seal_claim(identity: Identity, round_: bytes, partition: int, scale: Scale) -> bytes:
+    """This member's signed scale of its slice of ``partition`` (sent with the slice to its reducer, who
+    serves it with the partition's result). A scale that is not finite cannot be signed: b"" (its slice
+    holds NaN or infinite values, which every reducer refuses anyway)."""
+    if not (math.isfinite(scale.sumsq) and math.isfinite(scale.absmax)):
+        return b""
+    claim = Claim(round_, partition, scale.sumsq, scale.absmax, scale.count)
+    return SignedEnvelope.seal(identity, CLAIM_DOMAIN, pack(claim.to_obj())).to_bytes()
+
+
+def open_claim(data: bytes, author: PeerID, round_: bytes, partition: int, count: int) -> Scale:
+    """The scale ``author`` signed for its slice of ``partition`` in this round (``count`` elements);
+    RemoteProtocolError if it is missing, malformed, signed by another key or for something else."""
+    if not data:
+        raise RemoteProtocolError(f"no signed scale from {author.short()} for partition {partition}")
+    if len(data) > MAX_CLAIM_ENVELOPE:
+        raise RemoteProtocolError("a signed scale too large")
+    env = SignedEnvelope.from_bytes(bytes(data))
+    claim = Claim.from_obj(unpack(env.open(CLAIM_DOMAIN, author)))
+    if claim.round != round_ or claim.partition != partition:
+        raise RemoteProtocolError("a signed scale for another round or partition")
+    if claim.count != count:
+        raise RemoteProtocolError(f"a signed scale of {claim.count} elements, the partition has {count}")
+    return Scale(claim.sumsq, claim.absmax, claim.count)
+
+
+def widened(scale: Scale, mode: Compression) -> Limit:
+    """The most the decoded values of something of ``scale`` may be, once encoded with ``mode``:
+    ``norm (1 + eps) + eps absmax sqrt(d)`` and ``absmax (1 + eps)``, plus ``SLACK`` per element."""
+    eps = QUANTIZATION.get(mode, 1.0)
+    root = math.sqrt(scale.count)
+    return Limit(
+        scale.norm * (1 + eps) + eps * scale.absmax * root + SLACK * root,
+        scale.absmax * (1 + eps) + SLACK,
+    )
+
+
+def typical(claims: Sequence[Scale], weights: Sequence[float]) -> Limit:
+    """The weighted lower median of ``claims``' norms and of their largest magnitudes (each weighed by
+    its signer's weight in the decision): colluders holding no more than half the weight cannot move it
+    above the largest honest claim, however many ids they sign with."""
+    return Limit(
+        _lower_median([c.norm for c in claims], weights), _lower_median([c.absmax for c in claims], weights)
+    )
+
+
+def _lower_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    pairs = sorted(zip(values, weights, strict=True))
+    half, run = math.fsum(weights) / 2, 0.0
+    for v, w in pairs:
+        run += w
+        if run >= half:
+            return v
+    return pairs[-1][0]
+
+
+def cap(base: Limit | None, weight: float, own_weight: float, usual: Limit | None = None) -> Limit | None:
+    """The most this member believes of a contributor of ``weight``: ``CAP`` times a size (this member's
+    own there, ``base``: :func:`limit` divided by ``BOUND``; or ``usual``, the :func:`typical` signed
+    scale of the partition, where that is larger) per unit of this member's weight ``own_weight``, never
+    less than ``CAP`` times that size (a contributor of less weight than this member may be noisier:
+    sync gradients of small batches). None: nothing to cap by."""
+    if base is NOTHING:
+        return NOTHING
+    if base is None:
+        base = usual
+    elif usual is not None:
+        base = Limit(max(base.norm, usual.norm), max(base.absmax, usual.absmax))
+    if base is None or not base.absmax > 0:  # (all zero: nothing to cap by)
+        return None
+    factor = CAP * (max(1.0, weight / own_weight) if own_weight > 0 else 1.0)
+    return Limit(base.norm * factor, base.absmax * factor)
+
+
+def over_cap(claim: Scale, bound: Limit | None) -> str:
+    """Why a contributor's signed scale is beyond what a reducer believes of it (``bound``, its
+    :func:`cap`; '' if it is not)."""
+    if bound is None:
+        return ""
+    if bound is NOTHING:
+        return "this member's own values there are not finite: it accepts nothing"
+    if not claim.absmax <= bound.absmax + SLACK:
+        return f"its signed largest value {claim.absmax:.4g} is over the {bound.absmax:.4g} it accepts"
+    if not claim.norm <= bound.norm + SLACK * math.sqrt(claim.count):
+        return f"its signed norm {claim.norm:.4g} is over the {bound.norm:.4g} this member accepts"
+    return ""
+
+
+def base(own: Scale, whole: Scale, history: Scale | None = None) -> Limit | None:
+    """This member's own size in a partition (see :func:`limit`, which is ``BOUND`` times it): the norm
+    of its values there (at least its typical element times ``sqrt(d)``) and their largest magnitude
+    (at least its largest anywhere). :data:`NOTHING` where its values are not finite; None: all zero
+    and no history."""
+    b = limit(own, whole, history)
+    if b is None or b is NOTHING:
+        return b
+    root = math.sqrt(own.count)
+    return Limit((b.norm - SLACK * root) / BOUND, (b.absmax - SLACK) / BOUND)
+
+
+def slice_limit(claim: Scale, mode: Compression, bound: Limit | None) -> Limit:
+    """What a reducer accepts of a contributor's slice: within its signed ``claim`` (decoded with
+    ``mode``), and within ``bound`` (its :func:`cap` for that contributor: None, none)."""
+    w = widened(claim, mode)
+    if bound is None:
+        return w
+    root = math.sqrt(claim.count)
+    return Limit(min(w.norm, bound.norm + SLACK * root), min(w.absmax, bound.absmax + SLACK))
+
+
+def result_limit(
+    claims: Sequence[Scale],
+    weights: Sequence[float],
+    caps: Sequence[Limit | None],
+    aggregation: str,
+    mode: Compression,
+    origins: Sequence[int] = (),
+) -> Limit:
+    """The most a partition's result may be, given its decided contributors' signed ``claims`` (in the
+    decision's order), their ``weights`` (the decision's), what this member believes of each (``caps``,
+    see :func:`cap`), the round's rule and compression; ``origins``: robust rules, each contributor's
+    origin (contributors of one origin are one row). See the module docstring for why each holds."""
+    if not claims:
+        return Limit(0.0, 0.0)
+    d = claims[0].count
+    each = [slice_limit(c, mode, b) for c, b in zip(claims, caps, strict=True)]
+    if aggregation == "mean":
+        total = math.fsum(weights)
+        norm = math.fsum(w / total * e.norm for w, e in zip(weights, each, strict=True))
+        absmax = math.fsum(w / total * e.absmax for w, e in zip(weights, each, strict=True))
+    else:
+        rows: dict[int, list[Limit]] = {}
+        for k, e in enumerate(each):
+            rows.setdefault(origins[k] if origins else k, []).append(e)
+        norms = [sum(e.norm for e in g) / len(g) for g in rows.values()]  # (a row: its origin's mean)
+        norm, absmax = _robust(aggregation, norms, [sum(e.absmax for e in g) / len(g) for g in rows.values()])
+    out = widened(Scale(norm * norm, absmax, d), mode)  # (the result is encoded with the round's mode too)
+    return Limit(out.norm * (1 + 1e-6), out.absmax * (1 + 1e-6))
+
+
+def _robust(aggregation: str, norms: list[float], absmaxes: list[float]) -> tuple[float, float]:
+    k = len(norms)
+    plain = trimmed_count(k) == 0 if aggregation == "trimmed_mean" else k <= 2
+    if plain:
+        return sum(norms) / k, sum(absmaxes) / k  # (a plain mean of the rows)
+    if aggregation == "trimmed_mean":
+        # Each kept value lies within the (t+1)-th largest and smallest of its coordinate: any t rows
+        # left out, some other row is at least as large there. Leave out the t largest claims.
+        t = trimmed_count(k)
+        return _without_largest(norms, t), sorted(absmaxes, reverse=True)[t]
+    if aggregation == "centered_clip":
+        # Started at the (lower) coordinate-wise median, within the rows but the q largest; each of the
+        # iterations moves it by at most tau, the lower median of the rows' distances to that start.
+        q = (k - 1) // 2
+        n0, a0 = _without_largest(norms, q), sorted(absmaxes, reverse=True)[q]
+        tau = sorted(norms)[q] + n0
+        return n0 + CLIP_ITERATIONS * tau, a0 + CLIP_ITERATIONS * tau
+    raise ValueError(f"no bound for aggregation {aggregation!r}")
+
+
+def _without_largest(norms: list[float], t: int) -> float:
+    kept = sorted(norms)[: len(norms) - t]
+    return math.sqrt(math.fsum(n * n for n in kept))

@@ -7,9 +7,11 @@ serves some members and then hangs cannot split the group). In a pipelined round
 partition's mean chunk by chunk while the scatter still runs (:meth:`Gatherer.fetch_early`), held once
 its reducer confirms the chunks are the round's result; the early fetch of a failed reducer is void
 (:meth:`Gatherer.void`). Every fetched chunk is checked (size, finite values, its size against this
-member's own values: ``bounds``; in an audited round the reducer's signed attestation) before it lands
-and before the partition counts as held. Bytes that break the rules are the fault of whoever served
-them (``RoundMachine.fault``): that partition is not fetched again, and the round aborts for this member.
+member's own values and its contributors' signed scales, which come last: ``bounds``; in an audited
+round the reducer's signed attestation) before the partition counts as held; in place, this member's
+own values are saved first and go back if it is refused. Bytes that break the rules are the fault of
+whoever served them (``RoundMachine.fault``): that partition is not fetched again, and the round aborts
+for this member.
 """
 
 from __future__ import annotations
@@ -170,9 +172,22 @@ class Gatherer:
         if await self._fetch(p, i, RELAY_RESULT):
             scope.cancel()
 
-    def _held(self, p: int, check: ResultCheck) -> None:
+    def _held(self, p: int, check: ResultCheck, scales: tuple[bytes, ...]) -> None:
+        """Partition ``p``'s result is all here: held once it is within the limit its contributors'
+        signed ``scales`` give (``bounds.result_limit``); else :class:`ServedFault`, and nothing of it
+        counts (the caller undoes what landed in place)."""
+        decision = self.m.decision
+        assert decision is not None
+        try:
+            bound = self.t.result_limit(p, decision, scales)
+        except RemoteProtocolError as e:
+            raise Malformed(f"its contributors' signed scales: {e}") from None
+        why = check.within(bound)
+        if why:
+            raise OutOfBounds(why)
         self.m.held.add(p)
         self.t.results[p] = check.seen
+        self.t.scales[p] = scales
         self.sig.changed.fire()
 
     def _fault(self, p: int, frm: int, e: ServedFault, *, relay: bool = False) -> None:
@@ -198,7 +213,13 @@ class Gatherer:
         mode = Compression.NONE if relay else self.t.mode
         target = self.t.slice(p)
         spans = list(chunks(m.sizes[p], mode))
-        check = ResultCheck(self.t.limit(p))
+        decision = m.decision
+        assert decision is not None  # (fetched after the decision; early fetches are fetch_early)
+        check = ResultCheck(self.t.result_limit(p, decision, None))  # (NOTHING where nothing passes)
+        if self.t.backup is not None and p not in self.t.saved:
+            # In place: the result lands in the caller's tensor before its contributors' scales, which
+            # come last, bound it; this member's own values go back there if it is refused.
+            await self._save(p)
         try:
             with trio.fail_after(max(0.0, end - trio.current_time())):
                 conn = await self.host.connect(self.addrs[frm])
@@ -217,17 +238,19 @@ class Gatherer:
                         m.fetched(p, trio.current_time())
                         if hasher is not None:
                             hasher.update(data)
+                    ack = await stream.response()  # (its contributors' signed scales: the result's bound)
+                    if not ack.ok:
+                        raise RemoteProtocolError(ack.reason or "the fetch was refused after its data")
                     if hasher is not None:  # held only once the reducer's signed attestation checks out
-                        ack = await stream.response()
                         self.check_attestation(p, frm, ack.attestation, hasher.digest())
-                        self._held(p, check)
+                        self._held(p, check, ack.scales)
                         return True
-                    self._held(p, check)  # every byte is here: ours, whatever happens to the call now
+                    self._held(p, check, ack.scales)
                     self.meter.flow_done("download")
-                    await stream.response()  # let the server finish (it counts who fetched)
         except ServedFault as e:
             if p in m.held:  # (another relay was faster: these bytes landed nowhere)
                 return True
+            self.t.restore(p)
             self._fault(p, frm, e, relay=relay)
             return False
         except (P2PError, trio.TooSlowError) as e:
@@ -245,7 +268,7 @@ class Gatherer:
         fetches it again)."""
         m, t, end = self.m, self.t, self.m.at.gather
         target, spans = t.slice(p), list(chunks(m.sizes[p], t.mode))
-        check = ResultCheck(t.limit(p))
+        check = ResultCheck(None)  # (no decision yet: bounded once it is in, before it counts as held)
         got = 0
         try:
             with self.early_scopes[p], trio.fail_after(max(0.0, end - trio.current_time())):
@@ -269,7 +292,10 @@ class Gatherer:
                         self.meter.flow_done("download")
                     ack = await stream.response()
                 if ack.ok and got == len(spans):
-                    self._held(p, check)
+                    with trio.move_on_at(end):  # (its reducer has it: this member will, soon)
+                        await self.sig.decided.wait()
+                    if m.decision is not None:
+                        self._held(p, check, ack.scales)
         except ServedFault as e:  # from its reducer: its own fault; what landed in place is undone
             t.restore(p)
             self._fault(p, p, e)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RemoteProtocolError
-from .bounds import Limit, ResultCheck
+from .bounds import Limit, ResultCheck, Scale, widened
 from .compression import Compression, accumulate, all_finite, decode, encode, encoded_size
 from .partition import chunks
 from .robust import aggregate, by_origin, outliers
@@ -84,6 +84,9 @@ class PartitionReducer:
         self.prior = prior
         self.bound = bound
         self._checks: dict[int, ResultCheck] = {}  # sender -> its slice's check so far
+        self.claims: dict[int, bytes] = {}  # sender -> its signed scale of its slice (``bounds.Claim``)
+        self.claimed: dict[int, tuple[Scale, float]] = {}  # sender -> that scale, and the weight it sent
+        self.scales: tuple[bytes, ...] = ()  # finalized: the decided contributors' signed scales, in order
         self.mode = mode
         self.members = members
         self.aggregation = aggregation
@@ -111,6 +114,13 @@ class PartitionReducer:
         self._divided = 0  # chunks of ``acc`` divided in place (published early): a sum no longer
         self.early: list[bytes | memoryview] | None = None  # encoded mean chunks published so far
         self.early_final: bool | None = None  # set by finalize: are the early chunks the result?
+
+    def bound_sender(self, sender: int, claim: Scale, sealed: bytes, weight: float) -> None:
+        """``sender``'s slice must stay within its signed scale ``claim`` (``sealed``: as it signed it;
+        decoded with the round's compression, ``bounds.widened``); set before its first chunk."""
+        self._checks[sender] = ResultCheck(widened(claim, self.mode))
+        self.claims[sender] = sealed
+        self.claimed[sender] = (claim, weight)
 
     def chunk_bytes(self, index: int) -> int:
         a, b = self.spans[index]
@@ -160,7 +170,9 @@ class PartitionReducer:
             )
         if not self.touched:  # the first slice adds to zeros (add_local writes its product instead)
             self.acc.zero_()
-        check = self._checks.setdefault(sender, ResultCheck(self.bound)) if self.bound is not None else None
+        check = self._checks.get(sender)
+        if check is None and self.bound is not None:
+            check = self._checks[sender] = ResultCheck(self.bound)
         self._add(index, data, weight, check)
         self.touched.add(sender)
         self._kept.setdefault(sender, []).append(self._keep(data))
@@ -241,6 +253,7 @@ class PartitionReducer:
         missing = [i for i in contributors if i not in self.delivered]
         if missing:
             raise ValueError(f"no complete slice from members {missing}")
+        self.scales = tuple(self.claims.get(i, b"") for i in contributors)
         if self.aggregation != "mean":
             rows = torch.stack([self._slice_of(i) for i in contributors])
             g = gram([*rows, self.prior.float()] if self.prior is not None else rows)

@@ -26,13 +26,26 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import RemoteProtocolError
 from ..identity import Identity
 from .audit import hash_pieces, seal_commit
-from .bounds import Limit, Scale, limit
+from .bounds import (
+    NOTHING,
+    Limit,
+    Scale,
+    base,
+    cap,
+    limit,
+    open_claim,
+    over_cap,
+    result_limit,
+    seal_claim,
+    typical,
+)
 from .buffers import BufferPool
 from .compression import Compression, encoded_chunk
 from .partition import chunks, offsets
-from .protocol import Manifest
+from .protocol import Decision, Manifest
 from .reducer import PartitionReducer
 from .spill import Spilled, SpillFile
 
@@ -69,6 +82,7 @@ class RoundTensors:
         self.origins = manifest.origins
         self.audit = manifest.audit
         self.n = len(manifest.members)
+        self.peers = manifest.peers()
         self.sizes = list(manifest.sizes)
         self.offsets = offsets(self.sizes)
         self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
@@ -93,10 +107,53 @@ class RoundTensors:
         self.history = history
         self.prior = prior  # this member's last accepted result of these tensors (see ``trust.useful``)
         self.results: dict[int, Scale] = {}  # partition -> the scale of the result accepted here
+        self.scales: dict[int, tuple[bytes, ...]] = {}  # partition held -> its contributors' signed scales
+        self._claims: dict[int, bytes] = {}  # partition -> this member's signed scale of its own slice
 
     def limit(self, p: int) -> Limit | None:
         """The most partition ``p``'s result may be for this member (None: nothing to bound it by)."""
         return limit(self.own_scales[p], self.whole, self.history)
+
+    def claim(self, p: int) -> bytes:
+        """This member's signed scale of its slice of ``p`` (measured before anything landed)."""
+        if p not in self._claims:
+            self._claims[p] = seal_claim(self.identity, self.digest, p, self.own_scales[p])
+        return self._claims[p]
+
+    def base(self, p: int) -> Limit | None:
+        """This member's own size in partition ``p`` (``bounds.base``)."""
+        return base(self.own_scales[p], self.whole, self.history)
+
+    def cap_problem(self, p: int, sender: int, claims: dict[int, tuple[Scale, float]]) -> str:
+        """Why ``sender``'s signed scale of ``p`` is beyond what this member, reducing ``p``, believes of
+        it ('' if it is not): ``bounds.cap`` over its own size and the typical signed scale among
+        ``claims`` (sender -> (signed scale, weight), those at hand)."""
+        scales, weights = zip(*claims.values(), strict=True)
+        claim, weight = claims[sender]
+        usual = typical(scales, weights)
+        return over_cap(claim, cap(self.base(p), weight, self.weight, usual))
+
+    def result_limit(self, p: int, decision: Decision, scales: tuple[bytes, ...] | None) -> Limit | None:
+        """The most partition ``p``'s result may be: from ``scales``, its decided contributors' signed
+        scales as its holder served them (RemoteProtocolError if they are not exactly theirs), each
+        believed up to this member's cap on it (``bounds.result_limit``). ``scales`` None (the chunks
+        before the scales): NOTHING where this member accepts nothing, else None."""
+        b = self.base(p)
+        if b is NOTHING:
+            return NOTHING
+        if scales is None:
+            return None
+        if len(scales) != len(decision.contributors):
+            n = len(decision.contributors)
+            raise RemoteProtocolError(f"{len(scales)} signed scales for the decision's {n} contributors")
+        claims = [
+            open_claim(s, self.peers[i], self.digest, p, self.sizes[p])
+            for s, i in zip(scales, decision.contributors, strict=True)
+        ]
+        usual = typical(claims, decision.weights)
+        caps = [cap(b, w, self.weight, usual) for w in decision.weights]
+        origins = [self.origins[i] for i in decision.contributors] if self.origins else []
+        return result_limit(claims, decision.weights, caps, self.aggregation, self.mode, origins)
 
     def _buffer(self, numel: int) -> torch.Tensor | None:
         return None if self.pool is None else self.pool.take(numel)
@@ -131,6 +188,8 @@ class RoundTensors:
                 raw = bytes(encoded_chunk(own, Compression.NONE))
                 self.local[p] = raw
                 red.commits[self.me] = seal_commit(self.identity, self.digest, p, weight, hash_pieces([raw]))
+            red.claims[self.me] = self.claim(p)
+            red.claimed[self.me] = (self.own_scales[p], weight)
             red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
         if expect:
             red.expect(range(self.n))
@@ -201,11 +260,13 @@ class RoundTensors:
     def keep_saved(self, p: int, saved: Spilled) -> None:
         self.saved[p] = saved
 
-    def write_result(self, p: int, result: torch.Tensor) -> None:
-        """A partition reduced here holds its result: into ``flat`` (unless reduced right there)."""
+    def write_result(self, p: int, result: torch.Tensor, scales: tuple[bytes, ...] = ()) -> None:
+        """A partition reduced here holds its result: into ``flat`` (unless reduced right there);
+        ``scales``: its contributors' signed scales (served with it to relays' fetchers)."""
         if result.data_ptr() != self.slice(p).data_ptr():  # (compressed, or not reduced in flat)
             self.slice(p).copy_(result)
         self.results[p] = Scale.of(result)
+        self.scales[p] = scales
 
     def restore(self, p: int) -> None:
         """A result of ``p`` that landed where our own values were (in place, early) is refused: our own

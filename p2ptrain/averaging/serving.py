@@ -23,6 +23,7 @@ from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from .audit import new_hasher, open_commit
 from .bandwidth import RateMeter
+from .bounds import open_claim
 from .compression import Compression, encoded_chunk
 from .partition import chunks
 from .protocol import Ack, DecisionResp, FetchReq, PartReq, RelayDecisionReq, ReportReq
@@ -73,6 +74,12 @@ class RoundServer:
             return Ack(False, "duplicate or unexpected slice")
         late = "too late: this reducer already reported"
         try:
+            try:  # what it signed of its slice: the slice must stay within it (and members bound by it)
+                claim = open_claim(req.scale, ctx.peer, m.digest, p, red.size)
+            except RemoteProtocolError as e:
+                m.bad_slice(sender, p, f"its signed scale: {e}")
+                raise
+            red.bound_sender(sender, claim, req.scale, req.weight)
             hasher = None
             if self.t.audit:  # the sender signed what it sends: check it as it arrives
                 commit = open_commit(req.commit, ctx.peer, m.digest, p)
@@ -107,6 +114,9 @@ class RoundServer:
                 red.commits[sender] = req.commit
             if p == m.me and not m.scatter_open:
                 return Ack(False, late)
+            why = self.t.cap_problem(p, sender, red.claimed)  # (against the signed scales at hand)
+            if why:
+                raise SliceOutOfBounds(why)
             red.complete(sender, req.weight)
             self.meter.flow_done("download")
             return Ack(True)
@@ -160,7 +170,7 @@ class RoundServer:
             await stream.send_eof()
             self.meter.flow_done("upload")
         self._served()
-        return Ack(True, attestation=red.attestation)
+        return Ack(True, attestation=red.attestation, scales=red.scales)
 
     async def on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         """Serve this reducer's partition chunk by chunk as each is published (every member's copy of it
@@ -193,7 +203,7 @@ class RoundServer:
             await stream.send_eof()
         if sent == len(red.spans) and red.early_final and not self.sig.retired.is_set():
             self._served()
-            return Ack(True)
+            return Ack(True, scales=red.scales)
         return Ack(False, f"the early results of partition {p} are not the round's; fetch it again")
 
     async def on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
@@ -211,7 +221,7 @@ class RoundServer:
             for a, b in chunks(m.sizes[p], Compression.NONE):
                 await stream.send(encoded_chunk(values[a:b], Compression.NONE))
             await stream.send_eof()
-        return Ack(True)
+        return Ack(True, scales=self.t.scales.get(p, ()))
 
     def _served(self) -> None:
         if self.m.served():

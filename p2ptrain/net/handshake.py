@@ -61,7 +61,7 @@ from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 
 PROTOCOL_NAME = "p2ptrain"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: slices carry signed scales, results their contributors' (averaging.bounds)
 MAX_HANDSHAKE_FRAME = 4096
 MAX_RUN_ID = 128
 MAX_PROOF_BOX = 2048  # a proof with a certificate of MAX_CERT_BYTES (was 512 before private runs)

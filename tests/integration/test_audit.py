@@ -89,14 +89,15 @@ async def audited_round(
 
 
 def garble_reductions_of(averager: Averager) -> None:
-    """This member adds 1 to every partition it reduces, and attests the garbled bytes it serves: a
-    consistent liar (what it signs matches what it sends; only a recomputation can tell)."""
+    """This member flips the sign of every partition it reduces, and attests the garbled bytes it serves:
+    a consistent liar (what it signs matches what it sends) within every member's bound (its size is the
+    true result's: only a recomputation can tell)."""
 
     async def fault(rnd: AllReduceRound, point: str) -> None:
         if point == "after_reduce":
             for red in rnd.reducers.values():
                 if red.result is not None:  # uncompressed: the served bytes are views of the result
-                    red.result.add_(1.0)
+                    red.result.neg_()
 
     averager.fault = fault
 

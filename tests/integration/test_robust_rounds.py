@@ -99,9 +99,10 @@ async def test_the_plain_mean_is_dragged_away_by_the_same_contribution() -> None
 
 @pytest.mark.parametrize("rule", ["mean", "trimmed_mean"])
 async def test_a_contribution_past_the_bound_is_refused_whatever_the_rule(rule: str) -> None:
-    """100x the honest values is past every reducer's bound: its slices are refused, the member is left
-    out, and even the plain mean is the honest one. (Before, the plain mean was dragged 5x away.)"""
-    results, error = await run_round(rule, scale=100.0)
+    """1000x the honest values (at the same weight) is past every reducer's cap, 128x its own (``bounds``:
+    an honest member may send 70x its mate, so 100x is not refused): its slices are refused, the member is
+    left out, and even the plain mean is the honest one. (Before, the plain mean was dragged away.)"""
+    results, error = await run_round(rule, scale=1000.0)
     hostile = identity("r0").peer_id
     assert all(hostile not in r.contributors and len(r.contributors) == N - 1 for r in results)
     assert error.max() < 0.25, error.max()
