@@ -224,7 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL)
+    if args.verbose:  # the virtual time and the peer on each line; the transport's chatter left out
+        from simulations.scale.swarm import LogContext
+
+        handler = logging.StreamHandler()
+        handler.addFilter(LogContext())
+        handler.setFormatter(logging.Formatter("%(vt)9.3f %(peer)s %(name)s %(message)s"))
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
+        for quiet in ("p2ptrain.net", "p2ptrain.node", "p2ptrain.dht"):
+            logging.getLogger(quiet).setLevel(logging.WARNING)
+    else:
+        logging.basicConfig(level=logging.CRITICAL)
     if args.plot_only:
         for path, figs, key in ((SWARM_JSON, SWARM_FIGURES, "peers"), (DHT_JSON, DHT_FIGURES, "nodes")):
             with contextlib.suppress(OSError):

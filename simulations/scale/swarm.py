@@ -10,7 +10,9 @@ step rate at a fixed per-peer batch is a property of the protocol alone.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
+import logging
 import math
 import random
 import resource
@@ -27,6 +29,7 @@ import trio.testing
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
+from p2ptrain.dht.records import key_id
 from p2ptrain.identity import Identity
 from p2ptrain.net import PeerAddress
 from p2ptrain.net.messages import MessageNetwork
@@ -39,6 +42,8 @@ DATA_METHODS = frozenset(
     {"avg.part", "avg.fetch", "avg.fetch_early", "avg.audit_slice", "train.state_chunks", "train.result_data"}
 )
 """Methods that carry tensors (the model's values); everything else a peer sends is control traffic."""
+PEER_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("peer", default="-")
+"""The simulated peer whose task runs (every task a peer's node starts inherits it): for log lines."""
 LANDING = 5.0  # virtual seconds a committed round is given to land on every member before the run ends
 
 
@@ -134,6 +139,7 @@ class Simulation:
         self.peers.append(peer)
 
         async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            PEER_NAME.set(place.name)
             with peer.scope:
                 async with trio.open_nursery() as inner_nursery:
                     await inner_nursery.start(node.run)
@@ -185,6 +191,19 @@ class Simulation:
             candidates = [p for p in self.live() if p.index != 0]  # the seed stays
             if candidates:
                 self.stop(self.rng.choice(candidates), crash=kind == "kill")
+
+
+class LogContext(logging.Filter):
+    """Adds the virtual time (``vt``) and the simulated peer (``peer``) to every log record, so that a
+    run's log says who saw what, when (``--verbose``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            record.vt = trio.current_time()
+        except RuntimeError:
+            record.vt = -1.0
+        record.peer = PEER_NAME.get()
+        return True
 
 
 def snapshot(peers: list[SimPeer]) -> dict[int, tuple[Counter[str], int]]:
@@ -254,6 +273,20 @@ def measure(
         control_sent.append(control / steps)
         data_sent.append(sum(v for m, v in delta.items() if m in DATA_METHODS) / steps)
         control_received.append((after[i][1] - before[i][1]) / steps)
+    # the node that sent the most control bytes, and by which methods (the hot spot, named)
+    busiest = max(both, key=lambda i: control_sent[both.index(i)], default=None)
+    hot: dict[str, Any] = {}
+    if busiest is not None:
+        delta = after[busiest][0] - before[busiest][0]
+        top = [(m, v) for m, v in delta.most_common() if m not in DATA_METHODS][:4]
+        # its place among the peers closest to the run's progress key (0: the closest replica)
+        kid = int.from_bytes(key_id(b"p2ptrain/scale/progress"), "big")
+        order = sorted(both, key=lambda i: int.from_bytes(sim.peers[i].node.peer_id.digest, "big") ^ kid)
+        hot = {
+            "peer": sim.peers[busiest].place.name,
+            "progress_key_rank": order.index(busiest),
+            "by_method_per_step": {m: round(v / steps) for m, v in top},
+        }
     n = max(1, len(both))
     per_method = {m: round(v / n / steps) for m, v in by_method.most_common() if m not in DATA_METHODS}
     median_sent = statistics.median(control_sent) if control_sent else 0.0
@@ -304,6 +337,7 @@ def measure(
         "data_bytes_sent_per_peer_per_step": round(statistics.median(data_sent)) if data_sent else 0,
         "control_by_method_per_peer_per_step": per_method,
         "max_node_control_over_median": round(max(control_sent) / median_sent, 2) if median_sent else None,
+        "busiest_node": hot,
         "dht_lookup_hops_median": pct(hops, 0.5),
         "dht_lookup_hops_p99": pct(hops, 0.99),
         "dht_lookup_queries_median": pct(queries, 0.5),
