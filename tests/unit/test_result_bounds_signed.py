@@ -43,7 +43,7 @@ from p2ptrain.averaging.reducer import PartitionReducer, SliceOutOfBounds
 from p2ptrain.errors import RemoteProtocolError
 from tests.harness.identities import identity
 
-SEEDS = 150
+SEEDS = 120
 ROUND = b"r" * 16
 RULES = ("mean", "trimmed_mean", "centered_clip")
 
