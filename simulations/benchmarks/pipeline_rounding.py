@@ -15,7 +15,9 @@ Run per seed (the model's initial weights and every peer's data) and per scheme:
 - ``int8``: one scale per token, rounded to nearest (the pipeline's default before stochastic rounding);
 - ``int8-stochastic``: the same grid, rounded at random so that the mean decoded value is the value,
   activations and gradients;
-- ``int8-stochastic-gradients``: activations rounded to nearest, their gradients at random.
+- ``int8-stochastic-gradients``: activations rounded to nearest, their gradients at random;
+- ``int8-reversed``: ``int8`` with each step's micro-batches summed in reverse order (the same algorithm:
+  only float rounding differs, as between two swarms' runs).
 
 Reported per scheme: each seed's validation-loss gap to data-parallel after ``--steps`` steps, their
 mean and standard deviation. A bias shows as a mean away from ``none``'s; chaos as a spread.
@@ -57,6 +59,7 @@ SCHEMES = {
     "int8": (NEAREST, NEAREST),
     "int8-stochastic": (STOCHASTIC, STOCHASTIC),
     "int8-stochastic-gradients": (NEAREST, STOCHASTIC),
+    "int8-reversed": (NEAREST, NEAREST),  # the micro-batches of a step summed in reverse order
 }
 
 
@@ -86,6 +89,7 @@ def train_pipeline(
     steps: list[list[tuple[torch.Tensor, torch.Tensor]]],
     seed: int,
     lr: float,
+    reverse: bool = False,
 ) -> list[Stage]:
     torch.manual_seed(seed)
     stages = split_gpt(GPT(cfg), pipeline)
@@ -95,7 +99,7 @@ def train_pipeline(
     assert i0 is not None and i1 is not None
     for batch in steps:
         samples = 0
-        for x, y in batch:  # micro-batch by micro-batch, as the stage servers compute them
+        for x, y in reversed(batch) if reverse else batch:  # micro-batch by micro-batch, as servers do
             h: torch.Tensor = x
             for k, stage in enumerate(stages):
                 h = stage(h)
@@ -170,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         ref = val_loss(data_parallel(cfg, steps, seed, args.lr), val)
         for name in schemes:
             codec.seed_rounding(seed)
-            loss = val_loss(train_pipeline(cfg, pipeline, SCHEMES[name], steps, seed, args.lr), val)
+            stages = train_pipeline(
+                cfg, pipeline, SCHEMES[name], steps, seed, args.lr, name.endswith("reversed")
+            )
+            loss = val_loss(stages, val)
             gap = 100 * (loss - ref) / ref
             gaps[name].append(gap)
             rows.append(

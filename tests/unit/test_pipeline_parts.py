@@ -163,13 +163,11 @@ def test_stochastic_rounding_is_unbiased() -> None:
     sto = codec.Wire(Compression.INT8, rounding=codec.Rounding.STOCHASTIC)
     near = codec.Wire(Compression.INT8, rounding=codec.Rounding.NEAREST)
     draws = 4000
-    total = torch.zeros(shape, dtype=torch.float64)
-    for _ in range(draws):
-        out = sto.decode(sto.encode(x), shape, 1e4, "t")
-        assert float(((out - x).abs() / step).max()) < 1 + 1e-4  # one of the two points around x
-        assert sto.agree(x, out)
-        total += out
-    mean = (total / draws).to(torch.float32)
+    many = x.expand(draws, *shape)  # every row drawn anew, with its own scale (that of its copy of x)
+    outs = sto.decode(sto.encode(many), (draws, *shape), 1e4, "t")
+    assert float(((outs - x).abs() / step).max()) < 1 + 1e-4  # one of the two points around x
+    assert all(sto.agree(x, outs[k]) for k in range(0, draws, 97))
+    mean = outs.to(torch.float64).mean(dim=0).to(torch.float32)
     # a draw's error is at most one step, so its spread at most half a step: the mean's, over 4000
     # draws, at most 0.008 steps; 0.05 steps is over six of those
     assert float(((mean - x).abs() / step).max()) < 0.05
