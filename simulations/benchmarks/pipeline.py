@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate-mbit", type=float, default=100.0)
     ap.add_argument("--latency-ms", type=float, default=50.0)
     ap.add_argument(
+        "--matchmaking", type=float, default=1.0, help="seconds a leader gathers its group (default 1)"
+    )
+    ap.add_argument(
         "--compression",
         default="int8",
         choices=["none", "fp16", "bf16", "int8"],
@@ -173,7 +176,7 @@ async def run_pipeline(args: argparse.Namespace, model_cfg: GPTConfig, task: Any
     seed_rounding(args.seed)
     link = LinkProfile(latency=args.latency_ms / 1000, bandwidth=args.rate_mbit * 1e6 / 8)
     net = MemoryNetwork(seed=1, default=link)
-    avg = AveragerConfig(target_size=8, min_size=1, matchmaking_time=1.0)
+    avg = AveragerConfig(target_size=8, min_size=1, matchmaking_time=args.matchmaking)
     peers: list[PipelinePeer] = []
     # (seed 0: the data every earlier run of this benchmark used)
     iters = [task.batches(1000 + 100 * args.seed + i, args.micro_batch) for i in range(args.peers)]
