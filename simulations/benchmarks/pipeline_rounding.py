@@ -48,7 +48,7 @@ from p2ptrain.pipeline.stages import Stage, split_gpt, stage_loss, tied_index
 from p2ptrain.tasks.gpt import GPT, GPTConfig
 from p2ptrain.tasks.text import gpt_task
 
-from .pipeline import val_loss
+from .pipeline import data_parallel, val_loss
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 NEAREST = Wire(Compression.INT8, rounding=Rounding.NEAREST)
@@ -123,21 +123,6 @@ def train_pipeline(
     return stages
 
 
-def data_parallel(
-    cfg: GPTConfig, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], seed: int, lr: float
-) -> GPT:
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    for batch in steps:
-        x = torch.cat([b[0] for b in batch])
-        y = torch.cat([b[1] for b in batch])
-        stage_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -171,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             [next(iters[i]) for i in range(args.peers) for _ in range(args.per_peer)]
             for _ in range(args.steps)
         ]
-        ref = val_loss(data_parallel(cfg, steps, seed, args.lr), val)
+        ref = val_loss(data_parallel(cfg, steps, args.lr, seed), val)
         for name in schemes:
             codec.seed_rounding(seed)
             stages = train_pipeline(
