@@ -362,6 +362,7 @@ class Averager:
         target_size: int | None = None,
         min_size: int | None = None,
         quorum: Quorum | None = None,
+        lead: bool = True,
     ) -> SignedManifest:
         """Only the matchmaking half of :meth:`average`: the signed manifest of the group found.
 
@@ -369,6 +370,7 @@ class Averager:
         slices only until the round's scatter deadline). ``target_size`` and ``min_size`` override the
         configured group sizes for this call (a training run sizes groups by the peers it sees).
         ``quorum``: a group led here forms only with that many of those peers (see ``matchmaking``).
+        ``lead=False``: join a group led by another peer or none (a client-only member of it).
         """
         if self.groups.busy:
             raise RuntimeError("an average() call is already in progress on this node")
@@ -383,6 +385,7 @@ class Averager:
             timeout,
             sizes,
             quorum,
+            lead=lead,
         )
 
     async def run_round(

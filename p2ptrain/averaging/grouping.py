@@ -216,13 +216,17 @@ class GroupForming:
         timeout: float,
         sizes: tuple[int, int],
         quorum: Quorum | None = None,
+        lead: bool = True,
     ) -> SignedManifest:
         """Find or lead a group under ``group_key``: its signed manifest, checked against the run's
-        rules (GroupTooSmall, SchemaMismatch or GroupFormationFailed say why none formed)."""
+        rules (GroupTooSmall, SchemaMismatch or GroupFormationFailed say why none formed).
+
+        ``lead=False``: follow a leader or none, as a client-only peer does (announced without an
+        address: nobody follows it or waits for it, and it reduces no share)."""
         cfg = self._config()
         me = Announcement(
             self.host.identity.peer_id,
-            self._my_addr(),
+            self._my_addr() if lead else "",
             self.clock() + cfg.matchmaking_time,
             self.bandwidth,
             digest,

@@ -319,6 +319,12 @@ class CollaborativeOptimizer:
         view = self.board.update_view()
         if (view.behind or view.diverged(shared.digest)) and self.clock() >= shared.sync_retry_at:
             shared.start_download(view, self.board.vouched_digest)
+            flight = shared.download
+            if flight is not None and flight.replaying:
+                # At once, not after the next batch: the replay lands about when the group of the
+                # step it lands on forms, and a batch later that group had formed without this peer
+                # (the namespace lab's home on 10 Mbit/s replayed each step and averaged in none).
+                self._join_ahead(flight, samples)
             return changed
         formed = rounds.take_formed()
         if formed is not None:

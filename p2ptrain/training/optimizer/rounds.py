@@ -223,6 +223,11 @@ class RoundRunner:
             else:
                 known = publishing & (trusted | {self.node.peer_id})
                 quorum = Quorum(known, min(minimum, view.vouched_here), publishing)
+            # A group of a step this peer is not on yet (joined ahead, its replay in flight) is
+            # joined, never led: the peers on the step decide whether a group of it forms, by their
+            # quorums. Led from here, its quorum counted this peer itself as one of the step's peers,
+            # and a group of this peer alone committed the step (a lineage of its own; it downloaded
+            # the state again).
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
@@ -230,6 +235,7 @@ class RoundRunner:
                 target_size=target,
                 min_size=minimum,
                 quorum=quorum,
+                lead=epoch == self.tally.epoch,
             )
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)

@@ -1,0 +1,44 @@
+"""A sync peer replaying onto the swarm's step joins that step's group and never leads it (issue 49).
+
+The invariant: *a group of a step is led only by a peer on that step.* A peer replaying the missed
+steps' results looks for the group of the step its replay lands it on (``RoundRunner.start_matchmaking``
+with ``ahead``), to hand over the gradients it computed meanwhile; its view of that step is a
+spectator's (its record is of the step before). Leading such a group, it counted itself among the
+step's peers, and with the peers there already past their own group it formed a group of itself alone
+and committed the step: a lineage of its own, which it left only by downloading the whole state again.
+Now it joins as a client-only member (``Averager.form_group(lead=False)``: announced without an
+address, nobody follows or waits for it), so the peers on the step decide whether a group of it forms.
+
+Checked over several home links whose one step result takes most of a step to fetch (the chase): every
+peer holds the same parameters at every step, and the home downloads the state once (its join). On the
+code before, two of these links forked the home (a second download and two digests of one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import trio
+import trio.testing
+
+from simulations.benchmarks.statesync_catchup import swarm
+
+# (the home's access link in Mbit/s, the model's parameters, compute seconds per step): one step's
+# result takes most of the swarm's step on the home's link (its state, 4.8 MB, is hashed inline)
+LINKS = [(4.0, 400_000, 3.0), (6.0, 400_000, 2.0)]
+
+
+@pytest.mark.timeout(300)  # ~10 s of CPU each
+@pytest.mark.parametrize(("rate", "params", "step_s"), LINKS)
+async def test_a_replaying_peer_never_leads_a_group_of_the_step_it_lands_on(
+    autojump_clock: object, rate: float, params: int, step_s: float
+) -> None:
+    args = argparse.Namespace(
+        rate_mbit=rate, params=params, fast=3, seconds=60.0, compute=1.0, step_s=step_s, access=True
+    )
+    with trio.fail_after(3600):  # virtual seconds
+        result = await swarm(args, 4)
+    assert result["identical"], result
+    assert result["downloads"] == 1, result
+    assert result["replayed_steps"] >= 1, result  # it did chase (replay), the case this is about
