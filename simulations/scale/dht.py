@@ -31,8 +31,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.net import Host, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from simulations.scale.heap import few_collections
-from simulations.scale.model import World
-from simulations.scale.swarm import pct
+from simulations.scale.model import World, pct
 
 PORT = 1000
 
