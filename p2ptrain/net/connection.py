@@ -472,6 +472,9 @@ class Connection:
                 header, body = await self.channel.receive(sink)
                 self._last_received = trio.current_time()
                 await self._dispatch(opened[0] if opened else decode_header(header), body)
+                # Not held while the next record is awaited: each quiet connection would keep its last.
+                del header, body
+                opened.clear()
         except ConnectionClosed as e:
             if not self.closed:
                 log.info("connection to %s lost: %s", self.peer.short(), e)
