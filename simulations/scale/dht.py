@@ -188,6 +188,8 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
         hot = await hot_key([d for _, d, _ in live], spec.hot_key, rng) if spec.hot_key else None
         hops = [h for _, d, _ in live for h, _ in d.reader.recent_lookups]
         queries = [q for _, d, _ in live for _, q in d.reader.recent_lookups]
+        for name, _, _ in live:  # the end: every process stops at once (no goodbyes to send)
+            net.kill(name)
         nursery.cancel_scope.cancel()
     return {
         "nodes": spec.nodes,
