@@ -23,6 +23,7 @@ import heapq
 import ipaddress
 import random
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..identity import PEER_ID_BYTES, PeerID
@@ -81,6 +82,40 @@ class Bucket:
     pinging: PeerID | None = None
 
 
+class Buckets:
+    """The table's ``ID_BITS`` buckets, each made when first written: a node of a swarm of N uses about
+    log2(N) of them, and 256 empty ones cost some 90 KB per node (a simulated swarm of 10,000 holds a
+    table per node). Indexing makes the bucket (a read that must not: :meth:`made`)."""
+
+    __slots__ = ("_made",)
+
+    def __init__(self) -> None:
+        self._made: dict[int, Bucket] = {}
+
+    def __len__(self) -> int:
+        return ID_BITS
+
+    def __getitem__(self, index: int) -> Bucket:
+        if not -ID_BITS <= index < ID_BITS:
+            raise IndexError(index)
+        index %= ID_BITS
+        bucket = self._made.get(index)
+        if bucket is None:
+            bucket = self._made[index] = Bucket()
+        return bucket
+
+    def __iter__(self) -> Iterator[Bucket]:
+        return (self[i] for i in range(ID_BITS))
+
+    def made(self, index: int) -> Bucket | None:
+        """The bucket at ``index`` if it was ever written (None: it is empty and untouched)."""
+        return self._made.get(index)
+
+    def used(self) -> list[tuple[int, Bucket]]:
+        """The buckets made so far, by index."""
+        return sorted(self._made.items())
+
+
 @dataclass(frozen=True)
 class Observation:
     """What :meth:`RoutingTable.observe` did. ``ping`` names a contact to check before evicting it."""
@@ -105,7 +140,7 @@ class RoutingTable:
         self.max_per_subnet = max_per_subnet
         self.exempt_private = exempt_private
         self.max_failures = max_failures
-        self.buckets = [Bucket() for _ in range(ID_BITS)]
+        self.buckets = Buckets()
         self._index: dict[PeerID, Contact] = {}  # every contact in any bucket, for fast scans
 
     def bucket_index(self, peer: PeerID) -> int:
@@ -118,19 +153,23 @@ class RoutingTable:
         return len(self._index)
 
     def __contains__(self, peer: PeerID) -> bool:
-        return peer != self.local and peer in self.buckets[self.bucket_index(peer)].entries
+        if peer == self.local:
+            return False
+        bucket = self.buckets.made(self.bucket_index(peer))
+        return bucket is not None and peer in bucket.entries
 
     def contacts(self) -> list[Contact]:
         return list(self._index.values())
 
     def answering(self) -> list[Contact]:
         """The contacts whose last call did not fail (a failure is forgotten once they answer again)."""
-        return [e.contact for b in self.buckets for e in b.entries.values() if not e.failures]
+        return [e.contact for _, b in self.buckets.used() for e in b.entries.values() if not e.failures]
 
     def get(self, peer: PeerID) -> Contact | None:
         if peer == self.local:
             return None
-        entry = self.buckets[self.bucket_index(peer)].entries.get(peer)
+        bucket = self.buckets.made(self.bucket_index(peer))
+        entry = bucket.entries.get(peer) if bucket is not None else None
         return entry.contact if entry else None
 
     # ---- updates ----
@@ -175,7 +214,9 @@ class RoutingTable:
 
     def ping_result(self, peer: PeerID, alive: bool, now: float) -> str:
         """Outcome of a ping-before-evict; returns what happened."""
-        bucket = self.buckets[self.bucket_index(peer)]
+        bucket = self.buckets.made(self.bucket_index(peer))
+        if bucket is None:
+            return "contact already gone"
         if bucket.pinging == peer:
             bucket.pinging = None
         if peer not in bucket.entries:
@@ -191,10 +232,11 @@ class RoutingTable:
         """An RPC to ``peer`` failed; evict after ``max_failures`` (or at once if a replacement waits)."""
         if peer == self.local:
             return "own id"
-        bucket = self.buckets[self.bucket_index(peer)]
-        entry = bucket.entries.get(peer)
-        if entry is None:
-            bucket.replacements.pop(peer, None)
+        bucket = self.buckets.made(self.bucket_index(peer))
+        entry = bucket.entries.get(peer) if bucket is not None else None
+        if bucket is None or entry is None:
+            if bucket is not None:
+                bucket.replacements.pop(peer, None)
             return "not in the table"
         entry.failures += 1
         if entry.failures >= self.max_failures or bucket.replacements:
@@ -225,10 +267,15 @@ class RoutingTable:
 
     def stale_buckets(self, now: float, interval: float) -> list[int]:
         """Indexes of buckets untouched for ``interval``, from the nearest used one outwards."""
-        used = [i for i, b in enumerate(self.buckets) if b.entries]
+        used = [i for i, b in self.buckets.used() if b.entries]
         if not used:
             return []
-        return [i for i in range(min(used), ID_BITS) if now - self.buckets[i].last_touched >= interval]
+
+        def touched(i: int) -> float:
+            bucket = self.buckets.made(i)
+            return bucket.last_touched if bucket is not None else 0.0
+
+        return [i for i in range(min(used), ID_BITS) if now - touched(i) >= interval]
 
     def random_id_in_bucket(self, index: int, rng: random.Random) -> bytes:
         """A random id whose XOR distance to ours has bit length ``index + 1`` (for bucket refresh)."""

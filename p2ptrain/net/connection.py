@@ -1,11 +1,14 @@
 """One authenticated connection: multiplexed RPC calls, streams, keepalive and idle close.
 
-Theory of operation: a connection runs one reader task that decodes every record and routes it, never
-blocking on an application: responses wake the waiting caller, ``Data`` goes into the stream's bounded
-buffer, requests start a handler task in the connection's own nursery (bounded in number). Sends from
-any task go through the channel's lock. Closing the connection (by either side, by keepalive timeout,
-or by a protocol violation) fails every pending call with :class:`ConnectionClosed` and cancels every
-handler, so nothing waits forever and no resource outlives the connection.
+Theory of operation: a connection's task reads: it decodes every record and routes it, never blocking
+on an application: responses wake the waiting caller, ``Data`` goes into the stream's bounded buffer,
+requests start a handler task in the connection's own nursery (bounded in number). Sends from any task
+go through the channel's lock. Keepalive checks (ping a quiet peer, close a dead or idle connection)
+run on a timer shared by the host's connections (:class:`Keepalives`), each connection checked every
+half keepalive interval from when it opened, as a task of its own would, without one per connection.
+Closing the connection (by either side, by keepalive timeout, or by a protocol violation) fails every
+pending call with :class:`ConnectionClosed` and cancels every handler, so nothing waits forever and no
+resource outlives the connection.
 
 Deadlines: the caller's timeout travels with the request; the handler runs under it, and the caller
 gives up (sending ``Cancel``) when it expires or when the caller itself is cancelled.
@@ -13,6 +16,7 @@ gives up (sending ``Cancel``) when it expires or when the caller itself is cance
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections import Counter
@@ -97,6 +101,40 @@ class _InCall:
     method: str = OTHER  # a registered method's name (an unknown name is the remote's to choose)
 
 
+class Keepalives:
+    """The keepalive timer of a set of connections (a host's): one task that runs each connection's check
+    when it is due. A check is synchronous (it never waits on the network: a ping or a goodbye it decides
+    on is sent by a task of the connection's), so one slow connection delays no other's check."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Connection]] = []  # (when, tie-break, connection), a heap
+        self._order = itertools.count()
+        self._changed: trio.Event | None = None  # the runner's, while it waits
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def schedule(self, conn: Connection, at: float) -> None:
+        """Check ``conn`` at ``at`` (on trio's clock)."""
+        heapq.heappush(self._due, (at, next(self._order), conn))
+        if self._due[0][2] is conn and self._changed is not None:
+            self._changed.set()  # (sooner than the runner waits for)
+
+    async def run(self) -> None:
+        """Run the checks as they fall due, until cancelled."""
+        while True:
+            now = trio.current_time()
+            while self._due and self._due[0][0] <= now:
+                _, _, conn = heapq.heappop(self._due)
+                conn._keepalive_check()
+            self._changed = changed = trio.Event()
+            if self._due:
+                with trio.move_on_at(self._due[0][0]):
+                    await changed.wait()
+            else:
+                await changed.wait()
+
+
 class Connection:
     """A live, authenticated connection to one peer. Created by :class:`~p2ptrain.net.host.Host`."""
 
@@ -111,8 +149,11 @@ class Connection:
         registry: RpcRegistry,
         config: ConnectionConfig,
         admit: Callable[[PeerID], bool] | None = None,
+        keepalives: Keepalives | None = None,
     ) -> None:
-        """``admit(peer)`` is asked before each incoming call is served (a per-peer rate limit)."""
+        """``admit(peer)`` is asked before each incoming call is served (a per-peer rate limit);
+        ``keepalives``: the running timer that checks this connection (None: the connection runs its
+        own)."""
         self.channel = channel
         self._admit = admit
         self.peer = peer
@@ -138,6 +179,8 @@ class Connection:
         self._last_busy = self.opened_at
         self._pings = itertools.count()
         self._pong_waiters: dict[int, trio.Event] = {}
+        self._keepalives = keepalives
+        self._reading = trio.CancelScope()  # the reader's: cancelled when the connection closes
 
     # ---- status ----
 
@@ -179,10 +222,13 @@ class Connection:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._reader)
-                nursery.start_soon(self._keepalive)
+                if self._keepalives is None:  # (a connection on its own: a timer of its own)
+                    self._keepalives = Keepalives()
+                    nursery.start_soon(self._keepalives.run)
+                self._keepalives.schedule(self, trio.current_time() + self._keepalive_period)
                 task_status.started()
-                await self._closed.wait()
+                with self._reading:
+                    await self._reader()
                 nursery.cancel_scope.cancel()
         finally:
             self._close(self.close_reason or "connection task ended")
@@ -205,6 +251,7 @@ class Connection:
         if not self.closed:
             self.close_reason = reason
             self._closed.set()
+            self._reading.cancel()
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
@@ -373,24 +420,36 @@ class Connection:
             raise ConnectionClosed(f"connection to {self.peer.short()} closed: {self.close_reason}")
         return trio.current_time() - start
 
-    async def _keepalive(self) -> None:
+    @property
+    def _keepalive_period(self) -> float:
         cfg = self.config
-        while True:
-            await trio.sleep(min(cfg.keepalive_interval, cfg.idle_timeout) / 2)
-            now = trio.current_time()
-            if now - self._last_received > cfg.keepalive_timeout:
-                log.info("closing %r: no traffic for %.0f s", self, now - self._last_received)
-                self._close("keepalive timeout")
-                return
-            if not self.keep_open and self.active_calls == 0 and now - self._last_busy > cfg.idle_timeout:
-                log.debug("closing idle %r", self)
-                await self.aclose("idle")
-                return
-            if now - self._last_received > cfg.keepalive_interval:
-                try:
-                    await self._send(Ping(nonce=next(self._pings)))
-                except ConnectionClosed:
-                    return
+        return min(cfg.keepalive_interval, cfg.idle_timeout) / 2
+
+    def _keepalive_check(self) -> None:
+        """One keepalive check, when the timer says it is due: close a connection that heard nothing for
+        ``keepalive_timeout`` or was idle for ``idle_timeout`` (saying why), ping a quiet one, and have
+        the next check one period after this one (after the ping went out, where one is sent)."""
+        if self.closed or self._nursery is None or self._keepalives is None:
+            return
+        cfg, now = self.config, trio.current_time()
+        if now - self._last_received > cfg.keepalive_timeout:
+            log.info("closing %r: no traffic for %.0f s", self, now - self._last_received)
+            self._close("keepalive timeout")
+        elif not self.keep_open and self.active_calls == 0 and now - self._last_busy > cfg.idle_timeout:
+            log.debug("closing idle %r", self)
+            self._nursery.start_soon(self.aclose, "idle")
+        elif now - self._last_received > cfg.keepalive_interval:
+            self._nursery.start_soon(self._keepalive_ping)
+        else:
+            self._keepalives.schedule(self, now + self._keepalive_period)
+
+    async def _keepalive_ping(self) -> None:
+        try:
+            await self._send(Ping(nonce=next(self._pings)))
+        except ConnectionClosed:
+            return
+        assert self._keepalives is not None
+        self._keepalives.schedule(self, trio.current_time() + self._keepalive_period)
 
     # ---- incoming records ----
 
@@ -413,6 +472,9 @@ class Connection:
                 header, body = await self.channel.receive(sink)
                 self._last_received = trio.current_time()
                 await self._dispatch(opened[0] if opened else decode_header(header), body)
+                # Not held while the next record is awaited: each quiet connection would keep its last.
+                del header, body
+                opened.clear()
         except ConnectionClosed as e:
             if not self.closed:
                 log.info("connection to %s lost: %s", self.peer.short(), e)

@@ -41,7 +41,7 @@ from ..idwork import find_work, work_bits
 from .address import PeerAddress, concrete_host
 from .admission import Limits
 from .channel import MAX_FRAME, BodyBuffers, FramedStream, framed_stream
-from .connection import Connection, ConnectionConfig
+from .connection import Connection, ConnectionConfig, Keepalives
 from .handshake import (
     MAX_HANDSHAKE_FRAME,
     PROTOCOL_VERSION,
@@ -132,6 +132,7 @@ class Host:
         self._conns: dict[PeerID, list[Connection]] = {}
         self._dialing: dict[PeerID | tuple[str, int], _Dial] = {}
         self._bodies = BodyBuffers()  # received bulk bodies, reused by all connections
+        self._keepalives = Keepalives()  # the timer of every connection's keepalive checks
         self._observers: list[ConnectionObserver] = []
         self._nursery: trio.Nursery | None = None
         self._closed_traffic = (0, 0)  # bytes sent and received over connections that have closed
@@ -192,6 +193,7 @@ class Host:
             nursery.cancel_scope.shield = True
             self._nursery = nursery
             try:
+                nursery.start_soon(self._keepalives.run)
                 for host, port in listen:
                     bound = await nursery.start(self.transport.serve, host, port, self.inbound.accept_stream)
                     self.listen_addresses += [PeerAddress.for_host(h, p, self.peer_id) for h, p in bound]
@@ -487,6 +489,7 @@ class Host:
             registry=self.registry,
             config=self.config.connection,
             admit=self._admit_call if self.config.max_calls_per_minute else None,
+            keepalives=self._keepalives,
         )
 
     def _admit_call(self, peer: PeerID) -> bool:
@@ -532,11 +535,13 @@ class Host:
         )
         self._notify(conn, True)
         try:
-            async with trio.open_nursery() as nursery:
-                if result.remote_certificate is not None:
-                    nursery.start_soon(self._close_at_expiry, conn, result.remote_certificate.expires)
+            if result.remote_certificate is None:
                 await conn.run(task_status=task_status)
-                nursery.cancel_scope.cancel()
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._close_at_expiry, conn, result.remote_certificate.expires)
+                    await conn.run(task_status=task_status)
+                    nursery.cancel_scope.cancel()
         finally:
             peers = self._conns.get(conn.peer, [])
             if conn in peers:

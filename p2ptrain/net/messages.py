@@ -92,7 +92,9 @@ class _Direction:
 
     def __init__(self, net: MessageNetwork, src: str, dst: str) -> None:
         self.net, self.src, self.dst = net, src, dst
-        self.queue: deque[tuple[float, int, object]] = deque()  # (arrival, size, frame or record)
+        # (arrival, size, frame or record); None while empty: an empty deque holds a 64-slot block
+        # (about 600 bytes), and most directions of a large swarm are quiet
+        self.queue: deque[tuple[float, int, object]] | None = None
         self.in_flight = 0
         self.last_arrival = 0.0
         self.eof = False
@@ -122,8 +124,10 @@ class _Direction:
             raise ConnectionClosed("connection lost while sending: connection reset")
         if self.eof:
             raise ConnectionClosed("connection lost while sending: this end was closed")
-        self.queue.append((self.net.arrival(self.src, self.dst, size, self.last_arrival), size, item))
-        self.last_arrival = self.queue[-1][0]
+        if self.queue is None:
+            self.queue = deque()
+        self.last_arrival = self.net.arrival(self.src, self.dst, size, self.last_arrival)
+        self.queue.append((self.last_arrival, size, item))
         self.in_flight += size
         self.wake()
         await trio.lowlevel.checkpoint()
@@ -133,10 +137,13 @@ class _Direction:
         while True:
             if self.broken:
                 raise ConnectionClosed("connection lost while receiving: connection reset")
-            if self.queue and not self.net.blocked(self.src, self.dst):
-                arrival, size, item = self.queue[0]
+            queue = self.queue
+            if queue and not self.net.blocked(self.src, self.dst):
+                arrival, size, item = queue[0]
                 if arrival <= trio.current_time():
-                    self.queue.popleft()
+                    queue.popleft()
+                    if not queue:
+                        self.queue = None
                     self.in_flight -= size
                     self.wake()
                     self.net.received[self.dst] += size

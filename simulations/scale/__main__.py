@@ -4,7 +4,7 @@
 
     python -m simulations.scale --peers 16,64,256 [--duration 210] [--warmup 90] [--nat-share 0.3]
         [--join-rate R] [--leave-rate R] [--kill-rate R] [--loss P] [--seed S]
-    python -m simulations.scale --dht 1000,10000 [--keys 200] [--kill 0.1]
+    python -m simulations.scale --dht 1000,10000 [--keys 200] [--kill 0.1] [--wave 32]
     python -m simulations.scale --plot-only      # redraw the plots from the JSON reports
 
 Each run's figures go into ``simulations/results/scale-swarm.json`` (training peers) or
@@ -219,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="DHT runs: virtual seconds of the one-key progress workload afterwards",
     )
+    ap.add_argument(
+        "--wave",
+        type=int,
+        default=32,
+        help="DHT runs: nodes that join at once (the build lasts nodes / wave rounds of virtual time, "
+        "and the upkeep of every node joined runs meanwhile)",
+    )
     ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
@@ -284,11 +291,14 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = []
         for n in (int(x) for x in args.dht.split(",")):
-            spec = DhtSpec(nodes=n, keys=args.keys, kill=args.kill, seed=args.seed, hot_key=args.hot_key)
+            spec = DhtSpec(
+                nodes=n, keys=args.keys, kill=args.kill, wave=args.wave, seed=args.seed, hot_key=args.hot_key
+            )
             result = run_dht(spec)
+            parts = [f"hot_key={args.hot_key:g}"] if args.hot_key else []
+            parts += [f"wave={args.wave}"] if args.wave != DhtSpec.wave else []
             result.update(
-                settings=("default" if not args.hot_key else f"hot_key={args.hot_key:g}")
-                + (f",{args.tag}" if args.tag else ""),
+                settings=(",".join(parts) or "default") + (f",{args.tag}" if args.tag else ""),
                 command=command,
                 finished=time.strftime("%Y-%m-%d %H:%M"),
             )

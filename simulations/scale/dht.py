@@ -16,6 +16,7 @@ import hashlib
 import random
 import resource
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,8 +32,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.net import Host, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from simulations.scale.heap import few_collections
-from simulations.scale.model import World
-from simulations.scale.swarm import pct
+from simulations.scale.model import World, pct
 
 PORT = 1000
 
@@ -101,7 +101,7 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random) -> dict[
 
 
 async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     world = World(spec.seed, 0.0)
     net = MessageNetwork(latency=world.latency, seed=spec.seed)
     rng = random.Random(spec.seed)
@@ -139,8 +139,14 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
                 for j in wave:
                     joining.start_soon(start, j)
             i = wave.stop
+            if i * 10 // spec.nodes > (i - len(wave)) * 10 // spec.nodes:  # (every tenth of the nodes)
+                print(
+                    f"N={spec.nodes}: {i} joined at {trio.current_time():.0f} virtual s, "
+                    f"{time.perf_counter() - began:.0f} s wall",
+                    file=sys.stderr,
+                )
         built_virtual = trio.current_time()
-        built_wall = time.perf_counter() - began
+        built_wall, built_cpu = time.perf_counter() - began, time.process_time() - cpu
         for _, d, _ in nodes:  # (lookups from here on: the workload's, not the joins')
             d.reader.recent_lookups.clear()
 
@@ -189,6 +195,8 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
         hot = await hot_key([d for _, d, _ in live], spec.hot_key, rng) if spec.hot_key else None
         hops = [h for _, d, _ in live for h, _ in d.reader.recent_lookups]
         queries = [q for _, d, _ in live for _, q in d.reader.recent_lookups]
+        for name, _, _ in live:  # the end: every process stops at once (no goodbyes to send)
+            net.kill(name)
         nursery.cancel_scope.cancel()
     return {
         "nodes": spec.nodes,
@@ -206,6 +214,9 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
         "sim": {
             "wall_s": round(time.perf_counter() - began, 1),
             "build_wall_s": round(built_wall, 1),
+            "cpu_s": round(time.process_time() - cpu, 1),
+            "build_cpu_s": round(built_cpu, 1),
+            "cpu_ms_per_node": round(1000 * (time.process_time() - cpu) / spec.nodes, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "connections_made": net.connections_made,
             "live_connections": net.live_connections(),

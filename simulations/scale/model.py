@@ -3,6 +3,7 @@ which of them sit behind NATs, and when they join, leave and crash (pure: seeded
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -88,3 +89,11 @@ def churn_events(
                 break
             events.append((t, kind))
     return sorted(events)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank; NaN for none)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]

@@ -34,7 +34,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.net import PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from p2ptrain.training import CollaborativeOptimizer
-from simulations.scale.model import Churn, PeerPlace, World, churn_events
+from simulations.scale.model import Churn, PeerPlace, World, churn_events, pct
 
 PORT = 4000
 BATCH = 8  # samples per batch, every peer
@@ -209,13 +209,6 @@ class LogContext(logging.Filter):
 def snapshot(peers: list[SimPeer]) -> dict[int, tuple[Counter[str], int]]:
     """Each live peer's bytes sent by method and bytes received, now."""
     return {p.index: (Counter(p.node.host.sent_by_method()), p.node.host.traffic()[1]) for p in peers}
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 async def simulate(spec: SwarmSpec) -> dict[str, Any]:

@@ -178,6 +178,57 @@ async def test_keepalive_detects_a_partitioned_peer(mem_cluster, memnet, autojum
         assert client.host.connections() == server.host.connections() == []
 
 
+def _tasks() -> int:
+    """Every task of this trio run."""
+    todo, count = [trio.lowlevel.current_root_task()], 0
+    while todo:
+        task = todo.pop()
+        count += 1
+        todo.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return count
+
+
+async def test_a_connection_costs_one_task_per_end(cluster):
+    # The keepalive checks run on the host's one timer and the reader in the connection's own task:
+    # an idle connection holds one task at each end (it held three before the timer was shared).
+    with trio.fail_after(20):
+        client = await cluster.start()
+        servers = [await cluster.start() for _ in range(4)]
+        before = _tasks()
+        conns = [await client.host.connect(s.address) for s in servers]
+        for s in servers:
+            await s.wait_conn_to(client)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _tasks() - before == 2 * len(conns)
+        assert len(client.host._keepalives) == len(conns)  # each connection's next check, on one timer
+
+
+async def test_one_timer_closes_only_the_partitioned_connection(mem_cluster, memnet, autojump_clock, kit):
+    cfg = _idle_config()
+    timeout, interval = cfg.connection.keepalive_timeout, cfg.connection.keepalive_interval
+    with trio.fail_after(1000):
+        client = await mem_cluster.start(config=cfg)
+        servers = [await mem_cluster.start(config=cfg) for _ in range(3)]
+        conns = []
+        for s in servers:
+            conns.append(await client.host.connect(s.address))
+            (await s.wait_conn_to(client)).keep_open = True
+            conns[-1].keep_open = True
+            await trio.sleep(1.5)  # (each connection's checks fall at their own times)
+        await conns[0].call(kit.ECHO, kit.Text("last word"))
+        cut = trio.current_time()
+        memnet.partition([servers[0].name], [client.name])
+        with trio.fail_at(cut + timeout + interval):
+            await conns[0].wait_closed()
+        assert trio.current_time() > cut + timeout
+        assert conns[0].close_reason == "keepalive timeout"
+        # The others' pings and pongs keep flowing on the same timer, for as long as one cares to wait.
+        received = [c.bytes_received for c in conns[1:]]
+        await trio.sleep(10 * timeout)
+        assert not any(c.closed for c in conns[1:])
+        assert all(c.bytes_received > r for c, r in zip(conns[1:], received, strict=True))
+
+
 async def test_keepalive_keeps_a_quiet_healthy_connection(mem_cluster, memnet, autojump_clock):
     cfg = _idle_config()
     memnet.default.latency = 0.2

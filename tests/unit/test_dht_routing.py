@@ -523,3 +523,24 @@ def test_random_churn_keeps_the_table_consistent(seed: int) -> None:
             table.ping_result(p, alive=rng.random() < 0.5, now=now)
         check_invariants(table)
     assert len(table) > 0
+
+
+def test_buckets_are_made_when_first_written_and_reads_make_none() -> None:
+    table = RoutingTable(LOCAL)
+    a, b = pid_at(30), pid_at(31)
+    assert a not in table and table.get(a) is None
+    assert (
+        table.failed(a, 1.0) == "not in the table"
+        and table.ping_result(a, True, 1.0) == "contact already gone"
+    )
+    assert table.stale_buckets(1.0, 10.0) == [] and table.answering() == []
+    assert table.buckets.used() == []  # nothing above made a bucket
+    table.observe(contact(a), 5.0)
+    assert [i for i, _ in table.buckets.used()] == [30]
+    assert a in table and b not in table and [i for i, _ in table.buckets.used()] == [30]
+    # Stale buckets are counted as before: an untouched one (never made) is stale from the first used one.
+    assert table.stale_buckets(12.0, 10.0) == list(range(31, ID_BITS))
+    assert table.stale_buckets(20.0, 10.0) == list(range(30, ID_BITS))
+    assert len(table.buckets) == ID_BITS and table.buckets[-1] is table.buckets[ID_BITS - 1]
+    with pytest.raises(IndexError):
+        table.buckets[ID_BITS]
