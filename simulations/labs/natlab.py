@@ -297,14 +297,23 @@ def relay_join(
         if leave_s and out["home2_punch"] == "direct":
             # the public peer (the homes' only relay) stops: are the homes still connected directly?
             ids = {n: _status(workdir, n).get("peer_id", "") for n in ("home1", "home2")}
+
+            def both_direct() -> bool:
+                return _direct_to(workdir, "home2", ids["home1"], lab.router_address(1)) and _direct_to(
+                    workdir, "home1", ids["home2"], lab.router_address(2)
+                )
+
+            # The status files are rewritten every second: the punch is logged before they list the
+            # direct connection, and a public peer stopped in between made the first look fail.
+            listed = time.monotonic() + 10.0
+            while not both_direct() and time.monotonic() < listed:
+                time.sleep(0.2)
             public.terminate()
             public.wait(timeout)
             began = time.monotonic()
             stayed = True
             while stayed and time.monotonic() - began < leave_s:
-                stayed = _direct_to(workdir, "home2", ids["home1"], lab.router_address(1)) and _direct_to(
-                    workdir, "home1", ids["home2"], lab.router_address(2)
-                )
+                stayed = both_direct()
                 time.sleep(0.5)
             out["homes_direct_after_public_left_s"] = round(time.monotonic() - began, 1) if stayed else None
             out["ok"] = out["ok"] and stayed
