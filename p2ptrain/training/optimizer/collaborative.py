@@ -382,7 +382,9 @@ class CollaborativeOptimizer:
 
     def _join_ahead(self, flight: Download, samples: int) -> None:
         """A replay of the missed steps' results in flight: look for a group of the step it lands this
-        peer on, as a peer there would, to take part in that round (``RoundRunner.start_matchmaking``):
+        peer on, as a client-only member that never leads it (a group of a step is led only by a peer
+        on it), to take part in that round (``RoundRunner.start_matchmaking``); ``step`` calls this
+        between batches and once as a replay starts:
         DiLoCo one step behind (its local progress carried onto the new global parameters) hands its
         work over once the replay landed; sync, at most ``AHEAD_STEPS`` behind, hands over at once the
         gradients it computed meanwhile (a group formed for ``step`` to hand them to is taken here). Not
