@@ -238,7 +238,16 @@ class ProgressBoard:
             since=self.tally.since,
             work=self.node.host.work or b"",
             ready=self.view is not None and self.view.epoch == self.tally.epoch and self.view.ready,
+            toward=self.toward(),
         )
+
+    def toward(self) -> int:
+        """The step this peer is catching up to (its record's ``toward``): the one after a round joined
+        ahead of its step, else the one its replay in flight lands it on; 0: none."""
+        if self.tally.ahead is not None:
+            return self.tally.ahead + 1
+        flight = self.state.download
+        return flight.target if flight is not None and flight.replaying else 0
 
     async def publish(self, record: ProgressRecord | None = None) -> None:
         record = record or self.record()

@@ -98,6 +98,7 @@ class Tally:
         self.since = now  # since when ``samples`` counts
         self.rate = RateMeter()
         self.landing = False
+        self.ahead: int | None = None  # the step of the round ``landing`` names, if past ``epoch``
         # (epoch, members): the others of the round that took this peer to that epoch (see ``progress``)
         self.cohort: tuple[int, frozenset[PeerID]] = (-1, frozenset())
 
@@ -119,9 +120,12 @@ class Tally:
         """An aborted round gave back the ``weight`` samples handed to it: the next round counts them."""
         self.samples += weight
 
-    def handed(self, flag: bool) -> None:
-        """The samples of this step are with a round that has not landed (True), or it landed (False)."""
+    def handed(self, flag: bool, ahead: int | None = None) -> None:
+        """The samples of this step are with a round that has not landed (True), or it landed (False);
+        ``ahead``: the round is of that step, past this peer's own (joined ahead while a replay lands
+        it there): it lands this peer on the step after."""
         self.landing = flag
+        self.ahead = ahead if flag else None
 
     def inner_step(self) -> None:
         self.inner_steps += 1

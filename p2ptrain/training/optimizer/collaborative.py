@@ -318,8 +318,9 @@ class CollaborativeOptimizer:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self.board.update_view()
         if (view.behind or view.diverged(shared.digest)) and self.clock() >= shared.sync_retry_at:
-            shared.start_download(view, self.board.vouched_digest)
+            shared.start_download(view, self.board.vouched_digest, lambda e: self.board.view_of(e).donors)
             flight = shared.download
+            self.wake.set()  # its record says what it catches up to (``board.toward``)
             if flight is not None and flight.replaying:
                 # At once, not after the next batch: the replay lands about when the group of the
                 # step it lands on forms, and a batch later that group had formed without this peer
@@ -402,13 +403,23 @@ class CollaborativeOptimizer:
         epoch = tally.epoch + 1 if self.diloco else flight.target
         if (
             (flight.carry_from != tally.epoch if self.diloco else not 0 < epoch - tally.epoch <= AHEAD_STEPS)
-            or rounds.matchmaking
-            or tally.samples <= 0
+            or (rounds.looking_for or -1) >= epoch  # (a look for an earlier step's is superseded)
+            or (self.diloco and tally.samples <= 0)
             or self.clock() < rounds.retry_at
         ):
             return
         view = self.board.view_of(epoch)
         if view.behind or view.peers <= 1:
+            return
+        if not self.diloco:
+            # sync: at once, whatever its view of the step's samples. It only follows (it leads no
+            # group), and a leader of the step waits for it until its deadline (its record says what
+            # it catches up to: ``progress.swarm_view``'s ``arriving``); its gradients go when the group
+            # formed, between two batches, so there are some by then. Timed by its view, it looked
+            # too late: a peer that trusts only its join peer counts the others' samples for at most as
+            # many as that peer's (2/3 of them in a swarm of 3), and its view reached the target after
+            # the group had formed (in memory, a home on 4 Mbit/s averaged in 0 of 17 steps).
+            rounds.start_matchmaking(ahead=epoch - tally.epoch)
             return
         rate = tally.rate.rate  # (this peer's own batch, where longer: see ``step``)
         batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0

@@ -99,6 +99,9 @@ class ProgressRecord(Message, positional=True):
     since: float = bounded(0.0, ge=0.0, le=1e11)  # when it began ``epoch`` (its wall clock)
     work: bytes = bounded(b"", max_len=WORK_BYTES)  # its id's work nonce (runs that price ids: ``idwork``)
     ready: bool = False  # its view of ``epoch`` reached the target: it looks for a group (see swarm_view)
+    # The step it is catching up to, past ``epoch + 1`` or at it (a replay of the missed steps' results in
+    # flight, or a round joined ahead of its step: see swarm_view's ``arriving``); 0: none.
+    toward: int = bounded(0, ge=0, le=2**53)
 
 
 def sent_addr(addr: str, author: PeerID) -> str:
@@ -382,9 +385,22 @@ def swarm_view(
     # behind again at once, and chases the swarm for good when steps are about as long as a record takes
     # to travel and a download to land. (A joiner is trusted by nobody yet; ids that only publish such
     # records cost what those on the step do: the leader's deadline.)
-    arriving = len(lagging)
+    # Peers further behind that say they are catching up to ``at`` or the step before by a replay (or a
+    # round joined ahead: ``toward``) arrive too, a step later: the step they land on is behind again,
+    # and they join ``at``'s group ahead (``RoundRunner.start_matchmaking``). Not waited for, a sync
+    # home peer whose replay of a step took about as long as a step (a 10 Mbit/s link) was two steps
+    # behind whenever the group formed, on the swarm's step at once, and every look it made for a group
+    # came after it formed: it replayed every step and averaged in none (the namespace lab: 0 of 44).
+    # (It costs a group what a record one step behind does, its leader's deadline, and no more: a
+    # record that says it is never counted as on the step, nor toward the quorum.)
+    coming = [
+        o
+        for o in (*others, *own)
+        if o.record.epoch + 1 < at and at - 1 <= o.record.toward <= at and not o.record.leaving
+    ]
+    arriving = len(lagging) + len(coming)
     # A spectator two steps behind is in no other peer's count; it looks for the group all the same.
-    arriving += not here and not any(o.peer == me for o in (*landing, *lagging))
+    arriving += not here and not any(o.peer == me for o in (*landing, *lagging, *coming))
     vouched_here = here + sum(vouches(o) for o in (*same, *landing))
     if newest > at:
         ahead = sum(o.record.epoch == newest for o in vouched)

@@ -74,6 +74,17 @@ Landed = tuple[RoundResult, int]
 
 
 @dataclass
+class Looking:
+    """A look for a group, in the background: of step ``epoch`` (``ahead``: past this peer's own, the
+    one its replay in flight lands it on); ``done`` once it ended, however."""
+
+    epoch: int
+    ahead: bool
+    scope: trio.CancelScope
+    done: trio.Event
+
+
+@dataclass
 class InFlight:
     """A round running in the background: what it averages, and its outcome once ``done``."""
 
@@ -115,9 +126,7 @@ class RoundRunner:
         self.state, self.board, self.alone, self.stats, self.wake = state, board, alone, stats, wake
         self.in_flight: InFlight | None = None  # a round running in the background
         self.formed: tuple[int, SignedManifest] | None = None  # a group formed for step() to run
-        self.matchmaking = False
-        self._matchmaking_scope = trio.CancelScope()
-        self._ahead: int | None = None  # the step of a group joined ahead of this peer's (a replay landing)
+        self._looking: Looking | None = None  # the matchmaking in progress
         self.retry_at = 0.0
         self._next_batch = clock()  # when the training loop began computing its next batch
         self._nursery: trio.Nursery | None = None
@@ -139,6 +148,16 @@ class RoundRunner:
 
     # ---- forming groups ----
 
+    @property
+    def matchmaking(self) -> bool:
+        """Whether a group is being looked for (in the background)."""
+        return self._looking is not None
+
+    @property
+    def looking_for(self) -> int | None:
+        """The step whose group is being looked for, if any."""
+        return None if self._looking is None else self._looking.epoch
+
     def start_matchmaking(self, ahead: int = 0) -> None:
         """Look for a group for this peer's epoch, in the background.
 
@@ -156,20 +175,29 @@ class RoundRunner:
         - sync, at most ``AHEAD_STEPS`` behind: it hands over at once the gradients it computed while
           replaying (on the state it replays from: as stale as the steps it is behind, weighted by their
           samples like anyone's), and the round's result is applied once the replay landed on its step
-          (:meth:`land`): from then on it is on the swarm's step, averaging with it."""
+          (:meth:`land`): from then on it is on the swarm's step, averaging with it.
+
+        A look for a group of an earlier step still in progress is given up for this one (it ends
+        before this one begins: one group is looked for at a time). The swarm has left that step: a
+        home peer whose replays land each about when the next group forms went on looking for the group
+        of the step it had just landed on, long formed without it, and so never looked for the next
+        one (the namespace lab's home on 10 Mbit/s averaged in 0 of 44 steps).
+        """
         assert self._nursery is not None
         epoch = self.tally.epoch + ahead
-        self.matchmaking = True
-        self._ahead = epoch if ahead else None
-        self._matchmaking_scope = trio.CancelScope()
-        self._nursery.start_soon(self._matchmake, epoch, self._matchmaking_scope)
+        before = self._looking
+        if before is not None:
+            assert epoch > before.epoch, "a look for a later step's group only supersedes one"
+            before.scope.cancel()
+        looking = self._looking = Looking(epoch, bool(ahead), trio.CancelScope(), trio.Event())
+        self._nursery.start_soon(self._matchmake, looking, before)
 
     def cancel_matchmaking(self) -> None:
         """The state changed: a group for the epoch we left is no use (one joined ahead, for the epoch a
         replay just landed this peer on, is)."""
-        if self._ahead is not None and self._ahead == self.tally.epoch:
-            return
-        self._matchmaking_scope.cancel()
+        looking = self._looking
+        if looking is not None and not (looking.ahead and looking.epoch == self.tally.epoch):
+            looking.scope.cancel()
 
     def joined_ahead(self, epoch: int) -> bool:
         """Whether a group of ``epoch``, past this peer's step, is this peer's to hand its work to now
@@ -189,13 +217,16 @@ class RoundRunner:
         formed, self.formed = self.formed, None
         return formed
 
-    async def _matchmake(self, epoch: int, scope: trio.CancelScope) -> None:
+    async def _matchmake(self, looking: Looking, before: Looking | None) -> None:
         try:
-            with scope:  # cancelled when this peer's epoch changes meanwhile (a download)
-                await self._form_group(epoch)
+            with looking.scope:  # cancelled when this peer's epoch changes meanwhile (a download)
+                if before is not None:
+                    await before.done.wait()  # (the averager looks for one group at a time)
+                await self._form_group(looking.epoch)
         finally:
-            self.matchmaking = False
-            self._ahead = None
+            if self._looking is looking:
+                self._looking = None
+            looking.done.set()
 
     async def _form_group(self, epoch: int) -> None:
         cfg = self.config.averaging
@@ -356,7 +387,7 @@ class RoundRunner:
             epoch=self.tally.epoch if epoch is None else epoch,
             manifest=manifest,
         )
-        self.tally.handed(True)
+        self.tally.handed(True, epoch if ahead else None)
         if outer is None:
             self.tally.counting_from(self._next_batch)
         self.wake.set()  # others count this peer on the next epoch already (see ``landing``)

@@ -20,7 +20,7 @@ served to others, and a replayed one is checked against the trusted digest of th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from .buffers import Contribution, ParamBuffer
 from .feedback import FEEDBACK
 from .local_steps import LocalSteps
 from .outer import OuterStep
-from .progress import SwarmView
+from .progress import PeerProgress, SwarmView
 from .wake import Wake
 
 log = logging.getLogger("p2ptrain.training.swarm_state")  # (its lines, as before)
@@ -343,13 +343,24 @@ class SharedState:
 
     # ---- downloads ----
 
-    def start_download(self, view: SwarmView, expected: Callable[[int], bytes]) -> None:
+    def start_download(
+        self,
+        view: SwarmView,
+        expected: Callable[[int], bytes],
+        donors: Callable[[int], Sequence[PeerProgress]] | None = None,
+    ) -> None:
         """Catch up with the state most peers hold (we are behind, or diverged), in the background:
         compute goes on meanwhile, and ``step`` applies what came between two batches. A peer at most
         ``replay_steps`` behind whose own state the trusted records vouch for fetches the missed steps'
         results (``state.replay``); otherwise, or when no peer serves them, it downloads the state.
-        ``expected(epoch)``: the digest the peers this one trusts vouch for (see ``ProgressBoard``)."""
+        ``expected(epoch)``: the digest the peers this one trusts vouch for (see ``ProgressBoard``);
+        ``donors(epoch)``: the peers that serve the trusted state of ``epoch`` or later, as the records
+        read by now say (a replay that waits for a digest asks them again; ``view``'s by default)."""
         assert self._nursery is not None
+
+        def asked() -> Sequence[PeerProgress]:
+            return (donors(want) if donors is not None else ()) or view.donors
+
         epoch = self.tally.epoch
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
         log.info("catching up: %s", why)
@@ -372,7 +383,7 @@ class SharedState:
                 if flight.replaying:
                     try:
                         flight.outcome = await self.replayer.fetch(
-                            view.donors,
+                            asked,
                             first=epoch,
                             last=want,
                             start=start,

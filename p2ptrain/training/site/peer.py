@@ -62,7 +62,7 @@ from ..optimizer.collaborative import Parts
 from ..optimizer.feedback import PIECE
 from ..optimizer.local_steps import inner_lr
 from ..optimizer.outer import OuterStep
-from ..optimizer.progress import SwarmView
+from ..optimizer.progress import PeerProgress, SwarmView
 from ..optimizer.shared_state import RETRY_SYNC, Download, SharedState
 from ..state import capture, chunks
 from ..state.chunks import Layout
@@ -516,9 +516,15 @@ class SiteState(SharedState):
     def keep_result_now(self, epoch: int, values: list[torch.Tensor]) -> None:
         return None
 
-    def start_download(self, view: SwarmView, expected: Callable[[int], bytes]) -> None:
+    def start_download(
+        self,
+        view: SwarmView,
+        expected: Callable[[int], bytes],
+        donors: Callable[[int], Sequence[PeerProgress]] | None = None,
+    ) -> None:
         """Download the swarm's state into the ranks' shards (in the background; the chunks are placed
-        while the training loop waits for it between two batches)."""
+        while the training loop waits for it between two batches; ``donors``: not used, a site does
+        not replay)."""
         assert self._nursery is not None
         self._idle.set()  # (called between two batches)
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"

@@ -318,7 +318,7 @@ class ResultFetcher:
 
     async def fetch(
         self,
-        donors: Sequence[PeerProgress],
+        donors: Callable[[], Sequence[PeerProgress]],
         *,
         first: int,
         last: int,
@@ -330,19 +330,29 @@ class ResultFetcher:
         """The results of steps ``first .. last - 1``, the longest prefix that trusted digests vouch for
         and some donor serves. ``start``: this peer's own (vouched) digest of ``first``'s state;
         ``expected(e)``: the trusted digest of step ``e``'s state; ``layout(e)``: the parameter slots,
-        element count and dtype that step ``e``'s result must have here."""
+        element count and dtype that step ``e``'s result must have here. ``donors()``: the peers to
+        ask, as the records read by now name them (read again at each try)."""
         self.failures = []
         began = trio.current_time()
+        asked = 0
         for _ in range(DIGEST_TRIES):
             # Right after a step its digest is still being hashed (a large state, in a thread) and
             # published: the entry of the step before names no "after" yet. Ask again shortly, rather
-            # than download the whole state for want of a digest.
-            replay = await self._attempt(donors, first, last, start, expected, layout, bound)
+            # than download the whole state for want of a digest; and ask the donors the records name
+            # by then: those named as the catch-up began may have moved on, or have published no digest
+            # yet (a home peer on 10 Mbit/s asked nobody for 10 s, then downloaded the whole state).
+            now = donors()
+            asked = max(asked, len(now))
+            replay = await self._attempt(now, first, last, start, expected, layout, bound)
             if replay is not None:
                 replay.seconds = trio.current_time() - began
                 return replay
             await trio.sleep(DIGEST_WAIT)
-        raise PeerUnavailable(f"no peer serves step {first}'s result" + self._why())
+        why = self._why()
+        if not why:
+            named = "" if expected(first + 1) else f"; no trusted record names step {first + 1}'s digest"
+            why = f" (asked {asked} peer(s){named})"
+        raise PeerUnavailable(f"no peer serves step {first}'s result" + why)
 
     async def _attempt(
         self,
