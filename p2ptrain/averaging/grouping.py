@@ -241,7 +241,13 @@ class GroupForming:
         mismatched: set[PeerID] = set()  # peers under this key with other tensors or compression
         formed: SignedManifest | None = None
         try:
-            await self.announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
+            if lead or self._nursery is None:
+                await self.announce(key, me, self._expiry(key, me.deadline + JOIN_GRACE))
+            else:
+                # Client-only: nobody follows it or waits for it, so it need not wait for its own
+                # announcement (a store on every replica) before it reads the leaders': a home peer
+                # joining ahead over a link full with its replay found the leader after the group formed.
+                self._nursery.start_soon(self.announce, key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
                 seen = await self.announcements(key)

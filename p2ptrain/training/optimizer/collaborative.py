@@ -314,6 +314,8 @@ class CollaborativeOptimizer:
         flight = shared.download
         if flight is not None and flight.replaying and rounds.in_flight is None:
             self._join_ahead(flight, samples)
+        elif not self.diloco:
+            rounds.look_past_ahead()
         if rounds.in_flight is not None or shared.download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self.board.update_view()
@@ -336,6 +338,13 @@ class CollaborativeOptimizer:
                     return changed
                 self._advance(*landed)
                 return True
+            if epoch == tally.epoch and tally.samples <= 0:
+                # (a group joined ahead, this peer just landed on its step: what it computed on the
+                # old state meanwhile is dropped, and the group waits one batch for its work rather
+                # than lose it: a client-only member that declines is called by nobody, and its
+                # reducers waited for its slices until the scatter deadline, 12 s)
+                rounds.formed = formed
+                return changed
             if epoch == tally.epoch:  # summed gradients: handed over between two backward passes
                 rounds.start_in_background(manifest)
                 return changed

@@ -193,11 +193,47 @@ class RoundRunner:
         self._nursery.start_soon(self._matchmake, looking, before)
 
     def cancel_matchmaking(self) -> None:
-        """The state changed: a group for the epoch we left is no use (one joined ahead, for the epoch a
-        replay just landed this peer on, is)."""
+        """The state changed: a group for the epoch we left is no use (one joined ahead, for a step this
+        peer is on now or is headed to, is: see :meth:`headed`)."""
         looking = self._looking
-        if looking is not None and not (looking.ahead and looking.epoch == self.tally.epoch):
+        if looking is not None and not (looking.ahead and self.tally.epoch <= looking.epoch <= self.headed()):
             looking.scope.cancel()
+
+    def headed(self) -> int:
+        """The step this peer lands on once what is in flight landed: the one after a round in flight
+        (joined ahead or of its own step), else the one a replay in flight lands it on, else its own."""
+        flight, download = self.in_flight, self.state.download
+        if flight is not None and flight.epoch >= self.tally.epoch:
+            return flight.epoch + 1
+        if download is not None and download.replaying:
+            return max(download.target, self.tally.epoch)
+        return self.tally.epoch
+
+    def look_past_ahead(self) -> None:
+        """sync, a round joined ahead in flight (its replay landing this peer on that round's step):
+        look now for the group of the step after, the one this peer lands on once both landed, as a
+        client-only member; its work goes to that group once they landed (``step`` takes it).
+
+        Landing there takes this peer a replay and a round's result over its link, about twice what a
+        member of the swarm's rounds takes; the next group's leader waits for it until its deadline
+        (its record says ``toward``), and looked for only once both landed, that group had often formed
+        without it: it fell behind again and replayed (the namespace lab's home on 10 Mbit/s, 63% of
+        the steps in one run, each such step lost at this hand-over)."""
+        flight = self.in_flight
+        if (
+            self.outer is not None
+            or flight is None
+            or flight.epoch <= self.tally.epoch
+            or (self.looking_for or -1) > flight.epoch
+            or self.clock() < self.retry_at
+        ):
+            return
+        epoch = flight.epoch + 1
+        if epoch - self.tally.epoch > AHEAD_STEPS:
+            return
+        view = self.board.view_of(epoch)
+        if not view.behind and view.peers > 1:
+            self.start_matchmaking(ahead=epoch - self.tally.epoch)
 
     def joined_ahead(self, epoch: int) -> bool:
         """Whether a group of ``epoch``, past this peer's step, is this peer's to hand its work to now
@@ -287,11 +323,18 @@ class RoundRunner:
                 else:
                     self.node.averager.decline(manifest)
                 return
-            if self.tally.epoch + 1 == epoch and self.state.download is not None:
-                # joined ahead: the replay lands between two batches (``step``), then the work goes
-                with trio.move_on_after(AHEAD_WAIT * cfg.timeout):
-                    while self.tally.epoch < epoch and self.state.download is not None:  # noqa: ASYNC110
-                        await trio.sleep(AHEAD_POLL)
+            if self.tally.epoch < epoch <= self.headed():
+                # joined ahead: the replay (and a round joined ahead) lands between two batches
+                # (``step``), then the work goes, once there is some (what was computed on the old
+                # state meanwhile is dropped: a batch on the new one); cancelled meanwhile (the state
+                # moved elsewhere), the group is told at once rather than left to wait for its slices
+                try:
+                    with trio.move_on_after(AHEAD_WAIT * cfg.timeout):
+                        while self.tally.epoch < epoch <= self.headed() or self._no_work_yet(epoch):  # noqa: ASYNC110
+                            await trio.sleep(AHEAD_POLL)
+                except trio.Cancelled:
+                    self.node.averager.decline(manifest)
+                    raise
             if self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
                 await self.state.idle()  # work in a thread changes what we would send
                 if self.tally.epoch == epoch and self.in_flight is None and self.state.download is None:
@@ -300,6 +343,10 @@ class RoundRunner:
                     self.node.averager.decline(manifest)
             else:  # the state moved on meanwhile: tell the group at once rather than let it wait for us
                 self.node.averager.decline(manifest)
+
+    def _no_work_yet(self, epoch: int) -> bool:
+        """On ``epoch`` with nothing to hand over yet (it just landed there: a batch is under way)."""
+        return self.tally.epoch == epoch and self.tally.samples <= 0 and self.in_flight is None
 
     def group_key(self, epoch: int) -> str:
         """Groups form per step; streaming DiLoCo's also per fragment count (what each step averages)."""
