@@ -258,13 +258,13 @@ class RoundRunner:
             with looking.scope:  # cancelled when this peer's epoch changes meanwhile (a download)
                 if before is not None:
                     await before.done.wait()  # (the averager looks for one group at a time)
-                await self._form_group(looking.epoch)
+                await self._form_group(looking.epoch, lead=not looking.ahead)
         finally:
             if self._looking is looking:
                 self._looking = None
             looking.done.set()
 
-    async def _form_group(self, epoch: int) -> None:
+    async def _form_group(self, epoch: int, *, lead: bool) -> None:
         cfg = self.config.averaging
         diloco = self.outer is not None
         began = self.clock()
@@ -294,7 +294,9 @@ class RoundRunner:
             # joined, never led: the peers on the step decide whether a group of it forms, by their
             # quorums. Led from here, its quorum counted this peer itself as one of the step's peers,
             # and a group of this peer alone committed the step (a lineage of its own; it downloaded
-            # the state again).
+            # the state again). Decided as the look began, not now: a look that began ahead stays a
+            # follower's when its replay lands meanwhile (during the records' refresh above), since
+            # its view and quorum were taken as a spectator's.
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
@@ -302,7 +304,7 @@ class RoundRunner:
                 target_size=target,
                 min_size=minimum,
                 quorum=quorum,
-                lead=epoch == self.tally.epoch,
+                lead=lead and epoch == self.tally.epoch,
             )
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)
