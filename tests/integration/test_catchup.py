@@ -304,12 +304,14 @@ async def test_a_slow_link_peer_in_a_sync_swarm_averages_instead_of_downloading_
     steps' results, averaging in most steps. On the code before (``replay_steps=0``: every catch-up a
     download) the same swarm's slow peer downloaded 3 times in these 40 s, averaging in 6 of the 7 steps
     the swarm managed while it held the others back (10 with replay): this test fails there on
-    ``downloads == 1``."""
+    ``downloads == 1``. (A leader now waits for a peer whose record says it catches up to the step,
+    until its deadline: over 16 runs the swarm took 7-12 steps here, the slow peer averaging in 5-12 of
+    them; the floor on the swarm's steps is one of liveness, 6.)"""
     slow, fast, steps = await slow_link_swarm(replay_steps=4, seconds=40)
     shared = slow.opt.shared
     averaged = sum(1 for _, _, outcome, _ in slow.steps[1:] if outcome == "averaged")
     assert shared.downloads == 1 and shared.replayed >= 1, (shared.downloads, shared.replayed)
-    assert steps >= 8 and averaged >= steps / 2, (averaged, steps)
+    assert steps >= 6 and averaged >= steps / 2, (averaged, steps)
     check_identical_per_epoch([slow, *fast])
 
 

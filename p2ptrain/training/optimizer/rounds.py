@@ -289,7 +289,14 @@ class RoundRunner:
                 quorum = Quorum(publishing, minimum, publishing)
             else:
                 known = publishing & (trusted | {self.node.peer_id})
-                quorum = Quorum(known, min(minimum, view.vouched_here), publishing)
+                need = min(minimum, view.vouched_here)
+                absent = board.absent_trusted(epoch)  # (their records missing for a moment)
+                # (a group of those here could not be their majority: the records say more than the
+                # missing ones did, and a step taken here waits no longer for them)
+                if absent and (view.vouched_here + len(absent)) // 2 + 1 <= target:
+                    need = max(need, (view.vouched_here + len(absent)) // 2 + 1)
+                    minimum = max(minimum, need)
+                quorum = Quorum(known | absent, need, publishing | absent)
             # A group of a step this peer is not on yet (joined ahead, its replay in flight) is
             # joined, never led: the peers on the step decide whether a group of it forms, by their
             # quorums. Led from here, its quorum counted this peer itself as one of the step's peers,
