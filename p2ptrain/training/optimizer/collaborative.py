@@ -412,7 +412,7 @@ class CollaborativeOptimizer:
         epoch = tally.epoch + 1 if self.diloco else flight.target
         if (
             (flight.carry_from != tally.epoch if self.diloco else not 0 < epoch - tally.epoch <= AHEAD_STEPS)
-            or (rounds.looking_for or -1) >= epoch  # (a look for an earlier step's is superseded)
+            or rounds.looks_for(epoch)  # (a look for an earlier step's group is superseded)
             or (self.diloco and tally.samples <= 0)
             or self.clock() < rounds.retry_at
         ):

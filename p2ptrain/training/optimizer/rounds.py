@@ -153,10 +153,9 @@ class RoundRunner:
         """Whether a group is being looked for (in the background)."""
         return self._looking is not None
 
-    @property
-    def looking_for(self) -> int | None:
-        """The step whose group is being looked for, if any."""
-        return None if self._looking is None else self._looking.epoch
+    def looks_for(self, epoch: int) -> bool:
+        """Whether a group of ``epoch`` or a later step is being looked for."""
+        return self._looking is not None and self._looking.epoch >= epoch
 
     def start_matchmaking(self, ahead: int = 0) -> None:
         """Look for a group for this peer's epoch, in the background.
@@ -224,7 +223,7 @@ class RoundRunner:
             self.outer is not None
             or flight is None
             or flight.epoch <= self.tally.epoch
-            or (self.looking_for or -1) > flight.epoch
+            or self.looks_for(flight.epoch + 1)
             or self.clock() < self.retry_at
         ):
             return

@@ -340,7 +340,7 @@ class ResultFetcher:
             # published: the entry of the step before names no "after" yet. Ask again shortly, rather
             # than download the whole state for want of a digest; and ask the donors the records name
             # by then: those named as the catch-up began may have moved on, or have published no digest
-            # yet (a home peer on 10 Mbit/s asked nobody for 10 s, then downloaded the whole state).
+            # yet (a home peer on 10 Mbit/s waited 10 s for a result, then downloaded the whole state).
             now = donors()
             asked = max(asked, len(now))
             replay = await self._attempt(now, first, last, start, expected, layout, bound)
