@@ -329,6 +329,13 @@ class CollaborativeOptimizer:
                 # (the namespace lab's home on 10 Mbit/s replayed each step and averaged in none).
                 self._join_ahead(flight, samples)
             return changed
+        waiting = rounds.formed
+        if waiting is not None and waiting[0] == tally.epoch and not self.diloco and tally.samples <= 0:
+            # (a group joined ahead, this peer just landed on its step: what it computed on the old
+            # state meanwhile is dropped, and the group waits one batch for its work rather than lose
+            # it: a client-only member that declines is called by nobody, and its reducers waited for
+            # its slices until the scatter deadline, 12 s)
+            return changed
         formed = rounds.take_formed()
         if formed is not None:
             epoch, manifest = formed
@@ -338,13 +345,6 @@ class CollaborativeOptimizer:
                     return changed
                 self._advance(*landed)
                 return True
-            if epoch == tally.epoch and tally.samples <= 0:
-                # (a group joined ahead, this peer just landed on its step: what it computed on the
-                # old state meanwhile is dropped, and the group waits one batch for its work rather
-                # than lose it: a client-only member that declines is called by nobody, and its
-                # reducers waited for its slices until the scatter deadline, 12 s)
-                rounds.formed = formed
-                return changed
             if epoch == tally.epoch:  # summed gradients: handed over between two backward passes
                 rounds.start_in_background(manifest)
                 return changed

@@ -357,10 +357,6 @@ class SharedState:
         ``donors(epoch)``: the peers that serve the trusted state of ``epoch`` or later, as the records
         read by now say (a replay that waits for a digest asks them again; ``view``'s by default)."""
         assert self._nursery is not None
-
-        def asked() -> Sequence[PeerProgress]:
-            return (donors(want) if donors is not None else ()) or view.donors
-
         epoch = self.tally.epoch
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
         log.info("catching up: %s", why)
@@ -369,6 +365,10 @@ class SharedState:
         carry = self.outer is not None and view.behind and view.newest == epoch + 1
         want = view.newest if view.behind else epoch
         near = view.behind and want - epoch <= self.replay_steps and self._replay_failed != epoch
+
+        def asked() -> Sequence[PeerProgress]:  # (read again at each try of a replay)
+            return (donors(want) if donors is not None else ()) or view.donors
+
         flight = self.download = Download(
             trio.Event(), epoch if carry else None, expected=expected, replaying=near, target=want
         )
