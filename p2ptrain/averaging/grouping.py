@@ -451,7 +451,11 @@ class GroupForming:
                 seen = await self.announcements(key)
             self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
-            if smaller is not None and not gathering.full():
+            # (Not once the group may form. Full but short of its quorum, or held by one origin, it
+            # waits for its deadline and forms with the quorum's peers or not at all: holding a stranger
+            # that filled it, a leader waited there alone while a smaller leader's group of the same
+            # step, with the quorum's peers, formed without it.)
+            if smaller is not None and not gathering.ready():
                 looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"
                 looking.following = smaller
                 looking.formed.set()

@@ -17,7 +17,7 @@ import trio
 
 from p2ptrain import GroupTooSmall, Node, SchemaMismatch
 from p2ptrain.averaging import AveragerConfig, RoundResult
-from p2ptrain.averaging.matchmaking import Announcement
+from p2ptrain.averaging.matchmaking import Announcement, Quorum, ticket
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.dht.records import RecordRefused, owned_subkey
 from p2ptrain.errors import GroupFormationFailed, RoundAborted
@@ -325,3 +325,37 @@ async def test_nobody_announces_readiness_in_another_peers_name(autojump_clock):
                 pass  # (its own node refuses to sign an entry under another's owned subkey)
         seen = [a for a in await reader.averager.groups.announcements(key) if a.peer == victim.peer_id]
         assert seen == [mine]
+
+
+@pytest.mark.parametrize("late", [0.6, 1.2, 1.8, 2.3])
+async def test_a_leader_filled_by_a_stranger_follows_a_smaller_leader_that_can_form(autojump_clock, late):
+    """Two peers that must average together (each one's quorum: both of them) and a stranger neither
+    counts. The one later in the lottery's order starts leading first, and the stranger fills its group
+    (its target: 2) without meeting its quorum; the smaller one starts ``late`` seconds into that window
+    and leads. The invariant: a leader whose group cannot form yet (short of its quorum) follows a
+    smaller leader it sees, as any leader not yet ready does; on the code before, a full group never
+    did, so both led alone to their deadlines and no group formed (in a 3-peer DiLoCo swarm, where the
+    joiner is the stranger, a step took a whole window each time, about 1 run in 3)."""
+    key = f"filled-{late}"
+    async with swarm(3, AveragerConfig(target_size=3, min_size=2, matchmaking_time=3.0)) as nodes:
+        small, large = sorted(nodes[:2], key=lambda n: ticket(key, n.peer_id))
+        stranger = nodes[2]
+        both = Quorum(frozenset({small.peer_id, large.peer_id}), 2)
+        got: dict[str, SignedManifest | Exception] = {}
+
+        async def form(name: str, node: Node, delay: float, **kw) -> None:
+            await trio.sleep(delay)
+            try:
+                got[name] = await node.averager.form_group(tensors_of(0), timeout=20.0, group_key=key, **kw)
+            except GroupFormationFailed as e:
+                got[name] = e
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(form, "large", large, 0.0, target_size=2, quorum=both))
+                nursery.start_soon(functools.partial(form, "stranger", stranger, 0.1, lead=False))
+                nursery.start_soon(functools.partial(form, "small", small, late, target_size=3, quorum=both))
+    formed = {k: v for k, v in got.items() if isinstance(v, SignedManifest)}
+    assert {"small", "large"} <= formed.keys(), got
+    assert formed["small"].digest == formed["large"].digest
+    assert formed["small"].manifest.peers()[0] == small.peer_id  # led by the smaller ticket
