@@ -59,7 +59,7 @@ from .wake import Wake
 
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
 
-RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form
+RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed to form (at most)
 # A peer that joined the group of the step after its own (its replay of the missed step in flight, see
 # ``RoundRunner.start_matchmaking``) hands its work over once the replay landed, within this share of
 # the round's timeout (the round's scatter deadline is 0.4 of it); else it declines.
@@ -253,17 +253,50 @@ class RoundRunner:
         return formed
 
     async def _matchmake(self, looking: Looking, before: Looking | None) -> None:
+        """Look for a group of ``looking.epoch`` until one formed, the look ended (its conditions no
+        longer hold) or it was cancelled (this peer's epoch changed meanwhile: a download).
+
+        A look whose group failed to form looks again after :meth:`retry_gap`, here, not at this peer's
+        next batch. The invariant: two peers looking for the same step's group are announced at once
+        for at least ``matchmaking_time - retry_gap`` in every window of either, so the one later in the
+        lottery's order sees the other's announcement open and follows it. Restarted by the batches, a
+        peer was unannounced for up to a batch after each failed look, and two peers whose batches ran
+        out of phase led alternate windows of one step, each alone, for good (a 3-peer DiLoCo swarm
+        took 1-2 steps in 60 s, about 1 run in 3)."""
         try:
             with looking.scope:  # cancelled when this peer's epoch changes meanwhile (a download)
                 if before is not None:
                     await before.done.wait()  # (the averager looks for one group at a time)
-                await self._form_group(looking.epoch, lead=not looking.ahead)
+                lead = not looking.ahead
+                while await self._form_group(looking.epoch, lead=lead):
+                    await trio.sleep(self.retry_gap())
+                    if not self._still_wanted(looking):
+                        return
+                    lead = looking.epoch == self.tally.epoch  # (a look ahead whose replay landed may lead)
         finally:
             if self._looking is looking:
                 self._looking = None
             looking.done.set()
 
-    async def _form_group(self, epoch: int, *, lead: bool) -> None:
+    def retry_gap(self) -> float:
+        """Seconds between a look whose group failed to form and the next: under half the matchmaking
+        window, so that two peers looking for one group are never announced in alternate windows."""
+        return min(RETRY_MATCHMAKING, 0.5 * self.config.averaging.matchmaking_time)
+
+    def _still_wanted(self, looking: Looking) -> bool:
+        """Whether ``looking`` is still this peer's to look again for: of its step, or (joined ahead) of
+        the step its replay in flight lands it on, no round in flight for that step."""
+        if self._looking is not looking or self.formed is not None:
+            return False
+        flight = self.in_flight
+        if flight is not None and flight.epoch >= looking.epoch:
+            return False
+        if looking.ahead:
+            return self.tally.epoch <= looking.epoch <= self.headed()
+        return looking.epoch == self.tally.epoch
+
+    async def _form_group(self, epoch: int, *, lead: bool) -> bool:
+        """One look for a group of ``epoch``; True when none formed in time (look again)."""
         cfg = self.config.averaging
         diloco = self.outer is not None
         began = self.clock()
@@ -273,7 +306,7 @@ class RoundRunner:
             view = board.view if epoch == self.tally.epoch else board.view_of(epoch)
             assert view is not None
             if view.behind or view.peers <= 1 or not self.alone.majority_here(view, epoch):
-                return  # step() catches up, steps alone, or waits for the peers one step behind
+                return False  # step() catches up, steps alone, or waits for the peers one step behind
             target = min(view.peers + view.arriving, cfg.max_group_size)
             # a majority: two groups cannot both form (all of those here, once waiting gave up)
             minimum = min(view.peers, target, view.quorum)
@@ -296,13 +329,21 @@ class RoundRunner:
                     need = max(need, (view.vouched_here + len(absent)) // 2 + 1)
                     minimum = max(minimum, need)
                 quorum = Quorum(known | absent, need, publishing | absent)
+            log.debug(
+                "looking for a group of step %d: %d to %d peers (%s; %d arriving)",
+                epoch,
+                minimum,
+                target,
+                view.reason,
+                view.arriving,
+            )
             # A group of a step this peer is not on yet (joined ahead, its replay in flight) is
             # joined, never led: the peers on the step decide whether a group of it forms, by their
             # quorums. Led from here, its quorum counted this peer itself as one of the step's peers,
             # and a group of this peer alone committed the step (a lineage of its own; it downloaded
-            # the state again). Decided as the look began, not now: a look that began ahead stays a
+            # the state again). Decided as this try began, not now: a look that began ahead stays a
             # follower's when its replay lands meanwhile (during the records' refresh above), since
-            # its view and quorum were taken as a spectator's.
+            # its view and quorum were taken as a spectator's (a try after it landed may lead).
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
@@ -315,7 +356,8 @@ class RoundRunner:
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)
             self.stats.note_no_group(epoch, str(e))
-            self.retry_at = self.clock() + RETRY_MATCHMAKING
+            self.retry_at = self.clock() + self.retry_gap()
+            return True
         else:
             self.board.group_took(min(self.clock() - began, cfg.matchmaking_time))
             if (diloco and not self.config.diloco.overlap) or self.contribution.summed:
@@ -323,14 +365,14 @@ class RoundRunner:
                 # backward passes (one may be adding to them right now); a group joined ahead, once the
                 # replay landed (``step`` lands it first)
                 self.formed = (epoch, manifest)
-                return
+                return False
             if self.joined_ahead(epoch):  # sync, replaying: the gradients computed meanwhile go now
                 await self.state.idle()  # (a batch being added in a worker thread)
                 if self.joined_ahead(epoch):
                     self.start_in_background(manifest, epoch)
                 else:
                     self.node.averager.decline(manifest)
-                return
+                return False
             if self.tally.epoch < epoch <= self.headed():
                 # joined ahead: the replay (and a round joined ahead) lands between two batches
                 # (``step``), then the work goes, once there is some (what was computed on the old
@@ -351,6 +393,7 @@ class RoundRunner:
                     self.node.averager.decline(manifest)
             else:  # the state moved on meanwhile: tell the group at once rather than let it wait for us
                 self.node.averager.decline(manifest)
+        return False
 
     def _no_work_yet(self, epoch: int) -> bool:
         """On ``epoch`` with nothing to hand over yet (it just landed there: a batch is under way)."""
