@@ -11,15 +11,19 @@ behind, sync or DiLoCo, which step a liar serves.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import random
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 import trio
 
 from p2ptrain.config import RunConfig
+from p2ptrain.dht.service import DHT
+from p2ptrain.identity import PeerID
 from p2ptrain.net.memory import LinkProfile
 from p2ptrain.training.optimizer.board import ProgressBoard
 from p2ptrain.training.optimizer.bookkeeping import RoundStats
@@ -421,11 +425,14 @@ JOINER_LINK = 20_000  # bytes per second, each way: one step's result (69 KB) ta
 FAST_LINK = 13_000  # between the two others: their round takes about as long as a step's compute
 
 
-async def diloco_joiner_swarm(seconds: float) -> tuple[Peer, list[Peer], int]:
+async def diloco_joiner_swarm(
+    seconds: float, watch: Callable[[Peer, list[Peer]], Awaitable[None]] | None = None
+) -> tuple[Peer, list[Peer], int]:
     """Two peers on fast links train in DiLoCo with overlap (a round every ~6 s); a third on
     ``JOINER_LINK`` joins once they took a few steps: it downloads the state, then falls a step behind
     at each round, and its replay of that step lands after the next round's group formed. Returns the
-    joiner, the others, and the steps the swarm took from the joiner's first step on."""
+    joiner, the others, and the steps the swarm took from the joiner's first step on; ``watch`` runs
+    meanwhile, from the joiner's first step on."""
     cfg = (
         run_config("diloco", overlap=True)
         .replace("training", target_batch_size=96)
@@ -441,7 +448,10 @@ async def diloco_joiner_swarm(seconds: float) -> tuple[Peer, list[Peer], int]:
         joiner = await s.start(compute=1.0)
         await s.until(lambda: bool(joiner.steps), timeout=120)
         first = fast[0].opt.epoch
-        await trio.sleep(seconds)
+        with trio.move_on_after(seconds):
+            if watch is not None:
+                await watch(joiner, fast)
+            await trio.sleep_forever()
         return joiner, fast, fast[0].opt.epoch - first
 
 
@@ -468,3 +478,39 @@ async def test_a_diloco_joiner_whose_replay_lands_late_joins_the_round_of_the_st
     assert joiner.opt.shared.downloads == 1, (joiner.opt.shared.downloads, joiner.steps)
     assert steps >= 5 and contributed >= steps / 2, (contributed, steps, joiner.steps)
     check_identical_per_epoch([joiner, *fast])
+
+
+@pytest.mark.timeout(300)  # ~10 s of CPU; longer on a busy machine
+async def test_a_joiner_whose_link_is_full_sends_its_record_every_heartbeat(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DiLoCo joiner above replays a step's result over its link for ~3.5 s of each ~6 s step, and
+    sends its pseudo-gradient over it; the replies to whatever it asks queue behind that. The
+    invariant: a live peer sends its progress record at least every heartbeat (half the record's life)
+    plus one read interval, whatever its link carries. On the code before, the loop that publishes
+    waited for each store's replies and for its reads of the others' records before the next
+    heartbeat: 3-4 s between records of 3 s of life, which expired at the others meanwhile; they sized
+    the step's group without the joiner and gave its place to a peer they knew (the test above then
+    failed its ``contributed`` bound, about 1 run in 7). Its store requests, sent in time, reach the
+    others within one bulk record of its uplink (``channel.FRAME_SECONDS``, at least 64 KiB)."""
+    sent: dict[PeerID, list[float]] = {}
+    store = DHT.store
+
+    async def stored(self: DHT, key: bytes, value: bytes, **kw: object) -> int:
+        if key.endswith(b"/progress"):
+            sent.setdefault(self.peer_id, []).append(trio.current_time())
+        return await store(self, key, value, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DHT, "store", stored)
+    began: list[float] = []
+
+    async def watch(joiner: Peer, fast: list[Peer]) -> None:
+        began.append(trio.current_time())
+        await trio.sleep_forever()
+
+    joiner, _, steps = await diloco_joiner_swarm(seconds=40, watch=watch)
+    progress = joiner.opt.config.progress
+    times = [t for t in sent.get(joiner.node.peer_id, []) if t >= began[0]]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert steps >= 3 and len(times) >= 20, (steps, times)
+    assert max(gaps) <= progress.ttl / 2 + progress.interval + 0.01, sorted(gaps)[-5:]

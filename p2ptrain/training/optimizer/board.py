@@ -56,6 +56,7 @@ from .wake import Wake
 
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
 
+PUBLISHING = 2  # overdue records sent in the background at once (see ``ProgressBoard._send``)
 FAR_CLAIM = 8  # an untrusted record this many steps past the trusted peers' is refused out loud
 MAX_REFUSED = 1024
 MAX_OFFERS = 32  # partners a new record goes to directly (the others read it from the DHT)
@@ -99,6 +100,7 @@ class ProgressBoard:
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._arrived = trio.Event()  # a record arrived (see ``_progress_loop``)
         self._published: ProgressRecord | None = None  # the last record that went out
+        self._publishing = 0  # overdue records being sent in the background (see ``_send``)
         self._records_read = trio.Event()
         self._asked_at = -math.inf  # when the replicas were last read (see _ask_replicas)
         self._nursery: trio.Nursery | None = None
@@ -108,6 +110,7 @@ class ProgressBoard:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._progress_loop)
+            nursery.start_soon(self._heartbeats)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -156,6 +159,22 @@ class ProgressBoard:
                 if not self.wake.is_set():
                     await either(self.wake.event, arrived)
             now = self.wake.is_set()
+
+    async def _heartbeats(self) -> None:
+        """Send this peer's record in the background once its heartbeat is overdue by a read interval:
+        the loop waits for its stores' replies and for its reads, and those queue behind whatever this
+        peer's link carries (see ``_send``). A loop that keeps up publishes every heartbeat itself."""
+        interval = self.config.progress.interval
+        while True:
+            last = self._published
+            if last is None:  # (the loop sends the first record, and one after a failure)
+                await trio.sleep(interval)
+                continue
+            due = last.time + self._heartbeat + interval
+            await trio.sleep(max(0.0, due - self.clock()))
+            if self._published is last and self.clock() >= due:
+                self._send(self.record())
+                await trio.sleep(interval)  # (at most one a read interval, sent or not: ``PUBLISHING``)
 
     def _next_beat(self, interval: float) -> float:
         """When (trio time) this peer's heartbeat is due: its last record's time plus a heartbeat, at
@@ -249,7 +268,27 @@ class ProgressBoard:
         flight = self.state.download
         return flight.target if flight is not None and flight.replaying else 0
 
+    def _send(self, record: ProgressRecord) -> None:
+        """Publish ``record`` in the background (:meth:`_heartbeats`). A store's requests reach the
+        replicas at once, but their replies queue behind whatever else this peer's link carries: a
+        home peer whose replay of a step filled its downlink for 3.6 s waited that long for each store's
+        replies and each read, published its next record only then, and its record (3 s of life)
+        expired at the others meanwhile; they sized the step's group without it and gave its place to
+        a peer they knew. Stores sent so are bounded (``PUBLISHING`` in flight); a later store always
+        wins over an earlier one still in flight (its expiry is later)."""
+        if self._nursery is None or self._publishing >= PUBLISHING:
+            return
+        self._published, self._publishing = record, self._publishing + 1
+        self._nursery.start_soon(self._publish_sent, record)
+
+    async def _publish_sent(self, record: ProgressRecord) -> None:
+        try:
+            await self.publish(record)
+        finally:
+            self._publishing -= 1
+
     async def publish(self, record: ProgressRecord | None = None) -> None:
+        """Store ``record`` (this peer's current one if None) on the replicas, offered to the partners."""
         record = record or self.record()
         try:
             await self.node.dht.store(
@@ -262,8 +301,11 @@ class ProgressBoard:
             )
         except P2PError as e:
             log.warning("could not publish progress: %s", e)
+            if self._published is record:
+                self._published = None  # (the loop's next turn publishes again)
         else:
-            self._published = record
+            if self._published is None or self._published.time <= record.time:
+                self._published = record
 
     async def refresh(self, *, network: bool = True) -> None:
         """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped);
