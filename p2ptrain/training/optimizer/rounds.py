@@ -305,8 +305,10 @@ class RoundRunner:
             await board.refresh()  # size the group by the freshest records: a peer that just caught up counts
             view = board.view if epoch == self.tally.epoch else board.view_of(epoch)
             assert view is not None
-            if view.behind or view.peers <= 1 or not self.alone.majority_here(view, epoch):
-                return False  # step() catches up, steps alone, or waits for the peers one step behind
+            if view.behind or view.peers <= 1:
+                return False  # step() catches up or steps alone
+            if not self.alone.majority_here(view, epoch):
+                return True  # the peers one step behind arrive soon: look again then
             target = min(view.peers + view.arriving, cfg.max_group_size)
             # a majority: two groups cannot both form (all of those here, once waiting gave up)
             minimum = min(view.peers, target, view.quorum)
