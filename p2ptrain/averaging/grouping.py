@@ -255,6 +255,13 @@ class GroupForming:
                 looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = self._choose(looking, seen, declined)
+                if leader is None and me.can_lead and self.clock() >= me.deadline:
+                    # Our window is over (a leader that refused us held us to its deadline): a group led
+                    # now closes at once with nobody, and the leaders that announced since lie past our
+                    # deadline. At 32 peers half the reads of a look came after its deadline, and each
+                    # such peer "led" a group of one ("only 1 of at least 17 peers joined in time"):
+                    # the step's peers split into dozens of groups. The caller looks again, anew.
+                    break
                 if leader is None and me.can_lead:
                     signed = await self._lead(looking, key, seen, declined, schema, mode, timeout, sizes)
                     if signed is not None:

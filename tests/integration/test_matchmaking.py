@@ -359,3 +359,43 @@ async def test_a_leader_filled_by_a_stranger_follows_a_smaller_leader_that_can_f
     assert {"small", "large"} <= formed.keys(), got
     assert formed["small"].digest == formed["large"].digest
     assert formed["small"].manifest.peers()[0] == small.peer_id  # led by the smaller ticket
+
+
+async def test_a_peer_whose_window_ended_while_it_followed_never_leads_a_group(autojump_clock, monkeypatch):
+    """A leader holds its followers to its deadline and then refuses them (its group too small): their
+    own windows may have ended meanwhile. The invariant: a peer leads a group only within its own
+    window. On the code before, a follower refused past its deadline led a group at once, which closed
+    with nobody ("only 1 of at least 17 peers joined in time"), while the leaders that announced since
+    lay past its deadline, too far to follow: at 32 simulated peers the step's peers split into dozens
+    of such groups and the swarm took one step in 50 s. Now it looks again anew (the caller's retry)."""
+    from p2ptrain.averaging.grouping import GroupForming
+
+    led: list[tuple[float, float]] = []  # (when a peer began leading, its deadline)
+    lead = GroupForming._lead
+
+    async def leading(self, looking, *args, **kw):  # type: ignore[no-untyped-def]
+        led.append((self.clock(), looking.me.deadline))
+        return await lead(self, looking, *args, **kw)
+
+    monkeypatch.setattr(GroupForming, "_lead", leading)
+    key = "window"
+    cfg = AveragerConfig(target_size=4, min_size=4, matchmaking_time=3.0)
+    async with swarm(3, cfg) as nodes:
+        ordered = sorted(nodes, key=lambda n: ticket(key, n.peer_id))
+        got: list[object] = []
+
+        async def form(node: Node, delay: float) -> None:
+            await trio.sleep(delay)
+            try:
+                got.append(await node.averager.form_group(tensors_of(0), timeout=20.0, group_key=key))
+            except GroupFormationFailed as e:
+                got.append(e)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                # the smallest last: the others follow it from its start on, and it refuses them at
+                # its deadline, a second past theirs
+                for node, delay in zip(ordered, (1.0, 0.0, 0.1), strict=True):
+                    nursery.start_soon(form, node, delay)
+    assert all(isinstance(g, GroupFormationFailed) for g in got), got  # (4 needed, 3 there)
+    assert led and all(at < deadline for at, deadline in led), led
