@@ -117,7 +117,7 @@ def leave_together() -> None:
     """Wait until every rank is done before this one closes its connections (a rank that failed is not
     waited for: ``spawn`` ends the others). A rank that exited while a peer's backend still had traffic
     to or from it reset the connection under that peer's I/O thread, which then aborted its process at
-    exit ("terminate called without an active exception", SIGABRT), about 1 full test run in 3."""
+    exit ("terminate called without an active exception", SIGABRT: a spawned checkpoint test, once)."""
     dist.barrier()
 
 
