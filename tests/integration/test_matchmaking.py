@@ -17,6 +17,7 @@ import trio
 
 from p2ptrain import GroupTooSmall, Node, SchemaMismatch
 from p2ptrain.averaging import AveragerConfig, RoundResult
+from p2ptrain.averaging.grouping import GroupForming
 from p2ptrain.averaging.matchmaking import Announcement, Quorum, ticket
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.dht.records import RecordRefused, owned_subkey
@@ -368,8 +369,6 @@ async def test_a_peer_whose_window_ended_while_it_followed_never_leads_a_group(a
     with nobody ("only 1 of at least 17 peers joined in time"), while the leaders that announced since
     lay past its deadline, too far to follow: at 32 simulated peers the step's peers split into dozens
     of such groups and the swarm took one step in 50 s. Now it looks again anew (the caller's retry)."""
-    from p2ptrain.averaging.grouping import GroupForming
-
     led: list[tuple[float, float]] = []  # (when a peer began leading, its deadline)
     lead = GroupForming._lead
 

@@ -195,7 +195,7 @@ class RoundRunner:
         """The state changed: a group for the epoch we left is no use (one joined ahead, for a step this
         peer is on now or is headed to, is: see :meth:`headed`)."""
         looking = self._looking
-        if looking is not None and not (looking.ahead and self.tally.epoch <= looking.epoch <= self.headed()):
+        if looking is not None and not (looking.ahead and self._lands_on(looking.epoch)):
             looking.scope.cancel()
 
     def headed(self) -> int:
@@ -207,6 +207,11 @@ class RoundRunner:
         if download is not None and download.replaying:
             return max(download.target, self.tally.epoch)
         return self.tally.epoch
+
+    def _lands_on(self, epoch: int) -> bool:
+        """Whether ``epoch`` is this peer's step or one what is in flight lands it on (:meth:`headed`):
+        a look ahead for its group is still this peer's."""
+        return self.tally.epoch <= epoch <= self.headed()
 
     def look_past_ahead(self) -> None:
         """sync, a round joined ahead in flight (its replay landing this peer on that round's step):
@@ -292,7 +297,7 @@ class RoundRunner:
         if flight is not None and flight.epoch >= looking.epoch:
             return False
         if looking.ahead:
-            return self.tally.epoch <= looking.epoch <= self.headed()
+            return self._lands_on(looking.epoch)
         return looking.epoch == self.tally.epoch
 
     async def _form_group(self, epoch: int, *, lead: bool) -> bool:
