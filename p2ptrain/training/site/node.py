@@ -38,7 +38,7 @@ from ..loop.trainer import Trainer, TrainerOptions, TrainerParts, default_optimi
 from . import checkpoint
 from .commands import Command, Commands, Op
 from .group import SiteGroup
-from .launch import return_freed_memory
+from .launch import leave_together, return_freed_memory
 from .peer import SiteRank, SiteState, check_run
 
 log = logging.getLogger(__name__)
@@ -211,8 +211,11 @@ class SiteWorkers:
     def close(self) -> None:
         if self.group is not None:
             self.group.close(self.site.stop)
-        else:
-            self.site.stop()
+            return
+        # torchrun's site: rank 0 tells the others to end, then leaves the group with them (they wait in
+        # ``join_launched``); a rank that exits while the others' backend still talks to it aborts them
+        self.site.stop()
+        leave(self.site.rank)
 
 
 class SiteTrainer(Trainer):
@@ -374,8 +377,19 @@ def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
     site = build_rank(config, task, Commands(rank, device=device), world, device)
     if rank == 0:
         return site
-    try:
-        follow(site, task, config, device, folder)
-    finally:
-        dist.destroy_process_group()
+    follow(site, task, config, device, folder)
+    leave(rank)
     return None
+
+
+def leave(rank: int) -> None:
+    """A torchrun site's rank, at the end: every rank leaves the process group together (rank 0 after
+    its STOP, the others once they received it). Rank 0 used to exit with the group up while rank 1
+    destroyed its own: rank 1's backend then aborted its process at exit now and then ("terminate
+    called without an active exception", SIGABRT: 1 of 12 runs of the torchrun restart test), and
+    the launcher reported the site failed."""
+    try:
+        leave_together()
+    except (RuntimeError, dist.DistError) as e:  # a rank is gone already: torchrun ends the rest
+        log.warning("site rank %d: the other ranks did not leave with it (%s)", rank, e)
+    dist.destroy_process_group()
