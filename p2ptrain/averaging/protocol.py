@@ -337,6 +337,11 @@ class RelayDecisionReq(Message, positional=True):
 
 
 @dataclass(frozen=True)
+class LeaveReq(Message, positional=True):
+    round: bytes = bounded(max_len=16)
+
+
+@dataclass(frozen=True)
 class ProofHead(Message, positional=True):
     """What a proof holds besides the slices (``avg.proof`` streams those, back to back); an empty
     ``manifest`` when the callee keeps no proof of that round and partition."""
@@ -358,6 +363,10 @@ FETCH_EARLY = Method("avg.fetch_early", FetchReq, Ack, streaming=True)
 """A partition's mean chunk by chunk as the scatter completes each chunk, before the decision; the answer
 says whether those chunks are the round's result (see serving.RoundServer.on_fetch_early)."""
 RELAY_DECISION = Method("avg.relay_decision", RelayDecisionReq, DecisionResp)
+LEAVE = Method("avg.leave", LeaveReq, Ack)
+"""A member that left a formed group before its round started (``Averager.decline``) tells the members
+that reduce a partition, so that they stop waiting for its slices at once. It speaks for itself only:
+the callee counts the caller (the connection's authenticated id) as gone, nobody else."""
 RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
 AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)
 PROOF_HEAD = Method("avg.proof_head", FetchReq, ProofHead)

@@ -26,7 +26,7 @@ from .bandwidth import RateMeter
 from .bounds import open_claim
 from .compression import Compression, encoded_chunk
 from .partition import chunks
-from .protocol import Ack, DecisionResp, FetchReq, PartReq, RelayDecisionReq, ReportReq
+from .protocol import Ack, DecisionResp, FetchReq, LeaveReq, PartReq, RelayDecisionReq, ReportReq
 from .reducer import SliceOutOfBounds
 from .round_machine import RoundMachine
 from .round_tensors import RoundTensors
@@ -144,6 +144,23 @@ class RoundServer:
         with trio.move_on_at(m.at.await_decision):
             await self.sig.decided.wait()
         return Reply(DecisionResp(m.decision is not None), m.decision_bytes)
+
+    async def on_leave(self, ctx: CallContext, req: LeaveReq) -> Ack:
+        """A member says it left the round before it started (it declined the group): it sends nothing,
+        so it counts as gone now, not at the scatter deadline. Only the caller itself: a member cannot
+        speak for another, and one that lies about itself drops only its own contribution. Refused once
+        the decision is in (who contributed is settled then)."""
+        m = self.m
+        sender = m.member_of(ctx.peer)
+        if sender == m.me:
+            return Ack(False, "a call from this member itself")
+        if m.decision is not None:
+            return Ack(False, "the round was decided already")
+        if sender not in m.gone:
+            line = m.member_gone(sender, "it left the round before it started", self.t.delivered(m.me))
+            log.info("round %s: %s", self.tag, line)
+            self.sig.changed.fire()
+        return Ack(True)
 
     async def on_relay_decision(self, ctx: CallContext, req: RelayDecisionReq) -> Reply[DecisionResp]:
         self.m.member_of(ctx.peer)

@@ -308,6 +308,56 @@ async def test_a_dead_member_costs_the_others_its_grace_not_the_phase_deadline(a
     assert slowest < GONE_AFTER + 1.0 < SCATTER * timeout, slowest
 
 
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_member_that_leaves_before_its_round_costs_the_others_no_deadline(autojump_clock, seed):
+    """The invariant: a member that declines its group (``Averager.decline``: its state moved on) is
+    left out by every other member within a few round trips, whether they could call it or not (a
+    client-only member reduces nothing, so nobody calls it); the others commit without it. Told by
+    nobody, they waited for its slices until the scatter deadline (0.4 x the timeout).
+
+    Randomized: the group's size, which members are client-only (never the coordinator), who leaves,
+    and when (before the others start, or a moment after)."""
+    from p2ptrain.averaging.allreduce import SCATTER
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 6)
+    leaver = rng.randrange(1, n)
+    others = set(rng.sample(range(1, n), rng.randint(0, n - 2))) - {leaver}
+    # even seeds: the one that leaves is client-only (nobody calls it); odd ones: the others may call it
+    client_only = tuple(sorted(others | {leaver} if seed % 2 == 0 else others))
+    timeout = 40.0
+    async with open_group(n, client_only=client_only, seed=seed) as group:
+        originals = [make_tensors(10 * seed + i, [(20_001,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        signed = sign_manifest(group.peers, inputs[0], timeout=timeout)
+        stay = [i for i in range(n) if i != leaver]
+        outcomes: list[Outcome] = [None] * n
+        delay = rng.choice([0.0, rng.uniform(0.0, 0.05)])
+
+        async def one(i: int) -> None:
+            outcomes[i] = await group.peers[i].averager.run_round(signed, inputs[i])
+
+        began = trio.current_time()
+        with trio.fail_after(2 * timeout):
+            async with trio.open_nursery() as nursery:
+                if delay == 0.0:
+                    group.peers[leaver].averager.decline(signed)
+                for i in stay:
+                    nursery.start_soon(one, i)
+                if delay > 0.0:
+                    await trio.sleep(delay)
+                    group.peers[leaver].averager.decline(signed)
+        took = trio.current_time() - began
+    assert all(isinstance(outcomes[i], RoundResult) for i in stay), (client_only, leaver, outcomes)
+    leaving = group.peers[leaver].host.identity.peer_id
+    for i in stay:
+        result = outcomes[i]
+        assert isinstance(result, RoundResult)
+        assert leaving not in result.contributors and len(result.contributors) == n - 1
+    assert check_invariant(originals, inputs, [1.0] * n, outcomes) == "commit"
+    assert took < 0.1 * SCATTER * timeout, (took, n, client_only, leaver, delay)
+
+
 async def test_rounds_go_on_without_spill_files_when_the_disk_is_full(autojump_clock, monkeypatch):
     """A spill that cannot be written (ENOSPC) costs memory, not the round: reducers keep their chunks in
     memory, and an in-place member fetches the averages after the decision instead of early."""
