@@ -22,8 +22,16 @@ checked. So trust is granted for what the reducer verified, never for a place in
   a half-life (``HALF_LIFE``), a peer is named a partner once its credit reaches ``TRUST_AT`` and stays one
   while it is at least ``KEEP_AT``, at most ``PER_SUBNET`` partners come from one subnet (the address
   this member saw the peer at; through a relay's circuit, the relay's; at no address, one bucket
-  ``UNSEEN`` all such keys share), and at most ``ADMIT_PER_WINDOW`` new partners are named per
-  ``ADMIT_WINDOW`` seconds. Partners a checkpoint remembers come back with ``TRUST_AT`` credits.
+  ``UNSEEN`` all such keys share), and the partners named within any ``ADMIT_WINDOW`` seconds number
+  at most those held from before it, or ``ADMIT_PER_WINDOW`` when that is more: newcomers never
+  outnumber the partners a member already had, so its trust at most doubles per window. Partners a
+  checkpoint remembers come back with ``TRUST_AT`` credits.
+
+  (A flat ``ADMIT_PER_WINDOW`` a minute held a swarm's startup back by its size: at 32 and 64 simulated
+  peers each trusted 17 of them for the first minutes, fewer than the untrusted it saw, so the
+  majority its quorum needed (``progress``) was every one of its trusted peers, and each group that
+  missed one of them failed. A member of a swarm of n peers that verified them all now trusts them
+  within log2(n / 16) windows: 20 s at 32 peers, two minutes at 1,024.)
 
 What it costs. An attacker with ``k`` keys on ``m`` subnets earns at most ``PER_SUBNET * m`` partners per
 honest peer, each only after ``TRUST_AT`` rounds in which it sent a slice aligned with the honest peers'
@@ -68,8 +76,8 @@ MAX_CREDIT = 16.0  # credits saturate: a long history lasts four half-lives afte
 HALF_LIFE = 1800.0  # seconds in which a credit halves
 UNSEEN = "?"  # the subnet of a verified key seen at no address: one bucket all such keys share
 PER_SUBNET = 4  # partners one subnet may hold (the highest credits win)
-ADMIT_PER_WINDOW = 16  # new partners named at most per window ...
-ADMIT_WINDOW = 60.0  # ... of this many seconds
+ADMIT_PER_WINDOW = 16  # new partners named per window at least may number this many ...
+ADMIT_WINDOW = 20.0  # ... per this many seconds (else: as many as the partners held from before it)
 MAX_TRACKED = 4096  # peers with credits remembered (the lowest credits go first)
 
 
@@ -259,13 +267,15 @@ class TrustLedger:
         for p in self._partners:
             by_subnet[self._credits[p].subnet] = by_subnet.get(self._credits[p].subnet, 0) + 1
         self._admitted = [t for t in self._admitted if now - t < ADMIT_WINDOW]
+        # (the partners named within the window that are still partners are among ``_partners``)
+        allowed = max(ADMIT_PER_WINDOW, len(self._partners) - len(self._admitted))
         named = []
         # Highest credit first (ties: the smaller id, so the order is the same on every run)
         for p in sorted(values, key=lambda p: (-values[p], p.digest)):
             if p in self._partners or values[p] < TRUST_AT:
                 continue
             subnet = self._credits[p].subnet
-            if by_subnet.get(subnet, 0) >= PER_SUBNET or len(self._admitted) >= ADMIT_PER_WINDOW:
+            if by_subnet.get(subnet, 0) >= PER_SUBNET or len(self._admitted) >= allowed:
                 continue
             by_subnet[subnet] = by_subnet.get(subnet, 0) + 1
             self._admitted.append(now)

@@ -246,6 +246,46 @@ def test_new_partners_per_window_are_bounded() -> None:
     assert len(later) == ADMIT_PER_WINDOW and not set(later) & set(named)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_newcomers_never_outnumber_the_partners_held_before_their_window(seed: int) -> None:
+    """The invariant: the partners named within any window of ``ADMIT_WINDOW`` seconds number at most
+    those held from before it, or ``ADMIT_PER_WINDOW``; and a member that verified everyone trusts them
+    all within log2(n / ``ADMIT_PER_WINDOW``) + 1 windows (a flat 16 a minute held a 64-peer swarm's
+    quorums at all of each peer's few trusted peers for minutes). Random rounds: who is verified, on
+    which subnet, when, some keys sharing a subnet (their cap holds them back whatever the window)."""
+    rng = random.Random(seed)
+    n = rng.choice([8, 32, 64, 200, 1024])
+    subnets = {i: f"net{i}" if rng.random() < 0.8 else f"shared{i % 5}" for i in range(1, n + 1)}
+    ledger = TrustLedger(ME)
+    named_at: list[tuple[float, PeerID]] = []
+    now = 0.0
+    for r in range(60):
+        now += rng.uniform(1.0, 12.0)
+        verified = [(pid(i), subnets[i]) for i in range(1, n + 1) if rng.random() < 0.7]
+        named = ledger.credit(bytes([r % 256, r // 256]), verified, now=now)
+        named_at += [(now, p) for p in named]
+        window = [p for t, p in named_at if now - t < ADMIT_WINDOW]
+        before = ledger.partners - set(window)
+        assert len(window) <= max(ADMIT_PER_WINDOW, len(before)), (now, len(window), len(before))
+    # every key verified in most rounds is a partner by now, within its subnet's cap
+    own = sum(1 for i in subnets if subnets[i].startswith("net"))
+    shared = len({subnets[i] for i in subnets if subnets[i].startswith("shared")})
+    assert len(ledger.partners) >= min(own, n) * 0.9 + min(shared * PER_SUBNET, n - own) * 0.9 - 1
+
+
+def test_a_member_that_verified_a_swarm_trusts_a_majority_of_it_within_a_few_steps() -> None:
+    """64 peers, each verified in every round of a 10 s step: a majority are partners within 45 s of
+    the first round (a flat 16 a minute took two minutes, and until then every peer's quorum needed
+    all of the few peers it trusted)."""
+    ledger = TrustLedger(ME)
+    everyone = [(pid(i), f"net{i}") for i in range(1, 65)]
+    t = 0.0
+    while t <= 45.0:
+        ledger.credit(int(t).to_bytes(4, "big"), everyone, now=t)
+        t += 10.0
+    assert len(ledger.partners) > 64 // 2, len(ledger.partners)
+
+
 def test_partners_a_checkpoint_remembers_are_partners_again() -> None:
     ledger = TrustLedger(ME)
     ledger.seed([pid(1), pid(2), ME], now=0.0)
