@@ -230,6 +230,7 @@ class GroupForming:
             self.clock() + cfg.matchmaking_time,
             self.bandwidth,
             digest,
+            leads=quorum is None or quorum.leads,  # (a peer that only follows: ``matchmaking``)
         )
         rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
         looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum, min_size=sizes[1])

@@ -50,6 +50,25 @@ the leader never joins it (it leads, or follows a smaller one): the leader does 
 a known peer whose group nobody joins (a leader the others stopped following: ``leaders``) held every
 other group of the step to its leader's deadline.
 
+Who may lead. A leader forms only once its own quorum is met, and every follower whose smallest ticket
+it holds waits for it until its deadline. So the lottery may only pick peers whose quorum the peers
+that follow them can meet. A newcomer (it averaged with nobody yet) trusts its join peers alone, and
+where they are fewer than the untrusted peers it sees on the step, its quorum was *all* of them: a
+group it led formed only if those very peers followed it, and they were often elsewhere (leading,
+following another leader, a batch late). At 64 simulated peers every newcomer needed the swarm's first
+peer (every peer's join peer), the smallest tickets of the first step were newcomers', and each of
+their groups failed at its deadline for want of one join peer ("only 3 of the at least 4 peers it
+knows joined in time"); their followers suspected them, passed them over, then each led a group of
+one: no step was ever taken. The invariant: **a peer leads only if whoever follows it can meet its
+quorum** — it is anchored (it has averaged, or joined through nobody: its quorum is a majority of the
+many peers it counts), its quorum leaves out some of the peers it counts, or it needs only itself.
+Otherwise its announcement says it only follows (``Announcement.leads``; ``Quorum.leads``, set by the
+training run): nobody waits for it, as for a client-only peer, so the no-deadlock argument above
+holds unchanged, and it joins a group led by a peer that can form one. Whether a peer is anchored is
+earned by rounds it committed, never by what other ids say, so free ids cannot stop an established peer
+from leading (they can make a newcomer's quorum tight, which only keeps a newcomer, a follower anyway,
+following).
+
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
 and sizes its majority by its own records), and members drop out between formation and the round (a state
 that moved on, a crash), so a round's contributors may hold one member's quorum and not another's. Each
@@ -101,26 +120,32 @@ class Announcement:
     deadline: float  # wall-clock seconds: when this peer forms a group of its own
     bandwidth: float
     schema: bytes  # digest of the tensors' schema and the compression
+    # False: the peer only follows (its quorum names peers it cannot bring to a group of its own: see
+    # ``Quorum.leads``); it is still reachable at ``addr``, as a reducer. Sent only when False.
+    leads: bool = True
 
     @property
     def can_lead(self) -> bool:
-        return bool(self.addr)
+        return bool(self.addr) and self.leads
 
     def closed(self) -> Announcement:
         """The same peer, no longer open: stored over the open announcement once a group formed."""
-        return Announcement(self.peer, self.addr, 0.0, self.bandwidth, self.schema)
+        return Announcement(self.peer, self.addr, 0.0, self.bandwidth, self.schema, self.leads)
 
     def to_bytes(self) -> bytes:
-        return pack([self.addr, self.deadline, self.bandwidth, self.schema])
+        fields: list[object] = [self.addr, self.deadline, self.bandwidth, self.schema]
+        return pack(fields if self.leads else [*fields, False])
 
     @classmethod
     def from_bytes(cls, peer: PeerID, data: bytes) -> Announcement:
         try:
-            addr, deadline, bandwidth, schema = unpack(data)
+            addr, deadline, bandwidth, schema, *rest = unpack(data)
         except (TypeError, ValueError):
             raise RemoteProtocolError("malformed announcement") from None
+        leads = True if not rest else rest[0] if len(rest) == 1 else None
         if not (
-            isinstance(addr, str)
+            isinstance(leads, bool)
+            and isinstance(addr, str)
             and len(addr) <= 300
             and isinstance(deadline, int | float)
             and math.isfinite(deadline)
@@ -131,7 +156,7 @@ class Announcement:
             and len(schema) <= 32
         ):
             raise RemoteProtocolError("malformed announcement")
-        return cls(peer, addr, float(deadline), float(bandwidth), schema)
+        return cls(peer, addr, float(deadline), float(bandwidth), schema, leads)
 
 
 DEADLINE_SLACK = 5.0  # seconds a leader's deadline may lie past ours (clock skew, later starts)
@@ -250,6 +275,9 @@ class Quorum:
     # the peers a joiner's quorum may name (those that publish progress, trusted or not: a newcomer
     # leader trusts few, and the joiners' quorums name the peers they trust); empty: ``peers``
     nameable: frozenset[PeerID] = frozenset()
+    # Whether a peer held to this quorum may lead. Not when the quorum is all of a few peers it cannot
+    # bring to its group (a newcomer's: see the module docstring, "Who may lead"): it only follows.
+    leads: bool = True
 
     def named(self, seen: Iterable[PeerID] = ()) -> tuple[PeerID, ...]:
         """The peers a join request names: all of them, or past ``MAX_COUNTS`` those ``seen`` (announcing

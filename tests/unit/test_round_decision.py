@@ -25,11 +25,24 @@ import random
 import pytest
 
 from p2ptrain.averaging.agreement import Coordinator
-from p2ptrain.averaging.matchmaking import NEED_SLACK, Gathering, Joiner, Quorum, holds_me, short_of_quorums
+from p2ptrain.averaging.matchmaking import (
+    NEED_SLACK,
+    Announcement,
+    Gathering,
+    Joiner,
+    Quorum,
+    choose_leader,
+    holds_me,
+    short_of_quorums,
+    why_not,
+)
 from p2ptrain.averaging.protocol import Decision, JoinReq, Manifest, MemberMsg, TensorSpec
 from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity, PeerID
+from p2ptrain.training.optimizer.progress import SwarmView
+from p2ptrain.training.optimizer.rounds import step_quorum
+from p2ptrain.wire.codec import pack, unpack
 
 IDS = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(16)]
 DIGEST = bytes(16)
@@ -352,3 +365,110 @@ def test_entries_never_count_members_bound_to_decline() -> None:
     taking = tuple(i for i, p in enumerate(peers) if i == 0 or not holds_me(manifest, p, views[p]))
     assert peers.index(c) not in taking  # c declines (and a with it: its entry may not count c)
     assert not manifest.short_of_quorum(taking)  # those that take part meet every entry
+
+
+def step_zero_view(n: int, vouched_here: int) -> SwarmView:
+    """A peer's view of step 0 with ``n`` peers on it, ``vouched_here`` of them trusted (itself
+    included): the untrusted count toward the majority for at most one fewer than the trusted
+    (``progress.swarm_view``'s rule)."""
+    quorum = (vouched_here + min(n - vouched_here, vouched_here - 1)) // 2 + 1
+    return SwarmView(
+        epoch=0,
+        newest=0,
+        peers=n,
+        quorum=quorum,
+        others=n - 1,
+        samples=0.0,
+        rate=1.0,
+        target=1,
+        majority=b"",
+        overtaken=False,
+        donors=(),
+        reason="",
+        vouched_here=vouched_here,
+    )
+
+
+def lottery(rng: random.Random, n: int, *, old_rule: bool) -> dict[str, bool]:
+    """One step-0 matchmaking of an open swarm of ``n`` peers that joined through the first one (and two
+    earlier ones at random, as the scale simulator's peers do): a random share of them announce in the
+    window, each follows the smallest ticket it may (``choose_leader``), the leader gathers them all,
+    forms (``Gathering.form``) and signs the entries its members' quorums allow."""
+    ids = [Identity.from_seed(bytes([7, i % 256, i // 256]) * 10 + b"xx").peer_id for i in range(n)]
+    everyone = frozenset(ids)
+    quorums: dict[PeerID, Quorum] = {}
+    new: dict[PeerID, Quorum] = {}
+    for i, p in enumerate(ids):
+        trusted = everyone - {p} if i == 0 else frozenset({ids[0], *rng.sample(ids[:i], min(2, i))})
+        view = step_zero_view(n, len(trusted | {p}))
+        minimum = min(view.peers, view.quorum)
+        q, _ = step_quorum(view, minimum, n, everyone, trusted, frozenset(), p, anchored=i == 0)
+        new[p] = q
+        # the rule before: every peer leads, held to all the peers it trusts where they are fewer
+        quorums[p] = Quorum(q.peers, min(minimum, len(q.peers)), q.nameable) if old_rule else q
+    # the first peer (the first to see the target) and most others; a few are still elsewhere (a batch
+    # late, held by another leader until its deadline, waiting out a retry)
+    share = rng.uniform(0.8, 0.95)
+    announcing = [p for i, p in enumerate(ids) if i == 0 or rng.random() < share]
+    key = f"sync-{rng.randrange(1000)}"  # (a step's key: another order of tickets)
+    ads = [Announcement(p, "addr", 10.0, 1.0, b"s", leads=quorums[p].leads) for p in announcing]
+    leaders = {a.peer for a in ads if choose_leader(a, ads, 0.0, key) is None and a.can_lead}
+    chosen = {choose_leader(a, ads, 0.0, key) for a in ads} - {None}
+    assert all(c is not None and c.peer in leaders for c in chosen)
+    assert len(leaders) <= 1  # (one order: everyone follows the smallest ticket that may lead)
+    # the announcers whose quorums (as this rule makes them) the announcers meet: a group of them can
+    # form whenever they are a majority
+    able = set(announcing)
+    while any(len(new[p].peers & able) < new[p].size for p in able):
+        able = {p for p in able if len(new[p].peers & able) >= new[p].size}
+    majority = len(able) > n // 2
+    if not leaders:
+        return {"majority": majority, "formed": False}
+    leader = next(iter(leaders))
+    q = quorums[leader]
+    gathering = Gathering(Joiner(leader, "addr", 1.0), b"s", n, min(q.size, 2), quorum=q)
+    for p in announcing:
+        if p != leader:
+            assert gathering.offer(joiner(p, quorums[p]), b"s") is None
+    members = gathering.form()
+    formed = not isinstance(members, str) and not isinstance(gathering.entries(members), str)
+    return {"majority": majority, "formed": formed}
+
+
+def test_at_step_0_the_lottery_picks_a_leader_whose_quorum_its_followers_meet() -> None:
+    """The 64-peer stall: at the first step every newcomer trusts only its join peers (the swarm's first
+    peer and two others), fewer than a majority, so its quorum was all of them. The lottery made such
+    newcomers lead, everyone followed them, and each group failed at its deadline for want of one join
+    peer that was elsewhere ("only 3 of the at least 4 peers it knows joined in time"); suspected and
+    passed over, the leaders split the swarm into groups of one, and no step was taken; and where the
+    first peer led, most newcomers declined its group for want of one join peer (and those counting on
+    them after them) until its own majority was gone. Now a newcomer whose quorum was all of the few
+    peers it trusts only follows (its announcement says so) and is held to a majority of them:
+    whenever the peers announcing whose quorums they meet are a majority, a group forms. Under the rule
+    before, most such windows formed nothing."""
+    rng = random.Random(64)
+    new = [lottery(rng, rng.choice((16, 32, 64)), old_rule=False) for _ in range(150)]
+    rng = random.Random(64)  # (the same windows)
+    old = [lottery(rng, rng.choice((16, 32, 64)), old_rule=True) for _ in range(150)]
+    with_majority = [o for o in new if o["majority"]]
+    assert len(with_majority) > 100
+    assert all(o["formed"] for o in with_majority)
+    assert not any(o["formed"] for o in new if not o["majority"])  # (the first peer's majority)
+    failed_before = [o for o in old if o["majority"] and not o["formed"]]
+    assert len(failed_before) > len(with_majority) // 2  # (91 of 147)
+
+
+def test_an_announcement_says_when_its_peer_only_follows() -> None:
+    peer = IDS[0]
+    leading = Announcement(peer, "addr", 5.0, 1.0, b"s")
+    following = Announcement(peer, "addr", 5.0, 1.0, b"s", leads=False)
+    assert Announcement.from_bytes(peer, leading.to_bytes()) == leading
+    assert len(unpack(leading.to_bytes())) == 4  # (what peers before the flag parse)
+    assert Announcement.from_bytes(peer, following.to_bytes()) == following
+    assert not following.can_lead and following.closed() == following.closed()
+    assert not following.closed().leads
+    other = Announcement(IDS[1], "addr", 5.0, 1.0, b"s")
+    assert why_not(other, following, 0.0, "k") == "client-only: it cannot lead"
+    for bad in ([*unpack(leading.to_bytes()), 1], [*unpack(leading.to_bytes()), False, False]):
+        with pytest.raises(RemoteProtocolError):
+            Announcement.from_bytes(peer, pack(bad))

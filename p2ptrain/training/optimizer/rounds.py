@@ -44,6 +44,7 @@ from ...averaging.protocol import SignedManifest
 from ...averaging.spill import Spilled, SpillFile
 from ...config import RunConfig
 from ...errors import GroupFormationFailed, RoundAborted
+from ...identity import PeerID
 from ...node import Node
 from ..state import serve
 from ..state.codec import raw_bytes
@@ -53,6 +54,7 @@ from .buffers import Contribution, ParamBuffer
 from .feedback import Saved
 from .local_steps import LocalSteps
 from .outer import OuterStep
+from .progress import SwarmView
 from .shared_state import SharedState
 from .solo import StepAlone
 from .wake import Wake
@@ -68,6 +70,57 @@ AHEAD_POLL = 0.05  # seconds between looks at whether the replay landed
 AHEAD_STEPS = (
     2  # sync: a peer at most this many steps behind, replaying, joins the round of the step it lands on
 )
+
+
+def step_quorum(
+    view: SwarmView,
+    minimum: int,
+    target: int,
+    publishing: frozenset[PeerID],
+    trusted: frozenset[PeerID] | None,
+    absent: frozenset[PeerID],
+    me: PeerID,
+    anchored: bool,
+) -> tuple[Quorum, int]:
+    """The quorum a group of ``view``'s step holds this peer to, and the group's minimum size:
+    ``minimum`` (a majority of the step's peers) of the peers that publish progress, this one included.
+    Only members that publish progress count toward that majority: ids that only join groups would let
+    two groups of one step both reach it (two lineages). In an open swarm (``trusted`` not None) only the
+    trusted among them: a fresh key that publishes records and joins first would otherwise make a group
+    of two the "majority" of a joiner that trusts only its join peer, and start a lineage of its own with
+    it; and where the trusted on the step are fewer than that majority, the quorum is all of them.
+    Members check it too (a leader may lie). Trusted peers whose records are missing for a moment
+    (``absent``: ``ProgressBoard.absent_trusted``) count as on the step: a group of those here could not
+    be their majority, and a step taken here waits no longer for them.
+
+    A newcomer (not ``anchored``: it has averaged with nobody yet and trusts its join peers alone) whose
+    quorum is all of the two or more peers it trusts on the step, while it sees others there too (they
+    count toward its majority for at most one fewer than the trusted), only follows (``Quorum.leads``,
+    see ``matchmaking``: a peer leads only if whoever follows it can meet its quorum), and is held to a
+    majority of the peers it trusts on the step instead of all of them. Both were needed at 64
+    simulated peers: newcomers leading groups that their join peers, elsewhere, could never complete;
+    then, with the first peer leading, most newcomers declining its group for want of one of their
+    join peers, and those that counted on them after them, until the leader's own majority was not
+    there. Why that is no fork: a follower's quorum decides only whether it takes part, never whether a
+    group forms (leaders are anchored, or trust every peer they see, or need only themselves), and a
+    majority of its trusted peers is also what decides which state it follows (``progress``). Nothing
+    here counts what free ids say: ``anchored`` is earned by committed rounds (or is the swarm's first
+    peer's, which joined through nobody), the trusted peers are the join peers and partners, and
+    records of free ids can only make a newcomer's quorum tight, which keeps a newcomer following."""
+    mine = publishing | {me}
+    if trusted is None:
+        return Quorum(mine, minimum, mine), minimum
+    known = (mine & (trusted | {me})) | absent
+    here = view.vouched_here
+    size = min(minimum, here)
+    if absent and (here + len(absent)) // 2 + 1 <= target:
+        size = max(size, (here + len(absent)) // 2 + 1)
+        return Quorum(known, size, mine | absent), max(minimum, size)
+    tight = size >= here > 1 and view.peers > here
+    if anchored or not tight:
+        return Quorum(known, size, mine | absent), minimum
+    return Quorum(known, here // 2 + 1, mine | absent, leads=False), minimum
+
 
 Landed = tuple[RoundResult, int]
 """A round that committed and was applied: its result and the samples this peer handed to it."""
@@ -317,25 +370,14 @@ class RoundRunner:
             target = min(view.peers + view.arriving, cfg.max_group_size)
             # a majority: two groups cannot both form (all of those here, once waiting gave up)
             minimum = min(view.peers, target, view.quorum)
-            # Only members that publish progress count toward that majority: ids that only join groups
-            # would let two groups of one step both reach it (two lineages). In an open swarm, only the
-            # trusted among them (see ``trusted``): a fresh key that publishes records and joins first
-            # would otherwise make a group of two the "majority" of a joiner that trusts only its join
-            # peer, and start a lineage of its own with it. Members check it too (a leader may lie).
-            publishing = frozenset(r.peer for r in board.records) | {self.node.peer_id}
-            trusted = board.trusted()
-            if trusted is None:
-                quorum = Quorum(publishing, minimum, publishing)
-            else:
-                known = publishing & (trusted | {self.node.peer_id})
-                need = min(minimum, view.vouched_here)
-                absent = board.absent_trusted(epoch)  # (their records missing for a moment)
-                # (a group of those here could not be their majority: the records say more than the
-                # missing ones did, and a step taken here waits no longer for them)
-                if absent and (view.vouched_here + len(absent)) // 2 + 1 <= target:
-                    need = max(need, (view.vouched_here + len(absent)) // 2 + 1)
-                    minimum = max(minimum, need)
-                quorum = Quorum(known | absent, need, publishing | absent)
+            publishing = frozenset(r.peer for r in board.records)
+            # anchored beyond its join peers: it averaged, or it has none (it trusts the peers connected)
+            node = self.node
+            anchored = bool(node.averager.partners) or not node.join_peers
+            absent = board.absent_trusted(epoch)  # (their records missing for a moment)
+            quorum, minimum = step_quorum(
+                view, minimum, target, publishing, board.trusted(), absent, node.peer_id, anchored
+            )
             log.debug(
                 "looking for a group of step %d: %d to %d peers (%s; %d arriving)",
                 epoch,
