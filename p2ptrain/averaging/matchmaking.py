@@ -67,7 +67,11 @@ training run): nobody waits for it, as for a client-only peer, so the no-deadloc
 holds unchanged, and it joins a group led by a peer that can form one. Whether a peer is anchored is
 earned by rounds it committed, never by what other ids say, so free ids cannot stop an established peer
 from leading (they can make a newcomer's quorum tight, which only keeps a newcomer, a follower anyway,
-following).
+following). A leader whose group came out too small also only follows on its next look under the same
+key (``grouping``): its ticket stays the smallest for the whole step, and drawn again at each retry it
+failed again, while its followers' suspicions turned into exclusions that differ from follower to
+follower and split the step's peers between leaders. Its own announcement is what every peer reads
+alike, so the next look has one leader for all.
 
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
 and sizes its majority by its own records), and members drop out between formation and the round (a state

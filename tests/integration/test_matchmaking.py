@@ -198,6 +198,35 @@ async def test_a_tensor_sent_in_place_takes_one_buffer_reused_every_round(autoju
     assert after_second == after_first
 
 
+async def test_a_leader_whose_group_came_out_short_steps_aside_for_the_next_look(autojump_clock, monkeypatch):
+    """The invariant: a peer that led a group which came out too small does not lead its next look under
+    the same key (its announcement says it only follows; it may lead again after that). Its ticket is
+    the key's, so without that it was drawn again for every retry of a step, failed again, and its
+    followers' suspicions made exclusions that split the step's peers between leaders (at 32 simulated
+    peers: one step's group never formed in 170 s, 230 exclusions). Here the smallest ticket's first
+    group lacks a peer; at the next look the next ticket leads, and the group forms with all three."""
+    led: list[tuple[PeerID, bool]] = []  # (leader, whether its group formed), as each gathering ended
+    lead = GroupForming._lead
+
+    async def recording(self: GroupForming, *args: object, **kw: object) -> SignedManifest | None:
+        signed = await lead(self, *args, **kw)  # type: ignore[arg-type]
+        looking = self._looking
+        if signed is not None or (looking is not None and looking.gathering is not None):
+            led.append((self.host.identity.peer_id, signed is not None))
+        return signed
+
+    monkeypatch.setattr(GroupForming, "_lead", recording)
+    async with swarm(3, AveragerConfig(target_size=3, min_size=3, matchmaking_time=2.0)) as nodes:
+        order = sorted(nodes, key=lambda n: ticket("k", n.peer_id))
+        with trio.fail_after(120):
+            first = await average_all(order[:2], [0.0, 0.0], group_key="k")  # the third is away
+            assert isinstance(first[0], GroupTooSmall), first
+            assert led == [(order[0].peer_id, False)], led
+            second = await average_all(order, [0.0, 0.0, 0.0], group_key="k")
+    assert all(isinstance(r, RoundResult) and r.group_size == 3 for r in second), second
+    assert led[1:] == [(order[1].peer_id, True)], led
+
+
 @pytest.mark.parametrize("who", ["a member", "the coordinator"])
 async def test_a_member_that_declines_its_group_is_left_out_at_once(autojump_clock, who):
     """A member whose state moved on after its group formed declines the round: the others learn it
