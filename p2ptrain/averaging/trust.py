@@ -272,7 +272,11 @@ class TrustLedger:
         named = []
         # Highest credit first (ties: the smaller id, so the order is the same on every run)
         for p in sorted(values, key=lambda p: (-values[p], p.digest)):
-            if p in self._partners or values[p] < TRUST_AT:
+            # Earned: its credit reached the bar when it was last credited, and has not decayed below
+            # the bar a partner is kept at. (Held back by the window, a peer verified in one round fell
+            # below TRUST_AT at once by decay, and was never named without another round: after a
+            # 64-peer swarm's first round each peer trusted 19 for good, and no second round formed.)
+            if p in self._partners or self._credits[p].value < TRUST_AT or values[p] < KEEP_AT:
                 continue
             subnet = self._credits[p].subnet
             if by_subnet.get(subnet, 0) >= PER_SUBNET or len(self._admitted) >= allowed:

@@ -286,6 +286,23 @@ def test_a_member_that_verified_a_swarm_trusts_a_majority_of_it_within_a_few_ste
     assert len(ledger.partners) > 64 // 2, len(ledger.partners)
 
 
+def test_peers_one_round_verified_become_partners_as_the_windows_allow_without_another_round() -> None:
+    """One round verified 64 peers, and no round follows (the swarm's next step cannot form while its
+    peers trust too few): the window holds most of them back, and they are named as it allows, not
+    lost. Their credit decays below ``TRUST_AT`` at once, and the check against the decayed credit
+    never named them: every peer of a 64-peer simulated swarm trusted 19 after its first round, for
+    good."""
+    ledger = TrustLedger(ME)
+    ledger.credit(b"r1", [(pid(i), f"net{i}") for i in range(1, 65)], now=0.0)
+    assert len(ledger.partners) == ADMIT_PER_WINDOW
+    ledger.update(ADMIT_WINDOW + 1.0)
+    assert len(ledger.partners) == 2 * ADMIT_PER_WINDOW
+    ledger.update(3 * ADMIT_WINDOW + 1.0)
+    assert len(ledger.partners) == 64
+    ledger.update(HALF_LIFE * 1.1)  # below KEEP_AT: partners no more, like any
+    assert not ledger.partners
+
+
 def test_partners_a_checkpoint_remembers_are_partners_again() -> None:
     ledger = TrustLedger(ME)
     ledger.seed([pid(1), pid(2), ME], now=0.0)
