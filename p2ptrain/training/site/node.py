@@ -213,7 +213,9 @@ class SiteWorkers:
             self.group.close(self.site.stop)
             return
         # torchrun's site: rank 0 tells the others to end, then leaves the group with them (they wait in
-        # ``join_launched``); a rank that exits while the others' backend still talks to it aborts them
+        # ``join_launched``); a rank that exits while the others' backend still talks to it aborts them.
+        # Rank 0 then exits with its group up: destroyed on rank 0 too, the ranks aborted at exit (2 of
+        # 9 runs of the torchrun restart test).
         self.site.stop()
         leave(self.site.rank)
 
@@ -377,19 +379,21 @@ def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
     site = build_rank(config, task, Commands(rank, device=device), world, device)
     if rank == 0:
         return site
-    follow(site, task, config, device, folder)
-    leave(rank)
+    try:
+        follow(site, task, config, device, folder)
+        leave(rank)  # (not after a failure here: the others are busy with rank 0, and torchrun ends them)
+    finally:
+        dist.destroy_process_group()
     return None
 
 
 def leave(rank: int) -> None:
-    """A torchrun site's rank, at the end: every rank leaves the process group together (rank 0 after
-    its STOP, the others once they received it). Rank 0 used to exit with the group up while rank 1
-    destroyed its own: rank 1's backend then aborted its process at exit now and then ("terminate
-    called without an active exception", SIGABRT: 1 of 12 runs of the torchrun restart test), and
-    the launcher reported the site failed."""
+    """A torchrun site's rank, at the end (ranks 1..N-1 then destroy their process group): every rank
+    leaves together (rank 0 after its STOP, the others once they received it). Rank 0 used to exit with the
+    group up while rank 1 destroyed its own: rank 1's backend then aborted its process at exit now and
+    then ("terminate called without an active exception", SIGABRT: 1 of 12 runs of the torchrun
+    restart test), and the launcher reported the site failed."""
     try:
         leave_together()
     except (RuntimeError, dist.DistError) as e:  # a rank is gone already: torchrun ends the rest
         log.warning("site rank %d: the other ranks did not leave with it (%s)", rank, e)
-    dist.destroy_process_group()
