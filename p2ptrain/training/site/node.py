@@ -38,7 +38,7 @@ from ..loop.trainer import Trainer, TrainerOptions, TrainerParts, default_optimi
 from . import checkpoint
 from .commands import Command, Commands, Op
 from .group import SiteGroup
-from .launch import leave_together, return_freed_memory
+from .launch import exit_now, leave_together, return_freed_memory
 from .peer import SiteRank, SiteState, check_run
 
 log = logging.getLogger(__name__)
@@ -381,19 +381,27 @@ def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
         return site
     try:
         follow(site, task, config, device, folder)
-        leave(rank)  # (not after a failure here: the others are busy with rank 0, and torchrun ends them)
-    finally:
+        # (not after a failure here: the others are busy with rank 0, and torchrun ends them)
+        together = leave(rank)
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    if together:
+        exit_now()  # (as a spawned rank does: no teardown of the backend under its threads)
+    dist.destroy_process_group()
     return None
 
 
-def leave(rank: int) -> None:
-    """A torchrun site's rank, at the end (ranks 1..N-1 then destroy their process group): every rank
-    leaves together (rank 0 after its STOP, the others once they received it). Rank 0 used to exit with the
-    group up while rank 1 destroyed its own: rank 1's backend then aborted its process at exit now and
-    then ("terminate called without an active exception", SIGABRT: 1 of 12 runs of the torchrun
-    restart test), and the launcher reported the site failed."""
+def leave(rank: int) -> bool:
+    """A torchrun site's rank, at the end: every rank leaves together (rank 0 after its STOP, the others
+    once they received it); False when a rank was gone already. Rank 0 used to exit with the group up
+    while rank 1 destroyed its own: rank 1's backend then aborted its process at exit now and then
+    ("terminate called without an active exception", SIGABRT: 1 of 12 runs of the torchrun restart
+    test), and the launcher reported the site failed. Ranks 1..N-1 that left together then exit at once
+    (``launch.exit_now``)."""
     try:
         leave_together()
+        return True
     except (RuntimeError, dist.DistError) as e:  # a rank is gone already: torchrun ends the rest
         log.warning("site rank %d: the other ranks did not leave with it (%s)", rank, e)
+        return False
