@@ -125,6 +125,30 @@ def test_gathering_admits_until_full_and_orders_members():
     assert g.offer(Joiner(pid(4), "d", 1.0), b"s") == "the group is already formed"
 
 
+@pytest.mark.parametrize("seed", range(300))
+def test_a_gathering_is_full_only_once_each_peer_counted_in_its_target_is_in_or_away(seed: int) -> None:
+    """A leader forms before its deadline once it is full: every peer its target counts joined, or never
+    will (``away``: announced a smaller ticket, may lead). A peer counted away may join after all (its
+    look ended, and its next one followed), and was then counted twice: the group formed a peer short,
+    before the one it waited for (a DiLoCo joiner whose replay was landing) could ask. Random targets,
+    minimums, away sets and joiners, in random order, some of them away peers: full means at least
+    ``min_size`` members and the target's peers all accounted for, each peer once."""
+    rng = random.Random(seed)
+    leader = pid(99)
+    target = rng.randint(2, 8)
+    minimum = rng.randint(1, target)
+    peers = [pid(i) for i in range(1, 12)]
+    g = Gathering(Joiner(leader, "l", 1.0), b"s", target_size=target, min_size=minimum)
+    g.away = frozenset(rng.sample(peers, rng.randint(0, target - 1)))
+    for p in rng.sample(peers, rng.randint(0, len(peers))):
+        full_before = g.full()
+        assert g.offer(Joiner(p, "x", 1.0), b"s") in (None, "the group is full")
+        members = {leader, *(j.peer for j in g.joiners)}
+        accounted = len(members | g.away)
+        assert g.full() == (len(members) >= minimum and accounted >= target), (target, minimum, g.away)
+        assert full_before <= g.full()  # (a joiner never makes it less full)
+
+
 def test_gathering_too_small_and_withdrawal():
     g = Gathering(Joiner(pid(9), "l", 1.0), b"s", target_size=4, min_size=3)
     g.offer(Joiner(pid(1), "a", 1.0), b"s")
