@@ -128,6 +128,22 @@ class Contribution:
         self._relaying = None
         return self.buffer
 
+    def take(self) -> ParamBuffer:
+        """DiLoCo, a round joined ahead while a replay is in flight: the pseudo-gradient in ``buffer``
+        leaves with the round, and the replay writes the results it applies into a new one meanwhile
+        (it would overwrite what the round sends). The round's landing puts its buffer back (``adopt``)."""
+        tensors = self.buffer
+        self.buffer = self.make_buffer(self.slot_params())
+        self._relaying = None
+        return tensors
+
+    def adopt(self, tensors: ParamBuffer) -> None:
+        """A round's buffer, holding the averages it committed, becomes ``buffer`` again: the outer step
+        applies ``buffer`` (see ``take``)."""
+        if tensors is not self.buffer:
+            self.buffer = tensors
+            self._relaying = None
+
     def relay(self, retired: trio.Event) -> None:
         """The committed round may relay from ``buffer`` until ``retired`` is set."""
         self._relaying = retired
