@@ -397,9 +397,9 @@ class CollaborativeOptimizer:
         between batches and once as a replay starts:
         DiLoCo one step behind (its local progress carried onto the new global parameters) hands its
         work over as the group forms (streaming: once the replay landed); sync, at most
-        ``AHEAD_STEPS`` behind, hands over at once the gradients it computed meanwhile (a group formed for ``step`` to hand them to is taken here). Not
-        while a whole state downloads: that rarely lands within the round's wait, and a coordinator that
-        declines aborts the round for all."""
+        ``AHEAD_STEPS`` behind, hands over at once the gradients it computed meanwhile (a group formed
+        for ``step`` to hand them to is taken here). Not while a whole state downloads: that rarely
+        lands within the round's wait, and a coordinator that declines aborts the round for all."""
         rounds, tally = self.rounds, self.tally
         if not self.diloco:
             formed = rounds.take_formed()  # summed gradients: a group joined ahead, handed over here

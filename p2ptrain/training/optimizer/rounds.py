@@ -423,7 +423,7 @@ class RoundRunner:
                 # replay landed (``step`` lands it first)
                 self.formed = (epoch, manifest)
                 return False
-            if self.joined_ahead(epoch):  # sync, replaying: the gradients computed meanwhile go now
+            if self.joined_ahead(epoch):  # replaying: the work computed meanwhile goes now
                 await self.state.idle()  # (a batch being added in a worker thread)
                 if self.joined_ahead(epoch):
                     self.start_in_background(manifest, epoch)
