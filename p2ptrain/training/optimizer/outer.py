@@ -32,6 +32,10 @@ from .feedback import ErrorFeedback, Saved
 class OuterStep:
     """The global parameters, the outer Nesterov SGD over them, and top-k's error feedback."""
 
+    # A pseudo-gradient may leave in a buffer of its own (``Contribution.take``) while a replay applies
+    # results in another: a peer joined ahead hands its work over as its group forms (``rounds``).
+    hands_over_ahead = True
+
     def __init__(
         self,
         params: list[torch.Tensor],

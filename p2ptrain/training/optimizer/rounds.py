@@ -300,7 +300,8 @@ class RoundRunner:
         """Whether a group of ``epoch``, past this peer's step, is this peer's to hand its work to now
         (a replay in flight that lands it there: see :meth:`start_matchmaking`). DiLoCo: one step
         behind, its local progress carried onto the step the replay lands on, with one fragment (a
-        streaming step's fragment is the step's own: it hands over once the replay landed)."""
+        streaming step's fragment is the step's own) and an outer step that can hold the round's buffer
+        apart from the replay's (not a site's): else it hands over once the replay landed."""
         flight = self.state.download
         if flight is None or not flight.replaying or flight.target != epoch or self.in_flight is not None:
             return False
@@ -310,6 +311,7 @@ class RoundRunner:
             epoch == self.tally.epoch + 1
             and flight.carry_from == self.tally.epoch
             and len(self.contribution.fragments) == 1
+            and self.outer.hands_over_ahead
             and self.tally.samples > 0
         )
 

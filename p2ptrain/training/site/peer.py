@@ -309,6 +309,10 @@ class SiteOuter(OuterStep):
     """Rank 0's outer step of a site: each of ``OuterStep``'s moves is a command to the other ranks and
     the same collective on rank 0's shards (``ShardedOuter``)."""
 
+    # (the ranks fold their pieces into the one wire buffer, which a replay would also write: a site
+    # does not replay missed steps yet, and once it does, a site joined ahead hands over once it landed)
+    hands_over_ahead = False
+
     def __init__(self, site: SiteRank, params: list[torch.Tensor], contribution: Contribution) -> None:
         # (OuterStep's own __init__ would copy the global parameters whole: a site's are sharded)
         self.site, self.params, self.contribution = site, params, contribution
