@@ -1,7 +1,7 @@
 """How a spawned site's ranks end (``training.site.launch``): a rank whose work is done waits for the
 others, then leaves without tearing down its process group or shutting its interpreter down (both ran the
 backend's C++ teardown under its live threads, and crashed ranks that had done their work: one SIGSEGV in
-CI); a rank whose work raised still reports it, and ends the others."""
+CI); a rank whose work raised still reports it."""
 
 from __future__ import annotations
 
