@@ -25,6 +25,7 @@ from p2ptrain.config import RunConfig
 from p2ptrain.dht.service import DHT
 from p2ptrain.identity import PeerID
 from p2ptrain.net.memory import LinkProfile
+from p2ptrain.training.optimizer import rounds
 from p2ptrain.training.optimizer.board import ProgressBoard
 from p2ptrain.training.optimizer.bookkeeping import RoundStats
 from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView, estimate
@@ -455,16 +456,9 @@ async def diloco_joiner_swarm(
         return joiner, fast, fast[0].opt.epoch - first
 
 
-@pytest.mark.timeout(300)  # ~25 s of CPU; longer on a busy machine
-async def test_a_diloco_joiner_whose_replay_lands_late_joins_the_round_of_the_step_it_lands_on(
-    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A DiLoCo joiner one step behind replays the missed step's result; when that takes longer than the
-    time from a step to the next round's group, it landed after the group had formed without it, and
-    trailed by a step (each replay landing mid-round; in this swarm on the code before, its state left
-    the lineage once and it downloaded the state a second time, in 60 s). Now it joins the group of the
-    step it is about to land on and hands its work over once the replay landed: one download, and it
-    averages with its own samples in most of the swarm's steps, on the same parameters."""
+async def check_joiner_averages_in_most_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joiner swarm for 60 s: the joiner downloads once, averages its own work in at least half of
+    the swarm's steps, and holds the swarm's parameters on every step."""
     mine: dict[int, list[int]] = {}
     note_step = RoundStats.note_step
 
@@ -478,6 +472,19 @@ async def test_a_diloco_joiner_whose_replay_lands_late_joins_the_round_of_the_st
     assert joiner.opt.shared.downloads == 1, (joiner.opt.shared.downloads, joiner.steps)
     assert steps >= 5 and contributed >= steps / 2, (contributed, steps, joiner.steps)
     check_identical_per_epoch([joiner, *fast])
+
+
+@pytest.mark.timeout(300)  # ~25 s of CPU; longer on a busy machine
+async def test_a_diloco_joiner_whose_replay_lands_late_joins_the_round_of_the_step_it_lands_on(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DiLoCo joiner one step behind replays the missed step's result; when that takes longer than the
+    time from a step to the next round's group, it landed after the group had formed without it, and
+    trailed by a step (each replay landing mid-round; in this swarm on the code before, its state left
+    the lineage once and it downloaded the state a second time, in 60 s). Now it joins the group of the
+    step it is about to land on and hands its work over as that group forms: one download, and it
+    averages with its own samples in most of the swarm's steps, on the same parameters."""
+    await check_joiner_averages_in_most_steps(monkeypatch)
 
 
 @pytest.mark.timeout(300)  # ~25 s of CPU; longer on a busy machine
@@ -493,22 +500,8 @@ async def test_a_diloco_joiner_hands_its_progress_to_the_round_ahead_however_lon
     invariant: how long a replay takes against any such budget does not decide whether the joiner
     contributes. It averages its own work in most of the swarm's steps, downloads once, and holds the
     swarm's parameters on every step."""
-    from p2ptrain.training.optimizer import rounds
-
     monkeypatch.setattr(rounds, "AHEAD_WAIT", 0.0)
-    mine: dict[int, list[int]] = {}
-    note_step = RoundStats.note_step
-
-    def noted(self: RoundStats, last: dict[str, object]) -> None:
-        mine.setdefault(id(self), []).append(int(last.get("mine", 0)))  # type: ignore[call-overload]
-        note_step(self, last)
-
-    monkeypatch.setattr(RoundStats, "note_step", noted)
-    joiner, fast, steps = await diloco_joiner_swarm(seconds=60)
-    contributed = sum(1 for m in mine.get(id(joiner.opt.stats), []) if m > 0)
-    assert joiner.opt.shared.downloads == 1, (joiner.opt.shared.downloads, joiner.steps)
-    assert steps >= 5 and contributed >= steps / 2, (contributed, steps, joiner.steps)
-    check_identical_per_epoch([joiner, *fast])
+    await check_joiner_averages_in_most_steps(monkeypatch)
 
 
 @pytest.mark.timeout(300)  # ~10 s of CPU; longer on a busy machine
