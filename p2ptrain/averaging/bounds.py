@@ -83,6 +83,7 @@ from ..identity import Identity, PeerID, SignedEnvelope
 from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 from .compression import Compression
+from .norms import sum_of_squares
 from .protocol import MAX_CLAIM_ENVELOPE
 from .robust import CLIP_ITERATIONS, trimmed_count
 
@@ -117,23 +118,23 @@ class Scale:
     @classmethod
     def of(cls, values: torch.Tensor | np.ndarray) -> Scale:
         """The scale of a 1-D float tensor or array (one pass for each figure; no temporary as large as
-        it)."""
+        it). The sum of squares is float64's however long the values are (``norms``): a member's
+        signed scale of a whole partition and its reducer's, summed chunk by chunk, agree."""
         if isinstance(values, np.ndarray):  # (raw bytes off the wire: maybe read-only, no tensor of them)
             n = values.size
             if n == 0:
                 return cls()
             absmax = max(-float(values.min()), float(values.max()))
-            norm = math.sqrt(float(np.dot(values, values)))
         else:
             n = values.numel()
             if n == 0:
                 return cls()
             lo, hi = torch.aminmax(values)
             absmax = max(-float(lo), float(hi))
-            norm = float(torch.linalg.vector_norm(values))
+        sumsq = sum_of_squares(values)
         if not math.isfinite(absmax):  # NaN compares false: make it count as unbounded
             absmax = math.inf
-        return cls(norm * norm if math.isfinite(norm) else math.inf, absmax, n)
+        return cls(sumsq if math.isfinite(sumsq) else math.inf, absmax, n)
 
     @property
     def norm(self) -> float:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .norms import row_norms
+
 
 class Aggregation(enum.StrEnum):
     """A round's aggregation rule, parsed once from a run file (a ``str`` too: it travels as its name)."""
@@ -69,12 +71,12 @@ def centered_clip(rows: torch.Tensor, iterations: int = CLIP_ITERATIONS) -> torc
     if rows.shape[0] <= 2:
         return rows.mean(dim=0)
     v = rows.median(dim=0).values
-    tau = (rows - v).norm(dim=1).median()
+    tau = row_norms(rows - v).median()
     if not torch.isfinite(tau) or tau == 0:
         return v
     for _ in range(iterations):
         diffs = rows - v
-        scale = torch.clamp(tau / diffs.norm(dim=1).clamp_min(1e-30), max=1.0)
+        scale = torch.clamp(tau / row_norms(diffs).clamp_min(1e-30), max=1.0)
         v = v + (diffs * scale.unsqueeze(1)).mean(dim=0)
     return v
 
@@ -87,7 +89,7 @@ def outliers(
     majority to measure against). The rule already bounded their influence; this names them."""
     if rows.shape[0] < 3:
         return []
-    distances = (rows - result).norm(dim=1)
+    distances = row_norms(rows - result)
     median = distances.median()
     if not torch.isfinite(median) or median <= 0:
         return []

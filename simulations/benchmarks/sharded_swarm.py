@@ -85,7 +85,7 @@ target_batch_size = {args.target}
 lr = 0.001
 warmup_steps = 4
 grad_clip = 1.0
-threads = 1
+threads = {args.threads}
 
 [diloco]
 overlap = false
@@ -141,6 +141,7 @@ def start(
     *,
     device: str = "cpu",
     keep: bool = True,
+    threads: int = 1,
 ) -> subprocess.Popen[bytes]:
     """A node: a site of ``shard`` ranks (0: an unsharded peer); a site of one rank is started by
     ``torchrun``. ``keep``: the node's data folder is ``folder`` (checkpoints); else it keeps
@@ -164,7 +165,7 @@ def start(
     cmd += ["--join", join] if join else []
     cmd += extra
     log = open(folder / "node.log", "wb")  # noqa: SIM115  (closed with the process)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -324,7 +325,9 @@ def pair(
     began = time.time()
 
     def node(f: Path, n: int, join: str | None, extra: list[str]) -> subprocess.Popen[bytes]:
-        return start(f, runs[n], args.steps, n, join, extra, device=args.device, keep=keep)
+        return start(
+            f, runs[n], args.steps, n, join, extra, device=args.device, keep=keep, threads=args.threads
+        )
 
     procs = {"a": node(a, shards[0], None, extra_a)}
     deadline = began + args.timeout  # (for the whole run: the start and the steps)
@@ -427,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="samples per batch on each rank")
     ap.add_argument("--target", type=int, default=128, help="samples per outer step")
     ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (1: several CPU processes share this host's cores; on a GPU host"
+        " with cores to spare, more: the model's build, digests and the rounds' coding run on the CPU)",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
         "--peer",
