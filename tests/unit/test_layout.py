@@ -135,3 +135,30 @@ def test_tied_weights_are_captured_once_and_restored_only_into_a_model_that_ties
         capture.restore(untied, {}, tensors_, meta)
     with pytest.raises(StateError, match="lacks model entry"):
         capture.restore(untied, {}, tensors_, {k: v for k, v in meta.items() if k != codec.TIED_KEY})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunk_hashes_are_the_same_on_any_number_of_threads(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large state's chunks are hashed on several threads: each hash, in order, is the one a single
+    thread computes (tensors of random sizes, chunk boundaries inside and across them, two dtypes)."""
+    g = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(3, 9, (1,), generator=g))
+    sizes = torch.randint(1, 3 * CHUNK // 4, (count,), generator=g)  # (float32: up to 3 chunks each)
+    src = {f"t{i}": torch.randn(int(n), generator=g) for i, n in enumerate(sizes)}
+    src["half"] = torch.randn(CHUNK // 3, generator=g).half()  # (another dtype: spans of 2-byte values)
+    layout = Layout.of(src)
+    live = [src[e.name] for e in layout.entries]
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(lay, "PARALLEL_CHUNKS", 2)  # (so that a state of a few chunks uses threads)
+    try:
+        torch.set_num_threads(1)
+        one = lay.hash_chunks(layout, live)
+        torch.set_num_threads(4)
+        many = lay.hash_chunks(layout, live)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(one) == layout.chunks >= 4
+    assert many == one
+    assert len(set(one)) == len(one)  # (every chunk's bytes differ: a hash per chunk, not one repeated)
