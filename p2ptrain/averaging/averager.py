@@ -63,6 +63,7 @@ from .protocol import (
     RELAY_DECISION,
     RELAY_RESULT,
     REPORT,
+    ROUND_OVER,
     Ack,
     Decision,
     DecisionResp,
@@ -201,6 +202,7 @@ class Averager:
         # Rounds over here -> when to forget them, and their signed decision: a member may still ask
         # for it (it fetched its results early, and this member served the last of its fetches first).
         self._decided: dict[bytes, tuple[float, bytes]] = {}
+        self._over: dict[bytes, float] = {}  # rounds retired here -> until when calls for them are refused
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._waiting_subnet: Counter[str] = Counter()  # ... per caller's subnet
         self._nursery: trio.Nursery | None = None
@@ -594,6 +596,10 @@ class Averager:
         now = trio.current_time()
         for digest in [d for d, (until, _) in self._decided.items() if until < now]:
             del self._decided[digest]
+        for digest in [d for d, until in self._over.items() if until < now]:
+            del self._over[digest]
+        if len(self._over) < MAX_WAITING_CALLS:
+            self._over[rnd.digest] = rnd.end + JOIN_GRACE
         if rnd.decision_bytes and len(self._decided) < MAX_WAITING_CALLS:
             self._decided[rnd.digest] = (rnd.end + JOIN_GRACE, rnd.decision_bytes)
 
@@ -607,6 +613,8 @@ class Averager:
             return rnd
         if digest in self._declined:
             raise CallRefused(LEFT_ROUND, f"this member left round {digest.hex()[:8]} before it started")
+        if digest in self._over:
+            raise CallRefused(ROUND_OVER, f"round {digest.hex()[:8]} is over here: nothing of it is served")
         if (
             len(self._round_started) >= MAX_WAITING_CALLS
             or self._waiting[peer] >= MAX_WAITING_PER_PEER
@@ -665,5 +673,7 @@ class Averager:
     async def _on_relay_result(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         rnd = self._rounds.get(req.round)
         if rnd is None:
+            if req.round in self._over:
+                raise CallRefused(ROUND_OVER, f"round {req.round.hex()[:8]} is over here: nothing is relayed")
             return Ack(False, "unknown round")
         return await rnd.server.on_relay_result(ctx, req, stream)

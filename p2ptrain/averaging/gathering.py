@@ -12,6 +12,14 @@ round the reducer's signed attestation) before the partition counts as held; in 
 own values are saved first and go back if it is refused. Bytes that break the rules are the fault of
 whoever served them (``RoundMachine.fault``): that partition is not fetched again, and the round aborts
 for this member.
+
+A member that answers ``ROUND_OVER`` (or ``LEFT_ROUND``) retired the round, or never took part: it
+serves nothing of it again, so it is not asked again (:attr:`Gatherer.over`). A reducer retires a round
+once every member fetched what it reduced, counted as it sends; a member whose copy was lost after that
+(its connection broke before the last bytes arrived) asked its reducer again until the gather deadline
+(0.8 of the round's timeout), each call waiting for a round that was gone. Now it asks the members that
+may still relay the partition, and once none is left, the partition is given up at once: the round
+ends for this member then, and it catches up as any member that missed a round.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import numpy as np
 import torch
 import trio
 
-from ..errors import P2PError, RemoteProtocolError
+from ..errors import P2PError, RemoteCallError, RemoteProtocolError
 from ..net.host import Host
 from . import spill
 from .audit import new_hasher, open_attestation
@@ -30,7 +38,7 @@ from .bandwidth import RateMeter
 from .bounds import ResultCheck
 from .compression import Compression, all_finite, decode, encoded_chunk
 from .partition import chunks
-from .protocol import FETCH, FETCH_EARLY, RELAY_RESULT, FetchReq
+from .protocol import FETCH, FETCH_EARLY, LEFT_ROUND, RELAY_RESULT, ROUND_OVER, FetchReq
 from .round_machine import STALLED_AFTER, RoundMachine
 from .round_tensors import RoundTensors
 from .signals import RoundSignals
@@ -76,6 +84,7 @@ class Gatherer:
         self.early_scopes: dict[int, trio.CancelScope] = {}
         self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
         self.gather_scopes: dict[int, trio.CancelScope] = {}  # partition -> its gather (after the decision)
+        self.over: set[int] = set()  # members that serve nothing of this round any more (see the docstring)
 
     def start_early(self, nursery: trio.Nursery) -> None:
         """Pipelined rounds: fetch every other partition's mean early, in ``nursery`` (cancelled once the
@@ -147,24 +156,33 @@ class Gatherer:
                     with trio.move_on_at(stalled_at):
                         await direct_failed.wait()
                 while p not in m.held:
-                    async with trio.open_nursery() as relays:
-                        for i, addr in enumerate(self.addrs):
-                            if i not in (m.me, holder) and addr:
-                                relays.start_soon(self._relay_from, relays.cancel_scope, p, i)
+                    relays = self.relays(p, holder)
+                    if not relays and holder in self.over:
+                        log.info("partition %d: no member serves it any more: given up", p)
+                        break
+                    async with trio.open_nursery() as nursery:
+                        for i in relays:
+                            nursery.start_soon(self._relay_from, nursery.cancel_scope, p, i)
                     if p not in m.held:
                         await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
             nursery.cancel_scope.cancel()
 
+    def relays(self, p: int, holder: int) -> list[int]:
+        """The members that may still relay partition ``p``: every other one that serves the round."""
+        m = self.m
+        return [i for i, a in enumerate(self.addrs) if a and i not in (m.me, holder) and i not in self.over]
+
     async def _fetch_from_holder(
         self, scope: trio.CancelScope, p: int, holder: int, failed: trio.Event
     ) -> None:
-        """Fetch partition ``p`` from its reducer, again after a pause if that failed while it lives."""
+        """Fetch partition ``p`` from its reducer, again after a pause if that failed while it lives and
+        still serves the round."""
         while trio.current_time() < self.m.at.gather:
             if await self._fetch(p, holder, FETCH):
                 scope.cancel()
                 return
             failed.set()
-            if holder in self.m.gone:
+            if holder in self.m.gone or holder in self.over:
                 return
             await trio.sleep(STALLED_AFTER)
 
@@ -256,6 +274,8 @@ class Gatherer:
         except (P2PError, trio.TooSlowError) as e:
             if p in m.held:
                 return True
+            if isinstance(e, RemoteCallError) and e.code in (ROUND_OVER, LEFT_ROUND):
+                self.over.add(frm)
             if not relay:
                 log.info("could not fetch partition %d from %s: %s", p, m.name(frm), e)
             return False

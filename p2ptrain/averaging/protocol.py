@@ -355,6 +355,11 @@ class ProofHead(Message, positional=True):
 LEFT_ROUND = "left_round"
 """The error code of a call to a member that left the round before it started (see Averager.decline)."""
 
+ROUND_OVER = "round_over"
+"""The error code of a call for a round that is over at the callee: it retired the round (every member
+had fetched what it reduced, or the round's time ran out) and serves nothing of it again. A member that
+still lacks a partition asks others for it, or gives it up at once (see ``gathering``)."""
+
 JOIN = Method("avg.join", JoinReq, JoinResp)
 PART = Method("avg.part", PartReq, Ack, streaming=True)
 REPORT = Method("avg.report", ReportReq, DecisionResp)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..errors import P2PError, RemoteProtocolError
+from ..errors import CallRefused, P2PError, RemoteProtocolError
 from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from .audit import new_hasher, open_commit
@@ -26,7 +26,16 @@ from .bandwidth import RateMeter
 from .bounds import open_claim
 from .compression import Compression, encoded_chunk
 from .partition import chunks
-from .protocol import Ack, DecisionResp, FetchReq, LeaveReq, PartReq, RelayDecisionReq, ReportReq
+from .protocol import (
+    ROUND_OVER,
+    Ack,
+    DecisionResp,
+    FetchReq,
+    LeaveReq,
+    PartReq,
+    RelayDecisionReq,
+    ReportReq,
+)
 from .reducer import SliceOutOfBounds
 from .round_machine import RoundMachine
 from .round_tensors import RoundTensors
@@ -177,7 +186,9 @@ class RoundServer:
             return Ack(False, f"this member does not reduce partition {p}")
         with trio.move_on_at(m.at.gather):
             await self.sig.finalized(p).wait()
-        if red.encoded is None or self.sig.retired.is_set():
+        if self.sig.retired.is_set():
+            raise CallRefused(ROUND_OVER, f"the round is over here: partition {p} is not served again")
+        if red.encoded is None:
             return Ack(False, f"partition {p} was not reduced in time")
         with self.t.reading():
             for index, piece in enumerate(red.encoded):
@@ -231,7 +242,9 @@ class RoundServer:
         end = m.at.gather
         while p not in m.held and not self.sig.retired.is_set() and trio.current_time() < end:
             await self.sig.changed.wait_until(end)  # answer once we hold it ourselves
-        if p not in m.held or self.sig.retired.is_set():
+        if self.sig.retired.is_set():
+            raise CallRefused(ROUND_OVER, f"the round is over here: partition {p} is not relayed")
+        if p not in m.held:
             return Ack(False, f"partition {p} is not held here")
         values = self.t.slice(p)
         with self.t.reading():

@@ -358,6 +358,67 @@ async def test_a_member_that_leaves_before_its_round_costs_the_others_no_deadlin
     assert took < 0.1 * SCATTER * timeout, (took, n, client_only, leaver, delay)
 
 
+@pytest.mark.parametrize("seed", range(12))
+async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not_wait_for_the_deadline(
+    autojump_clock, monkeypatch, seed
+):
+    """The invariant: a member asks again only members that still serve the round. A reducer retires a
+    round once every member fetched what it reduced, counted as it sends; a member whose copy was lost
+    after that (here: its connection breaks as the last bytes arrive) fetches it again while its reducer
+    still serves the round; once it answers ``ROUND_OVER``, from the members that still relay it; with
+    none left, it gives the partition up and ends the round at once, its tensors as they were. The
+    others commit with identical bits either way, and so does the loser when it got the partition. The
+    code before asked the retired reducer again until the gather deadline (0.9 of the round's timeout),
+    each call waiting 10 s for a round that was gone.
+
+    Randomized: the group's size (even seeds: two members, nobody to relay), who loses its copy, whose
+    partition, and the sizes."""
+    from p2ptrain.averaging.gathering import Gatherer
+    from p2ptrain.averaging.round_machine import GATHER
+    from p2ptrain.errors import ConnectionClosed
+
+    rng = random.Random(seed)
+    n = 2 if seed % 2 == 0 else rng.randint(3, 5)
+    loser = rng.randrange(n)
+    lost_partition = rng.choice([i for i in range(n) if i != loser])
+    lost: list[bool] = []
+    held = Gatherer._held
+
+    def losing(self: Gatherer, p: int, check, scales) -> None:
+        if self.m.me == loser and p == lost_partition and not lost:
+            lost.append(True)  # (its reducer sent everything: it counted this member served)
+            raise ConnectionClosed("the connection broke as the last bytes arrived")
+        held(self, p, check, scales)
+
+    monkeypatch.setattr(Gatherer, "_held", losing)
+    timeout = 60.0
+    async with open_group(n, seed=seed) as group:
+        size = rng.randint(5_000, 60_000)
+        originals = [make_tensors(20 * seed + i, [(size,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        signed = sign_manifest(group.peers, inputs[0], timeout=timeout)
+        began = trio.current_time()
+        with trio.fail_after(2 * timeout):
+            outcomes = await run_round(group, signed, inputs, [1.0] * n)
+        took = trio.current_time() - began
+    assert lost, "the loss was never injected"
+    others = [i for i in range(n) if i != loser]
+    assert all(isinstance(outcomes[i], RoundResult) for i in others), outcomes
+    if isinstance(outcomes[loser], RoundAborted):  # (its reducer and every relay had retired the round)
+        assert all(torch.equal(a, b) for a, b in zip(inputs[loser], originals[loser], strict=True))
+        kept = others
+    else:  # (its reducer, or a relay, still served it)
+        kept = list(range(n))
+    verdict = check_invariant(
+        [originals[i] for i in kept],
+        [inputs[i] for i in kept],
+        [1.0] * len(kept),
+        [outcomes[i] for i in kept],
+    )
+    assert verdict == "commit"
+    assert took < 0.25 * GATHER * timeout, (took, n, loser, lost_partition)
+
+
 async def test_rounds_go_on_without_spill_files_when_the_disk_is_full(autojump_clock, monkeypatch):
     """A spill that cannot be written (ENOSPC) costs memory, not the round: reducers keep their chunks in
     memory, and an in-place member fetches the averages after the decision instead of early."""
