@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
 import re
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -459,9 +461,15 @@ def run_donors(plan: Plan, donors: int) -> dict[str, Any]:
             swarm = [
                 (float(m["time"]), int(m["step"])) for p in procs[:donors] for m in step_lines(p.metrics())
             ]
-            on_step = on_swarm_step(parse_events(read_lines(joiner)), swarm)
+            events = parse_events(read_lines(joiner))
+            on_step = on_swarm_step(events, swarm)
             if on_step is not None:
                 out["on_swarm_step_s"] = round(on_step - t0, 2)
+            if plan.catchup and out.get("download"):
+                bound = replay_bound(events, swarm, plan.rate_mbit, out["download"]["bytes"])
+                out["replay_bound"] = bound
+                if out.get("caught_up_s") is not None and bound:
+                    out["caught_up_x"] = round(out["caught_up_s"] / bound["download_s_at_link"], 2)
             out["joiner_link"] = link_figures(
                 trace, out.get("download"), plan.rate_mbit, t0, out.get("attempts", [])
             )
@@ -571,6 +579,47 @@ def on_swarm_step(events: list[Event], swarm: list[tuple[float, int]]) -> float 
     return None
 
 
+REPLAY_BYTES = re.compile(r"replayed (\d+) step\(s\) from step \d+ \(([\d.]+) MB")
+
+
+def replay_bound(
+    events: list[Event], swarm: list[tuple[float, int]], rate_mbit: float, state_bytes: int
+) -> dict[str, Any]:
+    """The least time any catch-up by one download and replays can take, in downloads at the link rate:
+    the joiner must receive the state (``state_bytes``: D seconds at the link rate) and one step's result
+    (R bytes) for every step the swarm takes meanwhile (one per T seconds), so its time C satisfies
+    ``C >= D + (C / T) R / rate``, i.e. ``C / D >= 1 / (1 - R / (rate T))`` (no bound at all once a
+    step's result takes longer to fetch than the swarm takes to make it). R: the bytes per step of the
+    joiner's replays; T: the median interval between the donors' steps while it caught up. Empty
+    without a replay or two donor steps."""
+    per_step = [
+        float(m.group(2)) * 1e6 / int(m.group(1))
+        for e in events
+        if e.kind == "applied" and (m := REPLAY_BYTES.search(e.message)) and int(m.group(1)) > 0
+    ]
+    start = next((e.t for e in events if e.kind == "catching_up"), None)
+    landed = [e.t for e in events if e.kind == "applied"]
+    if not per_step or start is None or not landed:
+        return {}
+    reached: dict[int, float] = {}
+    for t, step in sorted(swarm):
+        reached.setdefault(step, t)
+    times = sorted(t for t in reached.values() if start <= t <= landed[-1])
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    if not gaps:
+        return {}
+    step_s = gaps[len(gaps) // 2]
+    result_s = statistics.median(per_step) * 8 / (rate_mbit * 1e6)
+    out: dict[str, Any] = {
+        "result_mb_per_step": round(statistics.median(per_step) / 1e6, 1),
+        "result_s_at_link": round(result_s, 2),
+        "swarm_step_s": round(step_s, 1),
+        "download_s_at_link": round(state_bytes * 8 / (rate_mbit * 1e6), 1),
+    }
+    out["bound_x"] = round(1 / (1 - result_s / step_s), 2) if result_s < step_s else math.inf
+    return out
+
+
 def catchup_figures(events: list[Event], contributed_at: float | None) -> dict[str, Any]:
     """Downloads and replayed steps until the first contribution (all of them if none), and the time
     from the first "catching up" line to the last "now on step" line before it (``caught_up_s``)."""
@@ -624,7 +673,7 @@ def link_figures(
 
 def format_table(report: dict[str, Any]) -> str:
     head = ["donors", "size", "MB down", "download s", "Mbit/s", "of link", "target", "first contribution s"]
-    head += ["downloads", "replayed", "on step s", "caught up s", "status", "s"]
+    head += ["downloads", "replayed", "on step s", "caught up s", "x download (least)", "status", "s"]
     lines = [head]
     for r in report["results"]:
         d = r.get("download") or {}
@@ -644,6 +693,12 @@ def format_table(report: dict[str, Any]) -> str:
                 str(r.get("replayed_steps", "-")),
                 f"{r['on_swarm_step_s']:.1f}" if r.get("on_swarm_step_s") is not None else "-",
                 f"{r['caught_up_s']:.1f}" if r.get("caught_up_s") is not None else "-",
+                (f"{r['caught_up_x']}" if r.get("caught_up_x") is not None else "-")
+                + (
+                    f" (>= {r['replay_bound']['bound_x']})"
+                    if (r.get("replay_bound") or {}).get("bound_x")
+                    else ""
+                ),
                 r.get("status", "?")
                 + (f": {r.get('reason') or r.get('error')}"[:160] if r.get("status") != "ok" else ""),
                 f"{r.get('seconds', 0):.0f}",

@@ -27,6 +27,7 @@ from simulations.benchmarks.statesync import (
     first_contribution,
     host_port,
     parse_events,
+    replay_bound,
     round_samples,
 )
 
@@ -155,6 +156,28 @@ def test_attempts_time_the_transfer_from_the_last_failed_donor():
     assert ok["t100"] == 140.0
     assert ok["failures"] == ["AAA..111: timed out"] and ok["donor"] == "BBB..222"
     assert bad["outcome"] == "failed" and "no peer delivered" in bad["reason"]
+
+
+def test_the_replay_bound_is_the_least_time_a_download_and_replays_can_take():
+    """A 400 MB state on 50 Mbit/s (64 s), results of 100 MB a step (16 s) and a swarm that steps every
+    32 s: the joiner must receive the state and half a step's worth more for every second it spends,
+    so it can be on the swarm's step no sooner than 1 / (1 - 16/32) = 2 downloads."""
+    events = parse_events(
+        [
+            log(1000.0, "catching up: 2 peer(s) are on step 3, this one on step 0"),
+            log(1064.0, "downloaded step 3's state (400.0 MB) from BBB..222"),
+            log(1064.5, "now on step 3 (state from BBB..222)"),
+            log(1100.0, "now on step 5: replayed 2 step(s) from step 3 (200.0 MB from 2 peer(s) in 33.0 s)"),
+        ]
+    )
+    swarm = [(990.0 + 32.0 * k, 3 + k) for k in range(5)] + [(990.5, 3)]  # (two donors' lines)
+    got = replay_bound(events, swarm, 50.0, 400_000_000)
+    assert got["result_mb_per_step"] == 100.0 and got["result_s_at_link"] == 16.0
+    assert got["swarm_step_s"] == 32.0 and got["download_s_at_link"] == 64.0
+    assert got["bound_x"] == 2.0
+    slow = replay_bound(events, [(990.0 + 10.0 * k, 3 + k) for k in range(12)], 50.0, 400_000_000)
+    assert slow["bound_x"] == float("inf")  # (a step's result takes longer than the swarm's step)
+    assert replay_bound(events[:3], swarm, 50.0, 400_000_000) == {}  # (no replay: nothing to bound by)
 
 
 def test_download_figures_give_the_rate_as_a_fraction_of_the_link():
