@@ -162,3 +162,46 @@ def test_chunk_hashes_are_the_same_on_any_number_of_threads(
     assert len(one) == layout.chunks >= 4
     assert many == one
     assert len(set(one)) == len(one)  # (every chunk's bytes differ: a hash per chunk, not one repeated)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunks_made_in_order_are_hashed_and_handed_on_each_once(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hash_each`` (a site's HASH: chunks assembled in order on rank 0, hashed and written on threads):
+    every chunk is made once, in order, on the calling thread, handed on once, and its hash is in its
+    place; an error while handing one on is raised, not lost."""
+    import threading
+
+    g = torch.Generator().manual_seed(threads)
+    sizes = [5, 1 << 16] * 20
+    blobs = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy().tobytes() for n in sizes]
+    made, handed = [], {}
+    caller = threading.get_ident()
+
+    def chunk(i: int) -> bytes:
+        assert threading.get_ident() == caller
+        made.append(i)
+        return blobs[i]
+
+    def then(i: int, data: bytes | bytearray) -> None:
+        assert i not in handed
+        handed[i] = bytes(data)
+
+    monkeypatch.setattr(lay, "PARALLEL_CHUNKS", 2)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = lay.hash_each(len(blobs), chunk, then)
+
+        def failing(i: int, data: bytes | bytearray) -> None:
+            if i == 17:
+                raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space"):
+            lay.hash_each(len(blobs), lambda i: blobs[i], failing)
+    finally:
+        torch.set_num_threads(old)
+    assert made == list(range(len(blobs)))
+    assert handed == dict(enumerate(blobs))
+    assert got == [lay.hash_chunk([b]) for b in blobs]

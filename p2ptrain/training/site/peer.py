@@ -464,13 +464,17 @@ class SiteState(SharedState):
         state = site.live_state()
         fd, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-")
         os.unlink(path)
-        try:
-            hashes = []
-            for i in range(state.layout.chunks):
-                data = state.chunk(i)
-                assert data is not None
-                hashes.append(chunks.hash_chunk([data]))
-                os.pwrite(fd, data, i * chunks.CHUNK)
+
+        def assembled(i: int) -> bytearray:
+            data = state.chunk(i)
+            assert data is not None  # (rank 0)
+            return data
+
+        def written(i: int, data: bytes | bytearray) -> None:
+            os.pwrite(fd, data, i * chunks.CHUNK)
+
+        try:  # (chunks assembled in order here, hashed and written on threads meanwhile)
+            hashes = chunks.hash_each(state.layout.chunks, assembled, written)
         except BaseException:
             os.close(fd)
             raise

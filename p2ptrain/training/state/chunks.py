@@ -29,8 +29,8 @@ import bisect
 import hashlib
 import json
 import struct
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -181,20 +181,54 @@ PARALLEL_CHUNKS = 64
 """States of fewer chunks are hashed on the calling thread alone."""
 
 
+def hash_workers(count: int) -> int:
+    """Threads to hash ``count`` chunks on: as many as torch computes on (the node's ``threads``: hashing
+    takes no more cores than training was given), at most ``HASH_THREADS_MAX``; 1 below
+    ``PARALLEL_CHUNKS`` chunks (hashlib releases the GIL while it hashes)."""
+    return max(1, min(HASH_THREADS_MAX, torch.get_num_threads(), count // PARALLEL_CHUNKS))
+
+
 def hash_chunks(layout: Layout, tensors: Sequence[torch.Tensor], source: Source | None = None) -> list[bytes]:
-    """Every chunk's hash (reads the tensors in place; run it in a thread for large states). Chunks are
-    independent, so a large state's are hashed on as many threads as torch computes on (the node's
-    ``threads``: hashing takes no more cores than training was given), at most ``HASH_THREADS_MAX``;
-    hashlib releases the GIL while it hashes."""
+    """Every chunk's hash (reads the tensors in place; run it in a thread for large states), on
+    :func:`hash_workers` threads: chunks are independent."""
 
     def one(i: int) -> bytes:
         return hash_chunk(chunk_pieces(layout, tensors, i, source))
 
-    workers = min(HASH_THREADS_MAX, torch.get_num_threads(), layout.chunks // PARALLEL_CHUNKS)
-    if workers <= 1:
+    workers = hash_workers(layout.chunks)
+    if workers == 1:
         return [one(i) for i in range(layout.chunks)]
     with ThreadPoolExecutor(workers, thread_name_prefix="p2ptrain-hash") as pool:
         return list(pool.map(one, range(layout.chunks)))
+
+
+def hash_each(
+    count: int, chunk: Callable[[int], bytes | bytearray], then: Callable[[int, bytes | bytearray], None]
+) -> list[bytes]:
+    """Chunks ``chunk(0)`` .. ``chunk(count - 1)`` made in order on the calling thread (a site assembles
+    each on rank 0 from its ranks' shards, collectives in a fixed order), each hashed and handed to
+    ``then(i, data)`` on :func:`hash_workers` threads meanwhile; their hashes, in order. At most two
+    chunks per thread wait to be hashed."""
+    workers = hash_workers(count)
+    if workers == 1:
+        out = []
+        for i in range(count):
+            data = chunk(i)
+            out.append(hash_chunk([data]))
+            then(i, data)
+        return out
+
+    def one(i: int, data: bytes | bytearray) -> bytes:
+        then(i, data)
+        return hash_chunk([data])
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="p2ptrain-hash") as pool:
+        pending: list[Future[bytes]] = []
+        for i in range(count):
+            if i >= 2 * workers:
+                pending[i - 2 * workers].result()  # (bounded: the oldest is done before the next is made)
+            pending.append(pool.submit(one, i, chunk(i)))
+        return [f.result() for f in pending]
 
 
 def root(epoch: int, layout: Layout, hashes: Sequence[bytes]) -> bytes:
