@@ -261,6 +261,32 @@ async def test_a_late_joiner_behind_a_slow_link_catches_up(autojump_clock: objec
         assert joiner.opt.epoch == 2 and joiner.opt.digest == donors[0].opt.digest
 
 
+async def test_a_downloaded_state_is_not_hashed_again(autojump_clock: object, monkeypatch) -> None:
+    """The download checked every chunk against the hashes its root commits to, and that root against
+    the trusted records: the state restored from it publishes that root as it lands, with no hash of its
+    own (a large state's hash runs in a thread, its digest unknown meanwhile, and a replay from it
+    waited for it: a second on a busy machine after a 45M download)."""
+    from p2ptrain.training.optimizer.shared_state import SharedState
+
+    monkeypatch.setattr(serve, "THREAD_BYTES", 1)  # (every state "large": hashed in a thread)
+    hashed: list[object] = []
+    original = SharedState.hash_in_thread
+
+    async def counting(self, live, version):
+        hashed.append(self)
+        await original(self, live, version)
+
+    monkeypatch.setattr(SharedState, "hash_in_thread", counting)
+    async with swarm(run_config("sync"), model=big_model) as s:
+        donors, _ = await donors_and_joiner(s, 2)
+        joiner = await s.start(compute=1.0)
+        await s.until(lambda: joiner.opt.stats.syncs >= 1, timeout=600)
+        assert joiner.opt.epoch == 2
+        assert joiner.opt.shared.digest == donors[0].opt.digest  # (known as it landed)
+        assert joiner.opt.shared not in hashed, "the joiner hashed the state it had just downloaded"
+        assert any(h is donors[0].opt.shared for h in hashed)  # (a state that changed otherwise is hashed)
+
+
 async def test_an_offer_newer_than_the_records_is_taken_once_they_name_it(autojump_clock: object) -> None:
     """A donor that stepped since the joiner read the records offers a step no record names yet: the
     joiner downloads it at once (every chunk checked against the donor's own root) and hands it over

@@ -140,7 +140,9 @@ class SharedState:
         self.downloads = 0  # full state downloads applied
         self.replayed = 0  # steps caught up by replaying their results
         self.replayed_bytes = 0
-        self._checked: list[bytes] = []  # the chunk hashes of a replayed state, checked as it landed
+        self._checked: list[
+            bytes
+        ] = []  # the chunk hashes of a replayed or downloaded state, checked as it landed
         self._carried = -1  # sync: the step a replay carried gradients onto (not carried again from it)
         self._rehash()
 
@@ -575,6 +577,7 @@ class SharedState:
             return False
         self.downloads += 1
         self._replay_failed = -1
+        self._checked = self._verified_hashes(got)
         carried = flight.carry_from is not None and self.tally.epoch == flight.carry_from + 1
         if carried:
             with torch.no_grad():
@@ -590,6 +593,20 @@ class SharedState:
             f"; {self.tally.samples} samples of local progress carried into it" if carried else "",
         )
         return True
+
+    def _verified_hashes(self, got: Downloaded) -> list[bytes]:
+        """The chunk hashes of the state just restored from ``got``, when they are the download's: the
+        download checked every chunk against them and its root against the trusted records, so the new
+        state needs no hashing before its digest is known (a replay waits for that digest: after a 45M
+        download, a second of hashing on a busy machine). Empty (hash it) unless the restored state has
+        the download's very layout and makes its root."""
+        if got.layout is None or not got.hashes:
+            return []
+        live = self.live()
+        if live.layout.header != got.layout.header:
+            return []
+        hashes = list(got.hashes)
+        return hashes if chunks.root(live.epoch, live.layout, hashes) == got.root else []
 
     def _on_download_progress(self, got: int, total: int) -> None:
         self.download_progress = (got, total)

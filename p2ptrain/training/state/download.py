@@ -119,6 +119,9 @@ class Downloaded:
     donors: tuple[PeerID, ...]  # the donors that delivered chunks, most bytes first
     delivered: dict[PeerID, int] = field(default_factory=dict)  # checked bytes from each, this attempt
     seconds: float = 0.0
+    layout: Layout | None = None  # the state's chunk layout, and each chunk's hash, every one checked:
+    hashes: tuple[bytes, ...] = ()  # a state restored from these bytes needs no hashing again
+    root: bytes = b""  # the digest they make, the one the trusted records named
 
     @property
     def donor(self) -> PeerID:
@@ -308,6 +311,9 @@ class Fetcher:
             tuple(used),
             delivered,
             took,
+            partial.layout,
+            tuple(partial.hashes),
+            partial.root,
         )
 
     def _why(self) -> str:
