@@ -590,8 +590,8 @@ def replay_bound(
     (R bytes) for every step the swarm takes meanwhile (one per T seconds), so its time C satisfies
     ``C >= D + (C / T) R / rate``, i.e. ``C / D >= 1 / (1 - R / (rate T))`` (no bound at all once a
     step's result takes longer to fetch than the swarm takes to make it). R: the bytes per step of the
-    joiner's replays; T: the median interval between the donors' steps while it caught up. Empty
-    without a replay or two donor steps."""
+    joiner's replays; T: the median interval between the donors' successive steps. Empty without a
+    replay or three donor steps."""
     per_step = [
         float(m.group(2)) * 1e6 / int(m.group(1))
         for e in events
@@ -604,7 +604,7 @@ def replay_bound(
     reached: dict[int, float] = {}
     for t, step in sorted(swarm):
         reached.setdefault(step, t)
-    times = sorted(t for t in reached.values() if start <= t <= landed[-1])
+    times = sorted(t for step, t in reached.items() if step >= 1)  # (step 0: the start, not a step)
     gaps = sorted(b - a for a, b in itertools.pairwise(times))
     if not gaps:
         return {}

@@ -170,7 +170,7 @@ def test_the_replay_bound_is_the_least_time_a_download_and_replays_can_take():
             log(1100.0, "now on step 5: replayed 2 step(s) from step 3 (200.0 MB from 2 peer(s) in 33.0 s)"),
         ]
     )
-    swarm = [(990.0 + 32.0 * k, 3 + k) for k in range(5)] + [(990.5, 3)]  # (two donors' lines)
+    swarm = [(990.0 + 32.0 * k, 3 + k) for k in range(5)] + [(990.5, 3), (900.0, 0)]  # (two donors' lines)
     got = replay_bound(events, swarm, 50.0, 400_000_000)
     assert got["result_mb_per_step"] == 100.0 and got["result_s_at_link"] == 16.0
     assert got["swarm_step_s"] == 32.0 and got["download_s_at_link"] == 64.0
