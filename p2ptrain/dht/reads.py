@@ -57,6 +57,27 @@ log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT servi
 RECENT_LOOKUPS = 1024  # lookups remembered in Reader.recent_lookups
 # A direct read asks one more replica when none answered for this long
 READ_HEDGE = 1.0
+FIRST_SPREAD = 3
+"""A direct read of a hot key asks first one of its ``FIRST_SPREAD`` closest replicas, chosen by a hash of
+the reader's id and the key (see :func:`first_asked`)."""
+
+
+def first_asked(replicas: list[Contact], reader: PeerID, kid: bytes) -> list[Contact]:
+    """``replicas`` (closest first) in the order a read asks them: the first of them rotated among the
+    ``FIRST_SPREAD`` closest by a hash of the reader's id and the key, the rest in order. The replica
+    asked first sends a reader every entry it holds that the reader lacks, and the later ones are told
+    what it sent, so a replica asked first by every reader sent the key's whole traffic: the progress
+    key's closest replica sent 20x the median node's control bytes at 64 peers, 50x at 128. Spread
+    over the three closest, which a read of quorum 3 asks anyway, the cost is shared and no read is
+    later or staler (a spread over all the replicas, each reader from a different one, made reads start
+    at replicas the latest records had not reached yet). A reader's choice for a key is a hash, not a
+    draw per read: the same replica answers it first every time."""
+    spread = min(FIRST_SPREAD, len(replicas))
+    if spread <= 1:
+        return list(replicas)
+    h = hashlib.blake2b(reader.digest + kid, digest_size=8, person=b"p2pt-first").digest()
+    i = int.from_bytes(h, "big") % spread
+    return [replicas[i], *replicas[:i], *replicas[i + 1 :]]
 
 
 class Reader:
@@ -217,7 +238,7 @@ class Reader:
                 if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
                     done.cancel()
 
-        replicas = list(replicas)
+        replicas = first_asked(list(replicas), self._contacts.table.local, kid)
         waiting = iter(replicas)
         answered_send, answered = trio.open_memory_channel[None](len(replicas))
         running = 0
@@ -245,7 +266,7 @@ class Reader:
                     running -= 1
                 if late.cancelled_caught:
                     if first:
-                        self._replicas.demote(kid, replicas[0])  # a slow replica goes last next time
+                        self._replicas.demote(kid, replicas[0], FIRST_SPREAD)  # (slow: last next time)
                     start(1)  # a hedge beside the late one
                 first = False
                 start(quorum - len(holders) - running)

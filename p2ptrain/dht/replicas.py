@@ -103,11 +103,13 @@ class Replicas:
         cached = self._targets.get(kid)
         return None if cached is None else list(cached.targets)
 
-    def demote(self, kid: bytes, contact: Contact) -> None:
-        """``contact``, asked first for ``kid``, was slow: where it still comes first, it goes last."""
+    def demote(self, kid: bytes, contact: Contact, among: int = 1) -> None:
+        """``contact``, asked first for ``kid``, was slow: where it is still among the ``among`` closest
+        (a reader asks first one of those: ``reads.first_asked``), it goes last."""
         cached = self._targets.get(kid)
-        if cached is not None and cached.targets and cached.targets[0] == contact:
-            cached.targets.append(cached.targets.pop(0))
+        if cached is not None and contact in cached.targets[:among]:
+            cached.targets.remove(contact)
+            cached.targets.append(contact)
 
     def drop(self, kid: bytes) -> None:
         """A replica of ``kid`` failed or refused: the next read and store look them up again."""

@@ -201,7 +201,8 @@ async def test_a_node_tells_a_peer_its_contact_once_a_minute_and_stays_fresh_the
                 await a.dht.store(KEY, b"v", ttl=600.0)
                 await a.dht.get(KEY)
                 await trio.sleep(5.0)
-            assert len(heard) >= 6 and heard[0], heard  # told once, on the first call ...
+            # (the stores reach b; a read may ask another replica first: ``reads.first_asked``)
+            assert len(heard) >= 3 and heard[0], heard  # told once, on the first call ...
             assert not any(heard[1:]), heard  # ... and not on the calls that followed within a minute
             seen = last_seen()
             assert trio.current_time() - seen <= 5.0 + 1e-6  # refreshed by calls without the contact
