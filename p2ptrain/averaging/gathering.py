@@ -17,7 +17,7 @@ A member that answers ``ROUND_OVER`` (or ``LEFT_ROUND``) retired the round, or n
 serves nothing of it again, so it is not asked again (:attr:`Gatherer.over`). A reducer retires a round
 once every member fetched what it reduced, counted as it sends; a member whose copy was lost after that
 (its connection broke before the last bytes arrived) asked its reducer again until the gather deadline
-(0.8 of the round's timeout), each call waiting for a round that was gone. Now it asks the members that
+(0.9 of the round's timeout), each call waiting for a round that was gone. Now it asks the members that
 may still relay the partition, and once none is left, the partition is given up at once: the round
 ends for this member then, and it catches up as any member that missed a round.
 """

@@ -66,8 +66,9 @@ def first_asked(replicas: list[Contact], reader: PeerID, kid: bytes) -> list[Con
     """``replicas`` (closest first) in the order a read asks them: the first of them rotated among the
     ``FIRST_SPREAD`` closest by a hash of the reader's id and the key, the rest in order. The replica
     asked first sends a reader every entry it holds that the reader lacks, and the later ones are told
-    what it sent, so a replica asked first by every reader sent the key's whole traffic: the progress
-    key's closest replica sent 20x the median node's control bytes at 64 peers, 50x at 128. Spread
+    what it sent, so a replica asked first by every reader sent the key's whole traffic (the busiest
+    node of a simulated swarm, a hot key's closest replica, sent 16-21x the median node's control
+    bytes at 64 peers, and the busiest one 50x at 128). Spread
     over the three closest, which a read of quorum 3 asks anyway, the cost is shared and no read is
     later or staler (a spread over all the replicas, each reader from a different one, made reads start
     at replicas the latest records had not reached yet). A reader's choice for a key is a hash, not a
