@@ -140,9 +140,8 @@ class SharedState:
         self.downloads = 0  # full state downloads applied
         self.replayed = 0  # steps caught up by replaying their results
         self.replayed_bytes = 0
-        self._checked: list[
-            bytes
-        ] = []  # the chunk hashes of a replayed or downloaded state, checked as it landed
+        # the chunk hashes of a replayed or downloaded state, checked as it landed
+        self._checked: list[bytes] = []
         self._carried = -1  # sync: the step a replay carried gradients onto (not carried again from it)
         self._rehash()
 
