@@ -199,10 +199,10 @@ class Averager:
         # Rounds this member will not run -> when to forget them, and (if it coordinates them) its
         # signed abort decision, given to the members that ask for the decision.
         self._declined: dict[bytes, tuple[float, bytes]] = {}
-        # Rounds over here -> when to forget them, and their signed decision: a member may still ask
-        # for it (it fetched its results early, and this member served the last of its fetches first).
-        self._decided: dict[bytes, tuple[float, bytes]] = {}
-        self._over: dict[bytes, float] = {}  # rounds retired here -> until when calls for them are refused
+        # Rounds retired here -> when to forget them, and their signed decision (b"" without one): a
+        # member may still ask for it (it fetched its results early, and this member served the last of
+        # its fetches first); any other call for such a round is refused at once (ROUND_OVER).
+        self._over: dict[bytes, tuple[float, bytes]] = {}
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._waiting_subnet: Counter[str] = Counter()  # ... per caller's subnet
         self._nursery: trio.Nursery | None = None
@@ -594,14 +594,10 @@ class Averager:
         self._rounds.pop(rnd.digest, None)
         rnd.retire()
         now = trio.current_time()
-        for digest in [d for d, (until, _) in self._decided.items() if until < now]:
-            del self._decided[digest]
-        for digest in [d for d, until in self._over.items() if until < now]:
+        for digest in [d for d, (until, _) in self._over.items() if until < now]:
             del self._over[digest]
         if len(self._over) < MAX_WAITING_CALLS:
-            self._over[rnd.digest] = rnd.end + JOIN_GRACE
-        if rnd.decision_bytes and len(self._decided) < MAX_WAITING_CALLS:
-            self._decided[rnd.digest] = (rnd.end + JOIN_GRACE, rnd.decision_bytes)
+            self._over[rnd.digest] = (rnd.end + JOIN_GRACE, rnd.decision_bytes)
 
     async def _round(self, digest: bytes, ctx: CallContext) -> AllReduceRound:
         """The round ``digest``, waiting a little for it to start: a member may call us before our own
@@ -645,7 +641,7 @@ class Averager:
 
     def _known_decision(self, digest: bytes) -> bytes:
         """The signed decision of a round declined or over here, if it had one (else empty)."""
-        return self._declined.get(digest, (0.0, b""))[1] or self._decided.get(digest, (0.0, b""))[1]
+        return self._declined.get(digest, (0.0, b""))[1] or self._over.get(digest, (0.0, b""))[1]
 
     async def _on_report(self, ctx: CallContext, req: ReportReq) -> Reply[DecisionResp]:
         if req.round not in self._rounds and (decision := self._known_decision(req.round)):

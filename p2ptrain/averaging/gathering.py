@@ -156,7 +156,7 @@ class Gatherer:
                     with trio.move_on_at(stalled_at):
                         await direct_failed.wait()
                 while p not in m.held:
-                    relays = self.relays(p, holder)
+                    relays = self.relays(holder)
                     if not relays and holder in self.over:
                         log.info("partition %d: no member serves it any more: given up", p)
                         break
@@ -167,8 +167,9 @@ class Gatherer:
                         await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
             nursery.cancel_scope.cancel()
 
-    def relays(self, p: int, holder: int) -> list[int]:
-        """The members that may still relay partition ``p``: every other one that serves the round."""
+    def relays(self, holder: int) -> list[int]:
+        """The members that may still relay a partition ``holder`` reduced: every other one that still
+        serves the round."""
         m = self.m
         return [i for i, a in enumerate(self.addrs) if a and i not in (m.me, holder) and i not in self.over]
 
