@@ -15,7 +15,7 @@ import trio
 
 from p2ptrain.net.channel import FRAME_SECONDS
 from p2ptrain.net.memory import SEND_QUEUE_SECONDS
-from p2ptrain.training.state.replay import PIECE
+from p2ptrain.training.state.replay import RECORD
 from tests.harness.training import Peer, run_config, swarm
 from tests.integration.test_statesync import big_model, donors_and_joiner, fetcher, records
 
@@ -50,7 +50,7 @@ async def test_a_download_on_10_mbit_leaves_control_messages_a_fraction_of_a_sec
             took = trio.current_time() - began
             done.set()
         size = sum(t.numel() * t.element_size() for t in got.tensors.values())
-        assert size > 5 * PIECE and took > 4.0  # several seconds of bulk on the link
+        assert size > 5 * RECORD and took > 4.0  # several seconds of bulk on the link
         assert size / took >= 0.85 * RATE, f"{size / took / RATE:.0%} of the link"  # pacing costs no rate
         # a pong waits for one background record and what the transport holds, plus its own trip
         bound = 2 * FRAME_SECONDS + 2 * SEND_QUEUE_SECONDS

@@ -505,6 +505,15 @@ class SharedState:
                 self.sync_retry_at = 0.0
                 hashes = []
                 break
+            for liar in got.contradicted:  # their pieces differed from bytes now proven right
+                self.replayer.blamed.add(liar)
+                self.fetcher.blamed.add(liar)
+                log.warning(
+                    "%s sent a piece of step %d's result that differs from the one the trusted records"
+                    " confirm: it is blamed",
+                    liar.short(),
+                    got.epoch,
+                )
             applied += 1
             self.replayed += 1
             self.replayed_bytes += got.size
@@ -534,7 +543,7 @@ class SharedState:
             self.tally.counting_from(self.clock())
         if applied:
             self.stats.note_sync(self.tally.epoch, replay.results[0].peer.short())
-            peers = sorted({r.peer.short() for r in replay.results[:applied]})
+            peers = sorted({p.short() for r in replay.results[:applied] for p in r.senders or (r.peer,)})
             log.info(
                 "now on step %d: replayed %d step(s) from step %d (%.1f MB from %s in %.1f s)%s",
                 self.tally.epoch,

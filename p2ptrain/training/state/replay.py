@@ -9,8 +9,9 @@ same optimizer, and the states stay bit-identical. So each peer keeps the result
 ``statesync.replay_steps`` global steps (:class:`ResultStore`: in an unnamed spill file, losslessly in
 fp16 or bf16 when the round's compression made every value one of those, and in int8's or top-k's own
 form, see ``result_codec``) and serves them by step; a peer
-``k <= replay_steps`` steps behind fetches the ``k`` results (:class:`ResultFetcher`: from several peers
-at once, each step from whichever offers it) and applies them in order, between two batches.
+``k <= replay_steps`` steps behind fetches the ``k`` results (:class:`ResultFetcher`: all steps at once,
+and each step's result piece by piece from every holder of it at once, see ``result_pieces``) and
+applies them in order, between two batches.
 
 The invariant: *a peer k <= K steps behind reaches the swarm's step by applying the missed steps'
 results, each verified against the digest chain of trusted records, with bytes proportional to k
@@ -21,20 +22,20 @@ results, not to the state.* It holds by construction:
   next step, and whose ``before`` is the chain so far; its slots, dtype and size must be exactly those of
   this peer's own parameters for that step (nothing else is read), its values finite and within the
   R1 bound (``averaging.bounds``: ``BOUND`` times the size of the last result this peer applied itself).
+- Every piece of a result matches the piece hashes of one holder, the step's *reference* (a holder whose
+  own pieces contradict its own hashes is blamed at once).
 - After each result is applied the state is hashed and compared with the trusted digest of that step.
-  A mismatch names the sender (it is blamed: nothing more is fetched from it) and, the state being off
-  the chain now, the peer downloads the state (``download``), once.
+  A mismatch names the reference (it is blamed: nothing more is fetched from it) and, the state being off
+  the chain now, the peer downloads the state (``download``), once. A match blames the holders whose
+  pieces differed from the reference's (their bytes differed from bytes now proven right).
 - Nothing is believed because several ids say it: entries only say where to fetch; the trusted digests
   alone decide what is applied.
 
 A steps-behind count above ``K``, a start from an unvouched state, or no peer serving a step's result all
 lead to the full download, as before.
 
-Wire protocol (donor side: :class:`ResultStore`):
-
-- ``train.results_info``: the results a peer holds from a step on (``ResultEntry``: step, slots, dtype,
-  size, and its own digests of the state before and after).
-- ``train.result_data`` (stream): one result's bytes, named by its step and its ``after`` digest.
+The wire protocol (``train.results_info``, ``train.result_pieces``, ``train.result_data``; the holder's
+side is :class:`ResultStore`) is in ``protocol``.
 """
 
 from __future__ import annotations
@@ -54,60 +55,38 @@ from ...errors import CallRefused, P2PError, PeerUnavailable, RemoteProtocolErro
 from ...identity import PeerID
 from ...net.connection import Connection
 from ...net.host import Host
-from ...net.rpc import CallContext, Method, RpcRegistry
+from ...net.rpc import CallContext, RpcRegistry
 from ...net.streams import RpcStream
-from ...wire.schema import Message, bounded
 from ..optimizer.progress import PeerProgress
 from . import result_codec
-from .chunks import HASH_BYTES
-from .protocol import StreamDone
+from .protocol import (
+    MAX_KEPT,
+    RECORD,
+    RESULT_DATA,
+    RESULT_PIECES,
+    RESULTS_INFO,
+    ResultEntry,
+    ResultPieces,
+    ResultReq,
+    ResultsInfo,
+    ResultsReq,
+    StreamDone,
+    hash_pieces,
+    piece_bytes,
+)
+from .result_pieces import Refuted, fetch_pieces
 
 log = logging.getLogger("p2ptrain.training.state.replay")
 
-MAX_KEPT = 64  # results one peer may hold (and list in one answer)
 MAX_ASKED = 8  # peers asked what they hold, per catch-up
-PIECE = 1 << 20  # bytes per stream record of a result
 DIGEST_TRIES = 10  # asks for the results this many times while the digests they lead to are unknown...
 DIGEST_WAIT = 1.0  # ...this many seconds apart
-MAX_RESULT_BYTES = 1 << 40
+PIECE_LEAST = 4 << 20  # the smallest piece a holder hashes a result in (a smaller result is one piece)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class ResultEntry(Message):
-    """One committed step's result a peer holds: it takes the state of ``epoch`` to ``epoch + 1``."""
-
-    epoch: int = bounded(ge=0, le=2**53)
-    first: int = bounded(ge=0, le=2**31)  # the parameters it updates: ``range(first, stop)``
-    stop: int = bounded(ge=0, le=2**31)
-    dtype: str = bounded(max_len=16)
-    size: int = bounded(ge=0, le=MAX_RESULT_BYTES)  # bytes
-    before: bytes = bounded(max_len=HASH_BYTES)  # the holder's digest of ``epoch``'s state
-    after: bytes = bounded(max_len=HASH_BYTES)  # ... and of ``epoch + 1``'s
-
-
-@dataclass(frozen=True)
-class ResultsReq(Message):
-    first: int = bounded(ge=0, le=2**53)  # the oldest step wanted
-
-
-@dataclass(frozen=True)
-class ResultsInfo(Message):
-    entries: tuple[ResultEntry, ...] = bounded((), max_len=MAX_KEPT)
-
-
-@dataclass(frozen=True)
-class ResultReq(Message):
-    epoch: int = bounded(ge=0, le=2**53)
-    after: bytes = bounded(max_len=HASH_BYTES)
-
-
-RESULTS_INFO = Method("train.results_info", ResultsReq, ResultsInfo)
-RESULT_DATA = Method("train.result_data", ResultReq, StreamDone, streaming=True)
 
 
 def flat_bytes(values: Sequence[torch.Tensor], dtype: torch.dtype) -> bytes:
@@ -135,6 +114,7 @@ class Kept:
     scale: Scale
     before: bytes = b""
     after: bytes = b""
+    pieces: ResultPieces | None = None  # its pieces' hashes, once a peer asked for them
 
     @property
     def size(self) -> int:
@@ -166,9 +146,11 @@ class ResultStore:
         self._digest_of = digest_of
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self.served_bytes = 0
+        self.piece_least = PIECE_LEAST
         if registry is not None and self.keep_count:
             registry.add_unary(RESULTS_INFO, self._on_info)
             registry.add_stream(RESULT_DATA, self._on_data)
+            registry.add_unary(RESULT_PIECES, self._on_pieces)
 
     def keep(
         self,
@@ -244,17 +226,39 @@ class ResultStore:
     async def _on_info(self, ctx: CallContext, req: ResultsReq) -> ResultsInfo:
         return ResultsInfo(tuple(self.entries(req.first)))
 
-    async def _on_data(self, ctx: CallContext, req: ResultReq, stream: RpcStream) -> StreamDone:
+    def _held(self, req: ResultReq) -> Kept:
         kept = self.get(req.epoch)
         if kept is None or kept.after != req.after:
             raise CallRefused("moved_on", f"this peer holds no result of step {req.epoch} with that digest")
+        return kept
+
+    async def _read(self, kept: Kept) -> memoryview:
         if kept.size < SPILL_BYTES:
-            data = memoryview(kept.read())
-        else:  # a disk read of a large result may take a while: not on the event loop
-            data = memoryview(await trio.to_thread.run_sync(kept.read))
-        for at in range(0, len(data), PIECE):
-            await stream.send(data[at : at + PIECE], background=True)  # (control messages go first)
-            self.served_bytes += min(PIECE, len(data) - at)
+            return memoryview(kept.read())
+        # a disk read of a large result may take a while: not on the event loop
+        return memoryview(await trio.to_thread.run_sync(kept.read))
+
+    async def _on_pieces(self, ctx: CallContext, req: ResultReq) -> ResultPieces:
+        kept = self._held(req)
+        if kept.pieces is None:
+            piece = piece_bytes(kept.size, self.piece_least)
+            data = await self._read(kept)
+            if kept.size < SPILL_BYTES:
+                hashes = hash_pieces(data, piece)
+            else:
+                hashes = await trio.to_thread.run_sync(hash_pieces, data, piece)
+            kept.pieces = ResultPieces(piece, hashes)
+        return kept.pieces
+
+    async def _on_data(self, ctx: CallContext, req: ResultReq, stream: RpcStream) -> StreamDone:
+        kept = self._held(req)
+        stop = kept.size if req.length == 0 else req.offset + req.length
+        if not req.offset <= stop <= kept.size:
+            raise CallRefused("bad_range", f"its result of step {req.epoch} has {kept.size} bytes")
+        data = (await self._read(kept))[req.offset : stop]
+        for at in range(0, len(data), RECORD):
+            await stream.send(data[at : at + RECORD], background=True)  # (control messages go first)
+            self.served_bytes += min(RECORD, len(data) - at)
         await stream.send_eof()
         return StreamDone(True)
 
@@ -268,8 +272,10 @@ class Fetched:
     after: bytes  # the trusted digest of ``epoch + 1``'s state, which applying it must give
     slots: range
     values: torch.Tensor  # flat, in the parameters' dtype
-    peer: PeerID
+    peer: PeerID  # the reference: every byte matched its piece hashes (see ``result_pieces``)
     size: int  # bytes that travelled
+    senders: tuple[PeerID, ...] = ()  # the holders whose pieces were kept
+    contradicted: frozenset[PeerID] = frozenset()  # holders whose pieces differed from the reference's
 
 
 @dataclass
@@ -413,22 +419,55 @@ class ResultFetcher:
         async def one(
             index: int, epoch: int, after: bytes, sources: list[tuple[PeerProgress, Connection, ResultEntry]]
         ) -> None:
+            # Each holder in turn is the reference (its piece hashes decide what is kept); the pieces
+            # come from every holder of the same form at once (``result_pieces``).
             _, count, dtype = layout(epoch)
             rotated = sources[index % len(sources) :] + sources[: index % len(sources)]
             for donor, conn, e in rotated:
                 if donor.peer in self.blamed:
                     continue
+                others = [
+                    (d.peer, c)
+                    for d, c, x in rotated
+                    if d.peer != donor.peer
+                    and d.peer not in self.blamed
+                    and (x.dtype, x.size) == (e.dtype, e.size)
+                ]
                 try:
-                    values = await self._data(conn, e, after, dtype, count)
+                    pieced = await fetch_pieces(
+                        (donor.peer, conn),
+                        others,
+                        e,
+                        after,
+                        timeout=self.chunk_timeout,
+                        failures=self.failures,
+                    )
+                except Refuted as err:
+                    self.blamed.add(err.peer)
+                    self._fail(err.peer, str(err))
+                    continue
                 except (P2PError, trio.TooSlowError) as err:
                     self._fail(donor.peer, f"step {epoch}: {err or 'no progress'}")
                     continue
-                why = check_bound(values, bound)
-                if why:
+                try:
+                    values = self._values(e, pieced.data, dtype, count)
+                    why = check_bound(values, bound)
+                except RemoteProtocolError as err:
+                    why = str(err)
+                if why:  # every byte matched the reference's hashes: it vouched for them
                     self.blamed.add(donor.peer)
                     self._fail(donor.peer, f"step {epoch}'s result has {why}")
                     continue
-                got[epoch] = Fetched(epoch, after, range(e.first, e.stop), values, donor.peer, e.size)
+                got[epoch] = Fetched(
+                    epoch,
+                    after,
+                    range(e.first, e.stop),
+                    values,
+                    donor.peer,
+                    e.size,
+                    senders=tuple(pieced.sent),
+                    contradicted=frozenset(pieced.contradicted),
+                )
                 return
 
         async with trio.open_nursery() as nursery:
@@ -470,26 +509,10 @@ class ResultFetcher:
             return f"its result of step {e.epoch} is {e.size} bytes, not {count * kind.itemsize}"
         return ""
 
-    async def _data(
-        self, conn: Connection, e: ResultEntry, after: bytes, dtype: torch.dtype, count: int
-    ) -> torch.Tensor:
-        buf = bytearray(e.size)
-        filled = 0
-        pieces = -(-e.size // PIECE)
-        async with conn.open_stream(
-            RESULT_DATA, ResultReq(e.epoch, after), timeout=self.chunk_timeout * (2 + pieces)
-        ) as stream:
-            while filled < e.size:
-                with trio.fail_after(self.chunk_timeout):
-                    got = await stream.receive_some()
-                if not got:
-                    raise RemoteProtocolError(f"its result ended {e.size - filled} bytes early")
-                if filled + len(got) > e.size:
-                    raise RemoteProtocolError("it sent more bytes than its result has")
-                buf[filled : filled + len(got)] = got
-                filled += len(got)
-            with trio.fail_after(self.chunk_timeout):
-                await stream.response()
+    @staticmethod
+    def _values(e: ResultEntry, buf: bytearray, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """A result's bytes as ``count`` values of ``dtype`` (RemoteProtocolError: a malformed packed
+        one)."""
         if e.dtype in result_codec.PACKED:  # (checked in full: a malformed one raises)
             return result_codec.unpack(e.dtype, buf, count)
         values = (
