@@ -25,7 +25,7 @@ from p2ptrain.net.memory import LinkProfile
 from p2ptrain.training.state.protocol import ResultPieces, hash_pieces
 from p2ptrain.training.state.replay import Kept, Replay
 from tests.harness.training import Peer, swarm
-from tests.integration.test_catchup import behind_view, config, lineage
+from tests.integration.test_catchup import behind_view, config, lineage, records, step_alone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,3 +148,48 @@ async def test_a_slow_holder_delays_a_result_by_little_more_than_a_piece(
         # and took over the slow one's piece (measured: 1.08 s)
         assert replay.seconds < size / fast, replay.seconds
         assert not (peer.opt.shared.replayer.blamed | peer.opt.shared.fetcher.blamed)
+
+
+def result_bytes_served(donors: list[Peer]) -> int:
+    return sum(d.opt.shared.results.served_bytes for d in donors)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:6])
+async def test_the_steps_taken_while_a_state_downloads_are_fetched_meanwhile(
+    autojump_clock: object, seed: int
+) -> None:
+    """A peer too far behind to replay downloads the state of the swarm's step; the swarm takes one or
+    two steps while the download runs (slower than a step): their results arrive during the download,
+    so the replay after it applies them at once, fetching nothing more, and the peer holds the trusted
+    state of the swarm's step."""
+    rng = random.Random(seed)
+    mode = rng.choice(["sync", "diloco"])
+    async with swarm(config(mode), model=wide_model) as s:
+        donors, peer, trusted = await lineage(s, donors=rng.randint(2, 3), together=1, apart=5)
+        for d in donors:  # the download takes several seconds
+            s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=400_000.0), both_ways=False)
+        shared = peer.opt.shared
+        want = donors[0].opt.epoch
+        shared.start_download(
+            behind_view(peer, donors, want),
+            lambda e: trusted.get(e, b""),
+            lambda e: records([d for d in donors if d.opt.epoch >= e]),
+        )
+        flight = shared.download
+        assert flight is not None and not flight.replaying
+        moved = rng.randint(1, 2)
+        for _ in range(moved):  # the swarm steps on meanwhile
+            await trio.sleep(rng.uniform(0.5, 2.0))
+            for d in donors:
+                step_alone(d, 1)
+            trusted[donors[0].opt.epoch] = donors[0].opt.digest
+        with trio.fail_after(120):
+            await flight.done.wait()
+        assert result_bytes_served(donors) > 0  # the results' fetch began while the state downloaded
+        assert await peer.opt._land_download()
+        assert shared.downloads == 1 and peer.opt.epoch == want
+        replay = await catch_up(peer, donors, want + moved, trusted)
+        assert replay is not None and len(replay.results) == moved
+        assert result_bytes_served(donors) == replay.bytes  # each result fetched once
+        assert peer.opt.epoch == want + moved and peer.opt.digest == trusted[want + moved]
+        assert shared.downloads == 1

@@ -19,6 +19,7 @@ served to others, and a replayed one is checked against the trusted digest of th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from .wake import Wake
 log = logging.getLogger("p2ptrain.training.swarm_state")  # (its lines, as before)
 
 RETRY_SYNC = 2.0  # seconds before downloading again after every donor failed
+AHEAD_POLL = 1.0  # seconds between two looks for steps taken while a state downloads
 HASHED_KEPT = 4  # the digests of this many recent steps are kept for the metrics (``hashed``)
 
 
@@ -357,7 +359,8 @@ class SharedState:
         ``expected(epoch)``: the digest the peers this one trusts vouch for (see ``ProgressBoard``);
         ``donors(epoch)``: the peers that serve the trusted state of ``epoch`` or later, as the records
         read by now say (a replay that waits for a digest asks them again; ``view``'s by default)."""
-        assert self._nursery is not None
+        nursery = self._nursery
+        assert nursery is not None
         epoch = self.tally.epoch
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
         log.info("catching up: %s", why)
@@ -396,6 +399,8 @@ class SharedState:
                     except P2PError as e:
                         flight.replaying = False
                         log.info("no replay of steps %d-%d (%s): downloading the state", epoch, want - 1, e)
+                if donors is not None:
+                    nursery.start_soon(self._fetch_ahead, flight, want, expected, donors)
                 flight.outcome = await self.fetcher.fetch(
                     view.donors, want_epoch=want, expected=expected, reuse=self.reuse
                 )
@@ -404,7 +409,36 @@ class SharedState:
             finally:
                 flight.done.set()
 
-        self._nursery.start_soon(run)
+        nursery.start_soon(run)
+
+    async def _fetch_ahead(
+        self,
+        flight: Download,
+        want: int,
+        expected: Callable[[int], bytes],
+        donors: Callable[[int], Sequence[PeerProgress]],
+    ) -> None:
+        """While step ``want``'s state downloads, fetch the results of the steps the swarm takes meanwhile
+        (``ResultFetcher.prefetch``), so that the replay after the download applies them at once: a 45M
+        joiner on 50 Mbit/s had the state after 61 s and the swarm's next step only 20 s later, its
+        result fetched once the download was in (and by then the swarm had stepped again)."""
+        while self.replay_steps:
+            with trio.move_on_after(AHEAD_POLL):
+                await flight.done.wait()
+            if flight.done.is_set():
+                return
+            last = want
+            while last - want < self.replay_steps and expected(last + 1):
+                last += 1
+            if last > want:
+                await self.replayer.prefetch(
+                    functools.partial(donors, last),
+                    first=want,
+                    last=last,
+                    expected=expected,
+                    layout=self.result_layout,
+                    bound=self.results.scale(),
+                )
 
     async def reuse(self, partial: Partial) -> None:
         """Copy the chunks of a new download that this peer's own state holds (``download.fill_from``)."""

@@ -317,6 +317,8 @@ class ResultFetcher:
         self.chunk_timeout = chunk_timeout
         self.blamed: set[PeerID] = set()
         self.failures: list[str] = []
+        self._ahead: dict[int, Fetched] = {}  # results fetched ahead (``prefetch``), by step
+        self._prefetching: trio.Event | None = None
 
     def _fail(self, peer: PeerID, why: str) -> None:
         log.info("replay from %s: %s", peer.short(), why)
@@ -337,11 +339,71 @@ class ResultFetcher:
         and some donor serves. ``start``: this peer's own (vouched) digest of ``first``'s state;
         ``expected(e)``: the trusted digest of step ``e``'s state; ``layout(e)``: the parameter slots,
         element count and dtype that step ``e``'s result must have here. ``donors()``: the peers to
-        ask, as the records read by now name them (read again at each try)."""
+        ask, as the records read by now name them (read again at each try). Results fetched ahead
+        (:meth:`prefetch`) are taken from there (a prefetch in flight is waited for: the same bytes)."""
+        if self._prefetching is not None:
+            await self._prefetching.wait()
+        return await self._fetch(donors, first, last, start, expected, layout, bound)
+
+    async def prefetch(
+        self,
+        donors: Callable[[], Sequence[PeerProgress]],
+        *,
+        first: int,
+        last: int,
+        expected: Callable[[int], bytes],
+        layout: Callable[[int], tuple[range, int, torch.dtype]],
+        bound: Scale | None,
+    ) -> None:
+        """Fetch the results of steps ``first .. last - 1`` before they are needed (this peer downloads
+        the state of ``first`` while the swarm steps on), from the trusted digest of ``first`` on; kept
+        for the :meth:`fetch` that follows the download, checked there again against the trusted digests
+        (and, once applied, against the state's). One prefetch at a time; a failure is only logged."""
+        if self._prefetching is not None or all(e in self._ahead for e in range(first, last)):
+            return
+        done = self._prefetching = trio.Event()
+        try:
+            replay = await self._fetch(donors, first, last, expected(first), expected, layout, bound)
+            for r in replay.results:
+                self._ahead[r.epoch] = r
+            log.info(
+                "fetched the results of steps %d-%d ahead (%.1f MB in %.1f s)",
+                first,
+                first + len(replay.results) - 1,
+                replay.bytes / 1e6,
+                replay.seconds,
+            )
+        except P2PError as e:
+            log.info("could not fetch step %d's result ahead (%s)", first, e)
+        finally:
+            self._prefetching = None
+            done.set()
+
+    async def _fetch(
+        self,
+        donors: Callable[[], Sequence[PeerProgress]],
+        first: int,
+        last: int,
+        start: bytes,
+        expected: Callable[[int], bytes],
+        layout: Callable[[int], tuple[range, int, torch.dtype]],
+        bound: Scale | None,
+    ) -> Replay:
         self.failures = []
         began = trio.current_time()
+        for old in [e for e in self._ahead if e < first or e >= first + MAX_KEPT]:
+            del self._ahead[old]
+        ready: list[Fetched] = []  # (fetched ahead: each ended at the trusted digest of the next step)
+        while first + len(ready) < last:
+            r = self._ahead.get(first + len(ready))
+            if r is None or r.after != expected(r.epoch + 1) or r.peer in self.blamed:
+                break
+            ready.append(r)
+        at = first + len(ready)
+        if ready:
+            start = expected(at)
         asked = 0
-        for _ in range(DIGEST_TRIES):
+        for _ in range(DIGEST_TRIES if at < last else 0):
             # Right after a step its digest is still being hashed (a large state, in a thread) and
             # published: the entry of the step before names no "after" yet. Ask again shortly, rather
             # than download the whole state for want of a digest; and ask the donors the records name
@@ -349,11 +411,18 @@ class ResultFetcher:
             # yet (a home peer on 10 Mbit/s waited 10 s for a result, then downloaded the whole state).
             now = donors()
             asked = max(asked, len(now))
-            replay = await self._attempt(now, first, last, start, expected, layout, bound)
+            try:
+                replay = await self._attempt(now, at, last, start, expected, layout, bound)
+            except P2PError:
+                if ready:
+                    break  # (the steps fetched ahead are applied; the rest, at the next catch-up)
+                raise
             if replay is not None:
-                replay.seconds = trio.current_time() - began
-                return replay
+                ready += replay.results
+                break
             await trio.sleep(DIGEST_WAIT)
+        if ready:
+            return Replay(first, ready, trio.current_time() - began)
         why = self._why()
         if not why:
             named = "" if expected(first + 1) else f"; no trusted record names step {first + 1}'s digest"
