@@ -193,3 +193,38 @@ async def test_the_steps_taken_while_a_state_downloads_are_fetched_meanwhile(
         assert result_bytes_served(donors) == replay.bytes  # each result fetched once
         assert peer.opt.epoch == want + moved and peer.opt.digest == trusted[want + moved]
         assert shared.downloads == 1
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+async def test_a_holder_that_comes_to_hold_the_result_meanwhile_sends_pieces_too(
+    autojump_clock: object, seed: int
+) -> None:
+    """The replay begins while one holder alone has the step's result (the others step a little later,
+    or their records arrive later); those that come to hold it while it is fetched join in."""
+    rng = random.Random(seed)
+    async with swarm(config(rng.choice(["sync", "diloco"])), model=wide_model) as s:
+        donors, peer, trusted = await lineage(s, donors=3, together=1, apart=0)
+        for d in donors:
+            s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=100_000.0), both_ways=False)
+        first, *late = donors
+        step_alone(first, 1)
+        want = first.opt.epoch
+        trusted[want] = first.opt.digest
+        split_small([first], 16)
+        shared = peer.opt.shared
+        shared.start_download(
+            behind_view(peer, [first], want),
+            lambda e: trusted.get(e, b""),
+            lambda e: records([d for d in donors if d.opt.epoch >= e]),
+        )
+        flight = shared.download
+        assert flight is not None and flight.replaying
+        await trio.sleep(rng.uniform(0.5, 2.0))
+        for d in late:
+            step_alone(d, 1)
+        split_small(late, 16)
+        with trio.fail_after(120):
+            await flight.done.wait()
+        assert await peer.opt._land_download()
+        assert peer.opt.epoch == want and peer.opt.digest == trusted[want] and shared.downloads == 0
+        assert all(d.opt.shared.results.served_bytes > 0 for d in late)  # they joined in

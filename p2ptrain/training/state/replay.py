@@ -40,6 +40,7 @@ side is :class:`ResultStore`) is in ``protocol``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import OrderedDict
@@ -412,7 +413,7 @@ class ResultFetcher:
             now = donors()
             asked = max(asked, len(now))
             try:
-                replay = await self._attempt(now, at, last, start, expected, layout, bound)
+                replay = await self._attempt(now, at, last, start, expected, layout, bound, donors)
             except P2PError:
                 if ready:
                     break  # (the steps fetched ahead are applied; the rest, at the next catch-up)
@@ -438,8 +439,11 @@ class ResultFetcher:
         expected: Callable[[int], bytes],
         layout: Callable[[int], tuple[range, int, torch.dtype]],
         bound: Scale | None,
+        refresh: Callable[[], Sequence[PeerProgress]] = tuple,
     ) -> Replay | None:
-        """One try of :meth:`fetch`; None when no step's result could be planned yet (digests unknown)."""
+        """One try of :meth:`fetch`; None when no step's result could be planned yet (digests unknown).
+        ``refresh()``: the donors as the records read by now name them (holders that come to hold a
+        step's result while it is fetched join in)."""
         asked = [d for d in donors if d.peer not in self.blamed][:MAX_ASKED]
         holders: dict[int, list[tuple[PeerProgress, Connection, ResultEntry]]] = {}
 
@@ -510,6 +514,7 @@ class ResultFetcher:
                         after,
                         timeout=self.chunk_timeout,
                         failures=self.failures,
+                        more=functools.partial(self._more_holders, refresh, e),
                     )
                 except Refuted as err:
                     self.blamed.add(err.peer)
@@ -550,6 +555,33 @@ class ResultFetcher:
         if not results:
             raise PeerUnavailable(f"no peer delivered step {first}'s result" + self._why())
         return Replay(first, results)
+
+    async def _more_holders(
+        self, refresh: Callable[[], Sequence[PeerProgress]], like: ResultEntry, known: set[PeerID]
+    ) -> list[tuple[PeerID, Connection]]:
+        """The donors ``refresh()`` names besides ``known`` that hold a result just like ``like`` (its step,
+        digests, slots and form): they join the fetch of its pieces."""
+        fresh = [d for d in refresh() if d.peer not in known and d.peer not in self.blamed][:MAX_ASKED]
+        found: list[tuple[PeerID, Connection]] = []
+
+        async def ask(donor: PeerProgress) -> None:
+            try:
+                with trio.fail_after(2 * self.chunk_timeout):
+                    conn = await self.host.connect(donor.record.addr)
+                    if conn.peer != donor.peer:
+                        return
+                    info = await conn.call(
+                        RESULTS_INFO, ResultsReq(like.epoch), timeout=2 * self.chunk_timeout
+                    )
+            except (trio.TooSlowError, P2PError, ValueError):
+                return
+            if like in info.entries:  # (every field the same: step, digests, slots, form, size)
+                found.append((donor.peer, conn))
+
+        async with trio.open_nursery() as nursery:
+            for donor in fresh:
+                nursery.start_soon(ask, donor)
+        return found
 
     @staticmethod
     def _entry_problem(

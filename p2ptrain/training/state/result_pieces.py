@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -54,6 +55,7 @@ log = logging.getLogger("p2ptrain.training.state.result_pieces")
 
 HASH_IN_THREAD = 1 << 20  # a piece this large is hashed in a worker thread
 MAX_FETCHERS = 2  # holders fetching one piece at once (the second only once no piece waits...)
+RECRUIT_EVERY = 2.0  # seconds between two looks for more holders of a result being fetched
 HEDGE_AFTER = 2.0  # ... and the piece has taken this many times the median piece so far)
 
 
@@ -125,11 +127,14 @@ async def fetch_pieces(
     *,
     timeout: float,
     failures: list[str],
+    more: Callable[[set[PeerID]], Awaitable[list[tuple[PeerID, Connection]]]] | None = None,
 ) -> Pieced:
     """``entry``'s result, every piece checked against ``reference``'s hashes, fetched from the
     reference and ``others`` (holders of a result of the same form) at once. Raises :class:`Refuted`
     when the reference contradicts itself, P2PError when it names no usable pieces or no holder could
-    deliver some piece; what went wrong with each holder is appended to ``failures``."""
+    deliver some piece; what went wrong with each holder is appended to ``failures``. ``more(known)``,
+    called every ``RECRUIT_EVERY`` seconds until the result is in: holders of a result of the same
+    form found since, besides ``known`` (they fetch pieces too)."""
     ref_peer, ref_conn = reference
     try:
         with trio.fail_after(2 * timeout):
@@ -176,8 +181,9 @@ async def fetch_pieces(
         while len(done) < len(hashes):
             i = pick(peer)
             if isinstance(i, float):
-                if not waiting and not any(fetching.values()):
-                    return  # (nothing to fetch and nobody fetching: the others gave up)
+                if not waiting and not any(fetching.values()) and more is None:
+                    nursery.cancel_scope.cancel()  # (nothing to fetch, nobody fetching, nobody to come)
+                    return
                 with trio.move_on_after(i):
                     await changed.wait()
                 continue
@@ -216,12 +222,41 @@ async def fetch_pieces(
             done.add(i)
             for other in fetching.pop(i, {}).values():
                 other.cancel()
+            if len(done) == len(hashes):
+                nursery.cancel_scope.cancel()  # (copies still in flight, and the recruiting, end)
             wake()
 
     refuted: list[str] = []
+    started: set[PeerID] = set()
+    alive = 0
+
+    async def run(peer: PeerID, conn: Connection) -> None:
+        nonlocal alive
+        alive += 1
+        try:
+            await holder(peer, conn)
+        finally:
+            alive -= 1
+
+    def start(peer: PeerID, conn: Connection) -> None:
+        if peer not in started:
+            started.add(peer)
+            nursery.start_soon(run, peer, conn)
+
+    async def recruit() -> None:
+        # holders that came to hold the result since (their records arrived later, or they stepped
+        # later): a prefetch begun as the first holder's record came in had that one holder alone
+        while more is not None:
+            await trio.sleep(RECRUIT_EVERY)
+            for peer, conn in await more(started):
+                start(peer, conn)
+            if not alive:  # every holder gave up, and none came
+                nursery.cancel_scope.cancel()
+
     async with trio.open_nursery() as nursery:
         for peer, conn in sources:
-            nursery.start_soon(holder, peer, conn)
+            start(peer, conn)
+        nursery.start_soon(recruit)
     if refuted:
         raise Refuted(ref_peer, refuted[0])
     if len(done) < len(hashes):
