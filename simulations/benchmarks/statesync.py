@@ -465,6 +465,8 @@ def run_donors(plan: Plan, donors: int) -> dict[str, Any]:
             on_step = on_swarm_step(events, swarm)
             if on_step is not None:
                 out["on_swarm_step_s"] = round(on_step - t0, 2)
+            if on_step is not None and out.get("download"):
+                out["on_step_x"] = on_step_x(events, on_step, plan.rate_mbit, out["download"]["bytes"])
             if plan.catchup and out.get("download"):
                 bound = replay_bound(events, swarm, plan.rate_mbit, out["download"]["bytes"])
                 out["replay_bound"] = bound
@@ -579,6 +581,15 @@ def on_swarm_step(events: list[Event], swarm: list[tuple[float, int]]) -> float 
     return None
 
 
+def on_step_x(events: list[Event], on_step: float, rate_mbit: float, state_bytes: int) -> float | None:
+    """The time from the joiner's first "catching up" line to its first landing on the swarm's step
+    (``on_step``), in downloads of ``state_bytes`` at the link rate; None without a "catching up"."""
+    start = next((e.t for e in events if e.kind == "catching_up"), None)
+    if start is None or state_bytes <= 0:
+        return None
+    return round((on_step - start) / (state_bytes * 8 / (rate_mbit * 1e6)), 2)
+
+
 REPLAY_BYTES = re.compile(r"replayed (\d+) step\(s\) from step \d+ \(([\d.]+) MB")
 
 
@@ -673,7 +684,8 @@ def link_figures(
 
 def format_table(report: dict[str, Any]) -> str:
     head = ["donors", "size", "MB down", "download s", "Mbit/s", "of link", "target", "first contribution s"]
-    head += ["downloads", "replayed", "on step s", "caught up s", "x download (least)", "status", "s"]
+    head += ["downloads", "replayed", "on step s", "caught up s", "x download: on step, caught up (least)"]
+    head += ["status", "s"]
     lines = [head]
     for r in report["results"]:
         d = r.get("download") or {}
@@ -693,7 +705,8 @@ def format_table(report: dict[str, Any]) -> str:
                 str(r.get("replayed_steps", "-")),
                 f"{r['on_swarm_step_s']:.1f}" if r.get("on_swarm_step_s") is not None else "-",
                 f"{r['caught_up_s']:.1f}" if r.get("caught_up_s") is not None else "-",
-                (f"{r['caught_up_x']}" if r.get("caught_up_x") is not None else "-")
+                (f"{r['on_step_x']}, " if r.get("on_step_x") is not None else "-, ")
+                + (f"{r['caught_up_x']}" if r.get("caught_up_x") is not None else "-")
                 + (
                     f" (>= {r['replay_bound']['bound_x']})"
                     if (r.get("replay_bound") or {}).get("bound_x")

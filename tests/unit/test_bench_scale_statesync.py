@@ -26,6 +26,7 @@ from simulations.benchmarks.statesync import (
     failure_reason,
     first_contribution,
     host_port,
+    on_step_x,
     parse_events,
     replay_bound,
     round_samples,
@@ -280,3 +281,17 @@ def test_suite_rows_give_a_lower_bound_for_a_run_killed_for_memory_and_a_miss_fo
     failed, three = statesync_rows(tmp_path)
     assert failed["p2ptrain"] == "failed" and failed["met"] is False and "cut at 30 s" in failed["metric"]
     assert three["p2ptrain"] == "89%" and three["target"] == "-"
+
+
+def test_on_step_x_counts_from_the_first_catching_up_in_downloads_at_the_link_rate():
+    """A 400 MB state on 50 Mbit/s is 64 s at the link rate; catching up began at 1000 s and the joiner
+    first landed on the swarm's step at 1096 s: 1.5 downloads."""
+    events = parse_events(
+        [
+            log(990.0, "node Abc..def is up in run 'x'; others join with --join and the address above"),
+            log(1000.0, "catching up: 2 peer(s) are on step 3, this one on step 0"),
+            log(1064.0, "downloaded step 3's state (400.0 MB) from BBB..222"),
+        ]
+    )
+    assert on_step_x(events, 1096.0, 50.0, 400_000_000) == 1.5
+    assert on_step_x(events[:1], 1096.0, 50.0, 400_000_000) is None  # (it never caught up)
