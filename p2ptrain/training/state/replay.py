@@ -82,6 +82,7 @@ log = logging.getLogger("p2ptrain.training.state.replay")
 MAX_ASKED = 8  # peers asked what they hold, per catch-up
 DIGEST_TRIES = 10  # asks for the results this many times while the digests they lead to are unknown...
 DIGEST_WAIT = 1.0  # ...this many seconds apart
+HASH_INLINE = 1 << 20  # a result this small is hashed on the event loop, a larger one in a thread
 PIECE_LEAST = 4 << 20  # the smallest piece a holder hashes a result in (a smaller result is one piece)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -244,7 +245,7 @@ class ResultStore:
         if kept.pieces is None:
             piece = piece_bytes(kept.size, self.piece_least)
             data = await self._read(kept)
-            if kept.size < SPILL_BYTES:
+            if kept.size < HASH_INLINE:
                 hashes = hash_pieces(data, piece)
             else:
                 hashes = await trio.to_thread.run_sync(hash_pieces, data, piece)

@@ -144,6 +144,8 @@ async def fetch_pieces(
     hashes = checked_pieces(answer, entry.size)
     piece, size = answer.piece, entry.size
     out = Pieced(bytearray(size), ref_peer)
+    if not hashes:
+        return out  # (an empty result)
     waiting: deque[int] = deque(range(len(hashes)))
     fetching: dict[int, dict[PeerID, trio.CancelScope]] = {}
     since: dict[int, float] = {}  # when the holders fetching a piece now began it
