@@ -293,12 +293,13 @@ class Gatherer:
         got = 0
         try:
             with self.early_scopes[p], trio.fail_after(max(0.0, end - trio.current_time())):
+                # (backed up before the stream opens: its chunks then all land in place, see land_in)
+                if t.backup is not None and p not in t.saved and not await self._save(p):
+                    return  # no backup, no early averages: the gather fetches them after the decision
                 conn = await self.host.connect(self.addrs[p])
                 async with conn.open_stream(
                     FETCH_EARLY, FetchReq(m.digest, p), timeout=time_left(end)
                 ) as stream:
-                    if t.backup is not None and p not in t.saved and not await self._save(p):
-                        return  # no backup, no early averages: the gather fetches them after the decision
                     t.early_target(p)
                     if t.mode is Compression.NONE:  # decrypted straight into place: no copy
                         stream.land_in(target[a:b].numpy().data for a, b in spans)

@@ -53,6 +53,8 @@ class RpcStream:
         # receive side
         self._chunks: deque[memoryview] = deque()
         self._targets: deque[memoryview] = deque()  # where the next chunks are to land (land_in)
+        self._delivered = 0  # data chunks that arrived so far (land_in's targets count from the first)
+        self._targeted = 0  # targets land_in was given so far (the head of ``_targets``: chunk _delivered)
         self._arrived = trio.Event()
         self._eof = False
         self.buffered = 0
@@ -118,13 +120,19 @@ class RpcStream:
                 await self._send(Data(id=self.call_id, end=True), b"")
 
     def land_in(self, targets: Iterable[memoryview]) -> None:
-        """Have the next chunks, one per target and in order, decrypted straight into ``targets``
-        instead of fresh buffers: :meth:`receive_some` then returns the target itself, and the caller
-        saves a copy. A chunk of another size than its target arrives in a buffer of its own, as usual
-        (compare the returned view's address with the target's). What a target held is lost once its
-        chunk arrives, even if the chunk turns out forged (the connection then closes); call this
-        before the first chunk comes."""
-        self._targets.extend(memoryview(t).cast("B") for t in targets)
+        """Have the stream's chunks, one per target and in order from its first chunk, decrypted straight
+        into ``targets`` instead of fresh buffers: :meth:`receive_some` then returns the target itself,
+        and the caller saves a copy. A chunk of another size than its target, or one that arrived
+        before this call, is in a buffer of its own, as usual (compare the returned view's address with
+        the target's): the targets of chunks already in are skipped, so no later chunk lands in another
+        chunk's place. (They were not: a 25 MB partition's early averages, whose first chunks arrived
+        while the member backed its own values up in a thread, each landed one target early and
+        overwrote the chunk before, and the round committed misplaced chunks.) What a target held is
+        lost once its chunk arrives, even if the chunk turns out forged (the connection then closes)."""
+        for t in targets:
+            index, self._targeted = self._targeted, self._targeted + 1  # (the chunk it is for)
+            if index >= self._delivered:
+                self._targets.append(memoryview(t).cast("B"))
 
     async def receive_some(self) -> memoryview:
         """Return the next chunk, or an empty view once the other end sent EOF."""
@@ -179,6 +187,7 @@ class RpcStream:
         if len(body):
             if len(body) > self._received_window:
                 raise RemoteProtocolError(f"stream {self.call_id} sent beyond its credit window")
+            self._delivered += 1
             if self._targets:
                 self._targets.popleft()  # landed there, or (another size) in a buffer of its own
             self._received_window -= len(body)
