@@ -46,6 +46,7 @@ from .buffers import BufferPool
 from .compression import Compression, all_finite
 from .deciding import DecisionExchange
 from .gathering import Gatherer, time_left
+from .offload import run_pass
 from .protocol import LEFT_ROUND, PART, Decision, PartReq, SignedManifest
 from .reducer import PartitionReducer
 from .round_machine import GONE_AFTER, SCATTER, Deadlines, RoundMachine
@@ -53,6 +54,8 @@ from .round_tensors import RoundTensors
 from .serving import RoundServer
 from .signals import RoundSignals
 from .spill import Spilled, SpillFile
+
+FINALIZE_PASSES = 8  # passes over a partition finalizing it takes, about (the trust check's Gram matrix)
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +130,15 @@ class AllReduceRound:
         own_saved: Spilled | None = None,
         caps: dict[int, float] | None = None,
         history: ResultHistory | None = None,
+        own_scales: list[Scale] | None = None,
+        deferred: bool = False,
     ) -> None:
-        """``flat``, ``source``, ``backup``, ``own_saved``: see :class:`RoundTensors` (in place: ``flat``
-        is the caller's own tensor, which must not change before ``retired`` is set). ``caps``: the most
-        weight this member finds plausible per member (see ``agreement``). ``history``: this member's
-        accepted results, which bound results where it sends only zeros (see ``bounds``)."""
+        """``flat``, ``source``, ``backup``, ``own_saved``, ``own_scales``: see :class:`RoundTensors` (in
+        place: ``flat`` is the caller's own tensor, which must not change before ``retired`` is set).
+        ``caps``: the most weight this member finds plausible per member (see ``agreement``).
+        ``history``: this member's accepted results, which bound results where it sends only zeros (see
+        ``bounds``). ``deferred``: the caller calls :meth:`prepare` (in a worker thread, for a large
+        vector) before anything can reach the round."""
         m = signed.manifest
         self.host, self.signed, self.manifest, self.digest = host, signed, m, signed.digest
         self.peers = m.peers()
@@ -152,6 +159,7 @@ class AllReduceRound:
             own_saved=own_saved,
             history=history.get(m.schema) if history is not None else None,
             prior=history.prior(m.schema, flat.numel()) if history is not None else None,
+            own_scales=own_scales,
         )
         self.history = history
         self.signals = RoundSignals()
@@ -161,11 +169,18 @@ class AllReduceRound:
         # Pipelined rounds (plain means, not audited): each reducer serves its partition's mean chunk by
         # chunk while the scatter is still running, and members fetch it early.
         self.pipelined = m.aggregation == "mean" and not m.audit
-        if m.sizes[me] > 0:
-            self.tensors.reduce(me, weight, expect=self.pipelined)
+        self._weight = weight
+        if not deferred:
+            self.prepare()
         self.server = RoundServer(self.machine, self.tensors, self.signals, self.meter, self._point)
         self.gatherer = Gatherer(host, self.machine, self.tensors, self.signals, self.meter)
         self.decisions = DecisionExchange(host, self.machine, self.tensors, self.signals)
+
+    def prepare(self) -> None:
+        """This member's own slice into the partition it reduces (a pass over that partition; blocking).
+        Only before the round is served: nothing else touches its memory meanwhile."""
+        if self.manifest.sizes[self.me] > 0 and self.me not in self.tensors.reducers:
+            self.tensors.reduce(self.me, self._weight, expect=self.pipelined)
 
     # What the averager and a fault hook read:
 
@@ -285,7 +300,7 @@ class AllReduceRound:
             raise RoundAborted(outcome.reason)
         if not outcome.committed:
             raise RoundTimedOut(outcome.reason)
-        return self._commit(decision)
+        return await self._commit(decision)
 
     async def _send_slice(self, p: int, to: int, deadline: float | None = None) -> None:
         """Stream my slice of partition ``p`` to member ``to``."""
@@ -348,7 +363,16 @@ class AllReduceRound:
                 log.info("partition %d: not every contributor re-sent its slice in time", p)
                 return
             await self.signals.changed.wait_until(m.at.gather)
-        red.finalize(decision.contributors, decision.weights)
+        # A pass (or several: the trust check's Gram matrix) over the partition: in a worker thread when
+        # large (``offload``); meanwhile no slice is added to it and its memory is not given back.
+        red.finalizing = True
+        try:
+            with self.tensors.reading():
+                await run_pass(
+                    red.size, red.finalize, decision.contributors, decision.weights, passes=FINALIZE_PASSES
+                )
+        finally:
+            red.finalizing = False
         for sender, ratio in red.outliers:
             log.warning(
                 "round %s: the slice of partition %d from %s is an outlier (%s the median distance to "
@@ -363,9 +387,8 @@ class AllReduceRound:
         if self.tensors.audit:
             red.attestation = self._attest(p, red, decision)
         assert red.result is not None
-        if all_finite(red.result):
-            self.tensors.write_result(p, red.result, red.scales)
-        else:  # never applied here, whoever built it (the others check what we serve themselves)
+        if not await run_pass(red.result.numel(), self._keep_result, p, red, passes=4):
+            # never applied here, whoever built it (the others check what we serve themselves)
             log.warning("round %s: %s", self.digest.hex()[:8], m.spoilt(p, "it holds NaN or infinite values"))
         m.finalized(p)
         event.set()
@@ -383,14 +406,30 @@ class AllReduceRound:
         )
         return seal_attestation(self.host.identity, att)
 
-    def _commit(self, decision: Decision) -> RoundResult:
+    def _keep_result(self, p: int, red: PartitionReducer) -> bool:
+        """Partition ``p``'s result, reduced here, into the round's memory, if it is finite (a pass
+        over the partition: ``offload``)."""
+        assert red.result is not None
+        if not all_finite(red.result):
+            return False
+        self.tensors.write_result(p, red.result, red.scales)
+        return True
+
+    def _settle(self) -> list[torch.Tensor]:
+        """The round's result checked, remembered and written into the caller's tensors (passes over the
+        whole vector: ``offload``)."""
         m, t = self.machine, self.tensors
         if not all_finite(t.flat):  # (every partition passed its checks: a last guard, one pass)
             raise RoundAborted("the round's result holds NaN or infinite values: not applied")
         if self.history is not None and len(t.results) == len(m.partitions):
             self.history.record(self.manifest.schema, Scale.total(t.results.values()), t.whole)
             self.history.remember(self.manifest.schema, t.flat)
-        tensors = t.commit()
+        return t.commit()
+
+    async def _commit(self, decision: Decision) -> RoundResult:
+        m, t = self.machine, self.tensors
+        with trio.CancelScope(shield=True):  # (written into the caller's tensors: never half a commit)
+            tensors = await run_pass(t.flat.numel(), self._settle)
         names = [m.name(i) for i in range(m.n)]
         return RoundResult(
             round=self.digest,

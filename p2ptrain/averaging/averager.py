@@ -52,6 +52,7 @@ from .buffers import BufferPool
 from .compression import Compression, all_finite, parse_compression, roundtrip
 from .grouping import JOIN_GRACE, GroupForming
 from .matchmaking import Quorum
+from .offload import run_pass
 from .partition import offsets
 from .protocol import (
     FETCH,
@@ -76,6 +77,7 @@ from .protocol import (
     TensorSpec,
     seal_decision,
 )
+from .round_tensors import partition_scales
 from .settings import AveragerConfig, RoundPolicy
 from .spill import Spilled, SpillFile
 from .trust import UNSEEN, TrustLedger
@@ -105,11 +107,24 @@ def schema_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> tuple[torch.Tensor, torch.Tensor]:
+async def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(source, flat)``: the values to send as one float32 vector, and a buffer from ``pool`` for the
     averages. A single contiguous float32 CPU tensor is sent from where it lies (no copy); anything else
-    is copied into ``flat``, which then serves as both. ValueError on NaN or infinity."""
-    flat = pool.take(sum(t.numel() for t in tensors))
+    is copied into ``flat``, which then serves as both. ValueError on NaN or infinity. (A large copy and
+    check run in a worker thread: ``offload``.)"""
+    count = sum(t.numel() for t in tensors)
+    flat = pool.take(count)
+    try:
+        source = await run_pass(count, _fill, tensors, flat)
+    except BaseException:
+        pool.give(flat)
+        raise
+    return source, flat
+
+
+def _fill(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """The values of ``tensors`` as one float32 vector: the tensor itself where it can be sent from where
+    it lies, else copied into ``flat``; ValueError on NaN or infinity."""
     if len(tensors) == 1 and _sendable_in_place(tensors[0]):
         source = tensors[0].detach().view(-1)
     else:
@@ -119,9 +134,8 @@ def _flatten(tensors: Sequence[torch.Tensor], pool: BufferPool) -> tuple[torch.T
                 flat[off : off + t.numel()].copy_(t.detach().reshape(-1))  # converts dtype and device
                 off += t.numel()
     if not all_finite(source):
-        pool.give(flat)
         raise ValueError("tensors to average hold NaN or infinite values")
-    return source, flat
+    return source
 
 
 async def _compress(source: torch.Tensor, flat: torch.Tensor, mode: Compression) -> None:
@@ -195,6 +209,7 @@ class Averager:
         self._followed = policy is not None
         self._rounds: dict[bytes, AllReduceRound] = {}
         self.pool = BufferPool()  # flat copies and accumulators, reused across rounds
+        self._flattening = False  # an average() call is copying its tensors (see ``average``)
         self._round_started: dict[bytes, trio.Event] = {}
         # Rounds this member will not run -> when to forget them, and (if it coordinates them) its
         # signed abort decision, given to the members that ask for the decision.
@@ -285,12 +300,16 @@ class Averager:
             raise RuntimeError("start Averager.run in a nursery first")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be positive and finite")
-        if self.groups.busy:
+        if self.groups.busy or self._flattening:
             raise RuntimeError("an average() call is already in progress on this node")
         mode = parse_compression(compression) if compression else self.config.compression
         tensors = list(tensors)
         schema = schema_of(tensors)
-        source, flat = _flatten(tensors, self.pool)
+        self._flattening = True  # (a large flatten runs in a thread: no second call starts meanwhile)
+        try:
+            source, flat = await _flatten(tensors, self.pool)
+        finally:
+            self._flattening = False
         began = trio.current_time()
         try:
             sizes = (self.config.target_size, self.config.min_size)
@@ -421,7 +440,7 @@ class Averager:
         mode = m.settings.mode
         sparse_mode = mode if mode.sparse and ours else None  # (else _run_round says why not)
         if not in_place:
-            source, flat = _flatten(tensors, self.pool)
+            source, flat = await _flatten(tensors, self.pool)
             if sparse_mode is not None:
                 await _compress(source, flat, sparse_mode)
                 source = flat
@@ -429,7 +448,7 @@ class Averager:
         if len(tensors) != 1 or not _sendable_in_place(tensors[0]):
             raise ValueError("an in-place round takes one contiguous float32 CPU tensor")
         flat = tensors[0].detach().view(-1)
-        if not all_finite(flat):
+        if not await run_pass(flat.numel(), all_finite, flat):
             raise ValueError("tensors to average hold NaN or infinite values")
         if sparse_mode is not None:
             await _compress(flat, flat, sparse_mode)
@@ -510,6 +529,8 @@ class Averager:
             if backup is None:  # (in place, ``flat`` is the caller's)
                 self.pool.give(flat)
             raise problem
+        # (measured off the event loop when large; calls for the round wait for it meanwhile)
+        scales = await run_pass(source.numel(), partition_scales, source, m.sizes)
         rnd = AllReduceRound(
             self.host,
             signed,
@@ -523,7 +544,10 @@ class Averager:
             own_saved=own_saved,
             caps=self._caps(m.peers()),
             history=self.history,
+            own_scales=scales,
+            deferred=True,
         )
+        await run_pass(m.sizes[rnd.me], rnd.prepare, passes=3)  # (not served before: the round is not known)
         self._start_round(rnd)
         try:
             result = await rnd.run()

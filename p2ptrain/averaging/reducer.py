@@ -101,6 +101,8 @@ class PartitionReducer:
         self._kept: dict[int, list[torch.Tensor | memoryview | Spilled | _Local]] = {}
         self._spill = SpillFile() if (size * 4 >= SPILL_BYTES if spill is None else spill) else None
         self.result: torch.Tensor | None = None
+        # ``finalize`` runs (in a worker thread for a large partition): nothing is added meanwhile
+        self.finalizing = False
         self.encoded: list[bytes | memoryview] | None = None
         self.commits: dict[int, bytes] = {}  # audited rounds: sender -> its signed commitment
         self.attestation = b""  # audited rounds: this reducer's signed attestation of its result

@@ -21,7 +21,7 @@ from it (:meth:`RoundTensors.reading`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -50,6 +50,12 @@ from .reducer import PartitionReducer
 from .spill import Spilled, SpillFile
 
 
+def partition_scales(source: torch.Tensor, sizes: Sequence[int]) -> list[Scale]:
+    """The scale of each partition of ``source`` (partitions of ``sizes`` values, in order)."""
+    at = offsets(list(sizes))
+    return [Scale.of(source[at[p] : at[p + 1]]) for p in range(len(sizes))]
+
+
 class RoundTensors:
     """The round's memory and the partitions reduced here (no I/O: the driver reads and writes it)."""
 
@@ -69,13 +75,15 @@ class RoundTensors:
         own_saved: Spilled | None = None,
         history: Scale | None = None,
         prior: torch.Tensor | None = None,
+        own_scales: list[Scale] | None = None,
     ) -> None:
         """``flat`` receives the averaged values (and holds this member's own values too unless
         ``source``, a flat float32 view of them, is given: then nothing of ``source`` is written).
         ``own_saved``: in place, this member's values of its own partition, already in ``backup``: the
         partition is then reduced right where its mean goes, in ``flat``. ``history``: the scale of this
         member's last accepted result of these tensors (bounds results where it sends only zeros);
-        ``prior``: its values (the slices reduced here must carry work beyond them, see ``trust``)."""
+        ``prior``: its values (the slices reduced here must carry work beyond them, see ``trust``);
+        ``own_scales``: :func:`partition_scales` of ``source``, if measured already."""
         self.identity, self.digest, self.me, self.weight = identity, digest, me, weight
         self.mode = manifest.settings.mode
         self.aggregation = manifest.settings.aggregation
@@ -99,10 +107,11 @@ class RoundTensors:
         self._readers = 0  # handlers sending from ``flat`` or an accumulator right now
         self._retired = False
         self.released = False
-        # Measured before anything is reduced or lands: nothing has written into ``source`` yet.
-        self.own_scales = [
-            Scale.of(self.source[self.offsets[p] : self.offsets[p + 1]]) for p in range(self.n)
-        ]
+        # Measured before anything is reduced or lands: nothing has written into ``source`` yet (the
+        # caller may have measured them already, off the event loop: ``partition_scales``).
+        self.own_scales = own_scales if own_scales is not None else partition_scales(self.source, self.sizes)
+        if len(self.own_scales) != self.n:
+            raise ValueError(f"{len(self.own_scales)} scales for {self.n} partitions")
         self.whole = Scale.total(self.own_scales)
         self.history = history
         self.prior = prior  # this member's last accepted result of these tensors (see ``trust.useful``)

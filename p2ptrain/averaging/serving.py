@@ -81,6 +81,8 @@ class RoundServer:
         red = self.t.reducers.get(p)
         if red is None or sender in red.touched or sender == m.me:
             return Ack(False, "duplicate or unexpected slice")
+        if red.result is not None or red.finalizing:
+            return Ack(False, "too late: the partition is reduced")
         late = "too late: this reducer already reported"
         try:
             try:  # what it signed of its slice: the slice must stay within it (and members bound by it)
@@ -99,7 +101,7 @@ class RoundServer:
                 data = await stream.receive_some()
                 if p == m.me and not m.scatter_open:
                     return Ack(False, late)
-                if red.result is not None:
+                if red.result is not None or red.finalizing:  # (finalize may run in a thread)
                     return Ack(False, "too late: the partition is reduced")
                 try:
                     if red.add_chunk(sender, index, data, req.weight):
