@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import trio
 
 SPILL_BYTES = 8 * 1024 * 1024
+CLOSE_IN_THREAD = 64 * 1024 * 1024  # a spill file this large is closed in a thread (see SpillFile.close)
 """Partitions of at least this many bytes keep what they receive in a spill file; smaller ones in memory."""
 
 
@@ -70,10 +72,15 @@ class SpillFile:
         self.close()
 
     def close(self) -> None:
+        """Close (and so free) the file. A large one is closed in a thread of its own: the kernel frees
+        its pages as it closes, which for a model-sized file held the event loop for 0.1 s per 800 MB."""
         self.closed = True
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            if self.size >= CLOSE_IN_THREAD:
+                threading.Thread(target=os.close, args=(fd,), name="spill-close", daemon=True).start()
+            else:
+                os.close(fd)
 
 
 def read_exact(fd: int, offset: int, length: int, what: str) -> bytearray:
