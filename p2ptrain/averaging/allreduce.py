@@ -170,6 +170,9 @@ class AllReduceRound:
         # chunk while the scatter is still running, and members fetch it early.
         self.pipelined = m.aggregation == "mean" and not m.audit
         self._weight = weight
+        # Set once this member's tensors hold the round's result: a deadline that passes after that is
+        # no timeout (the caller's tensors changed; an abort must leave them untouched).
+        self.committed: RoundResult | None = None
         if not deferred:
             self.prepare()
         self.server = RoundServer(self.machine, self.tensors, self.signals, self.meter, self._point)
@@ -244,6 +247,8 @@ class AllReduceRound:
         try:
             with trio.move_on_at(self.end):
                 return await self._run()
+            if self.committed is not None:  # (the deadline passed just after the commit wrote the tensors)
+                return self.committed
             raise RoundTimedOut(f"this member did not finish the round in its {self.manifest.timeout:g} s")
         finally:
             if self.machine.finish():
@@ -428,10 +433,12 @@ class AllReduceRound:
 
     async def _commit(self, decision: Decision) -> RoundResult:
         m, t = self.machine, self.tensors
-        with trio.CancelScope(shield=True):  # (written into the caller's tensors: never half a commit)
+        # Written into the caller's tensors: never half a commit (shielded), and the round's memory is not
+        # given back meanwhile (a deadline that passes retires the round).
+        with trio.CancelScope(shield=True), t.reading():
             tensors = await run_pass(t.flat.numel(), self._settle)
         names = [m.name(i) for i in range(m.n)]
-        return RoundResult(
+        self.committed = RoundResult(
             round=self.digest,
             tensors=tensors,
             contributors=[self.peers[i] for i in decision.contributors],
@@ -447,6 +454,7 @@ class AllReduceRound:
             rates=self.meter.rates,
             retired=self.signals.retired,
         )
+        return self.committed
 
     def _verified(self, decision: Decision) -> list[PeerID]:
         """The other contributors every partition reduced here judged useful (see ``reducer``)."""
