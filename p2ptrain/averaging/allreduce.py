@@ -392,7 +392,9 @@ class AllReduceRound:
         if self.tensors.audit:
             red.attestation = self._attest(p, red, decision)
         assert red.result is not None
-        if not await run_pass(red.result.numel(), self._keep_result, p, red, passes=4):
+        with self.tensors.reading():  # (its memory is not given back meanwhile)
+            kept = await run_pass(red.result.numel(), self._keep_result, p, red, passes=4)
+        if not kept:
             # never applied here, whoever built it (the others check what we serve themselves)
             log.warning("round %s: %s", self.digest.hex()[:8], m.spoilt(p, "it holds NaN or infinite values"))
         m.finalized(p)
