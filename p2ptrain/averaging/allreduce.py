@@ -370,30 +370,36 @@ class AllReduceRound:
             await self.signals.changed.wait_until(m.at.gather)
         # A pass (or several: the trust check's Gram matrix) over the partition: in a worker thread when
         # large (``offload``); meanwhile no slice is added to it and its memory is not given back.
+        # Passes over the partition (finalize: several, with the trust check's Gram matrix), in a worker
+        # thread when large (``offload``); meanwhile no slice is added to it, it is not dropped, and the
+        # round's memory is not given back. A round retired meanwhile (its deadline passed) ends here.
         red.finalizing = True
         try:
             with self.tensors.reading():
                 await run_pass(
                     red.size, red.finalize, decision.contributors, decision.weights, passes=FINALIZE_PASSES
                 )
+                for sender, ratio in red.outliers:
+                    log.warning(
+                        "round %s: the slice of partition %d from %s is an outlier (%s the median distance"
+                        " to the %s result): its influence was bounded",
+                        self.digest.hex()[:8],
+                        p,
+                        m.name(sender),
+                        "NaN times" if math.isnan(ratio) else f"{ratio:.0f}x",
+                        red.aggregation,
+                    )
+                await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
+                if self.signals.retired.is_set():
+                    return
+                if self.tensors.audit:
+                    red.attestation = self._attest(p, red, decision)
+                assert red.result is not None
+                kept = await run_pass(red.result.numel(), self._keep_result, p, red, passes=4)
         finally:
             red.finalizing = False
-        for sender, ratio in red.outliers:
-            log.warning(
-                "round %s: the slice of partition %d from %s is an outlier (%s the median distance to "
-                "the %s result): its influence was bounded",
-                self.digest.hex()[:8],
-                p,
-                m.name(sender),
-                "NaN times" if math.isnan(ratio) else f"{ratio:.0f}x",
-                red.aggregation,
-            )
-        await self._point("after_reduce")  # (a test's fault hook may tamper with the result here)
-        if self.tensors.audit:
-            red.attestation = self._attest(p, red, decision)
-        assert red.result is not None
-        with self.tensors.reading():  # (its memory is not given back meanwhile)
-            kept = await run_pass(red.result.numel(), self._keep_result, p, red, passes=4)
+        if self.signals.retired.is_set():
+            return
         if not kept:
             # never applied here, whoever built it (the others check what we serve themselves)
             log.warning("round %s: %s", self.digest.hex()[:8], m.spoilt(p, "it holds NaN or infinite values"))

@@ -307,7 +307,8 @@ class RoundTensors:
     def retire(self) -> None:
         """No new reader from now on; the memory is given back once the last stream ends."""
         for red in self.reducers.values():
-            red.drop()
+            if not red.finalizing:  # (one finalizing in a worker thread is let go of once it is done)
+                red.drop()
         self._retired = True
         self._release()
 
@@ -324,6 +325,8 @@ class RoundTensors:
         if self.backup is not None:  # (after the above: what was reduced in place depends on it)
             self.backup.close()
             self.saved.clear()
+        for red in self.reducers.values():  # (one that was finalizing when the round retired, too)
+            red.drop()
         # Whatever still refers to this round (a late call's context, a log record) must not keep the
         # caller's tensors or the buffers alive: they are model-sized.
         self.flat = self.source = torch.empty(0)
