@@ -135,13 +135,9 @@ class RpcStream:
                 self._targets.append(memoryview(t).cast("B"))
 
     async def receive_some(self) -> memoryview:
-        """Return the next chunk, or an empty view once the other end sent EOF. A checkpoint even when a
-        chunk is in already: a reader working through a backlog of chunks lets other tasks run between
-        them (it held the event loop for several chunks' work in one step)."""
+        """Return the next chunk, or an empty view once the other end sent EOF."""
         if not self._window_open:
             await self._open_window()
-        if self._chunks:
-            await trio.lowlevel.checkpoint()
         while not self._chunks:
             self._raise_if_failed()
             if self._eof:

@@ -38,8 +38,8 @@ def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_HEADER_BYTES) -> An
             ext_hook=_no_ext,
             max_str_len=max_bytes,
             max_bin_len=max_bytes,
-            max_array_len=max_bytes // 2 + 1,
-            max_map_len=max_bytes // 4 + 1,
+            max_array_len=max_bytes,  # (an element takes a byte at least: a small int, a bool, "")
+            max_map_len=max_bytes // 2,  # (an entry, two)
             max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.UnpackException) as e:
