@@ -120,3 +120,26 @@ def test_a_large_result_waits_in_a_spill_file_and_goes_with_its_eviction() -> No
     assert store.scale() == Scale.of(big)
     store.keep(1, range(0, 1), [torch.ones(2)], [])
     assert kept.data.file.closed  # evicted: its file is gone
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_range_of_a_spilled_result_reads_that_range_only(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder serves a result piece by piece (``train.result_data`` with a byte range): each request
+    reads its range from the spill file, not the whole result (at 256 pieces of a 2 GB result, the whole
+    read per piece was 512 GB of copies)."""
+    rng = random.Random(seed)
+    store = ResultStore(None, 1, lambda e: A if e == 0 else B)
+    big = torch.randn(3 << 20)  # 12 MiB: over SPILL_BYTES
+    store.keep(0, range(0, 1), [big], [])
+    kept = store.get(0)
+    assert kept is not None and isinstance(kept.data, Spilled)
+    reads: list[int] = []
+    real = type(kept.data.file).read
+    monkeypatch.setattr(type(kept.data.file), "read", lambda f, at, n: reads.append(n) or real(f, at, n))
+    start = rng.randrange(kept.size)
+    stop = rng.randrange(start, kept.size + 1)
+    got = kept.read(start, stop)
+    assert bytes(got) == big.numpy().tobytes()[start:stop]
+    assert reads == [stop - start]

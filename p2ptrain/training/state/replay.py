@@ -129,8 +129,12 @@ class Kept:
             raise ValueError(f"a {self.kind} result is packed: unpack it (result_codec.unpack)")
         return DTYPES[self.kind]
 
-    def read(self) -> bytes:
-        return self.data if isinstance(self.data, bytes) else bytes(self.data.read())
+    def read(self, start: int = 0, stop: int | None = None) -> memoryview:
+        """Bytes ``start .. stop`` of it (all by default); from a spill file, only those are read."""
+        stop = self.size if stop is None else stop
+        if isinstance(self.data, bytes):
+            return memoryview(self.data)[start:stop]
+        return memoryview(self.data.file.read(self.data.offset + start, stop - start))
 
     def close(self) -> None:
         if isinstance(self.data, Spilled):
@@ -234,11 +238,13 @@ class ResultStore:
             raise CallRefused("moved_on", f"this peer holds no result of step {req.epoch} with that digest")
         return kept
 
-    async def _read(self, kept: Kept) -> memoryview:
-        if kept.size < SPILL_BYTES:
-            return memoryview(kept.read())
-        # a disk read of a large result may take a while: not on the event loop
-        return memoryview(await trio.to_thread.run_sync(kept.read))
+    async def _read(self, kept: Kept, start: int = 0, stop: int | None = None) -> memoryview:
+        """Bytes ``start .. stop`` of ``kept`` (a range request reads its range only, not the result)."""
+        stop = kept.size if stop is None else stop
+        if isinstance(kept.data, bytes) or stop - start < SPILL_BYTES:
+            return kept.read(start, stop)
+        # a disk read of a large range may take a while: not on the event loop
+        return await trio.to_thread.run_sync(kept.read, start, stop)
 
     async def _on_pieces(self, ctx: CallContext, req: ResultReq) -> ResultPieces:
         kept = self._held(req)
@@ -257,7 +263,7 @@ class ResultStore:
         stop = kept.size if req.length == 0 else req.offset + req.length
         if not req.offset <= stop <= kept.size:
             raise CallRefused("bad_range", f"its result of step {req.epoch} has {kept.size} bytes")
-        data = (await self._read(kept))[req.offset : stop]
+        data = await self._read(kept, req.offset, stop)
         for at in range(0, len(data), RECORD):
             await stream.send(data[at : at + RECORD], background=True)  # (control messages go first)
             self.served_bytes += min(RECORD, len(data) - at)
