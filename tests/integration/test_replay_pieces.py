@@ -22,6 +22,7 @@ import trio
 
 from p2ptrain.identity import PeerID
 from p2ptrain.net.memory import LinkProfile
+from p2ptrain.training.state import result_pieces
 from p2ptrain.training.state.protocol import ResultPieces, hash_pieces
 from p2ptrain.training.state.replay import Kept, Replay
 from tests.harness.training import Peer, swarm
@@ -228,3 +229,35 @@ async def test_a_holder_that_comes_to_hold_the_result_meanwhile_sends_pieces_too
         assert await peer.opt._land_download()
         assert peer.opt.epoch == want and peer.opt.digest == trusted[want] and shared.downloads == 0
         assert all(d.opt.shared.results.served_bytes > 0 for d in late)  # they joined in
+
+
+async def test_a_result_is_fetched_from_no_more_than_max_holders(autojump_clock: object) -> None:
+    """Ids are free: however many holders come to hold a result while it is fetched, at most
+    ``MAX_HOLDERS`` serve it (each that lies costs a piece before it is dropped)."""
+    async with swarm(config("sync"), model=wide_model) as s:
+        donors, peer, trusted = await lineage(s, donors=result_pieces.MAX_HOLDERS + 4, together=1, apart=0)
+        for d in donors:
+            s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=20_000.0), both_ways=False)
+        first, *late = donors
+        step_alone(first, 1)
+        want = first.opt.epoch
+        trusted[want] = first.opt.digest
+        split_small([first], 64)
+        shared = peer.opt.shared
+        shared.start_download(
+            behind_view(peer, [first], want),
+            lambda e: trusted.get(e, b""),
+            lambda e: records([d for d in donors if d.opt.epoch >= e]),
+        )
+        flight = shared.download
+        assert flight is not None and flight.replaying
+        await trio.sleep(1.0)
+        for d in late:  # all of them come to hold it while it is fetched
+            step_alone(d, 1)
+        split_small(late, 64)
+        with trio.fail_after(600):
+            await flight.done.wait()
+        assert await peer.opt._land_download()
+        assert peer.opt.digest == trusted[want]
+        served = [d for d in donors if d.opt.shared.results.served_bytes > 0]
+        assert 2 <= len(served) <= result_pieces.MAX_HOLDERS

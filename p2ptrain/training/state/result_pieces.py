@@ -18,7 +18,8 @@ exactly the holders whose pieces contradicted it (their bytes differed from byte
 
 Nothing is believed because several ids say it: the reference is one holder, chosen in turn; a holder
 whose own pieces contradict its own hashes is blamed at once (it said both); a piece that fails its
-check is fetched again from another holder, and its sender sends nothing more for this result.
+check is fetched again from another holder, and its sender sends nothing more for this result. At most
+``MAX_HOLDERS`` holders serve one result, so a hundred ids that lie cost it no more than eight.
 
 Pieces are handed out from a queue, so a holder with a faster uplink sends more of them; once the queue
 is empty an idle holder fetches a piece another is still sending once that piece has taken twice the
@@ -55,6 +56,9 @@ log = logging.getLogger("p2ptrain.training.state.result_pieces")
 
 HASH_IN_THREAD = 1 << 20  # a piece this large is hashed in a worker thread
 MAX_FETCHERS = 2  # holders fetching one piece at once (the second only once no piece waits...)
+# Holders one result is fetched from, at most: ids are free, and each holder that lies costs a piece
+# before it is dropped, so the waste of one fetch is bounded whatever the number of ids that hold it.
+MAX_HOLDERS = 8
 RECRUIT_EVERY = 2.0  # seconds between two looks for more holders of a result being fetched
 HEDGE_AFTER = 2.0  # ... and the piece has taken this many times the median piece so far)
 
@@ -152,7 +156,7 @@ async def fetch_pieces(
     took: list[float] = []  # seconds each piece took, so far
     done: set[int] = set()
     changed = trio.Event()
-    sources = [reference, *[(p, c) for p, c in others if p != ref_peer]]
+    sources = [reference, *[(p, c) for p, c in others if p != ref_peer]][:MAX_HOLDERS]
 
     def wake() -> None:
         nonlocal changed
@@ -250,8 +254,9 @@ async def fetch_pieces(
         # later): a prefetch begun as the first holder's record came in had that one holder alone
         while more is not None:
             await trio.sleep(RECRUIT_EVERY)
-            for peer, conn in await more(started):
-                start(peer, conn)
+            if len(started) < MAX_HOLDERS:
+                for peer, conn in (await more(started))[: MAX_HOLDERS - len(started)]:
+                    start(peer, conn)
             if not alive:  # every holder gave up, and none came
                 nursery.cancel_scope.cancel()
 
