@@ -171,8 +171,7 @@ class SiteWorkers:
     def backward(
         self, model: torch.nn.Module, compute: Callable[[Any], float], batch: Any
     ) -> tuple[float, int]:
-        self.site.busy()
-        self.site.commands.send(Command(Op.TRAIN, self.inner_steps()))
+        self.site.start_batch(self.inner_steps())  # (waits for a hash of the state in progress)
         loss = compute(batch)
         return loss, self.task.samples(batch) * self.site.world  # (every rank's batch has its size)
 
@@ -181,7 +180,8 @@ class SiteWorkers:
         if generation > 1:  # (a restarted group's ranks do not draw their predecessors' batches again)
             h = hashlib.blake2b(f"{data_seed}/{generation}".encode(), digest_size=8)
             data_seed = int.from_bytes(h.digest(), "little") & (2**62 - 1)
-        self.site.commands.send(Command(Op.SEED, (data_seed >> 31) & (2**31 - 1), data_seed & (2**31 - 1)))
+        with self.site.section():
+            self.site.send(Command(Op.SEED, (data_seed >> 31) & (2**31 - 1), data_seed & (2**31 - 1)))
         return True
 
     def status(self) -> dict[str, Any]:
@@ -308,9 +308,9 @@ class SiteTrainer(Trainer):
             )
 
     def evaluate(self) -> float:
-        self.site.busy()
-        self.site.commands.send(Command(Op.EVAL))
-        return evaluate(self.model, self.task, self.config, str(self.device))
+        with self.site.section():  # (in a worker thread: after a hash of the state in progress)
+            self.site.send(Command(Op.EVAL))
+            return evaluate(self.model, self.task, self.config, str(self.device))
 
     def save_checkpoint(self) -> None:
         folder = self.site_checkpoints
@@ -322,9 +322,11 @@ class SiteTrainer(Trainer):
         step = self.opt.epoch
         if (folder / f"step-{step}" / checkpoint.MARK).is_file():
             return  # (this step's is written: the last one at a stop, say)
-        self.site.busy()
-        self.site.commands.send(Command(Op.SAVE, step))
-        where = checkpoint.save(folder, step, self.model, self.optimizer, self.site.outer, self.site.layout)
+        with self.site.section():
+            self.site.send(Command(Op.SAVE, step))
+            where = checkpoint.save(
+                folder, step, self.model, self.optimizer, self.site.outer, self.site.layout
+            )
         log.info("checkpoint of step %d written to %s (every rank its shards)", step, where)
         keep = self.config.checkpoint.keep
         whole = sorted(
@@ -342,9 +344,9 @@ class SiteTrainer(Trainer):
             log.info("no site checkpoint to resume from%s", f" in {folder}" if folder else "")
             return False
         step, where = found
-        self.site.busy()
-        self.site.commands.send(Command(Op.LOAD, step))
-        checkpoint.load(where, self.model, self.optimizer, self.site.outer, self.site.layout)
+        with self.site.section():
+            self.site.send(Command(Op.LOAD, step))
+            checkpoint.load(where, self.model, self.optimizer, self.site.outer, self.site.layout)
         self.opt.tally.epoch = step
         self.opt.contribution.fit(step)
         self.opt.state_changed()

@@ -32,13 +32,17 @@ results (a site that is behind downloads the whole state, and carries no local p
 checkpoint through the node's checkpoint files (``site.checkpoint`` is the per-rank format).
 
 State sync and the site's collectives. The ranks enter collectives in the order rank 0's commands name
-them; TRAIN's (a batch's all-gathers and reduce-scatters, the clip's norm) run between TRAIN and the
-inner step inside ``CollaborativeOptimizer.step``, and an evaluation or a checkpoint runs in a worker
-thread. So rank 0 sends HASH, PLACE and ADOPT only while the ranks are idle: :meth:`SiteRank.busy` marks
-them busy before each TRAIN, EVAL, SAVE and LOAD, and ``SiteState.land_download`` (called after the
-inner step) marks them idle; a chunk that arrives meanwhile waits (``SiteSink.place``). A site that is
-behind waits for its download between two batches (no local progress to carry), so its chunks are
-placed as they arrive.
+them, one command at a time; so on rank 0 every collective of the site's group is issued by one owner
+at a time, in the order the commands were sent (``turn``). TRAIN's collectives (a batch's all-gathers
+and reduce-scatters in a worker thread, the clip's norm in the inner step inside
+``CollaborativeOptimizer.step``) are one turn of the training loop, from :meth:`SiteRank.start_batch`
+to :meth:`SiteRank.end_batch` (``SiteState.land_download``, after the inner step); an evaluation, a
+checkpoint and each outer step's command are turns of its own. A downloaded chunk (PLACE) waits for
+its turn (``SiteSink.place``), and so does the state's hash (HASH, after every change), which then
+assembles every chunk in a worker thread while the event loop keeps serving: a batch, an evaluation or
+an ADOPT requested meanwhile waits for the hash to end, and the state is held
+(``SharedState.holds``) so that no round lands on it meanwhile. A site that is behind waits for its
+download between two batches (no local progress to carry), so its chunks are placed as they arrive.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from ..optimizer.local_steps import inner_lr
 from ..optimizer.outer import OuterStep
 from ..optimizer.progress import PeerProgress, SwarmView
 from ..optimizer.shared_state import RETRY_SYNC, Download, SharedState
-from ..state import capture, chunks
+from ..state import capture, chunks, serve
 from ..state.chunks import Layout
 from ..state.codec import TIED_KEY
 from ..state.download import Downloaded, Sink
@@ -74,6 +78,7 @@ from .layout import WireLayout
 from .outer import ShardedOuter, local_of
 from .pieces import PieceChannel
 from .state import ShardedState
+from .turn import Owner, Turn
 from .wire import WireBuffer
 
 log = logging.getLogger(__name__)
@@ -127,7 +132,8 @@ class SiteRank:
         self.inner_steps = 0
         self.group = group
         self._staging: ShardedState | None = None  # a download's verified chunks, until adopted
-        self.on_busy: Callable[[], None] | None = None  # rank 0: the ranks start collectives of their own
+        self.turn = Turn()  # rank 0: who enters the site's collectives now (see ``turn``)
+        self._batch = False  # rank 0: the training loop holds a batch's turn (TRAIN to the inner step)
 
     # ---- the site's state in the swarm's format (state sync) ----
 
@@ -200,20 +206,33 @@ class SiteRank:
                 local_of(e).zero_()
         self._staging = None
 
-    def busy(self) -> None:
-        """Rank 0: the ranks are about to run collectives of their own (a batch, an evaluation, a
-        checkpoint); state sync sends no command until rank 0's loop is between two batches again."""
-        if self.on_busy is None:
-            return
-        try:
-            trio.lowlevel.current_task()
-        except RuntimeError:
-            try:
-                trio.from_thread.run_sync(self.on_busy)
-            except RuntimeError:  # (no event loop at all: nothing else sends commands)
-                self.on_busy()
-            return
-        self.on_busy()
+    # ---- rank 0: turns ----
+
+    def send(self, cmd: Command) -> None:
+        """Rank 0: send ``cmd`` to the other ranks, in a turn (whose holder then runs rank 0's part)."""
+        if self.turn.owner is None:
+            raise RuntimeError(f"{cmd.op.name} sent outside a turn: the ranks could see it interleaved")
+        self.commands.send(cmd)
+
+    def section(self) -> contextlib.AbstractContextManager[None]:
+        """``with site.section():`` one of the training loop's turns (an evaluation, a checkpoint, the
+        outer step's commands): from a worker thread it waits for the turn (a hash in progress), on the
+        event loop it cannot (see ``Turn.take``)."""
+        return self.turn.held(Owner.TRAINING)
+
+    def start_batch(self, step: int) -> None:
+        """Rank 0: a batch's turn (every rank computes its own, then takes inner step ``step``): TRAIN,
+        held until :meth:`end_batch`, since the inner step's clip is a collective of the site too."""
+        if not self._batch:
+            self.turn.take(Owner.TRAINING)
+            self._batch = True
+        self.send(Command(Op.TRAIN, step))
+
+    def end_batch(self) -> None:
+        """Rank 0, between two batches (after the inner step): the batch's turn ends."""
+        if self._batch:
+            self._batch = False
+            self.turn.give_back(Owner.TRAINING)
 
     # ---- every rank ----
 
@@ -262,14 +281,15 @@ class SiteRank:
 
     def train(self, compute: Callable[[], object], step: int) -> None:
         """Rank 0: the site's batch (every rank computes its own) before ``CollaborativeOptimizer.step``
-        takes inner step ``step`` on rank 0's shards (``opt.inner_steps``)."""
-        self.busy()
-        self.commands.send(Command(Op.TRAIN, step))
+        takes inner step ``step`` on rank 0's shards (``opt.inner_steps``); in a worker thread it waits
+        for a hash in progress (see :meth:`start_batch`)."""
+        self.start_batch(step)
         compute()
 
     def stop(self) -> None:
         """Rank 0: the other ranks end :meth:`follow`."""
-        self.commands.send(Command(Op.STOP))
+        with self.section():
+            self.send(Command(Op.STOP))
 
     def parts(self) -> Parts:
         """Rank 0: what ``CollaborativeOptimizer(parts=...)`` builds its model-sized state from."""
@@ -333,7 +353,7 @@ class SiteOuter(OuterStep):
 
     def _send(self, op: Op, c: int = 0) -> range:
         slots = self.contribution.slots
-        self.site.commands.send(Command(op, slots.start, slots.stop, c))
+        self.site.send(Command(op, slots.start, slots.stop, c))
         return slots
 
     def pseudo_gradients(self) -> None:
@@ -347,9 +367,10 @@ class SiteOuter(OuterStep):
         """Collective: the pseudo-gradient, top-k's error feedback folded in, into the wire buffer."""
         if buffer is not self.contribution.buffer:
             raise RuntimeError("a site folds the buffer its pseudo-gradients went into")
-        slots = self._send(Op.CONTRIBUTE)
         wire = self._wire()
-        self.site.outer.contribute(slots, wire)
+        async with self.site.turn.taken(Owner.TRAINING):  # (after a hash in progress)
+            slots = self._send(Op.CONTRIBUTE)
+            self.site.outer.contribute(slots, wire)
         self._handed = False
         self._round.close()
         self._round.enter_context(wire.keep_released())  # (the round touches every page of it)
@@ -359,13 +380,15 @@ class SiteOuter(OuterStep):
         """An aborted round: every rank's residual goes back (a committed one lands in :meth:`step`)."""
         self._round.close()
         if not committed:
-            slots = self._send(Op.LAND, 0)
-            self.site.outer.land(slots, self._wire(), committed=False)
+            with self.site.section():
+                slots = self._send(Op.LAND, 0)
+                self.site.outer.land(slots, self._wire(), committed=False)
 
     def flush_feedback(self) -> None:
         """A step alone: the pseudo-gradient with all of the residual, uncompressed."""
-        slots = self._send(Op.ALONE)
-        self.site.outer.contribute(slots, self._wire(), alone=True)
+        with self.site.section():
+            slots = self._send(Op.ALONE)
+            self.site.outer.contribute(slots, self._wire(), alone=True)
         self._handed = False
 
     def step(
@@ -379,8 +402,9 @@ class SiteOuter(OuterStep):
         self._round.close()
         if self._handed:  # (a step alone with nothing flushed: no top-k, so no residual)
             self.flush_feedback()
-        slots = self._send(Op.LAND, 1)
-        self.site.outer.land(slots, self._wire(), committed=True)
+        with self.site.section():  # (its callers wait for a hash in progress: ``SharedState.unheld``)
+            slots = self._send(Op.LAND, 1)
+            self.site.outer.land(slots, self._wire(), committed=True)
 
     def reset_local(self, i: int) -> None:
         """(Done by :meth:`step` on every rank.)"""
@@ -394,7 +418,7 @@ class SiteOuter(OuterStep):
 
 class SiteSink(Sink):
     """A download's verified chunks go straight into the ranks' staging shards (``ShardedState.place``),
-    once the ranks are between two batches (the site's collectives are entered in one order)."""
+    each in a turn of its own (between the training loop's turns and the state's hashes)."""
 
     def __init__(self, state: SiteState) -> None:
         self.state = state
@@ -410,10 +434,10 @@ class SiteSink(Sink):
         return []
 
     async def place(self, layout: Layout, tensors: list[torch.Tensor], i: int, data: memoryview) -> None:
-        await self.state.ranks_idle()
         site = self.state.site
-        site.commands.send(Command(Op.PLACE, i))
-        site.staging().place(i, data)
+        async with site.turn.taken(Owner.DOWNLOAD):
+            site.send(Command(Op.PLACE, i))
+            site.staging().place(i, data)
 
     def finish(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {}  # (the state is in the ranks' staging shards: ``SiteState.land_download`` adopts it)
@@ -424,18 +448,24 @@ class SiteState(SharedState):
     ranks' shards (``ShardedState``: the root an unsharded peer with this state publishes), and a
     download placed chunk by chunk into the ranks' staging shards, adopted between two batches. Rank 0
     holds one chunk at a time; the snapshot served to joiners is a file. No replay of missed steps'
-    results (a site that is behind downloads the state) and no local progress carried over a download."""
+    results (a site that is behind downloads the state) and no local progress carried over a download.
+
+    The hash after a change waits for its turn (``Turn``: after the batch, the evaluation or the chunk
+    in progress) and keeps it for the whole assembly, in a worker thread for a large state, holding the
+    state meanwhile (``read_in_thread``). So the other ranks see HASH's collectives whole, and nothing
+    changes the state under them: what changes it is a command, which needs the turn (ADOPT waits for
+    it), and the callers of an outer step (LAND) wait for ``unheld`` first, as for an unsharded peer's
+    hash. Its (epoch, digest, snapshot) are published together, and only if the state is still the
+    version it hashed (a change said meanwhile has its own hash next); ``digest`` is b"" meanwhile."""
 
     site: SiteRank  # (set by ``SiteRank.parts``)
     layout: Layout  # the state's chunk layout (set by every hash)
 
     def __init__(self, node: Any, *args: Any, **kwargs: Any) -> None:
         self._registry = node.host.registry  # (what it serves there is released by ``close``)
-        self._idle = trio.Event()
         # the snapshot served to joiners: its file, epoch, root, layout, chunk hashes, metadata
         self._snap: tuple[int, int, bytes, Layout, list[bytes], bytes] | None = None
         super().__init__(node, *args, **kwargs)
-        self.site.on_busy = self._busy
         self.fetcher.sink = SiteSink(self)
 
     def close(self) -> None:
@@ -448,20 +478,43 @@ class SiteState(SharedState):
             os.close(self._snap[0])
             self._snap = None
 
-    def _busy(self) -> None:
-        if self._idle.is_set():
-            self._idle = trio.Event()
-
-    async def ranks_idle(self) -> None:
-        """Wait until the ranks are between two batches (they follow commands only)."""
-        while not self._idle.is_set():
-            await self._idle.wait()
-
     def _rehash(self) -> None:
-        """Collective: every chunk assembled on rank 0, hashed and written to the snapshot file."""
-        site = self.site
-        site.commands.send(Command(Op.HASH))
-        state = site.live_state()
+        """The state changed: its digest is unknown until every chunk is assembled on rank 0 and hashed
+        (see the class's docstring). Inline when the state is small and the turn is free (a few
+        milliseconds: tests on a virtual clock stay deterministic), or while the state's tasks do not
+        run yet (its construction, a resume before training)."""
+        self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
+        if self._digest_set.is_set():
+            self._digest_set = trio.Event()
+        version, site = self._version, self.site
+        # (the layout of the last hash, the first one inline: the model is read only in a turn, never
+        # while a batch runs in a worker thread with FSDP2's unsharded parameters registered)
+        if self._nursery is None or (
+            self.layout.size < serve.THREAD_BYTES and site.turn.free_for(Owner.HASH)
+        ):
+            with site.turn.held(Owner.HASH):
+                state, epoch = site.live_state(), self.tally.epoch
+                self._publish(version, epoch, state.layout, *self._assemble(state))
+            return
+        self._nursery.start_soon(self._hash_in_turn, version)
+
+    async def _hash_in_turn(self, version: int) -> None:
+        """The hash of state ``version``, once it is the hash's turn (none if the state changed again
+        meanwhile: that change's own hash follows)."""
+        async with self.site.turn.taken(Owner.HASH):
+            if version != self._version:
+                return
+            state, epoch = self.site.live_state(), self.tally.epoch
+            if state.layout.size < serve.THREAD_BYTES:
+                fd, hashes = self._assemble(state)
+            else:  # (the state is held meanwhile: no round lands on it)
+                fd, hashes = await self.read_in_thread(self._assemble, state)
+            self._publish(version, epoch, state.layout, fd, hashes)
+
+    def _assemble(self, state: ShardedState) -> tuple[int, list[bytes]]:
+        """Collective (in the hash's turn, on any thread): every chunk assembled on rank 0, hashed and
+        written to a new snapshot file; that file and the chunks' hashes."""
+        self.site.send(Command(Op.HASH))
         fd, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-")
         os.unlink(path)
 
@@ -474,12 +527,19 @@ class SiteState(SharedState):
             os.pwrite(fd, data, i * chunks.CHUNK)
 
         try:  # (chunks assembled in order here, hashed and written on threads meanwhile)
-            hashes = chunks.hash_each(state.layout.chunks, assembled, written)
+            return fd, chunks.hash_each(state.layout.chunks, assembled, written)
         except BaseException:
             os.close(fd)
             raise
-        epoch = self.tally.epoch
-        root = chunks.root(epoch, state.layout, hashes)
+
+    def _publish(self, version: int, epoch: int, layout: Layout, fd: int, hashes: list[bytes]) -> None:
+        """State ``version``'s digest (at ``epoch``) and its snapshot become the current ones, unless
+        the state changed since (its own hash follows)."""
+        if version != self._version:
+            os.close(fd)
+            return
+        site = self.site
+        root = chunks.root(epoch, layout, hashes)
         _, meta = capture.capture(torch.nn.Module(), {"outer": site.outer.sgd}, copy=False)
         tied = site.tied()
         if tied:
@@ -489,8 +549,8 @@ class SiteState(SharedState):
         encoded = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
         if self._snap is not None:
             os.close(self._snap[0])
-        self._snap = (fd, epoch, root, state.layout, hashes, encoded)
-        self.layout = state.layout
+        self._snap = (fd, epoch, root, layout, hashes, encoded)
+        self.layout = layout
         self._hashes = (self._version, hashes)
         self.digest = root
         self.hashed[epoch] = root
@@ -534,7 +594,7 @@ class SiteState(SharedState):
         while the training loop waits for it between two batches; ``donors``: not used, a site does
         not replay)."""
         assert self._nursery is not None
-        self._idle.set()  # (called between two batches)
+        self.site.end_batch()  # (called between two batches)
         why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
         log.info("catching up (a site downloads the state into its ranks' shards): %s", why)
         flight = self.download = Download(trio.Event(), None, expected=expected)
@@ -551,20 +611,22 @@ class SiteState(SharedState):
         self._nursery.start_soon(run)
 
     async def land_download(self) -> bool:
-        """Between two batches: the ranks are idle (chunks may be placed); a download that is in and
-        confirmed is adopted by every rank."""
-        self._idle.set()
+        """Between two batches: the batch's turn ends (chunks may be placed); a download that is in
+        and confirmed is adopted by every rank (after a hash in progress)."""
+        self.site.end_batch()
         flight = self.download
         if flight is None or not flight.done.is_set():
             return False
-        self.download = None
         got = flight.outcome
         if not isinstance(got, Downloaded):
+            self.download = None
             log.warning("could not catch up (%s); retrying in %.0f s", got, RETRY_SYNC)
             self.sync_retry_at = self.clock() + RETRY_SYNC
             return False
-        self.site.commands.send(Command(Op.ADOPT))
-        self.site.adopt()
+        async with self.site.turn.taken(Owner.TRAINING):
+            self.download = None
+            self.site.send(Command(Op.ADOPT))
+            self.site.adopt()
         self.tally.moved_to(got.epoch)
         self.contribution.fit(self.tally.epoch)
         self.tally.counting_from(self.clock())
