@@ -377,6 +377,11 @@ class Averager:
         """Partners a checkpoint remembers: trusted again (their credits decay as any, see ``trust``)."""
         self.trust.seed(peers, self._clock())
 
+    def prepare_group(self, group_key: str) -> None:
+        """A call of :meth:`form_group` under ``group_key`` comes soon: its key's replicas are found
+        now, in the background, so that the matchmaking asks them directly (``GroupForming.prepare``)."""
+        self.groups.prepare(group_key)
+
     async def form_group(
         self,
         tensors: Sequence[torch.Tensor],

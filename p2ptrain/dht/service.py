@@ -43,7 +43,7 @@ from .contacts import Contacts
 from .protocol import DIAL_BACK, FIND_NODE, FIND_VALUE, OFFER, PING, STORE
 from .reachability import Reachability
 from .reads import Reader
-from .records import Authors, Entry, IdWork, RecordStore
+from .records import Authors, Entry, IdWork, RecordStore, key_id
 from .replicas import Replicas
 from .routing import Contact, RoutingTable
 from .server import Server
@@ -280,3 +280,10 @@ class DHT:
 
     def unpublish(self, key: bytes, subkey: bytes = b"") -> None:
         self.writer.unpublish(key, subkey)
+
+    async def locate(self, key: bytes) -> int:
+        """Find the replicas of ``key`` as a store would (remembered, or looked up), and remember them:
+        a store under it then skips the lookup, and a read asks them directly. For a caller that stores
+        under a new key in the background and reads it at once (``averaging.grouping``); the number of
+        replicas found."""
+        return len(await self.writer.find_replicas(key_id(key)))

@@ -120,7 +120,7 @@ class Writer:
     async def store_entries(self, kid: bytes, entries: list[Entry], took: set[PeerID] | None = None) -> int:
         """Store ready-made ``entries`` (of the key id ``kid``) on the key's replicas, and here if among
         them; ``took`` collects the peers that did. Returns how many accepted them."""
-        targets = await self._find_replicas(kid)
+        targets = await self.find_replicas(kid)
         accepted = 0
         if self._me.serving and self._among_closest(kid, targets):
             for e in entries:
@@ -145,9 +145,9 @@ class Writer:
             self._replicas.drop(kid)  # a replica failed or refused: look them up again next time
         return accepted
 
-    async def _find_replicas(self, kid: bytes) -> list[Contact]:
+    async def find_replicas(self, kid: bytes) -> list[Contact]:
         """The peers to store a key on: remembered, else from the swarm's last exhaustive lookup, else
-        looked up."""
+        looked up (then remembered: reads of the key ask them directly, see ``Reader.get``)."""
         now = self._clock()
         targets = self._replicas.cached(kid, now)
         if targets is None:

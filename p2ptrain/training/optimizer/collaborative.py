@@ -295,6 +295,7 @@ class CollaborativeOptimizer:
         else:
             await shared.off_loop(self.local.accumulate, samples)
         tally.count(samples, self.clock())
+        rounds.prepare(tally.epoch)
         changed = await self._land_round()
         if await self._land_download():
             changed = True

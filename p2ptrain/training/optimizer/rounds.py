@@ -183,6 +183,7 @@ class RoundRunner:
         self._looking: Looking | None = None  # the matchmaking in progress
         self.retry_at = 0.0
         self._next_batch = clock()  # when the training loop began computing its next batch
+        self._prepared = -1  # the step whose matchmaking key was located ahead (see ``prepare``)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -201,6 +202,14 @@ class RoundRunner:
         self._next_batch = now
 
     # ---- forming groups ----
+
+    def prepare(self, epoch: int) -> None:
+        """Once per step, well before its look: its matchmaking key's replicas are found in the
+        background (``Averager.prepare_group``), so that the look's store and reads ask them directly
+        instead of spending the first second of the leader's window on a lookup."""
+        if self._prepared != epoch:
+            self._prepared = epoch
+            self.node.averager.prepare_group(self.group_key(epoch))
 
     @property
     def matchmaking(self) -> bool:
