@@ -59,6 +59,7 @@ class SwarmSpec:
     churn: Churn = field(default_factory=Churn)
     loss: float = 0.0
     seed: int = 0
+    max_group: int = 64  # the run's ``averaging.max_group_size``
 
 
 @dataclass
@@ -95,7 +96,7 @@ def run_config(spec: SwarmSpec) -> RunConfig:
             lr=0.01,
             grad_clip=0.0,
         )
-        .replace("averaging", matchmaking_time=3.0)
+        .replace("averaging", matchmaking_time=3.0, max_group_size=spec.max_group)
     )
 
 

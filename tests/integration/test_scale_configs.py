@@ -6,6 +6,8 @@ swarm used to come to each group a batch late and download each step instead of 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from simulations.scale.swarm import SwarmSpec, run
@@ -39,3 +41,17 @@ def test_sixteen_peers_over_six_regions_never_fork_and_average_together() -> Non
     assert report["forks"] == 0, report["fork_epochs"]
     assert report["global_steps"] >= 4, report
     assert report["share_in_committed_round_mean"] >= 0.9, report
+
+
+def test_a_step_whose_majority_no_group_holds_is_said_plainly(caplog: pytest.LogCaptureFixture) -> None:
+    """Past twice the largest group, a step's majority fits no group: groups form only when full and
+    two of one step may both commit. The swarm goes on, and every peer that sees it says so once (at
+    128 simulated peers with groups of 64 it stalled without a word)."""
+    spec = SwarmSpec(
+        peers=10, duration=30.0, warmup=15.0, join_spread=4.0, batches_per_step=4, seed=1, max_group=4
+    )
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.training.collaborative"):
+        run(spec)
+    said = [r for r in caplog.records if "is more than one group holds (at most 4 members)" in r.getMessage()]
+    assert said, "nobody said that a step's majority fits no group"
+    assert len(said) <= spec.peers  # once a peer

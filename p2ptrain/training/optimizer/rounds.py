@@ -184,6 +184,7 @@ class RoundRunner:
         self.retry_at = 0.0
         self._next_batch = clock()  # when the training loop began computing its next batch
         self._prepared = -1  # the step whose matchmaking key was located ahead (see ``prepare``)
+        self._told_too_many = False  # a step's majority did not fit one group (said once)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -389,6 +390,18 @@ class RoundRunner:
             target = min(view.peers + view.arriving, cfg.max_group_size)
             # a majority: two groups cannot both form (all of those here, once waiting gave up)
             minimum = min(view.peers, target, view.quorum)
+            if view.quorum > cfg.max_group_size and not self._told_too_many:
+                self._told_too_many = True  # (said once: the swarm stays that large for a while)
+                log.warning(
+                    "%d peers on step %d: their majority (%d) is more than one group holds (at most %d"
+                    " members), so a group forms only when full, and two groups of one"
+                    " step may both commit (per-region groups, which this needs, are not built: see the"
+                    " docs' swarms at scale)",
+                    view.peers,
+                    epoch,
+                    view.quorum,
+                    cfg.max_group_size,
+                )
             publishing = frozenset(r.peer for r in board.records)
             # anchored beyond its join peers: it averaged, or it has none (it trusts the peers connected)
             node = self.node
