@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .averaging.compression import Compression, parse_compression
-from .averaging.protocol import sparse_problem
+from .averaging.protocol import MAX_GROUP, sparse_problem
 from .averaging.robust import Aggregation, parse_aggregation
 from .errors import ConfigError
 from .idwork import MAX_WORK_BITS
@@ -113,7 +113,9 @@ class AveragingSection:
     # none, fp16, bf16, int8; diloco also topk0.5-q2 .. topk3-q4: a run file's text, parsed at load
     compression: Compression = Compression.NONE
     bandwidth: float = 0.0  # this host's MB/s, sets its share of the reduction; 0: measured in its rounds
-    max_group_size: int = 64
+    # A training run's group holds every peer on the step up to this (one group a step: its majority
+    # must fit, or two groups of a step could both commit); past 2x this, see the docs' swarms at scale
+    max_group_size: int = MAX_GROUP
     aggregation: Aggregation = Aggregation.MEAN  # or robust to hostile peers: trimmed_mean, centered_clip
     audit: bool = False  # commitments, attestations and an auditor per partition; offenders banned
 
@@ -125,7 +127,11 @@ class AveragingSection:
             "averaging.bandwidth",
             "must be positive, or 0 to measure it",
         )
-        _check(2 <= self.max_group_size <= 64, "averaging.max_group_size", "must be between 2 and 64")
+        _check(
+            2 <= self.max_group_size <= MAX_GROUP,
+            "averaging.max_group_size",
+            f"must be between 2 and {MAX_GROUP}",
+        )
         # parsed here, once: everything inside takes the typed values
         try:
             object.__setattr__(self, "compression", parse_compression(self.compression))

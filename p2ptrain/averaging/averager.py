@@ -60,6 +60,7 @@ from .protocol import (
     JOIN,
     LEAVE,
     LEFT_ROUND,
+    MAX_GROUP,
     PART,
     RELAY_DECISION,
     RELAY_RESULT,
@@ -162,8 +163,8 @@ def _sendable_in_place(t: torch.Tensor) -> bool:
 def _sizes(config: AveragerConfig, target: int | None, minimum: int | None) -> tuple[int, int]:
     target = config.target_size if target is None else target
     minimum = min(config.min_size, target) if minimum is None else minimum
-    if not 1 <= minimum <= target <= 64:
-        raise ValueError("need 1 <= min_size <= target_size <= 64")
+    if not 1 <= minimum <= target <= MAX_GROUP:
+        raise ValueError(f"need 1 <= min_size <= target_size <= {MAX_GROUP}")
     return target, minimum
 
 

@@ -75,6 +75,7 @@ from .protocol import (
     MemberMsg,
     SignedManifest,
     TensorSpec,
+    mask_bytes,
 )
 from .rules import RoundRules, check_manifest, listed_subnet
 from .settings import AveragerConfig
@@ -530,7 +531,7 @@ class GroupForming:
             sizes=tuple(shares),
             origins=gathering.origins(members),
             needs=needs,
-            counts=counts,
+            counts=tuple(mask_bytes(c) for c in counts),
             schema=schema,
             compression=mode.value,
             timeout=timeout,

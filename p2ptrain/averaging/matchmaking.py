@@ -307,7 +307,7 @@ def short_of_quorums(manifest: Manifest, contributors: Iterable[PeerID], me: Pee
     group formed another of the same step, a fork in the in-memory swarm test.)"""
     peers = manifest.peers()
     at = {p: i for i, p in enumerate(peers)}
-    counted = manifest.counts[0] if manifest.counts else 0
+    counted = manifest.masks[0] if manifest.masks else 0
     binding = {0} | {j for j in range(len(peers)) if counted >> j & 1}
     if me is not None and me in at:
         binding.add(at[me])
@@ -326,7 +326,7 @@ def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:
     i = peers.index(me)
     if not manifest.needs:
         return "the manifest holds no member to a quorum"
-    need, mask = manifest.needs[i], manifest.counts[i]
+    need, mask = manifest.needs[i], manifest.masks[i]
     mine = sum(1 << j for j, p in enumerate(peers) if j != i and p in own.peers)
     worst = need - (mask & ~mine).bit_count()
     wanted = own.size - (1 if me in own.peers else 0)

@@ -40,7 +40,9 @@ from . import sparse
 from .compression import Compression, parse_compression
 from .robust import Aggregation, parse_aggregation
 
-MAX_GROUP = 64
+# Members a group may hold: enough for one group to hold a majority of a step's peers up to 2x this
+# (a step's majority that fits no group lets two groups of it both commit: see the docs' swarms at scale)
+MAX_GROUP = 256
 MAX_TENSORS = 4096
 MAX_COUNTS = 256  # peers a joiner may name in its quorum (the group holds at most MAX_GROUP of them)
 MAX_ELEMENTS = 1 << 36
@@ -52,6 +54,12 @@ MAX_COMMIT_ENVELOPE = 384
 MAX_ATTESTATION = MAX_GROUP * MAX_COMMIT_ENVELOPE + 1024
 MAX_CLAIM_ENVELOPE = 256  # a contributor's signed scale of its slice (see ``bounds.Claim``)
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def mask_bytes(mask: int) -> bytes:
+    """A manifest's bitmask of counted members as it travels (``Manifest.counts``): little-endian, no
+    more bytes than its highest bit needs."""
+    return mask.to_bytes((mask.bit_length() + 7) // 8, "little")
 
 
 @dataclass(frozen=True)
@@ -116,17 +124,23 @@ class Manifest(Message):
     # it; reducers count each origin once (see ``robust``). () : every member is an origin of its own.
     origins: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
     # The round's quorum, fixed here at formation: member i needs ``needs[i]`` of the other members in
-    # the bitmask ``counts[i]`` (bit j: member j) among the decided contributors, and the round commits
+    # the bitmask ``counts[i]`` (bit j: member j; little-endian bytes, as a group may hold more members
+    # than a msgpack integer has bits: ``masks``) among the decided contributors, and the round commits
     # only if every member's need is met (:meth:`short_of_quorum`). Each member checked, before it took
     # part, that its entry holds it to its own quorum (``matchmaking.holds_me``); every member checks the
     # decision against all entries: so all members of a committed round make the same apply/discard
     # decision, from signed facts alone. () : no quorum (averaging outside a training run).
     needs: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
-    counts: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
+    counts: tuple[bytes, ...] = bounded((), max_len=MAX_GROUP)
 
     @property
     def total(self) -> int:
         return sum(s.numel for s in self.schema)
+
+    @functools.cached_property
+    def masks(self) -> tuple[int, ...]:
+        """Each member's counted members as a bitmask (bit j: member j), from ``counts``."""
+        return tuple(int.from_bytes(c, "little") for c in self.counts)
 
     def peers(self) -> list[PeerID]:
         return [PeerID(m.peer) for m in self.members]
@@ -138,7 +152,7 @@ class Manifest(Message):
         here and in the decision."""
         held = sum(1 << i for i in contributors)
         only = None if binding is None else set(binding)
-        for i, (need, mask) in enumerate(zip(self.needs, self.counts, strict=True)):
+        for i, (need, mask) in enumerate(zip(self.needs, self.masks, strict=True)):
             if only is not None and i not in only:
                 continue
             have = (mask & held).bit_count()
@@ -185,7 +199,9 @@ class Manifest(Message):
         if self.needs or self.counts:
             if len(self.needs) != n or len(self.counts) != n:
                 raise RemoteProtocolError("a manifest's quorum needs one need and one count per member")
-            for i, (need, mask) in enumerate(zip(self.needs, self.counts, strict=True)):
+            if any(len(c) > (n + 7) // 8 for c in self.counts):
+                raise RemoteProtocolError("a member's quorum counts members outside the group, or itself")
+            for i, (need, mask) in enumerate(zip(self.needs, self.masks, strict=True)):
                 if not (0 <= mask < 1 << n) or mask >> i & 1:
                     raise RemoteProtocolError("a member's quorum counts members outside the group, or itself")
                 if not 0 <= need <= mask.bit_count():

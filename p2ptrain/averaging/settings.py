@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..identity import PeerID
 from .compression import Compression, parse_compression
-from .protocol import RoundSettings
+from .protocol import MAX_GROUP, RoundSettings
 from .robust import Aggregation, parse_aggregation
 
 
@@ -31,8 +31,8 @@ class AveragerConfig:
     audit: bool = False  # commit to slices, attest results, audit after each round (see ``audit``)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_size <= self.target_size <= 64:
-            raise ValueError("need 1 <= min_size <= target_size <= 64")
+        if not 1 <= self.min_size <= self.target_size <= MAX_GROUP:
+            raise ValueError(f"need 1 <= min_size <= target_size <= {MAX_GROUP}")
         if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
             raise ValueError("bandwidth must be positive, or 0 to measure it")
         if not (math.isfinite(self.matchmaking_time) and self.matchmaking_time > 0):

@@ -91,7 +91,7 @@ DEFAULTS = {
     "averaging.matchmaking_time": 3.0,
     "averaging.compression": Compression.NONE,  # parsed at load: the typed value
     "averaging.bandwidth": 0.0,
-    "averaging.max_group_size": 64,
+    "averaging.max_group_size": 256,
     "averaging.aggregation": Aggregation.MEAN,
     "averaging.audit": False,
     "progress.interval": 1.0,
@@ -420,9 +420,9 @@ def test_task_options_are_copied_into_a_plain_dict() -> None:
         pytest.param({"averaging": {"bandwidth": -1}}, ["averaging.bandwidth"], id="bandwidth"),
         pytest.param({"averaging": {"bandwidth": float("inf")}}, ["averaging.bandwidth"], id="bandwidth-inf"),
         pytest.param(
-            {"averaging": {"max_group_size": 1}}, ["averaging.max_group_size", "2 and 64"], id="group-1"
+            {"averaging": {"max_group_size": 1}}, ["averaging.max_group_size", "2 and 256"], id="group-1"
         ),
-        pytest.param({"averaging": {"max_group_size": 65}}, ["averaging.max_group_size"], id="group-65"),
+        pytest.param({"averaging": {"max_group_size": 257}}, ["averaging.max_group_size"], id="group-257"),
         pytest.param(
             {"averaging": {"compression": "int4"}},
             ["averaging.compression", "int4", "none", "fp16", "bf16", "int8"],

@@ -36,7 +36,7 @@ from p2ptrain.averaging.matchmaking import (
     short_of_quorums,
     why_not,
 )
-from p2ptrain.averaging.protocol import Decision, JoinReq, Manifest, MemberMsg, TensorSpec
+from p2ptrain.averaging.protocol import Decision, JoinReq, Manifest, MemberMsg, TensorSpec, mask_bytes
 from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity, PeerID
@@ -57,7 +57,7 @@ def manifest_of(members: list[Joiner], needs: tuple[int, ...], counts: tuple[int
         sizes=(1,) * n,
         schema=(TensorSpec((n,), "float32"),),
         needs=needs,
-        counts=counts,
+        counts=tuple(mask_bytes(c) for c in counts),
     )
     m.check()
     return m
