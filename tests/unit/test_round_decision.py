@@ -20,6 +20,7 @@ those rounds while the signed one never does.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -36,7 +37,15 @@ from p2ptrain.averaging.matchmaking import (
     short_of_quorums,
     why_not,
 )
-from p2ptrain.averaging.protocol import Decision, JoinReq, Manifest, MemberMsg, TensorSpec, mask_bytes
+from p2ptrain.averaging.protocol import (
+    Decision,
+    JoinReq,
+    Manifest,
+    MemberMsg,
+    SignedManifest,
+    TensorSpec,
+    mask_bytes,
+)
 from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity, PeerID
@@ -472,3 +481,44 @@ def test_an_announcement_says_when_its_peer_only_follows() -> None:
     for bad in ([*unpack(leading.to_bytes()), 1], [*unpack(leading.to_bytes()), False, False]):
         with pytest.raises(RemoteProtocolError):
             Announcement.from_bytes(peer, pack(bad))
+
+
+@pytest.mark.parametrize("n", [65, 130, 256])
+def test_a_group_past_64_members_travels_signed_and_holds_every_quorum(n: int) -> None:
+    """A step's majority must fit one group (else two groups of the step could both commit), so a group
+    holds up to 256 members: each member's counted peers travel as bytes, since a msgpack integer holds
+    64 bits (a manifest of 65 members could not be packed before). Random masks round-trip through the
+    signed manifest, and the quorum decision reads them as sent; a mask that counts a member past the
+    group, or itself, is refused."""
+    rng = random.Random(n)
+    leader = Identity.generate()
+    members = tuple(MemberMsg(Identity.generate().peer_id.digest, f"a{i}", 1.0) for i in range(n))
+    masks = [rng.getrandbits(n) & ~(1 << i) for i in range(n)]
+    needs = tuple(rng.randint(0, m.bit_count()) for m in masks)
+    members = (MemberMsg(leader.peer_id.digest, "lead", 1.0), *members[1:])
+    manifest = Manifest(
+        round_id=bytes(16),
+        group_key="sync-9",
+        members=members,
+        sizes=(1,) * n,
+        schema=(TensorSpec((n,), "float32"),),
+        needs=needs,
+        counts=tuple(mask_bytes(m) for m in masks),
+    )
+    got = SignedManifest.verify(SignedManifest.sign(leader, manifest).envelope, leader.peer_id).manifest
+    got.check()
+    assert got.masks == tuple(masks)
+    everyone = tuple(range(n))
+    assert got.short_of_quorum(everyone) == ""
+    for i in rng.sample(range(n), 5):
+        if needs[i]:
+            held = tuple(j for j in everyone if not masks[i] >> j & 1)  # none it counts
+            assert f"member {i} must" in got.short_of_quorum(held, binding=[i])
+    for bad in (
+        mask_bytes(masks[3] | 1 << n),
+        mask_bytes(masks[3] | 1 << 3),
+        mask_bytes(masks[3]) + bytes(40),
+    ):
+        forged = dataclasses.replace(manifest, counts=(*manifest.counts[:3], bad, *manifest.counts[4:]))
+        with pytest.raises(RemoteProtocolError, match="outside the group, or itself"):
+            forged.check()
