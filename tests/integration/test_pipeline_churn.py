@@ -22,6 +22,7 @@ from p2ptrain.averaging.compression import Compression
 from p2ptrain.config import parse_config
 from p2ptrain.pipeline.catchup import behind, download_state
 from p2ptrain.pipeline.peer import PipelinePeer
+from p2ptrain.pipeline.router import Candidate
 from p2ptrain.pipeline.settings import PipelineSection
 from p2ptrain.pipeline.trainer import PipelineOptions, PipelineTrainer
 from p2ptrain.pipeline.transfer import state_size
@@ -112,17 +113,33 @@ def forget(peer: PipelinePeer, gone: PipelinePeer) -> None:
     peer.directory = [p for p in peer.directory if p.peer != gone.node.peer_id]
 
 
-async def test_a_restarted_peer_its_mates_do_not_know_yet_sits_out_without_waiting(autojump_clock):
+async def test_a_restarted_peer_its_mates_do_not_know_yet_sits_out_without_waiting(
+    autojump_clock, monkeypatch
+):
     async with pipeline_swarm(PIPELINE, [0, 1, 0, 1]) as swarm:
         with trio.fail_after(600):
             before = await run_steps(swarm, 1, 2, 4)
             usual = max(r.seconds for step in before for r in step)
             swarm.kill(3)
             back = await restart(swarm, 3)
-            for p in swarm.alive():
-                if p is not back:
-                    forget(p, back)
+            # Its mates do not know it for the whole first step: their reads of the directory miss its
+            # entry meanwhile (not yet on the replicas they ask), whenever their reads fall in the step
+            # (a read in flight as it restarts would bring it back after ``forget``).
+            unaware = [p for p in swarm.alive() if p is not back]
+            blind = [True]
+            candidates = PipelinePeer.candidates
+
+            def missing_it(self: PipelinePeer, stage: int) -> list[Candidate]:
+                found = candidates(self, stage)
+                if blind[0] and self in unaware:
+                    return [c for c in found if c.peer != back.node.peer_id]
+                return found
+
+            monkeypatch.setattr(PipelinePeer, "candidates", missing_it)
+            for p in unaware:
+                forget(p, back)
             first = (await run_steps(swarm, 1, 2, 4))[0]
+            blind[0] = False
             mine = next(r for r in first if r.stage == 1 and not r.average.applied)
             assert behind(back) and back.record().digest == b""
             size = state_size(back.server.params)  # type: ignore[union-attr]
