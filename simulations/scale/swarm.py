@@ -59,7 +59,7 @@ class SwarmSpec:
     churn: Churn = field(default_factory=Churn)
     loss: float = 0.0
     seed: int = 0
-    max_group: int = 256  # the run's ``averaging.max_group_size``
+    max_group: int = 64  # the run's ``averaging.max_group_size``
 
 
 @dataclass

@@ -91,7 +91,7 @@ DEFAULTS = {
     "averaging.matchmaking_time": 3.0,
     "averaging.compression": Compression.NONE,  # parsed at load: the typed value
     "averaging.bandwidth": 0.0,
-    "averaging.max_group_size": 256,
+    "averaging.max_group_size": 64,
     "averaging.aggregation": Aggregation.MEAN,
     "averaging.audit": False,
     "progress.interval": 1.0,
