@@ -96,7 +96,7 @@ def wait(proc: subprocess.Popen[str], tmp: Path, name: str) -> None:
 def test_nodes_read_disjoint_shards_of_a_dataset_and_resume_them(tmp_path: Path) -> None:
     (tmp_path / "mytask.py").write_text(TASK)
     (tmp_path / "run.toml").write_text(RUN)
-    first = start(tmp_path, "a", "--max-steps", "6", "--wait-peers", "2")
+    first = start(tmp_path, "a", "--max-steps", "4", "--wait-peers", "2")
     try:
         status = tmp_path / "status-a.json"
         for _ in range(600):  # the first node's address, once it listens
@@ -107,7 +107,7 @@ def test_nodes_read_disjoint_shards_of_a_dataset_and_resume_them(tmp_path: Path)
                 subprocess.run(["sleep", "0.1"], check=True)
         else:
             raise AssertionError((tmp_path / "a.log").read_text()[-3000:])
-        second = start(tmp_path, "b", "--max-steps", "6", "--wait-peers", "2", "--join", address)
+        second = start(tmp_path, "b", "--max-steps", "4", "--wait-peers", "2", "--join", address)
         wait(second, tmp_path, "b")
     finally:
         wait(first, tmp_path, "a")
