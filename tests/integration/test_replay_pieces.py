@@ -196,6 +196,27 @@ async def test_the_steps_taken_while_a_state_downloads_are_fetched_meanwhile(
         assert shared.downloads == 1
 
 
+def replay_from_first(s, donors, peer, trusted, *, bandwidth: float, pieces: int):  # type: ignore[no-untyped-def]
+    """The first donor alone takes the next step (its result in ``pieces`` pieces) and ``peer`` starts
+    replaying it over links of ``bandwidth`` bytes a second from every donor; the others may come to
+    hold it later. Returns the step and the download in flight."""
+    for d in donors:
+        s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=bandwidth), both_ways=False)
+    first = donors[0]
+    step_alone(first, 1)
+    want = first.opt.epoch
+    trusted[want] = first.opt.digest
+    split_small([first], pieces)
+    peer.opt.shared.start_download(
+        behind_view(peer, [first], want),
+        lambda e: trusted.get(e, b""),
+        lambda e: records([d for d in donors if d.opt.epoch >= e]),
+    )
+    flight = peer.opt.shared.download
+    assert flight is not None and flight.replaying
+    return want, flight
+
+
 @pytest.mark.parametrize("seed", SEEDS[:4])
 async def test_a_holder_that_comes_to_hold_the_result_meanwhile_sends_pieces_too(
     autojump_clock: object, seed: int
@@ -205,21 +226,9 @@ async def test_a_holder_that_comes_to_hold_the_result_meanwhile_sends_pieces_too
     rng = random.Random(seed)
     async with swarm(config(rng.choice(["sync", "diloco"])), model=wide_model) as s:
         donors, peer, trusted = await lineage(s, donors=3, together=1, apart=0)
-        for d in donors:
-            s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=100_000.0), both_ways=False)
-        first, *late = donors
-        step_alone(first, 1)
-        want = first.opt.epoch
-        trusted[want] = first.opt.digest
-        split_small([first], 16)
+        late = donors[1:]
+        want, flight = replay_from_first(s, donors, peer, trusted, bandwidth=100_000.0, pieces=16)
         shared = peer.opt.shared
-        shared.start_download(
-            behind_view(peer, [first], want),
-            lambda e: trusted.get(e, b""),
-            lambda e: records([d for d in donors if d.opt.epoch >= e]),
-        )
-        flight = shared.download
-        assert flight is not None and flight.replaying
         await trio.sleep(rng.uniform(0.5, 2.0))
         for d in late:
             step_alone(d, 1)
@@ -236,21 +245,8 @@ async def test_a_result_is_fetched_from_no_more_than_max_holders(autojump_clock:
     ``MAX_HOLDERS`` serve it (each that lies costs a piece before it is dropped)."""
     async with swarm(config("sync"), model=wide_model) as s:
         donors, peer, trusted = await lineage(s, donors=result_pieces.MAX_HOLDERS + 4, together=1, apart=0)
-        for d in donors:
-            s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=20_000.0), both_ways=False)
-        first, *late = donors
-        step_alone(first, 1)
-        want = first.opt.epoch
-        trusted[want] = first.opt.digest
-        split_small([first], 64)
-        shared = peer.opt.shared
-        shared.start_download(
-            behind_view(peer, [first], want),
-            lambda e: trusted.get(e, b""),
-            lambda e: records([d for d in donors if d.opt.epoch >= e]),
-        )
-        flight = shared.download
-        assert flight is not None and flight.replaying
+        late = donors[1:]
+        want, flight = replay_from_first(s, donors, peer, trusted, bandwidth=20_000.0, pieces=64)
         await trio.sleep(1.0)
         for d in late:  # all of them come to hold it while it is fetched
             step_alone(d, 1)
