@@ -245,6 +245,7 @@ class GroupForming:
             digest,
             # (a peer that only follows: ``matchmaking``)
             leads=(quorum is None or quorum.leads) and not stepped_aside,
+            rank=0 if quorum is None else quorum.rank,
         )
         rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
         looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum, min_size=sizes[1])
@@ -560,7 +561,7 @@ class GroupForming:
                 if excluded:  # (its announced address did not show the subnet we reached it in)
                     return None, excluded, False
                 quorum = looking.quorum
-                need, named = (0, ()) if quorum is None else (quorum.size, quorum.named(looking.announced))
+                need, named = (0, ()) if quorum is None else (quorum.joins, quorum.named(looking.announced))
                 req = JoinReq(
                     looking.group_key, me.schema, me.addr, me.bandwidth, need, tuple(p.digest for p in named)
                 )

@@ -73,6 +73,29 @@ failed again, while its followers' suspicions turned into exclusions that differ
 follower and split the step's peers between leaders. Its own announcement is what every peer reads
 alike, so the next look has one leader for all.
 
+Followers' quorums. The quorum that keeps two groups of one step from both forming is the *leader's*
+(a majority of the step's peers, counted among those it trusts); what a joiner's quorum guards is the
+joiner: a leader may lie, so a member takes part only in a group that holds what it would follow
+anyway. That is a majority of the peers it trusts on the step, since a majority of its trusted peers'
+records is what decides which state it moves to (``progress``); a round it declines for more would move
+it there all the same, a download later. So a joiner names that majority (``Quorum.joins``), not its
+leader's quorum: a group that misses ``k`` of the step's peers then holds every member that trusts more
+than ``2k + 1`` of them. Named as its leader's quorum, a member that trusted fewer than a majority of the
+step needed *all* of them: at 128 simulated peers, where each trusted 54 to 88 of the step after the
+first rounds (trust is earned window by window, see ``trust``), every group of the second step (88 to
+108 members) failed at formation, members declining one after the other until the leader's own quorum
+was gone.
+
+Who leads first. A leader forms only with its own quorum, so a leader whose quorum is all of the peers it
+trusts on the step (where they are fewer than a majority: see ``training``'s ``step_quorum``) fails as
+soon as one of them is elsewhere, and its followers, held to its deadline, suspect it. Leaders are
+therefore ordered by *rank* first, then by ticket (:func:`place`): rank 0 where the leader's quorum
+leaves out at least an eighth of the peers it counts on the step, rank 1 otherwise; a peer of rank 1
+leads only where no peer of rank 0 announced. The rank is the announcer's own word, as the lottery's
+other inputs are: a free id that claims rank 0 gains what a ground ticket gains (it leads, and once it
+fails it is excluded with its subnet). The order is still one strict order that every peer computes
+alike from the announcements, so the no-deadlock argument above holds unchanged.
+
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
 and sizes its majority by its own records), and members drop out between formation and the round (a state
 that moved on, a crash), so a round's contributors may hold one member's quorum and not another's. Each
@@ -127,6 +150,8 @@ class Announcement:
     # False: the peer only follows (its quorum names peers it cannot bring to a group of its own: see
     # ``Quorum.leads``); it is still reachable at ``addr``, as a reducer. Sent only when False.
     leads: bool = True
+    # Leaders of rank 0 lead before those of rank 1 (see "Who leads first"). Sent only when not 0.
+    rank: int = 0
 
     @property
     def can_lead(self) -> bool:
@@ -134,11 +159,13 @@ class Announcement:
 
     def closed(self) -> Announcement:
         """The same peer, no longer open: stored over the open announcement once a group formed."""
-        return Announcement(self.peer, self.addr, 0.0, self.bandwidth, self.schema, self.leads)
+        return Announcement(self.peer, self.addr, 0.0, self.bandwidth, self.schema, self.leads, self.rank)
 
     def to_bytes(self) -> bytes:
         fields: list[object] = [self.addr, self.deadline, self.bandwidth, self.schema]
-        return pack(fields if self.leads else [*fields, False])
+        if not self.leads:
+            return pack([*fields, False])
+        return pack([*fields, True, self.rank] if self.rank else fields)
 
     @classmethod
     def from_bytes(cls, peer: PeerID, data: bytes) -> Announcement:
@@ -146,9 +173,13 @@ class Announcement:
             addr, deadline, bandwidth, schema, *rest = unpack(data)
         except (TypeError, ValueError):
             raise RemoteProtocolError("malformed announcement") from None
-        leads = True if not rest else rest[0] if len(rest) == 1 else None
+        leads = True if not rest else rest[0] if len(rest) <= 2 else None
+        rank = rest[1] if len(rest) == 2 else 0
         if not (
             isinstance(leads, bool)
+            and (leads or len(rest) == 1)
+            and type(rank) is int
+            and 0 <= rank <= MAX_RANK
             and isinstance(addr, str)
             and len(addr) <= 300
             and isinstance(deadline, int | float)
@@ -160,9 +191,10 @@ class Announcement:
             and len(schema) <= 32
         ):
             raise RemoteProtocolError("malformed announcement")
-        return cls(peer, addr, float(deadline), float(bandwidth), schema, leads)
+        return cls(peer, addr, float(deadline), float(bandwidth), schema, leads, rank)
 
 
+MAX_RANK = 1  # the ranks of leaders (see "Who leads first")
 DEADLINE_SLACK = 5.0  # seconds a leader's deadline may lie past ours (clock skew, later starts)
 
 
@@ -171,6 +203,13 @@ def ticket(group_key: str, peer: PeerID) -> bytes:
     docstring). Set by the key and the group key alone, never by anything the peer declares."""
     # (the digest has a fixed length, so the key and the id cannot run into each other)
     return hashlib.blake2b(group_key.encode() + peer.digest, digest_size=16, person=b"p2ptrain-lead").digest()
+
+
+def place(group_key: str, a: Announcement) -> tuple[int, bytes]:
+    """``a``'s place in the order of leaders under ``group_key``: by its rank (what its quorum leaves
+    room for, as it announced), then by its ticket. A strict order every peer computes alike from the
+    announcements (tickets differ for different ids), which is all the no-deadlock argument needs."""
+    return a.rank, ticket(group_key, a.peer)
 
 
 def why_not(
@@ -204,7 +243,7 @@ def why_not(
         return "it refused us under this announcement"
     if a.peer in excluded:
         return "it failed us as a leader"
-    if me.can_lead and ticket(group_key, a.peer) >= ticket(group_key, me.peer):
+    if me.can_lead and place(group_key, a) >= place(group_key, me):
         return "after us in the order"
     return ""
 
@@ -219,12 +258,12 @@ def choose_leader(
     excluded: Collection[PeerID] = (),
 ) -> Announcement | None:
     """The peer to ask for a place, or None when this peer should gather a group itself: the smallest
-    ticket among the announcements ``me`` may follow (:func:`why_not`)."""
-    best: tuple[bytes, Announcement] | None = None
+    place among the announcements ``me`` may follow (:func:`why_not`, :func:`place`)."""
+    best: tuple[tuple[int, bytes], Announcement] | None = None
     for a in seen:
         if why_not(me, a, now, group_key, declined=declined, excluded=excluded):
             continue
-        t = ticket(group_key, a.peer)
+        t = place(group_key, a)
         if best is None or t < best[0]:
             best = (t, a)
     return None if best is None else best[1]
@@ -245,7 +284,7 @@ def cannot_join(
     is not full without it, so it redirects its joiners there) rather than forming without it; else a
     leader that two peers reached before the smallest did formed a group without it, and the smallest
     led a group of one."""
-    mine = ticket(group_key, leader.peer)
+    mine = place(group_key, leader)
     return frozenset(
         a.peer
         for a in seen
@@ -253,7 +292,7 @@ def cannot_join(
         and a.peer != leader.peer
         and a.can_lead
         and a.peer not in followable
-        and ticket(group_key, a.peer) < mine
+        and place(group_key, a) < mine
     )
 
 
@@ -282,6 +321,17 @@ class Quorum:
     # Whether a peer held to this quorum may lead. Not when the quorum is all of a few peers it cannot
     # bring to its group (a newcomer's: see the module docstring, "Who may lead"): it only follows.
     leads: bool = True
+    # How many of ``peers`` a group this peer *joins* must hold (0: ``size``): a majority of the peers it
+    # trusts on the step, which is what decides the state it follows anyway (see the module docstring,
+    # "Followers' quorums").
+    joining: int = 0
+    # Whether its leader's quorum leaves room (see "Who leads first"): 0 leads before 1.
+    rank: int = 0
+
+    @property
+    def joins(self) -> int:
+        """The members of ``peers`` (this one included) a group this peer joins must hold."""
+        return self.joining or self.size
 
     def named(self, seen: Iterable[PeerID] = ()) -> tuple[PeerID, ...]:
         """The peers a join request names: all of them, or past ``MAX_COUNTS`` those ``seen`` (announcing
@@ -316,7 +366,7 @@ def short_of_quorums(manifest: Manifest, contributors: Iterable[PeerID], me: Pee
 
 def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:
     """Why the manifest's entry for ``me`` does not hold it to its ``own`` quorum ('' if it does): any
-    contributors that meet the entry must hold ``own.size`` of ``own.peers`` (counting ``me``, which a
+    contributors that meet the entry must hold ``own.joins`` of ``own.peers`` (counting ``me``, which a
     round counts only as its own member: its entry is over the others). The entry needs ``need`` of the
     members in its mask; at worst they are all of the mask's members ``me`` does not count, then the
     rest from those it does."""
@@ -329,7 +379,7 @@ def holds_me(manifest: Manifest, me: PeerID, own: Quorum) -> str:
     need, mask = manifest.needs[i], manifest.masks[i]
     mine = sum(1 << j for j, p in enumerate(peers) if j != i and p in own.peers)
     worst = need - (mask & ~mine).bit_count()
-    wanted = own.size - (1 if me in own.peers else 0)
+    wanted = own.joins - (1 if me in own.peers else 0)
     if worst >= wanted:
         return ""
     return (

@@ -73,7 +73,7 @@ def manifest_of(members: list[Joiner], needs: tuple[int, ...], counts: tuple[int
 
 
 def joiner(peer: PeerID, view: Quorum) -> Joiner:
-    return Joiner(peer, "addr", 1.0, need=view.size, counts=view.peers)
+    return Joiner(peer, "addr", 1.0, need=view.joins, counts=view.peers)  # (what a join request names)
 
 
 def random_views(rng: random.Random, peers: list[PeerID]) -> dict[PeerID, Quorum]:
@@ -467,6 +467,86 @@ def test_at_step_0_the_lottery_picks_a_leader_whose_quorum_its_followers_meet() 
     assert len(failed_before) > len(with_majority) // 2  # (91 of 147)
 
 
+def later_step(rng: random.Random, n: int, missing: int, *, old_rule: bool) -> dict[str, object]:
+    """One matchmaking of a later step of an open swarm of ``n`` anchored peers, each trusting a random
+    share (a third to all) of the others, as trust grows window by window after the first rounds; all
+    but ``missing`` announce. Each follows the first place it may (``choose_leader``); the leader
+    gathers them all and signs the entries their quorums allow; the members that get none decline."""
+    ids = [Identity.from_seed(bytes([9, i % 256, i // 256]) * 10 + b"xx").peer_id for i in range(n)]
+    everyone = frozenset(ids)
+    quorums: dict[PeerID, Quorum] = {}
+    on_step: dict[PeerID, int] = {}
+    for p in ids:
+        others = [o for o in ids if o != p]
+        trusted = frozenset(rng.sample(others, rng.randint(n // 3, n - 1)))
+        view = step_zero_view(n, len(trusted) + 1)
+        minimum = min(view.peers, view.quorum)
+        q, _ = step_quorum(view, minimum, n, everyone, trusted, frozenset(), p, anchored=True)
+        on_step[p] = len(trusted) + 1
+        # the rule before: a member held to its leader's quorum, every leader in one order
+        quorums[p] = Quorum(q.peers, q.size, q.nameable, leads=q.leads) if old_rule else q
+    announcing = rng.sample(ids, n - missing)
+    key = f"sync-{rng.randrange(1000)}"
+    ads = [
+        Announcement(p, "addr", 10.0, 1.0, b"s", leads=quorums[p].leads, rank=quorums[p].rank)
+        for p in announcing
+    ]
+    chosen = {choose_leader(a, ads, 0.0, key) for a in ads}
+    leaders = [a for a in ads if a.can_lead and choose_leader(a, ads, 0.0, key) is None]
+    assert len(leaders) == 1 and chosen - {None} <= set(leaders)  # (one order: one leader)
+    leader = leaders[0]
+    q = quorums[leader.peer]
+    gathering = Gathering(Joiner(leader.peer, "addr", 1.0), b"s", n, 2, quorum=q)
+    for p in announcing:
+        if p != leader.peer:
+            assert gathering.offer(joiner(p, quorums[p]), b"s") is None
+    members = gathering.form()
+    entries = None if isinstance(members, str) else gathering.entries(members)
+    formed = isinstance(members, list) and isinstance(entries, tuple)
+    declined: list[PeerID] = []
+    if formed:
+        assert isinstance(members, list) and isinstance(entries, tuple)
+        manifest = manifest_of(members, *entries)
+        declined = [m.peer for m in members[1:] if holds_me(manifest, m.peer, quorums[m.peer])]
+        taking = tuple(i for i, m in enumerate(members) if m.peer not in declined)
+        assert not manifest.short_of_quorum(taking)  # (those that take part meet every entry signed)
+    return {
+        "first": all(leader.rank <= a.rank for a in ads if a.can_lead),
+        "room": on_step[leader.peer] - q.size >= missing,  # its quorum leaves out the peers missing
+        "formed": formed,
+        # members whose trusted peers on the step are more than twice the missing ones, plus one
+        "roomy_declined": [p for p in declined if on_step[p] > 2 * missing + 1],
+    }
+
+
+def test_a_group_missing_a_few_of_the_step_holds_every_member_and_its_leader() -> None:
+    """The 128-peer stall: after the first rounds each peer trusts a part of the step (54 to 88 of 128:
+    trust is earned window by window), and where that part was no majority of the step its quorum was
+    *all* of it. Every group of the second step (88 to 108 members) failed at formation: members whose
+    trusted peers were not all there declined, the members counting them fell short in turn, and then
+    the leader's own quorum, all of its trusted peers, was gone. The invariants now: a member that
+    follows needs a majority of the peers it trusts on the step (what decides the state it follows
+    anyway), so a group that misses ``k`` of the step's peers holds every member trusting more than
+    ``2k + 1``; and leaders whose quorum leaves room lead first (rank 0), so the lottery picks a leader
+    whose group forms whenever it misses no more peers than that room. Random swarms of 32 to 256
+    peers, trust sets of a third to all of the step, all but a sixteenth at most announcing."""
+    rng = random.Random(128)
+    windows = [(rng.choice((32, 64, 128, 256)), rng.random()) for _ in range(120)]
+    new, old = (
+        [
+            later_step(random.Random(i), n, int(f * (n // 16 + 1)), old_rule=rule)
+            for i, (n, f) in enumerate(windows)
+        ]
+        for rule in (False, True)
+    )
+    assert all(o["first"] for o in new)  # a leader that leaves room wherever one announces
+    assert all(not o["roomy_declined"] for o in new)  # every member trusting enough takes part
+    roomy = [o for o in new if o["room"]]
+    assert len(roomy) > 100 and all(o["formed"] for o in roomy)
+    # the rule before: most such windows formed no group, or lost members that trusted plenty
+    assert sum(not o["formed"] or bool(o["roomy_declined"]) for o in old) > len(old) // 2
+
+
 def test_an_announcement_says_when_its_peer_only_follows() -> None:
     peer = IDS[0]
     leading = Announcement(peer, "addr", 5.0, 1.0, b"s")
@@ -478,7 +558,16 @@ def test_an_announcement_says_when_its_peer_only_follows() -> None:
     assert not following.closed().leads
     other = Announcement(IDS[1], "addr", 5.0, 1.0, b"s")
     assert why_not(other, following, 0.0, "k") == "client-only: it cannot lead"
-    for bad in ([*unpack(leading.to_bytes()), 1], [*unpack(leading.to_bytes()), False, False]):
+    ranked = Announcement(peer, "addr", 5.0, 1.0, b"s", rank=1)  # (leads where no rank 0 does)
+    assert Announcement.from_bytes(peer, ranked.to_bytes()) == ranked and ranked.closed().rank == 1
+    fields = unpack(leading.to_bytes())
+    for bad in (
+        [*fields, 1],
+        [*fields, False, False],
+        [*fields, True, 2],
+        [*fields, True, True],
+        [*fields, False, 1],
+    ):
         with pytest.raises(RemoteProtocolError):
             Announcement.from_bytes(peer, pack(bad))
 

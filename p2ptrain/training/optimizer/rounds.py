@@ -68,6 +68,7 @@ RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed
 # scatter deadline is 0.4 of it); else it declines.
 AHEAD_WAIT = 0.3
 AHEAD_POLL = 0.05  # seconds between looks at whether the replay landed
+SPARE_SHARE = 8  # a leader of rank 0 counts this many times the peers its quorum may miss (``lead_rank``)
 AHEAD_STEPS = (
     2  # sync: a peer at most this many steps behind, replaying, joins the round of the step it lands on
 )
@@ -107,20 +108,36 @@ def step_quorum(
     majority of its trusted peers is also what decides which state it follows (``progress``). Nothing
     here counts what free ids say: ``anchored`` is earned by committed rounds (or is the swarm's first
     peer's, which joined through nobody), the trusted peers are the join peers and partners, and
-    records of free ids can only make a newcomer's quorum tight, which keeps a newcomer following."""
+    records of free ids can only make a newcomer's quorum tight, which keeps a newcomer following.
+
+    Whatever it leads with, a peer that *joins* a group needs only a majority of the peers it trusts on
+    the step (``Quorum.joins``; ``matchmaking``, "Followers' quorums"), and its announcement ranks it
+    after the leaders whose quorum leaves room (``Quorum.rank``, :func:`lead_rank`)."""
     mine = publishing | {me}
     if trusted is None:
         return Quorum(mine, minimum, mine), minimum
     known = (mine & (trusted | {me})) | absent
     here = view.vouched_here
+    on_step = here + len(absent)  # this peer and the trusted peers on the step
+    joins = on_step // 2 + 1  # what a group it joins must hold (see "Followers' quorums")
     size = min(minimum, here)
-    if absent and (here + len(absent)) // 2 + 1 <= target:
-        size = max(size, (here + len(absent)) // 2 + 1)
-        return Quorum(known, size, mine | absent), max(minimum, size)
+    if absent and joins <= target:
+        size = max(size, joins)
+        return Quorum(known, size, mine | absent, joining=joins, rank=lead_rank(size, on_step)), max(
+            minimum, size
+        )
     tight = size >= here > 1 and view.peers > here
     if anchored or not tight:
-        return Quorum(known, size, mine | absent), minimum
+        joining = min(joins, size)
+        return Quorum(known, size, mine | absent, joining=joining, rank=lead_rank(size, on_step)), minimum
     return Quorum(known, here // 2 + 1, mine | absent, leads=False), minimum
+
+
+def lead_rank(size: int, on_step: int) -> int:
+    """0 where a leader's quorum of ``size`` leaves out at least an eighth of the ``on_step`` peers it
+    counts on the step (a group that misses a few of them still forms), else 1: such a leader leads only
+    where no leader of rank 0 does (``matchmaking``, "Who leads first")."""
+    return 0 if on_step - size >= max(1, on_step // SPARE_SHARE) else 1
 
 
 Landed = tuple[RoundResult, int]
