@@ -111,6 +111,7 @@ class _Looking:
     announced: dict[PeerID, float] = field(default_factory=dict)  # bandwidths peers announced, as seen
     min_size: int = 2  # the smallest group this peer takes (a smaller one is expected with fewer peers)
     compatible: set[PeerID] = field(default_factory=set)  # peers seen announcing with our schema
+    latest: dict[PeerID, Announcement] = field(default_factory=dict)  # each peer's announcement read last
 
 
 def announced_subnet(addr: str) -> str:
@@ -279,6 +280,7 @@ class GroupForming:
             while self.clock() < give_up:
                 seen = await self.announcements(key)
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
+                looking.latest.update((a.peer, a) for a in seen)
                 looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
                 mismatched.update(a.peer for a in seen if a.schema != me.schema)
                 leader = self._choose(looking, seen, declined)
@@ -583,8 +585,11 @@ class GroupForming:
                 self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False)
                 return None, why, False
             redirect = reply.message.redirect
-            if redirect and self._passed_over(redirect, declined):
+            passed = self._passed_over(redirect, declined, looking.latest) if redirect else ""
+            if passed == "excluded":
                 return None, f"{why}, one this peer does not follow", False  # asking again cannot help
+            if passed == "declined":  # (its next announcement, once read, may be followed: ask again)
+                return None, f"{why}, under an announcement that refused this peer", True
             return None, why, reply.message.retry
         try:
             signed = SignedManifest.verify(bytes(reply.body), leader.peer)
@@ -612,16 +617,27 @@ class GroupForming:
         self._followed[signed.digest] = (leader.peer, subnet)
         return signed, "", False
 
-    def _passed_over(self, addr: str, declined: set[Announcement]) -> bool:
+    def _passed_over(self, addr: str, declined: set[Announcement], latest: dict[PeerID, Announcement]) -> str:
         """Whether the leader at ``addr`` (where a peer we asked said it follows) is one we do not follow:
-        it refused us, or our book excludes it."""
-        if any(d.addr == addr for d in declined):
-            return True
+        "excluded" (our book excludes it), "declined" (its announcement read last refused us), or "".
+
+        A refusal passes over the announcement it came under, not the peer (``matchmaking.why_not``): a
+        leader that refused us (it found a smaller place at its deadline, or its group came out short)
+        and then looks again, under a new announcement, may be followed. Passed over by its address, at
+        128 simulated peers a peer that had been refused by the step's eventual leader declined every
+        peer that redirected to it, one after another, and was out of the step's round (the same for a
+        fifth of the live peers at some steps). A redirect to it is therefore asked again shortly: by
+        then this peer may have read the new announcement, and follows it directly."""
         try:
             peer = PeerAddress.parse(addr).peer_id
         except ValueError:
-            return False
-        return peer is not None and bool(self.leaders.excluded(peer, announced_subnet(addr), self.clock()))
+            peer = None
+        if peer is not None and self.leaders.excluded(peer, announced_subnet(addr), self.clock()):
+            return "excluded"
+        last = latest.get(peer) if peer is not None else None
+        if last is not None:
+            return "declined" if last in declined else ""
+        return "declined" if any(d.addr == addr for d in declined) else ""
 
     def _late(self, leader: Announcement, looking: _Looking, asked: float, why: str) -> bool:
         """Whether an answer without a manifest came so late that the leader failed us: at its deadline

@@ -97,29 +97,30 @@ fails it is excluded with its subnet). The order is still one strict order that 
 alike from the announcements, so the no-deadlock argument above holds unchanged.
 
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
-and sizes its majority by its own records), and members drop out between formation and the round (a state
-that moved on, a crash), so a round's contributors may hold one member's quorum and not another's. Each
-member checking them against its own quorum *after* the round split the swarm (at 32 peers, most members
-threw a committed round away while the others applied it; the former formed a second group of the same
-step: two lineages). So the quorums are fixed and signed at formation: each joiner names its quorum in
-its join request, the leader signs every member's as an entry of the manifest (:meth:`Gathering.entries`:
-the need over the *other* members, counting only peers the leader knows to publish progress, and needing
-at most ``NEED_SLACK`` more than the leader's own need or a majority of the peers the leader knows to
-publish progress), every member checks that its entry holds it to its own quorum before it takes part
-(:func:`holds_me`; else it declines the group), and a committed round is applied only if the decided
-contributors meet the entries of the leader and of the members the leader counts
-(:func:`short_of_quorums`), by every member alike; a member the leader does not count (a stranger to it)
-also holds the round to its own entry, and may discard it alone. The invariant: the leader and all the
-members it counts make the same apply/discard decision, computed only from what the leader signed (the
-manifest and the decision), never from a member's own view; no member applies a round they discard; and a
-stranger's entry binds only the stranger. A member that disagrees with a group refuses to join it before
-the round. The round itself still commits when the entries are not met, so that its audits run: a hostile
-reducer that refused honest slices to make the round fall short is convicted as after any round (aborting
-instead, such a round was never audited, and a zero farmer kept every round of an adversarial test's
-swarm aborting). A joiner whose quorum the group cannot meet (it needs more than the members it counts,
-or more than that bound) gets an empty entry and declines the group itself, and the others' entries do
-not count it: every entry signed is met by the members that take part (:meth:`Gathering.entries`), so a
-group that forms does not fall short for the members it holds.
+and sizes its majority by its own records), and members drop out between formation and the round (a
+state that moved on, a crash), so a round's contributors may hold one member's quorum and not another's.
+Each member checking them against its own quorum *after* the round split the swarm (at 32 peers, most
+members threw a committed round away while the others applied it; the former formed a second group of
+the same step: two lineages). So the quorums are fixed and signed at formation: each joiner names its
+quorum in its join request, the leader signs every member's as an entry of the manifest
+(:meth:`Gathering.entries`: the need over the *other* members, counting only peers the leader knows to
+publish progress, and needing at most a slack (``NEED_SLACK``, or an eighth of the peers known) more
+than the leader's own need or a majority of the peers the leader knows to publish progress), every
+member checks that its entry holds it to its own quorum before it takes part (:func:`holds_me`; else it
+declines the group), and a committed round is applied only if the decided contributors meet the entries
+of the leader and of the members the leader counts (:func:`short_of_quorums`), by every member alike; a
+member the leader does not count (a stranger to it) also holds the round to its own entry, and may
+discard it alone. The invariant: the leader and all the members it counts make the same apply/discard
+decision, computed only from what the leader signed (the manifest and the decision), never from a
+member's own view; no member applies a round they discard; and a stranger's entry binds only the
+stranger. A member that disagrees with a group refuses to join it before the round. The round itself
+still commits when the entries are not met, so that its audits run: a hostile reducer that refused
+honest slices to make the round fall short is convicted as after any round (aborting instead, such a
+round was never audited, and a zero farmer kept every round of an adversarial test's swarm aborting). A
+joiner whose quorum the group cannot meet (it needs more than the members it counts, or more than that
+bound) gets an empty entry and declines the group itself, and the others' entries do not count it: every
+entry signed is met by the members that take part (:meth:`Gathering.entries`), so a group that forms
+does not fall short for the members it holds.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ from .protocol import MAX_COUNTS, Manifest
 from .rules import listed_subnet
 
 NEED_SLACK = 2  # more of the peers a leader counts than its own quorum needs a joiner's quorum may need
+SLACK_SHARE = 8  # ... or this share of the peers the leader knows, where that is more (views differ by it)
 
 
 @dataclass(frozen=True)
@@ -552,7 +554,10 @@ class Gathering:
         """The most other members a joiner's quorum may need: the leader's own need, or a majority of the
         peers the leader knows to publish progress (``Quorum.nameable``, the peers an entry may count),
         whichever is more, and the slack (views differ: records travel for seconds, and a joiner that
-        sees more peers on the step wants more).
+        sees more peers on the step wants more). The slack grows with the peers known: at 128 simulated
+        peers a leader that had read 108 records refused joiners that saw 115 to 120 on the step ("its
+        quorum needs 58 peers, more than this group can be held to (56 others)"), its own trusted
+        peers among them, and its group then missed its own quorum.
 
         The invariant: an honest joiner with the leader's records is never refused for its quorum. Its
         need is a majority of the peers on the step as it sees them (``progress``), or fewer where it
@@ -565,7 +570,7 @@ class Gathering:
         (:meth:`entry`), and a stranger's entry binds the stranger alone (``short_of_quorums``)."""
         assert self.quorum is not None
         known = len(self.quorum.nameable or self.quorum.peers)
-        return max(self.quorum.size - 1, known // 2) + NEED_SLACK
+        return max(self.quorum.size - 1, known // 2) + max(NEED_SLACK, known // SLACK_SHARE)
 
     def entries(self, members: list[Joiner]) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
         """The manifest's ``needs`` and ``counts`` for the formed group (() when it has no quorum), or why

@@ -37,6 +37,7 @@ from p2ptrain.averaging.matchmaking import (
     Joiner,
     cannot_join,
     choose_leader,
+    place,
     ticket,
     why_not,
 )
@@ -121,6 +122,37 @@ def test_refused_and_excluded_leaders_are_passed_over_for_the_next_ticket():
     assert choose_leader(ann(first, 5.0, addr=""), [b], 0.0, KEY) == b
 
 
+def test_a_redirect_passes_over_the_announcement_that_refused_us_not_its_peer():
+    """A leader that refused this peer under one announcement (it found a smaller place at its deadline,
+    or its group came out short) and looks again under a new one may be followed, through a redirect
+    too (``GroupForming._passed_over``): passed over by its address, at 128 simulated peers a peer
+    refused by the step's eventual leader declined every peer that redirected to it, one after another,
+    and was out of the step's round. A leader the book excludes stays passed over."""
+    from p2ptrain.averaging.grouping import GroupForming
+    from p2ptrain.identity import Identity
+
+    class Forming:  # (what ``_passed_over`` reads of the group forming)
+        leaders = LeaderBook()
+
+        def clock(self) -> float:
+            return 50.0
+
+    peer = Identity.generate().peer_id
+    addr = f"/ip4/198.18.0.7/tcp/4000/p2p/{peer}"
+    refused = Announcement(peer, addr, 10.0, 1.0, b"s")
+    anew = Announcement(peer, addr, 14.0, 1.0, b"s")  # its next look
+    forming = Forming()
+
+    def passed(latest: dict[PeerID, Announcement]) -> str:
+        return GroupForming._passed_over(forming, addr, {refused}, latest)  # type: ignore[arg-type]
+
+    assert passed({peer: refused}) == "declined"  # (asked again shortly: a read may bring the new one)
+    assert passed({}) == "declined"  # (nothing read of it but the refusal)
+    assert passed({peer: anew}) == ""  # followed, as choose_leader would
+    forming.leaders.failed(peer, "198.18.0.0/24", 40.0, "no manifest")
+    assert passed({peer: anew}) == "excluded"
+
+
 # ---- the randomized property: no cycles, nothing declared wins ----
 
 
@@ -141,6 +173,7 @@ def swarms(draw: st.DrawFn) -> tuple[list[Announcement], dict[PeerID, tuple[list
             draw(deadlines),
             draw(st.floats(0, 1e15)),
             draw(st.sampled_from([b"s", b"s", b"s", b"t"])),
+            rank=draw(st.sampled_from([0, 0, 1])),  # (declared by the announcer, as the rest)
         )
         for i in range(1, n + 1)
     ]
@@ -169,8 +202,12 @@ def test_no_wait_chain_has_a_cycle_and_no_declared_field_changes_the_winner(swar
         assert leader.peer not in excluded and leader not in declined and leader.can_lead
         assert now < leader.deadline <= a.deadline + DEADLINE_SLACK
         if a.can_lead:  # every wait goes down the one order, whatever this observer excluded
-            assert ticket(key, leader.peer) < ticket(key, a.peer)
+            assert place(key, leader) < place(key, a)
             follows[a.peer] = leader.peer
+        # a leader whose quorum leaves room goes first: none of rank 0 it may follow is passed over
+        assert leader.rank == 0 or all(
+            why_not(a, x, now, key, declined=declined, excluded=excluded) for x in seen if x.rank == 0
+        )
         # Re-declare every other announcement's deadline (anywhere it stays followable) and bandwidth:
         # the same peer wins.
         redeclared = [
@@ -182,6 +219,7 @@ def test_no_wait_chain_has_a_cycle_and_no_declared_field_changes_the_winner(swar
                 rng.uniform(now + 1e-6, a.deadline + DEADLINE_SLACK),
                 rng.uniform(0, 1e9),
                 x.schema,
+                rank=x.rank,
             )
             for x in seen
         ]
