@@ -182,6 +182,15 @@ def train_node(args: argparse.Namespace) -> int:
             raise UsageError(f"--adversary: {e}") from None
         log.warning("this node attacks its swarm on purpose: %s", args.adversary)
     run_node(_train, node, trainer, bar)
+    if isinstance(launched, tuple):
+        # torchrun's rank 0 left the group together with the other ranks (``SiteNode.close``); it ends as
+        # they do, without tearing the backend down under its threads. Through the interpreter's
+        # shutdown instead it aborted now and then after its last step ("terminate called without an
+        # active exception", SIGABRT), and torchrun reported the site failed (the restart test, once
+        # in a suite run on a loaded machine).
+        from ..training.site.launch import exit_now
+
+        exit_now(0)
     return 0
 
 
