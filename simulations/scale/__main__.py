@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-rate", type=float, default=0.0, help="crashes per peer per hour")
     ap.add_argument("--loss", type=float, default=0.0, help="chance a message is retransmitted")
     ap.add_argument("--max-group", type=int, default=64, help="the run's averaging.max_group_size")
+    ap.add_argument(
+        "--width", type=int, default=0, help="the model's hidden units (0: 8 per member of a full group)"
+    )
     ap.add_argument("--keys", type=int, default=200)
     ap.add_argument("--kill", type=float, default=0.1, help="share of DHT nodes killed before the reads")
     ap.add_argument(
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             not any((args.nat_share, args.join_rate, args.leave_rate, args.kill_rate, args.loss))
             and args.batches_per_step == 10
             and args.max_group == 64
+            and not args.width
         )
         settings = (
             "default"
@@ -264,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             else (
                 f"nat={args.nat_share},churn={args.join_rate}/{args.leave_rate}/{args.kill_rate},"
                 f"loss={args.loss},bps={args.batches_per_step},group={args.max_group}"
+                + (f",width={args.width}" if args.width else "")
             )
         )
         runs = []
@@ -278,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss=args.loss,
                 seed=args.seed,
                 max_group=args.max_group,
+                width=args.width,
             )
             t0 = time.perf_counter()
             result = run(spec)

@@ -2,10 +2,12 @@
 in-memory network; and what the run measures (see the package docstring).
 
 Each peer is a real :class:`~p2ptrain.Node` (host, DHT, relays, averager) and a real
-:class:`~p2ptrain.training.CollaborativeOptimizer` on a tiny model (49 parameters): progress records,
-matchmaking, butterfly rounds, bans, state-sync metadata and downloads all run as in a deployment. A
-peer computes one batch per ``compute / speed`` virtual seconds (its compute is a sleep), so the swarm's
-step rate at a fixed per-peer batch is a property of the protocol alone.
+:class:`~p2ptrain.training.CollaborativeOptimizer` on a small model (an MLP, 8 hidden units per member
+of a full group: 3,073 parameters for groups of 64, so that every member reduces a partition and
+verifies its contributors, as in a real run): progress records, matchmaking, butterfly rounds, bans,
+state-sync metadata and downloads all run as in a deployment. A peer computes one batch per ``compute /
+speed`` virtual seconds (its compute is a sleep), so the swarm's step rate at a fixed per-peer batch is
+a property of the protocol alone.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ class SwarmSpec:
     loss: float = 0.0
     seed: int = 0
     max_group: int = 64  # the run's ``averaging.max_group_size``
+    # The model's hidden units (0: 8 per member of a full group). Every member of a group reduces a
+    # partition and verifies the contributors' slices of it, and trust is earned only there; with 49
+    # parameters (8 hidden units) a member of a group of 100 reduced nothing, half the swarm verified
+    # nobody, and its quorums were those of peers that trust a handful.
+    width: int = 0
+
+    @property
+    def hidden(self) -> int:
+        return self.width or 8 * self.max_group
 
 
 @dataclass
@@ -80,9 +91,9 @@ def identity_of(name: str) -> Identity:
     return Identity.from_seed(hashlib.blake2b(name.encode(), digest_size=32).digest())
 
 
-def make_model() -> torch.nn.Module:
+def make_model(hidden: int = 8) -> torch.nn.Module:
     torch.manual_seed(0)  # every peer starts from the same weights
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
 
 
 def run_config(spec: SwarmSpec) -> RunConfig:
@@ -133,7 +144,7 @@ class Simulation:
             transport=self.net.transport(place.name),
             clock=trio.current_time,
         )
-        model = make_model()
+        model = make_model(self.spec.hidden)
         inner = torch.optim.SGD(model.parameters(), lr=0.01)
         opt = CollaborativeOptimizer(node, model, inner, self.config, clock=trio.current_time)
         peer = SimPeer(i, place, node, opt, model, joined=trio.current_time())
@@ -318,6 +329,7 @@ def measure(
     return {
         "peers": sim.spec.peers,
         "live_at_end": len(sim.live()),
+        "parameters": 6 * sim.spec.hidden + 1,  # (the model's: 4 -> hidden -> 1)
         "virtual_s": round(window, 1),
         "global_steps": steps,
         "step_rate_per_min": round(steps / window * 60, 2),
