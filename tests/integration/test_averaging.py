@@ -11,6 +11,7 @@ untouched, and no member waits past the round's deadline.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -448,3 +449,70 @@ async def test_an_in_place_round_never_gives_the_callers_tensor_to_the_buffer_po
         for peer, tensors in zip(group.peers, inputs, strict=True):
             mine = tensors[0].untyped_storage().data_ptr()
             assert all(t.untyped_storage().data_ptr() != mine for t in peer.averager.pool.idle)
+
+
+async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not_all_at_once(
+    autojump_clock, monkeypatch
+):
+    """The invariant: a member that lacks a partition its reducer no longer serves asks the members that
+    may relay it one after another, a stagger apart (from a place of its own and the partition's), so
+    the first that holds the result answers and the rest are never asked. Asked all at once, at 128
+    simulated peers (groups of 100) every member lacking a lost partition asked every other member:
+    ~10,000 relay streams per lost partition at one instant, 547 KB of relayed results per peer per
+    step, and minutes of the simulator's CPU at one virtual moment. One member loses its copy of a
+    partition as the last bytes arrive, after its reducer counted it served (the setup of the test
+    above); the others commit with identical bits, and so does it when a relay still served it. Random
+    trials: in those where the reducer no longer served the loser, the relays were asked a stagger apart."""
+    from p2ptrain.averaging.gathering import RELAY_STAGGER, Gatherer
+    from p2ptrain.errors import ConnectionClosed
+
+    async def trial(seed: int) -> list[tuple[float, int]]:
+        rng = random.Random(seed)
+        n = rng.randint(5, 8)  # (three relays or more)
+        loser = rng.randrange(n)
+        lost_partition = rng.choice([i for i in range(n) if i != loser])
+        lost: list[bool] = []
+        asked: list[tuple[float, int]] = []  # (when, the relay asked)
+        relay_from, held = Gatherer._relay_from, Gatherer._held
+
+        async def counting(self: Gatherer, scope: trio.CancelScope, p: int, i: int) -> None:
+            asked.append((trio.current_time(), i))
+            await relay_from(self, scope, p, i)
+
+        def losing(self: Gatherer, p: int, check, scales) -> None:  # type: ignore[no-untyped-def]
+            if self.m.me == loser and p == lost_partition and not lost:
+                lost.append(True)
+                raise ConnectionClosed("the connection broke as the last bytes arrived")
+            held(self, p, check, scales)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Gatherer, "_relay_from", counting)
+            patch.setattr(Gatherer, "_held", losing)
+            async with open_group(n, seed=seed) as group:
+                size = rng.randint(5_000, 60_000)
+                originals = [make_tensors(40 * seed + i, [(size,)], [torch.float32]) for i in range(n)]
+                inputs = [[t.clone() for t in ts] for ts in originals]
+                signed = sign_manifest(group.peers, inputs[0], timeout=60.0)
+                with trio.fail_after(120):
+                    outcomes = await run_round(group, signed, inputs, [1.0] * n)
+        assert lost, "the loss was never injected"
+        others = [i for i in range(n) if i != loser]
+        assert all(isinstance(outcomes[i], RoundResult) for i in others), outcomes
+        kept = others if isinstance(outcomes[loser], RoundAborted) else list(range(n))
+        verdict = check_invariant(
+            [originals[i] for i in kept],
+            [inputs[i] for i in kept],
+            [1.0] * len(kept),
+            [outcomes[i] for i in kept],
+        )
+        assert verdict == "commit"
+        return asked
+
+    relayed = 0
+    for seed in range(10):
+        asked = await trial(seed)
+        times = sorted(t for t, _ in asked)
+        assert all(b - a >= RELAY_STAGGER - 1e-9 for a, b in itertools.pairwise(times)), (seed, asked)
+        assert len({i for _, i in asked}) == len(asked)  # (each relay asked once)
+        relayed += bool(asked)
+    assert relayed >= 3  # (trials where the reducer no longer served the loser)
