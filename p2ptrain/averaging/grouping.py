@@ -626,7 +626,7 @@ class GroupForming:
         and then looks again, under a new announcement, may be followed. Passed over by its address, at
         128 simulated peers a peer that had been refused by the step's eventual leader declined every
         peer that redirected to it, one after another, and was out of the step's round (the same for a
-        fifth of the live peers at some steps). A redirect to it is therefore asked again shortly: by
+        sixth of the live peers at some steps). A redirect to it is therefore asked again shortly: by
         then this peer may have read the new announcement, and follows it directly."""
         try:
             peer = PeerAddress.parse(addr).peer_id
