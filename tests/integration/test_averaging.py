@@ -359,6 +359,21 @@ async def test_a_member_that_leaves_before_its_round_costs_the_others_no_deadlin
     assert took < 0.1 * SCATTER * timeout, (took, n, client_only, leaver, delay)
 
 
+def assert_committed_but_the_loser(loser: int, originals: list, inputs: list, outcomes: list) -> None:
+    """Every member but ``loser`` committed, with identical bits; so did the loser unless it aborted (its
+    reducer and every relay had retired the round: then it is left out of the check)."""
+    others = [i for i in range(len(outcomes)) if i != loser]
+    assert all(isinstance(outcomes[i], RoundResult) for i in others), outcomes
+    kept = others if isinstance(outcomes[loser], RoundAborted) else list(range(len(outcomes)))
+    verdict = check_invariant(
+        [originals[i] for i in kept],
+        [inputs[i] for i in kept],
+        [1.0] * len(kept),
+        [outcomes[i] for i in kept],
+    )
+    assert verdict == "commit"
+
+
 @pytest.mark.parametrize("seed", range(12))
 async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not_wait_for_the_deadline(
     autojump_clock, monkeypatch, seed
@@ -403,20 +418,9 @@ async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not
             outcomes = await run_round(group, signed, inputs, [1.0] * n)
         took = trio.current_time() - began
     assert lost, "the loss was never injected"
-    others = [i for i in range(n) if i != loser]
-    assert all(isinstance(outcomes[i], RoundResult) for i in others), outcomes
     if isinstance(outcomes[loser], RoundAborted):  # (its reducer and every relay had retired the round)
         assert all(torch.equal(a, b) for a, b in zip(inputs[loser], originals[loser], strict=True))
-        kept = others
-    else:  # (its reducer, or a relay, still served it)
-        kept = list(range(n))
-    verdict = check_invariant(
-        [originals[i] for i in kept],
-        [inputs[i] for i in kept],
-        [1.0] * len(kept),
-        [outcomes[i] for i in kept],
-    )
-    assert verdict == "commit"
+    assert_committed_but_the_loser(loser, originals, inputs, outcomes)
     assert took < 0.25 * GATHER * timeout, (took, n, loser, lost_partition)
 
 
@@ -496,16 +500,7 @@ async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not
                 with trio.fail_after(120):
                     outcomes = await run_round(group, signed, inputs, [1.0] * n)
         assert lost, "the loss was never injected"
-        others = [i for i in range(n) if i != loser]
-        assert all(isinstance(outcomes[i], RoundResult) for i in others), outcomes
-        kept = others if isinstance(outcomes[loser], RoundAborted) else list(range(n))
-        verdict = check_invariant(
-            [originals[i] for i in kept],
-            [inputs[i] for i in kept],
-            [1.0] * len(kept),
-            [outcomes[i] for i in kept],
-        )
-        assert verdict == "commit"
+        assert_committed_but_the_loser(loser, originals, inputs, outcomes)
         return asked
 
     relayed = 0
