@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import stat
 from pathlib import Path
 
@@ -13,11 +14,13 @@ import pytest
 from p2ptrain.errors import IdentityError, InvalidSignature, RemoteProtocolError
 from p2ptrain.identity import (
     MAX_ENVELOPE_PAYLOAD,
+    SIGNATURE_BYTES,
     Identity,
     PeerID,
     SignedEnvelope,
     load_identity,
     load_or_create_identity,
+    remember_verified_signatures,
     save_identity,
     verify_signature,
 )
@@ -147,6 +150,55 @@ def test_sign_and_verify(alice: Identity, bob: Identity) -> None:
         verify_signature(alice.public_key[:31], b"hello", sig)
     with pytest.raises(InvalidSignature, match="malformed"):
         verify_signature(alice.public_key, b"hello", sig[:63])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_signature_checked_once_is_not_checked_again_and_nothing_else_passes_for_it(
+    seed: int, alice: Identity, bob: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process's memory of good signatures: a good one checked again costs no Ed25519 check, and
+    whatever differs from it by a byte (the message, the signature, the key) or failed once is checked
+    again and fails again, under random messages and mutations; the memory keeps at most its bound."""
+    import nacl.signing
+
+    checks = []
+    real = nacl.signing.VerifyKey.verify
+
+    def counted(self: nacl.signing.VerifyKey, *a: object, **k: object) -> bytes:
+        checks.append(1)
+        return real(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nacl.signing.VerifyKey, "verify", counted)
+    remember_verified_signatures(8)
+    try:
+        rng = random.Random(seed)
+        for _ in range(40):
+            signer = rng.choice([alice, bob])
+            msg = rng.randbytes(rng.randrange(0, 300))
+            sig = signer.sign(msg)
+            verify_signature(signer.public_key, msg, sig)
+            n = len(checks)
+            verify_signature(signer.public_key, msg, sig)  # remembered
+            assert len(checks) == n
+            other = bob if signer is alice else alice
+            forged = [
+                (other.public_key, msg, sig),
+                (signer.public_key, msg + b"x", sig),
+                (signer.public_key, msg[1:], sig) if msg else (signer.public_key, b"y", sig),
+            ]
+            i = rng.randrange(SIGNATURE_BYTES)
+            forged.append(
+                (signer.public_key, msg, sig[:i] + bytes([sig[i] ^ 1 << rng.randrange(8)]) + sig[i + 1 :])
+            )
+            for pk, m, sg in forged:
+                for _ in range(2):  # a failure is never remembered as good
+                    with pytest.raises(InvalidSignature):
+                        verify_signature(pk, m, sg)
+        from p2ptrain import identity
+
+        assert len(identity._verified._good) <= 8
+    finally:
+        remember_verified_signatures(4096)
 
 
 # ---- key files ---------------------------------------------------------------------------------
