@@ -168,7 +168,8 @@ class _Verified:
                 del self._good[next(iter(self._good))]
 
 
-_verified = _Verified(4096)
+KEPT_SIGNATURES = 4096  # good signatures a process remembers by default
+_verified = _Verified(KEPT_SIGNATURES)
 
 
 def remember_verified_signatures(capacity: int) -> None:

@@ -32,7 +32,7 @@ import trio.testing
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.dht.records import key_id
-from p2ptrain.identity import Identity, remember_verified_signatures
+from p2ptrain.identity import KEPT_SIGNATURES, Identity, remember_verified_signatures
 from p2ptrain.net import PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from p2ptrain.training import CollaborativeOptimizer
@@ -369,8 +369,11 @@ def run(spec: SwarmSpec, *, threads_stop_clock: bool = True) -> dict[str, Any]:
     simulation's CPU, not what it measures)."""
     remember_verified_signatures(VERIFIED_SIGNATURES)
     clock = trio.testing.MockClock(autojump_threshold=0)
-    with hold_clock(clock, threads_stop_clock):
-        result: dict[str, Any] = trio.run(simulate, spec, clock=clock)
+    try:
+        with hold_clock(clock, threads_stop_clock):
+            result: dict[str, Any] = trio.run(simulate, spec, clock=clock)
+    finally:
+        remember_verified_signatures(KEPT_SIGNATURES)
     return result
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from p2ptrain.errors import IdentityError, InvalidSignature, RemoteProtocolError
 from p2ptrain.identity import (
+    KEPT_SIGNATURES,
     MAX_ENVELOPE_PAYLOAD,
     SIGNATURE_BYTES,
     Identity,
@@ -198,7 +199,7 @@ def test_a_signature_checked_once_is_not_checked_again_and_nothing_else_passes_f
 
         assert len(identity._verified._good) <= 8
     finally:
-        remember_verified_signatures(4096)
+        remember_verified_signatures(KEPT_SIGNATURES)
 
 
 # ---- key files ---------------------------------------------------------------------------------
