@@ -340,7 +340,8 @@ class GroupForming:
             # a store on every replica, each round, for nothing (a latecomer asks and is refused).
             if self._nursery is not None and not _holds_all(formed, looking.announced):
                 expiry = self._expiry(key, me.deadline + JOIN_GRACE)
-                self._nursery.start_soon(self.announce, key, me.closed(), expiry)
+                if expiry > self.clock():  # (past it, the open one has expired too: nothing to close)
+                    self._nursery.start_soon(self.announce, key, me.closed(), expiry)
 
     def _expiry(self, key: bytes, wanted: float) -> float:
         """The expiry for our next announcement under ``key``: later than every earlier one.

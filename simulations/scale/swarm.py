@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import random
+import re
 import resource
 import statistics
 import time
@@ -85,6 +86,8 @@ class SimPeer:
     joined: float = 0.0
     gone: float | None = None
     steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
+    # what it noted of each step, whether or not it took one: (epoch, outcome, reason)
+    notes: list[tuple[int, str, str]] = field(default_factory=list)
     # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
 
 
@@ -168,6 +171,7 @@ class Simulation:
         x = torch.randn(BATCH, 4, generator=g)
         y = x.sum(1, keepdim=True)
         target = self.config.training.target_batch_size
+        noted: dict[str, Any] = {}
         while True:
             torch.nn.functional.mse_loss(peer.model(x), y).backward()
             await trio.sleep(self.spec.compute / peer.place.speed)
@@ -175,8 +179,13 @@ class Simulation:
             self.samples[epoch] += BATCH
             if self.samples[epoch] >= target and epoch not in self.reached:
                 self.reached[epoch] = trio.current_time()
-            if await peer.opt.step(BATCH):
-                last = peer.opt.stats.last
+            took = await peer.opt.step(BATCH)
+            last = peer.opt.stats.last
+            if last and last is not noted:
+                noted = last
+                epoch_noted, why = int(last.get("epoch", -1)), str(last.get("reason", ""))
+                peer.notes.append((epoch_noted, str(last["outcome"]), why))
+            if took:
                 peer.steps.append(
                     (
                         int(last.get("epoch", epoch)),
@@ -309,12 +318,23 @@ def measure(
                     members[left] += 1
     forks = sorted(e for e, ds in digests.items() if len(ds) > 1)
     shares = []
+    # what the live peers left out of a committed round noted of its step instead (no group, aborted,
+    # synced to the next: "none" if nothing), and why, where they say: where the share is lost
+    missed: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
     for epoch, at in sorted(committed_at.items()):
         if at < window_start or at > window_start + window - LANDING:
             continue  # (a round committed as the run ends may not have landed on all its members yet)
         alive = [p for p in sim.peers if p.joined < at - 30.0 and (p.gone is None or p.gone > at)]
         if alive:
             shares.append(min(1.0, members[epoch] / len(alive)))
+        for p in alive:
+            if any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps):
+                continue
+            of = [n for n in p.notes if n[0] == epoch and n[1] != "synced"]
+            of += [n for n in p.notes if n[0] == epoch + 1 and n[1] == "synced"]
+            missed["+".join(sorted({n[1] for n in of})) or "none"] += 1
+            reasons.update({_pattern(n[2]) for n in of if n[2]})
     waits = [
         committed_at[e] - sim.reached[e]
         for e in committed_at
@@ -354,12 +374,20 @@ def measure(
         "share_in_committed_round_mean": round(statistics.fmean(shares), 3) if shares else 0.0,
         "share_in_committed_round_min": round(min(shares), 3) if shares else 0.0,
         "steps_with_95pct": round(sum(s >= 0.95 for s in shares) / len(shares), 3) if shares else 0.0,
+        "shares": [round(x, 3) for x in shares],
+        "left_out_by_outcome": dict(missed.most_common()),
+        "left_out_reasons": dict(reasons.most_common(6)),
         "forks": len(forks),
         "fork_epochs": forks[:10],
         # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
         # contributors miss a member's signed quorum aborts on all its members)
         "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
     }
+
+
+def _pattern(reason: str) -> str:
+    """A reason with its peer ids and numbers left out, so that reasons alike count together."""
+    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"\w{6}\.\.\w{4}", "X", reason))[:60]
 
 
 def run(spec: SwarmSpec, *, threads_stop_clock: bool = True) -> dict[str, Any]:
