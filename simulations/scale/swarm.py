@@ -88,6 +88,7 @@ class SimPeer:
     steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
     # what it noted of each step, whether or not it took one: (epoch, outcome, reason)
     notes: list[tuple[int, str, str]] = field(default_factory=list)
+    looks: list[tuple[int, float]] = field(default_factory=list)  # (epoch, when a look for its group began)
     # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
 
 
@@ -153,6 +154,13 @@ class Simulation:
         opt = CollaborativeOptimizer(node, model, inner, self.config, clock=trio.current_time)
         peer = SimPeer(i, place, node, opt, model, joined=trio.current_time())
         self.peers.append(peer)
+        runner, look = opt.rounds, opt.rounds.start_matchmaking
+
+        def traced(ahead: int = 0) -> None:  # when each look for a group began (the report's spread)
+            peer.looks.append((runner.tally.epoch + ahead, trio.current_time()))
+            look(ahead)
+
+        runner.start_matchmaking = traced  # type: ignore[method-assign]
 
         async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             PEER_NAME.set(place.name)
@@ -322,15 +330,27 @@ def measure(
     # synced to the next: "none" if nothing), and why, where they say: where the share is lost
     missed: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
+    # when each live peer's look for the step's group began, after the step's first look: members',
+    # the left-out's that looked before the commit, and how many of those did not
+    member_looks: list[float] = []
+    left_looks: list[float] = []
+    missed_look = 0
     for epoch, at in sorted(committed_at.items()):
         if at < window_start or at > window_start + window - LANDING:
             continue  # (a round committed as the run ends may not have landed on all its members yet)
         alive = [p for p in sim.peers if p.joined < at - 30.0 and (p.gone is None or p.gone > at)]
         if alive:
             shares.append(min(1.0, members[epoch] / len(alive)))
+        first = min((t for p in alive for e, t in p.looks if e == epoch), default=at)
         for p in alive:
+            began = min((t for e, t in p.looks if e == epoch), default=math.inf)
             if any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps):
+                member_looks.append(began - first)
                 continue
+            if began < at:
+                left_looks.append(began - first)
+            else:
+                missed_look += 1
             of = [n for n in p.notes if n[0] == epoch and n[1] != "synced"]
             of += [n for n in p.notes if n[0] == epoch + 1 and n[1] == "synced"]
             missed["+".join(sorted({n[1] for n in of})) or "none"] += 1
@@ -377,6 +397,13 @@ def measure(
         "shares": [round(x, 3) for x in shares],
         "left_out_by_outcome": dict(missed.most_common()),
         "left_out_reasons": dict(reasons.most_common(6)),
+        "look_after_first_s": {
+            "members_p50": round(pct(member_looks, 0.5), 2) if member_looks else None,
+            "members_max": round(max(member_looks), 2) if member_looks else None,
+            "left_out_p50": round(pct(left_looks, 0.5), 2) if left_looks else None,
+            "left_out_looked": len(left_looks),
+            "left_out_no_look_before_commit": missed_look,
+        },
         "forks": len(forks),
         "fork_epochs": forks[:10],
         # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
