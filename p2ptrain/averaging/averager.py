@@ -394,6 +394,7 @@ class Averager:
         min_size: int | None = None,
         quorum: Quorum | None = None,
         lead: bool = True,
+        opens: float | None = None,
     ) -> SignedManifest:
         """Only the matchmaking half of :meth:`average`: the signed manifest of the group found.
 
@@ -402,6 +403,7 @@ class Averager:
         configured group sizes for this call (a training run sizes groups by the peers it sees).
         ``quorum``: a group led here forms only with that many of those peers (see ``matchmaking``).
         ``lead=False``: join a group led by another peer or none (a client-only member of it).
+        ``opens``: when the matchmaking window begins, if later than now (at most a window later).
         """
         if self.groups.busy:
             raise RuntimeError("an average() call is already in progress on this node")
@@ -417,6 +419,7 @@ class Averager:
             sizes,
             quorum,
             lead=lead,
+            opens=opens,
         )
 
     async def run_round(

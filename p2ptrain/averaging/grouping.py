@@ -222,13 +222,20 @@ class GroupForming:
         sizes: tuple[int, int],
         quorum: Quorum | None = None,
         lead: bool = True,
+        opens: float | None = None,
     ) -> SignedManifest:
         """Find or lead a group under ``group_key``: its signed manifest, checked against the run's
         rules (GroupTooSmall, SchemaMismatch or GroupFormationFailed say why none formed).
 
         ``lead=False``: follow a leader or none, as a client-only peer does (announced without an
-        address: nobody follows it or waits for it, and it reduces no share)."""
+        address: nobody follows it or waits for it, and it reduces no share). ``opens``: when the
+        matchmaking window begins, if later than now (at most one window later): the deadline is the
+        window after it. A training run opens it when its view expects the step's target, so that the
+        peers of one step announce about one deadline however early each began to look (see
+        ``training``'s rounds: a look begins up to a batch early, and a batch is 0.5 to 2 s)."""
         cfg = self._config()
+        now = self.clock()
+        opens = now if opens is None else min(max(opens, now), now + cfg.matchmaking_time)
         # A leader whose group came out too small follows on its next look under the same key, and may
         # lead again after it. Its ticket is the key's, so it would be drawn again for every retry of the
         # step, fail again for the same reason (its own quorum, peers elsewhere), and gather suspicions
@@ -241,7 +248,7 @@ class GroupForming:
         me = Announcement(
             self.host.identity.peer_id,
             self._my_addr() if lead else "",
-            self.clock() + cfg.matchmaking_time,
+            opens + cfg.matchmaking_time,
             self.bandwidth,
             digest,
             # (a peer that only follows: ``matchmaking``)

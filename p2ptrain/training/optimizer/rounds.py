@@ -442,6 +442,12 @@ class RoundRunner:
             # the state again). Decided as this try began, not now: a look that began ahead stays a
             # follower's when its replay lands meanwhile (during the records' refresh above), since
             # its view and quorum were taken as a spectator's (a try after it landed may lead).
+            # The window opens when this view expects the step's target, not when this look began: a
+            # look begins up to a batch early (``CollaborativeOptimizer.step``: 0.5 to 2 s a batch in
+            # the simulator), and a window from there left the peers whose looks began last out of the
+            # group of the leader whose began first (at 64 simulated peers the looks of a step's members
+            # began over 8 s, the left-out's half a second after the members' median).
+            opens = began + min(view.eta, cfg.matchmaking_time)
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
@@ -450,6 +456,7 @@ class RoundRunner:
                 min_size=minimum,
                 quorum=quorum,
                 lead=lead and epoch == self.tally.epoch,
+                opens=opens,
             )
         except GroupFormationFailed as e:
             log.info("no group for step %d: %s", epoch, e)
@@ -457,7 +464,8 @@ class RoundRunner:
             self.retry_at = self.clock() + self.retry_gap()
             return True
         else:
-            self.board.group_took(min(self.clock() - began, cfg.matchmaking_time))
+            # (counted from the window's opening: the wait for the target is not the group's)
+            self.board.group_took(min(max(0.0, self.clock() - opens), cfg.matchmaking_time))
             if (diloco and not self.config.diloco.overlap) or self.contribution.summed:
                 # step() runs it, with compute paused; or, summed, hands the gradients over between two
                 # backward passes (one may be adding to them right now); a group joined ahead, once the
