@@ -142,7 +142,10 @@ class RoundMachine:
         self.plan: Plan | None = None
         self.held: set[int] = set()  # partitions whose final values this member holds
         self.progress: dict[int, float] = {}  # partition -> when its fetch last received something
-        self.fetches_left = 0  # fetches of the partitions reduced here that members have yet to make
+        # (partition reduced here, member) for each member that has yet to fetch it: a set of who, not a
+        # count of fetches, so that a member served twice (an early fetch whose chunks the decision
+        # voided, then the result; a fetch again after a stall) is not taken for another member served
+        self.owed: set[tuple[int, int]] = set()
         self.finished = False  # this member's own part of the round is over (committed or aborted)
         self.faults: dict[int, Fault] = {}  # partition -> the first fault found in its result
         self.bad_senders: dict[int, str] = {}  # member -> why a slice it sent us broke the rules
@@ -327,7 +330,7 @@ class RoundMachine:
     def finalized(self, p: int) -> None:
         """We computed partition ``p``: every other member will fetch it from us."""
         self.held.add(p)
-        self.fetches_left += self.n - 1
+        self.owed.update((p, i) for i in range(self.n) if i != self.me)
 
     def fetched(self, p: int, now: float) -> None:
         self.progress[p] = now
@@ -336,15 +339,16 @@ class RoundMachine:
         """When the fetch of ``p`` counts as stalled (and the other members are asked too)."""
         return self.progress[p] + STALLED_AFTER
 
-    def served(self) -> bool:
-        """A member fetched one of our partitions; True once no one needs this round any more."""
-        self.fetches_left -= 1
-        return self.finished and self.fetches_left <= 0
+    def served(self, p: int, member: int) -> bool:
+        """``member`` fetched partition ``p`` from us; True once no one needs this round any more."""
+        self.owed.discard((p, member))
+        return self.finished and not self.owed
 
     def finish(self) -> bool:
-        """Our own part is over; True if no one needs this round any more."""
+        """Our own part is over; True if no one needs this round any more (every member fetched what
+        it reduced here: until then it goes on serving, to the round's end at most)."""
         self.finished = True
-        return self.fetches_left <= 0
+        return not self.owed
 
     def fault(self, p: int, server: int, reason: str, *, proven: bool) -> str:
         """The result of partition ``p`` that ``server`` served broke the rules (``reason``): nothing of

@@ -179,7 +179,7 @@ class RoundServer:
 
     async def on_fetch(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         m, p = self.m, req.partition
-        m.member_of(ctx.peer)
+        member = m.member_of(ctx.peer)
         if p not in self.t.reducers and m.decision is None:
             with trio.move_on_at(m.at.gather):  # a replacement learns it is one from the decision
                 await self.sig.decided.wait()
@@ -199,7 +199,7 @@ class RoundServer:
                     await self._point("during_gather")
             await stream.send_eof()
             self.meter.flow_done("upload")
-        self._served()
+        self._served(p, member)
         return Ack(True, attestation=red.attestation, scales=red.scales)
 
     async def on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
@@ -207,7 +207,7 @@ class RoundServer:
         is in), then answer, once the decision is in, whether those chunks are the result. They are
         unless the decision leaves someone out or changes a weight; then the member fetches again."""
         m, p = self.m, req.partition
-        m.member_of(ctx.peer)
+        member = m.member_of(ctx.peer)
         red = self.t.reducers.get(p)
         if p != m.me or red is None or red.early is None:
             return Ack(False, f"no early results of partition {p} here")
@@ -232,7 +232,7 @@ class RoundServer:
                     await self.sig.finalized(p).wait()
             await stream.send_eof()
         if sent == len(red.spans) and red.early_final and not self.sig.retired.is_set():
-            self._served()
+            self._served(p, member)
             return Ack(True, scales=red.scales)
         return Ack(False, f"the early results of partition {p} are not the round's; fetch it again")
 
@@ -255,6 +255,6 @@ class RoundServer:
             await stream.send_eof()
         return Ack(True, scales=self.t.scales.get(p, ()))
 
-    def _served(self) -> None:
-        if self.m.served():
+    def _served(self, p: int, member: int) -> None:
+        if self.m.served(p, member):
             self.sig.done.set()
