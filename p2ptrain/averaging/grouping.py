@@ -56,6 +56,7 @@ from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .compression import Compression
 from .leaders import LeaderBook
 from .matchmaking import (
+    DEADLINE_SLACK,
     Announcement,
     Gathering,
     Joiner,
@@ -229,13 +230,16 @@ class GroupForming:
 
         ``lead=False``: follow a leader or none, as a client-only peer does (announced without an
         address: nobody follows it or waits for it, and it reduces no share). ``opens``: when the
-        matchmaking window begins, if later than now (at most one window later): the deadline is the
-        window after it. A training run opens it when its view expects the step's target, so that the
-        peers of one step announce about one deadline however early each began to look (see
-        ``training``'s rounds: a look begins up to a batch early, and a batch is 0.5 to 2 s)."""
+        matchmaking window begins, if later than now: the deadline is the window after it. A training
+        run opens it when its view expects the step's target, so that the peers of one step announce
+        about one deadline however early each began to look (see ``training``'s rounds: a look begins
+        up to a batch early, and a batch is 0.5 to 2 s in the scale simulator). At most a window later,
+        and at most half of ``DEADLINE_SLACK``: peers whose views disagree on the target then announce
+        deadlines that still lie within the slack of each other's, and follow each other as before."""
         cfg = self._config()
         now = self.clock()
-        opens = now if opens is None else min(max(opens, now), now + cfg.matchmaking_time)
+        later = min(cfg.matchmaking_time, DEADLINE_SLACK / 2)
+        opens = now if opens is None else min(max(opens, now), now + later)
         # A leader whose group came out too small follows on its next look under the same key, and may
         # lead again after it. Its ticket is the key's, so it would be drawn again for every retry of the
         # step, fail again for the same reason (its own quorum, peers elsewhere), and gather suspicions

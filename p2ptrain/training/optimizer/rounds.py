@@ -39,7 +39,7 @@ import torch
 import trio
 
 from ...averaging.allreduce import RoundResult
-from ...averaging.matchmaking import Quorum, short_of_quorums
+from ...averaging.matchmaking import DEADLINE_SLACK, Quorum, short_of_quorums
 from ...averaging.protocol import SignedManifest
 from ...averaging.spill import Spilled, SpillFile
 from ...config import RunConfig
@@ -447,7 +447,7 @@ class RoundRunner:
             # the simulator), and a window from there left the peers whose looks began last out of the
             # group of the leader whose began first (at 64 simulated peers the looks of a step's members
             # began over 8 s, the left-out's half a second after the members' median).
-            opens = began + min(view.eta, cfg.matchmaking_time)
+            opens = began + min(view.eta, cfg.matchmaking_time, DEADLINE_SLACK / 2)  # (as the look caps it)
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
