@@ -394,7 +394,6 @@ class RoundRunner:
         """One look for a group of ``epoch``; True when none formed in time (look again)."""
         cfg = self.config.averaging
         diloco = self.outer is not None
-        began = self.clock()
         try:
             board = self.board
             await board.refresh()  # size the group by the freshest records: a peer that just caught up counts
@@ -446,8 +445,9 @@ class RoundRunner:
             # look begins up to a batch early (``CollaborativeOptimizer.step``: 0.5 to 2 s a batch in
             # the simulator), and a window from there left the peers whose looks began last out of the
             # group of the leader whose began first (at 64 simulated peers the looks of a step's members
-            # began over 8 s, the left-out's half a second after the members' median).
-            opens = began + min(view.eta, cfg.matchmaking_time, DEADLINE_SLACK / 2)  # (as the look caps it)
+            # began over 8 s, the left-out's about a second after the members' median).
+            # (capped as the look caps it)
+            opens = self.clock() + min(view.eta, cfg.matchmaking_time, DEADLINE_SLACK / 2)
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
