@@ -56,7 +56,6 @@ from .bandwidth import BandwidthEstimate, partition_bandwidths
 from .compression import Compression
 from .leaders import LeaderBook
 from .matchmaking import (
-    DEADLINE_SLACK,
     Announcement,
     Gathering,
     Joiner,
@@ -64,6 +63,7 @@ from .matchmaking import (
     cannot_join,
     choose_leader,
     holds_me,
+    opening,
     why_not,
 )
 from .partition import partition_sizes
@@ -233,13 +233,11 @@ class GroupForming:
         matchmaking window begins, if later than now: the deadline is the window after it. A training
         run opens it when its view expects the step's target, so that the peers of one step announce
         about one deadline however early each began to look (see ``training``'s rounds: a look begins
-        up to a batch early, and a batch is 0.5 to 2 s in the scale simulator). At most a window later,
-        and at most half of ``DEADLINE_SLACK``: peers whose views disagree on the target then announce
-        deadlines that still lie within the slack of each other's, and follow each other as before."""
+        up to a batch early, and a batch is 0.5 to 2 s in the scale simulator); capped as
+        :func:`~p2ptrain.averaging.matchmaking.opening` says."""
         cfg = self._config()
         now = self.clock()
-        later = min(cfg.matchmaking_time, DEADLINE_SLACK / 2)
-        opens = now if opens is None else min(max(opens, now), now + later)
+        opens = now if opens is None else opening(now, opens - now, cfg.matchmaking_time)
         # A leader whose group came out too small follows on its next look under the same key, and may
         # lead again after it. Its ticket is the key's, so it would be drawn again for every retry of the
         # step, fail again for the same reason (its own quorum, peers elsewhere), and gather suspicions

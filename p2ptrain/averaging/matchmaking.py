@@ -214,6 +214,15 @@ def place(group_key: str, a: Announcement) -> tuple[int, bytes]:
     return a.rank, ticket(group_key, a.peer)
 
 
+def opening(now: float, wait: float, window: float) -> float:
+    """When a matchmaking window opens that a peer asked to open ``wait`` seconds from ``now`` (a training
+    run: when its view expects the step's target): at most a window later, and at most half of
+    ``DEADLINE_SLACK``, so that peers whose views disagree on the target announce deadlines within the
+    slack of each other's and follow each other; a leader that stalls holds a follower at most that much
+    longer than it did with a window from its look's start."""
+    return now + max(0.0, min(wait, window, DEADLINE_SLACK / 2))
+
+
 def why_not(
     me: Announcement,
     a: Announcement,

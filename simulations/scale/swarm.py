@@ -88,7 +88,6 @@ class SimPeer:
     steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
     # what it noted of each step, whether or not it took one: (epoch, outcome, reason)
     notes: list[tuple[int, str, str]] = field(default_factory=list)
-    looks: list[tuple[int, float]] = field(default_factory=list)  # (epoch, when a look for its group began)
     # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
 
 
@@ -154,13 +153,6 @@ class Simulation:
         opt = CollaborativeOptimizer(node, model, inner, self.config, clock=trio.current_time)
         peer = SimPeer(i, place, node, opt, model, joined=trio.current_time())
         self.peers.append(peer)
-        runner, look = opt.rounds, opt.rounds.start_matchmaking
-
-        def traced(ahead: int = 0) -> None:  # when each look for a group began (the report's spread)
-            peer.looks.append((runner.tally.epoch + ahead, trio.current_time()))
-            look(ahead)
-
-        runner.start_matchmaking = traced  # type: ignore[method-assign]
 
         async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             PEER_NAME.set(place.name)
@@ -341,9 +333,10 @@ def measure(
         alive = [p for p in sim.peers if p.joined < at - 30.0 and (p.gone is None or p.gone > at)]
         if alive:
             shares.append(min(1.0, members[epoch] / len(alive)))
-        first = min((t for p in alive for e, t in p.looks if e == epoch), default=at)
+        began_at = {p.index: p.opt.rounds.began_looking.get(epoch, math.inf) for p in alive}
+        first = min((t for t in began_at.values() if t < math.inf), default=at)
         for p in alive:
-            began = min((t for e, t in p.looks if e == epoch), default=math.inf)
+            began = began_at[p.index]
             if any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps):
                 member_looks.append(began - first)
                 continue

@@ -39,7 +39,7 @@ import torch
 import trio
 
 from ...averaging.allreduce import RoundResult
-from ...averaging.matchmaking import DEADLINE_SLACK, Quorum, short_of_quorums
+from ...averaging.matchmaking import Quorum, opening, short_of_quorums
 from ...averaging.protocol import SignedManifest
 from ...averaging.spill import Spilled, SpillFile
 from ...config import RunConfig
@@ -68,6 +68,7 @@ RETRY_MATCHMAKING = 1.0  # seconds before matchmaking again after a group failed
 # scatter deadline is 0.4 of it); else it declines.
 AHEAD_WAIT = 0.3
 AHEAD_POLL = 0.05  # seconds between looks at whether the replay landed
+LOOKS_KEPT = 64  # steps whose first look's time ``RoundRunner.began_looking`` keeps
 SPARE_SHARE = 8  # a leader of rank 0 counts this many times the peers its quorum may miss (``lead_rank``)
 AHEAD_STEPS = (
     2  # sync: a peer at most this many steps behind, replaying, joins the round of the step it lands on
@@ -198,6 +199,9 @@ class RoundRunner:
         self.in_flight: InFlight | None = None  # a round running in the background
         self.formed: tuple[int, SignedManifest] | None = None  # a group formed for step() to run
         self._looking: Looking | None = None  # the matchmaking in progress
+        # step -> when this peer first looked for its group (the last ``LOOKS_KEPT`` steps): how early or
+        # late it came to each step's group, which the scale simulator reports
+        self.began_looking: dict[int, float] = {}
         self.retry_at = 0.0
         self._next_batch = clock()  # when the training loop began computing its next batch
         self._prepared = -1  # the step whose matchmaking key was located ahead (see ``prepare``)
@@ -272,6 +276,9 @@ class RoundRunner:
         if before is not None:
             assert epoch > before.epoch, "a look for a later step's group only supersedes one"
             before.scope.cancel()
+        self.began_looking.setdefault(epoch, self.clock())
+        while len(self.began_looking) > LOOKS_KEPT:
+            del self.began_looking[min(self.began_looking)]
         looking = self._looking = Looking(epoch, bool(ahead), trio.CancelScope(), trio.Event())
         self._nursery.start_soon(self._matchmake, looking, before)
 
@@ -446,8 +453,7 @@ class RoundRunner:
             # the simulator), and a window from there left the peers whose looks began last out of the
             # group of the leader whose began first (at 64 simulated peers the looks of a step's members
             # began over 8 s, the left-out's about a second after the members' median).
-            # (capped as the look caps it)
-            opens = self.clock() + min(view.eta, cfg.matchmaking_time, DEADLINE_SLACK / 2)
+            opens = opening(self.clock(), view.eta, cfg.matchmaking_time)
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
