@@ -317,7 +317,9 @@ class AllReduceRound:
             with trio.fail_after(max(0.0, (deadline or m.at.scatter) - trio.current_time())):
                 conn = await self.host.connect(addr)
                 async with conn.open_stream(
-                    PART, PartReq(self.digest, p, m.weight, commit, t.claim(p)), timeout=time_left(m.at.end)
+                    PART,
+                    PartReq(self.digest, p, m.weight, commit, t.own_table()[0]),
+                    timeout=time_left(m.at.end),
                 ) as stream:
                     for index, piece in enumerate(pieces):
                         await stream.send(piece)

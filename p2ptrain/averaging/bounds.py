@@ -6,14 +6,18 @@ member's own cap on its signer (:func:`cap`); and **an honest reducer adds a sli
 its sender's signed scale and the reducer's cap on that sender** (:func:`widened`, :func:`over_cap`). The
 form checks (sizes, encodings, finite values) come first and stay as they were.
 
-The evidence: every contributor signs, with its identity key, the scale of its slice of each partition
-(:class:`Claim`: round, partition, sum of squares, largest magnitude, count; :func:`seal_claim`) and sends
-it with the slice. The reducer checks the slice against it as it arrives (a slice larger than its own
-signed scale is refused and its sender left out: a liar's claim must match its data) and serves the
-decided contributors' signed scales, in the decision's order, with the partition's result (with its
-relays too). The fetching member opens each with the contributor's key from the manifest
-(:func:`open_claim`: another signer, round, partition or size is a malformed result, its server's fault),
-and bounds the result by what those scales allow:
+The evidence: every contributor signs, with its identity key, one table of the scales of its slices of
+every partition (:class:`ScaleTable`: round, then per partition its sum of squares and largest
+magnitude; :func:`seal_table`) and sends it with each slice. The reducer checks the slice against its
+partition's entry as it arrives (a slice larger than its own signed scale is refused and its sender left
+out: a liar's claim must match its data) and serves, with the partition's result, the tags of the decided
+contributors' tables it used (:func:`table_tag`, in the decision's order), with those tables in full that
+the fetching member does not hold under the same tag (it names the tags it holds in its request). The
+member opens each table once (:func:`open_table`: another signer, round or number of partitions is a
+malformed result, its server's fault), so a round costs it one signature check per contributor, not one
+per contributor and partition; a contributor that signs two tables of a round (one to each of two
+reducers) only makes members fetch the other, and each partition is bounded by the table its reducer
+used. The member bounds the result by what those scales allow:
 
 - plain weighted mean: ``||sum w_i x_i / W|| <= sum (w_i / W) ||x_i||`` and ``max|.| <= sum (w_i / W)
   absmax_i`` (the triangle inequality, weights positive, the decision's weights);
@@ -70,7 +74,9 @@ and its size there (:func:`base`) is what :func:`cap` multiplies.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -84,7 +90,7 @@ from ..wire.codec import pack, unpack
 from ..wire.schema import Message, bounded
 from .compression import Compression
 from .norms import sum_of_squares
-from .protocol import MAX_CLAIM_ENVELOPE
+from .protocol import MAX_GROUP, MAX_TABLE_ENVELOPE, TAG_BYTES
 from .robust import CLIP_ITERATIONS, trimmed_count
 
 BOUND = 32.0
@@ -96,7 +102,8 @@ CAP = 128.0
 """How many times its own values' size, per unit of its own weight, a member believes of a contributor's
 signed scale, per unit of that contributor's weight (see the module docstring: what a hostile reducer's
 colluders can add to a partition's bound)."""
-CLAIM_DOMAIN = "p2ptrain/averaging-scale"
+TABLE_DOMAIN = "p2ptrain/averaging-scales"
+_ENTRY = struct.Struct("<dd")  # a partition's scale in a signed table: sum of squares, largest magnitude
 QUANTIZATION = {
     Compression.NONE: 1e-4,  # (float32 sums: rounding only)
     Compression.FP16: 2e-3,
@@ -276,44 +283,55 @@ class ResultHistory:
             self._kept.popitem(last=False)
 
 
-# ---- signed scales: per-partition evidence a reducer cannot forge ----------------------------------------
+# ---- signed scales: evidence a reducer cannot forge -------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Claim(Message):
-    """What a contributor signs about its slice of one partition of one round: its scale."""
+class ScaleTable(Message):
+    """What a contributor signs about its whole contribution to one round: the scale of its slice of
+    every partition, in partition order (each a little-endian float64 pair: sum of squares, largest
+    magnitude; the counts are the round's partition sizes)."""
 
     round: bytes = bounded(max_len=16)
-    partition: int = bounded(ge=0, le=1 << 16)
-    sumsq: float = bounded(ge=0.0)
-    absmax: float = bounded(ge=0.0)
-    count: int = bounded(ge=0, le=1 << 40)
+    scales: bytes = bounded(max_len=_ENTRY.size * MAX_GROUP)
 
 
-def seal_claim(identity: Identity, round_: bytes, partition: int, scale: Scale) -> bytes:
-    """This member's signed scale of its slice of ``partition`` (sent with the slice to its reducer, who
-    serves it with the partition's result). A scale that is not finite cannot be signed: b"" (its slice
-    holds NaN or infinite values, which every reducer refuses anyway)."""
-    if not (math.isfinite(scale.sumsq) and math.isfinite(scale.absmax)):
+def seal_table(identity: Identity, round_: bytes, scales: Sequence[Scale]) -> bytes:
+    """This member's signed scales of its slices (sent with each slice to its reducer, who serves its tag
+    with the partition's result). Scales that are not all finite cannot be signed: b"" (a slice that holds
+    NaN or infinite values, which every reducer refuses anyway)."""
+    if not all(math.isfinite(s.sumsq) and math.isfinite(s.absmax) for s in scales):
         return b""
-    claim = Claim(round_, partition, scale.sumsq, scale.absmax, scale.count)
-    return SignedEnvelope.seal(identity, CLAIM_DOMAIN, pack(claim.to_obj())).to_bytes()
+    packed = b"".join(_ENTRY.pack(s.sumsq, s.absmax) for s in scales)
+    return SignedEnvelope.seal(identity, TABLE_DOMAIN, pack(ScaleTable(round_, packed).to_obj())).to_bytes()
 
 
-def open_claim(data: bytes, author: PeerID, round_: bytes, partition: int, count: int) -> Scale:
-    """The scale ``author`` signed for its slice of ``partition`` in this round (``count`` elements);
-    RemoteProtocolError if it is missing, malformed, signed by another key or for something else."""
+def open_table(data: bytes, author: PeerID, round_: bytes, sizes: Sequence[int]) -> tuple[Scale, ...]:
+    """The scales ``author`` signed for its slices of this round's partitions (of ``sizes`` elements);
+    RemoteProtocolError if they are missing, malformed, signed by another key or for another round or
+    number of partitions."""
     if not data:
-        raise RemoteProtocolError(f"no signed scale from {author.short()} for partition {partition}")
-    if len(data) > MAX_CLAIM_ENVELOPE:
-        raise RemoteProtocolError("a signed scale too large")
+        raise RemoteProtocolError(f"no signed scales from {author.short()}")
+    if len(data) > MAX_TABLE_ENVELOPE:
+        raise RemoteProtocolError("signed scales too large")
     env = SignedEnvelope.from_bytes(bytes(data))
-    claim = Claim.from_obj(unpack(env.open(CLAIM_DOMAIN, author)))
-    if claim.round != round_ or claim.partition != partition:
-        raise RemoteProtocolError("a signed scale for another round or partition")
-    if claim.count != count:
-        raise RemoteProtocolError(f"a signed scale of {claim.count} elements, the partition has {count}")
-    return Scale(claim.sumsq, claim.absmax, claim.count)
+    table = ScaleTable.from_obj(unpack(env.open(TABLE_DOMAIN, author)))
+    if table.round != round_:
+        raise RemoteProtocolError("signed scales for another round")
+    if len(table.scales) != _ENTRY.size * len(sizes):
+        have = len(table.scales) / _ENTRY.size
+        raise RemoteProtocolError(f"signed scales of {have:g} partitions, the round has {len(sizes)}")
+    out = []
+    for (sumsq, absmax), count in zip(_ENTRY.iter_unpack(table.scales), sizes, strict=True):
+        if not (0.0 <= sumsq < math.inf and 0.0 <= absmax < math.inf):  # (NaN fails both)
+            raise RemoteProtocolError("a signed scale that is negative or not finite")
+        out.append(Scale(sumsq, absmax, count))
+    return tuple(out)
+
+
+def table_tag(data: bytes | memoryview) -> bytes:
+    """What names a signed table where its bytes would be sent again: ``TAG_BYTES`` of its hash."""
+    return hashlib.blake2b(data, digest_size=TAG_BYTES).digest()
 
 
 def widened(scale: Scale, mode: Compression) -> Limit:

@@ -32,13 +32,22 @@ import trio
 
 from ..errors import P2PError, RemoteCallError, RemoteProtocolError
 from ..net.host import Host
+from ..net.streams import RpcStream
 from . import spill
 from .audit import new_hasher, open_attestation
 from .bandwidth import RateMeter
 from .bounds import ResultCheck
 from .compression import Compression, all_finite, decode, encoded_chunk
 from .partition import chunks
-from .protocol import FETCH, FETCH_EARLY, LEFT_ROUND, RELAY_RESULT, ROUND_OVER, FetchReq
+from .protocol import (
+    FETCH,
+    FETCH_EARLY,
+    LEFT_ROUND,
+    MAX_TABLE_ENVELOPE,
+    RELAY_RESULT,
+    ROUND_OVER,
+    FetchReq,
+)
 from .round_machine import STALLED_AFTER, RoundMachine
 from .round_tensors import RoundTensors
 from .signals import RoundSignals
@@ -201,13 +210,15 @@ class Gatherer:
         if await self._fetch(p, i, RELAY_RESULT):
             scope.cancel()
 
-    def _held(self, p: int, check: ResultCheck, scales: tuple[bytes, ...]) -> None:
+    def _held(self, p: int, check: ResultCheck, scales: tuple[bytes, ...], tables: list[memoryview]) -> None:
         """Partition ``p``'s result is all here: held once it is within the limit its contributors'
-        signed ``scales`` give (``bounds.result_limit``); else :class:`ServedFault`, and nothing of it
+        signed scales give (``scales``: their tables' tags; ``tables``: the tables its server sent,
+        those this member lacked; ``bounds.result_limit``); else :class:`ServedFault`, and nothing of it
         counts (the caller undoes what landed in place)."""
         decision = self.m.decision
         assert decision is not None
         try:
+            self.t.take_tables(tables, scales, decision)
             bound = self.t.result_limit(p, decision, scales)
         except RemoteProtocolError as e:
             raise Malformed(f"its contributors' signed scales: {e}") from None
@@ -253,7 +264,9 @@ class Gatherer:
             with trio.fail_after(max(0.0, end - trio.current_time())):
                 conn = await self.host.connect(self.addrs[frm])
                 async with conn.open_stream(
-                    RELAY_RESULT if relay else FETCH, FetchReq(m.digest, p), timeout=time_left(end)
+                    RELAY_RESULT if relay else FETCH,
+                    FetchReq(m.digest, p, self.t.have()),
+                    timeout=time_left(end),
                 ) as stream:
                     hasher = new_hasher() if self.t.audit and not relay else None
                     for a, b in spans:
@@ -267,14 +280,15 @@ class Gatherer:
                         m.fetched(p, trio.current_time())
                         if hasher is not None:
                             hasher.update(data)
-                    ack = await stream.response()  # (its contributors' signed scales: the result's bound)
+                    tables = await self._tables(stream)
+                    ack = await stream.response()  # (its contributors' table tags: the result's bound)
                     if not ack.ok:
                         raise RemoteProtocolError(ack.reason or "the fetch was refused after its data")
                     if hasher is not None:  # held only once the reducer's signed attestation checks out
                         self.check_attestation(p, frm, ack.attestation, hasher.digest())
-                        self._held(p, check, ack.scales)
+                        self._held(p, check, ack.scales, tables)
                         return True
-                    self._held(p, check, ack.scales)
+                    self._held(p, check, ack.scales, tables)
                     self.meter.flow_done("download")
         except ServedFault as e:
             if p in m.held:  # (another relay was faster: these bytes landed nowhere)
@@ -308,7 +322,7 @@ class Gatherer:
                     return  # no backup, no early averages: the gather fetches them after the decision
                 conn = await self.host.connect(self.addrs[p])
                 async with conn.open_stream(
-                    FETCH_EARLY, FetchReq(m.digest, p), timeout=time_left(end)
+                    FETCH_EARLY, FetchReq(m.digest, p, t.have()), timeout=time_left(end)
                 ) as stream:
                     t.early_target(p)
                     if t.mode is Compression.NONE:  # decrypted straight into place: no copy
@@ -320,14 +334,16 @@ class Gatherer:
                         _store(target[a:b], data, t.mode, m.n, check)
                         m.fetched(p, trio.current_time())
                         got += 1
+                    tables: list[memoryview] = []
                     if got == len(spans):
                         self.meter.flow_done("download")
+                        tables = await self._tables(stream)
                     ack = await stream.response()
                 if ack.ok and got == len(spans):
                     with trio.move_on_at(end):  # (its reducer has it: this member will, soon)
                         await self.sig.decided.wait()
                     if m.decision is not None:
-                        self._held(p, check, ack.scales)
+                        self._held(p, check, ack.scales, tables)
         except ServedFault as e:  # from its reducer: its own fault; what landed in place is undone
             t.restore(p)
             self._fault(p, p, e)
@@ -335,6 +351,16 @@ class Gatherer:
             log.debug("no early result of partition %d from %s: %s", p, m.name(p), e)
         finally:
             self.early_done[p].set()
+
+    async def _tables(self, stream: RpcStream) -> list[memoryview]:
+        """What a result's server sends after it, up to its end: the signed scale tables of its
+        contributors that this member lacks (see ``bounds``), at most one per member."""
+        out: list[memoryview] = []
+        while data := await stream.receive_some():
+            if len(out) >= self.m.n or len(data) > MAX_TABLE_ENVELOPE:
+                raise Malformed("more signed scales than the round's members sign, or one too large")
+            out.append(data)
+        return out
 
     async def _save(self, p: int) -> bool:
         """In place: this member's values of partition ``p`` to the backup, before results overwrite them

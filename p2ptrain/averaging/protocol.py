@@ -52,7 +52,9 @@ MANIFEST_DOMAIN = "p2ptrain/averaging-manifest"
 DECISION_DOMAIN = "p2ptrain/averaging-decision"
 MAX_COMMIT_ENVELOPE = 384
 MAX_ATTESTATION = MAX_GROUP * MAX_COMMIT_ENVELOPE + 1024
-MAX_CLAIM_ENVELOPE = 256  # a contributor's signed scale of its slice (see ``bounds.Claim``)
+TAG_BYTES = 16  # a signed scale table's tag (``bounds.table_tag``)
+# a contributor's signed scales of its slices (``bounds.ScaleTable``: 16 bytes a partition)
+MAX_TABLE_ENVELOPE = 16 * MAX_GROUP + 256
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -316,7 +318,7 @@ class PartReq(Message, positional=True):
     partition: int = bounded(ge=0, le=MAX_GROUP)
     weight: float = bounded(ge=0.0, le=1e30)
     commit: bytes = bounded(b"", max_len=MAX_COMMIT_ENVELOPE)  # audited rounds: the signed commitment
-    scale: bytes = bounded(b"", max_len=MAX_CLAIM_ENVELOPE)  # the sender's signed scale (``bounds``)
+    scale: bytes = bounded(b"", max_len=MAX_TABLE_ENVELOPE)  # the sender's signed scales (``bounds``)
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,8 @@ class Ack(Message, positional=True):
     ok: bool = True
     reason: str = bounded("", max_len=512)
     attestation: bytes = bounded(b"", max_len=MAX_ATTESTATION)  # audited fetches: the reducer's signature
-    # fetches and relays of a result: each decided contributor's signed scale, in the decision's order
+    # fetches and relays of a result: the tag of each decided contributor's signed scales, in the
+    # decision's order (the tables the fetching member lacks rode in the body, after the result)
     scales: tuple[bytes, ...] = bounded((), max_len=MAX_GROUP)
 
 
@@ -345,6 +348,9 @@ class DecisionResp(Message, positional=True):
 class FetchReq(Message, positional=True):
     round: bytes = bounded(max_len=16)
     partition: int = bounded(ge=0, le=MAX_GROUP)
+    # fetches and relays of a result: the tag of the signed scales the caller holds of each member
+    # (``TAG_BYTES`` each, in the manifest's order; zeros for none): the server sends only the others
+    have: bytes = bounded(b"", max_len=TAG_BYTES * MAX_GROUP)
 
 
 @dataclass(frozen=True)

@@ -84,9 +84,9 @@ class PartitionReducer:
         self.prior = prior
         self.bound = bound
         self._checks: dict[int, ResultCheck] = {}  # sender -> its slice's check so far
-        self.claims: dict[int, bytes] = {}  # sender -> its signed scale of its slice (``bounds.Claim``)
+        self.claims: dict[int, bytes] = {}  # sender -> the tag of its signed scales (``bounds.ScaleTable``)
         self.claimed: dict[int, tuple[Scale, float]] = {}  # sender -> that scale, and the weight it sent
-        self.scales: tuple[bytes, ...] = ()  # finalized: the decided contributors' signed scales, in order
+        self.scales: tuple[bytes, ...] = ()  # finalized: the decided contributors' table tags, in order
         self.mode = mode
         self.members = members
         self.aggregation = aggregation
@@ -117,11 +117,11 @@ class PartitionReducer:
         self.early: list[bytes | memoryview] | None = None  # encoded mean chunks published so far
         self.early_final: bool | None = None  # set by finalize: are the early chunks the result?
 
-    def bound_sender(self, sender: int, claim: Scale, sealed: bytes, weight: float) -> None:
-        """``sender``'s slice must stay within its signed scale ``claim`` (``sealed``: as it signed it;
-        decoded with the round's compression, ``bounds.widened``); set before its first chunk."""
+    def bound_sender(self, sender: int, claim: Scale, tag: bytes, weight: float) -> None:
+        """``sender``'s slice must stay within its signed scale ``claim`` (``tag``: of the table it signed
+        it in; decoded with the round's compression, ``bounds.widened``); set before its first chunk."""
         self._checks[sender] = ResultCheck(widened(claim, self.mode))
-        self.claims[sender] = sealed
+        self.claims[sender] = tag
         self.claimed[sender] = (claim, weight)
 
     def chunk_bytes(self, index: int) -> int:

@@ -36,16 +36,17 @@ from .bounds import (
     base,
     cap,
     limit,
-    open_claim,
+    open_table,
     over_cap,
     result_limit,
-    seal_claim,
+    seal_table,
+    table_tag,
     typical,
 )
 from .buffers import BufferPool
 from .compression import Compression, encoded_chunk
 from .partition import chunks, offsets
-from .protocol import Decision, Manifest
+from .protocol import TAG_BYTES, Decision, Manifest
 from .reducer import PartitionReducer
 from .spill import Spilled, SpillFile
 
@@ -116,18 +117,64 @@ class RoundTensors:
         self.history = history
         self.prior = prior  # this member's last accepted result of these tensors (see ``trust.useful``)
         self.results: dict[int, Scale] = {}  # partition -> the scale of the result accepted here
-        self.scales: dict[int, tuple[bytes, ...]] = {}  # partition held -> its contributors' signed scales
-        self._claims: dict[int, bytes] = {}  # partition -> this member's signed scale of its own slice
+        self.scales: dict[int, tuple[bytes, ...]] = {}  # partition held -> its contributors' table tags
+        # Signed scale tables (``bounds.ScaleTable``), each opened once: member -> tag -> its scales
+        # (normally one a member; another if it signed two, see ``bounds``), and tag -> the signed bytes
+        self.tables: dict[int, dict[bytes, tuple[Scale, ...]]] = {}
+        self.sealed: dict[bytes, bytes] = {}
+        self._own_tag: bytes | None = None
 
     def limit(self, p: int) -> Limit | None:
         """The most partition ``p``'s result may be for this member (None: nothing to bound it by)."""
         return limit(self.own_scales[p], self.whole, self.history)
 
-    def claim(self, p: int) -> bytes:
-        """This member's signed scale of its slice of ``p`` (measured before anything landed)."""
-        if p not in self._claims:
-            self._claims[p] = seal_claim(self.identity, self.digest, p, self.own_scales[p])
-        return self._claims[p]
+    def own_table(self) -> tuple[bytes, bytes]:
+        """This member's signed scales of its slices (measured before anything landed), and their tag."""
+        if self._own_tag is None:
+            sealed = seal_table(self.identity, self.digest, self.own_scales)
+            self._own_tag = table_tag(sealed) if sealed else b""
+            if sealed:
+                self.sealed[self._own_tag] = sealed
+                self.tables.setdefault(self.me, {})[self._own_tag] = tuple(self.own_scales)
+        return self.sealed.get(self._own_tag, b""), self._own_tag
+
+    def open_table(self, member: int, sealed: bytes | memoryview) -> tuple[bytes, tuple[Scale, ...]]:
+        """The tag and scales of ``member``'s signed table ``sealed``, checked once (``bounds.open_table``:
+        RemoteProtocolError if it is not exactly its own for this round)."""
+        tag = table_tag(sealed)
+        held = self.tables.get(member, {}).get(tag)
+        if held is None:
+            held = open_table(bytes(sealed), self.peers[member], self.digest, self.sizes)
+            self.tables.setdefault(member, {})[tag] = held
+            self.sealed[tag] = bytes(sealed)
+        return tag, held
+
+    def have(self) -> bytes:
+        """The tags of the tables this member holds, one per member in the manifest's order (zeros for
+        none): a fetch names them, and its server sends only the tables missing here."""
+        none = bytes(TAG_BYTES)
+        return b"".join(next(iter(self.tables.get(i, {})), none) for i in range(self.n))
+
+    def missing(self, tags: Sequence[bytes], contributors: Sequence[int], have: bytes) -> list[bytes]:
+        """The signed tables among ``tags`` (of ``contributors``, in order) that a fetcher holding
+        ``have`` (:meth:`have`) lacks: each is sent once, after the result."""
+        out: dict[bytes, bytes] = {}
+        for tag, i in zip(tags, contributors, strict=True):
+            if tag in self.sealed and have[i * TAG_BYTES : (i + 1) * TAG_BYTES] != tag:
+                out[tag] = self.sealed[tag]
+        return list(out.values())
+
+    def take_tables(
+        self, served: Sequence[bytes | memoryview], tags: Sequence[bytes], decision: Decision
+    ) -> None:
+        """Open the signed tables a fetch's server sent (``served``) for the decided contributors whose
+        ``tags`` it named; RemoteProtocolError for one that is not the table of the contributor it names."""
+        whose = dict(zip(tags, decision.contributors, strict=False))
+        for sealed in served:
+            i = whose.get(table_tag(sealed))
+            if i is None:
+                raise RemoteProtocolError("signed scales of no contributor the result names")
+            self.open_table(i, sealed)
 
     def base(self, p: int) -> Limit | None:
         """This member's own size in partition ``p`` (``bounds.base``)."""
@@ -143,10 +190,11 @@ class RoundTensors:
         return over_cap(claim, cap(self.base(p), weight, self.weight, usual))
 
     def result_limit(self, p: int, decision: Decision, scales: tuple[bytes, ...] | None) -> Limit | None:
-        """The most partition ``p``'s result may be: from ``scales``, its decided contributors' signed
-        scales as its holder served them (RemoteProtocolError if they are not exactly theirs), each
-        believed up to this member's cap on it (``bounds.result_limit``). ``scales`` None (the chunks
-        before the scales): NOTHING where this member accepts nothing, else None."""
+        """The most partition ``p``'s result may be: from ``scales``, the tags of its decided contributors'
+        signed tables as its holder served them (RemoteProtocolError if this member holds no table of
+        that contributor under that tag), each entry believed up to this member's cap on it
+        (``bounds.result_limit``). ``scales`` None (the chunks before the tags): NOTHING where this
+        member accepts nothing, else None."""
         b = self.base(p)
         if b is NOTHING:
             return NOTHING
@@ -155,10 +203,12 @@ class RoundTensors:
         if len(scales) != len(decision.contributors):
             n = len(decision.contributors)
             raise RemoteProtocolError(f"{len(scales)} signed scales for the decision's {n} contributors")
-        claims = [
-            open_claim(s, self.peers[i], self.digest, p, self.sizes[p])
-            for s, i in zip(scales, decision.contributors, strict=True)
-        ]
+        claims = []
+        for tag, i in zip(scales, decision.contributors, strict=True):
+            table = self.tables.get(i, {}).get(bytes(tag))
+            if table is None:
+                raise RemoteProtocolError(f"no signed scales of {self.peers[i].short()} with the tag served")
+            claims.append(table[p])
         usual = typical(claims, decision.weights)
         caps = [cap(b, w, self.weight, usual) for w in decision.weights]
         origins = [self.origins[i] for i in decision.contributors] if self.origins else []
@@ -197,7 +247,7 @@ class RoundTensors:
                 raw = bytes(encoded_chunk(own, Compression.NONE))
                 self.local[p] = raw
                 red.commits[self.me] = seal_commit(self.identity, self.digest, p, weight, hash_pieces([raw]))
-            red.claims[self.me] = self.claim(p)
+            red.claims[self.me] = self.own_table()[1]
             red.claimed[self.me] = (self.own_scales[p], weight)
             red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
         if expect:
@@ -271,7 +321,7 @@ class RoundTensors:
 
     def write_result(self, p: int, result: torch.Tensor, scales: tuple[bytes, ...] = ()) -> None:
         """A partition reduced here holds its result: into ``flat`` (unless reduced right there);
-        ``scales``: its contributors' signed scales (served with it to relays' fetchers)."""
+        ``scales``: its contributors' table tags (served with it to relays' fetchers)."""
         if result.data_ptr() != self.slice(p).data_ptr():  # (compressed, or not reduced in flat)
             self.slice(p).copy_(result)
         self.results[p] = Scale.of(result)

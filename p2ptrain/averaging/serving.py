@@ -23,7 +23,6 @@ from ..net.rpc import CallContext, Reply
 from ..net.streams import RpcStream
 from .audit import new_hasher, open_commit
 from .bandwidth import RateMeter
-from .bounds import open_claim
 from .compression import Compression, encoded_chunk
 from .partition import chunks
 from .protocol import (
@@ -86,11 +85,11 @@ class RoundServer:
         late = "too late: this reducer already reported"
         try:
             try:  # what it signed of its slice: the slice must stay within it (and members bound by it)
-                claim = open_claim(req.scale, ctx.peer, m.digest, p, red.size)
+                tag, scales = self.t.open_table(sender, req.scale)
             except RemoteProtocolError as e:
-                m.bad_slice(sender, p, f"its signed scale: {e}")
+                m.bad_slice(sender, p, f"its signed scales: {e}")
                 raise
-            red.bound_sender(sender, claim, req.scale, req.weight)
+            red.bound_sender(sender, scales[p], tag, req.weight)
             hasher = None
             if self.t.audit:  # the sender signed what it sends: check it as it arrives
                 commit = open_commit(req.commit, ctx.peer, m.digest, p)
@@ -197,6 +196,7 @@ class RoundServer:
                 await stream.send(piece)
                 if index == 0:
                     await self._point("during_gather")
+            await self._send_tables(stream, red.scales, req)
             await stream.send_eof()
             self.meter.flow_done("upload")
         self._served(p, member)
@@ -230,6 +230,8 @@ class RoundServer:
                 self.meter.flow_done("upload")
                 with trio.move_on_at(end):
                     await self.sig.finalized(p).wait()
+                if red.early_final:
+                    await self._send_tables(stream, red.scales, req)
             await stream.send_eof()
         if sent == len(red.spans) and red.early_final and not self.sig.retired.is_set():
             self._served(p, member)
@@ -252,8 +254,18 @@ class RoundServer:
         with self.t.reading():
             for a, b in chunks(m.sizes[p], Compression.NONE):
                 await stream.send(encoded_chunk(values[a:b], Compression.NONE))
+            await self._send_tables(stream, self.t.scales.get(p, ()), req)
             await stream.send_eof()
         return Ack(True, scales=self.t.scales.get(p, ()))
+
+    async def _send_tables(self, stream: RpcStream, tags: tuple[bytes, ...], req: FetchReq) -> None:
+        """After a result: the signed scale tables of its contributors (``tags``) that the fetcher does
+        not hold (``req.have``), one per body chunk, each sent once (see ``bounds``)."""
+        decision = self.m.decision
+        if decision is None or len(tags) != len(decision.contributors):
+            return
+        for sealed in self.t.missing(tags, decision.contributors, req.have):
+            await stream.send(sealed)
 
     def _served(self, p: int, member: int) -> None:
         if self.m.served(p, member):

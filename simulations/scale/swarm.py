@@ -353,6 +353,14 @@ def measure(
         for e in committed_at
         if e in sim.reached and committed_at[e] >= window_start
     ]
+    # from a step's first commit to the next step's samples reaching the target: the step's own work,
+    # which a fixed per-peer batch keeps the same at any N unless peers spend the step elsewhere
+    # (waiting for a group, catching up)
+    accumulating = [
+        sim.reached[e + 1] - committed_at[e]
+        for e in committed_at
+        if e + 1 in sim.reached and committed_at[e] >= window_start
+    ]
     # ---- DHT lookups ----
     hops: list[float] = []
     queries: list[float] = []
@@ -384,6 +392,7 @@ def measure(
         "dht_lookups": len(hops),
         "target_to_commit_s_median": round(pct(waits, 0.5), 2) if waits else None,
         "target_to_commit_s_p90": round(pct(waits, 0.9), 2) if waits else None,
+        "commit_to_target_s_median": round(pct(accumulating, 0.5), 2) if accumulating else None,
         "share_in_committed_round_mean": round(statistics.fmean(shares), 3) if shares else 0.0,
         "share_in_committed_round_min": round(min(shares), 3) if shares else 0.0,
         "steps_with_95pct": round(sum(s >= 0.95 for s in shares) / len(shares), 3) if shares else 0.0,

@@ -400,11 +400,11 @@ async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not
     lost: list[bool] = []
     held = Gatherer._held
 
-    def losing(self: Gatherer, p: int, check, scales) -> None:
+    def losing(self: Gatherer, p: int, check, scales, tables) -> None:
         if self.m.me == loser and p == lost_partition and not lost:
             lost.append(True)  # (its reducer sent everything: it counted this member served)
             raise ConnectionClosed("the connection broke as the last bytes arrived")
-        held(self, p, check, scales)
+        held(self, p, check, scales, tables)
 
     monkeypatch.setattr(Gatherer, "_held", losing)
     timeout = 60.0
@@ -483,11 +483,11 @@ async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not
             asked.append((trio.current_time(), i))
             await relay_from(self, scope, p, i)
 
-        def losing(self: Gatherer, p: int, check, scales) -> None:  # type: ignore[no-untyped-def]
+        def losing(self: Gatherer, p: int, check, scales, tables) -> None:  # type: ignore[no-untyped-def]
             if self.m.me == loser and p == lost_partition and not lost:
                 lost.append(True)
                 raise ConnectionClosed("the connection broke as the last bytes arrived")
-            held(self, p, check, scales)
+            held(self, p, check, scales, tables)
 
         with monkeypatch.context() as patch:
             patch.setattr(Gatherer, "_relay_from", counting)

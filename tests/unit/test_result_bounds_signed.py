@@ -1,5 +1,5 @@
 """The result bound built on signed scales (``averaging.bounds``: ``result_limit``, ``slice_limit``,
-``cap``, ``seal_claim``/``open_claim``): seeded-random properties over a real ``PartitionReducer``.
+``cap``, ``seal_table``/``open_table``): seeded-random properties over a real ``PartitionReducer``.
 
 - Honest rounds pass everywhere: every member's check of every result, and every honest reducer's check of
   every slice, over DiLoCo spreads of 1..100x work (aligned and not), sync batches of 1..1000 samples, a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 
 import pytest
 import torch
@@ -26,21 +27,26 @@ import torch
 from p2ptrain.averaging.bounds import (
     CAP,
     NOTHING,
+    TABLE_DOMAIN,
     Limit,
     ResultCheck,
     Scale,
+    ScaleTable,
     base,
     cap,
-    open_claim,
+    open_table,
     over_cap,
     result_limit,
-    seal_claim,
+    seal_table,
+    table_tag,
     typical,
 )
 from p2ptrain.averaging.compression import DENSE, Compression, encoded_chunk
 from p2ptrain.averaging.partition import chunks
 from p2ptrain.averaging.reducer import PartitionReducer, SliceOutOfBounds
 from p2ptrain.errors import RemoteProtocolError
+from p2ptrain.identity import SignedEnvelope
+from p2ptrain.wire.codec import pack
 from tests.harness.identities import identity
 
 SEEDS = 120
@@ -218,22 +224,30 @@ def test_a_garbage_reducer_among_honest_contributors_is_refused_by_every_honest_
             assert _within(garbage, _member_limit(m, 0, d, xs, ws, claims, rule, mode, [])) != ""
 
 
-def test_signed_scales_are_bound_to_their_signer_round_partition_and_size() -> None:
+def test_signed_scales_are_bound_to_their_signer_round_and_partitions() -> None:
     alice, bob = identity("alice"), identity("bob")
-    s = Scale(4.0, 2.0, 10)
-    sealed = seal_claim(alice, ROUND, 3, s)
-    assert open_claim(sealed, alice.peer_id, ROUND, 3, 10) == s
+    scales = [Scale(4.0, 2.0, 10), Scale(0.0, 0.0, 7), Scale(1e-30, 1e-15, 3)]
+    sealed = seal_table(alice, ROUND, scales)
+    assert open_table(sealed, alice.peer_id, ROUND, (10, 7, 3)) == tuple(scales)
+    assert len(table_tag(sealed)) == 16 and table_tag(sealed) != table_tag(
+        seal_table(alice, ROUND, scales[::-1])
+    )
     for args, why in [
-        ((bob.peer_id, ROUND, 3, 10), "signed by"),
-        ((alice.peer_id, b"x" * 16, 3, 10), "another round"),
-        ((alice.peer_id, ROUND, 4, 10), "another round or partition"),
-        ((alice.peer_id, ROUND, 3, 11), "elements"),
+        ((bob.peer_id, ROUND, (10, 7, 3)), "signed by"),
+        ((alice.peer_id, b"x" * 16, (10, 7, 3)), "another round"),
+        ((alice.peer_id, ROUND, (10, 7)), "3 partitions, the round has 2"),
+        ((alice.peer_id, ROUND, (10, 7, 3, 1)), "3 partitions, the round has 4"),
     ]:
         with pytest.raises(RemoteProtocolError, match=why):
-            open_claim(sealed, *args)
-    with pytest.raises(RemoteProtocolError, match="no signed scale"):
-        open_claim(b"", alice.peer_id, ROUND, 3, 10)
-    assert seal_claim(alice, ROUND, 3, Scale(math.inf, 1.0, 10)) == b""
+            open_table(sealed, *args)
+    with pytest.raises(RemoteProtocolError, match="no signed scales"):
+        open_table(b"", alice.peer_id, ROUND, (10,))
+    assert seal_table(alice, ROUND, [Scale(1.0, 1.0, 10), Scale(math.inf, 1.0, 10)]) == b""
+    for bad in [(-1.0, 1.0), (1.0, math.nan), (math.inf, 1.0)]:  # (signed as is, by a liar)
+        table = ScaleTable(ROUND, struct.pack("<dd", 4.0, 2.0) + struct.pack("<dd", *bad))
+        forged = SignedEnvelope.seal(alice, TABLE_DOMAIN, pack(table.to_obj())).to_bytes()
+        with pytest.raises(RemoteProtocolError, match="negative or not finite"):
+            open_table(forged, alice.peer_id, ROUND, (10, 7))
 
 
 def test_a_slice_beyond_its_signed_scale_or_the_reducers_cap_is_refused() -> None:

@@ -1,0 +1,116 @@
+"""A round's signed scales cost each member one signature check per contributor, whatever the group's size,
+and a contributor that signs a different table for each reducer frames no honest reducer (``bounds``).
+
+Before, a contributor signed one scale per partition and each reducer served all of them with its result:
+a member checked k^2 signatures a round (65,536 in a group of 256, about 4 s of one core) and received
+k^2 signed scales of ~130 bytes. Now a contributor signs one table of all its partitions' scales, every
+member holds the tables that came with the slices it reduced, and a result's server sends only the tags
+of the tables it used, with those the fetcher lacks in full.
+
+The invariant, over random group sizes, partition sizes, client-only members (they reduce nothing, so
+hold no table until a fetch brings it) and compressed or plain rounds: every member commits the same
+bits, and the signature checks of scale evidence in the whole round are at most ``2 n^2`` (``n (n-1)``
+reducers' checks of the tables with the slices, plus the client-only members' ``n`` each); the code
+before made about ``n^2 (n-1)`` (441 in a round of 8), so this fails on it at every size drawn.
+
+The adversary: a contributor far larger than its mates (its values 30x theirs, within every cap) signs,
+for each reducer, a table whose entry for that reducer's partition is true and whose other entries are
+a millionth of the truth. A member that bounded a partition by the table it holds itself would refuse
+the honest reducer's result (the contributor dominates it) and blame that reducer; bounded by the table
+the reducer used, which its server sends because the tags differ, every member commits the round with
+the contributor in it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+
+from p2ptrain.averaging import allreduce
+from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.averaging.bounds import TABLE_DOMAIN, Scale, open_table, seal_table
+from p2ptrain.averaging.protocol import PartReq
+from p2ptrain.identity import SignedEnvelope
+from tests.harness.averaging import check_invariant, contributors_of, open_group, run_round, sign_manifest
+from tests.harness.identities import identity
+
+pytestmark = pytest.mark.timeout(300)
+
+SEEDS = 6
+
+
+def count_scale_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every opening of a signed scale (of either form: the per-partition one before, the table now)."""
+    opened = [0]
+    real = SignedEnvelope.open
+
+    def counting(self: SignedEnvelope, domain: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if domain.startswith("p2ptrain/averaging-scale"):
+            opened[0] += 1
+        return real(self, domain, *args, **kwargs)
+
+    monkeypatch.setattr(SignedEnvelope, "open", counting)
+    return opened
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+async def test_a_member_checks_each_contributors_signed_scales_once_a_round(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(5, 10)
+    client_only = tuple(rng.sample(range(1, n), rng.randint(0, 2)))
+    size = rng.randint(2_000, 40_000)
+    opened = count_scale_checks(monkeypatch)
+    async with open_group(n, client_only=client_only, seed=seed) as group:
+        g = torch.Generator().manual_seed(seed)
+        originals = [[torch.randn(size, generator=g)] for _ in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        signed = sign_manifest(group.peers, inputs[0], compression=rng.choice(["none", "fp16"]))
+        with trio.fail_after(120):
+            outcomes = await run_round(group, signed, inputs, weights)
+    assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
+    assert all(isinstance(o, RoundResult) and len(o.contributors) == n for o in outcomes)
+    assert 0 < opened[0] <= 2 * n * n, f"{opened[0]} signature checks of scales in a round of {n}"
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+async def test_a_contributor_that_signs_a_table_for_each_reducer_frames_no_honest_reducer(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(100 + seed)
+    n = rng.randint(4, 8)
+    liar = rng.randrange(n)
+    key = identity(f"p{liar}")
+    real_part_req = PartReq
+
+    def equivocating(digest: bytes, p: int, weight: float, commit: bytes, scale: bytes) -> PartReq:
+        if SignedEnvelope.from_bytes(scale).signer == key.peer_id:  # the liar's slice to reducer p
+            true = open_table(scale, key.peer_id, digest, [1] * n)  # (the counts are not signed)
+            forged = [s if q == p else Scale(s.sumsq * 1e-12, s.absmax * 1e-6, 1) for q, s in enumerate(true)]
+            scale = seal_table(key, digest, forged)
+        return real_part_req(digest, p, weight, commit, scale)
+
+    monkeypatch.setattr(allreduce, "PartReq", equivocating)
+    size = rng.randint(4_000, 30_000)
+    async with open_group(n, seed=seed) as group:
+        g = torch.Generator().manual_seed(seed)
+        originals = [[torch.randn(size, generator=g) * (30.0 if i == liar else 1.0)] for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0] * n
+        signed = sign_manifest(group.peers, inputs[0])
+        with trio.fail_after(120):
+            outcomes = await run_round(group, signed, inputs, weights)
+        assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
+        first = outcomes[0]
+        assert isinstance(first, RoundResult)
+        assert sorted(contributors_of(group, first)) == list(range(n)), "a member was left out"
+        expected = torch.stack([o[0] for o in originals]).mean(0)
+        assert torch.allclose(inputs[0][0], expected, atol=1e-3)
+        for peer in group.peers:  # no member blamed anyone
+            assert not peer.averager.auditor.banned, f"{peer.name} banned {peer.averager.auditor.banned}"
+    assert TABLE_DOMAIN.startswith("p2ptrain/averaging-scale")  # (what the counter above counts)
