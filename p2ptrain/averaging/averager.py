@@ -66,6 +66,7 @@ from .protocol import (
     RELAY_RESULT,
     REPORT,
     ROUND_OVER,
+    TABLES,
     Ack,
     Decision,
     DecisionResp,
@@ -248,6 +249,7 @@ class Averager:
         reg.add_unary(RELAY_DECISION, self._on_relay_decision)
         reg.add_unary(LEAVE, self._on_leave)
         reg.add_stream(RELAY_RESULT, self._on_relay_result)
+        reg.add_stream(TABLES, self._on_tables)
 
     def follow(self, config: AveragerConfig, policy: RoundPolicy) -> None:
         """Take a training run's rules for this node's rounds: its settings replace the node's, and its
@@ -686,6 +688,9 @@ class Averager:
 
     async def _on_fetch_early(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         return await (await self._round(req.round, ctx)).server.on_fetch_early(ctx, req, stream)
+
+    async def _on_tables(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        return await (await self._round(req.round, ctx)).server.on_tables(ctx, req, stream)
 
     async def _on_leave(self, ctx: CallContext, req: LeaveReq) -> Ack:
         if req.round in self._declined:

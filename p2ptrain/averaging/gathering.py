@@ -24,6 +24,7 @@ ends for this member then, and it catches up as any member that missed a round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -46,6 +47,8 @@ from .protocol import (
     MAX_TABLE_ENVELOPE,
     RELAY_RESULT,
     ROUND_OVER,
+    TABLES,
+    Decision,
     FetchReq,
 )
 from .round_machine import STALLED_AFTER, RoundMachine
@@ -72,6 +75,10 @@ class OutOfBounds(ServedFault):
     """A well-formed result larger than this member accepts against its own values (see ``bounds``)."""
 
 
+ASK_TABLES_FROM = 3  # members a member that lacks signed tables asks for them, one after another (at most)
+ASK_TABLES_TIMEOUT = 5.0  # seconds each of them may take
+
+
 def time_left(deadline: float) -> float:
     """Seconds until ``deadline`` for a call's own timeout (an enclosing scope enforces the deadline)."""
     return max(1e-3, deadline - trio.current_time())
@@ -95,6 +102,8 @@ class Gatherer:
         self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
         self.gather_scopes: dict[int, trio.CancelScope] = {}  # partition -> its gather (after the decision)
         self.over: set[int] = set()  # members that serve nothing of this round any more (see the docstring)
+        self._tables_lock = trio.Lock()  # (one ask for the signed tables this member lacks: ``tables_for``)
+        self._tables_asked = False
 
     def start_early(self, nursery: trio.Nursery) -> None:
         """Pipelined rounds: fetch every other partition's mean early, in ``nursery`` (cancelled once the
@@ -262,6 +271,7 @@ class Gatherer:
             await self._save(p)
         try:
             with trio.fail_after(max(0.0, end - trio.current_time())):
+                await self.tables_for(decision)
                 conn = await self.host.connect(self.addrs[frm])
                 async with conn.open_stream(
                     RELAY_RESULT if relay else FETCH,
@@ -322,7 +332,7 @@ class Gatherer:
                     return  # no backup, no early averages: the gather fetches them after the decision
                 conn = await self.host.connect(self.addrs[p])
                 async with conn.open_stream(
-                    FETCH_EARLY, FetchReq(m.digest, p, t.have()), timeout=time_left(end)
+                    FETCH_EARLY, FetchReq(m.digest, p), timeout=time_left(end)
                 ) as stream:
                     t.early_target(p)
                     if t.mode is Compression.NONE:  # decrypted straight into place: no copy
@@ -337,13 +347,19 @@ class Gatherer:
                     tables: list[memoryview] = []
                     if got == len(spans):
                         self.meter.flow_done("download")
+                        with trio.move_on_at(end):  # (its reducer has it: this member will, soon)
+                            await self.sig.decided.wait()
+                        if m.decision is not None:
+                            await self.tables_for(m.decision)
+                        # the tables it holds now (those of the slices it reduced itself are in): its
+                        # reducer sends the others (none, if the early chunks are void: it answered)
+                        with contextlib.suppress(P2PError):
+                            await stream.send(t.have())
+                            await stream.send_eof()
                         tables = await self._tables(stream)
                     ack = await stream.response()
-                if ack.ok and got == len(spans):
-                    with trio.move_on_at(end):  # (its reducer has it: this member will, soon)
-                        await self.sig.decided.wait()
-                    if m.decision is not None:
-                        self._held(p, check, ack.scales, tables)
+                if ack.ok and got == len(spans) and m.decision is not None:
+                    self._held(p, check, ack.scales, tables)
         except ServedFault as e:  # from its reducer: its own fault; what landed in place is undone
             t.restore(p)
             self._fault(p, p, e)
@@ -351,6 +367,39 @@ class Gatherer:
             log.debug("no early result of partition %d from %s: %s", p, m.name(p), e)
         finally:
             self.early_done[p].set()
+
+    async def tables_for(self, decision: Decision) -> None:
+        """Before a fetch names the signed tables this member holds: where it lacks the table of a
+        decided contributor (it reduced nothing, or that contributor's slice to it did not arrive), ask
+        one member for all it lacks, once a round, so that the servers of its partitions, asked at the
+        same time, do not each send it every table (k^2 tables a round, not k). Others wait for that
+        ask; if it fails, each server sends what is still missing (see ``bounds``)."""
+        m, t = self.m, self.t
+        if not t.lacks(decision.contributors):
+            return
+        async with self._tables_lock:
+            if self._tables_asked or not t.lacks(decision.contributors):
+                return
+            self._tables_asked = True
+            servers = [i for i, a in enumerate(self.addrs) if a and i != m.me and i not in m.gone]
+            start = int.from_bytes(m.peers[m.me].digest[:4], "big")
+            for k in range(min(ASK_TABLES_FROM, len(servers))):
+                i = servers[(start + k) % len(servers)]
+                try:
+                    with trio.fail_after(
+                        max(0.0, min(ASK_TABLES_TIMEOUT, m.at.gather - trio.current_time()))
+                    ):
+                        conn = await self.host.connect(self.addrs[i])
+                        req = FetchReq(m.digest, 0, t.have())
+                        async with conn.open_stream(TABLES, req, timeout=time_left(m.at.gather)) as stream:
+                            tables = await self._tables(stream)
+                            ack = await stream.response()
+                    if ack.ok:
+                        t.take_tables(tables, ack.scales, decision)
+                except (P2PError, trio.TooSlowError, ServedFault) as e:
+                    log.info("could not get the signed scales this member lacks from %s: %s", m.name(i), e)
+                if not t.lacks(decision.contributors):
+                    return
 
     async def _tables(self, stream: RpcStream) -> list[memoryview]:
         """What a result's server sends after it, up to its end: the signed scale tables of its

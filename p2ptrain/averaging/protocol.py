@@ -395,6 +395,11 @@ LEAVE = Method("avg.leave", LeaveReq, Ack)
 that reduce a partition, so that they stop waiting for its slices at once. It speaks for itself only:
 the callee counts the caller (the connection's authenticated id) as gone, nobody else."""
 RELAY_RESULT = Method("avg.relay_result", FetchReq, Ack, streaming=True)
+TABLES = Method("avg.tables", FetchReq, Ack, streaming=True)
+"""The signed scale tables of the decided contributors that the caller does not hold (``FetchReq.have``;
+the partition is not read), one per body chunk; the answer names the tag of the table the callee holds
+of each decided contributor, in the decision's order (b"" for none). A member that reduced nothing (a
+client-only one) asks one member once, instead of having every result's server send it every table."""
 AUDIT_SLICE = Method("avg.audit_slice", FetchReq, Ack, streaming=True)
 PROOF_HEAD = Method("avg.proof_head", FetchReq, ProofHead)
 PROOF = Method("avg.proof", FetchReq, Ack, streaming=True)

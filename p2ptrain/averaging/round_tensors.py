@@ -155,6 +155,10 @@ class RoundTensors:
         none = bytes(TAG_BYTES)
         return b"".join(next(iter(self.tables.get(i, {})), none) for i in range(self.n))
 
+    def lacks(self, contributors: Iterable[int]) -> bool:
+        """Whether this member holds no signed table of some of ``contributors``."""
+        return any(not self.tables.get(i) for i in contributors)
+
     def missing(self, tags: Sequence[bytes], contributors: Sequence[int], have: bytes) -> list[bytes]:
         """The signed tables among ``tags`` (of ``contributors``, in order) that a fetcher holding
         ``have`` (:meth:`have`) lacks: each is sent once, after the result."""

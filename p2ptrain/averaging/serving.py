@@ -196,7 +196,7 @@ class RoundServer:
                 await stream.send(piece)
                 if index == 0:
                     await self._point("during_gather")
-            await self._send_tables(stream, red.scales, req)
+            await self._send_tables(stream, red.scales, req.have)
             await stream.send_eof()
             self.meter.flow_done("upload")
         self._served(p, member)
@@ -230,8 +230,12 @@ class RoundServer:
                 self.meter.flow_done("upload")
                 with trio.move_on_at(end):
                     await self.sig.finalized(p).wait()
-                if red.early_final:
-                    await self._send_tables(stream, red.scales, req)
+                if red.early_final and self.t.reducers.get(p) is red:
+                    # The tables the fetcher lacks, which it names once it holds those of the slices it
+                    # reduced itself (it did not as this stream began, during the scatter)
+                    with trio.move_on_at(end):
+                        have = await stream.receive_some()
+                        await self._send_tables(stream, red.scales, have)
             await stream.send_eof()
         if sent == len(red.spans) and red.early_final and not self.sig.retired.is_set():
             self._served(p, member)
@@ -254,17 +258,34 @@ class RoundServer:
         with self.t.reading():
             for a, b in chunks(m.sizes[p], Compression.NONE):
                 await stream.send(encoded_chunk(values[a:b], Compression.NONE))
-            await self._send_tables(stream, self.t.scales.get(p, ()), req)
+            await self._send_tables(stream, self.t.scales.get(p, ()), req.have)
             await stream.send_eof()
         return Ack(True, scales=self.t.scales.get(p, ()))
 
-    async def _send_tables(self, stream: RpcStream, tags: tuple[bytes, ...], req: FetchReq) -> None:
+    async def on_tables(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
+        """The signed scale tables of the decided contributors that the caller lacks (see ``TABLES``)."""
+        m = self.m
+        m.member_of(ctx.peer)
+        with trio.move_on_at(m.at.gather):
+            await self.sig.decided.wait()
+        decision = m.decision
+        if decision is None:
+            return Ack(False, "no decision here")
+        tags = tuple(next(iter(self.t.tables.get(c, {})), b"") for c in decision.contributors)
+        await self._send_tables(stream, tags, req.have)
+        await stream.send_eof()
+        return Ack(True, scales=tags)
+
+    async def _send_tables(
+        self, stream: RpcStream, tags: tuple[bytes, ...], have: bytes | memoryview
+    ) -> None:
         """After a result: the signed scale tables of its contributors (``tags``) that the fetcher does
-        not hold (``req.have``), one per body chunk, each sent once (see ``bounds``)."""
+        not hold (``have``: the tags it holds, ``RoundTensors.have``), one per body chunk, each sent once
+        (see ``bounds``)."""
         decision = self.m.decision
         if decision is None or len(tags) != len(decision.contributors):
             return
-        for sealed in self.t.missing(tags, decision.contributors, req.have):
+        for sealed in self.t.missing(tags, decision.contributors, bytes(have)):
             await stream.send(sealed)
 
     def _served(self, p: int, member: int) -> None:

@@ -8,10 +8,13 @@ member holds the tables that came with the slices it reduced, and a result's ser
 of the tables it used, with those the fetcher lacks in full.
 
 The invariant, over random group sizes, partition sizes, client-only members (they reduce nothing, so
-hold no table until a fetch brings it) and compressed or plain rounds: every member commits the same
-bits, and the signature checks of scale evidence in the whole round are at most ``2 n^2`` (``n (n-1)``
-reducers' checks of the tables with the slices, plus the client-only members' ``n`` each); the code
-before made about ``n^2 (n-1)`` (441 in a round of 8), so this fails on it at every size drawn.
+hold no table until they ask for them) and compressed or plain rounds: every member commits the same
+bits; the tables sent to members are only those they lack (n per client-only member, which asks one
+member once, not every fetch's server; an early result's stream names what its fetcher holds once the
+decision is in, not as it began: the first version of this sent 120 tables in a round of 6); and the
+signature checks of scale evidence in the whole round are at most ``2 n^2`` (``n (n-1)`` reducers'
+checks of the tables with the slices, plus the client-only members' ``n`` each); the code before made
+about ``n^2 (n-1)`` (441 in a round of 8), so this fails on it at every size drawn.
 
 The adversary: a contributor far larger than its mates (its values 30x theirs, within every cap) signs,
 for each reducer, a table whose entry for that reducer's partition is true and whose other entries are
@@ -33,6 +36,7 @@ from p2ptrain.averaging import allreduce
 from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.averaging.bounds import TABLE_DOMAIN, Scale, open_table, seal_table
 from p2ptrain.averaging.protocol import PartReq
+from p2ptrain.averaging.round_tensors import RoundTensors
 from p2ptrain.identity import SignedEnvelope
 from tests.harness.averaging import check_invariant, contributors_of, open_group, run_round, sign_manifest
 from tests.harness.identities import identity
@@ -65,6 +69,14 @@ async def test_a_member_checks_each_contributors_signed_scales_once_a_round(
     client_only = tuple(rng.sample(range(1, n), rng.randint(0, 2)))
     size = rng.randint(2_000, 40_000)
     opened = count_scale_checks(monkeypatch)
+    served = [0]  # signed tables a fetch's server sent the fetcher
+    take = RoundTensors.take_tables
+
+    def counting(self: RoundTensors, tables, tags, decision) -> None:  # type: ignore[no-untyped-def]
+        served[0] += len(tables)
+        take(self, tables, tags, decision)
+
+    monkeypatch.setattr(RoundTensors, "take_tables", counting)
     async with open_group(n, client_only=client_only, seed=seed) as group:
         g = torch.Generator().manual_seed(seed)
         originals = [[torch.randn(size, generator=g)] for _ in range(n)]
@@ -76,6 +88,8 @@ async def test_a_member_checks_each_contributors_signed_scales_once_a_round(
     assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
     assert all(isinstance(o, RoundResult) and len(o.contributors) == n for o in outcomes)
     assert 0 < opened[0] <= 2 * n * n, f"{opened[0]} signature checks of scales in a round of {n}"
+    # tables travel to the members that lack them: the client-only ones (n each), not with every fetch
+    assert served[0] <= n * (len(client_only) + 1), f"{served[0]} tables sent in a round of {n}"
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
