@@ -371,9 +371,9 @@ class Gatherer:
     async def tables_for(self, decision: Decision) -> None:
         """Before a fetch names the signed tables this member holds: where it lacks the table of a
         decided contributor (it reduced nothing, or that contributor's slice to it did not arrive), ask
-        one member for all it lacks, once a round, so that the servers of its partitions, asked at the
-        same time, do not each send it every table (k^2 tables a round, not k). Others wait for that
-        ask; if it fails, each server sends what is still missing (see ``bounds``)."""
+        one member for all it lacks, once a round: the servers of its partitions, asked at the same
+        time, would each send it every table it lacks (up to k^2 tables a round instead of k). Its other
+        fetches wait for that ask; if it fails, each server sends what is still missing (``bounds``)."""
         m, t = self.m, self.t
         if not t.lacks(decision.contributors):
             return
