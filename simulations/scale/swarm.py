@@ -337,6 +337,11 @@ def measure(
     member_looks: list[float] = []
     left_looks: list[float] = []
     missed_look = 0
+    # when each left-out peer got onto the step (its state of it: a round or a download), from the
+    # step's first look: where it came late to the step itself (caught up from the step before, left
+    # out there), its look could not be in time; and per step, the left-out by where they were
+    arrivals: list[float] = []
+    per_step: list[dict[str, Any]] = []
     for epoch, at in sorted(committed_at.items()):
         if at < window_start or at > window_start + window - LANDING:
             continue  # (a round committed as the run ends may not have landed on all its members yet)
@@ -345,11 +350,21 @@ def measure(
             shares.append(min(1.0, members[epoch] / len(alive)))
         began_at = {p.index: p.opt.rounds.began_looking.get(epoch, math.inf) for p in alive}
         first = min((t for t in began_at.values() if t < math.inf), default=at)
+        kinds: Counter[str] = Counter()
         for p in alive:
             began = began_at[p.index]
             if any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps):
                 member_looks.append(began - first)
                 continue
+            arrived = _arrived(p, epoch)
+            if arrived < math.inf:
+                arrivals.append(arrived - first)
+            if arrived >= at:
+                kinds["on_step_after_commit"] += 1
+            elif began >= at:
+                kinds["on_step_no_look_before_commit"] += 1
+            else:
+                kinds["looked_before_commit"] += 1
             if began < at:
                 left_looks.append(began - first)
             else:
@@ -358,6 +373,10 @@ def measure(
             of += [n for n in p.notes if n[0] == epoch + 1 and n[1] == "synced"]
             missed["+".join(sorted({n[1] for n in of})) or "none"] += 1
             reasons.update({_pattern(n[2]) for n in of if n[2]})
+        per_step.append(
+            {"epoch": epoch, "committed_at": round(at, 1), "members": members[epoch], "alive": len(alive)}
+            | dict(kinds)
+        )
     waits = [
         committed_at[e] - sim.reached[e]
         for e in committed_at
@@ -415,13 +434,24 @@ def measure(
             "left_out_p50": round(pct(left_looks, 0.5), 2) if left_looks else None,
             "left_out_looked": len(left_looks),
             "left_out_no_look_before_commit": missed_look,
+            "left_out_on_step_p50": round(pct(arrivals, 0.5), 2) if arrivals else None,
         },
+        "left_out_per_step": per_step,
         "forks": len(forks),
         "fork_epochs": forks[:10],
         # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
         # contributors miss a member's signed quorum aborts on all its members)
         "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
     }
+
+
+def _arrived(peer: SimPeer, epoch: int) -> float:
+    """When ``peer`` got onto ``epoch`` (a round or a download took it there; its start for the step it
+    began on), infinity if it never was on it."""
+    began_on = peer.steps[0][0] if peer.steps else peer.opt.epoch
+    if began_on == epoch:
+        return peer.joined
+    return min((s[5] for s in peer.steps if s[1] == epoch), default=math.inf)
 
 
 def _pattern(reason: str) -> str:
