@@ -21,7 +21,8 @@ deadline and then delivered no manifest (whatever it said then: "full", "too sma
 coordinated a round that failed on it (:meth:`GroupForming.round_failed`): honest leaders do that
 too. A group too small is not even a suspicion when this peer saw fewer peers announcing compatibly
 than its own minimum group size (none could have formed). An honest leader
-answers at its deadline at the latest (its reads of the DHT stop there), so ``LATE`` seconds of
+answers at its deadline at the latest, or ``matchmaking.LINGER`` past it while the peers it counts
+still join (its reads of the DHT stop there; a joiner's grace is twice that), so ``LATE`` seconds of
 clock skew are allowed for; a leader reached through a relay is blamed by its id alone (the address
 this peer reached is the relay's), as is one whose address does not connect within ``DIAL_LIMIT``
 seconds (its address may name anyone's subnet). A leader that keeps answering "ask again" is passed
@@ -501,22 +502,25 @@ class GroupForming:
         )
         looking.formed, looking.full, looking.bumped = trio.Event(), trio.Event(), trio.Event()
         self._away(looking, gathering, seen, declined)
-        while not gathering.ready() and self.clock() < me.deadline:
-            with trio.move_on_after(min(POLL, max(0.0, me.deadline - self.clock()))):
+        # (past its deadline only while the peers it counts still join: ``Gathering.closes_at``)
+        while not gathering.ready() and self.clock() < gathering.closes_at(me.deadline):
+            with trio.move_on_after(min(POLL, max(0.0, gathering.closes_at(me.deadline) - self.clock()))):
                 await looking.full.wait()
-            if gathering.ready() or self.clock() >= me.deadline:
+            if gathering.ready() or self.clock() >= gathering.closes_at(me.deadline):
                 break
             seen = []
-            # (an honest leader answers by its deadline, however slow the DHT: see the module docstring)
-            with trio.move_on_after(max(0.0, me.deadline - self.clock())):
+            # (an honest leader answers by its closing, however slow the DHT: see the module docstring)
+            with trio.move_on_after(max(0.0, gathering.closes_at(me.deadline) - self.clock())):
                 seen = await self.announcements(key)
             self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
             # (Not once the group may form. Full but short of its quorum, or held by one origin, it
             # waits for its deadline and forms with the quorum's peers or not at all: holding a stranger
             # that filled it, a leader waited there alone while a smaller leader's group of the same
-            # step, with the quorum's peers, formed without it.)
-            if smaller is not None and not gathering.ready():
+            # step, with the quorum's peers, formed without it. Nor late, where it may form: its joiners,
+            # held to its deadline, would be sent elsewhere at the end of their wait.)
+            late = self.clock() >= me.deadline - LATE and gathering.quorate()
+            if smaller is not None and not gathering.ready() and not late:
                 looking.gathering, looking.refusal = None, f"redirected to {smaller.peer.short()}"
                 looking.following = smaller
                 looking.formed.set()
@@ -678,6 +682,7 @@ class GroupForming:
         why = gathering.offer(
             Joiner(ctx.peer, req.addr, req.bandwidth, subnet_of(ctx.remote_host), req.need, counts),
             req.schema_digest,
+            self.clock(),
         )
         if why:
             return Reply(JoinResp(False, why))

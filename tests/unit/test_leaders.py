@@ -32,9 +32,12 @@ from p2ptrain.averaging.leaders import (
 )
 from p2ptrain.averaging.matchmaking import (
     DEADLINE_SLACK,
+    LINGER,
+    QUIET,
     Announcement,
     Gathering,
     Joiner,
+    Quorum,
     cannot_join,
     choose_leader,
     place,
@@ -87,7 +90,9 @@ def test_the_smallest_ticket_leads_whatever_deadline_it_declared():
         ("ours", lambda lo, me: ann(me, 5.0), 0.0, "ourselves"),
         ("client-only", lambda lo, me: ann(lo, 5.0, addr=""), 0.0, "client-only"),
         ("schema", lambda lo, me: ann(lo, 5.0, schema=b"t"), 0.0, "another schema"),
-        ("closed", lambda lo, me: ann(lo, 5.0), 5.0, "closed"),
+        # (a leader may still be gathering up to LINGER past its deadline: see ``Gathering.closes_at``)
+        ("lingering", lambda lo, me: ann(lo, 5.0), 5.0 + LINGER - 0.1, ""),
+        ("closed", lambda lo, me: ann(lo, 5.0), 5.0 + LINGER, "closed"),
         (
             "far",
             lambda lo, me: ann(lo, WINDOW + DEADLINE_SLACK + 0.1),
@@ -200,7 +205,8 @@ def test_no_wait_chain_has_a_cycle_and_no_declared_field_changes_the_winner(swar
             continue
         assert not why_not(a, leader, now, key, declined=declined, excluded=excluded)
         assert leader.peer not in excluded and leader not in declined and leader.can_lead
-        assert now < leader.deadline <= a.deadline + DEADLINE_SLACK
+        # (a leader gathers until its deadline, or LINGER past it while the peers it counts still join)
+        assert now < leader.deadline + LINGER and leader.deadline <= a.deadline + DEADLINE_SLACK
         if a.can_lead:  # every wait goes down the one order, whatever this observer excluded
             assert place(key, leader) < place(key, a)
             follows[a.peer] = leader.peer
@@ -431,3 +437,31 @@ def test_honest_leaders_of_one_lan_suspected_in_a_burst_are_followed_again_withi
         book.suspect(rng.choice([p for p in honest if p != good] or honest), lan, t, "too small")
         if good not in book.excluded_peers(t):
             assert book.excluded(good, lan, t) == "", book.excluded(good, lan, t)
+
+
+# ---- the group's closing: only counted joiners keep a group open, and never past LINGER ----
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.floats(-20.0, 20.0, allow_nan=False)),  # (counted?, when it joins)
+        max_size=24,
+    ),
+    st.floats(-10.0, 10.0, allow_nan=False),
+)
+def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(joins, deadline):
+    counted = frozenset(pid(100 + i) for i, (c, _) in enumerate(joins) if c)
+    quorum = Quorum(counted | {pid(1)}, 1)
+    g = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1, quorum=quorum)
+    strangers_only = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1, quorum=quorum)
+    for i, (c, at) in enumerate(joins):
+        assert g.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
+        if not c:  # the same ids that are not counted, alone: they never move the closing
+            assert strangers_only.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
+    closes = g.closes_at(deadline)
+    assert deadline <= closes <= deadline + LINGER
+    assert strangers_only.closes_at(deadline) == deadline
+    for c, at in joins:
+        if c:  # a counted peer that joined keeps the group open QUIET past it (within LINGER)
+            assert closes >= min(at + QUIET, deadline + LINGER)

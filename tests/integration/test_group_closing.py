@@ -1,0 +1,129 @@
+"""A leader closes a group that is not full only once the peers it counts stopped joining.
+
+At 128 simulated peers a step's group formed at its leader's deadline with 102 members, 5.6 s after the
+step's first look, while 16 more peers of the step asked it 0.1 to 2 s later: their looks began last
+(each peer looks between two of its batches, and views differ). Each of them then downloaded the step.
+A group that is not full now closes once no counted peer joined it for ``QUIET`` seconds, and at most
+``LINGER`` past the deadline (``Gathering.closes_at``); followers may ask it until then.
+
+The invariants tested, over random look times: (1) while the peers keep joining across the deadline
+(one at least every ``QUIET`` seconds), every one that asks before ``LINGER`` past it is in the group,
+which forms by then; (2) when the looks stopped well before the deadline, the group forms by then
+(within ``QUIET`` of it), and a peer that asks later is not waited for. (1) fails on the code before:
+the late peers found the leader closed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+
+from p2ptrain import Node, NodeConfig
+from p2ptrain.averaging import AveragerConfig
+from p2ptrain.averaging.matchmaking import LINGER, QUIET, ticket
+from p2ptrain.averaging.protocol import SignedManifest
+from p2ptrain.errors import GroupFormationFailed
+from p2ptrain.net import MemoryNetwork
+from tests.harness.identities import identity
+
+PEERS = 8
+LATE_PEERS = 3
+WINDOW = 3.0
+PORT = 3200
+KEY = "step-1"
+CFG = AveragerConfig(target_size=PEERS, min_size=2, matchmaking_time=WINDOW)
+
+
+async def start(nursery: trio.Nursery, net: MemoryNetwork, name: str, i: int, first: Node | None) -> Node:
+    host = f"198.18.{i + 1}.1"
+    config = NodeConfig(
+        run_id="closing",
+        listen=((host, PORT),),
+        join=(first.addresses[0],) if first is not None else (),
+        averaging=CFG,
+    )
+    node = Node(identity(name), config, transport=net.transport(host), clock=trio.current_time)
+    node = await nursery.start(node.run)
+    await node.dht.bootstrapped.wait()
+    return node
+
+
+async def looks(
+    seed: int, trickle: bool
+) -> tuple[list[SignedManifest | None], list[bool], float, list[float]]:
+    """``PEERS`` peers look for one group, all with the window opening at one target, so one deadline
+    ``D`` (a window after it). The early ones begin before ``D`` (the lottery's leader among them: the
+    smallest ticket); the ``LATE_PEERS`` late ones after it. ``trickle``: the early looks run up to
+    just before ``D`` and the late ones follow each within ``QUIET`` of the last; else the early looks
+    begin by ``QUIET`` before ``D`` and the late ones ``QUIET`` after it. Returns what each found, which were
+    late, ``D`` and when each found its group."""
+    rng = random.Random(seed)
+    names = [f"c{seed}-{i}" for i in range(PEERS)]
+    # the leader (smallest ticket) looks early: a late peer with a smaller ticket leads alone, by the
+    # lottery's order (see ``matchmaking``, "The group's closing")
+    names.sort(key=lambda n: ticket(KEY, identity(n).peer_id))
+    rest = [True] * LATE_PEERS + [False] * (PEERS - 1 - LATE_PEERS)
+    rng.shuffle(rest)
+    late = [False, *rest]  # (names[0], the leader, is early)
+    net = MemoryNetwork(seed=seed)
+    found: list[SignedManifest | None] = [None] * PEERS
+    formed_at = [float("inf")] * PEERS
+    async with trio.open_nursery() as nursery:
+        nodes: list[Node] = []
+        for i, name in enumerate(names):
+            nodes.append(await start(nursery, net, name, i, nodes[0] if nodes else None))
+        target = trio.current_time() + 2 * WINDOW
+        deadline = target + WINDOW
+        early_end = deadline - (0.4 if trickle else QUIET + 0.5)
+        starts = [0.0] * PEERS
+        for i in range(PEERS):
+            if not late[i]:
+                starts[i] = rng.uniform(target - 0.8 * WINDOW, early_end)
+        starts[max(i for i in range(PEERS) if not late[i])] = early_end  # (one early look at its end)
+        starts[0] = target - 0.8 * WINDOW  # (the leader's window opens at the target: its deadline is D)
+        t = deadline if trickle else deadline + QUIET
+        for i in (i for i in range(PEERS) if late[i]):
+            t += rng.uniform(0.2, 0.6) if trickle else rng.uniform(0.3, 1.0)
+            starts[i] = t
+
+        async def one(i: int) -> None:
+            await trio.sleep_until(starts[i])
+            try:
+                found[i] = await nodes[i].averager.form_group([torch.zeros(8)], group_key=KEY, opens=target)
+                formed_at[i] = trio.current_time()
+            except GroupFormationFailed:
+                pass
+
+        with trio.fail_after(10 * WINDOW):
+            async with trio.open_nursery() as group:
+                for i in range(PEERS):
+                    group.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    return found, late, deadline, formed_at
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_peers_still_joining_at_the_deadline_are_all_in_the_group(
+    seed: int, autojump_clock: object
+) -> None:
+    found, _, deadline, formed = await looks(seed, trickle=True)
+    assert all(m is not None for m in found), found
+    assert len({m.digest for m in found if m is not None}) == 1
+    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert max(formed) <= deadline + LINGER + 0.5  # (never held past its linger)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_a_group_nobody_joins_any_more_forms_at_its_deadline(seed: int, autojump_clock: object) -> None:
+    found, late, deadline, formed = await looks(seed, trickle=False)
+    early = [m for m, was_late in zip(found, late, strict=True) if not was_late]
+    # (an early look that was redirected may join just before the deadline: QUIET at most past it)
+    assert max(t for t, was_late in zip(formed, late, strict=True) if not was_late) <= deadline + QUIET + 0.3
+    assert all(m is not None for m in early)
+    digests = {m.digest for m in early if m is not None}
+    assert len(digests) == 1
+    (manifest,) = {m for m in early if m is not None}
+    assert len(manifest.manifest.members) == PEERS - LATE_PEERS  # the late ones were not waited for
