@@ -123,6 +123,7 @@ class RoundTensors:
         self.tables: dict[int, dict[bytes, tuple[Scale, ...]]] = {}
         self.sealed: dict[bytes, bytes] = {}
         self._own_tag: bytes | None = None
+        self._tables_asked: set[int] = set()  # members that asked this one for the round's tables
 
     def limit(self, p: int) -> Limit | None:
         """The most partition ``p``'s result may be for this member (None: nothing to bound it by)."""
@@ -167,6 +168,16 @@ class RoundTensors:
             if tag in self.sealed and have[i * TAG_BYTES : (i + 1) * TAG_BYTES] != tag:
                 out[tag] = self.sealed[tag]
         return list(out.values())
+
+    def first_ask(self, member: int) -> bool:
+        """Whether ``member`` asks this one for the round's signed tables (``TABLES``) for the first
+        time. Each is answered once a round: an honest member asks each member at most once
+        (``Gatherer.tables_for``), and answered again and again, a member could make this one send it up
+        to n tables a call for as long as the round lasts."""
+        if member in self._tables_asked:
+            return False
+        self._tables_asked.add(member)
+        return True
 
     def take_tables(
         self, served: Sequence[bytes | memoryview], tags: Sequence[bytes], decision: Decision

@@ -265,7 +265,8 @@ class RoundServer:
     async def on_tables(self, ctx: CallContext, req: FetchReq, stream: RpcStream) -> Ack:
         """The signed scale tables of the decided contributors that the caller lacks (see ``TABLES``)."""
         m = self.m
-        m.member_of(ctx.peer)
+        if not self.t.first_ask(m.member_of(ctx.peer)):
+            return Ack(False, "this member was sent the round's tables already")
         with trio.move_on_at(m.at.gather):
             await self.sig.decided.wait()
         decision = m.decision

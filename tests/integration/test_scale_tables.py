@@ -32,10 +32,10 @@ import pytest
 import torch
 import trio
 
-from p2ptrain.averaging import allreduce
+from p2ptrain.averaging import allreduce, gathering
 from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.averaging.bounds import TABLE_DOMAIN, Scale, open_table, seal_table
-from p2ptrain.averaging.protocol import PartReq
+from p2ptrain.averaging.protocol import TABLES, TAG_BYTES, FetchReq, PartReq
 from p2ptrain.averaging.round_tensors import RoundTensors
 from p2ptrain.identity import SignedEnvelope
 from tests.harness.averaging import check_invariant, contributors_of, open_group, run_round, sign_manifest
@@ -128,3 +128,47 @@ async def test_a_contributor_that_signs_a_table_for_each_reducer_frames_no_hones
         for peer in group.peers:  # no member blamed anyone
             assert not peer.averager.auditor.banned, f"{peer.name} banned {peer.averager.auditor.banned}"
     assert TABLE_DOMAIN.startswith("p2ptrain/averaging-scale")  # (what the counter above counts)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_member_that_asks_for_the_tables_again_and_again_is_sent_them_once(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client-only member (it reduces nothing, so it lacks every table) that asks one member for the
+    round's tables again and again (five times before each of its fetches), saying each time that it
+    holds none: it is sent at most the round's n tables in all, and the round commits for everyone. On
+    the code before, each ask was answered in full (60 to 210 tables in these draws)."""
+    rng = random.Random(200 + seed)
+    n = rng.randint(4, 8)
+    greedy = rng.randrange(1, n)
+    received = [0]
+    asks = 5
+
+    async def greedy_tables(self: gathering.Gatherer, decision) -> None:  # type: ignore[no-untyped-def]
+        if self.m.me != greedy:
+            return await real_tables_for(self, decision)
+        server = next(i for i, a in enumerate(self.addrs) if a and i != self.m.me)
+        for _ in range(asks):
+            conn = await self.host.connect(self.addrs[server])
+            req = FetchReq(self.m.digest, 0, bytes(TAG_BYTES * self.m.n))  # ("it holds none")
+            async with conn.open_stream(TABLES, req, timeout=30.0) as stream:
+                tables = await self._tables(stream)
+                ack = await stream.response()
+            received[0] += len(tables)
+            if ack.ok:
+                self.t.take_tables(tables, ack.scales, decision)
+        return None
+
+    real_tables_for = gathering.Gatherer.tables_for
+    monkeypatch.setattr(gathering.Gatherer, "tables_for", greedy_tables)
+    async with open_group(n, client_only=(greedy,), seed=seed) as group:
+        g = torch.Generator().manual_seed(seed)
+        size = rng.randint(2_000, 20_000)
+        originals = [[torch.randn(size, generator=g)] for _ in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        weights = [1.0] * n
+        signed = sign_manifest(group.peers, inputs[0])
+        with trio.fail_after(120):
+            outcomes = await run_round(group, signed, inputs, weights)
+    assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
+    assert 0 < received[0] <= n, f"{received[0]} tables sent to one member that asked {asks} times"
