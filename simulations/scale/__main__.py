@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, handlers=[handler])
         for quiet in ("p2ptrain.net", "p2ptrain.node", "p2ptrain.dht"):
             logging.getLogger(quiet).setLevel(logging.WARNING)
+        # each look's asks and each leader's admissions too: who was in which group, and who came late
+        logging.getLogger("p2ptrain.averaging.averager").setLevel(logging.DEBUG)
     else:
         logging.basicConfig(level=logging.CRITICAL)
     if args.plot_only:
