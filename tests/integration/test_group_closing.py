@@ -21,34 +21,18 @@ import pytest
 import torch
 import trio
 
-from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.matchmaking import LINGER, QUIET, ticket
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.net import MemoryNetwork
-from tests.harness.identities import identity
+from tests.harness.nodes import swarm
 
 PEERS = 8
 LATE_PEERS = 3
 WINDOW = 3.0
-PORT = 3200
 KEY = "step-1"
 CFG = AveragerConfig(target_size=PEERS, min_size=2, matchmaking_time=WINDOW)
-
-
-async def start(nursery: trio.Nursery, net: MemoryNetwork, name: str, i: int, first: Node | None) -> Node:
-    host = f"198.18.{i + 1}.1"
-    config = NodeConfig(
-        run_id="closing",
-        listen=((host, PORT),),
-        join=(first.addresses[0],) if first is not None else (),
-        averaging=CFG,
-    )
-    node = Node(identity(name), config, transport=net.transport(host), clock=trio.current_time)
-    node = await nursery.start(node.run)
-    await node.dht.bootstrapped.wait()
-    return node
 
 
 async def looks(
@@ -58,23 +42,18 @@ async def looks(
     ``D`` (a window after it). The early ones begin before ``D`` (the lottery's leader among them: the
     smallest ticket); the ``LATE_PEERS`` late ones after it. ``trickle``: the early looks run up to
     just before ``D`` and the late ones follow each within ``QUIET`` of the last; else the early looks
-    begin by ``QUIET`` before ``D`` and the late ones ``QUIET`` after it. Returns what each found, which were
-    late, ``D`` and when each found its group."""
+    begin by ``QUIET`` before ``D`` and the late ones ``QUIET`` after it. Returns what each found, which
+    were late, ``D`` and when each found its group."""
     rng = random.Random(seed)
-    names = [f"c{seed}-{i}" for i in range(PEERS)]
-    # the leader (smallest ticket) looks early: a late peer with a smaller ticket leads alone, by the
-    # lottery's order (see ``matchmaking``, "The group's closing")
-    names.sort(key=lambda n: ticket(KEY, identity(n).peer_id))
-    rest = [True] * LATE_PEERS + [False] * (PEERS - 1 - LATE_PEERS)
-    rng.shuffle(rest)
-    late = [False, *rest]  # (names[0], the leader, is early)
-    net = MemoryNetwork(seed=seed)
     found: list[SignedManifest | None] = [None] * PEERS
     formed_at = [float("inf")] * PEERS
-    async with trio.open_nursery() as nursery:
-        nodes: list[Node] = []
-        for i, name in enumerate(names):
-            nodes.append(await start(nursery, net, name, i, nodes[0] if nodes else None))
+    async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
+        # the leader (smallest ticket) looks early: a late peer with a smaller ticket leads alone, by the
+        # lottery's order (see ``matchmaking``, "The group's closing")
+        leader = min(range(PEERS), key=lambda i: ticket(KEY, nodes[i].peer_id))
+        late = [False] * PEERS
+        for i in rng.sample([i for i in range(PEERS) if i != leader], LATE_PEERS):
+            late[i] = True
         target = trio.current_time() + 2 * WINDOW
         deadline = target + WINDOW
         early_end = deadline - (0.4 if trickle else QUIET + 0.5)
@@ -82,8 +61,9 @@ async def looks(
         for i in range(PEERS):
             if not late[i]:
                 starts[i] = rng.uniform(target - 0.8 * WINDOW, early_end)
-        starts[max(i for i in range(PEERS) if not late[i])] = early_end  # (one early look at its end)
-        starts[0] = target - 0.8 * WINDOW  # (the leader's window opens at the target: its deadline is D)
+        last_early = max(i for i in range(PEERS) if not late[i] and i != leader)
+        starts[last_early] = early_end  # (one early look at its end)
+        starts[leader] = target - 0.8 * WINDOW  # (the leader's window opens at the target: its deadline is D)
         t = deadline if trickle else deadline + QUIET
         for i in (i for i in range(PEERS) if late[i]):
             t += rng.uniform(0.2, 0.6) if trickle else rng.uniform(0.3, 1.0)
@@ -101,7 +81,6 @@ async def looks(
             async with trio.open_nursery() as group:
                 for i in range(PEERS):
                     group.start_soon(one, i)
-        nursery.cancel_scope.cancel()
     return found, late, deadline, formed_at
 
 
