@@ -38,7 +38,15 @@ from p2ptrain.averaging.bounds import TABLE_DOMAIN, Scale, open_table, seal_tabl
 from p2ptrain.averaging.protocol import TABLES, TAG_BYTES, FetchReq, PartReq
 from p2ptrain.averaging.round_tensors import RoundTensors
 from p2ptrain.identity import SignedEnvelope
-from tests.harness.averaging import check_invariant, contributors_of, open_group, run_round, sign_manifest
+from tests.harness.averaging import (
+    Group,
+    Outcome,
+    check_invariant,
+    contributors_of,
+    open_group,
+    run_round,
+    sign_manifest,
+)
 from tests.harness.identities import identity
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,6 +66,18 @@ def count_scale_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(SignedEnvelope, "open", counting)
     return opened
+
+
+async def round_over(
+    group: Group, originals: list[list[torch.Tensor]], weights: list[float], compression: str = "none"
+) -> tuple[list[list[torch.Tensor]], list[Outcome]]:
+    """One round of ``group`` over copies of ``originals``: the copies (averaged in place) and what each
+    member's round returned."""
+    inputs = [[t.clone() for t in ts] for ts in originals]
+    signed = sign_manifest(group.peers, inputs[0], compression=compression)
+    with trio.fail_after(120):
+        outcomes = await run_round(group, signed, inputs, weights)
+    return inputs, outcomes
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
@@ -80,11 +100,8 @@ async def test_a_member_checks_each_contributors_signed_scales_once_a_round(
     async with open_group(n, client_only=client_only, seed=seed) as group:
         g = torch.Generator().manual_seed(seed)
         originals = [[torch.randn(size, generator=g)] for _ in range(n)]
-        inputs = [[t.clone() for t in ts] for ts in originals]
         weights = [rng.uniform(0.5, 2.0) for _ in range(n)]
-        signed = sign_manifest(group.peers, inputs[0], compression=rng.choice(["none", "fp16"]))
-        with trio.fail_after(120):
-            outcomes = await run_round(group, signed, inputs, weights)
+        inputs, outcomes = await round_over(group, originals, weights, rng.choice(["none", "fp16"]))
     assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
     assert all(isinstance(o, RoundResult) and len(o.contributors) == n for o in outcomes)
     assert 0 < opened[0] <= 2 * n * n, f"{opened[0]} signature checks of scales in a round of {n}"
@@ -114,11 +131,8 @@ async def test_a_contributor_that_signs_a_table_for_each_reducer_frames_no_hones
     async with open_group(n, seed=seed) as group:
         g = torch.Generator().manual_seed(seed)
         originals = [[torch.randn(size, generator=g) * (30.0 if i == liar else 1.0)] for i in range(n)]
-        inputs = [[t.clone() for t in ts] for ts in originals]
         weights = [1.0] * n
-        signed = sign_manifest(group.peers, inputs[0])
-        with trio.fail_after(120):
-            outcomes = await run_round(group, signed, inputs, weights)
+        inputs, outcomes = await round_over(group, originals, weights)
         assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
         first = outcomes[0]
         assert isinstance(first, RoundResult)
@@ -165,10 +179,7 @@ async def test_a_member_that_asks_for_the_tables_again_and_again_is_sent_them_on
         g = torch.Generator().manual_seed(seed)
         size = rng.randint(2_000, 20_000)
         originals = [[torch.randn(size, generator=g)] for _ in range(n)]
-        inputs = [[t.clone() for t in ts] for ts in originals]
         weights = [1.0] * n
-        signed = sign_manifest(group.peers, inputs[0])
-        with trio.fail_after(120):
-            outcomes = await run_round(group, signed, inputs, weights)
+        inputs, outcomes = await round_over(group, originals, weights)
     assert check_invariant(originals, inputs, weights, outcomes, atol=1e-3) == "commit"
     assert 0 < received[0] <= n, f"{received[0]} tables sent to one member that asked {asks} times"
