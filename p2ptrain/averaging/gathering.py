@@ -309,7 +309,8 @@ class Gatherer:
         except (P2PError, trio.TooSlowError) as e:
             if p in m.held:
                 return True
-            if isinstance(e, RemoteCallError) and e.code in (ROUND_OVER, LEFT_ROUND):
+            said = RELAY_RESULT.name if relay else FETCH.name  # (only ``frm``'s own answer says it is over)
+            if isinstance(e, RemoteCallError) and e.method == said and e.code in (ROUND_OVER, LEFT_ROUND):
                 self.over.add(frm)
             if not relay:
                 log.info("could not fetch partition %d from %s: %s", p, m.name(frm), e)
