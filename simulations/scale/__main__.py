@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(quiet).setLevel(logging.WARNING)
         # each look's asks and each leader's admissions too: who was in which group, and who came late
         logging.getLogger("p2ptrain.averaging.averager").setLevel(logging.DEBUG)
+        # and each look's view of its step as it began (peers, samples, rate: when and why it looked)
+        logging.getLogger("p2ptrain.training.collaborative").setLevel(logging.DEBUG)
     else:
         logging.basicConfig(level=logging.CRITICAL)
     if args.plot_only:

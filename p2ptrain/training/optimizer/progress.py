@@ -41,6 +41,16 @@ above), and toward the samples of this peer's epoch for at most as much as this 
 records together (fresh keys that claim any number of samples at most halve the batch a step is taken
 with). A peer's own samples are never extrapolated: it knows them exactly.
 
+The others of the round that took this peer to its step (its ``cohort``) are on that step as surely as
+it is: they committed the same bits. A record of theirs on the step reaches a peer at once only if they
+offer it their records (their partners, at most 32); the others read it from the replicas once a
+record's life. Counting only records of the step, a peer that held a quarter of its round's new records
+saw a quarter of the samples and the rate, and looked for the next group up to a record's life after
+the others (128 simulated peers: looks spread over 8 to 10 s against a leader's window of 3 s). So a
+member whose last record is of the step before counts toward this step at that record's rate since this
+peer's own samples of it count, for at most ``UNREAD`` horizons, under the same trust caps as any record
+of the step, until its own record of the step says what it did.
+
 Every peer's view of a step is computed from the same published records, its own included as the
 others read it. A peer may view a step its record does not say (``epoch``: a peer whose replay in
 flight lands it on the swarm's step joins that step's round): there its own samples and rate count for
@@ -233,6 +243,10 @@ def must_publish(
     return abs(record.samples - estimate(last, record.time, heartbeat)) > tolerance
 
 
+# A round's member's first record of the step it took reaches a peer it does not offer its records to
+# by a read of the replicas, at most a record's life (two heartbeats) after it went out: until then it is
+# counted at its last rate (see ``swarm_view``'s ``joined``) for at most this many horizons.
+UNREAD = 2.0
 PLAUSIBLE_RATE = 2.0  # a peer may do this many times its advertised samples per second (rates lag)
 SPREAD = 3.0  # a trusted peer's claims count for at most this many times the median peer's (see above)
 
@@ -314,6 +328,13 @@ def swarm_view(
     # claiming 2**53 samples at most halves the batch a step is taken with.
     sure = [o for o in same if vouches(o)]
     unsure = [o for o in same if not vouches(o)]
+    # The others of the round that took this peer to ``at`` (``cohort``) work on it since about when this
+    # one does, whether or not their first record of it has reached this peer: counted at the rate their
+    # last record says, from when this peer's own samples of ``at`` count (``mine.since``), until a record
+    # of theirs on the step says what they did (``joined``: see the module docstring).
+    members = frozenset(cohort) if here else frozenset()
+    joined = [o for o in others if o.peer in members and o.record.epoch + 1 == at]
+    started = min(max(now - mine.since, 0.0), UNREAD * horizon)
     # What this peer itself brings to ``at``: its exact count and rate on its own step; nothing on a
     # step its record does not say (a spectator), as in every other peer's view of that step.
     mine_samples = [float(mine.samples)] if here else []
@@ -321,10 +342,19 @@ def swarm_view(
     # A trusted peer's claims count for at most SPREAD times the median's (see the module docstring);
     # not in a private swarm, whose authority vouches for every member.
     spread = SPREAD if trusted is not None else math.inf
-    claimed = [estimate(o.record, now, horizon) for o in sure]
+    sure_rates = [*(o.record.rate for o in sure), *(o.record.rate for o in joined if vouches(o))]
+    claimed = [
+        *(estimate(o.record, now, horizon) for o in sure),
+        *(r * started for r in sure_rates[len(sure) :]),
+    ]
+    unsure_rates = [*(o.record.rate for o in unsure), *(o.record.rate for o in joined if not vouches(o))]
+    unclaimed = [
+        *(estimate(o.record, now, horizon) for o in unsure),
+        *(r * started for r in unsure_rates[len(unsure) :]),
+    ]
     most = spread_cap([*mine_samples, *claimed], spread)
     samples = math.fsum([*mine_samples, *(min(c, most) for c in claimed)])
-    samples += min(math.fsum(estimate(o.record, now, horizon) for o in unsure), samples)
+    samples += min(math.fsum(unclaimed), samples)
     # Trusted peers on this step whose own view reached the target look for a group now: so does this
     # one, once they are half of the trusted peers here. A peer that trusts few (a joiner: its join
     # peer; one a round left out: no partner) counts the others for at most as much as itself and those
@@ -335,9 +365,9 @@ def swarm_view(
     ready_said = said_ready > 0 and 2 * said_ready >= len(sure)
     if ready_said:
         samples = max(samples, float(target))
-    fastest = spread_cap([*mine_rate, *(o.record.rate for o in sure)], spread)
-    rate = math.fsum([*mine_rate, *(min(o.record.rate, fastest) for o in sure)])
-    rate += min(math.fsum(o.record.rate for o in unsure), rate)
+    fastest = spread_cap([*mine_rate, *sure_rates], spread)
+    rate = math.fsum([*mine_rate, *(min(r, fastest) for r in sure_rates)])
+    rate += min(math.fsum(unsure_rates), rate)
     quickest = spread_cap([mine.rate, *(o.record.rate for o in vouched)], spread)
     swarm_rate = math.fsum([mine.rate, *(min(o.record.rate, quickest) for o in vouched)])
     swarm_rate += min(math.fsum(o.record.rate for o in others if not vouches(o)), swarm_rate)

@@ -1,0 +1,132 @@
+"""A member of a committed round sees the next step's target when the swarm reaches it, whichever of
+its round's members' new records have reached it yet.
+
+At 128 simulated peers a peer's new record goes at once only to the 32 partners it offers it to; the
+others read it from the replicas once a record's life (10 s). The view counted only records of the
+step: a peer that held a quarter of its round's new records saw a quarter of the samples and the rate,
+and looked for a group when its next read came, up to 10 s after the peers that had read at the right
+moment (a step's first looks spread over 8 to 10 s; the leader's window is 3 s; 12% of the live peers
+were left out of each round and downloaded the step).
+
+The invariant, over random rounds (sizes, rates, landing times, which members' new records arrived,
+trusted or not): the view's samples and rate with any subset of the new records are those of the view
+with all of them, within what the members' landing times and rate changes explain; and ids that join a
+round and then claim any rate in their last record move the view no more than the trust caps allow
+(untrusted: at most as much as the trusted and this peer; trusted: ``SPREAD`` times the median).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from p2ptrain.identity import PeerID
+from p2ptrain.training.optimizer.progress import (
+    SPREAD,
+    UNREAD,
+    PeerProgress,
+    ProgressRecord,
+    SwarmView,
+    swarm_view,
+)
+
+RUN = b"run-fingerprint!"
+EPOCH = 7
+NOW = 5_000.0
+HORIZON = 7.0  # a heartbeat (5 s) and two read intervals, as on a node
+TARGET = 10_000
+LANDING_SPREAD = 0.3  # seconds between the first and the last member landing the round
+RATE_DRIFT = 0.1  # a member's rate on the new step against the one its last record said
+
+
+def pid(n: int) -> PeerID:
+    return PeerID(n.to_bytes(4, "big") * 8)
+
+
+def view(
+    mine: ProgressRecord, others: list[PeerProgress], cohort: set[PeerID], trusted: set[PeerID] | None
+) -> SwarmView:
+    return swarm_view(
+        pid(0), mine, others, now=NOW, target=TARGET, horizon=HORIZON, trusted=trusted, cohort=cohort
+    )
+
+
+def a_round(rng: random.Random) -> tuple[ProgressRecord, list[PeerProgress], list[PeerProgress], float]:
+    """This peer's record, its round's members' records of the new step, and of the step before (as the
+    last read left them), all ``elapsed`` seconds after this peer landed."""
+    n = rng.randint(2, 120)
+    elapsed = rng.uniform(0.5, UNREAD * HORIZON)
+    landed = NOW - elapsed
+    mine_rate = rng.uniform(1.0, 2.5)
+    mine = ProgressRecord(EPOCH, int(mine_rate * elapsed), mine_rate, NOW, run=RUN, since=landed)
+    new, old = [], []
+    for i in range(1, n):
+        at = landed + rng.uniform(-LANDING_SPREAD, LANDING_SPREAD)
+        rate = rng.uniform(1.0, 2.5)
+        said = rng.uniform(at, NOW)  # (its record of the step went out at landing or since, heartbeats)
+        new.append(
+            PeerProgress(
+                pid(i), ProgressRecord(EPOCH, int(rate * (said - at)), rate, said, run=RUN, since=at)
+            )
+        )
+        before = rate * rng.uniform(1 - RATE_DRIFT, 1 + RATE_DRIFT)
+        old.append(
+            PeerProgress(
+                pid(i),
+                ProgressRecord(
+                    EPOCH - 1,
+                    900,
+                    before,
+                    at - rng.uniform(0, 4),
+                    run=RUN,
+                    since=at - 20,
+                    landing=rng.random() < 0.5,
+                ),
+            )
+        )
+    return mine, new, old, elapsed
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_view_of_a_step_does_not_hang_on_which_of_its_rounds_new_records_arrived(seed: int) -> None:
+    rng = random.Random(seed)
+    mine, new, old, elapsed = a_round(rng)
+    cohort = {o.peer for o in new}
+    trusted = None if rng.random() < 0.2 else {o.peer for o in new if rng.random() < 0.8}
+    full = view(mine, new, cohort, trusted)
+    arrived = set(rng.sample(range(len(new)), rng.randint(0, len(new))))
+    partial = view(mine, [new[i] if i in arrived else old[i] for i in range(len(new))], cohort, trusted)
+    # each member not yet read is off by its rate's drift and its landing time's distance from this one's
+    slack_rate = RATE_DRIFT * full.rate
+    slack_samples = RATE_DRIFT * full.samples + 1.0 * LANDING_SPREAD * full.rate + len(new) + 1
+    assert abs(partial.rate - full.rate) <= slack_rate, (partial.reason, full.reason)
+    assert abs(partial.samples - full.samples) <= slack_samples, (partial.reason, full.reason, elapsed)
+    # (a member whose last record is of the step before is one arriving, as before: waited for)
+    assert (partial.peers + partial.arriving, partial.quorum) == (full.peers + full.arriving, full.quorum)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_members_of_a_round_that_claim_any_rate_in_their_last_record_move_the_view_within_the_caps(
+    seed: int,
+) -> None:
+    rng = random.Random(1_000 + seed)
+    mine, _, old, _ = a_round(rng)
+    honest = [o for o in old if rng.random() < 0.5]
+    k = rng.randint(1, 50)
+    liars = [
+        PeerProgress(pid(10_000 + j), replace(old[0].record, rate=rng.choice([1e6, 1e9]))) for j in range(k)
+    ]
+    trusted_liar = rng.random() < 0.5
+    trusted = {o.peer for o in honest} | ({liars[0].peer} if trusted_liar else set())
+    cohort = {o.peer for o in (*honest, *liars)}
+    base = view(mine, honest, {o.peer for o in honest}, trusted)
+    attacked = view(mine, [*honest, *liars], cohort, trusted)
+    # what the honest members and this peer count for, with the trusted liar (if any) at its cap
+    rates = sorted(
+        [mine.rate, *(o.record.rate for o in honest), *([liars[0].record.rate] if trusted_liar else [])]
+    )
+    cap = SPREAD * rates[(len(rates) - 1) // 2] if trusted_liar else 0.0
+    assert attacked.rate <= 2 * (base.rate + cap) + 1e-9, (attacked.reason, base.reason)
+    assert attacked.samples <= 2 * (base.samples + cap * UNREAD * HORIZON) + 1e-6
