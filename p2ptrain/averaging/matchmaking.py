@@ -460,7 +460,7 @@ class Gathering:
             # listed in one subnet and counted in another (where it connects from) would make them
             # refuse the whole group.
             return f"the address offered is in {listed}, but the call came from {joiner.origin}"
-        if self.full():
+        if self.size() >= self.places():
             out = self._displaced_by(joiner)
             if out is None:
                 return "the group is full"
@@ -556,9 +556,24 @@ class Gathering:
         whose group came out short steps aside), and counted twice it made the group full one peer
         short: in a DiLoCo swarm of 3, the two fast peers' group formed the moment the second joined, a
         tenth of a second before the third's replay landed it on the step, at every step (it averaged in
-        1 of 6: a CI failure)."""
+        1 of 6: a CI failure).
+
+        A joiner the leader does not count holds no place of a peer it counts that has not joined yet:
+        the group is not full while both are so (it closes as a group that is not full does, and the
+        counted peer that asks meanwhile takes that joiner's place). Counted full by places alone, a
+        group of 3 honest peers formed the moment a newcomer catching up joined it ahead, just before the
+        third honest peer asked; that one downloaded the step (the suite's test of fresh keys)."""
+        if self.size() < self.places():
+            return False
+        if self.quorum is None or self.counted() == self.size():
+            return True
+        joined = {self.leader.peer, *(j.peer for j in self.joiners)}
+        return not self.quorum.peers.difference(joined, self.away)
+
+    def places(self) -> int:
+        """The members the group is gathered for: its target, less the counted peers that never join."""
         away = self.away.difference(j.peer for j in self.joiners)
-        return self.size() >= max(self.min_size, self.target_size - len(away))
+        return max(self.min_size, self.target_size - len(away))
 
     def form(self) -> list[Joiner] | str:
         """The members in order (leader first, then by peer id), or why the group cannot form."""

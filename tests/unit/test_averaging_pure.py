@@ -195,17 +195,20 @@ def test_a_plain_mean_gathering_admits_first_come_whatever_the_origin():
 
 def test_a_gathering_with_a_quorum_forms_only_with_enough_known_peers():
     """Ids the leader does not know fill every place first: the group waits (two such groups could both
-    reach the step's majority), and each known peer that asks takes the newest stranger's place."""
+    reach the step's majority, and strangers hold no place of a known peer), and each known peer that
+    asks takes the newest stranger's place; the group is full once every known peer is in."""
     known = Quorum(frozenset({pid(99), pid(1), pid(2)}), 2)
     g = Gathering(Joiner(pid(99), "l", 1.0), b"s", target_size=4, min_size=3, quorum=known)
     strangers = [Joiner(pid(10 + i), "", 1.0) for i in range(3)]
     assert [g.offer(j, b"s") for j in strangers] == [None] * 3
-    assert g.full() and g.counted() == 1 and not g.ready()
+    assert g.size() == g.places() and not g.full() and g.counted() == 1 and not g.ready()
     assert g.offer(Joiner(pid(11 + 5), "", 1.0), b"s") == "the group is full"
     assert g.offer(Joiner(pid(1), "a", 1.0), b"s") is None
     assert "the leader knows" in g.bumped[strangers[2].peer]
+    assert g.quorate() and not g.ready()  # (it may form at its closing, without pid(2))
+    assert g.offer(Joiner(pid(2), "b", 1.0), b"s") is None
     assert g.ready()
-    assert {m.peer for m in g.form()} == {pid(99), pid(1), pid(10), pid(11)}
+    assert {m.peer for m in g.form()} == {pid(99), pid(1), pid(2), pid(10)}
 
     alone = Gathering(Joiner(pid(99), "l", 1.0), b"s", target_size=4, min_size=2, quorum=known)
     for j in strangers:

@@ -465,3 +465,34 @@ def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(join
     for c, at in joins:
         if c:  # a counted peer that joined keeps the group open QUIET past it (within LINGER)
             assert closes >= min(at + QUIET, deadline + LINGER)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counted=st.integers(2, 12),
+    strangers=st.integers(0, 12),
+    extra=st.integers(0, 4),
+    order=st.randoms(use_true_random=False),
+)
+def test_a_stranger_never_takes_the_place_of_a_counted_peer_that_asks(counted, strangers, extra, order):
+    """A leader gathers for the peers it counts (and ``extra`` it sees but does not count); strangers
+    (ids it does not count: newcomers catching up, or free ids) ask in any order with them. Whenever
+    the group is ready to form, no stranger holds a place while a counted peer is still outside it; and
+    every counted peer that asks gets in. Counted full by places alone, a group formed the moment a
+    stranger filled it, and the counted peer that asked next downloaded the step."""
+    peers = [pid(i) for i in range(1, counted + 1)]
+    quorum = Quorum(frozenset(peers), counted // 2 + 1)
+    g = Gathering(Joiner(peers[0], "a", 1.0), b"s", target_size=counted + extra, min_size=1, quorum=quorum)
+    askers = [Joiner(p, f"c{i}", 1.0) for i, p in enumerate(peers[1:])]
+    askers += [Joiner(pid(100 + i), f"s{i}", 1.0) for i in range(strangers)]
+    order.shuffle(askers)
+    for j in askers:
+        if g.ready():
+            break
+        g.offer(j, b"s")
+    members = {g.leader.peer, *(j.peer for j in g.joiners)}
+    if g.ready():
+        outside = quorum.peers - members
+        assert not outside or all(j.peer in quorum.peers for j in g.joiners), (outside, members)
+    asked = {j.peer for j in askers if j.peer in quorum.peers}
+    assert asked <= members or g.ready(), "a counted peer that asked is outside a group still gathering"
