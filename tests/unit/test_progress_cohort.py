@@ -10,7 +10,10 @@ were left out of each round and downloaded the step).
 
 The invariant, over random rounds (sizes, rates, landing times, which members' new records arrived,
 trusted or not): the view's samples and rate with any subset of the new records are those of the view
-with all of them, within what the members' landing times and rate changes explain; and ids that join a
+with all of them, within what the members' landing times and rate changes explain; the group a leader
+gathers (its peers and those arriving) counts every member of the round, whichever records it holds (a
+leader at 128 peers that held 80 of the round's 128 members' records gathered a group of 80, full at
+once, and the others downloaded the step); and ids that join a
 round and then claim any rate in their last record move the view no more than the trust caps allow
 (untrusted: at most as much as the trusted and this peer; trusted: ``SPREAD`` times the median).
 """
@@ -35,7 +38,8 @@ from p2ptrain.training.optimizer.progress import (
 RUN = b"run-fingerprint!"
 EPOCH = 7
 NOW = 5_000.0
-HORIZON = 7.0  # a heartbeat (5 s) and two read intervals, as on a node
+HEARTBEAT = 5.0
+HORIZON = HEARTBEAT + 2.0  # a heartbeat and two read intervals, as on a node
 TARGET = 10_000
 LANDING_SPREAD = 0.3  # seconds between the first and the last member landing the round
 RATE_DRIFT = 0.1  # a member's rate on the new step against the one its last record said
@@ -65,7 +69,7 @@ def a_round(rng: random.Random) -> tuple[ProgressRecord, list[PeerProgress], lis
     for i in range(1, n):
         at = landed + rng.uniform(-LANDING_SPREAD, LANDING_SPREAD)
         rate = rng.uniform(1.0, 2.5)
-        said = rng.uniform(at, NOW)  # (its record of the step went out at landing or since, heartbeats)
+        said = rng.uniform(max(at, NOW - HEARTBEAT), NOW)  # (its latest record: one a heartbeat at least)
         new.append(
             PeerProgress(
                 pid(i), ProgressRecord(EPOCH, int(rate * (said - at)), rate, said, run=RUN, since=at)
@@ -95,16 +99,23 @@ def test_the_view_of_a_step_does_not_hang_on_which_of_its_rounds_new_records_arr
     mine, new, old, elapsed = a_round(rng)
     cohort = {o.peer for o in new}
     trusted = None if rng.random() < 0.2 else {o.peer for o in new if rng.random() < 0.8}
-    full = view(mine, new, cohort, trusted)
+    # some members' records this peer holds none of (read before they were written, or expired since)
+    unread = set(rng.sample(range(len(new)), rng.randint(0, len(new) // 4)))
+    full = view(mine, [o for i, o in enumerate(new) if i not in unread], cohort, trusted)
     arrived = set(rng.sample(range(len(new)), rng.randint(0, len(new))))
-    partial = view(mine, [new[i] if i in arrived else old[i] for i in range(len(new))], cohort, trusted)
+    held = [new[i] if i in arrived else old[i] for i in range(len(new)) if i not in unread]
+    partial = view(mine, held, cohort, trusted)
+    everyone = view(mine, new, cohort, trusted)
+    assert everyone.peers + everyone.arriving == len(new) + 1
     # each member not yet read is off by its rate's drift and its landing time's distance from this one's
     slack_rate = RATE_DRIFT * full.rate
     slack_samples = RATE_DRIFT * full.samples + 1.0 * LANDING_SPREAD * full.rate + len(new) + 1
     assert abs(partial.rate - full.rate) <= slack_rate, (partial.reason, full.reason)
     assert abs(partial.samples - full.samples) <= slack_samples, (partial.reason, full.reason, elapsed)
-    # (a member whose last record is of the step before is one arriving, as before: waited for)
-    assert (partial.peers + partial.arriving, partial.quorum) == (full.peers + full.arriving, full.quorum)
+    # a member whose last record is of the step before is one arriving, as before, and so is one whose
+    # records this peer holds none of: the group its leader gathers waits for every member of the round
+    assert partial.peers + partial.arriving == everyone.peers + everyone.arriving
+    assert partial.quorum == full.quorum
 
 
 @pytest.mark.parametrize("seed", range(100))

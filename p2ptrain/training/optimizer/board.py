@@ -397,13 +397,20 @@ class ProgressBoard:
             horizon=self._horizon,
             trusted=trusted,
             min_work=self.config.run.id_work,
-            cohort=self.tally.cohort[1] if self.tally.cohort[0] == self.tally.epoch else (),
+            cohort=self._cohort(),
             met=None if trusted is None else frozenset(self.node.host.connected_peers()),
         )
         if trusted is not None:
             self._note_refused_claims(trusted)
         self.alone.observe(self.view, self.records, self.tally.epoch)
         return self.view
+
+    def _cohort(self) -> frozenset[PeerID]:
+        """The others of the round that took this peer to its step, less those banned here since."""
+        epoch, members = self.tally.cohort
+        if epoch != self.tally.epoch:
+            return frozenset()
+        return members.difference(self.node.averager.auditor.banned)
 
     def view_of(self, epoch: int) -> SwarmView:
         """The swarm's view of ``epoch``, a step past this peer's (its replay in flight lands it there:

@@ -428,7 +428,13 @@ def swarm_view(
         for o in (*others, *own)
         if o.record.epoch + 1 < at and at - 1 <= o.record.toward <= at and not o.record.leaving
     ]
-    arriving = len(lagging) + len(coming)
+    # Members of the round that took this peer to ``at`` whose records it holds none of (not read yet,
+    # or expired before their records of the step were read) are on it as surely as it is: waited for.
+    # Left out, a leader at 128 simulated peers whose view held 80 of the 128 members of the round
+    # before gathered a group of 80, full at once, and the 48 others downloaded the step.
+    read = {o.peer for o in (*others, *leaving)}
+    unread = sum(1 for p in members if p != me and p not in read)
+    arriving = len(lagging) + len(coming) + unread
     # A spectator two steps behind is in no other peer's count; it looks for the group all the same.
     arriving += not here and not any(o.peer == me for o in (*landing, *lagging, *coming))
     vouched_here = here + sum(vouches(o) for o in (*same, *landing))
