@@ -21,8 +21,9 @@ peers, all on the attacker's address. With ``install(kind, opt)`` (for a node:
   keys, from its own address; at each of the honest peers' steps they ask for places in the groups
   first, each contributing ``CAPTURE_SCALE`` in every coordinate (a step far off the honest ones);
 - ``trust-farm``: the node trains honestly and runs ``SYBILS`` more (client-only) nodes under fresh
-  keys, from its own address; each puts zeros with a weight of one into ``FARM_ROUNDS`` of the honest
-  peers' rounds (no work, nothing to refuse), hoping to be trusted for it. Then the node flips the sign
+  keys, from its own address; each publishes records of the node's step (so that leaders gather places
+  for them) and puts zeros with a weight of one into ``FARM_ROUNDS`` of the honest peers' rounds (no
+  work, nothing to refuse), hoping to be trusted for it. Then the node flips the sign
   of its every parameter, claims that state as step ``FAR`` and serves it, and every fresh key
   publishes records of step ``FAR`` with that state's digest and the node's address.
 """
@@ -299,15 +300,28 @@ async def _farm_trust(opt: CollaborativeOptimizer, costs: Attack) -> None:
         for node in nodes:
             await nursery.start(node.run)
             costs.connections += 1
-        async with trio.open_nursery() as farming:  # zeros into FARM_ROUNDS rounds per key, all at once
-            for node in nodes:
-                farming.start_soon(_ask_for_places, node, opt, costs, 0.0, FARM_ROUNDS)
-        claim_far(opt)
         addr = str(opt.node.averager.address())  # (with this node's id: the fresh keys name it)
+        async with trio.open_nursery() as counted:
+            # The keys publish records of the node's step meanwhile: a leader gathers a place for each
+            # (a stranger holds no place of a peer the leader counts, see ``matchmaking``).
+            counted.start_soon(_publish_as_on_step, opt, costs, addr)
+            async with trio.open_nursery() as farming:  # zeros into FARM_ROUNDS rounds per key, at once
+                for node in nodes:
+                    farming.start_soon(_ask_for_places, node, opt, costs, 0.0, FARM_ROUNDS)
+            counted.cancel_scope.cancel()
+        claim_far(opt)
         while True:
             record = dataclasses.replace(opt.record(), addr=addr, time=opt.clock())
             await _publish_records(opt, costs, costs.ids, record)
             await trio.sleep(EVERY)
+
+
+async def _publish_as_on_step(opt: CollaborativeOptimizer, costs: Attack, addr: str) -> None:
+    """The fresh keys' records: the node's own, as it is each time, under every key."""
+    while True:
+        record = dataclasses.replace(opt.record(), addr=addr, time=opt.clock())
+        await _publish_records(opt, costs, costs.ids, record)
+        await trio.sleep(EVERY)
 
 
 def claim_far(opt: CollaborativeOptimizer) -> None:

@@ -47,7 +47,7 @@ offer it their records (their partners, at most 32); the others read it from the
 record's life. Counting only records of the step, a peer that held a quarter of its round's new records
 saw a quarter of the samples and the rate, and looked for the next group up to a record's life after
 the others (128 simulated peers: looks spread over 8 to 10 s against a leader's window of 3 s). So a
-member whose last record is of the step before counts toward this step at that record's rate since this
+member whose last record is of a step before counts toward this step at that record's rate since this
 peer's own samples of it count, for at most ``UNREAD`` horizons, under the same trust caps as any record
 of the step, until its own record of the step says what it did.
 
@@ -333,7 +333,7 @@ def swarm_view(
     # last record says, from when this peer's own samples of ``at`` count (``mine.since``), until a record
     # of theirs on the step says what they did (``joined``: see the module docstring).
     members = frozenset(cohort) if here else frozenset()
-    joined = [o for o in others if o.peer in members and o.record.epoch + 1 == at]
+    joined = [o for o in others if o.peer in members and o.record.epoch < at]
     started = min(max(now - mine.since, 0.0), UNREAD * horizon)
     # What this peer itself brings to ``at``: its exact count and rate on its own step; nothing on a
     # step its record does not say (a spectator), as in every other peer's view of that step.
@@ -430,9 +430,12 @@ def swarm_view(
     ]
     # Members of the round that took this peer to ``at`` whose records it holds none of (not read yet,
     # or expired before their records of the step were read) are on it as surely as it is: waited for.
+    # So are those whose last record read is older still (records travel slower than steps are taken:
+    # 3 peers taking a step every 0.3 s, the slowest one's record two steps old, and the two others
+    # formed a group of 2).
     # Left out, a leader at 128 simulated peers whose view held 80 of the 128 members of the round
     # before gathered a group of 80, full at once, and the 48 others downloaded the step.
-    read = {o.peer for o in (*others, *leaving)}
+    read = {o.peer for o in (*same, *landing, *lagging, *coming, *past, *leaving)}
     unread = sum(1 for p in members if p != me and p not in read)
     arriving = len(lagging) + len(coming) + unread
     # A spectator two steps behind is in no other peer's count; it looks for the group all the same.
