@@ -4,9 +4,7 @@ its round's members' new records have reached it yet.
 At 128 simulated peers a peer's new record goes at once only to the 32 partners it offers it to; the
 others read it from the replicas once a record's life (10 s). The view counted only records of the
 step: a peer that held a quarter of its round's new records saw a quarter of the samples and the rate,
-and looked for a group when its next read came, up to 10 s after the peers that had read at the right
-moment (a step's first looks spread over 8 to 10 s; the leader's window is 3 s; 12% of the live peers
-were left out of each round and downloaded the step).
+and expected the target later than a peer that held them all.
 
 The invariant, over random rounds (sizes, rates, landing times, which members' new records arrived,
 trusted or not): the view's samples and rate with any subset of the new records are those of the view

@@ -45,8 +45,8 @@ The others of the round that took this peer to its step (its ``cohort``) are on 
 it is: they committed the same bits. A record of theirs on the step reaches a peer at once only if they
 offer it their records (their partners, at most 32); the others read it from the replicas once a
 record's life. Counting only records of the step, a peer that held a quarter of its round's new records
-saw a quarter of the samples and the rate, and looked for the next group up to a record's life after
-the others (128 simulated peers: looks spread over 8 to 10 s against a leader's window of 3 s). So a
+saw a quarter of the samples and the rate, and expected the target later than a peer that held them
+all (at 128 simulated peers, a leader that held 80 of 128 members' records also gathered for 80). So a
 member whose last record is of a step before counts toward this step at that record's rate since this
 peer's own samples of it count, for at most ``UNREAD`` horizons, under the same trust caps as any record
 of the step, until its own record of the step says what it did.
@@ -430,11 +430,10 @@ def swarm_view(
     ]
     # Members of the round that took this peer to ``at`` whose records it holds none of (not read yet,
     # or expired before their records of the step were read) are on it as surely as it is: waited for.
-    # So are those whose last record read is older still (records travel slower than steps are taken:
-    # 3 peers taking a step every 0.3 s, the slowest one's record two steps old, and the two others
-    # formed a group of 2).
     # Left out, a leader at 128 simulated peers whose view held 80 of the 128 members of the round
-    # before gathered a group of 80, full at once, and the 48 others downloaded the step.
+    # before gathered a group of 80, full at once, and the 48 others downloaded the step. So are those
+    # whose last record read is older still (records travel slower than steps are taken: 3 peers taking
+    # a step every 0.3 s, the slowest one's record two steps old, and the two others formed a group of 2).
     read = {o.peer for o in (*same, *landing, *lagging, *coming, *past, *leaving)}
     unread = sum(1 for p in members if p != me and p not in read)
     arriving = len(lagging) + len(coming) + unread
