@@ -304,20 +304,17 @@ async def _farm_trust(opt: CollaborativeOptimizer, costs: Attack) -> None:
         async with trio.open_nursery() as counted:
             # The keys publish records of the node's step meanwhile: a leader gathers a place for each
             # (a stranger holds no place of a peer the leader counts, see ``matchmaking``).
-            counted.start_soon(_publish_as_on_step, opt, costs, addr)
+            counted.start_soon(_publish_as_node, opt, costs, addr)
             async with trio.open_nursery() as farming:  # zeros into FARM_ROUNDS rounds per key, at once
                 for node in nodes:
                     farming.start_soon(_ask_for_places, node, opt, costs, 0.0, FARM_ROUNDS)
             counted.cancel_scope.cancel()
         claim_far(opt)
-        while True:
-            record = dataclasses.replace(opt.record(), addr=addr, time=opt.clock())
-            await _publish_records(opt, costs, costs.ids, record)
-            await trio.sleep(EVERY)
+        await _publish_as_node(opt, costs, addr)  # (now of step FAR, with the forged state's digest)
 
 
-async def _publish_as_on_step(opt: CollaborativeOptimizer, costs: Attack, addr: str) -> None:
-    """The fresh keys' records: the node's own, as it is each time, under every key."""
+async def _publish_as_node(opt: CollaborativeOptimizer, costs: Attack, addr: str) -> None:
+    """The fresh keys' records, every ``EVERY``: the node's own as it is each time, under every key."""
     while True:
         record = dataclasses.replace(opt.record(), addr=addr, time=opt.clock())
         await _publish_records(opt, costs, costs.ids, record)

@@ -342,16 +342,12 @@ def swarm_view(
     # A trusted peer's claims count for at most SPREAD times the median's (see the module docstring);
     # not in a private swarm, whose authority vouches for every member.
     spread = SPREAD if trusted is not None else math.inf
-    sure_rates = [*(o.record.rate for o in sure), *(o.record.rate for o in joined if vouches(o))]
-    claimed = [
-        *(estimate(o.record, now, horizon) for o in sure),
-        *(r * started for r in sure_rates[len(sure) :]),
-    ]
-    unsure_rates = [*(o.record.rate for o in unsure), *(o.record.rate for o in joined if not vouches(o))]
-    unclaimed = [
-        *(estimate(o.record, now, horizon) for o in unsure),
-        *(r * started for r in unsure_rates[len(unsure) :]),
-    ]
+    sure_joined = [o.record.rate for o in joined if vouches(o)]
+    unsure_joined = [o.record.rate for o in joined if not vouches(o)]
+    sure_rates = [*(o.record.rate for o in sure), *sure_joined]
+    unsure_rates = [*(o.record.rate for o in unsure), *unsure_joined]
+    claimed = [*(estimate(o.record, now, horizon) for o in sure), *(r * started for r in sure_joined)]
+    unclaimed = [*(estimate(o.record, now, horizon) for o in unsure), *(r * started for r in unsure_joined)]
     most = spread_cap([*mine_samples, *claimed], spread)
     samples = math.fsum([*mine_samples, *(min(c, most) for c in claimed)])
     samples += min(math.fsum(unclaimed), samples)
