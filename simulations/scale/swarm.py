@@ -351,6 +351,7 @@ def measure(
         began_at = {p.index: p.opt.rounds.began_looking.get(epoch, math.inf) for p in alive}
         first = min((t for t in began_at.values() if t < math.inf), default=at)
         kinds: Counter[str] = Counter()
+        landed: list[float] = []  # when each left-out peer got onto the step, from the commit
         for p in alive:
             began = began_at[p.index]
             if any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps):
@@ -359,6 +360,7 @@ def measure(
             arrived = _arrived(p, epoch)
             if arrived < math.inf:
                 arrivals.append(arrived - first)
+                landed.append(round(arrived - at, 1))
             if arrived >= at:
                 kinds["on_step_after_commit"] += 1
             elif began >= at:
@@ -376,6 +378,7 @@ def measure(
         per_step.append(
             {"epoch": epoch, "committed_at": round(at, 1), "members": members[epoch], "alive": len(alive)}
             | dict(kinds)
+            | {"left_out_on_step_from_commit_s": sorted(landed)}
         )
     waits = [
         committed_at[e] - sim.reached[e]

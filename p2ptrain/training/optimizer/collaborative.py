@@ -156,6 +156,7 @@ class CollaborativeOptimizer:
             )
         split = fragments.split([p.numel() for p in self.params], count) if self.params else [range(0)]
         self.tally = Tally(clock())
+        self._withheld_on = -1  # the step whose withheld look was logged (``_withheld``)
         self.wake = Wake()
         self.contribution = Contribution(
             self.params,
@@ -362,7 +363,13 @@ class CollaborativeOptimizer:
                 # wait for it in vain. Nor while the peers here are no majority of those on this step
                 # and the one before (see ``progress``): they arrive soon, and a group without them would
                 # commit this step on a lineage of its own.
-                if tally.samples > 0 and self.alone.majority_here(view, tally.epoch) and not self._left_out():
+                if tally.samples <= 0:
+                    self._withheld("no batch done on it yet")
+                elif not self.alone.majority_here(view, tally.epoch):
+                    self._withheld("too few of the step's peers here yet")
+                elif self._left_out():
+                    self._withheld("its trusted peers' round runs without it")
+                else:
                     rounds.start_matchmaking()
             elif (
                 view.peers <= 1
@@ -374,6 +381,13 @@ class CollaborativeOptimizer:
                 self.solo_step()
                 return True
         return changed
+
+    def _withheld(self, why: str) -> None:
+        """Say once a step (debug) why this peer does not look for the step's group although its view
+        says the target is near: where a swarm's looks spread, the log says which wait held whom."""
+        if self._withheld_on != self.tally.epoch:
+            self._withheld_on = self.tally.epoch
+            log.debug("step %d: the target is near, not looking yet: %s", self.tally.epoch, why)
 
     def _left_out(self) -> bool:
         """Whether every trusted peer on this step handed its work to the step's round already (their
@@ -448,6 +462,7 @@ class CollaborativeOptimizer:
         """A background download or replay, applied once it is in; True when the state was replaced."""
         if not await self.shared.land_download():
             return False
+        log.debug("on step %d: a download landed", self.tally.epoch)
         self.state_changed()
         return True
 
@@ -497,6 +512,13 @@ class CollaborativeOptimizer:
             self.stats.note_step({"epoch": epoch, "outcome": "alone", "samples": weight, "mine": weight})
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
         self.tally.advance(others)
+        log.debug(
+            "on step %d: %s",
+            self.tally.epoch,
+            f"a round of {result.group_size} landed, {result.round_seconds:.1f} s after it began"
+            if result is not None
+            else "stepped alone",
+        )
         self.contribution.fit(self.tally.epoch)
         if result is not None:  # those it verified earn trust (see ``averaging.trust``)
             self.node.averager.trained_with(result)
