@@ -244,6 +244,7 @@ class ProgressBoard:
 
     def record(self) -> ProgressRecord:
         addr = sent_addr(self.node.averager.address(), self.node.peer_id)
+        view = self.view
         return ProgressRecord(
             epoch=self.tally.epoch,
             samples=self.tally.samples,
@@ -256,8 +257,10 @@ class ProgressBoard:
             leaving=self.leaving,
             since=self.tally.since,
             work=self.node.host.work or b"",
-            ready=self.view is not None and self.view.epoch == self.tally.epoch and self.view.ready,
+            ready=view is not None and view.epoch == self.tally.epoch and view.ready,
             toward=self.toward(),
+            seen=round(view.counted) if view is not None and view.epoch == self.tally.epoch else 0,
+            seen_rate=view.counted_rate if view is not None and view.epoch == self.tally.epoch else 0.0,
         )
 
     def toward(self) -> int:
