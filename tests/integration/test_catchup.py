@@ -28,7 +28,7 @@ from p2ptrain.net.memory import LinkProfile
 from p2ptrain.training.optimizer import rounds
 from p2ptrain.training.optimizer.board import ProgressBoard
 from p2ptrain.training.optimizer.bookkeeping import RoundStats
-from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView, estimate
+from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView, estimate, record_horizon
 from p2ptrain.training.state import serve
 from tests.harness.training import (
     BATCH,
@@ -363,11 +363,10 @@ async def sync_home_swarm(seconds: float, monkeypatch: pytest.MonkeyPatch) -> Ho
     def viewed(self: ProgressBoard, epoch: int) -> SwarmView:
         view = view_of(self, epoch)
         if run is not None and self is run.home.opt.board:
-            # what the records of the peers on the step say, as any reader extrapolates them (for at most
-            # a heartbeat and two reads: the board's horizon); a view their ``ready`` moved counts the
-            # target
+            # what the records of the peers on the step say, as any reader extrapolates them (while they
+            # live: the board's horizon); a view their ``ready`` moved counts the target
             said = [r.record for r in self.records if r.record.epoch == epoch and r.peer != home_id]
-            horizon = cfg.progress.ttl / 2 + 2 * cfg.progress.interval
+            horizon = record_horizon(cfg.progress)
             done = math.fsum(estimate(r, trio.current_time(), horizon) for r in said)
             if any(r.ready for r in said):
                 done = max(done, float(cfg.training.target_batch_size))

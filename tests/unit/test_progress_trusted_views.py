@@ -151,7 +151,7 @@ def test_no_untrusted_ids_and_no_trusted_minority_move_the_view_past_the_honest_
     ]
     seen = view(mine, lying + sybils, trusted)
     honest_samples = max(
-        o.record.seen + o.record.seen_rate * min(max(NOW - o.record.time, 0.0), 2 * HORIZON) for o in honest
+        o.record.seen + o.record.seen_rate * min(max(NOW - o.record.time, 0.0), HORIZON) for o in honest
     )
     honest_rate = max(o.record.seen_rate for o in honest)
     assert seen.samples <= max(seen.counted, honest_samples) + 1e-6

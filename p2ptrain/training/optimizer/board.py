@@ -45,6 +45,7 @@ from .progress import (
     SwarmView,
     must_publish,
     plausible_samples,
+    record_horizon,
     sent_addr,
     swarm_view,
     vouched_digest,
@@ -239,8 +240,8 @@ class ProgressBoard:
 
     @property
     def _horizon(self) -> float:
-        """How long others' records are extrapolated: a heartbeat, plus time for a read to see it."""
-        return self._heartbeat + 2 * self.config.progress.interval
+        """How long others' records are extrapolated (``progress.record_horizon``)."""
+        return record_horizon(self.config.progress)
 
     def record(self) -> ProgressRecord:
         addr = sent_addr(self.node.averager.address(), self.node.peer_id)
