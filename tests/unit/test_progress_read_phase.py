@@ -40,46 +40,68 @@ def pid(n: int) -> PeerID:
     return PeerID(n.to_bytes(4, "big") * 8)
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_a_held_record_counts_its_peers_work_until_it_expires(seed: int) -> None:
-    rng = random.Random(seed)
+def a_read(
+    rng: random.Random,
+) -> tuple[ProgressRecord, list[PeerProgress], list[PeerProgress], float, float, int]:
+    """A swarm of one round's members on the step, each publishing a record as it lands and then one a
+    heartbeat; the reader (peer 0) read the replicas at ``read``, after the landing records went out,
+    and reads them again a record's life later; ``now`` is any moment before that. Returns its record,
+    the records it read that still live at ``now``, those that expired since, the truth of all of them
+    now, the time since the read, and the swarm's size."""
     cfg = ProgressSection()
-    heartbeat, horizon = cfg.ttl / 2, record_horizon(cfg)
+    heartbeat = cfg.ttl / 2
     n = rng.randint(4, 160)
     landed = 1_000.0
     starts = [landed + rng.uniform(-LANDING_SPREAD / 2, LANDING_SPREAD / 2) for _ in range(n)]
     rates = [rng.uniform(4.0, 12.0) for _ in range(n)]
-    # each peer's records of the step: one as it lands, then one a heartbeat (give or take a read)
-    published: list[list[float]] = []
-    for s in starts:
-        times, t = [], s + rng.uniform(0.0, PUBLISH_DELAY)
-        while t < landed + 3 * cfg.ttl:
-            times.append(t)
-            t += heartbeat + rng.uniform(0.0, cfg.interval)
-        published.append(times)
-    # the reader (peer 0) read the replicas at ``read``, after the landing records went out, and reads
-    # them again a record's life later; ``now`` is any moment before that
     read = landed + LANDING_SPREAD + PUBLISH_DELAY + rng.uniform(0.0, cfg.ttl)
     now = read + rng.uniform(0.0, cfg.ttl)
     mine = ProgressRecord(EPOCH, int(rates[0] * (now - starts[0])), rates[0], now, run=RUN, since=starts[0])
-    held, truth = [], rates[0] * (now - starts[0])
+    live, expired, truth = [], [], rates[0] * (now - starts[0])
     for i in range(1, n):
-        said = max(t for t in published[i] if t <= read)
-        if now >= said + cfg.ttl:
-            continue  # expired before the next read: not held (and not this invariant's)
+        published, t = [], starts[i] + rng.uniform(0.0, PUBLISH_DELAY)
+        while t <= read:
+            published.append(t)
+            t += heartbeat + rng.uniform(0.0, cfg.interval)
+        said = published[-1]
         at = said - rng.uniform(0.0, PUBLISH_DELAY)  # what it measured, a moment before it went out
-        rec = ProgressRecord(EPOCH, int(rates[i] * (at - starts[i])), rates[i], at, run=RUN, since=starts[i])
-        held.append(PeerProgress(pid(i), rec))
+        rec = PeerProgress(
+            pid(i),
+            ProgressRecord(EPOCH, int(rates[i] * (at - starts[i])), rates[i], at, run=RUN, since=starts[i]),
+        )
+        (live if now < said + cfg.ttl else expired).append(rec)
         truth += rates[i] * (now - starts[i])
-    view = swarm_view(
+    return mine, live, expired, truth, now - read, n
+
+
+def view_of(mine: ProgressRecord, live: list[PeerProgress], expired: list[PeerProgress], n: int) -> float:
+    return swarm_view(
         pid(0),
         mine,
-        held,
-        now=now,
+        live,
+        now=mine.time,
         target=TARGET,
-        horizon=horizon,
+        horizon=record_horizon(ProgressSection()),
         trusted=None,
         cohort={pid(i) for i in range(1, n)},
-    )
+        expired=expired,
+    ).samples
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_held_record_counts_its_peers_work_until_it_expires(seed: int) -> None:
+    mine, live, _, _, since, n = a_read(random.Random(seed))
+    truth = mine.samples + sum(
+        o.record.rate * (mine.time - o.record.since) for o in live
+    )  # (the peers whose records it holds)
     # (a count is a whole number of samples: a record's rounding, one sample a peer)
-    assert math.isclose(view.samples, truth, abs_tol=n), (view.samples, truth, now - read)
+    assert math.isclose(view_of(mine, live, [], n), truth, abs_tol=n), since
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_members_record_that_expired_counts_until_the_next_read(seed: int) -> None:
+    mine, live, expired, truth, since, n = a_read(random.Random(seed))
+    assert math.isclose(view_of(mine, live, expired, n), truth, abs_tol=n), (since, len(expired))
+    # and only members of the round: a record of a peer outside it counts no longer than it lives
+    outsider = [PeerProgress(pid(10_000 + i), o.record) for i, o in enumerate(expired)]
+    assert view_of(mine, live, outsider, n) == view_of(mine, live, [], n)

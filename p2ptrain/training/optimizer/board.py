@@ -98,6 +98,9 @@ class ProgressBoard:
         # Each subkey's record as last read, parsed: every read returns every record, most unchanged
         # (parsing them all again was most of a read's cost to a peer of a swarm of dozens)
         self._parsed: dict[bytes, tuple[bytes, PeerProgress]] = {}
+        # the last record read of each member of this peer's round, kept past its expiry until a read of
+        # the replicas says more (``progress.swarm_view``'s ``expired``)
+        self._members_read: dict[PeerID, PeerProgress] = {}
         self._refused: set[PeerID] = set()  # peers whose far-off step claims were refused (said once)
         self._arrived = trio.Event()  # a record arrived (see ``_progress_loop``)
         self._published: ProgressRecord | None = None  # the last record that went out
@@ -345,6 +348,11 @@ class ProgressBoard:
                 parsed = self._parsed[subkey] = (entry.value, PeerProgress(peer, with_author(rec, peer)))
             records.append(parsed[1])
         self.records = records
+        cohort = self._cohort()
+        kept = {} if network else self._members_read  # (a read of the replicas says who is still there)
+        self._members_read = {p: r for p, r in kept.items() if p in cohort} | {
+            r.peer: r for r in records if r.peer in cohort
+        }
         if len(self._parsed) > 2 * len(entries) + MAX_OFFERS:  # (the records of peers gone)
             self._parsed = {k: v for k, v in self._parsed.items() if k in entries}
         # Only what could vouch later: the trusted peers' records of this run (a hundred free ids
@@ -403,6 +411,7 @@ class ProgressBoard:
             min_work=self.config.run.id_work,
             cohort=self._cohort(),
             met=None if trusted is None else frozenset(self.node.host.connected_peers()),
+            expired=self._members_read.values(),
         )
         if trusted is not None:
             self._note_refused_claims(trusted)

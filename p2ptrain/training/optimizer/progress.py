@@ -305,6 +305,7 @@ def swarm_view(
     cohort: Collection[PeerID] = (),
     met: Collection[PeerID] | None = None,
     epoch: int | None = None,
+    expired: Iterable[PeerProgress] = (),
 ) -> SwarmView:
     """Decide from the live records (``others`` excludes this peer; stale ones already dropped).
     ``trusted``: the peers whose records may move this one to another state (None: every peer's, as in
@@ -313,7 +314,9 @@ def swarm_view(
     this peer's state with it (it saw them commit the same bits): until their records say otherwise,
     they hold its digest. ``met``: the peers connected to this one (None: everyone); records of
     untrusted ids count toward the majority a group needs only if their peers passed a handshake
-    with this one (see below). ``epoch``: the step to view, this peer's own by default; another one
+    with this one (see below). ``expired``: the last records this peer read of peers whose records
+    expired here since (their samples count until its next read says more: see ``lapsed``).
+    ``epoch``: the step to view, this peer's own by default; another one
     (a step its replay in flight lands it on, see ``RoundRunner.start_matchmaking``) is viewed as a
     peer on it sees it: this peer's record counts as what it says, like anyone's (see the module
     docstring)."""
@@ -357,7 +360,26 @@ def swarm_view(
     # last record says, from when this peer's own samples of ``at`` count (``mine.since``), until a record
     # of theirs on the step says what they did (``joined``: see the module docstring).
     members = frozenset(cohort) if here else frozenset()
-    joined = [o for o in others if o.peer in members and o.record.epoch < at]
+    # The members whose last record read expired here since (its successor is at the replicas, read by
+    # this peer at its next read) count as they did while it lived: a peer that read the records of
+    # the step's landing just after it held them only until they expired, a record's life after, and
+    # at 128 simulated peers that was when the step's target came: its count fell by a third until its
+    # next read (up to half a life later), and its look with it. Not among the step's peers (they are
+    # arriving: a group waits for them), and for at most two horizons of extrapolation.
+    listed = {o.peer for o in (*others, *leaving)}
+    lapsed = [
+        o
+        for o in expired
+        if here
+        and o.peer in members
+        and o.peer not in listed
+        and o.record.run == mine.run
+        and not o.record.leaving
+        and o.record.epoch <= at
+        and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
+    ]
+    joined = [o for o in (*others, *lapsed) if o.peer in members and o.record.epoch < at]
+    lapsed = [o for o in lapsed if o.record.epoch == at]
     started = min(max(now - mine.since, 0.0), UNREAD * horizon)
     # What this peer itself brings to ``at``: its exact count and rate on its own step; nothing on a
     # step its record does not say (a spectator), as in every other peer's view of that step.
@@ -368,10 +390,20 @@ def swarm_view(
     spread = SPREAD if trusted is not None else math.inf
     sure_joined = [o.record.rate for o in joined if vouches(o)]
     unsure_joined = [o.record.rate for o in joined if not vouches(o)]
-    sure_rates = [*(o.record.rate for o in sure), *sure_joined]
-    unsure_rates = [*(o.record.rate for o in unsure), *unsure_joined]
-    claimed = [*(estimate(o.record, now, horizon) for o in sure), *(r * started for r in sure_joined)]
-    unclaimed = [*(estimate(o.record, now, horizon) for o in unsure), *(r * started for r in unsure_joined)]
+    sure_lapsed = [o.record for o in lapsed if vouches(o)]
+    unsure_lapsed = [o.record for o in lapsed if not vouches(o)]
+    sure_rates = [*(o.record.rate for o in sure), *sure_joined, *(r.rate for r in sure_lapsed)]
+    unsure_rates = [*(o.record.rate for o in unsure), *unsure_joined, *(r.rate for r in unsure_lapsed)]
+    claimed = [
+        *(estimate(o.record, now, horizon) for o in sure),
+        *(r * started for r in sure_joined),
+        *(estimate(r, now, UNREAD * horizon) for r in sure_lapsed),
+    ]
+    unclaimed = [
+        *(estimate(o.record, now, horizon) for o in unsure),
+        *(r * started for r in unsure_joined),
+        *(estimate(r, now, UNREAD * horizon) for r in unsure_lapsed),
+    ]
     most = spread_cap([*mine_samples, *claimed], spread)
     samples = math.fsum([*mine_samples, *(min(c, most) for c in claimed)])
     samples += min(math.fsum(unclaimed), samples)

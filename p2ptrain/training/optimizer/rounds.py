@@ -403,6 +403,7 @@ class RoundRunner:
         diloco = self.outer is not None
         try:
             board = self.board
+            reading = self.clock()
             await board.refresh()  # size the group by the freshest records: a peer that just caught up counts
             view = board.view if epoch == self.tally.epoch else board.view_of(epoch)
             assert view is not None
@@ -434,12 +435,15 @@ class RoundRunner:
                 view, minimum, target, publishing, board.trusted(), absent, node.peer_id, anchored
             )
             log.debug(
-                "looking for a group of step %d: %d to %d peers (%s; %d arriving)",
+                "looking for a group of step %d: %d to %d peers (%s; %d arriving; records read in %.2f s,"
+                " %.2f s after the look began)",
                 epoch,
                 minimum,
                 target,
                 view.reason,
                 view.arriving,
+                self.clock() - reading,
+                self.clock() - self.began_looking.get(epoch, reading),
             )
             # A group of a step this peer is not on yet (joined ahead, its replay in flight) is
             # joined, never led: the peers on the step decide whether a group of it forms, by their
