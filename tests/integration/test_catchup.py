@@ -370,9 +370,7 @@ async def sync_home_swarm(seconds: float, monkeypatch: pytest.MonkeyPatch) -> Ho
             done = math.fsum(estimate(r, trio.current_time(), horizon) for r in said)
             if any(r.ready for r in said):
                 done = max(done, float(cfg.training.target_batch_size))
-            # (its own count: its trusted peers' views of the step, which it may take where further,
-            # are what their records of the step said, not its samples either: ``progress.swarm_view``)
-            looks.append((run.home.opt.epoch, epoch, view.counted, done))
+            looks.append((run.home.opt.epoch, epoch, view.samples, done))
         return view
 
     monkeypatch.setattr(RoundStats, "note_step", noted)

@@ -248,7 +248,6 @@ class ProgressBoard:
 
     def record(self) -> ProgressRecord:
         addr = sent_addr(self.node.averager.address(), self.node.peer_id)
-        view = self.view
         return ProgressRecord(
             epoch=self.tally.epoch,
             samples=self.tally.samples,
@@ -261,10 +260,8 @@ class ProgressBoard:
             leaving=self.leaving,
             since=self.tally.since,
             work=self.node.host.work or b"",
-            ready=view is not None and view.epoch == self.tally.epoch and view.ready,
+            ready=self.view is not None and self.view.epoch == self.tally.epoch and self.view.ready,
             toward=self.toward(),
-            seen=round(view.counted) if view is not None and view.epoch == self.tally.epoch else 0,
-            seen_rate=view.counted_rate if view is not None and view.epoch == self.tally.epoch else 0.0,
         )
 
     def toward(self) -> int:

@@ -113,10 +113,6 @@ class ProgressRecord(Message, positional=True):
     # The step it is catching up to, past ``epoch + 1`` or at it (a replay of the missed steps' results in
     # flight, or a round joined ahead of its step: see swarm_view's ``arriving``); 0: none.
     toward: int = bounded(0, ge=0, le=2**53)
-    # What its own view of ``epoch`` counted at ``time`` (the swarm's samples and rate, under its own
-    # trust caps, before any other peer's view: see swarm_view's ``told``); 0: no view of it yet.
-    seen: int = bounded(0, ge=0, le=2**53)
-    seen_rate: float = bounded(0.0, ge=0.0, le=1e12)
 
 
 def sent_addr(addr: str, author: PeerID) -> str:
@@ -173,9 +169,6 @@ class SwarmView:
     swarm_rate: float = 0.0
     arriving: int = 0  # peers one step behind: a group of ``epoch`` waits for them (its leader's deadline)
     vouched_here: int = 1  # this peer and the trusted peers on ``epoch`` (their round landing included)
-    # ``samples`` and ``rate`` as this peer's own records say, before the trusted peers' views (told)
-    counted: float = 0.0
-    counted_rate: float = 0.0
 
     @property
     def ready(self) -> bool:
@@ -255,12 +248,9 @@ def must_publish(
     """
     if last is None or record.time - last.time >= heartbeat:
         return True
-
-    # (What its view counted moves with every record read: it rides on the records that go out anyway.)
-    def fixed(r: ProgressRecord) -> ProgressRecord:
-        return dataclasses.replace(r, samples=0, rate=0.0, time=0.0, seen=0, seen_rate=0.0)
-
-    if fixed(record) != fixed(last):
+    if dataclasses.replace(record, samples=0, rate=0.0, time=0.0) != dataclasses.replace(
+        last, samples=0, rate=0.0, time=0.0
+    ):
         return True
     if abs(record.rate - last.rate) > RATE_CHANGE * last.rate:
         return True
@@ -415,25 +405,11 @@ def swarm_view(
     # company: a partner that said ``ready`` at once took every step with the few samples it had.
     said_ready = sum(o.record.ready for o in sure)
     ready_said = said_ready > 0 and 2 * said_ready >= len(sure)
+    if ready_said:
+        samples = max(samples, float(target))
     fastest = spread_cap([*mine_rate, *sure_rates], spread)
     rate = math.fsum([*mine_rate, *(min(r, fastest) for r in sure_rates)])
     rate += min(math.fsum(unsure_rates), rate)
-    counted_samples, counted_rate = samples, rate  # (what this peer's own records say: its record's ``seen``)
-    # The trusted peers' own views of the step (their records' ``seen``, extrapolated at their rate as a
-    # peer's count is) count where half of them or more see further than this peer: their lower median.
-    # A peer that trusts few counts the swarm for at most as much as itself and those few, and saw the
-    # swarm's rate at a tenth (128 simulated peers, the 10 to 20 a round left out): it looked for the
-    # step's group only once its partners' ``ready`` records came, seconds after the others, and was
-    # left out again. Trusted peers only, as for ``ready``; the median: a minority of them that lies
-    # moves nothing; their own views only (a view told by another is not passed on).
-    if sure:
-        told = sorted(
-            o.record.seen + o.record.seen_rate * min(max(now - o.record.time, 0.0), horizon) for o in sure
-        )[(len(sure) - 1) // 2]
-        samples = max(samples, told)
-        rate = max(rate, sorted(o.record.seen_rate for o in sure)[(len(sure) - 1) // 2])
-    if ready_said:
-        samples = max(samples, float(target))
     quickest = spread_cap([mine.rate, *(o.record.rate for o in vouched)], spread)
     swarm_rate = math.fsum([mine.rate, *(min(o.record.rate, quickest) for o in vouched)])
     swarm_rate += min(math.fsum(o.record.rate for o in others if not vouches(o)), swarm_rate)
@@ -529,6 +505,4 @@ def swarm_view(
         donors=tuple(donors),
         reason=reason,
         swarm_rate=swarm_rate,
-        counted=counted_samples,
-        counted_rate=counted_rate,
     )
