@@ -312,13 +312,11 @@ def swarm_view(
     docstring)."""
     at = mine.epoch if epoch is None else epoch
     here = at == mine.epoch  # False: a spectator of ``at`` (its record says another step)
-    others = [
-        o
-        for o in others
-        if o.peer != me
-        and o.record.run == mine.run
-        and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
-    ]
+
+    def of_run(o: PeerProgress) -> bool:  # (this run's, from an id with the work it asks for)
+        return o.record.run == mine.run and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
+
+    others = [o for o in others if o.peer != me and of_run(o)]
     # A spectator's own record is one of the swarm's records, read as the others read it (it vouches for
     # itself): on another step than ``at``, it adds no samples and no rate to ``at``'s.
     own = [] if here else [PeerProgress(me, mine)]
@@ -360,16 +358,15 @@ def swarm_view(
     lapsed = [
         o
         for o in expired
-        if here
-        and o.peer in members
+        if o.peer in members
         and o.peer not in listed
-        and o.record.run == mine.run
+        and of_run(o)
         and not o.record.leaving
         and o.record.epoch <= at
-        and (not min_work or work_bits(o.peer, o.record.work) >= min_work)
     ]
     joined = [o for o in (*others, *lapsed) if o.peer in members and o.record.epoch < at]
-    lapsed = [o for o in lapsed if o.record.epoch == at]
+    sure_lapsed = [o.record for o in lapsed if o.record.epoch == at and vouches(o)]
+    unsure_lapsed = [o.record for o in lapsed if o.record.epoch == at and not vouches(o)]
     started = min(max(now - mine.since, 0.0), UNREAD * horizon)
     # What this peer itself brings to ``at``: its exact count and rate on its own step; nothing on a
     # step its record does not say (a spectator), as in every other peer's view of that step.
@@ -380,8 +377,6 @@ def swarm_view(
     spread = SPREAD if trusted is not None else math.inf
     sure_joined = [o.record.rate for o in joined if vouches(o)]
     unsure_joined = [o.record.rate for o in joined if not vouches(o)]
-    sure_lapsed = [o.record for o in lapsed if vouches(o)]
-    unsure_lapsed = [o.record for o in lapsed if not vouches(o)]
     sure_rates = [*(o.record.rate for o in sure), *sure_joined, *(r.rate for r in sure_lapsed)]
     unsure_rates = [*(o.record.rate for o in unsure), *unsure_joined, *(r.rate for r in unsure_lapsed)]
     claimed = [
