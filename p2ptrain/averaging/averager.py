@@ -62,6 +62,7 @@ from .protocol import (
     LEFT_ROUND,
     MAX_GROUP,
     PART,
+    RECALL,
     RELAY_DECISION,
     RELAY_RESULT,
     REPORT,
@@ -242,6 +243,7 @@ class Averager:
         )
         reg = self.host.registry
         reg.add_unary(JOIN, self.groups.on_join)
+        reg.add_unary(RECALL, self.groups.on_recall)
         reg.add_stream(PART, self._on_part)
         reg.add_unary(REPORT, self._on_report)
         reg.add_stream(FETCH, self._on_fetch)
@@ -397,6 +399,7 @@ class Averager:
         quorum: Quorum | None = None,
         lead: bool = True,
         opens: float | None = None,
+        leads_now: Callable[[], bool] | None = None,
     ) -> SignedManifest:
         """Only the matchmaking half of :meth:`average`: the signed manifest of the group found.
 
@@ -406,6 +409,8 @@ class Averager:
         ``quorum``: a group led here forms only with that many of those peers (see ``matchmaking``).
         ``lead=False``: join a group led by another peer or none (a client-only member of it).
         ``opens``: when the matchmaking window begins, if later than now (at most a window later).
+        ``leads_now``: a peer that only follows (``quorum.leads`` False) ends the look once this says it
+        may lead while it follows nobody (GroupFormationFailed), to look again as a leader.
         """
         if self.groups.busy:
             raise RuntimeError("an average() call is already in progress on this node")
@@ -422,6 +427,7 @@ class Averager:
             quorum,
             lead=lead,
             opens=opens,
+            leads_now=leads_now,
         )
 
     async def run_round(

@@ -70,11 +70,13 @@ from .matchmaking import (
 from .partition import partition_sizes
 from .protocol import (
     JOIN,
+    RECALL,
     ROUND_ID_BYTES,
     JoinReq,
     JoinResp,
     Manifest,
     MemberMsg,
+    RecallReq,
     SignedManifest,
     TensorSpec,
     mask_bytes,
@@ -93,6 +95,8 @@ RETRY_FOR = 2.0  # seconds a leader may keep answering "ask again" in one matchm
 DIAL_LIMIT = 3.0  # seconds a leader's address may take to connect (one announcing a dead address costs that)
 LATE = 1.0  # seconds before a leader's deadline (our clock) from which an answer without a manifest is late
 MAX_FOLLOWED = 16  # manifests of groups this peer followed, remembered for ``round_failed``
+MAX_FORMED = 8  # manifests of groups this peer led, kept for members that ask again (``avg.recall``)
+RECALL_WAIT = DIAL_LIMIT  # seconds a follower whose join call ended without an answer asks again
 
 
 @dataclass
@@ -161,6 +165,8 @@ class GroupForming:
         self._looking: _Looking | None = None
         self.leaders = LeaderBook()  # leaders that failed this peer: not followed for a while
         self._followed: dict[bytes, tuple[PeerID, str]] = {}  # manifests followed -> leader, its subnet
+        # Groups this peer led, by key: the manifest and until when a member may recall it
+        self._formed: dict[str, tuple[SignedManifest, float]] = {}
         self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
         # The key under which this peer's last look led a group that came out too small: its next look
         # there only follows (see ``form``)
@@ -225,9 +231,16 @@ class GroupForming:
         quorum: Quorum | None = None,
         lead: bool = True,
         opens: float | None = None,
+        leads_now: Callable[[], bool] | None = None,
     ) -> SignedManifest:
         """Find or lead a group under ``group_key``: its signed manifest, checked against the run's
         rules (GroupTooSmall, SchemaMismatch or GroupFormationFailed say why none formed).
+
+        ``leads_now``: for a peer whose announcement says it only follows (``quorum.leads`` False),
+        whether it may lead now; once it says so while this peer follows nobody, the look ends
+        (GroupFormationFailed) so that the caller looks again, announced as a leader. A training run
+        whose view of the step, capped by trust, has not reached the target while what every record
+        says has, follows until its own view reaches it (see ``training``'s rounds).
 
         ``lead=False``: follow a leader or none, as a client-only peer does (announced without an
         address: nobody follows it or waits for it, and it reduces no share). ``opens``: when the
@@ -313,6 +326,8 @@ class GroupForming:
                         raise GroupTooSmall(looking.refusal)
                     continue  # a smaller leader appeared: follow it
                 if leader is None:
+                    if leads_now is not None and leads_now():
+                        raise GroupFormationFailed("it may lead now: it looks again, announced as a leader")
                     await trio.sleep(POLL)  # client-only: wait for someone to lead
                     continue
                 looking.following = leader
@@ -556,6 +571,10 @@ class GroupForming:
             audit=self._config().audit,
         )
         looking.manifest = SignedManifest.sign(self.host.identity, manifest)
+        self._formed.pop(looking.group_key, None)
+        while len(self._formed) >= MAX_FORMED:
+            del self._formed[next(iter(self._formed))]
+        self._formed[looking.group_key] = (looking.manifest, self.clock() + timeout)
         looking.formed.set()
         log.info("formed a group of %d for %s", len(members), looking.group_key)
         return looking.manifest
@@ -569,6 +588,7 @@ class GroupForming:
         asked = self.clock()
         wait = max(0.0, leader.deadline - asked) + JOIN_GRACE
         subnet = ""  # where we reached it ("" until connected, or through a relay)
+        sent = False  # whether the leader may have admitted us (then its answer is asked for again)
         try:
             with trio.fail_after(wait):
                 conn = await self.host.connect(leader.addr, timeout=min(wait, DIAL_LIMIT))
@@ -581,32 +601,52 @@ class GroupForming:
                 req = JoinReq(
                     looking.group_key, me.schema, me.addr, me.bandwidth, need, tuple(p.digest for p in named)
                 )
+                sent = True
                 reply = await conn.call_with_body(JOIN, req, timeout=wait)
         except trio.TooSlowError:
             why = f"no manifest within {wait:.1f} s, past its deadline"
-            self._failed(leader.peer, subnet, why)
-            return None, why, False
-        except P2PError as e:
-            why = f"unreachable ({e})"
-            if self._late(leader, looking, asked, why):
-                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False)
-            elif self.clock() - asked >= min(wait, DIAL_LIMIT):  # an address that swallows dials
-                self._failed(leader.peer, "", f"no answer at its address for {DIAL_LIMIT:g} s", surely=False)
-            return None, why, False
-        if not reply.message.accepted:
-            why = reply.message.reason or "refused"
-            if self._late(leader, looking, asked, why):
-                self._failed(leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False)
+            body = await self._recall(leader, looking.group_key) if sent else None
+            if body is None:
+                self._failed(leader.peer, subnet, why)
                 return None, why, False
-            redirect = reply.message.redirect
-            passed = self._passed_over(redirect, declined, looking.latest) if redirect else ""
-            if passed == "excluded":
-                return None, f"{why}, one this peer does not follow", False  # asking again cannot help
-            if passed == "declined":  # (its next announcement, once read, may be followed: ask again)
-                return None, f"{why}, under an announcement that refused this peer", True
-            return None, why, reply.message.retry
+            self._failed(
+                leader.peer, subnet, f"its manifest came only when asked again ({why})", surely=False
+            )
+        except P2PError as e:
+            body = await self._recall(leader, looking.group_key) if sent else None
+            if body is None:
+                why = f"unreachable ({e})"
+                if self._late(leader, looking, asked, why):
+                    self._failed(
+                        leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False
+                    )
+                elif self.clock() - asked >= min(wait, DIAL_LIMIT):  # an address that swallows dials
+                    self._failed(
+                        leader.peer, "", f"no answer at its address for {DIAL_LIMIT:g} s", surely=False
+                    )
+                return None, why, False
+        except trio.Cancelled:  # our caller gave up: a group formed with us meanwhile is declined
+            if sent and self._nursery is not None:
+                self._nursery.start_soon(self._leave_unanswered, leader, looking.group_key)
+            raise
+        else:
+            if not reply.message.accepted:
+                why = reply.message.reason or "refused"
+                if self._late(leader, looking, asked, why):
+                    self._failed(
+                        leader.peer, subnet, f"it held us to its deadline, then: {why}", surely=False
+                    )
+                    return None, why, False
+                redirect = reply.message.redirect
+                passed = self._passed_over(redirect, declined, looking.latest) if redirect else ""
+                if passed == "excluded":
+                    return None, f"{why}, one this peer does not follow", False  # asking again cannot help
+                if passed == "declined":  # (its next announcement, once read, may be followed: ask again)
+                    return None, f"{why}, under an announcement that refused this peer", True
+                return None, why, reply.message.retry
+            body = bytes(reply.body)
         try:
-            signed = SignedManifest.verify(bytes(reply.body), leader.peer)
+            signed = SignedManifest.verify(body, leader.peer)
             assert looking.rules is not None
             announced = {**looking.announced, me.peer: me.bandwidth}
             check_manifest(signed.manifest, looking.rules, me.peer, me.addr, announced)
@@ -630,6 +670,51 @@ class GroupForming:
             del self._followed[next(iter(self._followed))]
         self._followed[signed.digest] = (leader.peer, subnet)
         return signed, "", False
+
+    async def _recall(self, leader: Announcement, group_key: str) -> bytes | None:
+        """The manifest ``leader`` formed with this peer under ``group_key``, asked for again after the
+        answer to our join call was lost (None: it formed none with us, or cannot be reached now).
+
+        A leader lists a joiner once it admitted it, and the joiner learns it only from that answer. Lost
+        (a reply that failed on the way, a link slower than our wait, a caller that gave up just as the
+        group formed), the others ran a round that listed a member who never heard of it: they waited
+        for its slices until the scatter deadline, 0.4 of the round's timeout, and committed without
+        it (two nodes in threads on a busy machine: one committed its own tensor alone). Asked again
+        (``avg.recall``, which admits nobody), the member runs that round, or declines it."""
+        try:
+            with trio.fail_after(RECALL_WAIT):
+                conn = await self.host.connect(leader.addr, timeout=RECALL_WAIT)
+                reply = await conn.call_with_body(RECALL, RecallReq(group_key), timeout=RECALL_WAIT)
+        except (P2PError, trio.TooSlowError) as e:
+            log.debug("could not ask %s again for a group of %s: %s", leader.peer.short(), group_key, e)
+            return None
+        if not reply.message.accepted:
+            log.debug(
+                "%s formed no group of %s with us: %s", leader.peer.short(), group_key, reply.message.reason
+            )
+            return None
+        log.info("the answer of %s was lost: its manifest came when asked again", leader.peer.short())
+        return bytes(reply.body)
+
+    async def _leave_unanswered(self, leader: Announcement, group_key: str) -> None:
+        """Our caller gave up while ``leader`` had not answered: decline a group it formed with us."""
+        body = await self._recall(leader, group_key)
+        if body is None:
+            return
+        try:
+            signed = SignedManifest.verify(body, leader.peer)
+        except P2PError as e:
+            log.debug("%s recalled a manifest that does not verify: %s", leader.peer.short(), e)
+            return
+        if self.host.identity.peer_id in signed.manifest.peers():
+            self.decline(signed)
+
+    async def on_recall(self, ctx: CallContext, req: RecallReq) -> Reply[JoinResp]:
+        """A member asks again for the group we formed with it under a key (see :meth:`_recall`)."""
+        signed, until = self._formed.get(req.group_key, (None, 0.0))
+        if signed is None or until < self.clock() or ctx.peer not in signed.manifest.peers():
+            return Reply(JoinResp(False, "no group formed here under this key holds the caller"))
+        return Reply(JoinResp(True), signed.envelope)
 
     def _passed_over(self, addr: str, declined: set[Announcement], latest: dict[PeerID, Announcement]) -> str:
         """Whether the leader at ``addr`` (where a peer we asked said it follows) is one we do not follow:

@@ -305,6 +305,11 @@ class JoinReq(Message, positional=True):
 
 
 @dataclass(frozen=True)
+class RecallReq(Message, positional=True):
+    group_key: str = bounded(max_len=256)
+
+
+@dataclass(frozen=True)
 class JoinResp(Message, positional=True):
     accepted: bool = False
     reason: str = bounded("", max_len=512)
@@ -383,6 +388,11 @@ had fetched what it reduced, or the round's time ran out) and serves nothing of 
 still lacks a partition asks others for it, or gives it up at once (see ``gathering``)."""
 
 JOIN = Method("avg.join", JoinReq, JoinResp)
+RECALL = Method("avg.recall", RecallReq, JoinResp)
+"""A follower whose join call ended without an answer (failed on the way, slower than its wait, or its
+caller gave up) asks its leader for the manifest of a group the leader formed with it under the key, if
+any: it never admits anybody. The follower runs the round, or declines it, so that the others do not
+wait for its slices until the scatter deadline (see ``grouping``)."""
 PART = Method("avg.part", PartReq, Ack, streaming=True)
 REPORT = Method("avg.report", ReportReq, DecisionResp)
 FETCH = Method("avg.fetch", FetchReq, Ack, streaming=True)

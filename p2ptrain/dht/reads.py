@@ -223,15 +223,27 @@ class Reader:
             return None
         found: list[Entry] = []
         holders: set[str] = set()
+        replicas = first_asked(list(replicas), self._contacts.table.local, kid)
+        # (now and then the first replica names its nearest contacts: peers that joined closer to the
+        # key since the replicas were looked up, see ``replicas``)
+        nearest_from = replicas[0] if self._replicas.ask_nearest(kid) else None
 
         async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
             tags = b"".join(tag(e) for e in known)
+            nearest = contact is nearest_from
             try:
-                _, entries, held, _, remote = await self._client.query(contact, kid, True, known, tags, False)
+                contacts, entries, held, _, remote = await self._client.query(
+                    contact, kid, True, known, tags, nearest
+                )
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
                 self._replicas.drop(kid)  # the next read and store look the replicas up again
                 return
+            if nearest and self._replicas.heard(kid, contacts):
+                log.debug(
+                    "%s named peers closer to a key than its replicas: they are looked up again",
+                    contact.peer_id.short(),
+                )
             good = verified_entries(entries, kid, self._authors, self._clock())
             found.extend(good)
             if good or held:
@@ -239,7 +251,6 @@ class Reader:
                 if len(holders) >= quorum:  # as a lookup does: a silent replica does not hold it up
                     done.cancel()
 
-        replicas = first_asked(list(replicas), self._contacts.table.local, kid)
         waiting = iter(replicas)
         answered_send, answered = trio.open_memory_channel[None](len(replicas))
         running = 0

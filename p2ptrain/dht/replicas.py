@@ -8,7 +8,16 @@ meanwhile take the place of the farthest replicas as soon as this node has met t
 table's answering contacts are merged in, at most every ``NEWCOMERS_CHECK``): a lookup costs about
 ``k`` queries of ``k`` contacts each, and with one every 30 s per key written (a progress record, the
 peer list, what is re-published) those were half of a 32-peer swarm's control bytes. Peers that join
-closer to a key and that this node has not met get its records from the maintenance's re-replication.
+closer to a key and that this node has not met are heard of from the replicas themselves: every
+``NEWCOMERS_CHECK`` a direct read asks the replica it asks first for its nearest contacts too, and one
+closer than the farthest replica remembered makes the next store look the replicas up again (hearsay
+only starts a lookup; it never becomes a replica itself). Before, such peers got this node's records
+from the maintenance's re-replication alone (every ``replicate_interval``, 600 s), and the replicas
+stayed as they were for ``TARGETS_TTL``: in a swarm that grew while it wrote, a writer's early lookup
+left out the peers that joined closest to its key, readers that had met them read those and missed its
+records, for minutes (128 simulated DHT nodes joining over 32 s, each writing and reading one key:
+readers that held 122 of the 128 live records at every read for the minute after the last join; 40
+nodes with 5 replicas a key: 75% of the records for a tenth of the reads).
 Two shortcuts for a swarm smaller than the DHT's parameters:
 
 - Fewer than ``replication`` replicas found means every peer the lookup found is one: the routing
@@ -34,6 +43,7 @@ from .routing import Contact, RoutingTable
 
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers ...
 TARGETS_TTL = 300.0  # ... for this many seconds at most (less: a store that a replica failed or refused)
+MAX_DOUBTED = 64  # peers heard of as closer to a key, not found by the lookup since, kept per key
 NEWCOMERS_CHECK = 10.0  # how often the peers met since join a remembered key's replicas (see known)
 SWARM_TTL = 120.0  # how long an exhaustive lookup stands for the whole swarm (peers met since: the table)
 
@@ -43,6 +53,8 @@ class _Known:
     until: float  # looked up again from then on
     checked: float  # when the peers met since were last merged in
     targets: list[Contact]  # closest to the key first
+    asked: float  # when a replica was last asked for its nearest contacts (see ``ask_nearest``)
+    doubted: frozenset[PeerID] = frozenset()  # heard of as closer, not found by the lookup since
 
 
 class Replicas:
@@ -55,6 +67,7 @@ class Replicas:
         self._clock = clock
         self._targets: dict[bytes, _Known] = {}  # key id -> its replicas
         self._swarm: tuple[float, dict[PeerID, Contact]] | None = None  # (until, every peer)
+        self._heard: dict[bytes, frozenset[PeerID]] = {}  # key id -> closer peers heard of (a lookup due)
 
     def cached(self, kid: bytes, now: float) -> list[Contact] | None:
         """A key's replicas without a lookup: remembered, else from the swarm's last exhaustive lookup
@@ -76,7 +89,11 @@ class Replicas:
         return targets
 
     def _remember(self, kid: bytes, targets: list[Contact], now: float) -> None:
-        self._targets[kid] = _Known(now + TARGETS_TTL, now, targets)
+        # peers heard of as closer that this lookup did not find (gone, or not answering): no lookup
+        # again for them while these replicas stand
+        heard = self._heard.pop(kid, frozenset())
+        doubted = heard - {c.peer_id for c in targets}
+        self._targets[kid] = _Known(now + TARGETS_TTL, now, targets, now, doubted)
         while len(self._targets) > MAX_TARGET_KEYS:
             self._targets.pop(next(iter(self._targets)))
 
@@ -97,6 +114,48 @@ class Replicas:
             had = {c.peer_id for c in kept}
             cached.targets = kept + [c for c in closest if c.peer_id not in had]
         return list(cached.targets)
+
+    def ask_nearest(self, kid: bytes) -> bool:
+        """Whether a direct read of ``kid`` now asks its first replica for its nearest contacts too:
+        once every ``NEWCOMERS_CHECK`` per key (see the module docstring)."""
+        cached = self._targets.get(kid)
+        now = self._clock()
+        if cached is None or now < cached.asked + NEWCOMERS_CHECK:
+            return False
+        cached.asked = now
+        return True
+
+    def heard(self, kid: bytes, contacts: list[Contact]) -> bool:
+        """A replica of ``kid`` named ``contacts`` as its nearest: where one of them that this node does
+        not doubt is closer to the key than the farthest replica remembered (or the replicas are fewer
+        than ``replication``), they are forgotten, so that the next store or read looks them up again.
+        Returns whether they were."""
+        cached = self._targets.get(kid)
+        if cached is None:
+            return False
+        t = int.from_bytes(kid, "big")
+        have = {c.peer_id for c in cached.targets} | {self._table.local}
+        farthest = (
+            int.from_bytes(cached.targets[-1].peer_id.digest, "big") ^ t
+            if len(cached.targets) >= self._replication
+            else None
+        )
+        closer = frozenset(
+            c.peer_id
+            for c in contacts
+            if c.peer_id not in have
+            and c.peer_id not in cached.doubted
+            and (farthest is None or int.from_bytes(c.peer_id.digest, "big") ^ t < farthest)
+        )
+        if not closer:
+            return False
+        # (a replica that names fresh ids each time costs at most a lookup per ``NEWCOMERS_CHECK``;
+        # the ids kept to doubt are bounded)
+        self._heard[kid] = frozenset(list(closer | cached.doubted)[:MAX_DOUBTED])
+        while len(self._heard) > MAX_TARGET_KEYS:
+            self._heard.pop(next(iter(self._heard)))
+        self.drop(kid)
+        return True
 
     def remembered(self, kid: bytes) -> list[Contact] | None:
         """The replicas remembered for ``kid`` as they stand, expired or not (None: none)."""

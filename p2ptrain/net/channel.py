@@ -62,7 +62,7 @@ the kernel takes before a send waits. trio sets 16 KiB, which suits chatty socke
 runs dry whenever the event loop is a millisecond late (16 KiB is 1.3 ms at 100 Mbit/s), and a link
 shaped to 100 Mbit/s carried 80% of its rate instead of 86% (cubic, the all-reduce benchmark's netns
 lab). A connection lowers it to what it drains in UNSENT_SECONDS (see :class:`UnsentBudget`)."""
-MIN_UNSENT_BYTES = 64 * 1024
+MIN_UNSENT_BYTES = 16 * 1024  # (trio's default: 65 ms of a 2 Mbit/s link)
 UNSENT_SECONDS = 0.025
 """A connection lets the kernel hold about this long of not yet sent data, at the rate it drains:
 enough that a bulk stream does not run dry when the event loop is late, little enough that a control
@@ -84,8 +84,15 @@ control message sent behind it (a progress record, a join request, a DHT reply) 
 such record plus what the kernel and the network hold (see ``UNSENT_SECONDS``). At a fixed 1 MiB a record
 takes 0.84 s on a 10 Mbit/s link, and a home peer catching up on one had its records and join requests
 arrive a second or more late behind the records in flight."""
-MIN_PIECE = 64 * 1024  # (= BULK_BODY: a background record still counts as bulk at the SendGate)
-_PIECE_STEP = 16 * 1024
+MIN_PIECE = 4 * 1024
+"""The smallest background record: FRAME_SECONDS' worth on a 640 kbit/s link, and the size of every one
+until the connection's rate is measured (two sends in). A background record is bulk at the
+:class:`SendGate` because its sender says so, whatever its size. When the gate told bulk by size alone,
+no background record could be smaller than ``BULK_BODY`` (64 KiB), which is more than FRAME_SECONDS on
+any link under 10 Mbit/s: on 160 kbit/s a control message waited 3.2 s behind one record, and a joiner
+replaying a step's result there found its group's leader after the group had formed (in about one
+run in five)."""
+_PIECE_STEP = MIN_PIECE
 
 
 class DrainRate:
@@ -93,12 +100,18 @@ class DrainRate:
 
     A send returns once the transport took all of it, and while the sender keeps it busy the transport
     takes bytes only as fast as they leave, so a send's bytes over its duration sample the rate. Only a
-    large send that began as the large one before it ended counts: one that found the transport idle
+    bulk send that began as the bulk one before it ended counts: one that found the transport idle
     returns before its bytes left (the kernel, or the network, holds some) and would sample a rate the
     link does not have. A slower sample is taken at once; a faster one moves the time per byte by a
     quarter (the time, not the rate: one fast sample cannot multiply the rate). Until a sample, a
-    background record is the smallest size (a fresh connection may be slow); once sends take no time,
-    the largest.
+    background record is the smallest size (a fresh connection may be slow).
+
+    A record is at most twice the largest bulk send so far. A send that takes no time says only that the
+    transport had room for it (a kernel's unsent budget, the network's queue), not that the link drains
+    any size at once: taken as an infinite rate, the third record of a fresh connection was MAX_CHUNK,
+    which a 2 Mbit/s link took 4 s to carry, every control message queued behind it. Doubled from the
+    smallest, the records reach the size where a send waits for the link, and from there its time says
+    the rate.
     """
 
     ALPHA = 0.25
@@ -107,13 +120,17 @@ class DrainRate:
     def __init__(self) -> None:
         self.seconds_per_byte: float | None = None
         self._last_end: float | None = None
+        self._largest = 0  # the largest bulk send so far
 
-    def sent(self, nbytes: int, began: float, ended: float) -> None:
-        """Account for a send of ``nbytes`` from ``began`` to ``ended`` (seconds on one clock)."""
+    def sent(self, nbytes: int, began: float, ended: float, bulk: bool) -> None:
+        """Account for a send of ``nbytes`` from ``began`` to ``ended`` (seconds on one clock); ``bulk``:
+        a record of bulk data (see :class:`SendGate`), not a control message."""
         busy = self._last_end is not None and began - self._last_end <= self.BACK_TO_BACK
-        self._last_end = ended if nbytes >= MIN_PIECE else None  # (a short send leaves the link idle)
-        if nbytes < MIN_PIECE or not busy:
-            return  # a short send says little; one after a pause found the link idle
+        self._last_end = ended if bulk else None  # (a control message leaves the link idle)
+        if bulk:
+            self._largest = max(self._largest, nbytes)
+        if not bulk or not busy:
+            return  # a control message says little; a send after a pause found the link idle
         sample = max(ended - began, 0.0) / nbytes
         if self.seconds_per_byte is None or sample > self.seconds_per_byte:
             self.seconds_per_byte = sample  # slower: at once (a control message's wait is at stake)
@@ -129,15 +146,16 @@ class DrainRate:
         return float("inf") if spb <= 0 else 1.0 / spb
 
     def piece(self, seconds: float = FRAME_SECONDS) -> int:
-        """The size of a background record: what drains in ``seconds``, between MIN_PIECE and MAX_CHUNK
-        (MIN_PIECE until measured)."""
+        """The size of a background record: what drains in ``seconds``, between MIN_PIECE and MAX_CHUNK,
+        and at most twice the largest bulk send so far (MIN_PIECE until measured)."""
         rate = self.rate
         if rate is None:
             return MIN_PIECE
+        most = min(max(2 * self._largest // _PIECE_STEP * _PIECE_STEP, MIN_PIECE), MAX_CHUNK)
         if rate == float("inf"):
-            return MAX_CHUNK
+            return most
         want = int(rate * seconds) // _PIECE_STEP * _PIECE_STEP
-        return min(max(want, MIN_PIECE), MAX_CHUNK)
+        return min(max(want, MIN_PIECE), most)
 
 
 class UnsentBudget:
@@ -147,6 +165,11 @@ class UnsentBudget:
     its bytes over its duration sample the rate the connection drains at (a send that did not have to
     wait samples a high rate: the link keeps up). The rate is smoothed, and the budget is what drains
     in UNSENT_SECONDS, between MIN_UNSENT_BYTES and UNSENT_BYTES.
+
+    On a link too slow for large sends (a background stream's records are FRAME_SECONDS of it), the
+    rate comes from :class:`DrainRate` instead (:meth:`measured`). Without it the budget kept its first
+    MiB there: in the namespace lab at 2 Mbit/s a ping over a state download's connection waited about
+    3 s at the median, up to 4.7 s (0.29 s at the median with it).
     """
 
     ALPHA = 0.25  # weight of a new sample
@@ -162,6 +185,15 @@ class UnsentBudget:
         more than a quarter (worth a system call) or reached a bound, else None."""
         sample = min(nbytes / seconds, self._CAP) if seconds > 0 else self._CAP
         self.rate += self.ALPHA * (sample - self.rate)
+        return self._follow()
+
+    def measured(self, rate: float) -> int | None:
+        """The drain rate as :class:`DrainRate` measured it (smoothed there already): taken as it is;
+        the new budget as :meth:`sent` returns it."""
+        self.rate = min(rate, self._CAP)
+        return self._follow()
+
+    def _follow(self) -> int | None:
         want = int(min(max(self.rate * UNSENT_SECONDS, MIN_UNSENT_BYTES), UNSENT_BYTES))
         at_bound = want in (MIN_UNSENT_BYTES, UNSENT_BYTES)
         if want == self.value or (abs(want - self.value) <= self.value // 4 and not at_bound):
@@ -225,8 +257,9 @@ class FramedStream:
         """The encrypted record channel over these frames, once the handshake gave ``keys``."""
         return SecureChannel(self, keys, bodies)
 
-    async def send_raw(self, data: memoryview) -> None:
-        """Send bytes that already carry their length prefix (the encrypted channel's frames)."""
+    async def send_raw(self, data: memoryview, bulk: bool = False) -> None:
+        """Send bytes that already carry their length prefix (the encrypted channel's frames); ``bulk``:
+        a record of bulk data (its time samples the drain rate)."""
         timed = self._unsent is not None and len(data) >= _TIMED_SEND
         began = time.perf_counter() if timed else 0.0
         since = trio.current_time()  # (trio's clock: virtual on the in-memory network)
@@ -235,9 +268,11 @@ class FramedStream:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionClosed(f"connection lost while sending: {e}") from None
         self.bytes_sent += len(data)
-        self.drain.sent(len(data), since, trio.current_time())
+        self.drain.sent(len(data), since, trio.current_time(), bulk)
         if timed:
             self._retune(len(data), time.perf_counter() - began)
+        elif bulk and self._unsent is not None and (rate := self.drain.rate) and rate != float("inf"):
+            self._set_budget(self._unsent.measured(rate))  # (a record too small to time: see UnsentBudget)
 
     def undelivered(self) -> int:
         """Bytes sent that the remote has not yet acknowledged (TCP) or read (the in-memory network): 0
@@ -254,8 +289,11 @@ class FramedStream:
         return int(_OUTQ.unpack(out)[0])
 
     def _retune(self, nbytes: int, seconds: float) -> None:
-        assert self._unsent is not None and self._sock is not None
-        budget = self._unsent.sent(nbytes, seconds)
+        assert self._unsent is not None
+        self._set_budget(self._unsent.sent(nbytes, seconds))
+
+    def _set_budget(self, budget: int | None) -> None:
+        assert self._sock is not None
         if budget is not None:
             try:
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, budget)
@@ -571,9 +609,10 @@ class BodyBuffers:
             self._taken.pop()
 
 
-BULK_BODY = MIN_PIECE
-"""Records with a body at least this large are bulk data: waiting to be sent, they let smaller ones go
-first (see :class:`SendGate`)."""
+BULK_BODY = 64 * 1024
+"""Records with a body at least this large are bulk data, and so is every background record whatever its
+size (``SecureChannel.send``'s ``bulk``): waiting to be sent, they let the others go first (see
+:class:`SendGate`)."""
 
 
 class SendGate:
@@ -631,9 +670,14 @@ class SecureChannel:
         self._out = bytearray()
         self._bodies = BodyBuffers(keep=8) if bodies is None else bodies  # a host shares one
 
-    async def send(self, header: bytes, body: bytes | bytearray | memoryview = b"") -> None:
+    async def send(
+        self, header: bytes, body: bytes | bytearray | memoryview = b"", *, bulk: bool = False
+    ) -> None:
+        """Send one record; ``bulk``: background bulk (catching up), which lets control messages go
+        first whatever its size; a body of ``BULK_BODY`` or more is bulk anyway."""
         n = sealed_size(len(header), len(body))  # refuses an oversized record before growing _out
-        await self._gate.acquire(urgent=len(body) < BULK_BODY)
+        bulk = bulk or len(body) >= BULK_BODY
+        await self._gate.acquire(urgent=not bulk)
         try:
             # Seal while holding the gate: the nonce order must equal the order on the wire.
             if len(self._out) < n:
@@ -643,7 +687,7 @@ class SecureChannel:
             with trio.CancelScope(shield=True) as scope:
                 scope.deadline = trio.current_time() + SEND_TIMEOUT
                 with memoryview(out) as view:
-                    await self.framed.send_raw(view[:n])
+                    await self.framed.send_raw(view[:n], bulk)
             if scope.cancelled_caught:
                 await self.aclose()
                 raise ConnectionClosed(f"the remote read nothing for {SEND_TIMEOUT:g} s")

@@ -269,13 +269,13 @@ class Connection:
         for ev in self._pong_waiters.values():
             ev.set()
 
-    async def _send(self, header: Message, body: bytes | memoryview = b"") -> None:
+    async def _send(self, header: Message, body: bytes | memoryview = b"", *, bulk: bool = False) -> None:
         if self.closed:
             raise ConnectionClosed(f"connection to {self.peer.short()} is closed: {self.close_reason}")
         try:
             head = encode_header(header)
             self.sent_by_method[self._method_of(header)] += len(head) + len(body)
-            await self.channel.send(head, body)
+            await self.channel.send(head, body, bulk=bulk)
         except ConnectionClosed as e:
             self._close(str(e))
             raise

@@ -257,7 +257,9 @@ class PlainChannel(SecureChannel):
         self.framed = framing
         self._framing = framing
 
-    async def send(self, header: bytes, body: bytes | bytearray | memoryview = b"") -> None:
+    async def send(
+        self, header: bytes, body: bytes | bytearray | memoryview = b"", *, bulk: bool = False
+    ) -> None:
         await self._framing.send_record(header, body)
 
     def bulk_piece(self) -> int:

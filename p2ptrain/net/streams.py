@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -28,7 +28,13 @@ larger window (its own choice, never assumed by the other end) grants the differ
 application first reads, so peers with different windows interoperate, and a stream nobody reads yet
 (a call waiting for its round to start, say) holds at most this much of the sender's data."""
 
-SendFn = Callable[["Message", "bytes | memoryview"], Awaitable[None]]
+
+class SendFn(Protocol):
+    """How a stream sends a record on its connection; ``bulk``: background bulk (see ``send``)."""
+
+    def __call__(
+        self, header: Message, body: bytes | memoryview = b"", *, bulk: bool = False
+    ) -> Awaitable[None]: ...
 
 
 class RpcStream:
@@ -109,7 +115,7 @@ class RpcStream:
                 await trio.lowlevel.checkpoint()
                 return
             self._credit -= len(piece)
-            await self._send(Data(id=self.call_id, end=False), piece)
+            await self._send(Data(id=self.call_id, end=False), piece, bulk=background)
 
     async def send_eof(self) -> None:
         """Tell the other end that nothing more will be sent."""

@@ -5,9 +5,12 @@ training loop would), so this isolates what the download protocol gets out of a 
 benchmark (``bench_statesync``) measures the same inside a real swarm, where donors and joiner also
 compute on this machine's two cores.
 
-    python -m simulations.fetch_probe [--mb 400] [--rate-mbit 100] [--busy] [--donors 1]
+    python -m simulations.fetch_probe [--mb 400] [--rate-mbit 100] [--busy] [--donors 1] [--ping]
 
-Prints JSON: bytes, seconds, Mbit/s and the fraction of the link rate. Needs root (namespaces).
+Prints JSON: bytes, seconds, Mbit/s and the fraction of the link rate. ``--ping``: the joiner pings its
+first donor every 0.25 s while it downloads, over the connection that carries the state, and the JSON
+adds the pings' round trips (a control message behind the download's bulk: see ``channel.DrainRate``).
+Needs root (namespaces).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import sys
 import threading
 import time
@@ -26,6 +30,7 @@ from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.identity import Identity
 from p2ptrain.net.address import PeerAddress
+from p2ptrain.net.connection import Connection
 from p2ptrain.training.optimizer import CollaborativeOptimizer
 from p2ptrain.training.optimizer.progress import PeerProgress, ProgressRecord
 from p2ptrain.training.state.download import Fetcher
@@ -77,12 +82,40 @@ async def joiner(args: argparse.Namespace) -> None:
             record = ProgressRecord(epoch=0, samples=0, rate=0.0, time=0.0, addr=d["addr"])
             records.append(PeerProgress(PeerAddress.parse(d["addr"]).peer_id, record))
         f = Fetcher(node.host, max_size=opt.max_state_bytes(), chunk_timeout=30.0, max_donors=4)
+        rtts: list[float] = []
+        if args.ping:
+            conn = await node.host.connect(PeerAddress.parse(donors[0]["addr"]))
+            nursery.start_soon(_ping_every, conn, PING_EVERY, rtts)
         began = time.monotonic()
         got = await f.fetch(records, want_epoch=0, expected=lambda e: bytes.fromhex(donors[0]["digest"]))
         took = time.monotonic() - began
         size = sum(t.numel() * t.element_size() for t in got.tensors.values())
-        print(json.dumps({"bytes": size, "seconds": round(took, 2), "mbit": round(size * 8 / took / 1e6, 1)}))
+        out: dict[str, object] = {
+            "bytes": size,
+            "seconds": round(took, 2),
+            "mbit": round(size * 8 / took / 1e6, 1),
+        }
+        if args.ping:
+            ordered = sorted(rtts)
+            out |= {
+                "pings": len(rtts),
+                "ping_median_s": round(statistics.median(ordered), 3) if ordered else None,
+                "ping_p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 3) if ordered else None,
+                "ping_max_s": round(ordered[-1], 3) if ordered else None,
+                "ping_series_s": [round(r, 3) for r in rtts],
+            }
+        print(json.dumps(out))
         nursery.cancel_scope.cancel()
+
+
+PING_EVERY = 0.25
+
+
+async def _ping_every(conn: Connection, seconds: float, into: list[float]) -> None:
+    """Ping over ``conn`` every ``seconds`` (after each answer), each round trip into ``into``."""
+    while True:
+        into.append(await conn.ping(timeout=60.0))
+        await trio.sleep(seconds)
 
 
 def lab_main(args: argparse.Namespace) -> int:
@@ -97,6 +130,7 @@ def lab_main(args: argparse.Namespace) -> int:
             lines.append(read_line(procs[-1], 120))
         argv = [sys.executable, "-m", "simulations.fetch_probe", "--role", "joiner", "--host"]
         argv += [lab.address(args.donors), "--mb", str(args.mb)] + (["--busy"] if args.busy else [])
+        argv += ["--ping"] if args.ping else []
         for line in lines:
             argv += ["--donor", line]
         out = lab.run(args.donors, argv, timeout=1800, capture_output=True, text=True)
@@ -117,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--donors", type=int, default=1)
     parser.add_argument("--busy", action="store_true", help="keep a core busy in every process")
+    parser.add_argument("--ping", action="store_true", help="ping the first donor while downloading")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--donor", action="append", default=[])

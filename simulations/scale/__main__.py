@@ -125,6 +125,8 @@ def swarm_table(report: dict[str, Any]) -> str:
 def dht_table(report: dict[str, Any]) -> str:
     rows = ["nodes  store-ok  get-ok(10% killed)  hops(med,p99)  queries  build-wall(s)  wall(s)  RSS(MB)"]
     for r in report["runs"]:
+        if "growing_hot_key" in r:  # (a growing swarm's run: its own line below)
+            continue
         rows.append(
             f"{r['nodes']:5}  {r['store_success']:8}  {r['get_success']:18}  "
             f"{r['lookup_hops_median']!s:>5},{r['lookup_hops_p99']!s:<6}  {r['lookup_queries_median']!s:7}  "
@@ -139,6 +141,15 @@ def dht_table(report: dict[str, Any]) -> str:
                 f"{h['sent_per_node_per_s_median']} B/s sent per node (median), "
                 f"max {h['sent_per_node_per_s_max']} "
                 f"({h['max_over_median']}x): {h['by_method_per_node_per_s']}"
+            )
+        if r.get("growing_hot_key"):
+            g = r["growing_hot_key"]
+            rows.append(
+                f"  N={r['nodes']} ({r.get('settings')}) joining over {r['joins_over_virtual_s']} s, one key"
+                f" written and read from each join: {g['reads']} reads after the joins settled, live"
+                f" records held p01 {g['live_records_per_read_share_p01']}, p10"
+                f" {g['live_records_per_read_share_p10']}, median {g['live_records_per_read_share_median']};"
+                f" {g['reads_missing_live_records']:.1%} of the reads missed some"
             )
     return "\n".join(rows)
 
@@ -230,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         help="DHT runs: nodes that join at once (the build lasts nodes / wave rounds of virtual time, "
         "and the upkeep of every node joined runs meanwhile)",
     )
+    ap.add_argument(
+        "--grow",
+        type=float,
+        default=0.0,
+        help="DHT runs: waves join this many virtual seconds apart, each node running the one-key workload"
+        " from its join on, for --hot-key seconds after the last join (no keys, no kills)",
+    )
     ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
@@ -305,11 +323,18 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for n in (int(x) for x in args.dht.split(",")):
             spec = DhtSpec(
-                nodes=n, keys=args.keys, kill=args.kill, wave=args.wave, seed=args.seed, hot_key=args.hot_key
+                nodes=n,
+                keys=args.keys,
+                kill=args.kill,
+                wave=args.wave,
+                seed=args.seed,
+                hot_key=args.hot_key,
+                grow=args.grow,
             )
             result = run_dht(spec)
             parts = [f"hot_key={args.hot_key:g}"] if args.hot_key else []
             parts += [f"wave={args.wave}"] if args.wave != DhtSpec.wave else []
+            parts += [f"grow={args.grow:g}"] if args.grow else []
             result.update(
                 settings=(",".join(parts) or "default") + (f",{args.tag}" if args.tag else ""),
                 command=command,

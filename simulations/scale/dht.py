@@ -45,6 +45,9 @@ class DhtSpec:
     wave: int = 32
     seed: int = 0
     hot_key: float = 0.0  # virtual seconds of the one-key progress workload (0: none; see hot_key)
+    # > 0: waves join this many virtual seconds apart, each node running the one-key workload from its
+    # join on (as training peers do), for ``hot_key`` seconds after the last join (see ``growing``)
+    grow: float = 0.0
 
 
 RECORD_BYTES = 490  # a progress record's value, as the optimizer's are
@@ -93,6 +96,8 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random) -> dict[
     return {
         "seconds": seconds,
         "records_per_read_median": pct([float(x) for x in sizes], 0.5),
+        "records_per_read_p10": pct([float(x) for x in sizes], 0.1),
+        "records_per_read_p01": pct([float(x) for x in sizes], 0.01),
         "sent_per_node_per_s_median": round(median),
         "sent_per_node_per_s_max": round(max(totals)),
         "max_over_median": round(max(totals) / median, 2) if median else None,
@@ -100,7 +105,125 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random) -> dict[
     }
 
 
+async def start_node(
+    nursery: trio.Nursery,
+    world: World,
+    net: MessageNetwork,
+    config: DHTConfig,
+    i: int,
+    boot: list[PeerAddress],
+    scope: trio.CancelScope,
+) -> tuple[str, DHT]:
+    """Node ``i`` (a Host and a DHT, under ``scope``) started in ``nursery`` through ``boot``, once it
+    bootstrapped: its place's name and its DHT."""
+    place = world.place(i)
+    net.set_host(place.name, place.link)
+    ident = Identity.from_seed(hashlib.blake2b(place.name.encode(), digest_size=32).digest())
+    host = Host(ident, "dht-scale", transport=net.transport(place.name), clock=trio.current_time)
+    dht = DHT(host, config=config, clock=trio.current_time, seed=i)
+
+    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            async with trio.open_nursery() as inner:
+                await inner.start(host.run, [(place.name, PORT)])
+                await inner.start(dht.run, boot)
+                task_status.started()
+
+    await nursery.start(run)
+    await dht.bootstrapped.wait()
+    return place.name, dht
+
+
+class Workload:
+    """The one-key workload of :func:`hot_key`, started node by node as they join (``growing``): each
+    read's time, the records it held, and the writers whose store had returned within a record's life
+    and at least a second before it (the live records it should hold)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.stored: dict[bytes, float] = {}  # a writer's subkey -> when its last store returned
+        self.reads: list[tuple[float, int, int]] = []  # (began, live records held, live records)
+
+    async def peer(self, d: DHT) -> None:
+        key, subkey = b"progress/scale", owned_subkey(d.host.peer_id)
+        await trio.sleep(self.rng.uniform(0, PUBLISH_EVERY))
+        next_publish = trio.current_time()
+        while True:
+            if trio.current_time() >= next_publish:
+                with contextlib.suppress(P2PError):
+                    data = self.rng.randbytes(RECORD_BYTES)
+                    if await d.store(key, data, ttl=2 * PUBLISH_EVERY, subkey=subkey, sign=True):
+                        self.stored[subkey] = trio.current_time()
+                next_publish += PUBLISH_EVERY
+            t = trio.current_time()
+            live = {s for s, at in self.stored.items() if t - 2 * PUBLISH_EVERY + 1.0 <= at <= t - 1.0}
+            with contextlib.suppress(P2PError):
+                held = set(await d.get(key, quorum=3))
+                self.reads.append((t, len(held & live), len(live)))
+            await trio.sleep(READ_EVERY)
+
+    def report(self, since: float) -> dict[str, Any]:
+        shares = [h / n for t, h, n in self.reads if t >= since and n]
+
+        def share(q: float) -> float | None:
+            v = pct(shares, q)
+            return None if v is None else round(v, 4)
+
+        return {
+            "reads": len(shares),
+            "live_records_per_read_share_p01": share(0.01),
+            "live_records_per_read_share_p10": share(0.1),
+            "live_records_per_read_share_median": share(0.5),
+            "reads_missing_live_records": round(sum(s < 1 for s in shares) / max(1, len(shares)), 4),
+        }
+
+
+async def growing(spec: DhtSpec) -> dict[str, Any]:
+    """Nodes join in waves ``spec.grow`` virtual seconds apart, each writing and reading one key from
+    its join on (the training swarm's progress records), and go on for ``spec.hot_key`` seconds after
+    the last join. Reported: the share of the live records each read held, over the reads begun a
+    newcomer check and two heartbeats after the last join (every read should hold them all: a key's
+    replicas are the same for writers and readers once a swarm stops growing, see ``dht.replicas``)."""
+    from p2ptrain.dht.replicas import NEWCOMERS_CHECK
+
+    began, cpu = time.perf_counter(), time.process_time()
+    world = World(spec.seed, 0.0)
+    net = MessageNetwork(latency=world.latency, seed=spec.seed)
+    rng = random.Random(spec.seed)
+    work = Workload(random.Random(spec.seed + 1))
+    config = DHTConfig()
+    addresses: list[PeerAddress] = []
+    async with trio.open_nursery() as nursery:
+
+        async def start(i: int) -> None:
+            boot = [] if not addresses else list(dict.fromkeys([addresses[0], rng.choice(addresses)]))
+            _, dht = await start_node(nursery, world, net, config, i, boot, trio.CancelScope())
+            addresses.append(dht.advertised_address())
+            nursery.start_soon(work.peer, dht)
+
+        await start(0)
+        for first in range(1, spec.nodes, spec.wave):
+            for j in range(first, min(spec.nodes, first + spec.wave)):
+                nursery.start_soon(start, j)
+            await trio.sleep(spec.grow)
+        last_join = trio.current_time()
+        await trio.sleep(spec.hot_key)
+        nursery.cancel_scope.cancel()
+    return {
+        "nodes": spec.nodes,
+        "joins_over_virtual_s": round(last_join, 1),
+        "growing_hot_key": work.report(last_join + NEWCOMERS_CHECK + 2 * PUBLISH_EVERY),
+        "sim": {
+            "wall_s": round(time.perf_counter() - began, 1),
+            "cpu_s": round(time.process_time() - cpu, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        },
+    }
+
+
 async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
+    if spec.grow:
+        return await growing(spec)
     began, cpu = time.perf_counter(), time.process_time()
     world = World(spec.seed, 0.0)
     net = MessageNetwork(latency=world.latency, seed=spec.seed)
@@ -111,24 +234,10 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
     async with trio.open_nursery() as nursery:
 
         async def start(i: int) -> None:
-            place = world.place(i)
-            net.set_host(place.name, place.link)
-            ident = Identity.from_seed(hashlib.blake2b(place.name.encode(), digest_size=32).digest())
-            host = Host(ident, "dht-scale", transport=net.transport(place.name), clock=trio.current_time)
-            dht = DHT(host, config=config, clock=trio.current_time, seed=i)
             scope = trio.CancelScope()
             boot = [] if not addresses else list(dict.fromkeys([addresses[0], rng.choice(addresses)]))
-
-            async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                with scope:
-                    async with trio.open_nursery() as inner:
-                        await inner.start(host.run, [(place.name, PORT)])
-                        await inner.start(dht.run, boot)
-                        task_status.started()
-
-            await nursery.start(run)
-            await dht.bootstrapped.wait()
-            nodes.append((place.name, dht, scope))
+            name, dht = await start_node(nursery, world, net, config, i, boot, scope)
+            nodes.append((name, dht, scope))
             addresses.append(dht.advertised_address())
 
         await start(0)

@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import trio
@@ -244,3 +245,18 @@ def mid_model() -> torch.nn.Module:
         torch.nn.Tanh(),
         torch.nn.Linear(128, 1),
     )
+
+
+def record_steps(peers: list[Peer]) -> dict[int, list[dict[str, Any]]]:
+    """From now on, what each of ``peers`` notes about each global step it takes (``RoundStats``'s
+    ``note_step``: outcome, samples, its own share), by step."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for p in peers:
+        note = p.opt.stats.note_step
+
+        def noted(last: dict[str, Any], note: Any = note) -> None:
+            steps.setdefault(last["epoch"], []).append(last)
+            note(last)
+
+        p.opt.stats.note_step = noted  # type: ignore[method-assign]
+    return steps

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
-from typing import Any
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.testing import sybils
 from p2ptrain.training.optimizer.progress import SPREAD, ProgressRecord
 from p2ptrain.wire.codec import pack
-from tests.harness.training import Peer, Swarm, check_identical_per_epoch, run_config, swarm
+from tests.harness.training import Peer, Swarm, check_identical_per_epoch, record_steps, run_config, swarm
 
 pytestmark = pytest.mark.timeout(900)  # (swarms of 4 to 10 nodes train meanwhile: real CPU, a busy machine)
 
@@ -86,15 +85,7 @@ async def test_a_partner_that_lies_about_its_progress_carries_a_bounded_share(
         everyone = [*honest, liar]
         liar_id = liar.node.peer_id
         await s.until(lambda: all(liar_id in (p.opt.trusted() or ()) for p in honest), timeout=300)
-        steps: dict[int, list[dict[str, Any]]] = {}
-        for p in honest:
-            note = p.opt.stats.note_step
-
-            def noted(last: dict[str, Any], note: Any = note) -> None:
-                steps.setdefault(last["epoch"], []).append(last)
-                note(last)
-
-            p.opt.stats.note_step = noted  # type: ignore[method-assign]
+        steps = record_steps(honest)
         board = liar.opt.board
         said = board.record
 

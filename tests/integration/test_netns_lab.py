@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,20 @@ def test_a_lab_left_by_a_crashed_run_is_removed() -> None:
             assert stale not in list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=IO_TIMEOUT)
+
+
+def test_a_state_download_on_a_2_mbit_link_leaves_control_messages_a_fraction_of_a_second() -> None:
+    """Real sockets on a link slower than a step (``simulations.fetch_probe --ping``): the joiner pings
+    its donor every 0.25 s over the connection that carries a 4 MB state (17 s of the link). A
+    background record is 50 ms of the link, and the kernel holds about 25 ms of unsent data, also where
+    the records are too small to time (``channel.UnsentBudget.measured``); the kernel used to keep its
+    first MiB there, and the pings took about 3 s at the median (up to 4.7 s). The first ping of the
+    download may still take a second or two (not explained yet: see the docs' results)."""
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "simulations.fetch_probe", "--mb", "4", "--rate-mbit", "2", "--ping"]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["fraction_of_link"] >= 0.8, result
+    assert result["pings"] >= 20, result
+    assert result["ping_median_s"] <= 1.0 and result["ping_p90_s"] <= 1.5, result

@@ -6,6 +6,7 @@ virtual clock jumps straight to the ``fail_after`` deadline and the test fails a
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 
@@ -543,6 +544,22 @@ async def test_send_gate_waiter_cancelled_takes_no_turn(autojump_clock: trio.tes
     with trio.fail_after(1):
         await gate.acquire(urgent=False)
     gate.release()
+
+
+def test_unsent_budget_takes_the_drain_rate_of_records_too_small_to_time() -> None:
+    """A background stream on a slow link sends records of FRAME_SECONDS (under ``_TIMED_SEND``): the
+    budget follows the rate DrainRate measured from them, at once, within its bounds (and, as for
+    timed sends, moved only by more than a quarter: each move is a system call)."""
+    rng = random.Random(3)
+    for _ in range(100):
+        budget = UnsentBudget()
+        rate = 10 ** rng.uniform(3, 9)
+        budget.measured(rate)
+        want = min(max(rate * UNSENT_SECONDS, MIN_UNSENT_BYTES), UNSENT_BYTES)
+        assert budget.value == int(want) or abs(budget.value - want) <= budget.value / 4, (rate, want)
+    budget = UnsentBudget()
+    assert budget.measured(250e3) == MIN_UNSENT_BYTES  # 2 Mbit/s: the least (16 KiB, 65 ms of it)
+    assert budget.measured(250e3) is None  # unchanged: no system call
 
 
 def test_unsent_budget_follows_the_rate_a_connection_drains_at() -> None:

@@ -22,7 +22,7 @@ from p2ptrain.net.streams import RpcStream
 SEEDS = range(40)
 
 
-async def _send(*_: object) -> None:
+async def _send(*_: object, **__: object) -> None:
     pass
 
 

@@ -15,7 +15,7 @@ from p2ptrain.errors import ConnectionClosed
 from p2ptrain.net.streams import RpcStream
 
 
-async def _send(*_: object) -> None:
+async def _send(*_: object, **__: object) -> None:
     pass
 
 

@@ -345,7 +345,7 @@ class ProgressBoard:
                 parsed = self._parsed[subkey] = (entry.value, PeerProgress(peer, with_author(rec, peer)))
             records.append(parsed[1])
         self.records = records
-        cohort = self._cohort()
+        cohort = self.cohort()
         kept = {} if network else self._members_read  # (a read of the replicas says who is still there)
         self._members_read = {p: r for p, r in kept.items() if p in cohort} | {
             r.peer: r for r in records if r.peer in cohort
@@ -406,7 +406,7 @@ class ProgressBoard:
             horizon=self._horizon,
             trusted=trusted,
             min_work=self.config.run.id_work,
-            cohort=self._cohort(),
+            cohort=self.cohort(),
             met=None if trusted is None else frozenset(self.node.host.connected_peers()),
             expired=self._members_read.values(),
         )
@@ -415,7 +415,7 @@ class ProgressBoard:
         self.alone.observe(self.view, self.records, self.tally.epoch)
         return self.view
 
-    def _cohort(self) -> frozenset[PeerID]:
+    def cohort(self) -> frozenset[PeerID]:
         """The others of the round that took this peer to its step, less those banned here since."""
         epoch, members = self.tally.cohort
         if epoch != self.tally.epoch:

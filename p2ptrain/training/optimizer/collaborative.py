@@ -351,13 +351,23 @@ class CollaborativeOptimizer:
                 rounds.start_in_background(manifest)
                 return changed
             self.node.averager.decline(manifest)
+        # (Or by this peer's own batch where that is longer: it looks again only once its next batch
+        # is done. On 8 simulated peers, one whose batches took 1.1 s came to every group up to a
+        # batch late, found it formed without it, and downloaded each step instead of averaging.)
+        rate = tally.rate.rate
+        batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
+        near = view.near(max(self.board.lead, batch))
+        if near and rounds.follows:
+            rounds.promote()  # (its own view reached what its look followed by: it may lead now)
         if not rounds.matchmaking and self.clock() >= rounds.retry_at:
-            # (Or by this peer's own batch where that is longer: it looks again only once its next batch
-            # is done. On 8 simulated peers, one whose batches took 1.1 s came to every group up to a
-            # batch late, found it formed without it, and downloaded each step instead of averaging.)
-            rate = tally.rate.rate
-            batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
-            if view.peers > 1 and view.samples + view.rate * max(self.board.lead, batch) >= view.target:
+            # What every record says may put the target within reach before this peer's own view does:
+            # that counts the untrusted records for at most as much as the trusted ones, and a peer that
+            # trusts few (one a round left out earns no trust) saw a fraction of the swarm's samples and
+            # looked for the group after it formed, round after round. It looks then, as a follower only
+            # (leaders are peers whose own views reached the target): see ``progress``, "A view capped
+            # by trust".
+            heard = not near and view.heard_near(max(self.board.lead, batch))
+            if view.peers > 1 and (near or heard):
                 # Early by the time groups take to form: the round starts on target. Not before this
                 # peer's first batch (just synced): it would have nothing to send, and its group would
                 # wait for it in vain. Nor while the peers here are no majority of those on this step
@@ -370,7 +380,7 @@ class CollaborativeOptimizer:
                 elif self._left_out():
                     self._withheld("its trusted peers' round runs without it")
                 else:
-                    rounds.start_matchmaking()
+                    rounds.start_matchmaking(follows=not near)
             elif (
                 view.peers <= 1
                 and view.ready
@@ -447,7 +457,7 @@ class CollaborativeOptimizer:
             return
         rate = tally.rate.rate  # (this peer's own batch, where longer: see ``step``)
         batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
-        if view.samples + view.rate * max(self.board.lead, batch) >= view.target:
+        if view.near(max(self.board.lead, batch)):
             rounds.start_matchmaking(ahead=epoch - tally.epoch)
 
     async def _land_round(self) -> bool:

@@ -31,6 +31,7 @@ task.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ def step_quorum(
     absent: frozenset[PeerID],
     me: PeerID,
     anchored: bool,
+    cohort: frozenset[PeerID] = frozenset(),
 ) -> tuple[Quorum, int]:
     """The quorum a group of ``view``'s step holds this peer to, and the group's minimum size:
     ``minimum`` (a majority of the step's peers) of the peers that publish progress, this one included.
@@ -113,8 +115,16 @@ def step_quorum(
 
     Whatever it leads with, a peer that *joins* a group needs only a majority of the peers it trusts on
     the step (``Quorum.joins``; ``matchmaking``, "Followers' quorums"), and its announcement ranks it
-    after the leaders whose quorum leaves room (``Quorum.rank``, :func:`lead_rank`)."""
-    mine = publishing | {me}
+    after the leaders whose quorum leaves room (``Quorum.rank``, :func:`lead_rank`).
+
+    ``cohort``: the others of the round that took this peer to its step. They publish progress as
+    surely as it does, whether or not the records read last hold theirs, so they are among the peers a
+    joiner's quorum may name (``Quorum.nameable``), which sizes what a joiner may need of the group
+    (``Gathering``'s slack). Left out, a leader at 128 simulated peers whose read held the records of
+    100 of the 128 members of its last round refused every joiner that saw all 128 on the step ("its
+    quorum needs 65 peers, more than this group can be held to (62 others)"), and the step's group
+    came out with 71 of them."""
+    mine = publishing | cohort | {me}
     if trusted is None:
         return Quorum(mine, minimum, mine), minimum
     known = (mine & (trusted | {me})) | absent
@@ -148,12 +158,14 @@ Landed = tuple[RoundResult, int]
 @dataclass
 class Looking:
     """A look for a group, in the background: of step ``epoch`` (``ahead``: past this peer's own, the
-    one its replay in flight lands it on); ``done`` once it ended, however."""
+    one its replay in flight lands it on); ``done`` once it ended, however. ``follows``: this peer only
+    follows, until :meth:`RoundRunner.promote` (its view capped by trust had not reached the target)."""
 
     epoch: int
     ahead: bool
     scope: trio.CancelScope
     done: trio.Event
+    follows: bool = False
 
 
 @dataclass
@@ -242,8 +254,13 @@ class RoundRunner:
         """Whether a group of ``epoch`` or a later step is being looked for."""
         return self._looking is not None and self._looking.epoch >= epoch
 
-    def start_matchmaking(self, ahead: int = 0) -> None:
+    def start_matchmaking(self, ahead: int = 0, *, follows: bool = False) -> None:
         """Look for a group for this peer's epoch, in the background.
+
+        ``follows``: only follow a leader of it (announced as a reducer that never leads), until
+        :meth:`promote`: what every record read says puts the target within reach, while this peer's own
+        view, which counts the untrusted records for at most as much as the trusted ones, does not (see
+        ``progress``, "A view capped by trust").
 
         ``ahead``: for the epoch that many steps further instead, the one the replay in flight of the
         missed steps' results (``state.replay``) lands this peer on. Replaying alone, a peer whose replay
@@ -279,8 +296,21 @@ class RoundRunner:
         self.began_looking.setdefault(epoch, self.clock())
         while len(self.began_looking) > LOOKS_KEPT:
             del self.began_looking[min(self.began_looking)]
-        looking = self._looking = Looking(epoch, bool(ahead), trio.CancelScope(), trio.Event())
+        looking = Looking(epoch, bool(ahead), trio.CancelScope(), trio.Event(), follows=follows and not ahead)
+        self._looking = looking
         self._nursery.start_soon(self._matchmake, looking, before)
+
+    @property
+    def follows(self) -> bool:
+        """Whether the look in progress only follows (see :meth:`start_matchmaking`)."""
+        return self._looking is not None and self._looking.follows
+
+    def promote(self) -> None:
+        """The look in progress, which only followed, may lead from now on: this peer's own view reached
+        what it looked by. A try that follows a leader goes on; one that follows nobody ends at once,
+        and the next try is announced as a leader's (``averaging.grouping``'s ``leads_now``)."""
+        if self._looking is not None:
+            self._looking.follows = False
 
     def cancel_matchmaking(self) -> None:
         """The state changed: a group for the epoch we left is no use (one joined ahead, for a step this
@@ -370,8 +400,12 @@ class RoundRunner:
                 if before is not None:
                     await before.done.wait()  # (the averager looks for one group at a time)
                 lead = not looking.ahead
-                while await self._form_group(looking.epoch, lead=lead):
-                    await trio.sleep(self.retry_gap())
+                while True:
+                    follows = looking.follows
+                    if not await self._form_group(looking, lead=lead):
+                        break
+                    if not follows or looking.follows:  # (a try that followed, promoted since: at once)
+                        await trio.sleep(self.retry_gap())
                     if not self._still_wanted(looking):
                         return
                     lead = looking.epoch == self.tally.epoch  # (a look ahead whose replay landed may lead)
@@ -397,10 +431,11 @@ class RoundRunner:
             return self._lands_on(looking.epoch)
         return looking.epoch == self.tally.epoch
 
-    async def _form_group(self, epoch: int, *, lead: bool) -> bool:
-        """One look for a group of ``epoch``; True when none formed in time (look again)."""
+    async def _form_group(self, looking: Looking, *, lead: bool) -> bool:
+        """One look for a group of ``looking.epoch``; True when none formed in time (look again)."""
         cfg = self.config.averaging
         diloco = self.outer is not None
+        epoch, follows = looking.epoch, looking.follows
         try:
             board = self.board
             reading = self.clock()
@@ -432,11 +467,21 @@ class RoundRunner:
             anchored = bool(node.averager.partners) or not node.join_peers
             absent = board.absent_trusted(epoch)  # (their records missing for a moment)
             quorum, minimum = step_quorum(
-                view, minimum, target, publishing, board.trusted(), absent, node.peer_id, anchored
+                view,
+                minimum,
+                target,
+                publishing,
+                board.trusted(),
+                absent,
+                node.peer_id,
+                anchored,
+                board.cohort(),
             )
+            if follows:  # (until its own view reaches the target: see ``start_matchmaking``)
+                quorum = dataclasses.replace(quorum, leads=False)
             log.debug(
                 "looking for a group of step %d: %d to %d peers (%s; %d arriving; records read in %.2f s,"
-                " %.2f s after the look began)",
+                " %.2f s after the look began)%s",
                 epoch,
                 minimum,
                 target,
@@ -444,6 +489,9 @@ class RoundRunner:
                 view.arriving,
                 self.clock() - reading,
                 self.clock() - self.began_looking.get(epoch, reading),
+                f", as a follower: every record read says {view.heard:.0f} at {view.heard_rate:.1f}/s"
+                if follows
+                else "",
             )
             # A group of a step this peer is not on yet (joined ahead, its replay in flight) is
             # joined, never led: the peers on the step decide whether a group of it forms, by their
@@ -457,7 +505,7 @@ class RoundRunner:
             # the simulator), and a window from there left the peers whose looks began last out of the
             # group of the leader whose began first (at 64 simulated peers the looks of a step's members
             # began over 8 s, the left-out's about a second after the members' median).
-            opens = opening(self.clock(), view.eta, cfg.matchmaking_time)
+            opens = opening(self.clock(), view.heard_eta if follows else view.eta, cfg.matchmaking_time)
             manifest = await self.node.averager.form_group(
                 self.contribution.buffer.tensors,
                 timeout=cfg.timeout,
@@ -467,8 +515,12 @@ class RoundRunner:
                 quorum=quorum,
                 lead=lead and epoch == self.tally.epoch,
                 opens=opens,
+                leads_now=(lambda: not looking.follows) if follows else None,
             )
         except GroupFormationFailed as e:
+            if follows and not looking.follows:
+                log.debug("looking for a group of step %d again, as a leader: its own view reached it", epoch)
+                return True
             log.info("no group for step %d: %s", epoch, e)
             self.stats.note_no_group(epoch, str(e))
             self.retry_at = self.clock() + self.retry_gap()
