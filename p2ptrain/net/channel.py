@@ -57,12 +57,12 @@ _WAKE_BYTES = 128 * 1024
 connection closes). Fewer, larger reads: on a shaped 100 Mbit/s link data otherwise trickles in a few
 packets per wake-up."""
 UNSENT_BYTES = MAX_CHUNK
-"""The most TCP_NOTSENT_LOWAT of a connection may be (and where it starts): how much not yet sent data
-the kernel takes before a send waits. trio sets 16 KiB, which suits chatty sockets; a bulk stream then
+"""The most TCP_NOTSENT_LOWAT of a connection may be: how much not yet sent data the kernel takes before
+a send waits (it starts at MIN_UNSENT_BYTES, until the connection's rate is known). trio sets 16 KiB, which suits chatty sockets; a bulk stream then
 runs dry whenever the event loop is a millisecond late (16 KiB is 1.3 ms at 100 Mbit/s), and a link
 shaped to 100 Mbit/s carried 80% of its rate instead of 86% (cubic, the all-reduce benchmark's netns
 lab). A connection lowers it to what it drains in UNSENT_SECONDS (see :class:`UnsentBudget`)."""
-MIN_UNSENT_BYTES = 16 * 1024  # (trio's default: 65 ms of a 2 Mbit/s link)
+MIN_UNSENT_BYTES = 16 * 1024  # (trio's default: 65 ms of a 2 Mbit/s link; where a connection starts)
 UNSENT_SECONDS = 0.025
 """A connection lets the kernel hold about this long of not yet sent data, at the rate it drains:
 enough that a bulk stream does not run dry when the event loop is late, little enough that a control
@@ -86,7 +86,7 @@ takes 0.84 s on a 10 Mbit/s link, and a home peer catching up on one had its rec
 arrive a second or more late behind the records in flight."""
 MIN_PIECE = 4 * 1024
 """The smallest background record: FRAME_SECONDS' worth on a 640 kbit/s link, and the size of every one
-until the connection's rate is measured (two sends in). A background record is bulk at the
+until the connection's rate is measured (see :class:`DrainRate`). A background record is bulk at the
 :class:`SendGate` because its sender says so, whatever its size. When the gate told bulk by size alone,
 no background record could be smaller than ``BULK_BODY`` (64 KiB), which is more than FRAME_SECONDS on
 any link under 10 Mbit/s: on 160 kbit/s a control message waited 3.2 s behind one record, and a joiner
@@ -96,54 +96,70 @@ _PIECE_STEP = MIN_PIECE
 
 
 class DrainRate:
-    """How fast a connection drains, from the time its large sends take (pure: times in, a size out).
+    """How fast a connection drains, from what its transport delivered (pure: counters in, a size out).
 
-    A send returns once the transport took all of it, and while the sender keeps it busy the transport
-    takes bytes only as fast as they leave, so a send's bytes over its duration sample the rate. Only a
-    bulk send that began as the bulk one before it ended counts: one that found the transport idle
-    returns before its bytes left (the kernel, or the network, holds some) and would sample a rate the
-    link does not have. A slower sample is taken at once; a faster one moves the time per byte by a
-    quarter (the time, not the rate: one fast sample cannot multiply the rate). Until a sample, a
-    background record is the smallest size (a fresh connection may be slow).
+    The transport says how many of the bytes sent so far it still holds (TCP's unacknowledged and
+    unsent bytes, SIOCOUTQ; the in-memory network's unread ones), and the sender looks before and after
+    each send, so what it delivered between two looks is known. Between two looks where it delivered
+    less than it held at the first, it never ran dry: the link was busy. Consecutive busy spans make a
+    window, and a window's bytes over its time are the link's rate (a sample, smoothed). A span in which
+    the transport delivered all it held may have idled: its bytes over its time are only a lower bound,
+    which raises the rate at most twofold (from the smallest record's rate, before a sample), and never
+    lowers it.
 
-    A record is at most twice the largest bulk send so far. A send that takes no time says only that the
-    transport had room for it (a kernel's unsent budget, the network's queue), not that the link drains
-    any size at once: taken as an infinite rate, the third record of a fresh connection was MAX_CHUNK,
-    which a 2 Mbit/s link took 4 s to carry, every control message queued behind it. Doubled from the
-    smallest, the records reach the size where a send waits for the link, and from there its time says
-    the rate.
+    No time a send takes counts. A send that took no time says only that the transport had room (the
+    kernel's unsent budget, the network's queue, a shaper's burst): taken as a fast link, a fresh
+    connection's records doubled to 256 KiB within a millisecond, and the kernel took half a MiB, 2 s of
+    a 2 Mbit/s link, in front of every control message (a ping in the namespace lab waited 1.7 s to
+    4.3 s). A sender that the machine kept waiting (a busy CPU) only makes a lower bound lower; a busy
+    window's sample is the link's whatever the sender's timing.
+
+    A record is at most twice the largest bulk send so far; until the first sample or bound, a
+    background record is the smallest size.
     """
 
     ALPHA = 0.25
-    BACK_TO_BACK = 0.005  # seconds between the end of one send and the next's start that still count
+    MIN_WINDOW = 0.01  # seconds: a window or span shorter than this waits for the next look
+    MIN_BYTES = 16 * 1024  # a busy window is sampled once it delivered this much (ACKs come in bursts) ...
+    MAX_WINDOW = 0.1  # ... or lasted this long (a link so slow that it delivered less)
 
     def __init__(self) -> None:
-        self.seconds_per_byte: float | None = None
-        self._last_end: float | None = None
+        self.rate: float | None = None  # bytes a second, once a window measured it or a span bounded it
+        self._look: tuple[float, int, int] | None = None  # (when, delivered, held) at the last look
+        self._window: tuple[float, int] | None = None  # (when, delivered) where the busy window began
         self._largest = 0  # the largest bulk send so far
 
-    def sent(self, nbytes: int, began: float, ended: float, bulk: bool) -> None:
-        """Account for a send of ``nbytes`` from ``began`` to ``ended`` (seconds on one clock); ``bulk``:
-        a record of bulk data (see :class:`SendGate`), not a control message."""
-        busy = self._last_end is not None and began - self._last_end <= self.BACK_TO_BACK
-        self._last_end = ended if bulk else None  # (a control message leaves the link idle)
+    def sent(self, nbytes: int, bulk: bool) -> None:
+        """Account for a send of ``nbytes``; ``bulk``: a record of bulk data, not a control message."""
         if bulk:
             self._largest = max(self._largest, nbytes)
-        if not bulk or not busy:
-            return  # a control message says little; a send after a pause found the link idle
-        sample = max(ended - began, 0.0) / nbytes
-        if self.seconds_per_byte is None or sample > self.seconds_per_byte:
-            self.seconds_per_byte = sample  # slower: at once (a control message's wait is at stake)
-        else:
-            self.seconds_per_byte += self.ALPHA * (sample - self.seconds_per_byte)
 
-    @property
-    def rate(self) -> float | None:
-        """Bytes per second: None until measured, inf where sends take no time."""
-        spb = self.seconds_per_byte
-        if spb is None:
-            return None
-        return float("inf") if spb <= 0 else 1.0 / spb
+    def observe(self, now: float, sent_total: int, held: int) -> None:
+        """A look at the transport at ``now`` (seconds): of the ``sent_total`` bytes sent over it so far,
+        it still holds ``held``."""
+        delivered = sent_total - held
+        look, self._look = self._look, (now, delivered, held)
+        if look is None:
+            self._window = (now, delivered)
+            return
+        if delivered - look[1] < look[2]:  # busy since the last look: the window goes on
+            assert self._window is not None
+            began, was_delivered = self._window
+            moved, seconds = delivered - was_delivered, now - began
+            if seconds >= self.MAX_WINDOW or (seconds >= self.MIN_WINDOW and moved >= self.MIN_BYTES):
+                rate, sample = self.rate, moved / seconds
+                self.rate = sample if rate is None else rate + self.ALPHA * (sample - rate)
+                self._window = (now, delivered)
+            return
+        self._window = (now, delivered)  # it may have run dry: a lower bound, and a new window
+        seconds = now - look[0]
+        if seconds >= self.MIN_WINDOW:
+            bound = (delivered - look[1]) / seconds
+            known = self.rate if self.rate is not None else MIN_PIECE / FRAME_SECONDS
+            if bound > known:
+                self.rate = min(bound, 2 * known)
+        else:
+            self._look = look  # too short to bound anything: the span goes on from the earlier look
 
     def piece(self, seconds: float = FRAME_SECONDS) -> int:
         """The size of a background record: what drains in ``seconds``, between MIN_PIECE and MAX_CHUNK,
@@ -152,8 +168,6 @@ class DrainRate:
         if rate is None:
             return MIN_PIECE
         most = min(max(2 * self._largest // _PIECE_STEP * _PIECE_STEP, MIN_PIECE), MAX_CHUNK)
-        if rate == float("inf"):
-            return most
         want = int(rate * seconds) // _PIECE_STEP * _PIECE_STEP
         return min(max(want, MIN_PIECE), most)
 
@@ -164,7 +178,9 @@ class UnsentBudget:
     A large send returns once the kernel has taken all of it, and it had to take as much out first, so
     its bytes over its duration sample the rate the connection drains at (a send that did not have to
     wait samples a high rate: the link keeps up). The rate is smoothed, and the budget is what drains
-    in UNSENT_SECONDS, between MIN_UNSENT_BYTES and UNSENT_BYTES.
+    in UNSENT_SECONDS, between MIN_UNSENT_BYTES and UNSENT_BYTES. It starts at the least: until a rate
+    is known, what the kernel holds is in front of every control message, and a large send that must
+    wait on a small budget samples the rate at once (the first sample is taken as it is).
 
     On a link too slow for large sends (a background stream's records are FRAME_SECONDS of it), the
     rate comes from :class:`DrainRate` instead (:meth:`measured`). Without it the budget kept its first
@@ -177,14 +193,14 @@ class UnsentBudget:
     # gives the largest budget, so that a smoothed rate coming back up reaches it)
 
     def __init__(self) -> None:
-        self.rate = self._CAP
-        self.value = UNSENT_BYTES
+        self.rate: float | None = None  # bytes a second, once a send measured it
+        self.value = MIN_UNSENT_BYTES
 
     def sent(self, nbytes: int, seconds: float) -> int | None:
         """Account for a send of ``nbytes`` that took ``seconds``: the new budget when it changed by
         more than a quarter (worth a system call) or reached a bound, else None."""
         sample = min(nbytes / seconds, self._CAP) if seconds > 0 else self._CAP
-        self.rate += self.ALPHA * (sample - self.rate)
+        self.rate = sample if self.rate is None else self.rate + self.ALPHA * (sample - self.rate)
         return self._follow()
 
     def measured(self, rate: float) -> int | None:
@@ -194,6 +210,7 @@ class UnsentBudget:
         return self._follow()
 
     def _follow(self) -> int | None:
+        assert self.rate is not None
         want = int(min(max(self.rate * UNSENT_SECONDS, MIN_UNSENT_BYTES), UNSENT_BYTES))
         at_bound = want in (MIN_UNSENT_BYTES, UNSENT_BYTES)
         if want == self.value or (abs(want - self.value) <= self.value // 4 and not at_bound):
@@ -230,7 +247,7 @@ class FramedStream:
         self._unsent: UnsentBudget | None = None  # its TCP_NOTSENT_LOWAT, where it has one
         if self._sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
             try:
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, MIN_UNSENT_BYTES)
                 self._unsent = UnsentBudget()
             except OSError:  # not TCP: nothing to tune
                 pass
@@ -259,19 +276,20 @@ class FramedStream:
 
     async def send_raw(self, data: memoryview, bulk: bool = False) -> None:
         """Send bytes that already carry their length prefix (the encrypted channel's frames); ``bulk``:
-        a record of bulk data (its time samples the drain rate)."""
+        a record of bulk data. The transport is looked at before and after (see :class:`DrainRate`)."""
         timed = self._unsent is not None and len(data) >= _TIMED_SEND
         began = time.perf_counter() if timed else 0.0
-        since = trio.current_time()  # (trio's clock: virtual on the in-memory network)
+        self.drain.observe(trio.current_time(), self.bytes_sent, self.undelivered())
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionClosed(f"connection lost while sending: {e}") from None
         self.bytes_sent += len(data)
-        self.drain.sent(len(data), since, trio.current_time(), bulk)
+        self.drain.sent(len(data), bulk)
+        self.drain.observe(trio.current_time(), self.bytes_sent, self.undelivered())
         if timed:
             self._retune(len(data), time.perf_counter() - began)
-        elif bulk and self._unsent is not None and (rate := self.drain.rate) and rate != float("inf"):
+        elif bulk and self._unsent is not None and (rate := self.drain.rate) is not None:
             self._set_budget(self._unsent.measured(rate))  # (a record too small to time: see UnsentBudget)
 
     def undelivered(self) -> int:

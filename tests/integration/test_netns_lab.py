@@ -103,15 +103,20 @@ def test_a_lab_left_by_a_crashed_run_is_removed() -> None:
 def test_a_state_download_on_a_2_mbit_link_leaves_control_messages_a_fraction_of_a_second() -> None:
     """Real sockets on a link slower than a step (``simulations.fetch_probe --ping``): the joiner pings
     its donor every 0.25 s over the connection that carries a 4 MB state (17 s of the link). A
-    background record is 50 ms of the link, and the kernel holds about 25 ms of unsent data, also where
-    the records are too small to time (``channel.UnsentBudget.measured``); the kernel used to keep its
-    first MiB there, and the pings took about 3 s at the median (up to 4.7 s). The first ping of the
-    download may still take a second or two (not explained yet: see the docs' results)."""
+    background record is 50 ms of the link and the kernel holds about 25 ms of unsent data, both at the
+    rate the transport was seen to deliver (``channel.DrainRate``); what is left is the shaper's own
+    queue (its 64 KiB burst, 0.26 s of the link). The kernel used to keep its first MiB, and the pings
+    took about 3 s at the median; then, with sends timed instead of deliveries counted, the records and
+    the kernel's budget grew at the start (a send into free room looked like a fast link) and the first
+    pings took 1.7 to 4.3 s, and in CI, beside the rest of the suite, 9 pings fit in the 17 s."""
     root = Path(__file__).resolve().parents[2]
     argv = [sys.executable, "-m", "simulations.fetch_probe", "--mb", "4", "--rate-mbit", "2", "--ping"]
     done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["fraction_of_link"] >= 0.8, result
-    assert result["pings"] >= 20, result
-    assert result["ping_median_s"] <= 1.0 and result["ping_p90_s"] <= 1.5, result
+    summary = {k: v for k, v in result.items() if k != "ping_series_s"}
+    said = f"{summary}, pings: {result.get('ping_series_s')}"
+    assert result["fraction_of_link"] >= 0.8, said
+    assert result["pings"] >= 20, said
+    assert result["ping_median_s"] <= 1.0 and result["ping_p90_s"] <= 1.5, said
+    assert result["ping_max_s"] <= 2.0, said
