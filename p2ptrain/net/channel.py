@@ -58,10 +58,10 @@ connection closes). Fewer, larger reads: on a shaped 100 Mbit/s link data otherw
 packets per wake-up."""
 UNSENT_BYTES = MAX_CHUNK
 """The most TCP_NOTSENT_LOWAT of a connection may be: how much not yet sent data the kernel takes before
-a send waits (it starts at MIN_UNSENT_BYTES, until the connection's rate is known). trio sets 16 KiB, which suits chatty sockets; a bulk stream then
-runs dry whenever the event loop is a millisecond late (16 KiB is 1.3 ms at 100 Mbit/s), and a link
-shaped to 100 Mbit/s carried 80% of its rate instead of 86% (cubic, the all-reduce benchmark's netns
-lab). A connection lowers it to what it drains in UNSENT_SECONDS (see :class:`UnsentBudget`)."""
+a send waits. A connection starts at MIN_UNSENT_BYTES and follows what it drains in UNSENT_SECONDS (see
+:class:`UnsentBudget`). Kept at 16 KiB (trio's setting, which suits chatty sockets), a bulk stream runs
+dry whenever the event loop is a millisecond late (16 KiB is 1.3 ms at 100 Mbit/s), and a link shaped
+to 100 Mbit/s carried 80% of its rate instead of 86% (cubic, the all-reduce benchmark's netns lab)."""
 MIN_UNSENT_BYTES = 16 * 1024  # (trio's default: 65 ms of a 2 Mbit/s link; where a connection starts)
 UNSENT_SECONDS = 0.025
 """A connection lets the kernel hold about this long of not yet sent data, at the rate it drains:

@@ -2,14 +2,14 @@
 
 The invariant: background bulk (a state download, a replayed step result) never holds more than a
 fraction of a second of its connection's bytes ahead of a control message on that connection, however
-slow the link. The donor sends it in records of what the connection drains in
-``channel.FRAME_SECONDS``, measured from its own sends (at least ``channel.MIN_PIECE``, and that until
-measured); a control message waits at the send gate for at most the record being sent, then for what
-the transport holds (``memory.SEND_QUEUE_SECONDS``, as a TCP sender's kernel does). A home peer on
-10 Mbit/s that downloads the state used to get every reply from its donor seconds late (1 MiB records,
-0.84 s each, several queued ahead), and so read the swarm's records and its join answers late; on
-links under 10 Mbit/s the records could not shrink below 64 KiB (the send gate told bulk by size), so
-on 128 kbit/s every reply waited up to 4 s.
+slow the link. The donor sends it in records of what the connection drains in ``channel.FRAME_SECONDS``,
+measured from what the transport delivered (at least ``channel.MIN_PIECE``, and that until measured); a
+control message waits at the send gate for at most the record being sent, then for what the transport
+holds (``memory.SEND_QUEUE_SECONDS``, as a TCP sender's kernel does). A home peer on 10 Mbit/s that
+downloads the state used to get every reply from its donor seconds late (1 MiB records, 0.84 s each,
+several queued ahead), and so read the swarm's records and its join answers late; on links under 10
+Mbit/s the records could not shrink below 64 KiB (the send gate told bulk by size), so on 128 kbit/s
+every reply waited up to 4 s.
 """
 
 from __future__ import annotations
