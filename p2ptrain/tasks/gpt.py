@@ -7,10 +7,10 @@ the token embedding's (tied, as in GPT-2: fewer parameters to average, and a bet
 
 Every peer must start from bit-identical weights. The caller seeds torch (``torch.manual_seed``) before
 building the model; the constructor then draws every initial value from torch's default generator in a
-fixed order (:meth:`GPT._init_weights`, in ``named_modules`` order), so the same seed gives the same
+fixed order (:meth:`GPT.initial_values`, in ``named_modules`` order), so the same seed gives the same
 weights on every machine. Its linear layers and embeddings are created uninitialized (``_Linear``,
 ``_Embedding``): torch's own default initialization would fill every matrix once only for
-``_init_weights`` to fill it again, drawing random numbers for nothing and making a model of hundreds of
+``initial_values`` to fill it again, drawing random numbers for nothing and making a model of hundreds of
 millions of parameters take half again as long to build. Storage is allocated once, where it stays.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True``,
@@ -20,6 +20,7 @@ which picks the fastest kernel the device has (flash or memory-efficient attenti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +59,14 @@ class GPTConfig:
 
 
 class _Linear(nn.Linear):
-    """``nn.Linear`` whose weight and bias are left uninitialized: :meth:`GPT._init_weights` fills them."""
+    """``nn.Linear`` whose weight and bias are left uninitialized: :meth:`GPT.initial_values` fills them."""
 
     def reset_parameters(self) -> None:
         pass
 
 
 class _Embedding(nn.Embedding):
-    """``nn.Embedding`` whose weight is left uninitialized: :meth:`GPT._init_weights` fills it."""
+    """``nn.Embedding`` whose weight is left uninitialized: :meth:`GPT.initial_values` fills it."""
 
     def reset_parameters(self) -> None:
         pass
@@ -140,23 +141,37 @@ class GPT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # GPT-2's initialization: N(0, 0.02) everywhere, with the projections that write into the
-        # residual stream (each block's attn.proj and mlp.proj) scaled down by 1/sqrt(2 * n_layer), so
-        # the stream's variance does not grow with depth; LayerNorms start as the identity. The tied
-        # lm_head is the embedding: skipped. Every other tensor is written here, in this order: the
-        # constructor left the matrices uninitialized and drew nothing.
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, fill in self.initial_values():
+                fill(params[name])
+
+    def initial_values(self) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
+        """The initialization, tensor by tensor, in the order it draws from torch's default generator:
+        (parameter name, fill). The constructor applies it to its own parameters; a site that builds
+        the model on the meta device applies it to one full tensor at a time and keeps its shard's rows
+        (``Task.initial_values``): the same values, and no rank ever holds the whole model.
+
+        GPT-2's initialization: N(0, 0.02) everywhere, with the projections that write into the residual
+        stream (each block's attn.proj and mlp.proj) scaled down by 1/sqrt(2 * n_layer), so the stream's
+        variance does not grow with depth; LayerNorms start as the identity. The tied lm_head is the
+        embedding: skipped. Every other tensor is named here, in ``named_modules`` order: the
+        constructor left the matrices uninitialized and drew nothing."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+
+        def normal(std: float) -> Callable[[torch.Tensor], object]:
+            return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module is not self.lm_head:
-                std = residual_std if name.endswith(".proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                yield f"{name}.weight", normal(residual_std if name.endswith(".proj") else 0.02)
                 if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                    yield f"{name}.bias", nn.init.zeros_
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                yield f"{name}.weight", normal(0.02)
             elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                yield f"{name}.weight", nn.init.ones_
+                yield f"{name}.bias", nn.init.zeros_
 
     def num_parameters(self) -> int:
         """The number of distinct parameter values (the tied embedding counted once)."""

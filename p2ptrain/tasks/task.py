@@ -16,6 +16,8 @@ import torch
 from ..errors import ConfigError
 
 Batch = Any  # whatever the task's iterators yield; usually a tuple of tensors
+InitialValue = tuple[str, Callable[[torch.Tensor], object]]
+"""A parameter's name and what writes its initial values into a tensor of its shape."""
 
 
 def default_samples(batch: Batch) -> int:
@@ -60,6 +62,15 @@ class Task:
             the average.
         to_device: ``to_device(batch, device)`` returns the batch with its tensors on ``device``.
         info: Free-form facts shown to users (parameter count, corpus size, data fingerprint, ...).
+        initial_values: Optional: ``initial_values(model)`` yields the model's initialization tensor by
+            tensor, in the order ``model()`` draws it from torch's default generator: (parameter name,
+            fill), every parameter named once (a tied one under the name ``named_parameters`` gives
+            it), each ``fill(tensor)`` writing that parameter's initial values into a tensor of its
+            shape. Calling them in order after ``torch.manual_seed(run_seed)`` must give exactly
+            ``model()``'s weights. With it, a site that shards the model builds it on the meta device
+            and fills its shards one parameter at a time, so no rank ever holds the whole model;
+            without it every rank builds the model whole once. The built-in GPT's
+            (``GPT.initial_values``) is an example.
 
     Raises:
         p2ptrain.errors.ConfigError: When the task is built with an empty name or a field that is not
@@ -74,6 +85,7 @@ class Task:
     samples: Callable[[Batch], int] = default_samples
     to_device: Callable[[Batch, torch.device], Batch] = default_to_device
     info: Mapping[str, str | int | float] = field(default_factory=dict)
+    initial_values: Callable[[torch.nn.Module], Iterable[InitialValue]] | None = None
 
     def __post_init__(self) -> None:
         # Fail where the task is built, not at the first training step on some remote host.
@@ -84,3 +96,5 @@ class Task:
                 raise ConfigError(f"Task.{attr} of task {self.name!r} must be callable")
         if self.validation is not None and not callable(self.validation):
             raise ConfigError(f"Task.validation of task {self.name!r} must be callable or None")
+        if self.initial_values is not None and not callable(self.initial_values):
+            raise ConfigError(f"Task.initial_values of task {self.name!r} must be callable or None")

@@ -28,7 +28,7 @@ import os
 import platform
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +202,13 @@ def _fraction(name: str, value: object, *, low_open: bool) -> float:
     return v
 
 
+def _gpt_initial_values(model: torch.nn.Module) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
+    """The task's ``initial_values``: the GPT's own (see :meth:`GPT.initial_values`)."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"tiny-gpt's initial values are a GPT's, not a {type(model).__name__}'s")
+    return model.initial_values()
+
+
 def gpt_task(
     *,
     n_layer: int = 4,
@@ -285,4 +292,5 @@ def gpt_task(
         loss=lm_loss,
         validation=validation,
         info=info,
+        initial_values=_gpt_initial_values,
     )

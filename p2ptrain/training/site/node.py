@@ -3,7 +3,8 @@
 Theory of operation. Rank 0 is the node: one p2p identity, the training loop (``SiteTrainer``, the
 node's ``Trainer`` with the site's model, optimizer and parts) and the swarm. The other ranks never
 open a socket to the outside: they build the same FSDP2 model (every transformer block a unit, the
-root the rest; the task's model built with the run's seed, so the initial weights are every peer's),
+root the rest; the task's model built with the run's seed, so the initial weights are every peer's, on
+the meta device where the task gives its ``initial_values``: see :func:`sharded_model`),
 and follow rank 0's commands (:func:`follow`): a batch and an inner step, a contribution's pieces, a
 landing, an evaluation, a checkpoint. One host: rank 0 spawns ranks 1..N-1 (``group.SiteGroup``, the
 rendezvous on 127.0.0.1). Several hosts: every process is started by ``torchrun`` and
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import trio
 
 from ...config import RunConfig
+from ...errors import ConfigError
 from ...node import Node
 from ...tasks import Task, load_task
 from ..loop.trainer import Trainer, TrainerOptions, TrainerParts, default_optimizer
@@ -92,11 +94,65 @@ def build_rank(config: RunConfig, task: Task, commands: Commands, world: int, de
     return_freed_memory()  # (every rank: rank 0 of ``--shard N``, its spawned ranks, torchrun's)
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
-    torch.manual_seed(config.run.seed)
-    model = task.model()  # (whole for a moment, as on every peer, then sharded)
-    shard_model(model, init_device_mesh(torch.device(device).type, (world,)))
-    model.to(device)
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    model = sharded_model(task, config.run.seed, mesh, device)
     return SiteRank(model, inner_optimizer(model, config), config, commands, world=world, device=device)
+
+
+def sharded_model(task: Task, seed: int, mesh: Any, device: str) -> torch.nn.Module:
+    """The task's model, sharded over ``mesh``, with every peer's initial weights (from ``seed``).
+
+    With the task's ``initial_values``: built on the meta device, sharded, and each parameter's full
+    initial values made on the CPU one parameter at a time, in the order the task draws them, this
+    rank's rows kept: no rank holds more than its shards and one parameter. Without them (or where the
+    model has buffers, which the meta device cannot fill): built whole once, then sharded."""
+    torch.manual_seed(seed)
+    if task.initial_values is not None:
+        with torch.device("meta"):
+            model = task.model()
+        if next(model.buffers(), None) is None:
+            shard_model(model, mesh)
+            model.to_empty(device=device)
+            torch.manual_seed(seed)
+            fill_shards(model, task, mesh.size(), mesh.get_local_rank())
+            return model
+        log.info("task %r: its model has buffers; built whole, then sharded", task.name)
+        torch.manual_seed(seed)
+    model = task.model()  # (whole for a moment, as on every peer, then sharded)
+    shard_model(model, mesh)
+    model.to(device)
+    return model
+
+
+def fill_shards(model: torch.nn.Module, task: Task, world: int, rank: int) -> None:
+    """This rank's rows of every parameter's initial values (``Task.initial_values``), made one full
+    parameter at a time on the CPU (as every unsharded peer makes them)."""
+    from .layout import rows_of
+    from .outer import local_of
+
+    assert task.initial_values is not None
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, fill in task.initial_values(model):
+            p = params.get(name)
+            if p is None or name in filled:
+                raise ConfigError(
+                    f"Task.initial_values of task {task.name!r} names {name!r}, which is "
+                    + ("named twice" if p is not None else "not one of the model's parameters")
+                )
+            full = torch.empty(p.shape, dtype=p.dtype)
+            fill(full)
+            rows = rows_of(p.shape[0], world, rank) if p.dim() else range(1)
+            local_of(p).copy_(full[rows.start : rows.stop] if p.dim() else full)
+            filled.add(name)
+            del full
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ConfigError(
+            f"Task.initial_values of task {task.name!r} leaves {len(missing)} parameters unfilled: "
+            + ", ".join(missing[:5])
+        )
 
 
 def evaluate(model: torch.nn.Module, task: Task, config: RunConfig, device: str) -> float:
