@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", default="/tmp/p2ptrain-site-build")
+    parser.add_argument("--out", default=None, help="a folder for the ranks' numbers")
     args = parser.parse_args(argv)
+    folder = args.out or tempfile.mkdtemp(prefix="p2ptrain-site-build-")
     shape = {"n_layer": args.layers, "n_head": args.heads, "n_embd": args.width, "block_size": 128}
     model_bytes = GPTConfig(**shape).num_parameters() * 4
     rows = []
     for world in args.ranks:
         for initial_values in (True, False):
-            out = f"{args.out}-{world}-{int(initial_values)}"
+            out = str(Path(folder) / f"{world}-{int(initial_values)}")
             launch.spawn(_build, world, out, initial_values, shape, timeout=1200)
             ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
             row = {
