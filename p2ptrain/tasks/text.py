@@ -202,7 +202,7 @@ def _fraction(name: str, value: object, *, low_open: bool) -> float:
     return v
 
 
-def _gpt_initial_values(model: torch.nn.Module) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
+def gpt_initial_values(model: torch.nn.Module) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
     """The task's ``initial_values``: the GPT's own (see :meth:`GPT.initial_values`)."""
     if not isinstance(model, GPT):
         raise TypeError(f"tiny-gpt's initial values are a GPT's, not a {type(model).__name__}'s")
@@ -292,5 +292,5 @@ def gpt_task(
         loss=lm_loss,
         validation=validation,
         info=info,
-        initial_values=_gpt_initial_values,
+        initial_values=gpt_initial_values,
     )

@@ -37,28 +37,36 @@ def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(batch).mean()
 
 
-def _build(rank: int, world: int, out: str, initial_values: bool, shape: dict[str, int]) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from p2ptrain.tasks.gpt import GPT, GPTConfig
+def site_task(cfg: Any, initial_values: bool) -> Any:
+    """A task of the built-in GPT of ``cfg`` (no data: only its model is built), with or without the
+    GPT's ``initial_values``."""
+    from p2ptrain.tasks.gpt import GPT
     from p2ptrain.tasks.task import Task
-    from p2ptrain.tasks.text import _gpt_initial_values
-    from p2ptrain.training.site.node import sharded_model
-    from p2ptrain.training.site.outer import local_of
+    from p2ptrain.tasks.text import gpt_initial_values
 
-    cfg = GPTConfig(**shape)
-    task = Task(
+    return Task(
         name="site-build",
         model=functools.partial(GPT, cfg),
         batches=_no_batches,
         loss=_loss,
-        initial_values=_gpt_initial_values if initial_values else None,
+        initial_values=gpt_initial_values if initial_values else None,
     )
+
+
+def build(rank: int, world: int, out: str, initial_values: bool, shape: dict[str, int]) -> None:
+    """One rank (``launch.spawn``): builds its shards of the GPT of ``shape`` and writes to ``out.RANK``
+    how much its peak memory grew (``grew``) and the bytes of its shards (``held``), as JSON."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from p2ptrain.tasks.gpt import GPT, GPTConfig
+    from p2ptrain.training.site.node import sharded_model
+    from p2ptrain.training.site.outer import local_of
+
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))  # torch's own first allocations
     before = _peak_rss()
-    model = sharded_model(task, 0, mesh, "cpu")
+    model = sharded_model(site_task(GPTConfig(**shape), initial_values), 0, mesh, "cpu")
     grew = _peak_rss() - before
     held = sum(local_of(p).numel() * local_of(p).element_size() for p in model.parameters())
     Path(f"{out}.{rank}").write_text(json.dumps({"grew": grew, "held": held}))
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.ranks:
         for initial_values in (True, False):
             out = str(Path(folder) / f"{world}-{int(initial_values)}")
-            launch.spawn(_build, world, out, initial_values, shape, timeout=1200)
+            launch.spawn(build, world, out, initial_values, shape, timeout=1200)
             ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
             row = {
                 "params_m": round(model_bytes / 4e6, 1),

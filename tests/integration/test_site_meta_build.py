@@ -8,7 +8,7 @@ invents a parameter is refused with its name."""
 from __future__ import annotations
 
 import dataclasses
-import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -17,43 +17,23 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from p2ptrain.errors import ConfigError
 from p2ptrain.tasks.gpt import GPT, GPTConfig
-from p2ptrain.tasks.task import Task
-from p2ptrain.tasks.text import _gpt_initial_values
+from p2ptrain.tasks.text import gpt_initial_values
 from p2ptrain.training.site import launch
 from p2ptrain.training.site.layout import rows_of
 from p2ptrain.training.site.node import sharded_model
 from p2ptrain.training.site.outer import local_of
+from simulations.benchmarks import site_build
+from simulations.benchmarks.site_build import site_task
 
 pytestmark = pytest.mark.timeout(300)  # (spawned ranks start slowly on a busy machine)
 
 SEED = 1234
 
 
-def gpt_task(cfg: GPTConfig, initial_values: bool = True) -> Task:
-    def loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return model(batch).mean()
-
-    return Task(
-        name="meta-gpt",
-        model=functools.partial(GPT, cfg),
-        batches=lambda seed, size: iter(()),
-        loss=loss,
-        initial_values=_gpt_initial_values if initial_values else None,
-    )
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory so far (VmHWM), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
-
-
 def same_rows(rank: int, world: int, out: str, cfg_fields: dict[str, int]) -> None:
     cfg = GPTConfig(**cfg_fields)
     mesh = init_device_mesh("cpu", (world,))
-    model = sharded_model(gpt_task(cfg), SEED, mesh, "cpu")
+    model = sharded_model(site_task(cfg, initial_values=True), SEED, mesh, "cpu")
     torch.manual_seed(SEED)
     whole = dict(GPT(cfg).named_parameters())  # an unsharded peer's (the test's reference only)
     for name, p in model.named_parameters():
@@ -76,21 +56,6 @@ def test_a_sites_shards_are_the_rows_of_every_peers_initial_model(tmp_path: Path
 BIG = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 128}  # 85M parameters: 341 MB of fp32
 
 
-def build_and_measure(
-    rank: int, world: int, out: str, initial_values: bool, cfg_fields: dict[str, int]
-) -> None:
-    cfg = GPTConfig(**cfg_fields)
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    warm = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))  # torch's own first allocations
-    del warm
-    before = peak_rss()
-    model = sharded_model(gpt_task(cfg, initial_values), SEED, mesh, "cpu")
-    grew = peak_rss() - before
-    held = sum(local_of(p).numel() * 4 for p in model.parameters())
-    Path(f"{out}.{rank}").write_text(f"{grew} {held}")
-
-
 def test_no_rank_holds_the_whole_model_while_it_builds(tmp_path: Path) -> None:
     """Two ranks build an 85M-parameter GPT (341 MB): with the task's initial values, each rank's peak
     memory grows by its shards, about one parameter and FSDP2's own (under three quarters of the model:
@@ -99,8 +64,9 @@ def test_no_rank_holds_the_whole_model_while_it_builds(tmp_path: Path) -> None:
     grown = {}
     for initial_values in (True, False):
         out = tmp_path / f"iv-{initial_values}"
-        launch.spawn(build_and_measure, 2, str(out), initial_values, BIG, timeout=240)
-        grown[initial_values] = [tuple(map(int, Path(f"{out}.{r}").read_text().split())) for r in range(2)]
+        launch.spawn(site_build.build, 2, str(out), initial_values, BIG, timeout=240)
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+        grown[initial_values] = [(r["grew"], r["held"]) for r in ranks]
     for grew, held in grown[True]:
         assert held <= 0.51 * full
         assert grew <= 0.75 * full, f"a rank grew by {grew / 1e6:.0f} MB of a {full / 1e6:.0f} MB model"
@@ -116,11 +82,11 @@ def test_initial_values_that_miss_or_invent_a_parameter_are_refused_by_name(tmp_
 def refused(rank: int, world: int, out: str) -> None:
     cfg = GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
     mesh = init_device_mesh("cpu", (world,))
-    base = gpt_task(cfg)
+    base = site_task(cfg, initial_values=True)
     for values, said in (
-        (lambda m: list(_gpt_initial_values(m))[:-1], "leaves 1 parameters unfilled: ln_f.bias"),
-        (lambda m: [*_gpt_initial_values(m), ("lm_head.weight", torch.nn.init.zeros_)], "'lm_head.weight'"),
-        (lambda m: [*_gpt_initial_values(m), ("wte.weight", torch.nn.init.zeros_)], "named twice"),
+        (lambda m: list(gpt_initial_values(m))[:-1], "leaves 1 parameters unfilled: ln_f.bias"),
+        (lambda m: [*gpt_initial_values(m), ("lm_head.weight", torch.nn.init.zeros_)], "'lm_head.weight'"),
+        (lambda m: [*gpt_initial_values(m), ("wte.weight", torch.nn.init.zeros_)], "named twice"),
     ):
         with pytest.raises(ConfigError, match=said):
             sharded_model(dataclasses.replace(base, initial_values=values), SEED, mesh, "cpu")

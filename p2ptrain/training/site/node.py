@@ -143,8 +143,10 @@ def fill_shards(model: torch.nn.Module, task: Task, world: int, rank: int) -> No
                 )
             full = torch.empty(p.shape, dtype=p.dtype)
             fill(full)
-            rows = rows_of(p.shape[0], world, rank) if p.dim() else range(1)
-            local_of(p).copy_(full[rows.start : rows.stop] if p.dim() else full)
+            if p.dim():  # (FSDP2 shards dim 0: this rank's rows)
+                rows = rows_of(p.shape[0], world, rank)
+                full = full[rows.start : rows.stop]
+            local_of(p).copy_(full)
             filled.add(name)
             del full
     missing = sorted(set(params) - filled)
