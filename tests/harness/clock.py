@@ -20,13 +20,8 @@ import trio.testing
 _THREADS = trio.to_thread.run_sync  # trio's own, before any test replaced it
 
 
-def threads_take_no_virtual_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Patch ``trio.to_thread.run_sync`` (for the rest of the test) so that an autojump clock stands
-    still while a worker thread runs. A test that replaced it already (one that runs the "thread's"
-    work in the event loop, taking virtual time of its own) keeps its own."""
-    real = trio.to_thread.run_sync
-    if real is not _THREADS:
-        return
+def _standing_still(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real`` (trio's ``to_thread.run_sync``), with an autojump clock standing still while it runs."""
     running = 0
 
     async def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -43,4 +38,24 @@ def threads_take_no_virtual_time(monkeypatch: pytest.MonkeyPatch) -> None:
             if not running:
                 clock.autojump_threshold = 0
 
-    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+    return run_sync
+
+
+def threads_take_no_virtual_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Patch ``trio.to_thread.run_sync`` (for the rest of the test) so that an autojump clock stands
+    still while a worker thread runs. A test that replaced it already (one that runs the "thread's"
+    work in the event loop, taking virtual time of its own) keeps its own."""
+    real = trio.to_thread.run_sync
+    if real is not _THREADS:
+        return
+    monkeypatch.setattr(trio.to_thread, "run_sync", _standing_still(real))
+
+
+def process_clock() -> trio.testing.MockClock:
+    """An autojump clock for a process of the test's own (a spawned rank, where no fixture reaches):
+    there, worker threads take no virtual time for the rest of the process, as with
+    :func:`threads_take_no_virtual_time`. Only for code whose threads never wait for the event loop's
+    timers (the clock stands still while they run)."""
+    if trio.to_thread.run_sync is _THREADS:
+        trio.to_thread.run_sync = _standing_still(_THREADS)  # type: ignore[assignment]
+    return trio.testing.MockClock(autojump_threshold=0)

@@ -12,9 +12,10 @@ tensor on the heap:
   pseudo-gradient, folds top-k's error feedback, steps the global parameters or puts the residual back,
   it sends the matching command (``commands``) to the other ranks and runs the same collective
   (``outer.ShardedOuter``) on its own shards;
-- the **shared state** is a :class:`SiteState`: the site's digest and the snapshot it serves are
-  assembled chunk by chunk on rank 0 from the ranks' shards (``ShardedState``: the root and the chunks
-  an unsharded peer with the same state has), and a download's verified chunks go straight into the
+- the **shared state** is a :class:`SiteState`: the site's digest and the snapshot file it serves are
+  made from the ranks' shards, each chunk hashed and written by the rank that holds it (on rank 0 where
+  a chunk is split between ranks; ``ShardedState``: the root and the chunks an unsharded peer with the
+  same state has), and a download's verified chunks go straight into the
   ranks' staging shards (``SiteSink``), adopted by every rank between two batches.
 
 Every other rank runs :meth:`SiteRank.follow`: a batch and an inner step for each TRAIN, the pieces of
@@ -39,7 +40,7 @@ and reduce-scatters in a worker thread, the clip's norm in the inner step inside
 to :meth:`SiteRank.end_batch` (``SiteState.land_download``, after the inner step); an evaluation, a
 checkpoint and each outer step's command are turns of its own. A downloaded chunk (PLACE) waits for
 its turn (``SiteSink.place``), and so does the state's hash (HASH, after every change), which then
-assembles every chunk in a worker thread while the event loop keeps serving: a batch, an evaluation or
+runs in a worker thread on rank 0 while the event loop keeps serving: a batch, an evaluation or
 an ADOPT requested meanwhile waits for the hash to end, and the state is held
 (``SharedState.holds``) so that no round lands on it meanwhile. A site that is behind waits for its
 download between two batches (no local progress to carry), so its chunks are placed as they arrive.
@@ -264,7 +265,7 @@ class SiteRank:
         elif cmd.op is Op.STEP_ALONE:
             self.outer.step_alone(fragment)
         elif cmd.op is Op.HASH:
-            self.live_state().hashes()
+            self.live_state().hash_into()
         elif cmd.op is Op.PLACE:
             self.staging().place(cmd.a, None)
         elif cmd.op is Op.ADOPT:
@@ -444,11 +445,12 @@ class SiteSink(Sink):
 
 
 class SiteState(SharedState):
-    """A site's shared state: its digest and snapshot assembled chunk by chunk on rank 0 from the
-    ranks' shards (``ShardedState``: the root an unsharded peer with this state publishes), and a
-    download placed chunk by chunk into the ranks' staging shards, adopted between two batches. Rank 0
-    holds one chunk at a time; the snapshot served to joiners is a file. No replay of missed steps'
-    results (a site that is behind downloads the state) and no local progress carried over a download.
+    """A site's shared state: its digest and snapshot made from the ranks' shards (``ShardedState``: the
+    root an unsharded peer with this state publishes; each chunk hashed and written by the rank that
+    holds it), and a download placed chunk by chunk into the ranks' staging shards, adopted between two
+    batches. Rank 0 holds a few chunks at a time; the snapshot served to joiners is a file. No replay of
+    missed steps' results (a site that is behind downloads the state) and no local progress carried over
+    a download.
 
     The hash after a change waits for its turn (``Turn``: after the batch, the evaluation or the chunk
     in progress) and keeps it for the whole assembly, in a worker thread for a large state, holding the
@@ -479,8 +481,8 @@ class SiteState(SharedState):
             self._snap = None
 
     def _rehash(self) -> None:
-        """The state changed: its digest is unknown until every chunk is assembled on rank 0 and hashed
-        (see the class's docstring). Inline when the state is small and the turn is free (a few
+        """The state changed: its digest is unknown until every chunk is hashed (see the class's
+        docstring). Inline when the state is small and the turn is free (a few
         milliseconds: tests on a virtual clock stay deterministic), or while the state's tasks do not
         run yet (its construction, a resume before training)."""
         self.digest = b""  # published as unknown meanwhile: nobody takes us for diverged
@@ -512,25 +514,20 @@ class SiteState(SharedState):
             self._publish(version, epoch, state.layout, fd, hashes)
 
     def _assemble(self, state: ShardedState) -> tuple[int, list[bytes]]:
-        """Collective (in the hash's turn, on any thread): every chunk assembled on rank 0, hashed and
-        written to a new snapshot file; that file and the chunks' hashes."""
+        """Collective (in the hash's turn, on any thread): every chunk hashed and written to a new snapshot
+        file (``ShardedState.hash_into``: by the rank whose shards hold it, or on rank 0 where it is split
+        between ranks); that file, open, and the chunks' hashes."""
         self.site.send(Command(Op.HASH))
         fd, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-")
-        os.unlink(path)
-
-        def assembled(i: int) -> bytearray:
-            data = state.chunk(i)
-            assert data is not None  # (rank 0)
-            return data
-
-        def written(i: int, data: bytes | bytearray) -> None:
-            os.pwrite(fd, data, i * chunks.CHUNK)
-
-        try:  # (chunks assembled in order here, hashed and written on threads meanwhile)
-            return fd, chunks.hash_each(state.layout.chunks, assembled, written)
+        try:
+            hashes = state.hash_into(path)
         except BaseException:
             os.close(fd)
             raise
+        finally:  # (the ranks that write it opened and closed it by name before their hashes reached us)
+            os.unlink(path)
+        assert hashes is not None  # (rank 0)
+        return fd, hashes
 
     def _publish(self, version: int, epoch: int, layout: Layout, fd: int, hashes: list[bytes]) -> None:
         """State ``version``'s digest (at ``epoch``) and its snapshot become the current ones, unless
