@@ -219,13 +219,13 @@ def check_healed(peers: list[Peer], within: int = 3) -> list[int]:
     return apart
 
 
-def take_local_steps(peer: Peer, n: int) -> None:
+async def take_local_steps(peer: Peer, n: int) -> None:
     """Steps of a peer on its own, driven directly (no swarm involved)."""
     for _ in range(n):
         loss_of(peer.model, batch_of(0)).backward()
         peer.opt.local.accumulate(BATCH)
         peer.opt.tally.count(BATCH)
-        peer.opt.solo_step()
+        await peer.opt.solo_step()
 
 
 def validation_loss(model: torch.nn.Module) -> float:

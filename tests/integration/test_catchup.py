@@ -46,7 +46,7 @@ pytestmark = pytest.mark.timeout(120)
 SEEDS = range(6)
 
 
-def step_alone(peer: Peer, n: int, batch: int = 0) -> None:
+async def step_alone(peer: Peer, n: int, batch: int = 0) -> None:
     """Global steps of a peer on its own, driven directly (sync: one batch's gradient; DiLoCo: two inner
     steps, then the outer step)."""
     opt = peer.opt
@@ -59,7 +59,7 @@ def step_alone(peer: Peer, n: int, batch: int = 0) -> None:
             else:
                 opt.local.accumulate(BATCH)
             opt.tally.count(BATCH)
-        opt.solo_step()
+        await opt.solo_step()
 
 
 def records(peers: list[Peer]) -> tuple[PeerProgress, ...]:
@@ -105,12 +105,12 @@ async def lineage(
     trusted: dict[int, bytes] = {0: peers[0].opt.digest}
     for _ in range(together):
         for p in peers:
-            step_alone(p, 1)
+            await step_alone(p, 1)
         trusted[peers[0].opt.epoch] = peers[0].opt.digest
     assert len({p.opt.digest for p in peers}) == 1
     for _ in range(apart):
         for p in peers[:donors]:
-            step_alone(p, 1)
+            await step_alone(p, 1)
         trusted[peers[0].opt.epoch] = peers[0].opt.digest
     assert len({p.opt.digest for p in peers[:donors]}) == 1
     return peers[:donors], peers[donors], trusted
@@ -237,7 +237,7 @@ async def test_a_peer_too_far_behind_or_off_the_lineage_downloads(autojump_clock
         assert peer.opt.digest == donor.opt.digest
         # a state the records do not vouch for is not replayed onto
         other = await s.start(train=False)
-        step_alone(other, 1, batch=3)  # another lineage's step 1
+        await step_alone(other, 1, batch=3)  # another lineage's step 1
         await catch_up(other, [donor], 6, trusted)
         assert other.opt.shared.downloads == 1 and other.opt.shared.replayed == 0
 
@@ -254,7 +254,7 @@ async def test_a_large_state_still_being_hashed_replays_once_its_digest_is_in(
         await s.until(lambda: bool(donor.opt.digest) and bool(peer.opt.digest), timeout=30)
         trusted = {0: donor.opt.digest}
         for epoch in (1, 2):  # the donor's steps, each hashed before the next (as steps seconds apart are)
-            step_alone(donor, 1)
+            await step_alone(donor, 1)
             await s.until(lambda: bool(donor.opt.digest) and not donor.opt.shared.holds, timeout=30)
             trusted[epoch] = donor.opt.digest
         peer.opt.state_changed()  # as a landing does: hashed anew, in a thread

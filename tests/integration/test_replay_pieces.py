@@ -182,7 +182,7 @@ async def test_the_steps_taken_while_a_state_downloads_are_fetched_meanwhile(
         for _ in range(moved):  # the swarm steps on meanwhile
             await trio.sleep(rng.uniform(0.5, 2.0))
             for d in donors:
-                step_alone(d, 1)
+                await step_alone(d, 1)
             trusted[donors[0].opt.epoch] = donors[0].opt.digest
         with trio.fail_after(120):
             await flight.done.wait()
@@ -196,14 +196,14 @@ async def test_the_steps_taken_while_a_state_downloads_are_fetched_meanwhile(
         assert shared.downloads == 1
 
 
-def replay_from_first(s, donors, peer, trusted, *, bandwidth: float, pieces: int):  # type: ignore[no-untyped-def]
+async def replay_from_first(s, donors, peer, trusted, *, bandwidth: float, pieces: int):  # type: ignore[no-untyped-def]
     """The first donor alone takes the next step (its result in ``pieces`` pieces) and ``peer`` starts
     replaying it over links of ``bandwidth`` bytes a second from every donor; the others may come to
     hold it later. Returns the step and the download in flight."""
     for d in donors:
         s.net.set_link(f"t{d.index}", f"t{peer.index}", LinkProfile(bandwidth=bandwidth), both_ways=False)
     first = donors[0]
-    step_alone(first, 1)
+    await step_alone(first, 1)
     want = first.opt.epoch
     trusted[want] = first.opt.digest
     split_small([first], pieces)
@@ -227,11 +227,11 @@ async def test_a_holder_that_comes_to_hold_the_result_meanwhile_sends_pieces_too
     async with swarm(config(rng.choice(["sync", "diloco"])), model=wide_model) as s:
         donors, peer, trusted = await lineage(s, donors=3, together=1, apart=0)
         late = donors[1:]
-        want, flight = replay_from_first(s, donors, peer, trusted, bandwidth=100_000.0, pieces=16)
+        want, flight = await replay_from_first(s, donors, peer, trusted, bandwidth=100_000.0, pieces=16)
         shared = peer.opt.shared
         await trio.sleep(rng.uniform(0.5, 2.0))
         for d in late:
-            step_alone(d, 1)
+            await step_alone(d, 1)
         split_small(late, 16)
         with trio.fail_after(120):
             await flight.done.wait()
@@ -246,10 +246,10 @@ async def test_a_result_is_fetched_from_no_more_than_max_holders(autojump_clock:
     async with swarm(config("sync"), model=wide_model) as s:
         donors, peer, trusted = await lineage(s, donors=result_pieces.MAX_HOLDERS + 4, together=1, apart=0)
         late = donors[1:]
-        want, flight = replay_from_first(s, donors, peer, trusted, bandwidth=20_000.0, pieces=64)
+        want, flight = await replay_from_first(s, donors, peer, trusted, bandwidth=20_000.0, pieces=64)
         await trio.sleep(1.0)
         for d in late:  # all of them come to hold it while it is fetched
-            step_alone(d, 1)
+            await step_alone(d, 1)
         split_small(late, 64)
         with trio.fail_after(600):
             await flight.done.wait()

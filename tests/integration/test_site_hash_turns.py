@@ -1,8 +1,9 @@
-"""A site's hash runs off rank 0's event loop, and every collective of its group stays in one order.
+"""A site's hash and its steps run off rank 0's event loop, and every collective of its group stays in
+one order.
 
 A 2-rank site (real processes, FSDP2 over gloo) with the real node and ``CollaborativeOptimizer``
-(one node on the in-memory network, the real clock: the hash runs in a worker thread), and a state of
-9 MB, large enough to be hashed in a thread (``serve.THREAD_BYTES``):
+(one node on the in-memory network, the real clock: the hash runs in a worker thread), and a model of
+8.6 MB (a state of 17 MB), large enough to be hashed and stepped in a thread (``serve.THREAD_BYTES``):
 
 1. The event loop serves while the site hashes: rank 1 enters the hash's collectives only once a task
    on rank 0's event loop has run after the hash began. On the code that assembled the chunks on the
@@ -17,6 +18,10 @@ A 2-rank site (real processes, FSDP2 over gloo) with the real node and ``Collabo
    (rank 0's and rank 1's shards as they were when it was sent); the last digest is the root of the
    state the site ends with. On the code that hashed on the loop, a HASH sent while a batch ran in its
    thread interleaved with the batch's collectives.
+3. The event loop serves while the site steps alone (ALONE, then LAND: collectives as long as the
+   slowest rank takes): rank 1 enters each only once a task on rank 0's event loop has run after it
+   was sent. On the code that took the outer step on the loop, rank 1 waited for the loop and the loop
+   for rank 1, until rank 1's gate timed out.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ SEEDS = (1, 2)
 
 def big_model() -> torch.nn.Module:
     torch.manual_seed(0)  # (every rank the same weights, then sharded)
-    return torch.nn.Sequential(torch.nn.Linear(1024, 1100), torch.nn.Tanh(), torch.nn.Linear(1100, 1))
+    return torch.nn.Sequential(torch.nn.Linear(1024, 2100), torch.nn.Tanh(), torch.nn.Linear(2100, 1))
 
 
 def config() -> RunConfig:
@@ -113,14 +118,31 @@ def computing(site: SiteRank, rank: int) -> Any:
     return compute
 
 
-def follow(site: SiteRank, rank: int, out: Path, *, gated: bool) -> None:
+STEP_OPS = (Op.ALONE, Op.LAND)
+
+
+def gate(out: Path, name: str) -> None:
+    """Rank 1 waits for the file ``name``, which a task on rank 0's event loop writes."""
+    deadline = time.monotonic() + GATE
+    while not (out / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0's event loop ran no task in {GATE} s while the site waited ({name})")
+        time.sleep(0.01)
+
+
+def follow(site: SiteRank, rank: int, out: Path, *, gated: bool, steps_gated: bool = False) -> None:
     """Rank 1: rank 0's commands; each HASH's shards recorded (``gated``: from the second HASH on, its
-    collectives entered only once rank 0's event loop said go)."""
+    collectives entered only once rank 0's event loop said go; ``steps_gated``: every ALONE's and
+    LAND's)."""
     received: list[int] = []
     hashed: list[dict[str, torch.Tensor]] = []
     compute = computing(site, rank)
+    steps = 0
     while (cmd := site.commands.receive()).op is not Op.STOP:
         received.append(int(cmd.op))
+        if steps_gated and cmd.op in STEP_OPS:
+            gate(out, f"step{steps}")
+            steps += 1
         if cmd.op is Op.HASH:
             go = out / f"go{len(hashed)}"
             deadline = time.monotonic() + GATE
@@ -328,3 +350,61 @@ def test_hashes_interleaved_with_batches_downloads_and_steps_keep_the_ranks_in_s
     assert sum(r["hash_pending_at_batch"] for r in runs) > 0, "no batch started while a hash was under way"
     last = runs[-1]
     assert last["digest"] == root_of(last["epoch"], full(rank0["end"], rank1["end"]))
+
+
+# ---- 3. the event loop serves while the site steps ----
+
+
+def step_main(rank: int, world: int, out_dir: str) -> None:
+    out = Path(out_dir)
+    commands = Recorded(rank) if rank == 0 else Commands(rank)
+    site = build(rank, world, commands)
+    if rank != 0:
+        follow(site, rank, out, gated=False, steps_gated=True)
+        return
+    assert isinstance(commands, Recorded)
+    commands.site = site
+    record: dict[str, Any] = {}
+    compute = computing(site, 0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            node = await nursery.start(make_node(MemoryNetwork(seed=5), "site").run)
+            opt = CollaborativeOptimizer(node, site.model, site.optimizer, config(), parts=site.parts())
+            commands.epoch = lambda: opt.epoch
+            assert opt.shared.param_bytes >= serve.THREAD_BYTES  # (stepped in a thread)
+            await nursery.start(opt.run)
+
+            async def let_rank_1_step() -> None:  # runs only if the loop is free during the collectives
+                said = 0
+                while True:
+                    sent = sum(op in STEP_OPS for op in list(commands.sent))
+                    for k in range(said, sent):
+                        (out / f"step{k}").write_text("")
+                    said = sent
+                    await trio.sleep(0.005)
+
+            nursery.start_soon(let_rank_1_step)
+            with trio.fail_after(WAIT):
+                while opt.epoch < 2:  # (a lone site steps alone: ALONE, then LAND)
+                    await trio.to_thread.run_sync(site.train, compute, opt.inner_steps)
+                    await opt.step(site.world * BATCH)
+                record["digest"] = await opt.hashed_digest()
+                record["epoch"] = opt.epoch
+            site.stop()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    record["sent"] = commands.sent
+    record["end"] = state_of(site)
+    torch.save(record, out / "rank0.pt")
+
+
+def test_the_event_loop_serves_while_a_site_steps(tmp_path: Path) -> None:
+    launch.spawn(step_main, 2, str(tmp_path), timeout=WAIT)
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert rank0["sent"] == rank1["received"]
+    assert sum(op in STEP_OPS for op in rank0["sent"]) >= 4  # (two steps alone, each ALONE and LAND)
+    assert rank0["epoch"] >= 2
+    assert rank0["digest"] == root_of(rank0["epoch"], full(rank0["end"], rank1["end"]))

@@ -37,7 +37,7 @@ def big_model() -> torch.nn.Module:
 
 async def donors_and_joiner(s: Swarm, donors: int) -> tuple[list[Peer], Peer]:
     first = await s.start(train=False)
-    take_local_steps(first, 2)
+    await take_local_steps(first, 2)
     others = [await s.start(train=False) for _ in range(donors - 1)]
     for peer in others:
         peer.opt.restore(*first.opt.capture())

@@ -393,7 +393,7 @@ async def test_capture_restore_through_a_checkpoint_gives_the_same_next_step(tmp
     async with swarm(run_config("sync")) as s:
         a = await s.start(train=False)
         b = await s.start(train=False)
-        take_local_steps(a, 3)  # to give its optimizer some state
+        await take_local_steps(a, 3)  # to give its optimizer some state
         tensors, meta = a.opt.capture()
         folder = tmp_path / "ckpt"  # type: ignore[operator]
         checkpoint.save(folder, a.opt.epoch, tensors, meta, {"peer": "a"})
@@ -404,7 +404,7 @@ async def test_capture_restore_through_a_checkpoint_gives_the_same_next_step(tmp
         assert step == b.opt.epoch == a.opt.epoch == 3 and b.opt.digest == a.opt.digest
         assert_same_bits([a, b])
         for p in (a, b):  # the same next step: the optimizer state came along too
-            take_local_steps(p, 1)
+            await take_local_steps(p, 1)
         assert_same_bits([a, b])
 
 

@@ -388,7 +388,7 @@ class CollaborativeOptimizer:
                 and not shared.holds
                 and self.alone.may_step_alone(view, self.board.records, tally.epoch, self.board.met_swarm)
             ):
-                self.solo_step()
+                await self.solo_step()
                 return True
         return changed
 
@@ -476,22 +476,26 @@ class CollaborativeOptimizer:
         self.state_changed()
         return True
 
-    def solo_step(self) -> None:
-        """Take the global step alone (no other peer on this epoch), with what this peer has done.
+    async def solo_step(self) -> None:
+        """Take the global step alone (no other peer on this epoch), with what this peer has done; the
+        passes over the whole model in a worker thread when it is large (``SharedState.off_loop``: a
+        site's are collectives of its ranks, which take as long as the slowest rank).
 
         ``step`` decides when; tests drive it directly.
         """
         weight = self.tally.samples
         outer = self.outer_step
+        shared = self.shared
         if outer is not None:
             outer.pseudo_gradients()
-            outer.flush_feedback()  # nothing to send: what earlier rounds left out goes in whole
-            self.shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
-            outer.step(after=outer.reset_local)
+            # nothing to send: what earlier rounds left out goes in whole
+            await shared.off_loop(outer.flush_feedback)
+            shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
+            await shared.off_loop(outer.step, None, outer.reset_local)
         else:
             self.contribution.buffer.div_(weight)
-            self.shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
-            self.local.apply(self.contribution.buffer)
+            shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
+            await shared.off_loop(self.local.apply, self.contribution.buffer)
         self.tally.took(weight)
         self.tally.counting_from(self.clock())
         self._advance(None, weight)

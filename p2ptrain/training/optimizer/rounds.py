@@ -32,6 +32,7 @@ task.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -589,20 +590,21 @@ class RoundRunner:
             )
         except RoundAborted as e:
             self.note_abort(e)
-            outer.unfold(before, committed=False)
+            await self.state.off_loop(functools.partial(outer.unfold, before, committed=False))
             self.contribution.after_abort(buffer)
             return None
         short = short_of_quorums(manifest.manifest, result.contributors, self.node.peer_id)
         if short:  # (the leader and the members it counts alike) the work is still in the local parameters
             self.short(manifest, short)
-            outer.unfold(before, committed=False)
+            await self.state.off_loop(functools.partial(outer.unfold, before, committed=False))
             self.contribution.after_abort(buffer)
             return None
         outer.unfold(before, committed=True)
         self.contribution.relay(result.retired)
         await self.state.keep_result(self.tally.epoch, buffer.views)  # for peers behind (``state.replay``)
         await self.state.unheld()
-        outer.step(after=outer.reset_local)
+        # (the outer step passes over the whole model: a site's is a collective of its ranks)
+        await self.state.off_loop(outer.step, None, outer.reset_local)
         self.tally.took(weight)
         self.tally.counting_from(self.clock())
         return result, weight

@@ -254,6 +254,9 @@ class SharedState:
 
     async def hash_in_thread(self, live: LiveState, version: int) -> None:
         """Hash a large state in a worker thread; the digest is set unless the state changed meanwhile."""
+        await self.idle()  # (a step being applied in a worker thread changes the state: after it)
+        if version != self._version:
+            return  # (the change said since has its own hash)
         hashes = await self.read_in_thread(chunks.hash_chunks, live.layout, live.tensors, live.source)
         if version == self._version:
             self.set_digest(live, hashes)

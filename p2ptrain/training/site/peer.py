@@ -371,7 +371,10 @@ class SiteOuter(OuterStep):
         wire = self._wire()
         async with self.site.turn.taken(Owner.TRAINING):  # (after a hash in progress)
             slots = self._send(Op.CONTRIBUTE)
-            self.site.outer.contribute(slots, wire)
+            if self.param_bytes < serve.THREAD_BYTES:
+                self.site.outer.contribute(slots, wire)
+            else:  # (the ranks' pieces into the wire buffer: as long as the slowest rank takes)
+                await trio.to_thread.run_sync(self.site.outer.contribute, slots, wire)
         self._handed = False
         self._round.close()
         self._round.enter_context(wire.keep_released())  # (the round touches every page of it)
