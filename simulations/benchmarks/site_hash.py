@@ -93,7 +93,7 @@ def split_share(shapes: dict[str, list[int]], world: int) -> tuple[int, int, flo
     from p2ptrain.training.site.state import ShardedState
 
     meta = {n: torch.empty((len(rows_of(s[0], world, 0)), *s[1:]), device="meta") for n, s in shapes.items()}
-    state = ShardedState(meta, shapes, 0, world, host=bytes(32))  # (rank 0's view: no collective)
+    state = ShardedState(meta, shapes, 0, world)  # (rank 0's view: no collective)
     layout = state.layout
     split = sum(layout.chunk_size(i) for i in range(layout.chunks) if state.owner(i) is None)
     return layout.size, layout.chunks, split / layout.size

@@ -1,11 +1,12 @@
 """A site's hash and snapshot are made where the bytes are: the invariant is that **rank 0 receives only
 the bytes of chunks split between ranks, plus the own chunks of ranks that cannot write its file**
-(another machine), never the rest of the state, while the root and the snapshot file are an unsharded
-peer's, bit for bit.
+(it cannot open that file by its path: another machine), never the rest of the state, while the root
+and the snapshot file are an unsharded peer's, bit for bit.
 
 Random states (seeded): tensors of random rows and widths and dtypes, some of fewer rows than ranks, a
-0-d value, large ones whose rows fill whole chunks on every rank; a site of 4 ranks where ranks 0, 1 and
-3 share a machine and rank 2 is on another (host keys given, as ``host_key`` would differ)."""
+0-d value, large ones whose rows fill whole chunks on every rank; a site of 4 ranks where rank 0 names
+its file by a path relative to its folder, and rank 2 runs in another folder, where that path names
+nothing (as on a machine that does not share rank 0's)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from p2ptrain.training.site import launch
 from p2ptrain.training.site.layout import rows_of
-from p2ptrain.training.site.state import HOST_KEY_BYTES, ShardedState
+from p2ptrain.training.site.state import ShardedState
 from p2ptrain.training.state import chunks
 
 pytestmark = pytest.mark.timeout(300)  # (spawned ranks start slowly on a busy machine)
@@ -53,15 +54,16 @@ def rows(t: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def run(rank: int, world: int, out: str) -> None:
-    host = bytes([2 if rank == OTHER_MACHINE else 1]) * HOST_KEY_BYTES
+    os.chdir(Path(out).parent / ("elsewhere" if rank == OTHER_MACHINE else "here"))
     lines = []
     for seed in SEEDS:
         full = random_state(seed)
         shapes = {n: list(t.shape) for n, t in full.items()}
-        state = ShardedState({k: rows(t, rank) for k, t in full.items()}, shapes, rank, world, host=host)
+        state = ShardedState({k: rows(t, rank) for k, t in full.items()}, shapes, rank, world)
         path = None
         if rank == 0:
-            fd, path = tempfile.mkstemp(prefix="test-site-snapshot-")
+            fd, path = tempfile.mkstemp(prefix="test-site-snapshot-", dir=".")
+            path = os.path.relpath(path)
         try:
             hashes = state.hash_into(path)
         finally:
@@ -97,6 +99,8 @@ def run(rank: int, world: int, out: str) -> None:
 
 def test_a_site_hashes_and_writes_each_chunk_where_its_bytes_are(tmp_path: Path) -> None:
     out = tmp_path / "ok"
+    (tmp_path / "here").mkdir()
+    (tmp_path / "elsewhere").mkdir()
     launch.spawn(run, WORLD, str(out), timeout=240)
     report = out.read_text().splitlines()
     assert len(report) == len(SEEDS)

@@ -312,6 +312,13 @@ class SiteTrainer(Trainer):
         self.workers = SiteWorkers(site, task, group, lambda: self.opt.inner_steps)
         options = dataclasses.replace(options, local=self.workers)
         super().__init__(node, config, task, options, clock=clock, parts=site_parts(site))
+        self._place_snapshots(site)
+
+    def _place_snapshots(self, site: SiteRank) -> None:
+        """The site's snapshot files go to the data folder (under torchrun, shared by the hosts), where
+        every rank that can open them writes its own chunks (``ShardedState.hash_into``)."""
+        if self.checkpoints is not None:
+            site.snapshots = str(self.checkpoints / "site" / "snapshots")
 
     @property
     def site_checkpoints(self) -> Path | None:
@@ -351,6 +358,7 @@ class SiteTrainer(Trainer):
             build_rank, self.config, self.task, group.commands, world, device
         )
         self.site = self.workers.site = site
+        self._place_snapshots(site)
         self.node.averager.unfollow()  # (the next collaborative optimizer hands it the run's rules)
         self._take(site_parts(site))
         self.node.status_sections["training"] = self.status

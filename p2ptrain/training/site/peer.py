@@ -135,6 +135,10 @@ class SiteRank:
         self._staging: ShardedState | None = None  # a download's verified chunks, until adopted
         self.turn = Turn()  # rank 0: who enters the site's collectives now (see ``turn``)
         self._batch = False  # rank 0: the training loop holds a batch's turn (TRAIN to the inner step)
+        # rank 0: the folder its snapshot files are made in (the node's data folder, which the hosts of a
+        # site share for its checkpoints: every rank that can open them writes its own chunks there);
+        # None: the system's temporary folder (one machine)
+        self.snapshots: str | None = None
 
     # ---- the site's state in the swarm's format (state sync) ----
 
@@ -521,13 +525,17 @@ class SiteState(SharedState):
         file (``ShardedState.hash_into``: by the rank whose shards hold it, or on rank 0 where it is split
         between ranks); that file, open, and the chunks' hashes."""
         self.site.send(Command(Op.HASH))
-        fd, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-")
+        folder = self.site.snapshots
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+        made, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-", dir=folder)
+        os.close(made)
         try:
             hashes = state.hash_into(path)
-        except BaseException:
-            os.close(fd)
-            raise
-        finally:  # (the ranks that write it opened and closed it by name before their hashes reached us)
+            # (opened again once every rank closed it: a folder the machines share shows a file as it was
+            # when last closed, on one that opens it after that)
+            fd = os.open(path, os.O_RDONLY)
+        finally:
             os.unlink(path)
         assert hashes is not None  # (rank 0)
         return fd, hashes

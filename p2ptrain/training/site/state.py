@@ -13,11 +13,12 @@ any dtype need nothing special.
 - Hashing, :meth:`ShardedState.hash_into` (collective): every chunk's hash on rank 0, and with a file
   every chunk's bytes in it (the snapshot rank 0 serves joiners). A chunk whose bytes all lie in one
   rank's shards (of a 70B model's DiLoCo state on 8 ranks, 98.4% of the chunks) is hashed by that rank, on
-  threads, and written into rank 0's file by that rank itself when it runs on rank 0's machine; only a
-  chunk split between ranks is assembled on rank 0 (:meth:`chunk`, 1 MiB from the ranks that hold its
-  bytes). The bytes that cross to rank 0 are those of the split chunks, and, for a rank on another
-  machine (it cannot write rank 0's file), its own chunks: not every byte of the state, as when rank 0
-  assembled every chunk (at 70B that was 560 GB through one process at every change).
+  threads, and written into rank 0's file by that rank itself where it can open it by its path (one
+  machine, or a folder the machines share, as the site's checkpoints need); only a chunk split between
+  ranks is assembled on rank 0 (:meth:`chunk`, 1 MiB from the ranks that hold its bytes). The bytes that
+  cross to rank 0 are those of the split chunks, and a rank's own chunks where it cannot open rank 0's
+  file: not every byte of the state, as when rank 0 assembled every chunk (at 70B that was 560 GB
+  through one process at every change).
 - Downloading, :meth:`ShardedState.place` (collective): rank 0 has checked a chunk against its hash on
   arrival (nothing unverified reaches a rank), then sends each rank its bytes, written straight into
   its shards.
@@ -27,31 +28,16 @@ Every rank holds its shards plus a few chunks' bytes: never the state.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..state import chunks
 from .layout import rows_of
-
-HOST_KEY_BYTES = 32
-
-
-def host_key() -> bytes:
-    """This machine, as the ranks of a site tell whether they share rank 0's files: its host name and
-    boot id, hashed (two containers of one host with separate /tmp differ by host name)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_bytes()
-    except OSError:
-        boot = b""
-    return hashlib.blake2b(socket.gethostname().encode() + b"\0" + boot, digest_size=HOST_KEY_BYTES).digest()
 
 
 @dataclass(frozen=True)
@@ -78,17 +64,12 @@ class ShardedState:
         world: int,
         *,
         group: dist.ProcessGroup | None = None,
-        host: bytes | None = None,
     ) -> None:
         """``shards``: each tensor's local part (its dim-0 rows for this rank; a 0-d tensor whole, read on
-        rank 0 only); ``shapes``: the full shapes; ``host``: this rank's machine (:func:`host_key`, the
-        default: ranks of one machine share rank 0's files)."""
+        rank 0 only); ``shapes``: the full shapes."""
         if shards.keys() != shapes.keys():
             raise ValueError("one full shape per shard")
         self.rank, self.world, self.group = rank, world, group
-        self.host = host_key() if host is None else host
-        if len(self.host) != HOST_KEY_BYTES:
-            raise ValueError(f"a host key is {HOST_KEY_BYTES} bytes")
         self.received = 0  # state bytes this rank received from the others while hashing (rank 0's count)
         meta = {n: torch.empty(tuple(shapes[n]), dtype=shards[n].dtype, device="meta") for n in shards}
         self.layout = chunks.Layout.of(meta)
@@ -180,17 +161,26 @@ class ShardedState:
     def hash_into(self, path: str | None = None) -> list[bytes] | None:
         """Collective: every chunk's hash, on rank 0 (None on the others). ``path`` (rank 0's; the other
         ranks' is not read): an existing file rank 0 made, into which every chunk's bytes are written at
-        ``i x CHUNK``; None: hashed only. See the module's docstring for who hashes and writes what."""
+        ``i x CHUNK`` (a rank that can open it by that path writes its own chunks there: one machine, or a
+        folder the machines share; the others send theirs to rank 0); None: hashed only. See the
+        module's docstring for who hashes and writes what."""
         n = self.layout.chunks
         owners = [self.owner(i) for i in range(n)]
-        hosts = self._all_gather(self.host)
         name = self._broadcast((path or "").encode() if self.rank == 0 else b"").decode()
-        local = [h == hosts[0] for h in hosts]  # (which ranks can write rank 0's file)
-        split = [i for i in range(n) if owners[i] is None]
+        mine = [i for i in range(n) if owners[i] == self.rank]
+        fd = -1
+        if name and (mine or self.rank == 0):
+            try:
+                fd = os.open(name, os.O_WRONLY)
+            except OSError:
+                if self.rank == 0:
+                    raise
         hashes: dict[int, bytes] = {}
-        fd = os.open(name, os.O_WRONLY) if name and self.rank == 0 else -1
         try:
+            reach = self._all_gather(bytes([fd >= 0]))  # (which ranks write rank 0's file themselves)
+            sends = [bool(name) and not r[0] for r in reach]
             # 1. the chunks split between ranks, assembled on rank 0 (the others send their bytes)
+            split = [i for i in range(n) if owners[i] is None]
             if self.rank == 0:
 
                 def assembled(j: int) -> bytearray:
@@ -206,46 +196,41 @@ class ShardedState:
             else:
                 for i in split:
                     self.chunk(i)
-            # 2. the chunks in one rank's shards, hashed by that rank (and written into rank 0's file by
-            # it, or sent to rank 0 to write from another machine); rank 0 takes the others' afterwards
-            mine = [i for i in range(n) if owners[i] == self.rank]
-            send = bool(name) and not local[self.rank]
-            hashes.update(self._hash_own(mine, name if name and local[self.rank] else None, fd, send))
+            # 2. the chunks in one rank's shards, hashed by that rank, and written into rank 0's file by
+            # it, or sent to rank 0 to write (one that cannot open it); rank 0 takes those afterwards
+            hashes.update(self._hash_own(mine, fd, sends[self.rank]))
             if self.rank == 0:
                 for r in range(1, self.world):
-                    if not name or local[r]:
+                    if not sends[r]:
                         continue
                     for i in (i for i in range(n) if owners[i] == r):
                         buf = torch.empty(self.layout.chunk_size(i), dtype=torch.uint8, device=self.device)
                         dist.recv(buf, src=self._peer(r), group=self.group)
                         self.received += buf.numel()
                         os.pwrite(fd, buf.cpu().numpy().data, i * chunks.CHUNK)
-            # 3. the hashes to rank 0 (32 bytes a chunk)
-            if self.rank != 0:
-                if mine:
-                    packed = torch.frombuffer(bytearray(b"".join(hashes[i] for i in mine)), dtype=torch.uint8)
-                    dist.send(packed.to(self.device), dst=self._peer(0), group=self.group)
-                return None
-            for r in range(1, self.world):
-                theirs = [i for i in range(n) if owners[i] == r]
-                if theirs:
-                    got = torch.empty(len(theirs) * chunks.HASH_BYTES, dtype=torch.uint8, device=self.device)
-                    dist.recv(got, src=self._peer(r), group=self.group)
-                    raw = bytes(got.cpu().numpy())
-                    for k, i in enumerate(theirs):
-                        hashes[i] = raw[k * chunks.HASH_BYTES : (k + 1) * chunks.HASH_BYTES]
-            return [hashes[i] for i in range(n)]
         finally:
-            if fd >= 0:
+            if fd >= 0:  # (closed before the hashes go: rank 0 reads the file once it has them all)
                 os.close(fd)
+        # 3. the hashes to rank 0 (32 bytes a chunk)
+        if self.rank != 0:
+            if mine:
+                packed = torch.frombuffer(bytearray(b"".join(hashes[i] for i in mine)), dtype=torch.uint8)
+                dist.send(packed.to(self.device), dst=self._peer(0), group=self.group)
+            return None
+        for r in range(1, self.world):
+            theirs = [i for i in range(n) if owners[i] == r]
+            if theirs:
+                got = torch.empty(len(theirs) * chunks.HASH_BYTES, dtype=torch.uint8, device=self.device)
+                dist.recv(got, src=self._peer(r), group=self.group)
+                raw = bytes(got.cpu().numpy())
+                for k, i in enumerate(theirs):
+                    hashes[i] = raw[k * chunks.HASH_BYTES : (k + 1) * chunks.HASH_BYTES]
+        return [hashes[i] for i in range(n)]
 
-    def _hash_own(self, mine: list[int], path: str | None, fd0: int, send: bool) -> dict[int, bytes]:
-        """The hashes of chunks ``mine`` (all in this rank's shards), on threads; each written into the
-        file ``path`` (rank 0's, which rank 0 has open as ``fd0``), or sent to rank 0 (``send``: this
-        rank cannot write its file), one chunk at a time in order."""
-        if not mine:
-            return {}
-        fd = fd0 if self.rank == 0 else (os.open(path, os.O_WRONLY) if path else -1)
+    def _hash_own(self, mine: list[int], fd: int, send: bool) -> dict[int, bytes]:
+        """The hashes of chunks ``mine`` (all in this rank's shards), on threads; each written at its
+        place in the file open as ``fd`` (-1: none), or sent to rank 0 (``send``: this rank cannot open
+        its file), one chunk at a time in order."""
 
         def pieces(i: int) -> list[memoryview]:
             return [self._bytes(p).cpu().numpy().data for p in self.parts(i)]
@@ -256,23 +241,19 @@ class ShardedState:
                 os.pwritev(fd, got, i * chunks.CHUNK)
             return chunks.hash_chunk(got)
 
-        try:
-            if send:  # (in order, on this thread: rank 0 receives them so)
-                out = {}
-                for i in mine:
-                    got = pieces(i)
-                    out[i] = chunks.hash_chunk(got)
-                    data = torch.frombuffer(bytearray(b"".join(got)), dtype=torch.uint8)
-                    dist.send(data.to(self.device), dst=self._peer(0), group=self.group)
-                return out
-            workers = chunks.hash_workers(len(mine))
-            if workers == 1:
-                return {i: one(i) for i in mine}
-            with ThreadPoolExecutor(workers, thread_name_prefix="p2ptrain-hash") as pool:
-                return dict(zip(mine, pool.map(one, mine), strict=True))
-        finally:
-            if fd >= 0 and fd != fd0:
-                os.close(fd)
+        if send:  # (in order, on this thread: rank 0 receives them so)
+            out = {}
+            for i in mine:
+                got = pieces(i)
+                out[i] = chunks.hash_chunk(got)
+                data = torch.frombuffer(bytearray(b"".join(got)), dtype=torch.uint8)
+                dist.send(data.to(self.device), dst=self._peer(0), group=self.group)
+            return out
+        workers = chunks.hash_workers(len(mine))
+        if workers == 1:
+            return {i: one(i) for i in mine}
+        with ThreadPoolExecutor(workers, thread_name_prefix="p2ptrain-hash") as pool:
+            return dict(zip(mine, pool.map(one, mine), strict=True))
 
     def _all_gather(self, data: bytes) -> list[bytes]:
         """Collective: every rank's ``data`` (of one length on every rank), in rank order."""
