@@ -634,7 +634,7 @@ class SiteState(SharedState):
         async with self.site.turn.taken(Owner.TRAINING):
             self.download = None
             self.site.send(Command(Op.ADOPT))
-            self.site.adopt()
+            await self.off_loop(self.site.adopt)  # (copies of every shard: in a thread when large)
         self.tally.moved_to(got.epoch)
         self.contribution.fit(self.tally.epoch)
         self.tally.counting_from(self.clock())
