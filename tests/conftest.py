@@ -54,6 +54,7 @@ GROUPS = {
         "tests/integration/test_sharded_statesync.py",
         "tests/integration/test_sharded_swarm.py",
         "tests/integration/test_site_launch.py",
+        "tests/integration/test_site_hash_spread.py",
         "tests/integration/test_site_hash_turns.py",
         "tests/integration/test_site_recovery.py",
         "tests/integration/test_site_statesync.py",
