@@ -41,7 +41,7 @@ from . import checkpoint
 from .commands import Command, Commands, Op
 from .group import SiteGroup
 from .launch import exit_now, leave_together, return_freed_memory
-from .peer import SiteRank, SiteState, check_run
+from .peer import SNAPSHOT_PREFIX, SiteRank, SiteState, check_run
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +278,21 @@ class SiteWorkers:
         leave(self.site.rank)
 
 
+def snapshot_folder(checkpoints: Path | None) -> str | None:
+    """Where rank 0 makes the site's snapshot files: ``checkpoints/site/snapshots`` in the data folder
+    (under torchrun, shared by the hosts), where every rank that can open them writes its own chunks
+    (``ShardedState.hash_into``); None without a data folder (the system's temporary folder). A file
+    left there is a hash's that a crash cut short (each is unlinked as soon as it is written): removed,
+    as it may be the size of the state."""
+    if checkpoints is None:
+        return None
+    folder = checkpoints / "site" / "snapshots"
+    for left in folder.glob(f"{SNAPSHOT_PREFIX}*"):
+        log.info("removing %s, a snapshot file a crash left behind", left)
+        left.unlink(missing_ok=True)
+    return str(folder)
+
+
 class SiteTrainer(Trainer):
     """The node's training loop on a site's rank 0: the node's ``Trainer`` over the site's parts (its
     FSDP2 model and inner optimizer, the collaborative optimizer's site parts), each batch every rank's,
@@ -315,10 +330,8 @@ class SiteTrainer(Trainer):
         self._place_snapshots(site)
 
     def _place_snapshots(self, site: SiteRank) -> None:
-        """The site's snapshot files go to the data folder (under torchrun, shared by the hosts), where
-        every rank that can open them writes its own chunks (``ShardedState.hash_into``)."""
-        if self.checkpoints is not None:
-            site.snapshots = str(self.checkpoints / "site" / "snapshots")
+        """The site's snapshot files go to the data folder (see :func:`snapshot_folder`)."""
+        site.snapshots = snapshot_folder(self.checkpoints)
 
     @property
     def site_checkpoints(self) -> Path | None:

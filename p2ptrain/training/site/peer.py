@@ -82,6 +82,9 @@ from .state import ShardedState
 from .turn import Owner, Turn
 from .wire import WireBuffer
 
+SNAPSHOT_PREFIX = "p2ptrain-site-snapshot-"
+"""The name of a site's snapshot files begins so (in ``SiteRank.snapshots``)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -528,7 +531,7 @@ class SiteState(SharedState):
         folder = self.site.snapshots
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
-        made, path = tempfile.mkstemp(prefix="p2ptrain-site-snapshot-", dir=folder)
+        made, path = tempfile.mkstemp(prefix=SNAPSHOT_PREFIX, dir=folder)
         os.close(made)
         try:
             hashes = state.hash_into(path)
