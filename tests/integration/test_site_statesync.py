@@ -9,11 +9,15 @@ network, the virtual clock; the site's 2 ranks are real processes, FSDP2 over gl
 2. The site and A take step 3 together (one round, two contributors) and hold identical parameters; A
    leaves; an unsharded peer C joins and downloads the site's state, which rank 0 serves from chunks it
    assembled from the ranks' shards: C holds the site's state.
+3. The site takes step 4 alone; C, a step behind, catches up by replaying the result the site kept
+   (the result protocol, checked against the site's digest of step 4), not by downloading the state
+   again: C then holds the site's state of step 4.
 
 The site's shards are gathered by the test only, from what each rank wrote."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.training import CollaborativeOptimizer
+from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
 from p2ptrain.training.site import launch
 from p2ptrain.training.site.commands import Commands, Op
 from p2ptrain.training.site.outer import local_of
@@ -58,12 +63,13 @@ def site_main(rank: int, world: int, out: str) -> None:
         loss_of(site.model, batch).backward()
 
     if rank != 0:
-        kept: dict[str, dict[str, torch.Tensor]] = {}
+        kept: dict[str, Any] = {"landed": []}
         while (cmd := site.commands.receive()).op is not Op.STOP:
             site.handle(cmd, compute)
             if cmd.op is Op.ADOPT:
                 kept["synced"] = shards(site)
-        kept["end"] = shards(site)
+            if cmd.op is Op.LAND and cmd.c:  # (a committed step)
+                kept["landed"].append(shards(site))
         torch.save(kept, Path(out) / f"rank{rank}.pt")
         return
 
@@ -158,6 +164,40 @@ def site_main(rank: int, world: int, out: str) -> None:
                     await opt_c.step(BATCH)
                 record["c"] = opt_c.capture()[0]
                 record["c_stats"] = dict(opt_c.stats.last)
+                # 3. the site steps alone (no batch since: its pseudo-gradient is zero, and its outer
+                # momentum still moves the state); C, a step behind, replays the site's kept result
+                trusted = {3: site_opt.shared.digest}
+                await site_opt.solo_step()
+                trusted[4] = await site_opt.hashed_digest()
+                record["end4"] = shards(site)
+                donor = PeerProgress(
+                    node_site.peer_id,
+                    dataclasses.replace(site_opt.record(), addr=str(node_site.addresses[0])),
+                )
+                view = SwarmView(
+                    epoch=opt_c.epoch,
+                    newest=4,
+                    peers=1,
+                    quorum=1,
+                    others=1,
+                    samples=0.0,
+                    rate=0.0,
+                    target=48,
+                    majority=b"",
+                    overtaken=True,
+                    donors=(donor,),
+                    reason="behind: the site is on step 4",
+                )
+                shared_c = opt_c.shared
+                downloads = shared_c.downloads
+                shared_c.start_download(view, lambda e: trusted.get(e, b""), lambda e: (donor,))
+                assert shared_c.download is not None
+                await shared_c.download.done.wait()
+                assert await opt_c._land_download()
+                record["c4"] = opt_c.capture()[0]
+                record["c4_digest"] = opt_c.digest
+                record["trusted"] = trusted
+                record["c_replayed"] = (shared_c.replayed, shared_c.downloads - downloads)
             site.stop()
             nursery.cancel_scope.cancel()
 
@@ -183,7 +223,7 @@ def test_a_site_downloads_into_its_shards_and_serves_an_unsharded_joiner(tmp_pat
         if n.startswith("local."):  # the local parameters restart from the downloaded global ones
             assert torch.equal(synced[n], synced["model." + n.removeprefix("local.")]), n
     assert rank0["synced"]["digest"] == rank0["a_digest"] != b""
-    end = full(rank0["end"], rank1["end"])
+    end = full(rank0["end"], rank1["landed"][0])
     for stats in (rank0["site_stats"], rank0["a_stats"]):
         assert stats["outcome"] == "averaged" and stats["contributors"] == 2, stats
     for n, t in rank0["a3"].items():
@@ -193,3 +233,9 @@ def test_a_site_downloads_into_its_shards_and_serves_an_unsharded_joiner(tmp_pat
     for n in c:
         assert torch.equal(c[n], end[n]), f"{n} differs between the site and C after C's download"
     assert not torch.equal(end["model.0.weight"], synced["model.0.weight"])  # (step 3 moved it)
+    # 3. C replayed step 3's result from the site (one result, no second download): the site's state
+    assert rank0["c_replayed"] == (1, 0), rank0["c_replayed"]
+    assert rank0["c4_digest"] == rank0["trusted"][4] != rank0["trusted"][3]
+    end4 = full(rank0["end4"], rank1["landed"][1])
+    for n, t in rank0["c4"].items():
+        assert torch.equal(t, end4[n]), f"{n} differs between the site and C after C's replay"

@@ -28,9 +28,11 @@ every rank from the k that TRAIN carries.
 What a site refuses at start (:func:`check_run`): sync mode (it averages gradients every step, which is
 what a site over a WAN is meant to avoid; its gradients would be full tensors on rank 0), DiLoCo with
 ``overlap`` (the landing puts the progress made during the round on top of the global parameters on
-the whole model at once, not yet shard by shard). What it does not do yet: serve or replay the missed steps'
-results (a site that is behind downloads the whole state, and carries no local progress over it),
-checkpoint through the node's checkpoint files (``site.checkpoint`` is the per-rank format).
+the whole model at once, not yet shard by shard). It keeps its last steps' results and serves them to
+peers that replay, as any peer does (``SharedState.keep_result``: read from rank 0's wire buffer). What it
+does not do yet: replay the missed steps' results itself (a site that is behind downloads the whole state,
+and carries no local progress over it), checkpoint through the node's checkpoint files
+(``site.checkpoint`` is the per-rank format).
 
 State sync and the site's collectives. The ranks enter collectives in the order rank 0's commands name
 them, one command at a time; so on rank 0 every collective of the site's group is issued by one owner
@@ -458,9 +460,9 @@ class SiteState(SharedState):
     """A site's shared state: its digest and snapshot made from the ranks' shards (``ShardedState``: the
     root an unsharded peer with this state publishes; each chunk hashed and written by the rank that
     holds it), and a download placed chunk by chunk into the ranks' staging shards, adopted between two
-    batches. Rank 0 holds a few chunks at a time; the snapshot served to joiners is a file. No replay of
-    missed steps' results (a site that is behind downloads the state) and no local progress carried over
-    a download.
+    batches. Rank 0 holds a few chunks at a time; the snapshot served to joiners is a file. Its steps'
+    results are kept and served as any peer's (read from the wire buffer); it replays none itself (a site
+    that is behind downloads the state) and carries no local progress over a download.
 
     The hash after a change waits for its turn (``Turn``: after the batch, the evaluation or the chunk
     in progress) and keeps it for the whole assembly, in a worker thread for a large state, holding the
@@ -588,12 +590,6 @@ class SiteState(SharedState):
             return None
         fd, epoch, root, layout, hashes, meta = self._snap
         return Snapshot(epoch, root, layout, list(hashes), meta, os.dup(fd), last_used=0.0)
-
-    async def keep_result(self, epoch: int, values: list[torch.Tensor]) -> None:
-        return None
-
-    def keep_result_now(self, epoch: int, values: list[torch.Tensor]) -> None:
-        return None
 
     def start_download(
         self,
