@@ -95,7 +95,7 @@ def split_share(shapes: dict[str, list[int]], world: int) -> tuple[int, int, flo
     meta = {n: torch.empty((len(rows_of(s[0], world, 0)), *s[1:]), device="meta") for n, s in shapes.items()}
     state = ShardedState(meta, shapes, 0, world)  # (rank 0's view: no collective)
     layout = state.layout
-    split = sum(layout.chunk_size(i) for i in range(layout.chunks) if state.owner(i) is None)
+    split = sum(layout.chunk_size(i) for i, r in enumerate(state.owners()) if r is None)
     return layout.size, layout.chunks, split / layout.size
 
 

@@ -154,6 +154,27 @@ class ShardedState:
         ranks = {p.rank for p in self.parts(i)}
         return ranks.pop() if len(ranks) == 1 else None
 
+    def owners(self) -> list[int | None]:
+        """Every chunk's :meth:`owner`, from the state's runs of one rank's bytes (each entry's rows by
+        rank, adjacent runs of one rank merged) rather than chunk by chunk: O(entries x ranks + chunks)
+        (at 70B, 538k chunks: chunk by chunk took 3.5 s of every hash on every rank)."""
+        size, count, step = self.layout.size, self.layout.chunks, chunks.CHUNK
+        runs: list[list[int]] = []  # [rank, begin, end) in the state's bytes
+        for e, owned in zip(self.layout.entries, self._owned, strict=True):
+            for r, lo, hi in owned:
+                a, b = e.begin + lo, e.begin + hi
+                if runs and runs[-1][0] == r and runs[-1][2] == a:
+                    runs[-1][2] = b
+                else:
+                    runs.append([r, a, b])
+        out: list[int | None] = [None] * count
+        for r, a, b in runs:
+            first = -(-a // step)  # the first chunk that starts in the run
+            stop = count if b >= size else b // step  # (the last chunk may be short: it ends the state)
+            if stop > first:
+                out[first:stop] = [r] * (stop - first)
+        return out
+
     def hashes(self) -> list[bytes] | None:
         """Collective: every chunk's hash, on rank 0 (:meth:`hash_into` without a file)."""
         return self.hash_into(None)
@@ -165,9 +186,12 @@ class ShardedState:
         folder the machines share; the others send theirs to rank 0); None: hashed only. See the
         module's docstring for who hashes and writes what."""
         n = self.layout.chunks
-        owners = [self.owner(i) for i in range(n)]
+        owners = self.owners()
+        by_rank: dict[int | None, list[int]] = {}
+        for i, r in enumerate(owners):
+            by_rank.setdefault(r, []).append(i)
         name = self._broadcast((path or "").encode() if self.rank == 0 else b"").decode()
-        mine = [i for i in range(n) if owners[i] == self.rank]
+        mine = by_rank.get(self.rank, [])
         fd = -1
         if name and (mine or self.rank == 0):
             try:
@@ -180,7 +204,7 @@ class ShardedState:
             reach = self._all_gather(bytes([fd >= 0]))  # (which ranks write rank 0's file themselves)
             sends = [bool(name) and not r[0] for r in reach]
             # 1. the chunks split between ranks, assembled on rank 0 (the others send their bytes)
-            split = [i for i in range(n) if owners[i] is None]
+            split = by_rank.get(None, [])
             if self.rank == 0:
 
                 def assembled(j: int) -> bytearray:
@@ -203,7 +227,7 @@ class ShardedState:
                 for r in range(1, self.world):
                     if not sends[r]:
                         continue
-                    for i in (i for i in range(n) if owners[i] == r):
+                    for i in by_rank.get(r, []):
                         buf = torch.empty(self.layout.chunk_size(i), dtype=torch.uint8, device=self.device)
                         dist.recv(buf, src=self._peer(r), group=self.group)
                         self.received += buf.numel()
@@ -218,7 +242,7 @@ class ShardedState:
                 dist.send(packed.to(self.device), dst=self._peer(0), group=self.group)
             return None
         for r in range(1, self.world):
-            theirs = [i for i in range(n) if owners[i] == r]
+            theirs = by_rank.get(r, [])
             if theirs:
                 got = torch.empty(len(theirs) * chunks.HASH_BYTES, dtype=torch.uint8, device=self.device)
                 dist.recv(got, src=self._peer(r), group=self.group)
