@@ -490,11 +490,11 @@ class CollaborativeOptimizer:
             outer.pseudo_gradients()
             # nothing to send: what earlier rounds left out goes in whole
             await shared.off_loop(outer.flush_feedback)
-            shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
+            await shared.keep_result(self.tally.epoch, self.contribution.buffer.views)
             await shared.off_loop(outer.step, None, outer.reset_local)
         else:
             self.contribution.buffer.div_(weight)
-            shared.keep_result_now(self.tally.epoch, self.contribution.buffer.views)
+            await shared.keep_result(self.tally.epoch, self.contribution.buffer.views)
             await shared.off_loop(self.local.apply, self.contribution.buffer)
         self.tally.took(weight)
         self.tally.counting_from(self.clock())

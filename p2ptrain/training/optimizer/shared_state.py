@@ -473,12 +473,6 @@ class SharedState:
                 lambda: self.results.keep(epoch, slots, values, self._compact, packs=self._packs)
             )
 
-    def keep_result_now(self, epoch: int, values: list[torch.Tensor]) -> None:
-        """:meth:`keep_result`, blocking (a step alone, from synchronous code)."""
-        slots, _, _ = self.result_layout(epoch)
-        if self.results.keep_count and len(values) == len(slots):
-            self.results.keep(epoch, slots, values, self._compact, packs=self._packs)
-
     def _apply_result(self, got: Fetched) -> None:
         """Apply one replayed step's result, as the step's members applied it (blocking)."""
         self.tally.moved_to(got.epoch)
