@@ -26,10 +26,11 @@ def test_files_a_crash_left_are_removed_and_nothing_else(tmp_path: Path) -> None
     step = checkpoints / "site" / "step-3"
     step.mkdir()
     (step / "DONE").write_text("")
-    assert snapshot_folder(checkpoints) == str(snapshots)
+    assert snapshot_folder(checkpoints / "site") == str(snapshots)
     assert not any(f.exists() for f in left)
     assert other.read_text() == "kept" and (step / "DONE").is_file()
 
 
 def test_a_folder_not_made_yet_is_named_all_the_same(tmp_path: Path) -> None:
-    assert snapshot_folder(tmp_path / "checkpoints") == str(tmp_path / "checkpoints" / "site" / "snapshots")
+    site = tmp_path / "checkpoints" / "site"
+    assert snapshot_folder(site) == str(tmp_path / "checkpoints" / "site" / "snapshots")

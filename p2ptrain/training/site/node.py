@@ -86,8 +86,12 @@ def site_parts(site: SiteRank) -> TrainerParts:
     return TrainerParts(site.model, site.optimizer, site.parts())
 
 
-def build_rank(config: RunConfig, task: Task, commands: Commands, world: int, device: str) -> SiteRank:
-    """This rank's FSDP2 model (from the run's seed: every peer's initial weights), optimizer, shards."""
+def build_rank(
+    config: RunConfig, task: Task, commands: Commands, world: int, device: str, folder: Path | None = None
+) -> SiteRank:
+    """This rank's FSDP2 model (from the run's seed: every peer's initial weights), optimizer, shards;
+    ``folder``: the site's checkpoints, beside which rank 0 makes its snapshot files
+    (:func:`snapshot_folder`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     check_run(config)
@@ -96,7 +100,31 @@ def build_rank(config: RunConfig, task: Task, commands: Commands, world: int, de
         torch.set_num_threads(config.training.threads)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     model = sharded_model(task, config.run.seed, mesh, device)
-    return SiteRank(model, inner_optimizer(model, config), config, commands, world=world, device=device)
+    snapshots = snapshot_folder(folder) if commands.rank == 0 else None
+    return SiteRank(
+        model,
+        inner_optimizer(model, config),
+        config,
+        commands,
+        world=world,
+        device=device,
+        snapshots=snapshots,
+    )
+
+
+def snapshot_folder(folder: Path | None) -> str | None:
+    """Where rank 0 makes the site's snapshot files: ``snapshots`` in the site's checkpoint folder (the
+    data folder's; under torchrun, shared by the hosts), where every rank that can open them writes its
+    own chunks (``ShardedState.hash_into``); None without a data folder (the system's temporary
+    folder). A file left there is a hash's that a crash cut short (each is unlinked as soon as it is
+    written): removed, as it may be the size of the state."""
+    if folder is None:
+        return None
+    snapshots = folder / "snapshots"
+    for left in snapshots.glob(f"{SNAPSHOT_PREFIX}*"):
+        log.info("removing %s, a snapshot file a crash left behind", left)
+        left.unlink(missing_ok=True)
+    return str(snapshots)
 
 
 def sharded_model(task: Task, seed: int, mesh: Any, device: str) -> torch.nn.Module:
@@ -278,21 +306,6 @@ class SiteWorkers:
         leave(self.site.rank)
 
 
-def snapshot_folder(checkpoints: Path | None) -> str | None:
-    """Where rank 0 makes the site's snapshot files: ``checkpoints/site/snapshots`` in the data folder
-    (under torchrun, shared by the hosts), where every rank that can open them writes its own chunks
-    (``ShardedState.hash_into``); None without a data folder (the system's temporary folder). A file
-    left there is a hash's that a crash cut short (each is unlinked as soon as it is written): removed,
-    as it may be the size of the state."""
-    if checkpoints is None:
-        return None
-    folder = checkpoints / "site" / "snapshots"
-    for left in folder.glob(f"{SNAPSHOT_PREFIX}*"):
-        log.info("removing %s, a snapshot file a crash left behind", left)
-        left.unlink(missing_ok=True)
-    return str(folder)
-
-
 class SiteTrainer(Trainer):
     """The node's training loop on a site's rank 0: the node's ``Trainer`` over the site's parts (its
     FSDP2 model and inner optimizer, the collaborative optimizer's site parts), each batch every rank's,
@@ -327,11 +340,6 @@ class SiteTrainer(Trainer):
         self.workers = SiteWorkers(site, task, group, lambda: self.opt.inner_steps)
         options = dataclasses.replace(options, local=self.workers)
         super().__init__(node, config, task, options, clock=clock, parts=site_parts(site))
-        self._place_snapshots(site)
-
-    def _place_snapshots(self, site: SiteRank) -> None:
-        """The site's snapshot files go to the data folder (see :func:`snapshot_folder`)."""
-        site.snapshots = snapshot_folder(self.checkpoints)
 
     @property
     def site_checkpoints(self) -> Path | None:
@@ -368,10 +376,9 @@ class SiteTrainer(Trainer):
         await trio.to_thread.run_sync(group.restart, reason)  # GroupRestarted: the group stays down
         world, device = self.site.world, str(self.device)
         site = await trio.to_thread.run_sync(
-            build_rank, self.config, self.task, group.commands, world, device
+            build_rank, self.config, self.task, group.commands, world, device, self.site_checkpoints
         )
         self.site = self.workers.site = site
-        self._place_snapshots(site)
         self.node.averager.unfollow()  # (the next collaborative optimizer hands it the run's rules)
         self._take(site_parts(site))
         self.node.status_sections["training"] = self.status
@@ -443,7 +450,7 @@ def start_group(
     group = SiteGroup(world, rank_main, config, devices, folder, timeout=wait, backend=backend)
     group.start()
     task = load_task(config.task.name, config.task.options)
-    return build_rank(config, task, group.commands, world, devices[0]), group
+    return build_rank(config, task, group.commands, world, devices[0], folder), group
 
 
 def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
@@ -457,7 +464,7 @@ def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     task = load_task(config.task.name, config.task.options)
-    site = build_rank(config, task, Commands(rank, device=device), world, device)
+    site = build_rank(config, task, Commands(rank, device=device), world, device, folder)
     if rank == 0:
         return site
     try:

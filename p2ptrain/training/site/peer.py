@@ -120,9 +120,13 @@ class SiteRank:
         device: torch.device | str = "cpu",
         group: Any = None,
         piece: int = PIECE,
+        snapshots: str | None = None,
     ) -> None:
         """``model``: sharded with ``fully_shard`` over the site's ``world`` ranks (its trainable
-        parameters DTensors, float32); ``commands``: this rank's end of rank 0's commands."""
+        parameters DTensors, float32); ``commands``: this rank's end of rank 0's commands;
+        ``snapshots``: rank 0's folder for its snapshot files (the site's data folder, which the hosts
+        of a site share for its checkpoints: every rank that can open them writes its own chunks
+        there); None: the system's temporary folder (one machine)."""
         check_run(config)
         self.model, self.optimizer, self.config, self.commands = model, optimizer, config, commands
         self.rank, self.world = commands.rank, world
@@ -140,10 +144,7 @@ class SiteRank:
         self._staging: ShardedState | None = None  # a download's verified chunks, until adopted
         self.turn = Turn()  # rank 0: who enters the site's collectives now (see ``turn``)
         self._batch = False  # rank 0: the training loop holds a batch's turn (TRAIN to the inner step)
-        # rank 0: the folder its snapshot files are made in (the node's data folder, which the hosts of a
-        # site share for its checkpoints: every rank that can open them writes its own chunks there);
-        # None: the system's temporary folder (one machine)
-        self.snapshots: str | None = None
+        self.snapshots = snapshots  # rank 0: where its snapshot files are made
 
     # ---- the site's state in the swarm's format (state sync) ----
 
