@@ -37,6 +37,18 @@ def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(batch).mean()
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--layers``, ``--width`` and ``--heads``: the built-in GPT the site benchmarks build."""
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+
+
+def shape_of(args: argparse.Namespace, block_size: int) -> dict[str, int]:
+    """The ``GPTConfig`` fields of :func:`add_shape_arguments`' options."""
+    return {"n_layer": args.layers, "n_head": args.heads, "n_embd": args.width, "block_size": block_size}
+
+
 def site_task(cfg: Any, initial_values: bool) -> Any:
     """A task of the built-in GPT of ``cfg`` (no data: only its model is built), with or without the
     GPT's ``initial_values``."""
@@ -77,14 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     from p2ptrain.training.site import launch
 
     parser = argparse.ArgumentParser(prog="python -m simulations.site_build", description=__doc__)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", default=None, help="a folder for the ranks' numbers")
     args = parser.parse_args(argv)
     folder = args.out or tempfile.mkdtemp(prefix="p2ptrain-site-build-")
-    shape = {"n_layer": args.layers, "n_head": args.heads, "n_embd": args.width, "block_size": 128}
+    shape = shape_of(args, 128)
     model_bytes = GPTConfig(**shape).num_parameters() * 4
     rows = []
     for world in args.ranks:

@@ -142,11 +142,10 @@ def run(rank: int, world: int, out: str, shape: dict[str, int], repeat: int) -> 
 def main(argv: list[str] | None = None) -> int:
     from p2ptrain.tasks.gpt import GPTConfig
     from p2ptrain.training.site import launch
+    from simulations.benchmarks.site_build import add_shape_arguments, shape_of
 
     parser = argparse.ArgumentParser(prog="python -m simulations.site_hash", description=__doc__)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--layouts", action="store_true", help="the split share of 7B and 70B layouts")
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
         if args.skip_run:
             return 0
-    shape = {"n_layer": args.layers, "n_head": args.heads, "n_embd": args.width, "block_size": 128}
+    shape = shape_of(args, 128)
     params = GPTConfig(**shape).num_parameters()
     rows = []
     with tempfile.TemporaryDirectory(prefix="p2ptrain-site-hash-") as folder:

@@ -105,15 +105,14 @@ def run(rank: int, world: int, out: str, shape: dict[str, int], steps: int, inli
 
 def main(argv: list[str] | None = None) -> int:
     from p2ptrain.training.site import launch
+    from simulations.benchmarks.site_build import add_shape_arguments, shape_of
 
     parser = argparse.ArgumentParser(prog="python -m simulations.site_loop_hold", description=__doc__)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
-    shape = {"n_layer": args.layers, "n_head": args.heads, "n_embd": args.width, "block_size": TOKENS}
+    shape = shape_of(args, TOKENS)
     rows = []
     with tempfile.TemporaryDirectory(prefix="p2ptrain-site-loop-") as folder:
         for inline in (False, True):
