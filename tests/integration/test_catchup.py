@@ -70,8 +70,13 @@ def records(peers: list[Peer]) -> tuple[PeerProgress, ...]:
 
 
 def behind_view(peer: Peer, donors: list[Peer], newest: int) -> SwarmView:
+    return view_behind(peer.opt.epoch, newest, records(donors))
+
+
+def view_behind(epoch: int, newest: int, donors: tuple[PeerProgress, ...]) -> SwarmView:
+    """What a peer on ``epoch`` sees when its trusted peers (``donors``) are on ``newest``."""
     return SwarmView(
-        epoch=peer.opt.epoch,
+        epoch=epoch,
         newest=newest,
         peers=1,
         quorum=1,
@@ -81,7 +86,7 @@ def behind_view(peer: Peer, donors: list[Peer], newest: int) -> SwarmView:
         target=48,
         majority=b"",
         overtaken=True,
-        donors=records(donors),
+        donors=donors,
         reason=f"behind: the trusted peers are on step {newest}",
     )
 

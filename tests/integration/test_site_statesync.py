@@ -32,13 +32,14 @@ from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.net import MemoryNetwork
 from p2ptrain.training import CollaborativeOptimizer
-from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView
+from p2ptrain.training.optimizer.progress import PeerProgress
 from p2ptrain.training.site import launch
 from p2ptrain.training.site.commands import Commands, Op
 from p2ptrain.training.site.outer import local_of
 from p2ptrain.training.site.peer import SiteRank
 from tests.harness.identities import identity
 from tests.harness.training import BATCH, batch_of, loss_of, make_model, run_config
+from tests.integration.test_catchup import view_behind
 
 pytestmark = pytest.mark.timeout(240)  # (spawned ranks start slowly on a busy machine)
 
@@ -174,20 +175,7 @@ def site_main(rank: int, world: int, out: str) -> None:
                     node_site.peer_id,
                     dataclasses.replace(site_opt.record(), addr=str(node_site.addresses[0])),
                 )
-                view = SwarmView(
-                    epoch=opt_c.epoch,
-                    newest=4,
-                    peers=1,
-                    quorum=1,
-                    others=1,
-                    samples=0.0,
-                    rate=0.0,
-                    target=48,
-                    majority=b"",
-                    overtaken=True,
-                    donors=(donor,),
-                    reason="behind: the site is on step 4",
-                )
+                view = view_behind(opt_c.epoch, 4, (donor,))
                 shared_c = opt_c.shared
                 downloads = shared_c.downloads
                 shared_c.start_download(view, lambda e: trusted.get(e, b""), lambda e: (donor,))
