@@ -44,8 +44,9 @@ import functools
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import trio
@@ -84,6 +85,7 @@ DIGEST_TRIES = 10  # asks for the results this many times while the digests they
 DIGEST_WAIT = 1.0  # ...this many seconds apart
 HASH_INLINE = 1 << 20  # a result this small is hashed on the event loop, a larger one in a thread
 PIECE_LEAST = 4 << 20  # the smallest piece a holder hashes a result in (a smaller result is one piece)
+WINDOW = 1 << 22  # elements of a result kept or checked at a time
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -91,20 +93,61 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def flat_bytes(values: Sequence[torch.Tensor], dtype: torch.dtype) -> bytes:
-    """``values`` (CPU or not) as one run of ``dtype`` bytes, in order."""
-    flat = torch.cat([v.detach().reshape(-1).to("cpu", dtype) for v in values]) if values else torch.empty(0)
-    return flat.view(torch.uint8).numpy().tobytes()
+def flat_of(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``values`` as one 1-D CPU tensor, in order: a view, with no copy, where they are consecutive views
+    of one storage (a contribution's flat buffer, a site's wire buffer in a mapped file); else a copy."""
+    if not values:
+        return torch.empty(0)
+    first = values[0].detach()
+    at, total = first.storage_offset(), 0
+    storage = first.untyped_storage().data_ptr()
+    for v in values:
+        if (
+            v.device.type != "cpu"
+            or v.dtype != first.dtype
+            or not v.is_contiguous()
+            or v.untyped_storage().data_ptr() != storage
+            or v.storage_offset() != at + total
+        ):
+            return torch.cat([v.detach().reshape(-1).to("cpu") for v in values])
+        total += v.numel()
+    return first.as_strided((total,), (1,), at)
+
+
+def windows(flat: torch.Tensor, size: int = 0) -> Iterator[torch.Tensor]:
+    """``flat`` in consecutive views of at most ``size`` (``WINDOW``) elements (work over a result a window
+    at a time: no temporary as large as the result)."""
+    size = size or WINDOW
+    for at in range(0, flat.numel(), size):
+        yield flat[at : at + size]
 
 
 def compact_dtype(values: Sequence[torch.Tensor], candidates: Sequence[torch.dtype]) -> torch.dtype:
     """The first of ``candidates`` that holds every value exactly (a round compressed to fp16 or bf16
-    leaves only such values), else the values' own dtype: results are kept and served losslessly."""
+    leaves only such values), else the values' own dtype: results are kept and served losslessly.
+    Checked a window at a time."""
     own = values[0].dtype if values else torch.float32
     for dtype in candidates:
-        if dtype.itemsize < own.itemsize and all(torch.equal(v.to(dtype).to(own), v) for v in values):
+        if dtype.itemsize < own.itemsize and all(
+            torch.equal(w.to(dtype).to(own), w) for v in values for w in windows(v.detach().reshape(-1))
+        ):
             return dtype
     return own
+
+
+def write_raw(flat: torch.Tensor, dtype: torch.dtype) -> bytes | Spilled:
+    """``flat`` as ``dtype`` bytes: in memory when small, else written to a spill file a window at a time
+    (a site's result in its mapped wire buffer never has a model-sized copy on the heap)."""
+    if flat.numel() * dtype.itemsize < SPILL_BYTES:
+        return flat.to(dtype).view(torch.uint8).numpy().tobytes()
+    file = SpillFile()
+    try:
+        for w in windows(flat):
+            file.put(w.to(dtype).contiguous().view(torch.uint8).numpy().data)
+    except BaseException:
+        file.close()
+        raise
+    return Spilled(file, 0, file.size)
 
 
 @dataclass
@@ -174,23 +217,25 @@ class ResultStore:
         smallest exact one kept."""
         if not self.keep_count:
             return
-        dtype = compact_dtype(values, compact)
+        flat = flat_of(values)
+        dtype = compact_dtype([flat], compact)
         kind = str(dtype).split(".")[-1]
-        packed = None
-        if packs and dtype == torch.float32:
-            flat = torch.cat([v.detach().reshape(-1).to("cpu", torch.float32) for v in values])
-            packed = result_codec.pack(flat, packs)
+        packed = result_codec.pack(flat, packs) if packs and dtype == torch.float32 else None
+        data: bytes | Spilled
         if packed is not None:
-            kind, raw = packed
+            kind, data = packed
+            if len(data) >= SPILL_BYTES:
+                try:
+                    data = SpillFile().put(data)
+                except OSError as e:  # a full disk: kept in memory
+                    log.warning("cannot spill step %d's result (%s): keeping it in memory", epoch, e)
         else:
-            raw = flat_bytes(values, dtype)
-        scale = Scale.total(Scale.of(v.detach().reshape(-1).float()) for v in values)
-        data: bytes | Spilled = raw
-        if len(raw) >= SPILL_BYTES:
             try:
-                data = SpillFile().put(raw)
+                data = write_raw(flat, dtype)
             except OSError as e:  # a full disk: kept in memory
                 log.warning("cannot spill step %d's result (%s): keeping it in memory", epoch, e)
+                data = flat.to(dtype).view(torch.uint8).numpy().tobytes()
+        scale = Scale.total(Scale.of(w.float()) for w in windows(flat))
         old = self._kept.pop(epoch, None)
         if old is not None:
             old.close()
@@ -271,6 +316,12 @@ class ResultStore:
         return StreamDone(True)
 
 
+class Mapped(Protocol):
+    """Float32 values outside the heap (a mapped file): ``flat``."""
+
+    flat: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Fetched:
     """One step's result, fetched and checked in form and size (not yet against the digest: that needs it
@@ -284,6 +335,7 @@ class Fetched:
     size: int  # bytes that travelled
     senders: tuple[PeerID, ...] = ()  # the holders whose pieces were kept
     contradicted: frozenset[PeerID] = frozenset()  # holders whose pieces differed from the reference's
+    buffer: Mapped | None = None  # what holds ``values`` (its first elements), when not the heap
 
 
 @dataclass
@@ -320,9 +372,15 @@ class ResultFetcher:
     """Fetches the results of the steps a peer missed (see the module docstring); keeps the peers that
     sent a result its digest refuted (``blamed``) out of later fetches."""
 
-    def __init__(self, host: Host, *, chunk_timeout: float) -> None:
+    def __init__(
+        self, host: Host, *, chunk_timeout: float, allocate: Callable[[int], Mapped] | None = None
+    ) -> None:
+        """``allocate(n)``: ``n`` float32 zeros outside the heap; with it, a float32 result's bytes go
+        there as they arrive, and its values are decoded there (a site's rank 0 holds no result whole
+        on its heap), else into memory."""
         self.host = host
         self.chunk_timeout = chunk_timeout
+        self.allocate = allocate
         self.blamed: set[PeerID] = set()
         self.failures: list[str] = []
         self._ahead: dict[int, Fetched] = {}  # results fetched ahead (``prefetch``), by step
@@ -513,6 +571,7 @@ class ResultFetcher:
                     and d.peer not in self.blamed
                     and (x.dtype, x.size) == (e.dtype, e.size)
                 ]
+                mapped, into = self._into(e, dtype)
                 try:
                     pieced = await fetch_pieces(
                         (donor.peer, conn),
@@ -522,6 +581,7 @@ class ResultFetcher:
                         timeout=self.chunk_timeout,
                         failures=self.failures,
                         more=functools.partial(self._more_holders, refresh, e),
+                        into=into,
                     )
                 except Refuted as err:
                     self.blamed.add(err.peer)
@@ -531,7 +591,7 @@ class ResultFetcher:
                     self._fail(donor.peer, f"step {epoch}: {err or 'no progress'}")
                     continue
                 try:
-                    values = self._values(e, pieced.data, dtype, count)
+                    values, held = self._values(e, pieced.data, dtype, count, mapped)
                     why = check_bound(values, bound)
                 except RemoteProtocolError as err:
                     why = str(err)
@@ -548,6 +608,7 @@ class ResultFetcher:
                     e.size,
                     senders=tuple(pieced.sent),
                     contradicted=frozenset(pieced.contradicted),
+                    buffer=held,
                 )
                 return
 
@@ -617,16 +678,40 @@ class ResultFetcher:
             return f"its result of step {e.epoch} is {e.size} bytes, not {count * kind.itemsize}"
         return ""
 
-    @staticmethod
-    def _values(e: ResultEntry, buf: bytearray, dtype: torch.dtype, count: int) -> torch.Tensor:
-        """A result's bytes as ``count`` values of ``dtype`` (RemoteProtocolError: a malformed packed
-        one)."""
-        if e.dtype in result_codec.PACKED:  # (checked in full: a malformed one raises)
-            return result_codec.unpack(e.dtype, buf, count)
-        values = (
-            torch.frombuffer(buf, dtype=DTYPES[e.dtype]) if e.size else torch.empty(0, dtype=DTYPES[e.dtype])
-        )
-        return values.to(dtype)
+    def _into(self, e: ResultEntry, dtype: torch.dtype) -> tuple[Mapped | None, memoryview | None]:
+        """Where ``e``'s bytes go as they arrive: a mapped buffer of their size and a writable view of
+        its bytes, when this fetcher allocates outside the heap (float32 parameters); else (None, None)."""
+        if self.allocate is None or dtype != torch.float32:
+            return None, None
+        mapped = self.allocate(-(-e.size // 4))
+        return mapped, mapped.flat.view(torch.uint8)[: e.size].numpy().data
+
+    def _values(
+        self,
+        e: ResultEntry,
+        buf: bytearray | memoryview,
+        dtype: torch.dtype,
+        count: int,
+        mapped: Mapped | None,
+    ) -> tuple[torch.Tensor, Mapped | None]:
+        """A result's bytes as ``count`` values of ``dtype``, and the mapped buffer that holds them (None:
+        the heap); RemoteProtocolError: a malformed packed one. Bytes fetched into ``mapped``: a float32
+        result's values are those very bytes; any other is decoded into a new mapped buffer."""
+        kind = DTYPES.get(e.dtype)
+        if mapped is not None and self.allocate is not None:
+            if kind == torch.float32:
+                return mapped.flat[:count], mapped
+            out = self.allocate(count)
+            values = out.flat[:count]
+            if kind is None:
+                result_codec.unpack(e.dtype, buf, count, out=values)
+            elif e.size:
+                values.copy_(torch.frombuffer(buf, dtype=kind))
+            return values, out
+        if kind is None:  # (packed: checked in full, a malformed one raises)
+            return result_codec.unpack(e.dtype, buf, count), None
+        values = torch.frombuffer(buf, dtype=kind) if e.size else torch.empty(0, dtype=kind)
+        return values.to(dtype), None
 
     def _why(self) -> str:
         return f" ({'; '.join(self.failures[-4:])})" if self.failures else ""

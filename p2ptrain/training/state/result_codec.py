@@ -48,9 +48,9 @@ def pack_sparse(flat: torch.Tensor) -> bytes | None:
     n = flat.numel()
     if n == 0 or n > MAX_INDEX:
         return None
+    if 4 + 8 * int(torch.count_nonzero(flat)) >= 4 * n:
+        return None  # (counted first: a dense result's indices would be twice its size)
     idx = torch.nonzero(flat).view(-1)
-    if 4 + 8 * idx.numel() >= 4 * n:
-        return None
     vals = flat[idx].contiguous()
     return _u32(idx.numel()) + idx.to(torch.int32).numpy().tobytes() + vals.numpy().tobytes()
 
@@ -174,14 +174,23 @@ def _indices(buf: memoryview, at: int, k: int, limit: int) -> torch.Tensor:
     return idx
 
 
-def unpack(kind: str, data: bytes | bytearray | memoryview, count: int) -> torch.Tensor:
-    """The float32 values of a packed result of ``count`` values (a new tensor); RemoteProtocolError
-    when the bytes are not a well-formed ``kind`` result of that count."""
+def unpack(
+    kind: str, data: bytes | bytearray | memoryview, count: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 values of a packed result of ``count`` values: written into ``out`` (``count``
+    float32 values, e.g. in a mapped file; no temporary as large as it) and returned, or a new tensor;
+    RemoteProtocolError when the bytes are not a well-formed ``kind`` result of that count (``out`` then
+    holds anything)."""
     buf = memoryview(data).cast("B")
     size = len(buf)
     if size < 4 or size > max_size(kind, count):
         raise RemoteProtocolError(f"a {kind} result of {count} values cannot be {size} bytes")
-    out = torch.zeros(count, dtype=torch.float32)
+    if out is None:
+        out = torch.zeros(count, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != count:
+        raise ValueError(f"unpack into {count} float32 values, not {out.numel()} of {out.dtype}")
+    else:
+        out.zero_()
     if kind == SPARSE:
         (k,) = struct.unpack_from("<I", buf, 0)
         if k > count or size != 4 + 8 * k:
@@ -206,10 +215,11 @@ def unpack(kind: str, data: bytes | bytearray | memoryview, count: int) -> torch
     scales = torch.from_numpy(np.frombuffer(buf, dtype="<f4", count=nb, offset=at).copy())
     if not bool(((scales >= 0) & torch.isfinite(scales * 127)).all()):
         raise RemoteProtocolError("an int8 result has a negative, non-finite or oversized scale")
-    q = torch.from_numpy(np.frombuffer(buf, dtype=np.int8, count=count, offset=at + 4 * nb).copy())
+    codes = np.frombuffer(buf, dtype=np.int8, count=count, offset=at + 4 * nb)
+    q = torch.from_numpy(codes if codes.flags.writeable else codes.copy())
     if int(q.min()) < -127:
         raise RemoteProtocolError("an int8 result holds -128, outside the symmetric range")
-    values = q.to(torch.float32)
+    values = out.copy_(q)  # (decoded in place: the codes, then each segment's blocks scaled)
     start, block = 0, 0
     for length in lengths.tolist():
         seg = values[start : start + length]
@@ -219,5 +229,4 @@ def unpack(kind: str, data: bytes | bytearray | memoryview, count: int) -> torch
         if length % INT8_BLOCK:
             seg[full * INT8_BLOCK :].mul_(scales[block + full])
         start, block = start + length, block + -(-length // INT8_BLOCK)
-    out.copy_(values)
     return out

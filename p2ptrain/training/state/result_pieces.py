@@ -75,7 +75,7 @@ class Refuted(P2PError):
 class Pieced:
     """One result's bytes, every piece matching the reference's hash."""
 
-    data: bytearray
+    data: bytearray | memoryview
     reference: PeerID
     sent: dict[PeerID, int] = field(default_factory=dict)  # bytes each holder delivered
     contradicted: set[PeerID] = field(default_factory=set)  # holders whose piece differed from the hash
@@ -132,13 +132,15 @@ async def fetch_pieces(
     timeout: float,
     failures: list[str],
     more: Callable[[set[PeerID]], Awaitable[list[tuple[PeerID, Connection]]]] | None = None,
+    into: memoryview | None = None,
 ) -> Pieced:
     """``entry``'s result, every piece checked against ``reference``'s hashes, fetched from the
     reference and ``others`` (holders of a result of the same form) at once. Raises :class:`Refuted`
     when the reference contradicts itself, P2PError when it names no usable pieces or no holder could
     deliver some piece; what went wrong with each holder is appended to ``failures``. ``more(known)``,
     called every ``RECRUIT_EVERY`` seconds until the result is in: holders of a result of the same
-    form found since, besides ``known`` (they fetch pieces too)."""
+    form found since, besides ``known`` (they fetch pieces too). ``into``: where the result's bytes go
+    (``entry.size`` writable bytes, e.g. a mapped file), else a new bytearray."""
     ref_peer, ref_conn = reference
     try:
         with trio.fail_after(2 * timeout):
@@ -147,7 +149,9 @@ async def fetch_pieces(
         raise PeerUnavailable("it named no piece hashes in time") from None
     hashes = checked_pieces(answer, entry.size)
     piece, size = answer.piece, entry.size
-    out = Pieced(bytearray(size), ref_peer)
+    if into is not None and (len(into) != size or into.readonly):
+        raise ValueError(f"a result of {size} bytes goes into {size} writable bytes")
+    out = Pieced(bytearray(size) if into is None else into, ref_peer)
     if not hashes:
         return out  # (an empty result)
     waiting: deque[int] = deque(range(len(hashes)))
