@@ -57,6 +57,7 @@ GROUPS = {
         "tests/integration/test_site_hash_spread.py",
         "tests/integration/test_site_hash_turns.py",
         "tests/integration/test_site_recovery.py",
+        "tests/integration/test_site_replay.py",
         "tests/integration/test_site_statesync.py",
         "tests/integration/test_site_swarm.py",
         "tests/integration/test_site_torchrun_restart.py",

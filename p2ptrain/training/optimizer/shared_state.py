@@ -71,6 +71,10 @@ class Download:
 class SharedState:
     """Digest, snapshots and downloads of a CollaborativeOptimizer's shared state."""
 
+    # DiLoCo one step behind: a download carries the local progress onto the new state (a replay does
+    # either way); a site's does not (its chunks are placed while the training loop waits)
+    carries_downloads = True
+
     def __init__(
         self,
         node: Node,
@@ -402,6 +406,8 @@ class SharedState:
                     except P2PError as e:
                         flight.replaying = False
                         log.info("no replay of steps %d-%d (%s): downloading the state", epoch, want - 1, e)
+                if not self.carries_downloads:
+                    flight.carry_from = None  # (the training loop waits for it: ``step``)
                 if donors is not None:
                     nursery.start_soon(self._fetch_ahead, flight, want, expected, donors)
                 flight.outcome = await self.fetcher.fetch(

@@ -28,7 +28,7 @@ IDLE_WAIT = datetime.timedelta(minutes=10)
 class Op(enum.IntEnum):
     TRAIN = 1  # a: inner steps to take (a node's site: a batch, then inner step number a)
     CONTRIBUTE = 2  # a, b: the parameters [a, b) (a fragment) into rank 0's wire buffer (c: 1 keep aside)
-    LAND = 3  # a, b: those parameters; c: 1 committed, 0 aborted
+    LAND = 3  # a, b: those parameters; c: 1 committed, 0 aborted, 2 committed carrying local progress
     STEP_ALONE = 4  # a, b: a step with no round
     SAVE = 5  # a: the step to checkpoint (the folder is the site's own)
     STOP = 6
@@ -39,6 +39,10 @@ class Op(enum.IntEnum):
     HASH = 11  # every chunk of the site's state assembled on rank 0 (its digest, its snapshot)
     PLACE = 12  # a: a downloaded chunk, verified by rank 0, into the ranks' staging shards
     ADOPT = 13  # the staged (downloaded) state becomes the site's: global, momentum, local parameters
+
+
+LAND_CARRY = 2
+"""LAND's ``c`` for a replayed step's result that carries the local progress (see ``peer.SiteState``)."""
 
 
 @dataclass(frozen=True)

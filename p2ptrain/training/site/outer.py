@@ -150,11 +150,15 @@ class ShardedOuter:
                 for i in params:
                     self._e[i].zero_()
 
-    def land(self, params: range, wire: WireBuffer | None, *, committed: bool) -> None:
+    def land(self, params: range, wire: WireBuffer | None, *, committed: bool, carry: bool = False) -> None:
         """Collective, after the round: committed, the average in rank 0's ``wire`` steps every rank's
         shards of the global parameters, and the local ones restart from them (with what was computed
-        since the handoff on top, if :meth:`contribute` kept the pseudo-gradient aside); aborted, the
-        residual goes back to what it was before :meth:`contribute` and nothing else changes."""
+        since the handoff on top, if :meth:`contribute` kept the pseudo-gradient aside; with all of
+        their progress since the old global parameters on top, if ``carry``: a replayed step's result,
+        see ``peer.SiteState``); aborted, the residual goes back to what it was before
+        :meth:`contribute` and nothing else changes."""
+        if carry and not committed:
+            raise ValueError("only a committed step carries the local progress")
         if not committed:
             self._restore_residual()
             self._forget_own()
@@ -170,7 +174,7 @@ class ShardedOuter:
             self.channel.scatter(a, b, wire.piece(a - lo, b - lo) if wire is not None else None, put)
             if wire is not None:
                 wire.release(a - lo, b - lo)
-        self._step(avg)
+        self._step(avg, carry=carry)
 
     def step_alone(self, params: range) -> None:
         """A step alone (no round): every rank steps with its own pseudo-gradient (and all the residual:
@@ -187,7 +191,10 @@ class ShardedOuter:
                 avg[i] = d
         self._step(avg)
 
-    def _step(self, avg: dict[int, torch.Tensor]) -> None:
+    def _step(self, avg: dict[int, torch.Tensor], *, carry: bool = False) -> None:
+        """Each parameter of ``avg`` steps with it; the local one restarts from the new global one, with
+        the progress since the handoff on top (kept aside by :meth:`contribute`), or, if ``carry``, all
+        of its progress since the old global one (an unsharded peer's replay carries it so)."""
         locals_ = self.locals()
         own, self._own = self._own, {}
         with torch.no_grad():
@@ -201,10 +208,12 @@ class ShardedOuter:
                         else torch.frombuffer(kept.read(), dtype=p.dtype)
                     )
                     p.sub_(g).add_(raw.view(p.shape).to(p.device))
+                elif carry:
+                    p.sub_(g)  # the progress since the old global parameters
                 g.grad = d
                 self.sgd.step()
                 g.grad = None
-                if kept is not None:
+                if kept is not None or carry:
                     p.add_(g)
                 else:
                     p.copy_(g)

@@ -29,10 +29,12 @@ What a site refuses at start (:func:`check_run`): sync mode (it averages gradien
 what a site over a WAN is meant to avoid; its gradients would be full tensors on rank 0), DiLoCo with
 ``overlap`` (the landing puts the progress made during the round on top of the global parameters on
 the whole model at once, not yet shard by shard). It keeps its last steps' results and serves them to
-peers that replay, as any peer does (``SharedState.keep_result``: read from rank 0's wire buffer). What it
-does not do yet: replay the missed steps' results itself (a site that is behind downloads the whole state,
-and carries no local progress over it), checkpoint through the node's checkpoint files
-(``site.checkpoint`` is the per-rank format).
+peers that replay, as any peer does (``SharedState.keep_result``: read in place from rank 0's wire
+buffer, a window at a time), and a site at most ``statesync.replay_steps`` behind replays the missed
+steps' results as any peer does (``SiteState._replay``: each fetched into a mapped buffer, landed shard
+by shard, hashed and checked against the trusted digest); one further behind downloads the whole state,
+and carries no local progress over it. What it does not do yet: checkpoint through the node's
+checkpoint files (``site.checkpoint`` is the per-rank format).
 
 State sync and the site's collectives. The ranks enter collectives in the order rank 0's commands name
 them, one command at a time; so on rank 0 every collective of the site's group is issued by one owner
@@ -51,6 +53,7 @@ download between two batches (no local progress to carry), so its chunks are pla
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -63,7 +66,7 @@ import trio
 
 from ...averaging.compression import Compression
 from ...config import DilocoSection, RunConfig, TrainingSection
-from ...errors import ConfigError, P2PError, RemoteProtocolError
+from ...errors import ConfigError, RemoteProtocolError
 from ..optimizer.buffers import Contribution, ParamBuffer
 from ..optimizer.collaborative import Parts
 from ..optimizer.feedback import PIECE
@@ -74,9 +77,10 @@ from ..optimizer.shared_state import RETRY_SYNC, Download, SharedState
 from ..state import capture, chunks, serve
 from ..state.chunks import Layout
 from ..state.codec import TIED_KEY
-from ..state.download import Downloaded, Sink
+from ..state.download import Downloaded, Partial, Sink
+from ..state.replay import Replay
 from ..state.serve import Snapshot
-from .commands import Command, Commands, Op
+from .commands import LAND_CARRY, Command, Commands, Op
 from .layout import WireLayout
 from .outer import ShardedOuter, local_of
 from .pieces import PieceChannel
@@ -271,7 +275,7 @@ class SiteRank:
         elif cmd.op is Op.ALONE:
             self.outer.contribute(fragment, None, alone=True)
         elif cmd.op is Op.LAND:
-            self.outer.land(fragment, None, committed=bool(cmd.c))
+            self.outer.land(fragment, None, committed=bool(cmd.c), carry=cmd.c == LAND_CARRY)
         elif cmd.op is Op.STEP_ALONE:
             self.outer.step_alone(fragment)
         elif cmd.op is Op.HASH:
@@ -340,8 +344,8 @@ class SiteOuter(OuterStep):
     """Rank 0's outer step of a site: each of ``OuterStep``'s moves is a command to the other ranks and
     the same collective on rank 0's shards (``ShardedOuter``)."""
 
-    # (the ranks fold their pieces into the one wire buffer, which a replay would also write: a site
-    # does not replay missed steps yet, and once it does, a site joined ahead hands over once it landed)
+    # (handing over to a group of the step a replay lands on, before it landed, is not built for a site:
+    # a site joined ahead hands over once the replay landed)
     hands_over_ahead = False
 
     def __init__(self, site: SiteRank, params: list[torch.Tensor], contribution: Contribution) -> None:
@@ -462,8 +466,9 @@ class SiteState(SharedState):
     root an unsharded peer with this state publishes; each chunk hashed and written by the rank that
     holds it), and a download placed chunk by chunk into the ranks' staging shards, adopted between two
     batches. Rank 0 holds a few chunks at a time; the snapshot served to joiners is a file. Its steps'
-    results are kept and served as any peer's (read from the wire buffer); it replays none itself (a site
-    that is behind downloads the state) and carries no local progress over a download.
+    results are kept and served as any peer's (read in place from the wire buffer); a site a few steps
+    behind replays the missed ones (:meth:`_replay`, each result in a mapped buffer, never whole on the
+    heap), and one further behind downloads the state, carrying no local progress over it.
 
     The hash after a change waits for its turn (``Turn``: after the batch, the evaluation or the chunk
     in progress) and keeps it for the whole assembly, in a worker thread for a large state, holding the
@@ -475,13 +480,17 @@ class SiteState(SharedState):
 
     site: SiteRank  # (set by ``SiteRank.parts``)
     layout: Layout  # the state's chunk layout (set by every hash)
+    carries_downloads = False
 
     def __init__(self, node: Any, *args: Any, **kwargs: Any) -> None:
         self._registry = node.host.registry  # (what it serves there is released by ``close``)
         # the snapshot served to joiners: its file, epoch, root, layout, chunk hashes, metadata
         self._snap: tuple[int, int, bytes, Layout, list[bytes], bytes] | None = None
+        # the state a replay just hashed (epoch, layout, snapshot file, hashes), for ``changed``
+        self._ready: tuple[int, Layout, int, list[bytes]] | None = None
         super().__init__(node, *args, **kwargs)
         self.fetcher.sink = SiteSink(self)
+        self.replayer.allocate = WireBuffer  # (a result fetched and decoded into a mapped file)
 
     def close(self) -> None:
         """This state's life ended (the site's group broke: the state of its next generation takes its
@@ -492,6 +501,9 @@ class SiteState(SharedState):
         if self._snap is not None:
             os.close(self._snap[0])
             self._snap = None
+        if self._ready is not None:
+            os.close(self._ready[2])
+            self._ready = None
 
     def _rehash(self) -> None:
         """The state changed: its digest is unknown until every chunk is hashed (see the class's
@@ -502,6 +514,10 @@ class SiteState(SharedState):
         if self._digest_set.is_set():
             self._digest_set = trio.Event()
         version, site = self._version, self.site
+        ready, self._ready = self._ready, None
+        if ready is not None:  # (hashed already, in the turn that changed it: a replay's last step)
+            self._publish(version, *ready)
+            return
         # (the layout of the last hash, the first one inline: the model is read only in a turn, never
         # while a batch runs in a worker thread with FSDP2's unsharded parameters registered)
         if self._nursery is None or (
@@ -598,34 +614,29 @@ class SiteState(SharedState):
         expected: Callable[[int], bytes],
         donors: Callable[[int], Sequence[PeerProgress]] | None = None,
     ) -> None:
-        """Download the swarm's state into the ranks' shards (in the background; the chunks are placed
-        while the training loop waits for it between two batches; ``donors``: not used, a site does
-        not replay)."""
-        assert self._nursery is not None
+        """Catch up as any peer does (``SharedState.start_download``): a site at most ``replay_steps``
+        behind on the trusted lineage fetches the missed steps' results into mapped buffers (its
+        fetcher's ``allocate``) while it trains on; otherwise the state downloads into the ranks'
+        staging shards (its chunks placed while the training loop waits between two batches)."""
         self.site.end_batch()  # (called between two batches)
-        why = view.reason if view.behind else f"diverged from the majority on step {view.epoch}"
-        log.info("catching up (a site downloads the state into its ranks' shards): %s", why)
-        flight = self.download = Download(trio.Event(), None, expected=expected)
-        want = view.newest if view.behind else self.tally.epoch
+        super().start_download(view, expected, donors)
 
-        async def run() -> None:
-            try:
-                flight.outcome = await self.fetcher.fetch(view.donors, want_epoch=want, expected=expected)
-            except P2PError as e:
-                flight.outcome = e
-            finally:
-                flight.done.set()
-
-        self._nursery.start_soon(run)
+    async def reuse(self, partial: Partial) -> None:
+        """(A site copies none of its own chunks into a download: each is placed as it arrives.)"""
 
     async def land_download(self) -> bool:
-        """Between two batches: the batch's turn ends (chunks may be placed); a download that is in
-        and confirmed is adopted by every rank (after a hash in progress)."""
+        """Between two batches: the batch's turn ends (chunks may be placed); a replay that is in is
+        applied step by step (:meth:`_replay`), a download that is in and confirmed is adopted by
+        every rank (after a hash in progress)."""
         self.site.end_batch()
         flight = self.download
         if flight is None or not flight.done.is_set():
             return False
         got = flight.outcome
+        if isinstance(got, Replay):
+            async with self.site.turn.taken(Owner.TRAINING):  # (after a hash in progress)
+                self.download = None
+                return await self._replay(flight, got)
         if not isinstance(got, Downloaded):
             self.download = None
             log.warning("could not catch up (%s); retrying in %.0f s", got, RETRY_SYNC)
@@ -644,3 +655,100 @@ class SiteState(SharedState):
         self.stats.note_sync(self.tally.epoch, donor)
         log.info("now on step %d (state from %s, placed into the ranks' shards)", self.tally.epoch, donor)
         return True
+
+    async def _replay(self, flight: Download, replay: Replay) -> bool:
+        """In the training loop's turn: apply ``replay``'s results in order, as the steps' members
+        applied them, each checked against the trusted digest of the step it leads to (the unsharded
+        ``SharedState._replay``'s invariant, shard by shard). Each result lands from its own mapped
+        buffer (LAND: rank 0 scatters it piece by piece, every rank steps its shards; one result that
+        is the only one carries the local progress, ``LAND_CARRY``), then HASH gives the state's digest
+        and snapshot. A digest the trusted records do not name blames the result's reference and stops
+        the replay: the state is off the lineage, and the next catch-up downloads it. True (the state
+        changed: its digest, just computed, is published by ``changed`` without hashing again)."""
+        first = self.tally.epoch
+        if replay.first != first:
+            return False  # (the state moved meanwhile: not expected, nothing to apply)
+        carried = len(replay.results) == 1 and flight.carry_from is not None
+        samples, since = self.tally.samples, self.tally.since
+        applied = 0
+        before = self.digest  # the chain so far (the replay began on this, vouched, digest)
+        for got in replay.results:
+            wire = got.buffer
+            if not isinstance(wire, WireBuffer) or wire.numel != got.values.numel():
+                raise TypeError("a site's replayed result lands from a wire buffer of its size (allocate)")
+            self.tally.moved_to(got.epoch)
+            self.contribution.fit(got.epoch)
+            slots = got.slots
+            self.site.send(Command(Op.LAND, slots.start, slots.stop, LAND_CARRY if carried else 1))
+            await self.off_loop(
+                functools.partial(self.site.outer.land, slots, wire, committed=True, carry=carried)
+            )
+            self.tally.moved_to(got.epoch + 1)
+            digest = await self._hash_now()
+            trusted = flight.expected(got.epoch + 1) or got.after
+            if digest != trusted:
+                self.replayer.blamed.add(got.peer)
+                self.fetcher.blamed.add(got.peer)
+                log.warning(
+                    "step %d's result from %s does not lead to the state the trusted records name: %s is"
+                    " blamed, and this site downloads the state",
+                    got.epoch,
+                    got.peer.short(),
+                    got.peer.short(),
+                )
+                self._replay_failed = got.epoch + 1
+                self.sync_retry_at = 0.0
+                break
+            for liar in got.contradicted:  # their pieces differed from bytes now proven right
+                self.replayer.blamed.add(liar)
+                self.fetcher.blamed.add(liar)
+                log.warning(
+                    "%s sent a piece of step %d's result that differs from the one the trusted records"
+                    " confirm: it is blamed",
+                    liar.short(),
+                    got.epoch,
+                )
+            applied += 1
+            self.replayed += 1
+            self.replayed_bytes += got.size
+            chain = (before, digest)  # verified: served on to peers further behind
+            if self.param_bytes < serve.THREAD_BYTES:
+                self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain, self._packs)
+            else:
+                await trio.to_thread.run_sync(
+                    self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain, self._packs
+                )
+            before = digest
+        self.tally.forget_cohort()  # no round of ours vouches for these steps
+        if carried and applied:
+            self.tally.carry(samples, since)
+        else:
+            self.tally.counting_from(self.clock())
+        if applied:
+            self.stats.note_sync(self.tally.epoch, replay.results[0].peer.short())
+            peers = sorted({p.short() for r in replay.results[:applied] for p in r.senders or (r.peer,)})
+            log.info(
+                "now on step %d: replayed %d step(s) from step %d into the ranks' shards (%.1f MB from %s"
+                " in %.1f s)%s",
+                self.tally.epoch,
+                applied,
+                first,
+                sum(r.size for r in replay.results[:applied]) / 1e6,
+                ", ".join(peers),
+                replay.seconds,
+                f"; {samples} samples of local progress carried into it" if carried and applied else "",
+            )
+        return True
+
+    async def _hash_now(self) -> bytes:
+        """In a turn held already: HASH the state as it is now (in a worker thread when large, the state
+        held meanwhile), and keep what it made for ``changed`` to publish (:meth:`_rehash`); its root."""
+        state, epoch = self.site.live_state(), self.tally.epoch
+        if state.layout.size < serve.THREAD_BYTES:
+            fd, hashes = self._assemble(state)
+        else:
+            fd, hashes = await self.read_in_thread(self._assemble, state)
+        if self._ready is not None:
+            os.close(self._ready[2])
+        self._ready = (epoch, state.layout, fd, hashes)
+        return chunks.root(epoch, state.layout, hashes)
