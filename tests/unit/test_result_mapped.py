@@ -24,7 +24,7 @@ from p2ptrain.averaging.compression import INT8_BLOCK, Compression, decode, enco
 from p2ptrain.averaging.spill import Spilled
 from p2ptrain.training.site.wire import WireBuffer
 from p2ptrain.training.state import replay, result_codec
-from p2ptrain.training.state.protocol import ResultEntry
+from p2ptrain.training.state.protocol import ResultEntry, hash_pieces
 from p2ptrain.training.state.replay import ResultFetcher, ResultStore, flat_of
 
 SEEDS = range(6)
@@ -125,3 +125,20 @@ def test_a_packed_result_unpacked_into_a_buffer_of_another_size_is_refused() -> 
     assert packed is not None
     with pytest.raises(ValueError, match="float32 values"):
         result_codec.unpack(result_codec.SPARSE, packed[1], values.numel(), out=torch.empty(3))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_spilled_results_piece_hashes_read_a_piece_at_a_time_are_the_whole_results(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder names a result's piece hashes (``train.result_pieces``) reading one piece at a time from
+    its spill file, never the whole result into memory: the same hashes as over the whole bytes."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(replay, "SPILL_BYTES", 1 << 10)
+    n = rng.randrange(1, 20_000)
+    store = ResultStore(None, 1, lambda e: b"")
+    store.keep(0, range(1), [torch.randn(n, generator=torch.Generator().manual_seed(seed))], [])
+    kept = store.get(0)
+    assert kept is not None and isinstance(kept.data, Spilled) == (4 * n >= 1 << 10)
+    piece = rng.choice([1, 7, 1000, 4096, 4 * n, 4 * n + 3])
+    assert ResultStore._hash_spilled(kept, piece) == hash_pieces(bytes(kept.read()), piece)

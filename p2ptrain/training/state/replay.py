@@ -295,13 +295,18 @@ class ResultStore:
         kept = self._held(req)
         if kept.pieces is None:
             piece = piece_bytes(kept.size, self.piece_least)
-            data = await self._read(kept)
             if kept.size < HASH_INLINE:
-                hashes = hash_pieces(data, piece)
-            else:
-                hashes = await trio.to_thread.run_sync(hash_pieces, data, piece)
+                hashes = hash_pieces(kept.read(), piece)
+            else:  # (a piece read at a time: a spilled result is never read whole into memory)
+                hashes = await trio.to_thread.run_sync(self._hash_spilled, kept, piece)
             kept.pieces = ResultPieces(piece, hashes)
         return kept.pieces
+
+    @staticmethod
+    def _hash_spilled(kept: Kept, piece: int) -> bytes:
+        return b"".join(
+            hash_pieces(kept.read(at, min(at + piece, kept.size)), piece) for at in range(0, kept.size, piece)
+        )
 
     async def _on_data(self, ctx: CallContext, req: ResultReq, stream: RpcStream) -> StreamDone:
         kept = self._held(req)
