@@ -490,7 +490,8 @@ class SiteState(SharedState):
         self._ready: tuple[int, Layout, int, list[bytes]] | None = None
         super().__init__(node, *args, **kwargs)
         self.fetcher.sink = SiteSink(self)
-        self.replayer.allocate = WireBuffer  # (a result fetched and decoded into a mapped file)
+        # (a result fetched and decoded into a mapped file, beside the site's snapshot files)
+        self.replayer.allocate = functools.partial(WireBuffer, folder=self.site.snapshots)
 
     def close(self) -> None:
         """This state's life ended (the site's group broke: the state of its next generation takes its
