@@ -48,20 +48,37 @@ class SpillFile:
         self.size = 0
         self.closed = False
 
-    def put(self, data: bytes | bytearray | memoryview) -> Spilled:
-        """Append ``data``; the returned handle reads it back (the caller may reuse ``data`` at once)."""
+    def _open(self) -> None:
         if self.closed:
             raise ValueError("the spill file is closed")
         if self.fd < 0:
             fd, path = tempfile.mkstemp(prefix="p2ptrain-spill-", dir=self.folder)
             os.unlink(path)
             self.fd = fd
+
+    def put(self, data: bytes | bytearray | memoryview) -> Spilled:
+        """Append ``data``; the returned handle reads it back (the caller may reuse ``data`` at once)."""
+        offset = self.reserve(len(memoryview(data).cast("B")))
+        self.write_at(offset, data)
+        return Spilled(self, offset, self.size - offset)
+
+    def reserve(self, length: int) -> int:
+        """Room for ``length`` bytes at the end, filled by :meth:`write_at` (what is never written reads
+        as zeros and takes no disk); its offset."""
+        self._open()
+        offset = self.size
+        self.size += length
+        return offset
+
+    def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` at ``offset``, within room :meth:`reserve` made."""
+        self._open()
         view = memoryview(data).cast("B")
-        offset, done = self.size, 0
+        if offset < 0 or offset + len(view) > self.size:
+            raise ValueError(f"{len(view)} bytes at {offset} are past the {self.size} reserved")
+        done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
-        self.size += len(view)
-        return Spilled(self, offset, len(view))
 
     def read(self, offset: int, length: int) -> bytearray:
         if self.closed:

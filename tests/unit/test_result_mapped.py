@@ -68,7 +68,7 @@ def test_kept_results_are_the_whole_tensors_bytes_and_replay_into_mapped_buffers
     fetcher = ResultFetcher(None, chunk_timeout=1.0, allocate=WireBuffer)  # type: ignore[arg-type]
     heap = ResultFetcher(None, chunk_timeout=1.0)  # type: ignore[arg-type]
     for kind in ("float32", "float16", result_codec.INT8, result_codec.SPARSE):
-        n = rng.randrange(3 * INT8_BLOCK, 40 * INT8_BLOCK)
+        n = rng.randrange(3 * INT8_BLOCK, 16 * INT8_BLOCK)
         values = values_of(kind, n, g)
         wire = WireBuffer(n)  # (where a site's round leaves its result)
         wire.flat.copy_(values)
@@ -76,7 +76,8 @@ def test_kept_results_are_the_whole_tensors_bytes_and_replay_into_mapped_buffers
         flat = flat_of(views)
         assert flat.data_ptr() == wire.flat.data_ptr() and flat.numel() == n  # read in place
         compact = [torch.float16] if kind == "float16" else []
-        packs = (result_codec.INT8, result_codec.SPARSE)
+        # (a run's compression names one form; values of another form are tried against both)
+        packs = (kind,) if kind in result_codec.PACKED else (result_codec.INT8, result_codec.SPARSE)
         store = ResultStore(None, 2, lambda e: b"")
         store.keep(0, range(len(views)), views, compact, (b"b", b"a"), packs)
         kept = store.get(0)
@@ -142,3 +143,27 @@ def test_a_spilled_results_piece_hashes_read_a_piece_at_a_time_are_the_whole_res
     assert kept is not None and isinstance(kept.data, Spilled) == (4 * n >= 1 << 10)
     piece = rng.choice([1, 7, 1000, 4096, 4 * n, 4 * n + 3])
     assert ResultStore._hash_spilled(kept, piece) == hash_pieces(bytes(kept.read()), piece)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_int8_result_packed_into_a_spill_file_is_the_in_memory_packing(seed: int) -> None:
+    """``replay.spill_int8`` writes the codes at their place as they come and the head before them: the
+    bytes of ``result_codec.pack_int8``, for results of many partitions (the head's room is its most)
+    and for values of no int8 form (None)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    n = rng.randrange(INT8_BLOCK, 24 * INT8_BLOCK)
+    edges = sorted(rng.sample(range(1, n), rng.randrange(1, 12)))
+    values = torch.empty(n)
+    for a, b in zip([0, *edges], [*edges, n], strict=True):
+        mean = torch.randn(b - a, generator=g) * 1e-3
+        values[a:b] = decode(encode(mean, Compression.INT8), Compression.INT8, b - a)
+    want = result_codec.pack_int8(values)
+    got = replay.spill_int8(values)
+    if want is None:  # (partitions too short to tell apart: no int8 form either way)
+        assert got is None
+    else:
+        assert got is not None and bytes(got.read()) == want
+        assert torch.equal(result_codec.unpack(result_codec.INT8, got.read(), n), values)
+        got.file.close()
+    assert replay.spill_int8(torch.randn(n, generator=g)) is None

@@ -150,6 +150,50 @@ def write_raw(flat: torch.Tensor, dtype: torch.dtype) -> bytes | Spilled:
     return Spilled(file, 0, file.size)
 
 
+def spill_int8(flat: torch.Tensor) -> Spilled | None:
+    """``result_codec.int8_form`` straight into a spill file: the codes written at their place as they
+    come, a window at a time, then the head before them (room for the largest head is kept: what it does
+    not fill takes no disk). None when the values are not of that form, or it is not smaller."""
+    n = flat.numel()
+    file = SpillFile()
+    try:
+        room = result_codec.int8_head_room(n)
+        base = file.reserve(room + n)
+        form = result_codec.int8_form(flat, lambda at, data: file.write_at(base + room + at, data))
+        if form is None or form[1] >= 4 * n:
+            file.close()
+            return None
+        head, size = form
+        file.write_at(base + room - len(head), head)
+    except BaseException:
+        file.close()
+        raise
+    return Spilled(file, base + room - len(head), size)
+
+
+def pack_spilled(flat: torch.Tensor, kinds: tuple[str, ...]) -> tuple[str, Spilled] | None:
+    """``result_codec.pack`` for a large result: the smallest of ``kinds`` that holds ``flat`` exactly, in a
+    spill file; int8's codes go there a window at a time (in memory they were about 10 bytes a value
+    before the join: the codes as floats, their concatenation, then bytes)."""
+    best: tuple[str, Spilled] | None = None
+    for kind in kinds:
+        got: Spilled | None = None
+        if kind == result_codec.INT8:
+            got = spill_int8(flat)
+        elif kind == result_codec.SPARSE:
+            data = result_codec.pack_sparse(flat)
+            got = SpillFile().put(data) if data is not None else None
+        if got is None:
+            continue
+        if best is None or got.length < best[1].length:
+            if best is not None:
+                best[1].file.close()
+            best = (kind, got)
+        else:
+            got.file.close()
+    return best
+
+
 @dataclass
 class Kept:
     epoch: int
@@ -220,15 +264,20 @@ class ResultStore:
         flat = flat_of(values)
         dtype = compact_dtype([flat], compact)
         kind = str(dtype).split(".")[-1]
-        packed = result_codec.pack(flat, packs) if packs and dtype == torch.float32 else None
+        packed: tuple[str, bytes | Spilled] | None = None
+        if packs and dtype == torch.float32:
+            try:
+                packed = pack_spilled(flat, packs) if 4 * flat.numel() >= SPILL_BYTES else None
+            except OSError as e:  # a full disk: kept in memory
+                log.warning("cannot spill step %d's result (%s): keeping it in memory", epoch, e)
+            packed = packed or result_codec.pack(flat, packs)
         data: bytes | Spilled
         if packed is not None:
             kind, data = packed
-            if len(data) >= SPILL_BYTES:
-                try:
-                    data = SpillFile().put(data)
-                except OSError as e:  # a full disk: kept in memory
-                    log.warning("cannot spill step %d's result (%s): keeping it in memory", epoch, e)
+            if isinstance(data, Spilled) and data.length < SPILL_BYTES:  # (small once packed: in memory)
+                small = bytes(data.read())
+                data.file.close()
+                data = small
         else:
             try:
                 data = write_raw(flat, dtype)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -81,11 +82,17 @@ def _blocks_on(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     scales = torch.zeros(nb, dtype=torch.float32)
     codes = torch.zeros(nb, INT8_BLOCK, dtype=torch.float32)
     exact = torch.zeros(nb, dtype=torch.bool)
+    todo: torch.Tensor | None = None  # (the blocks no candidate so far gave exactly; None: all of them)
     for s in _candidates(rows.abs().amax(dim=1)):
-        q = _quantize(rows, s)
-        ok = (q * s[:, None] == rows).all(dim=1) & ~exact
-        scales[ok], codes[ok] = s[ok], q[ok]
-        exact |= ok
+        r, c = (rows, s) if todo is None else (rows[todo], s[todo])
+        q = _quantize(r, c)
+        ok = (q * c[:, None] == r).all(dim=1)
+        at = ok.nonzero().view(-1) if todo is None else todo[ok]
+        scales[at], codes[at] = c[ok], q[ok]
+        exact[at] = True
+        todo = (~exact).nonzero().view(-1)  # (the next candidate tries only these)
+        if not todo.numel():
+            break
     return exact, scales, codes
 
 
@@ -105,26 +112,31 @@ def _longest_exact_prefix(w: torch.Tensor) -> int:
     return best
 
 
-def pack_int8(flat: torch.Tensor) -> bytes | None:
+def int8_form(flat: torch.Tensor, put_codes: Callable[[int, bytes], None]) -> tuple[bytes, int] | None:
     """``flat`` (1-D float32) as an int8 round leaves it: segments (its partitions, which begin anywhere),
     each on blocks of ``INT8_BLOCK`` counted from its start, each block a float32 scale and int8 codes
-    that give its values exactly. None when the values are not of that form (found out within the
+    that give its values exactly. The codes go to ``put_codes(at, codes)`` a window at a time, in order
+    (value ``at`` on); returns what comes before them (the segments and every block's scale: about 1/64
+    of the codes) and the packed size, or None when the values are not of that form (found out within the
     first block that is not, or after ``MAX_SEGMENTS`` segments)."""
     n = flat.numel()
     if n == 0 or n > MAX_INDEX:
         return None
     segments: list[int] = []
     scales: list[torch.Tensor] = []
-    codes: list[torch.Tensor] = []
     start = at = 0  # the open segment's start, and how far it is checked (on its grid)
     short = 0  # segments shorter than a block (not the last): a few partitions are; values not int8 are
+
+    def put(q: torch.Tensor) -> None:
+        put_codes(at, q.to(torch.int8).numpy().tobytes())
+
     while at < n:
         window = flat[at : at + WINDOW]
         exact, s, q = _blocks_on(window)
         bad = (~exact).nonzero()
         whole = int(bad[0]) if bad.numel() else exact.numel()
         scales.append(s[:whole])
-        codes.append(q[:whole].reshape(-1)[: min(window.numel(), whole * INT8_BLOCK)])
+        put(q[:whole].reshape(-1)[: min(window.numel(), whole * INT8_BLOCK)])
         at += min(window.numel(), whole * INT8_BLOCK)
         if whole == exact.numel() and at < n:
             continue  # the segment goes on past this window (a multiple of blocks: the same grid)
@@ -135,14 +147,38 @@ def pack_int8(flat: torch.Tensor) -> bytes | None:
             if not bool(ok.all()) or len(segments) + 1 >= MAX_SEGMENTS or short > MAX_SHORT:
                 return None
             scales.append(s[:1])
-            codes.append(q[:1].reshape(-1)[:tail])
+            put(q[:1].reshape(-1)[:tail])
             at += tail
         segments.append(at - start)
         start = at
-    out = [_u32(len(segments)), torch.tensor(segments, dtype=torch.int64).to(torch.int32).numpy().tobytes()]
-    out += [torch.cat(scales).numpy().tobytes(), torch.cat(codes).to(torch.int8).numpy().tobytes()]
-    data = b"".join(out)
-    return data if len(data) < 4 * n else None
+    head = b"".join(
+        [
+            _u32(len(segments)),
+            torch.tensor(segments, dtype=torch.int64).to(torch.int32).numpy().tobytes(),
+            torch.cat(scales).numpy().tobytes(),
+        ]
+    )
+    return head, len(head) + n
+
+
+def int8_head_room(n: int) -> int:
+    """The most bytes :func:`int8_form`'s head may take for ``n`` values (its codes may be written past
+    this before the head is known)."""
+    return 4 + 4 * MAX_SEGMENTS + 4 * (-(-n // INT8_BLOCK) + MAX_SEGMENTS)
+
+
+def pack_int8(flat: torch.Tensor) -> bytes | None:
+    """:func:`int8_form` in memory: the packed bytes, or None when the values are not of that form or it
+    is not smaller than float32."""
+    codes = bytearray(flat.numel())
+
+    def put(at: int, data: bytes) -> None:
+        codes[at : at + len(data)] = data
+
+    form = int8_form(flat, put)
+    if form is None or form[1] >= 4 * flat.numel():
+        return None
+    return form[0] + codes
 
 
 def pack(flat: torch.Tensor, kinds: tuple[str, ...]) -> tuple[str, bytes] | None:
