@@ -490,8 +490,14 @@ class SiteState(SharedState):
         self._ready: tuple[int, Layout, int, list[bytes]] | None = None
         super().__init__(node, *args, **kwargs)
         self.fetcher.sink = SiteSink(self)
-        # (a result fetched and decoded into a mapped file, beside the site's snapshot files)
-        self.replayer.allocate = functools.partial(WireBuffer, folder=self.site.snapshots)
+        self.replayer.allocate = self._mapped
+
+    def _mapped(self, numel: int) -> WireBuffer:
+        """A replayed result's buffer: a mapped file beside the site's snapshot files."""
+        folder = self.site.snapshots
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+        return WireBuffer(numel, folder)
 
     def close(self) -> None:
         """This state's life ended (the site's group broke: the state of its next generation takes its
