@@ -498,6 +498,45 @@ class SharedState:
             self.local.apply(buffer)
         self.tally.moved_to(got.epoch + 1)
 
+    async def _replayed(self, flight: Download, got: Fetched, before: bytes, digest: bytes) -> bool:
+        """Judge one replayed step by ``digest``, the state's after ``got`` was applied from ``before``:
+        True (the holders whose pieces differed are blamed, the result kept to serve peers further
+        behind) when it is the trusted digest of the step it leads to; else its reference is blamed and
+        the next catch-up downloads the state (False)."""
+        trusted = flight.expected(got.epoch + 1) or got.after
+        if digest != trusted:
+            self.replayer.blamed.add(got.peer)
+            self.fetcher.blamed.add(got.peer)
+            log.warning(
+                "step %d's result from %s does not lead to the state the trusted records name: %s is"
+                " blamed, and the state is downloaded",
+                got.epoch,
+                got.peer.short(),
+                got.peer.short(),
+            )
+            self._replay_failed = got.epoch + 1
+            self.sync_retry_at = 0.0
+            return False
+        for liar in got.contradicted:  # their pieces differed from bytes now proven right
+            self.replayer.blamed.add(liar)
+            self.fetcher.blamed.add(liar)
+            log.warning(
+                "%s sent a piece of step %d's result that differs from the one the trusted records"
+                " confirm: it is blamed",
+                liar.short(),
+                got.epoch,
+            )
+        self.replayed += 1
+        self.replayed_bytes += got.size
+        chain = (before, digest)  # verified: served on to peers further behind
+        if self.param_bytes < serve.THREAD_BYTES:
+            self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain, self._packs)
+        else:
+            await trio.to_thread.run_sync(
+                self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain, self._packs
+            )
+        return True
+
     async def _replay(self, flight: Download, replay: Replay) -> bool:
         """Apply ``replay``'s results in order, each checked against the trusted digest of the step it
         leads to; True when at least one step was taken. A result the digest refutes leaves the state off
@@ -527,41 +566,10 @@ class SharedState:
             else:
                 hashes = await self.read_in_thread(chunks.hash_chunks, live.layout, live.tensors, live.source)
             digest = chunks.root(live.epoch, live.layout, hashes)
-            trusted = flight.expected(got.epoch + 1) or got.after
-            if digest != trusted:
-                self.replayer.blamed.add(got.peer)
-                self.fetcher.blamed.add(got.peer)
-                log.warning(
-                    "step %d's result from %s does not lead to the state the trusted records name: %s is"
-                    " blamed, and this peer downloads the state",
-                    got.epoch,
-                    got.peer.short(),
-                    got.peer.short(),
-                )
-                self._replay_failed = got.epoch + 1
-                self.sync_retry_at = 0.0
+            if not await self._replayed(flight, got, before, digest):
                 hashes = []
                 break
-            for liar in got.contradicted:  # their pieces differed from bytes now proven right
-                self.replayer.blamed.add(liar)
-                self.fetcher.blamed.add(liar)
-                log.warning(
-                    "%s sent a piece of step %d's result that differs from the one the trusted records"
-                    " confirm: it is blamed",
-                    liar.short(),
-                    got.epoch,
-                )
             applied += 1
-            self.replayed += 1
-            self.replayed_bytes += got.size
-            # verified: served on to peers further behind
-            chain = (before, digest)
-            if self.param_bytes < serve.THREAD_BYTES:
-                self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain, self._packs)
-            else:
-                await trio.to_thread.run_sync(
-                    self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain, self._packs
-                )
             before = digest
         if outer is not None:
             with torch.no_grad():

@@ -692,39 +692,9 @@ class SiteState(SharedState):
             )
             self.tally.moved_to(got.epoch + 1)
             digest = await self._hash_now()
-            trusted = flight.expected(got.epoch + 1) or got.after
-            if digest != trusted:
-                self.replayer.blamed.add(got.peer)
-                self.fetcher.blamed.add(got.peer)
-                log.warning(
-                    "step %d's result from %s does not lead to the state the trusted records name: %s is"
-                    " blamed, and this site downloads the state",
-                    got.epoch,
-                    got.peer.short(),
-                    got.peer.short(),
-                )
-                self._replay_failed = got.epoch + 1
-                self.sync_retry_at = 0.0
+            if not await self._replayed(flight, got, before, digest):
                 break
-            for liar in got.contradicted:  # their pieces differed from bytes now proven right
-                self.replayer.blamed.add(liar)
-                self.fetcher.blamed.add(liar)
-                log.warning(
-                    "%s sent a piece of step %d's result that differs from the one the trusted records"
-                    " confirm: it is blamed",
-                    liar.short(),
-                    got.epoch,
-                )
             applied += 1
-            self.replayed += 1
-            self.replayed_bytes += got.size
-            chain = (before, digest)  # verified: served on to peers further behind
-            if self.param_bytes < serve.THREAD_BYTES:
-                self.results.keep(got.epoch, got.slots, [got.values], self._compact, chain, self._packs)
-            else:
-                await trio.to_thread.run_sync(
-                    self.results.keep, got.epoch, got.slots, [got.values], self._compact, chain, self._packs
-                )
             before = digest
         self.tally.forget_cohort()  # no round of ours vouches for these steps
         if carried and applied:
