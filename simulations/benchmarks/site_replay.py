@@ -6,7 +6,8 @@ A site of N ranks (spawned processes, FSDP2 over gloo on the CPU) and an unshard
 built-in GPT (a process of its own) start from the same weights, each with the real node (TCP on the
 loopback: no link limit, the times are the CPU's) and ``CollaborativeOptimizer``. A trains a batch and
 steps alone ``--behind`` times; the site catches up by replaying A's kept results (each fetched into a mapped
-buffer, landed shard by shard, hashed and checked against A's digest). A steps as many times again, and
+buffer, landed shard by shard, hashed and checked against A's digest), or, where those results hold as
+many bytes as the state or more, by downloading it (the "took" column). A steps as many times again, and
 the site catches up by downloading A's state into its shards (replay switched off: how every site
 caught up before). For each way: the bytes fetched, the wall seconds from the start of the catch-up to
 its landing (fetch, land, hash), and how much rank 0's anonymous memory (heap, not the page cache of
@@ -185,12 +186,15 @@ def run(rank: int, world: int, out: str, shape: dict[str, int], behind: int) -> 
                         raise RuntimeError(f"the {way} did not land")
                     digest = await opt.hashed_digest()
                 seconds = time.perf_counter() - start
-                moved = shared.replayed_bytes - replayed if way == "replay" else downloaded
+                # (a replay whose results hold as many bytes as the state downloads it instead)
+                took = "replay" if shared.replayed_bytes > replayed else "download"
+                moved = shared.replayed_bytes - replayed if took == "replay" else downloaded
                 if digest != trusted[epoch_a] or opt.epoch != epoch_a:
                     raise RuntimeError(f"after the {way}, the site is not on A's state")
                 rows.append(
                     {
                         "way": way,
+                        "took": took,
                         "bytes_mb": round(moved / 1e6, 1),
                         "fetch_s": round(fetched, 2),
                         "seconds": round(seconds, 2),
@@ -236,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    head = ("params", "ranks", "behind", "way", "MB", "fetch s", "s", "heap MB")
-    print("{:>8} {:>5} {:>6}  {:<9} {:>8} {:>8} {:>7} {:>8}".format(*head))
+    head = ("params", "ranks", "behind", "way", "took", "MB", "fetch s", "s", "heap MB")
+    print("{:>8} {:>5} {:>6}  {:<9} {:<9} {:>8} {:>8} {:>7} {:>8}".format(*head))
     for r in rows:
         print(
-            f"{r['params_m']:>7}M {r['ranks']:>5} {r['behind']:>6}  {r['way']:<9} {r['bytes_mb']:>8}"
+            f"{r['params_m']:>7}M {r['ranks']:>5} {r['behind']:>6}  {r['way']:<9} {r['took']:<9}"
+            f" {r['bytes_mb']:>8}"
             f" {r['fetch_s']:>8} {r['seconds']:>7} {r['anon_grew_mb']:>8}"
         )
     return 0

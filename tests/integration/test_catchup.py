@@ -1,11 +1,11 @@
 """Catching up by replay, over the in-memory network on the virtual clock (see ``state.replay``).
 
 The invariant: a peer k <= K steps behind, on the trusted lineage, reaches the swarm's step by applying
-the missed steps' results, each checked against the trusted digest of the step it leads to, with bytes
-proportional to k results, not the state; a result that the digest refutes names its sender (blamed)
-and the peer downloads the state once; a result beyond the R1 bound is never applied; a step whose
-digest no holder knows ends the replay there (the rest is downloaded). Randomized over seeds: the steps
-behind, sync or DiLoCo, which step a liar serves.
+the missed steps' results, each checked against the trusted digest of the step it leads to, when those
+k results hold fewer bytes than the state (it downloads the state otherwise); a result that the digest
+refutes names its sender (blamed) and the peer downloads the state once; a result beyond the R1 bound
+is never applied; a step whose digest no holder knows ends the replay there (the rest is downloaded).
+Randomized over seeds: the steps behind, sync or DiLoCo, which step a liar serves.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from p2ptrain.training.optimizer import rounds
 from p2ptrain.training.optimizer.board import ProgressBoard
 from p2ptrain.training.optimizer.bookkeeping import RoundStats
 from p2ptrain.training.optimizer.progress import PeerProgress, SwarmView, estimate, record_horizon
-from p2ptrain.training.state import serve
+from p2ptrain.training.state import replay, serve
 from tests.harness.training import (
     BATCH,
     Peer,
@@ -132,9 +132,13 @@ def config(mode: str, fragments: int = 1) -> RunConfig:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_a_peer_k_steps_behind_replays_the_results_instead_of_downloading(
-    autojump_clock: object, seed: int
+async def test_a_peer_k_steps_behind_catches_up_by_the_fewer_bytes(
+    autojump_clock: object, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """It replays the k results when they hold fewer bytes than the state, and downloads the state
+    otherwise (a site 2 steps behind at 151.5M replayed 1.2 GB of fp32 results in 34 s where its
+    state's 1.2 GB downloaded in 21 s). The states here are tiny: no slack below a megabyte."""
+    monkeypatch.setattr(replay, "REPLAY_SLACK", 0)
     rng = random.Random(seed)
     mode = rng.choice(["sync", "diloco"])
     k = rng.randint(1, 4)
@@ -143,14 +147,20 @@ async def test_a_peer_k_steps_behind_replays_the_results_instead_of_downloading(
             s, donors=rng.randint(1, 2), together=rng.randint(0, 2), apart=k
         )
         start = peer.opt.epoch
+        held = donors[0].opt.shared.results.entries(start)
+        assert [e.epoch for e in held] == list(range(start, start + k))
+        results, state = sum(e.size for e in held), state_bytes(peer)
         await catch_up(peer, donors, start + k, trusted)
         shared = peer.opt.shared
         assert peer.opt.epoch == start + k and peer.opt.digest == donors[0].opt.digest
+        served = sum(d.opt.server.served_bytes for d in donors if d.opt.server is not None)
+        if results >= state:
+            assert shared.replayed == 0 and shared.downloads == 1 and served > 0, (results, state)
+            return
         assert shared.replayed == k and shared.downloads == 0
         params = sum(p.numel() * p.element_size() for p in peer.opt.params)
-        assert shared.replayed_bytes <= k * params < k * state_bytes(peer)  # k results, not the state
-        for d in donors:
-            assert d.opt.server is not None and d.opt.server.served_bytes == 0  # no state served
+        assert shared.replayed_bytes == results <= k * params  # k results, not the state
+        assert served == 0  # no state served
         # what it replayed, checked, it serves on to peers further behind
         listed = shared.results.entries(start)
         assert [(e.epoch, e.before, e.after) for e in listed] == [
@@ -209,6 +219,7 @@ async def test_a_result_beyond_the_bound_is_never_applied_and_another_holder_ser
         s.net.set_link(f"t{honest.index}", f"t{peer.index}", LinkProfile(latency=0.5))
         await catch_up(peer, [liar, honest], start + k, trusted)
         shared = peer.opt.shared
+        print("FAIL", shared.replayer.failures, shared.results.scale())
         assert liar.node.peer_id in shared.replayer.blamed
         assert shared.replayed == k and shared.downloads == 0 and peer.opt.digest == honest.opt.digest
         assert any("over 32x" in f for f in shared.replayer.failures)

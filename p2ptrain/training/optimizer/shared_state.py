@@ -199,6 +199,10 @@ class SharedState:
         source = self.outer.file if self.outer is not None else None
         return LiveState(self.tally.epoch, layout, ordered, meta, hashes, source=source)
 
+    def state_bytes(self) -> int:
+        """The bytes of the state a download fetches (what a replay of missed steps must cost less than)."""
+        return self.live().layout.size
+
     # ---- threads: readers hold the state still, writers keep snapshots waiting ----
 
     async def unheld(self) -> None:
@@ -401,6 +405,7 @@ class SharedState:
                             expected=expected,
                             layout=self.result_layout,
                             bound=self.results.scale(),
+                            budget=self.state_bytes(),
                         )
                         return
                     except P2PError as e:
@@ -447,6 +452,7 @@ class SharedState:
                     expected=expected,
                     layout=self.result_layout,
                     bound=self.results.scale(),
+                    budget=self.state_bytes(),
                 )
 
     async def reuse(self, partial: Partial) -> None:

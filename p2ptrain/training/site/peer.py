@@ -492,6 +492,9 @@ class SiteState(SharedState):
         self.fetcher.sink = SiteSink(self)
         self.replayer.allocate = self._mapped
 
+    def state_bytes(self) -> int:
+        return self.layout.size  # (the last hash's layout: the site's state is not captured whole)
+
     def _mapped(self, numel: int) -> WireBuffer:
         """A replayed result's buffer: a mapped file beside the site's snapshot files."""
         folder = self.site.snapshots
