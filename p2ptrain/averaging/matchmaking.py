@@ -283,6 +283,25 @@ def why_not(
     return ""
 
 
+def _unfollowable(
+    me: Announcement,
+    a: Announcement,
+    now: float,
+    declined: Collection[Announcement],
+    excluded: Collection[PeerID],
+) -> bool:
+    """:func:`why_not` but for the order (``choose_leader`` compares places itself, ``me``'s once)."""
+    return (
+        a.peer == me.peer
+        or not a.can_lead
+        or a.schema != me.schema
+        or a.deadline + LINGER <= now
+        or a.deadline > me.deadline + DEADLINE_SLACK
+        or a in declined
+        or a.peer in excluded
+    )
+
+
 def choose_leader(
     me: Announcement,
     seen: Iterable[Announcement],
@@ -294,12 +313,13 @@ def choose_leader(
 ) -> Announcement | None:
     """The peer to ask for a place, or None when this peer should gather a group itself: the smallest
     place among the announcements ``me`` may follow (:func:`why_not`, :func:`place`)."""
+    mine = place(group_key, me) if me.can_lead else None
     best: tuple[tuple[int, bytes], Announcement] | None = None
     for a in seen:
-        if why_not(me, a, now, group_key, declined=declined, excluded=excluded):
+        if _unfollowable(me, a, now, declined, excluded):
             continue
         t = place(group_key, a)
-        if best is None or t < best[0]:
+        if (mine is None or t < mine) and (best is None or t < best[0]):
             best = (t, a)
     return None if best is None else best[1]
 

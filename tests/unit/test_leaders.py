@@ -222,7 +222,7 @@ def test_no_wait_chain_has_a_cycle_and_no_declared_field_changes_the_winner(swar
             else Announcement(
                 x.peer,
                 x.addr,
-                rng.uniform(now + 1e-6, a.deadline + DEADLINE_SLACK),
+                rng.uniform(now - LINGER + 1e-6, a.deadline + DEADLINE_SLACK),
                 rng.uniform(0, 1e9),
                 x.schema,
                 rank=x.rank,

@@ -421,8 +421,9 @@ def lottery(rng: random.Random, n: int, *, old_rule: bool) -> dict[str, bool]:
     announcing = [p for i, p in enumerate(ids) if i == 0 or rng.random() < share]
     key = f"sync-{rng.randrange(1000)}"  # (a step's key: another order of tickets)
     ads = [Announcement(p, "addr", 10.0, 1.0, b"s", leads=quorums[p].leads) for p in announcing]
-    leaders = {a.peer for a in ads if choose_leader(a, ads, 0.0, key) is None and a.can_lead}
-    chosen = {choose_leader(a, ads, 0.0, key) for a in ads} - {None}
+    choices = {a: choose_leader(a, ads, 0.0, key) for a in ads}
+    leaders = {a.peer for a in ads if choices[a] is None and a.can_lead}
+    chosen = set(choices.values()) - {None}
     assert all(c is not None and c.peer in leaders for c in chosen)
     assert len(leaders) <= 1  # (one order: everyone follows the smallest ticket that may lead)
     # the announcers whose quorums (as this rule makes them) the announcers meet: a group of them can
@@ -491,9 +492,9 @@ def later_step(rng: random.Random, n: int, missing: int, *, old_rule: bool) -> d
         Announcement(p, "addr", 10.0, 1.0, b"s", leads=quorums[p].leads, rank=quorums[p].rank)
         for p in announcing
     ]
-    chosen = {choose_leader(a, ads, 0.0, key) for a in ads}
-    leaders = [a for a in ads if a.can_lead and choose_leader(a, ads, 0.0, key) is None]
-    assert len(leaders) == 1 and chosen - {None} <= set(leaders)  # (one order: one leader)
+    choices = {a: choose_leader(a, ads, 0.0, key) for a in ads}
+    leaders = [a for a in ads if a.can_lead and choices[a] is None]
+    assert len(leaders) == 1 and set(choices.values()) - {None} <= set(leaders)  # (one order: one leader)
     leader = leaders[0]
     q = quorums[leader.peer]
     gathering = Gathering(Joiner(leader.peer, "addr", 1.0), b"s", n, 2, quorum=q)
