@@ -16,6 +16,7 @@ even after a crash.
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -23,8 +24,45 @@ from dataclasses import dataclass
 import trio
 
 SPILL_BYTES = 8 * 1024 * 1024
-CLOSE_IN_THREAD = 64 * 1024 * 1024  # a spill file this large is closed in a thread (see SpillFile.close)
 """Partitions of at least this many bytes keep what they receive in a spill file; smaller ones in memory."""
+CLOSE_IN_THREAD = 64 * 1024 * 1024  # a spill file this large is closed by the closer thread (see close)
+
+# Large files are closed by one long-lived thread, fed through a queue whose ``put`` may be called from a
+# finalizer (``SimpleQueue`` is reentrant). A thread started in ``__del__`` instead could hang the process:
+# the collector may run a finalizer inside threading's own locked sections (a benchmark's main thread
+# waited forever in ``Thread.start`` from ``SpillFile.__del__``).
+_to_close: queue.SimpleQueue[int | threading.Event] = queue.SimpleQueue()
+_closer: threading.Thread | None = None
+_closer_lock = threading.Lock()
+
+
+def _close_forever() -> None:
+    while True:
+        item = _to_close.get()
+        if isinstance(item, threading.Event):
+            item.set()
+        else:
+            os.close(item)
+
+
+def settle(timeout: float) -> bool:
+    """Wait until every descriptor handed to the closer thread so far is closed (False if it took longer
+    than ``timeout`` seconds)."""
+    if _closer is None:
+        return True
+    done = threading.Event()
+    _to_close.put(done)
+    return done.wait(timeout)
+
+
+def _start_closer() -> None:
+    """Start the closer thread (from ordinary code, never a finalizer: see ``_to_close``)."""
+    global _closer
+    if _closer is None:
+        with _closer_lock:
+            if _closer is None:
+                _closer = threading.Thread(target=_close_forever, name="spill-close", daemon=True)
+                _closer.start()
 
 
 @dataclass(frozen=True)
@@ -68,6 +106,8 @@ class SpillFile:
         self._open()
         offset = self.size
         self.size += length
+        if self.size >= CLOSE_IN_THREAD:
+            _start_closer()  # (here, not where it is closed: that may be a finalizer)
         return offset
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
@@ -86,7 +126,10 @@ class SpillFile:
         return read_exact(self.fd, offset, length, "the spill file")
 
     def __del__(self) -> None:  # (a round cancelled midway: its file goes when its last handle does)
-        self.close()
+        try:
+            self.close()
+        except Exception:  # (at the interpreter's exit the module's globals are gone: the system closes it)
+            pass
 
     def close(self) -> None:
         """Close (and so free) the file. A large one is closed in a thread of its own: the kernel frees
@@ -94,8 +137,8 @@ class SpillFile:
         self.closed = True
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
-            if self.size >= CLOSE_IN_THREAD:
-                threading.Thread(target=os.close, args=(fd,), name="spill-close", daemon=True).start()
+            if self.size >= CLOSE_IN_THREAD and _closer is not None:
+                _to_close.put(fd)
             else:
                 os.close(fd)
 
