@@ -95,7 +95,9 @@ class Contribution:
         self.slots = fragments[0]  # the parameters ``buffer`` holds: the current step's fragment
         self.buffer = self.make_buffer(self.slot_params())
         self._spare: ParamBuffer | None = None  # sync: the accumulator the last round gave back
-        self._relaying: trio.Event | None = None  # set once the last round stopped reading ``buffer``
+        # each set once its reader stopped reading ``buffer`` (the last round relaying averages from it,
+        # the keeping of its result for peers behind: see ``SharedState.keep_result``)
+        self._readers: list[trio.Event] = []
         if summed:
             self.attach()
 
@@ -118,14 +120,14 @@ class Contribution:
         if slots != self.slots:
             self.slots = slots
             self.buffer = self.make_buffer(self.slot_params())
-            self._relaying = None
+            self._readers = []
 
     def unrelayed(self) -> ParamBuffer:
         """The buffer to write the next pseudo-gradient into: a new one if the last round may still relay
         averages from the current one to slower members."""
-        if self._relaying is not None and not self._relaying.is_set():
+        if any(not r.is_set() for r in self._readers):
             self.buffer = self.make_buffer(self.slot_params())
-        self._relaying = None
+        self._readers = []
         return self.buffer
 
     def take(self) -> ParamBuffer:
@@ -134,7 +136,7 @@ class Contribution:
         (it would overwrite what the round sends). The round's landing puts its buffer back (``adopt``)."""
         tensors = self.buffer
         self.buffer = self.make_buffer(self.slot_params())
-        self._relaying = None
+        self._readers = []
         return tensors
 
     def adopt(self, tensors: ParamBuffer) -> None:
@@ -142,18 +144,23 @@ class Contribution:
         applies ``buffer`` (see ``take``)."""
         if tensors is not self.buffer:
             self.buffer = tensors
-            self._relaying = None
+            self._readers = []
 
     def relay(self, retired: trio.Event) -> None:
         """The committed round may relay from ``buffer`` until ``retired`` is set."""
-        self._relaying = retired
+        self.reading(retired)
+
+    def reading(self, done: trio.Event) -> None:
+        """Something reads ``buffer`` until ``done`` is set: the next pseudo-gradient goes into a new
+        buffer if it is not set by then (:meth:`unrelayed`)."""
+        self._readers = [r for r in self._readers if not r.is_set()] + [done]
 
     def after_abort(self, tensors: ParamBuffer) -> None:
         """DiLoCo: an aborted in-place round may still relay the averages it holds to members that
         commit: its buffer is left to it, and the next pseudo-gradient goes into a new one."""
         if self.diloco and tensors.sendable and tensors is self.buffer:
             self.buffer = self.make_buffer(self.slot_params())
-            self._relaying = None
+            self._readers = []
 
     def hand_over(self) -> ParamBuffer:
         """Sync: the accumulated gradients leave for a round; a fresh accumulator (the spare the last

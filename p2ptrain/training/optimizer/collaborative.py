@@ -490,7 +490,7 @@ class CollaborativeOptimizer:
             outer.pseudo_gradients()
             # nothing to send: what earlier rounds left out goes in whole
             await shared.off_loop(outer.flush_feedback)
-            await shared.keep_result(self.tally.epoch, self.contribution.buffer.views)
+            await shared.keep_result(self.tally.epoch, self.contribution.buffer.views, buffered=True)
             await shared.off_loop(outer.step, None, outer.reset_local)
         else:
             self.contribution.buffer.div_(weight)

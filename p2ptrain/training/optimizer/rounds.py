@@ -601,7 +601,8 @@ class RoundRunner:
             return None
         outer.unfold(before, committed=True)
         self.contribution.relay(result.retired)
-        await self.state.keep_result(self.tally.epoch, buffer.views)  # for peers behind (``state.replay``)
+        # for peers behind (``state.replay``); a large one in the background, read from the buffer
+        await self.state.keep_result(self.tally.epoch, buffer.views, buffered=True)
         await self.state.unheld()
         # (the outer step passes over the whole model: a site's is a collective of its ranks)
         await self.state.off_loop(outer.step, None, outer.reset_local)
@@ -771,7 +772,7 @@ class RoundRunner:
                     params[i].add_(global_params[i])
 
             self.contribution.adopt(tensors)  # (joined ahead: the replay had a buffer of its own)
-            await self.state.keep_result(self.tally.epoch, tensors.views)  # for peers behind
+            await self.state.keep_result(self.tally.epoch, tensors.views, buffered=True)  # for peers behind
             await self.state.off_loop(outer.step, progress, on_top)
             self.contribution.relay(outcome.retired)
             self.tally.took(weight)
