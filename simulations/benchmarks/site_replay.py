@@ -109,6 +109,7 @@ def peer_a(conn: Any, shape: dict[str, int], behind: int) -> None:
                     await opt.step(BATCH)
                     await opt.solo_step()
                     digests[opt.epoch] = await opt.hashed_digest()
+                await opt.shared.kept()  # (a large step's result is kept in the background)
                 record = dataclasses.replace(opt.record(), addr=str(node.addresses[0]))
                 conn.send((opt.epoch, dict(digests), PeerProgress(node.peer_id, record)))
             nursery.cancel_scope.cancel()

@@ -184,6 +184,7 @@ def site_main(rank: int, world: int, out: str, seed: int) -> None:
                     await opt_a.step(BATCH)
                     await opt_a.solo_step()
                     trusted[opt_a.epoch] = await opt_a.hashed_digest()
+                await opt_a.shared.kept()  # (a large step's result is kept in the background)
                 record["a_k"] = opt_a.capture()[0]
 
                 def donor(node: Node) -> PeerProgress:
@@ -208,6 +209,7 @@ def site_main(rank: int, world: int, out: str, seed: int) -> None:
                 await opt_a.step(BATCH)
                 await opt_a.solo_step()
                 trusted[k + 1] = await opt_a.hashed_digest()
+                await opt_a.shared.kept()
                 record["a_k1"] = opt_a.capture()[0]
                 kept_a = opt_a.shared.results.get(k)
                 assert kept_a is not None and kept_a.kind == "float32"

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -241,6 +242,9 @@ class ResultStore:
         self.keep_count = max(0, min(keep, MAX_KEPT))
         self._digest_of = digest_of
         self._kept: OrderedDict[int, Kept] = OrderedDict()
+        # (a result is kept in a worker thread while the event loop serves what is kept: the map changes
+        # under this lock, and is read under it)
+        self._lock = threading.Lock()
         self.served_bytes = 0
         self.piece_least = PIECE_LEAST
         if registry is not None and self.keep_count:
@@ -288,12 +292,14 @@ class ResultStore:
                 log.warning("cannot spill step %d's result (%s): keeping it in memory", epoch, e)
                 data = flat.to(dtype).view(torch.uint8).numpy().tobytes()
         scale = Scale.total(Scale.of(w.float()) for w in windows(flat))
-        old = self._kept.pop(epoch, None)
-        if old is not None:
-            old.close()
-        self._kept[epoch] = Kept(epoch, slots, kind, data, scale, *digests)
-        while len(self._kept) > self.keep_count:
-            self._kept.popitem(last=False)[1].close()
+        with self._lock:
+            old = self._kept.pop(epoch, None)
+            self._kept[epoch] = Kept(epoch, slots, kind, data, scale, *digests)
+            dropped = [old] if old is not None else []
+            while len(self._kept) > self.keep_count:
+                dropped.append(self._kept.popitem(last=False)[1])
+        for k in dropped:
+            k.close()
 
     def get(self, epoch: int) -> Kept | None:
         kept = self._kept.get(epoch)
@@ -304,13 +310,14 @@ class ResultStore:
 
     def scale(self) -> Scale | None:
         """The size of the newest result this peer applied (bounds what a replay may apply)."""
-        if not self._kept:
-            return None
-        return next(reversed(self._kept.values())).scale
+        with self._lock:
+            return next(reversed(self._kept.values())).scale if self._kept else None
 
     def entries(self, first: int) -> list[ResultEntry]:
         out = []
-        for epoch in [e for e in self._kept if e >= first]:
+        with self._lock:
+            epochs = [e for e in self._kept if e >= first]
+        for epoch in epochs:
             k = self.get(epoch)
             if k is not None and k.before and k.after:
                 out.append(
