@@ -4,9 +4,10 @@ Keeping a result packs it into the round's form (an int8 round's: 4.8 s at 124M,
 and the outer step waited for it. The invariant now (``SharedState.keep_result(buffered=True)``): *the
 step lands whatever the keeping takes; what is kept is the result the step applied, bit for bit, even
 when the next step's pseudo-gradient is computed meanwhile (it goes into a new buffer); one keeping runs
-at a time, in step order.* Here the keeping is held at a gate the test opens: on the code before, the
-step returned only once the keeping ended (after the gate's timeout). A real node and optimizer on the
-in-memory network, on trio's real clock (the keeping runs in a worker thread)."""
+at a time, in step order, and a step waits for the last one before its own (one buffer in waiting).*
+Here the keeping is held at a gate the test opens: on the code before, the step returned only once the
+keeping ended (after the gate's timeout). A real node and optimizer on the in-memory network, on trio's
+real clock (the keeping runs in a worker thread)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+import trio.testing
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.net import MemoryNetwork
@@ -67,8 +69,8 @@ async def test_a_large_step_lands_while_its_result_is_kept_and_the_kept_bytes_ar
             await nursery.start(node.run)
             await nursery.start(opt.run)
             applied: list[torch.Tensor] = []
-            buffers = []
-            for step in range(2):
+
+            def compute(step: int) -> None:
                 batch(model, step)
                 opt.local.inner_step()
                 opt.tally.inner_step()
@@ -76,25 +78,35 @@ async def test_a_large_step_lands_while_its_result_is_kept_and_the_kept_bytes_ar
                 # the pseudo-gradient this step applies: the global parameters minus the local ones
                 outer = opt.outer_step
                 assert outer is not None
-                applied.append(
-                    torch.cat(
-                        [
-                            (g - p.detach()).flatten()
-                            for g, p in zip(outer.global_params, opt.params, strict=True)
-                        ]
-                    )
-                )
+                pairs = zip(outer.global_params, opt.params, strict=True)
+                applied.append(torch.cat([(g - p.detach()).flatten() for g, p in pairs]))
+
+            # step 0 lands while its keeping is held at the gate
+            compute(0)
+            await opt.solo_step()
+            first = opt.contribution.buffer
+            assert opt.epoch == 1 and ("kept", 0) not in order, order
+            assert opt.shared.results.get(0) is None  # (not yet kept)
+
+            # step 1: its pseudo-gradient goes into a new buffer (the first is still being kept), and it
+            # waits for the first keeping before its own starts (one buffer in waiting at most)
+            landed = trio.Event()
+
+            async def second() -> None:
                 await opt.solo_step()
-                buffers.append(opt.contribution.buffer)
-                # the step landed while its keeping is held at the gate (and, for the second, queued
-                # behind the first: one keeping at a time)
-                assert opt.epoch == step + 1
-                assert ("kept", step) not in order, order
-            assert buffers[1] is not buffers[0]  # (the second pseudo-gradient went into a new buffer)
-            assert opt.shared.results.get(0) is None and opt.shared.results.get(1) is None  # (not yet kept)
+                order.append(("landed", 1))
+                landed.set()
+
+            compute(1)
+            nursery.start_soon(second)
+            await trio.testing.wait_all_tasks_blocked()
+            assert opt.contribution.buffer is not first
             gate.set()
+            await landed.wait()
             await opt.shared.kept()
-            assert order == [("held", 0), ("kept", 0), ("held", 1), ("kept", 1)]
+            assert order.index(("kept", 0)) < order.index(("landed", 1)), order
+            keepings = [e for e in order if e[0] != "landed"]
+            assert keepings == [("held", 0), ("kept", 0), ("held", 1), ("kept", 1)], order
             for step in range(2):
                 kept = opt.shared.results.get(step)
                 assert kept is not None and kept.kind == "float32"

@@ -481,7 +481,9 @@ class SharedState:
         the background, beside the outer step and the compute that follows: keeping packs it into the
         round's form (an int8 round's: 4.8 s at 124M, about 45 min at 70B), which held the step back.
         The buffer counts as read meanwhile (``Contribution.reading``: the next pseudo-gradient goes into
-        a new one if the keeping has not ended), and one keeping runs at a time."""
+        a new one if the keeping has not ended). One keeping runs at a time, and a step whose last
+        keeping has not ended waits for it first: a keeping slower than a step would otherwise hold one
+        more buffer the size of the step's result at every step."""
         if not self.results.keep_count:
             return
         slots, _, _ = self.result_layout(epoch)
@@ -491,13 +493,12 @@ class SharedState:
         if self.param_bytes < serve.THREAD_BYTES:
             keep()
         elif buffered and self._nursery is not None:
-            done, before = trio.Event(), self._keeping
-            self._keeping = done
+            await self._keeping.wait()
+            done = self._keeping = trio.Event()
             self.contribution.reading(done)
 
             async def in_background() -> None:
                 try:
-                    await before.wait()
                     await trio.to_thread.run_sync(keep)
                 finally:
                     done.set()
