@@ -263,6 +263,20 @@ def why_not(
     ``declined``: announcements that refused us (a peer that refused while busy with its previous round
     may be asked again once it announces anew); ``excluded``: leaders this peer's book does not follow.
     """
+    why = _why_not_now(me, a, now, declined, excluded)
+    if not why and me.can_lead and place(group_key, a) >= place(group_key, me):
+        return "after us in the order"
+    return why
+
+
+def _why_not_now(
+    me: Announcement,
+    a: Announcement,
+    now: float,
+    declined: Collection[Announcement],
+    excluded: Collection[PeerID],
+) -> str:
+    """:func:`why_not`, but for the order of places (``choose_leader`` computes ``me``'s place once)."""
     if a.peer == me.peer:
         return "ourselves"
     if not a.can_lead:
@@ -278,28 +292,7 @@ def why_not(
         return "it refused us under this announcement"
     if a.peer in excluded:
         return "it failed us as a leader"
-    if me.can_lead and place(group_key, a) >= place(group_key, me):
-        return "after us in the order"
     return ""
-
-
-def _unfollowable(
-    me: Announcement,
-    a: Announcement,
-    now: float,
-    declined: Collection[Announcement],
-    excluded: Collection[PeerID],
-) -> bool:
-    """:func:`why_not` but for the order (``choose_leader`` compares places itself, ``me``'s once)."""
-    return (
-        a.peer == me.peer
-        or not a.can_lead
-        or a.schema != me.schema
-        or a.deadline + LINGER <= now
-        or a.deadline > me.deadline + DEADLINE_SLACK
-        or a in declined
-        or a.peer in excluded
-    )
 
 
 def choose_leader(
@@ -316,7 +309,7 @@ def choose_leader(
     mine = place(group_key, me) if me.can_lead else None
     best: tuple[tuple[int, bytes], Announcement] | None = None
     for a in seen:
-        if _unfollowable(me, a, now, declined, excluded):
+        if _why_not_now(me, a, now, declined, excluded):
             continue
         t = place(group_key, a)
         if (mine is None or t < mine) and (best is None or t < best[0]):
