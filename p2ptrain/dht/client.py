@@ -37,12 +37,14 @@ from .protocol import (
     FIND_VALUE,
     OFFER,
     PING,
+    PULL,
     STORE,
     ContactMsg,
     FindNodeReq,
     FindValueReq,
     OfferReq,
     PingReq,
+    PullReq,
     StoreReq,
     StoreResp,
     decode_entries,
@@ -180,6 +182,14 @@ class Client:
             )
             self._told_to(conn.peer, sender)
         return resp
+
+    async def pull(self, addr: PeerAddress, kid: bytes, tags: bytes) -> list[Entry]:
+        """Ask a fellow reader of the key ``kid`` for the entries it holds that we lack (we hold those
+        named by ``tags``); unchecked: the caller checks each (see ``Reader.pull``)."""
+        with trio.fail_after(self._timeout):
+            conn = await self._host.connect(addr)
+            reply = await conn.call_with_body(PULL, PullReq(kid, tags), timeout=self._timeout)
+        return decode_entries(reply.body)
 
     async def offer(self, addr: PeerAddress, entry: Entry) -> None:
         """Push our own new ``entry`` to a peer that reads its key (a failure is logged, not raised:

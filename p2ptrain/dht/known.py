@@ -15,6 +15,13 @@ whichever replica still has it, and a newer entry of the same subkey wins the me
 is a hash of the whole entry (signature included), so an entry the reader lacks is never left out
 unless it collides with one it holds in 64 bits.
 
+Pulls: a reader may also ask a fellow reader of the key (a training peer's partners) for the entries
+it lacks before it asks the replicas, naming what it holds as a read does. It takes what comes only as it
+takes offers (newer versions of subkeys a read brought, each checked), and asks the replicas after, as
+always: a fellow reader changes what the replicas send, never what the read returns. The replicas'
+answers were the key's hot spot (every reader's changed records from the key's closest nodes); pulled
+from partners, those bytes spread over the readers.
+
 Offers: an author may also push its new entry straight to the peers that read the key (a training
 peer's partners, see ``DHT.store(offer_to=...)``). A peer takes an offered entry only for a key it
 reads, only from the owner of its subkey and signed by it, and only as a newer version of a subkey a
@@ -73,6 +80,21 @@ def answer(entries: list[Entry], known: bytes, nonce: bytes) -> tuple[list[Entry
     return list(mine.values()), bytes(mask), proof(nonce, held) if held else b""
 
 
+def lacking(entries: Sequence[Entry], known: bytes, budget: int) -> list[Entry]:
+    """A pull's answer (see ``Reader.pull``): the entries whose tags are not among ``known``, newest
+    first, no more than ``budget`` bytes of them. No proof: a fellow reader counts toward no quorum."""
+    named = set(split_known(known))
+    out, size = [], 0
+    for e in sorted(entries, key=lambda e: -e.expiry):
+        if tag(e) in named:
+            continue
+        size += e.nbytes()
+        if size > budget:
+            break
+        out.append(e)
+    return out
+
+
 def held_entries(known: Sequence[Entry], mask: bytes, given: bytes, nonce: bytes) -> list[Entry]:
     """The entries a replica says it holds of those the reader named, if its proof checks out (else
     none: it held nothing it could show)."""
@@ -83,10 +105,12 @@ def held_entries(known: Sequence[Entry], mask: bytes, given: bytes, nonce: bytes
 
 
 class ReadCache:
-    """The verified entries of the keys this node read last (bounded in keys and bytes)."""
+    """The verified entries of the keys this node read last (bounded in keys and bytes), and the subkeys
+    each key's last read brought (those an offer or a pull may refresh)."""
 
     def __init__(self) -> None:
         self._keys: OrderedDict[bytes, list[Entry]] = OrderedDict()
+        self._read: dict[bytes, frozenset[bytes]] = {}  # key id -> the subkeys its last read brought
         self._bytes = 0
 
     def known(self, kid: bytes, now: float) -> list[Entry]:
@@ -94,14 +118,22 @@ class ReadCache:
         return entries[:MAX_KNOWN]
 
     def update(self, kid: bytes, entries: list[Entry]) -> None:
+        """What a read of ``kid`` returned: its entries, and the subkeys offers may refresh until the
+        next read."""
+        self._store(kid, entries)
+        if kid in self._keys:
+            self._read[kid] = frozenset(e.subkey for e in entries)
+
+    def _store(self, kid: bytes, entries: list[Entry]) -> None:
         self._drop(kid)
         size = sum(e.nbytes() for e in entries)
         if not entries or size > MAX_CACHED_BYTES // 4:
+            self._read.pop(kid, None)
             return
         self._keys[kid] = sorted(entries, key=lambda e: e.subkey)
         self._bytes += size
         while self._keys and (len(self._keys) > MAX_CACHED_KEYS or self._bytes > MAX_CACHED_BYTES):
-            self._drop(next(iter(self._keys)))
+            self._drop(next(iter(self._keys)), forget=True)
 
     def reads(self, kid: bytes) -> bool:
         """Whether this node read ``kid`` lately (only such keys take offered entries)."""
@@ -109,25 +141,30 @@ class ReadCache:
 
     def offer(self, kid: bytes, entries: Sequence[Entry], now: float) -> int:
         """Merge verified ``entries`` of a key this node reads (pushed to it by their authors, see
-        ``DHT.store(offer_to=...)``): a newer entry replaces the subkey's. Only subkeys a read brought
-        are refreshed: a new one comes through the replicas, which share a key fairly between origins
-        (offers from a hundred fresh keys would otherwise fill this cache past those shares). Returns
-        how many were taken."""
+        ``DHT.store(offer_to=...)``, or pulled from a fellow reader): a newer entry replaces the
+        subkey's. Only the subkeys the last read brought are refreshed, even where their entry here
+        expired since (a record whose next version was late here is not lost until the next read): a
+        new subkey comes through the replicas, which share a key fairly between origins (offers from a
+        hundred fresh keys would otherwise fill this cache past those shares). Returns how many were
+        taken."""
         held = self._keys.get(kid)
         if held is None:
             return 0
+        read = self._read.get(kid, frozenset())
         by_subkey = {e.subkey: e for e in held if e.expiry > now}
         taken = 0
         for e in entries:
             old = by_subkey.get(e.subkey)
-            if old is not None and e.expiry > now and e.sort_key() > old.sort_key():
+            if e.subkey in read and e.expiry > now and (old is None or e.sort_key() > old.sort_key()):
                 by_subkey[e.subkey] = e
                 taken += 1
         if taken:
-            self.update(kid, list(by_subkey.values()))
+            self._store(kid, list(by_subkey.values()))
         return taken
 
-    def _drop(self, kid: bytes) -> None:
+    def _drop(self, kid: bytes, *, forget: bool = False) -> None:
         old = self._keys.pop(kid, None)
         if old is not None:
             self._bytes -= sum(e.nbytes() for e in old)
+        if forget:
+            self._read.pop(kid, None)

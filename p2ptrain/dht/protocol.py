@@ -107,6 +107,20 @@ class OfferResp(Message, positional=True):
 
 
 @dataclass(frozen=True)
+class PullReq(Message, positional=True):
+    """A reader asks a fellow reader of a key for the entries it holds and the asker lacks (``known``:
+    the tags of those the asker holds, see ``dht.known``); they ride in the reply body."""
+
+    key_id: bytes = bounded(max_len=PEER_ID_BYTES)
+    known: bytes = bounded(b"", max_len=MAX_KNOWN * TAG_BYTES)
+
+
+@dataclass(frozen=True)
+class PullResp(Message, positional=True):
+    """The entries ride in the body."""
+
+
+@dataclass(frozen=True)
 class DialBackReq(Message, positional=True):
     addr: str = bounded(max_len=300)
 
@@ -123,6 +137,7 @@ FIND_VALUE = Method("dht.find_value", FindValueReq, ValueResp)  # entries ride i
 STORE = Method("dht.store", StoreReq, StoreResp)  # entries ride in the request body
 DIAL_BACK = Method("dht.dial_back", DialBackReq, DialBackResp)
 OFFER = Method("dht.offer", OfferReq, OfferResp)  # entries ride in the request body
+PULL = Method("dht.pull", PullReq, PullResp)  # entries ride in the reply body
 
 
 def encode_entries(entries: list[Entry]) -> bytes:

@@ -11,7 +11,9 @@ A hot key, whose replicas this node stored on lately (:class:`~p2ptrain.dht.repl
 read from those replicas directly, no more of them than its quorum needs, instead of by a lookup. Every
 entry a read brings is checked again here: it belongs under the key, its signature holds, and in a run
 with authors its author is admitted. An author may also offer its new entry to the peers that read its
-key; :meth:`Reader.offered` takes it only as a read would have.
+key; :meth:`Reader.offered` takes it only as a read would have. And a reader may first pull what it lacks
+from a fellow reader of the key (:meth:`Reader.pull`), taken as offers are, before the replicas are
+asked: the changed entries then come from the readers, not all from the key's closest replicas.
 
 :class:`Reader` owns the read cache (what this node read last); it is handed the client that sends the
 queries, the contacts that learn from the answers, the replicas it may read directly, and the records
@@ -24,12 +26,13 @@ import hashlib
 import itertools
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
 from ..errors import P2PError
 from ..identity import PeerID
+from ..net.address import PeerAddress
 from ..wire.codec import pack
 from .client import Client
 from .config import DHTConfig
@@ -57,6 +60,8 @@ log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT servi
 RECENT_LOOKUPS = 1024  # lookups remembered in Reader.recent_lookups
 # A direct read asks one more replica when none answered for this long
 READ_HEDGE = 1.0
+PULL_WAIT = 1.0  # how long a read waits for a fellow reader's pull before it asks the replicas
+MAX_PULLED_KEYS = 64  # keys whose turn among the fellow readers is remembered (see ``Reader.pull``)
 FIRST_SPREAD = 3
 """A direct read of a hot key asks first one of its ``FIRST_SPREAD`` closest replicas, chosen by a hash of
 the reader's id and the key (see :func:`first_asked`)."""
@@ -103,6 +108,7 @@ class Reader:
         self._authors = authors
         self._clock = clock
         self._cache = ReadCache()  # what this node read last: replicas leave those entries out
+        self._pull_turns: OrderedDict[bytes, int] = OrderedDict()  # key id -> pulls made (see ``pull``)
         # The last lookups' (hops, queries): how far a lookup goes in this swarm (simulations read it).
         self.recent_lookups: deque[tuple[int, int]] = deque(maxlen=RECENT_LOOKUPS)
 
@@ -187,9 +193,14 @@ class Reader:
         self.recent_lookups.append((search.hops, search.queries))
         return [reached.get(c.peer_id, c) for c in search.closest()], found
 
-    async def get(self, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:
-        """``DHT.get``: the replicas this node stored on lately, else a lookup; then what it knows."""
+    async def get(
+        self, key: bytes, *, quorum: int | None = None, via: Sequence[PeerAddress] = ()
+    ) -> dict[bytes, Entry]:
+        """``DHT.get``: first a pull from one of ``via`` (see :meth:`pull`), then the replicas this node
+        stored on lately, else a lookup; then what it knows."""
         kid = key_id(key)
+        if via:
+            await self.pull(kid, via)
         local = self._records.get(kid, self._clock())
         q = max((self._config.get_quorum if quorum is None else quorum) - (1 if local else 0), 1)
         known = self._cache.known(kid, self._clock())
@@ -286,6 +297,49 @@ class Reader:
             self._replicas.drop(kid)  # look them up again: the next store too
             return None
         return found
+
+    async def pull(self, kid: bytes, via: Sequence[PeerAddress]) -> int:
+        """Ask one of ``via``, fellow readers of the key ``kid`` (a training peer's partners), each in turn
+        from one pull to the next, for the entries it holds that this node lacks; this node names what
+        it holds, as a read does. What comes is taken only as offers are (:meth:`ReadCache.offer`:
+        newer versions of the subkeys a read brought), and only entries their owners signed, live and
+        within the records' limits (an unowned entry is anyone's to write: only replicas speak for it).
+        A fellow reader thus changes what the next read of the replicas sends (they leave out what this
+        node then names), never what a read returns: it cannot add a subkey, hide one or bring back an
+        old version, and a pull that fails or takes ``PULL_WAIT`` is given up. Returns how many entries
+        were taken. Nothing is pulled for a key this node has not read (no subkeys to refresh)."""
+        if not via or not self._cache.reads(kid):
+            return 0
+        turn = self._pull_turns.pop(kid, 0)
+        self._pull_turns[kid] = turn + 1
+        while len(self._pull_turns) > MAX_PULLED_KEYS:
+            self._pull_turns.popitem(last=False)
+        addr = via[turn % len(via)]
+        tags = b"".join(tag(e) for e in self._cache.known(kid, self._clock()))
+        entries: list[Entry] = []
+        with trio.move_on_after(PULL_WAIT):
+            try:
+                entries = await self._client.pull(addr, kid, tags)
+            except (P2PError, trio.TooSlowError) as e:
+                log.debug("pull from %s failed: %s", addr, e)
+        now = self._clock()
+        good = []
+        for entry in entries:
+            if owner_of(entry.key, entry.subkey) is None:
+                continue
+            try:
+                check_entry(entry, now, self._config.limits)
+            except RecordRefused:
+                continue
+            good.append(entry)
+        return self._cache.offer(kid, verified_entries(good, kid, self._authors, now), now)
+
+    def serving(self, kid: bytes, now: float) -> list[Entry]:
+        """What this node gives a fellow reader's pull of ``kid``: the live entries it holds as a replica
+        and those it read or was offered lately (all checked when they came), merged."""
+        if not self._cache.reads(kid) and not self._records.get(kid, now):
+            return []
+        return list(merge(self._records.get(kid, now) + self._cache.known(kid, now)).values())
 
     def held(self, key: bytes) -> dict[bytes, Entry]:
         """``DHT.held``: the entries held here as a replica, and those read or offered lately, verified,

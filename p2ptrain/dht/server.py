@@ -12,6 +12,8 @@ node holds, bounded and checked as :mod:`~p2ptrain.dht.protocol` and :mod:`~p2pt
   origin's share of the key, and only where this node serves (a client-only one holds no records);
 - ``OFFER`` takes entries an author pushes to its readers (at most ``OFFERS_PER_MINUTE`` a minute from
   one peer: the rest are answered 0, and reads find them), as the reader would take a read;
+- ``PULL`` the entries of a key this node reads or holds as a replica, less those the asker names (a
+  fellow reader's pull, see :meth:`~p2ptrain.dht.reads.Reader.pull`);
 - ``DIAL_BACK`` dials the asker at the address it names, only its own and only on the host the request
   came from (else this node would dial anyone an attacker names).
 
@@ -29,11 +31,12 @@ from collections.abc import Callable
 from ..errors import P2PError, RemoteProtocolError
 from ..identity import PeerID
 from ..net.address import PeerAddress
+from ..net.channel import MAX_CHUNK
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
 from .config import DHTConfig
 from .contacts import Contacts
-from .known import answer
+from .known import answer, lacking
 from .protocol import (
     MAX_OFFERED,
     ContactMsg,
@@ -46,6 +49,8 @@ from .protocol import (
     OfferResp,
     PingReq,
     PingResp,
+    PullReq,
+    PullResp,
     StoreReq,
     StoreResp,
     ValueResp,
@@ -154,6 +159,12 @@ class Server:
         for kid in took:
             self._arrived({kid})
         return OfferResp(len(took))
+
+    async def on_pull(self, ctx: CallContext, req: PullReq) -> Reply[PullResp]:
+        """A fellow reader's pull: what this node holds of the key (read, offered, or held as a replica)
+        that the asker does not name, newest first, as much as half a reply holds."""
+        entries = self._reader.serving(req.key_id, self._clock())
+        return Reply(PullResp(), encode_entries(lacking(entries, req.known, MAX_CHUNK // 2)))
 
     async def on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:
         try:

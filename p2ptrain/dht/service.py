@@ -40,7 +40,7 @@ from ..net.host import Host
 from .client import Client
 from .config import DHTConfig
 from .contacts import Contacts
-from .protocol import DIAL_BACK, FIND_NODE, FIND_VALUE, OFFER, PING, STORE
+from .protocol import DIAL_BACK, FIND_NODE, FIND_VALUE, OFFER, PING, PULL, STORE
 from .reachability import Reachability
 from .reads import Reader
 from .records import Authors, Entry, IdWork, RecordStore, key_id
@@ -124,6 +124,7 @@ class DHT:
         reg.add_unary(STORE, self.server.on_store)
         reg.add_unary(DIAL_BACK, self.server.on_dial_back)
         reg.add_unary(OFFER, self.server.on_offer)
+        reg.add_unary(PULL, self.server.on_pull)
 
     # ---- who this node is to the swarm (see ``reachability``) ----
 
@@ -228,7 +229,9 @@ class DHT:
                 return c
         return None
 
-    async def get(self, key: bytes, *, quorum: int | None = None) -> dict[bytes, Entry]:
+    async def get(
+        self, key: bytes, *, quorum: int | None = None, via: Sequence[PeerAddress] = ()
+    ) -> dict[bytes, Entry]:
         """Read a key: ``subkey -> entry`` (plain values under ``b""``), merged from the replicas reached.
 
         Stops once replicas of ``quorum`` origins (default ``get_quorum``; an origin is a /24 or /64,
@@ -236,9 +239,18 @@ class DHT:
         entry's signature is checked again, and entries that are expired or claim an expiry beyond
         what any honest store accepts (which would let a liar's entry win every merge) are dropped.
         Replicas leave out the entries this node read before and still holds (``dht.known``), or holds
-        as a replica itself: those are merged in again until they expire. (See ``reads.Reader.get``.)
+        as a replica itself: those are merged in again until they expire. ``via``: fellow readers of
+        the key, one of which is asked first for the newer versions of what this node holds, so that
+        the replicas send less; it changes no read's answer (see ``reads.Reader.pull``).
+        (See ``reads.Reader.get``.)
         """
-        return await self.reader.get(key, quorum=quorum)
+        return await self.reader.get(key, quorum=quorum, via=via)
+
+    async def pull(self, key: bytes, via: Sequence[PeerAddress]) -> int:
+        """Pull from one of ``via``, fellow readers of ``key`` (each in turn), the newer versions of the
+        entries this node holds, asking no replica; :meth:`held` then has them. Returns how many were
+        taken (see ``reads.Reader.pull``)."""
+        return await self.reader.pull(key_id(key), via)
 
     def held(self, key: bytes) -> dict[bytes, Entry]:
         """What a read of ``key`` would start from, without asking anyone: the entries held here as a

@@ -248,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         help="DHT runs: waves join this many virtual seconds apart, each node running the one-key workload"
         " from its join on, for --hot-key seconds after the last join (no keys, no kills)",
     )
+    ap.add_argument(
+        "--partners",
+        type=int,
+        default=0,
+        help="DHT runs: the one-key workload as the progress board runs it, each node with this many"
+        " partners it offers its records to; the replicas read once a record's life (0: every read)",
+    )
+    ap.add_argument("--pulls", action="store_true", help="DHT runs: each read first pulls from a partner")
     ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
@@ -330,11 +338,15 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 hot_key=args.hot_key,
                 grow=args.grow,
+                partners=args.partners,
+                pulls=args.pulls,
             )
             result = run_dht(spec)
             parts = [f"hot_key={args.hot_key:g}"] if args.hot_key else []
             parts += [f"wave={args.wave}"] if args.wave != DhtSpec.wave else []
             parts += [f"grow={args.grow:g}"] if args.grow else []
+            parts += [f"partners={args.partners}"] if args.partners else []
+            parts += ["pulls"] if args.pulls else []
             result.update(
                 settings=(",".join(parts) or "default") + (f",{args.tag}" if args.tag else ""),
                 command=command,

@@ -48,6 +48,10 @@ class DhtSpec:
     # > 0: waves join this many virtual seconds apart, each node running the one-key workload from its
     # join on (as training peers do), for ``hot_key`` seconds after the last join (see ``growing``)
     grow: float = 0.0
+    # > 0: the one-key workload as the progress board runs it, each node with this many partners
+    # (see ``hot_key``); ``pulls``: each read pulls from a partner first
+    partners: int = 0
+    pulls: bool = False
 
 
 RECORD_BYTES = 490  # a progress record's value, as the optimizer's are
@@ -55,18 +59,27 @@ PUBLISH_EVERY = 5.0  # its heartbeat (half the default record ttl of 10 s)
 READ_EVERY = 2.0  # a peer's reads of the key between heartbeats (the board reads ~1 s near a target)
 
 
-async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random) -> dict[str, Any]:
+async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random, spec: DhtSpec) -> dict[str, Any]:
     """The training swarm's shape on the DHT alone: every node publishes a signed ~490-byte record under
     its owned subkey of one key every PUBLISH_EVERY s and reads the whole key every READ_EVERY s (quorum
-    3, as ``board`` does). Returns bytes per node per second, by method, and the hot spots."""
+    3). With ``spec.partners``, as the progress board does: each node has that many partners drawn at
+    random, offers them its new records, reads the replicas once a record's life and what it holds in
+    between; with ``spec.pulls`` too, each read first pulls from one of its partners (each in turn).
+    Returns bytes per node per second, by method, and the hot spots."""
     key = b"progress/scale"
+    partners = {
+        id(d): [o.advertised_address() for o in rng.sample([o for o in nodes if o is not d], spec.partners)]
+        for d in nodes
+    }
     before = [Counter(d.host.sent_by_method()) for d in nodes]
     sizes: list[int] = []
 
     async def peer(d: DHT, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await trio.sleep(rng.uniform(0, PUBLISH_EVERY))
-        next_publish = trio.current_time()
+        next_publish = next_replicas = trio.current_time()
+        mine = partners[id(d)]
+        via = mine if spec.pulls else []
         while True:
             if trio.current_time() >= next_publish:
                 with contextlib.suppress(P2PError):
@@ -76,10 +89,17 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random) -> dict[
                         ttl=2 * PUBLISH_EVERY,
                         subkey=owned_subkey(d.host.peer_id),
                         sign=True,
+                        offer_to=mine,
                     )
                 next_publish += PUBLISH_EVERY
             with contextlib.suppress(P2PError):
-                sizes.append(len(await d.get(key, quorum=3)))
+                if not mine or trio.current_time() >= next_replicas:
+                    sizes.append(len(await d.get(key, quorum=3, via=via)))
+                    next_replicas = trio.current_time() + 2 * PUBLISH_EVERY  # (once a record's life)
+                else:
+                    if via:
+                        await d.pull(key, via)
+                    sizes.append(len(d.held(key)))
             await trio.sleep(READ_EVERY)
 
     async with trio.open_nursery() as nursery:
@@ -301,7 +321,7 @@ async def simulate_dht(spec: DhtSpec) -> dict[str, Any]:
         async with trio.open_nursery() as ops:
             for key, value in stored.items():
                 ops.start_soon(get, key, value)
-        hot = await hot_key([d for _, d, _ in live], spec.hot_key, rng) if spec.hot_key else None
+        hot = await hot_key([d for _, d, _ in live], spec.hot_key, rng, spec) if spec.hot_key else None
         hops = [h for _, d, _ in live for h, _ in d.reader.recent_lookups]
         queries = [q for _, d, _ in live for _, q in d.reader.recent_lookups]
         for name, _, _ in live:  # the end: every process stops at once (no goodbyes to send)

@@ -5,7 +5,10 @@ digest, averager address; see ``progress``) under its owned subkey of the run's 
 when it changed much and at least once a heartbeat (half the record's ``ttl``), and offers each
 new record directly to the partners it trains with (``_offer_to``), so that their reads in between
 need ask nobody: a read asks the DHT's replicas once a record's life, and whenever this peer's view is
-unsure (none yet, alone, behind, a partner's record late). What it reads becomes the ``SwarmView``
+unsure (none yet, alone, behind, a partner's record late). Every read, of the replicas or of what it
+holds, first pulls from one of those partners in turn the newer records it holds (``DHT.pull``,
+``DHT.get(via=...)``): news spreads from reader to reader, and the replicas send only what no partner
+had, so that the key's closest nodes do not serve every reader every changed record. What it reads becomes the ``SwarmView``
 (``progress.swarm_view``) that decides when the epoch's target is reached and who is on it; only the
 records of the peers this one trusts (:meth:`ProgressBoard.trusted`) may move it to another state, and
 only the digest they vouch for is downloaded (:meth:`ProgressBoard.vouched_digest`).
@@ -144,7 +147,10 @@ class ProgressBoard:
             # Woken by a record that arrived (stored here as a replica, or offered): it is held already,
             # and the reads that may ask the replicas keep their own pace.
             due = now or trio.current_time() >= next_read
-            await self.refresh(network=due and self._ask_replicas())
+            network = due and self._ask_replicas()
+            if due and not network:  # (a read of the replicas pulls first itself)
+                await self.node.dht.pull(self.key, self._offer_to())
+            await self.refresh(network=network)
             soon = trio.current_time() + self._next_read(interval)
             next_read = soon if due else min(next_read, soon)
             # Only audited rounds convict (a ban names a round whose proof the accuser holds), and a
@@ -316,7 +322,8 @@ class ProgressBoard:
         ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
         if network:
             try:
-                entries = await self.node.dht.get(self.key, quorum=3)
+                # first the newer records a partner holds, then the replicas (what is left)
+                entries = await self.node.dht.get(self.key, quorum=3, via=self._offer_to())
             except P2PError as e:
                 log.info("could not read progress records: %s", e)
                 return
