@@ -56,6 +56,33 @@ def test_an_int8_result_packs_to_about_a_quarter_and_unpacks_bit_for_bit(seed: i
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_blocks_exact_only_under_a_scale_an_ulp_off_the_encoders_are_packed_bit_for_bit(seed: int) -> None:
+    """A block ``q * s`` whose decoded absmax, divided by 127, rounds to a scale one float32 step from
+    ``s``: the first scale tried does not give it exactly, one of the two beside it does. Such blocks,
+    among ones the first scale gives and a zero block, in one result: packed, and back bit for bit."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    blocks, off = [], 0
+    while off < 3 or len(blocks) < 8:
+        scale = torch.tensor(rng.uniform(1e-6, 10.0), dtype=torch.float32)
+        q = torch.randint(-127, 128, (INT8_BLOCK,), generator=g).float()
+        q[rng.randrange(INT8_BLOCK)] = rng.choice([127.0, -127.0])
+        block = q * scale
+        first = block.abs().max() / 127.0
+        exact_under_first = torch.equal(torch.div(block, first).round().clamp(-127, 127) * first, block)
+        if not exact_under_first:
+            off += 1
+            blocks.append(block)
+        elif len(blocks) < 8 or rng.random() < 0.2:
+            blocks.append(block)
+    blocks.insert(rng.randrange(len(blocks)), torch.zeros(INT8_BLOCK))
+    values = torch.cat(blocks)
+    packed = pack(values, (INT8,))
+    assert packed is not None and packed[0] == INT8
+    back = unpack(INT8, packed[1], values.numel())
+    assert torch.equal(back.view(torch.int32), values.view(torch.int32))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_a_topk_result_packs_to_its_filled_slots_and_unpacks_bit_for_bit(seed: int) -> None:
     n = random.Random(seed).randrange(sparse.BLOCK, 30 * sparse.BLOCK)
     values = topk_round_result(n, members=1 + seed % 4, seed=seed)

@@ -74,25 +74,35 @@ def _quantize(rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks_on(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` on blocks counted from its start: which are exactly ``q * scale``, their scales and codes."""
-    nb = -(-x.numel() // INT8_BLOCK)
-    padded = torch.zeros(nb * INT8_BLOCK, dtype=torch.float32)
-    padded[: x.numel()] = x
-    rows = padded.view(nb, INT8_BLOCK)
-    scales = torch.zeros(nb, dtype=torch.float32)
-    codes = torch.zeros(nb, INT8_BLOCK, dtype=torch.float32)
-    exact = torch.zeros(nb, dtype=torch.bool)
-    todo: torch.Tensor | None = None  # (the blocks no candidate so far gave exactly; None: all of them)
-    for s in _candidates(rows.abs().amax(dim=1)):
-        r, c = (rows, s) if todo is None else (rows[todo], s[todo])
+    """``x`` on blocks counted from its start: which are exactly ``q * scale``, their scales and codes
+    (zero where not exact). Every block tries the encoder's scale first; only the blocks it does not
+    give exactly try the others (most blocks of a round's result are exact under the first, and the
+    values are read in place: a window of a result is a whole number of blocks but at its end)."""
+    n = x.numel()
+    nb = -(-n // INT8_BLOCK)
+    if n == nb * INT8_BLOCK:
+        rows = x.reshape(nb, INT8_BLOCK)
+    else:
+        rows = torch.zeros(nb * INT8_BLOCK, dtype=torch.float32)
+        rows[:n] = x
+        rows = rows.view(nb, INT8_BLOCK)
+    lo, hi = torch.aminmax(rows, dim=1)
+    first, *others = _candidates(torch.maximum(lo.abs(), hi.abs()))
+    scales, codes = first, _quantize(rows, first)
+    exact = (codes * scales[:, None] == rows).all(dim=1)
+    if bool(exact.all()):
+        return exact, scales, codes
+    for s in others:  # (the blocks no candidate so far gave exactly)
+        todo = (~exact).nonzero().view(-1)
+        r, c = rows[todo], s[todo]
         q = _quantize(r, c)
         ok = (q * c[:, None] == r).all(dim=1)
-        at = ok.nonzero().view(-1) if todo is None else todo[ok]
+        at = todo[ok]
         scales[at], codes[at] = c[ok], q[ok]
         exact[at] = True
-        todo = (~exact).nonzero().view(-1)  # (the next candidate tries only these)
-        if not todo.numel():
-            break
+        if bool(exact.all()):
+            return exact, scales, codes
+    scales[~exact], codes[~exact] = 0.0, 0.0
     return exact, scales, codes
 
 
