@@ -8,10 +8,11 @@ need ask nobody: a read asks the DHT's replicas once a record's life, and whenev
 unsure (none yet, alone, behind, a partner's record late). Every read, of the replicas or of what it
 holds, first pulls from one of those partners in turn the newer records it holds (``DHT.pull``,
 ``DHT.get(via=...)``): news spreads from reader to reader, and the replicas send only what no partner
-had, so that the key's closest nodes do not serve every reader every changed record. What it reads becomes the ``SwarmView``
-(``progress.swarm_view``) that decides when the epoch's target is reached and who is on it; only the
-records of the peers this one trusts (:meth:`ProgressBoard.trusted`) may move it to another state, and
-only the digest they vouch for is downloaded (:meth:`ProgressBoard.vouched_digest`).
+had, so that the key's closest nodes do not serve every reader every changed record. What it reads
+becomes the ``SwarmView`` (``progress.swarm_view``) that decides when the epoch's target is reached
+and who is on it; only the records of the peers this one trusts (:meth:`ProgressBoard.trusted`) may
+move it to another state, and only the digest they vouch for is downloaded
+(:meth:`ProgressBoard.vouched_digest`).
 The same records bound the weight a peer may count for in a round (:meth:`ProgressBoard.claim`,
 :meth:`ProgressBoard.weight_cap`: the averager caps the members of this peer's rounds with it).
 
