@@ -10,7 +10,7 @@ import random
 import pytest
 import trio
 
-from p2ptrain.dht import DHTConfig, owned_subkey
+from p2ptrain.dht import DHTConfig, key_id, owned_subkey
 from p2ptrain.dht.protocol import PULL, PullReq, PullResp, encode_entries
 from p2ptrain.dht.records import make_entry
 from p2ptrain.net.rpc import CallContext, Reply
@@ -42,13 +42,8 @@ async def publish(authors, version: str, ttl: float = 600) -> dict[bytes, bytes]
 
 def readers_of(nodes, authors):  # type: ignore[no-untyped-def]
     """Nodes that hold no replica of the key (a replica's reads start from what was stored there)."""
-    return [n for n in nodes if n not in authors and not n.dht.records.get(_kid(), trio.current_time())]
-
-
-def _kid() -> bytes:
-    from p2ptrain.dht import key_id
-
-    return key_id(KEY)
+    kid = key_id(KEY)
+    return [n for n in nodes if n not in authors and not n.dht.records.get(kid, trio.current_time())]
 
 
 async def test_a_fellow_reader_that_read_the_changes_spares_the_replicas(autojump_clock: object) -> None:
