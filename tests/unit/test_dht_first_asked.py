@@ -1,9 +1,9 @@
 """Who a hot key's direct read asks first (``dht.reads.first_asked``), and what a slow one costs it
-(``Replicas.demote``): the cost of a key's reads is spread over its three closest replicas.
+(``Replicas.demote``): the cost of a key's reads is spread over its ``FIRST_SPREAD`` closest replicas.
 
 At 64 and 128 simulated peers the progress key's closest replica, asked first by every reader, sent 20x
-and 50x the median node's control bytes. Drawn over many reader ids, each of the three closest comes
-first for about a third of them; every read still asks the same replicas (a permutation), each reader
+and 50x the median node's control bytes. Drawn over many reader ids, each of the closest few comes
+first for about as many of them; every read still asks the same replicas (a permutation), each reader
 always in the same order for a key, and farther replicas keep their order.
 """
 
@@ -27,7 +27,7 @@ def contacts(rng: random.Random, n: int) -> list[Contact]:
     return [Contact(peer(rng), PeerAddress.for_host(f"10.0.{i}.1", 4000)) for i in range(n)]
 
 
-def test_each_of_the_three_closest_is_asked_first_by_about_as_many_readers() -> None:
+def test_each_of_the_closest_few_is_asked_first_by_about_as_many_readers() -> None:
     rng = random.Random(1)
     for n in (1, 2, 3, 5, 20):
         replicas = contacts(rng, n)
