@@ -139,6 +139,21 @@ class ReadCache:
         """Whether this node read ``kid`` lately (only such keys take offered entries)."""
         return kid in self._keys
 
+    def wanted(self, kid: bytes, entries: Sequence[Entry], now: float) -> list[Entry]:
+        """The ``entries`` :meth:`offer` would take, were they checked: live, of a subkey the last read
+        brought, newer than the one held (a cheap test, before any signature is checked)."""
+        held = self._keys.get(kid)
+        if held is None:
+            return []
+        read = self._read.get(kid, frozenset())
+        by_subkey = {e.subkey: e for e in held if e.expiry > now}
+        out = []
+        for e in entries:
+            old = by_subkey.get(e.subkey)
+            if e.subkey in read and e.expiry > now and (old is None or e.sort_key() > old.sort_key()):
+                out.append(e)
+        return out
+
     def offer(self, kid: bytes, entries: Sequence[Entry], now: float) -> int:
         """Merge verified ``entries`` of a key this node reads (pushed to it by their authors, see
         ``DHT.store(offer_to=...)``, or pulled from a fellow reader): a newer entry replaces the
@@ -147,15 +162,14 @@ class ReadCache:
         new subkey comes through the replicas, which share a key fairly between origins (offers from a
         hundred fresh keys would otherwise fill this cache past those shares). Returns how many were
         taken."""
-        held = self._keys.get(kid)
-        if held is None:
+        wanted = self.wanted(kid, entries, now)
+        if not wanted:
             return 0
-        read = self._read.get(kid, frozenset())
-        by_subkey = {e.subkey: e for e in held if e.expiry > now}
+        by_subkey = {e.subkey: e for e in self._keys[kid] if e.expiry > now}
         taken = 0
-        for e in entries:
+        for e in wanted:  # (two versions of one subkey in a batch: the later one wins, as it arrives)
             old = by_subkey.get(e.subkey)
-            if e.subkey in read and e.expiry > now and (old is None or e.sort_key() > old.sort_key()):
+            if old is None or e.sort_key() > old.sort_key():
                 by_subkey[e.subkey] = e
                 taken += 1
         if taken:

@@ -325,11 +325,19 @@ class Reader:
                 entries = await self._client.pull(addr, kid, tags)
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("pull from %s failed: %s", addr, e)
-        now = self._clock()
+        return self._take(kid, entries, self._clock())
+
+    def _take(self, kid: bytes, entries: list[Entry], now: float, owner: PeerID | None = None) -> int:
+        """Take ``entries`` of ``kid`` as offered ones (:meth:`ReadCache.offer`): those the cache would
+        take (newer versions of the subkeys the last read brought), owned (by ``owner`` where given),
+        within the records' limits, signed (and admitted, in a run with authors). The signatures are
+        checked last, on those alone: a partner answering a pull with thousands of entries nobody asked
+        for costs no Ed25519 check. Returns how many were taken."""
         good = []
-        for entry in entries:
-            if owner_of(entry.key, entry.subkey) is None:
-                continue
+        for entry in self._cache.wanted(kid, entries, now):
+            who = owner_of(entry.key, entry.subkey)
+            if who is None or (owner is not None and who != owner):
+                continue  # (an unowned entry is anyone's to write: only replicas speak for it)
             try:
                 check_entry(entry, now, self._config.limits)
             except RecordRefused:
@@ -340,9 +348,10 @@ class Reader:
     def serving(self, kid: bytes, now: float) -> list[Entry]:
         """What this node gives a fellow reader's pull of ``kid``: the live entries it holds as a replica
         and those it read or was offered lately (all checked when they came), merged."""
-        if not self._cache.reads(kid) and not self._records.get(kid, now):
+        held = self._records.get(kid, now)
+        if not held and not self._cache.reads(kid):
             return []
-        return list(merge(self._records.get(kid, now) + self._cache.known(kid, now)).values())
+        return list(merge(held + self._cache.known(kid, now)).values())
 
     def held(self, key: bytes) -> dict[bytes, Entry]:
         """``DHT.held``: the entries held here as a replica, and those read or offered lately, verified,
@@ -363,13 +372,7 @@ class Reader:
         took: list[bytes] = []
         for entry in entries:
             kid = key_id(entry.key)
-            if owner_of(entry.key, entry.subkey) != peer or not self._cache.reads(kid):
-                continue  # (an unowned entry is anyone's to write: only replicas speak for it)
-            try:
-                check_entry(entry, now, self._config.limits)
-            except RecordRefused:
-                continue
-            if self._cache.offer(kid, verified_entries([entry], kid, self._authors, now), now):
+            if self._take(kid, [entry], now, owner=peer):
                 took.append(kid)
         return took
 
