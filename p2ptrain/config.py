@@ -151,10 +151,19 @@ class ProgressSection:
     # a record goes out when something changed that others cannot extrapolate, and every ttl / 2
     interval: float = 1.0
     ttl: float = 10.0  # seconds a record stays valid: a silent peer stops counting after this
+    # DHT keys the records are spread over, a power of 2 that every peer of the run shares (one: the
+    # run's one progress key); each peer publishes under its bucket's, and reads them all, so that no
+    # key's replicas serve every record (about one key per 64 peers the run expects)
+    buckets: int = 1
 
     def __post_init__(self) -> None:
         _check(self.interval > 0, "progress.interval", "must be positive")
         _check(self.ttl > self.interval, "progress.ttl", "must be longer than progress.interval")
+        _check(
+            1 <= self.buckets <= 4096 and self.buckets & (self.buckets - 1) == 0,
+            "progress.buckets",
+            "must be a power of 2 from 1 to 4096",
+        )
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ async def _publish_records(
     value = pack(record.to_obj())
     async with trio.open_nursery() as nursery:
         for who in ids:
-            nursery.start_soon(publish_as, opt, costs, who, opt.key, value, opt.config.progress.ttl)
+            key = opt.board.key_of(who.peer_id)  # (its own bucket's: a record under another is not read)
+            nursery.start_soon(publish_as, opt, costs, who, key, value, opt.config.progress.ttl)
 
 
 def flip(opt: CollaborativeOptimizer) -> None:
@@ -219,7 +220,7 @@ async def _flood_dht(opt: CollaborativeOptimizer, costs: Attack) -> None:
     while True:
         epoch = honest_epoch(opt, costs)
         groups = opt.node.averager.groups
-        keys = [opt.key] + [groups.key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
+        keys = [*opt.board.keys] + [groups.key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
         for key in keys:  # one store after the other: the flood's rate is what the replicas take
             for who in ids:
                 await publish_as(opt, costs, who, key, junk, FLOOD_TTL)

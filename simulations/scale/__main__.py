@@ -256,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         " partners it offers its records to; the replicas read once a record's life (0: every read)",
     )
     ap.add_argument("--pulls", action="store_true", help="DHT runs: each read first pulls from a partner")
+    ap.add_argument(
+        "--buckets",
+        type=int,
+        default=1,
+        help="the run's progress.buckets (swarm runs); DHT runs: the one-key workload's records spread"
+        " over this many keys (a power of 2), all read",
+    )
     ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             and args.batches_per_step == 10
             and args.max_group == 64
             and not args.width
+            and args.buckets == 1
         )
         settings = (
             "default"
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"nat={args.nat_share},churn={args.join_rate}/{args.leave_rate}/{args.kill_rate},"
                 f"loss={args.loss},bps={args.batches_per_step},group={args.max_group}"
                 + (f",width={args.width}" if args.width else "")
+                + (f",buckets={args.buckets}" if args.buckets > 1 else "")
             )
         )
         runs = []
@@ -314,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 max_group=args.max_group,
                 width=args.width,
+                buckets=args.buckets,
             )
             t0 = time.perf_counter()
             result = run(spec)
@@ -340,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 grow=args.grow,
                 partners=args.partners,
                 pulls=args.pulls,
+                buckets=args.buckets,
             )
             result = run_dht(spec)
             parts = [f"hot_key={args.hot_key:g}"] if args.hot_key else []
@@ -347,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             parts += [f"grow={args.grow:g}"] if args.grow else []
             parts += [f"partners={args.partners}"] if args.partners else []
             parts += ["pulls"] if args.pulls else []
+            parts += [f"buckets={args.buckets}"] if args.buckets > 1 else []
             result.update(
                 settings=(",".join(parts) or "default") + (f",{args.tag}" if args.tag else ""),
                 command=command,

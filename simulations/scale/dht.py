@@ -31,6 +31,7 @@ from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
+from p2ptrain.training.optimizer.buckets import bucket_of, progress_key
 from simulations.scale.heap import few_collections
 from simulations.scale.model import World, pct
 
@@ -52,11 +53,33 @@ class DhtSpec:
     # (see ``hot_key``); ``pulls``: each read pulls from a partner first
     partners: int = 0
     pulls: bool = False
+    # > 1: the records spread over this many keys (a power of 2), each node's under its bucket's
+    # (``optimizer.buckets``), and every read reads all of them
+    buckets: int = 1
 
 
 RECORD_BYTES = 490  # a progress record's value, as the optimizer's are
 PUBLISH_EVERY = 5.0  # its heartbeat (half the default record ttl of 10 s)
 READ_EVERY = 2.0  # a peer's reads of the key between heartbeats (the board reads ~1 s near a target)
+
+
+async def pull_quietly(d: DHT, key: bytes, via: list[PeerAddress]) -> None:
+    with contextlib.suppress(P2PError):
+        await d.pull(key, via)
+
+
+async def read_all(d: DHT, keys: list[bytes], via: list[PeerAddress]) -> int:
+    """Read every key from the replicas at once (each pulled first where ``via``); the records read."""
+    counts = [0] * len(keys)
+
+    async def read(i: int) -> None:
+        with contextlib.suppress(P2PError):
+            counts[i] = len(await d.get(keys[i], quorum=3, via=via))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(keys)):
+            nursery.start_soon(read, i)
+    return sum(counts)
 
 
 async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random, spec: DhtSpec) -> dict[str, Any]:
@@ -66,7 +89,10 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random, spec: Dh
     random, offers them its new records, reads the replicas once a record's life and what it holds in
     between; with ``spec.pulls`` too, each read first pulls from one of its partners (each in turn).
     Returns bytes per node per second, by method, and the hot spots."""
-    key = b"progress/scale"
+    bits = max(spec.buckets, 1).bit_length() - 1
+    if 1 << bits != max(spec.buckets, 1):
+        raise ValueError(f"--buckets {spec.buckets}: a power of 2")
+    keys = [progress_key("scale", bits, b) for b in range(1 << bits)]
     partners = {
         id(d): [o.advertised_address() for o in rng.sample([o for o in nodes if o is not d], spec.partners)]
         for d in nodes
@@ -80,11 +106,12 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random, spec: Dh
         next_publish = next_replicas = trio.current_time()
         mine = partners[id(d)]
         via = mine if spec.pulls else []
+        own = keys[bucket_of(d.host.peer_id.digest, bits)]
         while True:
             if trio.current_time() >= next_publish:
                 with contextlib.suppress(P2PError):
                     await d.store(
-                        key,
+                        own,
                         rng.randbytes(RECORD_BYTES),
                         ttl=2 * PUBLISH_EVERY,
                         subkey=owned_subkey(d.host.peer_id),
@@ -92,14 +119,16 @@ async def hot_key(nodes: list[DHT], seconds: float, rng: random.Random, spec: Dh
                         offer_to=mine,
                     )
                 next_publish += PUBLISH_EVERY
-            with contextlib.suppress(P2PError):
-                if not mine or trio.current_time() >= next_replicas:
-                    sizes.append(len(await d.get(key, quorum=3, via=via)))
-                    next_replicas = trio.current_time() + 2 * PUBLISH_EVERY  # (once a record's life)
-                else:
-                    if via:
-                        await d.pull(key, via)
-                    sizes.append(len(d.held(key)))
+            if not mine or trio.current_time() >= next_replicas:
+                held = await read_all(d, keys, via)
+                next_replicas = trio.current_time() + 2 * PUBLISH_EVERY  # (once a record's life)
+            else:
+                if via:
+                    async with trio.open_nursery() as pulls:
+                        for key in keys:
+                            pulls.start_soon(pull_quietly, d, key, via)
+                held = sum(len(d.held(key)) for key in keys)
+            sizes.append(held)
             await trio.sleep(READ_EVERY)
 
     async with trio.open_nursery() as nursery:

@@ -79,6 +79,7 @@ class SwarmSpec:
     # parameters (8 hidden units) a member of a group of 100 reduced nothing, half the swarm verified
     # nobody, and its quorums were those of peers that trust a handful.
     width: int = 0
+    buckets: int = 1  # the run's ``progress.buckets``: keys its progress records spread over
 
     @property
     def hidden(self) -> int:
@@ -122,6 +123,7 @@ def run_config(spec: SwarmSpec) -> RunConfig:
             grad_clip=0.0,
         )
         .replace("averaging", matchmaking_time=3.0, max_group_size=spec.max_group)
+        .replace("progress", buckets=spec.buckets)
     )
 
 
@@ -304,12 +306,15 @@ def measure(
     if busiest is not None:
         delta = after[busiest][0] - before[busiest][0]
         top = [(m, v) for m, v in delta.most_common() if m not in DATA_METHODS][:4]
-        # its place among the peers closest to the run's progress key (0: the closest replica)
-        kid = int.from_bytes(key_id(b"p2ptrain/scale/progress"), "big")
-        order = sorted(both, key=lambda i: int.from_bytes(sim.peers[i].node.peer_id.digest, "big") ^ kid)
+        # its place among the peers closest to a progress key (0: a key's closest replica)
+        rank = len(both)
+        for key in sim.peers[busiest].opt.board.keys:
+            kid = int.from_bytes(key_id(key), "big")
+            order = sorted(both, key=lambda i: int.from_bytes(sim.peers[i].node.peer_id.digest, "big") ^ kid)
+            rank = min(rank, order.index(busiest))
         hot = {
             "peer": sim.peers[busiest].place.name,
-            "progress_key_rank": order.index(busiest),
+            "progress_key_rank": rank,
             "by_method_per_step": {m: round(v / steps) for m, v in top},
         }
     n = max(1, len(both))

@@ -165,7 +165,7 @@ async def contribute(node: Node, via: Peer, kind: str, rng: random.Random, place
 async def claim_far(node: Node, via: Peer, rng: random.Random) -> None:
     """Publish records of a far step with a forged digest, signed by this node's key, every second."""
     digest = rng.randbytes(32)
-    key = via.opt.board.key
+    key = via.opt.board.key_of(node.peer_id)
     while True:
         record = ProgressRecord(
             epoch=sybils.FAR,

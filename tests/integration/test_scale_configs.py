@@ -55,3 +55,16 @@ def test_a_step_whose_majority_no_group_holds_is_said_plainly(caplog: pytest.Log
     said = [r for r in caplog.records if "is more than one group holds (at most 4 members)" in r.getMessage()]
     assert said, "nobody said that a step's majority fits no group"
     assert len(said) <= spec.peers  # once a peer
+
+
+def test_records_over_four_bucket_keys_keep_every_peer_in_every_round() -> None:
+    """The run's progress records spread over four keys (``progress.buckets``), every read reading
+    them all: the same swarm as one key gives, with no fork and every live peer in every committed
+    round."""
+    spec = SwarmSpec(
+        peers=8, duration=45.0, warmup=20.0, join_spread=4.0, batches_per_step=4, seed=3, buckets=4
+    )
+    report = run(spec)
+    assert report["forks"] == 0, report["fork_epochs"]
+    assert report["global_steps"] >= 3
+    assert report["share_in_committed_round_min"] >= 0.95, report

@@ -8,7 +8,10 @@ need ask nobody: a read asks the DHT's replicas once a record's life, and whenev
 unsure (none yet, alone, behind, a partner's record late). Every read, of the replicas or of what it
 holds, first pulls from one of those partners in turn the newer records it holds (``DHT.pull``,
 ``DHT.get(via=...)``): news spreads from reader to reader, and the replicas send only what no partner
-had, so that the key's closest nodes do not serve every reader every changed record. What it reads
+had, so that the key's closest nodes do not serve every reader every changed record. A run of many
+peers spreads the records over several keys (``progress.buckets``, see ``buckets``): each peer's go
+under its bucket's key, and a read reads them all, so that each key's replicas serve a part of the
+swarm's records, and no key approaches the DHT's cap on a key's bytes. What it reads
 becomes the ``SwarmView`` (``progress.swarm_view``) that decides when the epoch's target is reached
 and who is on it; only the records of the peers this one trusts (:meth:`ProgressBoard.trusted`) may
 move it to another state, and only the digest they vouch for is downloaded
@@ -33,7 +36,7 @@ import trio
 
 from ...averaging.agreement import WEIGHT_SLACK
 from ...config import RunConfig
-from ...dht.records import owned_subkey, subkey_owner
+from ...dht.records import Entry, owned_subkey, subkey_owner
 from ...errors import P2PError, RemoteProtocolError
 from ...identity import PeerID
 from ...net.address import PeerAddress
@@ -42,6 +45,7 @@ from ...waits import either
 from ...wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL, BanBook
 from .bookkeeping import Tally
+from .buckets import bucket_of, progress_key
 from .progress import (
     SPREAD,
     PeerProgress,
@@ -91,7 +95,11 @@ class ProgressBoard:
         """``wake`` is set by whatever changes this peer's record (the board then publishes at once)."""
         self.node, self.config, self.fingerprint, self.clock = node, config, fingerprint, clock
         self.tally, self.state, self.alone, self.bans, self.wake = tally, state, alone, bans, wake
-        self.key = f"p2ptrain/{node.config.run_id}/progress".encode()
+        # The records' keys: one per bucket of peers (``progress.buckets``), all read; this peer's
+        # records go under its own bucket's (``key``), and a record under any other is not read
+        self.bits = config.progress.buckets.bit_length() - 1
+        self.keys = [progress_key(node.config.run_id, self.bits, b) for b in range(config.progress.buckets)]
+        self.key = self.key_of(node.peer_id)
         self.view: SwarmView | None = None
         self.records: list[PeerProgress] = []
         self.leaving = False
@@ -129,6 +137,38 @@ class ProgressBoard:
         """A record arrived (stored here as a replica, or offered): the loop reads what it holds."""
         self._arrived.set()
 
+    def key_of(self, peer: PeerID) -> bytes:
+        """The key ``peer``'s records go under: its bucket's (the run's one progress key with one)."""
+        return self.keys[bucket_of(peer.digest, self.bits)]
+
+    async def _pull(self, via: list[PeerAddress]) -> None:
+        """Pull every key's newer records from one partner (``DHT.pull``, each key at once)."""
+        async with trio.open_nursery() as nursery:
+            for key in self.keys:
+                nursery.start_soon(self.node.dht.pull, key, via)
+
+    async def _read_replicas(self) -> dict[bytes, dict[bytes, Entry]] | None:
+        """Every key's records from the replicas, read at once, each pulled first from a partner;
+        None when any read failed (the view is then left as it was: a view missing a bucket would
+        count a part of the swarm out)."""
+        via = self._offer_to()
+        read: dict[bytes, dict[bytes, Entry]] = {}
+        failed: list[P2PError] = []
+
+        async def one(key: bytes) -> None:
+            try:
+                read[key] = await self.node.dht.get(key, quorum=3, via=via)
+            except P2PError as e:
+                failed.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for key in self.keys:
+                nursery.start_soon(one, key)
+        if failed:
+            log.info("could not read progress records: %s", failed[0])
+            return None
+        return read
+
     def group_took(self, seconds: float) -> None:
         """A group formed after ``seconds``: matchmaking starts about that long before the target."""
         self.lead += LEAD_SMOOTHING * (seconds - self.lead)
@@ -138,7 +178,8 @@ class ProgressBoard:
         interval = self.config.progress.interval
         next_bans = self.clock()
         now, next_read = True, trio.current_time()
-        self.node.dht.watch(self.key, self.note_arrival)
+        for key in self.keys:
+            self.node.dht.watch(key, self.note_arrival)
         while True:
             self.wake.renew()
             record = self.record()
@@ -150,7 +191,7 @@ class ProgressBoard:
             due = now or trio.current_time() >= next_read
             network = due and self._ask_replicas()
             if due and not network:  # (a read of the replicas pulls first itself)
-                await self.node.dht.pull(self.key, self._offer_to())
+                await self._pull(self._offer_to())
             await self.refresh(network=network)
             soon = trio.current_time() + self._next_read(interval)
             next_read = soon if due else min(next_read, soon)
@@ -319,26 +360,31 @@ class ProgressBoard:
                 self._published = record
 
     async def refresh(self, *, network: bool = True) -> None:
-        """Read the swarm's progress records (signatures checked by the DHT; malformed ones skipped);
-        ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
+        """Read the swarm's progress records, every bucket's (signatures checked by the DHT; malformed
+        ones skipped); ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
         if network:
-            try:
-                # first the newer records a partner holds, then the replicas (what is left)
-                entries = await self.node.dht.get(self.key, quorum=3, via=self._offer_to())
-            except P2PError as e:
-                log.info("could not read progress records: %s", e)
+            # first the newer records a partner holds, then the replicas (what is left)
+            read = await self._read_replicas()
+            if read is None:
                 return
             self._asked_at = self.clock()
         else:
-            entries = self.node.dht.held(self.key)
+            read = {key: self.node.dht.held(key) for key in self.keys}
+        entries: dict[bytes, Entry] = {}
+        for key, held in read.items():
+            for subkey, entry in held.items():
+                peer = subkey_owner(subkey)
+                # only owned subkeys (the DHT checked that the peer named signed it), each under its
+                # owner's bucket: a peer counts once, and filling a bucket takes ids of that bucket
+                if peer is not None and self.key_of(peer) == key:
+                    entries[subkey] = entry
         records = []
         banned = self.node.averager.auditor.banned
         vouched = self.trusted()
         failed_us = self.node.averager.groups.leaders.excluded_peers(self.clock())
         for subkey, entry in entries.items():
             peer = subkey_owner(subkey)
-            if peer is None:
-                continue  # only owned subkeys: the DHT checked that the peer named signed it
+            assert peer is not None
             if peer in banned or (peer in failed_us and vouched is not None and peer not in vouched):
                 # A peer banned here, or a stranger that failed this peer as a leader (it held us and
                 # delivered nothing), counts for nothing: counting it toward the step's peers would

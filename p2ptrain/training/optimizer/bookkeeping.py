@@ -169,6 +169,8 @@ def run_fingerprint(config: RunConfig, model: torch.nn.Module) -> bytes:
     }
     if config.training.mode == "diloco" and config.diloco.fragments > 1:  # which fragment each step averages
         shared["fragments"] = config.diloco.fragments
+    if config.progress.buckets > 1:  # the keys its records go under: peers of other keys never meet
+        shared["progress_buckets"] = config.progress.buckets
     if config.averaging.compression.sparse:
         # the sparse wire layout (4: Elias-Fano indices, sums of their used slots only; 2 had 16- and
         # 12-bit indices): peers of releases that encode it otherwise would fail every round together,

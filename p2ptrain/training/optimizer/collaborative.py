@@ -758,7 +758,7 @@ class CollaborativeOptimizer:
 
     @property
     def key(self) -> bytes:
-        """The DHT key of the run's progress records."""
+        """The DHT key this peer's progress records go under (its bucket's: ``ProgressBoard.keys``)."""
         return self.board.key
 
     @property
