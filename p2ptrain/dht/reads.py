@@ -61,7 +61,7 @@ RECENT_LOOKUPS = 1024  # lookups remembered in Reader.recent_lookups
 # A direct read asks one more replica when none answered for this long
 READ_HEDGE = 1.0
 PULL_WAIT = 1.0  # how long a read waits for a fellow reader's pull before it asks the replicas
-MAX_PULLED_KEYS = 64  # keys whose turn among the fellow readers is remembered (see ``Reader.pull``)
+MAX_PULLED_KEYS = 128  # keys whose turn among the fellow readers is remembered (see ``Reader.pull``)
 FIRST_SPREAD = 10
 """A direct read of a hot key asks first one of its ``FIRST_SPREAD`` closest replicas, chosen by a hash of
 the reader's id and the key (see :func:`first_asked`)."""
@@ -231,8 +231,19 @@ class Reader:
         holding anything, failed, or is ``READ_HEDGE`` late (asking every replica at once cost a request
         and most of an answer from each of up to ``replication`` peers, per read). A later replica is
         told what the earlier ones sent, as held. None, to look the key up instead, when no such
-        replicas are known or fewer than ``quorum`` origins among them answered with entries."""
+        replicas are known or fewer than ``quorum`` origins among them answered with entries.
+
+        A key this node reads again without storing under it (its last read brought entries: a
+        large run's progress records under other peers' bucket keys, see ``optimizer.buckets``) has
+        its replicas looked up as a store's are, once, and read directly from then on: a lookup of the
+        value at each read drew the entries from every hop that held them, three times the bytes of
+        the direct reads of the keys it stored under. (A key nobody wrote is still looked up.)"""
         replicas = self._replicas.known(kid)
+        if not replicas and known:
+            now = self._clock()
+            replicas = self._replicas.cached(kid, now)
+            if replicas is None:
+                replicas = self._replicas.found(kid, await self.find_node(kid), now)
         if not replicas:
             return None
         found: list[Entry] = []

@@ -627,6 +627,9 @@ async def test_a_second_read_carries_only_what_changed(autojump_clock):
 
             first, full = await read()
             assert sorted(first) == sorted(owned_subkey(w.peer_id) for w in writers)
+            # (the second read looks the key's replicas up, once: the reads after it ask them directly)
+            again, looked_up = await read()
+            assert again == first and looked_up < full, (looked_up, full)
             again, unchanged = await read()
             assert again == first
             assert unchanged * 4 < full, (unchanged, full)

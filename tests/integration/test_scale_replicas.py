@@ -87,3 +87,36 @@ async def test_a_replica_that_fails_makes_the_next_store_look_them_up(autojump_c
             assert lookups.count(kid) == 2, len(lookups)
             now = {c.peer_id for c in writer.dht.replicas.remembered(kid) or []}
             assert victim.host.peer_id not in now
+
+
+async def test_a_key_read_every_few_seconds_by_a_non_writer_is_read_from_its_replicas(
+    autojump_clock: object,
+) -> None:
+    """A node that reads a key it never writes (a large run's progress records under the other peers'
+    bucket keys) looks its replicas up once and asks them directly from then on, as a writer does. On
+    the code before, each read was a lookup of the value, whose every hop that held the entries sent
+    them: at 256 nodes that tripled the bytes of the reads of four bucket keys."""
+    with trio.fail_after(600):
+        async with open_swarm(CONFIG) as swarm:
+            for i in range(10):
+                await swarm.start(f"r{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer, reader = swarm.nodes[0], swarm.nodes[-1]
+            lookups = count_lookups(reader.dht)
+            value_lookups: list[bytes] = []
+            lookup = reader.dht.reader.lookup
+
+            async def counting(target: bytes, **kw: object):  # type: ignore[no-untyped-def]
+                if kw.get("value"):
+                    value_lookups.append(target)
+                return await lookup(target, **kw)  # type: ignore[arg-type]
+
+            reader.dht.reader.lookup = counting
+            kid = key_id(KEY)
+            for beat in range(40):  # 200 virtual seconds: written every 5 s, read every 2.5 s
+                assert await writer.dht.store(KEY, b"beat %d" % beat, ttl=10.0) >= CONFIG.replication
+                for _ in range(2):
+                    got = await reader.dht.get(KEY)
+                    assert got[b""].value == b"beat %d" % beat
+                    await trio.sleep(2.5)
+            assert value_lookups.count(kid) <= 1, len(value_lookups)  # (80 before: one a read)
+            assert lookups.count(kid) <= 2, len(lookups)  # (its replicas, once, and once more at most)
