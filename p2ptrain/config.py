@@ -145,6 +145,11 @@ class AveragingSection:
             raise ConfigError(f"averaging.aggregation: {e}") from None
 
 
+# the most keys a run's progress records spread over (a reader keeps the last read of each: see
+# ``dht.known``); 64 keys of 64 to 1,600 records each hold 4,096 to 102,400 peers
+MAX_BUCKETS = 64
+
+
 @dataclass(frozen=True)
 class ProgressSection:
     # seconds between reads of the swarm's records near the target (up to ttl / 2 while it is far off);
@@ -160,9 +165,9 @@ class ProgressSection:
         _check(self.interval > 0, "progress.interval", "must be positive")
         _check(self.ttl > self.interval, "progress.ttl", "must be longer than progress.interval")
         _check(
-            1 <= self.buckets <= 4096 and self.buckets & (self.buckets - 1) == 0,
+            1 <= self.buckets <= MAX_BUCKETS and self.buckets & (self.buckets - 1) == 0,
             "progress.buckets",
-            "must be a power of 2 from 1 to 4096",
+            f"must be a power of 2 from 1 to {MAX_BUCKETS}",
         )
 
 

@@ -42,7 +42,9 @@ TAG_BYTES = 8
 NONCE_BYTES = 16
 PROOF_BYTES = 16
 MAX_KNOWN = 1024  # entries a read names (the rest travel again)
-MAX_CACHED_KEYS = 64
+# keys whose last read is kept: a large run's progress records alone are read under up to 64 keys
+# (``progress.buckets``), besides its matchmaking and ban keys
+MAX_CACHED_KEYS = 128
 MAX_CACHED_BYTES = 16 * 1024 * 1024
 
 

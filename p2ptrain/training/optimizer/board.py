@@ -76,6 +76,15 @@ ARRIVAL_PAUSE = 0.25
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
 
 
+def turned(via: list[PeerAddress], i: int) -> list[PeerAddress]:
+    """``via`` turned by ``i`` places: the pulls of a read's keys, each taking the partners in turn from
+    another one, ask as many partners as there are keys (up to all of them), not one for every key."""
+    if not via:
+        return via
+    i %= len(via)
+    return via[i:] + via[:i]
+
+
 class ProgressBoard:
     """Publishing this peer's progress records and reading the swarm's."""
 
@@ -142,10 +151,11 @@ class ProgressBoard:
         return self.keys[bucket_of(peer.digest, self.bits)]
 
     async def _pull(self, via: list[PeerAddress]) -> None:
-        """Pull every key's newer records from one partner (``DHT.pull``, each key at once)."""
+        """Pull every key's newer records from a partner (``DHT.pull``, each key at once, each from
+        another partner: see :func:`turned`)."""
         async with trio.open_nursery() as nursery:
-            for key in self.keys:
-                nursery.start_soon(self.node.dht.pull, key, via)
+            for i, key in enumerate(self.keys):
+                nursery.start_soon(self.node.dht.pull, key, turned(via, i))
 
     async def _read_replicas(self) -> dict[bytes, dict[bytes, Entry]] | None:
         """Every key's records from the replicas, read at once, each pulled first from a partner;
@@ -155,15 +165,15 @@ class ProgressBoard:
         read: dict[bytes, dict[bytes, Entry]] = {}
         failed: list[P2PError] = []
 
-        async def one(key: bytes) -> None:
+        async def one(i: int, key: bytes) -> None:
             try:
-                read[key] = await self.node.dht.get(key, quorum=3, via=via)
+                read[key] = await self.node.dht.get(key, quorum=3, via=turned(via, i))
             except P2PError as e:
                 failed.append(e)
 
         async with trio.open_nursery() as nursery:
-            for key in self.keys:
-                nursery.start_soon(one, key)
+            for i, key in enumerate(self.keys):
+                nursery.start_soon(one, i, key)
         if failed:
             log.info("could not read progress records: %s", failed[0])
             return None
