@@ -110,7 +110,8 @@ class ProgressBoard:
         self.keys = [progress_key(node.config.run_id, self.bits, b) for b in range(config.progress.buckets)]
         self.key = self.key_of(node.peer_id)
         self.view: SwarmView | None = None
-        self.records: list[PeerProgress] = []
+        self._records: list[PeerProgress] = []
+        self._by_peer: dict[PeerID, PeerProgress] = {}  # each peer's record in ``records``
         self.leaving = False
         self.lead = 0.5  # seconds a group takes to form: matchmaking starts that long before the target
         self.met_swarm = False  # records were read once the DHT had bootstrapped (see StepAlone)
@@ -141,6 +142,18 @@ class ProgressBoard:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+
+    @property
+    def records(self) -> list[PeerProgress]:
+        """The swarm's records as last read (one a peer)."""
+        return self._records
+
+    @records.setter
+    def records(self, records: list[PeerProgress]) -> None:
+        self._records = records
+        self._by_peer = {}
+        for r in records:
+            self._by_peer.setdefault(r.peer, r)
 
     def note_arrival(self) -> None:
         """A record arrived (stored here as a replica, or offered): the loop reads what it holds."""
@@ -642,7 +655,10 @@ class ProgressBoard:
         to the round (its records count toward the next one now: ``landing``) is judged by what it said
         before; with nothing said before, by the whole target as well."""
         target = float(self.config.training.target_batch_size)
-        record = next((r.record for r in self.records if r.peer == peer), None)
+        # (by the index: a round's caps ask this of every member's trusted peers on the step, and a scan
+        # of the records for each made a round's caps cost members x trusted x records)
+        found = self._by_peer.get(peer)
+        record = None if found is None else found.record
         if record is not None and record.landing and record.epoch == self.tally.epoch:
             record = self.counting.get(peer)
         if record is None or record.epoch != self.tally.epoch:
