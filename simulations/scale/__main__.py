@@ -257,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--pulls", action="store_true", help="DHT runs: each read first pulls from a partner")
     ap.add_argument(
+        "--hot-warmup",
+        type=float,
+        default=0.0,
+        help="DHT runs: virtual seconds of the one-key workload before its bytes are counted (each node's"
+        " first read of a key is a lookup of the whole value)",
+    )
+    ap.add_argument(
         "--buckets",
         type=int,
         default=1,
@@ -351,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 partners=args.partners,
                 pulls=args.pulls,
                 buckets=args.buckets,
+                hot_warmup=args.hot_warmup,
             )
             result = run_dht(spec)
             parts = [f"hot_key={args.hot_key:g}"] if args.hot_key else []
@@ -359,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             parts += [f"partners={args.partners}"] if args.partners else []
             parts += ["pulls"] if args.pulls else []
             parts += [f"buckets={args.buckets}"] if args.buckets > 1 else []
+            parts += [f"hot_warmup={args.hot_warmup:g}"] if args.hot_warmup else []
             result.update(
                 settings=(",".join(parts) or "default") + (f",{args.tag}" if args.tag else ""),
                 command=command,
