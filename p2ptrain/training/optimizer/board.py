@@ -170,7 +170,7 @@ class ProgressBoard:
             for i, key in enumerate(self.keys):
                 nursery.start_soon(self.node.dht.pull, key, turned(via, i))
 
-    async def _read_replicas(self) -> dict[bytes, dict[bytes, Entry]] | None:
+    async def _read_keys(self) -> dict[bytes, dict[bytes, Entry]] | None:
         """Every key's records from the replicas, read at once, each pulled first from a partner;
         None when any read failed (the view is then left as it was: a view missing a bucket would
         count a part of the swarm out)."""
@@ -387,27 +387,25 @@ class ProgressBoard:
         ones skipped); ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
         if network:
             # first the newer records a partner holds, then the replicas (what is left)
-            read = await self._read_replicas()
+            read = await self._read_keys()
             if read is None:
                 return
             self._asked_at = self.clock()
         else:
             read = {key: self.node.dht.held(key) for key in self.keys}
-        entries: dict[bytes, Entry] = {}
+        entries: dict[bytes, tuple[PeerID, Entry]] = {}
         for key, held in read.items():
             for subkey, entry in held.items():
                 peer = subkey_owner(subkey)
                 # only owned subkeys (the DHT checked that the peer named signed it), each under its
                 # owner's bucket: a peer counts once, and filling a bucket takes ids of that bucket
                 if peer is not None and self.key_of(peer) == key:
-                    entries[subkey] = entry
+                    entries[subkey] = (peer, entry)
         records = []
         banned = self.node.averager.auditor.banned
         vouched = self.trusted()
         failed_us = self.node.averager.groups.leaders.excluded_peers(self.clock())
-        for subkey, entry in entries.items():
-            peer = subkey_owner(subkey)
-            assert peer is not None
+        for subkey, (peer, entry) in entries.items():
             if peer in banned or (peer in failed_us and vouched is not None and peer not in vouched):
                 # A peer banned here, or a stranger that failed this peer as a leader (it held us and
                 # delivered nothing), counts for nothing: counting it toward the step's peers would
