@@ -38,7 +38,7 @@ Usage::
 
     python -m simulations.bench_sharded_swarm [--ranks 4] [--compression int8,topk3-q4] [--steps 6]
         [--layers 4] [--heads 4] [--width 256] [--device cpu|cuda] [--peer site|unsharded]
-        [--skip-unsharded] [--checkpoint-every 1] [--json PATH] [--timeout 1500]
+        [--skip-unsharded] [--overlap] [--checkpoint-every 1] [--json PATH] [--timeout 1500]
 
 The JSON report goes to PATH (default ``simulations/results/sharded-swarm.json``), a table to stderr.
 """
@@ -88,7 +88,7 @@ grad_clip = 1.0
 threads = {args.threads}
 
 [diloco]
-overlap = false
+overlap = {str(args.overlap).lower()}
 
 [averaging]
 timeout = 300.0
@@ -445,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         help="node b: a site like a, or an unsharded peer",
     )
     ap.add_argument("--skip-unsharded", action="store_true", help="no run of two unsharded peers")
+    ap.add_argument(
+        "--overlap", action="store_true", help="diloco.overlap: rounds run while the next batches compute"
+    )
     ap.add_argument(
         "--checkpoint-every", type=int, default=1, help="0: the nodes keep no data folder (no checkpoints)"
     )

@@ -7,6 +7,7 @@ new rank 1, the site's parts are built anew on the new generation, its last chec
 catches up with B and trains to the end with it. Both end on the same step with the same state digest
 (the root of the global parameters and outer momentum, which does not depend on how a peer shards), and
 on every step both still report: a step that A's failure cut short was applied whole or not at all.
+With ``diloco.overlap`` as well: the round A's failure cuts short may be running while its ranks train.
 """
 
 from __future__ import annotations
@@ -129,11 +130,12 @@ def rank_processes(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["rounds-now", "overlap"])
 def test_a_rank_killed_in_a_live_site_restarts_its_group_and_the_site_stays_in_the_swarm(
-    tmp_path: Path,
+    tmp_path: Path, overlap: bool
 ) -> None:
     run = tmp_path / "run.toml"
-    run.write_text(RUN)
+    run.write_text(RUN.replace("overlap = false", f"overlap = {str(overlap).lower()}"))
     a, b = tmp_path / "a", tmp_path / "b"
     procs: list[subprocess.Popen[bytes]] = []
     try:

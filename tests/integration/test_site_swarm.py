@@ -1,8 +1,10 @@
 """A 2-rank site (real processes, FSDP2 over gloo) and an unsharded peer train one model in one DiLoCo
 swarm, each with the real node and ``CollaborativeOptimizer`` (progress records, matchmaking, the
 averager's rounds over the in-memory network, on the virtual clock): after every outer step both hold
-the same global parameters, and the same local ones, bit for bit. The site's shards are gathered by the
-test only, from what each rank wrote after each landing."""
+the same global parameters, and the same local ones, bit for bit. With ``diloco.overlap`` (each round
+runs while the next batches compute) both hold the same global parameters after every outer step, and
+each its own local ones: the new global ones with the progress made during the round on top. The site's
+shards are gathered by the test only, from what each rank wrote after each landing."""
 
 from __future__ import annotations
 
@@ -35,12 +37,17 @@ STEPS = 3
 
 
 PRIVATE = authority_key_text(bytes(range(32)))  # top-k is for private swarms
-COMPRESSIONS = ("int8", "topk3-q4")
+# each: the averaging's compression, and whether rounds overlap compute
+VARIANTS = (("int8", False), ("topk3-q4", False), ("int8", True), ("topk3-q4", True))
 
 
-def config(compression: str) -> RunConfig:
+def name(compression: str, overlap: bool) -> str:
+    return compression + ("-overlap" if overlap else "")
+
+
+def config(compression: str, overlap: bool = False) -> RunConfig:
     return (
-        run_config("diloco")
+        run_config("diloco", overlap=overlap)
         .replace("training", grad_clip=1.0)  # (the clip's norm is a collective of the site)
         .replace("run", authority=PRIVATE if compression.startswith("topk") else "")
         .replace("averaging", compression=compression)
@@ -60,13 +67,13 @@ def build(rank: int, world: int, cfg: RunConfig) -> SiteRank:
 
 
 def site_main(rank: int, world: int, out: str) -> None:
-    for compression in COMPRESSIONS:  # (one spawn: starting ranks is the slow part)
-        swarm(rank, world, Path(out) / compression, compression)
+    for compression, overlap in VARIANTS:  # (one spawn: starting ranks is the slow part)
+        swarm(rank, world, Path(out) / name(compression, overlap), compression, overlap)
 
 
-def swarm(rank: int, world: int, out: Path, compression: str) -> None:
+def swarm(rank: int, world: int, out: Path, compression: str, overlap: bool) -> None:
     out.mkdir(exist_ok=True)
-    cfg = config(compression)
+    cfg = config(compression, overlap)
     site = build(rank, world, cfg)
     batch = batch_of(10 + rank)  # every rank its own data
 
@@ -150,12 +157,12 @@ def swarm(rank: int, world: int, out: Path, compression: str) -> None:
 def test_a_site_and_an_unsharded_peer_train_in_one_swarm_with_identical_parameters_after_every_outer_step(
     tmp_path: Path,
 ) -> None:
-    launch.spawn(site_main, 2, str(tmp_path), timeout=120)
-    for compression in COMPRESSIONS:
-        check(tmp_path / compression)
+    launch.spawn(site_main, 2, str(tmp_path), timeout=180)
+    for compression, overlap in VARIANTS:
+        check(tmp_path / name(compression, overlap), overlap)
 
 
-def check(out: Path) -> None:
+def check(out: Path, overlap: bool) -> None:
     rank0 = torch.load(out / "rank0.pt", weights_only=False)
     rank1 = torch.load(out / "rank1.pt", weights_only=False)
     outcomes = rank0["outcomes"]
@@ -168,16 +175,21 @@ def check(out: Path) -> None:
         mine, theirs = rank0["rank0"][epoch], rank1[k]
         site_full = [torch.cat([a, b]) for a, b in zip(mine, theirs, strict=True)]
         peer = rank0["peer"][epoch]
-        for s, p in zip(site_full, peer, strict=True):
+        n = len(site_full) // 2  # (the global parameters, then the local ones)
+        # with overlap, each its own local progress since its handoff, on the same global parameters
+        same = site_full[:n] if overlap else site_full
+        for s, p in zip(same, peer[: len(same)], strict=True):
             assert torch.equal(s, p), f"the site and the peer differ after outer step {epoch}"
+        for state in (site_full, peer):
+            carried = not all(torch.equal(g, p) for g, p in zip(state[:n], state[n:], strict=True))
+            assert carried == overlap, f"after outer step {epoch}: progress carried {carried}"
         if before is not None:
             assert not all(torch.equal(a, b) for a, b in zip(site_full, before, strict=True))
         before = site_full
 
 
-def test_a_site_refuses_sync_mode_and_overlap_with_a_clear_error() -> None:
+def test_a_site_refuses_sync_mode_with_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="DiLoCo only"):
         check_run(run_config("sync"))
-    with pytest.raises(ConfigError, match="overlap"):
-        check_run(run_config("diloco", overlap=True))
     check_run(run_config("diloco"))
+    check_run(run_config("diloco", overlap=True))

@@ -341,6 +341,9 @@ class CollaborativeOptimizer:
         formed = rounds.take_formed()
         if formed is not None:
             epoch, manifest = formed
+            if epoch == tally.epoch and self.diloco and self.config.diloco.overlap:
+                await rounds.hand_over(manifest)  # (a site's: see ``RoundRunner.hand_over``)
+                return changed
             if epoch == tally.epoch and self.diloco:
                 landed = await rounds.average(manifest)
                 if landed is None:

@@ -15,18 +15,23 @@ they send, and keep the residual only if the round committed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 import trio
 
 from ...averaging.compression import Compression
+from ...averaging.spill import Spilled, SpillFile
 from ...config import DilocoSection
 from ...errors import ConfigError
 from ..state import serve
+from ..state.codec import raw_bytes
 from ..state.file_tensors import FileTensors
 from .buffers import Contribution, ParamBuffer
 from .feedback import ErrorFeedback, Saved
+
+log = logging.getLogger(__name__)
 
 
 class OuterStep:
@@ -35,6 +40,11 @@ class OuterStep:
     # A pseudo-gradient may leave in a buffer of its own (``Contribution.take``) while a replay applies
     # results in another: a peer joined ahead hands its work over as its group forms (``rounds``).
     hands_over_ahead = True
+    # DiLoCo with overlap: the pseudo-gradient is taken at once as the group forms, whatever the training
+    # loop is doing (a pass over the local parameters, between two inner steps). An outer step whose
+    # pseudo-gradient is a collective of several processes (a site's ranks) is handed over by the training
+    # loop itself, between two batches (``RoundRunner.hand_over``).
+    hands_over_between_batches = False
 
     def __init__(
         self,
@@ -104,6 +114,45 @@ class OuterStep:
                 after(i)
             self._release(g, *self.momentum[i : i + 1])
         self.release()
+
+    def land_on_top(self, own: list[Spilled | torch.Tensor]) -> None:
+        """DiLoCo with overlap, a committed round: the outer step (see :meth:`step`), and each local
+        parameter restarts from the new global one with the progress made since the handoff on top:
+        local now - (old global - ``own``), ``own`` being the pseudo-gradient as handed over, kept aside
+        (:meth:`keep_aside`), in the order of the contribution's slots."""
+        kept = dict(zip(self.contribution.slots, own, strict=True))
+        params, global_params = self.params, self.global_params
+
+        def progress(i: int) -> None:
+            p, g, h = params[i], global_params[i], kept[i]
+            values = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
+            with torch.no_grad():
+                p.sub_(g).add_(values.view(p.shape).to(p.device))
+
+        def on_top(i: int) -> None:
+            with torch.no_grad():
+                params[i].add_(global_params[i])
+
+        self.step(progress, on_top)
+
+    async def keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
+        """DiLoCo with overlap: the pseudo-gradient in ``buffer`` (as handed over) in a spill file (a
+        worker thread's job when large), for :meth:`land_on_top`: a model-sized copy that the landing
+        reads once, so it need not stay in memory meanwhile (in memory if the file cannot be written: a
+        full disk)."""
+        file = SpillFile()
+
+        def write() -> list[Spilled | torch.Tensor]:
+            try:
+                return [file.put(raw_bytes(v)) for v in buffer.views]
+            except OSError as e:
+                log.warning("cannot spill the pseudo-gradient (%s): keeping a copy in memory", e)
+                file.close()
+                return [v.detach().clone() for v in buffer.views]
+
+        if self.param_bytes < serve.THREAD_BYTES:
+            return write()
+        return await trio.to_thread.run_sync(write)
 
     def reset_local(self, i: int) -> None:
         """The local parameter ``i`` restarts from the new global one."""

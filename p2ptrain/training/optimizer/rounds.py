@@ -43,13 +43,11 @@ import trio
 from ...averaging.allreduce import RoundResult
 from ...averaging.matchmaking import Quorum, opening, short_of_quorums
 from ...averaging.protocol import SignedManifest
-from ...averaging.spill import Spilled, SpillFile
+from ...averaging.spill import Spilled
 from ...config import RunConfig
 from ...errors import GroupFormationFailed, RoundAborted
 from ...identity import PeerID
 from ...node import Node
-from ..state import serve
-from ..state.codec import raw_bytes
 from .board import ProgressBoard
 from .bookkeeping import RoundStats, Tally
 from .buffers import Contribution, ParamBuffer
@@ -178,7 +176,8 @@ class InFlight:
     weight: int
     since: float  # when the batch in progress at the handoff began: later samples count toward the next
     outcome: RoundResult | BaseException | None = None
-    # diloco: this peer's pseudo-gradient, before the round averaged it (see ``_keep_aside``)
+    # diloco: this peer's pseudo-gradient, before the round averaged it (``OuterStep.keep_aside``; a
+    # site's is empty: its ranks keep their shards of it)
     own: list[Spilled | torch.Tensor] | None = None
     # top-k rounds: the error feedback's residual before this round (see ``feedback``)
     before: Saved | None = None
@@ -529,10 +528,12 @@ class RoundRunner:
         else:
             # (counted from the window's opening: the wait for the target is not the group's)
             self.board.group_took(min(max(0.0, self.clock() - opens), cfg.matchmaking_time))
-            if (diloco and not self.config.diloco.overlap) or self.contribution.summed:
-                # step() runs it, with compute paused; or, summed, hands the gradients over between two
-                # backward passes (one may be adding to them right now); a group joined ahead, once the
-                # replay landed (``step`` lands it first)
+            in_loop = self.outer is not None and self.outer.hands_over_between_batches
+            if (diloco and (not self.config.diloco.overlap or in_loop)) or self.contribution.summed:
+                # step() runs it, with compute paused; or hands it over between two batches (summed
+                # gradients, one batch may be adding to them right now; a site's pseudo-gradient, a
+                # collective of its ranks: ``hand_over``); a group joined ahead, once the replay landed
+                # (``step`` lands it first)
                 self.formed = (epoch, manifest)
                 return False
             if self.joined_ahead(epoch):  # replaying: the work computed meanwhile goes now
@@ -612,14 +613,38 @@ class RoundRunner:
 
     # ---- rounds in the background ----
 
-    def start_in_background(self, manifest: SignedManifest, epoch: int | None = None) -> None:
+    async def hand_over(self, manifest: SignedManifest) -> None:
+        """DiLoCo with overlap, an outer step whose pseudo-gradient is a collective of a site's ranks
+        (``OuterStep.hands_over_between_batches``), called by ``step`` between two batches: the
+        pseudo-gradient of the local parameters as they are now goes into the round's buffer (each rank
+        keeping its shard of it aside for the landing), and the round runs in the background while the
+        next batches compute. Taken from the matchmaking task, as an unsharded peer's is, the ranks'
+        collective would wait for the batch in progress, and what it sent would hold a batch that the
+        samples handed over did not count."""
+        outer = self.outer
+        assert outer is not None
+        outer.pseudo_gradients()
+        buffer = self.contribution.buffer
+        own = await outer.keep_aside(buffer)
+        before = await outer.fold(buffer)
+        self.start_in_background(manifest, folded=(own, before))
+
+    def start_in_background(
+        self,
+        manifest: SignedManifest,
+        epoch: int | None = None,
+        *,
+        folded: tuple[list[Spilled | torch.Tensor], Saved | None] | None = None,
+    ) -> None:
         """Hand what this peer has done so far to the formed group's round and go on computing.
 
         sync: the accumulated gradients leave in the round (as the mean gradient, weighted by the
         samples); a fresh accumulator takes the batches computed meanwhile. diloco: the pseudo-gradient
         of the local parameters as they are now; local progress made meanwhile is kept on top of the new
         global parameters when the round lands. ``epoch``: the step of the group (sync: one joined
-        ahead, see :meth:`start_matchmaking`); this peer's own by default.
+        ahead, see :meth:`start_matchmaking`); this peer's own by default. ``folded``: the
+        pseudo-gradient is in the contribution's buffer already, kept aside and folded (see
+        :meth:`hand_over`).
         """
         assert self._nursery is not None
         weight = self.tally.samples
@@ -641,7 +666,8 @@ class RoundRunner:
                 self.tally.epoch,
             )
         if outer is not None:
-            outer.pseudo_gradients()
+            if folded is None:
+                outer.pseudo_gradients()
             # (joined ahead: the replay in flight applies its results in a buffer of its own meanwhile)
             tensors = self.contribution.take() if ahead else self.contribution.buffer
         else:
@@ -666,8 +692,10 @@ class RoundRunner:
 
         async def run(flight: InFlight) -> None:
             try:
-                if outer is not None:  # kept for the landing, where the local progress since now goes on top
-                    flight.own = await self._keep_aside(flight.tensors)
+                if folded is not None:
+                    flight.own, flight.before = folded
+                elif outer is not None:  # kept for the landing: the local progress since now goes on top
+                    flight.own = await outer.keep_aside(flight.tensors)
                     flight.before = await outer.fold(flight.tensors)
                 flight.outcome = await self.node.averager.run_round(
                     manifest,
@@ -755,25 +783,9 @@ class RoundRunner:
             return None  # diloco: the work is still in the local parameters
         if outer is not None:
             assert flight.own is not None
-            # parameter index -> kept values
-            own = dict(zip(self.contribution.slots, flight.own, strict=True))
-            params, global_params = outer.params, outer.global_params
-
-            # new global + the local progress since the handoff: local now - (old global - own
-            # pseudo-gradient), the local parameters at the handoff
-            def progress(i: int) -> None:
-                p, g, h = params[i], global_params[i], own[i]
-                kept = h if isinstance(h, torch.Tensor) else torch.frombuffer(h.read(), dtype=p.dtype)
-                with torch.no_grad():
-                    p.sub_(g).add_(kept.view(p.shape).to(p.device))
-
-            def on_top(i: int) -> None:
-                with torch.no_grad():
-                    params[i].add_(global_params[i])
-
             self.contribution.adopt(tensors)  # (joined ahead: the replay had a buffer of its own)
             await self.state.keep_result(self.tally.epoch, tensors.views, buffered=True)  # for peers behind
-            await self.state.off_loop(outer.step, progress, on_top)
+            await self.state.off_loop(outer.land_on_top, flight.own)
             self.contribution.relay(outcome.retired)
             self.tally.took(weight)
             self.tally.counting_from(flight.since)
@@ -800,21 +812,3 @@ class RoundRunner:
     def note_abort(self, e: BaseException) -> None:
         log.warning("step %d: averaging round aborted, nothing applied: %s", self.tally.epoch, e)
         self.stats.note_abort(self.tally.epoch, str(e))
-
-    async def _keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
-        """``buffer``'s values in a spill file (a worker thread's job when large): a model-sized copy
-        that the landing reads once, so it need not stay in memory meanwhile (in memory if the file
-        cannot be written: a full disk)."""
-        file = SpillFile()
-
-        def write() -> list[Spilled | torch.Tensor]:
-            try:
-                return [file.put(raw_bytes(v)) for v in buffer.views]
-            except OSError as e:
-                log.warning("cannot spill the pseudo-gradient (%s): keeping a copy in memory", e)
-                file.close()
-                return [v.detach().clone() for v in buffer.views]
-
-        if self.state.param_bytes < serve.THREAD_BYTES:
-            return write()
-        return await trio.to_thread.run_sync(write)

@@ -26,15 +26,18 @@ before computing its batch, and its ``LocalSteps.inner_step`` clips and steps it
 every rank from the k that TRAIN carries.
 
 What a site refuses at start (:func:`check_run`): sync mode (it averages gradients every step, which is
-what a site over a WAN is meant to avoid; its gradients would be full tensors on rank 0), DiLoCo with
-``overlap`` (the landing puts the progress made during the round on top of the global parameters on
-the whole model at once, not yet shard by shard). It keeps its last steps' results and serves them to
-peers that replay, as any peer does (``SharedState.keep_result``: read in place from rank 0's wire
-buffer, a window at a time), and a site at most ``statesync.replay_steps`` behind replays the missed
-steps' results as any peer does (``SiteState._replay``: each fetched into a mapped buffer, landed shard
-by shard, hashed and checked against the trusted digest); one further behind downloads the whole state,
-and carries no local progress over it. What it does not do yet: checkpoint through the node's
-checkpoint files (``site.checkpoint`` is the per-rank format).
+what a site over a WAN is meant to avoid; its gradients would be full tensors on rank 0). DiLoCo with
+``overlap`` works as on any peer, but for the handoff: the pseudo-gradient is a collective of the ranks,
+which the batches are too, so the training loop hands it over between two batches
+(``RoundRunner.hand_over``), each rank keeping its shard of it aside for the landing.
+
+It keeps its last steps' results and serves them to peers that replay, as any peer does
+(``SharedState.keep_result``: read in place from rank 0's wire buffer, a window at a time), and a site at
+most ``statesync.replay_steps`` behind replays the missed steps' results as any peer does
+(``SiteState._replay``: each fetched into a mapped buffer, landed shard by shard, hashed and checked
+against the trusted digest); one further behind downloads the whole state, and carries no local progress
+over it. What it does not do yet: checkpoint through the node's checkpoint files (``site.checkpoint`` is
+the per-rank format).
 
 State sync and the site's collectives. The ranks enter collectives in the order rank 0's commands name
 them, one command at a time; so on rank 0 every collective of the site's group is issued by one owner
@@ -65,6 +68,7 @@ import torch
 import trio
 
 from ...averaging.compression import Compression
+from ...averaging.spill import Spilled
 from ...config import DilocoSection, RunConfig, TrainingSection
 from ...errors import ConfigError, RemoteProtocolError
 from ..optimizer.buffers import Contribution, ParamBuffer
@@ -101,11 +105,6 @@ def check_run(config: RunConfig) -> None:
             f"training.mode = {config.training.mode!r}: a sharded site trains with DiLoCo only (sync mode"
             " averages full gradients every step, which is what a site over a WAN is meant to avoid);"
             " set training.mode = 'diloco' or run the node without --shard"
-        )
-    if config.diloco.overlap:
-        raise ConfigError(
-            "diloco.overlap = true: a sharded site does not overlap its rounds with compute yet; set"
-            " diloco.overlap = false or run the node without --shard"
         )
 
 
@@ -347,6 +346,9 @@ class SiteOuter(OuterStep):
     # (handing over to a group of the step a replay lands on, before it landed, is not built for a site:
     # a site joined ahead hands over once the replay landed)
     hands_over_ahead = False
+    # (its pseudo-gradient is a collective of the ranks, which the training loop's batches are too: with
+    # overlap, the loop hands it over between two batches, ``RoundRunner.hand_over``)
+    hands_over_between_batches = True
 
     def __init__(self, site: SiteRank, params: list[torch.Tensor], contribution: Contribution) -> None:
         # (OuterStep's own __init__ would copy the global parameters whole: a site's are sharded)
@@ -358,6 +360,7 @@ class SiteOuter(OuterStep):
         self.sgd = site.outer.sgd
         self.feedback = None  # (folded shard by shard: see ``fold``)
         self._handed = False
+        self._keep = False  # overlap: the next fold's ranks keep their shards of it aside (``keep_aside``)
         self._round = contextlib.ExitStack()  # while a round runs: its wire pages kept released
 
     def _wire(self) -> WireBuffer:
@@ -378,17 +381,27 @@ class SiteOuter(OuterStep):
         self.contribution.unrelayed()
         self._handed = True
 
+    async def keep_aside(self, buffer: ParamBuffer) -> list[Spilled | torch.Tensor]:
+        """DiLoCo with overlap: the next :meth:`fold` has every rank keep its shard of the
+        pseudo-gradient aside (``ShardedOuter.contribute``'s ``keep``), where :meth:`land_on_top` finds
+        it; nothing of it is on rank 0's heap or disk beyond its own shard."""
+        self._keep = True
+        return []
+
     async def fold(self, buffer: ParamBuffer) -> None:
         """Collective: the pseudo-gradient, top-k's error feedback folded in, into the wire buffer."""
         if buffer is not self.contribution.buffer:
             raise RuntimeError("a site folds the buffer its pseudo-gradients went into")
         wire = self._wire()
+        keep, self._keep = self._keep, False
         async with self.site.turn.taken(Owner.TRAINING):  # (after a hash in progress)
-            slots = self._send(Op.CONTRIBUTE)
+            slots = self._send(Op.CONTRIBUTE, int(keep))
             if self.param_bytes < serve.THREAD_BYTES:
-                self.site.outer.contribute(slots, wire)
+                self.site.outer.contribute(slots, wire, keep=keep)
             else:  # (the ranks' pieces into the wire buffer: as long as the slowest rank takes)
-                await trio.to_thread.run_sync(self.site.outer.contribute, slots, wire)
+                await trio.to_thread.run_sync(
+                    functools.partial(self.site.outer.contribute, slots, wire, keep=keep)
+                )
         self._handed = False
         self._round.close()
         self._round.enter_context(wire.keep_released())  # (the round touches every page of it)
@@ -423,6 +436,12 @@ class SiteOuter(OuterStep):
         with self.site.section():  # (its callers wait for a hash in progress: ``SharedState.unheld``)
             slots = self._send(Op.LAND, 1)
             self.site.outer.land(slots, self._wire(), committed=True)
+
+    def land_on_top(self, own: list[Spilled | torch.Tensor]) -> None:
+        """Collective, DiLoCo with overlap: :meth:`step`; every rank's local shards restart from the new
+        global ones with the progress since the handoff on top, from the shards it kept aside (``own``
+        is empty: see :meth:`keep_aside`)."""
+        self.step()
 
     def reset_local(self, i: int) -> None:
         """(Done by :meth:`step` on every rank.)"""
