@@ -80,6 +80,7 @@ from .protocol import (
     TensorSpec,
     seal_decision,
 )
+from .round_machine import SCATTER
 from .round_tensors import partition_scales
 from .settings import AveragerConfig, RoundPolicy
 from .spill import Spilled, SpillFile
@@ -221,6 +222,9 @@ class Averager:
         # member may still ask for it (it fetched its results early, and this member served the last of
         # its fetches first); any other call for such a round is refused at once (ROUND_OVER).
         self._over: dict[bytes, tuple[float, bytes]] = {}
+        # Groups formed here whose rounds did not start yet -> until when their members' calls wait for
+        # it (the scatter deadline: see ``_round``), and those members.
+        self._formed: dict[bytes, tuple[float, frozenset[PeerID]]] = {}
         self._waiting: Counter[PeerID] = Counter()  # calls waiting in _round, per caller
         self._waiting_subnet: Counter[str] = Counter()  # ... per caller's subnet
         self._nursery: trio.Nursery | None = None
@@ -417,7 +421,7 @@ class Averager:
         mode = parse_compression(compression) if compression else self.config.compression
         schema = schema_of(list(tensors))
         sizes = _sizes(self.config, target_size, min_size)
-        return await self.groups.form(
+        signed = await self.groups.form(
             group_key,
             schema,
             schema_digest(schema, mode, self.config.aggregation, self.config.audit),
@@ -429,6 +433,22 @@ class Averager:
             opens=opens,
             leads_now=leads_now,
         )
+        self._expect(signed)
+        return signed
+
+    def _expect(self, signed: SignedManifest) -> None:
+        """A group formed here: its members' calls for its round wait for this member to run it (or
+        decline it) until the round's scatter deadline, as they wait for this member's slices, rather
+        than ``ROUND_WAIT``. Its caller runs the round when it gets to it: a training loop between two
+        batches, after a pass over its parameters (a site's, a collective of its ranks), which took
+        longer than ``ROUND_WAIT``, so that the others' slices of the partitions it reduces were
+        refused, and it was left out of every round."""
+        now = trio.current_time()
+        for digest in [d for d, (until, _) in self._formed.items() if until < now]:
+            del self._formed[digest]
+        if len(self._formed) < MAX_WAITING_CALLS:
+            m = signed.manifest
+            self._formed[signed.digest] = (now + SCATTER * m.timeout, frozenset(m.peers()))
 
     async def run_round(
         self,
@@ -499,6 +519,7 @@ class Averager:
             abort = seal_decision(self.host.identity, Decision(round=signed.digest, abort=why))
         if len(self._declined) < MAX_WAITING_CALLS:
             self._declined[signed.digest] = (now + signed.manifest.timeout + JOIN_GRACE, abort)
+        self._formed.pop(signed.digest, None)
         started = self._round_started.pop(signed.digest, None)
         if started is not None:
             started.set()  # calls already waiting for it get the answer now
@@ -622,6 +643,7 @@ class Averager:
 
     def _start_round(self, rnd: AllReduceRound) -> None:
         self._rounds[rnd.digest] = rnd
+        self._formed.pop(rnd.digest, None)
         started = self._round_started.pop(rnd.digest, None)
         if started is not None:
             started.set()
@@ -642,8 +664,10 @@ class Averager:
 
     async def _round(self, digest: bytes, ctx: CallContext) -> AllReduceRound:
         """The round ``digest``, waiting a little for it to start: a member may call us before our own
-        copy of the manifest arrived. Until then its stream holds at most the protocol's initial window
-        of data here, and one peer, or one subnet, may have only a few such calls waiting."""
+        copy of the manifest arrived (``ROUND_WAIT``), or, a member of a group formed here, before our
+        caller ran its round (until its scatter deadline: see ``_expect``). Until then its stream holds
+        at most the protocol's initial window of data here, and one peer, or one subnet, may have only a
+        few such calls waiting."""
         peer, subnet = ctx.peer, subnet_of(ctx.remote_host)
         rnd = self._rounds.get(digest)
         if rnd is not None:
@@ -659,10 +683,14 @@ class Averager:
         ):
             raise RemoteProtocolError("unknown round (and too many calls waiting for unknown rounds)")
         event = self._round_started.setdefault(digest, trio.Event())
+        wait = ROUND_WAIT
+        formed = self._formed.get(digest)
+        if formed is not None and peer in formed[1]:
+            wait = max(wait, formed[0] - trio.current_time())
         self._waiting[peer] += 1
         self._waiting_subnet[subnet] += 1
         try:
-            with trio.move_on_after(ROUND_WAIT):
+            with trio.move_on_after(wait):
                 await event.wait()
         finally:
             self._waiting[peer] -= 1
