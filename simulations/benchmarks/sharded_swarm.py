@@ -38,7 +38,8 @@ Usage::
 
     python -m simulations.bench_sharded_swarm [--ranks 4] [--compression int8,topk3-q4] [--steps 6]
         [--layers 4] [--heads 4] [--width 256] [--device cpu|cuda] [--peer site|unsharded]
-        [--skip-unsharded] [--overlap] [--checkpoint-every 1] [--json PATH] [--timeout 1500]
+        [--skip-unsharded] [--overlap] [--rate-mbit 0] [--checkpoint-every 1] [--json PATH]
+        [--timeout 1500]
 
 The JSON report goes to PATH (default ``simulations/results/sharded-swarm.json``), a table to stderr.
 """
@@ -46,6 +47,7 @@ The JSON report goes to PATH (default ``simulations/results/sharded-swarm.json``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -142,15 +144,20 @@ def start(
     device: str = "cpu",
     keep: bool = True,
     threads: int = 1,
+    lab: Any = None,
+    index: int = 0,
 ) -> subprocess.Popen[bytes]:
     """A node: a site of ``shard`` ranks (0: an unsharded peer); a site of one rank is started by
     ``torchrun``. ``keep``: the node's data folder is ``folder`` (checkpoints); else it keeps
-    nothing (a key file in ``folder`` is its identity)."""
+    nothing (a key file in ``folder`` is its identity). ``lab``: a ``NetnsLab``, in whose namespace
+    ``index`` the node runs (its ranks with it, on that namespace's loopback), listening on its shaped
+    link."""
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable]
     if shard == 1:  # (a site of one rank: FSDP2 on a group of one, started as torchrun starts sites)
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    cmd += ["-m", "p2ptrain", "node", "--config", str(run), "--listen", "127.0.0.1:0"]
+    listen = f"{lab.address(index)}:0" if lab is not None else "127.0.0.1:0"
+    cmd += ["-m", "p2ptrain", "node", "--config", str(run), "--listen", listen]
     cmd += ["--max-steps", str(steps), "--no-live", "--wait-peers", "2"]
     cmd += ["--metrics-file", str(folder / "metrics.jsonl")]
     if keep:
@@ -166,6 +173,8 @@ def start(
     cmd += extra
     log = open(folder / "node.log", "wb")  # noqa: SIM115  (closed with the process)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if lab is not None:
+        return lab.popen(index, cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -322,11 +331,46 @@ def pair(
     extra_a = membership(a, authority) if authority is not None else []
     extra_b = membership(b, authority) if authority is not None else []
     keep = args.checkpoint_every > 0
+    with contextlib.ExitStack() as stack:
+        lab = None
+        if args.rate_mbit > 0:  # (each node's link shaped with tc tbf, each way: see ``labs.netns``)
+            from simulations.labs.netns import NetnsLab, unavailable
+
+            why = unavailable()
+            if why is not None:
+                raise SystemExit(f"--rate-mbit needs a network-namespace lab: {why}")
+            lab = stack.enter_context(NetnsLab(2, args.rate_mbit, prefix="p2pshard"))
+        return run_pair(folder, args, runs, shards, (extra_a, extra_b), keep, lab)
+
+
+def run_pair(
+    folder: Path,
+    args: argparse.Namespace,
+    runs: dict[int, Path],
+    shards: tuple[int, int],
+    extras: tuple[list[str], list[str]],
+    keep: bool,
+    lab: Any,
+) -> dict[str, Any]:
+    """:func:`pair`'s nodes, run and measured (in ``lab``'s namespaces, where there is one)."""
+    a, b = folder / "a", folder / "b"
+    extra_a, extra_b = extras
     began = time.time()
 
     def node(f: Path, n: int, join: str | None, extra: list[str]) -> subprocess.Popen[bytes]:
+        i = 0 if f == a else 1
         return start(
-            f, runs[n], args.steps, n, join, extra, device=args.device, keep=keep, threads=args.threads
+            f,
+            runs[n],
+            args.steps,
+            n,
+            join,
+            extra,
+            device=args.device,
+            keep=keep,
+            threads=args.threads,
+            lab=lab,
+            index=i,
         )
 
     procs = {"a": node(a, shards[0], None, extra_a)}
@@ -450,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--checkpoint-every", type=int, default=1, help="0: the nodes keep no data folder (no checkpoints)"
+    )
+    ap.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=0.0,
+        help="each node's link at this rate each way (tc tbf in network namespaces; root); 0: loopback",
     )
     ap.add_argument("--json", default=DEFAULT_JSON)
     ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run of two nodes, all told")
