@@ -623,6 +623,9 @@ class RoundRunner:
         samples handed over did not count."""
         outer = self.outer
         assert outer is not None
+        if self.tally.samples <= 0:  # (nothing to send; and a fold not followed by its round's landing
+            self.node.averager.decline(manifest)  # would leave top-k's residual changed for nothing)
+            return
         outer.pseudo_gradients()
         buffer = self.contribution.buffer
         own = await outer.keep_aside(buffer)
