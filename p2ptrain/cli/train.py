@@ -100,7 +100,8 @@ def _site_rank(config: RunConfig, settings: NodeSection) -> tuple[SiteRank, Site
         )
     folder = settings.data_dir or (default_data_dir() if settings.identity is None else None)
     try:
-        rank0 = join_launched(config, folder / "checkpoints" / "site" if folder is not None else None)
+        checkpoints = folder / "checkpoints" / "site" if folder is not None else None
+        rank0 = join_launched(config, checkpoints, settings.local_timeout)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     return (rank0, None) if rank0 is not None else False

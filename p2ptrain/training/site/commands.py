@@ -44,6 +44,40 @@ class Op(enum.IntEnum):
 LAND_CARRY = 2
 """LAND's ``c`` for a replayed step's result that carries the local progress (see ``peer.SiteState``)."""
 
+BULK = frozenset({Op.SAVE, Op.LOAD, Op.HASH, Op.ADOPT})
+"""Commands whose collectives wait on work that grows with each rank's shards of the whole state: a
+checkpoint written or read, every chunk hashed, a download adopted. Every other command's collectives
+wait on one batch, one piece of a round or one chunk."""
+
+BYTES_PER_ELEMENT = 24
+"""What a rank holds per element of its shards: the parameter, AdamW's two moments, the global
+parameter, the outer momentum, top-k's residual (float32 each)."""
+
+BULK_RATE = 50e6
+"""The slowest a rank may get through its share of a bulk command, in bytes a second (a disk that
+writes a checkpoint at 50 MB/s; hashing is faster)."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long rank 0 waits in a collective for the other ranks, by the command it is part of.
+
+    A collective waits for its slowest rank, so a rank that hangs (stopped, swapping, a deadlock) holds
+    rank 0 until the collective's timeout: that timeout is how soon a site finds a hung rank and
+    restarts its group. One timeout for everything is either too short for a checkpoint at 70B or far
+    too long for a batch. So rank 0 bounds each command's collectives by what the command waits on:
+    ``local`` (``--local-timeout``) for a batch, a round's pieces, a chunk; ``local`` plus the rank's
+    state bytes at :data:`BULK_RATE` for a :data:`BULK` one. The other ranks keep the group's long
+    timeout (they wait for rank 0, which may be busy in a round for minutes); rank 0 restarts them."""
+
+    local: float
+    shard_elements: int  # the largest shard of any rank
+
+    def timeout(self, op: Op) -> float:
+        if op in BULK:
+            return self.local + self.shard_elements * BYTES_PER_ELEMENT / BULK_RATE
+        return self.local
+
 
 @dataclass(frozen=True)
 class Command:

@@ -26,6 +26,8 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # torch.distribute
 
 from ...malloc import M_MMAP_THRESHOLD, mallopt
 
+log = logging.getLogger(__name__)
+
 MMAP_THRESHOLD = 1 << 20
 """Allocations of at least this many bytes get their own mapping, returned to the system when freed."""
 
@@ -48,6 +50,22 @@ def backend_for(device: str | None = None) -> str:
     """NCCL for CUDA devices, gloo otherwise."""
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return "nccl" if kind.startswith("cuda") else "gloo"
+
+
+def set_collective_timeout(seconds: float, group: Any = None) -> bool:
+    """From now on, this process's collectives on ``group`` (None: the default one) time out after
+    ``seconds`` (gloo raises; NCCL's watchdog aborts). torch sets a group's timeout when it is made;
+    changing it later is ``torch.distributed``'s ``_set_pg_timeout`` (gloo and NCCL), which is not public
+    API: where it is missing, the group keeps its timeout and this says False."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    try:
+        setter(datetime.timedelta(seconds=seconds), group)
+    except (AttributeError, RuntimeError, ValueError) as e:
+        log.warning("cannot change the site's collective timeout (%s): it stays as the group began", e)
+        return False
+    return True
 
 
 def free_port() -> int:

@@ -46,8 +46,9 @@ from .peer import SNAPSHOT_PREFIX, SiteRank, SiteState, check_run
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 300.0
-"""The least a site's group waits for a rank (one host): a spawned rank imports torch and builds its
-shards first, which takes tens of seconds on a busy host."""
+"""The least a site's group waits for a rank (one host) until every rank has built its shards: a spawned
+rank imports torch and builds them first, which takes tens of seconds on a busy host. From then on rank 0
+bounds each command's collectives by ``--local-timeout`` (``commands.Deadlines``)."""
 IDLE_TIMEOUT = 1800.0
 """Several hosts: commands are broadcast over the group, so an idle rank waits at most this long for
 rank 0 (a round, an evaluation) before the group fails."""
@@ -87,11 +88,18 @@ def site_parts(site: SiteRank) -> TrainerParts:
 
 
 def build_rank(
-    config: RunConfig, task: Task, commands: Commands, world: int, device: str, folder: Path | None = None
+    config: RunConfig,
+    task: Task,
+    commands: Commands,
+    world: int,
+    device: str,
+    folder: Path | None = None,
+    local_timeout: float | None = None,
 ) -> SiteRank:
     """This rank's FSDP2 model (from the run's seed: every peer's initial weights), optimizer, shards;
     ``folder``: the site's checkpoints, beside which rank 0 makes its snapshot files
-    (:func:`snapshot_folder`)."""
+    (:func:`snapshot_folder`); ``local_timeout``: rank 0's bound on a collective from then on
+    (``SiteRank.ready``; the node's ``--local-timeout``), None: the group's own timeout."""
     from torch.distributed.device_mesh import init_device_mesh
 
     check_run(config)
@@ -101,7 +109,7 @@ def build_rank(
     mesh = init_device_mesh(torch.device(device).type, (world,))
     model = sharded_model(task, config.run.seed, mesh, device)
     snapshots = snapshot_folder(folder) if commands.rank == 0 else None
-    return SiteRank(
+    site = SiteRank(
         model,
         inner_optimizer(model, config),
         config,
@@ -110,6 +118,8 @@ def build_rank(
         device=device,
         snapshots=snapshots,
     )
+    site.ready(local_timeout)  # (every rank built: rank 0's collectives bounded from here)
+    return site
 
 
 def snapshot_folder(folder: Path | None) -> str | None:
@@ -375,8 +385,9 @@ class SiteTrainer(Trainer):
         # (the ranks start and join in tens of seconds: the node keeps serving meanwhile)
         await trio.to_thread.run_sync(group.restart, reason)  # GroupRestarted: the group stays down
         world, device = self.site.world, str(self.device)
+        local = self.site.deadlines.local if self.site.deadlines is not None else None  # (the node's)
         site = await trio.to_thread.run_sync(
-            build_rank, self.config, self.task, group.commands, world, device, self.site_checkpoints
+            build_rank, self.config, self.task, group.commands, world, device, self.site_checkpoints, local
         )
         self.site = self.workers.site = site
         self.node.averager.unfollow()  # (the next collaborative optimizer hands it the run's rules)
@@ -450,12 +461,16 @@ def start_group(
     group = SiteGroup(world, rank_main, config, devices, folder, timeout=wait, backend=backend)
     group.start()
     task = load_task(config.task.name, config.task.options)
-    return build_rank(config, task, group.commands, world, devices[0], folder), group
+    site = build_rank(config, task, group.commands, world, devices[0], folder, timeout)
+    return site, group
 
 
-def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
+def join_launched(
+    config: RunConfig, folder: Path | None, local_timeout: float | None = None
+) -> SiteRank | None:
     """Several hosts (``torchrun``): join the group from the environment; rank 0 gets its shards back
-    (it runs the node), every other rank follows rank 0 until it stops, then gets None."""
+    (it runs the node; ``local_timeout`` bounds its collectives once every rank is built), every other
+    rank follows rank 0 until it stops, then gets None."""
     from .launch import init_from_env
 
     check_run(config)
@@ -464,7 +479,8 @@ def join_launched(config: RunConfig, folder: Path | None) -> SiteRank | None:
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     task = load_task(config.task.name, config.task.options)
-    site = build_rank(config, task, Commands(rank, device=device), world, device, folder)
+    commands = Commands(rank, device=device)
+    site = build_rank(config, task, commands, world, device, folder, local_timeout)
     if rank == 0:
         return site
     try:

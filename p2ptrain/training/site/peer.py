@@ -65,6 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import trio
 
 from ...averaging.compression import Compression
@@ -84,7 +85,8 @@ from ..state.codec import TIED_KEY
 from ..state.download import Downloaded, Partial, Sink
 from ..state.replay import Replay
 from ..state.serve import Snapshot
-from .commands import LAND_CARRY, Command, Commands, Op
+from .commands import LAND_CARRY, Command, Commands, Deadlines, Op
+from .launch import set_collective_timeout
 from .layout import WireLayout
 from .outer import ShardedOuter, local_of
 from .pieces import PieceChannel
@@ -148,6 +150,19 @@ class SiteRank:
         self.turn = Turn()  # rank 0: who enters the site's collectives now (see ``turn``)
         self._batch = False  # rank 0: the training loop holds a batch's turn (TRAIN to the inner step)
         self.snapshots = snapshots  # rank 0: where its snapshot files are made
+        self.deadlines: Deadlines | None = None  # rank 0: its collectives' timeouts by command (ready())
+        self._timeout: float | None = None  # rank 0: the timeout its collectives have now
+
+    def ready(self, local_timeout: float | None) -> None:
+        """Every rank, once it built its shards: wait for the others (under the group's own, long
+        timeout: a spawned rank on a busy host builds slowly). From then on rank 0 bounds each command's
+        collectives by ``local_timeout`` and what the command waits on (:class:`Deadlines`), so that a
+        hung rank is found that soon; None: the group's own timeout for everything."""
+        if self.world > 1:
+            dist.barrier(group=self.group)
+        if self.rank == 0 and local_timeout is not None and self.world > 1:
+            largest = max(self.layout.shard_numel(r) for r in range(self.world))
+            self.deadlines = Deadlines(local_timeout, largest)
 
     # ---- the site's state in the swarm's format (state sync) ----
 
@@ -226,6 +241,10 @@ class SiteRank:
         """Rank 0: send ``cmd`` to the other ranks, in a turn (whose holder then runs rank 0's part)."""
         if self.turn.owner is None:
             raise RuntimeError(f"{cmd.op.name} sent outside a turn: the ranks could see it interleaved")
+        if self.deadlines is not None:
+            timeout = self.deadlines.timeout(cmd.op)
+            if timeout != self._timeout and set_collective_timeout(timeout, self.group):
+                self._timeout = timeout
         self.commands.send(cmd)
 
     def section(self) -> contextlib.AbstractContextManager[None]:
