@@ -8,6 +8,11 @@ shard's place in the full tensors. Reading it back, DCP hands each rank the piec
 its own shards cover, whatever N wrote them: a site resumes with a different number of ranks. No rank
 ever holds a full tensor, on writing or on reading.
 
+Across hosts (``torchrun``) the folder must be one that every host sees (a shared file system): rank 0
+writes ``site.json`` and DCP's metadata where the other hosts' ranks must read them. :func:`check_shared`
+finds out at start, with every rank, and refuses a folder some rank does not see, by name, rather than
+let the first resume fail on another host.
+
 A checkpoint counts once it is whole: after every rank's writes returned, rank 0 writes ``site.json``
 (the step, the ranks that wrote it, the parameters' names and shapes) last. :func:`latest` takes the
 newest folder that has it; a site killed mid-write leaves a folder without one, which is ignored.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +37,48 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from ...errors import ConfigError
 from .layout import WireLayout
 from .outer import ShardedOuter
 
 MARK = "site.json"
 _STEP = re.compile(r"step-(\d+)")
+PROBE = ".shared-by-the-ranks"
+
+
+def check_shared(folder: Path, device: str = "cpu") -> None:
+    """Collective: ConfigError on every rank unless every rank sees the file rank 0 writes in ``folder``
+    (a token drawn now, so an old probe left there by another site or run counts for nothing); the
+    error names the ranks that did not. ``device``: where the group's collectives run (a GPU with
+    NCCL)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    probe = Path(folder) / PROBE
+    token = torch.zeros(2, dtype=torch.int64, device=device)
+    if rank == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        drawn = secrets.randbits(62)
+        tmp = probe.with_suffix(".tmp")
+        tmp.write_text(str(drawn))
+        tmp.replace(probe)
+        token[0] = drawn
+    dist.broadcast(token, src=0)
+    try:
+        seen = probe.read_text().strip() == str(int(token[0]))
+    except OSError:
+        seen = False
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([int(seen)], dtype=torch.int64, device=device))
+    dist.barrier()  # (every rank has read it before rank 0 removes it)
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [r for r, f in enumerate(flags) if not int(f)]
+    if blind:
+        raise ConfigError(
+            f"the site's checkpoint folder {folder} is not shared by its hosts: rank(s) "
+            + ", ".join(map(str, blind))
+            + " cannot see the file rank 0 wrote there (rank 0 writes each checkpoint's metadata, every"
+            " rank reads it on resuming): give every host the same --data-dir on a shared file system"
+        )
 
 
 def save(

@@ -478,6 +478,8 @@ def join_launched(
     rank, world = init_from_env(IDLE_TIMEOUT, device)
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
+    if folder is not None and world > 1:
+        checkpoint.check_shared(folder, device)  # (every rank reads what rank 0 writes there)
     task = load_task(config.task.name, config.task.options)
     commands = Commands(rank, device=device)
     site = build_rank(config, task, commands, world, device, folder, local_timeout)
