@@ -31,6 +31,7 @@ import trio
 from ...averaging.compression import Compression
 from ...config import RunConfig
 from ...errors import P2PError, RemoteProtocolError
+from ...net.slots import ServingSlots
 from ...node import Node
 from ..state import capture, chunks, result_codec, serve
 from ..state.download import Downloaded, Fetcher, Partial, ProgressFn, fill_from
@@ -118,7 +119,9 @@ class SharedState:
         self._on_progress = on_download_progress
         self.download_progress = (0, 0)  # bytes received and expected by the download in progress
         s = config.statesync
-        self.server = StateServer(node.host.registry, self.prepare_snapshot) if s.serve else None
+        # one share of the uplink for every bulk stream this peer serves (state chunks, kept results)
+        self.slots = ServingSlots()
+        self.server = StateServer(node.host.registry, self.prepare_snapshot, self.slots) if s.serve else None
         self.fetcher = Fetcher(
             node.host,
             max_size=self.max_state_bytes(),
@@ -129,7 +132,10 @@ class SharedState:
         # the last few steps' results, served to peers that are behind (see ``state.replay``)
         self.replay_steps = s.replay_steps
         self.results = ResultStore(
-            node.host.registry if s.serve else None, s.replay_steps, lambda epoch: self.hashed.get(epoch, b"")
+            node.host.registry if s.serve else None,
+            s.replay_steps,
+            lambda epoch: self.hashed.get(epoch, b""),
+            self.slots,
         )
         self.replayer = ResultFetcher(node.host, chunk_timeout=s.chunk_timeout)
         compression = config.averaging.compression

@@ -40,12 +40,13 @@ side is :class:`ResultStore`) is in ``protocol``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +60,7 @@ from ...identity import PeerID
 from ...net.connection import Connection
 from ...net.host import Host
 from ...net.rpc import CallContext, RpcRegistry
+from ...net.slots import ServingSlots
 from ...net.streams import RpcStream
 from ..optimizer.progress import PeerProgress
 from . import result_codec
@@ -87,6 +89,8 @@ DIGEST_WAIT = 1.0  # ...this many seconds apart
 HASH_INLINE = 1 << 20  # a result this small is hashed on the event loop, a larger one in a thread
 PIECE_LEAST = 4 << 20  # the smallest piece a holder hashes a result in (a smaller result is one piece)
 WINDOW = 1 << 22  # elements of a result kept or checked at a time
+SEND_WINDOW = 4 << 20  # bytes of a result a data stream reads and holds at a time
+READ_INLINE = 1 << 20  # a spilled result's window this small is read on the event loop, a larger in a thread
 # Results that hold fewer bytes than this in all are replayed whatever the state's size: under a second on
 # a 10 Mbit/s link, and a replay keeps what the peer computed meanwhile.
 REPLAY_SLACK = 1 << 20
@@ -208,6 +212,8 @@ class Kept:
     before: bytes = b""
     after: bytes = b""
     pieces: ResultPieces | None = None  # its pieces' hashes, once a peer asked for them
+    readers: int = 0  # calls reading it now (under the store's lock): its file stays open for them
+    dropped: bool = False  # no longer kept: closed once its last reader is done
 
     @property
     def size(self) -> int:
@@ -238,8 +244,17 @@ class ResultStore:
     ``digest_of(epoch)``: this peer's digest of its state at ``epoch`` (b"" when not known): an entry is
     listed once both of its digests are known."""
 
-    def __init__(self, registry: RpcRegistry | None, keep: int, digest_of: Callable[[int], bytes]) -> None:
+    def __init__(
+        self,
+        registry: RpcRegistry | None,
+        keep: int,
+        digest_of: Callable[[int], bytes],
+        slots: ServingSlots | None = None,
+    ) -> None:
+        """``slots``: the node's bulk serving slots, which its data streams take (shared with its other
+        bulk services; None: its own)."""
         self.keep_count = max(0, min(keep, MAX_KEPT))
+        self.slots = slots or ServingSlots()
         self._digest_of = digest_of
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         # (a result is kept in a worker thread while the event loop serves what is kept: the map changes
@@ -298,8 +313,26 @@ class ResultStore:
             dropped = [old] if old is not None else []
             while len(self._kept) > self.keep_count:
                 dropped.append(self._kept.popitem(last=False)[1])
-        for k in dropped:
+            for k in dropped:
+                k.dropped = True
+            closing = [k for k in dropped if not k.readers]  # (the others: by their last reader)
+        for k in closing:
             k.close()
+
+    @contextlib.asynccontextmanager
+    async def _reading(self, kept: Kept) -> AsyncIterator[Kept]:
+        """``kept`` held open while a call reads it: a result dropped meanwhile (a newer one kept) is
+        closed by its last reader, never under one (its file's descriptor could be reused)."""
+        with self._lock:
+            kept.readers += 1
+        try:
+            yield kept
+        finally:
+            with self._lock:
+                kept.readers -= 1
+                close = kept.dropped and not kept.readers
+            if close:
+                kept.close()
 
     def get(self, epoch: int) -> Kept | None:
         kept = self._kept.get(epoch)
@@ -345,7 +378,7 @@ class ResultStore:
     async def _read(self, kept: Kept, start: int = 0, stop: int | None = None) -> memoryview:
         """Bytes ``start .. stop`` of ``kept`` (a range request reads its range only, not the result)."""
         stop = kept.size if stop is None else stop
-        if isinstance(kept.data, bytes) or stop - start < SPILL_BYTES:
+        if isinstance(kept.data, bytes) or stop - start < READ_INLINE:
             return kept.read(start, stop)
         # a disk read of a large range may take a while: not on the event loop
         return await trio.to_thread.run_sync(kept.read, start, stop)
@@ -354,10 +387,11 @@ class ResultStore:
         kept = self._held(req)
         if kept.pieces is None:
             piece = piece_bytes(kept.size, self.piece_least)
-            if kept.size < HASH_INLINE:
-                hashes = hash_pieces(kept.read(), piece)
-            else:  # (a piece read at a time: a spilled result is never read whole into memory)
-                hashes = await trio.to_thread.run_sync(self._hash_spilled, kept, piece)
+            async with self._reading(kept):
+                if kept.size < HASH_INLINE:
+                    hashes = hash_pieces(kept.read(), piece)
+                else:  # (a piece read at a time: a spilled result is never read whole into memory)
+                    hashes = await trio.to_thread.run_sync(self._hash_spilled, kept, piece)
             kept.pieces = ResultPieces(piece, hashes)
         return kept.pieces
 
@@ -368,15 +402,21 @@ class ResultStore:
         )
 
     async def _on_data(self, ctx: CallContext, req: ResultReq, stream: RpcStream) -> StreamDone:
+        """A range of a kept result, read and sent a window at a time (``SEND_WINDOW``: what a stream
+        holds in memory, whatever the range asked), in one of the node's bulk serving slots."""
         kept = self._held(req)
         stop = kept.size if req.length == 0 else req.offset + req.length
         if not req.offset <= stop <= kept.size:
             raise CallRefused("bad_range", f"its result of step {req.epoch} has {kept.size} bytes")
-        data = await self._read(kept, req.offset, stop)
-        for at in range(0, len(data), RECORD):
-            await stream.send(data[at : at + RECORD], background=True)  # (control messages go first)
-            self.served_bytes += min(RECORD, len(data) - at)
-        await stream.send_eof()
+        with self.slots.taken(ctx.peer, ctx.remote_host):
+            async with self._reading(kept):
+                for window in range(req.offset, stop, SEND_WINDOW):
+                    data = await self._read(kept, window, min(window + SEND_WINDOW, stop))
+                    for at in range(0, len(data), RECORD):
+                        await stream.send(data[at : at + RECORD], background=True)  # (control first)
+                        self.served_bytes += min(RECORD, len(data) - at)
+                    del data
+            await stream.send_eof()
         return StreamDone(True)
 
 

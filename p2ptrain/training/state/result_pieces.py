@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ...errors import P2PError, PeerUnavailable, RemoteProtocolError
+from ...errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocolError
 from ...identity import PeerID
 from ...net.connection import Connection
 from .chunks import HASH_BYTES
@@ -55,6 +55,8 @@ from .protocol import (
 log = logging.getLogger("p2ptrain.training.state.result_pieces")
 
 HASH_IN_THREAD = 1 << 20  # a piece this large is hashed in a worker thread
+BUSY_BACKOFF = 1.0  # seconds before asking a holder that answered busy (its serving slots full) again
+MAX_BUSY = 10  # busy answers from one holder, in one fetch, before it is given up
 MAX_FETCHERS = 2  # holders fetching one piece at once (the second only once no piece waits...)
 # Holders one result is fetched from, at most: ids are free, and each holder that lies costs a piece
 # before it is dropped, so the waste of one fetch is bounded whatever the number of ids that hold it.
@@ -188,6 +190,7 @@ async def fetch_pieces(
             waiting.appendleft(i)
 
     async def holder(peer: PeerID, conn: Connection) -> None:
+        busy = 0
         while len(done) < len(hashes):
             i = pick(peer)
             if isinstance(i, float):
@@ -199,6 +202,7 @@ async def fetch_pieces(
                 continue
             at = i * piece
             data = None
+            later = False  # (it answered busy: asked again after a pause)
             began = trio.current_time()
             if not fetching.get(i):
                 since[i] = began
@@ -206,12 +210,22 @@ async def fetch_pieces(
                 fetching.setdefault(i, {})[peer] = scope  # (cancelled once another copy is in)
                 try:
                     data = await fetch_range(conn, entry, after, at, min(piece, size - at), timeout)
+                except RemoteCallError as e:
+                    if e.code == "busy" and busy < MAX_BUSY:  # (its slots are full now: later)
+                        busy, later = busy + 1, True
+                    else:
+                        failures.append(f"{peer.short()}: piece {i} of step {entry.epoch}: {e}")
                 except (P2PError, trio.TooSlowError) as e:
                     failures.append(f"{peer.short()}: piece {i} of step {entry.epoch}: {e or 'too slow'}")
                 finally:
                     fetching.get(i, {}).pop(peer, None)
             if i in done:
                 continue  # (another holder's copy came first)
+            if later:
+                give_back(i)
+                wake()
+                await trio.sleep(BUSY_BACKOFF)
+                continue
             if data is None:
                 give_back(i)
                 wake()

@@ -19,8 +19,9 @@ the training loop holds back anything that would change the state; the event loo
 meanwhile. One snapshot serves every concurrent joiner; it is released once no joiner has read it for
 ``LINGER`` seconds. Its bytes live in the page cache and on disk, not in the process's memory, and each
 chunk is read from the file when it is sent (in a worker thread for a large state). At most
-``MAX_SNAPSHOTS`` are held, and at most ``MAX_STREAMS`` chunk streams run at once
-(``MAX_STREAMS_PER_PEER`` per joiner).
+``MAX_SNAPSHOTS`` are held, and chunk streams take the node's bulk serving slots
+(:class:`~p2ptrain.net.slots.ServingSlots`: at most 16 at once, 4 per joiner and 8 per origin, shared
+with the results it serves to peers that replay), so that free ids from one origin cannot take them all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import json
 import logging
 import os
 import tempfile
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +37,8 @@ import torch
 import trio
 
 from ...errors import CallRefused
-from ...identity import PeerID
 from ...net.rpc import CallContext, RpcRegistry
+from ...net.slots import ServingSlots
 from ...net.streams import RpcStream
 from . import chunks as lay
 from .chunks import Layout
@@ -57,8 +57,6 @@ from .protocol import (
 log = logging.getLogger(__name__)
 
 MAX_SNAPSHOTS = 2
-MAX_STREAMS = 16
-MAX_STREAMS_PER_PEER = 4
 LINGER = 60.0  # seconds a snapshot nobody reads is kept
 THREAD_BYTES = 8 << 20
 """States at least this large are hashed and written in a worker thread; smaller ones inline (a few
@@ -143,11 +141,17 @@ class StateServer:
     """Serves this peer's state. ``prepare`` returns a new snapshot of the current state (None if it
     has none to serve), or the current one's root if one was already taken of this very state."""
 
-    def __init__(self, registry: RpcRegistry, prepare: Callable[[], Awaitable[Snapshot | None]]) -> None:
+    def __init__(
+        self,
+        registry: RpcRegistry,
+        prepare: Callable[[], Awaitable[Snapshot | None]],
+        slots: ServingSlots | None = None,
+    ) -> None:
+        """``slots``: the node's bulk serving slots (shared with its other bulk services; None: its own)."""
         self._prepare = prepare
         self._snapshots: list[Snapshot] = []
         self._preparing = trio.Lock()
-        self._streams: Counter[PeerID] = Counter()
+        self.slots = slots or ServingSlots()
         self._current: Snapshot | None = None  # the snapshot of the state as it is now, once taken
         self.served_bytes = 0
         self.served_chunks = 0
@@ -217,12 +221,6 @@ class StateServer:
                 return snap
         raise CallRefused("moved_on", "this peer no longer holds that state")
 
-    def _admit(self, peer: PeerID) -> None:
-        if sum(self._streams.values()) >= MAX_STREAMS:
-            raise CallRefused("busy", f"already serving {MAX_STREAMS} state streams")
-        if self._streams[peer] >= MAX_STREAMS_PER_PEER:
-            raise CallRefused("busy", f"at most {MAX_STREAMS_PER_PEER} state streams per peer")
-
     async def _on_manifest(self, ctx: CallContext, req: ManifestReq, stream: RpcStream) -> StreamDone:
         snap = self._find(req.root)
         snap.last_used = trio.current_time()
@@ -236,23 +234,19 @@ class StateServer:
         snap = self._find(req.root)
         if req.first + req.count > snap.layout.chunks:
             raise CallRefused("bad_request", f"chunks {req.first}+{req.count} beyond {snap.layout.chunks}")
-        self._admit(ctx.peer)
-        self._streams[ctx.peer] += 1
-        snap.readers += 1
-        try:
-            for i in range(req.first, req.first + req.count):
-                if snap.layout.size < THREAD_BYTES:
-                    data = snap.read(i)
-                else:  # a large state need not be in the page cache: a disk read may take a while
-                    data = await trio.to_thread.run_sync(snap.read, i)
-                await stream.send(data, background=True)  # (catching up: control messages go first)
-                snap.last_used = trio.current_time()
-                self.served_bytes += len(data)
-                self.served_chunks += 1
-            await stream.send_eof()
-        finally:
-            snap.readers -= 1
-            self._streams[ctx.peer] -= 1
-            if not self._streams[ctx.peer]:
-                del self._streams[ctx.peer]
+        with self.slots.taken(ctx.peer, ctx.remote_host):
+            snap.readers += 1
+            try:
+                for i in range(req.first, req.first + req.count):
+                    if snap.layout.size < THREAD_BYTES:
+                        data = snap.read(i)
+                    else:  # a large state need not be in the page cache: a disk read may take a while
+                        data = await trio.to_thread.run_sync(snap.read, i)
+                    await stream.send(data, background=True)  # (catching up: control messages go first)
+                    snap.last_used = trio.current_time()
+                    self.served_bytes += len(data)
+                    self.served_chunks += 1
+                await stream.send_eof()
+            finally:
+                snap.readers -= 1
         return StreamDone(True)

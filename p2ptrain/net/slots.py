@@ -1,0 +1,76 @@
+"""Shares of what a node serves in bulk (its state's chunks, the results it kept), by who asks.
+
+Theory of operation. A stream of model-sized data costs the node serving it its uplink for as long as it
+runs (and, while a window of it is read, that window's memory). Identities are free: a cap per peer id
+alone lets k ids take k shares, and four ids took every state stream a donor had, so that no joiner
+could download from it. :class:`ServingSlots` caps the streams running at once in all, per peer id
+and per origin (:func:`~p2ptrain.net.admission.subnet_of`: a /24 or /64, where a host's addresses and
+an operator's hosts mostly are; a relayed caller under its relay's address, as every per-origin
+limit of this node counts it). Whatever the number of its ids, an origin holds at most
+``per_origin`` of the ``total`` slots, so at least ``total - per_origin`` are left for the others; past
+a cap a call is answered ``busy`` at once, before anything is read, which a downloader takes as "another
+donor, or later".
+
+One instance is shared by every bulk service of a node (``SharedState`` hands it to the state server and
+to the result store), since they share the uplink it guards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+from ..errors import CallRefused
+from ..identity import PeerID
+from .admission import subnet_of
+
+BUSY = "busy"
+
+
+class ServingSlots:
+    """Streams of bulk data running at once: at most ``total``, ``per_peer`` per peer id and
+    ``per_origin`` per origin (see the module docstring)."""
+
+    def __init__(self, total: int = 16, per_peer: int = 4, per_origin: int = 8) -> None:
+        if not 1 <= per_peer <= per_origin <= total:
+            raise ValueError("slots need 1 <= per_peer <= per_origin <= total")
+        self.total, self.per_peer, self.per_origin = total, per_peer, per_origin
+        self._by_peer: Counter[PeerID] = Counter()
+        self._by_origin: Counter[str] = Counter()
+        self.refused = 0  # calls answered busy (for a node's status)
+
+    @property
+    def running(self) -> int:
+        return sum(self._by_peer.values())
+
+    def held_by(self, origin: str) -> int:
+        return self._by_origin[origin]
+
+    @contextlib.contextmanager
+    def taken(self, peer: PeerID, host: str) -> Iterator[None]:
+        """A slot for ``peer`` calling from ``host`` while the block runs; ``CallRefused("busy")``, with
+        the cap it hit, when none is left to it."""
+        origin = subnet_of(host)
+        if self.running >= self.total:
+            reason = f"already serving {self.total} streams"
+        elif self._by_origin[origin] >= self.per_origin:
+            reason = f"at most {self.per_origin} streams at once to {origin}"
+        elif self._by_peer[peer] >= self.per_peer:
+            reason = f"at most {self.per_peer} streams at once per peer"
+        else:
+            reason = ""
+        if reason:
+            self.refused += 1
+            raise CallRefused(BUSY, reason)
+        self._by_peer[peer] += 1
+        self._by_origin[origin] += 1
+        try:
+            yield
+        finally:
+            self._by_peer[peer] -= 1
+            self._by_origin[origin] -= 1
+            if not self._by_peer[peer]:
+                del self._by_peer[peer]
+            if not self._by_origin[origin]:
+                del self._by_origin[origin]
