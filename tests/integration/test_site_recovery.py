@@ -14,12 +14,18 @@ of rank 0's next collective, which is ``--local-timeout`` for a batch or a round
 the rank's state bytes at 50 MB/s for a hash or a checkpoint), not the group's start timeout: the site
 trains again well before the five minutes a spawned rank is given to start (the code before found the
 hung rank only then).
+
+The moment of the failure is drawn at random within A's next step (``KILL_WINDOW`` seconds after step
+``KILL_AT`` is reported: its batches, its round, the landing, the hash of the new state, its checkpoint),
+from a seed per case; ``SITE_FAILURE_SEED`` in the environment draws others (to search for a phase that
+breaks the invariants, e.g. ``for s in $(seq 20); do SITE_FAILURE_SEED=$s pytest ...; done``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -30,8 +36,9 @@ from typing import Any
 import pytest
 
 pytestmark = pytest.mark.timeout(1200)  # (a ceiling for a loaded machine: about 90-130 s alone)
-STEPS = 5
+STEPS = 8
 KILL_AT = 2
+KILL_WINDOW = 1.0  # seconds: one or two of A's steps here (B's --slowdown sets their pace)
 SLOW = 20
 HANG_TIMEOUT = 10  # (--local-timeout of the hang's case)
 HANG_FOUND = 200.0  # seconds from the hang to A's second session, at most (the code before: over 300)
@@ -157,6 +164,10 @@ def test_a_rank_killed_in_a_live_site_restarts_its_group_and_the_site_stays_in_t
         until(f"A's step {KILL_AT}", lambda: any(m.get("step", 0) >= KILL_AT for m in lines(a)), procs, 300)
         ranks = rank_processes(procs[0].pid)
         assert len(ranks) == 1, ranks
+        seed = os.environ.get("SITE_FAILURE_SEED", "0")
+        delay = random.Random(f"{seed}/{overlap}/{hang}").uniform(0.0, KILL_WINDOW)
+        print(f"failure {delay:.3f} s after step {KILL_AT} (seed {seed})")
+        time.sleep(delay)  # (not for luck: the moment of the failure is what the seed draws)
         # B is slow (``--slowdown``) and paused until A trains again: in a round, a member refuses a
         # result over 32x its own values (``averaging.bounds``), so neither may bring many times the
         # other's inner steps to a round (and B, going on alone while A's group restarts, would: then
