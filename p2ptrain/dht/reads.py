@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..errors import P2PError
+from ..errors import P2PError, RemoteCallError
 from ..identity import PeerID
 from ..net.address import PeerAddress
+from ..net.slots import BUSY
 from ..wire.codec import pack
 from .client import Client
 from .config import DHTConfig
@@ -65,6 +66,12 @@ MAX_PULLED_KEYS = 128  # keys whose turn among the fellow readers is remembered 
 FIRST_SPREAD = 10
 """A direct read of a hot key asks first one of its ``FIRST_SPREAD`` closest replicas, chosen by a hash of
 the reader's id and the key (see :func:`first_asked`)."""
+
+
+def busy(error: BaseException) -> bool:
+    """Whether ``error`` is a node's ``busy`` answer (its share for this node's origin spent for now,
+    see ``net.slots``): the node is alive and holds what it held."""
+    return isinstance(error, RemoteCallError) and error.code == BUSY
 
 
 def first_asked(replicas: list[Contact], reader: PeerID, kid: bytes) -> list[Contact]:
@@ -165,7 +172,7 @@ class Reader:
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
                 search.on_failure(contact.peer_id)
-                if known is not None:
+                if known is not None and not busy(e):  # (busy: alive, this origin's share spent)
                     self._contacts.failed(contact.peer_id)
             else:
                 # The query may have reused a connection dialed elsewhere: record the address the
@@ -262,7 +269,8 @@ class Reader:
                 )
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
-                self._replicas.drop(kid)  # the next read and store look the replicas up again
+                if not busy(e):  # (busy: it is there, with no reply for this origin now: ask another)
+                    self._replicas.drop(kid)  # the next read and store look the replicas up again
                 return
             if nearest and self._replicas.heard(kid, contacts):
                 log.debug(

@@ -17,6 +17,11 @@ node holds, bounded and checked as :mod:`~p2ptrain.dht.protocol` and :mod:`~p2pt
 - ``DIAL_BACK`` dials the asker at the address it names, only its own and only on the host the request
   came from (else this node would dial anyone an attacker names).
 
+Replies that carry entries or contacts (``FIND_NODE``, ``FIND_VALUE``, ``PULL``) are charged to the
+asker's origin (:class:`~p2ptrain.net.slots.ReplyBudget`): a read asks in a hundred bytes for up to a
+full key's, so ids from one subnet could otherwise spend this node's uplink on them at will. An origin
+out of tokens is answered ``busy``, which readers take as "ask another replica", not as a failure.
+
 A reader of a hot key may :meth:`Server.watch` it: whenever an entry under it arrives here (stored as
 a replica, or offered by its author), its callback runs, so that it hears of a new record without
 polling. :class:`Server` owns those callbacks and the offer rates.
@@ -34,6 +39,7 @@ from ..net.address import PeerAddress
 from ..net.channel import MAX_CHUNK
 from ..net.host import Host
 from ..net.rpc import CallContext, Reply
+from ..net.slots import ReplyBudget
 from .config import DHTConfig
 from .contacts import Contacts
 from .known import answer, lacking
@@ -63,6 +69,7 @@ from .records import RecordRefused, RecordStore, key_id, origin_of
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
 
+CONTACT_BYTES = 100  # about what a contact takes in a reply (its id, an address or two)
 OFFERS_PER_MINUTE = 120  # offers taken from one peer (the rest are answered 0: reads find them)
 MAX_OFFERING_PEERS = 1024
 
@@ -90,6 +97,7 @@ class Server:
         self._clock = clock
         self._offers: OrderedDict[PeerID, deque[float]] = OrderedDict()  # when each peer last offered
         self._watch: dict[bytes, Callable[[], None]] = {}  # key id -> called when an entry arrives
+        self.replies = ReplyBudget()  # reply bytes per origin (reads' entries and contacts)
 
     def watch(self, key: bytes, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever an entry under ``key`` arrives here (stored as a replica, or offered
@@ -106,8 +114,14 @@ class Server:
         return PingResp("" if ctx.relayed else ctx.remote_host[:64])  # (through a relay: the relay's)
 
     async def on_find_node(self, ctx: CallContext, req: FindNodeReq) -> NodesResp:
+        self.replies.check(ctx.remote_host, self._clock())
         self._contacts.heard_from(ctx, req.sender)
-        return self._nodes_near(req.target, ctx.peer)
+        near = self._nodes_near(req.target, ctx.peer)
+        self._charge(ctx, CONTACT_BYTES * len(near.contacts))
+        return near
+
+    def _charge(self, ctx: CallContext, nbytes: int) -> None:
+        self.replies.charge(ctx.remote_host, nbytes, self._clock())
 
     def _nodes_near(self, target: bytes, asker: PeerID) -> NodesResp:
         if len(target) != 32:
@@ -116,11 +130,14 @@ class Server:
         return NodesResp(tuple(ContactMsg.of(c) for c in close))
 
     async def on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
+        self.replies.check(ctx.remote_host, self._clock())
         self._contacts.heard_from(ctx, req.sender)
         entries = self._records.get(req.key_id, self._clock())
         send, held, proof = answer(entries, req.known, req.nonce)
         near = self._nodes_near(req.key_id, ctx.peer).contacts if req.contacts else ()
-        return Reply(ValueResp(near, held, proof), encode_entries(send))
+        body = encode_entries(send)
+        self._charge(ctx, len(body) + CONTACT_BYTES * len(near))
+        return Reply(ValueResp(near, held, proof), body)
 
     async def on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
         self._contacts.heard_from(ctx, req.sender)
@@ -163,8 +180,11 @@ class Server:
     async def on_pull(self, ctx: CallContext, req: PullReq) -> Reply[PullResp]:
         """A fellow reader's pull: what this node holds of the key (read, offered, or held as a replica)
         that the asker does not name, newest first, as much as half a reply holds."""
+        self.replies.check(ctx.remote_host, self._clock())
         entries = self._reader.serving(req.key_id, self._clock())
-        return Reply(PullResp(), encode_entries(lacking(entries, req.known, MAX_CHUNK // 2)))
+        body = encode_entries(lacking(entries, req.known, MAX_CHUNK // 2))
+        self._charge(ctx, len(body))
+        return Reply(PullResp(), body)
 
     async def on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:
         try:

@@ -13,12 +13,18 @@ donor, or later".
 
 One instance is shared by every bulk service of a node (``SharedState`` hands it to the state server and
 to the result store), since they share the uplink it guards.
+
+Replies to small requests are the other way to spend a node's uplink: a DHT read of a full key asks in
+a hundred bytes for up to 768 KiB, and control replies go out before bulk data (the all-reduce's), so a
+flood of them from free ids stalls a node's rounds. :class:`ReplyBudget` is a token bucket of reply
+bytes per origin: a reply is sent while its origin has tokens left (it may overdraw them by one
+reply), and while it has none a call is refused ``busy`` before any work, until the rate refills them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from ..errors import CallRefused
@@ -74,3 +80,38 @@ class ServingSlots:
                 del self._by_peer[peer]
             if not self._by_origin[origin]:
                 del self._by_origin[origin]
+
+
+MAX_ORIGINS = 4096  # origins whose reply tokens are remembered (one forgotten starts with a full bucket)
+
+
+class ReplyBudget:
+    """Reply bytes per origin: ``rate`` bytes a second, up to ``burst`` saved (see the module
+    docstring). ``now``: the caller's clock, in seconds."""
+
+    def __init__(self, rate: float = 1e6, burst: float = 8e6) -> None:
+        if not (rate > 0 and burst > 0):
+            raise ValueError("a reply budget needs a positive rate and burst")
+        self.rate, self.burst = rate, burst
+        self._tokens: OrderedDict[str, tuple[float, float]] = OrderedDict()  # origin -> (tokens, at)
+        self.refused = 0
+
+    def tokens(self, host: str, now: float) -> float:
+        tokens, at = self._tokens.get(subnet_of(host), (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.rate)
+
+    def check(self, host: str, now: float) -> None:
+        """``CallRefused("busy")`` while ``host``'s origin has no tokens left."""
+        if self.tokens(host, now) <= 0:
+            self.refused += 1
+            raise CallRefused(
+                BUSY, f"replies to {subnet_of(host)} used up their share of this node's uplink: later"
+            )
+
+    def charge(self, host: str, nbytes: int, now: float) -> None:
+        """``nbytes`` sent to ``host``'s origin."""
+        origin = subnet_of(host)
+        self._tokens[origin] = (self.tokens(host, now) - nbytes, now)
+        self._tokens.move_to_end(origin)
+        while len(self._tokens) > MAX_ORIGINS:
+            self._tokens.popitem(last=False)
