@@ -114,14 +114,17 @@ class Server:
         return PingResp("" if ctx.relayed else ctx.remote_host[:64])  # (through a relay: the relay's)
 
     async def on_find_node(self, ctx: CallContext, req: FindNodeReq) -> NodesResp:
-        self.replies.check(ctx.remote_host, self._clock())
+        origin = self._afford(ctx)
         self._contacts.heard_from(ctx, req.sender)
         near = self._nodes_near(req.target, ctx.peer)
-        self._charge(ctx, CONTACT_BYTES * len(near.contacts))
+        self.replies.charge(origin, CONTACT_BYTES * len(near.contacts), self._clock())
         return near
 
-    def _charge(self, ctx: CallContext, nbytes: int) -> None:
-        self.replies.charge(ctx.remote_host, nbytes, self._clock())
+    def _afford(self, ctx: CallContext) -> str:
+        """The caller's origin, once its reply budget is checked (``busy`` while it is spent)."""
+        origin = origin_of(ctx.remote_host)
+        self.replies.check(origin, self._clock())
+        return origin
 
     def _nodes_near(self, target: bytes, asker: PeerID) -> NodesResp:
         if len(target) != 32:
@@ -130,13 +133,13 @@ class Server:
         return NodesResp(tuple(ContactMsg.of(c) for c in close))
 
     async def on_find_value(self, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
-        self.replies.check(ctx.remote_host, self._clock())
+        origin = self._afford(ctx)
         self._contacts.heard_from(ctx, req.sender)
         entries = self._records.get(req.key_id, self._clock())
         send, held, proof = answer(entries, req.known, req.nonce)
         near = self._nodes_near(req.key_id, ctx.peer).contacts if req.contacts else ()
         body = encode_entries(send)
-        self._charge(ctx, len(body) + CONTACT_BYTES * len(near))
+        self.replies.charge(origin, len(body) + CONTACT_BYTES * len(near), self._clock())
         return Reply(ValueResp(near, held, proof), body)
 
     async def on_store(self, ctx: CallContext, req: StoreReq) -> StoreResp:
@@ -180,10 +183,10 @@ class Server:
     async def on_pull(self, ctx: CallContext, req: PullReq) -> Reply[PullResp]:
         """A fellow reader's pull: what this node holds of the key (read, offered, or held as a replica)
         that the asker does not name, newest first, as much as half a reply holds."""
-        self.replies.check(ctx.remote_host, self._clock())
+        origin = self._afford(ctx)
         entries = self._reader.serving(req.key_id, self._clock())
         body = encode_entries(lacking(entries, req.known, MAX_CHUNK // 2))
-        self._charge(ctx, len(body))
+        self.replies.charge(origin, len(body), self._clock())
         return Reply(PullResp(), body)
 
     async def on_dial_back(self, ctx: CallContext, req: DialBackReq) -> DialBackResp:

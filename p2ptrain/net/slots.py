@@ -96,22 +96,21 @@ class ReplyBudget:
         self._tokens: OrderedDict[str, tuple[float, float]] = OrderedDict()  # origin -> (tokens, at)
         self.refused = 0
 
-    def tokens(self, host: str, now: float) -> float:
-        tokens, at = self._tokens.get(subnet_of(host), (self.burst, now))
+    def tokens(self, origin: str, now: float) -> float:
+        """What ``origin`` (:func:`~p2ptrain.net.admission.subnet_of` of a caller's address) may still
+        be sent now."""
+        tokens, at = self._tokens.get(origin, (self.burst, now))
         return min(self.burst, tokens + (now - at) * self.rate)
 
-    def check(self, host: str, now: float) -> None:
-        """``CallRefused("busy")`` while ``host``'s origin has no tokens left."""
-        if self.tokens(host, now) <= 0:
+    def check(self, origin: str, now: float) -> None:
+        """``CallRefused("busy")`` while ``origin`` has no tokens left."""
+        if self.tokens(origin, now) <= 0:
             self.refused += 1
-            raise CallRefused(
-                BUSY, f"replies to {subnet_of(host)} used up their share of this node's uplink: later"
-            )
+            raise CallRefused(BUSY, f"replies to {origin} used up their share of this node's uplink: later")
 
-    def charge(self, host: str, nbytes: int, now: float) -> None:
-        """``nbytes`` sent to ``host``'s origin."""
-        origin = subnet_of(host)
-        self._tokens[origin] = (self.tokens(host, now) - nbytes, now)
+    def charge(self, origin: str, nbytes: int, now: float) -> None:
+        """``nbytes`` sent to ``origin``."""
+        self._tokens[origin] = (self.tokens(origin, now) - nbytes, now)
         self._tokens.move_to_end(origin)
         while len(self._tokens) > MAX_ORIGINS:
             self._tokens.popitem(last=False)
