@@ -52,22 +52,6 @@ def backend_for(device: str | None = None) -> str:
     return "nccl" if kind.startswith("cuda") else "gloo"
 
 
-def set_collective_timeout(seconds: float, group: Any = None) -> bool:
-    """From now on, this process's collectives on ``group`` (None: the default one) time out after
-    ``seconds`` (gloo raises; NCCL's watchdog aborts). torch sets a group's timeout when it is made;
-    changing it later is ``torch.distributed``'s ``_set_pg_timeout`` (gloo and NCCL), which is not public
-    API: where it is missing, the group keeps its timeout and this says False."""
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is None:
-        return False
-    try:
-        setter(datetime.timedelta(seconds=seconds), group)
-    except (AttributeError, RuntimeError, ValueError) as e:
-        log.warning("cannot change the site's collective timeout (%s): it stays as the group began", e)
-        return False
-    return True
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -85,8 +85,8 @@ from ..state.codec import TIED_KEY
 from ..state.download import Downloaded, Partial, Sink
 from ..state.replay import Replay
 from ..state.serve import Snapshot
+from .bounded import set_timeout
 from .commands import LAND_CARRY, Command, Commands, Deadlines, Op
-from .launch import set_collective_timeout
 from .layout import WireLayout
 from .outer import ShardedOuter, local_of
 from .pieces import PieceChannel
@@ -243,7 +243,7 @@ class SiteRank:
             raise RuntimeError(f"{cmd.op.name} sent outside a turn: the ranks could see it interleaved")
         if self.deadlines is not None:
             timeout = self.deadlines.timeout(cmd.op)
-            if timeout != self._timeout and set_collective_timeout(timeout, self.group):
+            if timeout != self._timeout and set_timeout(timeout, self.group):
                 self._timeout = timeout
         self.commands.send(cmd)
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import bounded
 from .layout import Run, WireLayout
 
 Provide = Callable[[Run], torch.Tensor]
@@ -110,7 +111,7 @@ class PieceChannel:
             mine = runs.get(self.rank, [])
             if mine:
                 packed = torch.cat([provide(run).reshape(-1) for run in mine]).to(self.device, torch.float32)
-                dist.send(packed.contiguous(), dst=self._global(0), group=self.group)
+                bounded.send(packed.contiguous(), dst=self._global(0), group=self.group)
             return
         assert out is not None and out.numel() == hi - lo, "rank 0 gathers into a piece of the span's size"
         into = self._buffers(hi - lo)[1] if self.stage else out  # (staged: the piece on the device)
@@ -120,7 +121,7 @@ class PieceChannel:
             if r == 0:
                 continue
             buf = torch.empty(sum(run.size for run in theirs), dtype=torch.float32, device=self.device)
-            dist.recv(buf, src=self._global(r), group=self.group)
+            bounded.recv(buf, src=self._global(r), group=self.group)
             at = 0
             for run in theirs:
                 into[run.lo - lo : run.hi - lo].copy_(buf[at : at + run.size])
@@ -137,7 +138,7 @@ class PieceChannel:
             mine = runs.get(self.rank, [])
             if mine:
                 buf = torch.empty(sum(run.size for run in mine), dtype=torch.float32, device=self.device)
-                dist.recv(buf, src=self._global(0), group=self.group)
+                bounded.recv(buf, src=self._global(0), group=self.group)
                 at = 0
                 for run in mine:
                     consume(run, buf[at : at + run.size])
@@ -150,7 +151,7 @@ class PieceChannel:
             if r == 0:
                 continue
             packed = torch.cat([values[run.lo - lo : run.hi - lo] for run in theirs]).to(self.device)
-            dist.send(packed, dst=self._global(r), group=self.group)
+            bounded.send(packed, dst=self._global(r), group=self.group)
         for run in runs.get(0, []):
             consume(run, values[run.lo - lo : run.hi - lo].to(self.device))
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..state import chunks
+from . import bounded
 from .layout import rows_of
 
 
@@ -131,7 +132,7 @@ class ShardedState:
             mine = parts.get(self.rank, [])
             if mine:
                 packed = torch.cat([self._bytes(p).to(self.device) for p in mine])
-                dist.send(packed, dst=self._peer(0), group=self.group)
+                bounded.send(packed, dst=self._peer(0), group=self.group)
             return None
         out = bytearray(self.layout.chunk_size(i))
         view = memoryview(out)
@@ -141,7 +142,7 @@ class ShardedState:
                     view[p.offset : p.offset + p.hi - p.lo] = self._bytes(p).cpu().numpy().data
                 continue
             buf = torch.empty(sum(p.hi - p.lo for p in theirs), dtype=torch.uint8, device=self.device)
-            dist.recv(buf, src=self._peer(r), group=self.group)
+            bounded.recv(buf, src=self._peer(r), group=self.group)
             self.received += buf.numel()
             data, at = buf.cpu().numpy().data, 0
             for p in theirs:
@@ -229,7 +230,7 @@ class ShardedState:
                         continue
                     for i in by_rank.get(r, []):
                         buf = torch.empty(self.layout.chunk_size(i), dtype=torch.uint8, device=self.device)
-                        dist.recv(buf, src=self._peer(r), group=self.group)
+                        bounded.recv(buf, src=self._peer(r), group=self.group)
                         self.received += buf.numel()
                         os.pwrite(fd, buf.cpu().numpy().data, i * chunks.CHUNK)
         finally:
@@ -239,13 +240,13 @@ class ShardedState:
         if self.rank != 0:
             if mine:
                 packed = torch.frombuffer(bytearray(b"".join(hashes[i] for i in mine)), dtype=torch.uint8)
-                dist.send(packed.to(self.device), dst=self._peer(0), group=self.group)
+                bounded.send(packed.to(self.device), dst=self._peer(0), group=self.group)
             return None
         for r in range(1, self.world):
             theirs = by_rank.get(r, [])
             if theirs:
                 got = torch.empty(len(theirs) * chunks.HASH_BYTES, dtype=torch.uint8, device=self.device)
-                dist.recv(got, src=self._peer(r), group=self.group)
+                bounded.recv(got, src=self._peer(r), group=self.group)
                 raw = bytes(got.cpu().numpy())
                 for k, i in enumerate(theirs):
                     hashes[i] = raw[k * chunks.HASH_BYTES : (k + 1) * chunks.HASH_BYTES]
@@ -271,7 +272,7 @@ class ShardedState:
                 got = pieces(i)
                 out[i] = chunks.hash_chunk(got)
                 data = torch.frombuffer(bytearray().join(got), dtype=torch.uint8)  # (one copy)
-                dist.send(data.to(self.device), dst=self._peer(0), group=self.group)
+                bounded.send(data.to(self.device), dst=self._peer(0), group=self.group)
             return out
         workers = chunks.hash_workers(len(mine))
         if workers == 1:
@@ -311,7 +312,7 @@ class ShardedState:
             mine = parts.get(self.rank, [])
             if mine:
                 buf = torch.empty(sum(p.hi - p.lo for p in mine), dtype=torch.uint8, device=self.device)
-                dist.recv(buf, src=self._peer(0), group=self.group)
+                bounded.recv(buf, src=self._peer(0), group=self.group)
                 at = 0
                 for p in mine:
                     self._bytes(p).copy_(buf[at : at + p.hi - p.lo])
@@ -326,4 +327,4 @@ class ShardedState:
                     self._bytes(p).copy_(raw[p.offset : p.offset + p.hi - p.lo])
                 continue
             packed = torch.cat([raw[p.offset : p.offset + p.hi - p.lo] for p in theirs])
-            dist.send(packed.to(self.device), dst=self._peer(r), group=self.group)
+            bounded.send(packed.to(self.device), dst=self._peer(r), group=self.group)
