@@ -15,9 +15,10 @@ snapshot chunk point to point, so a rank that hung there held its site for the w
 The invariant: **every wait of rank 0 on another rank, collective or point to point, ends within the
 deadline set last for its group.** Collectives get it from torch (:func:`set_timeout`); point-to-point
 transfers go through :func:`send` and :func:`recv` here, which post the transfer and wait on it with
-that deadline (``Work.wait(timeout)``: gloo raises past it, NCCL too). Nothing else in the site calls
-torch's ``send`` or ``recv``. A group whose deadline was never set (the other ranks': they wait for rank
-0, which may be busy in a round for minutes) waits as long as the group's own timeout says.
+that deadline (``Work.wait(timeout)``: gloo raises past it; NCCL's path is untested here, with no
+multi-GPU run). Nothing else in the site calls torch's ``send`` or ``recv``. A group whose deadline
+was never set (the other ranks': they wait for rank 0, which may be busy in a round for minutes) waits
+as long as the group's own timeout says.
 """
 
 from __future__ import annotations
