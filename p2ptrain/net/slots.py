@@ -6,10 +6,30 @@ alone lets k ids take k shares, and four ids took every state stream a donor had
 could download from it. :class:`ServingSlots` caps the streams running at once in all, per peer id
 and per origin (:func:`~p2ptrain.net.admission.subnet_of`: a /24 or /64, where a host's addresses and
 an operator's hosts mostly are; a relayed caller under its relay's address, as every per-origin
-limit of this node counts it). Whatever the number of its ids, an origin holds at most
-``per_origin`` of the ``total`` slots, so at least ``total - per_origin`` are left for the others; past
-a cap a call is answered ``busy`` at once, before anything is read, which a downloader takes as "another
-donor, or later".
+limit of this node counts it).
+
+Origins cost an attacker more than ids, but not much more: caps per origin alone let k origins take k
+shares, and two /24s took all 16 slots. So a full set of slots does not simply turn newcomers away
+(whoever filled it first would keep everyone else out for as long as its streams last, and a stream
+that is never read lasts until its call's deadline): a caller takes over a running stream's slot,
+**max-min fair by origin**, as inbound connections do (``admission``):
+
+- from the origin holding the most slots, if it holds at least two more than the caller's origin
+  would (it keeps the most even so), its longest-running stream;
+- else, from an origin holding more than the caller's, a stream that has had its turn (``turn``
+  seconds), to the first in line among the origins still asking (refused, and asking again within
+  ``WAITING`` seconds): the one holding the fewest slots, then the one waiting longest. So the slots go
+  round among the origins that ask, first come first served, whatever their number and however often
+  each asks;
+- else the caller is answered ``busy`` at once, before anything is read, which a downloader takes as
+  "another donor, or later".
+
+The invariant: **an origin that keeps asking, with k other origins asking too, gets a slot within
+about ceil((k + 1) / total) turns, whatever the number of ids they bring**, and while some origin is
+refused none holds two slots more than it does. A stream whose slot is taken over ends with ``busy``
+("its turn went to another"), as if refused at its next chunk: its caller asks again for the rest
+(downloads keep the chunks they verified). The node serves at most ``total`` streams at once, plus
+those taken over and not yet ended (a moment: their task is cancelled).
 
 One instance is shared by every bulk service of a node (``SharedState`` hands it to the state server and
 to the result store), since they share the uplink it guards.
@@ -25,61 +45,143 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import trio
 
 from ..errors import CallRefused
 from ..identity import PeerID
 from .admission import subnet_of
 
 BUSY = "busy"
+TURN = 20.0
+"""Seconds a stream runs before an origin holding fewer slots may take its slot over (see the module
+docstring): 25 MB at 10 Mbit/s, 250 MB at 100 Mbit/s, and then the caller asks again for the rest (a
+round trip and a second's pause: a few percent of the turn)."""
+WAITING = 5.0
+"""Seconds an origin refused for want of a slot keeps its place among those waiting without asking
+again (a downloader asks again after a second)."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One running stream's slot: who holds it, since when, and the scope its stream runs in."""
+
+    peer: PeerID
+    origin: str
+    began: float
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    taken_over: bool = False
 
 
 class ServingSlots:
     """Streams of bulk data running at once: at most ``total``, ``per_peer`` per peer id and
-    ``per_origin`` per origin (see the module docstring)."""
+    ``per_origin`` per origin, shared max-min fairly by origin with turns of ``turn`` seconds (see the
+    module docstring). ``clock``: seconds (trio's, by default)."""
 
-    def __init__(self, total: int = 16, per_peer: int = 4, per_origin: int = 8) -> None:
+    def __init__(
+        self,
+        total: int = 16,
+        per_peer: int = 4,
+        per_origin: int = 8,
+        turn: float = TURN,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         if not 1 <= per_peer <= per_origin <= total:
             raise ValueError("slots need 1 <= per_peer <= per_origin <= total")
-        self.total, self.per_peer, self.per_origin = total, per_peer, per_origin
-        self._by_peer: Counter[PeerID] = Counter()
-        self._by_origin: Counter[str] = Counter()
+        if not turn > 0:
+            raise ValueError("a turn is a positive number of seconds")
+        self.total, self.per_peer, self.per_origin, self.turn = total, per_peer, per_origin, turn
+        self._clock = clock
+        self._slots: list[Slot] = []  # (those taken over stay until their stream ended)
+        # origins refused for want of a slot, the longest waiting first: (waiting since, asked last)
+        self._waiting: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.refused = 0  # calls answered busy (for a node's status)
+        self.taken_over = 0  # streams whose slot went to another origin
+
+    def _live(self) -> list[Slot]:
+        return [s for s in self._slots if not s.taken_over]
 
     @property
     def running(self) -> int:
-        return sum(self._by_peer.values())
+        """Streams holding a slot (not counting those taken over, which are ending)."""
+        return len(self._live())
 
     def held_by(self, origin: str) -> int:
-        return self._by_origin[origin]
+        return sum(1 for s in self._live() if s.origin == origin)
+
+    def admit(self, peer: PeerID, origin: str, now: float) -> tuple[Slot | None, str]:
+        """Whether a stream for ``peer`` from ``origin`` may run now: (a slot to take over or None,
+        "") to run, (None, why) to refuse (pure: nothing changes)."""
+        live = self._live()
+        by_origin = Counter(s.origin for s in live)
+        if by_origin[origin] >= self.per_origin:
+            return None, f"at most {self.per_origin} streams at once to {origin}"
+        if sum(1 for s in live if s.peer == peer) >= self.per_peer:
+            return None, f"at most {self.per_peer} streams at once per peer"
+        if len(live) < self.total:
+            return None, ""
+        mine = by_origin[origin]
+        most = max(by_origin.values())
+        if most >= mine + 2:  # the origin holding the most, its longest-running stream
+            top = [s for s in live if by_origin[s.origin] == most]
+            return min(top, key=lambda s: s.began), ""
+        done = [s for s in live if by_origin[s.origin] >= mine + 1 and now - s.began >= self.turn]
+        if done and self._first_waiting(
+            origin, by_origin, now
+        ):  # (a stream that had its turn: the first in line)
+            return min(done, key=lambda s: s.began), ""
+        return None, f"already serving {self.total} streams"
+
+    def _first_waiting(self, origin: str, by_origin: Counter[str], now: float) -> bool:
+        """Whether ``origin`` is first in line (pure): no other origin still asking holds fewer slots,
+        or as many and has waited longer (one holding more could not take the slot it would)."""
+        mine = (by_origin[origin], self._waiting.get(origin, (now, now))[0])
+        return not any(
+            (by_origin[other], since) < mine and now - asked <= WAITING
+            for other, (since, asked) in self._waiting.items()
+            if other != origin
+        )
+
+    def _note(self, origin: str, now: float, refused: bool) -> None:
+        """``origin`` asked at ``now``: refused for want of a slot, it keeps (or takes) its place in
+        line; served, it leaves the line. Those that stopped asking are forgotten."""
+        if refused:
+            since = self._waiting.pop(origin, (now, now))[0]
+            self._waiting[origin] = (since, now)  # (the most recent asker last: the oldest go first)
+        else:
+            self._waiting.pop(origin, None)
+        while self._waiting:
+            first, (_, asked) = next(iter(self._waiting.items()))
+            if now - asked <= WAITING and len(self._waiting) <= MAX_ORIGINS:
+                break
+            del self._waiting[first]
 
     @contextlib.contextmanager
-    def taken(self, peer: PeerID, host: str) -> Iterator[None]:
+    def taken(self, peer: PeerID, host: str) -> Iterator[Slot]:
         """A slot for ``peer`` calling from ``host`` while the block runs; ``CallRefused("busy")``, with
-        the cap it hit, when none is left to it."""
-        origin = subnet_of(host)
-        if self.running >= self.total:
-            reason = f"already serving {self.total} streams"
-        elif self._by_origin[origin] >= self.per_origin:
-            reason = f"at most {self.per_origin} streams at once to {origin}"
-        elif self._by_peer[peer] >= self.per_peer:
-            reason = f"at most {self.per_peer} streams at once per peer"
-        else:
-            reason = ""
+        the cap it hit, when none is left to it, or when its slot was taken over meanwhile (the block
+        is cancelled then)."""
+        origin, now = subnet_of(host), self._clock()
+        victim, reason = self.admit(peer, origin, now)
+        self._note(origin, now, refused=reason.startswith("already serving"))
         if reason:
             self.refused += 1
             raise CallRefused(BUSY, reason)
-        self._by_peer[peer] += 1
-        self._by_origin[origin] += 1
+        if victim is not None:
+            victim.taken_over = True
+            victim.scope.cancel()
+            self.taken_over += 1
+        slot = Slot(peer, origin, now)
+        self._slots.append(slot)
         try:
-            yield
+            with slot.scope:
+                yield slot
         finally:
-            self._by_peer[peer] -= 1
-            self._by_origin[origin] -= 1
-            if not self._by_peer[peer]:
-                del self._by_peer[peer]
-            if not self._by_origin[origin]:
-                del self._by_origin[origin]
+            self._slots.remove(slot)
+        if slot.scope.cancelled_caught:
+            raise CallRefused(BUSY, "this stream's turn went to a caller with fewer streams here: ask again")
 
 
 MAX_ORIGINS = 4096  # origins whose reply tokens are remembered (one forgotten starts with a full bucket)

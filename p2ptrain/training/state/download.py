@@ -47,6 +47,7 @@ from ...errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocol
 from ...identity import PeerID
 from ...net.connection import Connection
 from ...net.host import Host
+from ...net.slots import TURN
 from ...net.streams import RpcStream
 from ..optimizer.progress import PeerProgress
 from . import chunks as lay
@@ -70,7 +71,7 @@ MAX_ASKED = 16  # donors asked for an offer per attempt
 STREAMS_PER_DONOR = 2  # two ranges in flight per donor hide the gap between requests
 RANGE = 16  # chunks per request
 BUSY_BACKOFF = 1.0  # seconds before asking a busy donor again
-MAX_BUSY = 30  # busy answers in a row before a donor is given up
+MAX_BUSY = max(30, int(2 * TURN / BUSY_BACKOFF))  # busy answers in a row before a donor is given up
 UNKNOWN_WAIT = 1.0  # seconds between looks at the records while a step no record names yet is confirmed
 CONFIRM_WAIT = 60.0  # seconds a downloaded state waits for the trusted records to name its root
 
