@@ -53,6 +53,7 @@ GROUPS = {
         "tests/integration/test_sharded_outer.py",
         "tests/integration/test_sharded_statesync.py",
         "tests/integration/test_sharded_swarm.py",
+        "tests/integration/test_site_bounded_waits.py",
         "tests/integration/test_site_launch.py",
         "tests/integration/test_site_hash_spread.py",
         "tests/integration/test_site_hash_turns.py",
