@@ -230,7 +230,12 @@ class DHT:
         return None
 
     async def get(
-        self, key: bytes, *, quorum: int | None = None, via: Sequence[PeerAddress] = ()
+        self,
+        key: bytes,
+        *,
+        quorum: int | None = None,
+        via: Sequence[PeerAddress] = (),
+        written: bool = False,
     ) -> dict[bytes, Entry]:
         """Read a key: ``subkey -> entry`` (plain values under ``b""``), merged from the replicas reached.
 
@@ -242,9 +247,12 @@ class DHT:
         as a replica itself: those are merged in again until they expire. ``via``: fellow readers of
         the key, one of which is asked first for the newer versions of what this node holds, so that
         the replicas send less; it changes no read's answer (see ``reads.Reader.pull``).
-        (See ``reads.Reader.get``.)
+        ``written``: others write this key (a run's progress records), so even a first read asks its
+        replicas directly, once they are looked up, rather than by a lookup of the value (which the
+        closest replicas answer for every reader: see ``reads.Reader._read_replicas``); it changes no
+        read's answer either. (See ``reads.Reader.get``.)
         """
-        return await self.reader.get(key, quorum=quorum, via=via)
+        return await self.reader.get(key, quorum=quorum, via=via, written=written)
 
     async def pull(self, key: bytes, via: Sequence[PeerAddress]) -> int:
         """Pull from one of ``via``, fellow readers of ``key`` (each in turn), the newer versions of the

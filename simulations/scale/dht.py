@@ -78,7 +78,7 @@ async def read_all(d: DHT, keys: list[bytes], via: list[PeerAddress]) -> int:
 
     async def read(i: int) -> None:
         with contextlib.suppress(P2PError):
-            counts[i] = len(await d.get(keys[i], quorum=3, via=via))
+            counts[i] = len(await d.get(keys[i], quorum=3, via=via, written=True))
 
     async with trio.open_nursery() as nursery:
         for i in range(len(keys)):

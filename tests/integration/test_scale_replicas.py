@@ -120,3 +120,37 @@ async def test_a_key_read_every_few_seconds_by_a_non_writer_is_read_from_its_rep
                     await trio.sleep(2.5)
             assert value_lookups.count(kid) <= 1, len(value_lookups)  # (80 before: one a read)
             assert lookups.count(kid) <= 2, len(lookups)  # (its replicas, once, and once more at most)
+
+
+async def test_the_first_read_of_a_key_others_write_asks_its_replicas_not_a_lookup_of_the_value(
+    autojump_clock: object,
+) -> None:
+    """A run's progress keys are written by the others (``written``): even a node's first read of one
+    looks its replicas up and asks them directly, so that the readers' first reads, all at the start of
+    a run, are spread over the replicas instead of each being a lookup of the value that ends at the
+    key's closest replicas, which each send it whole. The answer is the same; a key nobody wrote yet
+    still reads as empty (its replicas hold nothing: a lookup of the value then confirms it). On the code
+    before, every node's first read of every key was a lookup of the value."""
+    with trio.fail_after(600):
+        async with open_swarm(CONFIG) as swarm:
+            for i in range(10):
+                await swarm.start(f"w{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer, readers = swarm.nodes[0], swarm.nodes[1:]
+            assert await writer.dht.store(KEY, b"record", ttl=60.0) >= CONFIG.replication
+            kid = key_id(KEY)
+            value_lookups: list[bytes] = []
+            for r in readers:
+                lookup = r.dht.reader.lookup
+
+                async def counting(target: bytes, _lookup=lookup, **kw: object):  # type: ignore[no-untyped-def]
+                    if kw.get("value"):
+                        value_lookups.append(target)
+                    return await _lookup(target, **kw)
+
+                r.dht.reader.lookup = counting  # type: ignore[method-assign]
+            for r in readers:  # (each reader's first read of the key)
+                got = await r.dht.get(KEY, quorum=1, written=True)
+                assert got[b""].value == b"record"
+            assert value_lookups.count(kid) == 0, len(value_lookups)
+            empty = await readers[0].dht.get(b"scale/nobody", quorum=1, written=True)
+            assert empty == {}

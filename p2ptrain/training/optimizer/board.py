@@ -180,7 +180,7 @@ class ProgressBoard:
 
         async def one(i: int, key: bytes) -> None:
             try:
-                read[key] = await self.node.dht.get(key, quorum=3, via=turned(via, i))
+                read[key] = await self.node.dht.get(key, quorum=3, via=turned(via, i), written=True)
             except P2PError as e:
                 failed.append(e)
 
