@@ -128,9 +128,8 @@ class ServingSlots:
             top = [s for s in live if by_origin[s.origin] == most]
             return min(top, key=lambda s: s.began), ""
         done = [s for s in live if by_origin[s.origin] >= mine + 1 and now - s.began >= self.turn]
-        if done and self._first_waiting(
-            origin, by_origin, now
-        ):  # (a stream that had its turn: the first in line)
+        # (else a stream that had its turn, from an origin holding more: to the first in line)
+        if done and self._first_waiting(origin, by_origin, now):
             return min(done, key=lambda s: s.began), ""
         return None, f"already serving {self.total} streams"
 

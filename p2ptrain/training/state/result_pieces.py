@@ -59,7 +59,7 @@ HASH_IN_THREAD = 1 << 20  # a piece this large is hashed in a worker thread
 BUSY_BACKOFF = 1.0  # seconds before asking a holder that answered busy (its serving slots full) again
 MAX_BUSY = int(2 * TURN / BUSY_BACKOFF)
 """Busy answers from one holder in a row before it is given up: two turns of its serving slots (an origin
-that keeps asking gets a slot within one, see ``net.slots``)."""
+that keeps asking gets a slot within one while fewer origins ask than it has slots, see ``net.slots``)."""
 MAX_FETCHERS = 2  # holders fetching one piece at once (the second only once no piece waits...)
 # Holders one result is fetched from, at most: ids are free, and each holder that lies costs a piece
 # before it is dropped, so the waste of one fetch is bounded whatever the number of ids that hold it.
