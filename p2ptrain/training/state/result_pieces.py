@@ -40,7 +40,6 @@ import trio
 from ...errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocolError
 from ...identity import PeerID
 from ...net.connection import Connection
-from ...net.slots import TURN
 from .chunks import HASH_BYTES
 from .protocol import (
     MAX_PIECES,
@@ -57,9 +56,7 @@ log = logging.getLogger("p2ptrain.training.state.result_pieces")
 
 HASH_IN_THREAD = 1 << 20  # a piece this large is hashed in a worker thread
 BUSY_BACKOFF = 1.0  # seconds before asking a holder that answered busy (its serving slots full) again
-MAX_BUSY = int(2 * TURN / BUSY_BACKOFF)
-"""Busy answers from one holder in a row before it is given up: two turns of its serving slots (an origin
-that keeps asking gets a slot within one while fewer origins ask than it has slots, see ``net.slots``)."""
+MAX_BUSY = 10  # busy answers from one holder, in one fetch, before it is given up
 MAX_FETCHERS = 2  # holders fetching one piece at once (the second only once no piece waits...)
 # Holders one result is fetched from, at most: ids are free, and each holder that lies costs a piece
 # before it is dropped, so the waste of one fetch is bounded whatever the number of ids that hold it.
@@ -243,7 +240,6 @@ async def fetch_pieces(
                 give_back(i)
                 wake()
                 return
-            busy = 0  # (in a row: a holder whose slots are shared by turns answers busy now and then)
             out.data[at : at + len(data)] = data
             out.sent[peer] = out.sent.get(peer, 0) + len(data)
             took.append(trio.current_time() - began)
