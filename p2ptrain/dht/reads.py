@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..errors import P2PError, RemoteCallError
+from ..errors import P2PError
 from ..identity import PeerID
 from ..net.address import PeerAddress
-from ..net.slots import BUSY
+from ..net.slots import busy
 from ..wire.codec import pack
 from .client import Client
 from .config import DHTConfig
@@ -66,12 +66,6 @@ MAX_PULLED_KEYS = 128  # keys whose turn among the fellow readers is remembered 
 FIRST_SPREAD = 10
 """A direct read of a hot key asks first one of its ``FIRST_SPREAD`` closest replicas, chosen by a hash of
 the reader's id and the key (see :func:`first_asked`)."""
-
-
-def busy(error: BaseException) -> bool:
-    """Whether ``error`` is a node's ``busy`` answer (its share for this node's origin spent for now,
-    see ``net.slots``): the node is alive and holds what it held."""
-    return isinstance(error, RemoteCallError) and error.code == BUSY
 
 
 def first_asked(replicas: list[Contact], reader: PeerID, kid: bytes) -> list[Contact]:

@@ -50,11 +50,21 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..errors import CallRefused
+from ..errors import CallRefused, RemoteCallError
 from ..identity import PeerID
 from .admission import subnet_of
 
 BUSY = "busy"
+FULL = "already serving"
+"""How a refusal for want of a slot begins (a caller refused so keeps its place in line)."""
+
+
+def busy(error: BaseException) -> bool:
+    """Whether ``error`` is a node's ``busy`` answer (its slots, or this caller's origin's share of its
+    replies, spent for now): the node is alive and holds what it held; ask again later, or another."""
+    return isinstance(error, RemoteCallError) and error.code == BUSY
+
+
 TURN = 20.0
 """Seconds a stream runs before an origin holding fewer slots may take its slot over (see the module
 docstring): 25 MB at 10 Mbit/s, 250 MB at 100 Mbit/s, and then the caller asks again for the rest (a
@@ -131,7 +141,7 @@ class ServingSlots:
         # (else a stream that had its turn, from an origin holding more: to the first in line)
         if done and self._first_waiting(origin, by_origin, now):
             return min(done, key=lambda s: s.began), ""
-        return None, f"already serving {self.total} streams"
+        return None, f"{FULL} {self.total} streams"
 
     def _first_waiting(self, origin: str, by_origin: Counter[str], now: float) -> bool:
         """Whether ``origin`` is first in line (pure): no other origin still asking holds fewer slots,
@@ -164,7 +174,7 @@ class ServingSlots:
         is cancelled then)."""
         origin, now = subnet_of(host), self._clock()
         victim, reason = self.admit(peer, origin, now)
-        self._note(origin, now, refused=reason.startswith("already serving"))
+        self._note(origin, now, refused=reason.startswith(FULL))
         if reason:
             self.refused += 1
             raise CallRefused(BUSY, reason)

@@ -47,7 +47,7 @@ from ...errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocol
 from ...identity import PeerID
 from ...net.connection import Connection
 from ...net.host import Host
-from ...net.slots import TURN
+from ...net.slots import TURN, busy
 from ...net.streams import RpcStream
 from ..optimizer.progress import PeerProgress
 from . import chunks as lay
@@ -441,7 +441,7 @@ class Fetcher:
 
     async def _worker(self, partial: Partial, offer: Offer, queue: _Queue) -> None:
         peer = offer.donor.peer
-        busy = 0
+        busied = 0  # busy answers in a row
         while peer not in queue.dropped:
             run = queue.take(RANGE)
             if not run:
@@ -453,10 +453,10 @@ class Fetcher:
             backoff = False
             try:
                 await self._range(partial, offer, run)
-                busy = 0
+                busied = 0
             except RemoteCallError as e:
-                backoff = e.code == "busy" and busy < MAX_BUSY
-                busy += 1
+                backoff = busy(e) and busied < MAX_BUSY
+                busied += 1
                 if not backoff:
                     self._drop(queue, peer, str(e))
             except trio.TooSlowError:

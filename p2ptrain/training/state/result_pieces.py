@@ -40,6 +40,7 @@ import trio
 from ...errors import P2PError, PeerUnavailable, RemoteCallError, RemoteProtocolError
 from ...identity import PeerID
 from ...net.connection import Connection
+from ...net.slots import busy as is_busy
 from .chunks import HASH_BYTES
 from .protocol import (
     MAX_PIECES,
@@ -211,7 +212,7 @@ async def fetch_pieces(
                 try:
                     data = await fetch_range(conn, entry, after, at, min(piece, size - at), timeout)
                 except RemoteCallError as e:
-                    if e.code == "busy" and busy < MAX_BUSY:  # (its slots are full now: later)
+                    if is_busy(e) and busy < MAX_BUSY:  # (its slots are full now: later)
                         busy, later = busy + 1, True
                     else:
                         failures.append(f"{peer.short()}: piece {i} of step {entry.epoch}: {e}")

@@ -38,7 +38,7 @@ import trio
 
 from ...errors import CallRefused
 from ...net.rpc import CallContext, RpcRegistry
-from ...net.slots import ServingSlots
+from ...net.slots import BUSY, ServingSlots
 from ...net.streams import RpcStream
 from . import chunks as lay
 from .chunks import Layout
@@ -212,7 +212,7 @@ class StateServer:
         while len(self._snapshots) >= MAX_SNAPSHOTS:
             idle = [s for s in self._snapshots if s.readers == 0]
             if not idle:
-                raise CallRefused("busy", f"already serving {MAX_SNAPSHOTS} snapshots")
+                raise CallRefused(BUSY, f"already serving {MAX_SNAPSHOTS} snapshots")
             self._drop(min(idle, key=lambda s: s.last_used))
 
     def _find(self, root: bytes) -> Snapshot:
