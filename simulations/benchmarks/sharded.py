@@ -247,6 +247,18 @@ def _exchange(wire: Any, other: int, first: bool, piece: int = 1 << 20) -> None:
         wire.release(lo, hi)
 
 
+def _progress(out: dict[str, Any], phase: str) -> None:
+    """One line to stderr per phase of a pair's rank (a run cut by its time box still says how far each
+    rank got, and at what peak)."""
+    times = {k: out[k] for k in ("inner_s", "round_s") if out.get(k)}
+    print(
+        f"site {out['site']} rank {out['rank']}: {phase}, peak RSS {_status('VmHWM') / 2**30:.2f} GiB"
+        f" (footprint {out['footprint_bytes'] / 2**30:.2f}) {times}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     """Two sites of ``world // 2`` ranks; their rank 0s (global 0 and world // 2) swap wire vectors. Each
     rank's peak RSS per phase is measured as in :func:`site_rank` (build, inner steps, outer rounds)."""
@@ -276,6 +288,7 @@ def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     out["parameters"] = layout.total
     dist.barrier()
     out["build_peak_bytes"] = _status("VmHWM")
+    _progress(out, "built")
     out["inner_peak_bytes"] = out["round_peak_bytes"] = 0
     out["inner_s"], out["round_s"] = [], []
     digests = []
@@ -299,6 +312,7 @@ def pair_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
         dist.barrier()
         out["round_s"].append(round(time.perf_counter() - began, 3))
         out["round_peak_bytes"] = max(out["round_peak_bytes"], _status("VmHWM"))
+        _progress(out, f"outer step {step + 1}")
         h = hashlib.sha256()
         for g in outer.global_params:  # (every rank of the site gathers one parameter at a time)
             full = g.full_tensor()
