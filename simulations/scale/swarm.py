@@ -37,6 +37,7 @@ from p2ptrain.identity import KEPT_SIGNATURES, Identity, remember_verified_signa
 from p2ptrain.net import PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from p2ptrain.training import CollaborativeOptimizer
+from simulations.scale.heap import few_collections
 from simulations.scale.model import Churn, PeerPlace, World, churn_events, pct
 
 PORT = 4000
@@ -475,7 +476,7 @@ def run(spec: SwarmSpec, *, threads_stop_clock: bool = True) -> dict[str, Any]:
     remember_verified_signatures(VERIFIED_SIGNATURES)
     clock = trio.testing.MockClock(autojump_threshold=0)
     try:
-        with hold_clock(clock, threads_stop_clock):
+        with hold_clock(clock, threads_stop_clock), few_collections():
             result: dict[str, Any] = trio.run(simulate, spec, clock=clock)
     finally:
         remember_verified_signatures(KEPT_SIGNATURES)
