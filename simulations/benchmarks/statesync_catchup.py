@@ -147,9 +147,13 @@ async def swarm(args: argparse.Namespace, replay_steps: int) -> dict[str, Any]:
         first = fast[0].opt.epoch
         await trio.sleep(args.seconds)
         swarm_steps = fast[0].opt.epoch - first
+        swarm_end = fast[0].opt.epoch
         nursery.cancel_scope.cancel()
     after = home.steps[1:]  # its first step is the join's download
     averaged = sum(1 for _, outcome, mine, _ in after if outcome == "averaged" and mine > 0)
+    # the chase's end: the home's first averaged step; from then on, its share of the swarm's steps
+    joined = [e for e, outcome, mine, _ in after if outcome == "averaged" and mine > 0]
+    chase_end = joined[0] if joined else None
     digests: dict[int, set[bytes]] = {}
     for p in peers:
         for epoch, _, _, digest in p.steps:
@@ -169,6 +173,11 @@ async def swarm(args: argparse.Namespace, replay_steps: int) -> dict[str, Any]:
         "averaged": averaged,
         "fraction": round(averaged / swarm_steps, 3) if swarm_steps else None,
         "home_steps": {o: sum(1 for _, x, _, _ in after if x == o) for o in {x for _, x, _, _ in after}},
+        "home_outcomes": [f"{epoch}:{outcome}" for epoch, outcome, _, _ in home.steps],
+        # swarm steps from the home's first step (its join) to its first averaged one, and after that
+        "chase_steps": chase_end - first if chase_end is not None else None,
+        "steps_after_chase": swarm_end - chase_end + 1 if chase_end is not None else 0,
+        "averaged_after_chase": len(joined),
         "downloads": shared.downloads,
         "replayed_steps": shared.replayed,
         "replayed_bytes": shared.replayed_bytes,
