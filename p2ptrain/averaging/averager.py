@@ -609,10 +609,15 @@ class Averager:
     def _caps(self, peers: list[PeerID]) -> dict[int, float]:
         """The most weight each other member may carry in a round: the coordinator caps weights, and
         every reducer refuses far-off ones (see ``agreement``)."""
-        weight_cap = self.policy.weight_cap
-        if weight_cap is None:
+        weight_cap, weight_caps = self.policy.weight_cap, self.policy.weight_caps
+        others = [peer for peer in peers if peer != self.host.peer_id]
+        if weight_caps is not None:
+            of = weight_caps(others)
+            caps = {i: of[peer] for i, peer in enumerate(peers) if peer in of}
+        elif weight_cap is not None:
+            caps = {i: weight_cap(peer) for i, peer in enumerate(peers) if peer != self.host.peer_id}
+        else:
             return {}
-        caps = {i: weight_cap(peer) for i, peer in enumerate(peers) if peer != self.host.peer_id}
         return {i: cap for i, cap in caps.items() if cap is not None}
 
     async def _audit(self, evidence: RoundEvidence) -> None:

@@ -10,7 +10,7 @@ Everything inside the averager takes these values as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..identity import PeerID
@@ -62,6 +62,8 @@ class RoundPolicy:
     Attributes:
         weight_cap: The most weight a member may carry in a round (None: no cap for it): the
             coordinator caps weights with it, and every reducer refuses far-off ones (``agreement``).
+        weight_caps: The same for several members at once (a round's), where that costs less than
+            asking ``weight_cap`` for each; used in its place when given.
         on_ban: Called when this peer's auditor convicts a reducer with a proof it keeps (the run
             publishes the accusation; others re-check the proof).
         max_proof_bytes: The most bytes a proof may take to fetch (None: only the per-slice bound): an
@@ -70,5 +72,6 @@ class RoundPolicy:
     """
 
     weight_cap: Callable[[PeerID], float | None] | None = None
+    weight_caps: Callable[[list[PeerID]], Mapping[PeerID, float | None]] | None = None
     on_ban: Callable[[PeerID, str], None] | None = None
     max_proof_bytes: int | None = None

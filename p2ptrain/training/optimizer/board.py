@@ -27,10 +27,11 @@ schedule (``bans``).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -627,54 +628,65 @@ class ProgressBoard:
         (Plausible, not the samples said so far: a peer that just began the step would cap the others
         at a few samples, and every reducer then refuses their slices.) A private swarm's members: as
         they say."""
-        cap = self._plausible(peer)
-        me = self.node.peer_id
-        trusted = self.trusted()
-        if trusted is None or peer == me:
-            return cap
-        if peer in trusted:
-            epoch = self.tally.epoch
-            on_step = {
-                r.peer
-                for r in self.records
-                if r.peer in trusted and r.peer not in (peer, me) and r.record.epoch == epoch
-            }
-            # The median counts the peer itself (upper median): with one other trusted peer it decides
-            # (a fast honest peer beside a slow coordinator, 22x its speed, is not capped), with two or
-            # more the median is one of theirs (a liar among honest peers is).
-            ordered = sorted(self._plausible(p) for p in (me, peer, *on_step))
-            return min(cap, SPREAD * ordered[len(ordered) // 2])
-        vouched = {r.peer for r in self.records if r.peer in trusted and r.peer != peer}
-        return min(cap, max(self._plausible(p) for p in (me, *vouched)))
+        return self.weight_caps([peer])[peer]
 
-    def _plausible(self, peer: PeerID) -> float:
-        """What ``peer``'s records make plausible for this epoch (see ``progress.plausible_samples``);
+    def weight_caps(self, peers: Iterable[PeerID]) -> dict[PeerID, float | None]:
+        """:meth:`weight_cap` of each of ``peers`` (a round's members), the records read once for all
+        of them (:func:`capped_weights`). Asked a peer at a time, a round's caps cost members x trusted
+        peers x records on the event loop (the trusted peers on the step and their plausible samples
+        found again for every member)."""
+        peers = list(peers)
+        plausible = self._plausibility()
+        trusted = self.trusted()
+        if trusted is None:
+            return {p: plausible(p) for p in peers}
+        me, epoch = self.node.peer_id, self.tally.epoch
+        recorded = {r.peer for r in self.records if r.peer in trusted}
+        on_step = {r.peer for r in self.records if r.peer in recorded and r.record.epoch == epoch} - {me}
+        return dict(capped_weights(peers, me, trusted, recorded, on_step, plausible))
+
+    def _plausibility(self) -> Callable[[PeerID], float]:
+        """What each peer's records make plausible for this epoch, now (see ``progress.plausible_samples``);
         the whole target without a record of this epoch. A peer that handed its samples of this epoch
         to the round (its records count toward the next one now: ``landing``) is judged by what it said
-        before; with nothing said before, by the whole target as well."""
+        before; with nothing said before, by the whole target as well. Each peer's figure is worked out
+        once."""
         target = float(self.config.training.target_batch_size)
-        # (by the index: a round's caps ask this of every member's trusted peers on the step, and a scan
-        # of the records for each made a round's caps cost members x trusted x records)
-        found = self._by_peer.get(peer)
-        record = None if found is None else found.record
-        if record is not None and record.landing and record.epoch == self.tally.epoch:
-            record = self.counting.get(peer)
-        if record is None or record.epoch != self.tally.epoch:
-            return target
-        if record.rate <= 0:  # no rate measured yet (its first moments): as fast as the fastest peer
-            trusted = self.trusted()
-            fastest = max(
-                (
+        now, epoch = self.clock(), self.tally.epoch
+        known: dict[PeerID, float] = {}
+        fastest: list[float] = []  # (found once, at the first record without a rate)
+
+        def fastest_rate() -> float:
+            if not fastest:
+                trusted = self.trusted()
+                said = (
                     r.record.rate
                     for r in self.records
-                    if r.record.epoch == self.tally.epoch and (trusted is None or r.peer in trusted)
-                ),
-                default=0.0,
-            )
-            if max(fastest, self.tally.rate.rate) <= 0:
-                return target
-            record = dataclasses.replace(record, rate=max(fastest, self.tally.rate.rate))
-        return plausible_samples(record, self.clock(), self._horizon, slack=target / 8)
+                    if r.record.epoch == epoch and (trusted is None or r.peer in trusted)
+                )
+                fastest.append(max(max(said, default=0.0), self.tally.rate.rate))
+            return fastest[0]
+
+        def plausible(peer: PeerID) -> float:
+            if peer in known:
+                return known[peer]
+            found = self._by_peer.get(peer)
+            record = None if found is None else found.record
+            if record is not None and record.landing and record.epoch == epoch:
+                record = self.counting.get(peer)
+            if record is None or record.epoch != epoch:
+                value = target
+            elif record.rate > 0:
+                value = plausible_samples(record, now, self._horizon, slack=target / 8)
+            elif fastest_rate() <= 0:  # no rate measured yet (its first moments): as fast as the fastest
+                value = target
+            else:
+                record = dataclasses.replace(record, rate=fastest_rate())
+                value = plausible_samples(record, now, self._horizon, slack=target / 8)
+            known[peer] = value
+            return value
+
+        return plausible
 
     def vouched_digest(self, epoch: int) -> bytes:
         """The digest of ``epoch``'s state that the peers this one trusts report (what a download must
@@ -682,3 +694,38 @@ class ProgressBoard:
         ours = [r for r in self.records if r.record.run == self.fingerprint]  # (leaving ones still serve)
         trusted = self.trusted()  # (said_on kept only this run's records)
         return vouched_digest(ours, epoch, trusted) or vouched_digest(self.said_on(epoch), epoch, trusted)
+
+
+def capped_weights(
+    peers: Iterable[PeerID],
+    me: PeerID,
+    trusted: frozenset[PeerID],
+    recorded: set[PeerID],
+    on_step: set[PeerID],
+    plausible: Callable[[PeerID], float],
+) -> dict[PeerID, float]:
+    """The weight cap of each of ``peers`` (see :meth:`ProgressBoard.weight_cap`), given this peer
+    ``me``, the peers it ``trusted``, the trusted ones with a record (``recorded``) and those of them on
+    this peer's step but itself (``on_step``), and what each one's records make plausible. A trusted
+    peer: at most ``SPREAD`` times the upper median of the figures of ``me``, itself and ``on_step``; a
+    stranger: at most the largest of ``me``'s and ``recorded``'s; this peer itself: its own figure. The
+    median's list is sorted once, each peer's own figure put in by bisection."""
+    mine = plausible(me)
+    base = sorted([mine, *(plausible(p) for p in on_step)])
+    vouched = max([mine, *(plausible(p) for p in recorded)])
+    caps: dict[PeerID, float] = {}
+    for peer in peers:
+        cap = plausible(peer)
+        if peer == me:
+            caps[peer] = cap
+        elif peer in trusted:
+            # the upper median of ``base`` with ``cap`` put in (``base`` alone where it holds it)
+            if peer in on_step:
+                median = base[len(base) // 2]
+            else:
+                at, mid = bisect.bisect_right(base, cap), (len(base) + 1) // 2
+                median = base[mid] if mid < at else cap if mid == at else base[mid - 1]
+            caps[peer] = min(cap, SPREAD * median)
+        else:
+            caps[peer] = min(cap, vouched)
+    return caps

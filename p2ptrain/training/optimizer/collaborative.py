@@ -231,6 +231,7 @@ class CollaborativeOptimizer:
             ),
             RoundPolicy(
                 weight_cap=self.board.weight_cap,
+                weight_caps=self.board.weight_caps,
                 on_ban=self.bans.on_ban,
                 max_proof_bytes=2 * model_bytes + (1 << 20),
             ),
