@@ -223,6 +223,12 @@ class TrustLedger:
         self._partners: set[PeerID] = set()
         self._admitted: list[float] = []  # when recent partners were named (for ADMIT_PER_WINDOW)
         self._now = 0.0
+        # The instant of the last update, while nothing changed since: an update at the same instant
+        # names and drops nobody (every peer's credit stands as it did), so it is not worked out again
+        # (a board asks for the partners several times a read, a simulated swarm thousands of times an
+        # instant); and the partners as a frozenset, made once per change
+        self._settled: float | None = None
+        self._frozen: frozenset[PeerID] = frozenset()
 
     def _decayed(self, c: _Credit, now: float) -> float:
         return float(c.value * 0.5 ** (max(now - c.at, 0.0) / HALF_LIFE))
@@ -245,6 +251,7 @@ class TrustLedger:
             if subnet and (subnet != UNSEEN or not c.subnet):  # where it was seen before outlasts "nowhere"
                 c.subnet = subnet
         self._bound()
+        self._settled = None
         return self.update(now)
 
     def seed(self, peers: Iterable[PeerID], now: float, subnet: str = "") -> None:
@@ -257,9 +264,12 @@ class TrustLedger:
             c.value, c.at = max(self._decayed(c, now), TRUST_AT), now
             self._partners.add(peer)
         self._bound()
+        self._settled, self._frozen = None, frozenset(self._partners)
 
     def update(self, now: float) -> list[PeerID]:
         """Name and drop partners as credits stand at ``now``; returns the peers newly named."""
+        if now == self._settled:
+            return []
         self._now = max(self._now, now)
         values = {p: self._decayed(c, now) for p, c in self._credits.items()}
         self._partners = {p for p in self._partners if values.get(p, 0.0) >= KEEP_AT}
@@ -285,6 +295,7 @@ class TrustLedger:
             self._admitted.append(now)
             self._partners.add(p)
             named.append(p)
+        self._settled, self._frozen = now, frozenset(self._partners)
         return named
 
     def value(self, peer: PeerID, now: float) -> float:
@@ -298,7 +309,7 @@ class TrustLedger:
     @property
     def partners(self) -> frozenset[PeerID]:
         """The partners as of the last update (credit, seed or update)."""
-        return frozenset(self._partners)
+        return self._frozen
 
     def _bound(self) -> None:
         if len(self._credits) <= MAX_TRACKED:

@@ -422,3 +422,31 @@ def test_a_reducer_judges_slices_against_the_prior_it_is_given() -> None:
         red.finalize(list(range(4)), [1.0] * 4)
         assert red.verdicts[0].useful is echo_passes, red.verdicts[0].reason
         assert all(red.verdicts[i].useful for i in range(1, 4))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_an_update_at_the_instant_of_the_last_one_changes_nothing(seed: int) -> None:
+    """The ledger answers an update at the instant of the last one, with nothing credited or seeded
+    since, from what that one settled: over random credits, seeds and updates (many at one instant, as a
+    board asks several times a read), its partners are those of a ledger that works every update out."""
+    rng = random.Random(seed)
+    cached, worked = TrustLedger(pid(0)), TrustLedger(pid(0))
+    now = 0.0
+    for k in range(300):
+        if rng.random() < 0.3:
+            now += rng.choice([0.0, 1.0, ADMIT_WINDOW / 3, HALF_LIFE / 4])
+        what = rng.random()
+        if what < 0.2:
+            verified = [
+                (pid(rng.randint(1, 60)), f"10.0.{rng.randint(0, 9)}.0/24") for _ in range(rng.randint(1, 8))
+            ]
+            round_id = bytes([k % 256, k // 256]) * 8
+            assert cached.credit(round_id, verified, now) == worked.credit(round_id, verified, now)
+        elif what < 0.25:
+            peers = [pid(rng.randint(1, 60)) for _ in range(rng.randint(1, 3))]
+            cached.seed(peers, now)
+            worked.seed(peers, now)
+        else:
+            worked._settled = None  # (every update worked out)
+            assert cached.update(now) == worked.update(now)
+        assert cached.partners == worked.partners, k
