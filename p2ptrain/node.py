@@ -185,6 +185,7 @@ class Node:
         self.host.on_connection(self._on_connection)
         self.dht = DHT(self.host, config=config.dht, clock=clock, relayed_address=self._relayed_address)
         self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
+        self.dht.server.uplink = lambda: self.averager.bandwidth  # (its replies' share of the uplink)
         self.members: list[Member] = []
         self._members_changed = trio.Event()  # a connection suggests the peer list changed: read it
         self.state = "starting"

@@ -19,8 +19,10 @@ node holds, bounded and checked as :mod:`~p2ptrain.dht.protocol` and :mod:`~p2pt
 
 Replies that carry entries or contacts (``FIND_NODE``, ``FIND_VALUE``, ``PULL``) are charged to the
 asker's origin (:class:`~p2ptrain.net.slots.ReplyBudget`): a read asks in a hundred bytes for up to a
-full key's, so ids from one subnet could otherwise spend this node's uplink on them at will. An origin
-out of tokens is answered ``busy``, which readers take as "ask another replica", not as a failure.
+full key's, so ids from one subnet could otherwise spend this node's uplink on them at will. And the
+node's replies in all are held to a share of its uplink (:func:`reply_total`), shared max-min among the
+origins asking, so that k origins do not take k origins' worth. An origin out of tokens is answered
+``busy``, which readers take as "ask another replica", not as a failure.
 
 A reader of a hot key may :meth:`Server.watch` it: whenever an entry under it arrives here (stored as
 a replica, or offered by its author), its callback runs, so that it hears of a new record without
@@ -74,6 +76,17 @@ OFFERS_PER_MINUTE = 120  # offers taken from one peer (the rest are answered 0: 
 MAX_OFFERING_PEERS = 1024
 
 
+REPLY_TOTAL = 4e6  # a node's reply bytes a second in all while its uplink is not measured
+REPLY_SHARE = 0.5  # the share of a measured uplink a node's replies may take in all
+REPLY_FLOOR = 512e3  # ... but never less than this (reads of the keys it holds must go on)
+
+
+def reply_total(uplink: float) -> float:
+    """The most reply bytes a second a node sends in all, for an ``uplink`` of that many bytes a second
+    (0: not measured yet)."""
+    return REPLY_TOTAL if uplink <= 0 else max(REPLY_FLOOR, REPLY_SHARE * uplink)
+
+
 class Server:
     """The handlers of the DHT's RPCs (see the module docstring)."""
 
@@ -97,7 +110,10 @@ class Server:
         self._clock = clock
         self._offers: OrderedDict[PeerID, deque[float]] = OrderedDict()  # when each peer last offered
         self._watch: dict[bytes, Callable[[], None]] = {}  # key id -> called when an entry arrives
-        self.replies = ReplyBudget()  # reply bytes per origin (reads' entries and contacts)
+        # reply bytes per origin and in all (reads' entries and contacts); ``uplink``: this node's
+        # uplink in bytes a second as measured, 0 while it is not (the node sets it: its averager's)
+        self.uplink: Callable[[], float] = lambda: 0.0
+        self.replies = ReplyBudget(total=lambda: reply_total(self.uplink()))
 
     def watch(self, key: bytes, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever an entry under ``key`` arrives here (stored as a replica, or offered

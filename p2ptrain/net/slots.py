@@ -39,6 +39,13 @@ a hundred bytes for up to 768 KiB, and control replies go out before bulk data (
 flood of them from free ids stalls a node's rounds. :class:`ReplyBudget` is a token bucket of reply
 bytes per origin: a reply is sent while its origin has tokens left (it may overdraw them by one
 reply), and while it has none a call is refused ``busy`` before any work, until the rate refills them.
+Per origin alone, k origins would draw k origins' rate (a megabyte a second each, more than a home
+uplink), so the budget also holds the node's replies in all to ``total`` (a share of its uplink), and
+shares that max-min as the slots are shared: each origin owes what it was sent, paid back at its fair
+share of the total, and once the node-wide bucket is spent, the origins owing the most wait while
+those that took less than their share are still served. The invariant: **an
+origin asking for less than the node's total over the origins asking is never refused for the node's
+sake, and the node sends about twice its total at most, however many origins ask.**
 """
 
 from __future__ import annotations
@@ -194,17 +201,37 @@ class ServingSlots:
 
 
 MAX_ORIGINS = 4096  # origins whose reply tokens are remembered (one forgotten starts with a full bucket)
+SHARE_WINDOW = 10.0
+"""An origin that got no reply for this many seconds no longer counts among those sharing the node's
+replies; one may be owed up to this many seconds of its fair share and still be served."""
+POOL_SECONDS = 4.0  # the node-wide bucket holds this many seconds of its rate
 
 
 class ReplyBudget:
-    """Reply bytes per origin: ``rate`` bytes a second, up to ``burst`` saved (see the module
-    docstring). ``now``: the caller's clock, in seconds."""
+    """Reply bytes per origin: ``rate`` bytes a second, up to ``burst`` saved; and, where ``total`` is
+    given, reply bytes of the whole node, shared max-min among the origins (see the module docstring).
+    ``now``: the caller's clock, in seconds.
 
-    def __init__(self, rate: float = 1e6, burst: float = 8e6) -> None:
+    ``total`` is asked at each check for the node's reply bytes a second in all (its uplink's share for
+    replies: it may change as the uplink is measured). While the node-wide bucket holds tokens, every
+    origin is served within its own. Each origin also owes what it was sent, paid back at its fair
+    share (``total`` over the origins sent a reply in the last ``SHARE_WINDOW`` seconds); once the
+    node-wide bucket is spent, an origin is refused ``busy`` while it owes ``SHARE_WINDOW`` seconds of
+    its share or more. So the origins taking the most wait, one taking less than its share is never
+    refused for the node's sake, and over time the node sends at most about twice ``total``: the
+    bucket's rate, and what the origins take at their shares while it is spent."""
+
+    def __init__(
+        self, rate: float = 1e6, burst: float = 8e6, total: Callable[[], float] | None = None
+    ) -> None:
         if not (rate > 0 and burst > 0):
             raise ValueError("a reply budget needs a positive rate and burst")
-        self.rate, self.burst = rate, burst
+        self.rate, self.burst, self.total = rate, burst, total
         self._tokens: OrderedDict[str, tuple[float, float]] = OrderedDict()  # origin -> (tokens, at)
+        # the node-wide bucket, and what each origin owes, oldest reply first, for as long as it had one
+        # within the window
+        self._pool: tuple[float, float] | None = None  # (tokens, at)
+        self._owed: OrderedDict[str, tuple[float, float]] = OrderedDict()  # origin -> (bytes, at)
         self.refused = 0
 
     def tokens(self, origin: str, now: float) -> float:
@@ -213,11 +240,43 @@ class ReplyBudget:
         tokens, at = self._tokens.get(origin, (self.burst, now))
         return min(self.burst, tokens + (now - at) * self.rate)
 
+    def pool(self, now: float, total: float) -> float:
+        """What the whole node may still send now, at ``total`` bytes a second."""
+        if self._pool is None:
+            return POOL_SECONDS * total
+        tokens, at = self._pool
+        return min(POOL_SECONDS * total, tokens + max(0.0, now - at) * total)
+
+    def fair(self, origin: str, now: float, total: float) -> float:
+        """``origin``'s share of ``total``: over the origins sent a reply within ``SHARE_WINDOW``, it
+        among them."""
+        while self._owed and now - next(iter(self._owed.values()))[1] > SHARE_WINDOW:
+            self._owed.popitem(last=False)  # (no reply within the window: it shares no more)
+        return total / (len(self._owed) + (origin not in self._owed))
+
+    def owed(self, origin: str, now: float, fair: float) -> float:
+        """What ``origin`` owes now, paying back at ``fair`` bytes a second since its last reply."""
+        got = self._owed.get(origin)
+        return 0.0 if got is None else max(0.0, got[0] - max(0.0, now - got[1]) * fair)
+
     def check(self, origin: str, now: float) -> None:
-        """``CallRefused("busy")`` while ``origin`` has no tokens left."""
+        """``CallRefused("busy")`` while ``origin`` has no tokens left, or while the node's are spent
+        and ``origin`` owes ``SHARE_WINDOW`` seconds of its share or more."""
         if self.tokens(origin, now) <= 0:
             self.refused += 1
             raise CallRefused(BUSY, f"replies to {origin} used up their share of this node's uplink: later")
+        if self.total is None:
+            return
+        total = self.total()
+        if self.pool(now, total) > 0:
+            return
+        fair = self.fair(origin, now, total)
+        if self.owed(origin, now, fair) >= fair * SHARE_WINDOW:
+            self.refused += 1
+            raise CallRefused(
+                BUSY,
+                f"this node's replies are at its uplink's share, and {origin} took its part of them: later",
+            )
 
     def charge(self, origin: str, nbytes: int, now: float) -> None:
         """``nbytes`` sent to ``origin``."""
@@ -225,3 +284,12 @@ class ReplyBudget:
         self._tokens.move_to_end(origin)
         while len(self._tokens) > MAX_ORIGINS:
             self._tokens.popitem(last=False)
+        if self.total is None:
+            return
+        total = self.total()
+        self._pool = (self.pool(now, total) - nbytes, now)
+        fair = self.fair(origin, now, total)
+        self._owed[origin] = (self.owed(origin, now, fair) + nbytes, now)
+        self._owed.move_to_end(origin)
+        while len(self._owed) > MAX_ORIGINS:
+            self._owed.popitem(last=False)
