@@ -43,9 +43,9 @@ Per origin alone, k origins would draw k origins' rate (a megabyte a second each
 uplink), so the budget also holds the node's replies in all to ``total`` (a share of its uplink), and
 shares that max-min as the slots are shared: each origin owes what it was sent, paid back at its fair
 share of the total, and once the node-wide bucket is spent, the origins owing the most wait while
-those that took less than their share are still served. The invariant: **an
-origin asking for less than the node's total over the origins asking is never refused for the node's
-sake, and the node sends about twice its total at most, however many origins ask.**
+those that took less than their share are still served. The invariant: **an origin asking for less
+than the node's total over the origins asking is never refused for the node's sake, and the node sends
+about twice its total at most, however many origins ask.**
 """
 
 from __future__ import annotations

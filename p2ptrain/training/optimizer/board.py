@@ -719,7 +719,10 @@ def capped_weights(
         if peer == me:
             caps[peer] = cap
         elif peer in trusted:
-            # the upper median of ``base`` with ``cap`` put in (``base`` alone where it holds it)
+            # The median counts the peer itself (upper median): with one other trusted peer it decides
+            # (a fast honest peer beside a slow coordinator, 22x its speed, is not capped), with two or
+            # more the median is one of theirs (a liar among honest peers is). It is the upper median
+            # of ``base`` with ``cap`` put in, or of ``base`` alone where that holds it already.
             if peer in on_step:
                 median = base[len(base) // 2]
             else:
