@@ -5,8 +5,9 @@ for the node's sake, and the node sends about twice its total at most however ma
 the budget was per origin alone: k origins (a /24 each) drew k megabytes a second from any node, more
 than a home uplink, and the node served every one of them.
 
-Randomized: a node-wide total, 1 to 40 origins asking for big replies as fast as they are answered, and
-one origin asking for less than half its fair share once a second; two virtual minutes each seed.
+Randomized: a node-wide total, 2 to 40 origins (more than it serves at 1 MB/s each) asking for big
+replies as fast as they are answered, and one origin asking for less than half its fair share once a
+second; two virtual minutes each seed.
 """
 
 from __future__ import annotations
