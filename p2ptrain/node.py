@@ -183,9 +183,14 @@ class Node:
             clock=clock,
         )
         self.host.on_connection(self._on_connection)
-        self.dht = DHT(self.host, config=config.dht, clock=clock, relayed_address=self._relayed_address)
+        self.dht = DHT(
+            self.host,
+            config=config.dht,
+            clock=clock,
+            relayed_address=self._relayed_address,
+            uplink=lambda: self.averager.bandwidth,  # (as its rounds measure it: sizes its replies in all)
+        )
         self.averager = Averager(self.host, self.dht, config.averaging, clock=clock)
-        self.dht.server.uplink = lambda: self.averager.bandwidth  # (its replies' share of the uplink)
         self.members: list[Member] = []
         self._members_changed = trio.Event()  # a connection suggests the peer list changed: read it
         self.state = "starting"

@@ -613,12 +613,11 @@ class Averager:
         others = [peer for peer in peers if peer != self.host.peer_id]
         if weight_caps is not None:
             of = weight_caps(others)
-            caps = {i: of[peer] for i, peer in enumerate(peers) if peer in of}
         elif weight_cap is not None:
-            caps = {i: weight_cap(peer) for i, peer in enumerate(peers) if peer != self.host.peer_id}
+            of = {peer: weight_cap(peer) for peer in others}
         else:
             return {}
-        return {i: cap for i, cap in caps.items() if cap is not None}
+        return {i: cap for i, peer in enumerate(peers) if (cap := of.get(peer)) is not None}
 
     async def _audit(self, evidence: RoundEvidence) -> None:
         """Audit what this member was chosen for, then keep the evidence for the others' audits a while."""

@@ -100,7 +100,9 @@ class Server:
         *,
         config: DHTConfig,
         clock: Callable[[], float],
+        uplink: Callable[[], float],
     ) -> None:
+        """``uplink``: this node's uplink in bytes a second as measured, 0 while it is not."""
         self._host = host
         self._contacts = contacts
         self._me = me
@@ -110,10 +112,8 @@ class Server:
         self._clock = clock
         self._offers: OrderedDict[PeerID, deque[float]] = OrderedDict()  # when each peer last offered
         self._watch: dict[bytes, Callable[[], None]] = {}  # key id -> called when an entry arrives
-        # reply bytes per origin and in all (reads' entries and contacts); ``uplink``: this node's
-        # uplink in bytes a second as measured, 0 while it is not (the node sets it: its averager's)
-        self.uplink: Callable[[], float] = lambda: 0.0
-        self.replies = ReplyBudget(total=lambda: reply_total(self.uplink()))
+        # reply bytes per origin and in all (reads' entries and contacts)
+        self.replies = ReplyBudget(total=lambda: reply_total(uplink()))
 
     def watch(self, key: bytes, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever an entry under ``key`` arrives here (stored as a replica, or offered

@@ -64,10 +64,12 @@ class DHT:
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
         relayed_address: Callable[[], PeerAddress | None] | None = None,
+        uplink: Callable[[], float] | None = None,
     ) -> None:
         """``relayed_address``: behind a NAT, the address others reach this node at when it may serve the
         DHT there anyway (its relayed address once hole punching works), else None (see
-        :mod:`~p2ptrain.dht.reachability`)."""
+        :mod:`~p2ptrain.dht.reachability`). ``uplink``: this node's uplink in bytes a second as measured,
+        0 while it is not (None: never measured), which sizes its replies in all (``server.reply_total``)."""
         self.host = host
         self.config = cfg = config or DHTConfig()
         self.clock = clock
@@ -104,7 +106,14 @@ class DHT:
             clock=clock,
         )
         self.server = Server(
-            host, self.contacts, self.reachability, self.reader, self.records, config=cfg, clock=clock
+            host,
+            self.contacts,
+            self.reachability,
+            self.reader,
+            self.records,
+            config=cfg,
+            clock=clock,
+            uplink=uplink or (lambda: 0.0),
         )
         self.upkeep = Upkeep(
             self.client,
