@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -105,7 +104,7 @@ class Partial:
     received: int = 0
     reused: int = 0  # of ``received``: bytes copied from this peer's own state (see ``fill_from``)
     sources: dict[PeerID, int] = field(default_factory=dict)  # checked bytes from each donor
-    finished: float = 0.0  # when the last chunk came in (monotonic)
+    finished: float = 0.0  # when the last chunk came in (trio's clock: virtual in simulations)
 
     @property
     def complete(self) -> bool:
@@ -239,7 +238,7 @@ class Fetcher:
         ``reuse`` fills a new download's chunks that are at hand (see :func:`fill_from`) before any is
         fetched."""
         self.failures = []
-        began = time.monotonic()
+        began = trio.current_time()
         partial = self.partial
         if partial is not None and partial.complete and partial.epoch >= want_epoch:
             # complete already, waiting for the records to name it (see ``confirm``)
@@ -293,7 +292,7 @@ class Fetcher:
         # this attempt's donors (a state completed in an earlier attempt: that one's)
         delivered = {o.donor.peer: o.delivered for o in chosen if o.delivered} or dict(partial.sources)
         used = sorted(delivered, key=lambda p: -delivered[p])
-        took = max(0.0, (partial.finished or time.monotonic()) - began)
+        took = max(0.0, (partial.finished or trio.current_time()) - began)
         fetched = partial.layout.size - partial.reused
         log.info(
             "downloaded step %d's state (%.1f MB%s) from %d donor(s) in %.1f s (%.1f MB/s): %s",
@@ -497,7 +496,7 @@ class Fetcher:
                 offer.delivered += size
                 partial.sources[peer] = partial.sources.get(peer, 0) + size
                 if partial.complete:
-                    partial.finished = time.monotonic()
+                    partial.finished = trio.current_time()
                 self.on_progress(partial.received, partial.layout.size)
             with trio.fail_after(self.chunk_timeout):
                 await stream.response()
