@@ -137,6 +137,7 @@ class RoundMachine:
         self.gone: set[int] = set()  # members whose connections closed for good during the round
         self.seen: set[int] = set()  # members we were connected with during the round
         self._lost_at: dict[int, float] = {}  # member -> when we last saw it connected
+        self._others_settled_at = 0.0  # when every sender of ours but the silent ones settled (see watch)
         self.decision: Decision | None = None
         self.decision_bytes = b""  # the decision as the coordinator signed it
         self.plan: Plan | None = None
@@ -221,17 +222,40 @@ class RoundMachine:
 
     def watch(self, live: Collection[PeerID], now: float, delivered: Collection[int] | None) -> list[str]:
         """Members whose connections with us closed and stayed closed for ``GONE_AFTER`` seconds count as
-        failed; returns a log line for each newly gone one. Only members we were connected with during
-        the round count: one we never reached is the senders' and the coordinator's business."""
+        failed; returns a log line for each newly gone one.
+
+        A member we were never connected with during the round (it died as the group formed, before
+        anyone had a connection with it but the coordinator; or it is client-only and crashed before it
+        dialed us) gives no connection to lose. As a reducer, we wait for such *silent* senders only
+        until every other sender of our partition has delivered or failed, and then as long again as
+        that took (at least ``GONE_AFTER``): a live member that is merely late (its slices take as long
+        to prepare as the others') is waited for, a dead one no longer costs every reducer the scatter's
+        deadline. (At 32 simulated peers, a member killed 0.03 s after its group formed held the round
+        of 26 for the whole scatter, 12 of its 30 seconds.)"""
         out = []
+        silent = []
         for i, peer in enumerate(self.peers):
             if i == self.me or i in self.gone:
                 continue
             if peer in live:
                 self.seen.add(i)
                 self._lost_at.pop(i, None)
-            elif i in self.seen and now - self._lost_at.setdefault(i, now) >= GONE_AFTER:
-                out.append(self.member_gone(i, f"no connection for {GONE_AFTER:g} s", delivered))
+            elif i in self.seen:
+                if now - self._lost_at.setdefault(i, now) >= GONE_AFTER:
+                    out.append(self.member_gone(i, f"no connection for {GONE_AFTER:g} s", delivered))
+            elif delivered is not None and i not in delivered:
+                silent.append(i)
+        if silent and delivered is not None and self.scatter_open:
+            failed = self.failed_senders.get(self.me, set())
+            quiet = set(silent)
+            if all(j in delivered or j in failed or j in quiet for j in range(self.n)):
+                settled = self._others_settled_at = self._others_settled_at or now
+                if now - settled >= max(GONE_AFTER, settled - self.at.start):
+                    took = now - self.at.start
+                    why = f"nothing from it in the round, {took:.1f} s in, the others' slices all here"
+                    out += [self.member_gone(i, why, delivered) for i in silent]
+            else:
+                self._others_settled_at = 0.0
         return out
 
     def watching(self, now: float) -> bool:

@@ -314,8 +314,9 @@ class MemoryNetwork:
         return MemoryStream(a_to_b, b_to_a), MemoryStream(b_to_a, a_to_b)
 
     async def _to_listener(self, src: str, host: str, port: int, src_port: int) -> MemoryStream:
-        handler = self._listeners.get((host, port))
         await trio.sleep(self.profile(src, host).latency)  # the SYN's trip
+        # (what listens when the SYN arrives: a host killed during its trip refuses it)
+        handler = self._listeners.get((host, port))
         if handler is None:
             raise OSError(f"connection refused: nothing listens on {host}:{port}")
         client, server = self._pair(src, host)

@@ -131,6 +131,8 @@ async def run_round(
     outcomes: list[Outcome] = [None] * len(group.peers)
 
     async def one(i: int, peer: Peer) -> None:
+        if peer.name in group.crashed:
+            return  # (dead before its round began: it runs nothing)
         with peer.round_scope:
             try:
                 outcomes[i] = await peer.averager.run_round(

@@ -359,6 +359,65 @@ async def test_a_member_that_leaves_before_its_round_costs_the_others_no_deadlin
     assert took < 0.1 * SCATTER * timeout, (took, n, client_only, leaver, delay)
 
 
+@pytest.mark.parametrize("seed", range(10))
+async def test_a_member_silent_from_the_start_costs_its_reducers_a_grace_not_the_scatter(
+    autojump_clock, seed
+):
+    """The invariant: a member that nobody had a connection with in the round (it died as its group
+    formed, before it dialed anyone; client-only or not) is left out by every reducer once the others'
+    slices are all in and as long again has passed (at least ``GONE_AFTER``), and the others commit
+    without it, the same bits; while a member that is only late, by less than that grace, is waited for
+    and counted. On the code before, every reducer waited for a silent member's slices until the
+    scatter's deadline (0.4 x the timeout): at 32 simulated peers, a member killed 0.03 s after its
+    group formed held its 26 partners' round for 12 s, and the swarm's step with it.
+
+    Randomized: the group's size, which members are client-only (never the coordinator), who goes
+    silent, whether it died or is late, and when."""
+    from p2ptrain.averaging.allreduce import GONE_AFTER, SCATTER
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    victim = rng.randrange(1, n)
+    client_only = tuple(sorted(set(rng.sample(range(1, n), rng.randint(0, n - 2)))))
+    dies = seed % 3 != 2
+    timeout = 30.0
+    async with open_group(n, client_only=client_only, seed=seed) as group:
+        originals = [make_tensors(10 * seed + i, [(20_001,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        signed = sign_manifest(group.peers, inputs[0], timeout=timeout)
+        late = rng.uniform(0.0, 0.8 * GONE_AFTER)
+        if not dies:  # alive, but it starts sending only after ``late`` seconds
+            peer = group.peers[victim]
+            peer.averager.fault = crash_at(group, peer, "before_send", stall=late)
+        began = trio.current_time()
+        with trio.fail_after(2 * timeout):
+            if dies and rng.random() < 0.5:
+                group.crash(group.peers[victim])  # dead before the others start
+                outcomes = await run_round(group, signed, inputs, [1.0] * n)
+            elif dies:  # dead a moment after they started, before it dialed anyone
+
+                async def kill() -> None:
+                    await trio.sleep(rng.uniform(0.0, 0.004))
+                    group.crash(group.peers[victim])
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(kill)
+                    outcomes = await run_round(group, signed, inputs, [1.0] * n)
+            else:
+                outcomes = await run_round(group, signed, inputs, [1.0] * n)
+        took = trio.current_time() - began
+    stay = [i for i in range(n) if i != victim or not dies]
+    assert all(isinstance(outcomes[i], RoundResult) for i in stay), (n, client_only, victim, dies, outcomes)
+    silent = group.peers[victim].host.identity.peer_id
+    for i in stay:
+        result = outcomes[i]
+        assert isinstance(result, RoundResult)
+        assert (silent in result.contributors) is not dies, (n, client_only, victim, dies, late)
+        assert len(result.contributors) == (n - 1 if dies else n)
+    assert check_invariant(originals, inputs, [1.0] * n, outcomes) == "commit"
+    assert took < 0.3 * SCATTER * timeout, (took, n, client_only, victim, dies)
+
+
 def assert_committed_but_the_loser(loser: int, originals: list, inputs: list, outcomes: list) -> None:
     """Every member but ``loser`` committed, with identical bits; so did the loser unless it aborted (its
     reducer and every relay had retired the round: then it is left out of the check)."""
