@@ -32,7 +32,7 @@ import dataclasses
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import trio
 
@@ -287,25 +287,30 @@ class ProgressBoard:
         offered = {a.peer_id for a in self._offer_to()}  # (this run's, trusted, not leaving: they offer)
         return any(now - r.record.time > late for r in self.records if r.peer in offered)
 
-    def _offer_to(self) -> list[PeerAddress]:
-        """Where this peer's new records go directly: the averagers of the partners whose records it
-        read (trusted ones only, where it trusts some), newest records first, at most ``MAX_OFFERS``."""
-        trusted = self.trusted()
-        out: list[PeerAddress] = []
+    def _record_addrs(self) -> Iterator[tuple[PeerID, PeerAddress]]:
+        """The averager addresses of this run's peers whose records were read, newest records first:
+        this peer, peers leaving, and addresses that name another peer left out."""
         for r in sorted(self.records, key=lambda r: -r.record.time):
             rec = r.record
             if r.peer == self.node.peer_id or rec.leaving or rec.run != self.fingerprint or not rec.addr:
-                continue
-            if trusted is not None and r.peer not in trusted:
                 continue
             try:
                 addr = PeerAddress.parse(rec.addr)
             except ValueError:
                 continue
             if addr.peer_id == r.peer:
+                yield r.peer, addr
+
+    def _offer_to(self) -> list[PeerAddress]:
+        """Where this peer's new records go directly: the averagers of the partners whose records it
+        read (trusted ones only, where it trusts some), newest records first, at most ``MAX_OFFERS``."""
+        trusted = self.trusted()
+        out: list[PeerAddress] = []
+        for peer, addr in self._record_addrs():
+            if trusted is None or peer in trusted:
                 out.append(addr)
-            if len(out) >= MAX_OFFERS:
-                break
+                if len(out) >= MAX_OFFERS:
+                    break
         return out
 
     def _pull_from(self) -> list[PeerAddress]:
@@ -320,19 +325,13 @@ class ProgressBoard:
         out = self._offer_to()
         if len(out) >= PULL_SOURCES:
             return out
-        have = {a.peer_id for a in out} | {self.node.peer_id}
-        others: list[tuple[bytes, PeerAddress]] = []
+        have = {a.peer_id for a in out}
         me = self.node.peer_id.digest
-        for r in self.records:
-            rec = r.record
-            if r.peer in have or rec.leaving or rec.run != self.fingerprint or not rec.addr:
-                continue
-            try:
-                addr = PeerAddress.parse(rec.addr)
-            except ValueError:
-                continue
-            if addr.peer_id == r.peer:
-                others.append((hashlib.blake2b(me + r.peer.digest, digest_size=8).digest(), addr))
+        others = [
+            (hashlib.blake2b(me + peer.digest, digest_size=8).digest(), addr)
+            for peer, addr in self._record_addrs()
+            if peer not in have
+        ]
         others.sort(key=lambda o: o[0])
         return out + [addr for _, addr in others[: PULL_SOURCES - len(out)]]
 
