@@ -137,7 +137,7 @@ class RoundMachine:
         self.gone: set[int] = set()  # members whose connections closed for good during the round
         self.seen: set[int] = set()  # members we were connected with during the round
         self._lost_at: dict[int, float] = {}  # member -> when we last saw it connected
-        self._others_settled_at = 0.0  # when every sender of ours but the silent ones settled (see watch)
+        self._others_settled_at: float | None = None  # when every sender but the silent ones settled (watch)
         self.decision: Decision | None = None
         self.decision_bytes = b""  # the decision as the coordinator signed it
         self.plan: Plan | None = None
@@ -249,13 +249,15 @@ class RoundMachine:
             failed = self.failed_senders.get(self.me, set())
             quiet = set(silent)
             if all(j in delivered or j in failed or j in quiet for j in range(self.n)):
-                settled = self._others_settled_at = self._others_settled_at or now
+                if self._others_settled_at is None:
+                    self._others_settled_at = now
+                settled = self._others_settled_at
                 if now - settled >= max(GONE_AFTER, settled - self.at.start):
                     took = now - self.at.start
                     why = f"nothing from it in the round, {took:.1f} s in, the others' slices all here"
                     out += [self.member_gone(i, why, delivered) for i in silent]
             else:
-                self._others_settled_at = 0.0
+                self._others_settled_at = None
         return out
 
     def watching(self, now: float) -> bool:
