@@ -246,9 +246,7 @@ class RoundMachine:
             elif delivered is not None and i not in delivered:
                 silent.append(i)
         if silent and delivered is not None and self.scatter_open:
-            failed = self.failed_senders.get(self.me, set())
-            quiet = set(silent)
-            if all(j in delivered or j in failed or j in quiet for j in range(self.n)):
+            if self.slices_settled({*delivered, *silent}):  # every sender but the silent settled
                 if self._others_settled_at is None:
                     self._others_settled_at = now
                 settled = self._others_settled_at
