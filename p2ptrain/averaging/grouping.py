@@ -28,6 +28,21 @@ this peer reached is the relay's), as is one whose address does not connect with
 seconds (its address may name anyone's subnet). A leader that keeps answering "ask again" is passed
 over after ``RETRY_FOR`` seconds, or at once when it says it follows a leader this peer does not.
 
+Manifests relayed. A leader answers every joiner of its group with the signed manifest, which lists
+every member (about 160 bytes each): a leader of ``n`` sent ``n`` copies, ``O(n^2)`` bytes on one
+uplink (a group of 248 at 256 simulated peers: 10 MB from the leader in one burst, 46x the median node's
+control bytes of the step, and the last member's copy waited for all the others on that link). Groups
+of more than ``RELAY_FROM`` members now have it sent by the leader to about ``sqrt(n)`` of them, the
+*relays* (:func:`relay_plan`: members with an address, the ones the leader counts first, a pure
+function of the signed manifest); every other member's answer names its relay and the manifest's
+digest, and it fetches the manifest from that relay (``avg.recall`` with the digest, which a member
+answers only to the manifest's members, waiting up to ``RELAY_HOLD`` for its own copy to arrive). The
+leader's signature and the digest are checked on arrival, so a relay can only withhold it: after
+``RELAY_WAIT`` seconds, or at once if the relay refuses, is unreachable or sends another manifest, the
+member asks the leader (``avg.recall``), as a member whose answer was lost does. Every member thus gets
+the leader's manifest or none, as before; the leader sends ``sqrt(n)`` copies and each relay about as
+many.
+
 :class:`GroupForming` is owned by the node's averager, which hands it what it needs at construction
 (the host, the DHT, the averager's settings, its measured bandwidth, the auditor's bans, and how to
 decline a group) and runs its one task (closing announcements) in :meth:`GroupForming.run`.
@@ -36,6 +51,7 @@ decline a group) and runs its one task (closing announcements) in :meth:`GroupFo
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,6 +95,7 @@ from .protocol import (
     RecallReq,
     SignedManifest,
     TensorSpec,
+    manifest_digest,
     mask_bytes,
 )
 from .rules import RoundRules, check_manifest, listed_subnet
@@ -97,6 +114,9 @@ LATE = 1.0  # seconds before a leader's deadline (our clock) from which an answe
 MAX_FOLLOWED = 16  # manifests of groups this peer followed, remembered for ``round_failed``
 MAX_FORMED = 8  # manifests of groups this peer led, kept for members that ask again (``avg.recall``)
 RECALL_WAIT = DIAL_LIMIT  # seconds a follower whose join call ended without an answer asks again
+RELAY_FROM = 24  # groups of more members have their manifest relayed by some of them (module docstring)
+RELAY_WAIT = 2.0  # seconds a member waits for its relay's copy of the manifest before asking the leader
+RELAY_HOLD = RELAY_WAIT  # seconds a relay asked for a manifest waits for its own copy to arrive
 
 
 @dataclass
@@ -118,6 +138,9 @@ class _Looking:
     min_size: int = 2  # the smallest group this peer takes (a smaller one is expected with fewer peers)
     compatible: set[PeerID] = field(default_factory=set)  # peers seen announcing with our schema
     latest: dict[PeerID, Announcement] = field(default_factory=dict)  # each peer's announcement read last
+    relays: dict[PeerID, str] = field(
+        default_factory=dict
+    )  # led, formed: the relay of each member that has one
 
 
 def announced_subnet(addr: str) -> str:
@@ -128,6 +151,25 @@ def announced_subnet(addr: str) -> str:
     except ValueError:
         return ""
     return "" if a is None or a.relay is not None else subnet_of(a.host)
+
+
+def relay_plan(manifest: Manifest) -> dict[int, int]:
+    """The members that fetch the signed ``manifest`` from a fellow member (a *relay*) rather than from
+    the leader: member index -> its relay's index ({} for a group of at most ``RELAY_FROM``). About
+    ``sqrt(n)`` relays, chosen among the members with an address (a client-only member serves nothing),
+    those the leader counts first (its own quorum's peers: the ones it trusts), then in the manifest's
+    order; the others are dealt out among them in turn. A pure function of what the leader signed."""
+    n = len(manifest.members)
+    if n <= RELAY_FROM:
+        return {}
+    counted = manifest.masks[0] if manifest.masks else 0
+    able = [j for j in range(1, n) if manifest.members[j].addr]
+    relays = sorted(able, key=lambda j: (not counted >> j & 1, j))[: math.isqrt(n - 1) + 1]
+    if not relays:
+        return {}
+    chosen = set(relays)
+    dependents = [i for i in range(1, n) if i not in chosen]
+    return {i: relays[x % len(relays)] for x, i in enumerate(dependents)}
 
 
 def _holds_all(formed: SignedManifest | None, announced: Iterable[PeerID]) -> bool:
@@ -165,6 +207,9 @@ class GroupForming:
         self._looking: _Looking | None = None
         self.leaders = LeaderBook()  # leaders that failed this peer: not followed for a while
         self._followed: dict[bytes, tuple[PeerID, str]] = {}  # manifests followed -> leader, its subnet
+        # Signed manifests this peer holds (led, or checked as a member), by digest: what it relays
+        self._held: dict[bytes, SignedManifest] = {}
+        self._held_changed = trio.Event()
         # Groups this peer led, by key: the manifest and until when a member may recall it
         self._formed: dict[str, tuple[SignedManifest, float]] = {}
         self._expiries: dict[bytes, float] = {}  # the latest expiry announced under each key
@@ -571,6 +616,8 @@ class GroupForming:
             audit=self._config().audit,
         )
         looking.manifest = SignedManifest.sign(self.host.identity, manifest)
+        looking.relays = {members[i].peer: manifest.members[r].addr for i, r in relay_plan(manifest).items()}
+        self._hold(looking.manifest)
         self._formed.pop(looking.group_key, None)
         while len(self._formed) >= MAX_FORMED:
             del self._formed[next(iter(self._formed))]
@@ -645,6 +692,13 @@ class GroupForming:
                     return None, f"{why}, under an announcement that refused this peer", True
                 return None, why, reply.message.retry
             body = bytes(reply.body)
+            if not body and reply.message.relay:  # a large group: the manifest comes from a fellow member
+                relayed = await self._from_relay(leader, looking.group_key, reply.message)
+                if relayed is None:
+                    why = "its manifest came neither from the relay it named nor when asked again"
+                    self._failed(leader.peer, subnet, why, surely=False)
+                    return None, why, False
+                body = relayed
         try:
             signed = SignedManifest.verify(body, leader.peer)
             assert looking.rules is not None
@@ -654,6 +708,7 @@ class GroupForming:
             self._failed(leader.peer, subnet, f"{BAD_MANIFEST}: {e}")  # (logged there)
             return None, f"{BAD_MANIFEST}: {e}", False
         self.leaders.delivered(leader.peer, self.clock())
+        self._hold(signed)  # (a member the leader named as a relay serves it to the others)
         banned = [p for p in signed.manifest.peers() if p in self.auditor.banned]
         if banned:  # its leader has not banned it (yet): our slices never go into a round of theirs
             self.decline(signed)
@@ -670,6 +725,37 @@ class GroupForming:
             del self._followed[next(iter(self._followed))]
         self._followed[signed.digest] = (leader.peer, subnet)
         return signed, "", False
+
+    def _hold(self, signed: SignedManifest) -> None:
+        """Keep a manifest this peer led or checked as a member, for the members it relays it to."""
+        while len(self._held) >= MAX_FOLLOWED:
+            del self._held[next(iter(self._held))]
+        self._held[signed.digest] = signed
+        changed, self._held_changed = self._held_changed, trio.Event()
+        changed.set()
+
+    async def _from_relay(self, leader: Announcement, group_key: str, answer: JoinResp) -> bytes | None:
+        """The manifest (its envelope) the leader's ``answer`` says to fetch from a fellow member; the
+        leader's own copy (``avg.recall``) if that member refuses, cannot be reached within
+        ``RELAY_WAIT``, or sends one of another digest; None if neither came."""
+        try:
+            with trio.fail_after(RELAY_WAIT):
+                conn = await self.host.connect(answer.relay, timeout=RELAY_WAIT)
+                reply = await conn.call_with_body(
+                    RECALL, RecallReq(group_key, answer.digest), timeout=RELAY_WAIT
+                )
+            body = bytes(reply.body)
+            if not reply.message.accepted or manifest_digest(body) != answer.digest:
+                raise P2PError(reply.message.reason or "a manifest of another digest")
+            return body
+        except (P2PError, ValueError, trio.TooSlowError) as e:
+            log.info(
+                "the relay %s named by %s did not serve its manifest: %s",
+                answer.relay,
+                leader.peer.short(),
+                e,
+            )
+        return await self._recall(leader, group_key)
 
     async def _recall(self, leader: Announcement, group_key: str) -> bytes | None:
         """The manifest ``leader`` formed with this peer under ``group_key``, asked for again after the
@@ -710,7 +796,17 @@ class GroupForming:
             self.decline(signed)
 
     async def on_recall(self, ctx: CallContext, req: RecallReq) -> Reply[JoinResp]:
-        """A member asks again for the group we formed with it under a key (see :meth:`_recall`)."""
+        """A member asks again for the group we formed with it under a key (see :meth:`_recall`), or,
+        with a digest, a fellow member asks us as its relay for that manifest, which may be on its way
+        here still (:meth:`_from_relay`)."""
+        if req.digest:
+            held: SignedManifest | None = None
+            with trio.move_on_after(RELAY_HOLD):
+                while (held := self._held.get(req.digest)) is None:
+                    await self._held_changed.wait()
+            if held is None or ctx.peer not in held.manifest.peers():
+                return Reply(JoinResp(False, "no manifest of this digest that lists the caller is held here"))
+            return Reply(JoinResp(True), held.envelope)
         signed, until = self._formed.get(req.group_key, (None, 0.0))
         if signed is None or until < self.clock() or ctx.peer not in signed.manifest.peers():
             return Reply(JoinResp(False, "no group formed here under this key holds the caller"))
@@ -790,4 +886,7 @@ class GroupForming:
         if looking.manifest is None or ctx.peer not in looking.manifest.manifest.peers():
             why = gathering.bumped.get(ctx.peer) or looking.refusal or "the group did not form"
             return Reply(JoinResp(False, why))
+        relay = looking.relays.get(ctx.peer)
+        if relay:  # (a large group: see "Manifests relayed")
+            return Reply(JoinResp(True, relay=relay, digest=looking.manifest.digest))
         return Reply(JoinResp(True), looking.manifest.envelope)

@@ -49,6 +49,7 @@ MAX_ELEMENTS = 1 << 36
 MAX_ROUND_TIMEOUT = 24 * 3600.0
 ROUND_ID_BYTES = 16
 MANIFEST_DOMAIN = "p2ptrain/averaging-manifest"
+MANIFEST_DIGEST_BYTES = 16  # a signed manifest's digest: the round's name
 DECISION_DOMAIN = "p2ptrain/averaging-decision"
 MAX_COMMIT_ENVELOPE = 384
 MAX_ATTESTATION = MAX_GROUP * MAX_COMMIT_ENVELOPE + 1024
@@ -226,7 +227,7 @@ class SignedManifest:
     @classmethod
     def sign(cls, identity: Identity, manifest: Manifest) -> SignedManifest:
         env = SignedEnvelope.seal(identity, MANIFEST_DOMAIN, pack(manifest.to_obj())).to_bytes()
-        return cls(manifest, env, _digest(env))
+        return cls(manifest, env, manifest_digest(env))
 
     @classmethod
     def verify(cls, data: bytes, leader: PeerID | None = None) -> SignedManifest:
@@ -237,11 +238,12 @@ class SignedManifest:
         manifest.check()
         if PeerID(manifest.members[0].peer) != env.signer:
             raise RemoteProtocolError("a manifest must be signed by its first member, the leader")
-        return cls(manifest, bytes(data), _digest(bytes(data)))
+        return cls(manifest, bytes(data), manifest_digest(bytes(data)))
 
 
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+def manifest_digest(data: bytes) -> bytes:
+    """A signed manifest's digest, from its envelope's bytes: the name of its round."""
+    return hashlib.blake2b(data, digest_size=MANIFEST_DIGEST_BYTES).digest()
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,9 @@ class JoinReq(Message, positional=True):
 @dataclass(frozen=True)
 class RecallReq(Message, positional=True):
     group_key: str = bounded(max_len=256)
+    # A fellow member's relay (see ``grouping``, "Manifests relayed"): the digest of the manifest asked
+    # for, which the callee may hold as a member rather than have formed. b"": the callee's own group.
+    digest: bytes = bounded(b"", max_len=MANIFEST_DIGEST_BYTES)
 
 
 @dataclass(frozen=True)
@@ -315,6 +320,10 @@ class JoinResp(Message, positional=True):
     reason: str = bounded("", max_len=512)
     redirect: str = bounded("", max_len=300)  # the address of the leader the callee follows
     retry: bool = False  # the refusal is transient (the callee is between states): ask again soon
+    # Accepted with no body: the manifest (this digest) is to be fetched from the member at ``relay``
+    # (``RECALL`` with the digest), and from the leader if that fails (see ``grouping``)
+    relay: str = bounded("", max_len=300)
+    digest: bytes = bounded(b"", max_len=MANIFEST_DIGEST_BYTES)
 
 
 @dataclass(frozen=True)
@@ -392,7 +401,9 @@ RECALL = Method("avg.recall", RecallReq, JoinResp)
 """A follower whose join call ended without an answer (failed on the way, slower than its wait, or its
 caller gave up) asks its leader for the manifest of a group the leader formed with it under the key, if
 any: it never admits anybody. The follower runs the round, or declines it, so that the others do not
-wait for its slices until the scatter deadline (see ``grouping``)."""
+wait for its slices until the scatter deadline (see ``grouping``). With a digest, a member asks a fellow
+member the leader named as its relay for the manifest of that digest (a large group's leader sends it
+to a few members only: ``grouping``, "Manifests relayed")."""
 PART = Method("avg.part", PartReq, Ack, streaming=True)
 REPORT = Method("avg.report", ReportReq, DecisionResp)
 FETCH = Method("avg.fetch", FetchReq, Ack, streaming=True)
