@@ -19,7 +19,12 @@ once every member fetched what it reduced, counted as it sends; a member whose c
 (its connection broke before the last bytes arrived) asked its reducer again until the gather deadline
 (0.9 of the round's timeout), each call waiting for a round that was gone. Now it asks the members that
 may still relay the partition, and once none is left, the partition is given up at once: the round
-ends for this member then, and it catches up as any member that missed a round.
+ends for this member then, and it catches up as any member that missed a round. A member this member
+could not connect to at its last try (:attr:`Gatherer.unreachable`: dead, or gone from where it was)
+serves it nothing either: it is not asked as a relay, and a reducer that cannot be reached is given up
+with the last relay as one that retired is. (At 32 simulated peers, two members whose reducer was killed
+just after it served the others asked it again every 2 s, and every retired member, until the gather
+deadline, 27 of the round's 30 s, and missed the next steps' groups meanwhile.)
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import trio
 
 from ..errors import P2PError, RemoteCallError, RemoteProtocolError
+from ..net.connection import Connection
 from ..net.host import Host
 from ..net.streams import RpcStream
 from . import spill
@@ -102,6 +108,7 @@ class Gatherer:
         self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
         self.gather_scopes: dict[int, trio.CancelScope] = {}  # partition -> its gather (after the decision)
         self.over: set[int] = set()  # members that serve nothing of this round any more (see the docstring)
+        self.unreachable: set[int] = set()  # members whose last connection attempt failed (the same)
         self._tables_lock = trio.Lock()  # (one ask for the signed tables this member lacks: ``tables_for``)
         self._tables_asked = False
 
@@ -176,7 +183,7 @@ class Gatherer:
                         await direct_failed.wait()
                 while p not in m.held:
                     relays = self.relays(holder)
-                    if not relays and holder in self.over:
+                    if not relays and (holder in self.over or holder in self.unreachable):
                         log.info("partition %d: no member serves it any more: given up", p)
                         break
                     # One relay after another, each a stagger after the last, starting at a place of
@@ -187,9 +194,10 @@ class Gatherer:
                     # streams per lost partition at one instant, 547 KB of relayed results per peer per
                     # step, and minutes of the simulator's CPU at one virtual moment.
                     start = (m.me * 7919 + p) % len(relays) if relays else 0
-                    async with trio.open_nursery() as nursery:
+                    # (its own name: the outer nursery, cancelled below, holds the fetch from the holder)
+                    async with trio.open_nursery() as asking:
                         for i in relays[start:] + relays[:start]:
-                            nursery.start_soon(self._relay_from, nursery.cancel_scope, p, i)
+                            asking.start_soon(self._relay_from, asking.cancel_scope, p, i)
                             await trio.sleep(RELAY_STAGGER)
                     if p not in m.held:
                         await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
@@ -197,9 +205,19 @@ class Gatherer:
 
     def relays(self, holder: int) -> list[int]:
         """The members that may still relay a partition ``holder`` reduced: every other one that still
-        serves the round."""
-        m = self.m
-        return [i for i, a in enumerate(self.addrs) if a and i not in (m.me, holder) and i not in self.over]
+        serves the round and could be reached at the last try."""
+        m, out = self.m, self.over | self.unreachable
+        return [i for i, a in enumerate(self.addrs) if a and i not in (m.me, holder) and i not in out]
+
+    async def _connect(self, i: int) -> Connection:
+        """A connection to member ``i``, noting whether it could be reached (:attr:`unreachable`)."""
+        try:
+            conn = await self.host.connect(self.addrs[i])
+        except P2PError:
+            self.unreachable.add(i)
+            raise
+        self.unreachable.discard(i)
+        return conn
 
     async def _fetch_from_holder(
         self, scope: trio.CancelScope, p: int, holder: int, failed: trio.Event
@@ -272,7 +290,7 @@ class Gatherer:
         try:
             with trio.fail_after(max(0.0, end - trio.current_time())):
                 await self.tables_for(decision)
-                conn = await self.host.connect(self.addrs[frm])
+                conn = await self._connect(frm)
                 async with conn.open_stream(
                     RELAY_RESULT if relay else FETCH,
                     FetchReq(m.digest, p, self.t.have()),
@@ -331,7 +349,7 @@ class Gatherer:
                 # (backed up before the stream opens: its chunks then all land in place, see land_in)
                 if t.backup is not None and p not in t.saved and not await self._save(p):
                     return  # no backup, no early averages: the gather fetches them after the decision
-                conn = await self.host.connect(self.addrs[p])
+                conn = await self._connect(p)
                 async with conn.open_stream(
                     FETCH_EARLY, FetchReq(m.digest, p), timeout=time_left(end)
                 ) as stream:

@@ -483,6 +483,76 @@ async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not
     assert took < 0.25 * GATHER * timeout, (took, n, loser, lost_partition)
 
 
+@pytest.mark.parametrize("seed", range(12))
+async def test_a_member_whose_result_was_lost_as_its_reducer_died_does_not_wait_for_the_deadline(
+    autojump_clock, monkeypatch, seed
+):
+    """The invariant of the test above, for a reducer that cannot be reached rather than one that says
+    the round is over: a member asks again only members that may still serve the partition, and one it
+    cannot connect to serves nothing. Here the loser's copy is lost as the last bytes arrive, and the
+    reducer, having served every member, dies; the loser asks the members that still relay it, and with
+    none left (they retired the round, or were never there), gives the partition up at once. Seen at 32
+    simulated peers: two members whose reducer was killed just after it served the others asked the
+    dead reducer again every 2 s and every retired member, until the gather deadline (27 of the round's
+    30 s), and missed the next steps' groups; the code before fails this at every seed where no relay
+    still held the partition.
+
+    Randomized: the group's size (even seeds: two members, nobody to relay), who loses its copy, whose
+    partition (never the coordinator's), and the sizes."""
+    from p2ptrain.averaging.gathering import Gatherer
+    from p2ptrain.averaging.round_machine import GATHER
+    from p2ptrain.errors import ConnectionClosed
+
+    rng = random.Random(seed)
+    n = 2 if seed % 2 == 0 else rng.randint(3, 5)
+    lost_partition = rng.randrange(1, n)
+    loser = rng.choice([i for i in range(n) if i != lost_partition])
+    lost: list[bool] = []
+    held = Gatherer._held
+    timeout = 60.0
+    async with open_group(n, seed=seed) as group:
+        holder = group.peers[lost_partition]
+
+        async def die_once_served(digest: bytes) -> None:
+            rnd = holder.averager._rounds.get(digest)
+            if rnd is not None:
+                await rnd.signals.done.wait()  # (every member fetched what it reduced, the loser too)
+            group.crash(holder)
+
+        def losing(self: Gatherer, p: int, check, scales, tables) -> None:  # type: ignore[no-untyped-def]
+            if self.m.me == loser and p == lost_partition and not lost:
+                lost.append(True)
+                group.nursery.start_soon(die_once_served, self.m.digest)
+                raise ConnectionClosed("the connection broke as the last bytes arrived")
+            held(self, p, check, scales, tables)
+
+        monkeypatch.setattr(Gatherer, "_held", losing)
+        size = rng.randint(5_000, 60_000)
+        originals = [make_tensors(30 * seed + i, [(size,)], [torch.float32]) for i in range(n)]
+        inputs = [[t.clone() for t in ts] for ts in originals]
+        signed = sign_manifest(group.peers, inputs[0], timeout=timeout)
+        began = trio.current_time()
+        with trio.fail_after(2 * timeout):
+            outcomes = await run_round(group, signed, inputs, [1.0] * n)
+        took = trio.current_time() - began
+    assert lost, "the loss was never injected"
+    assert outcomes[lost_partition] is None  # (it died)
+    survivors = [i for i in range(n) if i != lost_partition]
+    others = [i for i in survivors if i != loser]
+    assert all(isinstance(outcomes[i], RoundResult) for i in others), outcomes
+    if isinstance(outcomes[loser], RoundAborted):  # (no relay held it any more)
+        assert all(torch.equal(a, b) for a, b in zip(inputs[loser], originals[loser], strict=True))
+    else:
+        assert isinstance(outcomes[loser], RoundResult), outcomes[loser]
+    kept = others if isinstance(outcomes[loser], RoundAborted) else survivors
+    if kept:
+        first = outcomes[kept[0]]
+        assert isinstance(first, RoundResult)
+        for i in kept[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(inputs[i], inputs[kept[0]], strict=True))
+    assert took < 0.25 * GATHER * timeout, (took, n, loser, lost_partition, outcomes[loser])
+
+
 async def test_rounds_go_on_without_spill_files_when_the_disk_is_full(autojump_clock, monkeypatch):
     """A spill that cannot be written (ENOSPC) costs memory, not the round: reducers keep their chunks in
     memory, and an in-place member fetches the averages after the decision instead of early."""
