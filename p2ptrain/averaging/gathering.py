@@ -19,12 +19,17 @@ once every member fetched what it reduced, counted as it sends; a member whose c
 (its connection broke before the last bytes arrived) asked its reducer again until the gather deadline
 (0.9 of the round's timeout), each call waiting for a round that was gone. Now it asks the members that
 may still relay the partition, and once none is left, the partition is given up at once: the round
-ends for this member then, and it catches up as any member that missed a round. A member this member
-could not connect to at its last try (:attr:`Gatherer.unreachable`: dead, or gone from where it was)
-serves it nothing either: it is not asked as a relay, and a reducer that cannot be reached is given up
-with the last relay as one that retired is. (At 32 simulated peers, two members whose reducer was killed
-just after it served the others asked it again every 2 s, and every retired member, until the gather
-deadline, 27 of the round's 30 s, and missed the next steps' groups meanwhile.)
+ends for this member then, and it catches up as any member that missed a round.
+
+A member is asked only while it may still serve: not once it said the round is over, nor once this
+member could not connect to it at its last try (``RoundMachine.out_of_reach``: dead, or gone from where
+it was), nor, for one partition, once it answered ``NOT_HELD`` (it lacks the result and cannot reach
+the holder either: a relay that waited to hold it would wait for nothing). A holder out of reach is
+then given up with the last relay, as one that retired is, and a refused ask moves on to the next relay
+at once instead of after the stagger. (At 32 simulated peers, a reducer killed after the decision left
+every member asking it every 2 s, and every other member as a relay, each waiting to hold what nobody
+held, until the gather deadline: 27 of the round's 30 s, the whole swarm's step; and a reducer killed
+just after serving the others left two members doing so while the rest retired.)
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from .protocol import (
     FETCH_EARLY,
     LEFT_ROUND,
     MAX_TABLE_ENVELOPE,
+    NOT_HELD,
     RELAY_RESULT,
     ROUND_OVER,
     TABLES,
@@ -108,7 +114,7 @@ class Gatherer:
         self.attestations: dict[int, bytes] = {}  # audited: partition -> its holder's signed attestation
         self.gather_scopes: dict[int, trio.CancelScope] = {}  # partition -> its gather (after the decision)
         self.over: set[int] = set()  # members that serve nothing of this round any more (see the docstring)
-        self.unreachable: set[int] = set()  # members whose last connection attempt failed (the same)
+        self.lacking: dict[int, set[int]] = {}  # partition -> members that said they cannot relay it
         self._tables_lock = trio.Lock()  # (one ask for the signed tables this member lacks: ``tables_for``)
         self._tables_asked = False
 
@@ -182,8 +188,8 @@ class Gatherer:
                     with trio.move_on_at(stalled_at):
                         await direct_failed.wait()
                 while p not in m.held:
-                    relays = self.relays(holder)
-                    if not relays and (holder in self.over or holder in self.unreachable):
+                    relays = self.relays(holder, p)
+                    if not relays and (holder in self.over or holder in m.out_of_reach):
                         log.info("partition %d: no member serves it any more: given up", p)
                         break
                     # One relay after another, each a stagger after the last, starting at a place of
@@ -197,26 +203,33 @@ class Gatherer:
                     # (its own name: the outer nursery, cancelled below, holds the fetch from the holder)
                     async with trio.open_nursery() as asking:
                         for i in relays[start:] + relays[:start]:
-                            asking.start_soon(self._relay_from, asking.cancel_scope, p, i)
-                            await trio.sleep(RELAY_STAGGER)
+                            ended = trio.Event()  # (a refusal moves on at once; a wait, after the stagger)
+                            asking.start_soon(self._relay_from, asking.cancel_scope, p, i, ended)
+                            with trio.move_on_after(RELAY_STAGGER):
+                                await ended.wait()
                     if p not in m.held:
                         await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
             nursery.cancel_scope.cancel()
 
-    def relays(self, holder: int) -> list[int]:
-        """The members that may still relay a partition ``holder`` reduced: every other one that still
-        serves the round and could be reached at the last try."""
-        m, out = self.m, self.over | self.unreachable
+    def relays(self, holder: int, p: int) -> list[int]:
+        """The members that may still relay partition ``p``, which ``holder`` reduced: every other one
+        that still serves the round, could be reached at the last try, and did not say it cannot."""
+        m = self.m
+        out = self.over | m.out_of_reach | self.lacking.get(p, set())
         return [i for i, a in enumerate(self.addrs) if a and i not in (m.me, holder) and i not in out]
 
     async def _connect(self, i: int) -> Connection:
-        """A connection to member ``i``, noting whether it could be reached (:attr:`unreachable`)."""
+        """A connection to member ``i``, noting whether it could be reached (``m.out_of_reach``, which
+        our own relay answers read: ``serving``)."""
+        m = self.m
         try:
             conn = await self.host.connect(self.addrs[i])
         except P2PError:
-            self.unreachable.add(i)
+            if i not in m.out_of_reach:
+                m.out_of_reach.add(i)
+                self.sig.changed.fire()
             raise
-        self.unreachable.discard(i)
+        m.out_of_reach.discard(i)
         return conn
 
     async def _fetch_from_holder(
@@ -233,9 +246,12 @@ class Gatherer:
                 return
             await trio.sleep(STALLED_AFTER)
 
-    async def _relay_from(self, scope: trio.CancelScope, p: int, i: int) -> None:
-        if await self._fetch(p, i, RELAY_RESULT):
-            scope.cancel()
+    async def _relay_from(self, scope: trio.CancelScope, p: int, i: int, ended: trio.Event) -> None:
+        try:
+            if await self._fetch(p, i, RELAY_RESULT):
+                scope.cancel()
+        finally:
+            ended.set()
 
     def _held(self, p: int, check: ResultCheck, scales: tuple[bytes, ...], tables: list[memoryview]) -> None:
         """Partition ``p``'s result is all here: held once it is within the limit its contributors'
@@ -330,6 +346,8 @@ class Gatherer:
             said = RELAY_RESULT.name if relay else FETCH.name  # (only ``frm``'s own answer says it is over)
             if isinstance(e, RemoteCallError) and e.method == said and e.code in (ROUND_OVER, LEFT_ROUND):
                 self.over.add(frm)
+            if isinstance(e, RemoteCallError) and relay and e.method == said and e.code == NOT_HELD:
+                self.lacking.setdefault(p, set()).add(frm)
             if not relay:
                 log.info("could not fetch partition %d from %s: %s", p, m.name(frm), e)
             return False

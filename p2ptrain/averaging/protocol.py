@@ -391,6 +391,11 @@ class ProofHead(Message, positional=True):
 LEFT_ROUND = "left_round"
 """The error code of a call to a member that left the round before it started (see Averager.decline)."""
 
+NOT_HELD = "not_held"
+"""The error code of a member asked to relay a partition's result that it does not hold and cannot get
+from the partition's holder either (it could not connect to it): the asker asks the others, and gives
+the partition up once none is left (see ``gathering``)."""
+
 ROUND_OVER = "round_over"
 """The error code of a call for a round that is over at the callee: it retired the round (every member
 had fetched what it reduced, or the round's time ran out) and serves nothing of it again. A member that

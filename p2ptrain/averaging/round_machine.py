@@ -135,6 +135,9 @@ class RoundMachine:
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
         self.unreachable: set[int] = set()  # reducers my slices could not reach
         self.gone: set[int] = set()  # members whose connections closed for good during the round
+        # Members this member could not connect to at its last try after the decision (the gather's:
+        # ``gathering``): they serve it nothing, and this member relays none of their partitions it lacks
+        self.out_of_reach: set[int] = set()
         self.seen: set[int] = set()  # members we were connected with during the round
         self._lost_at: dict[int, float] = {}  # member -> when we last saw it connected
         self._others_settled_at: float | None = None  # when every sender but the silent ones settled (watch)

@@ -26,6 +26,7 @@ from .bandwidth import RateMeter
 from .compression import Compression, encoded_chunk
 from .partition import chunks
 from .protocol import (
+    NOT_HELD,
     ROUND_OVER,
     Ack,
     DecisionResp,
@@ -249,6 +250,8 @@ class RoundServer:
             return Ack(False, f"partition {p} is not held here")
         end = m.at.gather
         while p not in m.held and not self.sig.retired.is_set() and trio.current_time() < end:
+            if m.decision is not None and m.holder(p) in m.out_of_reach:  # (nor may we get it from there)
+                raise CallRefused(NOT_HELD, f"partition {p} is not held here, and its holder is out of reach")
             await self.sig.changed.wait_until(end)  # answer once we hold it ourselves
         if self.sig.retired.is_set():
             raise CallRefused(ROUND_OVER, f"the round is over here: partition {p} is not relayed")

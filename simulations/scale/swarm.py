@@ -140,6 +140,9 @@ class Simulation:
         self.samples: Counter[int] = Counter()  # epoch -> samples the swarm computed on it
         self.reached: dict[int, float] = {}  # epoch -> when its samples reached the target
         self.events: Counter[str] = Counter()
+        # epoch -> the contributors of a round that committed it, as a member that landed it noted them
+        # (short ids): a member killed after the commit, before the round landed on it, was in it
+        self.contributors: dict[int, set[str]] = {}
 
     def live(self) -> list[SimPeer]:
         return [p for p in self.peers if p.gone is None]
@@ -211,6 +214,10 @@ class Simulation:
                 noted = last
                 epoch_noted, why = int(last.get("epoch", -1)), str(last.get("reason", ""))
                 peer.notes.append((epoch_noted, str(last["outcome"]), why))
+            if took and last.get("outcome") == "averaged":
+                self.contributors.setdefault(
+                    int(last.get("epoch", epoch)), set(last.get("shares", {})) - set(last.get("excluded", {}))
+                )
             if took:
                 peer.steps.append(
                     (
@@ -365,15 +372,24 @@ def measure(
         if at < window_start or at > window_start + window - LANDING:
             continue  # (a round committed as the run ends may not have landed on all its members yet)
         alive = [p for p in sim.peers if p.joined < at - 30.0 and (p.gone is None or p.gone > at)]
+        # in the round: landed it with samples of its own, or listed among its contributors (killed before
+        # it landed: a peer dead within the landing's seconds was counted as left out, and noted nothing)
+        listed = sim.contributors.get(epoch, set())
+        inside = {
+            p.index
+            for p in alive
+            if p.node.peer_id.short() in listed
+            or any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps)
+        }
         if alive:
-            shares.append(min(1.0, members[epoch] / len(alive)))
+            shares.append(len(inside) / len(alive))
         began_at = {p.index: p.opt.rounds.began_looking.get(epoch, math.inf) for p in alive}
         first = min((t for t in began_at.values() if t < math.inf), default=at)
         kinds: Counter[str] = Counter()
         landed: list[float] = []  # when each left-out peer got onto the step, from the commit
         for p in alive:
             began = began_at[p.index]
-            if any(s[0] == epoch and s[3] == "averaged" and s[4] for s in p.steps):
+            if p.index in inside:
                 member_looks.append(began - first)
                 continue
             arrived = _arrived(p, epoch)
