@@ -343,15 +343,12 @@ def measure(
     median_sent = statistics.median(control_sent) if control_sent else 0.0
     # ---- steps: forks, who was in each committed round, target reached -> committed ----
     digests: dict[int, set[bytes]] = {}
-    members: Counter[int] = Counter()
     committed_at: dict[int, float] = {}
     for p in sim.peers:
-        for left, now, digest, outcome, mine, at in p.steps:
+        for left, now, digest, outcome, _mine, at in p.steps:
             digests.setdefault(now, set()).add(digest)
             if outcome == "averaged":
                 committed_at[left] = min(committed_at.get(left, math.inf), at)
-                if mine:
-                    members[left] += 1
     forks = sorted(e for e, ds in digests.items() if len(ds) > 1)
     shares = []
     # what the live peers left out of a committed round noted of its step instead (no group, aborted,
@@ -411,7 +408,7 @@ def measure(
             missed["+".join(sorted({n[1] for n in of})) or "none"] += 1
             reasons.update({_pattern(n[2]) for n in of if n[2]})
         per_step.append(
-            {"epoch": epoch, "committed_at": round(at, 1), "members": members[epoch], "alive": len(alive)}
+            {"epoch": epoch, "committed_at": round(at, 1), "members": len(inside), "alive": len(alive)}
             | dict(kinds)
             | {"left_out_on_step_from_commit_s": sorted(landed)}
         )
