@@ -138,9 +138,8 @@ class _Looking:
     min_size: int = 2  # the smallest group this peer takes (a smaller one is expected with fewer peers)
     compatible: set[PeerID] = field(default_factory=set)  # peers seen announcing with our schema
     latest: dict[PeerID, Announcement] = field(default_factory=dict)  # each peer's announcement read last
-    relays: dict[PeerID, str] = field(
-        default_factory=dict
-    )  # led, formed: the relay of each member that has one
+    # Led and formed: the address of each member's relay, for the members that have one (``relay_plan``)
+    relays: dict[PeerID, str] = field(default_factory=dict)
 
 
 def announced_subnet(addr: str) -> str:
