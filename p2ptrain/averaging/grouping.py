@@ -449,10 +449,14 @@ class GroupForming:
             log.warning("could not announce readiness to average: %s", e)
 
     async def announcements(self, key: bytes) -> list[Announcement]:
-        """The announcements under ``key`` whose owner signed them and is not banned here."""
+        """The announcements under ``key`` whose owner signed them and is not banned here. Every looker
+        of the step writes the key, so even a first read asks its replicas directly (``written``): a
+        lookup of the value ends at the closest replicas, which each sent every announcement to every
+        looker (at 256 simulated peers, 17.2 MB in a step from the node closest to the step's key,
+        23.7x the median node's control bytes)."""
         out = []
         try:
-            entries = await self.dht.get(key, quorum=3)
+            entries = await self.dht.get(key, quorum=3, written=True)
         except P2PError as e:
             log.info("reading announcements failed: %s", e)
             return []
