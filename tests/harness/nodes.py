@@ -12,6 +12,7 @@ import trio
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
+from p2ptrain.dht import DHTConfig
 from p2ptrain.net import MemoryNetwork
 from tests.harness.identities import identity
 
@@ -20,7 +21,12 @@ PORT = 3000
 
 @asynccontextmanager
 async def swarm(
-    n: int, avg: AveragerConfig, *, client_only: tuple[int, ...] = (), net: MemoryNetwork | None = None
+    n: int,
+    avg: AveragerConfig,
+    *,
+    client_only: tuple[int, ...] = (),
+    net: MemoryNetwork | None = None,
+    dht: DHTConfig | None = None,
 ) -> AsyncIterator[list[Node]]:
     net = net or MemoryNetwork(seed=4)
     nodes: list[Node] = []
@@ -31,6 +37,7 @@ async def swarm(
                 listen=() if i in client_only else ((f"n{i}", PORT),),
                 join=(nodes[0].addresses[0],) if nodes else (),
                 averaging=avg,
+                dht=dht or DHTConfig(),
             )
             node = Node(identity(f"n{i}"), config, transport=net.transport(f"n{i}"), clock=trio.current_time)
             nodes.append(await nursery.start(node.run))

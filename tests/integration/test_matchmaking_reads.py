@@ -19,44 +19,17 @@ with the replicas full.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
 import trio
 
-from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.dht import DHTConfig, key_id
 from p2ptrain.net import MemoryNetwork
-from tests.harness.identities import identity
+from tests.harness.nodes import swarm
 
 pytestmark = pytest.mark.timeout(300)
-
-PORT = 3000
-
-
-@asynccontextmanager
-async def swarm(n: int, avg: AveragerConfig, seed: int) -> AsyncIterator[list[Node]]:
-    net = MemoryNetwork(seed=seed)
-    dht = DHTConfig(k=4, replication=3, get_quorum=2)  # (more nodes than k: no small-swarm shortcut)
-    nodes: list[Node] = []
-    async with trio.open_nursery() as nursery:
-        for i in range(n):
-            config = NodeConfig(
-                run_id="mm",
-                listen=((f"n{i}", PORT),),
-                join=(nodes[0].addresses[0],) if nodes else (),
-                averaging=avg,
-                dht=dht,
-            )
-            node = Node(identity(f"n{i}"), config, transport=net.transport(f"n{i}"), clock=trio.current_time)
-            nodes.append(await nursery.start(node.run))
-        for node in nodes:
-            await node.dht.bootstrapped.wait()
-        yield nodes
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -64,7 +37,9 @@ async def test_no_read_of_a_fresh_matchmaking_key_is_a_lookup_of_its_value(autoj
     rng = random.Random(seed)
     n = rng.randint(9, 12)
     cfg = AveragerConfig(target_size=n, min_size=n, matchmaking_time=3.0)
-    async with swarm(n, cfg, seed) as nodes:
+    # (more nodes than the DHT's k: no small-swarm shortcut, not every node a replica)
+    dht = DHTConfig(k=4, replication=3, get_quorum=2)
+    async with swarm(n, cfg, net=MemoryNetwork(seed=seed), dht=dht) as nodes:
         await trio.sleep(10.0)  # (the routing tables settle)
         group_key = f"step-{rng.randrange(1 << 30)}"
         kid = key_id(nodes[0].averager.groups.key(group_key))
