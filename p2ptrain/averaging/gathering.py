@@ -26,10 +26,11 @@ member could not connect to it at its last try (``RoundMachine.out_of_reach``: d
 it was), nor, for one partition, once it answered ``NOT_HELD`` (it lacks the result and cannot reach
 the holder either: a relay that waited to hold it would wait for nothing). A holder out of reach is
 then given up with the last relay, as one that retired is, and a refused ask moves on to the next relay
-at once instead of after the stagger. (At 32 simulated peers, a reducer killed after the decision left
-every member asking it every 2 s, and every other member as a relay, each waiting to hold what nobody
-held, until the gather deadline: 27 of the round's 30 s, the whole swarm's step; and a reducer killed
-just after serving the others left two members doing so while the rest retired.)
+at once instead of after the stagger (to twice as many once a whole wave refused). (At 32 simulated
+peers, a reducer killed after the decision left every member asking it every 2 s, and every other
+member as a relay, each waiting to hold what nobody held, until the gather deadline: 27 of the round's
+30 s, the whole swarm's step; and a reducer killed just after serving the others left two members doing
+so while the rest retired.)
 """
 
 from __future__ import annotations
@@ -199,14 +200,26 @@ class Gatherer:
                     # every other member: at 128 simulated peers (groups of 100) that was ~10,000 relay
                     # streams per lost partition at one instant, 547 KB of relayed results per peer per
                     # step, and minutes of the simulator's CPU at one virtual moment.
+                    # Refusals are quick and tiny, but one after another they cost a round trip each: in a
+                    # group of 27 whose reducer died after the decision, 5 s to hear every relay refuse
+                    # (a group of 248: 50 s). So each wave of asks that all refused before the stagger
+                    # is followed by one twice as wide: a wave never holds more asks than the refusals
+                    # heard so far plus one, and the relays of a group are all asked in log2(n) waves.
                     start = (m.me * 7919 + p) % len(relays) if relays else 0
+                    order = relays[start:] + relays[:start]
                     # (its own name: the outer nursery, cancelled below, holds the fetch from the holder)
                     async with trio.open_nursery() as asking:
-                        for i in relays[start:] + relays[:start]:
-                            ended = trio.Event()  # (a refusal moves on at once; a wait, after the stagger)
-                            asking.start_soon(self._relay_from, asking.cancel_scope, p, i, ended)
+                        width = 1
+                        while order:
+                            wave, order = order[:width], order[width:]
+                            ended = [trio.Event() for _ in wave]
+                            for i, done in zip(wave, ended, strict=True):
+                                asking.start_soon(self._relay_from, asking.cancel_scope, p, i, done)
                             with trio.move_on_after(RELAY_STAGGER):
-                                await ended.wait()
+                                for done in ended:
+                                    await done.wait()
+                            if all(done.is_set() for done in ended):  # (all refused: none holds it)
+                                width *= 2
                     if p not in m.held:
                         await trio.sleep(RELAY_RETRY)  # every relay failed at once: they may be back
             nursery.cancel_scope.cancel()

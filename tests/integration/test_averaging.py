@@ -636,10 +636,11 @@ async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not
     step, and minutes of the simulator's CPU at one virtual moment. One member loses its copy of a
     partition as the last bytes arrive, after its reducer counted it served (the setup of the test
     above); the others commit with identical bits, and so does it when a relay still served it. Random
-    trials: in those where the reducer no longer served the loser, each relay was asked a stagger after
-    the one before, or once that one had refused (a relay that retired the round, or lacks the result
-    and cannot reach its holder, answers at once: waiting out the stagger there only delays the ask
-    that can succeed)."""
+    trials: in those where the reducer no longer served the loser, the asks begun at any one instant
+    never outnumber the refusals heard before it plus one (a relay that retired the round, or lacks
+    the result and cannot reach its holder, answers at once: the next wave of asks follows at once, twice
+    as wide, so a group's relays are all asked in log2(n) round trips, not n), and an ask still open
+    delays the next wave by the stagger."""
     from p2ptrain.averaging.gathering import RELAY_STAGGER, Gatherer
     from p2ptrain.errors import ConnectionClosed
 
@@ -685,9 +686,13 @@ async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not
     relayed = 0
     for seed in range(10):
         asked = await trial(seed)
+        for t, _, _ in asked:
+            begun = sum(1 for t1, _, _ in asked if abs(t1 - t) < 1e-9)
+            refused = sum(1 for _, _, end in asked if end and end[0] <= t + 1e-9)
+            assert begun <= refused + 1, (seed, asked)
         asks = sorted(asked, key=lambda a: a[0])
-        for (t0, _, end0), (t1, _, _) in itertools.pairwise(asks):
-            assert t1 - t0 >= RELAY_STAGGER - 1e-9 or (end0 and end0[0] <= t1 + 1e-9), (seed, asked)
+        for (t0, _, end0), (t1, _, _) in itertools.pairwise(asks):  # (a wave waits for the last)
+            assert t1 - t0 < 1e-9 or t1 - t0 >= RELAY_STAGGER - 1e-9 or (end0 and end0[0] <= t1 + 1e-9)
         assert len({i for _, i, _ in asked}) == len(asked)  # (each relay asked once)
         relayed += bool(asked)
     assert relayed >= 3  # (trials where the reducer no longer served the loser)
