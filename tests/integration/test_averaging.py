@@ -15,6 +15,8 @@ import itertools
 import math
 import os
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -433,6 +435,30 @@ def assert_committed_but_the_loser(loser: int, originals: list, inputs: list, ou
     assert verdict == "commit"
 
 
+def lose_one_result(
+    patch: pytest.MonkeyPatch, loser: int, partition: int, then: Callable[[Any], None] | None = None
+) -> list[bool]:
+    """Member ``loser`` loses its first copy of ``partition``'s result as the last bytes arrive (its
+    reducer sent everything: it counted this member served). Returns a list that holds True once the
+    loss was injected; ``then`` is called with the loser's gatherer at that moment."""
+    from p2ptrain.averaging.gathering import Gatherer
+    from p2ptrain.errors import ConnectionClosed
+
+    lost: list[bool] = []
+    held = Gatherer._held
+
+    def losing(self: Gatherer, p: int, check, scales, tables) -> None:  # type: ignore[no-untyped-def]
+        if self.m.me == loser and p == partition and not lost:
+            lost.append(True)
+            if then is not None:
+                then(self)
+            raise ConnectionClosed("the connection broke as the last bytes arrived")
+        held(self, p, check, scales, tables)
+
+    patch.setattr(Gatherer, "_held", losing)
+    return lost
+
+
 @pytest.mark.parametrize("seed", range(12))
 async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not_wait_for_the_deadline(
     autojump_clock, monkeypatch, seed
@@ -448,24 +474,13 @@ async def test_a_member_whose_result_was_lost_after_its_reducer_retired_does_not
 
     Randomized: the group's size (even seeds: two members, nobody to relay), who loses its copy, whose
     partition, and the sizes."""
-    from p2ptrain.averaging.gathering import Gatherer
     from p2ptrain.averaging.round_machine import GATHER
-    from p2ptrain.errors import ConnectionClosed
 
     rng = random.Random(seed)
     n = 2 if seed % 2 == 0 else rng.randint(3, 5)
     loser = rng.randrange(n)
     lost_partition = rng.choice([i for i in range(n) if i != loser])
-    lost: list[bool] = []
-    held = Gatherer._held
-
-    def losing(self: Gatherer, p: int, check, scales, tables) -> None:
-        if self.m.me == loser and p == lost_partition and not lost:
-            lost.append(True)  # (its reducer sent everything: it counted this member served)
-            raise ConnectionClosed("the connection broke as the last bytes arrived")
-        held(self, p, check, scales, tables)
-
-    monkeypatch.setattr(Gatherer, "_held", losing)
+    lost = lose_one_result(monkeypatch, loser, lost_partition)
     timeout = 60.0
     async with open_group(n, seed=seed) as group:
         size = rng.randint(5_000, 60_000)
@@ -499,16 +514,12 @@ async def test_a_member_whose_result_was_lost_as_its_reducer_died_does_not_wait_
 
     Randomized: the group's size (even seeds: two members, nobody to relay), who loses its copy, whose
     partition (never the coordinator's), and the sizes."""
-    from p2ptrain.averaging.gathering import Gatherer
     from p2ptrain.averaging.round_machine import GATHER
-    from p2ptrain.errors import ConnectionClosed
 
     rng = random.Random(seed)
     n = 2 if seed % 2 == 0 else rng.randint(3, 5)
     lost_partition = rng.randrange(1, n)
     loser = rng.choice([i for i in range(n) if i != lost_partition])
-    lost: list[bool] = []
-    held = Gatherer._held
     timeout = 60.0
     async with open_group(n, seed=seed) as group:
         holder = group.peers[lost_partition]
@@ -519,14 +530,12 @@ async def test_a_member_whose_result_was_lost_as_its_reducer_died_does_not_wait_
                 await rnd.signals.done.wait()  # (every member fetched what it reduced, the loser too)
             group.crash(holder)
 
-        def losing(self: Gatherer, p: int, check, scales, tables) -> None:  # type: ignore[no-untyped-def]
-            if self.m.me == loser and p == lost_partition and not lost:
-                lost.append(True)
-                group.nursery.start_soon(die_once_served, self.m.digest)
-                raise ConnectionClosed("the connection broke as the last bytes arrived")
-            held(self, p, check, scales, tables)
-
-        monkeypatch.setattr(Gatherer, "_held", losing)
+        lost = lose_one_result(
+            monkeypatch,
+            loser,
+            lost_partition,
+            lambda g: group.nursery.start_soon(die_once_served, g.m.digest),
+        )
         size = rng.randint(5_000, 60_000)
         originals = [make_tensors(30 * seed + i, [(size,)], [torch.float32]) for i in range(n)]
         inputs = [[t.clone() for t in ts] for ts in originals]
@@ -642,16 +651,14 @@ async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not
     as wide, so a group's relays are all asked in log2(n) round trips, not n), and an ask still open
     delays the next wave by the stagger."""
     from p2ptrain.averaging.gathering import RELAY_STAGGER, Gatherer
-    from p2ptrain.errors import ConnectionClosed
 
     async def trial(seed: int) -> list[tuple[float, int]]:
         rng = random.Random(seed)
         n = rng.randint(5, 8)  # (three relays or more)
         loser = rng.randrange(n)
         lost_partition = rng.choice([i for i in range(n) if i != loser])
-        lost: list[bool] = []
         asked: list[tuple[float, int, list[float]]] = []  # (when, the relay asked, [when it ended])
-        relay_from, held = Gatherer._relay_from, Gatherer._held
+        relay_from = Gatherer._relay_from
 
         async def counting(
             self: Gatherer, scope: trio.CancelScope, p: int, i: int, ended: trio.Event
@@ -663,15 +670,9 @@ async def test_a_member_that_lost_a_result_asks_its_relays_one_after_another_not
             finally:
                 end.append(trio.current_time())
 
-        def losing(self: Gatherer, p: int, check, scales, tables) -> None:  # type: ignore[no-untyped-def]
-            if self.m.me == loser and p == lost_partition and not lost:
-                lost.append(True)
-                raise ConnectionClosed("the connection broke as the last bytes arrived")
-            held(self, p, check, scales, tables)
-
         with monkeypatch.context() as patch:
             patch.setattr(Gatherer, "_relay_from", counting)
-            patch.setattr(Gatherer, "_held", losing)
+            lost = lose_one_result(patch, loser, lost_partition)
             async with open_group(n, seed=seed) as group:
                 size = rng.randint(5_000, 60_000)
                 originals = [make_tensors(40 * seed + i, [(size,)], [torch.float32]) for i in range(n)]
