@@ -804,8 +804,10 @@ class GroupForming:
         here still (:meth:`_from_relay`)."""
         if req.digest:
             held: SignedManifest | None = None
+            # (only while a look of ours runs may a manifest still arrive here: a stranger's digest is
+            # answered at once otherwise, not held for RELAY_HOLD seconds a call)
             with trio.move_on_after(RELAY_HOLD):
-                while (held := self._held.get(req.digest)) is None:
+                while (held := self._held.get(req.digest)) is None and self._looking is not None:
                     await self._held_changed.wait()
             if held is None or ctx.peer not in held.manifest.peers():
                 return Reply(JoinResp(False, "no manifest of this digest that lists the caller is held here"))

@@ -17,6 +17,7 @@ the byte bound fails.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections import Counter
 
@@ -132,3 +133,20 @@ async def test_every_member_runs_the_leaders_round_whatever_its_relay_does(autoj
     assert recall_bytes <= failed * (size + 300), (recall_bytes, failed, size)
     # a hostile relay costs at most its wait and a recall from the leader (the round itself is quick)
     assert took < cfg.matchmaking_time + grouping.JOIN_GRACE + RELAY_WAIT + RECALL_WAIT, took
+
+
+async def test_a_relay_ask_for_a_manifest_nobody_is_bringing_is_answered_at_once(autojump_clock):
+    """A relay waits for its own copy of a manifest only while a look of its own runs (its copy is on
+    its way in the answer to its join): a free id that asks an idle node for made-up digests gets a
+    refusal at once, and holds none of its handlers for ``RELAY_HOLD``."""
+    from p2ptrain.averaging.grouping import RELAY_HOLD
+    from p2ptrain.averaging.protocol import RECALL, RecallReq
+
+    cfg = AveragerConfig(target_size=2, min_size=2, matchmaking_time=2.0)
+    async with swarm(2, cfg, net=MemoryNetwork(seed=3)) as nodes:
+        conn = await nodes[1].host.connect(nodes[0].addresses[0])
+        for _ in range(5):
+            began = trio.current_time()
+            reply = await conn.call_with_body(RECALL, RecallReq("default", os.urandom(16)), timeout=5.0)
+            assert not reply.message.accepted and not bytes(reply.body)
+            assert trio.current_time() - began < RELAY_HOLD / 4
