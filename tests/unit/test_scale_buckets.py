@@ -1,6 +1,7 @@
 """The bucketed view's pure parts: the size estimate from a routing table, the buckets, the keys (one
 bucket: the progress key as it is), which buckets a reader reads, and the scaled estimate with the
-untrusted cap (seeded)."""
+untrusted cap (seeded); the regions of a step (a partition of the buckets, and averaging within them
+for a turn of steps reaches the mean of every bucket)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from p2ptrain.training.optimizer.buckets import (
     bucket_of,
     buckets_to_read,
     capped_estimate,
+    paired_dims,
     progress_key,
+    region_buckets,
+    region_of,
     scaled_total,
     size_estimate,
 )
@@ -105,3 +109,55 @@ def test_ids_that_only_write_records_at_most_double_the_estimate_wherever_they_c
         estimate = capped_estimate((honest[read[0]], honest[1:5]), (untrusted[0], untrusted[1:]), bits)
         truth = sum(honest)
         assert truth <= estimate <= 2 * truth
+
+
+def test_the_regions_of_a_step_partition_the_buckets_and_follow_from_the_index_alone() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        bits = rng.randrange(0, 9)
+        span = rng.randrange(1, 10)
+        epoch = rng.randrange(0, 10_000)
+        regions: dict[int, list[int]] = {}
+        for b in range(1 << bits):
+            regions.setdefault(region_of(b, bits, epoch, span), []).append(b)
+        size = 1 << min(span, bits)
+        assert all(len(members) == size for members in regions.values()), (bits, span, epoch)
+        for region, members in regions.items():
+            assert region == min(members)
+            for b in members:
+                assert region_buckets(b, bits, epoch, span) == members
+        # a region differs from its buckets only in the paired dimensions
+        dims = paired_dims(epoch, bits, span)
+        mask = sum(1 << d for d in dims)
+        assert all((b & ~mask) == r for r, members in regions.items() for b in members)
+
+
+def region_means(values: list[float], bits: int, epoch: int, span: int) -> list[float]:
+    """Each bucket's value after a round of its region at ``epoch`` averaged the region's values."""
+    regions = (region_buckets(b, bits, epoch, span) for b in range(len(values)))
+    return [statistics.fmean(values[m] for m in region) for region in regions]
+
+
+def test_averaging_each_step_within_its_regions_reaches_the_mean_of_all_buckets_after_a_turn() -> None:
+    rng = random.Random(11)
+    for _ in range(100):
+        bits = rng.randrange(1, 9)
+        span = rng.randrange(1, bits + 1)
+        start = rng.randrange(0, 10_000)
+        values = [rng.uniform(-1.0, 1.0) for _ in range(1 << bits)]
+        mean = statistics.fmean(values)
+        steps = -(-bits // span)  # ceil(bits / span)
+        mixed = values
+        for epoch in range(start, start + steps - 1):
+            mixed = region_means(mixed, bits, epoch, span)
+        if steps > 1:  # one step short of a turn, some dimension was never paired
+            assert max(mixed) - min(mixed) > 1e-9, (bits, span)
+        mixed = region_means(mixed, bits, start + steps - 1, span)
+        assert max(abs(v - mean) for v in mixed) < 1e-9, (bits, span, start)
+
+
+def test_one_region_when_the_span_covers_every_dimension_and_a_span_below_one_is_refused() -> None:
+    assert region_buckets(5, 3, 17, span=3) == list(range(8))
+    assert region_buckets(0, 0, 4) == [0]
+    with pytest.raises(ValueError):
+        paired_dims(3, 4, span=0)

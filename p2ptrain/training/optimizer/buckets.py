@@ -25,6 +25,19 @@ What k ids can do (the threat model's rules hold: nothing is believed because ma
   per subnet.
 * Skew a reader's size estimate by crowding its routing table: ``bits`` moves by a level or two (twice
   or four times the bytes, or half the records per bucket): cost, not correctness.
+
+Regions (the groups' side of the design; not used by the optimizer yet): a group of ``n`` members
+costs each member O(n^2) bytes a round (it fetches every partition's result with every contributor's
+signed scale of it, ``averaging.bounds``), so a step of a large swarm needs many bounded groups, each
+formed among the peers of one *region*: ``2^span`` buckets that differ only in the ``span`` dimensions
+of the bucket index that the step pairs (:func:`paired_dims`, turning with the epoch). A region's peers
+are exactly the records under its buckets' keys, which its members read anyway; two regions of a step
+share no peer; and any ``ceil(bits / span)`` steps in a row pair every dimension, so rounds that
+average their region's buckets' states exactly leave every bucket with the mean of all the buckets'
+states after that many steps (hypercube averaging: each step's averaging is a projection along its
+dimensions, and those commute). What k ids can do to it: grind ids into one region's buckets, as into
+one bucket above; they change that region's matchmaking, never which region a peer is in (a pure
+function of its id, the step and ``bits``).
 """
 
 from __future__ import annotations
@@ -116,3 +129,33 @@ def capped_estimate(
     crowd."""
     sure = scaled_total(trusted[0], trusted[1], bits)
     return sure + min(scaled_total(untrusted[0], untrusted[1], bits), sure)
+
+
+def paired_dims(epoch: int, bits: int, span: int = 1) -> list[int]:
+    """The dimensions of the bucket index paired at ``epoch`` (a region spans them): ``span`` of the
+    ``bits``, turning by ``span`` a step, so that any ``ceil(bits / span)`` steps in a row pair each at
+    least once; all of them when ``span >= bits`` (one region: the swarm)."""
+    if bits <= 0:
+        return []
+    if span >= bits:
+        return list(range(bits))
+    if span < 1:
+        raise ValueError(f"a region spans at least one dimension, not {span}")
+    return sorted({(epoch * span + j) % bits for j in range(span)})
+
+
+def region_of(bucket: int, bits: int, epoch: int, span: int = 1) -> int:
+    """The region of ``bucket`` at ``epoch``: its index with the paired dimensions cleared (the lowest
+    bucket of the region names it)."""
+    for d in paired_dims(epoch, bits, span):
+        bucket &= ~(1 << d)
+    return bucket
+
+
+def region_buckets(bucket: int, bits: int, epoch: int, span: int = 1) -> list[int]:
+    """The buckets of ``bucket``'s region at ``epoch`` (its own among them), in order: ``2^span`` of
+    them, each in exactly one region of the step."""
+    out = [region_of(bucket, bits, epoch, span)]
+    for d in paired_dims(epoch, bits, span):
+        out += [b | (1 << d) for b in out]
+    return sorted(out)
