@@ -249,7 +249,14 @@ class Gatherer:
         self, scope: trio.CancelScope, p: int, holder: int, failed: trio.Event
     ) -> None:
         """Fetch partition ``p`` from its reducer, again after a pause if that failed while it lives and
-        still serves the round."""
+        still serves the round.
+
+        A fetch that failed on a connection that broke (its reducer's process died while it served us:
+        a reset, not a refused dial) proves nothing about reach, so the holder is tried again at once
+        (``_probe``: refused, it is out of reach now). Counted out of reach only at the retry, the
+        holder stayed askable here for ``STALLED_AFTER``, and this member, asked as a relay, held every
+        other member's ask that long: at 32 simulated peers the whole group gave a lost partition up
+        2.1 s after the decision, against 0.3 s where every member's dial was refused."""
         while trio.current_time() < self.m.at.gather:
             if await self._fetch(p, holder, FETCH):
                 scope.cancel()
@@ -257,7 +264,25 @@ class Gatherer:
             failed.set()
             if holder in self.m.gone or holder in self.over:
                 return
-            await trio.sleep(STALLED_AFTER)
+            retry_at = trio.current_time() + STALLED_AFTER
+            if holder not in self.m.out_of_reach:
+                with trio.move_on_at(retry_at):
+                    await self._probe(holder)
+            await trio.sleep_until(retry_at)
+
+    async def _probe(self, i: int) -> None:
+        """Whether member ``i`` can be reached now (``m.out_of_reach`` says, see ``_connect``): the
+        connection held to it answers a ping, or, broken (the ping fails with it), a fresh dial is
+        tried. (The connection a reset broke may still look open for a moment: asked for a connection
+        then, the host hands that one back.)"""
+        for _ in range(2):
+            try:
+                conn = await self._connect(i)
+                await conn.ping(timeout=STALLED_AFTER)
+                return
+            except P2PError:
+                if i in self.m.out_of_reach:
+                    return
 
     async def _relay_from(self, scope: trio.CancelScope, p: int, i: int, ended: trio.Event) -> None:
         try:
