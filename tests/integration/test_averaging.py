@@ -609,11 +609,11 @@ async def test_a_reducer_that_dies_while_serving_is_out_of_reach_at_once_for_the
 ):
     """The same invariant when the reducer dies in the middle of serving its result, after the
     decision: the member it was serving sees its connection reset, not a refused dial. That is no proof
-    of reach either way, so the member dials it again at once (refused: out of reach) instead of after
-    ``STALLED_AFTER``. Before, that member alone did not count the reducer out of reach until its
-    retry, and as a relay it held every other member's ask until then: in the 32-peer simulation every
-    member gave the partition up 2.1 to 2.2 s after the decision, one retry late. The code before
-    fails this at every seed (2.26 s)."""
+    of reach either way, so the member tries it again at once (a ping of the connection it holds, else
+    a fresh dial, refused: out of reach) instead of after ``STALLED_AFTER``. Before, that member alone
+    did not count the reducer out of reach until its retry, and as a relay it held every other member's
+    ask until then: in the 32-peer simulation every member gave the partition up 2.1 to 2.2 s after the
+    decision, one retry late. The code before fails this at every seed (2.26 s)."""
     from p2ptrain.averaging.gathering import Gatherer
     from p2ptrain.averaging.round_machine import STALLED_AFTER
 
