@@ -93,6 +93,7 @@ def sign_manifest(
     compression: str = "none",
     timeout: float = 30.0,
     round_id: bytes | None = None,
+    aggregation: str = "mean",
 ) -> SignedManifest:
     schema = schema_of(tensors)
     total = sum(t.numel() for t in tensors)
@@ -109,6 +110,7 @@ def sign_manifest(
         schema=schema,
         compression=compression,
         timeout=timeout,
+        aggregation=aggregation,
     )
     return SignedManifest.sign(peers[0].host.identity, manifest)
 
