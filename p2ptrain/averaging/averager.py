@@ -240,6 +240,7 @@ class Averager:
             host,
             dht,
             config=lambda: self.config,
+            policy=lambda: self.policy,
             measured=self.measured,
             auditor=self.auditor,
             decline=self.decline,

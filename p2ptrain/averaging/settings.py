@@ -69,9 +69,14 @@ class RoundPolicy:
         max_proof_bytes: The most bytes a proof may take to fetch (None: only the per-slice bound): an
             accuser signs the manifest its proof names, so without it one could make us download any
             size.
+        key_bits: The matchmaking keys of a group key are spread over ``2^key_bits`` keys, one per
+            bucket of peers (``dht.spread``): each peer announces under its bucket's and reads them
+            all, so that no key's replicas serve every looker every announcement. A training run's
+            ``progress.buckets``; 0 (one key) without a run.
     """
 
     weight_cap: Callable[[PeerID], float | None] | None = None
     weight_caps: Callable[[list[PeerID]], Mapping[PeerID, float | None]] | None = None
     on_ban: Callable[[PeerID, str], None] | None = None
     max_proof_bytes: int | None = None
+    key_bits: int = 0

@@ -273,7 +273,7 @@ def announce_only(averager: Averager) -> None:
     me = averager.host.peer_id
 
     async def form(group_key: str, schema: Any, digest: bytes, *args: Any, **kwargs: Any) -> Any:
-        key = groups.key(group_key)
+        key = groups.keys(group_key).key_of(me)  # (the one key its announcement counts under)
         clock = groups.clock
         end = clock() + averager.config.matchmaking_time
         while clock() < end:

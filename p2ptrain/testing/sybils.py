@@ -220,7 +220,9 @@ async def _flood_dht(opt: CollaborativeOptimizer, costs: Attack) -> None:
     while True:
         epoch = honest_epoch(opt, costs)
         groups = opt.node.averager.groups
-        keys = [*opt.board.keys] + [groups.key(f"{mode}-{e}") for e in range(epoch, epoch + FLOOD_STEPS)]
+        keys = [*opt.board.keys] + [
+            k for e in range(epoch, epoch + FLOOD_STEPS) for k in groups.keys(f"{mode}-{e}").keys
+        ]
         for key in keys:  # one store after the other: the flood's rate is what the replicas take
             for who in ids:
                 await publish_as(opt, costs, who, key, junk, FLOOD_TTL)

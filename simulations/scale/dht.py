@@ -27,11 +27,12 @@ import trio.testing
 
 from p2ptrain.dht import DHT, DHTConfig
 from p2ptrain.dht.records import owned_subkey
+from p2ptrain.dht.spread import bucket_of
 from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity
 from p2ptrain.net import Host, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
-from p2ptrain.training.optimizer.buckets import bucket_of, progress_key
+from p2ptrain.training.optimizer.buckets import progress_key
 from simulations.scale.heap import few_collections
 from simulations.scale.model import World, pct
 

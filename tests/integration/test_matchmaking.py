@@ -344,7 +344,8 @@ async def test_nobody_announces_readiness_in_another_peers_name(autojump_clock):
     digest are ignored."""
     async with swarm(4, AveragerConfig()) as nodes:
         reader, victim, stranger = nodes[0], nodes[1], nodes[2]
-        key = reader.averager.groups.key("named")
+        spread = reader.averager.groups.keys("named")
+        key = spread.key_of(victim.peer_id)
         now = trio.current_time()
         mine = Announcement(victim.peer_id, victim.averager.address(), now + 5.0, 1.0, b"s" * 16)
         await victim.averager.groups.announce(key, mine, now + 30.0)
@@ -354,7 +355,7 @@ async def test_nobody_announces_readiness_in_another_peers_name(autojump_clock):
                 await stranger.dht.store(key, forged.to_bytes(), ttl=60.0, subkey=subkey, sign=True)
             except RecordRefused:
                 pass  # (its own node refuses to sign an entry under another's owned subkey)
-        seen = [a for a in await reader.averager.groups.announcements(key) if a.peer == victim.peer_id]
+        seen = [a for a in await reader.averager.groups.announcements(spread) if a.peer == victim.peer_id]
         assert seen == [mine]
 
 

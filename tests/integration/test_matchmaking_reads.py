@@ -42,7 +42,7 @@ async def test_no_read_of_a_fresh_matchmaking_key_is_a_lookup_of_its_value(autoj
     async with swarm(n, cfg, net=MemoryNetwork(seed=seed), dht=dht) as nodes:
         await trio.sleep(10.0)  # (the routing tables settle)
         group_key = f"step-{rng.randrange(1 << 30)}"
-        kid = key_id(nodes[0].averager.groups.key(group_key))
+        kid = key_id(nodes[0].averager.groups.keys(group_key).keys[0])
         value_lookups: list[tuple[str, int]] = []  # (who, the most announcements a replica held then)
         for node in nodes:
             lookup, name = node.dht.reader.lookup, node.peer_id.short()

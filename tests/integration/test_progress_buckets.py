@@ -16,9 +16,9 @@ import pytest
 import trio
 
 from p2ptrain.dht.records import key_id, make_entry, owned_subkey
+from p2ptrain.dht.spread import bucket_of
 from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity
-from p2ptrain.training.optimizer.buckets import bucket_of
 from p2ptrain.training.optimizer.progress import ProgressRecord
 from p2ptrain.wire.codec import pack
 from tests.harness.training import Peer, check_identical_per_epoch, run_config, swarm

@@ -80,7 +80,9 @@ class Attacker:
         self.mode, self.deadline = mode, deadline
         groups = self.node.averager.groups
         me = Announcement(self.node.peer_id, addr or groups.address(reducer=True), deadline, 1e9, DIGEST)
-        await groups.announce(groups.key(group_key), me, min(deadline, trio.current_time() + 60) + 5)
+        await groups.announce(
+            groups.keys(group_key).key_of(me.peer), me, min(deadline, trio.current_time() + 60) + 5
+        )
 
 
 @asynccontextmanager

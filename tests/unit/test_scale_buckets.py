@@ -10,10 +10,10 @@ import statistics
 
 import pytest
 
+from p2ptrain.dht.spread import bucket_of
 from p2ptrain.training.optimizer.buckets import (
     BUCKET_TARGET,
     bucket_bits,
-    bucket_of,
     buckets_to_read,
     capped_estimate,
     paired_dims,

@@ -38,7 +38,7 @@ import trio
 
 from ...averaging.agreement import WEIGHT_SLACK
 from ...config import RunConfig
-from ...dht.records import Entry, owned_subkey, subkey_owner
+from ...dht.records import Entry, owned_subkey
 from ...errors import P2PError, RemoteProtocolError
 from ...identity import PeerID
 from ...net.address import PeerAddress
@@ -47,7 +47,7 @@ from ...waits import either
 from ...wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL, BanBook
 from .bookkeeping import Tally
-from .buckets import bucket_of, progress_key
+from .buckets import progress_keys
 from .progress import (
     SPREAD,
     PeerProgress,
@@ -109,8 +109,8 @@ class ProgressBoard:
         self.tally, self.state, self.alone, self.bans, self.wake = tally, state, alone, bans, wake
         # The records' keys: one per bucket of peers (``progress.buckets``), all read; this peer's
         # records go under its own bucket's (``key``), and a record under any other is not read
-        self.bits = config.progress.buckets.bit_length() - 1
-        self.keys = [progress_key(node.config.run_id, self.bits, b) for b in range(config.progress.buckets)]
+        self.spread = progress_keys(node.config.run_id, config.progress.buckets.bit_length() - 1)
+        self.bits, self.keys = self.spread.bits, list(self.spread.keys)
         self.key = self.key_of(node.peer_id)
         self.view: SwarmView | None = None
         self._records: list[PeerProgress] = []
@@ -164,7 +164,7 @@ class ProgressBoard:
 
     def key_of(self, peer: PeerID) -> bytes:
         """The key ``peer``'s records go under: its bucket's (the run's one progress key with one)."""
-        return self.keys[bucket_of(peer.digest, self.bits)]
+        return self.spread.key_of(peer)
 
     async def _pull(self, via: list[PeerAddress]) -> None:
         """Pull every key's newer records from a partner (``DHT.pull``, each key at once, each from
@@ -423,14 +423,9 @@ class ProgressBoard:
             self._asked_at = self.clock()
         else:
             read = {key: self.node.dht.held(key) for key in self.keys}
-        entries: dict[bytes, tuple[PeerID, Entry]] = {}
-        for key, held in read.items():
-            for subkey, entry in held.items():
-                peer = subkey_owner(subkey)
-                # only owned subkeys (the DHT checked that the peer named signed it), each under its
-                # owner's bucket: a peer counts once, and filling a bucket takes ids of that bucket
-                if peer is not None and self.key_of(peer) == key:
-                    entries[subkey] = (peer, entry)
+        # only owned subkeys (the DHT checked that the peer named signed it), each under its owner's
+        # bucket: a peer counts once, and filling a bucket takes ids of that bucket
+        entries = self.spread.owned(read)
         records = []
         banned = self.node.averager.auditor.banned
         vouched = self.trusted()

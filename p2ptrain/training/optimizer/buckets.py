@@ -42,10 +42,11 @@ function of its id, the step and ``bits``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Iterable, Sequence
+
+from ...dht.spread import SpreadKey
 
 BUCKET_TARGET = 64  # records a bucket key holds, about
 SAMPLED = 4  # buckets a reader reads besides its own
@@ -76,22 +77,17 @@ def bucket_bits(size: float, target: int = BUCKET_TARGET, max_bits: int = MAX_BI
     return min(max_bits, int(math.log2(size / target)))
 
 
-def bucket_of(peer: bytes, bits: int) -> int:
-    """The bucket of a peer id at ``bits`` bits: the top bits of a hash of it (not of the id itself, so
-    the buckets do not follow the DHT's own neighbourhoods)."""
-    if bits <= 0:
-        return 0
-    h = int.from_bytes(hashlib.blake2b(peer, digest_size=8, person=b"p2pt-bucket").digest(), "big")
-    return h >> (64 - bits)
-
-
 def progress_key(run_id: str, bits: int, bucket: int) -> bytes:
     """The DHT key of a bucket's progress records; with one bucket, the run's progress key as it is."""
-    if bits <= 0:
-        return f"p2ptrain/{run_id}/progress".encode()
-    if not 0 <= bucket < 1 << bits:
+    keys = progress_keys(run_id, bits).keys
+    if not 0 <= bucket < len(keys):
         raise ValueError(f"bucket {bucket} out of range for {bits} bits")
-    return f"p2ptrain/{run_id}/progress/{bits}/{bucket}".encode()
+    return keys[bucket]
+
+
+def progress_keys(run_id: str, bits: int) -> SpreadKey:
+    """The run's progress key spread over ``2^bits`` buckets (``dht.spread``)."""
+    return SpreadKey.of(f"p2ptrain/{run_id}/progress", max(bits, 0))
 
 
 def buckets_to_read(mine: int, bits: int, rng: random.Random, sampled: int = SAMPLED) -> list[int]:

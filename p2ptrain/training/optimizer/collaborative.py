@@ -234,6 +234,7 @@ class CollaborativeOptimizer:
                 weight_caps=self.board.weight_caps,
                 on_ban=self.bans.on_ban,
                 max_proof_bytes=2 * model_bytes + (1 << 20),
+                key_bits=self.board.bits,  # (the progress records' buckets: ``dht.spread``)
             ),
         )
 
