@@ -1,7 +1,8 @@
 """Bans the swarm publishes: this peer's provable verdicts out, others' read and re-checked.
 
 Theory of operation: when this peer's auditor convicts a reducer (see ``averaging.auditor``), it keeps
-the proof and publishes the accusation under the run's ban key (one owned subkey per accuser, signed):
+the proof and publishes the accusation under the run's ban key (one owned subkey per accuser, signed,
+under its bucket's key where the run spreads its keys: ``dht.spread``):
 where to ask for the proof (the accuser's address) and, per accused peer, the round and partition. In a
 run that audits its rounds (only those convict), every ``BAN_READ_INTERVAL`` it reads everyone's and
 lets its auditor examine the accusations it has not seen: fetch the proof from the accuser and re-check
@@ -19,7 +20,8 @@ import logging
 import trio
 
 from ...averaging.auditor import Accusation
-from ...dht.records import owned_subkey, subkey_owner
+from ...dht.records import Entry, owned_subkey
+from ...dht.spread import SpreadKey
 from ...errors import P2PError, RemoteProtocolError
 from ...identity import PEER_ID_BYTES, PeerID
 from ...node import Node
@@ -69,9 +71,13 @@ def _parse_bans(value: bytes) -> tuple[str, list[Accusation]]:
 class BanBook:
     """Publishing and reading the swarm's ban verdicts."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, bits: int = 0) -> None:
+        """``bits``: the records spread over ``2^bits`` keys, each accuser's under its bucket's, all
+        read (``dht.spread``; the run's ``progress.buckets``), so that no key's replicas serve every
+        peer's read of every record."""
         self.node = node
-        self.key = f"p2ptrain/{node.config.run_id}/bans".encode()
+        self.spread = SpreadKey.of(f"p2ptrain/{node.config.run_id}/bans", bits)
+        self.key = self.spread.key_of(node.peer_id)  # where this peer's accusations go
         self._examining = False  # an examination of published bans runs
         self._nursery: trio.Nursery | None = None
 
@@ -114,21 +120,25 @@ class BanBook:
 
     async def read(self) -> None:
         """Read the swarm's ban records; examine (in the background) accusations not seen yet."""
-        try:
-            entries = await self.node.dht.get(self.key, quorum=3)
-        except P2PError as e:
-            log.info("could not read ban records: %s", e)
-            return
+        read: dict[bytes, dict[bytes, Entry]] = {}
+
+        async def get(key: bytes) -> None:
+            try:
+                read[key] = await self.node.dht.get(key, quorum=3)
+            except P2PError as e:
+                log.info("could not read ban records: %s", e)
+
+        async with trio.open_nursery() as nursery:
+            for key in self.spread.keys:
+                nursery.start_soon(get, key)
         auditor = self.node.averager.auditor
         todo: list[tuple[PeerID, str, Accusation]] = []
-        for subkey, entry in entries.items():
-            accuser = subkey_owner(subkey)
-            if accuser is None:
-                continue
+        # (an accuser's record counts under an owned subkey of its own bucket's key only)
+        for accuser, entry in self.spread.owned(read).values():
             addr, accusations = _parse_bans(entry.value)
             for a in accusations:
-                key = (accuser, a.accused, a.round, a.partition)
-                if key not in auditor.examined and not {accuser, a.accused} & auditor.banned.keys():
+                case = (accuser, a.accused, a.round, a.partition)
+                if case not in auditor.examined and not {accuser, a.accused} & auditor.banned.keys():
                     todo.append((accuser, addr, a))
         if todo and not self._examining and self._nursery is not None:
             self._examining = True  # in the background: a proof may take a while to fetch

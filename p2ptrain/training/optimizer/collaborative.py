@@ -172,7 +172,7 @@ class CollaborativeOptimizer:
             else None
         )
         self.local = LocalSteps(optimizer, self.params, config.training, self.contribution, self.tally)
-        self.bans = BanBook(node)
+        self.bans = BanBook(node, config.progress.buckets.bit_length() - 1)
         self.alone = StepAlone(node, config, self.fingerprint, clock)
         self.shared = (parts.state if parts is not None else SharedState)(
             node,
@@ -768,7 +768,7 @@ class CollaborativeOptimizer:
 
     @property
     def bans_key(self) -> bytes:
-        """The DHT key of the run's ban records."""
+        """The DHT key of the run's ban records this peer publishes under (its bucket's)."""
         return self.bans.key
 
     @property

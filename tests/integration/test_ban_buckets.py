@@ -1,0 +1,78 @@
+"""The run's ban records spread over its bucket keys (``progress.buckets``; ``dht.spread``): collaborative
+peers over the in-memory network on the virtual clock.
+
+The rule of every spread key: an accuser's record counts only under an owned subkey of its own
+bucket's key. Seeded ids publish ban records under random sets of the keys; each honest peer's read
+hands its auditor the accusations of exactly the ids that wrote under their own bucket's key, and of
+each once. (Whether an accusation convicts is the auditor's to decide, from the proof; tested apart.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import p2ptrain.training.optimizer.bans as bans_module
+from p2ptrain.dht.records import key_id, make_entry, owned_subkey
+from p2ptrain.errors import P2PError
+from p2ptrain.identity import Identity, PeerID
+from p2ptrain.training.optimizer.bans import ROUND_BYTES
+from p2ptrain.wire.codec import pack
+from tests.harness.training import run_config, swarm
+
+pytestmark = pytest.mark.timeout(300)
+
+BUCKETS = 4
+
+
+async def _bans(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=BUCKETS)
+    async with swarm(config) as s:
+        honest = [await s.start(compute=0.1) for _ in range(4)]
+        await s.until(lambda: all(p.opt.epoch >= 1 for p in honest), timeout=120)
+        spread = honest[0].opt.bans.spread
+        assert len(set(spread.keys)) == BUCKETS and spread == honest[1].opt.bans.spread
+        for p in honest:
+            assert p.opt.bans_key == spread.key_of(p.node.peer_id)
+
+        ids = [Identity.generate() for _ in range(rng.randint(6, 14))]
+        counted: set[PeerID] = set()
+        for who in ids:
+            placed = rng.sample(spread.keys, rng.randint(1, BUCKETS))
+            if spread.key_of(who.peer_id) in placed:
+                counted.add(who.peer_id)
+            accused = rng.choice(honest).node.peer_id
+            record = {"addr": "", "bans": [[accused.digest, "made up", rng.randbytes(ROUND_BYTES), 0]]}
+            for key in placed:
+                entry = make_entry(key, pack(record), 1000.0, subkey=owned_subkey(who.peer_id), signer=who)
+                try:
+                    await rng.choice(honest).node.dht.writer.store_entries(key_id(key), [entry])
+                except P2PError:
+                    pass
+
+        # (every accusation at one read, for the test: a read hands the auditor at most a few)
+        monkeypatch.setattr(bans_module, "MAX_EXAMINED_PER_READ", len(ids) + 1)
+        for p in honest:
+            examined: list[PeerID] = []
+            bans = p.opt.bans
+
+            async def examine(
+                todo: list[tuple[PeerID, str, object]], examined: list[PeerID] = examined
+            ) -> None:
+                examined.extend(accuser for accuser, _, _ in todo)
+
+            bans._examine = examine  # type: ignore[method-assign]
+            bans._examining = False
+            await bans.read()
+            await s.until(lambda ex=examined: len(ex) >= len(counted), timeout=10)
+            assert len(examined) == len(set(examined))  # each accuser once
+            assert set(examined) == counted, (set(examined) - counted, counted - set(examined))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_ban_records_count_only_under_their_accusers_bucket(
+    seed: int, monkeypatch: pytest.MonkeyPatch, autojump_clock: object
+) -> None:
+    await _bans(seed, monkeypatch)
