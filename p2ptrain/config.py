@@ -158,7 +158,8 @@ class ProgressSection:
     ttl: float = 10.0  # seconds a record stays valid: a silent peer stops counting after this
     # DHT keys the records are spread over, a power of 2 that every peer of the run shares (one: the
     # run's one progress key); each peer publishes under its bucket's, and reads them all, so that no
-    # key's replicas serve every record (about one key per 64 peers the run expects)
+    # key's replicas serve every record (about one key per 64 peers the run expects). Each step's
+    # matchmaking announcements and the run's ban records are spread the same way (``dht.spread``)
     buckets: int = 1
 
     def __post_init__(self) -> None:
