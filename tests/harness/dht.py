@@ -5,13 +5,16 @@ clock (``async with open_swarm(DHTConfig(...)) as swarm``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
 
 from p2ptrain.dht import DHT, DHTConfig
+from p2ptrain.dht.records import key_id, make_entry, owned_subkey
+from p2ptrain.errors import P2PError
+from p2ptrain.identity import Identity
 from p2ptrain.net import Host, HostConfig, MemoryNetwork, PeerAddress
 from tests.harness.identities import identity
 
@@ -83,3 +86,14 @@ async def open_swarm(config: DHTConfig) -> AsyncIterator[Swarm]:
     async with trio.open_nursery() as nursery:
         yield Swarm(nursery, MemoryNetwork(seed=7), config)
         nursery.cancel_scope.cancel()
+
+
+async def store_as(dht: DHT, who: Identity, keys: Iterable[bytes], value: bytes, expiry: float) -> None:
+    """``who``'s signed entry (under its owned subkey) stored under each of ``keys`` through ``dht``,
+    as an id that is not the node's would write it; a refused store is left refused."""
+    for key in keys:
+        entry = make_entry(key, value, expiry, subkey=owned_subkey(who.peer_id), signer=who)
+        try:
+            await dht.writer.store_entries(key_id(key), [entry])
+        except P2PError:
+            pass

@@ -14,11 +14,10 @@ import random
 import pytest
 
 import p2ptrain.training.optimizer.bans as bans_module
-from p2ptrain.dht.records import key_id, make_entry, owned_subkey
-from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.bans import ROUND_BYTES
 from p2ptrain.wire.codec import pack
+from tests.harness.dht import store_as
 from tests.harness.training import run_config, swarm
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,12 +44,7 @@ async def _bans(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
                 counted.add(who.peer_id)
             accused = rng.choice(honest).node.peer_id
             record = {"addr": "", "bans": [[accused.digest, "made up", rng.randbytes(ROUND_BYTES), 0]]}
-            for key in placed:
-                entry = make_entry(key, pack(record), 1000.0, subkey=owned_subkey(who.peer_id), signer=who)
-                try:
-                    await rng.choice(honest).node.dht.writer.store_entries(key_id(key), [entry])
-                except P2PError:
-                    pass
+            await store_as(rng.choice(honest).node.dht, who, placed, pack(record), 1000.0)
 
         # (every accusation at one read, for the test: a read hands the auditor at most a few)
         monkeypatch.setattr(bans_module, "MAX_EXAMINED_PER_READ", len(ids) + 1)

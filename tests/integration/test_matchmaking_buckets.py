@@ -17,9 +17,8 @@ import pytest
 import trio
 
 from p2ptrain.averaging.matchmaking import Announcement
-from p2ptrain.dht.records import key_id, make_entry, owned_subkey
-from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity, PeerID
+from tests.harness.dht import store_as
 from tests.harness.training import Peer, check_identical_per_epoch, run_config, swarm
 
 pytestmark = pytest.mark.timeout(600)  # (swarms of 4 nodes train meanwhile: real CPU, a busy machine)
@@ -29,14 +28,7 @@ BUCKETS = 4
 
 async def announce_under(p: Peer, who: Identity, keys: list[bytes], a: Announcement, ttl: float) -> None:
     """``who``'s signed announcement stored under each of ``keys`` from ``p``'s node."""
-    for key in keys:
-        entry = make_entry(
-            key, a.to_bytes(), p.opt.clock() + ttl, subkey=owned_subkey(who.peer_id), signer=who
-        )
-        try:
-            await p.node.dht.writer.store_entries(key_id(key), [entry])
-        except P2PError:
-            pass
+    await store_as(p.node.dht, who, keys, a.to_bytes(), p.opt.clock() + ttl)
 
 
 async def _announcements(seed: int) -> None:

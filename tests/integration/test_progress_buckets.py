@@ -15,12 +15,12 @@ import random
 import pytest
 import trio
 
-from p2ptrain.dht.records import key_id, make_entry, owned_subkey
+from p2ptrain.dht.records import owned_subkey
 from p2ptrain.dht.spread import bucket_of
-from p2ptrain.errors import P2PError
 from p2ptrain.identity import Identity
 from p2ptrain.training.optimizer.progress import ProgressRecord
 from p2ptrain.wire.codec import pack
+from tests.harness.dht import store_as
 from tests.harness.training import Peer, check_identical_per_epoch, run_config, swarm
 
 pytestmark = pytest.mark.timeout(600)  # (swarms of 4 nodes train meanwhile: real CPU, a busy machine)
@@ -37,14 +37,7 @@ def records_by_peer(p: Peer) -> dict[object, int]:
 
 async def write_under(p: Peer, who: Identity, keys: list[bytes], record: ProgressRecord, ttl: float) -> None:
     """``who``'s signed record stored under each of ``keys`` from ``p``'s node."""
-    for key in keys:
-        entry = make_entry(
-            key, pack(record.to_obj()), p.opt.clock() + ttl, subkey=owned_subkey(who.peer_id), signer=who
-        )
-        try:
-            await p.node.dht.writer.store_entries(key_id(key), [entry])
-        except P2PError:
-            pass
+    await store_as(p.node.dht, who, keys, pack(record.to_obj()), p.opt.clock() + ttl)
 
 
 async def _buckets(seed: int) -> None:
