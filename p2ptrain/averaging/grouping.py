@@ -80,6 +80,7 @@ from .matchmaking import (
     Quorum,
     cannot_join,
     choose_leader,
+    group_tag,
     holds_me,
     opening,
     why_not,
@@ -248,11 +249,25 @@ class GroupForming:
         return self._config().bandwidth or self.measured.value() or 0.0
 
     def keys(self, group_key: str) -> SpreadKey:
-        """The DHT keys announcements for ``group_key`` go under (the run's): one, or one per bucket of
-        peers (``RoundPolicy.key_bits``), each peer's under its bucket's. At 256 simulated peers the
-        node closest to a step's one key sent 7.4 MB a step, 20.4x the median node: every looker read
-        every announcement from it, O(N^2) bytes at one key's replicas."""
-        return SpreadKey.of(f"averaging/{self.host.run_id}/{group_key}", self._policy().key_bits)
+        """The DHT keys announcements for ``group_key`` go under (the run's): the group key's own, or,
+        where the run spreads its keys (``RoundPolicy.key_bits``), one per bucket of peers that every
+        group key of the run shares, each peer's under its bucket's, each announcement naming its group
+        key (``Announcement.group``). At 256 simulated peers the node closest to a step's one key sent
+        7.4 MB a step, 20.4x the median node: every looker read every announcement from it, O(N^2)
+        bytes at one key's replicas. The spread keys are the run's, not the step's: keys new each step
+        had every looker look up every bucket's replicas each step (at 64 peers over 4 buckets,
+        `dht.find_node` 177 KB a peer a step against 44 KB with one key), and a key read again keeps its
+        replicas (``dht.replicas``). A peer looks for one group at a time, so its one subkey a key
+        holds its one announcement."""
+        bits = self._policy().key_bits
+        if bits <= 0:
+            return SpreadKey.of(f"averaging/{self.host.run_id}/{group_key}", 0)
+        return SpreadKey.of(f"averaging/{self.host.run_id}/looks", bits)
+
+    def tag(self, group_key: str) -> bytes:
+        """What this peer's announcements for ``group_key`` name it by: nothing under the group key's
+        own key, its tag under the run's spread keys (see :meth:`keys`)."""
+        return group_tag(group_key) if self._policy().key_bits > 0 else b""
 
     def _my_addr(self) -> str:
         return self.address(reducer=True)
@@ -320,6 +335,7 @@ class GroupForming:
             # (a peer that only follows: ``matchmaking``)
             leads=(quorum is None or quorum.leads) and not stepped_aside,
             rank=0 if quorum is None else quorum.rank,
+            group=self.tag(group_key),
         )
         rules = RoundRules(group_key, schema, mode.value, cfg.aggregation, cfg.audit, timeout)
         looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum, min_size=sizes[1])
@@ -352,7 +368,7 @@ class GroupForming:
                 self._nursery.start_soon(self.announce, key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
-                seen = await self.announcements(spread)
+                seen = await self.announcements(spread, looking.me.group)
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
                 looking.latest.update((a.peer, a) for a in seen)
                 looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
@@ -456,13 +472,14 @@ class GroupForming:
         except P2PError as e:
             log.warning("could not announce readiness to average: %s", e)
 
-    async def announcements(self, spread: SpreadKey) -> list[Announcement]:
+    async def announcements(self, spread: SpreadKey, group: bytes = b"") -> list[Announcement]:
         """The announcements under ``spread``'s keys whose owner signed them, each under its owner's
-        bucket's key (``SpreadKey.owned``: a peer counts once), and that are not banned here; the keys
-        are read at once. Every looker of the step writes them, so even a first read asks their replicas
-        directly (``written``): a lookup of the value ends at the closest replicas, which each sent every
-        announcement to every looker (at 256 simulated peers, 17.2 MB in a step from the node closest to
-        the step's key, 23.7x the median node's control bytes)."""
+        bucket's key (``SpreadKey.owned``: a peer counts once), that name ``group`` (see :meth:`tag`),
+        and that are not banned here; the keys are read at once. Every looker of the step writes them,
+        so even a first read asks their replicas directly (``written``): a lookup of the value ends at
+        the closest replicas, which each sent every announcement to every looker (at 256 simulated
+        peers, 17.2 MB in a step from the node closest to the step's key, 23.7x the median node's
+        control bytes)."""
         read: dict[bytes, dict[bytes, Entry]] = {}
 
         async def get(key: bytes) -> None:
@@ -479,6 +496,8 @@ class GroupForming:
             try:
                 announcement = Announcement.from_bytes(peer, entry.value)
             except (P2PError, ValueError):
+                continue
+            if announcement.group != group:  # (a look for another group key of the run)
                 continue
             if announcement.peer not in self.auditor.banned:  # never follow or wait for a banned peer
                 out.append(announcement)
@@ -586,7 +605,7 @@ class GroupForming:
             seen = []
             # (an honest leader answers by its closing, however slow the DHT: see the module docstring)
             with trio.move_on_after(max(0.0, gathering.closes_at(me.deadline) - self.clock())):
-                seen = await self.announcements(spread)
+                seen = await self.announcements(spread, looking.me.group)
             self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
             # (Not once the group may form. Full but short of its quorum, or held by one origin, it

@@ -172,6 +172,10 @@ class Announcement:
     leads: bool = True
     # Leaders of rank 0 lead before those of rank 1 (see "Who leads first"). Sent only when not 0.
     rank: int = 0
+    # The group key looked for (``group_tag``), where the key it is stored under is not the group
+    # key's own but one that every group key of the run shares (``grouping``: spread keys, whose
+    # replicas are found once, not at every step). Sent only when not empty.
+    group: bytes = b""
 
     @property
     def can_lead(self) -> bool:
@@ -179,10 +183,14 @@ class Announcement:
 
     def closed(self) -> Announcement:
         """The same peer, no longer open: stored over the open announcement once a group formed."""
-        return Announcement(self.peer, self.addr, 0.0, self.bandwidth, self.schema, self.leads, self.rank)
+        return Announcement(
+            self.peer, self.addr, 0.0, self.bandwidth, self.schema, self.leads, self.rank, self.group
+        )
 
     def to_bytes(self) -> bytes:
         fields: list[object] = [self.addr, self.deadline, self.bandwidth, self.schema]
+        if self.group:
+            return pack([*fields, self.leads, self.rank, self.group])
         if not self.leads:
             return pack([*fields, False])
         return pack([*fields, True, self.rank] if self.rank else fields)
@@ -193,11 +201,14 @@ class Announcement:
             addr, deadline, bandwidth, schema, *rest = unpack(data)
         except (TypeError, ValueError):
             raise RemoteProtocolError("malformed announcement") from None
-        leads = True if not rest else rest[0] if len(rest) <= 2 else None
-        rank = rest[1] if len(rest) == 2 else 0
+        leads = True if not rest else rest[0] if len(rest) <= 3 else None
+        rank = rest[1] if len(rest) >= 2 else 0
+        group = rest[2] if len(rest) == 3 else b""
         if not (
             isinstance(leads, bool)
-            and (leads or len(rest) == 1)
+            and (leads or len(rest) != 2)
+            and isinstance(group, bytes)
+            and (len(rest) < 3 or 0 < len(group) <= GROUP_TAG_BYTES)
             and type(rank) is int
             and 0 <= rank <= MAX_RANK
             and isinstance(addr, str)
@@ -211,7 +222,15 @@ class Announcement:
             and len(schema) <= 32
         ):
             raise RemoteProtocolError("malformed announcement")
-        return cls(peer, addr, float(deadline), float(bandwidth), schema, leads, rank)
+        return cls(peer, addr, float(deadline), float(bandwidth), schema, leads, rank, group)
+
+
+GROUP_TAG_BYTES = 8
+
+
+def group_tag(group_key: str) -> bytes:
+    """What an announcement stored under a key that several group keys share names ``group_key`` by."""
+    return hashlib.blake2b(group_key.encode(), digest_size=GROUP_TAG_BYTES, person=b"p2pt-group").digest()
 
 
 MAX_RANK = 1  # the ranks of leaders (see "Who leads first")

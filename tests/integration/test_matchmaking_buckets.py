@@ -64,7 +64,7 @@ async def _announcements(seed: int) -> None:
         # ids that announce under random sets of the next steps' keys: their own bucket's among them or
         # not (client-only: no address, so that nobody waits for them and the swarm trains on)
         start = max(p.opt.epoch for p in honest)
-        steps = range(start, start + 4)
+        steps = range(start, start + 4)  # (the steps read below)
         ids = [Identity.generate() for _ in range(rng.randint(6, 14))]
         placed = {who.peer_id: rng.sample(range(BUCKETS), rng.randint(1, BUCKETS)) for who in ids}
         # (bucket b's key of every step: ``SpreadKey.of`` names a bucket the same way for each key)
@@ -72,17 +72,25 @@ async def _announcements(seed: int) -> None:
             who.peer_id for who in ids if spread.keys.index(spread.key_of(who.peer_id)) in placed[who.peer_id]
         }
 
+        # their announcements name one step's group key: the run's spread keys are every step's, and
+        # an announcement counts for the group key it names alone
+        target = start + 1
+        spread_t, tag = groups.keys(group_key(target)), groups.tag(group_key(target))
+        assert tag and tag != groups.tag(group_key(target + 1))
+
         async def keep_announcing(who: Identity) -> None:
             while True:
                 now = trio.current_time()
                 a = Announcement(
-                    who.peer_id, "", now + rng.uniform(1, 5), rng.uniform(0, 1e9), rng.randbytes(16)
+                    who.peer_id,
+                    "",
+                    now + rng.uniform(1, 5),
+                    rng.uniform(0, 1e9),
+                    rng.randbytes(16),
+                    group=tag,
                 )
-                for e in steps:
-                    keys = groups.keys(group_key(e)).keys
-                    await announce_under(
-                        rng.choice(honest), who, [keys[b] for b in placed[who.peer_id]], a, 30.0
-                    )
+                keys = [spread_t.keys[b] for b in placed[who.peer_id]]
+                await announce_under(rng.choice(honest), who, keys, a, 30.0)
                 await trio.sleep(3.0)
 
         async with trio.open_nursery() as attackers:
@@ -91,14 +99,18 @@ async def _announcements(seed: int) -> None:
             await s.until(lambda: all(p.opt.epoch >= start + 3 for p in honest), timeout=180)
             honest_ids = {p.node.peer_id for p in honest}
             seen_all: set[object] = set()
-            for e in steps:
-                for p in honest:
-                    read = await p.node.averager.groups.announcements(
-                        p.node.averager.groups.keys(group_key(e))
+            for p in honest:
+                groups_p = p.node.averager.groups
+                for e in steps:
+                    read = await groups_p.announcements(
+                        groups_p.keys(group_key(e)), groups_p.tag(group_key(e))
                     )
                     peers = [a.peer for a in read]
                     assert len(peers) == len(set(peers))  # once each
                     strangers = set(peers) - honest_ids
+                    if e != target:  # (another step's group key: none of theirs)
+                        assert not strangers, strangers
+                        continue
                     assert strangers <= counted, strangers - counted  # only under its own bucket's key
                     seen_all |= strangers
             assert seen_all == counted  # (and those read: the test sees the ones that must not count)

@@ -112,6 +112,41 @@ def test_announcement_round_trip_and_malformed():
             Announcement.from_bytes(a.peer, bad)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_an_announcement_naming_its_group_key_round_trips_and_says_it_once(seed: int) -> None:
+    """Under the run's spread keys an announcement names its group key (``group_tag``), with or without
+    the optional fields before it, and keeps it when closed; a name that is empty, too long or not bytes
+    is refused, and so is a follower's field without its name in the canonical place."""
+    from p2ptrain.averaging.matchmaking import GROUP_TAG_BYTES, group_tag
+    from p2ptrain.wire.codec import pack
+
+    rng = random.Random(seed)
+    tag = group_tag(f"sync-{rng.randrange(10**6)}")
+    assert len(tag) == GROUP_TAG_BYTES and tag != group_tag("sync-x")
+    a = Announcement(
+        pid(seed),
+        rng.choice(["", "x"]),
+        rng.uniform(0, 1e4),
+        rng.uniform(0, 1e9),
+        b"s",
+        rng.random() < 0.5,
+        rng.choice([0, 1]),
+        tag,
+    )
+    assert Announcement.from_bytes(a.peer, a.to_bytes()) == a
+    assert Announcement.from_bytes(a.peer, a.closed().to_bytes()).group == tag
+    head = [a.addr, a.deadline, a.bandwidth, a.schema]
+    for bad in (
+        [*head, a.leads, a.rank, b""],
+        [*head, a.leads, a.rank, bytes(GROUP_TAG_BYTES + 1)],
+        [*head, a.leads, a.rank, "text"],
+        [*head, False, a.rank],
+        [*head, a.leads, a.rank, tag, 0],
+    ):
+        with pytest.raises(RemoteProtocolError):
+            Announcement.from_bytes(a.peer, pack(bad))
+
+
 def test_gathering_admits_until_full_and_orders_members():
     g = Gathering(Joiner(pid(9), "l", 1.0), b"s", target_size=3, min_size=2)
     assert g.offer(Joiner(pid(5), "a", 1.0), b"t").startswith("schema mismatch")
