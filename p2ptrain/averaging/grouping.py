@@ -256,7 +256,7 @@ class GroupForming:
         7.4 MB a step, 20.4x the median node: every looker read every announcement from it, O(N^2)
         bytes at one key's replicas. The spread keys are the run's, not the step's: keys new each step
         had every looker look up every bucket's replicas each step (at 64 peers over 4 buckets,
-        `dht.find_node` 177 KB a peer a step against 44 KB with one key), and a key read again keeps its
+        ``dht.find_node`` 177 KB a peer a step against 44 KB with one key), and a key read again keeps its
         replicas (``dht.replicas``). A peer looks for one group at a time, so its one subkey a key
         holds its one announcement."""
         bits = self._policy().key_bits

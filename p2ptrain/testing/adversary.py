@@ -278,7 +278,14 @@ def announce_only(averager: Averager) -> None:
         end = clock() + averager.config.matchmaking_time
         while clock() < end:
             deadline = clock() + LEAD_TIME
-            announcement = Announcement(me, groups.address(reducer=True), deadline, groups.bandwidth, digest)
+            announcement = Announcement(
+                me,
+                groups.address(reducer=True),
+                deadline,
+                groups.bandwidth,
+                digest,
+                group=groups.tag(group_key),
+            )
             await groups.announce(key, announcement, deadline + JOIN_GRACE)
             await trio.sleep(LEAD_TIME / 2)
         raise GroupFormationFailed("a silent leader forms no group")

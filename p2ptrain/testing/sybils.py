@@ -220,9 +220,11 @@ async def _flood_dht(opt: CollaborativeOptimizer, costs: Attack) -> None:
     while True:
         epoch = honest_epoch(opt, costs)
         groups = opt.node.averager.groups
-        keys = [*opt.board.keys] + [
+        # (the next steps' matchmaking keys: one set for all of them where the run spreads its keys)
+        looks = dict.fromkeys(
             k for e in range(epoch, epoch + FLOOD_STEPS) for k in groups.keys(f"{mode}-{e}").keys
-        ]
+        )
+        keys = [*opt.board.keys, *looks]
         for key in keys:  # one store after the other: the flood's rate is what the replicas take
             for who in ids:
                 await publish_as(opt, costs, who, key, junk, FLOOD_TTL)
