@@ -61,8 +61,8 @@ async def _announcements(seed: int) -> None:
         for peer, key in stored:
             assert any(key == groups.keys(group_key(e)).key_of(peer) for e in range(last)), key
 
-        # ids that announce under random sets of the next steps' keys: their own bucket's among them or
-        # not (client-only: no address, so that nobody waits for them and the swarm trains on)
+        # ids that announce under random sets of the bucket keys: their own bucket's among them or not
+        # (client-only: no address, so that nobody waits for them and the swarm trains on)
         start = max(p.opt.epoch for p in honest)
         steps = range(start, start + 4)  # (the steps read below)
         ids = [Identity.generate() for _ in range(rng.randint(6, 14))]
