@@ -161,6 +161,11 @@ class ProgressSection:
     # key's replicas serve every record (about one key per 64 peers the run expects). Each step's
     # matchmaking announcements and the run's ban records are spread the same way (``dht.spread``)
     buckets: int = 1
+    # regions a step's swarm splits into, a power of 2 below ``buckets`` (1: one group a step, as before):
+    # each region's peers form their own group, held to a majority of the region's peers on the step,
+    # and a round averages its members' states along with their gradients, so that the regions, paired
+    # anew each step, hold one state after a turn of steps (sync mode; see the docs' swarms at scale)
+    regions: int = 1
 
     def __post_init__(self) -> None:
         _check(self.interval > 0, "progress.interval", "must be positive")
@@ -169,6 +174,17 @@ class ProgressSection:
             1 <= self.buckets <= MAX_BUCKETS and self.buckets & (self.buckets - 1) == 0,
             "progress.buckets",
             f"must be a power of 2 from 1 to {MAX_BUCKETS}",
+        )
+        _check(
+            1 <= self.regions <= self.buckets and self.regions & (self.regions - 1) == 0,
+            "progress.regions",
+            f"must be a power of 2 from 1 to progress.buckets ({self.buckets})",
+        )
+        _check(
+            self.regions == 1 or self.regions < self.buckets,
+            "progress.regions",
+            "must be fewer than progress.buckets: a region pairs at least two buckets each step, or"
+            " the regions never mix",
         )
 
 
@@ -336,6 +352,12 @@ class RunConfig:
         if self.diloco.fragments > 1 and self.training.mode != "diloco":
             raise ConfigError(
                 "diloco.fragments > 1 streams DiLoCo's outer rounds: it needs training.mode = 'diloco'"
+            )
+        if self.progress.regions > 1 and self.training.mode != "sync":
+            raise ConfigError(
+                "progress.regions > 1 averages each round's states along with its gradients: it needs"
+                " training.mode = 'sync' for now (DiLoCo's global state and outer momentum are not"
+                " averaged across regions)"
             )
         problem = sparse_problem(mode, self.averaging.aggregation, self.averaging.audit)
         if problem:

@@ -270,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the run's progress.buckets (swarm runs); DHT runs: the one-key workload's records spread"
         " over this many keys (a power of 2), all read",
     )
+    ap.add_argument(
+        "--regions",
+        type=int,
+        default=1,
+        help="the run's progress.regions (swarm runs): regions a step's swarm splits into, each forming"
+        " its own group and averaging states (a power of 2 below --buckets)",
+    )
     ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
@@ -306,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             and args.max_group == 64
             and not args.width
             and args.buckets == 1
+            and args.regions == 1
         )
         settings = (
             "default"
@@ -315,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"loss={args.loss},bps={args.batches_per_step},group={args.max_group}"
                 + (f",width={args.width}" if args.width else "")
                 + (f",buckets={args.buckets}" if args.buckets > 1 else "")
+                + (f",regions={args.regions}" if args.regions > 1 else "")
             )
         )
         runs = []
@@ -331,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_group=args.max_group,
                 width=args.width,
                 buckets=args.buckets,
+                regions=args.regions,
             )
             t0 = time.perf_counter()
             result = run(spec)

@@ -81,6 +81,7 @@ class SwarmSpec:
     # nobody, and its quorums were those of peers that trust a handful.
     width: int = 0
     buckets: int = 1  # the run's ``progress.buckets``: keys its progress records spread over
+    regions: int = 1  # the run's ``progress.regions``: a step's groups, one per region
 
     @property
     def hidden(self) -> int:
@@ -124,7 +125,7 @@ def run_config(spec: SwarmSpec) -> RunConfig:
             grad_clip=0.0,
         )
         .replace("averaging", matchmaking_time=3.0, max_group_size=spec.max_group)
-        .replace("progress", buckets=spec.buckets)
+        .replace("progress", buckets=spec.buckets, regions=spec.regions)
     )
 
 
@@ -215,8 +216,9 @@ class Simulation:
                 epoch_noted, why = int(last.get("epoch", -1)), str(last.get("reason", ""))
                 peer.notes.append((epoch_noted, str(last["outcome"]), why))
             if took and last.get("outcome") == "averaged":
-                self.contributors.setdefault(
-                    int(last.get("epoch", epoch)), set(last.get("shares", {})) - set(last.get("excluded", {}))
+                # (every round of the step's: one per region where the swarm is split)
+                self.contributors.setdefault(int(last.get("epoch", epoch)), set()).update(
+                    set(last.get("shares", {})) - set(last.get("excluded", {}))
                 )
             if took:
                 peer.steps.append(
@@ -342,14 +344,20 @@ def measure(
     per_method = {m: round(v / n / steps) for m, v in by_method.most_common() if m not in DATA_METHODS}
     median_sent = statistics.median(control_sent) if control_sent else 0.0
     # ---- steps: forks, who was in each committed round, target reached -> committed ----
-    digests: dict[int, set[bytes]] = {}
+    # A fork: two states of one step (of one region of it, where the swarm is split: each region's
+    # round leaves its own, and only the states that rounds left count there; a download takes another
+    # region's)
+    digests: dict[tuple[int, int], set[bytes]] = {}
     committed_at: dict[int, float] = {}
     for p in sim.peers:
+        regions = p.opt.board.regions
         for left, now, digest, outcome, _mine, at in p.steps:
-            digests.setdefault(now, set()).add(digest)
+            if regions.split and outcome != "averaged":
+                continue
+            digests.setdefault((now, regions.of_peer(p.node.peer_id, left)), set()).add(digest)
             if outcome == "averaged":
                 committed_at[left] = min(committed_at.get(left, math.inf), at)
-    forks = sorted(e for e, ds in digests.items() if len(ds) > 1)
+    forks = sorted({e for (e, _), ds in digests.items() if len(ds) > 1})
     shares = []
     # what the live peers left out of a committed round noted of its step instead (no group, aborted,
     # synced to the next: "none" if nothing), and why, where they say: where the share is lost
@@ -474,10 +482,29 @@ def measure(
         "left_out_per_step": per_step,
         "forks": len(forks),
         "fork_epochs": forks[:10],
+        # the live peers' parameters at the run's end, on the step most of them are on: the largest
+        # distance of one from their mean, over the mean's norm (0 with one group a step; regions leave
+        # each region its own state, mixed by the next steps' pairings)
+        "drift": _drift(sim.live()),
+        "groups_per_step": round(len(digests) / max(1, len({e for e, _ in digests})), 2),
         # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
         # contributors miss a member's signed quorum aborts on all its members)
         "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
     }
+
+
+def _drift(peers: list[SimPeer]) -> float | None:
+    """The largest distance of a peer's parameters from the mean of those on the most common step, over
+    the mean's norm (see ``measure``)."""
+    on = Counter(p.opt.epoch for p in peers)
+    if not on:
+        return None
+    epoch = on.most_common(1)[0][0]
+    flat = [
+        torch.cat([t.detach().flatten() for t in p.model.parameters()]) for p in peers if p.opt.epoch == epoch
+    ]
+    mean = torch.stack(flat).mean(0)
+    return round(max(float((f - mean).norm()) for f in flat) / max(float(mean.norm()), 1e-12), 6)
 
 
 def _arrived(peer: SimPeer, epoch: int) -> float:

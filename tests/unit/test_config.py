@@ -97,6 +97,7 @@ DEFAULTS = {
     "progress.interval": 1.0,
     "progress.ttl": 10.0,
     "progress.buckets": 1,
+    "progress.regions": 1,
     "statesync.chunk_timeout": 30.0,
     "statesync.max_donors": 4,
     "statesync.replay_steps": 4,
@@ -437,6 +438,20 @@ def test_task_options_are_copied_into_a_plain_dict() -> None:
         pytest.param({"progress": {"interval": 20}}, ["progress.ttl"], id="interval-past-default-ttl"),
         pytest.param({"progress": {"buckets": 3}}, ["progress.buckets", "power of 2"], id="buckets-3"),
         pytest.param({"progress": {"buckets": 0}}, ["progress.buckets", "power of 2"], id="buckets-0"),
+        pytest.param(
+            {"progress": {"regions": 3, "buckets": 4}}, ["progress.regions", "power of 2"], id="regions-3"
+        ),
+        pytest.param(
+            {"progress": {"regions": 2}}, ["progress.regions", "progress.buckets (1)"], id="regions-past"
+        ),
+        pytest.param(
+            {"progress": {"regions": 4, "buckets": 4}}, ["progress.regions", "never mix"], id="regions-all"
+        ),
+        pytest.param(
+            {"training": {"mode": "diloco"}, "progress": {"regions": 2, "buckets": 4}},
+            ["progress.regions", "training.mode = 'sync'"],
+            id="regions-diloco",
+        ),
         pytest.param({"checkpoint": {"every_steps": -1}}, ["checkpoint.every_steps"], id="checkpoint-every"),
         pytest.param({"checkpoint": {"keep": 0}}, ["checkpoint.keep", "at least 1"], id="checkpoint-keep"),
         pytest.param({"eval": {"every_steps": -1}}, ["eval.every_steps"], id="eval-every"),

@@ -1,7 +1,8 @@
 """The bucketed view's pure parts: the size estimate from a routing table, the buckets, the keys (one
 bucket: the progress key as it is), which buckets a reader reads, and the scaled estimate with the
 untrusted cap (seeded); the regions of a step (a partition of the buckets, and averaging within them
-for a turn of steps reaches the mean of every bucket)."""
+for a turn of steps reaches the mean of every bucket), a run's regions by peer id, and the optimizer
+state a split swarm's rounds average, made ahead of a first step."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import random
 import statistics
 
 import pytest
+import torch
 
+from p2ptrain.config import RunConfig
 from p2ptrain.dht.spread import bucket_of
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.buckets import (
     BUCKET_TARGET,
+    Regions,
     bucket_bits,
     buckets_to_read,
     capped_estimate,
@@ -23,6 +28,7 @@ from p2ptrain.training.optimizer.buckets import (
     scaled_total,
     size_estimate,
 )
+from p2ptrain.training.optimizer.local_steps import LocalSteps
 
 
 def ids(n: int, seed: int) -> list[bytes]:
@@ -161,3 +167,60 @@ def test_one_region_when_the_span_covers_every_dimension_and_a_span_below_one_is
     assert region_buckets(0, 0, 4) == [0]
     with pytest.raises(ValueError):
         paired_dims(3, 4, span=0)
+
+
+def test_a_runs_regions_place_each_peer_by_its_id_alone_and_one_region_is_the_swarm() -> None:
+    rng = random.Random(5)
+    for _ in range(100):
+        bits = rng.randrange(1, 7)
+        regions_count = 1 << rng.randrange(0, bits)  # (fewer regions than buckets: the run file's rule)
+        regions = Regions.of(1 << bits, regions_count)
+        assert regions.split == (regions_count > 1)
+        assert regions.share == pytest.approx(1 / regions_count)
+        peers = [Identity.from_seed(rng.randbytes(32)).peer_id for _ in range(rng.randrange(2, 40))]
+        epoch = rng.randrange(0, 1000)
+        placed: dict[int, set[PeerID]] = {}
+        for p in peers:
+            r = regions.of_peer(p, epoch)
+            bucket = bucket_of(p.digest, bits)
+            assert r == (region_of(bucket, bits, epoch, regions.span) if regions.split else 0)
+            assert regions.tag(p, epoch) == (f"/region-{r}" if regions.split else "")
+            placed.setdefault(r, set()).add(p)
+        assert len(placed) <= regions_count
+        for a in peers:  # ``together`` is "in one region", and nothing else
+            for b in peers:
+                assert regions.together(a, b, epoch) == (
+                    regions.of_peer(a, epoch) == regions.of_peer(b, epoch)
+                )
+
+
+@pytest.mark.parametrize("make", ["adamw", "adam", "sgd-momentum"])
+def test_the_optimizer_state_made_ahead_of_a_first_step_is_the_state_that_step_starts_from(make: str) -> None:
+    """A split swarm's round averages the optimizer's state too (``LocalSteps.state_tensors``), made as
+    zeros where the optimizer has none yet: a first step from it lands where a fresh optimizer's does."""
+    torch.manual_seed(3)
+    models = [torch.nn.Linear(5, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = []
+    for m in models:
+        if make == "adamw":
+            opts.append(torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1))
+        elif make == "adam":
+            opts.append(torch.optim.Adam(m.parameters(), lr=0.1))
+        else:
+            opts.append(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    params = list(models[1].parameters())
+    local = LocalSteps(opts[1], params, RunConfig().training, None, None)  # type: ignore[arg-type]
+    made = local.state_tensors()
+    assert len(made) > len(params)  # (the optimizer's state, made)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), params, strict=True))  # untouched
+    grads = [torch.randn_like(p) for p in params]
+    for m, opt in zip(models, opts, strict=True):
+        for p, g in zip(m.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-7)
+    # the same tensors, in the same order, every time (a round's schema)
+    again = local.state_tensors()
+    assert [t.shape for t in again] == [t.shape for t in made]

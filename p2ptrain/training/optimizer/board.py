@@ -47,7 +47,7 @@ from ...waits import either
 from ...wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL, BanBook
 from .bookkeeping import Tally
-from .buckets import progress_keys
+from .buckets import Regions, progress_keys
 from .progress import (
     SPREAD,
     PeerProgress,
@@ -112,6 +112,9 @@ class ProgressBoard:
         self.spread = progress_keys(node.config.run_id, config.progress.buckets.bit_length() - 1)
         self.bits, self.keys = self.spread.bits, list(self.spread.keys)
         self.key = self.key_of(node.peer_id)
+        # A step's swarm split into regions (``progress.regions``): this peer's view of a step counts the
+        # records of its region at that step alone (``region_records``)
+        self.regions = Regions.of(config.progress.buckets, config.progress.regions)
         self.view: SwarmView | None = None
         self._records: list[PeerProgress] = []
         self._by_peer: dict[PeerID, PeerProgress] = {}  # each peer's record in ``records``
@@ -494,33 +497,119 @@ class ProgressBoard:
             if addr is not None and addr.relay is not None and addr.peer_id == r.peer != self.node.peer_id:
                 self._nursery.start_soon(host.punch.reach, addr)
 
-    def update_view(self) -> SwarmView:
-        """The swarm's view from the records read last (and this peer's own record as it is now)."""
+    def region_records(self, epoch: int) -> list[PeerProgress]:
+        """The records read last of the peers in this peer's region at ``epoch`` (all of them with one
+        region): what its view of that step counts, and what a group of it is held to."""
+        if not self.regions.split:
+            return self._records
+        me = self.node.peer_id
+        return [r for r in self._records if self.regions.together(r.peer, me, epoch)]
+
+    @property
+    def target(self) -> int:
+        """The samples a step of this peer's region takes: the run's target batch, its region's share of
+        it where the swarm is split (each region steps on its own, with about its share of the peers)."""
+        target = self.config.training.target_batch_size
+        return max(1, math.ceil(target * self.regions.share)) if self.regions.split else target
+
+    def _view(
+        self,
+        epoch: int,
+        *,
+        spectator: bool = False,
+        cohort: frozenset[PeerID] = frozenset(),
+        expired: Iterable[PeerProgress] = (),
+    ) -> SwarmView:
+        """``swarm_view`` of ``epoch`` over the records read last (``spectator``: a step past this
+        peer's, see :meth:`view_of`). A split swarm's (``progress.regions``)
+        counts the step's peers, samples and quorum among the records of this peer's region at
+        ``epoch`` (``region_records``), against the region's share of the target; which step to be on
+        (``newest``, ``overtaken``) is what its trusted peers say wherever they are (those of other
+        regions a step less: see below), and the donors of a state or of the results to replay are the
+        trusted peers wherever they are (asked in the region alone, a peer a step behind found none that
+        had the step's result to serve). Counted in the region alone, a joiner
+        whose join peers were in another region saw nobody it trusted ahead, stayed on the step the
+        swarm had left, and formed a second group of it with the other late joiners of its region (16
+        simulated peers). And no digest to diverge
+        from: the peers of a region on a step come from different regions of the step before, so hold
+        different states, and their round averages those states (``RoundRunner.states``): a state that
+        differs from others on the step is brought to its region's by the next round, and downloading
+        another one would only trade one for the other."""
         trusted = self.trusted()
-        self.view = swarm_view(
-            self.node.peer_id,
-            self.record(),
-            self.records,
-            now=self.clock(),
-            target=self.config.training.target_batch_size,
-            horizon=self._horizon,
-            trusted=trusted,
-            min_work=self.config.run.id_work,
-            cohort=self.cohort(),
-            met=None if trusted is None else frozenset(self.node.host.connected_peers()),
-            expired=self._members_read.values(),
+        me, mine, now = self.node.peer_id, self.record(), self.clock()
+        met = None if trusted is None else frozenset(self.node.host.connected_peers())
+
+        def view_over(records: list[PeerProgress], target: int) -> SwarmView:
+            return swarm_view(
+                me,
+                mine,
+                records,
+                now=now,
+                target=target,
+                horizon=self._horizon,
+                trusted=trusted,
+                min_work=self.config.run.id_work,
+                cohort=cohort,
+                met=met,
+                epoch=epoch if spectator else None,
+                expired=expired,
+            )
+
+        if not self.regions.split:
+            return view_over(self._records, self.target)
+        swarm = view_over(self._records, self.config.training.target_batch_size)
+        view = view_over(self.region_records(epoch), self.target)
+        # The region's target: its share of the swarm's, by rate (each region steps about when the
+        # swarm as a whole would: a region of fewer peers than its buckets' share, 5 of 16 simulated
+        # peers, took its steps at a third of the others' pace, and the regions a step pairs waited on
+        # it), within half to twice its buckets' share (rates are claims, capped by trust as ever)
+        if swarm.rate > 0 and view.rate > 0:
+            share = min(max(view.rate / swarm.rate, self.regions.share / 2), min(1.0, 2 * self.regions.share))
+            target = max(1, math.ceil(self.config.training.target_batch_size * share))
+            if target != view.target:
+                view = view_over(self.region_records(epoch), target)
+        # A trusted peer of another region one step past this one's took its region's step, not this
+        # one's: it says the swarm did the step before (counted as on it, this peer's region saw its
+        # peers behind whenever the other region committed first, and followed it by replays instead
+        # of averaging). A newcomer (it has averaged with nobody: its trusted peers are its join peers,
+        # anywhere) takes their step as it is: its region may have taken the step without it (and it
+        # only follows in its region, where it trusts nobody there: ``RoundRunner._form_group``).
+        # Counted as a step less, late joiners whose regions had left their step stayed on it until the
+        # swarm was two past it, chasing it, and at a swarm's start, where only its first peer has
+        # anyone to lead with, the other regions formed no group (16 simulated peers).
+        node = self.node
+        anchored = bool(node.averager.partners) or not node.join_peers
+        newest = max(view.newest, swarm.newest - 1 if anchored else swarm.newest)
+        return dataclasses.replace(
+            view,
+            newest=newest,
+            overtaken=view.overtaken or newest > view.epoch,
+            donors=swarm.donors,  # (the trusted peers at the swarm's step: any region's state is one)
+            swarm_rate=swarm.swarm_rate,
+            majority=b"",
         )
+
+    def update_view(self) -> SwarmView:
+        """The swarm's view from the records read last (and this peer's own record as it is now): its
+        region's, where the swarm is split (see ``_view``)."""
+        trusted = self.trusted()
+        self.view = self._view(self.tally.epoch, cohort=self.cohort(), expired=self._members_read.values())
         if trusted is not None:
             self._note_refused_claims(trusted)
         self.alone.observe(self.view, self.records, self.tally.epoch)
         return self.view
 
     def cohort(self) -> frozenset[PeerID]:
-        """The others of the round that took this peer to its step, less those banned here since."""
+        """The others of the round that took this peer to its step, less those banned here since (and
+        less those in another region of the step, where the swarm is split)."""
         epoch, members = self.tally.cohort
         if epoch != self.tally.epoch:
             return frozenset()
-        return members.difference(self.node.averager.auditor.banned)
+        members = members.difference(self.node.averager.auditor.banned)
+        if self.regions.split:
+            me = self.node.peer_id
+            members = frozenset(p for p in members if self.regions.together(p, me, epoch))
+        return members
 
     def view_of(self, epoch: int) -> SwarmView:
         """The swarm's view of ``epoch``, a step past this peer's (its replay in flight lands it there:
@@ -530,19 +619,7 @@ class ProgressBoard:
         a sync home peer on a slow link see the target seconds before the others did and lead groups of
         its own for steps the swarm's records did not yet put within reach. ``view`` is left as it
         is."""
-        trusted = self.trusted()
-        return swarm_view(
-            self.node.peer_id,
-            self.record(),
-            self.records,
-            now=self.clock(),
-            target=self.config.training.target_batch_size,
-            horizon=self._horizon,
-            trusted=trusted,
-            min_work=self.config.run.id_work,
-            met=None if trusted is None else frozenset(self.node.host.connected_peers()),
-            epoch=epoch,
-        )
+        return self._view(epoch, spectator=True)
 
     def _note_refused_claims(self, trusted: frozenset[PeerID]) -> None:
         """Say once per peer when an untrusted record claims a step far past the trusted peers' (an
@@ -591,7 +668,11 @@ class ProgressBoard:
         now, ttl = self.clock(), self.config.progress.ttl
         connected = set(self.node.host.connected_peers())
         fresh = {p: r for p, r in latest.items() if (now - r.time <= ttl or p in connected) and not r.leaving}
-        return frozenset(p for p, r in fresh.items() if epoch - 1 <= r.epoch <= epoch)
+        return frozenset(
+            p
+            for p, r in fresh.items()
+            if epoch - 1 <= r.epoch <= epoch and self.regions.together(p, me, epoch)
+        )
 
     def trusted(self) -> frozenset[PeerID] | None:
         """The peers whose progress records may move this one to another state (see ``progress``): the

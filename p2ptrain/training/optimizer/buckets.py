@@ -26,7 +26,8 @@ What k ids can do (the threat model's rules hold: nothing is believed because ma
 * Skew a reader's size estimate by crowding its routing table: ``bits`` moves by a level or two (twice
   or four times the bytes, or half the records per bucket): cost, not correctness.
 
-Regions (the groups' side of the design; not used by the optimizer yet): a group of ``n`` members
+Regions (the groups' side of the design; :class:`Regions`, used by the optimizer where the run sets
+``progress.regions``): a group of ``n`` members
 costs each member O(n^2) bytes a round (it fetches every partition's result with every contributor's
 signed scale of it, ``averaging.bounds``), so a step of a large swarm needs many bounded groups, each
 formed among the peers of one *region*: ``2^span`` buckets that differ only in the ``span`` dimensions
@@ -45,8 +46,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from ...dht.spread import SpreadKey
+from ...dht.spread import SpreadKey, bucket_of
+from ...identity import PeerID
 
 BUCKET_TARGET = 64  # records a bucket key holds, about
 SAMPLED = 4  # buckets a reader reads besides its own
@@ -155,3 +158,45 @@ def region_buckets(bucket: int, bits: int, epoch: int, span: int = 1) -> list[in
     for d in paired_dims(epoch, bits, span):
         out += [b | (1 << d) for b in out]
     return sorted(out)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """A run's regions: ``2^bits`` buckets, a region of ``2^span`` of them a step (:func:`region_buckets`);
+    ``span == bits``: one region, the whole swarm (a run without ``progress.regions``)."""
+
+    bits: int
+    span: int
+
+    @classmethod
+    def of(cls, buckets: int, regions: int) -> Regions:
+        """The regions of a run with ``buckets`` bucket keys split into ``regions`` regions a step (both
+        powers of 2, ``regions`` at most ``buckets``: the run file's check)."""
+        bits = buckets.bit_length() - 1
+        return cls(bits, bits - (regions.bit_length() - 1))
+
+    @property
+    def split(self) -> bool:
+        """Whether a step's swarm is split (else: one region, and everything here is the identity)."""
+        return self.span < self.bits
+
+    @property
+    def share(self) -> float:
+        """The share of the swarm's buckets one region holds."""
+        return 1.0 / (1 << (self.bits - self.span))
+
+    def of_peer(self, peer: PeerID, epoch: int) -> int:
+        """``peer``'s region at ``epoch``: a pure function of its id (a hash), the step and the bits;
+        nothing a peer says moves it."""
+        if not self.split:
+            return 0
+        return region_of(bucket_of(peer.digest, self.bits), self.bits, epoch, self.span)
+
+    def together(self, a: PeerID, b: PeerID, epoch: int) -> bool:
+        """Whether ``a`` and ``b`` are in one region at ``epoch``."""
+        return not self.split or self.of_peer(a, epoch) == self.of_peer(b, epoch)
+
+    def tag(self, peer: PeerID, epoch: int) -> str:
+        """What a group key of ``epoch`` gets for ``peer``'s region: "" with one region (the key as it
+        was), else the region's index."""
+        return f"/region-{self.of_peer(peer, epoch)}" if self.split else ""

@@ -391,7 +391,9 @@ class CollaborativeOptimizer:
                 and view.ready
                 and not view.overtaken
                 and not shared.holds
-                and self.alone.may_step_alone(view, self.board.records, tally.epoch, self.board.met_swarm)
+                and self.alone.may_step_alone(
+                    view, self.board.region_records(tally.epoch), tally.epoch, self.board.met_swarm
+                )
             ):
                 await self.solo_step()
                 return True
@@ -411,7 +413,7 @@ class CollaborativeOptimizer:
         me, epoch, trusted = self.node.peer_id, self.tally.epoch, self.board.trusted()
         here = [
             r.record
-            for r in self.board.records
+            for r in self.board.region_records(epoch)
             if r.peer != me
             and r.record.epoch == epoch
             and r.record.run == self.fingerprint
@@ -441,7 +443,12 @@ class CollaborativeOptimizer:
                 self.node.averager.decline(manifest)
         epoch = tally.epoch + 1 if self.diloco else flight.target
         if (
-            (flight.carry_from != tally.epoch if self.diloco else not 0 < epoch - tally.epoch <= AHEAD_STEPS)
+            rounds.states  # (a split swarm's round averages states: not the one a replay is yet to land)
+            or (
+                flight.carry_from != tally.epoch
+                if self.diloco
+                else not 0 < epoch - tally.epoch <= AHEAD_STEPS
+            )
             or rounds.looks_for(epoch)  # (a look for an earlier step's group is superseded)
             or (self.diloco and tally.samples <= 0)
             or self.clock() < rounds.retry_at

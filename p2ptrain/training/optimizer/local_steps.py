@@ -12,6 +12,7 @@ step count. Gradients are clipped the same way on every peer: the same bits go i
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -107,3 +108,41 @@ class LocalSteps:
             for p in self.params:
                 if p.grad is not None:
                     p.grad = p.grad * factor
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This peer's training state as tensors, live (what a round of a swarm split into regions
+        averages): the parameters, then each floating tensor of the optimizer's per-parameter state, in
+        the optimizer's parameter order and by state name. State the optimizer creates at its first
+        step (Adam's moments and step count, SGD's momentum) is created here first, as zeros shaped as a
+        throwaway step on copies shows (:meth:`_first_state`): the state a first step starts from (so
+        exactly for Adam, AdamW and SGD without dampening), and every peer of a step averages the same
+        tensors whether or not it has stepped yet."""
+        opt = self.optimizer
+        ordered = [p for group in opt.param_groups for p in group["params"]]
+        if any(not opt.state.get(p) for p in ordered):
+            first = self._first_state()
+            for i, p in enumerate(ordered):
+                if not opt.state.get(p) and first[i]:
+                    opt.state[p] = {
+                        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+                        for k, v in first[i].items()
+                    }
+        out = list(ordered)
+        for p in ordered:
+            state = opt.state.get(p, {})
+            out += [
+                state[k]
+                for k in sorted(state)
+                if isinstance(state[k], torch.Tensor) and state[k].is_floating_point()
+            ]
+        return out
+
+    def _first_state(self) -> list[dict[str, object]]:
+        """Each parameter's optimizer state after one step with zero gradients, on copies (of the
+        optimizer and its parameters: nothing here changes)."""
+        probe = copy.deepcopy(self.optimizer)
+        params = [p for group in probe.param_groups for p in group["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        probe.step()
+        return [dict(probe.state.get(p, {})) for p in params]

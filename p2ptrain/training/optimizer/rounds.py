@@ -184,6 +184,15 @@ class InFlight:
     digest: bytes = b""  # the round's
     epoch: int = 0  # the step whose state its result is applied to (past this peer's own: joined ahead)
     manifest: SignedManifest | None = None  # the round's (its signed quorums decide whether it is applied)
+    # a split swarm's round (``RoundRunner.states``): the training state (the parameters and the
+    # optimizer's) as it was at the handoff, averaged along with the gradients and taken before the
+    # mean gradient is applied
+    state: list[torch.Tensor] | None = None
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the round averages ``tensors`` in place (one flat buffer, no state beside it)."""
+        return self.tensors.sendable and self.state is None
 
 
 class RoundRunner:
@@ -334,6 +343,32 @@ class RoundRunner:
         a look ahead for its group is still this peer's."""
         return self.tally.epoch <= epoch <= self.headed()
 
+    @property
+    def states(self) -> bool:
+        """Whether rounds average states (the parameters at the handoff) along with the gradients: a split
+        swarm's (``progress.regions``), whose region's peers come from different regions of the step
+        before, so hold different states. A round leaves its members with one state: the mean of theirs
+        (the parameters and the optimizer's state, weighted as their gradients are), the mean gradient
+        then applied to it. Regions pair other
+        buckets each step, so any ``ceil(bits / span)`` steps in a row mix every bucket's state into
+        every other's (``buckets``). Not for a group joined ahead (its state is the one a replay in
+        flight leaves: see :meth:`joined_ahead`)."""
+        return self.board.regions.split
+
+    def round_tensors(
+        self, buffer: ParamBuffer, state: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """What a round takes: the buffer's tensors, and where rounds average states the state's after
+        them (``state``: a copy taken at the handoff; as a group forms, the live tensors stand for it:
+        only their shapes matter then)."""
+        if not self.states:
+            return buffer.tensors
+        return [*buffer.tensors, *(self.local.state_tensors() if state is None else state)]
+
+    def _state_now(self) -> list[torch.Tensor]:
+        """A copy of this peer's training state as it is now (see ``LocalSteps.state_tensors``)."""
+        return [t.detach().clone() for t in self.local.state_tensors()]
+
     def look_past_ahead(self) -> None:
         """sync, a round joined ahead in flight (its replay landing this peer on that round's step):
         look now for the group of the step after, the one this peer lands on once both landed, as a
@@ -347,6 +382,7 @@ class RoundRunner:
         flight = self.in_flight
         if (
             self.outer is not None
+            or self.states
             or flight is None
             or flight.epoch <= self.tally.epoch
             or self.looks_for(flight.epoch + 1)
@@ -368,6 +404,8 @@ class RoundRunner:
         apart from the replay's (not a site's): else it hands over once the replay landed."""
         flight = self.state.download
         if flight is None or not flight.replaying or flight.target != epoch or self.in_flight is not None:
+            return False
+        if self.states:
             return False
         if self.outer is None:
             return 0 < epoch - self.tally.epoch <= AHEAD_STEPS
@@ -461,7 +499,7 @@ class RoundRunner:
                     view.quorum,
                     cfg.max_group_size,
                 )
-            publishing = frozenset(r.peer for r in board.records)
+            publishing = frozenset(r.peer for r in board.region_records(epoch))
             # anchored beyond its join peers: it averaged, or it has none (it trusts the peers connected)
             node = self.node
             anchored = bool(node.averager.partners) or not node.join_peers
@@ -478,6 +516,12 @@ class RoundRunner:
                 board.cohort(),
             )
             if follows:  # (until its own view reaches the target: see ``start_matchmaking``)
+                quorum = dataclasses.replace(quorum, leads=False)
+            elif board.regions.split and not anchored and view.vouched_here <= 1 and not absent:
+                # A newcomer that trusts nobody of its region on the step (its join peers are in
+                # others) counts no quorum of it: led from here, a group of the late joiners of a region
+                # whose peers had taken the step committed it a second time (16 simulated peers). It
+                # follows a leader that does (and is anchored by that round).
                 quorum = dataclasses.replace(quorum, leads=False)
             log.debug(
                 "looking for a group of step %d: %d to %d peers (%s; %d arriving; records read in %.2f s,"
@@ -507,7 +551,7 @@ class RoundRunner:
             # began over 8 s, the left-out's about a second after the members' median).
             opens = opening(self.clock(), view.heard_eta if follows else view.eta, cfg.matchmaking_time)
             manifest = await self.node.averager.form_group(
-                self.contribution.buffer.tensors,
+                self.round_tensors(self.contribution.buffer),
                 timeout=cfg.timeout,
                 group_key=self.group_key(epoch),
                 target_size=target,
@@ -570,9 +614,11 @@ class RoundRunner:
         return self.tally.epoch == epoch and self.tally.samples <= 0 and self.in_flight is None
 
     def group_key(self, epoch: int) -> str:
-        """Groups form per step; streaming DiLoCo's also per fragment count (what each step averages)."""
+        """Groups form per step (and per region of it, where the swarm is split: ``progress.regions``);
+        streaming DiLoCo's also per fragment count (what each step averages)."""
         mode, count = self.config.training.mode, len(self.contribution.fragments)
-        return f"{mode}-{epoch}" if count == 1 else f"{mode}/{count}-{epoch}"
+        region = self.board.regions.tag(self.node.peer_id, epoch)
+        return f"{mode}-{epoch}{region}" if count == 1 else f"{mode}/{count}-{epoch}{region}"
 
     # ---- running a round now (DiLoCo without overlap) ----
 
@@ -677,6 +723,7 @@ class RoundRunner:
             tensors = self.contribution.hand_over()
             tensors.div_(weight)  # the mean gradient; the round weighs it by the sample count
             self.tally.took(weight)  # the batches computed from now on count toward the next step
+        state = self._state_now() if self.states and outer is None else None
         done = trio.Event()
         # What is computed from here on counts toward the next step, the batch in progress included.
         self.in_flight = InFlight(
@@ -687,6 +734,7 @@ class RoundRunner:
             digest=manifest.digest,
             epoch=self.tally.epoch if epoch is None else epoch,
             manifest=manifest,
+            state=state,
         )
         self.tally.handed(True, epoch if ahead else None)
         if outer is None:
@@ -702,9 +750,9 @@ class RoundRunner:
                     flight.before = await outer.fold(flight.tensors)
                 flight.outcome = await self.node.averager.run_round(
                     manifest,
-                    flight.tensors.tensors,
+                    self.round_tensors(flight.tensors, flight.state),
                     weight=self.board.claim(weight),
-                    in_place=flight.tensors.sendable,
+                    in_place=flight.in_place,
                 )
             except RoundAborted as e:
                 flight.outcome = e
@@ -733,7 +781,7 @@ class RoundRunner:
                     self.outer.unfold(flight.before, committed=False)
                     self.contribution.after_abort(tensors)
                     return None
-                if isinstance(outcome, RoundResult) or tensors.sendable:
+                if isinstance(outcome, RoundResult) or flight.in_place:
                     return None  # (its buffer holds the average, or a round's relay may still read it)
                 tensors.zero_()
                 self.contribution.keep_spare(tensors)
@@ -761,7 +809,7 @@ class RoundRunner:
             self.short(flight.manifest, short)
         if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
             log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
-            if not tensors.sendable:  # (in place: the round may relay from them a while; then freed)
+            if not flight.in_place:  # (in place: the round may relay from them a while; then freed)
                 tensors.zero_()
                 self.contribution.keep_spare(tensors)
             return None
@@ -774,7 +822,7 @@ class RoundRunner:
             outer.unfold(flight.before, committed=isinstance(outcome, RoundResult))
         if not isinstance(outcome, RoundResult):
             self.note_abort(outcome or RoundAborted("the round ended without an outcome"))
-            if not diloco and tensors.sendable:  # averaged in place: they are spoilt
+            if not diloco and flight.in_place:  # averaged in place: they are spoilt
                 what = "step %d: the %d samples handed to the aborted round are dropped"
                 log.warning(what, self.tally.epoch, weight)
             elif not diloco:  # the gradients go back: the next round counts them
@@ -792,14 +840,22 @@ class RoundRunner:
             self.contribution.relay(outcome.retired)
             self.tally.took(weight)
             self.tally.counting_from(flight.since)
-        elif tensors.sendable:  # averaged in place: the round may relay from them a while; then freed
+        elif flight.in_place:  # averaged in place: the round may relay from them a while; then freed
             await self.state.keep_result(self.tally.epoch, tensors.views)  # for peers behind
             await self.state.off_loop(self.local.apply, tensors, False)
         else:
             await self.state.keep_result(self.tally.epoch, tensors.views)
+            if flight.state is not None:  # the region's mean state first, then the mean gradient on it
+                await self.state.off_loop(self._take_state, flight.state)
             await self.state.off_loop(self.local.apply, tensors)
             self.contribution.keep_spare(tensors)
         return outcome, weight
+
+    def _take_state(self, state: list[torch.Tensor]) -> None:
+        """The training state becomes a round's mean (a split swarm's, see :meth:`states`)."""
+        with torch.no_grad():
+            for live, mean in zip(self.local.state_tensors(), state, strict=True):
+                live.copy_(mean)
 
     def short(self, manifest: SignedManifest, why: str) -> None:
         """A committed round whose contributors miss its signed quorums: not applied (by the leader and

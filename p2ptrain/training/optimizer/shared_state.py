@@ -129,11 +129,14 @@ class SharedState:
             max_donors=s.max_donors,
             on_progress=self._on_download_progress,
         )
-        # the last few steps' results, served to peers that are behind (see ``state.replay``)
-        self.replay_steps = s.replay_steps
+        # the last few steps' results, served to peers that are behind (see ``state.replay``). None in a
+        # swarm split into regions (``progress.regions``): a round there leaves its members the mean of
+        # their states with the mean gradient applied, which no result applied to another state gives
+        # (a replay could never reach a digest the trusted records name), so a peer behind downloads
+        self.replay_steps = s.replay_steps if config.progress.regions == 1 else 0
         self.results = ResultStore(
             node.host.registry if s.serve else None,
-            s.replay_steps,
+            self.replay_steps,
             lambda epoch: self.hashed.get(epoch, b""),
             self.slots,
         )
