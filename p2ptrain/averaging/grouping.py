@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -264,6 +264,16 @@ class GroupForming:
             return SpreadKey.of(f"averaging/{self.host.run_id}/{group_key}", 0)
         return SpreadKey.of(f"averaging/{self.host.run_id}/looks", bits)
 
+    def read_keys(self, group_key: str) -> list[bytes]:
+        """The keys a look for ``group_key`` reads: every bucket's (see :meth:`keys`), or those of the
+        buckets the run names for it (``RoundPolicy.look_buckets``: a split swarm's region's)."""
+        spread = self.keys(group_key)
+        pick = self._policy().look_buckets
+        buckets = pick(group_key) if pick is not None and spread.bits > 0 else None
+        if buckets is None:
+            return list(spread.keys)
+        return [spread.keys[b] for b in buckets]
+
     def tag(self, group_key: str) -> bytes:
         """What this peer's announcements for ``group_key`` name it by: nothing under the group key's
         own key, its tag under the run's spread keys (see :meth:`keys`)."""
@@ -341,7 +351,8 @@ class GroupForming:
         looking = self._looking = _Looking(me, group_key, rules=rules, quorum=quorum, min_size=sizes[1])
         looking.compatible.add(me.peer)
         spread = self.keys(group_key)
-        key = spread.key_of(me.peer)  # (where this peer announces; it reads every bucket's)
+        key = spread.key_of(me.peer)  # (where this peer announces; it reads every bucket's, or its region's)
+        reading = self.read_keys(group_key)
         declined: set[Announcement] = set()
         retried: dict[PeerID, float] = {}  # leaders that said "ask again" -> when they first did
         refusals: list[str] = []
@@ -368,7 +379,7 @@ class GroupForming:
                 self._nursery.start_soon(self.announce, key, me, self._expiry(key, me.deadline + JOIN_GRACE))
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
-                seen = await self.announcements(spread, looking.me.group)
+                seen = await self.announcements(spread, looking.me.group, reading)
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
                 looking.latest.update((a.peer, a) for a in seen)
                 looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
@@ -455,7 +466,7 @@ class GroupForming:
         under a key new each step took about a second at 32 simulated peers: awaited by the look, it
         came out of the first leader's 3-second window, and in each read it cost 2.7x the read bytes."""
         if self._nursery is not None:
-            for key in self.keys(group_key).keys:
+            for key in self.read_keys(group_key):
                 self._nursery.start_soon(self._locate, key)
 
     async def _locate(self, key: bytes) -> None:
@@ -472,10 +483,13 @@ class GroupForming:
         except P2PError as e:
             log.warning("could not announce readiness to average: %s", e)
 
-    async def announcements(self, spread: SpreadKey, group: bytes = b"") -> list[Announcement]:
-        """The announcements under ``spread``'s keys whose owner signed them, each under its owner's
-        bucket's key (``SpreadKey.owned``: a peer counts once), that name ``group`` (see :meth:`tag`),
-        and that are not banned here; the keys are read at once. Every looker of the step writes them,
+    async def announcements(
+        self, spread: SpreadKey, group: bytes = b"", keys: Sequence[bytes] | None = None
+    ) -> list[Announcement]:
+        """The announcements under ``spread``'s keys (``keys`` of them where given) whose owner signed
+        them, each under its owner's bucket's key (``SpreadKey.owned``: a peer counts once), that name
+        ``group`` (see :meth:`tag`), and that are not banned here; the keys are read at once. Every
+        looker of the step writes them,
         so even a first read asks their replicas directly (``written``): a lookup of the value ends at
         the closest replicas, which each sent every announcement to every looker (at 256 simulated
         peers, 17.2 MB in a step from the node closest to the step's key, 23.7x the median node's
@@ -489,7 +503,7 @@ class GroupForming:
                 log.info("reading announcements failed: %s", e)
 
         async with trio.open_nursery() as nursery:
-            for key in spread.keys:
+            for key in spread.keys if keys is None else keys:
                 nursery.start_soon(get, key)
         out = []
         for peer, entry in spread.owned(read).values():
@@ -605,7 +619,7 @@ class GroupForming:
             seen = []
             # (an honest leader answers by its closing, however slow the DHT: see the module docstring)
             with trio.move_on_after(max(0.0, gathering.closes_at(me.deadline) - self.clock())):
-                seen = await self.announcements(spread, looking.me.group)
+                seen = await self.announcements(spread, looking.me.group, self.read_keys(looking.group_key))
             self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
             # (Not once the group may form. Full but short of its quorum, or held by one origin, it

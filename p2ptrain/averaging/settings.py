@@ -10,7 +10,7 @@ Everything inside the averager takes these values as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..identity import PeerID
@@ -73,6 +73,9 @@ class RoundPolicy:
             bucket of peers (``dht.spread``): each peer announces under its bucket's and reads them
             all, so that no key's replicas serve every looker every announcement. A training run's
             ``progress.buckets``; 0 (one key) without a run.
+        look_buckets: The buckets whose matchmaking keys a look for a group key reads (None, or no
+            function: every bucket's): a swarm split into regions reads its region's, where every
+            peer that may join the group announces.
     """
 
     weight_cap: Callable[[PeerID], float | None] | None = None
@@ -80,3 +83,4 @@ class RoundPolicy:
     on_ban: Callable[[PeerID, str], None] | None = None
     max_proof_bytes: int | None = None
     key_bits: int = 0
+    look_buckets: Callable[[str], Sequence[int] | None] | None = None

@@ -8,7 +8,9 @@ The invariants a split swarm keeps, whatever the peers' speeds and the order the
   fork, counted per region);
 * a round averages its members' states, not only their gradients: members that came to the step with
   different states (from different regions of the step before) leave it with one;
-* the split is real: some steps are committed by more than one region's round.
+* the split is real: some steps are committed by more than one region's round;
+* a look for a region's group reads the matchmaking keys of its region's buckets alone (where every
+  peer that may join it announces), not every bucket's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.dht.spread import bucket_of
 from p2ptrain.identity import PeerID
-from p2ptrain.training.optimizer.buckets import Regions
+from p2ptrain.training.optimizer.buckets import Regions, region_buckets
 from tests.harness.training import Peer, run_config, swarm
 
 pytestmark = pytest.mark.timeout(600)  # (nine nodes train meanwhile: real CPU, a busy machine)
@@ -41,16 +44,31 @@ def _record(p: Peer, rounds: list[tuple[Peer, int, frozenset[str], str]]) -> Non
     p.opt.stats.note_step = noting  # type: ignore[method-assign]
 
 
+def _record_looks(p: Peer, looks: list[tuple[Peer, str, list[bytes]]]) -> None:
+    """Every set of matchmaking keys ``p``'s looks read: (peer, group key, keys)."""
+    groups = p.node.averager.groups
+    read_keys = groups.read_keys
+
+    def reading(group_key: str) -> list[bytes]:
+        keys = read_keys(group_key)
+        looks.append((p, group_key, keys))
+        return keys
+
+    groups.read_keys = reading  # type: ignore[method-assign]
+
+
 async def _split(seed: int) -> None:
     rng = random.Random(seed)
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
     rounds: list[tuple[Peer, int, frozenset[str], str]] = []
+    looks: list[tuple[Peer, str, list[bytes]]] = []
     async with swarm(config) as s:
         peers = []
         for _ in range(PEERS):
             p = await s.start(compute=rng.choice([0.1, 0.15, 0.2, 0.3]))
             _record(p, rounds)
+            _record_looks(p, looks)
             peers.append(p)
         await s.until(lambda: sum(p.opt.epoch >= STEPS for p in peers) >= PEERS - 1, timeout=400)
     by_id: dict[str, PeerID] = {p.node.peer_id.short(): p.node.peer_id for p in peers}
@@ -71,6 +89,13 @@ async def _split(seed: int) -> None:
     # more than one region's round committed a step
     steps = {e for e, _ in states}
     assert any(len({r for e2, r in states if e2 == e}) > 1 for e in steps), sorted(states)
+    # each look read its region's keys, and only those
+    assert looks
+    for p, group_key, keys in looks:
+        epoch = int(group_key.split("-")[1].split("/")[0])  # ("sync-<step>/region-<index>")
+        spread = p.node.averager.groups.keys(group_key)
+        read = sorted(spread.keys.index(k) for k in keys)
+        assert read == region_buckets(bucket_of(p.node.peer_id.digest, 2), 2, epoch, regions.span), group_key
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

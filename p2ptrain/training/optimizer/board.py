@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import random
 from collections.abc import Callable, Iterable, Iterator
 
 import trio
@@ -39,6 +40,7 @@ import trio
 from ...averaging.agreement import WEIGHT_SLACK
 from ...config import RunConfig
 from ...dht.records import Entry, owned_subkey
+from ...dht.spread import bucket_of
 from ...errors import P2PError, RemoteProtocolError
 from ...identity import PeerID
 from ...net.address import PeerAddress
@@ -47,7 +49,7 @@ from ...waits import either
 from ...wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL, BanBook
 from .bookkeeping import Tally
-from .buckets import Regions, progress_keys
+from .buckets import SAMPLED, Regions, buckets_to_read, progress_keys, region_buckets
 from .progress import (
     SPREAD,
     PeerProgress,
@@ -115,6 +117,10 @@ class ProgressBoard:
         # A step's swarm split into regions (``progress.regions``): this peer's view of a step counts the
         # records of its region at that step alone (``region_records``)
         self.regions = Regions.of(config.progress.buckets, config.progress.regions)
+        self.bucket = bucket_of(node.peer_id.digest, self.bits)
+        # the buckets of the read in progress (``reading``), and the draw of the sampled ones
+        self._read_buckets = len(self.keys)
+        self._sampler = random.Random(node.peer_id.digest)
         self.view: SwarmView | None = None
         self._records: list[PeerProgress] = []
         self._by_peer: dict[PeerID, PeerProgress] = {}  # each peer's record in ``records``
@@ -169,11 +175,32 @@ class ProgressBoard:
         """The key ``peer``'s records go under: its bucket's (the run's one progress key with one)."""
         return self.spread.key_of(peer)
 
+    def reading(self) -> list[bytes]:
+        """The bucket keys a read asks for. With one region, every key. A swarm split into regions: this
+        peer's region's keys at its step and at the next (the records its views, quorums and groups
+        count), the keys of the buckets its trusted peers are in (their records say which step to be
+        on), and ``SAMPLED`` others drawn anew each read (the swarm's rate, which its region's share of
+        the target follows: ``_view``): ``2^(span+1) + |trusted buckets| + SAMPLED`` keys of about
+        ``N / buckets`` records each, whatever the swarm's size, instead of all of them."""
+        regions = self.regions
+        if not regions.split:
+            self._read_buckets = len(self.keys)
+            return self.keys
+        epoch, bits = self.tally.epoch, self.bits
+        wanted = set(region_buckets(self.bucket, bits, epoch, regions.span))
+        wanted |= set(region_buckets(self.bucket, bits, epoch + 1, regions.span))
+        trusted = self.trusted()
+        if trusted is not None:
+            wanted |= {bucket_of(p.digest, bits) for p in trusted}
+        wanted |= set(buckets_to_read(self.bucket, bits, self._sampler, SAMPLED))
+        self._read_buckets = len(wanted)
+        return [self.keys[b] for b in sorted(wanted)]
+
     async def _pull(self, via: list[PeerAddress]) -> None:
         """Pull every key's newer records from a partner (``DHT.pull``, each key at once, each from
         another partner: see :func:`turned`)."""
         async with trio.open_nursery() as nursery:
-            for i, key in enumerate(self.keys):
+            for i, key in enumerate(self.reading()):
                 nursery.start_soon(self.node.dht.pull, key, turned(via, i))
 
     async def _read_keys(self) -> dict[bytes, dict[bytes, Entry]] | None:
@@ -191,7 +218,7 @@ class ProgressBoard:
                 failed.append(e)
 
         async with trio.open_nursery() as nursery:
-            for i, key in enumerate(self.keys):
+            for i, key in enumerate(self.reading()):
                 nursery.start_soon(one, i, key)
         if failed:
             log.info("could not read progress records: %s", failed[0])
@@ -425,7 +452,7 @@ class ProgressBoard:
                 return
             self._asked_at = self.clock()
         else:
-            read = {key: self.node.dht.held(key) for key in self.keys}
+            read = {key: self.node.dht.held(key) for key in self.reading()}
         # only owned subkeys (the DHT checked that the peer named signed it), each under its owner's
         # bucket: a peer counts once, and filling a bucket takes ids of that bucket
         entries = self.spread.owned(read)
@@ -562,9 +589,13 @@ class ProgressBoard:
         # The region's target: its share of the swarm's, by rate (each region steps about when the
         # swarm as a whole would: a region of fewer peers than its buckets' share, 5 of 16 simulated
         # peers, took its steps at a third of the others' pace, and the regions a step pairs waited on
-        # it), within half to twice its buckets' share (rates are claims, capped by trust as ever)
-        if swarm.rate > 0 and view.rate > 0:
-            share = min(max(view.rate / swarm.rate, self.regions.share / 2), min(1.0, 2 * self.regions.share))
+        # it), within half to twice its buckets' share (rates are claims: k ids move it no further).
+        # The swarm's rate is what the buckets read say, scaled to all of them (``reading``); each
+        # record's rate is capped against the others' as ever (``heard_rate``).
+        swarm_rate = swarm.heard_rate * len(self.keys) / max(1, self._read_buckets)
+        if swarm_rate > 0 and view.heard_rate > 0:
+            share = view.heard_rate / swarm_rate
+            share = min(max(share, self.regions.share / 2), min(1.0, 2 * self.regions.share))
             target = max(1, math.ceil(self.config.training.target_batch_size * share))
             if target != view.target:
                 view = view_over(self.region_records(epoch), target)
@@ -585,7 +616,7 @@ class ProgressBoard:
             newest=newest,
             overtaken=view.overtaken or newest > view.epoch,
             donors=swarm.donors,  # (the trusted peers at the swarm's step: any region's state is one)
-            swarm_rate=swarm.swarm_rate,
+            swarm_rate=swarm.swarm_rate * len(self.keys) / max(1, self._read_buckets),
             majority=b"",
         )
 

@@ -235,6 +235,7 @@ class CollaborativeOptimizer:
                 on_ban=self.bans.on_ban,
                 max_proof_bytes=2 * model_bytes + (1 << 20),
                 key_bits=self.board.bits,  # (the progress records' buckets: ``dht.spread``)
+                look_buckets=self.rounds.look_buckets,  # (a split swarm's: its region's)
             ),
         )
 

@@ -45,11 +45,13 @@ from ...averaging.matchmaking import Quorum, opening, short_of_quorums
 from ...averaging.protocol import SignedManifest
 from ...averaging.spill import Spilled
 from ...config import RunConfig
+from ...dht.spread import bucket_of
 from ...errors import GroupFormationFailed, RoundAborted
 from ...identity import PeerID
 from ...node import Node
 from .board import ProgressBoard
 from .bookkeeping import RoundStats, Tally
+from .buckets import region_buckets
 from .buffers import Contribution, ParamBuffer
 from .feedback import Saved
 from .local_steps import LocalSteps
@@ -227,6 +229,7 @@ class RoundRunner:
         self._next_batch = clock()  # when the training loop began computing its next batch
         self._prepared = -1  # the step whose matchmaking key was located ahead (see ``prepare``)
         self._told_too_many = False  # a step's majority did not fit one group (said once)
+        self._keyed: dict[str, int] = {}  # group keys made lately -> their step (see ``look_buckets``)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -618,7 +621,24 @@ class RoundRunner:
         streaming DiLoCo's also per fragment count (what each step averages)."""
         mode, count = self.config.training.mode, len(self.contribution.fragments)
         region = self.board.regions.tag(self.node.peer_id, epoch)
-        return f"{mode}-{epoch}{region}" if count == 1 else f"{mode}/{count}-{epoch}{region}"
+        key = f"{mode}-{epoch}{region}" if count == 1 else f"{mode}/{count}-{epoch}{region}"
+        self._keyed[key] = epoch
+        while len(self._keyed) > LOOKS_KEPT:
+            del self._keyed[next(iter(self._keyed))]
+        return key
+
+    def look_buckets(self, group_key: str) -> list[int] | None:
+        """The buckets whose matchmaking keys a look for ``group_key`` reads (``RoundPolicy``): a split
+        swarm's region's at the key's step, where every peer that may join its group announces (each
+        under its own bucket's key); None (every bucket's) with one region, or for a key not made
+        here. Read whole, the keys of a step's announcements were every looker's, O(N) a read."""
+        epoch = self._keyed.get(group_key)
+        regions = self.board.regions
+        if epoch is None or not regions.split:
+            return None
+        return region_buckets(
+            bucket_of(self.node.peer_id.digest, regions.bits), regions.bits, epoch, regions.span
+        )
 
     # ---- running a round now (DiLoCo without overlap) ----
 
