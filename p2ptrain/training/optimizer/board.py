@@ -121,6 +121,7 @@ class ProgressBoard:
         # the buckets of the read in progress (``reading``), and the draw of the sampled ones
         self._read_buckets = len(self.keys)
         self._sampler = random.Random(node.peer_id.digest)
+        self.region_behind = False  # a split swarm: the last view's region alone says this peer is behind
         self.view: SwarmView | None = None
         self._records: list[PeerProgress] = []
         self._by_peer: dict[PeerID, PeerProgress] = {}  # each peer's record in ``records``
@@ -611,6 +612,8 @@ class ProgressBoard:
         node = self.node
         anchored = bool(node.averager.partners) or not node.join_peers
         newest = max(view.newest, swarm.newest - 1 if anchored else swarm.newest)
+        if not spectator:
+            self.region_behind = view.behind  # (its region's trusted peers took its step without it)
         return dataclasses.replace(
             view,
             newest=newest,

@@ -324,7 +324,11 @@ class CollaborativeOptimizer:
         if rounds.in_flight is not None or shared.download is not None:
             return changed  # a round or a download is in flight: nothing else may touch the state
         view = self.board.update_view()
-        if (view.behind or view.diverged(shared.digest)) and self.clock() >= shared.sync_retry_at:
+        if (
+            (view.behind or view.diverged(shared.digest))
+            and self.clock() >= shared.sync_retry_at
+            and not self._finishing_look()
+        ):
             shared.start_download(view, self.board.vouched_digest, lambda e: self.board.view_of(e).donors)
             flight = shared.download
             self.wake.set()  # its record says what it catches up to (``board.toward``)
@@ -399,6 +403,18 @@ class CollaborativeOptimizer:
                 await self.solo_step()
                 return True
         return changed
+
+    def _finishing_look(self) -> bool:
+        """A split swarm: whether this peer finishes its look for its step's group before it catches up
+        with a step its trusted peers of other regions took (its own region's have not: its group may
+        still form). Caught up at once, newcomers that follow their join peers of other regions left
+        the groups of their own as they formed, and those rounds waited for them to the scatter
+        deadline (64 simulated peers: a step's round took 12.7 s). The look ends within its window."""
+        return (
+            self.board.regions.split
+            and self.rounds.looks_for(self.tally.epoch)
+            and not self.board.region_behind
+        )
 
     def _withheld(self, why: str) -> None:
         """Say once a step (debug) why this peer does not look for the step's group although its view
