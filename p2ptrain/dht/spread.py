@@ -15,6 +15,7 @@ With ``bits`` 0 the one key is the key as it always was.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ..identity import PeerID
 from .records import Entry, subkey_owner
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (a split swarm's views place every record they count)
 def bucket_of(peer: bytes, bits: int) -> int:
     """The bucket of a peer id at ``bits`` bits: the top bits of a hash of it (not of the id itself, so
     the buckets do not follow the DHT's own neighbourhoods)."""

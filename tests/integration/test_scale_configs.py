@@ -68,3 +68,25 @@ def test_records_over_four_bucket_keys_keep_every_peer_in_every_round() -> None:
     assert report["forks"] == 0, report["fork_epochs"]
     assert report["global_steps"] >= 3
     assert report["share_in_committed_round_min"] >= 0.95, report
+
+
+def test_a_swarm_split_into_two_regions_commits_each_region_once_and_keeps_every_peer() -> None:
+    """16 peers over four bucket keys and two regions (``progress.regions``): each region forms its own
+    group a step and averages its members' states; no fork in any region, both regions commit most
+    steps, and nearly every live peer is in a committed round each step (``test_regions`` checks the
+    rounds' states and keys on the in-memory swarm)."""
+    spec = SwarmSpec(
+        peers=16,
+        duration=80.0,
+        warmup=40.0,
+        join_spread=8.0,
+        batches_per_step=4,
+        seed=1,
+        buckets=4,
+        regions=2,
+    )
+    report = run(spec)
+    assert report["forks"] == 0, report["fork_epochs"]
+    assert report["global_steps"] >= 4, report
+    assert report["groups_per_step"] >= 1.5, report
+    assert report["share_in_committed_round_mean"] >= 0.9, report

@@ -549,20 +549,20 @@ class ProgressBoard:
         expired: Iterable[PeerProgress] = (),
     ) -> SwarmView:
         """``swarm_view`` of ``epoch`` over the records read last (``spectator``: a step past this
-        peer's, see :meth:`view_of`). A split swarm's (``progress.regions``)
-        counts the step's peers, samples and quorum among the records of this peer's region at
-        ``epoch`` (``region_records``), against the region's share of the target; which step to be on
-        (``newest``, ``overtaken``) is what its trusted peers say wherever they are (those of other
-        regions a step less: see below), and the donors of a state or of the results to replay are the
-        trusted peers wherever they are (asked in the region alone, a peer a step behind found none that
-        had the step's result to serve). Counted in the region alone, a joiner
-        whose join peers were in another region saw nobody it trusted ahead, stayed on the step the
-        swarm had left, and formed a second group of it with the other late joiners of its region (16
-        simulated peers). And no digest to diverge
-        from: the peers of a region on a step come from different regions of the step before, so hold
-        different states, and their round averages those states (``RoundRunner.states``): a state that
-        differs from others on the step is brought to its region's by the next round, and downloading
-        another one would only trade one for the other."""
+        peer's, see :meth:`view_of`).
+
+        A split swarm's (``progress.regions``) counts the step's peers, samples and quorum among the
+        records of this peer's region at ``epoch`` (``region_records``), against the region's share of
+        the target. Which step to be on (``newest``, ``overtaken``) is what its trusted peers say
+        wherever they are (those of other regions a step less: see below): counted in the region alone,
+        a joiner whose join peers were in another region saw nobody it trusted ahead, stayed on the
+        step the swarm had left, and formed a second group of it with the other late joiners of its
+        region (16 simulated peers). The donors of a state are the trusted peers wherever they are
+        (asked in the region alone, a peer a step behind found none with a newer state). And there is
+        no digest to diverge from: the peers of a region on a step come from different regions of the
+        step before, so hold different states, and their round averages those states
+        (``RoundRunner.states``); downloading another state would only trade one for another. The
+        region's own verdict on whether this peer is behind is kept in ``region_behind``."""
         trusted = self.trusted()
         me, mine, now = self.node.peer_id, self.record(), self.clock()
         met = None if trusted is None else frozenset(self.node.host.connected_peers())
