@@ -179,10 +179,12 @@ class ProgressBoard:
     def reading(self) -> list[bytes]:
         """The bucket keys a read asks for. With one region, every key. A swarm split into regions: this
         peer's region's keys at its step and at the next (the records its views, quorums and groups
-        count), the keys of the buckets its trusted peers are in (their records say which step to be
-        on), and ``SAMPLED`` others drawn anew each read (the swarm's rate, which its region's share of
-        the target follows: ``_view``): ``2^(span+1) + |trusted buckets| + SAMPLED`` keys of about
-        ``N / buckets`` records each, whatever the swarm's size, instead of all of them."""
+        count), the keys of its join peers' buckets (a newcomer's trusted peers: their records say
+        which step to be on), and ``SAMPLED`` others drawn anew each read (the swarm's rate, which its
+        region's share of the target follows: ``_view``): at most ``2^(span+1) + joins + SAMPLED`` keys
+        of about ``N / buckets`` records each, whatever the swarm's size, instead of all of them.
+        Its partners' buckets are not read: after a turn of regions its partners are in its own bucket
+        and each bucket one dimension away, ``bits + 1`` more keys (every key but one of 8)."""
         regions = self.regions
         if not regions.split:
             self._read_buckets = len(self.keys)
@@ -190,9 +192,9 @@ class ProgressBoard:
         epoch, bits = self.tally.epoch, self.bits
         wanted = set(region_buckets(self.bucket, bits, epoch, regions.span))
         wanted |= set(region_buckets(self.bucket, bits, epoch + 1, regions.span))
-        trusted = self.trusted()
-        if trusted is not None:
-            wanted |= {bucket_of(p.digest, bits) for p in trusted}
+        # (its partners of other regions offer it their new records: see ``_offer_to``; counted a step
+        # less there, they say little its region's records do not: see ``_view``)
+        wanted |= {bucket_of(p.digest, bits) for p in self.node.join_peers}
         wanted |= set(buckets_to_read(self.bucket, bits, self._sampler, SAMPLED))
         self._read_buckets = len(wanted)
         return [self.keys[b] for b in sorted(wanted)]
