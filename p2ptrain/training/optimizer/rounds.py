@@ -495,8 +495,8 @@ class RoundRunner:
                 log.warning(
                     "%d peers on step %d: their majority (%d) is more than one group holds (at most %d"
                     " members), so a group forms only when full, and two groups of one"
-                    " step may both commit (per-region groups, which this needs, are not built: see the"
-                    " docs' swarms at scale)",
+                    " step may both commit (split the swarm into regions, each with a group of its own:"
+                    " [progress] regions, see the docs' swarms at scale)",
                     view.peers,
                     epoch,
                     view.quorum,
