@@ -139,7 +139,7 @@ class LocalSteps:
 
     def _first_state(self) -> list[dict[str, object]]:
         """Each parameter's optimizer state after one step with zero gradients, on copies (of the
-        optimizer and its parameters: nothing here changes)."""
+        optimizer and its parameters: a model-sized copy, once; nothing here changes)."""
         probe = copy.deepcopy(self.optimizer)
         params = [p for group in probe.param_groups for p in group["params"]]
         for p in params:

@@ -189,12 +189,13 @@ class InFlight:
     # a split swarm's round (``RoundRunner.states``): the training state (the parameters and the
     # optimizer's) as it was at the handoff, averaged along with the gradients and taken before the
     # mean gradient is applied
-    state: list[torch.Tensor] | None = None
+    states: bool = False
+    state: list[torch.Tensor] | None = None  # (copied in the round's task, off the event loop)
 
     @property
     def in_place(self) -> bool:
         """Whether the round averages ``tensors`` in place (one flat buffer, no state beside it)."""
-        return self.tensors.sendable and self.state is None
+        return self.tensors.sendable and not self.states
 
 
 class RoundRunner:
@@ -348,14 +349,14 @@ class RoundRunner:
 
     @property
     def states(self) -> bool:
-        """Whether rounds average states (the parameters at the handoff) along with the gradients: a split
-        swarm's (``progress.regions``), whose region's peers come from different regions of the step
-        before, so hold different states. A round leaves its members with one state: the mean of theirs
-        (the parameters and the optimizer's state, weighted as their gradients are), the mean gradient
-        then applied to it. Regions pair other
-        buckets each step, so any ``ceil(bits / span)`` steps in a row mix every bucket's state into
-        every other's (``buckets``). Not for a group joined ahead (its state is the one a replay in
-        flight leaves: see :meth:`joined_ahead`)."""
+        """Whether rounds average states (the training state at the handoff) along with the gradients: a
+        split swarm's (``progress.regions``), whose region's peers come from different regions of the
+        step before, so hold different states. A round leaves its members with one state: the mean of
+        theirs (the parameters and the optimizer's state, Adam's step count too, weighted as their
+        gradients are), the mean gradient then applied to it. Regions pair other buckets each step, so
+        any ``ceil(bits / span)`` steps in a row mix every bucket's state into every other's
+        (``buckets``). Not for a group joined ahead (its state is the one a replay in flight leaves:
+        see :meth:`joined_ahead`)."""
         return self.board.regions.split
 
     def round_tensors(
@@ -368,9 +369,10 @@ class RoundRunner:
             return buffer.tensors
         return [*buffer.tensors, *(self.local.state_tensors() if state is None else state)]
 
-    def _state_now(self) -> list[torch.Tensor]:
-        """A copy of this peer's training state as it is now (see ``LocalSteps.state_tensors``)."""
-        return [t.detach().clone() for t in self.local.state_tensors()]
+    def _keep_state(self, flight: InFlight) -> None:
+        """A copy of this peer's training state as it is now goes with ``flight``'s round (see
+        ``LocalSteps.state_tensors``)."""
+        flight.state = [t.detach().clone() for t in self.local.state_tensors()]
 
     def look_past_ahead(self) -> None:
         """sync, a round joined ahead in flight (its replay landing this peer on that round's step):
@@ -743,7 +745,6 @@ class RoundRunner:
             tensors = self.contribution.hand_over()
             tensors.div_(weight)  # the mean gradient; the round weighs it by the sample count
             self.tally.took(weight)  # the batches computed from now on count toward the next step
-        state = self._state_now() if self.states and outer is None else None
         done = trio.Event()
         # What is computed from here on counts toward the next step, the batch in progress included.
         self.in_flight = InFlight(
@@ -754,7 +755,7 @@ class RoundRunner:
             digest=manifest.digest,
             epoch=self.tally.epoch if epoch is None else epoch,
             manifest=manifest,
-            state=state,
+            states=self.states and outer is None,
         )
         self.tally.handed(True, epoch if ahead else None)
         if outer is None:
@@ -768,6 +769,8 @@ class RoundRunner:
                 elif outer is not None:  # kept for the landing: the local progress since now goes on top
                     flight.own = await outer.keep_aside(flight.tensors)
                     flight.before = await outer.fold(flight.tensors)
+                if flight.states:  # (the state stays as it is while a round is in flight)
+                    await self.state.off_loop(self._keep_state, flight)
                 flight.outcome = await self.node.averager.run_round(
                     manifest,
                     self.round_tensors(flight.tensors, flight.state),
