@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 
 import pytest
@@ -339,3 +340,57 @@ async def test_a_state_no_record_names_is_never_handed_over_and_not_fetched_twic
         with pytest.raises(PeerUnavailable, match="not the one the trusted records name"):
             await other.fetch(records([donor]), want_epoch=2, expected=refuted_once_in)
         assert other.partial is None and other.blamed == {donor.node.peer_id}
+
+
+async def test_a_split_swarms_download_takes_any_state_a_trusted_record_names_and_no_other(
+    autojump_clock: object,
+) -> None:
+    """A swarm split into regions holds one state a region of a step: every one a trusted record names
+    is a state to download (``roots``), and none other is ever applied. Random donors of three states of
+    one step, random sets of named roots (seeded): a download lands on a named root whenever a donor
+    offers one, and is refused, with nothing served, whenever none does. Held to one root (the
+    majority's, ``expected``), the download refused the other named states (a split swarm's peers
+    retried until a donor of the majority's served them)."""
+    async with swarm(run_config("sync"), model=big_model) as s:
+        donors, joiner = await donors_and_joiner(s, 3)
+        for i, donor in enumerate(donors[1:], 1):  # (same step, states of their own)
+            tensors, meta = donor.opt.capture()
+            name = next(iter(tensors))
+            tensors[name] = tensors[name] + i
+            donor.opt.restore(tensors, meta, epoch=donor.opt.epoch, owned=True)
+            await donor.opt.shared.hashed_digest()
+        digests = [await d.opt.shared.hashed_digest() for d in donors]
+        assert len(set(digests)) == 3 and {d.opt.epoch for d in donors} == {2}
+        rng = random.Random(7)
+        landed = refused = 0
+        for _ in range(8):
+            asked = rng.sample(donors, rng.randint(1, 3))
+            named = frozenset(rng.sample(digests, rng.randint(1, 3)))
+            f = fetcher(joiner)
+            before = sum(chunks_served(d) for d in donors)
+            offered = {d.opt.digest for d in asked}
+            if offered & named:
+                got = await f.fetch(
+                    records(asked),
+                    want_epoch=2,
+                    expected=lambda e: digests[0],
+                    roots=lambda e, named=named: named,
+                )
+                joiner.opt.restore(got.tensors, got.metadata, epoch=got.epoch, owned=True)
+                assert await joiner.opt.shared.hashed_digest() in named & offered
+                landed += 1
+            else:
+                with pytest.raises(PeerUnavailable, match="did not start from"):
+                    await f.fetch(
+                        records(asked),
+                        want_epoch=2,
+                        expected=lambda e: digests[0],
+                        roots=lambda e, named=named: named,
+                    )
+                assert sum(chunks_served(d) for d in donors) == before
+                refused += 1
+        assert landed and refused  # (the seed draws both)
+        # one root (no ``roots``): a donor of another named state is refused
+        f = fetcher(joiner)
+        with pytest.raises(PeerUnavailable, match="did not start from"):
+            await f.fetch(records([donors[1]]), want_epoch=2, expected=lambda e: digests[0])

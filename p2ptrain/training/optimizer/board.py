@@ -412,7 +412,15 @@ class ProgressBoard:
             work=self.node.host.work or b"",
             ready=self.view is not None and self.view.epoch == self.tally.epoch and self.view.ready,
             toward=self.toward(),
+            anchored=self.anchored,
         )
+
+    @property
+    def anchored(self) -> bool:
+        """Whether this peer trusts more than its join peers: it has averaged with peers it verified, or
+        it has no join peers (the swarm's first peer). A newcomer is not: see ``RoundRunner._form_group``."""
+        node = self.node
+        return bool(node.averager.partners) or not node.join_peers
 
     def toward(self) -> int:
         """The step this peer is catching up to (its record's ``toward``): the one after a round joined
@@ -546,10 +554,11 @@ class ProgressBoard:
     def region_records(self, epoch: int) -> list[PeerProgress]:
         """The records read last of the peers in this peer's region at ``epoch`` (all of them with one
         region): what its view of that step counts, and what a group of it is held to."""
-        if not self.regions.split:
+        regions = self.regions
+        if not regions.split:
             return self._records
-        me = self.node.peer_id
-        return [r for r in self._records if self.regions.together(r.peer, me, epoch)]
+        mine = regions.of_peer(self.node.peer_id, epoch)
+        return [r for r in self._records if regions.of_peer(r.peer, epoch) == mine]
 
     @property
     def target(self) -> int:
@@ -604,7 +613,8 @@ class ProgressBoard:
         if not self.regions.split:
             return view_over(self._records, self.target)
         swarm = view_over(self._records, self.config.training.target_batch_size)
-        view = view_over(self.region_records(epoch), self.target)
+        region = self.region_records(epoch)
+        view = view_over(region, self.target)
         # The region's target: its share of the swarm's, by rate (each region steps about when the
         # swarm as a whole would: a region of fewer peers than its buckets' share, 5 of 16 simulated
         # peers, took its steps at a third of the others' pace, and the regions a step pairs waited on
@@ -617,19 +627,19 @@ class ProgressBoard:
             share = min(max(share, self.regions.share / 2), min(1.0, 2 * self.regions.share))
             target = max(1, math.ceil(self.config.training.target_batch_size * share))
             if target != view.target:
-                view = view_over(self.region_records(epoch), target)
+                view = view_over(region, target)
         # A trusted peer of another region one step past this one's took its region's step, not this
         # one's: it says the swarm did the step before (counted as on it, this peer's region saw its
         # peers behind whenever the other region committed first, and followed it by replays instead
         # of averaging). A newcomer (it has averaged with nobody: its trusted peers are its join peers,
-        # anywhere) takes their step as it is: its region may have taken the step without it (and it
-        # only follows in its region, where it trusts nobody there: ``RoundRunner._form_group``).
-        # Counted as a step less, late joiners whose regions had left their step stayed on it until the
-        # swarm was two past it, chasing it, and at a swarm's start, where only its first peer has
-        # anyone to lead with, the other regions formed no group (16 simulated peers).
-        node = self.node
-        anchored = bool(node.averager.partners) or not node.join_peers
-        newest = max(view.newest, swarm.newest - 1 if anchored else swarm.newest)
+        # anywhere) counts them so only while its region may still take the step with it
+        # (``_region_waits``); else it takes their step as it is: its region took the step without it,
+        # or nobody there can lead (it only follows where it trusts nobody: ``RoundRunner._form_group``).
+        # Always counted as a step less, late joiners whose regions had left their step stayed on it
+        # until the swarm was two past it, chasing it, and at a swarm's start, where only its first peer
+        # has anyone to lead with, the other regions formed no group (16 simulated peers).
+        ahead = 1 if self.anchored or self._region_waits(region, epoch) else 0
+        newest = max(view.newest, swarm.newest - ahead)
         if not spectator:
             self.region_behind = view.behind  # (its region's trusted peers took its step without it)
         return dataclasses.replace(
@@ -640,6 +650,34 @@ class ProgressBoard:
             swarm_rate=swarm.swarm_rate * len(self.keys) / max(1, self._read_buckets),
             majority=b"",
         )
+
+    def _region_waits(self, region: list[PeerProgress], epoch: int) -> bool:
+        """A newcomer's hint of whether its region's group of ``epoch`` may still form with it: most of
+        the others of its region (``region``, on ``epoch`` or past it) are not past it yet, and one of
+        them on it or arriving says it is anchored (it may lead: a newcomer that trusts nobody of its
+        region only follows, ``RoundRunner._form_group``).
+
+        A hint, not a verdict: a newcomer trusts nobody there, so these records only choose between the
+        two steps its trusted peers name (the one it is on, or theirs past it: see ``_view``). Free ids
+        in its region that say "anchored, here" keep it on its step until its join peers are two past
+        it; ids that say "past" make it download what its join peers hold a step early. Following its
+        join peers of other regions as soon as theirs took the step (whether its own had or not), most
+        newcomers of 256 simulated peers downloaded every step and averaged in none (21% to 48% of the
+        live peers in a committed round); staying on the step whatever its region did, those of the
+        regions nobody could lead yet waited two steps instead of one (128 peers: 10%)."""
+        me = self.node.peer_id
+        past = here = 0
+        led = False
+        for r in region:
+            rec = r.record
+            if r.peer == me or rec.leaving or rec.run != self.fingerprint or rec.epoch < epoch - 1:
+                continue
+            if rec.epoch > epoch:
+                past += 1
+                continue
+            here += rec.epoch == epoch
+            led = led or rec.anchored
+        return led and past <= here
 
     def update_view(self) -> SwarmView:
         """The swarm's view from the records read last (and this peer's own record as it is now): its
@@ -854,6 +892,21 @@ class ProgressBoard:
         ours = [r for r in self.records if r.record.run == self.fingerprint]  # (leaving ones still serve)
         trusted = self.trusted()  # (said_on kept only this run's records)
         return vouched_digest(ours, epoch, trusted) or vouched_digest(self.said_on(epoch), epoch, trusted)
+
+    def vouched_roots(self, epoch: int) -> frozenset[bytes]:
+        """Every digest of ``epoch``'s state that a peer this one trusts reports: a swarm split into
+        regions holds one state a region of a step (``_view``), and any of them is a state the trusted
+        peers are on (a download takes one: ``Fetcher.fetch``'s ``roots``)."""
+        trusted = self.trusted()
+        said = [*self.records, *self.said_on(epoch)]
+        return frozenset(
+            r.record.digest
+            for r in said
+            if r.record.epoch == epoch
+            and r.record.digest
+            and r.record.run == self.fingerprint
+            and (trusted is None or r.peer in trusted)
+        )
 
 
 def capped_weights(

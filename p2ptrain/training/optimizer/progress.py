@@ -127,6 +127,9 @@ class ProgressRecord(Message, positional=True):
     # The step it is catching up to, past ``epoch + 1`` or at it (a replay of the missed steps' results in
     # flight, or a round joined ahead of its step: see swarm_view's ``arriving``); 0: none.
     toward: int = bounded(0, ge=0, le=2**53)
+    # It has averaged with peers it verified (or joined through nobody): it may lead a group. A claim, only
+    # a newcomer's hint of whether its region's group can form (see ``ProgressBoard._region_waits``).
+    anchored: bool = False
 
 
 def sent_addr(addr: str, author: PeerID) -> str:

@@ -507,7 +507,7 @@ class RoundRunner:
             publishing = frozenset(r.peer for r in board.region_records(epoch))
             # anchored beyond its join peers: it averaged, or it has none (it trusts the peers connected)
             node = self.node
-            anchored = bool(node.averager.partners) or not node.join_peers
+            anchored = board.anchored
             absent = board.absent_trusted(epoch)  # (their records missing for a moment)
             quorum, minimum = step_quorum(
                 view,

@@ -373,6 +373,7 @@ class SharedState:
         view: SwarmView,
         expected: Callable[[int], bytes],
         donors: Callable[[int], Sequence[PeerProgress]] | None = None,
+        roots: Callable[[int], frozenset[bytes]] | None = None,
     ) -> None:
         """Catch up with the state most peers hold (we are behind, or diverged), in the background:
         compute goes on meanwhile, and ``step`` applies what came between two batches. A peer at most
@@ -380,7 +381,9 @@ class SharedState:
         results (``state.replay``); otherwise, or when no peer serves them, it downloads the state.
         ``expected(epoch)``: the digest the peers this one trusts vouch for (see ``ProgressBoard``);
         ``donors(epoch)``: the peers that serve the trusted state of ``epoch`` or later, as the records
-        read by now say (a replay that waits for a digest asks them again; ``view``'s by default)."""
+        read by now say (a replay that waits for a digest asks them again; ``view``'s by default);
+        ``roots(epoch)``: where one step has several states (a swarm split into regions), every root the
+        trusted peers name, any of which a download may take (see ``Fetcher.fetch``)."""
         nursery = self._nursery
         assert nursery is not None
         epoch = self.tally.epoch
@@ -427,7 +430,7 @@ class SharedState:
                 if donors is not None:
                     nursery.start_soon(self._fetch_ahead, flight, want, expected, donors)
                 flight.outcome = await self.fetcher.fetch(
-                    view.donors, want_epoch=want, expected=expected, reuse=self.reuse
+                    view.donors, want_epoch=want, expected=expected, reuse=self.reuse, roots=roots
                 )
             except P2PError as e:
                 flight.outcome = e

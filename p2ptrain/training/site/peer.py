@@ -661,13 +661,14 @@ class SiteState(SharedState):
         view: SwarmView,
         expected: Callable[[int], bytes],
         donors: Callable[[int], Sequence[PeerProgress]] | None = None,
+        roots: Callable[[int], frozenset[bytes]] | None = None,
     ) -> None:
         """Catch up as any peer does (``SharedState.start_download``): a site at most ``replay_steps``
         behind on the trusted lineage fetches the missed steps' results into mapped buffers (its
         fetcher's ``allocate``) while it trains on; otherwise the state downloads into the ranks'
         staging shards (its chunks placed while the training loop waits between two batches)."""
         self.site.end_batch()  # (called between two batches)
-        super().start_download(view, expected, donors)
+        super().start_download(view, expected, donors, roots)
 
     async def reuse(self, partial: Partial) -> None:
         """(A site copies none of its own chunks into a download: each is placed as it arrives.)"""

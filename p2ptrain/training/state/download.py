@@ -233,21 +233,32 @@ class Fetcher:
         want_epoch: int,
         expected: Callable[[int], bytes],
         reuse: Callable[[Partial], Awaitable[None]] | None = None,
+        roots: Callable[[int], frozenset[bytes]] | None = None,
     ) -> Downloaded:
-        """Download the state of an epoch >= ``want_epoch`` whose root is ``expected(epoch)``.
-        ``reuse`` fills a new download's chunks that are at hand (see :func:`fill_from`) before any is
-        fetched."""
+        """Download the state of an epoch >= ``want_epoch`` whose root is ``expected(epoch)``: the root
+        most trusted records name; or, given ``roots``, any root that ``roots(epoch)`` holds (a swarm
+        split into regions, whose regions each hold a state of their own of a step: every trusted
+        record's is one, and held to the majority's, a peer refused its trusted donors of the other
+        regions and retried until one of the majority's served it). ``reuse`` fills a new download's
+        chunks that are at hand (see :func:`fill_from`) before any is fetched."""
+
+        def named(epoch: int) -> frozenset[bytes]:
+            if roots is not None:
+                return roots(epoch)
+            root = expected(epoch)
+            return frozenset((root,)) if root else frozenset()
+
         self.failures = []
         began = trio.current_time()
         partial = self.partial
         if partial is not None and partial.complete and partial.epoch >= want_epoch:
             # complete already, waiting for the records to name it (see ``confirm``)
-            await self.confirm(partial, expected)
+            await self.confirm(partial, named)
             return self._done(partial, began)
         offers = await self._offers(donors, want_epoch)
-        chosen = self._choose(offers, want_epoch, expected)
+        chosen = self._choose(offers, want_epoch, named)
         if not chosen:
-            chosen = self._unnamed(offers, want_epoch, expected)
+            chosen = self._unnamed(offers, want_epoch, named)
         if not chosen:
             raise PeerUnavailable("no peer offered the swarm's state" + self._why())
         if partial is None or partial.root != chosen[0].info.root:
@@ -262,18 +273,18 @@ class Fetcher:
             raise PeerUnavailable(
                 f"{missing} of {partial.layout.chunks} chunks still missing; kept the rest" + self._why()
             )
-        await self.confirm(partial, expected)
+        await self.confirm(partial, named)
         return self._done(partial, began, chosen)
 
-    async def confirm(self, partial: Partial, expected: Callable[[int], bytes]) -> None:
-        """Wait until the trusted records name ``partial``'s root for its step (at most ``CONFIRM_WAIT``
-        seconds); raise if they name another root (its donors are blamed, the state dropped) or none yet
-        (the complete state is kept for the next attempt)."""
+    async def confirm(self, partial: Partial, named: Callable[[int], frozenset[bytes]]) -> None:
+        """Wait until the trusted records name ``partial``'s root for its step (``named``: the roots they
+        name; at most ``CONFIRM_WAIT`` seconds); raise if they name others only (its donors are blamed,
+        the state dropped) or none yet (the complete state is kept for the next attempt)."""
         with trio.move_on_after(CONFIRM_WAIT):
-            while not expected(partial.epoch):  # noqa: ASYNC110  (the records change on their own)
+            while not named(partial.epoch):  # noqa: ASYNC110  (the records change on their own)
                 await trio.sleep(UNKNOWN_WAIT)
-        vouched = expected(partial.epoch)
-        if vouched == partial.root:
+        vouched = named(partial.epoch)
+        if partial.root in vouched:
             return
         if not vouched:
             raise PeerUnavailable(
@@ -347,7 +358,9 @@ class Fetcher:
                 nursery.start_soon(ask, donor)
         return offers
 
-    def _choose(self, offers: list[Offer], want_epoch: int, expected: Callable[[int], bytes]) -> list[Offer]:
+    def _choose(
+        self, offers: list[Offer], want_epoch: int, named: Callable[[int], frozenset[bytes]]
+    ) -> list[Offer]:
         ok = []
         for o in offers:
             i = o.info
@@ -355,9 +368,9 @@ class Fetcher:
                 self._fail(o.donor.peer, f"offers step {i.epoch}, older than step {want_epoch}")
             elif i.size > self.max_size:
                 self._fail(o.donor.peer, f"offers {i.size} bytes, more than this model could need")
-            elif not expected(i.epoch):
+            elif not (vouched := named(i.epoch)):
                 pass  # a step no trusted record names yet (see ``_unnamed``)
-            elif i.root != expected(i.epoch):
+            elif i.root not in vouched:
                 self._fail(
                     o.donor.peer, f"offers a state for step {i.epoch} that most peers did not start from"
                 )
@@ -372,13 +385,15 @@ class Fetcher:
             return roots[self.partial.root]
         return max(roots.values(), key=lambda group: (group[0].info.epoch, len(group)))
 
-    def _unnamed(self, offers: list[Offer], want_epoch: int, expected: Callable[[int], bytes]) -> list[Offer]:
+    def _unnamed(
+        self, offers: list[Offer], want_epoch: int, named: Callable[[int], frozenset[bytes]]
+    ) -> list[Offer]:
         """The offers of the newest step that no trusted record names yet (the donors stepped since the
         records were read), most offered root first: downloaded, then confirmed (see ``confirm``)."""
         roots: dict[bytes, list[Offer]] = {}
         for o in offers:
             i = o.info
-            if i.epoch >= want_epoch and i.size <= self.max_size and not expected(i.epoch):
+            if i.epoch >= want_epoch and i.size <= self.max_size and not named(i.epoch):
                 roots.setdefault(i.root, []).append(o)
         if not roots:
             return []
