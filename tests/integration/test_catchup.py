@@ -554,3 +554,27 @@ async def test_a_joiner_whose_link_is_full_sends_its_record_every_heartbeat(
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert steps >= 3 and len(times) >= 20, (steps, times)
     assert max(gaps) <= progress.ttl / 2 + progress.interval + 0.01, sorted(gaps)[-5:]
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_download_lands_in_the_step_call_that_starts_it(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """A peer too far behind to replay downloads the state, and nothing it computes meanwhile survives
+    the download: the ``step`` call that starts it waits for it and lands it, rather than hand back for
+    one more batch thrown away and land a batch late (a split swarm's late peer then found its region's
+    group formed each step, and averaged in none). Seeded: how far behind, and the batches before."""
+    rng = random.Random(seed)
+    apart = rng.randint(5, 8)  # past K = 4: a download
+    async with swarm(config("sync")) as s:
+        (donor,), peer, trusted = await lineage(s, donors=1, together=rng.randint(0, 2), apart=apart)
+        view = behind_view(peer, [donor], donor.opt.epoch)
+        board = peer.opt.board
+        monkeypatch.setattr(board, "update_view", lambda: view)
+        monkeypatch.setattr(board, "vouched_digest", lambda e: trusted.get(e, b""))
+        before = peer.opt.epoch
+        loss_of(peer.model, batch_of(0)).backward()
+        await peer.opt.step(BATCH)
+        assert peer.opt.shared.downloads == 1 and peer.opt.shared.download is None
+        assert peer.opt.epoch == donor.opt.epoch > before
+        assert peer.opt.digest == donor.opt.digest
