@@ -10,19 +10,23 @@ The invariants a split swarm keeps, whatever the peers' speeds and the order the
   different states (from different regions of the step before) leave it with one;
 * the split is real: some steps are committed by more than one region's round;
 * a look for a region's group reads the matchmaking keys of its region's buckets alone (where every
-  peer that may join it announces), not every bucket's.
+  peer that may join it announces), not every bucket's;
+* a newcomer's step is its own or its trusted peers', whatever free ids of its region write: their
+  records only choose between the two (``ProgressBoard._region_waits``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 import pytest
 
 from p2ptrain.dht.spread import bucket_of
-from p2ptrain.identity import PeerID
+from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.buckets import Regions, region_buckets
+from p2ptrain.training.optimizer.progress import PeerProgress
 from tests.harness.training import Peer, run_config, swarm
 
 pytestmark = pytest.mark.timeout(600)  # (nine nodes train meanwhile: real CPU, a busy machine)
@@ -103,3 +107,56 @@ async def test_a_split_swarm_commits_each_region_once_and_mixes_the_states(
     seed: int, autojump_clock: object
 ) -> None:
     await _split(seed)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_records_say(
+    autojump_clock: object, seed: int
+) -> None:
+    """A newcomer (it trusts its join peer alone, of another region) whose join peer took the step past
+    its own reads its region's records only as a hint (``ProgressBoard._region_waits``): with random
+    forged records of free ids in its region (any step, ``anchored`` or not, leaving or not), the step
+    its view says to be on is always its own or its join peer's, never another; it stays on its own
+    where its region's records say a peer that may lead is on it and most are not past it, and takes its
+    join peer's otherwise. Both outcomes are drawn."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        first = await s.start(train=False)
+        me = await s.start(train=False)
+        while regions.together(me.node.peer_id, first.node.peer_id, 0):
+            me = await s.start(train=False)  # (a newcomer whose join peer is of another region)
+        board = me.opt.board
+        assert not board.anchored and board.trusted() == {first.node.peer_id}
+        mine = me.opt.record()
+        ahead = PeerProgress(first.node.peer_id, dataclasses.replace(first.opt.record(), epoch=1))
+        strangers: list[PeerID] = []
+        while len(strangers) < 12:
+            pid = Identity.generate().peer_id
+            if regions.together(pid, me.node.peer_id, 0):
+                strangers.append(pid)
+        outcomes: set[int] = set()
+        for _ in range(40):
+            forged = [
+                PeerProgress(
+                    pid,
+                    dataclasses.replace(
+                        mine,
+                        epoch=rng.choice([0, 0, 1, 2, 7]),
+                        anchored=rng.random() < 0.4,
+                        leaving=rng.random() < 0.1,
+                    ),
+                )
+                for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
+            ]
+            board.records = [ahead, *forged]
+            newest = board.update_view().newest
+            assert newest in (0, 1), (newest, forged)
+            here = [r.record for r in forged if not r.record.leaving]
+            past = sum(r.epoch > 0 for r in here)
+            on = sum(r.epoch == 0 for r in here)
+            waits = any(r.anchored for r in here if r.epoch == 0) and past <= on
+            assert newest == (0 if waits else 1), (newest, forged)
+            outcomes.add(newest)
+        assert outcomes == {0, 1}
