@@ -61,6 +61,7 @@ from .progress import (
     sent_addr,
     swarm_view,
     vouched_digest,
+    vouched_roots,
     with_author,
 )
 from .shared_state import SharedState
@@ -897,16 +898,9 @@ class ProgressBoard:
         """Every digest of ``epoch``'s state that a peer this one trusts reports: a swarm split into
         regions holds one state a region of a step (``_view``), and any of them is a state the trusted
         peers are on (a download takes one: ``Fetcher.fetch``'s ``roots``)."""
-        trusted = self.trusted()
-        said = [*self.records, *self.said_on(epoch)]
-        return frozenset(
-            r.record.digest
-            for r in said
-            if r.record.epoch == epoch
-            and r.record.digest
-            and r.record.run == self.fingerprint
-            and (trusted is None or r.peer in trusted)
-        )
+        ours = [r for r in self.records if r.record.run == self.fingerprint]
+        trusted = self.trusted()  # (said_on kept only this run's records)
+        return vouched_roots(ours, epoch, trusted) | vouched_roots(self.said_on(epoch), epoch, trusted)
 
 
 def capped_weights(

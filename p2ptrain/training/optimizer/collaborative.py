@@ -304,18 +304,7 @@ class CollaborativeOptimizer:
         if await self._land_download():
             changed = True
             changed = await self._land_round() or changed  # a round joined ahead of the replay's step
-        flight = shared.download
-        if (
-            flight is not None
-            and flight.carry_from is None
-            and not flight.replaying
-            and rounds.in_flight is None
-        ):
-            # Nothing computed meanwhile would survive the download (sync accumulators are reset, and
-            # DiLoCo carries local progress only one step): the link and the CPU are the download's.
-            await flight.done.wait()
-            await shared.unheld()
-            changed = await self._land_download() or changed
+        changed = await self._land_when_done() or changed
         flight = shared.download
         if flight is not None and flight.replaying and rounds.in_flight is None:
             self._join_ahead(flight, samples)
@@ -343,15 +332,12 @@ class CollaborativeOptimizer:
                 # step it lands on forms, and a batch later that group had formed without this peer
                 # (the namespace lab's home on 10 Mbit/s replayed each step and averaged in none).
                 self._join_ahead(flight, samples)
-            elif flight is not None and flight.carry_from is None and rounds.in_flight is None:
-                # A download nothing computed meanwhile survives: waited for here, as at the next call
-                # (above), not after one more batch thrown away. That batch landed it a batch late on
-                # its step: at 16 simulated peers in two regions, a newcomer 0.3 s late for its region's
-                # group after each download (the leader's deadline ended first) downloaded the next
-                # step, and the next, and averaged in none.
-                await flight.done.wait()
-                await shared.unheld()
-                changed = await self._land_download() or changed
+            else:
+                # Waited for here, not after one more batch thrown away: that batch landed it a batch
+                # late on its step (at 16 simulated peers in two regions, a newcomer 0.3 s late for its
+                # region's group after each download, the leader's deadline ended first, downloaded
+                # the next step, and the next, and averaged in none).
+                changed = await self._land_when_done() or changed
             return changed
         waiting = rounds.formed
         if waiting is not None and waiting[0] == tally.epoch and not self.diloco and tally.samples <= 0:
@@ -514,6 +500,23 @@ class CollaborativeOptimizer:
             return False
         self._advance(*landed)
         return True
+
+    async def _land_when_done(self) -> bool:
+        """Wait for the download in flight and land it where nothing computed meanwhile would survive it
+        (sync accumulators are reset, and DiLoCo carries local progress only one step): the link and the
+        CPU are the download's. False, at once, where none is in flight, or it is a replay or carries
+        progress, or a round is in flight."""
+        flight = self.shared.download
+        if (
+            flight is None
+            or flight.carry_from is not None
+            or flight.replaying
+            or self.rounds.in_flight is not None
+        ):
+            return False
+        await flight.done.wait()
+        await self.shared.unheld()
+        return await self._land_download()
 
     async def _land_download(self) -> bool:
         """A background download or replay, applied once it is in; True when the state was replaced."""

@@ -243,6 +243,18 @@ def vouched_digest(records: Iterable[PeerProgress], epoch: int, trusted: Collect
     )
 
 
+def vouched_roots(
+    records: Iterable[PeerProgress], epoch: int, trusted: Collection[PeerID] | None
+) -> frozenset[bytes]:
+    """Every digest the trusted records of ``epoch`` report (a swarm split into regions holds one state
+    a region of a step: see ``ProgressBoard.vouched_roots``)."""
+    return frozenset(
+        r.record.digest
+        for r in records
+        if r.record.epoch == epoch and r.record.digest and (trusted is None or r.peer in trusted)
+    )
+
+
 def upper_median(values: Iterable[int]) -> int:
     """The middle value, the larger of the two middle ones for an even count."""
     ordered = sorted(values)
