@@ -101,6 +101,9 @@ class SimPeer:
     steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
     # what it noted of each step, whether or not it took one: (epoch, outcome, reason)
     notes: list[tuple[int, str, str]] = field(default_factory=list)
+    # the steps it was on, each with whether it was anchored there (it may lead a group of its region:
+    # ``ProgressBoard.anchored``) at any look from it
+    anchored_on: dict[int, bool] = field(default_factory=dict)
     # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
 
 
@@ -210,6 +213,8 @@ class Simulation:
             if self.samples[epoch] >= target and epoch not in self.reached:
                 self.reached[epoch] = trio.current_time()
             took = await peer.opt.step(BATCH)
+            on = peer.opt.epoch
+            peer.anchored_on[on] = peer.anchored_on.get(on, False) or peer.opt.board.anchored
             last = peer.opt.stats.last
             if last and last is not noted:
                 noted = last
@@ -487,10 +492,41 @@ def measure(
         # each region its own state, mixed by the next steps' pairings)
         "drift": _drift(sim.live()),
         "groups_per_step": round(len(digests) / max(1, len({e for e, _ in digests})), 2),
+        "regions_per_step": _regions_per_step(sim),
         # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
         # contributors miss a member's signed quorum aborts on all its members)
         "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
     }
+
+
+def _regions_per_step(sim: Simulation) -> list[dict[str, Any]]:
+    """Where the swarm is split into regions, for each step of the run (its start included): each
+    region's peers that were on the step, those of them anchored there (it may lead), and the members
+    of its committed round. A
+    region forms a group only where an anchored peer is (``RoundRunner._form_group``), and its rounds'
+    members are anchored at the next step, in the regions that step pairs: the table shows how leaders
+    spread and where peers sat out (empty with one region)."""
+    if not sim.peers or not sim.peers[0].opt.board.regions.split:
+        return []
+    regions = sim.peers[0].opt.board.regions
+    out = []
+    for epoch in range(1 + max(max(p.anchored_on, default=0) for p in sim.peers)):
+        rows: dict[int, list[int]] = {}
+        for p in sim.peers:
+            if epoch not in p.anchored_on:
+                continue
+            row = rows.setdefault(regions.of_peer(p.node.peer_id, epoch), [0, 0, 0])
+            row[0] += 1
+            row[1] += p.anchored_on[epoch]
+            row[2] += any(s[0] == epoch and s[3] == "averaged" for s in p.steps)
+        out.append(
+            {
+                "epoch": epoch,
+                "committed": sum(r[2] > 0 for r in rows.values()),
+                "regions": {str(k): rows[k] for k in sorted(rows)},  # [on the step, anchored, members]
+            }
+        )
+    return out
 
 
 def _drift(peers: list[SimPeer]) -> float | None:

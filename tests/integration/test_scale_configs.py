@@ -90,3 +90,13 @@ def test_a_swarm_split_into_two_regions_commits_each_region_once_and_keeps_every
     assert report["global_steps"] >= 4, report
     assert report["groups_per_step"] >= 1.5, report
     assert report["share_in_committed_round_mean"] >= 0.9, report
+    # the per-region table of every step (how leaders spread, where peers sat out) agrees with the
+    # rounds counted per step: each measured step's members are its regions' members
+    table = {step["epoch"]: step for step in report["regions_per_step"]}
+    for step in table.values():
+        for region, (on_step, anchored, members) in step["regions"].items():
+            assert members <= on_step and anchored <= on_step, (step, region)
+    for measured in report["left_out_per_step"]:
+        step = table[measured["epoch"]]
+        assert sum(r[2] for r in step["regions"].values()) >= measured["members"], (step, measured)
+        assert step["committed"] >= 1, step
