@@ -101,10 +101,10 @@ class SimPeer:
     steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
     # what it noted of each step, whether or not it took one: (epoch, outcome, reason)
     notes: list[tuple[int, str, str]] = field(default_factory=list)
+    # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
     # the steps it was on, each with whether it was anchored there (it may lead a group of its region:
     # ``ProgressBoard.anchored``) at any look from it
     anchored_on: dict[int, bool] = field(default_factory=dict)
-    # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
 
 
 def identity_of(name: str) -> Identity:
@@ -502,10 +502,10 @@ def measure(
 def _regions_per_step(sim: Simulation) -> list[dict[str, Any]]:
     """Where the swarm is split into regions, for each step of the run (its start included): each
     region's peers that were on the step, those of them anchored there (it may lead), and the members
-    of its committed round. A
-    region forms a group only where an anchored peer is (``RoundRunner._form_group``), and its rounds'
-    members are anchored at the next step, in the regions that step pairs: the table shows how leaders
-    spread and where peers sat out (empty with one region)."""
+    of its committed round. A region forms a group only where an anchored peer is
+    (``RoundRunner._form_group``), and its rounds' members are anchored at the next step, in the regions
+    that step pairs: the table shows how leaders spread and where peers sat out (empty with one
+    region)."""
     if not sim.peers or not sim.peers[0].opt.board.regions.split:
         return []
     regions = sim.peers[0].opt.board.regions
