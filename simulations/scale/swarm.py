@@ -103,7 +103,7 @@ class SimPeer:
     notes: list[tuple[int, str, str]] = field(default_factory=list)
     # (epoch left, epoch now, digest, outcome, samples of this peer in it, time)
     # the steps it was on, each with whether it was anchored there (it may lead a group of its region:
-    # ``ProgressBoard.anchored``) at any look from it
+    # ``ProgressBoard.anchored``) at any of its ``step`` calls while on it
     anchored_on: dict[int, bool] = field(default_factory=dict)
 
 
