@@ -33,7 +33,7 @@ import trio.testing
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.dht.records import key_id
-from p2ptrain.identity import KEPT_SIGNATURES, Identity, remember_verified_signatures
+from p2ptrain.identity import KEPT_SIGNATURES, Identity, PeerID, remember_verified_signatures
 from p2ptrain.net import PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from p2ptrain.training import CollaborativeOptimizer
@@ -105,6 +105,8 @@ class SimPeer:
     # the steps it was on, each with whether it was anchored there (it may lead a group of its region:
     # ``ProgressBoard.anchored``) at any of its ``step`` calls while on it
     anchored_on: dict[int, bool] = field(default_factory=dict)
+    # the peers it trusted (``ProgressBoard.trusted``: None, every peer) as it landed each step's round
+    trusted_at: dict[int, frozenset[PeerID] | None] = field(default_factory=dict)
 
 
 def identity_of(name: str) -> Identity:
@@ -221,6 +223,7 @@ class Simulation:
                 epoch_noted, why = int(last.get("epoch", -1)), str(last.get("reason", ""))
                 peer.notes.append((epoch_noted, str(last["outcome"]), why))
             if took and last.get("outcome") == "averaged":
+                peer.trusted_at[int(last.get("epoch", epoch))] = peer.opt.board.trusted()
                 # (every round of the step's: one per region where the swarm is split)
                 self.contributors.setdefault(int(last.get("epoch", epoch)), set()).update(
                     set(last.get("shares", {})) - set(last.get("excluded", {}))
@@ -349,20 +352,34 @@ def measure(
     per_method = {m: round(v / n / steps) for m, v in by_method.most_common() if m not in DATA_METHODS}
     median_sent = statistics.median(control_sent) if control_sent else 0.0
     # ---- steps: forks, who was in each committed round, target reached -> committed ----
-    # A fork: two states of one step (of one region of it, where the swarm is split: each region's
-    # round leaves its own, and only the states that rounds left count there; a download takes another
-    # region's)
-    digests: dict[tuple[int, int], set[bytes]] = {}
+    # A fork: two states of one step. Where the swarm is split, each region's round leaves a state of
+    # its own, and only the states that rounds left count (a download takes another region's). Two
+    # groups of one region of a step are a fork when a member of one trusted a member of the other as
+    # it landed its round: what that member trusted could tell it the region's step was taken. Groups
+    # linked by no trust are a region split (``region_splits``): to each of them the other's members
+    # are keys it never verified, whose records no free id must be able to imitate into stopping its
+    # group (see docs/scale.md, Regions, "One region, two groups").
+    held: dict[tuple[int, int], dict[bytes, list[SimPeer]]] = {}
     committed_at: dict[int, float] = {}
     for p in sim.peers:
         regions = p.opt.board.regions
         for left, now, digest, outcome, _mine, at in p.steps:
             if regions.split and outcome != "averaged":
                 continue
-            digests.setdefault((now, regions.of_peer(p.node.peer_id, left)), set()).add(digest)
+            key = (now, regions.of_peer(p.node.peer_id, left))
+            held.setdefault(key, {}).setdefault(digest, []).append(p)
             if outcome == "averaged":
                 committed_at[left] = min(committed_at.get(left, math.inf), at)
-    forks = sorted({e for (e, _), ds in digests.items() if len(ds) > 1})
+    digests = {key: set(by) for key, by in held.items()}
+    split = bool(sim.peers) and sim.peers[0].opt.board.regions.split
+    forks = sorted(
+        {
+            e
+            for (e, _), by in held.items()
+            if len(by) > 1 and (not split or trust_linked(list(by.values()), e - 1))
+        }
+    )
+    region_splits = sorted({e for (e, _), by in held.items() if len(by) > 1 and e not in forks})
     shares = []
     # what the live peers left out of a committed round noted of its step instead (no group, aborted,
     # synced to the next: "none" if nothing), and why, where they say: where the share is lost
@@ -487,6 +504,8 @@ def measure(
         "left_out_per_step": per_step,
         "forks": len(forks),
         "fork_epochs": forks[:10],
+        "region_splits": len(region_splits),
+        "region_split_epochs": region_splits[:10],
         # the live peers' parameters at the run's end, on the step most of them are on: the largest
         # distance of one from their mean, over the mean's norm (0 with one group a step; regions leave
         # each region its own state, mixed by the next steps' pairings)
@@ -497,6 +516,24 @@ def measure(
         # contributors miss a member's signed quorum aborts on all its members)
         "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
     }
+
+
+def trust_linked(groups: list[list[SimPeer]], epoch: int) -> bool:
+    """Whether a member of one of ``groups`` (the peers that left one region of step ``epoch`` with
+    different states) trusted a member of another as it landed its round there (``trusted_at``; not
+    recorded, or None: it trusted every peer)."""
+
+    def trusts(p: SimPeer, q: SimPeer) -> bool:
+        t = p.trusted_at.get(epoch)
+        return t is None or q.node.peer_id in t
+
+    return any(
+        trusts(p, q) or trusts(q, p)
+        for i, one in enumerate(groups)
+        for other in groups[i + 1 :]
+        for p in one
+        for q in other
+    )
 
 
 def _regions_per_step(sim: Simulation) -> list[dict[str, Any]]:

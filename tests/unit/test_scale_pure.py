@@ -61,3 +61,51 @@ def test_fits_recover_a_logarithm_and_a_power() -> None:
     power = fits(xs, [3 * x**1.5 for x in xs])
     assert power["exponent"] == 1.5
     assert fits([16.0], [1.0]) == {"points": 1}
+
+
+def test_two_groups_of_one_region_are_a_fork_only_where_a_trust_link_joins_them() -> None:
+    """The simulator's fork count for a split swarm (``trust_linked``): two groups that left one region
+    of a step with different states are a fork when a member of either trusted a member of the other
+    as it landed its round (or trusted every peer: none recorded), and a region split otherwise.
+    Checked over random groups and trust sets against the definition read literally."""
+    from types import SimpleNamespace
+
+    from simulations.scale.swarm import trust_linked
+
+    rng = random.Random(5)
+    ids = [PeerID(bytes([i]) * PEER_ID_BYTES) for i in range(12)]
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        order = rng.sample(range(12), rng.randint(2, 12))
+        cut = rng.randint(1, len(order) - 1)
+        sides = [order[:cut], order[cut:]]
+        trusted: dict[int, frozenset[PeerID] | None] = {}
+        for i in order:
+            pick = rng.random()
+            if pick < 0.05:
+                trusted[i] = None  # trusts every peer
+            else:  # mostly its own side, now and then one of the other's
+                own = next(s for s in sides if i in s)
+                mine = {ids[j] for j in own if rng.random() < 0.6}
+                if pick > 0.85:
+                    other = next(s for s in sides if i not in s)
+                    mine.add(ids[rng.choice(other)])
+                trusted[i] = frozenset(mine)
+        peers = {
+            i: SimpleNamespace(node=SimpleNamespace(peer_id=ids[i]), trusted_at={7: trusted[i]})
+            for i in order
+        }
+        groups = [[peers[i] for i in side] for side in sides]
+        expected = any(
+            trusted[a] is None or ids[b] in trusted[a]  # type: ignore[operator]
+            for one, other in (sides, sides[::-1])
+            for a in one
+            for b in other
+        )
+        got = trust_linked(groups, 7)  # type: ignore[arg-type]
+        assert got == expected, (sides, trusted)
+        seen[got] += 1
+    assert seen[True] and seen[False]  # both kinds drawn
+    # a step nobody recorded its trust on: every peer trusted (the strict count)
+    lone = [[SimpleNamespace(node=SimpleNamespace(peer_id=ids[i]), trusted_at={})] for i in (0, 1)]
+    assert trust_linked(lone, 3)  # type: ignore[arg-type]
