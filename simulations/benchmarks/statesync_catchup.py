@@ -155,10 +155,12 @@ async def swarm(args: argparse.Namespace, replay_steps: int) -> dict[str, Any]:
     joined = [e for e, outcome, mine, _ in after if outcome == "averaged" and mine > 0]
     chase_end = joined[0] if joined else None
     digests: dict[int, set[bytes]] = {}
+    holders: dict[int, dict[bytes, list[str]]] = {}  # step -> digest -> the peers (and outcomes) holding it
     for p in peers:
-        for epoch, _, _, digest in p.steps:
+        for epoch, outcome, _, digest in p.steps:
             if digest:  # (b"": a large state still being hashed when the step returned)
                 digests.setdefault(epoch, set()).add(digest)
+                holders.setdefault(epoch, {}).setdefault(digest, []).append(f"p{p.index}:{outcome}")
     params = sum(p.numel() for p in home.model.parameters())
     state = 3 * 4 * params  # AdamW: the parameters and two moments, fp32
     rate = args.rate_mbit * 1e6 / 8
@@ -183,6 +185,8 @@ async def swarm(args: argparse.Namespace, replay_steps: int) -> dict[str, Any]:
         "replayed_bytes": shared.replayed_bytes,
         "step_s": round(args.seconds / swarm_steps, 2) if swarm_steps else None,
         "identical": all(len(d) == 1 for d in digests.values()),
+        # where not: each such step's states, by who held them after which outcome
+        "diverged": {e: sorted(holders[e].values()) for e in sorted(digests) if len(digests[e]) > 1},
         "met": bool(swarm_steps) and averaged >= TARGET * swarm_steps,
     }
 

@@ -59,7 +59,7 @@ async def test_a_replaying_peer_never_leads_a_group_of_the_step_it_lands_on(
     )
     with trio.fail_after(3600):  # virtual seconds
         result = await swarm(args, 4)
-    assert result["identical"], result
+    assert result["identical"], (result["diverged"], result["home_outcomes"], result)
     assert result["downloads"] == 1, result
     assert result["replayed_steps"] >= 1, result  # it did chase (replay), the case this is about
     # and the chase ended: soon, and for good
