@@ -372,14 +372,36 @@ def measure(
                 committed_at[left] = min(committed_at.get(left, math.inf), at)
     digests = {key: set(by) for key, by in held.items()}
     split = bool(sim.peers) and sim.peers[0].opt.board.regions.split
-    forks = sorted(
-        {
-            e
-            for (e, _), by in held.items()
-            if len(by) > 1 and (not split or trust_linked(list(by.values()), e - 1))
-        }
-    )
-    region_splits = sorted({e for (e, _), by in held.items() if len(by) > 1 and e not in forks})
+    twice = {key: list(by.values()) for key, by in held.items() if len(by) > 1}
+    linked = {key: not split or trust_linked(groups, key[0] - 1) for key, groups in twice.items()}
+    forks = sorted({e for (e, r) in twice if linked[e, r]})
+    region_splits = sorted({e for (e, r) in twice if not linked[e, r]})
+    # who: each group's members and when it landed, and the trust links between groups
+    apart = []
+    for (e, r), groups in sorted(twice.items())[:8]:
+        when = {p.index: at for p in sim.peers for (_, now, _, _, _, at) in p.steps if now == e}
+        apart.append(
+            {
+                "epoch": e,
+                "region": r,
+                "fork": linked[e, r],
+                "groups": [
+                    {
+                        "members": sorted(p.place.name for p in g),
+                        "landed_at": round(min(when[p.index] for p in g), 1),
+                    }
+                    for g in groups
+                ],
+                "links": sorted(
+                    f"{p.place.name}->{q.place.name}"
+                    for i, g in enumerate(groups)
+                    for h in groups[:i] + groups[i + 1 :]
+                    for p in g
+                    for q in h
+                    if trust_linked([[p], [q]], e - 1) and q.node.peer_id in (p.trusted_at.get(e - 1) or ())
+                )[:12],
+            }
+        )
     shares = []
     # what the live peers left out of a committed round noted of its step instead (no group, aborted,
     # synced to the next: "none" if nothing), and why, where they say: where the share is lost
@@ -506,6 +528,7 @@ def measure(
         "fork_epochs": forks[:10],
         "region_splits": len(region_splits),
         "region_split_epochs": region_splits[:10],
+        "two_groups_of_a_region": apart,
         # the live peers' parameters at the run's end, on the step most of them are on: the largest
         # distance of one from their mean, over the mean's norm (0 with one group a step; regions leave
         # each region its own state, mixed by the next steps' pairings)
