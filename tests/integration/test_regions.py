@@ -9,6 +9,9 @@ The invariants a split swarm keeps, whatever the peers' speeds and the order the
 * a round averages its members' states, not only their gradients: members that came to the step with
   different states (from different regions of the step before) leave it with one;
 * the split is real: some steps are committed by more than one region's round;
+* a peer keeps the swarm's step: one that holds the swarm's state (anchored, or it downloaded one)
+  downloads only when its trusted peers are two or more steps on; one step behind, its region
+  formed no group of its step with it, it steps alone (``CollaborativeOptimizer._keeps_pace``);
 * a look for a region's group reads the matchmaking keys of its region's buckets alone (where every
   peer that may join it announces), not every bucket's;
 * a newcomer's step is its own or its trusted peers', whatever free ids of its region write: their
@@ -61,20 +64,41 @@ def _record_looks(p: Peer, looks: list[tuple[Peer, str, list[bytes]]]) -> None:
     groups.read_keys = reading  # type: ignore[method-assign]
 
 
+def _record_downloads(p: Peer, downloads: list[tuple[Peer, int, int, bool]]) -> None:
+    """Every download ``p`` starts: (peer, its step, the newest step of its trusted peers, whether it
+    held the swarm's state then: anchored, or a download landed before)."""
+    shared, board = p.opt.shared, p.opt.board
+    start = shared.start_download
+
+    def starting(*args: Any, **kwargs: Any) -> None:
+        held = board.anchored or shared.downloads > 0
+        downloads.append((p, p.opt.epoch, board.swarm_newest, held))
+        start(*args, **kwargs)
+
+    shared.start_download = starting  # type: ignore[method-assign]
+
+
 async def _split(seed: int) -> None:
     rng = random.Random(seed)
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
     rounds: list[tuple[Peer, int, frozenset[str], str]] = []
     looks: list[tuple[Peer, str, list[bytes]]] = []
+    downloads: list[tuple[Peer, int, int, bool]] = []
     async with swarm(config) as s:
         peers = []
         for _ in range(PEERS):
             p = await s.start(compute=rng.choice([0.1, 0.15, 0.2, 0.3]))
             _record(p, rounds)
             _record_looks(p, looks)
+            _record_downloads(p, downloads)
             peers.append(p)
         await s.until(lambda: sum(p.opt.epoch >= STEPS for p in peers) >= PEERS - 1, timeout=400)
+    # a peer that held the swarm's state downloaded only when two or more steps behind
+    late = [
+        (p.node.peer_id.short(), e, newest) for p, e, newest, held in downloads if held and newest < e + 2
+    ]
+    assert not late, f"downloads one step behind (peer, its step, its trusted peers' newest): {late}"
     by_id: dict[str, PeerID] = {p.node.peer_id.short(): p.node.peer_id for p in peers}
     assert rounds
     states: dict[tuple[int, int], set[str]] = {}
@@ -153,6 +177,8 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
             board.records = [ahead, *forged]
             newest = board.update_view().newest
             assert newest in (0, 1), (newest, forged)
+            # nor do they move the step it keeps pace with (``_keeps_pace``): its join peer's
+            assert board.swarm_newest == 1, (board.swarm_newest, forged)
             here = [r.record for r in forged if not r.record.leaving]
             past = sum(r.epoch > 0 for r in here)
             on = sum(r.epoch == 0 for r in here)

@@ -123,6 +123,9 @@ class ProgressBoard:
         self._read_buckets = len(self.keys)
         self._sampler = random.Random(node.peer_id.digest)
         self.region_behind = False  # a split swarm: the last view's region alone says this peer is behind
+        # a split swarm: the step its trusted peers say to be on, in its region or the swarm (the last
+        # view's, taken as it is: see ``CollaborativeOptimizer._keeps_pace``)
+        self.swarm_newest = 0
         self.view: SwarmView | None = None
         self._records: list[PeerProgress] = []
         self._by_peer: dict[PeerID, PeerProgress] = {}  # each peer's record in ``records``
@@ -643,6 +646,7 @@ class ProgressBoard:
         newest = max(view.newest, swarm.newest - ahead)
         if not spectator:
             self.region_behind = view.behind  # (its region's trusted peers took its step without it)
+            self.swarm_newest = max(view.newest, swarm.newest)
         return dataclasses.replace(
             view,
             newest=newest,

@@ -229,6 +229,7 @@ class RoundRunner:
         self.retry_at = 0.0
         self._next_batch = clock()  # when the training loop began computing its next batch
         self._prepared = -1  # the step whose matchmaking key was located ahead (see ``prepare``)
+        self.no_group_on = -1  # the last step a look for a group of ended without one
         self._told_too_many = False  # a step's majority did not fit one group (said once)
         self._keyed: dict[str, int] = {}  # group keys made lately -> their step (see ``look_buckets``)
         self._nursery: trio.Nursery | None = None
@@ -572,6 +573,7 @@ class RoundRunner:
                 return True
             log.info("no group for step %d: %s", epoch, e)
             self.stats.note_no_group(epoch, str(e))
+            self.no_group_on = max(self.no_group_on, epoch)
             self.retry_at = self.clock() + self.retry_gap()
             return True
         else:
