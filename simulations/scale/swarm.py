@@ -354,12 +354,13 @@ def measure(
     # ---- steps: forks, who was in each committed round, target reached -> committed ----
     # A fork: two states of one step. Where the swarm is split, each region's round leaves a state of
     # its own, and only the states that rounds left count (a download takes another region's). Two
-    # groups of one region of a step are a fork when a member of one trusted a member of the other as
-    # it landed its round: what that member trusted could tell it the region's step was taken. Groups
-    # linked by no trust are a region split (``region_splits``): to each of them the other's members
-    # are keys it never verified, whose records no free id must be able to imitate into stopping its
-    # group (see docs/scale.md, Regions, "One region, two groups").
-    held: dict[tuple[int, int], dict[bytes, list[SimPeer]]] = {}
+    # groups of one region of a step are a fork when a member of the one that landed later trusted a
+    # member of one that landed before, as it landed its round: what it trusted could tell it the
+    # region's step was taken. Groups linked so by no trust are a region split (``region_splits``): to
+    # the later group, the earlier one's members are keys it never verified, whose records no free id
+    # must be able to imitate into stopping its group (docs/scale.md, Regions, "One region, two
+    # groups").
+    held: dict[tuple[int, int], dict[bytes, list[tuple[float, SimPeer]]]] = {}
     committed_at: dict[int, float] = {}
     for p in sim.peers:
         regions = p.opt.board.regions
@@ -367,41 +368,46 @@ def measure(
             if regions.split and outcome != "averaged":
                 continue
             key = (now, regions.of_peer(p.node.peer_id, left))
-            held.setdefault(key, {}).setdefault(digest, []).append(p)
+            held.setdefault(key, {}).setdefault(digest, []).append((at, p))
             if outcome == "averaged":
                 committed_at[left] = min(committed_at.get(left, math.inf), at)
     digests = {key: set(by) for key, by in held.items()}
     split = bool(sim.peers) and sim.peers[0].opt.board.regions.split
-    twice = {key: list(by.values()) for key, by in held.items() if len(by) > 1}
+    # each region's groups of a step that left it with different states, in the order they landed
+    twice = {
+        key: [[p for _, p in g] for g in sorted(by.values(), key=lambda g: min(at for at, _ in g))]
+        for key, by in held.items()
+        if len(by) > 1
+    }
+    landed = {
+        key: sorted(round(min(at for at, _ in g), 1) for g in by.values())
+        for key, by in held.items()
+        if len(by) > 1
+    }
     linked = {key: not split or trust_linked(groups, key[0] - 1) for key, groups in twice.items()}
     forks = sorted({e for (e, r) in twice if linked[e, r]})
     region_splits = sorted({e for (e, r) in twice if not linked[e, r]})
-    # who: each group's members and when it landed, and the trust links between groups
-    apart = []
-    for (e, r), groups in sorted(twice.items())[:8]:
-        when = {p.index: at for p in sim.peers for (_, now, _, _, _, at) in p.steps if now == e}
-        apart.append(
-            {
-                "epoch": e,
-                "region": r,
-                "fork": linked[e, r],
-                "groups": [
-                    {
-                        "members": sorted(p.place.name for p in g),
-                        "landed_at": round(min(when[p.index] for p in g), 1),
-                    }
-                    for g in groups
-                ],
-                "links": sorted(
-                    f"{p.place.name}->{q.place.name}"
-                    for i, g in enumerate(groups)
-                    for h in groups[:i] + groups[i + 1 :]
-                    for p in g
-                    for q in h
-                    if trust_linked([[p], [q]], e - 1) and q.node.peer_id in (p.trusted_at.get(e - 1) or ())
-                )[:12],
-            }
-        )
+    # who: each group's members and when it landed, and who of a later group trusted whom of an earlier
+    apart = [
+        {
+            "epoch": e,
+            "region": r,
+            "fork": linked[e, r],
+            "groups": [
+                {"members": sorted(p.place.name for p in g), "landed_at": at}
+                for g, at in zip(groups, landed[e, r], strict=True)
+            ],
+            "links": sorted(
+                f"{q.place.name}->{p.place.name}"
+                for i, g in enumerate(groups)
+                for h in groups[i + 1 :]
+                for p in g
+                for q in h
+                if trust_linked([[p], [q]], e - 1)
+            )[:12],
+        }
+        for (e, r), groups in sorted(twice.items())[:8]
+    ]
     shares = []
     # what the live peers left out of a committed round noted of its step instead (no group, aborted,
     # synced to the next: "none" if nothing), and why, where they say: where the share is lost
@@ -543,19 +549,19 @@ def measure(
 
 def trust_linked(groups: list[list[SimPeer]], epoch: int) -> bool:
     """Whether a member of one of ``groups`` (the peers that left one region of step ``epoch`` with
-    different states) trusted a member of another as it landed its round there (``trusted_at``; not
-    recorded, or None: it trusted every peer)."""
+    different states, in the order their rounds landed) trusted a member of an earlier one as it landed
+    its round there (``trusted_at``; not recorded, or None: it trusted every peer)."""
 
-    def trusts(p: SimPeer, q: SimPeer) -> bool:
-        t = p.trusted_at.get(epoch)
-        return t is None or q.node.peer_id in t
+    def trusts(q: SimPeer, p: SimPeer) -> bool:
+        t = q.trusted_at.get(epoch)
+        return t is None or p.node.peer_id in t
 
     return any(
-        trusts(p, q) or trusts(q, p)
-        for i, one in enumerate(groups)
-        for other in groups[i + 1 :]
-        for p in one
-        for q in other
+        trusts(q, p)
+        for i, earlier in enumerate(groups)
+        for later in groups[i + 1 :]
+        for p in earlier
+        for q in later
     )
 
 
