@@ -186,3 +186,60 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
             assert newest == (0 if waits else 1), (newest, forged)
             outcomes.add(newest)
         assert outcomes == {0, 1}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_only_a_trusted_peer_that_came_past_by_a_round_says_its_region_took_the_step(
+    autojump_clock: object, seed: int
+) -> None:
+    """An anchored peer's region took its step when a peer it trusts, of its region at that step, says
+    it came to the next by a round (``ProgressRecord.averaged``, ``ProgressBoard._region_taken``): its
+    view then says the step is behind (it forms no second group of it, and keeps pace). Forged records
+    of free ids in its region, any step, averaged or not, change nothing of its view's step; a trusted
+    peer past the step alone (not averaged) does not say it either, while most are on it."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        await s.start(train=False)  # (its join peer)
+        me = await s.start(train=False)
+        board = me.opt.board
+
+        def of_my_region(n: int) -> list[PeerID]:
+            out: list[PeerID] = []
+            while len(out) < n:
+                pid = Identity.generate().peer_id
+                if regions.together(pid, me.node.peer_id, 0):
+                    out.append(pid)
+            return out
+
+        partners, strangers = of_my_region(5), of_my_region(10)
+        me.node.averager.remember_partners(partners)
+        assert board.anchored and set(partners) <= set(board.trusted() or ())
+        mine = me.opt.record()
+        outcomes: set[bool] = set()
+        for _ in range(40):
+            past = rng.choice(partners) if rng.random() < 0.6 else None
+            averaged = rng.random() < 0.5
+            trusted = [
+                PeerProgress(
+                    pid, dataclasses.replace(mine, epoch=int(pid == past), averaged=pid == past and averaged)
+                )
+                for pid in partners
+            ]
+            forged = [
+                PeerProgress(
+                    pid,
+                    dataclasses.replace(mine, epoch=rng.choice([0, 1, 1, 2]), averaged=rng.random() < 0.7),
+                )
+                for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
+            ]
+            board.records = trusted
+            alone = board.update_view().newest
+            board.records = [*trusted, *forged]
+            newest = board.update_view().newest
+            assert newest == alone, (newest, alone, forged)  # free ids moved nothing
+            taken = past is not None and averaged
+            assert newest == (1 if taken else 0), (newest, past, averaged)
+            outcomes.add(taken)
+        assert outcomes == {True, False}
