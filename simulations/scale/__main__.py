@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f",buckets={args.buckets}" if args.buckets > 1 else "")
                 + (f",regions={args.regions}" if args.regions > 1 else "")
             )
-        )
+        ) + (f",{args.tag}" if args.tag else "")
         runs = []
         for n in (int(x) for x in args.peers.split(",")):
             spec = SwarmSpec(
