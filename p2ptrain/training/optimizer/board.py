@@ -649,7 +649,7 @@ class ProgressBoard:
         # two peers they trusted had; neither majority of its leader's trusted peers held the other's).
         # The view says the step is behind: the look ends, and this peer keeps the swarm's pace alone
         # or catches up (``CollaborativeOptimizer._keeps_pace``). Only trusted records say so.
-        if view.newest == epoch and self._region_taken(region, epoch):
+        if view.newest == epoch and self._region_taken(region, epoch, trusted):
             view = dataclasses.replace(view, newest=epoch + 1, overtaken=True)
         ahead = 1 if self.anchored or self._region_waits(region, epoch) else 0
         newest = max(view.newest, swarm.newest - ahead)
@@ -665,10 +665,13 @@ class ProgressBoard:
             majority=b"",
         )
 
-    def _region_taken(self, region: list[PeerProgress], epoch: int) -> bool:
-        """Whether a trusted peer of this peer's region at ``epoch`` (``region``) says it came to the
-        step after by a round (``averaged``): the region's step was taken."""
-        trusted, me = self.trusted(), self.node.peer_id
+    def _region_taken(
+        self, region: list[PeerProgress], epoch: int, trusted: frozenset[PeerID] | None
+    ) -> bool:
+        """Whether a peer of this peer's region at ``epoch`` (``region``) that it trusts (``trusted``,
+        the view's: None, every peer) says it came to the step after by a round (``averaged``): the
+        region's step was taken."""
+        me = self.node.peer_id
         return any(
             r.peer != me
             and (trusted is None or r.peer in trusted)
