@@ -243,3 +243,10 @@ async def test_only_a_trusted_peer_that_came_past_by_a_round_says_its_region_too
             assert newest == (1 if taken else 0), (newest, past, averaged)
             outcomes.add(taken)
         assert outcomes == {True, False}
+        # A peer's own record says so after any committed round, one it alone contributed to too: a
+        # round of the first peer alone committed a region's step, and six peers that trusted it
+        # committed it again 21 s later (64 simulated peers over 8 regions, seed 1), its record silent.
+        me.opt.tally.advance(frozenset(), by_round=True)
+        assert me.opt.record().averaged
+        me.opt.tally.advance(frozenset(partners), by_round=False)  # (a step alone says nothing)
+        assert not me.opt.record().averaged

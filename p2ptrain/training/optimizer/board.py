@@ -417,7 +417,7 @@ class ProgressBoard:
             ready=self.view is not None and self.view.epoch == self.tally.epoch and self.view.ready,
             toward=self.toward(),
             anchored=self.anchored,
-            averaged=self.tally.cohort[0] == self.tally.epoch and bool(self.tally.cohort[1]),
+            averaged=self.tally.averaged,
         )
 
     @property

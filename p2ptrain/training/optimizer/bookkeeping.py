@@ -101,6 +101,8 @@ class Tally:
         self.ahead: int | None = None  # the step of the round ``landing`` names, if past ``epoch``
         # (epoch, members): the others of the round that took this peer to that epoch (see ``progress``)
         self.cohort: tuple[int, frozenset[PeerID]] = (-1, frozenset())
+        # the step a committed round took this peer to, whatever others contributed to it (-1: none)
+        self.rounded = -1
 
     def count(self, samples: int, now: float | None = None) -> None:
         """A batch of ``samples`` was computed (``now``: when, for the rate; None: not measured)."""
@@ -130,17 +132,24 @@ class Tally:
     def inner_step(self) -> None:
         self.inner_steps += 1
 
-    def advance(self, others: frozenset[PeerID]) -> None:
-        """A global step: the next epoch, reached with ``others`` (none: alone)."""
+    def advance(self, others: frozenset[PeerID], by_round: bool) -> None:
+        """A global step: the next epoch, reached with ``others`` (none: alone), by a committed round
+        (``by_round``, even one whose only contributor was this peer) or a step alone."""
         self.epoch += 1
         self.cohort = (self.epoch, others)
+        self.rounded = self.epoch if by_round else -1
+
+    @property
+    def averaged(self) -> bool:
+        """Whether a committed round took this peer to its step (its record's ``averaged``)."""
+        return self.rounded == self.epoch
 
     def moved_to(self, epoch: int, inner_steps: int | None = None) -> None:
         """A state of step ``epoch`` was loaded (a download, a checkpoint): nothing counted toward it yet;
         ``inner_steps``: the loaded state's, if it may raise this peer's count (a checkpoint's)."""
         if inner_steps is not None:
             self.inner_steps = max(self.inner_steps, inner_steps)
-        self.epoch, self.samples = epoch, 0
+        self.epoch, self.samples, self.rounded = epoch, 0, -1
 
     def carry(self, samples: int, since: float) -> None:
         """After a download: the local progress made meanwhile counts toward the new step."""

@@ -608,7 +608,7 @@ class CollaborativeOptimizer:
         else:
             self.stats.note_step({"epoch": epoch, "outcome": "alone", "samples": weight, "mine": weight})
         others = frozenset(result.contributors) - {self.node.peer_id} if result is not None else frozenset()
-        self.tally.advance(others)
+        self.tally.advance(others, by_round=result is not None)
         log.debug(
             "on step %d: %s",
             self.tally.epoch,

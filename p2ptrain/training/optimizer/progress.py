@@ -130,8 +130,9 @@ class ProgressRecord(Message, positional=True):
     # It has averaged with peers it verified (or joined through nobody): it may lead a group. A claim, only
     # a newcomer's hint of whether its region's group can form (see ``ProgressBoard._region_waits``).
     anchored: bool = False
-    # It came to ``epoch`` by a round of the step before (not alone, not by a download): where the swarm is
-    # split, its region of that step took the step (see ``ProgressBoard._view``, "taken").
+    # It came to ``epoch`` by a committed round of the step before (not alone, not by a download; a round
+    # it alone contributed to too): where the swarm is split, its region of that step took the step (see
+    # ``ProgressBoard._view``, "taken").
     averaged: bool = False
 
 
