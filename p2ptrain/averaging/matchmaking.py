@@ -91,10 +91,12 @@ trusts on the step (where they are fewer than a majority: see ``training``'s ``s
 soon as one of them is elsewhere, and its followers, held to its deadline, suspect it. Leaders are
 therefore ordered by *rank* first, then by ticket (:func:`place`): rank 0 where the leader's quorum
 leaves out at least an eighth of the peers it counts on the step, rank 1 otherwise; a peer of rank 1
-leads only where no peer of rank 0 announced. The rank is the announcer's own word, as the lottery's
-other inputs are: a free id that claims rank 0 gains what a ground ticket gains (it leads, and once it
-fails it is excluded with its subnet). The order is still one strict order that every peer computes
-alike from the announcements, so the no-deadlock argument above holds unchanged.
+leads only where no peer of rank 0 announced, and a newcomer that leads in a region of a split swarm
+where nobody else could (``NEWCOMER_RANK``, 2) only where no peer of rank 0 or 1 announced. The rank
+is the announcer's own word, as the lottery's other inputs are: a free id that claims rank 0 gains what
+a ground ticket gains (it leads, and once it fails it is excluded with its subnet). The order is still
+one strict order that every peer computes alike from the announcements, so the no-deadlock argument
+above holds unchanged.
 
 The group's closing. A leader's window is the run's matchmaking time from when its view expects the
 target, but the step's peers begin to look over a spread of seconds (their views differ, and each looks
@@ -233,7 +235,8 @@ def group_tag(group_key: str) -> bytes:
     return hashlib.blake2b(group_key.encode(), digest_size=GROUP_TAG_BYTES, person=b"p2pt-group").digest()
 
 
-MAX_RANK = 1  # the ranks of leaders (see "Who leads first")
+MAX_RANK = 2  # the ranks of leaders (see "Who leads first")
+NEWCOMER_RANK = 2  # a newcomer that leads where its region has nobody else to (see "Who leads first")
 DEADLINE_SLACK = 5.0  # seconds a leader's deadline may lie past ours (clock skew, later starts)
 # A leader whose group is not full keeps gathering past its deadline while the peers it counts still
 # join (one within QUIET seconds), for at most LINGER seconds (see "The group's closing"). LINGER is half
@@ -392,7 +395,8 @@ class Quorum:
     # trusts on the step, which is what decides the state it follows anyway (see the module docstring,
     # "Followers' quorums").
     joining: int = 0
-    # Whether its leader's quorum leaves room (see "Who leads first"): 0 leads before 1.
+    # Whether its leader's quorum leaves room (see "Who leads first"): 0 leads before 1, and 1 before
+    # a newcomer's ``NEWCOMER_RANK``.
     rank: int = 0
 
     @property

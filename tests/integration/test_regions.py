@@ -139,10 +139,13 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
 ) -> None:
     """A newcomer (it trusts its join peer alone, of another region) whose join peer took the step past
     its own reads its region's records only as a hint (``ProgressBoard._region_waits``): with random
-    forged records of free ids in its region (any step, ``anchored`` or not, leaving or not), the step
-    its view says to be on is always its own or its join peer's, never another; it stays on its own
-    where its region's records say a peer that may lead is on it and most are not past it, and takes its
-    join peer's otherwise. Both outcomes are drawn."""
+    forged records of free ids in its region (any step, ``anchored``, ``averaged`` or not, leaving or
+    not), the step its view says to be on is always its own or its join peer's, never another; it stays
+    on its own where most of its region's records are not past it and one on it says it may lead, or
+    none past it says it came there by a round (the region's newcomers lead then), and takes its join
+    peer's otherwise. It leads a group of its step itself (``region_unled``) only where no record of its
+    region on the step says anchored and none past it says averaged: records of free ids can keep it
+    following, as every newcomer did before, and nothing else. Every outcome is drawn."""
     rng = random.Random(seed)
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
@@ -161,6 +164,7 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
             if regions.together(pid, me.node.peer_id, 0):
                 strangers.append(pid)
         outcomes: set[int] = set()
+        leads: set[bool] = set()
         for _ in range(40):
             forged = [
                 PeerProgress(
@@ -168,7 +172,8 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
                     dataclasses.replace(
                         mine,
                         epoch=rng.choice([0, 0, 1, 2, 7]),
-                        anchored=rng.random() < 0.4,
+                        anchored=rng.random() < 0.2,
+                        averaged=rng.random() < 0.2,
                         leaving=rng.random() < 0.1,
                     ),
                 )
@@ -182,10 +187,15 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
             here = [r.record for r in forged if not r.record.leaving]
             past = sum(r.epoch > 0 for r in here)
             on = sum(r.epoch == 0 for r in here)
-            waits = any(r.anchored for r in here if r.epoch == 0) and past <= on
+            led = any(r.anchored for r in here if r.epoch == 0)
+            taken = any(r.averaged for r in here if r.epoch == 1)
+            waits = (led or not taken) and past <= on
             assert newest == (0 if waits else 1), (newest, forged)
+            unled = board.region_unled(0)
+            assert unled == (not led and not taken), (unled, forged)
             outcomes.add(newest)
-        assert outcomes == {0, 1}
+            leads.add(unled)
+        assert outcomes == {0, 1} and leads == {False, True}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -178,7 +178,7 @@ def swarms(draw: st.DrawFn) -> tuple[list[Announcement], dict[PeerID, tuple[list
             draw(deadlines),
             draw(st.floats(0, 1e15)),
             draw(st.sampled_from([b"s", b"s", b"s", b"t"])),
-            rank=draw(st.sampled_from([0, 0, 1])),  # (declared by the announcer, as the rest)
+            rank=draw(st.sampled_from([0, 0, 1, 2])),  # (declared by the announcer, as the rest)
         )
         for i in range(1, n + 1)
     ]
@@ -210,10 +210,10 @@ def test_no_wait_chain_has_a_cycle_and_no_declared_field_changes_the_winner(swar
         if a.can_lead:  # every wait goes down the one order, whatever this observer excluded
             assert place(key, leader) < place(key, a)
             follows[a.peer] = leader.peer
-        # a leader whose quorum leaves room goes first: none of rank 0 it may follow is passed over
-        assert leader.rank == 0 or all(
-            why_not(a, x, now, key, declined=declined, excluded=excluded) for x in seen if x.rank == 0
-        )
+        # a leader whose quorum leaves room goes first, a newcomer's last: none of a lower rank that
+        # it may follow is passed over
+        lower = [x for x in seen if x.rank < leader.rank]
+        assert all(why_not(a, x, now, key, declined=declined, excluded=excluded) for x in lower)
         # Re-declare every other announcement's deadline (anywhere it stays followable) and bandwidth:
         # the same peer wins.
         redeclared = [

@@ -27,6 +27,7 @@ import pytest
 
 from p2ptrain.averaging.agreement import Coordinator
 from p2ptrain.averaging.matchmaking import (
+    MAX_RANK,
     NEED_SLACK,
     Announcement,
     Gathering,
@@ -560,13 +561,14 @@ def test_an_announcement_says_when_its_peer_only_follows() -> None:
     assert not following.closed().leads
     other = Announcement(IDS[1], "addr", 5.0, 1.0, b"s")
     assert why_not(other, following, 0.0, "k") == "client-only: it cannot lead"
-    ranked = Announcement(peer, "addr", 5.0, 1.0, b"s", rank=1)  # (leads where no rank 0 does)
-    assert Announcement.from_bytes(peer, ranked.to_bytes()) == ranked and ranked.closed().rank == 1
+    for rank in range(1, MAX_RANK + 1):  # (leads where no lower rank does)
+        ranked = Announcement(peer, "addr", 5.0, 1.0, b"s", rank=rank)
+        assert Announcement.from_bytes(peer, ranked.to_bytes()) == ranked and ranked.closed().rank == rank
     fields = unpack(leading.to_bytes())
     for bad in (
         [*fields, 1],
         [*fields, False, False],
-        [*fields, True, 2],
+        [*fields, True, MAX_RANK + 1],
         [*fields, True, True],
         [*fields, False, 1],
     ):

@@ -681,11 +681,31 @@ class ProgressBoard:
             for r in region
         )
 
+    def region_unled(self, epoch: int) -> bool:
+        """A newcomer's hint of whether nobody of its region at ``epoch`` may lead the region's group of
+        it but newcomers: no record of the region on the step or arriving says it is anchored, and none
+        past it says it came there by a round (``averaged``: the region took the step).
+
+        A hint, and one that only lets a newcomer lead last (``RoundRunner._form_group``): free ids that
+        say "anchored" or "taken" keep it following, as every newcomer did before; ids that say nothing
+        leave it a leader of rank ``NEWCOMER_RANK``, behind any peer that may lead, whose group is still
+        held to the majority of the region's peers on the step."""
+        me = self.node.peer_id
+        for r in self.region_records(epoch):
+            rec = r.record
+            if r.peer == me or rec.leaving or rec.run != self.fingerprint or rec.epoch < epoch - 1:
+                continue
+            if rec.anchored and rec.epoch <= epoch:
+                return False
+            if rec.averaged and rec.epoch == epoch + 1:
+                return False
+        return True
+
     def _region_waits(self, region: list[PeerProgress], epoch: int) -> bool:
         """A newcomer's hint of whether its region's group of ``epoch`` may still form with it: most of
         the others of its region (``region``, on ``epoch`` or past it) are not past it yet, and one of
-        them on it or arriving says it is anchored (it may lead: a newcomer that trusts nobody of its
-        region only follows, ``RoundRunner._form_group``).
+        them on it or arriving says it is anchored (it may lead), or none past it says it came there by
+        a round (the region's newcomers lead then: ``region_unled``, ``RoundRunner._form_group``).
 
         A hint, not a verdict: a newcomer trusts nobody there, so these records only choose between the
         two steps its trusted peers name (the one it is on, or theirs past it: see ``_view``). Free ids
@@ -697,17 +717,19 @@ class ProgressBoard:
         regions nobody could lead yet waited two steps instead of one (128 peers: 10%)."""
         me = self.node.peer_id
         past = here = 0
-        led = False
+        led = taken = False
         for r in region:
             rec = r.record
             if r.peer == me or rec.leaving or rec.run != self.fingerprint or rec.epoch < epoch - 1:
                 continue
             if rec.epoch > epoch:
                 past += 1
+                taken = taken or (rec.epoch == epoch + 1 and rec.averaged)
                 continue
             here += rec.epoch == epoch
             led = led or rec.anchored
-        return led and past <= here
+        # (where nobody says anchored or taken, the region's newcomers lead: ``region_unled``)
+        return (led or not taken) and past <= here
 
     def update_view(self) -> SwarmView:
         """The swarm's view from the records read last (and this peer's own record as it is now): its
