@@ -568,10 +568,10 @@ def trust_linked(groups: list[list[SimPeer]], epoch: int) -> bool:
 def _regions_per_step(sim: Simulation) -> list[dict[str, Any]]:
     """Where the swarm is split into regions, for each step of the run (its start included): each
     region's peers that were on the step, those of them anchored there (it may lead), and the members
-    of its committed round. A region forms a group only where an anchored peer is
-    (``RoundRunner._form_group``), and its rounds' members are anchored at the next step, in the regions
-    that step pairs: the table shows how leaders spread and where peers sat out (empty with one
-    region)."""
+    of its committed round. A region forms a group where an anchored peer is, or where its records name
+    nobody who may lead but newcomers (``RoundRunner._form_group``), and its rounds' members are
+    anchored at the next step, in the regions that step pairs: the table shows how leaders spread and
+    where peers sat out (empty with one region)."""
     if not sim.peers or not sim.peers[0].opt.board.regions.split:
         return []
     regions = sim.peers[0].opt.board.regions
