@@ -44,14 +44,14 @@ def watch_outer_steps(opt) -> list[tuple[int, set[int]]]:  # type: ignore[no-unt
     before = [g.clone() for g in opt.global_params]
     advance = opt.tally.advance
 
-    def spy(others):  # type: ignore[no-untyped-def]
+    def spy(others, by_round):  # type: ignore[no-untyped-def]
         changed = {
             i for i, (a, b) in enumerate(zip(before, opt.global_params, strict=True)) if not torch.equal(a, b)
         }
         seen.append((opt.epoch, changed))
         for a, b in zip(before, opt.global_params, strict=True):
             a.copy_(b)
-        advance(others)
+        advance(others, by_round)
 
     opt.tally.advance = spy
     return seen
