@@ -34,6 +34,7 @@ import logging
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import trio
 
@@ -89,6 +90,18 @@ def turned(via: list[PeerAddress], i: int) -> list[PeerAddress]:
         return via
     i %= len(via)
     return via[i:] + via[:i]
+
+
+@dataclass
+class RegionClaims:
+    """What the records of a peer's region say of its group of a step (``ProgressBoard._region_claims``):
+    how many are past the step and on it, whether one on it or arriving says it may lead (``led``), and
+    whether one past it says it came there by a round (``taken``)."""
+
+    past: int = 0
+    here: int = 0
+    led: bool = False
+    taken: bool = False
 
 
 class ProgressBoard:
@@ -690,16 +703,26 @@ class ProgressBoard:
         say "anchored" or "taken" keep it following, as every newcomer did before; ids that say nothing
         leave it a leader of rank ``NEWCOMER_RANK``, behind any peer that may lead, whose group is still
         held to the majority of the region's peers on the step."""
+        claims = self._region_claims(self.region_records(epoch), epoch)
+        return not claims.led and not claims.taken
+
+    def _region_claims(self, region: list[PeerProgress], epoch: int) -> RegionClaims:
+        """What the others of this peer's region (``region``, on ``epoch`` or past it, not leaving, of
+        this run) claim of its group of ``epoch``: hints for a newcomer (``_region_waits``,
+        ``region_unled``), never counted as votes."""
         me = self.node.peer_id
-        for r in self.region_records(epoch):
+        claims = RegionClaims()
+        for r in region:
             rec = r.record
             if r.peer == me or rec.leaving or rec.run != self.fingerprint or rec.epoch < epoch - 1:
                 continue
-            if rec.anchored and rec.epoch <= epoch:
-                return False
-            if rec.averaged and rec.epoch == epoch + 1:
-                return False
-        return True
+            if rec.epoch > epoch:
+                claims.past += 1
+                claims.taken = claims.taken or (rec.epoch == epoch + 1 and rec.averaged)
+                continue
+            claims.here += rec.epoch == epoch
+            claims.led = claims.led or rec.anchored
+        return claims
 
     def _region_waits(self, region: list[PeerProgress], epoch: int) -> bool:
         """A newcomer's hint of whether its region's group of ``epoch`` may still form with it: most of
@@ -715,21 +738,9 @@ class ProgressBoard:
         newcomers of 256 simulated peers downloaded every step and averaged in none (21% to 48% of the
         live peers in a committed round); staying on the step whatever its region did, those of the
         regions nobody could lead yet waited two steps instead of one (128 peers: 10%)."""
-        me = self.node.peer_id
-        past = here = 0
-        led = taken = False
-        for r in region:
-            rec = r.record
-            if r.peer == me or rec.leaving or rec.run != self.fingerprint or rec.epoch < epoch - 1:
-                continue
-            if rec.epoch > epoch:
-                past += 1
-                taken = taken or (rec.epoch == epoch + 1 and rec.averaged)
-                continue
-            here += rec.epoch == epoch
-            led = led or rec.anchored
+        claims = self._region_claims(region, epoch)
         # (where nobody says anchored or taken, the region's newcomers lead: ``region_unled``)
-        return (led or not taken) and past <= here
+        return (claims.led or not claims.taken) and claims.past <= claims.here
 
     def update_view(self) -> SwarmView:
         """The swarm's view from the records read last (and this peer's own record as it is now): its
