@@ -260,3 +260,68 @@ async def test_only_a_trusted_peer_that_came_past_by_a_round_says_its_region_too
         assert me.opt.record().averaged
         me.opt.tally.advance(frozenset(partners), by_round=False)  # (a step alone says nothing)
         assert not me.opt.record().averaged
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_newcomer_leads_its_region_by_every_record_only_at_its_trusted_peers_pace(
+    autojump_clock: object, seed: int
+) -> None:
+    """A newcomer that trusts nobody of its region (its join peer is in another) leads its region's
+    group by what every record says (``ProgressBoard.leads_by_heard``) exactly where nobody of its region
+    may lead but newcomers (``region_unled``) and its join peer says its view of the step reached the
+    target or is past it (``paced``). Records of free ids in its region, whatever samples, rates and
+    readiness they claim, never make it so while its join peer is not done with the step; they can only
+    keep it following (``anchored``, ``averaged``). Its record says ``ready`` only where its own view
+    reached the target, or it leads so and every record read did. Every outcome is drawn."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        first = await s.start(train=False)
+        me = await s.start(train=False)
+        while regions.together(me.node.peer_id, first.node.peer_id, 0):
+            me = await s.start(train=False)  # (a newcomer whose join peer is of another region)
+        board = me.opt.board
+        assert not board.anchored and board.trusted() == {first.node.peer_id}
+        me.opt.tally.samples = 3
+        mine = me.opt.record()
+        strangers: list[PeerID] = []
+        while len(strangers) < 12:
+            pid = Identity.generate().peer_id
+            if regions.together(pid, me.node.peer_id, 0):
+                strangers.append(pid)
+        outcomes: set[tuple[bool, bool]] = set()
+        said: set[bool] = set()
+        for _ in range(60):
+            joined = rng.choice([0, 0, 1])
+            done = joined > 0 or rng.random() < 0.5
+            theirs = dataclasses.replace(first.opt.record(), epoch=joined, ready=joined == 0 and done)
+            forged = [
+                PeerProgress(
+                    pid,
+                    dataclasses.replace(
+                        mine,
+                        epoch=rng.choice([0, 0, 0, 1]),
+                        samples=rng.choice([0, 10, 2**40]),
+                        rate=rng.choice([0.0, 1.0, 1e6]),
+                        ready=rng.random() < 0.5,
+                        anchored=rng.random() < 0.15,
+                        averaged=rng.random() < 0.15,
+                    ),
+                )
+                for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
+            ]
+            board.records = [PeerProgress(first.node.peer_id, theirs), *forged]
+            view = board.update_view()
+            here = [r.record for r in forged]
+            unled = not any(r.anchored for r in here if r.epoch == 0) and not any(
+                r.averaged for r in here if r.epoch == 1
+            )
+            leads = board.leads_by_heard(view)
+            assert leads == (unled and done), (leads, unled, done, theirs, forged)
+            ready = me.opt.record().ready
+            assert ready == (view.ready or (leads and view.heard >= view.target)), (ready, view)
+            assert not (ready and not done and not view.ready), (theirs, forged)
+            outcomes.add((unled, done))
+            said.add(ready)
+        assert outcomes == {(a, b) for a in (False, True) for b in (False, True)} and said == {False, True}

@@ -370,7 +370,10 @@ class CollaborativeOptimizer:
         # batch late, found it formed without it, and downloaded each step instead of averaging.)
         rate = tally.rate.rate
         batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
-        near = view.near(max(self.board.lead, batch))
+        lead = max(self.board.lead, batch)
+        # (a newcomer of a region only newcomers may lead goes by every record once its trusted peers'
+        # views are done with the step: ``ProgressBoard.leads_by_heard``)
+        near = view.near(lead) or (view.heard_near(lead) and self.board.leads_by_heard(view))
         if near and rounds.follows:
             rounds.promote()  # (its own view reached what its look followed by: it may lead now)
         if not rounds.matchmaking and self.clock() >= rounds.retry_at:
@@ -380,7 +383,7 @@ class CollaborativeOptimizer:
             # looked for the group after it formed, round after round. It looks then, as a follower only
             # (leaders are peers whose own views reached the target): see ``progress``, "A view capped
             # by trust".
-            heard = not near and view.heard_near(max(self.board.lead, batch))
+            heard = not near and view.heard_near(lead)
             if view.peers > 1 and (near or heard):
                 # Early by the time groups take to form: the round starts on target. Not before this
                 # peer's first batch (just synced): it would have nothing to send, and its group would

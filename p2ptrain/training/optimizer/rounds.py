@@ -521,6 +521,7 @@ class RoundRunner:
                 anchored,
                 board.cohort(),
             )
+            by_heard = follows  # (its window opens when every record read expects the target)
             if follows:  # (until its own view reaches the target: see ``start_matchmaking``)
                 quorum = dataclasses.replace(quorum, leads=False)
             elif board.regions.split and not anchored and view.vouched_here <= 1 and not absent:
@@ -533,9 +534,12 @@ class RoundRunner:
                 # newcomers formed no group until a round's members landed in it, and at a swarm's
                 # start the regions' leaders spread a step at a time from its first peer's (64
                 # simulated peers over 8 regions: 11% to 18% of the live peers in a round at the
-                # first step, 22% to 39% at the second).
+                # first step, 22% to 39% at the second). Its own view capped by trust never reaches
+                # the target there: it leads by every record once its trusted peers' views are done
+                # with the step (``ProgressBoard.leads_by_heard``).
                 if board.region_unled(epoch):
                     quorum = dataclasses.replace(quorum, rank=NEWCOMER_RANK)
+                    by_heard = board.leads_by_heard(view)
                 else:
                     quorum = dataclasses.replace(quorum, leads=False)
             log.debug(
@@ -564,7 +568,7 @@ class RoundRunner:
             # the simulator), and a window from there left the peers whose looks began last out of the
             # group of the leader whose began first (at 64 simulated peers the looks of a step's members
             # began over 8 s, the left-out's about a second after the members' median).
-            opens = opening(self.clock(), view.heard_eta if follows else view.eta, cfg.matchmaking_time)
+            opens = opening(self.clock(), view.heard_eta if by_heard else view.eta, cfg.matchmaking_time)
             manifest = await self.node.averager.form_group(
                 self.round_tensors(self.contribution.buffer),
                 timeout=cfg.timeout,
