@@ -325,3 +325,52 @@ async def test_a_newcomer_leads_its_region_by_every_record_only_at_its_trusted_p
             outcomes.add((unled, done))
             said.add(ready)
         assert outcomes == {(a, b) for a in (False, True) for b in (False, True)} and said == {False, True}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_regions_target_does_not_move_with_the_step_the_other_regions_are_on(
+    autojump_clock: object, seed: int
+) -> None:
+    """A region's share of the target is its rate over the swarm's (``ProgressBoard._view``): the swarm's
+    counts every live record read on any step (``note_read``), and the region's its peers on the step
+    and arriving from the one before. So where the other regions are, a step on or three, changes
+    nothing of a region's target: counted on the step alone, a region the swarm had left saw the swarm's
+    rate shrink to its own and took its next step with twice its share of the target (64 simulated
+    peers). The region's peers on the step or arriving count; those past it do not (they took it).
+    Epochs and rates drawn."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        first = await s.start(train=False)
+        me = await s.start(train=False)
+        board = me.opt.board
+        me.opt.tally.rate.rate = 10.0
+        mine = dataclasses.replace(me.opt.record(), rate=10.0)
+        ids = [Identity.generate().peer_id for _ in range(24)]
+        ours = [p for p in ids if regions.together(p, me.node.peer_id, 0)]
+        theirs = [p for p in ids if p not in ours]
+        assert ours and theirs
+        trusted = PeerProgress(first.node.peer_id, dataclasses.replace(first.opt.record(), rate=10.0))
+
+        def read(epochs: dict[PeerID, int], rates: dict[PeerID, float]) -> int:
+            records = [
+                trusted,
+                *(PeerProgress(p, dataclasses.replace(mine, epoch=epochs[p], rate=rates[p])) for p in ids),
+            ]
+            for _ in range(60):  # (the estimate of the swarm's rate settles over reads)
+                board.note_read(records)
+            return board.update_view().target
+
+        moved: set[bool] = set()
+        for _ in range(6):
+            rates = {p: rng.choice([5.0, 10.0, 20.0]) for p in ids}
+            base = {p: 0 for p in ids}
+            target = read(base, rates)
+            elsewhere = base | {p: rng.choice([0, 1, 2, 3]) for p in theirs}
+            assert read(elsewhere, rates) == pytest.approx(target, abs=1), (target, elsewhere)
+            gone = rng.choice(ours)  # (one of the region past the step: its rate no longer counts)
+            past = read(base | {gone: 1}, rates)
+            assert past <= target, (past, target)
+            moved.add(past < target)
+        assert True in moved

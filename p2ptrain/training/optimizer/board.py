@@ -58,8 +58,10 @@ from .progress import (
     SwarmView,
     must_publish,
     plausible_samples,
+    rate_claimed,
     record_horizon,
     sent_addr,
+    spread_cap,
     swarm_view,
     vouched_digest,
     vouched_roots,
@@ -81,6 +83,7 @@ MAX_SAID = 256  # superseded records kept for their step's digest (see ``said_on
 # now, not at the next read, seconds later), at most once per this many seconds
 ARRIVAL_PAUSE = 0.25
 LEAD_SMOOTHING = 0.3  # how fast the expected time to form a group follows what groups took
+SWARM_RATE_READS = 5  # a split swarm's estimate of the swarm's rate: about the last this many reads
 
 
 def turned(via: list[PeerAddress], i: int) -> list[PeerAddress]:
@@ -135,6 +138,8 @@ class ProgressBoard:
         # the buckets of the read in progress (``reading``), and the draw of the sampled ones
         self._read_buckets = len(self.keys)
         self._sampler = random.Random(node.peer_id.digest)
+        # a split swarm: the swarm's samples per second, smoothed over reads (``note_read``)
+        self._swarm_rate: float | None = None
         self.region_behind = False  # a split swarm: the last view's region alone says this peer is behind
         # a split swarm: the step its trusted peers say to be on, in its region or the swarm (the last
         # view's, taken as it is: see ``CollaborativeOptimizer._keeps_pace``)
@@ -184,6 +189,41 @@ class ProgressBoard:
         self._by_peer = {}
         for r in records:
             self._by_peer.setdefault(r.peer, r)
+
+    def _rate_cap(self) -> float:
+        """The most one record's rate counts for in a split swarm's rates (``rate_claimed``): ``SPREAD``
+        times the lower median of this peer's and its trusted peers' rates, on any step."""
+        trusted, me = self.trusted(), self.node.peer_id
+        if trusted is None:
+            return math.inf
+        vouched = [r.record.rate for r in self._records if r.peer in trusted and r.peer != me]
+        return spread_cap([self.tally.rate.rate, *vouched], SPREAD)
+
+    def note_read(self, records: list[PeerProgress]) -> None:
+        """The records of a read of the replicas (every key ``reading`` named, each whole): they are the
+        swarm's records now, and a split swarm's peer folds them into its estimate of the swarm's samples
+        per second (every live record read, on any step, each capped by ``_rate_cap``, scaled from the
+        buckets read to all of them), smoothed over about ``SWARM_RATE_READS`` reads. (A read of what
+        this peer holds is not one: it may hold none of a sampled key's records.)
+
+        A region's share of the target is its rate over this (``_view``). Taken from one read's records
+        on the step alone, as before, peers of one region computed targets up to twice apart (the
+        sampled buckets differ from read to read and from peer to peer), and a region whose step the
+        rest of the swarm had left saw the swarm's rate shrink to its own and its target rise to twice
+        its share: 64 simulated peers over 8 regions, one region's targets of a step ranged from 830
+        to 1,280 samples, and a region a step late took its next step with twice the target."""
+        self.records = records
+        if not self.regions.split:
+            return
+        me = self.node.peer_id
+        others = [r for r in records if r.peer != me]
+        run, work = self.fingerprint, self.config.run.id_work
+        claimed = rate_claimed(others, run=run, min_work=work, cap=self._rate_cap())
+        total = (self.tally.rate.rate + claimed) * len(self.keys) / max(1, self._read_buckets)
+        if self._swarm_rate is None or self._swarm_rate <= 0:
+            self._swarm_rate = total
+        else:
+            self._swarm_rate += (total - self._swarm_rate) / SWARM_RATE_READS
 
     def note_arrival(self) -> None:
         """A record arrived (stored here as a replica, or offered): the loop reads what it holds."""
@@ -527,7 +567,10 @@ class ProgressBoard:
                     continue
                 parsed = self._parsed[subkey] = (entry.value, PeerProgress(peer, with_author(rec, peer)))
             records.append(parsed[1])
-        self.records = records
+        if network:
+            self.note_read(records)
+        else:
+            self.records = records
         cohort = self.cohort()
         kept = {} if network else self._members_read  # (a read of the replicas says who is still there)
         self._members_read = {p: r for p, r in kept.items() if p in cohort} | {
@@ -645,11 +688,21 @@ class ProgressBoard:
         # swarm as a whole would: a region of fewer peers than its buckets' share, 5 of 16 simulated
         # peers, took its steps at a third of the others' pace, and the regions a step pairs waited on
         # it), within half to twice its buckets' share (rates are claims: k ids move it no further).
-        # The swarm's rate is what the buckets read say, scaled to all of them (``reading``); each
-        # record's rate is capped against the others' as ever (``heard_rate``).
-        swarm_rate = swarm.heard_rate * len(self.keys) / max(1, self._read_buckets)
-        if swarm_rate > 0 and view.heard_rate > 0:
-            share = view.heard_rate / swarm_rate
+        # The region's rate counts its peers on the step and those arriving from the one before (a
+        # late half of a region is waited for, not left out by a target of the early half's); the
+        # swarm's is what every record read says on any step, smoothed over reads (``note_read``).
+        # Each record's rate is capped against the trusted ones' as ever.
+        swarm_rate = self._swarm_rate or 0.0
+        others = [r for r in region if r.peer != me]
+        region_rate = mine.rate + rate_claimed(
+            others,
+            run=self.fingerprint,
+            min_work=self.config.run.id_work,
+            cap=self._rate_cap(),
+            epochs=(epoch - 1, epoch),
+        )
+        if swarm_rate > 0 and region_rate > 0:
+            share = region_rate / swarm_rate
             share = min(max(share, self.regions.share / 2), min(1.0, 2 * self.regions.share))
             target = max(1, math.ceil(self.config.training.target_batch_size * share))
             if target != view.target:

@@ -327,6 +327,28 @@ def spread_cap(values: Iterable[float], spread: float = SPREAD) -> float:
     return spread * ordered[(len(ordered) - 1) // 2]
 
 
+def rate_claimed(
+    records: Iterable[PeerProgress],
+    *,
+    run: bytes,
+    min_work: int,
+    cap: float,
+    epochs: Collection[int] | None = None,
+) -> float:
+    """The samples per second the live ``records`` of run ``run`` claim together (those of ids with the
+    work the run asks for, not leaving; on ``epochs`` only, or any), each counted for at most ``cap``
+    (:func:`spread_cap` of this peer's and its trusted peers' rates): what a split swarm's peer weighs
+    its region's rate against the swarm's by (``ProgressBoard._view``)."""
+    return math.fsum(
+        min(r.record.rate, cap)
+        for r in records
+        if r.record.run == run
+        and not r.record.leaving
+        and (epochs is None or r.record.epoch in epochs)
+        and (not min_work or work_bits(r.peer, r.record.work) >= min_work)
+    )
+
+
 def plausible_samples(record: ProgressRecord, now: float, horizon: float, slack: float) -> float:
     """The most samples a peer's own records make plausible for its current epoch: its advertised rate
     (doubled) over the time it has been on the epoch, plus ``slack``. Times come from the peer's own
