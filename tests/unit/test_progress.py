@@ -1150,3 +1150,35 @@ def test_one_trusted_liar_counts_for_at_most_spread_times_the_median(
         assert v.samples == expected and v.ready == (expected >= TARGET)
     else:  # one trusted peer beside it: half of them, as a single trusted peer decides alone
         assert v.ready
+
+
+@given(
+    trusted_ready=st.lists(st.booleans(), min_size=1, max_size=6),
+    strangers_ready=st.lists(st.booleans(), max_size=6),
+    samples=st.lists(st.integers(0, 30), min_size=12, max_size=12),
+)
+@settings(max_examples=300, deadline=None)
+def test_one_trusted_peer_ready_on_the_step_makes_this_one_follow_and_only_half_of_them_make_it_lead(
+    trusted_ready: list[bool], strangers_ready: list[bool], samples: list[int]
+) -> None:
+    """What every record says (``heard``: it times a follower's look) reaches the target as soon as one
+    trusted peer on the step says its view did; this peer's own view (``samples``: whether it may lead)
+    only once half of them say so. Strangers' ``ready`` moves neither: a follower's look of theirs is
+    timed by their capped claims alone. Counted by half of the trusted peers, a peer whose own view
+    lagged looked as its region's group formed and was left out (64 simulated peers)."""
+    mine = rec(samples=samples[0], rate=1.0)
+    trusted = [peer(i + 1, samples=samples[i + 1], rate=1.0, ready=r) for i, r in enumerate(trusted_ready)]
+    strangers = [
+        peer(50 + i, samples=samples[6 + i], rate=1.0, ready=r) for i, r in enumerate(strangers_ready)
+    ]
+    v = view(mine, *trusted, *strangers, trusted={r.peer for r in trusted})
+    plain = view(
+        mine,
+        *(PeerProgress(r.peer, replace(r.record, ready=False)) for r in (*trusted, *strangers)),
+        trusted={r.peer for r in trusted},
+    )
+    said = sum(trusted_ready)
+    assert (v.heard >= TARGET) == (any(trusted_ready) or plain.heard >= TARGET)
+    assert v.ready == ((2 * said >= len(trusted_ready) and said > 0) or plain.ready)
+    if not any(trusted_ready):  # (strangers' word alone changes nothing)
+        assert (v.heard, v.samples) == (plain.heard, plain.samples)

@@ -86,7 +86,9 @@ gathers, and leads only once its own view (``samples``) reaches the target. A gr
 leader's view says so, and a leader's view counts free ids for at most as much as its trusted peers, so
 records of free ids that claim the target reached make the honest peers follow early, and no step is
 taken sooner or with fewer samples for them. Without free ids, ``heard`` is what a peer that trusts
-every peer counts, whomever this one trusts.
+every peer counts, whomever this one trusts. One trusted peer on the step that says its view reached
+the target (``ready``) puts ``heard`` at the target too: its group is forming, and this peer follows
+into it (it leads only by its own view, or by half of its trusted peers on the step saying so).
 """
 
 from __future__ import annotations
@@ -492,6 +494,12 @@ def swarm_view(
     ready_said = said_ready > 0 and 2 * said_ready >= len(sure)
     if ready_said:
         samples = max(samples, float(target))
+    # One trusted peer on this step whose view reached the target is enough to look as a follower (its
+    # group is forming: ``heard``, which only times a follower's look): counted by half of them, a
+    # peer whose own view lagged looked a second or less before its region's group formed, and was
+    # left out (64 simulated peers over 8 regions: 78 of the 151 left-out peers of a run).
+    if said_ready:
+        heard = max(heard, float(target))
     heard = max(heard, samples)
     fastest = spread_cap([*mine_rate, *sure_rates], spread)
     rate = math.fsum([*mine_rate, *(min(r, fastest) for r in sure_rates)])
