@@ -78,6 +78,26 @@ def _record_downloads(p: Peer, downloads: list[tuple[Peer, int, int, bool]]) -> 
     shared.start_download = starting  # type: ignore[method-assign]
 
 
+async def _newcomer(s: Any, regions: Regions) -> tuple[Peer, Peer]:
+    """A swarm's first peer and a newcomer whose join peer it is, of another region at step 0."""
+    first = await s.start(train=False)
+    me = await s.start(train=False)
+    while regions.together(me.node.peer_id, first.node.peer_id, 0):
+        me = await s.start(train=False)
+    assert not me.opt.board.anchored and me.opt.board.trusted() == {first.node.peer_id}
+    return first, me
+
+
+def _ids_of_region(regions: Regions, peer: PeerID, n: int) -> list[PeerID]:
+    """``n`` fresh ids in ``peer``'s region at step 0 (free ids there)."""
+    out: list[PeerID] = []
+    while len(out) < n:
+        pid = Identity.generate().peer_id
+        if regions.together(pid, peer, 0):
+            out.append(pid)
+    return out
+
+
 async def _split(seed: int) -> None:
     rng = random.Random(seed)
     config = run_config("sync").replace("progress", buckets=4, regions=2)
@@ -150,19 +170,11 @@ async def test_a_newcomers_step_is_its_trusted_peers_whatever_its_regions_record
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
     async with swarm(config) as s:
-        first = await s.start(train=False)
-        me = await s.start(train=False)
-        while regions.together(me.node.peer_id, first.node.peer_id, 0):
-            me = await s.start(train=False)  # (a newcomer whose join peer is of another region)
+        first, me = await _newcomer(s, regions)
         board = me.opt.board
-        assert not board.anchored and board.trusted() == {first.node.peer_id}
         mine = me.opt.record()
         ahead = PeerProgress(first.node.peer_id, dataclasses.replace(first.opt.record(), epoch=1))
-        strangers: list[PeerID] = []
-        while len(strangers) < 12:
-            pid = Identity.generate().peer_id
-            if regions.together(pid, me.node.peer_id, 0):
-                strangers.append(pid)
+        strangers = _ids_of_region(regions, me.node.peer_id, 12)
         outcomes: set[int] = set()
         leads: set[bool] = set()
         for _ in range(40):
@@ -215,15 +227,10 @@ async def test_only_a_trusted_peer_that_came_past_by_a_round_says_its_region_too
         me = await s.start(train=False)
         board = me.opt.board
 
-        def of_my_region(n: int) -> list[PeerID]:
-            out: list[PeerID] = []
-            while len(out) < n:
-                pid = Identity.generate().peer_id
-                if regions.together(pid, me.node.peer_id, 0):
-                    out.append(pid)
-            return out
-
-        partners, strangers = of_my_region(5), of_my_region(10)
+        partners, strangers = (
+            _ids_of_region(regions, me.node.peer_id, 5),
+            _ids_of_region(regions, me.node.peer_id, 10),
+        )
         me.node.averager.remember_partners(partners)
         assert board.anchored and set(partners) <= set(board.trusted() or ())
         mine = me.opt.record()
@@ -277,19 +284,11 @@ async def test_a_newcomer_leads_its_region_by_every_record_only_at_its_trusted_p
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
     async with swarm(config) as s:
-        first = await s.start(train=False)
-        me = await s.start(train=False)
-        while regions.together(me.node.peer_id, first.node.peer_id, 0):
-            me = await s.start(train=False)  # (a newcomer whose join peer is of another region)
+        first, me = await _newcomer(s, regions)
         board = me.opt.board
-        assert not board.anchored and board.trusted() == {first.node.peer_id}
         me.opt.tally.samples = 3
         mine = me.opt.record()
-        strangers: list[PeerID] = []
-        while len(strangers) < 12:
-            pid = Identity.generate().peer_id
-            if regions.together(pid, me.node.peer_id, 0):
-                strangers.append(pid)
+        strangers = _ids_of_region(regions, me.node.peer_id, 12)
         outcomes: set[tuple[bool, bool]] = set()
         said: set[bool] = set()
         for _ in range(60):
