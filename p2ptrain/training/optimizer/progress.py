@@ -87,8 +87,10 @@ leader's view says so, and a leader's view counts free ids for at most as much a
 records of free ids that claim the target reached make the honest peers follow early, and no step is
 taken sooner or with fewer samples for them. Without free ids, ``heard`` is what a peer that trusts
 every peer counts, whomever this one trusts. One trusted peer on the step that says its view reached
-the target (``ready``) puts ``heard`` at the target too: its group is forming, and this peer follows
-into it (it leads only by its own view, or by half of its trusted peers on the step saying so).
+the target (``ready``) puts ``heard`` at the target too, once ``heard`` is within ``READY_SLACK`` (an
+eighth) of it: its group is forming, and this peer follows into it (it leads only by its own view, or
+by half of its trusted peers on the step saying so). A trusted liar that says ``ready`` and leads
+takes a step at most that share of the target early: followers are what a group's samples come from.
 """
 
 from __future__ import annotations
@@ -318,6 +320,7 @@ def must_publish(
 UNREAD = 2.0
 PLAUSIBLE_RATE = 2.0  # a peer may do this many times its advertised samples per second (rates lag)
 SPREAD = 3.0  # a trusted peer's claims count for at most this many times the median peer's (see above)
+READY_SLACK = 0.125  # one trusted peer's ``ready`` makes a follower look this share of the target early
 
 
 def spread_cap(values: Iterable[float], spread: float = SPREAD) -> float:
@@ -494,13 +497,16 @@ def swarm_view(
     ready_said = said_ready > 0 and 2 * said_ready >= len(sure)
     if ready_said:
         samples = max(samples, float(target))
-    # One trusted peer on this step whose view reached the target is enough to look as a follower (its
-    # group is forming: ``heard``, which only times a follower's look): counted by half of them, a
-    # peer whose own view lagged looked a second or less before its region's group formed, and was
-    # left out (64 simulated peers over 8 regions: 78 of the 151 left-out peers of a run).
-    if said_ready:
-        heard = max(heard, float(target))
     heard = max(heard, samples)
+    # One trusted peer on this step whose view reached the target is enough to look as a follower (its
+    # group is forming: ``heard``, which only times a follower's look) once what every record says is
+    # within ``READY_SLACK`` of the target: counted by half of them, a peer whose own view lagged
+    # looked a second or less before its region's group formed, and was left out (64 simulated peers
+    # over 8 regions: 78 of the 151 left-out peers of a run). Not at once: a trusted liar that says
+    # ``ready`` and leads would then take every step with the batch each honest peer had when it
+    # spoke; so it brings a look forward by at most that share of the target.
+    if said_ready and heard >= (1.0 - READY_SLACK) * target:
+        heard = max(heard, float(target))
     fastest = spread_cap([*mine_rate, *sure_rates], spread)
     rate = math.fsum([*mine_rate, *(min(r, fastest) for r in sure_rates)])
     heard_rate = rate + math.fsum(min(r, fastest) for r in unsure_rates)
