@@ -69,6 +69,16 @@ class PeerID:
         if not isinstance(self.digest, bytes) or len(self.digest) != PEER_ID_BYTES:
             raise ValueError(f"a peer id is {PEER_ID_BYTES} bytes")
 
+    # (written out: ids key most of the swarm's sets and maps, and the generated pair builds a tuple
+    # at every call)
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is PeerID:
+            return self.digest == other.digest
+        return NotImplemented
+
     @classmethod
     def from_public_key(cls, public_key: bytes) -> PeerID:
         if len(public_key) != PUBLIC_KEY_BYTES:

@@ -35,7 +35,6 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ..wire.codec import pack
 from .records import Entry
 
 TAG_BYTES = 8
@@ -49,14 +48,14 @@ MAX_CACHED_BYTES = 16 * 1024 * 1024
 
 
 def tag(entry: Entry) -> bytes:
-    return hashlib.blake2b(pack(entry.to_obj()), digest_size=TAG_BYTES).digest()
+    return hashlib.blake2b(entry.packed, digest_size=TAG_BYTES).digest()
 
 
 def proof(nonce: bytes, held: Sequence[Entry]) -> bytes:
     """What a replica that holds ``held`` (in the order the reader named them) answers to ``nonce``."""
     h = hashlib.blake2b(key=nonce, digest_size=PROOF_BYTES)
     for e in held:
-        h.update(pack(e.to_obj()))
+        h.update(e.packed)
     return h.digest()
 
 

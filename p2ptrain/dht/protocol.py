@@ -17,7 +17,7 @@ from ..identity import PEER_ID_BYTES, PeerID
 from ..net.address import PeerAddress
 from ..net.channel import MAX_CHUNK
 from ..net.rpc import Method
-from ..wire.codec import pack, unpack
+from ..wire.codec import pack_array, unpack
 from ..wire.schema import Message, bounded
 from .known import MAX_KNOWN, NONCE_BYTES, PROOF_BYTES, TAG_BYTES
 from .records import Entry
@@ -141,7 +141,7 @@ PULL = Method("dht.pull", PullReq, PullResp)  # entries ride in the reply body
 
 
 def encode_entries(entries: list[Entry]) -> bytes:
-    data = pack([e.to_obj() for e in entries])
+    data = pack_array([e.packed for e in entries])
     if len(data) > MAX_CHUNK:
         raise ValueError("too many entries for one message")
     return data

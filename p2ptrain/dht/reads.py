@@ -34,7 +34,6 @@ from ..errors import P2PError
 from ..identity import PeerID
 from ..net.address import PeerAddress
 from ..net.slots import busy
-from ..wire.codec import pack
 from .client import Client
 from .config import DHTConfig
 from .contacts import Contacts
@@ -439,7 +438,7 @@ def _verify_once(entry: Entry) -> None:
     """``verify_entry``, remembered for the entries whose signatures held (the same bytes, exactly: by a
     256-bit digest, not ``known.tag``'s 64 bits, whose collisions a writer could find for a forged entry
     beside its own good one)."""
-    digest = hashlib.blake2b(pack(entry.to_obj()), digest_size=32).digest()
+    digest = hashlib.blake2b(entry.packed, digest_size=32).digest()
     if digest in _verified:
         _verified.move_to_end(digest)
         return

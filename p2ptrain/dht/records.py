@@ -39,6 +39,7 @@ readers refuse entries whose author's id carries less work than the run asks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections import defaultdict, deque
@@ -104,6 +105,12 @@ class Entry(Message, positional=True):
 
     def nbytes(self) -> int:
         return len(self.key) + len(self.subkey) + len(self.value) + len(self.cert) + 112
+
+    @functools.cached_property
+    def packed(self) -> bytes:
+        """The entry as msgpack, as it travels and as reads name it (``known.tag``); packed once: a
+        replica serves one entry to every reader of its key, and each read names what it holds."""
+        return pack(self.to_obj())
 
 
 def make_entry(

@@ -19,6 +19,7 @@ Every decision returns a human-readable reason beside its outcome.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import ipaddress
 import random
@@ -50,20 +51,31 @@ class Contact:
 
 def subnet_of(address: PeerAddress) -> str | None:
     """The /24 (IPv4) or /48 (IPv6) of an address; None for names and exempt (private) ranges."""
+    return _subnet_of_host(address.host)
+
+
+def is_exempt(address: PeerAddress) -> bool:
+    return _exempt_host(address.host)
+
+
+# (per host, once: a table checks a bucket's subnets at every contact it sees)
+@functools.lru_cache(maxsize=1 << 16)
+def _subnet_of_host(host: str) -> str:
     try:
-        ip = ipaddress.ip_address(address.host)
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return f"dns:{address.host.lower()}"
+        return f"dns:{host.lower()}"
     if ip.version == 4:
         return str(ipaddress.ip_network(f"{ip}/24", strict=False))
     return str(ipaddress.ip_network(f"{ip}/48", strict=False))
 
 
-def is_exempt(address: PeerAddress) -> bool:
+@functools.lru_cache(maxsize=1 << 16)
+def _exempt_host(host: str) -> bool:
     try:
-        ip = ipaddress.ip_address(address.host)
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return address.host == "localhost"
+        return host == "localhost"
     return ip.is_private or ip.is_loopback or ip.is_link_local
 
 

@@ -32,6 +32,7 @@ before it is closed (``linger``).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 from collections import Counter, OrderedDict
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (a pure function of the text, asked at every admission)
 def subnet_of(host: str) -> str:
     """The subnet limits count ``host`` in: its /24 (IPv4) or /64 (IPv6); a loopback address on its own
     (processes of one machine, told apart by address, as the DHT's storage shares do); a non-IP name as

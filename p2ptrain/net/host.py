@@ -299,11 +299,13 @@ class Host:
 
     def connection(self, peer: PeerID) -> Connection | None:
         """The newest live connection to ``peer``, if any."""
-        live = [c for c in self._conns.get(peer, []) if not c.closed]
-        return live[-1] if live else None
+        for c in reversed(self._conns.get(peer, ())):
+            if not c.closed:
+                return c
+        return None
 
     def connected_peers(self) -> list[PeerID]:
-        return [p for p in self._conns if self.connection(p) is not None]
+        return [p for p, conns in self._conns.items() if any(not c.closed for c in conns)]
 
     async def in_touch(self, timeout: float) -> bool:
         """Whether any connected peer answers a ping within ``timeout`` (False with none connected)."""

@@ -60,9 +60,10 @@ class Message:
     def to_obj(self) -> Any:
         """A map of the fields, or for a positional class their values in order (trailing defaults
         left out)."""
+        names = _names_of(type(self))
         if not self._positional:
-            return {f.name: _encode_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+            return {name: _encode_value(getattr(self, name)) for name in names}
+        values = [getattr(self, name) for name in names]
         defaults = _defaults_of(type(self))
         n = len(values)
         while n and values[n - 1] == defaults[n - 1]:
@@ -86,6 +87,17 @@ Validator = Callable[[Any, str], Any]
 _compiled: dict[type, list[tuple[str, bool, Validator, str]]] = {}
 _NO_DEFAULT = object()
 _default_values: dict[type, list[Any]] = {}
+
+
+_field_names: dict[type, tuple[str, ...]] = {}
+
+
+def _names_of(cls: type) -> tuple[str, ...]:
+    """Per class, once: its fields' names in order (``dataclasses.fields`` builds them at every call)."""
+    out = _field_names.get(cls)
+    if out is None:
+        out = _field_names[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return out
 
 
 def _defaults_of(cls: type) -> list[Any]:
@@ -159,7 +171,10 @@ def _validator(tp: Any, meta: Any, where: str) -> Validator:
                 raise RemoteProtocolError(f"{w}: expected a list")
             if len(v) > limit:
                 raise RemoteProtocolError(f"{w}: length {len(v)} exceeds {limit}")
-            return tuple(check_item(x, f"{w}[{i}]") for i, x in enumerate(v))
+            try:
+                return tuple([check_item(x, w) for x in v])
+            except RemoteProtocolError:  # (the item's index in the error: built only when one fails)
+                return tuple(check_item(x, f"{w}[{i}]") for i, x in enumerate(v))
 
         return check_tuple
     if isinstance(tp, type) and issubclass(tp, Message):
