@@ -84,7 +84,7 @@ def _encode_value(v: Any) -> Any:
 
 
 Validator = Callable[[Any, str], Any]
-_compiled: dict[type, list[tuple[str, bool, Validator, str]]] = {}
+_compiled: dict[type, list[tuple[str, bool, Validator, str, str]]] = {}
 _NO_DEFAULT = object()
 _default_values: dict[type, list[Any]] = {}
 
@@ -115,8 +115,8 @@ def _defaults_of(cls: type) -> list[Any]:
     return out
 
 
-def _fields_of(cls: type) -> list[tuple[str, bool, Validator, str]]:
-    """Per class, once: (name, required, validator, path) for each field."""
+def _fields_of(cls: type) -> list[tuple[str, bool, Validator, str, str]]:
+    """Per class, once: (name, required, validator, path, path within a parent) for each field."""
     fields = _compiled.get(cls)
     if fields is None:
         hints = typing.get_type_hints(cls)
@@ -126,6 +126,7 @@ def _fields_of(cls: type) -> list[tuple[str, bool, Validator, str]]:
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
                 _validator(hints[f.name], f.metadata, f"{cls.__name__}.{f.name}"),
                 f"{cls.__name__}.{f.name}",
+                f".{f.name}",
             )
             for f in dataclasses.fields(cls)
         ]
@@ -135,17 +136,23 @@ def _fields_of(cls: type) -> list[tuple[str, bool, Validator, str]]:
 
 def decode_message(cls: type[M], obj: Any, _path: str = "") -> M:
     """Validate ``obj`` (decoded msgpack) into an instance of ``cls``; RemoteProtocolError if invalid."""
+    kwargs: dict[str, Any] = {}
     if isinstance(obj, list) and cls._positional:  # the fields in order (see Message)
-        obj = dict(zip((name for name, *_ in _fields_of(cls)), obj, strict=False))
-    elif not isinstance(obj, dict):
+        n = len(obj)
+        for i, (name, required, check, path, inner) in enumerate(_fields_of(cls)):
+            if i < n:
+                kwargs[name] = check(obj[i], _path + inner if _path else path)
+            elif required:
+                raise RemoteProtocolError(f"{_path or cls.__name__}: missing field {name!r}")
+    elif isinstance(obj, dict):
+        for name, required, check, path, inner in _fields_of(cls):
+            if name in obj:
+                kwargs[name] = check(obj[name], _path + inner if _path else path)
+            elif required:
+                raise RemoteProtocolError(f"{_path or cls.__name__}: missing field {name!r}")
+    else:
         form = "an array or a map" if cls._positional else "a map"
         raise RemoteProtocolError(f"{_path or cls.__name__}: expected {form}, got {type(obj).__name__}")
-    kwargs: dict[str, Any] = {}
-    for name, required, check, path in _fields_of(cls):
-        if name in obj:
-            kwargs[name] = check(obj[name], _path + path[path.index(".") :] if _path else path)
-        elif required:
-            raise RemoteProtocolError(f"{_path or cls.__name__}: missing field {name!r}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
