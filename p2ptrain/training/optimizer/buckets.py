@@ -43,6 +43,7 @@ function of its id, the step and ``bits``).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -143,6 +144,7 @@ def paired_dims(epoch: int, bits: int, span: int = 1) -> list[int]:
     return sorted({(epoch * span + j) % bits for j in range(span)})
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (asked for every record of every view)
 def region_of(bucket: int, bits: int, epoch: int, span: int = 1) -> int:
     """The region of ``bucket`` at ``epoch``: its index with the paired dimensions cleared (the lowest
     bucket of the region names it)."""
