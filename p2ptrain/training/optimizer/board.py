@@ -242,25 +242,39 @@ class ProgressBoard:
         of about ``N / buckets`` records each, whatever the swarm's size, instead of all of them.
         Its partners' buckets are not read: after a turn of regions its partners are in its own bucket
         and each bucket one dimension away, ``bits + 1`` more keys (every key but one of 8)."""
-        regions = self.regions
-        if not regions.split:
+        if not self.regions.split:
             self._read_buckets = len(self.keys)
             return self.keys
-        epoch, bits = self.tally.epoch, self.bits
-        wanted = set(region_buckets(self.bucket, bits, epoch, regions.span))
-        wanted |= set(region_buckets(self.bucket, bits, epoch + 1, regions.span))
-        # (its partners of other regions offer it their new records: see ``_offer_to``; counted a step
-        # less there, they say little its region's records do not: see ``_view``)
-        wanted |= {bucket_of(p.digest, bits) for p in self.node.join_peers}
-        wanted |= set(buckets_to_read(self.bucket, bits, self._sampler, SAMPLED))
+        wanted = self._followed() | set(buckets_to_read(self.bucket, self.bits, self._sampler, SAMPLED))
         self._read_buckets = len(wanted)
         return [self.keys[b] for b in sorted(wanted)]
 
+    def _followed(self) -> set[int]:
+        """The buckets whose records a split swarm's peer follows between reads of the replicas: its
+        region's at its step and at the next, and its join peers' (see ``reading``)."""
+        epoch, bits, span = self.tally.epoch, self.bits, self.regions.span
+        wanted = set(region_buckets(self.bucket, bits, epoch, span))
+        wanted |= set(region_buckets(self.bucket, bits, epoch + 1, span))
+        # (its partners of other regions offer it their new records: see ``_offer_to``; counted a step
+        # less there, they say little its region's records do not: see ``_view``)
+        wanted |= {bucket_of(p.digest, bits) for p in self.node.join_peers}
+        return wanted
+
+    def pulling(self) -> list[bytes]:
+        """The keys pulled from partners between reads of the replicas: with one region, every key; a
+        split swarm's peer, ``reading``'s less the sampled ones. Those stand for the swarm's rate, which
+        only reads of the replicas update (``note_read``): pulled at every read interval (a sampled key
+        read once stays in the read cache), each drawn anew, they were 4 of the 9 or so keys a peer of
+        256 simulated ones pulled, a key of 16 records at a time, for records nothing it decided read."""
+        if not self.regions.split:
+            return self.keys
+        return [self.keys[b] for b in sorted(self._followed())]
+
     async def _pull(self, via: list[PeerAddress]) -> None:
-        """Pull every key's newer records from a partner (``DHT.pull``, each key at once, each from
-        another partner: see :func:`turned`)."""
+        """Pull the followed keys' newer records from a partner (``DHT.pull``, each key at once, each
+        from another partner: see :func:`turned`)."""
         async with trio.open_nursery() as nursery:
-            for i, key in enumerate(self.reading()):
+            for i, key in enumerate(self.pulling()):
                 nursery.start_soon(self.node.dht.pull, key, turned(via, i))
 
     async def _read_keys(self) -> dict[bytes, dict[bytes, Entry]] | None:
