@@ -15,7 +15,9 @@ The invariants a split swarm keeps, whatever the peers' speeds and the order the
 * a look for a region's group reads the matchmaking keys of its region's buckets alone (where every
   peer that may join it announces), not every bucket's;
 * a newcomer's step is its own or its trusted peers', whatever free ids of its region write: their
-  records only choose between the two (``ProgressBoard._region_waits``).
+  records only choose between the two (``ProgressBoard._region_waits``);
+* between reads of the replicas a peer pulls only the keys it follows (its region's, its join
+  peers'), not the sampled ones.
 """
 
 from __future__ import annotations
@@ -373,3 +375,41 @@ async def test_a_regions_target_does_not_move_with_the_step_the_other_regions_ar
             assert past <= target, (past, target)
             moved.add(past < target)
         assert True in moved
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_between_reads_a_peer_pulls_only_the_keys_it_follows(autojump_clock: object, seed: int) -> None:
+    """Between reads of the replicas, a split swarm's peer pulls from its partners its region's keys at
+    its step and at the next, and its join peers' keys (``ProgressBoard.pulling``), never a sampled key
+    that is none of those: the sampled keys stand for the swarm's rate, which only reads of the
+    replicas update. A read of the replicas still names the sampled ones (``reading``). Steps drawn."""
+    rng = random.Random(seed)
+    buckets, regions = 16, Regions.of(16, 4)
+    config = run_config("sync").replace("progress", buckets=buckets, regions=4)
+    async with swarm(config) as s:
+        await s.start(train=False)  # (its join peer)
+        me = await s.start(train=False)
+        board = me.opt.board
+        pulled: list[bytes] = []
+
+        async def pull(key: bytes, via: object) -> int:
+            pulled.append(key)
+            return 0
+
+        me.node.dht.pull = pull  # type: ignore[method-assign]
+        joins = {bucket_of(p.digest, regions.bits) for p in me.node.join_peers}
+        assert joins
+        sampled_left_out = 0
+        for _ in range(30):
+            epoch = rng.randrange(64)
+            me.opt.tally.epoch = epoch
+            followed = set(region_buckets(board.bucket, regions.bits, epoch, regions.span))
+            followed |= set(region_buckets(board.bucket, regions.bits, epoch + 1, regions.span))
+            followed |= joins
+            pulled.clear()
+            await board._pull([me.node.addresses[0]])
+            assert sorted(pulled) == sorted(board.keys[b] for b in followed), epoch
+            read = set(board.reading())
+            assert {board.keys[b] for b in followed} <= read
+            sampled_left_out += bool(read - set(pulled))
+        assert sampled_left_out  # (the sampled keys were read, and not pulled)
