@@ -25,7 +25,6 @@ from .records import Entry, subkey_owner
 
 
 @functools.lru_cache(maxsize=1 << 16)  # (a split swarm's views place every record they count)
-@functools.lru_cache(maxsize=1 << 16)  # (asked for every record of every view)
 def bucket_of(peer: bytes, bits: int) -> int:
     """The bucket of a peer id at ``bits`` bits: the top bits of a hash of it (not of the id itself, so
     the buckets do not follow the DHT's own neighbourhoods)."""

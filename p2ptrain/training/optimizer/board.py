@@ -265,7 +265,7 @@ class ProgressBoard:
         split swarm's peer, ``reading``'s less the sampled ones. Those stand for the swarm's rate, which
         only reads of the replicas update (``note_read``): pulled at every read interval (a sampled key
         read once stays in the read cache), each drawn anew, they were 4 of the 9 or so keys a peer of
-        256 simulated ones pulled, a key of 16 records at a time, for records nothing it decided read."""
+        256 simulated ones pulled, 16 records a key, that nothing between two reads looks at."""
         if not self.regions.split:
             return self.keys
         return [self.keys[b] for b in sorted(self._followed())]
