@@ -24,14 +24,7 @@ def pack(obj: Any) -> bytes:
 def pack_array(packed: list[bytes]) -> bytes:
     """A msgpack array of items already packed (``pack([a, b])`` equals ``pack_array([pack(a), pack(b)])``):
     what an item's sender packed once is not packed again for every reader it goes to."""
-    n = len(packed)
-    if n < 16:
-        head = bytes((0x90 | n,))
-    elif n < 1 << 16:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    return head + b"".join(packed)
+    return msgpack.Packer().pack_array_header(len(packed)) + b"".join(packed)  # type: ignore[no-any-return]
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -27,7 +27,7 @@ from p2ptrain.identity import Identity, SignedEnvelope
 from p2ptrain.net import frames
 from p2ptrain.net.channel import FrameCipher, open_record, seal_record
 from p2ptrain.net.handshake import Finish, Hello, Reject, Reply, decode_frame
-from p2ptrain.wire.codec import pack, unpack
+from p2ptrain.wire.codec import pack, pack_array, unpack
 from p2ptrain.wire.schema import Message, decode_message
 
 FUZZ = settings(max_examples=300, deadline=None)
@@ -133,6 +133,13 @@ def test_unpack_only_raises_remote_protocol_error(data: bytes) -> None:
 def test_unpack_round_trips_what_pack_makes(value: Any) -> None:
     # NaN != NaN, so compare encodings rather than values.
     assert pack(unpack(pack(value))) == pack(value)
+
+
+@FUZZ
+@given(st.lists(msgpack_values, max_size=40), st.sampled_from([0, 15, 16, 70_000]))
+def test_an_array_of_packed_items_is_the_array_packed_whole(values: list[Any], pad: int) -> None:
+    items = values + [0] * pad  # (the three sizes of msgpack's array header)
+    assert pack_array([pack(v) for v in items]) == pack(items)
 
 
 HANDSHAKE_KINDS = {"hello": Hello, "reply": Reply, "finish": Finish, "reject": Reject}
