@@ -697,7 +697,6 @@ class ProgressBoard:
             return view_over(self._records, self.target)
         swarm = view_over(self._records, self.config.training.target_batch_size)
         region = self.region_records(epoch)
-        view = view_over(region, self.target)
         # The region's target: its share of the swarm's, by rate (each region steps about when the
         # swarm as a whole would: a region of fewer peers than its buckets' share, 5 of 16 simulated
         # peers, took its steps at a third of the others' pace, and the regions a step pairs waited on
@@ -706,6 +705,8 @@ class ProgressBoard:
         # late half of a region is waited for, not left out by a target of the early half's); the
         # swarm's is what every record read says on any step, smoothed over reads (``note_read``).
         # Each record's rate is capped against the trusted ones' as ever.
+        # (The target first, then the region's one view: a view of the buckets' share thrown away for
+        # one of the rate's was a third of the views' cost, on every record that arrived.)
         swarm_rate = self._swarm_rate or 0.0
         others = [r for r in region if r.peer != me]
         region_rate = mine.rate + rate_claimed(
@@ -715,12 +716,12 @@ class ProgressBoard:
             cap=self._rate_cap(),
             epochs=(epoch - 1, epoch),
         )
+        target = self.target
         if swarm_rate > 0 and region_rate > 0:
             share = region_rate / swarm_rate
             share = min(max(share, self.regions.share / 2), min(1.0, 2 * self.regions.share))
             target = max(1, math.ceil(self.config.training.target_batch_size * share))
-            if target != view.target:
-                view = view_over(region, target)
+        view = view_over(region, target)
         # A trusted peer of another region one step past this one's took its region's step, not this
         # one's: it says the swarm did the step before (counted as on it, this peer's region saw its
         # peers behind whenever the other region committed first, and followed it by replays instead
