@@ -84,6 +84,24 @@ def fits(xs: list[float], ys: list[float]) -> dict[str, Any]:
     }
 
 
+def region_layout(peers: int, region_size: int) -> tuple[int, int]:
+    """The run's (``progress.buckets``, ``progress.regions``) for ``peers`` training peers in regions of
+    about ``region_size`` peers: one key and one region up to ``region_size`` peers, else ``peers /
+    region_size`` regions of two buckets each (every bucket about half a region), both powers of 2, at
+    most ``MAX_BUCKETS`` keys. A series of runs at several N with one ``region_size`` is one setting
+    (each region's size, its groups and its reads the same at every N), so its figures are fitted and
+    drawn against N as one line."""
+    from p2ptrain.config import MAX_BUCKETS
+
+    if region_size < 2 or region_size & (region_size - 1):
+        raise ValueError(f"--region-size must be a power of 2 from 2 (got {region_size})")
+    regions = 1 << max(0, (peers // region_size).bit_length() - 1) if peers >= region_size else 1
+    if regions == 1:
+        return 1, 1
+    buckets = min(MAX_BUCKETS, 2 * regions)
+    return buckets, min(regions, buckets // 2)
+
+
 def merge(path: Path, runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     old: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
@@ -116,6 +134,9 @@ def swarm_table(report: dict[str, Any]) -> str:
         rows.append(f"  N={r['peers']}: " + ", ".join(f"{m} {v}" for m, v in top))
     if "fit" in report:
         rows.append(f"control bytes / peer / step against N: {report['fit']}")
+    for settings, f in report.get("fits", {}).items():
+        if settings != "default":
+            rows.append(f"  {settings}, N={f['peers']}: per step {f['per_step']}")
     if "fit_per_s" in report:
         per_s = ", ".join(f"N={r['peers']}: {round(per_second(r))}" for r in report["runs"])
         rows.append(f"control bytes / peer / virtual second: {per_s}; against N: {report['fit_per_s']}")
@@ -164,6 +185,12 @@ def plot(report: dict[str, Any], figures: tuple[tuple[str, str], ...], key: str,
     except ImportError:
         return False
     runs = sorted(report["runs"], key=lambda r: r[key])
+    # a line per setting run at two sizes or more (a setting tried at one size is a table row, not a line)
+    sizes: dict[str, set[int]] = {}
+    for r in runs:
+        sizes.setdefault(str(r.get("settings")), set()).add(r[key])
+    if any(len(n) > 1 for n in sizes.values()):
+        runs = [r for r in runs if len(sizes[str(r.get("settings"))]) > 1]
     cols = 3
     rows = math.ceil(len(figures) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
@@ -207,6 +234,22 @@ def finish_swarm(report: dict[str, Any]) -> dict[str, Any]:
             [float(r["control_bytes_sent_per_peer_per_step"]) for r in base],
         )
         report["fit_per_s"] = fits([float(r["peers"]) for r in base], [per_second(r) for r in base])
+    # every setting run at three sizes or more (a ``--region-size`` series among them), fitted on its own
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in report["runs"]:
+        series.setdefault(str(r.get("settings")), []).append(r)
+    report["fits"] = {
+        settings: {
+            "per_step": fits(
+                [float(r["peers"]) for r in runs],
+                [float(r["control_bytes_sent_per_peer_per_step"]) for r in runs],
+            ),
+            "per_s": fits([float(r["peers"]) for r in runs], [per_second(r) for r in runs]),
+            "peers": sorted(r["peers"] for r in runs),
+        }
+        for settings, runs in series.items()
+        if len({r["peers"] for r in runs}) >= 3
+    }
     return report
 
 
@@ -277,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the run's progress.regions (swarm runs): regions a step's swarm splits into, each forming"
         " its own group and averaging states (a power of 2 below --buckets)",
     )
+    ap.add_argument(
+        "--region-size",
+        type=int,
+        default=0,
+        help="split each run into regions of this many peers (buckets and regions chosen per N:"
+        " one series of runs at several sizes; replaces --buckets and --regions)",
+    )
     ap.add_argument("--tag", default="", help="appended to the run's settings (before/after a change)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
@@ -314,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             and not args.width
             and args.buckets == 1
             and args.regions == 1
+            and not args.region_size
         )
         settings = (
             "default"
@@ -324,10 +375,18 @@ def main(argv: list[str] | None = None) -> int:
                 + (f",width={args.width}" if args.width else "")
                 + (f",buckets={args.buckets}" if args.buckets > 1 else "")
                 + (f",regions={args.regions}" if args.regions > 1 else "")
+                + (f",region-size={args.region_size}" if args.region_size else "")
             )
         ) + (f",{args.tag}" if args.tag else "")
+        if args.region_size and (args.buckets > 1 or args.regions > 1):
+            ap.error(
+                "--region-size chooses the buckets and regions itself: leave --buckets and --regions out"
+            )
         runs = []
         for n in (int(x) for x in args.peers.split(",")):
+            buckets, regions = (
+                region_layout(n, args.region_size) if args.region_size else (args.buckets, args.regions)
+            )
             spec = SwarmSpec(
                 peers=n,
                 duration=args.duration,
@@ -339,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 max_group=args.max_group,
                 width=args.width,
-                buckets=args.buckets,
-                regions=args.regions,
+                buckets=buckets,
+                regions=regions,
             )
             t0 = time.perf_counter()
             result = run(spec)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from p2ptrain.dht.lookup import Lookup
 from p2ptrain.dht.routing import Contact
 from p2ptrain.identity import PEER_ID_BYTES, PeerID
 from p2ptrain.net.address import PeerAddress
-from simulations.scale.__main__ import fits
+from simulations.scale.__main__ import finish_swarm, fits, region_layout
 from simulations.scale.model import RTT_MS, Churn, World, churn_events
 
 
@@ -61,6 +63,45 @@ def test_fits_recover_a_logarithm_and_a_power() -> None:
     power = fits(xs, [3 * x**1.5 for x in xs])
     assert power["exponent"] == 1.5
     assert fits([16.0], [1.0]) == {"points": 1}
+
+
+def test_a_region_size_keeps_every_region_that_size_as_the_swarm_grows() -> None:
+    from p2ptrain.config import MAX_BUCKETS, ProgressSection
+
+    assert region_layout(16, 32) == (1, 1)
+    assert region_layout(32, 32) == (1, 1)
+    for peers in (64, 128, 256, 1024):
+        buckets, regions = region_layout(peers, 32)
+        ProgressSection(buckets=buckets, regions=regions)  # (a layout the run file accepts)
+        assert peers // regions == 32 and buckets == 2 * regions
+    for peers in (2048, 4096, 10_000):  # (at most MAX_BUCKETS keys: the regions grow from there)
+        buckets, regions = region_layout(peers, 32)
+        ProgressSection(buckets=buckets, regions=regions)
+        assert buckets == MAX_BUCKETS and regions < buckets
+    for size in (0, 1, 48):
+        with pytest.raises(ValueError, match="power of 2"):
+            region_layout(64, size)
+
+
+def test_each_setting_run_at_three_sizes_is_fitted_on_its_own() -> None:
+    def run(peers: int, settings: str, per_step: float) -> dict[str, object]:
+        return {
+            "peers": peers,
+            "settings": settings,
+            "control_bytes_sent_per_peer_per_step": per_step,
+            "global_steps": 10,
+            "virtual_s": 100.0,
+        }
+
+    sizes = [64, 256, 1024]
+    report = {
+        "runs": [run(n, "region-size=32", 1000 + 500 * math.log2(n)) for n in sizes]
+        + [run(n, "two", 5.0) for n in sizes[:2]]
+    }
+    fitted = finish_swarm(report)["fits"]
+    assert list(fitted) == ["region-size=32"]  # ("two": two sizes, no fit)
+    assert fitted["region-size=32"]["per_step"]["log_fit"] == "1000 + 500 * log2(N)"
+    assert fitted["region-size=32"]["peers"] == sizes
 
 
 def test_two_groups_of_one_region_are_a_fork_only_where_a_trust_link_joins_them() -> None:
