@@ -41,6 +41,7 @@ SWARM_FIGURES = (
     ("target_to_commit_s_median", "target reached -> committed (s)"),
     ("share_in_committed_round_mean", "share of live peers in a committed round"),
     ("step_rate_per_min", "global steps / minute"),
+    ("step_period_s_median", "step period, commit to commit (s, median)"),
     ("sim.wall_s", "simulation wall time (s)"),
     ("sim.peak_rss_mb", "simulation peak RSS (MB)"),
 )

@@ -152,3 +152,12 @@ def test_two_groups_of_one_region_are_a_fork_only_where_a_trust_link_joins_them(
     # a step nobody recorded its trust on: every peer trusted (the strict count)
     lone = [[SimpleNamespace(node=SimpleNamespace(peer_id=ids[i]), trusted_at={})] for i in (0, 1)]
     assert trust_linked(lone, 3)  # type: ignore[arg-type]
+
+
+def test_step_periods_run_from_commit_to_commit_inside_the_window() -> None:
+    from simulations.scale.swarm import step_periods
+
+    committed = {3: 40.0, 4: 52.0, 5: 63.5, 7: 90.0}  # (step 6 committed nowhere: no period across it)
+    assert step_periods(committed, 45.0) == [11.5]
+    assert step_periods(committed, 0.0) == [12.0, 11.5]
+    assert step_periods({}, 0.0) == []
