@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +23,7 @@ import trio
 
 from ..errors import ConnectionClosed, HandshakeRefused, RemoteProtocolError
 from ..identity import PeerID
-from .admission import Arrivals, Limits, Slot, Tally, admit, subnet_of
+from .admission import Admission, Arrivals, Limits, Slot, Tally, admit, subnet_of
 from .channel import FramedStream, framed_stream
 from .connection import Connection
 from .handshake import MAX_HANDSHAKE_FRAME, HandshakeResult, ResponderHandshake, reject_frame
@@ -88,6 +88,10 @@ class Inbound:
         self._nursery = nursery
         self._clock = clock
         self._slots: dict[int, _Inbound] = {}
+        # the slots not evicted, counted by address and by subnet (``_admit``: most arrivals need no more)
+        self._held = 0
+        self._by_ip: Counter[str] = Counter()
+        self._by_subnet: Counter[str] = Counter()
         self._next_slot = 0
         self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
         self._protected_ips: set[str] = set()
@@ -137,8 +141,42 @@ class Inbound:
             out.append(Slot(e.key, e.ip, e.subnet, since, c is not None, protected, busy))
         return out
 
+    def _hold(self, entry: _Inbound) -> None:
+        self._slots[entry.key] = entry
+        self._count(entry, 1)
+
+    def _release(self, entry: _Inbound) -> None:
+        del self._slots[entry.key]
+        if not entry.evicted:
+            self._count(entry, -1)
+
+    def _count(self, entry: _Inbound, n: int) -> None:
+        self._held += n
+        self._by_ip[entry.ip] += n
+        self._by_subnet[entry.subnet] += n
+        for counts, key in ((self._by_ip, entry.ip), (self._by_subnet, entry.subnet)):
+            if not counts[key]:
+                del counts[key]
+
+    def _admit(self, remote_host: str, reserve: bool) -> Admission:
+        """``admission.admit`` over the slots in use. Below every limit its answer is "accept", whatever
+        the slots hold: that is told from the counts (kept as slots come and go), without a view of each
+        slot, which cost a node accepting its thousandth connection a thousand views (a swarm's first
+        peer, every joiner's bootstrap: a fifth of a 1,024-peer simulation's joins)."""
+        caps = self.limits.limits
+        below = (
+            self._held < caps.total
+            and self._by_ip[remote_host] < caps.per_ip
+            and self._by_subnet[subnet_of(remote_host)] < caps.per_subnet
+        )
+        if below:
+            return Admission("accept")
+        return admit(self._slot_views(), remote_host, trio.current_time(), caps, reserve=reserve)
+
     def _evict(self, key: int, reason: str) -> None:
         victim = self._slots[key]
+        if not victim.evicted:
+            self._count(victim, -1)
         victim.evicted = reason
         who = victim.conn.peer.short() if victim.conn is not None else "a connection in its handshake"
         _say(self._tally.note(victim.ip, self._clock()), "evicting %s from %s: %s", who, victim.ip, reason)
@@ -170,9 +208,7 @@ class Inbound:
             )
             await self._refuse(framed, "too many new connections; try later")
             return
-        verdict = admit(
-            self._slot_views(), remote_host, trio.current_time(), self.limits.limits, reserve=known
-        )
+        verdict = self._admit(remote_host, known)
         if verdict.verdict == "refuse":
             _say(
                 self._tally.note(remote_host, self._clock()),
@@ -192,12 +228,12 @@ class Inbound:
             trio.current_time(),
             probation=verdict.verdict == "probation",
         )
-        self._slots[entry.key] = entry
+        self._hold(entry)
         try:
             with entry.scope:
                 await self._accept_admitted(framed, remote_host, remote_port, entry)
         finally:
-            del self._slots[entry.key]
+            self._release(entry)
             if entry.scope.cancelled_caught:
                 await close_quietly(stream)
 

@@ -135,3 +135,60 @@ def test_arrivals_remember_a_bounded_number_of_addresses() -> None:
     arrivals = Arrivals(per_ip=0.0, ip_burst=1, per_subnet=0.0, subnet_burst=1, size=8)
     assert all(arrivals.allow(f"127.0.0.{k}", 0.0) for k in range(1, 100))
     assert len(arrivals._buckets) == 8
+
+
+def test_an_inbound_table_admits_from_its_counts_as_admit_does_from_every_slot() -> None:
+    """``Inbound._admit`` answers from counts kept as slots come, go and are evicted; over random tables
+    (slots held, evicted, released, from a few addresses of a few subnets) its verdict is ``admit``'s over
+    a view of every slot, and its counts are the views'."""
+    import random
+    from collections import Counter
+
+    import trio
+
+    from p2ptrain.net.inbound import Inbound, InboundLimits, _Inbound
+
+    limits = InboundLimits(
+        Limits(total=8, per_ip=3, per_subnet=5, reserve=2),
+        inbound_rate=1.0,
+        refused_hold=0.0,
+        handshake_timeout=1.0,
+    )
+    hosts = [f"198.18.{s}.{h}" for s in range(3) for h in range(1, 4)]
+
+    async def main() -> None:
+        for seed in range(20):
+            rng = random.Random(seed)
+            inbound = Inbound(
+                limits,
+                responder=lambda: None,  # type: ignore[arg-type,return-value]
+                make_connection=lambda *a: None,  # type: ignore[arg-type,return-value]
+                run_connection=lambda *a: None,  # type: ignore[arg-type,return-value]
+                connections_of=lambda p: [],
+                reserved=lambda p: False,
+                nursery=lambda: None,
+                clock=trio.current_time,
+            )
+            held: list[_Inbound] = []
+            for i in range(200):
+                move = rng.random()
+                if move < 0.5 or not held:
+                    ip = rng.choice(hosts)
+                    entry = _Inbound(i, ip, subnet_of(ip), trio.current_time())
+                    inbound._hold(entry)
+                    held.append(entry)
+                elif move < 0.75:
+                    live = [e for e in held if not e.evicted]
+                    if live:
+                        inbound._evict(rng.choice(live).key, "a test")
+                else:
+                    inbound._release(held.pop(rng.randrange(len(held))))
+                views = inbound._slot_views()
+                assert inbound._held == len(views)
+                assert inbound._by_ip == Counter(v.ip for v in views)
+                assert inbound._by_subnet == Counter(v.subnet for v in views)
+                ip, reserve = rng.choice(hosts), rng.random() < 0.3
+                fast = inbound._admit(ip, reserve)
+                assert fast == admit(views, ip, trio.current_time(), limits.limits, reserve=reserve)
+
+    trio.run(main)
