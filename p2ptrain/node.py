@@ -4,7 +4,8 @@ Theory of operation: ``Node.run`` starts the host (listeners and connections), t
 from the join addresses), one task per join address that keeps a connection to it open (reconnecting
 with capped exponential backoff and jitter), a task that announces this node in the run's peer list and
 reads the list back (every ``members_interval`` seconds while it changes, up to ``MEMBERS_BACKOFF`` times
-as long while it does not, and soon after a connection to a peer not on it opens or one closes), a task
+as long while it does not, and soon after a connection to a peer not on it opens or one closes; a list of
+more than ``MEMBERS_PER_READ`` members, at most every ``n / MEMBERS_PER_READ`` intervals), a task
 that rewrites the JSON status file atomically every ``status_interval`` seconds, and one that keeps the
 peers known recently in ``peer_cache`` (read at the start: a restarted node finds its swarm again without
 its join address).
@@ -65,6 +66,9 @@ from .web import serve_http
 log = logging.getLogger(__name__)
 
 MEMBERS_BACKOFF = 12  # a steady peer list is read this many times less often than ``members_interval``
+# A list of more members than this is read less often, in proportion (see ``Node._members_loop``), and
+# never staler than ``MEMBERS_BACKOFF`` intervals or a third of an announcement's life
+MEMBERS_PER_READ = 64
 T = TypeVar("T")
 
 
@@ -420,14 +424,27 @@ class Node:
             # A steady list is read less and less often (its records change on their own every
             # announce_ttl / 3 at most); a change brings the reads back to ``interval``, a hint of one
             # (a connection) the next read forward. Our own announcement still goes out on time.
-            wait = interval if now != shape else min(2 * wait, MEMBERS_BACKOFF * interval)
+            # A long list is read less often, whatever the hints: each read names every entry held
+            # (8 bytes each, to each of three replicas) and brings every one changed since, so a peer of
+            # a swarm of n paid n / 64 times a small swarm's bytes a read, and connections that close
+            # (hints) brought a read every ``interval``: O(n) bytes a second for each of n peers. Spaced
+            # by n / 64 intervals, a read costs a peer about the same bytes a second at any size up to
+            # the backoff's bound (1,024 peers: every 60 s, as a steady list), and a list is never
+            # staler than that bound at any size. (The list is for people and tools: training reads
+            # the run's progress records.)
+            spread = len(self.members) / MEMBERS_PER_READ
+            spacing = max(
+                interval, min(spread * interval, MEMBERS_BACKOFF * interval, self.config.announce_ttl / 3)
+            )
+            wait = spacing if now != shape else min(2 * wait, max(spacing, MEMBERS_BACKOFF * interval))
+            wait = max(wait, spacing)
             shape = now
             if len(self.members) != known:
                 known = len(self.members)
                 log.info("swarm: %d peer(s) known in run %r", known, self.config.run_id)
             announce_in = self._announced + self.config.announce_ttl / 3 - self.clock()
-            await trio.sleep(interval)  # never more often than this, whatever the hints
-            with trio.move_on_after(min(wait, max(interval, announce_in)) - interval):
+            await trio.sleep(spacing)  # never more often than this, whatever the hints
+            with trio.move_on_after(min(wait, max(spacing, announce_in)) - spacing):
                 await self._members_changed.wait()
 
     def _on_connection(self, conn: Connection, opened: bool) -> None:

@@ -13,6 +13,7 @@ expiry runs on the virtual clock. Timeouts cost no wall time under autojump.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 
@@ -315,3 +316,48 @@ async def test_the_peer_list_says_what_is_true_now_and_drops_a_member_that_left(
             for reader in nodes[:2]:
                 assert {m.peer_id for m in reader.members} == {nodes[0].peer_id, nodes[1].peer_id}
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("listed", [8, 64, 256, 1024])
+async def test_a_peer_reads_a_long_peer_list_no_more_bytes_a_second_than_a_short_one(
+    autojump_clock, monkeypatch, listed
+):
+    """A read of the peer list names every entry held and brings every one changed, and each connection
+    that closes is a hint to read it again soon: a peer of a swarm of n read O(n) bytes every interval.
+    A list of more than ``MEMBERS_PER_READ`` members is read at most every n / ``MEMBERS_PER_READ``
+    intervals (never less often than the backoff's bound), whatever the hints: over 600 s of closing
+    connections, reads times entries stay within what a list of ``MEMBERS_PER_READ`` costs."""
+    from p2ptrain.dht.peers import Member
+    from p2ptrain.node import MEMBERS_PER_READ
+
+    interval = 5.0
+    members = [
+        Member(identity(f"m{i}").peer_id, PeerRecord(addresses=(f"m{i}:1",)), 1e9) for i in range(listed)
+    ]
+    reads: list[float] = []
+
+    async def list_members(dht: object, run_id: str, **kw: object) -> list[Member]:
+        reads.append(trio.current_time())
+        return members
+
+    monkeypatch.setattr("p2ptrain.node.list_members", list_members)
+    net = MemoryNetwork(seed=5)
+    config = NodeConfig(run_id="long", listen=(("solo", PORT),), members_interval=interval)
+    node = Node(identity("solo"), config, transport=net.transport("solo"), clock=trio.current_time)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            start = trio.current_time()
+            while trio.current_time() - start < 600:
+                node._on_connection(None, False)  # type: ignore[arg-type]  # (a connection closed)
+                await trio.sleep(1.0)
+            nursery.cancel_scope.cancel()
+    window = [t for t in reads if t >= start]
+    gaps = [b - a for a, b in itertools.pairwise(window)]
+    spacing = min(interval * max(1, listed / MEMBERS_PER_READ), MEMBERS_BACKOFF * interval)
+    assert gaps and min(gaps) >= spacing - 1e-6  # (hints bring no read forward)
+    assert max(gaps) <= MEMBERS_BACKOFF * interval + 1e-6  # (never staler than the backoff's bound)
+    # entries named a second (what a read's bytes follow): a list of MEMBERS_PER_READ's, at most, up to
+    # the size whose spacing reaches the backoff's bound; past it, one read a bound
+    per_second = len(window) * listed / 600
+    assert per_second <= 1.05 * max(MEMBERS_PER_READ / interval, listed / (MEMBERS_BACKOFF * interval))
