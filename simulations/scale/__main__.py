@@ -186,36 +186,53 @@ def plot(report: dict[str, Any], figures: tuple[tuple[str, str], ...], key: str,
     except ImportError:
         return False
     runs = sorted(report["runs"], key=lambda r: r[key])
-    # a line per setting run at two sizes or more (a setting tried at one size is a table row, not a line)
+    # a line per setting run at three sizes or more (those fitted: a setting tried at one or two sizes is
+    # a table row, not a line), labelled by what sets it apart from the defaults
     sizes: dict[str, set[int]] = {}
     for r in runs:
         sizes.setdefault(str(r.get("settings")), set()).add(r[key])
-    if any(len(n) > 1 for n in sizes.values()):
-        runs = [r for r in runs if len(sizes[str(r.get("settings"))]) > 1]
+    if any(len(n) >= 3 for n in sizes.values()):
+        runs = [r for r in runs if len(sizes[str(r.get("settings"))]) >= 3]
+    lines = sorted({str(r.get("settings")) for r in runs})
     cols = 3
     rows = math.ceil(len(figures) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, (name, label) in zip(axes.flat, figures, strict=False):
-        for settings in sorted({str(r.get("settings")) for r in runs}):
+        for i, settings in enumerate(lines):  # (one colour a line, in every panel)
             pts = [
                 (r[key], figure(r, name))
                 for r in runs
                 if str(r.get("settings")) == settings and isinstance(figure(r, name), int | float)
             ]
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=settings)
-        if len({str(r.get("settings")) for r in runs}) > 1:
-            ax.legend(fontsize=6)
+                ax.plot(
+                    [x for x, _ in pts],
+                    [y for _, y in pts],
+                    marker="o",
+                    color=f"C{i}",
+                    label=short_settings(settings),
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(key)
         ax.set_title(label, fontsize=9)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(figures) :]:
+    spare = list(axes.flat)[len(figures) :]
+    for ax in spare:
         ax.axis("off")
+    if len(lines) > 1:  # (the legend in a spare panel, else below them all)
+        handles = [plt.Line2D([], [], marker="o", color=f"C{i}") for i in range(len(lines))]
+        labels = [short_settings(s) for s in lines]
+        (spare[0] if spare else fig).legend(handles, labels, loc="center", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def short_settings(settings: str) -> str:
+    """A run's settings less those at their defaults (a line's label)."""
+    plain = {"nat=0.0", "churn=0.0/0.0/0.0", "loss=0.0", "bps=10", "group=64"}
+    return ",".join(p for p in settings.split(",") if p not in plain) or "default"
 
 
 def per_second(run: dict[str, Any]) -> float:
