@@ -406,7 +406,8 @@ def measure(
                 if trust_linked([[p], [q]], e - 1)
             )[:12],
         }
-        for (e, r), groups in sorted(twice.items())[:8]
+        # (forks first: a run of 512 peers had eight region splits listed and its one fork left out)
+        for (e, r), groups in sorted(twice.items(), key=lambda kv: (not linked[kv[0]], kv[0]))[:8]
     ]
     shares = []
     # what the live peers left out of a committed round noted of its step instead (no group, aborted,
