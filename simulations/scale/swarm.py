@@ -586,25 +586,35 @@ def _regions_per_step(sim: Simulation) -> list[dict[str, Any]]:
     of its committed round. A region forms a group where an anchored peer is, or where its records name
     nobody who may lead but newcomers (``RoundRunner._form_group``), and its rounds' members are
     anchored at the next step, in the regions that step pairs: the table shows how leaders spread and
-    where peers sat out (empty with one region)."""
+    where peers sat out (empty with one region). ``landed_s``: when each region's round first landed,
+    in seconds after the step's first round did (how far apart a step's regions finish: the next
+    step's samples start adding up as each region's members move on to it)."""
     if not sim.peers or not sim.peers[0].opt.board.regions.split:
         return []
     regions = sim.peers[0].opt.board.regions
     out = []
     for epoch in range(1 + max(max(p.anchored_on, default=0) for p in sim.peers)):
         rows: dict[int, list[int]] = {}
+        landed: dict[int, float] = {}
         for p in sim.peers:
             if epoch not in p.anchored_on:
                 continue
-            row = rows.setdefault(regions.of_peer(p.node.peer_id, epoch), [0, 0, 0])
+            region = regions.of_peer(p.node.peer_id, epoch)
+            row = rows.setdefault(region, [0, 0, 0])
             row[0] += 1
             row[1] += p.anchored_on[epoch]
-            row[2] += any(s[0] == epoch and s[3] == "averaged" for s in p.steps)
+            at = min((s[5] for s in p.steps if s[0] == epoch and s[3] == "averaged"), default=math.inf)
+            row[2] += at < math.inf
+            landed[region] = min(landed.get(region, math.inf), at)
+        first = min(landed.values(), default=math.inf)
         out.append(
             {
                 "epoch": epoch,
                 "committed": sum(r[2] > 0 for r in rows.values()),
                 "regions": {str(k): rows[k] for k in sorted(rows)},  # [on the step, anchored, members]
+                "landed_s": {
+                    str(k): round(landed[k] - first, 1) for k in sorted(landed) if landed[k] < math.inf
+                },
             }
         )
     return out

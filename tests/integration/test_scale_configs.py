@@ -99,6 +99,10 @@ def test_a_swarm_split_into_two_regions_commits_each_region_once_and_keeps_every
     for step in table.values():
         for region, (on_step, anchored, members) in step["regions"].items():
             assert members <= on_step and anchored <= on_step, (step, region)
+        # each region with a round is timed from the step's first round to land
+        assert set(step["landed_s"]) == {r for r, row in step["regions"].items() if row[2]}, step
+        if step["landed_s"]:
+            assert min(step["landed_s"].values()) == 0.0, step
     for measured in report["left_out_per_step"]:
         step = table[measured["epoch"]]
         assert sum(r[2] for r in step["regions"].values()) >= measured["members"], (step, measured)
