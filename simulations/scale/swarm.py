@@ -12,6 +12,7 @@ a property of the protocol alone.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import logging
@@ -22,7 +23,7 @@ import resource
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,15 +33,21 @@ import trio.testing
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
+from p2ptrain.dht.peers import peers_key
+from p2ptrain.dht.protocol import FindValueReq, ValueResp
 from p2ptrain.dht.records import key_id
+from p2ptrain.dht.server import CONTACT_BYTES, Server
+from p2ptrain.dht.spread import SpreadKey
 from p2ptrain.identity import KEPT_SIGNATURES, Identity, PeerID, remember_verified_signatures
 from p2ptrain.net import PeerAddress
 from p2ptrain.net.messages import MessageNetwork
+from p2ptrain.net.rpc import CallContext, Reply
 from p2ptrain.training import CollaborativeOptimizer
 from simulations.scale.heap import few_collections
 from simulations.scale.model import Churn, PeerPlace, World, churn_events, pct
 
 PORT = 4000
+RUN_ID = "scale"
 BATCH = 8  # samples per batch, every peer
 DATA_METHODS = frozenset(
     {
@@ -134,6 +141,43 @@ def run_config(spec: SwarmSpec) -> RunConfig:
     )
 
 
+def key_names(run_id: str, max_bits: int = 8) -> dict[bytes, str]:
+    """The run's DHT keys that a reader reads, by key id: the peer list, and each bucket key of the
+    progress, ban and matchmaking (``looks``) records at every spread up to ``2^max_bits`` buckets (a
+    key the table lacks, such as a step's own matchmaking key in an unspread run, is ``other``)."""
+    names = {key_id(peers_key(run_id)): "peer list"}
+    for what, base in (
+        ("progress", f"p2ptrain/{run_id}/progress"),
+        ("bans", f"p2ptrain/{run_id}/bans"),
+        ("looks", f"averaging/{run_id}/looks"),
+    ):
+        for bits in range(max_bits + 1):
+            for b, key in enumerate(SpreadKey.of(base, bits).keys):
+                names.setdefault(key_id(key), f"{what} {b}/{1 << bits}" if bits else what)
+    return names
+
+
+@contextlib.contextmanager
+def counting_value_replies(sim: Simulation) -> Iterator[None]:
+    """Count each ``dht.find_value`` reply's bytes (its entries and contacts) by the serving peer and the
+    key read, into ``sim.value_replies`` (while ``sim.counting``): which key a busy node serves."""
+    original = Server.on_find_value
+
+    async def on_find_value(self: Server, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
+        reply = await original(self, ctx, req)
+        if sim.counting:
+            sim.value_replies[PEER_NAME.get(), req.key_id] += len(reply.body) + CONTACT_BYTES * len(
+                reply.message.contacts
+            )
+        return reply
+
+    Server.on_find_value = on_find_value  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Server.on_find_value = original  # type: ignore[method-assign]
+
+
 class Simulation:
     def __init__(self, spec: SwarmSpec, nursery: trio.Nursery) -> None:
         self.spec = spec
@@ -149,6 +193,9 @@ class Simulation:
         # epoch -> the contributors of a round that committed it, as a member that landed it noted them
         # (short ids): a member killed after the commit, before the round landed on it, was in it
         self.contributors: dict[int, set[str]] = {}
+        # (serving peer's name, key id) -> bytes of its find_value replies, while counting (the window)
+        self.value_replies: Counter[tuple[str, bytes]] = Counter()
+        self.counting = False
 
     def live(self) -> list[SimPeer]:
         return [p for p in self.peers if p.gone is None]
@@ -166,7 +213,7 @@ class Simulation:
             join = tuple(dict.fromkeys(p.node.addresses[0] for p in picks))
         node = Node(
             identity_of(place.name),
-            NodeConfig(run_id="scale", listen=((place.name, PORT),), join=join),
+            NodeConfig(run_id=RUN_ID, listen=((place.name, PORT),), join=join),
             transport=self.net.transport(place.name),
             clock=trio.current_time,
         )
@@ -281,23 +328,31 @@ async def simulate(spec: SwarmSpec) -> dict[str, Any]:
     began = time.perf_counter()
     async with trio.open_nursery() as nursery:
         sim = Simulation(spec, nursery)
-        gap = spec.join_spread / max(1, spec.peers)
-        for _ in range(spec.peers):
-            await sim.start_peer()
-            await trio.sleep(gap)
-        built = time.perf_counter() - began
-        events = churn_events(spec.churn, spec.peers, spec.warmup, spec.duration - spec.warmup, sim.rng)
-        nursery.start_soon(sim.churn, events)
-        await trio.sleep_until(spec.warmup)
-        window_start = trio.current_time()
-        before = snapshot(sim.live())
-        epoch_before = max(p.opt.epoch for p in sim.live())
-        await trio.sleep_until(spec.duration)
-        window = trio.current_time() - window_start
-        after = snapshot(sim.live())
-        epoch_after = max(p.opt.epoch for p in sim.live())
-        report = measure(sim, before, after, epoch_before, epoch_after, window_start, window)
+        with counting_value_replies(sim):
+            report = await _simulate(sim, spec, began)
         nursery.cancel_scope.cancel()
+    return report
+
+
+async def _simulate(sim: Simulation, spec: SwarmSpec, began: float) -> dict[str, Any]:
+    gap = spec.join_spread / max(1, spec.peers)
+    for _ in range(spec.peers):
+        await sim.start_peer()
+        await trio.sleep(gap)
+    built = time.perf_counter() - began
+    events = churn_events(spec.churn, spec.peers, spec.warmup, spec.duration - spec.warmup, sim.rng)
+    sim.nursery.start_soon(sim.churn, events)
+    await trio.sleep_until(spec.warmup)
+    window_start = trio.current_time()
+    before = snapshot(sim.live())
+    epoch_before = max(p.opt.epoch for p in sim.live())
+    sim.counting = True
+    await trio.sleep_until(spec.duration)
+    sim.counting = False
+    window = trio.current_time() - window_start
+    after = snapshot(sim.live())
+    epoch_after = max(p.opt.epoch for p in sim.live())
+    report = measure(sim, before, after, epoch_before, epoch_after, window_start, window)
     report["sim"] = {
         "wall_s": round(time.perf_counter() - began, 1),
         "build_wall_s": round(built, 1),
@@ -334,6 +389,7 @@ def measure(
     # the node that sent the most control bytes, and by which methods (the hot spot, named)
     busiest = max(both, key=lambda i: control_sent[both.index(i)], default=None)
     hot: dict[str, Any] = {}
+    names = key_names(RUN_ID)
     if busiest is not None:
         delta = after[busiest][0] - before[busiest][0]
         top = [(m, v) for m, v in delta.most_common() if m not in DATA_METHODS][:4]
@@ -343,12 +399,29 @@ def measure(
             kid = int.from_bytes(key_id(key), "big")
             order = sorted(both, key=lambda i: int.from_bytes(sim.peers[i].node.peer_id.digest, "big") ^ kid)
             rank = min(rank, order.index(busiest))
+        name = sim.peers[busiest].place.name
+        served = Counter({kid: v for (who, kid), v in sim.value_replies.items() if who == name})
         hot = {
-            "peer": sim.peers[busiest].place.name,
+            "peer": name,
             "progress_key_rank": rank,
             "by_method_per_step": {m: round(v / steps) for m, v in top},
+            "find_value_by_key_per_step": {
+                names.get(kid, f"other {kid.hex()[:8]}"): round(v / steps) for kid, v in served.most_common(4)
+            },
         }
     n = max(1, len(both))
+    # which keys the reads' replies carried: per peer a step by kind of key, and the keys served most
+    by_kind: Counter[str] = Counter()
+    by_key: Counter[bytes] = Counter()
+    for (_, kid), v in sim.value_replies.items():
+        by_kind[re.sub(r" \d+/\d+$", "", names.get(kid, "other"))] += v
+        by_key[kid] += v
+    value_replies = {
+        "per_peer_per_step": {k: round(v / n / steps) for k, v in by_kind.most_common()},
+        "busiest_keys_per_step": {
+            names.get(kid, f"other {kid.hex()[:8]}"): round(v / steps) for kid, v in by_key.most_common(5)
+        },
+    }
     per_method = {m: round(v / n / steps) for m, v in by_method.most_common() if m not in DATA_METHODS}
     median_sent = statistics.median(control_sent) if control_sent else 0.0
     # ---- steps: forks, who was in each committed round, target reached -> committed ----
@@ -513,6 +586,7 @@ def measure(
         "control_by_method_per_peer_per_step": per_method,
         "max_node_control_over_median": round(max(control_sent) / median_sent, 2) if median_sent else None,
         "busiest_node": hot,
+        "find_value_replies": value_replies,
         "dht_lookup_hops_median": pct(hops, 0.5),
         "dht_lookup_hops_p99": pct(hops, 0.99),
         "dht_lookup_queries_median": pct(queries, 0.5),

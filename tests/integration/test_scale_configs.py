@@ -95,6 +95,10 @@ def test_a_swarm_split_into_two_regions_commits_each_region_once_and_keeps_every
     assert report["share_in_committed_round_mean"] >= 0.9, report
     # the per-region table of every step (how leaders spread, where peers sat out) agrees with the
     # rounds counted per step: each measured step's members are its regions' members
+    # the reads' replies, by key: every key read is one the report names (progress, matchmaking, ...)
+    replies = report["find_value_replies"]["per_peer_per_step"]
+    assert replies.get("progress", 0) > 0 and replies.get("looks", 0) > 0, replies
+    assert "other" not in replies, replies
     table = {step["epoch"]: step for step in report["regions_per_step"]}
     for step in table.values():
         for region, (on_step, anchored, members) in step["regions"].items():
