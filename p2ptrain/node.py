@@ -4,8 +4,10 @@ Theory of operation: ``Node.run`` starts the host (listeners and connections), t
 from the join addresses), one task per join address that keeps a connection to it open (reconnecting
 with capped exponential backoff and jitter), a task that announces this node in the run's peer list and
 reads the list back (every ``members_interval`` seconds while it changes, up to ``MEMBERS_BACKOFF`` times
-as long while it does not, and soon after a connection to a peer not on it opens or one closes; a list of
-more than ``MEMBERS_PER_READ`` members, at most every ``n / MEMBERS_PER_READ`` intervals), a task
+as long while it does not, and soon after a connection to a peer of its part of the list not on it
+opens or one closes; a list of more than ``MEMBERS_PER_READ`` members, at most every
+``n / MEMBERS_PER_READ`` intervals; where the run spreads the list over ``peer_list_buckets`` keys, its
+own bucket's part only, see ``dht.peers``), a task
 that rewrites the JSON status file atomically every ``status_interval`` seconds, and one that keeps the
 peers known recently in ``peer_cache`` (read at the start: a restarted node finds its swarm again without
 its join address).
@@ -35,7 +37,7 @@ import trio
 from . import peercache
 from .averaging import Averager, AveragerConfig, RoundResult
 from .config import RunConfig
-from .dht.peers import Member, PeerRecord, announce, list_members, withdraw
+from .dht.peers import Member, PeerRecord, announce, list_members, peer_list, withdraw
 from .dht.service import DHT, DHTConfig
 from .errors import HandshakeRefused, P2PError
 from .identity import Identity, PeerID
@@ -139,6 +141,9 @@ class NodeConfig:
     reconnect_max_delay: float = 8.0  # a join peer back from a restart is found this soon (a SYN a try)
     announce_ttl: float = 180.0
     members_interval: float = 5.0  # seconds between reads of the peer list while it changes
+    # keys the run's peer list spreads over (a power of 2; the run's ``progress.buckets``): this node
+    # writes and reads its own bucket's, so ``Node.members`` is its part of the list (``dht.peers``)
+    peer_list_buckets: int = 1
     authority: bytes | None = None  # a private run: the swarm authority's public key (None: open swarm)
     certificate: bytes | None = None  # this node's membership certificate (private runs)
     relay: bool = True  # relay for peers nobody can dial (``net.relay``; its limits: host.relay)
@@ -159,6 +164,7 @@ class Node:
         self.identity = identity
         self.config = config
         validate_run_id(config.run_id)
+        self._peer_list = peer_list(config.run_id, config.peer_list_buckets)  # (a power of 2, checked)
         self.registry = RpcRegistry()
         self.registry.add_unary(PING, self._on_ping)
         self.registry.add_unary(INFO, self._on_info)
@@ -399,7 +405,11 @@ class Node:
         with trio.move_on_after(timeout):
             try:
                 await withdraw(
-                    self.dht, self.config.run_id, now=self.clock(), ttl=self.config.announce_ttl + 60.0
+                    self.dht,
+                    self.config.run_id,
+                    now=self.clock(),
+                    ttl=self.config.announce_ttl + 60.0,
+                    buckets=self.config.peer_list_buckets,
                 )
             except P2PError as e:
                 log.info("could not tell the swarm we leave: %s", e)
@@ -414,10 +424,18 @@ class Node:
         while True:
             if self.clock() - self._announced >= self.config.announce_ttl / 3:
                 self._announced = self.clock()
-                await announce(self.dht, self.config.run_id, self.peer_record(), ttl=self.config.announce_ttl)
+                await announce(
+                    self.dht,
+                    self.config.run_id,
+                    self.peer_record(),
+                    ttl=self.config.announce_ttl,
+                    buckets=self.config.peer_list_buckets,
+                )
             self._members_changed = trio.Event()
             try:
-                self.members = await list_members(self.dht, self.config.run_id)
+                self.members = await list_members(
+                    self.dht, self.config.run_id, buckets=self.config.peer_list_buckets, near=self.peer_id
+                )
             except P2PError as e:
                 log.warning("cannot read the peer list: %s", e)
             now = frozenset((m.peer_id, m.record.addresses, m.record.reachable) for m in self.members)
@@ -441,14 +459,16 @@ class Node:
             shape = now
             if len(self.members) != known:
                 known = len(self.members)
-                log.info("swarm: %d peer(s) known in run %r", known, self.config.run_id)
+                part = f" (its part of {len(self._peer_list.keys)})" if len(self._peer_list.keys) > 1 else ""
+                log.info("swarm: %d peer(s) known in run %r%s", known, self.config.run_id, part)
             announce_in = self._announced + self.config.announce_ttl / 3 - self.clock()
             await trio.sleep(spacing)  # never more often than this, whatever the hints
             with trio.move_on_after(min(wait, max(spacing, announce_in)) - spacing):
                 await self._members_changed.wait()
 
     def _on_connection(self, conn: Connection, opened: bool) -> None:
-        if not opened or all(m.peer_id != conn.peer for m in self.members):
+        mine = self._peer_list.key_of(conn.peer) == self._peer_list.key_of(self.peer_id)
+        if mine and (not opened or all(m.peer_id != conn.peer for m in self.members)):
             self._members_changed.set()  # a newcomer, or maybe a peer that left: read the list soon
         if opened:
             log.info(

@@ -188,10 +188,15 @@ def claim_data_dir(data_dir: Path) -> None:
 
 
 def node_config(
-    settings: NodeSection, *, run_id: str, authority: str | None, averaging: AveragerConfig | None = None
+    settings: NodeSection,
+    *,
+    run_id: str,
+    authority: str | None,
+    averaging: AveragerConfig | None = None,
+    peer_list_buckets: int = 1,
 ) -> NodeConfig:
     """The node's configuration from its settings, the run it is in and the run's authority (a private
-    run's public key, or none)."""
+    run's public key, or none); ``peer_list_buckets``: the run's ``progress.buckets``."""
     from ..averaging import AveragerConfig
     from ..node import NodeConfig
 
@@ -209,6 +214,7 @@ def node_config(
         metrics=("0.0.0.0", settings.metrics_port) if settings.metrics_port is not None else None,
         averaging=averaging or AveragerConfig(),
         relay=settings.relay,
+        peer_list_buckets=peer_list_buckets,
         **_membership(authority, settings.certificate),
     )
 

@@ -19,7 +19,7 @@ from ..identity import Identity
 from ..net.address import PeerAddress
 from ..net.host import Host
 from ..nodebase import PING, STATUS, PingRequest, StatusRequest, member_json, validate_run_id
-from .common import parse_address, run_trio
+from .common import UsageError, parse_address, run_trio
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
@@ -53,7 +53,9 @@ async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> i
 def cmd_peers(args: argparse.Namespace) -> int:
     addr = parse_address(args.address)
     validate_run_id(args.run_id)
-    members = run_trio(_members_via, addr, args.run_id, args.timeout)
+    if args.buckets < 1 or args.buckets & (args.buckets - 1):
+        raise UsageError(f"--buckets must be a power of 2 (the run's progress.buckets), not {args.buckets}")
+    members = run_trio(_members_via, addr, args.run_id, args.timeout, args.buckets)
     if args.json:
         print(json.dumps([member_json(m) for m in members], indent=2))
         return 0
@@ -73,17 +75,18 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _members_via(addr: PeerAddress, run_id: str, timeout: float) -> list[Member]:
-    """Ask the swarm at ``addr`` for the run's members, as a client-only DHT peer."""
+async def _members_via(addr: PeerAddress, run_id: str, timeout: float, buckets: int = 1) -> list[Member]:
+    """Ask the swarm at ``addr`` for the run's members, as a client-only DHT peer (every bucket's of a
+    list spread over ``buckets`` keys)."""
     host = Host(Identity.generate(), run_id)
     dht = DHT(host, config=DHTConfig(client_only=True, rpc_timeout=timeout))
     async with trio.open_nursery() as nursery:
         await nursery.start(host.run, [])
-        with trio.fail_after(4 * timeout):
+        with trio.fail_after((3 + buckets) * timeout):  # (each bucket of the list a read)
             await host.connect(addr, timeout=timeout)  # a refusal says why (another run id, another peer)
             if not await dht.bootstrap([addr], attempts=1):
                 raise PeerUnavailable(f"no answer from {addr}")
-            members = await list_members(dht, run_id)
+            members = await list_members(dht, run_id, buckets=buckets)
         nursery.cancel_scope.cancel()
     return members
 
@@ -147,6 +150,12 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("address", help="any member's address")
     s.add_argument("--run-id", default="default", help=_RUN_ID_HELP)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument(
+        "--buckets",
+        type=int,
+        default=1,
+        help="keys the run's peer list spreads over: the run's progress.buckets (default 1)",
+    )
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
     s.set_defaults(func=cmd_peers)
 

@@ -128,6 +128,7 @@ def train_node(args: argparse.Namespace) -> int:
         run_id=args.run_id or config.run.id,  # (the node's run id; the run's own stays the run file's)
         authority=config.run.authority,
         averaging=averaging_settings(config),
+        peer_list_buckets=config.progress.buckets,
     )
     if config.run.id_work:  # the run prices ids: ours carries the work (found once, kept with the key)
         work = id_work(identity, config.run.id_work, data_dir)

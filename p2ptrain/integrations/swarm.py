@@ -104,6 +104,7 @@ def _start(
         join=tuple(PeerAddress.parse(a) for a in join),
         peer_cache=peer_cache,
         averaging=averaging_settings(run),
+        peer_list_buckets=run.progress.buckets,
     )
     if run.run.id_work:  # the run prices ids: ours carries the work (found once, kept with the key)
         work = id_work(identity, run.run.id_work, folder)

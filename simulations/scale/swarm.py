@@ -33,7 +33,6 @@ import trio.testing
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
-from p2ptrain.dht.peers import peers_key
 from p2ptrain.dht.protocol import FindValueReq, ValueResp
 from p2ptrain.dht.records import key_id
 from p2ptrain.dht.server import CONTACT_BYTES, Server
@@ -145,8 +144,9 @@ def key_names(run_id: str, max_bits: int = 8) -> dict[bytes, str]:
     """The run's DHT keys that a reader reads, by key id: the peer list, and each bucket key of the
     progress, ban and matchmaking (``looks``) records at every spread up to ``2^max_bits`` buckets (a
     key the table lacks, such as a step's own matchmaking key in an unspread run, is ``other``)."""
-    names = {key_id(peers_key(run_id)): "peer list"}
+    names = {}
     for what, base in (
+        ("peer list", f"p2ptrain/{run_id}/peers"),
         ("progress", f"p2ptrain/{run_id}/progress"),
         ("bans", f"p2ptrain/{run_id}/bans"),
         ("looks", f"averaging/{run_id}/looks"),
@@ -213,7 +213,12 @@ class Simulation:
             join = tuple(dict.fromkeys(p.node.addresses[0] for p in picks))
         node = Node(
             identity_of(place.name),
-            NodeConfig(run_id=RUN_ID, listen=((place.name, PORT),), join=join),
+            NodeConfig(
+                run_id=RUN_ID,
+                listen=((place.name, PORT),),
+                join=join,
+                peer_list_buckets=self.spec.buckets,
+            ),
             transport=self.net.transport(place.name),
             clock=trio.current_time,
         )

@@ -16,15 +16,17 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import types
 
 import pytest
 import trio
 
 from p2ptrain.dht import DHTConfig, key_id, owned_subkey
-from p2ptrain.dht.peers import PeerRecord, announce, list_members
+from p2ptrain.dht.peers import PeerRecord, announce, list_members, peer_list
 from p2ptrain.identity import PeerID
 from p2ptrain.net import HostConfig, MemoryNetwork
 from p2ptrain.node import MEMBERS_BACKOFF, Node, NodeConfig
+from p2ptrain.wire.codec import pack
 from tests.harness.dht import PORT, DhtNode, Swarm, open_swarm
 from tests.harness.identities import identity
 
@@ -344,12 +346,13 @@ async def test_a_peer_reads_a_long_peer_list_no_more_bytes_a_second_than_a_short
     net = MemoryNetwork(seed=5)
     config = NodeConfig(run_id="long", listen=(("solo", PORT),), members_interval=interval)
     node = Node(identity("solo"), config, transport=net.transport("solo"), clock=trio.current_time)
+    closed = types.SimpleNamespace(peer=members[0].peer_id, outbound=False)
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             start = trio.current_time()
             while trio.current_time() - start < 600:
-                node._on_connection(None, False)  # type: ignore[arg-type]  # (a connection closed)
+                node._on_connection(closed, False)  # type: ignore[arg-type]  # (a connection closed)
                 await trio.sleep(1.0)
             nursery.cancel_scope.cancel()
     window = [t for t in reads if t >= start]
@@ -361,3 +364,83 @@ async def test_a_peer_reads_a_long_peer_list_no_more_bytes_a_second_than_a_short
     # the size whose spacing reaches the backoff's bound; past it, one read a bound
     per_second = len(window) * listed / 600
     assert per_second <= 1.05 * max(MEMBERS_PER_READ / interval, listed / (MEMBERS_BACKOFF * interval))
+
+
+@pytest.mark.parametrize("buckets", [2, 4, 8])
+async def test_a_spread_peer_list_costs_a_reader_its_bucket_and_lists_nobody_outside_theirs(
+    autojump_clock, buckets
+):
+    """A peer list every member reads whole costs each reader every entry once per re-announcement (each
+    entry is new that often), however seldom it reads: O(N) bytes a second a reader, O(N^2) at the key's
+    replicas (the busiest node of 1,024 simulated peers: 52x the median, ``dht.find_value``). Spread over
+    ``buckets`` keys, a node's read is its bucket's key alone and brings its bucket's members only; a tool
+    reads every bucket and lists everyone; and an entry a member writes under another bucket's key than
+    its own (a free id placing itself where it does not belong, under every key) is listed nowhere."""
+    run_id = f"spread{buckets}"
+    rng = random.Random(buckets)
+    with trio.fail_after(600):
+        async with open_swarm(DHTConfig()) as swarm:
+            for i in range(12):
+                await swarm.start(f"s{i}", [rng.choice(swarm.nodes).address] if swarm.nodes else [])
+            spread = peer_list(run_id, buckets)
+            for node in swarm.nodes:
+                record = PeerRecord(addresses=(str(node.address),))
+                assert await announce(node.dht, run_id, record, ttl=600, buckets=buckets) > 0
+            liar = swarm.nodes[rng.randrange(len(swarm.nodes))]
+            for key in spread.keys:
+                if key != spread.key_of(liar.host.peer_id):
+                    record = PeerRecord(addresses=("elsewhere:1",))
+                    await liar.dht.store(
+                        key, pack(record.to_obj()), ttl=600, subkey=owned_subkey(liar.host.peer_id), sign=True
+                    )
+            everyone = {n.host.peer_id for n in swarm.nodes}
+            for reader in rng.sample(swarm.nodes, 4):
+                mine = spread.key_of(reader.host.peer_id)
+                near = await list_members(reader.dht, run_id, buckets=buckets, near=reader.host.peer_id)
+                assert {m.peer_id for m in near} == {p for p in everyone if spread.key_of(p) == mine}
+                whole = await list_members(reader.dht, run_id, buckets=buckets)
+                assert {m.peer_id for m in whole} == everyone
+                [listed] = [m for m in whole if m.peer_id == liar.host.peer_id]
+                assert listed.record.addresses == (str(liar.address),)  # (its own bucket's entry only)
+            # the whole list at one key is the same list, as it always was
+            assert {m.peer_id for m in await list_members(swarm.nodes[0].dht, run_id)} == set()
+
+
+async def test_nodes_of_a_run_with_a_spread_peer_list_each_list_their_bucket(autojump_clock):
+    """Nodes of a run whose list spreads over 2 keys (``NodeConfig.peer_list_buckets``, a run's
+    ``progress.buckets``) each come to list exactly the members of their own bucket."""
+    net = MemoryNetwork(seed=4)
+    interval = 2.0
+    nodes: list[Node] = []
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                config = NodeConfig(
+                    run_id="halves",
+                    listen=((f"h{i}", PORT),),
+                    join=(nodes[-1].addresses[0],) if nodes else (),
+                    members_interval=interval,
+                    peer_list_buckets=2,
+                )
+                node = Node(
+                    identity(f"h{i}"), config, transport=net.transport(f"h{i}"), clock=trio.current_time
+                )
+                nodes.append(await nursery.start(node.run))
+            spread = peer_list("halves", 2)
+            assert len({spread.key_of(n.peer_id) for n in nodes}) == 2  # (both halves have members)
+
+            def expected(n: Node) -> set[PeerID]:
+                return {m.peer_id for m in nodes if spread.key_of(m.peer_id) == spread.key_of(n.peer_id)}
+
+            bound = DHTConfig().republish_interval + DHTConfig().maintenance_interval + 2 * interval
+            with trio.fail_after(bound):
+                while not all({m.peer_id for m in n.members} == expected(n) for n in nodes):  # noqa: ASYNC110
+                    await trio.sleep(interval)  # (the lists change every interval; the deadline bounds it)
+            nursery.cancel_scope.cancel()
+
+
+def test_a_peer_list_spreads_over_a_power_of_2_of_keys() -> None:
+    with pytest.raises(ValueError, match="power of 2"):
+        peer_list("run", 3)
+    with pytest.raises(ValueError, match="power of 2"):
+        Node(identity("x"), NodeConfig(run_id="run", peer_list_buckets=0))
