@@ -34,8 +34,9 @@ import trio.testing
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.dht.protocol import FindValueReq, ValueResp
-from p2ptrain.dht.records import key_id
+from p2ptrain.dht.records import Entry, key_id
 from p2ptrain.dht.server import CONTACT_BYTES, Server
+from p2ptrain.dht.service import DHT
 from p2ptrain.dht.spread import SpreadKey
 from p2ptrain.identity import KEPT_SIGNATURES, Identity, PeerID, remember_verified_signatures
 from p2ptrain.net import PeerAddress
@@ -160,22 +161,31 @@ def key_names(run_id: str, max_bits: int = 8) -> dict[bytes, str]:
 @contextlib.contextmanager
 def counting_value_replies(sim: Simulation) -> Iterator[None]:
     """Count each ``dht.find_value`` reply's bytes (its entries and contacts) by the serving peer and the
-    key read, into ``sim.value_replies`` (while ``sim.counting``): which key a busy node serves."""
-    original = Server.on_find_value
+    key read, into ``sim.value_replies``, and each read a peer starts (``DHT.get``: a lookup, or the
+    replicas it keeps) by its key, into ``sim.reads`` (while ``sim.counting``): which key a busy node
+    serves, and whether its readers read it often or it answers much."""
+    answer, read = Server.on_find_value, DHT.get
 
     async def on_find_value(self: Server, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
-        reply = await original(self, ctx, req)
+        reply = await answer(self, ctx, req)
         if sim.counting:
             sim.value_replies[PEER_NAME.get(), req.key_id] += len(reply.body) + CONTACT_BYTES * len(
                 reply.message.contacts
             )
         return reply
 
+    async def get(self: DHT, key: bytes, **kw: Any) -> dict[bytes, Entry]:
+        if sim.counting:
+            sim.reads[key_id(key)] += 1
+        return await read(self, key, **kw)
+
     Server.on_find_value = on_find_value  # type: ignore[method-assign]
+    DHT.get = get  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Server.on_find_value = original  # type: ignore[method-assign]
+        Server.on_find_value = answer  # type: ignore[method-assign]
+        DHT.get = read  # type: ignore[method-assign]
 
 
 class Simulation:
@@ -195,6 +205,7 @@ class Simulation:
         self.contributors: dict[int, set[str]] = {}
         # (serving peer's name, key id) -> bytes of its find_value replies, while counting (the window)
         self.value_replies: Counter[tuple[str, bytes]] = Counter()
+        self.reads: Counter[bytes] = Counter()  # key id -> reads the peers started, while counting
         self.counting = False
 
     def live(self) -> list[SimPeer]:
@@ -421,8 +432,12 @@ def measure(
     for (_, kid), v in sim.value_replies.items():
         by_kind[re.sub(r" \d+/\d+$", "", names.get(kid, "other"))] += v
         by_key[kid] += v
+    reads: Counter[str] = Counter()
+    for kid, v in sim.reads.items():
+        reads[re.sub(r" \d+/\d+$", "", names.get(kid, "other"))] += v
     value_replies = {
         "per_peer_per_step": {k: round(v / n / steps) for k, v in by_kind.most_common()},
+        "reads_per_peer_per_step": {k: round(v / n / steps, 2) for k, v in reads.most_common()},
         "busiest_keys_per_step": {
             names.get(kid, f"other {kid.hex()[:8]}"): round(v / steps) for kid, v in by_key.most_common(5)
         },

@@ -99,6 +99,8 @@ def test_a_swarm_split_into_two_regions_commits_each_region_once_and_keeps_every
     replies = report["find_value_replies"]["per_peer_per_step"]
     assert replies.get("progress", 0) > 0 and replies.get("looks", 0) > 0, replies
     assert "other" not in replies, replies
+    reads = report["find_value_replies"]["reads_per_peer_per_step"]
+    assert reads.get("progress", 0) > 0 and set(reads) <= {"progress", "looks", "peer list", "bans"}, reads
     table = {step["epoch"]: step for step in report["regions_per_step"]}
     for step in table.values():
         for region, (on_step, anchored, members) in step["regions"].items():
