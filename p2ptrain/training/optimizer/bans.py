@@ -1,13 +1,18 @@
 """Bans the swarm publishes: this peer's provable verdicts out, others' read and re-checked.
 
 Theory of operation: when this peer's auditor convicts a reducer (see ``averaging.auditor``), it keeps
-the proof and publishes the accusation under the run's ban key (one owned subkey per accuser, signed,
-under its bucket's key where the run spreads its keys: ``dht.spread``):
-where to ask for the proof (the accuser's address) and, per accused peer, the round and partition. In a
-run that audits its rounds (only those convict), every ``BAN_READ_INTERVAL`` it reads everyone's and
-lets its auditor examine the accusations it has not seen: fetch the proof from the accuser and re-check
-it, banning the accused if it convicts and the accuser if it does not (``Auditor.examine``). Nothing is
-adopted because of who, or how many, published it. Proofs are fetched one at a time, at most
+the proof and publishes the accusation under the run's ban key (one owned subkey per accuser, signed):
+where to ask for the proof (the accuser's address) and, per accused peer, the round and partition.
+Where the run spreads its keys (``dht.spread``), an accusation goes under the key of the *accused's*
+bucket (an accuser writes one record per bucket it accuses peers of), and counts only there. In a run
+that audits its rounds (only those convict), every ``BAN_READ_INTERVAL`` it reads the ban keys of the
+buckets whose peers it may average with (a split swarm's region's, at its step and the next; every
+key with one region: ``ProgressBoard.ban_buckets``) and lets its auditor examine the accusations it
+has not seen: fetch the proof from the accuser and re-check it, banning the accused if it convicts and
+the accuser if it does not (``Auditor.examine``). Read whole, the ban keys were ``B`` lookups a peer a
+read, O(N) as the buckets grow with the swarm; a peer needs the verdicts on the peers it meets, and
+those are in the few keys it reads. Nothing is adopted because of who, or how many, published it.
+Proofs are fetched one at a time, at most
 ``MAX_EXAMINED_PER_READ`` per read: each can be as large as one partition's slices of every
 contributor. :class:`BanBook` owns the reads and the examinations under way; the averager's auditor calls
 :meth:`BanBook.on_ban` (handed to it in the run's ``RoundPolicy``) when it convicts.
@@ -16,11 +21,12 @@ contributor. :class:`BanBook` owns the reads and the examinations under way; the
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import trio
 
 from ...averaging.auditor import Accusation
-from ...dht.records import Entry, owned_subkey
+from ...dht.records import Entry, owned_subkey, subkey_owner
 from ...dht.spread import SpreadKey
 from ...errors import P2PError, RemoteProtocolError
 from ...identity import PEER_ID_BYTES, PeerID
@@ -77,7 +83,7 @@ class BanBook:
         peer's read of every record."""
         self.node = node
         self.spread = SpreadKey.of(f"p2ptrain/{node.config.run_id}/bans", bits)
-        self.key = self.spread.key_of(node.peer_id)  # where this peer's accusations go
+        self.key = self.spread.key_of(node.peer_id)  # where accusations of this peer go
         self._examining = False  # an examination of published bans runs
         self._nursery: trio.Nursery | None = None
 
@@ -101,26 +107,31 @@ class BanBook:
         if self.node.dht.client_only:
             log.info("client-only: nobody can fetch our proofs, so our bans stay ours")
             return
-        bans = [
-            [a.accused.digest, a.reason[:MAX_BAN_REASON], a.round, a.partition]
-            for a in auditor.accusations.values()
-        ][-MAX_BANS_PUBLISHED:]
-        record = {"addr": str(self.node.dht.advertised_address()), "bans": bans}
-        try:
-            await self.node.dht.store(
-                self.key,
-                pack(record),
-                ttl=BAN_TTL,
-                subkey=owned_subkey(self.node.peer_id),
-                sign=True,
-                republish=True,
+        accusations = list(auditor.accusations.values())[-MAX_BANS_PUBLISHED:]
+        addr = str(self.node.dht.advertised_address())
+        by_key: dict[bytes, list[list[object]]] = {}
+        for a in accusations:  # (each under its accused's bucket's key)
+            by_key.setdefault(self.spread.key_of(a.accused), []).append(
+                [a.accused.digest, a.reason[:MAX_BAN_REASON], a.round, a.partition]
             )
-        except P2PError as e:
-            log.warning("could not publish our bans: %s", e)
+        for key, bans in by_key.items():
+            try:
+                await self.node.dht.store(
+                    key,
+                    pack({"addr": addr, "bans": bans}),
+                    ttl=BAN_TTL,
+                    subkey=owned_subkey(self.node.peer_id),
+                    sign=True,
+                    republish=True,
+                )
+            except P2PError as e:
+                log.warning("could not publish our bans: %s", e)
 
-    async def read(self) -> None:
-        """Read the swarm's ban records; examine (in the background) accusations not seen yet."""
+    async def read(self, buckets: Iterable[int] | None = None) -> None:
+        """Read the ban records of ``buckets`` (every bucket's: None); examine (in the background) the
+        accusations not seen yet."""
         read: dict[bytes, dict[bytes, Entry]] = {}
+        keys = self.spread.keys if buckets is None else [self.spread.keys[b] for b in sorted(set(buckets))]
 
         async def get(key: bytes) -> None:
             try:
@@ -129,17 +140,25 @@ class BanBook:
                 log.info("could not read ban records: %s", e)
 
         async with trio.open_nursery() as nursery:
-            for key in self.spread.keys:
+            for key in keys:
                 nursery.start_soon(get, key)
         auditor = self.node.averager.auditor
         todo: list[tuple[PeerID, str, Accusation]] = []
-        # (an accuser's record counts under an owned subkey of its own bucket's key only)
-        for accuser, entry in self.spread.owned(read).values():
-            addr, accusations = _parse_bans(entry.value)
-            for a in accusations:
-                case = (accuser, a.accused, a.round, a.partition)
-                if case not in auditor.examined and not {accuser, a.accused} & auditor.banned.keys():
-                    todo.append((accuser, addr, a))
+        # (an accusation counts only under its accused's bucket's key, in a record its accuser signed)
+        for key, held in read.items():
+            for subkey, entry in held.items():
+                accuser = subkey_owner(subkey)
+                if accuser is None:
+                    continue
+                addr, accusations = _parse_bans(entry.value)
+                for a in accusations:
+                    case = (accuser, a.accused, a.round, a.partition)
+                    if (
+                        self.spread.key_of(a.accused) == key
+                        and case not in auditor.examined
+                        and not {accuser, a.accused} & auditor.banned.keys()
+                    ):
+                        todo.append((accuser, addr, a))
         if todo and not self._examining and self._nursery is not None:
             self._examining = True  # in the background: a proof may take a while to fetch
             self._nursery.start_soon(self._examine, todo[:MAX_EXAMINED_PER_READ])

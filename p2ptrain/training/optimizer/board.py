@@ -260,6 +260,19 @@ class ProgressBoard:
         wanted |= {bucket_of(p.digest, bits) for p in self.node.join_peers}
         return wanted
 
+    def ban_buckets(self) -> list[int] | None:
+        """The buckets whose ban records a read asks for (``BanBook.read``: accusations go under the
+        accused's bucket's key): those of the peers this one may average with. A split swarm's peer,
+        its region's at its step and at the next, ``2^(span+1)`` keys at most whatever the swarm's size;
+        None (every bucket) with one region, whose groups may hold anyone."""
+        if not self.regions.split:
+            return None
+        epoch, bits, span = self.tally.epoch, self.bits, self.regions.span
+        return sorted(
+            set(region_buckets(self.bucket, bits, epoch, span))
+            | set(region_buckets(self.bucket, bits, epoch + 1, span))
+        )
+
     def pulling(self) -> list[bytes]:
         """The keys pulled from partners between reads of the replicas: with one region, every key; a
         split swarm's peer, ``reading``'s less the sampled ones. Those stand for the swarm's rate, which
@@ -329,7 +342,7 @@ class ProgressBoard:
             # peer averages only with peers under the same rules: a run without audits has no ban of
             # anyone it may meet. (A read of a key nobody wrote asks every replica.)
             if self.config.averaging.audit and self.clock() >= next_bans:
-                await self.bans.read()
+                await self.bans.read(self.ban_buckets())
                 next_bans = self.clock() + BAN_READ_INTERVAL
             arrived = self._arrived = trio.Event()
             with trio.move_on_at(min(next_read, self._next_beat(interval))):

@@ -849,7 +849,8 @@ class CollaborativeOptimizer:
 
     @property
     def bans_key(self) -> bytes:
-        """The DHT key of the run's ban records this peer publishes under (its bucket's)."""
+        """The DHT key of the run's ban records that accusations of this peer go under (its bucket's;
+        each accusation goes under its accused's)."""
         return self.bans.key
 
     @property
