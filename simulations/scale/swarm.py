@@ -23,7 +23,7 @@ import resource
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -742,15 +742,15 @@ def _pattern(reason: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"\w{6}\.\.\w{4}", "X", reason))[:60]
 
 
-def run(spec: SwarmSpec, *, threads_stop_clock: bool = True) -> dict[str, Any]:
-    """One run on an autojump clock (worker threads take no virtual time: see ``hold_clock``). The nodes
-    share one process: a signature one of them checked is not checked again by another (each member of
-    a group checks every contributor's signed scale of every partition, k^2 checks a member; the
-    simulation's CPU, not what it measures)."""
+def run(spec: SwarmSpec) -> dict[str, Any]:
+    """One run on an autojump clock, the same run again for the same spec (``seeded_scheduling``,
+    ``threads_inline``). The nodes share one process: a signature one of them checked is not checked
+    again by another (each member of a group checks every contributor's signed scale of every
+    partition, k^2 checks a member; the simulation's CPU, not what it measures)."""
     remember_verified_signatures(VERIFIED_SIGNATURES)
     clock = trio.testing.MockClock(autojump_threshold=0)
     try:
-        with hold_clock(clock, threads_stop_clock), few_collections(), seeded_scheduling(spec.seed):
+        with threads_inline(), few_collections(), seeded_scheduling(spec.seed):
             result: dict[str, Any] = trio.run(simulate, spec, clock=clock)
     finally:
         remember_verified_signatures(KEPT_SIGNATURES)
@@ -780,35 +780,22 @@ def seeded_scheduling(seed: int) -> Iterator[None]:
         core._r.setstate(state)
 
 
-class hold_clock:
-    """While a worker thread runs, the autojump clock does not jump (its work takes no virtual time,
-    as a peer's compute sleeps stand for it), so a run is deterministic whatever the machine's load."""
+@contextlib.contextmanager
+def threads_inline() -> Iterator[None]:
+    """Work the node hands to a worker thread (``trio.to_thread.run_sync``: a state snapshot, a large
+    reduction) runs on the simulator's own thread instead, after a checkpoint: it takes no virtual time
+    (a peer's compute sleeps stand for it), and what runs meanwhile does not depend on how long the
+    machine takes over it. Held still while a real thread ran, the clock kept the work's virtual time
+    at zero, but the ready tasks went on meanwhile, as many as the machine's load let: two runs of one
+    command under load differed. (Nothing a simulated node hands a thread calls back into trio.)"""
+    real = trio.to_thread.run_sync
 
-    def __init__(self, clock: trio.testing.MockClock, enabled: bool) -> None:
-        self.clock, self.enabled = clock, enabled
-        self._real: Callable[..., Awaitable[Any]] | None = None
+    async def run_sync(fn: Callable[..., Any], *args: Any, **_: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
 
-    def __enter__(self) -> hold_clock:
-        if not self.enabled:
-            return self
-        real = self._real = trio.to_thread.run_sync
-        clock = self.clock
-        running = 0
-
-        async def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            nonlocal running
-            running += 1
-            clock.autojump_threshold = math.inf
-            try:
-                return await real(fn, *args, **kwargs)
-            finally:
-                running -= 1
-                if not running:
-                    clock.autojump_threshold = 0
-
-        trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._real is not None:
-            trio.to_thread.run_sync = self._real  # type: ignore[assignment]
+    trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        trio.to_thread.run_sync = real  # type: ignore[assignment]
