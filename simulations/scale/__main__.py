@@ -277,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dht", default="", help="DHT-only runs: nodes, comma-separated (1000,10000)")
     ap.add_argument("--duration", type=float, default=210.0, help="virtual seconds per training run")
     ap.add_argument("--warmup", type=float, default=90.0, help="virtual seconds before measuring")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="virtual seconds the run goes on after --duration, measuring no bytes, so that a step whose"
+        " first round landed in the window has its other regions' rounds counted (0: none)",
+    )
     ap.add_argument("--batches-per-step", type=int, default=10)
     ap.add_argument("--nat-share", type=float, default=0.0)
     ap.add_argument("--join-rate", type=float, default=0.0, help="joins per peer per hour")
@@ -383,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             and args.buckets == 1
             and args.regions == 1
             and not args.region_size
+            and not args.settle
         )
         settings = (
             "default"
@@ -394,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f",buckets={args.buckets}" if args.buckets > 1 else "")
                 + (f",regions={args.regions}" if args.regions > 1 else "")
                 + (f",region-size={args.region_size}" if args.region_size else "")
+                + (f",settle={args.settle:g}" if args.settle else "")
             )
         ) + (f",{args.tag}" if args.tag else "")
         if args.region_size and (args.buckets > 1 or args.regions > 1):
@@ -409,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 peers=n,
                 duration=args.duration,
                 warmup=args.warmup,
+                settle=args.settle,
                 batches_per_step=args.batches_per_step,
                 nat_share=args.nat_share,
                 churn=churn,

@@ -74,6 +74,10 @@ class SwarmSpec:
     peers: int
     duration: float = 300.0  # virtual seconds
     warmup: float = 90.0  # virtual seconds before the measurement window opens
+    # virtual seconds the run goes on after ``duration`` (the window's end), measuring no bytes: a step
+    # whose first round landed in the window is counted with every region's round that landed by then
+    # (without it, the regions of the window's last step that landed after its end counted as left out)
+    settle: float = 0.0
     batches_per_step: int = 10  # the target batch is peers x BATCH x this
     compute: float = 1.0  # virtual seconds per batch of a peer of speed 1
     join_spread: float = 30.0  # peers join over this many virtual seconds
@@ -368,6 +372,7 @@ async def _simulate(sim: Simulation, spec: SwarmSpec, began: float) -> dict[str,
     window = trio.current_time() - window_start
     after = snapshot(sim.live())
     epoch_after = max(p.opt.epoch for p in sim.live())
+    await trio.sleep(spec.settle)
     report = measure(sim, before, after, epoch_before, epoch_after, window_start, window)
     report["sim"] = {
         "wall_s": round(time.perf_counter() - began, 1),
@@ -564,9 +569,11 @@ def measure(
             | dict(kinds)
             | {"left_out_on_step_from_commit_s": sorted(landed)}
         )
+    # (steps first committed in the window: with ``settle``, the run goes on past it)
+    windowed = {e: at for e, at in committed_at.items() if at <= window_start + window}
     waits = [
         committed_at[e] - sim.reached[e]
-        for e in committed_at
+        for e in windowed
         if e in sim.reached and committed_at[e] >= window_start
     ]
     # from a step's first commit to the next step's samples reaching the target: the step's own work,
@@ -574,12 +581,12 @@ def measure(
     # (waiting for a group, catching up)
     accumulating = [
         sim.reached[e + 1] - committed_at[e]
-        for e in committed_at
+        for e in windowed
         if e + 1 in sim.reached and committed_at[e] >= window_start
     ]
     # from one step's first commit to the next's, both in the window: the step rate, without the window's
     # rounding to whole steps (4 or 5 steps of about 12 s in a window of 50 s are 4.8 or 6.0 a minute)
-    periods = step_periods(committed_at, window_start)
+    periods = step_periods(windowed, window_start)
     # ---- DHT lookups ----
     hops: list[float] = []
     queries: list[float] = []
