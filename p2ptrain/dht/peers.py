@@ -14,7 +14,7 @@ O(N^2), however seldom each reader reads (a read brings every entry changed sinc
 many peers spreads the list over ``buckets`` keys (``dht.spread``; the node's ``peer_list_buckets``,
 the run's ``progress.buckets``): each member writes under its own bucket's key, a node reads its own
 bucket's (the members near it, ``N / buckets`` of them), and a tool that lists the whole run reads
-every bucket once (``p2ptrain query peers --buckets``). An entry counts only under its owner's
+every bucket once (``p2ptrain peers ADDR --buckets``). An entry counts only under its owner's
 bucket's key (``SpreadKey.owned``), so no id lists itself in another bucket.
 """
 
