@@ -162,6 +162,14 @@ def key_names(run_id: str, max_bits: int = 8) -> dict[bytes, str]:
     return names
 
 
+def key_name(names: dict[bytes, str], kid: bytes, *, kind: bool = False) -> str:
+    """A key id's name in ``names`` (``key_names``), or ``other`` and its first bytes; ``kind``: without
+    its bucket (``progress 3/8`` is ``progress``), and ``other`` alone."""
+    if kind:
+        return re.sub(r" \d+/\d+$", "", names.get(kid, "other"))
+    return names.get(kid, f"other {kid.hex()[:8]}")
+
+
 @contextlib.contextmanager
 def counting_value_replies(sim: Simulation) -> Iterator[None]:
     """Count each ``dht.find_value`` reply's bytes (its entries and contacts) by the serving peer and the
@@ -427,7 +435,7 @@ def measure(
             "progress_key_rank": rank,
             "by_method_per_step": {m: round(v / steps) for m, v in top},
             "find_value_by_key_per_step": {
-                names.get(kid, f"other {kid.hex()[:8]}"): round(v / steps) for kid, v in served.most_common(4)
+                key_name(names, kid): round(v / steps) for kid, v in served.most_common(4)
             },
         }
     n = max(1, len(both))
@@ -435,17 +443,15 @@ def measure(
     by_kind: Counter[str] = Counter()
     by_key: Counter[bytes] = Counter()
     for (_, kid), v in sim.value_replies.items():
-        by_kind[re.sub(r" \d+/\d+$", "", names.get(kid, "other"))] += v
+        by_kind[key_name(names, kid, kind=True)] += v
         by_key[kid] += v
     reads: Counter[str] = Counter()
     for kid, v in sim.reads.items():
-        reads[re.sub(r" \d+/\d+$", "", names.get(kid, "other"))] += v
+        reads[key_name(names, kid, kind=True)] += v
     value_replies = {
         "per_peer_per_step": {k: round(v / n / steps) for k, v in by_kind.most_common()},
         "reads_per_peer_per_step": {k: round(v / n / steps, 2) for k, v in reads.most_common()},
-        "busiest_keys_per_step": {
-            names.get(kid, f"other {kid.hex()[:8]}"): round(v / steps) for kid, v in by_key.most_common(5)
-        },
+        "busiest_keys_per_step": {key_name(names, kid): round(v / steps) for kid, v in by_key.most_common(5)},
     }
     per_method = {m: round(v / n / steps) for m, v in by_method.most_common() if m not in DATA_METHODS}
     median_sent = statistics.median(control_sent) if control_sent else 0.0

@@ -249,29 +249,26 @@ class ProgressBoard:
         self._read_buckets = len(wanted)
         return [self.keys[b] for b in sorted(wanted)]
 
+    def _regions_now_and_next(self) -> set[int]:
+        """A split swarm's peer's region's buckets at its step and at the next."""
+        epoch, bits, span = self.tally.epoch, self.bits, self.regions.span
+        return set(region_buckets(self.bucket, bits, epoch, span)) | set(
+            region_buckets(self.bucket, bits, epoch + 1, span)
+        )
+
     def _followed(self) -> set[int]:
         """The buckets whose records a split swarm's peer follows between reads of the replicas: its
         region's at its step and at the next, and its join peers' (see ``reading``)."""
-        epoch, bits, span = self.tally.epoch, self.bits, self.regions.span
-        wanted = set(region_buckets(self.bucket, bits, epoch, span))
-        wanted |= set(region_buckets(self.bucket, bits, epoch + 1, span))
         # (its partners of other regions offer it their new records: see ``_offer_to``; counted a step
         # less there, they say little its region's records do not: see ``_view``)
-        wanted |= {bucket_of(p.digest, bits) for p in self.node.join_peers}
-        return wanted
+        return self._regions_now_and_next() | {bucket_of(p.digest, self.bits) for p in self.node.join_peers}
 
     def ban_buckets(self) -> list[int] | None:
         """The buckets whose ban records a read asks for (``BanBook.read``: accusations go under the
         accused's bucket's key): those of the peers this one may average with. A split swarm's peer,
         its region's at its step and at the next, ``2^(span+1)`` keys at most whatever the swarm's size;
         None (every bucket) with one region, whose groups may hold anyone."""
-        if not self.regions.split:
-            return None
-        epoch, bits, span = self.tally.epoch, self.bits, self.regions.span
-        return sorted(
-            set(region_buckets(self.bucket, bits, epoch, span))
-            | set(region_buckets(self.bucket, bits, epoch + 1, span))
-        )
+        return sorted(self._regions_now_and_next()) if self.regions.split else None
 
     def pulling(self) -> list[bytes]:
         """The keys pulled from partners between reads of the replicas: with one region, every key; a
