@@ -16,10 +16,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import trio
 
 import p2ptrain.training.optimizer.bans as bans_module
 from p2ptrain.averaging.auditor import Accusation
-from p2ptrain.dht.records import subkey_owner
+from p2ptrain.dht.records import owned_subkey, subkey_owner
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.bans import ROUND_BYTES, _parse_bans
 from p2ptrain.training.optimizer.buckets import Regions
@@ -95,6 +96,22 @@ async def _bans(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
             assert len(mine) == (1 if expected else 0), key
             if mine:
                 assert {a.accused for a in _parse_bans(mine[0].value)[1]} == expected
+
+        # it publishes its last few accusations only: a key whose accusations all fell out of them is
+        # left holding a record of this accuser that accuses nobody, and is no longer re-published
+        monkeypatch.setattr(bans_module, "MAX_BANS_PUBLISHED", 2)
+        for t in rng.sample([a for a in accused[1:] if a not in auditor.accusations], 2):
+            auditor.accusations[t] = Accusation(t, "proven", rng.randbytes(ROUND_BYTES), 0)
+        await trio.sleep(1)  # (virtual: a record replaces one that expires sooner, not one of the same time)
+        await me.opt.bans._publish_bans()
+        last = list(auditor.accusations)[-2:]
+        published = me.node.dht.writer._published
+        for key in spread.keys:
+            held = await honest[1].node.dht.get(key, quorum=3)
+            mine = [e for sk, e in held.items() if subkey_owner(sk) == me.node.peer_id]
+            expected = {t for t in last if spread.key_of(t) == key}
+            assert {a.accused for e in mine for a in _parse_bans(e.value)[1]} == expected, key
+            assert ((key, owned_subkey(me.node.peer_id)) in published) == bool(expected), key
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

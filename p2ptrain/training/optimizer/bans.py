@@ -85,6 +85,7 @@ class BanBook:
         self.spread = SpreadKey.of(f"p2ptrain/{node.config.run_id}/bans", bits)
         self.key = self.spread.key_of(node.peer_id)  # where accusations of this peer go
         self._examining = False  # an examination of published bans runs
+        self._published: set[bytes] = set()  # the keys our accusations are published (republished) under
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -114,15 +115,21 @@ class BanBook:
             by_key.setdefault(self.spread.key_of(a.accused), []).append(
                 [a.accused.digest, a.reason[:MAX_BAN_REASON], a.round, a.partition]
             )
-        for key, bans in by_key.items():
+        # A key whose accusations all fell out of the last ``MAX_BANS_PUBLISHED`` gets a record that
+        # accuses nobody there, not re-published (it expires with the old one's TTL): re-published as it
+        # was, its old accusations stood there for as long as this peer ran.
+        records = {key: pack({"addr": addr, "bans": bans}) for key, bans in by_key.items()}
+        stale = self._published - records.keys()
+        self._published = set(records)
+        subkey = owned_subkey(self.node.peer_id)
+        for key in stale:
+            self.node.dht.unpublish(key, subkey)
+        for key in sorted(stale):
+            records[key] = pack({"addr": addr, "bans": []})
+        for key, value in records.items():
             try:
                 await self.node.dht.store(
-                    key,
-                    pack({"addr": addr, "bans": bans}),
-                    ttl=BAN_TTL,
-                    subkey=owned_subkey(self.node.peer_id),
-                    sign=True,
-                    republish=True,
+                    key, value, ttl=BAN_TTL, subkey=subkey, sign=True, republish=key not in stale
                 )
             except P2PError as e:
                 log.warning("could not publish our bans: %s", e)
