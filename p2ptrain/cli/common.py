@@ -187,6 +187,13 @@ def claim_data_dir(data_dir: Path) -> None:
         raise UsageError(str(e)) from None
 
 
+def peer_list_buckets(buckets: int) -> int:
+    """``--buckets``: the keys a run's peer list spreads over, its ``progress.buckets`` (a power of 2)."""
+    if buckets < 1 or buckets & (buckets - 1):
+        raise UsageError(f"--buckets must be a power of 2 (the run's progress.buckets), not {buckets}")
+    return buckets
+
+
 def node_config(
     settings: NodeSection,
     *,

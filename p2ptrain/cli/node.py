@@ -17,6 +17,7 @@ from .common import (
     node_config,
     node_identity,
     node_settings,
+    peer_list_buckets,
     print_join_addresses,
     run_node,
     stop_if_join_refused,
@@ -34,7 +35,13 @@ def _bootstrap_node(args: argparse.Namespace, averaging: AveragerConfig | None =
     settings = node_settings(args)
     identity = node_identity(settings)
     run_id = args.run_id or "default"
-    return Node(identity, node_config(settings, run_id=run_id, authority=args.authority, averaging=averaging))
+    buckets = peer_list_buckets(getattr(args, "buckets", None) or 1)  # (`p2ptrain average`: one key)
+    return Node(
+        identity,
+        node_config(
+            settings, run_id=run_id, authority=args.authority, averaging=averaging, peer_list_buckets=buckets
+        ),
+    )
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -43,6 +50,11 @@ def cmd_node(args: argparse.Namespace) -> int:
     raise_fd_limit()  # inbound slots and refused connections held open (see ``net.linger``)
     if args.config or args.task:
         from .train import train_node
+
+        if args.buckets is not None:
+            raise UsageError(
+                "--buckets is a bootstrap node's: a training node's is its run's progress.buckets"
+            )
 
         return train_node(args)
     run_node(_serve_node, _bootstrap_node(args))
@@ -230,6 +242,13 @@ def add_parsers(sub: Any) -> None:
         " is a bootstrap node: it keeps the DHT and the peer list but trains nothing.",
     )
     _node_flags(s)
+    s.add_argument(
+        "--buckets",
+        type=int,
+        metavar="B",
+        help="a bootstrap node of a run whose peer list is spread: the run's progress.buckets (default 1;"
+        " a training node takes its run file's)",
+    )
     _training_flags(s)
     s.set_defaults(func=cmd_node)
 

@@ -19,7 +19,7 @@ from ..identity import Identity
 from ..net.address import PeerAddress
 from ..net.host import Host
 from ..nodebase import PING, STATUS, PingRequest, StatusRequest, member_json, validate_run_id
-from .common import UsageError, parse_address, run_trio
+from .common import parse_address, peer_list_buckets, run_trio
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
@@ -53,9 +53,7 @@ async def _ping(addr: PeerAddress, run_id: str, count: int, timeout: float) -> i
 def cmd_peers(args: argparse.Namespace) -> int:
     addr = parse_address(args.address)
     validate_run_id(args.run_id)
-    if args.buckets < 1 or args.buckets & (args.buckets - 1):
-        raise UsageError(f"--buckets must be a power of 2 (the run's progress.buckets), not {args.buckets}")
-    members = run_trio(_members_via, addr, args.run_id, args.timeout, args.buckets)
+    members = run_trio(_members_via, addr, args.run_id, args.timeout, peer_list_buckets(args.buckets))
     if args.json:
         print(json.dumps([member_json(m) for m in members], indent=2))
         return 0

@@ -141,3 +141,23 @@ def test_a_bootstrap_node_ignores_the_training_flags_as_before() -> None:
     """(--device and the other training flags mean nothing without a run file; they were never read.)"""
     args = build_parser().parse_args(["node", "--wait-peers", "0", "--local-workers", "-1"])
     assert node_settings(args) == node_settings(build_parser().parse_args(["node"]))
+
+
+def test_a_bootstrap_node_of_a_spread_run_takes_its_peer_lists_buckets(tmp_path: Path) -> None:
+    """A node without a run file announces itself and reads the peer list under the run's bucket keys
+    (``--buckets``: the run's progress.buckets); left out, the one key of a run that does not spread it.
+    A training node's come from its run file, so the flag is refused there."""
+    from p2ptrain.cli.node import _bootstrap_node
+
+    def bootstrap(*flags: str) -> NodeConfig:
+        args = build_parser().parse_args(["node", "--data-dir", str(tmp_path), *flags])
+        return _bootstrap_node(args).config
+
+    assert bootstrap("--buckets", "8").peer_list_buckets == 8
+    assert bootstrap().peer_list_buckets == 1
+    with pytest.raises(UsageError, match="--buckets must be a power of 2"):
+        bootstrap("--buckets", "6")
+    from p2ptrain.cli.node import cmd_node
+
+    with pytest.raises(UsageError, match=r"a training node's is its run's progress\.buckets"):
+        cmd_node(build_parser().parse_args(["node", "--task", "t", "--buckets", "4"]))
