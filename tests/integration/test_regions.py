@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.dht.spread import bucket_of
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.buckets import Regions, region_buckets
@@ -269,6 +270,126 @@ async def test_only_a_trusted_peer_that_came_past_by_a_round_says_its_region_too
         assert me.opt.record().averaged
         me.opt.tally.advance(frozenset(partners), by_round=False)  # (a step alone says nothing)
         assert not me.opt.record().averaged
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_round_lands_only_where_no_trusted_peer_of_another_group_took_its_regions_step(
+    autojump_clock: object, seed: int
+) -> None:
+    """A member about to apply a committed round of its region's step ``e`` finds it taken elsewhere
+    (``ProgressBoard.taken_elsewhere``) exactly when a peer it trusts, of its region at ``e``, no member
+    of the round's group, says it came to ``e + 1`` by a round of this run: random records of its
+    partners and of free ids, in and out of the group, on any step, averaged or not, of this run or
+    another; partners of the other region never count. (Two groups of one region landed 4 s apart at a
+    swarm's first step, one holding a join peer of a member of the other: 128 simulated peers.)"""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        await s.start(train=False)  # (its join peer)
+        me = await s.start(train=False)
+        board = me.opt.board
+        partners = _ids_of_region(regions, me.node.peer_id, 6)
+        strangers = _ids_of_region(regions, me.node.peer_id, 6)
+        away: list[PeerID] = []  # partners of the other region at step 0
+        while len(away) < 4:
+            pid = Identity.generate().peer_id
+            if not regions.together(pid, me.node.peer_id, 0):
+                away.append(pid)
+        me.node.averager.remember_partners([*partners, *away])
+        trusted = board.trusted()
+        assert trusted is not None and set(partners) | set(away) <= trusted
+        mine = me.opt.record()
+        seen: set[bool] = set()
+        everyone = partners + strangers + away
+        for _ in range(80):
+            group = set(rng.sample(everyone, rng.randint(0, 8)))
+            board.records = [
+                PeerProgress(
+                    pid,
+                    dataclasses.replace(
+                        mine,
+                        epoch=rng.choice([0, 1, 1, 2]),
+                        averaged=rng.random() < 0.6,
+                        run=mine.run if rng.random() < 0.85 else b"another run",
+                    ),
+                )
+                for pid in rng.sample(everyone, rng.randint(0, len(everyone)))
+            ]
+            could = {
+                r.peer
+                for r in board.records
+                if r.peer in partners
+                and r.peer not in group
+                and r.record.epoch == 1
+                and r.record.averaged
+                and r.record.run == mine.run
+            }
+            took = board.taken_elsewhere(0, group)
+            assert (took in could) if could else took is None, (took, could)
+            seen.add(bool(could))
+        assert seen == {True, False}
+
+
+async def test_a_member_drops_its_copy_of_a_round_whose_regions_step_a_trusted_peer_took_elsewhere(
+    autojump_clock: object,
+) -> None:
+    """Training peers of a split swarm: a peer whose board, as its round lands, holds a record of a peer
+    it trusts (of its region at the round's step, outside the group) that came to the next step by a
+    round does not apply the round (its parameters stay as they were, the abort says why); its other
+    rounds are applied, and the swarm goes on with one state per region and step."""
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    rounds: list[tuple[Peer, int, frozenset[str], str]] = []
+    async with swarm(config) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15, 0.2, 0.1, 0.15)]
+        for p in peers:
+            _record(p, rounds)
+        me = peers[1]
+        opt, board = me.opt, me.opt.board
+        real_land, real_trusted = opt.rounds.land_flight, board.trusted
+        landed: list[tuple[int, bool, bool]] = []  # (step, taken elsewhere, applied)
+
+        async def land(flight, outcome, tensors, weight):  # type: ignore[no-untyped-def]
+            if not isinstance(outcome, RoundResult) or len(landed) >= 4:
+                return await real_land(flight, outcome, tensors, weight)
+            elsewhere = len(landed) % 2 == 0  # (every other one: drop, apply, drop, apply)
+            before, kept = me.params_hash(), board.records
+            if elsewhere:
+                fake = next(
+                    i
+                    for i in iter(lambda: Identity.generate().peer_id, None)
+                    if regions.together(i, me.node.peer_id, flight.epoch)
+                )
+                record = dataclasses.replace(opt.record(), epoch=flight.epoch + 1, averaged=True)
+                board.records = [*kept, PeerProgress(fake, record)]
+                board.trusted = lambda: (real_trusted() or frozenset()) | {fake}  # type: ignore[method-assign]
+            try:
+                applied = await real_land(flight, outcome, tensors, weight)
+            finally:
+                board.records, board.trusted = kept, real_trusted  # type: ignore[method-assign]
+            landed.append((flight.epoch, elsewhere, applied is not None))
+            if elsewhere:
+                assert me.params_hash() == before  # nothing of the round applied
+            return applied
+
+        reasons: list[str] = []
+        note_abort = opt.stats.note_abort
+
+        def noting(epoch: int, reason: str) -> None:
+            reasons.append(reason)
+            note_abort(epoch, reason)
+
+        opt.stats.note_abort = noting  # type: ignore[method-assign]
+        opt.rounds.land_flight = land  # type: ignore[method-assign]
+        await s.until(lambda: len(landed) >= 4, timeout=300)
+        await s.until(lambda: all(p.opt.epoch >= landed[-1][0] + 2 for p in peers), timeout=300)
+    assert [(taken, applied) for _, taken, applied in landed] == [(True, False), (False, True)] * 2, landed
+    assert sum("a peer it trusts, took its region's step" in why for why in reasons) == 2, reasons
+    states: dict[tuple[int, int], set[str]] = {}
+    for p, epoch, _members, after in rounds:
+        states.setdefault((epoch, regions.of_peer(p.node.peer_id, epoch)), set()).add(after)
+    assert not {k: v for k, v in states.items() if len(v) > 1}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -748,7 +748,7 @@ class ProgressBoard:
         # two peers they trusted had; neither majority of its leader's trusted peers held the other's).
         # The view says the step is behind: the look ends, and this peer keeps the swarm's pace alone
         # or catches up (``CollaborativeOptimizer._keeps_pace``). Only trusted records say so.
-        if view.newest == epoch and self._region_taken(region, epoch, trusted):
+        if view.newest == epoch and self._region_taken(region, epoch, trusted) is not None:
             view = dataclasses.replace(view, newest=epoch + 1, overtaken=True)
         ahead = 1 if self.anchored or self._region_waits(region, epoch) else 0
         newest = max(view.newest, swarm.newest - ahead)
@@ -766,19 +766,43 @@ class ProgressBoard:
 
     def _region_taken(
         self, region: list[PeerProgress], epoch: int, trusted: frozenset[PeerID] | None
-    ) -> bool:
-        """Whether a peer of this peer's region at ``epoch`` (``region``) that it trusts (``trusted``,
-        the view's: None, every peer) says it came to the step after by a round (``averaged``): the
-        region's step was taken."""
+    ) -> PeerID | None:
+        """A peer of this peer's region at ``epoch`` (``region``) that it trusts (``trusted``, the
+        view's: None, every peer) and that says it came to the step after by a round (``averaged``):
+        the region's step was taken (None: none says so)."""
         me = self.node.peer_id
-        return any(
-            r.peer != me
-            and (trusted is None or r.peer in trusted)
-            and r.record.epoch == epoch + 1
-            and r.record.averaged
-            and r.record.run == self.fingerprint
-            for r in region
-        )
+        for r in region:
+            if (
+                r.peer != me
+                and (trusted is None or r.peer in trusted)
+                and r.record.epoch == epoch + 1
+                and r.record.averaged
+                and r.record.run == self.fingerprint
+            ):
+                return r.peer
+        return None
+
+    def taken_elsewhere(self, epoch: int, group: Iterable[PeerID]) -> PeerID | None:
+        """Where the swarm is split: a peer this one trusts, of its region at ``epoch`` and no member of
+        ``group`` (a committed round's, about to be applied), that says it came to the step after by a
+        round: another group of the region took the step first (None: no record read says so).
+
+        A member that applies its round anyway leaves the region's step with a second state that it
+        could have known of: a fork (``simulations.scale``'s ``forks``). At a swarm's first step, where
+        every peer is a newcomer trusting only its join peers and several groups of a region form at
+        once, a group of ten landed 4 s after a group holding one of its member's join peers (128
+        simulated peers, 2e59f8f): the look-time check (``_view``, "taken") had passed, as the two
+        rounds ran at once. So the member checks again as it lands: its copy is not applied (it costs
+        that member alone, as any member's own discard: it catches up to the trusted peer's state),
+        and the others of its group are untouched. Only trusted records count, as at look time: free
+        ids' records change nothing; a trusted peer that lies can make this peer drop a round, as it
+        could make it skip one. Two rounds that land within a read of each other are still not
+        caught: neither record is read yet."""
+        if not self.regions.split:
+            return None  # (one region: a step's groups are held apart by their quorums)
+        members = set(group)
+        region = [r for r in self.region_records(epoch) if r.peer not in members]
+        return self._region_taken(region, epoch, self.trusted())
 
     def region_unled(self, epoch: int) -> bool:
         """A newcomer's hint of whether nobody of its region at ``epoch`` may lead the region's group of

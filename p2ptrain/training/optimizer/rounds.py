@@ -845,6 +845,13 @@ class RoundRunner:
             short = short_of_quorums(flight.manifest.manifest, outcome.contributors, self.node.peer_id)
         if short and flight.manifest is not None:
             self.short(flight.manifest, short)
+        elif isinstance(outcome, RoundResult) and flight.manifest is not None:
+            # another group of the region took the step first, by a peer this one trusts: not applied
+            # here (this member alone; it catches up to that state), nor is the leader suspected
+            taken = self.board.taken_elsewhere(flight.epoch, flight.manifest.manifest.peers())
+            if taken is not None:
+                short = f"a group of {taken.short()}, a peer it trusts, took its region's step {flight.epoch}"
+                self.note_abort(RoundAborted(short))
         if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
             log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
             if not flight.in_place:  # (in place: the round may relay from them a while; then freed)
