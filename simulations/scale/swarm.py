@@ -21,6 +21,7 @@ import random
 import re
 import resource
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,7 +35,9 @@ import trio.testing
 from p2ptrain import Node, NodeConfig
 from p2ptrain.config import RunConfig
 from p2ptrain.dht.protocol import FindValueReq, ValueResp
+from p2ptrain.dht.reads import Reader
 from p2ptrain.dht.records import Entry, key_id
+from p2ptrain.dht.routing import Contact
 from p2ptrain.dht.server import CONTACT_BYTES, Server
 from p2ptrain.dht.service import DHT
 from p2ptrain.dht.spread import SpreadKey
@@ -170,13 +173,27 @@ def key_name(names: dict[bytes, str], kid: bytes, *, kind: bool = False) -> str:
     return names.get(kid, f"other {kid.hex()[:8]}")
 
 
+# what started a node lookup (``Reader.find_node``), by the function that called it
+LOOKUP_CAUSES = {
+    "find_replicas": "store",
+    "_read_replicas": "read",
+    "bootstrap": "join",
+    "_refresh": "bucket refresh",
+    "find_node": "find a peer",
+}
+
+
 @contextlib.contextmanager
 def counting_value_replies(sim: Simulation) -> Iterator[None]:
     """Count each ``dht.find_value`` reply's bytes (its entries and contacts) by the serving peer and the
     key read, into ``sim.value_replies``, and each read a peer starts (``DHT.get``: a lookup, or the
     replicas it keeps) by its key, into ``sim.reads`` (while ``sim.counting``): which key a busy node
-    serves, and whether its readers read it often or it answers much."""
-    answer, read = Server.on_find_value, DHT.get
+    serves, and whether its readers read it often or it answers much. And each node lookup
+    (``dht.find_node``'s queries) by its cause, into ``sim.lookups``: a store's or a read's finding
+    the replicas of a key this peer never looked up before (``first``), again once they expired
+    (``expired``: ``replicas.TARGETS_TTL``) or were dropped (``dropped``: a replica failed, refused, or
+    named a closer peer), a join's, a bucket refresh's."""
+    answer, read, find = Server.on_find_value, DHT.get, Reader.find_node
 
     async def on_find_value(self: Server, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
         reply = await answer(self, ctx, req)
@@ -191,13 +208,30 @@ def counting_value_replies(sim: Simulation) -> Iterator[None]:
             sim.reads[key_id(key)] += 1
         return await read(self, key, **kw)
 
+    async def find_node(self: Reader, target: bytes) -> list[Contact]:
+        caller = sys._getframe(1).f_code.co_name  # (the awaiting function)
+        looked = (PEER_NAME.get(), target)
+        if sim.counting:
+            cause = LOOKUP_CAUSES.get(caller, caller)
+            if caller in ("find_replicas", "_read_replicas"):
+                if looked not in sim.looked_up:
+                    cause += ": first"
+                else:
+                    expired = self._replicas.remembered(target) is not None  # (dropped: forgotten)
+                    cause += ": expired" if expired else ": dropped"
+            sim.lookups[cause] += 1
+        sim.looked_up.add(looked)
+        return await find(self, target)
+
     Server.on_find_value = on_find_value  # type: ignore[method-assign]
     DHT.get = get  # type: ignore[method-assign]
+    Reader.find_node = find_node  # type: ignore[method-assign]
     try:
         yield
     finally:
         Server.on_find_value = answer  # type: ignore[method-assign]
         DHT.get = read  # type: ignore[method-assign]
+        Reader.find_node = find  # type: ignore[method-assign]
 
 
 class Simulation:
@@ -218,6 +252,8 @@ class Simulation:
         # (serving peer's name, key id) -> bytes of its find_value replies, while counting (the window)
         self.value_replies: Counter[tuple[str, bytes]] = Counter()
         self.reads: Counter[bytes] = Counter()  # key id -> reads the peers started, while counting
+        self.lookups: Counter[str] = Counter()  # cause -> node lookups the peers started, while counting
+        self.looked_up: set[tuple[str, bytes]] = set()  # (peer's name, key id) of every node lookup
         self.counting = False
 
     def live(self) -> list[SimPeer]:
@@ -624,6 +660,9 @@ def measure(
         "dht_lookup_hops_p99": pct(hops, 0.99),
         "dht_lookup_queries_median": pct(queries, 0.5),
         "dht_lookups": len(hops),
+        "node_lookups_per_peer_per_step": {
+            cause: round(v / max(1, len(both)) / steps, 2) for cause, v in sim.lookups.most_common()
+        },
         "target_to_commit_s_median": round(pct(waits, 0.5), 2) if waits else None,
         "target_to_commit_s_p90": round(pct(waits, 0.9), 2) if waits else None,
         "commit_to_target_s_median": round(pct(accumulating, 0.5), 2) if accumulating else None,
