@@ -35,7 +35,7 @@ def _bootstrap_node(args: argparse.Namespace, averaging: AveragerConfig | None =
     settings = node_settings(args)
     identity = node_identity(settings)
     run_id = args.run_id or "default"
-    buckets = peer_list_buckets(getattr(args, "buckets", None) or 1)  # (`p2ptrain average`: one key)
+    buckets = peer_list_buckets(args.buckets or 1)
     return Node(
         identity,
         node_config(
@@ -272,4 +272,4 @@ def add_parsers(sub: Any) -> None:
         "--compression", default="none", help="none, fp16, bf16, int8 or a top-k mode such as topk1-q2"
     )
     s.add_argument("--wait-peers", type=int, default=1, help="start once this many members are known")
-    s.set_defaults(func=cmd_average)
+    s.set_defaults(func=cmd_average, buckets=None)  # (its peer list: one key)

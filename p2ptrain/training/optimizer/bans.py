@@ -124,7 +124,6 @@ class BanBook:
         subkey = owned_subkey(self.node.peer_id)
         for key in stale:
             self.node.dht.unpublish(key, subkey)
-        for key in sorted(stale):
             records[key] = pack({"addr": addr, "bans": []})
         for key, value in records.items():
             try:
