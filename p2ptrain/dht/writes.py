@@ -113,6 +113,10 @@ class Writer:
                     nursery.start_soon(self._client.offer, addr, entry)
         return accepted
 
+    def republishes(self, key: bytes, subkey: bytes = b"") -> bool:
+        """Whether what ``store(republish=True)`` published under ``(key, subkey)`` is re-published."""
+        return (key, subkey) in self._published
+
     def unpublish(self, key: bytes, subkey: bytes = b"") -> None:
         """Stop re-publishing what ``store(republish=True)`` published under ``(key, subkey)``."""
         self._published.pop((key, subkey), None)
