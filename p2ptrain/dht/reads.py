@@ -52,7 +52,7 @@ from .records import (
     owner_of,
     verify_entry,
 )
-from .replicas import Replicas
+from .replicas import MAX_TARGET_KEYS, Replicas
 from .routing import Contact
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
@@ -60,6 +60,8 @@ log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT servi
 RECENT_LOOKUPS = 1024  # lookups remembered in Reader.recent_lookups
 # A direct read asks one more replica when none answered for this long
 READ_HEDGE = 1.0
+PROBE_WAIT = 2.0  # how long a peer heard of as closer to a key is waited for, at one address (``_probe``)
+MAX_PROBE_HOPS = 3  # hops from the replica that named them (``Reader._probe``)
 PULL_WAIT = 1.0  # how long a read waits for a fellow reader's pull before it asks the replicas
 MAX_PULLED_KEYS = 128  # keys whose turn among the fellow readers is remembered (see ``Reader.pull``)
 FIRST_SPREAD = 10
@@ -114,6 +116,9 @@ class Reader:
         self._pull_turns: OrderedDict[bytes, int] = OrderedDict()  # key id -> pulls made (see ``pull``)
         # The last lookups' (hops, queries): how far a lookup goes in this swarm (simulations read it).
         self.recent_lookups: deque[tuple[int, int]] = deque(maxlen=RECENT_LOOKUPS)
+        # (key id, peers a replica named as closer to it): asked by ``run``
+        probes = trio.open_memory_channel[tuple[bytes, list[Contact]]](MAX_TARGET_KEYS)
+        self._probes, self._probes_due = probes
 
     def reads(self, kid: bytes) -> bool:
         """Whether this node read the key ``kid`` lately (only such keys take offered entries)."""
@@ -268,6 +273,7 @@ class Reader:
         # (now and then the first replica names its nearest contacts: peers that joined closer to the
         # key since the replicas were looked up, see ``replicas``)
         nearest_from = replicas[0] if self._replicas.ask_nearest(kid) else None
+        heard: list[Contact] = []  # peers it named as closer than the replicas, to ask ourselves
 
         async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
             tags = b"".join(tag(e) for e in known)
@@ -281,11 +287,8 @@ class Reader:
                 if not busy(e):  # (busy: it is there, with no reply for this origin now: ask another)
                     self._replicas.drop(kid)  # the next read and store look the replicas up again
                 return
-            if nearest and self._replicas.heard(kid, contacts):
-                log.debug(
-                    "%s named peers closer to a key than its replicas: they are looked up again",
-                    contact.peer_id.short(),
-                )
+            if nearest:
+                heard.extend(self._replicas.heard(kid, contacts))
             good = verified_entries(entries, kid, self._authors, self._clock())
             found.extend(good)
             if good or held:
@@ -327,7 +330,65 @@ class Reader:
         if len(holders) < quorum:
             self._replicas.drop(kid)  # look them up again: the next store too
             return None
+        if heard:  # (in the background: this read does not wait for them)
+            try:
+                self._probes.send_nowait((kid, heard))
+            except trio.WouldBlock:  # (probes due for every key remembered: heard of again later)
+                pass
         return found
+
+    async def run(self) -> None:
+        """Ask, until cancelled, the peers heard of as closer to a key than its replicas (see
+        :meth:`_probe`), one key at a time."""
+        async for kid, heard in self._probes_due:
+            await self._probe(kid, heard)
+
+    async def _probe(self, kid: bytes, heard: list[Contact]) -> None:
+        """Ask the peers a replica named as closer to ``kid`` than the replicas (``Replicas.heard``)
+        for their nearest contacts, ``PROBE_WAIT`` at most at each address: those that answer become
+        replicas (:meth:`Replicas.probed`), at the address their connection proved where it did, and
+        those they name as closer still are asked next, ``MAX_PROBE_HOPS`` hops at most (a lookup
+        seeded with the replicas, that asks only the peers closer than they are). A peer's answer is its
+        own, not the hearsay of the replica that named it: a liar's ids that do not answer cost one wait
+        and are not asked there again."""
+        table = self._contacts.table
+
+        async def ask(contacts: list[Contact], answered: dict[PeerID, Contact], named: list[Contact]) -> None:
+            # (one id's addresses in turn: dials of one id share their outcome, so a false address
+            # asked beside the true one would fail both)
+            for contact in contacts:
+                known = table.get(contact.peer_id)
+                try:
+                    with trio.fail_after(PROBE_WAIT):
+                        replied, _, _, proven, _ = await self._client.query(
+                            known or contact, kid, False, [], b""
+                        )
+                except (P2PError, trio.TooSlowError) as e:
+                    log.debug("a peer heard of as near a key did not answer: %s", e)
+                    continue
+                if proven is not None:
+                    self._contacts.observe(proven)
+                # (it answered as that id; at the address its connection proved where it did, as a
+                # lookup records it: a connection it opened to us proves none)
+                answered[contact.peer_id] = proven or known or contact
+                named.extend(replied)
+                return
+
+        for _ in range(MAX_PROBE_HOPS):
+            answered: dict[PeerID, Contact] = {}
+            named: list[Contact] = []
+            by_id: dict[PeerID, list[Contact]] = {}
+            for c in heard:
+                by_id.setdefault(c.peer_id, []).append(c)
+            async with trio.open_nursery() as nursery:
+                for contacts in by_id.values():
+                    nursery.start_soon(ask, contacts, answered, named)
+            silent = [c for c in heard if c.peer_id not in answered]
+            self._replicas.probed(kid, list(answered.values()), silent)
+            log.debug("%d of %d peers heard of as near a key answered", len(answered), len(by_id))
+            heard = self._replicas.heard(kid, named)
+            if not heard:
+                return
 
     async def pull(self, kid: bytes, via: Sequence[PeerAddress]) -> int:
         """Ask one of ``via``, fellow readers of the key ``kid`` (a training peer's partners), each in turn

@@ -9,15 +9,19 @@ table's answering contacts are merged in, at most every ``NEWCOMERS_CHECK``): a 
 ``k`` queries of ``k`` contacts each, and with one every 30 s per key written (a progress record, the
 peer list, what is re-published) those were half of a 32-peer swarm's control bytes. Peers that join
 closer to a key and that this node has not met are heard of from the replicas themselves: every
-``NEWCOMERS_CHECK`` a direct read asks the replica it asks first for its nearest contacts too, and one
-closer than the farthest replica remembered makes the next store look the replicas up again (hearsay
-only starts a lookup; it never becomes a replica itself). Before, such peers got this node's records
-from the maintenance's re-replication alone (every ``replicate_interval``, 600 s), and the replicas
-stayed as they were for ``TARGETS_TTL``: in a swarm that grew while it wrote, a writer's early lookup
-left out the peers that joined closest to its key, readers that had met them read those and missed its
-records, for minutes (128 simulated DHT nodes joining over 32 s, each writing and reading one key:
-readers that held 122 of the 128 live records at every read for the minute after the last join; 40
-nodes with 5 replicas a key: 75% of the records for a tenth of the reads).
+``NEWCOMERS_CHECK`` a direct read asks the replica it asks first for its nearest contacts too. Those
+closer than the farthest replica remembered, up to ``MAX_PROBED`` of them, the reader then asks itself,
+and each that answers takes the place of a farthest replica at the address its connection proved
+(hearsay never becomes a replica by being named: only by answering, as a lookup would have found it).
+More than ``MAX_PROBED`` of them make the next store look the replicas up again. (Each heard-of peer
+used to start a whole lookup, about ``k`` queries of ``k`` contacts each: at 256 simulated peers, 1.8
+lookups a peer a step, about half of its ``dht.find_node`` bytes.) Before that, such peers got this
+node's records from the maintenance's re-replication alone (every ``replicate_interval``, 600 s), and the
+replicas stayed as they were for ``TARGETS_TTL``: in a swarm that grew while it wrote, a writer's early
+lookup left out the peers that joined closest to its key, readers that had met them read those and missed
+its records, for minutes (128 simulated DHT nodes joining over 32 s, each writing and reading one key:
+readers that held 122 of the 128 live records at every read for the minute after the last join; 40 nodes
+with 5 replicas a key: 75% of the records for a tenth of the reads).
 Two shortcuts for a swarm smaller than the DHT's parameters:
 
 - Fewer than ``replication`` replicas found means every peer the lookup found is one: the routing
@@ -44,6 +48,8 @@ from .routing import Contact, RoutingTable
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers ...
 TARGETS_TTL = 300.0  # ... for this many seconds at most (less: a store that a replica failed or refused)
 MAX_DOUBTED = 64  # peers heard of as closer to a key, not found by the lookup since, kept per key
+MAX_PROBED = 3  # peers heard of as closer to a key that a read asks itself (more: a lookup again) ...
+MAX_ADDRESSES = 2  # ... at up to this many addresses each (a liar may name a true id at a false one)
 NEWCOMERS_CHECK = 10.0  # how often the peers met since join a remembered key's replicas (see known)
 SWARM_TTL = 120.0  # how long an exhaustive lookup stands for the whole swarm (peers met since: the table)
 
@@ -55,6 +61,7 @@ class _Known:
     targets: list[Contact]  # closest to the key first
     asked: float  # when a replica was last asked for its nearest contacts (see ``ask_nearest``)
     doubted: frozenset[PeerID] = frozenset()  # heard of as closer, not found by the lookup since
+    silent: frozenset[Contact] = frozenset()  # heard of as closer, asked there, no answer (``probed``)
 
 
 class Replicas:
@@ -125,14 +132,16 @@ class Replicas:
         cached.asked = now
         return True
 
-    def heard(self, kid: bytes, contacts: list[Contact]) -> bool:
-        """A replica of ``kid`` named ``contacts`` as its nearest: where one of them that this node does
-        not doubt is closer to the key than the farthest replica remembered (or the replicas are fewer
-        than ``replication``), they are forgotten, so that the next store or read looks them up again.
-        Returns whether they were."""
+    def heard(self, kid: bytes, contacts: list[Contact]) -> list[Contact]:
+        """A replica of ``kid`` named ``contacts`` as its nearest: those that this node does not doubt
+        and that are closer to the key than the farthest replica remembered (or any, while the replicas
+        are fewer than ``replication``), closest first, at each address they were named at (up to
+        ``MAX_ADDRESSES``), for the reader to ask themselves (then :meth:`probed`). Where more than
+        ``MAX_PROBED`` are, the replicas are forgotten instead (the next store or read looks them up
+        again) and none is returned."""
         cached = self._targets.get(kid)
         if cached is None:
-            return False
+            return []
         t = int.from_bytes(kid, "big")
         have = {c.peer_id for c in cached.targets} | {self._table.local}
         farthest = (
@@ -140,22 +149,49 @@ class Replicas:
             if len(cached.targets) >= self._replication
             else None
         )
-        closer = frozenset(
-            c.peer_id
-            for c in contacts
-            if c.peer_id not in have
-            and c.peer_id not in cached.doubted
-            and (farthest is None or int.from_bytes(c.peer_id.digest, "big") ^ t < farthest)
-        )
-        if not closer:
-            return False
+        # (each address named: a liar that names a true id at a false address does not hide the one
+        # the id was named at by others)
+        closer: dict[PeerID, list[Contact]] = {}
+        for c in contacts:
+            if (
+                c.peer_id not in have
+                and c.peer_id not in cached.doubted
+                and c not in cached.silent
+                and (farthest is None or int.from_bytes(c.peer_id.digest, "big") ^ t < farthest)
+            ):
+                named = closer.setdefault(c.peer_id, [])
+                if c not in named and len(named) < MAX_ADDRESSES:
+                    named.append(c)
+        if len(closer) <= MAX_PROBED:
+            ids = sorted(closer, key=lambda p: int.from_bytes(p.digest, "big") ^ t)
+            return [c for p in ids for c in closer[p]]
         # (a replica that names fresh ids each time costs at most a lookup per ``NEWCOMERS_CHECK``;
         # the ids kept to doubt are bounded)
-        self._heard[kid] = frozenset(list(closer | cached.doubted)[:MAX_DOUBTED])
+        self._heard[kid] = frozenset(list(closer.keys() | cached.doubted)[:MAX_DOUBTED])
         while len(self._heard) > MAX_TARGET_KEYS:
             self._heard.pop(next(iter(self._heard)))
         self.drop(kid)
-        return True
+        return []
+
+    def probed(self, kid: bytes, answered: list[Contact], silent: list[Contact]) -> None:
+        """Peers heard of as closer to ``kid`` (:meth:`heard`) were asked themselves: those that
+        ``answered`` take the places of the farthest replicas; the ``silent`` ones are not asked at
+        those addresses again while these replicas stand (a true id that a liar named at a false
+        address is still asked where another replica names it)."""
+        cached = self._targets.get(kid)
+        if cached is None:
+            return
+        t = int.from_bytes(kid, "big")
+        merged = {c.peer_id: c for c in cached.targets}
+        for c in answered:
+            merged.setdefault(c.peer_id, c)
+        by_distance = sorted(merged.values(), key=lambda c: int.from_bytes(c.peer_id.digest, "big") ^ t)
+        keep = {c.peer_id for c in by_distance[: self._replication]}
+        # (in the order they had, as ``known`` merges: a replica demoted for being slow stays last)
+        kept = [c for c in cached.targets if c.peer_id in keep]
+        had = {c.peer_id for c in kept}
+        cached.targets = kept + [c for c in by_distance if c.peer_id in keep and c.peer_id not in had]
+        cached.silent = frozenset(list(cached.silent | set(silent))[:MAX_DOUBTED])
 
     def remembered(self, kid: bytes) -> list[Contact] | None:
         """The replicas remembered for ``kid`` as they stand, expired or not (None: none)."""

@@ -197,6 +197,7 @@ class DHT:
         """
         async with trio.open_nursery() as nursery:
             await nursery.start(self.contacts.run)
+            nursery.start_soon(self.reader.run)
             task_status.started(self)
             await self.upkeep.run(list(bootstrap or []))
 
