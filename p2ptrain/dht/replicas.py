@@ -144,8 +144,10 @@ class Replicas:
             return []
         t = int.from_bytes(kid, "big")
         have = {c.peer_id for c in cached.targets} | {self._table.local}
+        # (the farthest by distance, not the last: a replica demoted for being slow, or one that took
+        # a place since, may stand last)
         farthest = (
-            int.from_bytes(cached.targets[-1].peer_id.digest, "big") ^ t
+            max(int.from_bytes(c.peer_id.digest, "big") ^ t for c in cached.targets)
             if len(cached.targets) >= self._replication
             else None
         )
