@@ -27,7 +27,7 @@ import trio
 
 from p2ptrain.dht import DHTConfig, key_id
 from p2ptrain.dht.protocol import ContactMsg, NodesResp
-from p2ptrain.dht.reads import MAX_PROBE_HOPS
+from p2ptrain.dht.reads import MAX_PROBE_HOPS, PROBE_WAIT
 from p2ptrain.dht.replicas import MAX_ADDRESSES, MAX_PROBED, NEWCOMERS_CHECK
 from p2ptrain.dht.routing import Contact
 from p2ptrain.errors import P2PError
@@ -134,7 +134,8 @@ async def test_peers_heard_of_as_closer_become_replicas_only_by_answering(
                     await reader.dht.get(KEY)
                 except P2PError:
                     pass
-                await trio.sleep(3 * MAX_PROBE_HOPS)  # (the reader asks them in the background)
+                # (the reader asks them in the background: each address of each hop waited for at most)
+                await trio.sleep(PROBE_WAIT * MAX_ADDRESSES * MAX_PROBE_HOPS)
                 assert len(probes) - before <= MAX_PROBED * MAX_ADDRESSES * MAX_PROBE_HOPS
 
             live = {n.host.peer_id: n for n in swarm.nodes}
