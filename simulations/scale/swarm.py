@@ -48,6 +48,7 @@ from p2ptrain.net.rpc import CallContext, Reply
 from p2ptrain.training import CollaborativeOptimizer
 from simulations.scale.heap import few_collections
 from simulations.scale.model import Churn, PeerPlace, World, churn_events, pct
+from simulations.scale.scheduling import seeded_scheduling
 
 PORT = 4000
 RUN_ID = "scale"
@@ -807,29 +808,6 @@ def run(spec: SwarmSpec) -> dict[str, Any]:
     finally:
         remember_verified_signatures(KEPT_SIGNATURES)
     return result
-
-
-@contextlib.contextmanager
-def seeded_scheduling(seed: int) -> Iterator[None]:
-    """Trio's scheduler runs each batch of ready tasks in an order of its own random choosing (to shake
-    out code that leans on one order), from a generator nobody seeds: two runs of one command and seed
-    took different paths (128 peers: 99.2%, 99.2%, 99.2% of live peers in each committed round, and
-    90.8%, 96.9%, 98.4%, at one commit). Here the batches go in an order drawn from ``seed``, as trio
-    orders them under Hypothesis (its own switch for it), so that a run is the same run again (16 peers:
-    the same report, but for wall time and memory, with ``PYTHONHASHSEED`` 1 and 2 alike)."""
-    from trio._core import _run as core  # (trio's switch is private: left as it was when it moves)
-
-    if not hasattr(core, "_ALLOW_DETERMINISTIC_SCHEDULING") or not hasattr(core, "_r"):
-        yield
-        return
-    allowed, state = core._ALLOW_DETERMINISTIC_SCHEDULING, core._r.getstate()
-    core._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
-    core._r.seed(seed)
-    try:
-        yield
-    finally:
-        core._ALLOW_DETERMINISTIC_SCHEDULING = allowed  # type: ignore[misc]
-        core._r.setstate(state)
 
 
 @contextlib.contextmanager
