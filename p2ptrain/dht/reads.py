@@ -356,13 +356,11 @@ class Reader:
         async def ask(contacts: list[Contact], answered: dict[PeerID, Contact], named: list[Contact]) -> None:
             # (one id's addresses in turn: dials of one id share their outcome, so a false address
             # asked beside the true one would fail both)
-            for contact in contacts:
-                known = table.get(contact.peer_id)
+            known = table.get(contacts[0].peer_id)
+            for contact in [known] if known is not None else contacts:  # (a verified address: that one)
                 try:
                     with trio.fail_after(PROBE_WAIT):
-                        replied, _, _, proven, _ = await self._client.query(
-                            known or contact, kid, False, [], b""
-                        )
+                        replied, _, _, proven, _ = await self._client.query(contact, kid, False, [], b"")
                 except (P2PError, trio.TooSlowError) as e:
                     log.debug("a peer heard of as near a key did not answer: %s", e)
                     continue
@@ -370,7 +368,7 @@ class Reader:
                     self._contacts.observe(proven)
                 # (it answered as that id; at the address its connection proved where it did, as a
                 # lookup records it: a connection it opened to us proves none)
-                answered[contact.peer_id] = proven or known or contact
+                answered[contact.peer_id] = proven or contact
                 named.extend(replied)
                 return
 

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..identity import PeerID
-from .routing import Contact, RoutingTable
+from .routing import Contact, RoutingTable, distance
 
 MAX_TARGET_KEYS = 256  # keys whose replicas a node remembers ...
 TARGETS_TTL = 300.0  # ... for this many seconds at most (less: a store that a replica failed or refused)
@@ -52,6 +52,15 @@ MAX_PROBED = 3  # peers heard of as closer to a key that a read asks itself (mor
 MAX_ADDRESSES = 2  # ... at up to this many addresses each (a liar may name a true id at a false one)
 NEWCOMERS_CHECK = 10.0  # how often the peers met since join a remembered key's replicas (see known)
 SWARM_TTL = 120.0  # how long an exhaustive lookup stands for the whole swarm (peers met since: the table)
+
+
+def in_places(targets: list[Contact], closest: list[Contact]) -> list[Contact]:
+    """The replicas ``closest`` in the order ``targets`` had them, the new ones after (a replica demoted
+    for being slow stays last)."""
+    keep = {c.peer_id for c in closest}
+    kept = [c for c in targets if c.peer_id in keep]
+    had = {c.peer_id for c in kept}
+    return kept + [c for c in closest if c.peer_id not in had]
 
 
 @dataclass
@@ -115,11 +124,7 @@ class Replicas:
         if len(cached.targets) < self._replication or now >= cached.checked + NEWCOMERS_CHECK:
             cached.checked = now
             closest = self._closest(kid, {c.peer_id: c for c in cached.targets})
-            keep = {c.peer_id for c in closest}
-            # (in the order they had: a replica demoted for being slow stays last)
-            kept = [c for c in cached.targets if c.peer_id in keep]
-            had = {c.peer_id for c in kept}
-            cached.targets = kept + [c for c in closest if c.peer_id not in had]
+            cached.targets = in_places(cached.targets, closest)
         return list(cached.targets)
 
     def ask_nearest(self, kid: bytes) -> bool:
@@ -142,12 +147,11 @@ class Replicas:
         cached = self._targets.get(kid)
         if cached is None:
             return []
-        t = int.from_bytes(kid, "big")
         have = {c.peer_id for c in cached.targets} | {self._table.local}
         # (the farthest by distance, not the last: a replica demoted for being slow, or one that took
         # a place since, may stand last)
         farthest = (
-            max(int.from_bytes(c.peer_id.digest, "big") ^ t for c in cached.targets)
+            max(distance(c.peer_id.digest, kid) for c in cached.targets)
             if len(cached.targets) >= self._replication
             else None
         )
@@ -159,13 +163,13 @@ class Replicas:
                 c.peer_id not in have
                 and c.peer_id not in cached.doubted
                 and c not in cached.silent
-                and (farthest is None or int.from_bytes(c.peer_id.digest, "big") ^ t < farthest)
+                and (farthest is None or distance(c.peer_id.digest, kid) < farthest)
             ):
                 named = closer.setdefault(c.peer_id, [])
                 if c not in named and len(named) < MAX_ADDRESSES:
                     named.append(c)
         if len(closer) <= MAX_PROBED:
-            ids = sorted(closer, key=lambda p: int.from_bytes(p.digest, "big") ^ t)
+            ids = sorted(closer, key=lambda p: distance(p.digest, kid))
             return [c for p in ids for c in closer[p]]
         # (a replica that names fresh ids each time costs at most a lookup per ``NEWCOMERS_CHECK``;
         # the ids kept to doubt are bounded)
@@ -183,16 +187,11 @@ class Replicas:
         cached = self._targets.get(kid)
         if cached is None:
             return
-        t = int.from_bytes(kid, "big")
         merged = {c.peer_id: c for c in cached.targets}
         for c in answered:
             merged.setdefault(c.peer_id, c)
-        by_distance = sorted(merged.values(), key=lambda c: int.from_bytes(c.peer_id.digest, "big") ^ t)
-        keep = {c.peer_id for c in by_distance[: self._replication]}
-        # (in the order they had, as ``known`` merges: a replica demoted for being slow stays last)
-        kept = [c for c in cached.targets if c.peer_id in keep]
-        had = {c.peer_id for c in kept}
-        cached.targets = kept + [c for c in by_distance if c.peer_id in keep and c.peer_id not in had]
+        closest = sorted(merged.values(), key=lambda c: distance(c.peer_id.digest, kid))
+        cached.targets = in_places(cached.targets, closest[: self._replication])
         cached.silent = frozenset(list(cached.silent | set(silent))[:MAX_DOUBTED])
 
     def remembered(self, kid: bytes) -> list[Contact] | None:
