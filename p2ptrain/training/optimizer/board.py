@@ -804,6 +804,37 @@ class ProgressBoard:
         region = [r for r in self.region_records(epoch) if r.peer not in members]
         return self._region_taken(region, epoch, self.trusted())
 
+    def landing_witnesses(self, epoch: int, group: Iterable[PeerID]) -> list[tuple[PeerID, PeerAddress]]:
+        """Whom a member of a split swarm asks whether its region's step ``epoch`` was taken by another
+        group as its round (``group``'s) lands (``taken.TakenSteps.elsewhere``): the peers it trusts, of
+        its region at ``epoch`` and outside ``group``, whose records read last put them on the step or
+        the one before (of this run, not leaving), at the averager addresses their records give, newest
+        records first. None where the swarm is not split (a step's groups are held apart by their
+        quorums), nor free ids: their answers could make it drop any round."""
+        if not self.regions.split:
+            return []
+        members, trusted, me = set(group), self.trusted(), self.node.peer_id
+        out: list[tuple[PeerID, PeerAddress]] = []
+        for r in sorted(self.region_records(epoch), key=lambda r: -r.record.time):
+            rec = r.record
+            if (
+                r.peer == me
+                or r.peer in members
+                or (trusted is not None and r.peer not in trusted)
+                or rec.leaving
+                or rec.run != self.fingerprint
+                or not epoch - 1 <= rec.epoch <= epoch
+                or not rec.addr
+            ):
+                continue
+            try:
+                addr = PeerAddress.parse(rec.addr)
+            except ValueError:
+                continue
+            if addr.peer_id == r.peer:
+                out.append((r.peer, addr))
+        return out
+
     def region_unled(self, epoch: int) -> bool:
         """A newcomer's hint of whether nobody of its region at ``epoch`` may lead the region's group of
         it but newcomers: no record of the region on the step or arriving says it is anchored, and none

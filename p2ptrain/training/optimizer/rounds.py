@@ -59,6 +59,7 @@ from .outer import OuterStep
 from .progress import SwarmView
 from .shared_state import SharedState
 from .solo import StepAlone
+from .taken import TakenSteps
 from .wake import Wake
 
 log = logging.getLogger("p2ptrain.training.collaborative")  # (the optimizer's lines, as before)
@@ -233,16 +234,19 @@ class RoundRunner:
         self._told_too_many = False  # a step's majority did not fit one group (said once)
         self._keyed: dict[str, int] = {}  # group keys made lately -> their step (see ``look_buckets``)
         self._nursery: trio.Nursery | None = None
+        self.taken = TakenSteps(node, board)  # the steps its rounds committed (asked as others land)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own matchmaking and the rounds in the background, until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.taken.serve()
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+                self.taken.release()
 
     def batch_started(self, now: float) -> None:
         """The training loop computes its next batch from ``now`` on: a round handed the work before it
@@ -684,6 +688,7 @@ class RoundRunner:
             self.contribution.after_abort(buffer)
             return None
         outer.unfold(before, committed=True)
+        self.taken.committed(self.tally.epoch)  # (a peer of another group asking hears of it)
         self.contribution.relay(result.retired)
         # for peers behind (``state.replay``); a large one in the background, read from the buffer
         await self.state.keep_result(self.tally.epoch, buffer.views, buffered=True)
@@ -792,6 +797,7 @@ class RoundRunner:
                     weight=self.board.claim(weight),
                     in_place=flight.in_place,
                 )
+                self.taken.committed(flight.epoch)  # (before it is checked and applied: ``taken``)
             except RoundAborted as e:
                 flight.outcome = e
             finally:
@@ -812,6 +818,7 @@ class RoundRunner:
         outcome, tensors, weight = flight.outcome, flight.tensors, flight.weight
         try:
             if flight.epoch != self.tally.epoch:  # the replay did not land on the round's step
+                self.taken.dropped(flight.epoch)
                 self.note_abort(
                     RoundAborted(f"the round was of step {flight.epoch}, and the catch-up ended elsewhere")
                 )
@@ -848,10 +855,12 @@ class RoundRunner:
         elif isinstance(outcome, RoundResult) and flight.manifest is not None:
             # another group of the region took the step first, by a peer this one trusts: not applied
             # here (this member alone; it catches up to that state), nor is the leader suspected
-            taken = self.board.taken_elsewhere(flight.epoch, flight.manifest.manifest.peers())
+            taken = await self.taken.elsewhere(flight.epoch, frozenset(flight.manifest.manifest.peers()))
             if taken is not None:
                 short = f"a group of {taken.short()}, a peer it trusts, took its region's step {flight.epoch}"
                 self.note_abort(RoundAborted(short))
+        if short:
+            self.taken.dropped(flight.epoch)
         if short and not diloco:  # the tensors hold the round's mean now: this peer's part is gone
             log.warning("step %d: the %d samples handed to the round are dropped", self.tally.epoch, weight)
             if not flight.in_place:  # (in place: the round may relay from them a while; then freed)

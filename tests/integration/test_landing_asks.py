@@ -1,0 +1,146 @@
+"""A split swarm's round lands only where no peer its member trusts, of its region and outside its group,
+took the step by another round, whether or not a record of that has been read yet (``taken``): peers
+over the in-memory network on the virtual clock, asked directly as the round lands.
+
+(256 simulated peers, the first step: a member of a group that landed 1.9 s after another group of its
+region trusted one of that group's members, its join peer; the records it held still put that peer on
+the step, and it applied its round: two states of one step.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import trio
+
+from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.identity import PeerID
+from p2ptrain.training.optimizer.buckets import Regions
+from p2ptrain.training.optimizer.progress import PeerProgress, with_author
+from p2ptrain.training.optimizer.taken import ASKED, WAIT
+from tests.harness.training import Peer, run_config, swarm
+
+pytestmark = pytest.mark.timeout(300)
+
+OTHERS = 11  # peers besides the asking one (about half of them in its region at each step)
+
+
+def _stale(p: Peer, epoch: int) -> PeerProgress:
+    """``p``'s record as the asker read it a while ago: on ``epoch``, no round landed yet."""
+    rec = with_author(p.opt.record(), p.node.peer_id)
+    return PeerProgress(p.node.peer_id, dataclasses.replace(rec, epoch=epoch, averaged=False, leaving=False))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_took_before_any_record_says_so(
+    autojump_clock: object, seed: int
+) -> None:
+    """Random swarms of answering peers: each took the step by a round of its own or not (committed,
+    applied or still landing; some took only other steps), is trusted by the asker or not, in its region
+    at the step or not, in the landing round's group or not, and the asker read its record on the step,
+    the one before, another, or not at all, none saying the step was taken. The asker finds the step
+    taken exactly when one of the peers it trusts, of its region, outside the group, read on the step or
+    the one before, took it; it names one of those; it never asks more than ``ASKED`` nor waits past
+    ``WAIT``; untrusted peers that took the step change nothing."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        first = await s.start(train=False)
+        me = await s.start(train=False)
+        others = [first] + [await s.start(train=False) for _ in range(OTHERS - 1)]
+        board, taken = me.opt.board, me.opt.rounds.taken
+        seen: set[bool] = set()
+        for _ in range(40):
+            epoch = rng.randint(0, 4)
+            trusted = {p.node.peer_id for p in others if rng.random() < 0.6}
+            group = {p.node.peer_id for p in others if rng.random() < 0.3} | {me.node.peer_id}
+            records, could = [], set()
+            for p in others:
+                pid = p.node.peer_id
+                took = rng.random() < 0.4
+                p.opt.rounds.taken.dropped(epoch)
+                if took:
+                    p.opt.rounds.taken.committed(epoch)
+                for other in rng.sample(range(6), 2):  # (rounds of other steps say nothing of this one)
+                    if other != epoch:
+                        p.opt.rounds.taken.committed(other)
+                read = rng.choice([epoch, epoch, max(0, epoch - 1), epoch + 2, None])
+                if read is not None:
+                    records.append(_stale(p, read))
+                if (
+                    took
+                    and pid in trusted
+                    and pid not in group
+                    and regions.together(pid, me.node.peer_id, epoch)
+                    and read is not None
+                    and epoch - 1 <= read <= epoch
+                ):
+                    could.add(pid)
+            board.records = records
+            board.trusted = lambda t=frozenset(trusted): t  # type: ignore[method-assign]
+            asked_before, began = taken.asked, trio.current_time()
+            found = await taken.elsewhere(epoch, frozenset(group))
+            assert trio.current_time() - began <= WAIT + 0.01
+            assert taken.asked - asked_before <= ASKED
+            assert (found in could) if could else found is None, (epoch, found, could)
+            seen.add(bool(could))
+        assert seen == {True, False}
+
+
+async def test_a_member_drops_its_copy_of_a_round_whose_step_a_trusted_peer_took_unread(
+    autojump_clock: object,
+) -> None:
+    """Training peers of a split swarm: as a member's round lands, a peer it trusts, of its region and
+    outside its group, whose record it read on the step (no round landed yet), is asked. Where that peer
+    took the step by a round of its own, the member's copy is not applied (its parameters stay as they
+    were, the abort says why); where it did not, the round is applied; the swarm goes on with one state
+    per region and step. (On the code before, the record read was all it went by: applied each time.)"""
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        peers = [await s.start(compute=c) for c in (0.1, 0.15, 0.2, 0.1, 0.15)]
+        me = peers[1]
+        witnesses = [await s.start(train=False) for _ in range(8)]
+        opt, board = me.opt, me.opt.board
+        real_land, real_trusted = opt.rounds.land_flight, board.trusted
+        landed: list[tuple[int, bool, bool]] = []  # (step, taken elsewhere, applied)
+
+        async def land(flight, outcome, tensors, weight):  # type: ignore[no-untyped-def]
+            if not isinstance(outcome, RoundResult) or len(landed) >= 4:
+                return await real_land(flight, outcome, tensors, weight)
+            elsewhere = len(landed) % 2 == 0  # (every other one: drop, apply, drop, apply)
+            there = [w for w in witnesses if regions.together(w.node.peer_id, me.node.peer_id, flight.epoch)]
+            assert there, "no witness in the member's region"
+            w = there[0]
+            w.opt.rounds.taken.dropped(flight.epoch)
+            if elsewhere:
+                w.opt.rounds.taken.committed(flight.epoch)
+            before, kept = me.params_hash(), board.records
+            board.records = [*kept, _stale(w, flight.epoch)]
+            trusted: frozenset[PeerID] = (real_trusted() or frozenset()) | {w.node.peer_id}
+            board.trusted = lambda: trusted  # type: ignore[method-assign]
+            try:
+                applied = await real_land(flight, outcome, tensors, weight)
+            finally:
+                board.records, board.trusted = kept, real_trusted  # type: ignore[method-assign]
+            landed.append((flight.epoch, elsewhere, applied is not None))
+            if elsewhere:
+                assert me.params_hash() == before  # nothing of the round applied
+            return applied
+
+        reasons: list[str] = []
+        note_abort = opt.stats.note_abort
+
+        def noting(epoch: int, reason: str) -> None:
+            reasons.append(reason)
+            note_abort(epoch, reason)
+
+        opt.stats.note_abort = noting  # type: ignore[method-assign]
+        opt.rounds.land_flight = land  # type: ignore[method-assign]
+        await s.until(lambda: len(landed) >= 4, timeout=200)
+        await s.until(lambda: all(p.opt.epoch >= landed[-1][0] + 2 for p in peers), timeout=200)
+    assert [(taken, applied) for _, taken, applied in landed] == [(True, False), (False, True)] * 2, landed
+    assert sum("a peer it trusts, took its region's step" in why for why in reasons) == 2, reasons
