@@ -80,7 +80,7 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
                 ):
                     could.add(pid)
             board.records = records
-            board.trusted = lambda t=frozenset(trusted): t  # type: ignore[method-assign]
+            board.trusted = lambda t=frozenset(trusted): t  # type: ignore[method-assign,misc]
             asked_before, began = taken.asked, trio.current_time()
             found = await taken.elsewhere(epoch, frozenset(group))
             assert trio.current_time() - began <= WAIT + 0.01
