@@ -69,7 +69,7 @@ class TakenSteps:
     def __init__(self, node: Node, board: ProgressBoard) -> None:
         self.node, self.board = node, board
         self._took: OrderedDict[int, None] = OrderedDict()
-        self.asked = 0  # peers asked so far (the simulator counts them)
+        self.asked = 0  # peers asked so far
 
     def serve(self) -> None:
         """Answer ``train.taken`` (until :meth:`release`)."""
