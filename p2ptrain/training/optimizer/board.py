@@ -796,8 +796,8 @@ class ProgressBoard:
         that member alone, as any member's own discard: it catches up to the trusted peer's state),
         and the others of its group are untouched. Only trusted records count, as at look time: free
         ids' records change nothing; a trusted peer that lies can make this peer drop a round, as it
-        could make it skip one. Two rounds that land within a read of each other are still not
-        caught: neither record is read yet."""
+        could make it skip one. Two rounds that land within a read of each other are not caught
+        here (neither record is read yet): the landing member then asks (``taken.TakenSteps``)."""
         if not self.regions.split:
             return None  # (one region: a step's groups are held apart by their quorums)
         members = set(group)
