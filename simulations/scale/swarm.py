@@ -37,6 +37,7 @@ from p2ptrain.config import RunConfig
 from p2ptrain.dht.protocol import FindValueReq, ValueResp
 from p2ptrain.dht.reads import Reader
 from p2ptrain.dht.records import Entry, key_id
+from p2ptrain.dht.replicas import Replicas
 from p2ptrain.dht.routing import Contact
 from p2ptrain.dht.server import CONTACT_BYTES, Server
 from p2ptrain.dht.service import DHT
@@ -183,6 +184,15 @@ LOOKUP_CAUSES = {
     "find_node": "find a peer",
 }
 
+# why a peer forgot a key's replicas (``Replicas.drop``: its next read or store looks them up again), by
+# the function that dropped them
+DROP_CAUSES = {
+    "heard": "a replica named more closer peers than a read asks itself",
+    "ask": "a replica failed a read",  # (``Reader._read_replicas``'s query of one replica)
+    "_read_replicas": "fewer replicas held the key than the read's quorum",
+    "store_entries": "a replica failed or refused a store",
+}
+
 
 @contextlib.contextmanager
 def counting_value_replies(sim: Simulation) -> Iterator[None]:
@@ -193,8 +203,9 @@ def counting_value_replies(sim: Simulation) -> Iterator[None]:
     (``dht.find_node``'s queries) by its cause, into ``sim.lookups``: a store's or a read's finding
     the replicas of a key this peer never looked up before (``first``), again once they expired
     (``expired``: ``replicas.TARGETS_TTL``) or were dropped (``dropped``: a replica failed, refused, or
-    named a closer peer), a join's, a bucket refresh's."""
-    answer, read, find = Server.on_find_value, DHT.get, Reader.find_node
+    named a closer peer), a join's, a bucket refresh's. And each time a peer forgot a key's replicas,
+    by its cause (``DROP_CAUSES``), into ``sim.drops``: what the ``dropped`` lookups follow."""
+    answer, read, find, drop = Server.on_find_value, DHT.get, Reader.find_node, Replicas.drop
 
     async def on_find_value(self: Server, ctx: CallContext, req: FindValueReq) -> Reply[ValueResp]:
         reply = await answer(self, ctx, req)
@@ -224,15 +235,23 @@ def counting_value_replies(sim: Simulation) -> Iterator[None]:
         sim.looked_up.add(looked)
         return await find(self, target)
 
+    def dropping(self: Replicas, kid: bytes) -> None:
+        if sim.counting:
+            caller = sys._getframe(1).f_code.co_name
+            sim.drops[DROP_CAUSES.get(caller, caller)] += 1
+        drop(self, kid)
+
     Server.on_find_value = on_find_value  # type: ignore[method-assign]
     DHT.get = get  # type: ignore[method-assign]
     Reader.find_node = find_node  # type: ignore[method-assign]
+    Replicas.drop = dropping  # type: ignore[method-assign]
     try:
         yield
     finally:
         Server.on_find_value = answer  # type: ignore[method-assign]
         DHT.get = read  # type: ignore[method-assign]
         Reader.find_node = find  # type: ignore[method-assign]
+        Replicas.drop = drop  # type: ignore[method-assign]
 
 
 class Simulation:
@@ -255,6 +274,7 @@ class Simulation:
         self.reads: Counter[bytes] = Counter()  # key id -> reads the peers started, while counting
         self.lookups: Counter[str] = Counter()  # cause -> node lookups the peers started, while counting
         self.looked_up: set[tuple[str, bytes]] = set()  # (peer's name, key id) of every node lookup
+        self.drops: Counter[str] = Counter()  # cause -> a key's replicas forgotten, while counting
         self.counting = False
 
     def live(self) -> list[SimPeer]:
@@ -663,6 +683,9 @@ def measure(
         "dht_lookups": len(hops),
         "node_lookups_per_peer_per_step": {
             cause: round(v / max(1, len(both)) / steps, 2) for cause, v in sim.lookups.most_common()
+        },
+        "replicas_dropped_per_peer_per_step": {
+            cause: round(v / max(1, len(both)) / steps, 2) for cause, v in sim.drops.most_common()
         },
         "target_to_commit_s_median": round(pct(waits, 0.5), 2) if waits else None,
         "target_to_commit_s_p90": round(pct(waits, 0.9), 2) if waits else None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from simulations.scale.model import Churn
-from simulations.scale.swarm import SwarmSpec, run
+from simulations.scale.swarm import DROP_CAUSES, SwarmSpec, run
 
 pytestmark = pytest.mark.timeout(600)  # (a minute of CPU; the machine running the suite may be busy)
 
@@ -62,5 +62,9 @@ def test_thirty_two_peers_over_two_keys_with_nats_and_crashes_hold_the_scale_inv
     assert report["global_steps"] >= 2, report
     assert report["share_in_committed_round_mean"] >= 0.75, report
     assert report["max_node_control_over_median"] <= 10.0, report
+    # every forgotten replica set is counted under a named cause (what the ``dropped`` lookups follow)
+    drops = report["replicas_dropped_per_peer_per_step"]
+    assert set(drops) <= set(DROP_CAUSES.values()), drops
+    assert drops.get("a replica failed a read", 0) > 0, drops  # (crashed replicas)
     assert report["sim"]["churn_events"].get("kill", 0) >= 1
     assert "relay.connect" in report["control_by_method_per_peer_per_step"]
