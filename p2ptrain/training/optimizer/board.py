@@ -813,27 +813,15 @@ class ProgressBoard:
         quorums), nor free ids: their answers could make it drop any round."""
         if not self.regions.split:
             return []
-        members, trusted, me = set(group), self.trusted(), self.node.peer_id
-        out: list[tuple[PeerID, PeerAddress]] = []
-        for r in sorted(self.region_records(epoch), key=lambda r: -r.record.time):
-            rec = r.record
-            if (
-                r.peer == me
-                or r.peer in members
-                or (trusted is not None and r.peer not in trusted)
-                or rec.leaving
-                or rec.run != self.fingerprint
-                or not epoch - 1 <= rec.epoch <= epoch
-                or not rec.addr
-            ):
-                continue
-            try:
-                addr = PeerAddress.parse(rec.addr)
-            except ValueError:
-                continue
-            if addr.peer_id == r.peer:
-                out.append((r.peer, addr))
-        return out
+        members, trusted = set(group), self.trusted()
+        asked = {
+            r.peer
+            for r in self.region_records(epoch)
+            if r.peer not in members
+            and (trusted is None or r.peer in trusted)
+            and epoch - 1 <= r.record.epoch <= epoch
+        }
+        return [(peer, addr) for peer, addr in self._record_addrs() if peer in asked]
 
     def region_unled(self, epoch: int) -> bool:
         """A newcomer's hint of whether nobody of its region at ``epoch`` may lead the region's group of
