@@ -229,6 +229,5 @@ class Replicas:
         ``limit``, default ``replication``)."""
         for c in self._table.answering():
             peers.setdefault(c.peer_id, c)
-        t = int.from_bytes(kid, "big")
-        by_distance = sorted(peers.values(), key=lambda c: int.from_bytes(c.peer_id.digest, "big") ^ t)
+        by_distance = sorted(peers.values(), key=lambda c: distance(c.peer_id.digest, kid))
         return by_distance[: limit or self._replication]
