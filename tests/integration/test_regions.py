@@ -23,15 +23,17 @@ The invariants a split swarm keeps, whatever the peers' speeds and the order the
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Any
 
 import pytest
+import trio
 
 from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.dht.spread import bucket_of
 from p2ptrain.identity import Identity, PeerID
-from p2ptrain.training.optimizer.buckets import Regions, region_buckets
+from p2ptrain.training.optimizer.buckets import SAMPLED, Regions, region_buckets
 from p2ptrain.training.optimizer.progress import PeerProgress
 from tests.harness.training import Peer, run_config, swarm
 
@@ -534,3 +536,37 @@ async def test_between_reads_a_peer_pulls_only_the_keys_it_follows(autojump_cloc
             assert {board.keys[b] for b in followed} <= read
             sampled_left_out += bool(read - set(pulled))
         assert sampled_left_out  # (the sampled keys were read, and not pulled)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_peer_reads_one_new_sampled_key_a_record_life(autojump_clock: object, seed: int) -> None:
+    """Over ``t`` seconds of reads, however many, a split swarm's peer names at most ``SAMPLED +
+    ceil(t / ttl)`` keys besides those it follows (its region's and its join peers'): the keys it
+    samples for the swarm's rate, each a node lookup of its replicas the first time, do not grow with
+    the reads or the swarm (drawn anew each read, they were 4 new keys a read until every bucket had
+    been read). And over a turn of the window every key is read. Reads' times and steps drawn."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=64, regions=16)
+    async with swarm(config) as s:
+        await s.start(train=False)  # (its join peer)
+        me = await s.start(train=False)
+        board, ttl = me.opt.board, config.progress.ttl
+        reads: list[tuple[float, set[bytes]]] = []
+        every: set[bytes] = set()
+        start = trio.current_time()
+        while trio.current_time() - start < 70 * ttl:  # (a turn: 63 periods; no gap skips 4 of them)
+            await trio.sleep(rng.choice([0.0, 0.1, 1.0, ttl, rng.uniform(0, 3 * ttl)]))
+            me.opt.tally.epoch = epoch = rng.randrange(64)
+            followed = {bucket_of(p.digest, board.bits) for p in me.node.join_peers}
+            for e in (epoch, epoch + 1):
+                followed |= set(region_buckets(board.bucket, board.bits, e, board.regions.span))
+            read = set(board.reading())
+            every |= read
+            reads.append((trio.current_time(), read - {board.keys[b] for b in followed}))
+        assert len(reads) > 100
+        for _ in range(100):
+            i = rng.randrange(len(reads))
+            j = rng.randrange(i, len(reads))
+            met = set().union(*(keys for _, keys in reads[i : j + 1]))
+            assert len(met) <= SAMPLED + math.ceil((reads[j][0] - reads[i][0]) / ttl), (i, j, len(met))
+        assert every == set(board.keys)

@@ -6,6 +6,7 @@ state a split swarm's rounds average, made ahead of a first step."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
@@ -17,9 +18,10 @@ from p2ptrain.dht.spread import bucket_of
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.buckets import (
     BUCKET_TARGET,
+    SAMPLED,
     Regions,
+    SampledBuckets,
     bucket_bits,
-    buckets_to_read,
     capped_estimate,
     paired_dims,
     progress_key,
@@ -83,10 +85,52 @@ def test_a_reader_reads_its_bucket_and_distinct_others() -> None:
     rng = random.Random(3)
     for bits in (0, 1, 2, 6, 12):
         for mine in (0, (1 << bits) - 1):
-            read = buckets_to_read(mine, bits, rng)
-            assert read[0] == mine
-            assert len(set(read)) == len(read) == min(5, 1 << bits)
-            assert all(0 <= b < 1 << bits for b in read)
+            window = SampledBuckets(rng, period=10.0)
+            for now in (0.0, 9.9, 10.0, 1e6, rng.uniform(-1e9, 1e9)):
+                read = window.read(mine, bits, now)
+                assert read[0] == mine
+                assert len(set(read)) == len(read) == min(SAMPLED + 1, 1 << bits)
+                assert all(0 <= b < 1 << bits for b in read)
+    with pytest.raises(ValueError, match="period"):
+        SampledBuckets(rng, period=0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_reader_meets_at_most_one_new_bucket_a_period_and_every_bucket_equally_often(seed: int) -> None:
+    """The invariant that keeps a reader's keys, and their node lookups, from growing with the swarm:
+    over any ``t`` seconds of reads, however many and however spaced (bursts within a period, jumps
+    over many), a reader samples at most ``SAMPLED + ceil(t / period)`` distinct buckets; reads within
+    one period sample the same ones; and over a whole turn of ``2^bits - 1`` periods each bucket but its
+    own is sampled equally often. Drawn at random: sizes, own bucket, period, the reads' times."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        bits = rng.randrange(0, 10)
+        mine = rng.randrange(1 << bits)
+        period = rng.choice([0.5, 10.0, 37.0])
+        window = SampledBuckets(random.Random(rng.random()), period=period)
+        now = rng.uniform(-1e4, 1e4)
+        reads: list[tuple[float, frozenset[int]]] = []
+        for _ in range(rng.randrange(1, 200)):
+            now += rng.choice([0.0, period / 7, period, rng.uniform(0, 3 * period), 50 * period])
+            read = window.read(mine, bits, now)
+            assert read[0] == mine and mine not in read[1:]
+            reads.append((now, frozenset(read[1:])))
+        for _ in range(20):
+            i = rng.randrange(len(reads))
+            j = rng.randrange(i, len(reads))
+            met = frozenset().union(*(r for _, r in reads[i : j + 1]))
+            elapsed = reads[j][0] - reads[i][0]
+            assert len(met) <= SAMPLED + math.ceil(elapsed / period), (bits, elapsed, len(met))
+            if math.floor(reads[i][0] / period) == math.floor(reads[j][0] / period):
+                assert reads[i][1] == reads[j][1]
+        others = (1 << bits) - 1
+        start = rng.randrange(-1000, 1000)
+        counts = dict.fromkeys((b for b in range(1 << bits) if b != mine), 0)
+        for turn in range(start, start + others):
+            for b in window.read(mine, bits, turn * period + rng.uniform(0, period * 0.999))[1:]:
+                counts[b] += 1
+        assert len(set(counts.values())) <= 1, counts
+        assert all(c == min(SAMPLED, others) for c in counts.values())
 
 
 def test_the_scaled_total_is_exact_when_every_bucket_was_read_and_unbiased_when_sampled() -> None:
@@ -96,12 +140,14 @@ def test_the_scaled_total_is_exact_when_every_bucket_was_read_and_unbiased_when_
     bits = 6
     # each bucket's total: 64 peers' samples, their speeds 0.5x to 2x
     totals = [sum(2 ** rng.uniform(-1, 1) for _ in range(BUCKET_TARGET)) for _ in range(1 << bits)]
-    estimates = []
-    for _ in range(400):
-        read = buckets_to_read(0, bits, rng)
-        estimates.append(scaled_total(totals[0], [totals[b] for b in read[1:]], bits))
-    assert abs(statistics.fmean(estimates) / sum(totals) - 1) < 0.02
-    assert statistics.pstdev(estimates) / sum(totals) < 0.05  # a few percent per read at 64 records a bucket
+    for reader in range(5):
+        window = SampledBuckets(random.Random(reader), period=10.0)
+        estimates = []
+        for turn in range((1 << bits) - 1):  # a whole turn of the window: each other bucket as often
+            read = window.read(0, bits, 10.0 * turn)
+            estimates.append(scaled_total(totals[0], [totals[b] for b in read[1:]], bits))
+        assert statistics.fmean(estimates) == pytest.approx(sum(totals), rel=1e-9)
+        assert statistics.pstdev(estimates) / sum(totals) < 0.05  # a few percent per read at 64 a bucket
 
 
 def test_ids_that_only_write_records_at_most_double_the_estimate_wherever_they_crowd() -> None:
@@ -109,7 +155,8 @@ def test_ids_that_only_write_records_at_most_double_the_estimate_wherever_they_c
     bits = 4
     honest = [100.0] * (1 << bits)  # the trusted samples of each bucket
     for _ in range(200):
-        read = buckets_to_read(rng.randrange(1 << bits), bits, rng)
+        window = SampledBuckets(random.Random(rng.random()), period=10.0)
+        read = window.read(rng.randrange(1 << bits), bits, rng.uniform(0, 1e4))
         crowd = rng.choice(read)  # k ids ground into a bucket this reader reads, claiming 2**53 each
         untrusted = [2.0**53 if b == crowd else 0.0 for b in read]
         estimate = capped_estimate((honest[read[0]], honest[1:5]), (untrusted[0], untrusted[1:]), bits)

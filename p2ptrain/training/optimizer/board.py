@@ -50,7 +50,7 @@ from ...waits import either
 from ...wire.codec import pack, unpack
 from .bans import BAN_READ_INTERVAL, BanBook
 from .bookkeeping import Tally
-from .buckets import SAMPLED, Regions, buckets_to_read, progress_keys, region_buckets
+from .buckets import Regions, SampledBuckets, progress_keys, region_buckets
 from .progress import (
     SPREAD,
     PeerProgress,
@@ -135,9 +135,9 @@ class ProgressBoard:
         # records of its region at that step alone (``region_records``)
         self.regions = Regions.of(config.progress.buckets, config.progress.regions)
         self.bucket = bucket_of(node.peer_id.digest, self.bits)
-        # the buckets of the read in progress (``reading``), and the draw of the sampled ones
+        # the buckets of the read in progress (``reading``), and the window of the sampled ones
         self._read_buckets = len(self.keys)
-        self._sampler = random.Random(node.peer_id.digest)
+        self._sampled = SampledBuckets(random.Random(node.peer_id.digest), period=config.progress.ttl)
         # a split swarm: the swarm's samples per second, smoothed over reads (``note_read``)
         self._swarm_rate: float | None = None
         self.region_behind = False  # a split swarm: the last view's region alone says this peer is behind
@@ -237,15 +237,16 @@ class ProgressBoard:
         """The bucket keys a read asks for. With one region, every key. A swarm split into regions: this
         peer's region's keys at its step and at the next (the records its views, quorums and groups
         count), the keys of its join peers' buckets (a newcomer's trusted peers: their records say
-        which step to be on), and ``SAMPLED`` others drawn anew each read (the swarm's rate, which its
-        region's share of the target follows: ``_view``): at most ``2^(span+1) + joins + SAMPLED`` keys
-        of about ``N / buckets`` records each, whatever the swarm's size, instead of all of them.
+        which step to be on), and ``SAMPLED`` others, a window over its own order of them that moves on by
+        one a record's life (``buckets.SampledBuckets``: the swarm's rate, which its region's share of the
+        target follows, ``_view``): at most ``2^(span+1) + joins + SAMPLED`` keys of about ``N /
+        buckets`` records each, whatever the swarm's size, instead of all of them.
         Its partners' buckets are not read: after a turn of regions its partners are in its own bucket
         and each bucket one dimension away, ``bits + 1`` more keys (every key but one of 8)."""
         if not self.regions.split:
             self._read_buckets = len(self.keys)
             return self.keys
-        wanted = self._followed() | set(buckets_to_read(self.bucket, self.bits, self._sampler, SAMPLED))
+        wanted = self._followed() | set(self._sampled.read(self.bucket, self.bits, self.clock()))
         self._read_buckets = len(wanted)
         return [self.keys[b] for b in sorted(wanted)]
 
@@ -274,8 +275,8 @@ class ProgressBoard:
         """The keys pulled from partners between reads of the replicas: with one region, every key; a
         split swarm's peer, ``reading``'s less the sampled ones. Those stand for the swarm's rate, which
         only reads of the replicas update (``note_read``): pulled at every read interval (a sampled key
-        read once stays in the read cache), each drawn anew, they were 4 of the 9 or so keys a peer of
-        256 simulated ones pulled, 16 records a key, that nothing between two reads looks at."""
+        read once stays in the read cache), then drawn anew each read, they were 4 of the 9 or so keys a
+        peer of 256 simulated ones pulled, 16 records a key, that nothing between two reads looks at."""
         if not self.regions.split:
             return self.keys
         return [self.keys[b] for b in sorted(self._followed())]

@@ -6,10 +6,11 @@ read and O(N^2) at the key's replicas. Here the records go under ``2^bits`` keys
 peers (the top ``bits`` bits of a hash of the peer id), with ``bits`` chosen so that a bucket holds
 about ``BUCKET_TARGET`` records (:func:`bucket_bits`); a swarm of fewer than ``2 * BUCKET_TARGET``
 peers has one bucket, whose key is the progress key of today (:func:`progress_key`: a small swarm reads
-and writes exactly as before). A reader reads its own bucket and ``SAMPLED`` others drawn at random per
-read (:func:`buckets_to_read`) and scales what the sampled buckets say to the buckets it did not read
-(:func:`scaled_total`): bytes per read O(``(SAMPLED + 1) * BUCKET_TARGET``) whatever N, and each
-bucket's replicas serve O(``SAMPLED + 1``) readers per bucket of readers.
+and writes exactly as before). A reader reads its own bucket and ``SAMPLED`` others, a window over its
+own random order of them that moves on by one bucket a period (:class:`SampledBuckets`), and scales
+what the sampled buckets say to the buckets it did not read (:func:`scaled_total`): bytes per read
+O(``(SAMPLED + 1) * BUCKET_TARGET``) whatever N, and each bucket's replicas serve O(``SAMPLED + 1``)
+readers per bucket of readers.
 
 ``bits`` comes from the reader's own estimate of the swarm's size (:func:`size_estimate`: the XOR
 distances to the closest contacts of its routing table, whose ids it verified by handshake), not from
@@ -94,19 +95,41 @@ def progress_keys(run_id: str, bits: int) -> SpreadKey:
     return SpreadKey.of(f"p2ptrain/{run_id}/progress", max(bits, 0))
 
 
-def buckets_to_read(mine: int, bits: int, rng: random.Random, sampled: int = SAMPLED) -> list[int]:
-    """This peer's bucket first, then ``sampled`` others drawn at random (all of them when fewer)."""
-    count = 1 << max(bits, 0)
-    others = [b for b in range(count) if b != mine] if count <= 4 * (sampled + 1) else None
-    if others is not None:
-        rng.shuffle(others)
-        return [mine, *others[:sampled]]
-    picked: set[int] = set()
-    while len(picked) < min(sampled, count - 1):
-        b = rng.randrange(count)
-        if b != mine:
-            picked.add(b)
-    return [mine, *sorted(picked)]
+class SampledBuckets:
+    """The other buckets a split swarm's reader samples (``SAMPLED`` of them): a window over an order of
+    all the others, drawn once from ``rng``, that moves on by one bucket every ``period`` seconds of
+    ``now`` (a record's life, ``progress.ttl``): a pure function of the time, so every read within one
+    period, of the replicas or of what this peer holds, samples the same buckets.
+
+    Drawn anew at every read (as before), a reader met new bucket keys at most of its reads until it had
+    read all ``2^bits``: O(N) keys a peer, each a DHT node lookup of its replicas and every one of its
+    records, for as long as the swarm took to be read whole (6.1 first lookups a peer a step of 8.4 at
+    512 simulated peers, growing with N), and past ``MAX_TARGET_KEYS`` keys never at all. The window
+    meets at most one new bucket a period whatever N (the invariant: over ``t`` seconds at most
+    ``sampled + ceil(t / period)`` distinct buckets), a bucket read again costs only its records that
+    changed (``dht.known``), and over ``2^bits - 1`` periods it samples every bucket equally often, so the
+    scaled totals stay unbiased. The order is this reader's own draw; which buckets it samples is no
+    claim of anyone's, and what k ids can do to a sampled bucket is capped as before (see
+    :func:`capped_estimate`)."""
+
+    def __init__(self, rng: random.Random, *, period: float, sampled: int = SAMPLED) -> None:
+        if not period > 0:
+            raise ValueError(f"period must be positive, not {period}")
+        self.rng, self.period, self.sampled = rng, period, sampled
+        self._of: tuple[int, int] | None = None  # (mine, bits) that ``_order`` is of
+        self._order: list[int] = []
+
+    def read(self, mine: int, bits: int, now: float) -> list[int]:
+        """``mine`` first, then the window's others at ``now`` (all of them when there are fewer)."""
+        if self._of != (mine, bits):
+            self._order = [b for b in range(1 << max(bits, 0)) if b != mine]
+            self.rng.shuffle(self._order)
+            self._of = (mine, bits)
+        order = self._order
+        if not order:
+            return [mine]
+        at = math.floor(now / self.period) if math.isfinite(now) else 0
+        return [mine, *(order[(at + i) % len(order)] for i in range(min(self.sampled, len(order))))]
 
 
 def scaled_total(own: float, sampled: Sequence[float], bits: int) -> float:
