@@ -98,6 +98,11 @@ class PeerAddress:
     def __str__(self) -> str:
         return self._text
 
+    @functools.cached_property
+    def plain(self) -> str:
+        """The address without the peer's id (a relay's circuit keeps it: the relay's id says where)."""
+        return str(PeerAddress(self.kind, self.host, self.port, None)) if self.relay is None else self._text
+
 
 @functools.lru_cache(maxsize=8192)
 def _parse_cached(text: str) -> PeerAddress:

@@ -145,3 +145,25 @@ def test_a_circuit_address_names_the_relay_and_the_target() -> None:
     ):
         with pytest.raises(ValueError):
             PeerAddress.parse(bad)
+
+
+def test_a_contact_says_its_id_once_and_comes_back_the_same() -> None:
+    """A DHT contact's address leaves out the id its ``peer`` field says (most of a node lookup's
+    bytes); a relay's circuit says it whole (the relay's and the peer's); the contact read back is the
+    one sent, every kind. Random ids, hosts, ports and relays (seeded)."""
+    import random
+
+    from p2ptrain.dht.protocol import ContactMsg
+    from p2ptrain.dht.routing import Contact
+
+    rng = random.Random(4)
+    hosts = [("ip4", "198.18.0.9"), ("ip6", "2001:db8::7"), ("dns", "node.example.org"), ("dns4", "a.b")]
+    for _ in range(200):
+        me, relay = (Identity.from_seed(rng.randbytes(32)).peer_id for _ in range(2))
+        kind, host = rng.choice(hosts)
+        addr = PeerAddress(kind, host, rng.randrange(1, 65536), me)
+        if rng.random() < 0.3:
+            addr = PeerAddress(kind, host, addr.port, relay).circuit_to(me)
+        msg = ContactMsg.of(Contact(me, addr))
+        assert msg.to_contact() == Contact(me, addr)
+        assert (str(me) in msg.addr) == (str(relay) in msg.addr) == (addr.relay is not None)
