@@ -237,9 +237,9 @@ class ProgressBoard:
         """The bucket keys a read asks for. With one region, every key. A swarm split into regions: this
         peer's region's keys at its step and at the next (the records its views, quorums and groups
         count), the keys of its join peers' buckets (a newcomer's trusted peers: their records say
-        which step to be on), and ``SAMPLED`` others, a window over its own order of them that moves on by
-        one a record's life (``buckets.SampledBuckets``: the swarm's rate, which its region's share of the
-        target follows, ``_view``): at most ``2^(span+1) + joins + SAMPLED`` keys of about ``N /
+        which step to be on), and ``SAMPLED`` others drawn at each read from a pool that moves on by one
+        bucket a record's life (``buckets.SampledBuckets``: the swarm's rate, which its region's share of
+        the target follows, ``_view``): at most ``2^(span+1) + joins + SAMPLED`` keys of about ``N /
         buckets`` records each, whatever the swarm's size, instead of all of them.
         Its partners' buckets are not read: after a turn of regions its partners are in its own bucket
         and each bucket one dimension away, ``bits + 1`` more keys (every key but one of 8)."""
