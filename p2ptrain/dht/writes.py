@@ -152,11 +152,7 @@ class Writer:
     async def find_replicas(self, kid: bytes) -> list[Contact]:
         """The peers to store a key on: remembered, else from the swarm's last exhaustive lookup, else
         looked up (then remembered: reads of the key ask them directly, see ``Reader.get``)."""
-        now = self._clock()
-        targets = self._replicas.cached(kid, now)
-        if targets is None:
-            targets = self._replicas.found(kid, await self._reader.find_node(kid), now)
-        return targets
+        return await self._reader.replicas_of(kid)
 
     def _among_closest(self, kid: bytes, targets: list[Contact]) -> bool:
         if len(targets) < self._config.replication:

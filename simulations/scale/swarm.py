@@ -222,6 +222,8 @@ def counting_value_replies(sim: Simulation) -> Iterator[None]:
 
     async def find_node(self: Reader, target: bytes) -> list[Contact]:
         caller = sys._getframe(1).f_code.co_name  # (the awaiting function)
+        if caller == "replicas_of":  # (one lookup for every read and store that waits on it)
+            caller = sys._getframe(2).f_code.co_name
         looked = (PEER_NAME.get(), target)
         if sim.counting:
             cause = LOOKUP_CAUSES.get(caller, caller)

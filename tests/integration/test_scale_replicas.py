@@ -7,10 +7,14 @@ bytes.)"""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import trio
 
 from p2ptrain.dht import DHTConfig, key_id
 from p2ptrain.dht.replicas import NEWCOMERS_CHECK
+from p2ptrain.net.memory import LinkProfile
 from tests.harness.dht import open_swarm
 from tests.harness.identities import identity
 
@@ -154,3 +158,47 @@ async def test_the_first_read_of_a_key_others_write_asks_its_replicas_not_a_look
             assert value_lookups.count(kid) == 0, len(value_lookups)
             empty = await readers[0].dht.get(b"scale/nobody", quorum=1, written=True)
             assert empty == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_reads_and_stores_of_a_key_at_once_look_it_up_once(autojump_clock: object, seed: int) -> None:
+    """However many stores and reads of one key a node starts before its replicas are known, and in
+    whatever order, it looks the key up once; a store or read cancelled while its lookup runs leaves
+    the others waiting on it to look the key up themselves, and they all finish (one lookup a
+    cancelled leader, at most). Before, each started its own lookup: a peer's publish and read of its
+    own bucket's key, started together, were two. Keys, mixes, starts and cancellations drawn."""
+    rng = random.Random(seed)
+    with trio.fail_after(600):
+        async with open_swarm(CONFIG) as swarm:
+            for i in range(10):
+                await swarm.start(f"s{i}", [swarm.nodes[0].address] if swarm.nodes else [])
+            writer = swarm.nodes[-1]
+            for i in range(3):  # (others wrote the keys: reads find entries)
+                await swarm.nodes[i].dht.store(b"scale/at-once/%d" % i, b"there", ttl=600.0)
+            swarm.net.default = LinkProfile(latency=0.01)  # (a lookup takes tens of ms: starts overlap it)
+            lookups = count_lookups(writer.dht)
+            done: list[bytes] = []
+            cancelled: dict[bytes, int] = {}
+
+            async def one(key: bytes, cancel: bool) -> None:
+                await trio.sleep(rng.choice([0.0, 0.0, 0.01, 0.03]))
+                with trio.CancelScope() as scope:
+                    if cancel:
+                        scope.deadline = trio.current_time() + rng.uniform(0.0, 0.05)
+                    if rng.random() < 0.5:
+                        await writer.dht.store(key, b"mine %d" % rng.randrange(99), ttl=600.0)
+                    else:
+                        await writer.dht.get(key, quorum=1, written=True)
+                    done.append(key)
+                if scope.cancelled_caught:
+                    cancelled[key] = cancelled.get(key, 0) + 1
+
+            keys = [b"scale/at-once/%d" % i for i in range(rng.randrange(1, 4))]
+            ops = rng.randrange(4, 12)
+            async with trio.open_nursery() as nursery:
+                for _ in range(ops):
+                    nursery.start_soon(one, rng.choice(keys), rng.random() < 0.3)
+            for key in keys:
+                started = lookups.count(key_id(key))
+                assert 1 <= started <= 1 + cancelled.get(key, 0), (key, started, cancelled)
+            assert len(done) + sum(cancelled.values()) == ops  # (every one not cancelled finished)
