@@ -570,3 +570,42 @@ async def test_a_peer_reads_one_new_sampled_key_a_record_life(autojump_clock: ob
             met = set().union(*(keys for _, keys in reads[i : j + 1]))
             assert len(met) <= POOL + math.ceil((reads[j][0] - reads[i][0]) / ttl), (i, j, len(met))
         assert every == set(board.keys)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_only_a_newcomer_follows_its_join_peers_buckets(autojump_clock: object, seed: int) -> None:
+    """A split swarm's peer follows (pulls, and reads at every read) its join peers' buckets only while
+    it has no partners: followed for good, a swarm's well-known join address made its bucket's key
+    one that every peer read at every read (O(N) readers, the busiest node of every simulated run).
+    With partners, it follows its region's buckets at its step and the next, whatever its join peers.
+    Steps drawn; its join peer's bucket kept out of its regions' where the draw allows."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=64, regions=16)
+    async with swarm(config) as s:
+        await s.start(train=False)  # (its join peer)
+        me = await s.start(train=False)
+        board = me.opt.board
+        joins = {bucket_of(p.digest, board.bits) for p in me.node.join_peers}
+        assert joins
+        pulled: list[bytes] = []
+
+        async def pull(key: bytes, via: object) -> int:
+            pulled.append(key)
+            return 0
+
+        me.node.dht.pull = pull  # type: ignore[method-assign]
+        apart = 0
+        for partners in (False, True):
+            if partners:
+                me.node.averager.remember_partners([Identity.generate().peer_id])
+                assert me.node.averager.partners
+            for _ in range(20):
+                me.opt.tally.epoch = epoch = rng.randrange(64)
+                region = set(region_buckets(board.bucket, board.bits, epoch, board.regions.span))
+                region |= set(region_buckets(board.bucket, board.bits, epoch + 1, board.regions.span))
+                pulled.clear()
+                await board._pull([me.node.addresses[0]])
+                expected = region if partners else region | joins
+                assert sorted(pulled) == sorted(board.keys[b] for b in expected), (partners, epoch)
+                apart += partners and not joins <= region
+        assert apart  # (some steps' regions left the join peer's bucket out: it was not followed)
