@@ -36,7 +36,7 @@ class ContactMsg(Message, positional=True):
     @classmethod
     def of(cls, contact: Contact) -> ContactMsg:
         """The address says the contact's id only where it is another's (a relay's circuit): ``peer``
-        says it already, and the id as text was 45 of a contact's 110 bytes, in every node lookup's
+        says it already, and the id as text was 45 of a contact's 107 bytes, in every node lookup's
         replies (``to_contact`` puts it back)."""
         a = contact.address
         return cls(contact.peer_id.digest, a.plain if a.peer_id == contact.peer_id else str(a))

@@ -137,11 +137,10 @@ class Reader:
     async def replicas_of(self, kid: bytes) -> list[Contact]:
         """The peers that hold ``kid``: remembered (``Replicas.cached``), else found by one node lookup
         however many reads and stores of the key ask at once (then remembered). Each looked the key up
-        itself before: a peer's publish and read of its own bucket's key, or a read and a pull of a
-        region's, started together, were two lookups of one key (``k`` queries of ``k`` contacts each),
-        the second counted as a lookup after forgotten replicas (0.5 to 1 a peer a step at 256
-        simulated peers, where forgettings were 0.1). A caller whose lookup was cancelled leaves those
-        waiting on it to look the key up themselves."""
+        itself before, so a read and a store started together (a board publishes beside its reads,
+        matchmaking reads beside both) were two lookups of one key, ``k`` queries of ``k`` contacts
+        each. A caller whose lookup was cancelled leaves those waiting on it to look the key up
+        themselves."""
         while True:
             now = self._clock()
             replicas = self._replicas.cached(kid, now)

@@ -135,7 +135,7 @@ class ProgressBoard:
         # records of its region at that step alone (``region_records``)
         self.regions = Regions.of(config.progress.buckets, config.progress.regions)
         self.bucket = bucket_of(node.peer_id.digest, self.bits)
-        # the buckets of the read in progress (``reading``), and the window of the sampled ones
+        # the buckets of the read in progress (``reading``), and the pool of the sampled ones
         self._read_buckets = len(self.keys)
         self._sampled = SampledBuckets(random.Random(node.peer_id.digest), period=config.progress.ttl)
         # a split swarm: the swarm's samples per second, smoothed over reads (``note_read``)
