@@ -259,8 +259,8 @@ class ProgressBoard:
 
     def _followed(self) -> set[int]:
         """The buckets whose records a split swarm's peer follows between reads of the replicas: its
-        region's at its step and at the next, and while it is a newcomer (it has no partners yet: its
-        join peers are all it trusts), its join peers' (see ``reading``).
+        region's at its step and at the next, and while it is a newcomer (not ``anchored``: its join
+        peers are all it trusts), its join peers' (see ``reading``).
 
         Followed for good, a join peer's bucket was read at every read by every peer that joined
         through it, and a swarm's well-known address is most joiners' join peer: its bucket's key had
@@ -271,7 +271,7 @@ class ProgressBoard:
         # (its partners of other regions offer it their new records: see ``_offer_to``; counted a step
         # less there, they say little its region's records do not: see ``_view``)
         followed = self._regions_now_and_next()
-        if not self.node.averager.partners:
+        if not self.anchored:
             followed |= {bucket_of(p.digest, self.bits) for p in self.node.join_peers}
         return followed
 
