@@ -22,7 +22,7 @@ import torch
 import trio
 
 from p2ptrain.averaging import AveragerConfig
-from p2ptrain.averaging.matchmaking import LINGER, QUIET, ticket
+from p2ptrain.averaging.matchmaking import LINGER, QUIET, Quorum, ticket
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.net import MemoryNetwork
@@ -106,3 +106,78 @@ async def test_a_group_nobody_joins_any_more_forms_at_its_deadline(seed: int, au
     assert len(digests) == 1
     (manifest,) = {m for m in early if m is not None}
     assert len(manifest.manifest.members) == PEERS - LATE_PEERS  # the late ones were not waited for
+
+
+# ---- a group short of its quorum at its deadline: it gathers the whole linger ----
+
+COUNTED = 5  # the leader's quorum: every one of these (itself included), as a leader whose trusted peers on
+# the step are fewer than the step's majority is held to all of them (``training``'s ``step_quorum``)
+
+
+async def short_at_deadline(seed: int, comes: bool) -> tuple[list[SignedManifest | None], float, float]:
+    """``PEERS`` peers look for one group with one deadline ``D``. The leader (smallest ticket) counts
+    ``COUNTED`` of them and needs them all; the others are strangers to it. Every peer but one counted
+    peer begins well before ``D`` (the last counted joiner more than ``QUIET`` before it); that one
+    begins a random moment after ``D`` (``comes``), or never. Returns what each found, ``D`` and when
+    the leader's look ended."""
+    rng = random.Random(seed)
+    found: list[SignedManifest | None] = [None] * PEERS
+    ended = [float("inf")] * PEERS
+    async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
+        leader = min(range(PEERS), key=lambda i: ticket(KEY, nodes[i].peer_id))
+        others = [i for i in range(PEERS) if i != leader]
+        rng.shuffle(others)
+        counted = [leader, *others[: COUNTED - 1]]
+        late = counted[-1]
+        quorum = Quorum(frozenset(nodes[i].peer_id for i in counted), COUNTED)
+        target = trio.current_time() + 2 * WINDOW
+        deadline = target + WINDOW
+        starts = [rng.uniform(target - 0.8 * WINDOW, deadline - QUIET - 1.0) for _ in range(PEERS)]
+        starts[leader] = target - 0.8 * WINDOW
+        starts[late] = deadline + rng.uniform(0.05, 1.0)
+
+        async def one(i: int) -> None:
+            await trio.sleep_until(starts[i])
+            try:
+                found[i] = await nodes[i].averager.form_group(
+                    [torch.zeros(8)],
+                    group_key=KEY,
+                    opens=target,
+                    # (never full: it forms when it holds its quorum, as a region's group of a step does)
+                    **({"quorum": quorum, "target_size": 2 * PEERS} if i == leader else {}),
+                )
+            except GroupFormationFailed:
+                pass
+            finally:
+                ended[i] = trio.current_time()
+
+        with trio.fail_after(10 * WINDOW):
+            async with trio.open_nursery() as group:
+                for i in range(PEERS):
+                    if i != late or comes:
+                        group.start_soon(one, i)
+    return found, deadline, ended[leader]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_group_short_of_its_quorum_waits_the_linger_for_a_counted_peer(
+    seed: int, autojump_clock: object
+) -> None:
+    """The one counted peer missing at the deadline asks within the linger: the group waits for it and
+    forms with every peer (on the code before, it closed at its deadline one peer short and failed)."""
+    found, deadline, ended = await short_at_deadline(seed, comes=True)
+    assert all(m is not None for m in found), found
+    assert len({m.digest for m in found if m is not None}) == 1
+    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert ended <= deadline + LINGER + 0.5  # (never held past its linger)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_group_whose_quorum_never_comes_fails_at_the_end_of_its_linger(
+    seed: int, autojump_clock: object
+) -> None:
+    """The missing counted peer never looks: no group forms without it, and the leader gives up by the
+    end of its linger, not later."""
+    found, deadline, ended = await short_at_deadline(seed, comes=False)
+    assert all(m is None for m in found), found
+    assert deadline + LINGER - 0.1 <= ended <= deadline + LINGER + 0.5
