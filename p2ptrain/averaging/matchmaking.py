@@ -111,16 +111,16 @@ declares a deadline just past lead every peer of the step whatever its ticket. (
 smallest ticket of the step's announcers that may lead, so at 128 peers about one late peer in a hundred
 is such a one.) The invariant: **a leader never closes a group that is not full while the peers it
 counts are still joining, and closes it at most ``LINGER`` late.** Only counted joiners keep it open,
-so free ids cannot hold a group; a full group forms at once, as before. A group still short of its
-quorum at its deadline gathers for the whole ``LINGER``, since closing then could only fail it: at 128
-simulated peers, at a swarm's second step (each peer trusting about 11 of its region's 34 peers, so a
-leader's quorum was every one of them), a region's group of 32 failed at its deadline for want of one
-trusted peer, whose look began 0.5 s before that deadline and asked 1.4 s after it; the region's 34
-peers then took no step for 30 s, each failed leader's followers suspecting it and scattering to the
-next. A leader that finds a smaller one to follow redirects its joiners there only until
-``grouping.LATE`` before its deadline where its own group may form (:meth:`Gathering.quorate`): later,
-they would have been held to its deadline and then sent elsewhere (and suspected it for that), so it
-forms instead.
+so free ids cannot hold a group; a full group forms at once, as before. A group held to a quorum
+that it cannot form with at its deadline gathers for the whole ``LINGER``, since closing then could
+only fail it: at 128 simulated peers, at a swarm's second step (each peer trusting about 11 of its
+region's 34 peers, so a leader's quorum was every one of them), a region's group of 32 failed at its
+deadline for want of one trusted peer, whose look began 0.5 s before that deadline and asked 1.4 s
+after it; the region's 34 peers then took no step for 30 s, each failed leader's followers suspecting
+it and scattering to the next. A leader that finds a smaller one to follow redirects its joiners
+there only until ``grouping.LATE`` before its deadline where its own group may form
+(:meth:`Gathering.quorate`): later, they would have been held to its deadline and then sent elsewhere
+(and suspected it for that), so it forms instead.
 
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
 and sizes its majority by its own records), and members drop out between formation and the round (a
@@ -522,10 +522,12 @@ class Gathering:
         """When a group that is not full stops gathering (it forms if it may, else fails): at
         ``deadline``, or, while the peers the quorum counts still join, when none joined for ``QUIET``
         seconds, and at most ``LINGER`` past it (see "The group's closing" in the module docstring).
-        A group short of its quorum gathers until ``LINGER`` past its deadline: closed sooner it could
-        only fail. Only counted joiners make it form, and nothing holds a group past ``LINGER``, so ids
-        the leader does not count (free ones included) cannot hold a group longer."""
-        if not self.quorate():
+        A group held to a quorum that could not form now (short of its quorum or of its minimum size)
+        gathers until ``LINGER`` past its deadline: closed sooner it could only fail. Only counted
+        joiners make it form, and nothing holds a group past ``LINGER``, so ids the leader does not
+        count (free ones included) cannot hold a group longer. (A group held to no quorum, the plain
+        averager's, closes as before.)"""
+        if self.quorum is not None and not self.quorate():
             return deadline + LINGER
         return min(deadline + LINGER, max(deadline, self.last_counted + QUIET))
 

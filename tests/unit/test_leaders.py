@@ -467,6 +467,33 @@ def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(join
             assert closes >= min(at + QUIET, deadline + LINGER)
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(st.booleans(), st.floats(-20.0, 20.0, allow_nan=False)), max_size=12),
+    st.integers(1, 14),
+    st.floats(-10.0, 10.0, allow_nan=False),
+)
+def test_a_group_short_of_its_quorum_closes_at_the_end_of_its_linger(joins, need, deadline):
+    """A group held to a quorum it does not hold gathers until ``LINGER`` past its deadline, whenever its
+    counted joiners came (closed sooner, it could only fail); once it holds its quorum, it closes as
+    before; a group held to no quorum closes as before."""
+    counted = frozenset(pid(100 + i) for i, (c, _) in enumerate(joins) if c)
+    g = Gathering(
+        Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1, quorum=Quorum(counted | {pid(1)}, need)
+    )
+    plain = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1)
+    for i, (_, at) in enumerate(joins):
+        assert g.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
+        assert plain.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
+    latest = max((at for _, at in joins), default=-math.inf)
+    if 1 + len(counted) < need:
+        assert g.closes_at(deadline) == deadline + LINGER
+    else:
+        last = max((at for c, at in joins if c), default=-math.inf)
+        assert g.closes_at(deadline) == min(deadline + LINGER, max(deadline, last + QUIET))
+    assert plain.closes_at(deadline) == min(deadline + LINGER, max(deadline, latest + QUIET))
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     counted=st.integers(2, 12),
