@@ -480,6 +480,7 @@ class Gathering:
     formed: bool = False
     away: frozenset[PeerID] = frozenset()  # peers counted in the target that never join (``cannot_join``)
     last_counted: float = -math.inf  # when a joiner the quorum counts last joined (``closes_at``)
+    joined_at: dict[PeerID, float] = field(default_factory=dict)  # when each joiner joined (``holds_most``)
 
     def offer(self, joiner: Joiner, schema: bytes, now: float = -math.inf) -> str | None:
         """Admit ``joiner`` (asking at ``now``), or return why not."""
@@ -514,6 +515,7 @@ class Gathering:
             )
         self.bumped.pop(joiner.peer, None)
         self.joiners.append(joiner)
+        self.joined_at[joiner.peer] = now
         if self.quorum is None or self._counts(joiner):
             self.last_counted = max(self.last_counted, now)
         return None
@@ -522,14 +524,23 @@ class Gathering:
         """When a group that is not full stops gathering (it forms if it may, else fails): at
         ``deadline``, or, while the peers the quorum counts still join, when none joined for ``QUIET``
         seconds, and at most ``LINGER`` past it (see "The group's closing" in the module docstring).
-        A group held to a quorum that could not form now (short of its quorum or of its minimum size)
-        gathers until ``LINGER`` past its deadline: closed sooner it could only fail. Only counted
-        joiners make it form, and nothing holds a group past ``LINGER``, so ids the leader does not
-        count (free ones included) cannot hold a group longer. (A group held to no quorum, the plain
-        averager's, closes as before.)"""
-        if self.quorum is not None and not self.quorate():
+        A group held to a quorum that could not form now (short of its quorum or of its minimum size),
+        or that held no majority of its places at its deadline (:meth:`holds_most`), gathers until
+        ``LINGER`` past its deadline: closed sooner it could only fail, or split its step's peers.
+        Nothing holds a group past ``LINGER``, so ids the leader does not count (free ones included),
+        joining or publishing records that size its places, cannot hold a group longer. (A group held
+        to no quorum, the plain averager's, closes as before.)"""
+        if self.quorum is not None and not (self.quorate() and self.holds_most(deadline)):
             return deadline + LINGER
         return min(deadline + LINGER, max(deadline, self.last_counted + QUIET))
+
+    def holds_most(self, by: float = math.inf) -> bool:
+        """Whether the group held a majority of the places it gathers for (the peers its leader sees on
+        the step, less those that never join) with the members that joined ``by`` then: short of that at
+        its deadline, most of them are still on their way, and a group formed without them leaves them
+        to form a second group of the step (see "The group's closing")."""
+        early = sum(self.joined_at.get(j.peer, -math.inf) <= by for j in self.joiners)
+        return 2 * (1 + early) > self.places()
 
     def _places(self) -> dict[str, int]:
         places: dict[str, int] = {self.leader.origin: 1}

@@ -181,3 +181,90 @@ async def test_a_group_whose_quorum_never_comes_fails_at_the_end_of_its_linger(
     found, deadline, ended = await short_at_deadline(seed, comes=False)
     assert all(m is None for m in found), found
     assert deadline + LINGER - 0.1 <= ended <= deadline + LINGER + 0.5
+
+
+# ---- a group holding no majority of its step's peers at its deadline: it gathers the whole linger ----
+
+EARLY = 3  # peers (the leader among them) whose looks began before the deadline; fewer than half of PEERS
+
+
+async def most_after_deadline(seed: int, late: int) -> tuple[list[SignedManifest | None], float, float]:
+    """``PEERS`` peers of one step's region look for one group with one deadline ``D``; the leader
+    (smallest ticket) needs only itself (a swarm's first step: every peer a newcomer that trusts none
+    of its region) and gathers for all ``PEERS``. ``EARLY`` of them begin well before ``D``; ``late``
+    of the others begin at random moments after it, the gaps between them up to twice ``QUIET`` (they
+    read the records for seconds, and their views of the target differ), the last ``LATE_MARGIN``
+    before the end of the leader's linger. Returns what each found, ``D`` and when the leader's look
+    ended."""
+    rng = random.Random(seed)
+    found: list[SignedManifest | None] = [None] * PEERS
+    ended = [float("inf")] * PEERS
+    async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
+        leader = min(range(PEERS), key=lambda i: ticket(KEY, nodes[i].peer_id))
+        others = [i for i in range(PEERS) if i != leader]
+        rng.shuffle(others)
+        early, after = [leader, *others[: EARLY - 1]], others[EARLY - 1 : EARLY - 1 + late]
+        target = trio.current_time() + 2 * WINDOW
+        deadline = target + WINDOW
+        starts = {i: rng.uniform(target - 0.8 * WINDOW, deadline - QUIET - 1.0) for i in early}
+        starts[leader] = target - 0.8 * WINDOW
+        t = deadline
+        for i in after:
+            t += rng.uniform(0.1, 2 * QUIET)
+            starts[i] = t
+        if after:  # (stretched to end within the linger, as the gaps drew them)
+            first, last = deadline, max(starts[i] for i in after)
+            room = LINGER - LATE_MARGIN
+            for i in after:
+                starts[i] = first + (starts[i] - first) * min(1.0, room / (last - first))
+
+        async def one(i: int) -> None:
+            await trio.sleep_until(starts[i])
+            try:
+                found[i] = await nodes[i].averager.form_group(
+                    [torch.zeros(8)],
+                    group_key=KEY,
+                    opens=target,
+                    **({"quorum": Quorum(frozenset({nodes[i].peer_id}), 1)} if i == leader else {}),
+                )
+            except GroupFormationFailed:
+                pass
+            finally:
+                ended[i] = trio.current_time()
+
+        with trio.fail_after(10 * WINDOW):
+            async with trio.open_nursery() as group:
+                for i in starts:
+                    group.start_soon(one, i)
+    return found, deadline, ended[leader]
+
+
+LATE_MARGIN = 0.6  # seconds before the end of the linger the last late look begins (its ask takes a moment)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_group_without_most_of_its_peers_at_its_deadline_waits_the_linger_for_them(
+    seed: int, autojump_clock: object
+) -> None:
+    """Most of the step's peers begin to look after the deadline, some more than ``QUIET`` apart: the
+    leader holds its group open to the end of its linger, and every peer is in that one group (on the
+    code before, it formed with the early three at its deadline and the late ones formed a second
+    group of the step, or none)."""
+    found, deadline, ended = await most_after_deadline(seed, late=PEERS - EARLY)
+    assert all(m is not None for m in found), found
+    assert len({m.digest for m in found if m is not None}) == 1
+    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert ended <= deadline + LINGER + 0.5  # (never held past its linger)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_group_whose_peers_never_come_forms_at_the_end_of_its_linger(
+    seed: int, autojump_clock: object
+) -> None:
+    """Nobody comes after the deadline: the early peers' group forms at the end of the linger, no
+    later (it holds its quorum: it waits only for the peers its leader sees on the step)."""
+    found, deadline, ended = await most_after_deadline(seed, late=0)
+    formed = [m for m in found if m is not None]
+    assert len(formed) == EARLY and len({m.digest for m in formed}) == 1
+    assert len(formed[0].manifest.members) == EARLY
+    assert deadline + LINGER - 0.1 <= ended <= deadline + LINGER + 0.5

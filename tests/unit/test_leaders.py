@@ -449,21 +449,31 @@ def test_honest_leaders_of_one_lan_suspected_in_a_burst_are_followed_again_withi
         max_size=24,
     ),
     st.floats(-10.0, 10.0, allow_nan=False),
+    st.integers(1, 64),
 )
-def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(joins, deadline):
+def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(joins, deadline, target):
     counted = frozenset(pid(100 + i) for i, (c, _) in enumerate(joins) if c)
     quorum = Quorum(counted | {pid(1)}, 1)
-    g = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1, quorum=quorum)
-    strangers_only = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1, quorum=quorum)
+
+    def gathering() -> Gathering:
+        return Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=target, min_size=1, quorum=quorum)
+
+    g, strangers_only, alone = gathering(), gathering(), gathering()
     for i, (c, at) in enumerate(joins):
-        assert g.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
-        if not c:  # the same ids that are not counted, alone: they never move the closing
-            assert strangers_only.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
+        assert g.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) in (None, "the group is full")
+        if not c:  # the same ids that are not counted, alone: they never hold the group open longer
+            why = strangers_only.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at)
+            assert why in (None, "the group is full")
     closes = g.closes_at(deadline)
     assert deadline <= closes <= deadline + LINGER
-    assert strangers_only.closes_at(deadline) == deadline
-    for c, at in joins:
-        if c:  # a counted peer that joined keeps the group open QUIET past it (within LINGER)
+    # strangers close it at its deadline, or at the end of its linger where it holds no majority of the
+    # places its leader gathers for; joining, they never close it later than it closes without them
+    held = strangers_only.holds_most(deadline)
+    assert strangers_only.closes_at(deadline) == (deadline if held else deadline + LINGER)
+    assert strangers_only.closes_at(deadline) <= alone.closes_at(deadline)
+    members = {j.peer for j in g.joiners}
+    for i, (c, at) in enumerate(joins):
+        if c and pid(100 + i) in members:  # a counted joiner keeps it open QUIET past it (within LINGER)
             assert closes >= min(at + QUIET, deadline + LINGER)
 
 
@@ -472,21 +482,23 @@ def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(join
     st.lists(st.tuples(st.booleans(), st.floats(-20.0, 20.0, allow_nan=False)), max_size=12),
     st.integers(1, 14),
     st.floats(-10.0, 10.0, allow_nan=False),
+    st.integers(1, 30),
 )
-def test_a_group_short_of_its_quorum_closes_at_the_end_of_its_linger(joins, need, deadline):
-    """A group held to a quorum it does not hold gathers until ``LINGER`` past its deadline, whenever its
-    counted joiners came (closed sooner, it could only fail); once it holds its quorum, it closes as
-    before; a group held to no quorum closes as before."""
+def test_a_group_short_of_its_quorum_closes_at_the_end_of_its_linger(joins, need, deadline, target):
+    """A group held to a quorum it does not hold, or that held no majority of the places it gathers for
+    (the peers its leader sees on the step) at its deadline, gathers until ``LINGER`` past it, whenever
+    its joiners came (closed sooner, it could only fail, or leave most of the step's peers to a second
+    group); otherwise it closes as before; a group held to no quorum closes as before."""
+    joins = joins[: target - 1]  # (not full: a full group forms at once)
     counted = frozenset(pid(100 + i) for i, (c, _) in enumerate(joins) if c)
-    g = Gathering(
-        Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1, quorum=Quorum(counted | {pid(1)}, need)
-    )
-    plain = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=64, min_size=1)
+    quorum = Quorum(counted | {pid(1)}, need)
+    g = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=target, min_size=1, quorum=quorum)
+    plain = Gathering(Joiner(pid(1), "a", 1.0), b"s", target_size=target, min_size=1)
     for i, (_, at) in enumerate(joins):
         assert g.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
         assert plain.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
     latest = max((at for _, at in joins), default=-math.inf)
-    if 1 + len(counted) < need:
+    if 1 + len(counted) < need or 2 * (1 + sum(at <= deadline for _, at in joins)) <= target:
         assert g.closes_at(deadline) == deadline + LINGER
     else:
         last = max((at for c, at in joins if c), default=-math.inf)
