@@ -110,15 +110,23 @@ leads (alone, as before), since letting anyone follow a leader past its deadline
 declares a deadline just past lead every peer of the step whatever its ticket. (The leader holds the
 smallest ticket of the step's announcers that may lead, so at 128 peers about one late peer in a hundred
 is such a one.) The invariant: **a leader never closes a group that is not full while the peers it
-counts are still joining, and closes it at most ``LINGER`` late.** Only counted joiners keep it open,
-so free ids cannot hold a group; a full group forms at once, as before. A group held to a quorum
+counts are still joining, and closes it at most ``LINGER`` late.** Nothing holds a group past that:
+what free ids can do (join, or publish records that swell the places a leader gathers for) costs a
+step at most ``LINGER``; a full group forms at once, as before. A group held to a quorum
 that it cannot form with at its deadline gathers for the whole ``LINGER``, since closing then could
 only fail it: at 128 simulated peers, at a swarm's second step (each peer trusting about 11 of its
 region's 34 peers, so a leader's quorum was every one of them), a region's group of 32 failed at its
 deadline for want of one trusted peer, whose look began 0.5 s before that deadline and asked 1.4 s
 after it; the region's 34 peers then took no step for 30 s, each failed leader's followers suspecting
-it and scattering to the next. A leader that finds a smaller one to follow redirects its joiners
-there only until ``grouping.LATE`` before its deadline where its own group may form
+it and scattering to the next. So does a group that held no majority of its places (the peers its
+leader sees on the step) at its deadline (:meth:`Gathering.holds_most`): most of the step's peers
+are still on their way, and formed without them it leaves them to a second group of the step, which
+the newcomers bound to one trusted peer in the first decline. At a swarm's first step (128 simulated
+peers), a region's peers began to look over 5 s, its leader formed at its deadline with 10 of the 25
+it saw, two more groups of the step formed after it, and 15 of the step's 24 left-out declined a
+group for want of their one trusted peer, which was in another (its look began 1.5 s after the
+deadline). A leader that finds a smaller one to follow redirects its joiners there only until
+``grouping.LATE`` before its deadline where its own group may form
 (:meth:`Gathering.quorate`): later, they would have been held to its deadline and then sent elsewhere
 (and suspected it for that), so it forms instead.
 
