@@ -124,9 +124,9 @@ are still on their way, and formed without them it leaves them to a second group
 the newcomers bound to one trusted peer in the first decline. At a swarm's first step (128 simulated
 peers), a region's peers began to look over 5 s, its leader formed at its deadline with 10 of the 25
 it saw, two more groups of the step formed after it, and 15 of the step's 24 left-out declined a
-group for want of their one trusted peer, which was in another (its look began 1.5 s after the
-deadline). A leader that finds a smaller one to follow redirects its joiners there only until
-``grouping.LATE`` before its deadline where its own group may form
+group for want of their one trusted peer, which was in another (it asked 2 s after the deadline,
+its read of the records slow). A leader that finds a smaller one to follow redirects its joiners
+there only until ``grouping.LATE`` before its deadline where its own group may form
 (:meth:`Gathering.quorate`): later, they would have been held to its deadline and then sent elsewhere
 (and suspected it for that), so it forms instead.
 
