@@ -108,6 +108,33 @@ async def test_a_group_nobody_joins_any_more_forms_at_its_deadline(seed: int, au
     assert len(manifest.manifest.members) == PEERS - LATE_PEERS  # the late ones were not waited for
 
 
+async def look_at(
+    nodes: list, starts: dict[int, float], target: float, lead: dict[int, dict[str, object]]
+) -> tuple[list[SignedManifest | None], list[float]]:
+    """Each peer ``i`` of ``starts`` begins a look for the group at ``starts[i]``, its window opening at
+    ``target`` (``lead[i]``: what else its look takes, the leader's quorum). Returns what each found
+    and when each look ended."""
+    found: list[SignedManifest | None] = [None] * len(nodes)
+    ended = [float("inf")] * len(nodes)
+
+    async def one(i: int) -> None:
+        await trio.sleep_until(starts[i])
+        try:
+            found[i] = await nodes[i].averager.form_group(
+                [torch.zeros(8)], group_key=KEY, opens=target, **lead.get(i, {})
+            )
+        except GroupFormationFailed:
+            pass
+        finally:
+            ended[i] = trio.current_time()
+
+    with trio.fail_after(10 * WINDOW):
+        async with trio.open_nursery() as group:
+            for i in starts:
+                group.start_soon(one, i)
+    return found, ended
+
+
 # ---- a group short of its quorum at its deadline: it gathers the whole linger ----
 
 COUNTED = 5  # the leader's quorum: every one of these (itself included), as a leader whose trusted peers on
@@ -121,8 +148,6 @@ async def short_at_deadline(seed: int, comes: bool) -> tuple[list[SignedManifest
     begins a random moment after ``D`` (``comes``), or never. Returns what each found, ``D`` and when
     the leader's look ended."""
     rng = random.Random(seed)
-    found: list[SignedManifest | None] = [None] * PEERS
-    ended = [float("inf")] * PEERS
     async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
         leader = min(range(PEERS), key=lambda i: ticket(KEY, nodes[i].peer_id))
         others = [i for i in range(PEERS) if i != leader]
@@ -132,30 +157,15 @@ async def short_at_deadline(seed: int, comes: bool) -> tuple[list[SignedManifest
         quorum = Quorum(frozenset(nodes[i].peer_id for i in counted), COUNTED)
         target = trio.current_time() + 2 * WINDOW
         deadline = target + WINDOW
-        starts = [rng.uniform(target - 0.8 * WINDOW, deadline - QUIET - 1.0) for _ in range(PEERS)]
+        starts = {i: rng.uniform(target - 0.8 * WINDOW, deadline - QUIET - 1.0) for i in range(PEERS)}
         starts[leader] = target - 0.8 * WINDOW
         starts[late] = deadline + rng.uniform(0.05, 1.0)
-
-        async def one(i: int) -> None:
-            await trio.sleep_until(starts[i])
-            try:
-                found[i] = await nodes[i].averager.form_group(
-                    [torch.zeros(8)],
-                    group_key=KEY,
-                    opens=target,
-                    # (never full: it forms when it holds its quorum, as a region's group of a step does)
-                    **({"quorum": quorum, "target_size": 2 * PEERS} if i == leader else {}),
-                )
-            except GroupFormationFailed:
-                pass
-            finally:
-                ended[i] = trio.current_time()
-
-        with trio.fail_after(10 * WINDOW):
-            async with trio.open_nursery() as group:
-                for i in range(PEERS):
-                    if i != late or comes:
-                        group.start_soon(one, i)
+        if not comes:
+            del starts[late]
+        # (never full: it forms when it holds its quorum, as a region's group of a step does)
+        found, ended = await look_at(
+            nodes, starts, target, {leader: {"quorum": quorum, "target_size": 2 * PEERS}}
+        )
     return found, deadline, ended[leader]
 
 
@@ -192,13 +202,10 @@ async def most_after_deadline(seed: int, late: int) -> tuple[list[SignedManifest
     """``PEERS`` peers of one step's region look for one group with one deadline ``D``; the leader
     (smallest ticket) needs only itself (a swarm's first step: every peer a newcomer that trusts none
     of its region) and gathers for all ``PEERS``. ``EARLY`` of them begin well before ``D``; ``late``
-    of the others begin at random moments after it, the gaps between them up to twice ``QUIET`` (they
-    read the records for seconds, and their views of the target differ), the last ``LATE_MARGIN``
-    before the end of the leader's linger. Returns what each found, ``D`` and when the leader's look
-    ended."""
+    of the others begin at random moments after it (they read the records for seconds, and their views
+    of the target differ), up to ``LATE_MARGIN`` before the end of the leader's linger. Returns what
+    each found, ``D`` and when the leader's look ended."""
     rng = random.Random(seed)
-    found: list[SignedManifest | None] = [None] * PEERS
-    ended = [float("inf")] * PEERS
     async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
         leader = min(range(PEERS), key=lambda i: ticket(KEY, nodes[i].peer_id))
         others = [i for i in range(PEERS) if i != leader]
@@ -208,34 +215,10 @@ async def most_after_deadline(seed: int, late: int) -> tuple[list[SignedManifest
         deadline = target + WINDOW
         starts = {i: rng.uniform(target - 0.8 * WINDOW, deadline - QUIET - 1.0) for i in early}
         starts[leader] = target - 0.8 * WINDOW
-        t = deadline
         for i in after:
-            t += rng.uniform(0.1, 2 * QUIET)
-            starts[i] = t
-        if after:  # (stretched to end within the linger, as the gaps drew them)
-            first, last = deadline, max(starts[i] for i in after)
-            room = LINGER - LATE_MARGIN
-            for i in after:
-                starts[i] = first + (starts[i] - first) * min(1.0, room / (last - first))
-
-        async def one(i: int) -> None:
-            await trio.sleep_until(starts[i])
-            try:
-                found[i] = await nodes[i].averager.form_group(
-                    [torch.zeros(8)],
-                    group_key=KEY,
-                    opens=target,
-                    **({"quorum": Quorum(frozenset({nodes[i].peer_id}), 1)} if i == leader else {}),
-                )
-            except GroupFormationFailed:
-                pass
-            finally:
-                ended[i] = trio.current_time()
-
-        with trio.fail_after(10 * WINDOW):
-            async with trio.open_nursery() as group:
-                for i in starts:
-                    group.start_soon(one, i)
+            starts[i] = deadline + rng.uniform(0.05, LINGER - LATE_MARGIN)
+        own = {"quorum": Quorum(frozenset({nodes[leader].peer_id}), 1)}
+        found, ended = await look_at(nodes, starts, target, {leader: own})
     return found, deadline, ended[leader]
 
 
@@ -246,7 +229,7 @@ LATE_MARGIN = 0.6  # seconds before the end of the linger the last late look beg
 async def test_a_group_without_most_of_its_peers_at_its_deadline_waits_the_linger_for_them(
     seed: int, autojump_clock: object
 ) -> None:
-    """Most of the step's peers begin to look after the deadline, some more than ``QUIET`` apart: the
+    """Most of the step's peers begin to look after the deadline, whenever within the linger: the
     leader holds its group open to the end of its linger, and every peer is in that one group (on the
     code before, it formed with the early three at its deadline and the late ones formed a second
     group of the step, or none)."""
