@@ -111,23 +111,27 @@ declares a deadline just past lead every peer of the step whatever its ticket. (
 smallest ticket of the step's announcers that may lead, so at 128 peers about one late peer in a hundred
 is such a one.) The invariant: **a leader never closes a group that is not full while the peers it
 counts are still joining, and closes it at most ``LINGER`` late.** Nothing holds a group past that:
-what free ids can do (join, or publish records that swell the places a leader gathers for) costs a
-step at most ``LINGER``; a full group forms at once, as before. A group held to a quorum
-that it cannot form with at its deadline gathers for the whole ``LINGER``, since closing then could
+what free ids can do (join, or publish records that swell the places a leader gathers for) costs at
+most ``LINGER``, and only a step led by a peer that counts nobody but itself (a swarm's first step,
+or a region of newcomers): a leader that counts any peer lingers only while counted peers join
+(lingering for its places too, it let records of free ids hold each of its groups 2.5 s: the 3.5 s
+steps of the suite's attack test took 6 s); a full group forms at once, as before. A group held to a
+quorum that it cannot form with at its deadline gathers for the whole ``LINGER``, since closing then could
 only fail it: at 128 simulated peers, at a swarm's second step (each peer trusting about 11 of its
 region's 34 peers, so a leader's quorum was every one of them), a region's group of 32 failed at its
 deadline for want of one trusted peer, whose look began 0.5 s before that deadline and asked 1.4 s
 after it; the region's 34 peers then took no step for 30 s, each failed leader's followers suspecting
-it and scattering to the next. So does a group that held no majority of its places (the peers its
-leader sees on the step) at its deadline (:meth:`Gathering.holds_most`): most of the step's peers
-are still on their way, and formed without them it leaves them to a second group of the step, which
-the newcomers bound to one trusted peer in the first decline. At a swarm's first step (128 simulated
-peers), a region's peers began to look over 5 s, its leader formed at its deadline with 10 of the 25
-it saw, two more groups of the step formed after it, and 15 of the step's 24 left-out declined a
-group for want of their one trusted peer, which was in another (it asked 2 s after the deadline,
-its read of the records slow). A leader that finds a smaller one to follow redirects its joiners
-there only until ``grouping.LATE`` before its deadline where its own group may form
-(:meth:`Gathering.quorate`): later, they would have been held to its deadline and then sent elsewhere
+it and scattering to the next. So does a group whose leader counts nobody but itself (a newcomer
+that trusts none of the step's peers: nothing tells it who is still coming) and that held no majority
+of its places (the peers its leader sees on the step) at its deadline (:meth:`Gathering.holds_most`):
+most of the step's peers are still on their way, and formed without them it leaves them to a second
+group of the step, which the newcomers bound to one trusted peer in the first decline. At a swarm's
+first step (128 simulated peers), a region's peers began to look over 5 s, its leader formed at its
+deadline with 10 of the 25 it saw, two more groups of the step formed after it, and 15 of the step's
+24 left-out declined a group for want of their one trusted peer, which was in another (it asked 2 s
+after the deadline, its read of the records slow). A leader that finds a smaller one to follow
+redirects its joiners there only until ``grouping.LATE`` before its deadline where its own group may
+form (:meth:`Gathering.quorate`): later, they would have been held to its deadline and then sent elsewhere
 (and suspected it for that), so it forms instead.
 
 One committed round, one decision. Members' quorums differ (each counts the peers it knows and trusts,
@@ -533,14 +537,24 @@ class Gathering:
         ``deadline``, or, while the peers the quorum counts still join, when none joined for ``QUIET``
         seconds, and at most ``LINGER`` past it (see "The group's closing" in the module docstring).
         A group held to a quorum that could not form now (short of its quorum or of its minimum size),
-        or that held no majority of its places at its deadline (:meth:`holds_most`), gathers until
-        ``LINGER`` past its deadline: closed sooner it could only fail, or split its step's peers.
-        Nothing holds a group past ``LINGER``, so ids the leader does not count (free ones included),
-        joining or publishing records that size its places, cannot hold a group longer. (A group held
-        to no quorum, the plain averager's, closes as before.)"""
-        if self.quorum is not None and not (self.quorate() and self.holds_most(deadline)):
+        or whose leader counts nobody but itself and that held no majority of its places at its
+        deadline (:meth:`counts_others`, :meth:`holds_most`), gathers until ``LINGER`` past its
+        deadline: closed sooner it could only fail, or split its step's peers. Nothing holds a group
+        past ``LINGER``, and only a leader that counts nobody else lingers for its places (which records
+        of free ids may swell), so free ids cannot hold a group longer, nor one led by a peer that
+        trusts some of the step's peers at all. (A group held to no quorum, the plain averager's,
+        closes as before.)"""
+        if self.quorum is not None and not (
+            self.quorate() and (self.counts_others() or self.holds_most(deadline))
+        ):
             return deadline + LINGER
         return min(deadline + LINGER, max(deadline, self.last_counted + QUIET))
+
+    def counts_others(self) -> bool:
+        """Whether the leader's quorum counts any peer but itself: one that does sees who is still coming
+        (its counted peers, :meth:`closes_at`); one that does not (a newcomer that trusts none of the
+        step's peers) has only the places it gathers for (:meth:`holds_most`)."""
+        return self.quorum is not None and bool(self.quorum.peers - {self.leader.peer})
 
     def holds_most(self, by: float = math.inf) -> bool:
         """Whether the group held a majority of the places it gathers for (the peers its leader sees on

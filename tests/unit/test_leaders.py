@@ -468,7 +468,7 @@ def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(join
     assert deadline <= closes <= deadline + LINGER
     # strangers close it at its deadline, or at the end of its linger where it holds no majority of the
     # places its leader gathers for; joining, they never close it later than it closes without them
-    held = strangers_only.holds_most(deadline)
+    held = strangers_only.counts_others() or strangers_only.holds_most(deadline)
     assert strangers_only.closes_at(deadline) == (deadline if held else deadline + LINGER)
     assert strangers_only.closes_at(deadline) <= alone.closes_at(deadline)
     members = {j.peer for j in g.joiners}
@@ -485,10 +485,12 @@ def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(join
     st.integers(1, 30),
 )
 def test_a_group_short_of_its_quorum_closes_at_the_end_of_its_linger(joins, need, deadline, target):
-    """A group held to a quorum it does not hold, or that held no majority of the places it gathers for
-    (the peers its leader sees on the step) at its deadline, gathers until ``LINGER`` past it, whenever
-    its joiners came (closed sooner, it could only fail, or leave most of the step's peers to a second
-    group); otherwise it closes as before; a group held to no quorum closes as before."""
+    """A group held to a quorum it does not hold, or whose leader counts nobody but itself and that held
+    no majority of the places it gathers for (the peers its leader sees on the step) at its deadline,
+    gathers until ``LINGER`` past it, whenever its joiners came (closed sooner, it could only fail, or
+    leave most of the step's peers to a second group); otherwise it closes as before (a leader that
+    counts others lingers only for them: records of free ids swell its places); a group held to no
+    quorum closes as before."""
     joins = joins[: target - 1]  # (not full: a full group forms at once)
     counted = frozenset(pid(100 + i) for i, (c, _) in enumerate(joins) if c)
     quorum = Quorum(counted | {pid(1)}, need)
@@ -498,7 +500,9 @@ def test_a_group_short_of_its_quorum_closes_at_the_end_of_its_linger(joins, need
         assert g.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
         assert plain.offer(Joiner(pid(100 + i), "a", 1.0), b"s", at) is None
     latest = max((at for _, at in joins), default=-math.inf)
-    if 1 + len(counted) < need or 2 * (1 + sum(at <= deadline for _, at in joins)) <= target:
+    if 1 + len(counted) < need or (
+        not counted and 2 * (1 + sum(at <= deadline for _, at in joins)) <= target
+    ):
         assert g.closes_at(deadline) == deadline + LINGER
     else:
         last = max((at for c, at in joins if c), default=-math.inf)
