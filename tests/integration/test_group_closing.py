@@ -10,7 +10,9 @@ The invariants tested, over random look times: (1) while the peers keep joining 
 (one at least every ``QUIET`` seconds), every one that asks before ``LINGER`` past it is in the group,
 which forms by then; (2) when the looks stopped well before the deadline, the group forms by then
 (within ``QUIET`` of it), and a peer that asks later is not waited for. (1) fails on the code before:
-the late peers found the leader closed.
+the late peers found the leader closed. Below them, two more cases that gather the whole ``LINGER``: a
+group short of its quorum at its deadline, and one whose leader counts nobody but itself (a newcomer
+at a swarm's first step) that held no majority of the peers it gathers for at its deadline.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ async def test_a_group_whose_quorum_never_comes_fails_at_the_end_of_its_linger(
     assert deadline + LINGER - 0.1 <= ended <= deadline + LINGER + 0.5
 
 
-# ---- a group holding no majority of its step's peers at its deadline: it gathers the whole linger ----
+# ---- a newcomer leader's group holding no majority of its step's peers at its deadline: it lingers ----
 
 EARLY = 3  # peers (the leader among them) whose looks began before the deadline; fewer than half of PEERS
 

@@ -466,8 +466,9 @@ def test_a_group_closes_within_linger_and_only_counted_joiners_keep_it_open(join
             assert why in (None, "the group is full")
     closes = g.closes_at(deadline)
     assert deadline <= closes <= deadline + LINGER
-    # strangers close it at its deadline, or at the end of its linger where it holds no majority of the
-    # places its leader gathers for; joining, they never close it later than it closes without them
+    # strangers close it at its deadline, or at the end of its linger where its leader counts nobody
+    # else and it held no majority of its places by then; joining, they never close it later than it
+    # closes without them
     held = strangers_only.counts_others() or strangers_only.holds_most(deadline)
     assert strangers_only.closes_at(deadline) == (deadline if held else deadline + LINGER)
     assert strangers_only.closes_at(deadline) <= alone.closes_at(deadline)
