@@ -556,7 +556,7 @@ class Gathering:
         step's peers) has only the places it gathers for (:meth:`holds_most`)."""
         return self.quorum is not None and bool(self.quorum.peers - {self.leader.peer})
 
-    def holds_most(self, by: float = math.inf) -> bool:
+    def holds_most(self, by: float) -> bool:
         """Whether the group held a majority of the places it gathers for (the peers its leader sees on
         the step, less those that never join) with the members that joined ``by`` then: short of that at
         its deadline, most of them are still on their way, and a group formed without them leaves them

@@ -37,6 +37,13 @@ KEY = "step-1"
 CFG = AveragerConfig(target_size=PEERS, min_size=2, matchmaking_time=WINDOW)
 
 
+def assert_one_group_of_all(found: list[SignedManifest | None]) -> None:
+    """Every peer found a group, the same one, of all ``PEERS``."""
+    assert all(m is not None for m in found), found
+    assert len({m.digest for m in found if m is not None}) == 1
+    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+
+
 async def looks(
     seed: int, trickle: bool
 ) -> tuple[list[SignedManifest | None], list[bool], float, list[float]]:
@@ -91,9 +98,7 @@ async def test_peers_still_joining_at_the_deadline_are_all_in_the_group(
     seed: int, autojump_clock: object
 ) -> None:
     found, _, deadline, formed = await looks(seed, trickle=True)
-    assert all(m is not None for m in found), found
-    assert len({m.digest for m in found if m is not None}) == 1
-    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert_one_group_of_all(found)
     assert max(formed) <= deadline + LINGER + 0.5  # (never held past its linger)
 
 
@@ -178,9 +183,7 @@ async def test_a_group_short_of_its_quorum_waits_the_linger_for_a_counted_peer(
     """The one counted peer missing at the deadline asks within the linger: the group waits for it and
     forms with every peer (on the code before, it closed at its deadline one peer short and failed)."""
     found, deadline, ended = await short_at_deadline(seed, comes=True)
-    assert all(m is not None for m in found), found
-    assert len({m.digest for m in found if m is not None}) == 1
-    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert_one_group_of_all(found)
     assert ended <= deadline + LINGER + 0.5  # (never held past its linger)
 
 
@@ -236,9 +239,7 @@ async def test_a_group_without_most_of_its_peers_at_its_deadline_waits_the_linge
     code before, it formed with the early three at its deadline and the late ones formed a second
     group of the step, or none)."""
     found, deadline, ended = await most_after_deadline(seed, late=PEERS - EARLY)
-    assert all(m is not None for m in found), found
-    assert len({m.digest for m in found if m is not None}) == 1
-    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert_one_group_of_all(found)
     assert ended <= deadline + LINGER + 0.5  # (never held past its linger)
 
 
