@@ -12,7 +12,9 @@ next round's.
 
 Leaders that cannot stall (issue 48). A follower waits for a leader until the leader's deadline +
 ``JOIN_GRACE``, and follows only leaders whose deadline lies at most ``DEADLINE_SLACK`` past its own
-(``matchmaking``): one leader holds it for at most its own matchmaking window + slack + grace. A leader
+(``matchmaking``): one leader holds it for at most its own matchmaking window + slack + grace. (A peer
+that cannot lead has no window of its own to keep: once its deadline passed, it follows whom a look
+begun now would, until its look ends: see :meth:`GroupForming._choose`.) A leader
 *failed* this peer when it held the call to the end of that wait, or signed a manifest that breaks the
 run's rules: the node's :class:`~p2ptrain.averaging.leaders.LeaderBook` then keeps it, and the leaders
 of the subnet this peer reached it at, out of every later matchmaking for a long while. It is
@@ -50,6 +52,7 @@ decline a group) and runs its one task (closing announcements) in :meth:`GroupFo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -521,10 +524,23 @@ class GroupForming:
         self, looking: _Looking, seen: list[Announcement], declined: set[Announcement]
     ) -> Announcement | None:
         """The leader to follow among ``seen`` (``matchmaking``), leaving out those this peer's book
-        excludes by their id or by the subnet of the address they announce."""
+        excludes by their id or by the subnet of the address they announce.
+
+        A peer follows only leaders whose deadline lies at most ``DEADLINE_SLACK`` past its own, so that
+        no leader keeps it past its own window. A peer that cannot lead has no window of its own to
+        keep: once its deadline passed, it follows whom a look begun now would (its deadline taken a
+        window from now), until its look ends as before (its first deadline + ``JOIN_GRACE``). Its
+        window opened when what every record says expected the step's target (``training``'s rounds),
+        earlier than the views capped by trust that its region's leaders go by: at a 128-peer swarm's
+        first step the followers of a region read its leader's announcement within their look, the
+        leader's deadline 5 to 7 s past theirs (theirs passed already), refused it for that alone, and
+        looked again after the group had formed without them."""
         now = self.clock()
+        me = looking.me
+        if not me.can_lead and now >= me.deadline:
+            me = dataclasses.replace(me, deadline=now + self._config().matchmaking_time)
         return choose_leader(
-            looking.me,
+            me,
             seen,
             now,
             looking.group_key,
