@@ -1,18 +1,23 @@
 """Whole Nodes joined in a chain over one in-memory network, on the virtual clock: node i is named
 ``n{i}``, listens at ``(n{i}, PORT)`` unless it is client-only, and joins through node 0
-(``async with swarm(n, AveragerConfig(...)) as nodes``, every DHT bootstrapped).
+(``async with swarm(n, AveragerConfig(...)) as nodes``, every DHT bootstrapped); :func:`look_at` has some of
+them look for one group at given moments.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+import torch
 import trio
 
 from p2ptrain import Node, NodeConfig
 from p2ptrain.averaging import AveragerConfig
+from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.dht import DHTConfig
+from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.net import MemoryNetwork
 from tests.harness.identities import identity
 
@@ -45,3 +50,28 @@ async def swarm(
             await node.dht.bootstrapped.wait()
         yield nodes
         nursery.cancel_scope.cancel()
+
+
+async def look_at(
+    nodes: list[Node], starts: dict[int, float], how: dict[int, dict[str, Any]], *, key: str, limit: float
+) -> tuple[list[SignedManifest | None], list[float]]:
+    """Each node ``i`` of ``starts`` begins a look for a group under ``key`` at ``starts[i]`` (``how[i]``:
+    what else its ``form_group`` takes: its window's opening, its quorum...), all within ``limit``
+    seconds. Returns what each found (None: no group formed) and when each look ended."""
+    found: list[SignedManifest | None] = [None] * len(nodes)
+    ended = [float("inf")] * len(nodes)
+
+    async def one(i: int) -> None:
+        await trio.sleep_until(starts[i])
+        try:
+            found[i] = await nodes[i].averager.form_group([torch.zeros(8)], group_key=key, **how.get(i, {}))
+        except GroupFormationFailed:
+            pass
+        finally:
+            ended[i] = trio.current_time()
+
+    with trio.fail_after(limit):
+        async with trio.open_nursery() as group:
+            for i in starts:
+                group.start_soon(one, i)
+    return found, ended

@@ -20,16 +20,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 import trio
 
+from p2ptrain import Node
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.grouping import JOIN_GRACE, POLL
 from p2ptrain.averaging.matchmaking import DEADLINE_SLACK, LINGER, Quorum
-from p2ptrain.averaging.protocol import SignedManifest
-from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.net import MemoryNetwork
-from tests.harness.nodes import swarm
+from tests.harness.nodes import look_at, swarm
 
 PEERS = 6
 WINDOW = 3.0
@@ -40,40 +38,14 @@ EARLIEST = WINDOW + JOIN_GRACE - 1.5  # how long before the leader the first fol
 assert EARLIEST - WINDOW < JOIN_GRACE and EARLIEST > DEADLINE_SLACK
 
 
-def leads(node: object) -> Quorum:
+def leads(node: Node) -> Quorum:
     """The quorum of a leader that counts nobody but itself (a newcomer's at a swarm's first step)."""
-    return Quorum(frozenset({node.peer_id}), 1)  # type: ignore[attr-defined]
+    return Quorum(frozenset({node.peer_id}), 1)
 
 
-def follows_only(node: object) -> Quorum:
+def follows_only(node: Node) -> Quorum:
     """The quorum of a peer that only follows (a newcomer's, or one whose capped view lags its records)."""
-    return Quorum(frozenset({node.peer_id}), 1, leads=False)  # type: ignore[attr-defined]
-
-
-async def looks(
-    nodes: list, starts: dict[int, float], quorums: dict[int, Quorum]
-) -> tuple[list[SignedManifest | None], list[float]]:
-    """Each peer ``i`` looks for the group at ``starts[i]``, its window opening then. Returns what each
-    found and when each look ended."""
-    found: list[SignedManifest | None] = [None] * len(nodes)
-    ended = [float("inf")] * len(nodes)
-
-    async def one(i: int) -> None:
-        await trio.sleep_until(starts[i])
-        try:
-            found[i] = await nodes[i].averager.form_group(
-                [torch.zeros(8)], group_key=KEY, opens=starts[i], quorum=quorums[i]
-            )
-        except GroupFormationFailed:
-            pass
-        finally:
-            ended[i] = trio.current_time()
-
-    with trio.fail_after(20 * WINDOW):
-        async with trio.open_nursery() as group:
-            for i in starts:
-                group.start_soon(one, i)
-    return found, ended
+    return Quorum(frozenset({node.peer_id}), 1, leads=False)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -88,8 +60,9 @@ async def test_every_follower_still_looking_when_the_leader_announces_joins_it(
         starts[leader] = led_at
         first = min((i for i in range(PEERS) if i != leader), key=lambda i: starts[i])
         starts[first] = led_at - EARLIEST
-        quorums = {i: leads(nodes[i]) if i == leader else follows_only(nodes[i]) for i in range(PEERS)}
-        found, ended = await looks(nodes, starts, quorums)
+        how = {i: {"opens": starts[i], "quorum": follows_only(nodes[i])} for i in range(PEERS)}
+        how[leader]["quorum"] = leads(nodes[leader])
+        found, ended = await look_at(nodes, starts, how, key=KEY, limit=20 * WINDOW)
     assert all(m is not None for m in found), [(round(starts[i] - led_at, 1), found[i]) for i in range(PEERS)]
     assert len({m.digest for m in found if m is not None}) == 1
     assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
@@ -104,7 +77,8 @@ async def test_a_follower_nobody_leads_ends_its_look_at_its_deadlines_grace(
     async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
         t0 = trio.current_time()
         starts = {i: t0 + rng.uniform(0.0, 2 * WINDOW) for i in range(PEERS)}
-        found, ended = await looks(nodes, starts, {i: follows_only(nodes[i]) for i in range(PEERS)})
+        how = {i: {"opens": starts[i], "quorum": follows_only(nodes[i])} for i in range(PEERS)}
+        found, ended = await look_at(nodes, starts, how, key=KEY, limit=20 * WINDOW)
     assert all(m is None for m in found)
     for i in range(PEERS):
         give_up = starts[i] + WINDOW + JOIN_GRACE

@@ -20,15 +20,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 import trio
 
 from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.matchmaking import LINGER, QUIET, Quorum, ticket
 from p2ptrain.averaging.protocol import SignedManifest
-from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.net import MemoryNetwork
-from tests.harness.nodes import swarm
+from tests.harness.nodes import look_at, swarm
 
 PEERS = 8
 LATE_PEERS = 3
@@ -54,8 +52,6 @@ async def looks(
     begin by ``QUIET`` before ``D`` and the late ones ``QUIET`` after it. Returns what each found, which
     were late, ``D`` and when each found its group."""
     rng = random.Random(seed)
-    found: list[SignedManifest | None] = [None] * PEERS
-    formed_at = [float("inf")] * PEERS
     async with swarm(PEERS, CFG, net=MemoryNetwork(seed=seed)) as nodes:
         # the leader (smallest ticket) looks early: a late peer with a smaller ticket leads alone, by the
         # lottery's order (see ``matchmaking``, "The group's closing")
@@ -78,18 +74,9 @@ async def looks(
             t += rng.uniform(0.2, 0.6) if trickle else rng.uniform(0.3, 1.0)
             starts[i] = t
 
-        async def one(i: int) -> None:
-            await trio.sleep_until(starts[i])
-            try:
-                found[i] = await nodes[i].averager.form_group([torch.zeros(8)], group_key=KEY, opens=target)
-                formed_at[i] = trio.current_time()
-            except GroupFormationFailed:
-                pass
-
-        with trio.fail_after(10 * WINDOW):
-            async with trio.open_nursery() as group:
-                for i in range(PEERS):
-                    group.start_soon(one, i)
+        how = {i: {"opens": target} for i in range(PEERS)}
+        found, ended = await look_at(nodes, dict(enumerate(starts)), how, key=KEY, limit=10 * WINDOW)
+    formed_at = [t if m is not None else float("inf") for m, t in zip(found, ended, strict=True)]
     return found, late, deadline, formed_at
 
 
@@ -113,33 +100,6 @@ async def test_a_group_nobody_joins_any_more_forms_at_its_deadline(seed: int, au
     assert len(digests) == 1
     (manifest,) = {m for m in early if m is not None}
     assert len(manifest.manifest.members) == PEERS - LATE_PEERS  # the late ones were not waited for
-
-
-async def look_at(
-    nodes: list, starts: dict[int, float], target: float, lead: dict[int, dict[str, object]]
-) -> tuple[list[SignedManifest | None], list[float]]:
-    """Each peer ``i`` of ``starts`` begins a look for the group at ``starts[i]``, its window opening at
-    ``target`` (``lead[i]``: what else its look takes, the leader's quorum). Returns what each found
-    and when each look ended."""
-    found: list[SignedManifest | None] = [None] * len(nodes)
-    ended = [float("inf")] * len(nodes)
-
-    async def one(i: int) -> None:
-        await trio.sleep_until(starts[i])
-        try:
-            found[i] = await nodes[i].averager.form_group(
-                [torch.zeros(8)], group_key=KEY, opens=target, **lead.get(i, {})
-            )
-        except GroupFormationFailed:
-            pass
-        finally:
-            ended[i] = trio.current_time()
-
-    with trio.fail_after(10 * WINDOW):
-        async with trio.open_nursery() as group:
-            for i in starts:
-                group.start_soon(one, i)
-    return found, ended
 
 
 # ---- a group short of its quorum at its deadline: it gathers the whole linger ----
@@ -170,9 +130,9 @@ async def short_at_deadline(seed: int, comes: bool) -> tuple[list[SignedManifest
         if not comes:
             del starts[late]
         # (never full: it forms when it holds its quorum, as a region's group of a step does)
-        found, ended = await look_at(
-            nodes, starts, target, {leader: {"quorum": quorum, "target_size": 2 * PEERS}}
-        )
+        how = {i: {"opens": target} for i in starts}
+        how[leader] |= {"quorum": quorum, "target_size": 2 * PEERS}
+        found, ended = await look_at(nodes, starts, how, key=KEY, limit=10 * WINDOW)
     return found, deadline, ended[leader]
 
 
@@ -223,7 +183,9 @@ async def most_after_deadline(seed: int, late: int) -> tuple[list[SignedManifest
         for i in after:
             starts[i] = deadline + rng.uniform(0.05, LINGER - LATE_MARGIN)
         own = {"quorum": Quorum(frozenset({nodes[leader].peer_id}), 1)}
-        found, ended = await look_at(nodes, starts, target, {leader: own})
+        how = {i: {"opens": target} for i in starts}
+        how[leader] |= own
+        found, ended = await look_at(nodes, starts, how, key=KEY, limit=10 * WINDOW)
     return found, deadline, ended[leader]
 
 
