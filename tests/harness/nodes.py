@@ -1,7 +1,7 @@
 """Whole Nodes joined in a chain over one in-memory network, on the virtual clock: node i is named
 ``n{i}``, listens at ``(n{i}, PORT)`` unless it is client-only, and joins through node 0
 (``async with swarm(n, AveragerConfig(...)) as nodes``, every DHT bootstrapped); :func:`look_at` has some of
-them look for one group at given moments.
+them look for one group at given moments, :func:`assert_one_group_of_all` checks what they found.
 """
 
 from __future__ import annotations
@@ -75,3 +75,10 @@ async def look_at(
             for i in starts:
                 group.start_soon(one, i)
     return found, ended
+
+
+def assert_one_group_of_all(found: list[SignedManifest | None]) -> None:
+    """Every peer found a group, the same one, of all of them."""
+    assert all(m is not None for m in found), found
+    assert len({m.digest for m in found if m is not None}) == 1
+    assert all(m is not None and len(m.manifest.members) == len(found) for m in found)

@@ -27,7 +27,7 @@ from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.grouping import JOIN_GRACE, POLL
 from p2ptrain.averaging.matchmaking import DEADLINE_SLACK, LINGER, Quorum
 from p2ptrain.net import MemoryNetwork
-from tests.harness.nodes import look_at, swarm
+from tests.harness.nodes import assert_one_group_of_all, look_at, swarm
 
 PEERS = 6
 WINDOW = 3.0
@@ -63,9 +63,7 @@ async def test_every_follower_still_looking_when_the_leader_announces_joins_it(
         how = {i: {"opens": starts[i], "quorum": follows_only(nodes[i])} for i in range(PEERS)}
         how[leader]["quorum"] = leads(nodes[leader])
         found, ended = await look_at(nodes, starts, how, key=KEY, limit=20 * WINDOW)
-    assert all(m is not None for m in found), [(round(starts[i] - led_at, 1), found[i]) for i in range(PEERS)]
-    assert len({m.digest for m in found if m is not None}) == 1
-    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert_one_group_of_all(found)
     assert max(ended) <= led_at + WINDOW + LINGER + 0.5
 
 

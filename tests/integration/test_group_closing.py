@@ -26,20 +26,13 @@ from p2ptrain.averaging import AveragerConfig
 from p2ptrain.averaging.matchmaking import LINGER, QUIET, Quorum, ticket
 from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.net import MemoryNetwork
-from tests.harness.nodes import look_at, swarm
+from tests.harness.nodes import assert_one_group_of_all, look_at, swarm
 
 PEERS = 8
 LATE_PEERS = 3
 WINDOW = 3.0
 KEY = "step-1"
 CFG = AveragerConfig(target_size=PEERS, min_size=2, matchmaking_time=WINDOW)
-
-
-def assert_one_group_of_all(found: list[SignedManifest | None]) -> None:
-    """Every peer found a group, the same one, of all ``PEERS``."""
-    assert all(m is not None for m in found), found
-    assert len({m.digest for m in found if m is not None}) == 1
-    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
 
 
 async def looks(

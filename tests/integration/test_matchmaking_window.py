@@ -26,6 +26,7 @@ from p2ptrain.averaging.protocol import SignedManifest
 from p2ptrain.errors import GroupFormationFailed
 from p2ptrain.net import MemoryNetwork
 from tests.harness.identities import identity
+from tests.harness.nodes import assert_one_group_of_all
 
 PEERS = 6
 WINDOW = 3.0
@@ -92,10 +93,7 @@ async def test_every_peer_of_a_step_is_in_its_group_when_the_window_opens_at_the
     seed: int, autojump_clock: object
 ) -> None:
     found, target, formed = await look(seed, aligned=True)
-    assert all(m is not None for m in found), found
-    digests = {m.digest for m in found if m is not None}
-    assert len(digests) == 1
-    assert all(m is not None and len(m.manifest.members) == PEERS for m in found)
+    assert_one_group_of_all(found)
     assert formed <= target + WINDOW + 1.0
 
 
