@@ -450,6 +450,18 @@ class Averager:
         if len(self._formed) < MAX_WAITING_CALLS:
             m = signed.manifest
             self._formed[signed.digest] = (now + SCATTER * m.timeout, frozenset(m.peers()))
+        self._admit_members(signed)
+
+    def _admit_members(self, signed: SignedManifest) -> None:
+        """The group's other members reach this node for its round, whatever else holds its inbound
+        slots (``Host.expect``: a node of a 1,024-peer swarm had its 512 slots full of the DHT's
+        connections, and members dialling it heard "busy": their slices never arrived), until the
+        round's end."""
+        m = signed.manifest
+        me = self.host.identity.peer_id
+        others = [p for p in m.peers() if p != me]
+        until = trio.current_time() + m.timeout + JOIN_GRACE
+        self.host.expect(others, [x.addr for x in m.members if x.addr and x.peer != me.digest], until)
 
     async def run_round(
         self,
@@ -648,6 +660,7 @@ class Averager:
 
     def _start_round(self, rnd: AllReduceRound) -> None:
         self._rounds[rnd.digest] = rnd
+        self._admit_members(rnd.signed)
         self._formed.pop(rnd.digest, None)
         started = self._round_started.pop(rnd.digest, None)
         if started is not None:

@@ -231,6 +231,22 @@ class Host:
         (see ``inbound``)."""
         self.inbound.protect(peer)
 
+    def expect(self, peers: list[PeerID], addresses: list[str], until: float) -> None:
+        """The members ``peers`` of a round this node takes part in, at ``addresses`` (their listen
+        addresses, as a manifest names them), connect to it until ``until``: over the inbound cap, they
+        may take an idle connection's slot, and theirs are not taken meanwhile (see ``admission``).
+        Circuit addresses (they arrive through a relay, outside the cap) and addresses that do not
+        parse are left out."""
+        hosts = []
+        for text in addresses:
+            try:
+                address = PeerAddress.parse(text)
+            except ValueError:
+                continue
+            if address.relay is None:
+                hosts.append(address.host)
+        self.inbound.expect(peers, hosts, until)
+
     # ---- connections ----
 
     def advertised_addresses(self) -> list[PeerAddress]:

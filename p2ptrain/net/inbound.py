@@ -18,6 +18,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -33,6 +34,8 @@ log = logging.getLogger("p2ptrain.net.host")  # (the host's lines, as before)
 
 MAX_PROTECTED = 256  # peers this node trained with, whose connections a flood never evicts
 MAX_RELAYED_INBOUND = 64  # connections reaching this host through its relays at a time
+K = TypeVar("K")
+MAX_EXPECTED = 512  # addresses of round members expected at a time (``expect``): the most recent kept
 
 
 @dataclass
@@ -46,6 +49,7 @@ class _Inbound:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     conn: Connection | None = None
     probation: bool = False
+    expected: bool = False  # admitted as an expected round member's (``Inbound.expect``)
     evicted: str = ""
 
 
@@ -95,6 +99,8 @@ class Inbound:
         self._next_slot = 0
         self._protected: OrderedDict[PeerID, set[str]] = OrderedDict()  # peer -> addresses seen it at
         self._protected_ips: set[str] = set()
+        self._expected: OrderedDict[str, float] = OrderedDict()  # address -> until when (``expect``)
+        self._expected_peers: OrderedDict[PeerID, float] = OrderedDict()  # round members -> until when
         self._tally = Tally()  # evictions and refusals worth a log line (one a minute per address)
         caps = limits.limits
         self._arrivals = Arrivals(  # bursts of twice the caps: a full address may still replace its own
@@ -129,14 +135,36 @@ class Inbound:
             self._protected.popitem(last=False)
         self._protected_ips = set().union(*self._protected.values())
 
+    def expect(self, peers: list[PeerID], hosts: list[str], until: float) -> None:
+        """The members ``peers`` of a round this node takes part in will connect from ``hosts`` until
+        ``until`` (trio seconds): over the total, a connection from one of those addresses may take an
+        idle slot that is not protected (see ``admission``), and the members' own connections (and
+        handshakes from those addresses) count as protected meanwhile: members arriving together took
+        each other's slots, a handshake first, and their slices never arrived. The most recent
+        ``MAX_EXPECTED`` of each are kept."""
+        _until(self._expected, hosts, until)
+        _until(self._expected_peers, peers, until)
+
+    def expects(self, host: str) -> bool:
+        """Whether a round member is expected from ``host`` now (see :meth:`expect`)."""
+        return self._expected.get(host, -1.0) >= trio.current_time()
+
     def _slot_views(self) -> list[Slot]:
         out = []
+        now = trio.current_time()
         for e in self._slots.values():
             if e.evicted:
                 continue
             c = e.conn
             since = e.arrived if c is None else c.last_busy
-            protected = c is not None and (c.peer in self._protected or self._reserved(c.peer))
+            if c is None:  # in its handshake: protected only as a round member's, while expected
+                protected = e.expected and self._expected.get(e.ip, -1.0) >= now
+            else:
+                protected = (
+                    c.peer in self._protected
+                    or self._reserved(c.peer)
+                    or self._expected_peers.get(c.peer, -1.0) >= now
+                )
             busy = c is not None and c.active_calls > 0
             out.append(Slot(e.key, e.ip, e.subnet, since, c is not None, protected, busy))
         return out
@@ -158,7 +186,7 @@ class Inbound:
             if not counts[key]:
                 del counts[key]
 
-    def _admit(self, remote_host: str, reserve: bool) -> Admission:
+    def _admit(self, remote_host: str, reserve: bool, expected: bool = False) -> Admission:
         """``admission.admit`` over the slots in use. Below every limit its answer is "accept", whatever
         the slots hold: that is told from the counts (kept as slots come and go), without a view of each
         slot, which cost a node accepting its thousandth connection a thousand views (a swarm's first
@@ -171,7 +199,9 @@ class Inbound:
         )
         if below:
             return Admission("accept")
-        return admit(self._slot_views(), remote_host, trio.current_time(), caps, reserve=reserve)
+        return admit(
+            self._slot_views(), remote_host, trio.current_time(), caps, reserve=reserve, expected=expected
+        )
 
     def _evict(self, key: int, reason: str) -> None:
         victim = self._slots[key]
@@ -208,7 +238,8 @@ class Inbound:
             )
             await self._refuse(framed, "too many new connections; try later")
             return
-        verdict = self._admit(remote_host, known)
+        expected = self.expects(remote_host)
+        verdict = self._admit(remote_host, known, expected)
         if verdict.verdict == "refuse":
             _say(
                 self._tally.note(remote_host, self._clock()),
@@ -227,6 +258,7 @@ class Inbound:
             subnet_of(remote_host),
             trio.current_time(),
             probation=verdict.verdict == "probation",
+            expected=expected,
         )
         self._hold(entry)
         try:
@@ -297,6 +329,16 @@ class Inbound:
         conn.relayed_from = seen_at if seen_at.isprintable() else ""
         entry.conn = conn
         await self._run_connection(conn, hs.result)
+
+
+def _until(table: OrderedDict[K, float], keys: list[K], until: float) -> None:
+    """Each of ``keys`` in ``table`` until ``until`` at least, the most recent last; the passed ones and
+    all but the most recent ``MAX_EXPECTED`` dropped."""
+    now = trio.current_time()
+    for key in keys:
+        table[key] = max(until, table.pop(key, until))
+    while table and (len(table) > MAX_EXPECTED or next(iter(table.values())) < now):
+        table.popitem(last=False)
 
 
 async def _send_quietly(framed: FramedStream, data: bytes) -> None:

@@ -6,7 +6,8 @@ newcomer takes the oldest silent socket's slot); one subnet cannot hold more tha
 and under a flood, a peer this node trained with keeps its connection while an idle stranger's is
 evicted. On the code before admission, the honest peer was refused "busy" in each case. And a flood that
 re-opens every connection as soon as it is closed is slowed to a trickle (before, the node accepted
-each attempt again: a sixth of a core per flooding process over loopback TCP).
+each attempt again: a sixth of a core per flooding process over loopback TCP). The members of a round
+reach a node whose slots all hold connections used a moment ago, without taking each other's.
 """
 
 from __future__ import annotations
@@ -107,3 +108,45 @@ async def test_a_dialer_over_the_rate_is_told_busy_at_once(mem_cluster, autojump
             await dialer.host.connect(server.address)
         assert info.value.code == "busy" and "new connections" in info.value.reason
         assert trio.current_time() - start < 1.0  # told, not left to its handshake timeout
+
+
+async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, autojump_clock, kit):
+    """A node whose slots all hold connections used within ``idle_after`` (a large swarm's DHT lookups)
+    admits the members of a round it takes part in (``Host.expect``), each in place of the idle
+    connection used least recently that is neither a peer it trained with nor another member of the
+    round; a stranger is still told "busy", and so is an address whose round is over. On the code
+    before, the member was refused like the stranger, and its slices never reached the reducer (1,024
+    simulated peers: rounds committed without up to half their members)."""
+    with trio.fail_after(120):
+        server = await mem_cluster.start(config=HostConfig(max_inbound=3, reserved_inbound=0))
+        friend = await mem_cluster.start("198.18.1.1")
+        lookups = [await mem_cluster.start(f"198.18.{2 + k}.1") for k in range(2)]
+        for p in [friend, *lookups]:
+            conn = await p.host.connect(server.address)
+            assert (await conn.call(kit.ECHO, kit.Text("lookup"))).text == "lookup"
+        held = [await server.wait_conn_to(p) for p in [friend, *lookups]]
+        server.host.protect(friend.peer_id)
+        await trio.sleep(5.0)
+        assert (await lookups[1].conn_to(server).call(kit.ECHO, kit.Text("later"))).text == "later"
+        stranger = await mem_cluster.start("198.18.8.1")
+        with pytest.raises(HandshakeRefused) as info:
+            await stranger.host.connect(server.address)
+        assert info.value.code == "busy"
+        members = [await mem_cluster.start(f"198.18.9.{k + 1}") for k in range(2)]
+        until = trio.current_time() + 30.0
+        server.host.expect([m.peer_id for m in members], [str(m.address) for m in members], until)
+        conn = await members[0].host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("slice"))).text == "slice"
+        await held[1].wait_closed()  # the connection idle the longest that is not the friend's
+        assert held[1].close_reason.startswith("evicted")
+        assert not held[0].closed and not held[2].closed
+        await trio.sleep(5.0)  # the first member's connection is now idle longer than the last lookup's
+        assert (await lookups[1].conn_to(server).call(kit.ECHO, kit.Text("again"))).text == "again"
+        conn = await members[1].host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("slice"))).text == "slice"
+        await held[2].wait_closed()
+        assert not (await server.wait_conn_to(members[0])).closed and not held[0].closed
+        late = await mem_cluster.start("198.18.9.9")  # expected until a moment ago: a stranger again
+        server.host.expect([late.peer_id], [str(late.address)], until=trio.current_time() - 1.0)
+        with pytest.raises(HandshakeRefused):
+            await late.host.connect(server.address)

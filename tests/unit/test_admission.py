@@ -4,10 +4,13 @@ What is proved here: addresses group into /24 and /64 subnets; a newcomer to a f
 of the oldest connection still in its handshake, from the most crowded subnet; an authenticated
 connection is evicted only when it has been idle long enough and is not a peer this node trained with;
 a subnet or an address at its limit loses only its own connections; the reserve admits, on probation,
-only a newcomer from an address a protected peer was seen at; otherwise the answer is "refuse".
+only a newcomer from an address a protected peer was seen at; otherwise the answer is "refuse". An
+expected round member, over the total, takes any idle slot that is not protected (random tables).
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -192,3 +195,51 @@ def test_an_inbound_table_admits_from_its_counts_as_admit_does_from_every_slot()
                 assert fast == admit(views, ip, trio.current_time(), limits.limits, reserve=reserve)
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_expected_round_member_takes_an_idle_slot_and_never_a_protected_or_busy_one(seed: int) -> None:
+    """The invariant of ``expected`` (a member of a round this node takes part in): over the total, it is
+    admitted whenever some slot is in its handshake or is an idle (not busy) connection that is not
+    protected, however recently it was used; the victim is always such a slot. A newcomer not expected
+    gets what it got before: only connections idle for ``idle_after`` may give way to it."""
+    rng = random.Random(seed)
+    limits = Limits(total=8, per_ip=8, per_subnet=8, reserve=2, idle_after=30.0)
+    slots = []
+    for key in range(limits.total):
+        authenticated = rng.random() < 0.85
+        slots.append(
+            slot(
+                key,
+                f"198.18.{rng.randrange(4)}.{key + 1}",
+                NOW - rng.uniform(0.0, 60.0),
+                authenticated=authenticated,
+                protected=rng.random() < 0.4,  # (a handshake: an expected round member's)
+                busy=authenticated and rng.random() < 0.4,
+            )
+        )
+    ip = f"198.18.9.{seed + 1}"
+    yielding = [s for s in slots if not s.protected and not (s.authenticated and s.busy)]
+    got = admit(slots, ip, NOW, limits, expected=True)
+    if yielding:
+        assert got.verdict == "evict" and got.victim in yielding, got
+    else:
+        assert got.verdict == "refuse", got
+    before = admit(slots, ip, NOW, limits)
+    if before.victim is not None:
+        assert not before.victim.protected
+        assert not before.victim.authenticated or NOW - before.victim.since >= limits.idle_after
+    if any(
+        s.authenticated and not (s.protected or s.busy) and NOW - s.since < 30.0 for s in yielding
+    ) and not any(not s.authenticated or NOW - s.since >= 30.0 for s in yielding):
+        assert before.verdict == "refuse"  # what the round member heard before: "busy"
+
+
+def test_an_expected_member_over_its_address_cap_still_loses_only_its_own() -> None:
+    """``expected`` widens the victims over the total alone: an address at its own cap still gives way
+    only to itself."""
+    limits = Limits(total=8, per_ip=2, per_subnet=8, reserve=0, idle_after=30.0)
+    slots = [slot(1, "198.18.1.1", NOW - 1.0, authenticated=True, busy=True)]
+    slots += [slot(2, "198.18.1.1", NOW - 1.0, authenticated=True, busy=True)]
+    slots += [slot(3, "198.18.2.1", NOW - 1.0, authenticated=True)]
+    assert admit(slots, "198.18.1.1", NOW, limits, expected=True).verdict == "refuse"
