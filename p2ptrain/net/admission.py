@@ -24,9 +24,9 @@ end: ``Inbound.expect``) may, when the table is full, also take the slot of an a
 that is idle now, however briefly, that is not protected. The invariant: the DHT's traffic never keeps
 the members of a round from reaching each other. A node of a large swarm holds a connection from every
 peer whose lookups asked it within ``idle_after``: at 1,024 simulated peers, more than the 512 slots,
-and rounds of 15 to 34 members ran to their scatter deadline and committed without up to half of them
-(the members that dialled a reducer they had no connection with heard "busy"; at 128 simulated peers
-with 48 slots, a round of 18 committed with 5). An idle connection costs its peer one reconnect at its
+and rounds of 15 to 34 members ran to their scatter deadline and committed with as few as a quarter of
+them (the members that dialled a reducer they had no connection with heard "busy"; at 128 simulated
+peers with 48 slots, a round of 18 committed with 5). An idle connection costs its peer one reconnect at its
 next call; a round member refused costs the round its contribution.
 
 Before any of that, :class:`Arrivals` bounds how fast an address and a subnet may open new connections
