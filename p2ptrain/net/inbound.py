@@ -324,6 +324,14 @@ class Inbound:
             )
             await close_quietly(framed.stream)
             return
+        if entry.expected and self._expected_peers.get(hs.result.remote_peer, -1.0) < trio.current_time():
+            log.warning(
+                "closing %s from %s: admitted as a round member's, and it is none",
+                hs.result.remote_peer.short(),
+                host,
+            )
+            await close_quietly(framed.stream)
+            return
         conn = self._make_connection(framed, hs.result, host, port)
         conn.relayed = relayed
         conn.relayed_from = seen_at if seen_at.isprintable() else ""
