@@ -114,8 +114,7 @@ async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, a
     """A node whose slots all hold connections used within ``idle_after`` (a large swarm's DHT lookups)
     admits the members of a round it takes part in (``Host.expect``), each in place of the idle
     connection used least recently that is neither a peer it trained with nor another member of the
-    round; a stranger is still told "busy", and so is an address whose round is over; a peer admitted
-    from a member's address that is not a member itself is closed after its handshake. On the code
+    round; a stranger is still told "busy", and so is an address whose round is over. On the code
     before, the member was refused like the stranger, and its slices never reached the reducer (1,024
     simulated peers: rounds committed without up to half their members)."""
     with trio.fail_after(120):
@@ -147,13 +146,24 @@ async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, a
         assert (await conn.call(kit.ECHO, kit.Text("slice"))).text == "slice"
         await held[2].wait_closed()
         assert not (await server.wait_conn_to(members[0])).closed and not held[0].closed
-        impostor = await mem_cluster.start("198.18.9.8")  # at an expected address, not a member itself
-        server.host.expect([], [str(impostor.address)], until=trio.current_time() + 30.0)
-        with pytest.raises(P2PError):
-            conn = await impostor.host.connect(server.address)
-            await conn.call(kit.ECHO, kit.Text("in"))
-        assert impostor.peer_id not in {c.peer for c in server.host.connections() if not c.closed}
         late = await mem_cluster.start("198.18.9.9")  # expected until a moment ago: a stranger again
         server.host.expect([late.peer_id], [str(late.address)], until=trio.current_time() - 1.0)
         with pytest.raises(HandshakeRefused):
             await late.host.connect(server.address)
+
+
+async def test_an_expected_address_lends_its_slot_to_the_member_alone(mem_cluster, autojump_clock, kit):
+    """A peer that dials from a round member's address but is not the member is admitted (admission
+    comes before any cryptography), then closed once its handshake shows who it is."""
+    with trio.fail_after(60):
+        server = await mem_cluster.start(config=HostConfig(max_inbound=1, reserved_inbound=0))
+        lookup = await mem_cluster.start("198.18.2.1")
+        conn = await lookup.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("lookup"))).text == "lookup"
+        impostor = await mem_cluster.start("198.18.9.8")
+        member = await mem_cluster.start("198.18.9.7")
+        server.host.expect([member.peer_id], [str(impostor.address)], until=trio.current_time() + 30.0)
+        with pytest.raises(P2PError):
+            conn = await impostor.host.connect(server.address)
+            await conn.call(kit.ECHO, kit.Text("in"))
+        assert impostor.peer_id not in {c.peer for c in server.host.connections() if not c.closed}
