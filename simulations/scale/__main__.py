@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss", type=float, default=0.0, help="chance a message is retransmitted")
     ap.add_argument("--max-group", type=int, default=64, help="the run's averaging.max_group_size")
     ap.add_argument(
+        "--max-inbound", type=int, default=0, help="each host's inbound connection cap (0: the default, 512)"
+    )
+    ap.add_argument(
         "--width", type=int, default=0, help="the model's hidden units (0: 8 per member of a full group)"
     )
     ap.add_argument("--keys", type=int, default=200)
@@ -389,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             and not args.width
             and args.buckets == 1
             and args.regions == 1
+            and not args.max_inbound
             and not args.region_size
             and not args.settle
         )
@@ -403,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f",regions={args.regions}" if args.regions > 1 else "")
                 + (f",region-size={args.region_size}" if args.region_size else "")
                 + (f",settle={args.settle:g}" if args.settle else "")
+                + (f",inbound={args.max_inbound}" if args.max_inbound else "")
             )
         ) + (f",{args.tag}" if args.tag else "")
         if args.region_size and (args.buckets > 1 or args.regions > 1):
@@ -426,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 max_group=args.max_group,
                 width=args.width,
+                max_inbound=args.max_inbound,
                 buckets=buckets,
                 regions=regions,
             )

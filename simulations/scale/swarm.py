@@ -43,7 +43,7 @@ from p2ptrain.dht.server import CONTACT_BYTES, Server
 from p2ptrain.dht.service import DHT
 from p2ptrain.dht.spread import SpreadKey
 from p2ptrain.identity import KEPT_SIGNATURES, Identity, PeerID, remember_verified_signatures
-from p2ptrain.net import PeerAddress
+from p2ptrain.net import HostConfig, PeerAddress
 from p2ptrain.net.messages import MessageNetwork
 from p2ptrain.net.rpc import CallContext, Reply
 from p2ptrain.training import CollaborativeOptimizer
@@ -98,6 +98,10 @@ class SwarmSpec:
     width: int = 0
     buckets: int = 1  # the run's ``progress.buckets``: keys its progress records spread over
     regions: int = 1  # the run's ``progress.regions``: a step's groups, one per region
+    # Each host's inbound connection cap (``HostConfig.max_inbound``; 0: its default, 512). A swarm of
+    # more peers than the cap fills it with the DHT's connections; a smaller cap shows that at a
+    # smaller, faster size (see the docs' scale page, "full inbound slots").
+    max_inbound: int = 0
 
     @property
     def hidden(self) -> int:
@@ -300,6 +304,7 @@ class Simulation:
                 listen=((place.name, PORT),),
                 join=join,
                 peer_list_buckets=self.spec.buckets,
+                host=HostConfig(max_inbound=self.spec.max_inbound) if self.spec.max_inbound else HostConfig(),
             ),
             transport=self.net.transport(place.name),
             clock=trio.current_time,
