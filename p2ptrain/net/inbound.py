@@ -316,20 +316,14 @@ class Inbound:
             await close_quietly(framed.stream)
             return
         assert hs.result is not None
-        if entry.probation and hs.result.remote_peer not in self._protected:
-            log.warning(
-                "closing %s from %s: slots are full and it never trained with us",
-                hs.result.remote_peer.short(),
-                host,
-            )
-            await close_quietly(framed.stream)
-            return
-        if entry.expected and self._expected_peers.get(hs.result.remote_peer, -1.0) < trio.current_time():
-            log.warning(
-                "closing %s from %s: admitted as a round member's, and it is none",
-                hs.result.remote_peer.short(),
-                host,
-            )
+        remote = hs.result.remote_peer
+        why = ""
+        if entry.probation and remote not in self._protected:
+            why = "slots are full and it never trained with us"
+        elif entry.expected and self._expected_peers.get(remote, -1.0) < trio.current_time():
+            why = "admitted as a round member's, and it is none"
+        if why:
+            log.warning("closing %s from %s: %s", remote.short(), host, why)
             await close_quietly(framed.stream)
             return
         conn = self._make_connection(framed, hs.result, host, port)
