@@ -49,7 +49,7 @@ class _Inbound:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     conn: Connection | None = None
     probation: bool = False
-    expected: bool = False  # admitted as an expected round member's (``Inbound.expect``)
+    expected: bool = False  # a slot lent to an expected round member's address (``Inbound.expect``)
     evicted: str = ""
 
 
@@ -240,6 +240,10 @@ class Inbound:
             return
         expected = self.expects(remote_host)
         verdict = self._admit(remote_host, known, expected)
+        # Lent as a member's only where a stranger would have been refused: the address is a joiner's
+        # claim in a manifest, and any other peer there is served as before (a liar naming another
+        # peer's address must not have that peer's connections closed after their handshakes).
+        lent = expected and verdict.verdict == "evict" and self._admit(remote_host, known).verdict != "evict"
         if verdict.verdict == "refuse":
             _say(
                 self._tally.note(remote_host, self._clock()),
@@ -258,7 +262,7 @@ class Inbound:
             subnet_of(remote_host),
             trio.current_time(),
             probation=verdict.verdict == "probation",
-            expected=expected,
+            expected=lent,
         )
         self._hold(entry)
         try:

@@ -167,3 +167,18 @@ async def test_an_expected_address_lends_its_slot_to_the_member_alone(mem_cluste
             conn = await impostor.host.connect(server.address)
             await conn.call(kit.ECHO, kit.Text("in"))
         assert impostor.peer_id not in {c.peer for c in server.host.connections() if not c.closed}
+
+
+async def test_a_claimed_member_address_does_not_close_another_peer_with_room_to_spare(
+    mem_cluster, autojump_clock, kit
+):
+    """A member's address is a joiner's claim: a peer at an expected address that is not the member is
+    served as before while slots are left (only a slot lent for the member is closed after a
+    handshake showing another peer)."""
+    with trio.fail_after(60):
+        server = await mem_cluster.start(config=HostConfig(max_inbound=4, reserved_inbound=0))
+        other = await mem_cluster.start("198.18.9.6")
+        member = await mem_cluster.start("198.18.9.5")
+        server.host.expect([member.peer_id], [str(other.address)], until=trio.current_time() + 30.0)
+        conn = await other.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("in"))).text == "in"
