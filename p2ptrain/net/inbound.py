@@ -49,7 +49,8 @@ class _Inbound:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     conn: Connection | None = None
     probation: bool = False
-    expected: bool = False  # a slot lent to an expected round member's address (``Inbound.expect``)
+    expected: bool = False  # from an expected round member's address (``Inbound.expect``)
+    lent: bool = False  # a slot a stranger would not have had, lent to that address: the member's alone
     evicted: str = ""
 
 
@@ -262,7 +263,8 @@ class Inbound:
             subnet_of(remote_host),
             trio.current_time(),
             probation=verdict.verdict == "probation",
-            expected=lent,
+            expected=expected,
+            lent=lent,
         )
         self._hold(entry)
         try:
@@ -324,7 +326,7 @@ class Inbound:
         why = ""
         if entry.probation and remote not in self._protected:
             why = "slots are full and it never trained with us"
-        elif entry.expected and self._expected_peers.get(remote, -1.0) < trio.current_time():
+        elif entry.lent and self._expected_peers.get(remote, -1.0) < trio.current_time():
             why = "admitted as a round member's, and it is none"
         if why:
             log.warning("closing %s from %s: %s", remote.short(), host, why)
