@@ -726,6 +726,9 @@ def measure(
         # members' copies of rounds that aborted or were not applied, over the whole run (a round whose
         # contributors miss a member's signed quorum aborts on all its members)
         "aborted_round_copies": sum(p.opt.stats.aborted for p in sim.peers),
+        # landing members' asks of the peers they trust, and copies not applied because one stayed busy
+        "landing_asks": sum(p.opt.rounds.taken.asked for p in sim.peers),
+        "landing_busy_drops": sum(p.opt.rounds.taken.busy for p in sim.peers),
     }
 
 

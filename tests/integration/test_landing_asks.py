@@ -16,7 +16,9 @@ import pytest
 import trio
 
 from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.errors import ConnectionClosed, HandshakeRefused
 from p2ptrain.identity import PeerID
+from p2ptrain.net.address import PeerAddress
 from p2ptrain.training.optimizer.buckets import Regions
 from p2ptrain.training.optimizer.progress import PeerProgress, with_author
 from p2ptrain.training.optimizer.taken import ASKED, WAIT
@@ -40,10 +42,13 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
     """Random swarms of answering peers: each took the step by a round of its own or not (committed,
     applied or still landing; some took only other steps), is trusted by the asker or not, in its region
     at the step or not, in the landing round's group or not, and the asker read its record on the step,
-    the one before, another, or not at all, none saying the step was taken. The asker finds the step
-    taken exactly when one of the peers it trusts, of its region, outside the group, read on the step or
-    the one before, took it; it names one of those; it never asks more than ``ASKED`` nor waits past
-    ``WAIT``; untrusted peers that took the step change nothing."""
+    the one before, another, or not at all, none saying the step was taken; and each answers, or its
+    slots are full ("busy", as a node's inbound admission says to a newcomer), or it is gone. The asker
+    asks the peers it trusts, of its region, outside the group, read on the step or the one before (the
+    witnesses). It finds the step taken, naming one, when a witness that answers took it; else it drops
+    its copy, naming one, when a witness stayed busy (alive on the step: it could have taken it, and on
+    the code before "busy" was a "no"); else it finds nothing. It never asks more than ``ASKED`` nor
+    waits past ``WAIT``; peers it does not trust, that took the step or not, change nothing."""
     rng = random.Random(seed)
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
@@ -52,42 +57,73 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
         me = await s.start(train=False)
         others = [first] + [await s.start(train=False) for _ in range(OTHERS - 1)]
         board, taken = me.opt.board, me.opt.rounds.taken
-        seen: set[bool] = set()
+        host, real_connect = me.node.host, me.node.host.connect
+        state: dict[PeerID, str] = {}  # "busy" or "gone" (else it answers)
+
+        async def connect(address, **kw):  # type: ignore[no-untyped-def]
+            how = state.get(address.peer_id) if isinstance(address, PeerAddress) else None
+            if how == "busy":
+                raise HandshakeRefused("busy", "too many connections; try later", by_remote=True)
+            if how == "gone":
+                raise ConnectionClosed("the peer is gone")
+            return await real_connect(address, **kw)
+
+        host.connect = connect  # type: ignore[method-assign]
+        seen: set[str] = set()
         for _ in range(40):
             epoch = rng.randint(0, 4)
             trusted = {p.node.peer_id for p in others if rng.random() < 0.6}
             group = {p.node.peer_id for p in others if rng.random() < 0.3} | {me.node.peer_id}
-            records, could = [], set()
+            records, witnesses, took = [], set(), set()
+            state.clear()
             for p in others:
                 pid = p.node.peer_id
-                took = rng.random() < 0.4
                 p.opt.rounds.taken.dropped(epoch)
-                if took:
+                if rng.random() < 0.4:
+                    took.add(pid)
                     p.opt.rounds.taken.committed(epoch)
                 for other in rng.sample(range(6), 2):  # (rounds of other steps say nothing of this one)
                     if other != epoch:
                         p.opt.rounds.taken.committed(other)
+                how = rng.choice(["answers", "answers", "answers", "busy", "gone"])
+                if how != "answers":
+                    state[pid] = how
                 read = rng.choice([epoch, epoch, max(0, epoch - 1), epoch + 2, None])
                 if read is not None:
                     records.append(_stale(p, read))
                 if (
-                    took
-                    and pid in trusted
+                    pid in trusted
                     and pid not in group
                     and regions.together(pid, me.node.peer_id, epoch)
                     and read is not None
                     and epoch - 1 <= read <= epoch
                 ):
-                    could.add(pid)
+                    witnesses.add(pid)
             board.records = records
             board.trusted = lambda t=frozenset(trusted): t  # type: ignore[method-assign,misc]
-            asked_before, began = taken.asked, trio.current_time()
+            asked_before, busy_before, began = taken.asked, taken.busy, trio.current_time()
             found = await taken.elsewhere(epoch, frozenset(group))
             assert trio.current_time() - began <= WAIT + 0.01
             assert taken.asked - asked_before <= ASKED
-            assert (found in could) if could else found is None, (epoch, found, could)
-            seen.add(bool(could))
-        assert seen == {True, False}
+            answered = {w for w in witnesses & took if w not in state}
+            busy = {w for w in witnesses if state.get(w) == "busy"}
+            if answered:
+                assert any(
+                    found == f"a group of {w.short()}, a peer it trusts, took its region's step {epoch}"
+                    for w in answered
+                ), (epoch, found)
+                seen.add("took")
+            elif busy:
+                assert any(
+                    found.startswith(f"{w.short()}, a peer it trusts,") and "stayed busy" in found
+                    for w in busy
+                ), (epoch, found)
+                assert taken.busy == busy_before + 1
+                seen.add("busy")
+            else:
+                assert found == "", (epoch, found, witnesses, took, state)
+                seen.add("none")
+        assert seen == {"took", "busy", "none"}
 
 
 async def test_a_member_drops_its_copy_of_a_round_whose_step_a_trusted_peer_took_unread(

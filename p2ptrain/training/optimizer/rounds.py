@@ -853,11 +853,11 @@ class RoundRunner:
         if short and flight.manifest is not None:
             self.short(flight.manifest, short)
         elif isinstance(outcome, RoundResult) and flight.manifest is not None:
-            # another group of the region took the step first, by a peer this one trusts: not applied
-            # here (this member alone; it catches up to that state), nor is the leader suspected
-            taken = await self.taken.elsewhere(flight.epoch, frozenset(flight.manifest.manifest.peers()))
-            if taken is not None:
-                short = f"a group of {taken.short()}, a peer it trusts, took its region's step {flight.epoch}"
+            # another group of the region took the step first, by a peer this one trusts (or such a
+            # peer stayed busy): not applied here (this member alone; it catches up to the region's
+            # state), nor is the leader suspected
+            short = await self.taken.elsewhere(flight.epoch, frozenset(flight.manifest.manifest.peers()))
+            if short:
                 self.note_abort(RoundAborted(short))
         if short:
             self.taken.dropped(flight.epoch)

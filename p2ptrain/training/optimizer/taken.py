@@ -22,8 +22,19 @@ other's round, whatever the order: each noted its own before it asked. The one t
 copy (both may: the step is then taken by the others of their groups, or taken again, never twice by
 one pair of peers that trust each other). A member asks only peers it trusts, whose records put them
 on the step or the one before (at most ``ASKED``, newest records first); free ids are never asked, so
-none can make it drop a round. A trusted peer that lies can, as its record could make it skip one. A
-peer that does not answer within ``WAIT`` says nothing: the round lands as it would have before.
+none can make it drop a round. A trusted peer that lies can, as its record could make it skip one.
+
+Silence from a witness that is alive is not a "no". A node whose inbound slots are all in use answers a
+newcomer "busy" (``net.admission``), and a landing member is often a newcomer to the peers it trusts (a
+newcomer trusts its join peers, which have never trained with it). Taken as a "no", "busy" let a member
+apply its round of a step that a join peer had taken: at 128 simulated peers with 48 slots a node, two
+runs of five had a region's step with two states (a member of a group of one, 2.9 s after its join
+peer's group of 17). So an asker keeps asking a
+witness that answers "busy" until ``WAIT``, and one that is still busy then makes it drop its copy, as a
+"took" would: the witness is alive and on the step, and could have taken it. A witness that cannot be
+reached at all, or does not answer within ``WAIT``, says nothing (it is gone, or as good as): the round
+lands as it would have before. What this costs: a member drops its copy (it catches up to its region's
+state) whenever a witness it trusts is busy for ``WAIT``; free ids are never asked, so none can make it.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ...errors import P2PError
+from ...errors import HandshakeRefused, P2PError
 from ...identity import PeerID
 from ...net.address import PeerAddress
 from ...net.rpc import CallContext, Method
@@ -46,6 +57,7 @@ log = logging.getLogger("p2ptrain.training.collaborative")
 
 ASKED = 8  # trusted peers of the region a landing member asks, at most
 WAIT = 2.0  # seconds a landing member waits for their answers, at most
+RETRY = 0.25  # seconds between the asks of a witness that answered "busy"
 KEPT = 16  # steps whose committed rounds a peer remembers (answers about older ones say no)
 
 
@@ -70,6 +82,7 @@ class TakenSteps:
         self.node, self.board = node, board
         self._took: OrderedDict[int, None] = OrderedDict()
         self.asked = 0  # peers asked so far
+        self.busy = 0  # copies not applied because a witness stayed busy
 
     def serve(self) -> None:
         """Answer ``train.taken`` (until :meth:`release`)."""
@@ -95,34 +108,61 @@ class TakenSteps:
     async def _on_taken(self, ctx: CallContext, req: TakenReq) -> TakenResp:
         return TakenResp(took=self.took(req.epoch))
 
-    async def elsewhere(self, epoch: int, group: frozenset[PeerID]) -> PeerID | None:
-        """A peer this one trusts, of its region at ``epoch`` and outside ``group`` (a committed round's,
-        about to be applied here), that took the step by another round: by the records read last
-        (``ProgressBoard.taken_elsewhere``), else by its own answer now. None: none says so."""
+    async def elsewhere(self, epoch: int, group: frozenset[PeerID]) -> str:
+        """Why this peer must not apply its copy of a committed round of ``epoch`` (``group``'s), or ""
+        where nothing it could know of says so: a peer it trusts, of its region at ``epoch`` and outside
+        ``group``, took the step by another round, by the records read last
+        (``ProgressBoard.taken_elsewhere``), else by its own answer now; or such a peer stayed "busy"
+        until ``WAIT`` (see the module's docstring)."""
         taken = self.board.taken_elsewhere(epoch, group)
         if taken is not None:
-            return taken
+            return _took(taken, epoch)
         asked = self.board.landing_witnesses(epoch, group)[:ASKED]
         if not asked:
-            return None
+            return ""
         self.asked += len(asked)
         said: list[PeerID] = []
+        busy: dict[PeerID, None] = {}  # witnesses whose last answer was "busy"
 
         async def ask(peer: PeerID, addr: PeerAddress) -> None:
-            try:
-                conn = await self.node.host.connect(addr)
-                if conn.peer != peer:
+            while True:
+                try:
+                    conn = await self.node.host.connect(addr)
+                    if conn.peer != peer:
+                        return
+                    resp = await conn.call(TAKEN, TakenReq(epoch), timeout=WAIT)
+                except HandshakeRefused as e:
+                    if e.code != "busy":
+                        log.debug("could not ask %s whether it took step %d: %s", peer.short(), epoch, e)
+                        return
+                    busy[peer] = None
+                    await trio.sleep(RETRY)
+                    continue
+                except (P2PError, ValueError) as e:
+                    log.debug("could not ask %s whether it took step %d: %s", peer.short(), epoch, e)
+                    busy.pop(peer, None)
                     return
-                resp = await conn.call(TAKEN, TakenReq(epoch), timeout=WAIT)
-            except (P2PError, ValueError) as e:
-                log.debug("could not ask %s whether it took step %d: %s", peer.short(), epoch, e)
+                busy.pop(peer, None)
+                if resp.took:
+                    said.append(peer)
+                    nursery.cancel_scope.cancel()  # (one is enough)
                 return
-            if resp.took:
-                said.append(peer)
-                nursery.cancel_scope.cancel()  # (one is enough)
 
         with trio.move_on_after(WAIT):
             async with trio.open_nursery() as nursery:
                 for peer, addr in asked:
                     nursery.start_soon(ask, peer, addr)
-        return said[0] if said else None
+        if said:
+            return _took(said[0], epoch)
+        if busy:
+            self.busy += 1
+            peer = next(iter(busy))
+            return (
+                f"{peer.short()}, a peer it trusts, of its region on step {epoch}, stayed busy for "
+                f"{WAIT:g} s: it could have taken the step"
+            )
+        return ""
+
+
+def _took(peer: PeerID, epoch: int) -> str:
+    return f"a group of {peer.short()}, a peer it trusts, took its region's step {epoch}"
