@@ -654,12 +654,12 @@ class GroupForming:
             looking.refusal = members
             looking.formed.set()
             return None
-        sealed = gathering.seal(members)  # every member's quorum, signed (see ``matchmaking``)
-        if isinstance(sealed, str):
-            looking.refusal = sealed
+        entries = gathering.entries(members)  # every member's quorum, signed (see ``matchmaking``)
+        if isinstance(entries, str):
+            looking.refusal = entries
             looking.formed.set()
             return None
-        members, needs, counts = sealed
+        needs, counts = entries
         bandwidths = partition_bandwidths([m.bandwidth for m in members])
         total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
         shares = partition_sizes(total, bandwidths, [bool(m.addr) for m in members], align)

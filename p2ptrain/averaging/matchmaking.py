@@ -721,64 +721,17 @@ class Gathering:
 
         The invariant (a group that forms can meet every entry it signs): every member with an entry
         counts only members that take part, and needs no more of them than it counts. A member whose
-        quorum the members taking part cannot meet gets no entry (0, 0) and would decline the group
-        itself (``holds_me``); the others' entries then no longer count it, and so on until none
-        changes: the largest set of members each of whose quorum the set itself meets (removing a member
-        only ever removes others' counted members, so the order does not matter). Signing entries that
-        counted members bound to decline made each round of such a group fall short as soon as they
-        declined (at 32 simulated peers: "its contributors hold 11 of the 15 other peers member 7 must
-        average with"), every member discarded it and suspected its leader, and three such rounds had a
-        leader passed over for minutes: matchmaking stalled. An entry that is met at formation can still
-        fall short in the round (a member that drops out later): that is the round's ordinary failure.
-        :meth:`seal` leaves the members without an entry out of the manifest."""
+        quorum the members taking part cannot meet gets no entry (0, 0) and declines the group itself
+        (``holds_me``); the others' entries then no longer count it, and so on until none changes: the
+        largest set of members each of whose quorum the set itself meets (removing a member only ever
+        removes others' counted members, so the order does not matter). Signing entries that counted
+        members bound to decline made each round of such a group fall short as soon as they declined
+        (at 32 simulated peers: "its contributors hold 11 of the 15 other peers member 7 must average
+        with"), every member discarded it and suspected its leader, and three such rounds had a leader
+        passed over for minutes: matchmaking stalled. An entry that is met at formation can still fall
+        short in the round (a member that drops out later): that is the round's ordinary failure."""
         if self.quorum is None:
             return (), ()
-        found = self._entries(members)
-        if isinstance(found, str):
-            return found
-        pairs, _ = found
-        final = [pairs.get(m.peer, (0, 0)) for m in members]
-        return tuple(e[0] if isinstance(e, tuple) else 0 for e in final), tuple(
-            e[1] if isinstance(e, tuple) else 0 for e in final
-        )
-
-    def seal(self, members: list[Joiner]) -> tuple[list[Joiner], tuple[int, ...], tuple[int, ...]] | str:
-        """The members that take part, in order, with their entries (see :meth:`entries`), or why the
-        group cannot form. A member whose quorum the others taking part cannot meet is left out of the
-        manifest and loses its place (``bumped``: its join is answered with why), instead of being
-        signed in without an entry to decline the group once it holds the manifest.
-
-        The invariant: every member a leader signs in has an entry that holds the quorum it joined with
-        (``holds_me``, for that quorum). A member that declines after the manifest is signed holds a
-        partition nobody reduces and a slice nobody sends: at 128 simulated peers with 48 inbound
-        slots a node, 196 of the 337 slices that did not arrive were addressed to such a member ("the
-        group is held to 0 of the 0 other members its leader signed for this peer"), and the rounds
-        waited for them. Left out, the member looks for another group at once. The group still forms
-        only with at least ``min_size`` members taking part."""
-        if self.quorum is None:
-            return members, (), ()
-        found = self._entries(members)
-        if isinstance(found, str):
-            return found
-        _, out = found
-        if out:
-            for m in members:
-                if m.peer in out:
-                    self.bumped[m.peer] = "the members taking part cannot meet its quorum"
-            members = [m for m in members if m.peer not in out]
-            if len(members) < self.min_size:
-                return f"only {len(members)} of at least {self.min_size} peers could take part"
-        entries = self.entries(members)
-        if isinstance(entries, str):
-            return entries
-        return members, *entries
-
-    def _entries(
-        self, members: list[Joiner]
-    ) -> tuple[dict[PeerID, tuple[int, int] | str], set[PeerID]] | str:
-        """Each member's entry (see :meth:`entries`) and the members without one, or why the group
-        cannot form."""
-        assert self.quorum is not None
         out: set[PeerID] = set()  # members that decline: the members taking part cannot meet their quorums
         while True:
             taking = {m.peer for m in members} - out
@@ -789,5 +742,9 @@ class Gathering:
                 assert isinstance(why, str)
                 return f"the members taking part cannot meet the leader's own quorum: {why}"
             if not failing:
-                return pairs, out
+                break
             out |= failing
+        final = [pairs.get(m.peer, (0, 0)) for m in members]
+        return tuple(e[0] if isinstance(e, tuple) else 0 for e in final), tuple(
+            e[1] if isinstance(e, tuple) else 0 for e in final
+        )
