@@ -29,12 +29,12 @@ newcomer "busy" (``net.admission``), and a landing member is often a newcomer to
 newcomer trusts its join peers, which have never trained with it). Taken as a "no", "busy" lets a member
 apply its round of a step that a peer it trusts took; at 128 simulated peers with 48 slots a node, two
 runs of five had a region's step with two states (in one, a member of a group of one, 2.9 s after a
-group of 17 holding the peer it trusted), and none of three runs since. So an asker keeps asking a witness that answers "busy" until
-``WAIT``, and one that is still busy then makes it drop its copy, as a "took" would: the witness is
-alive and on the step, and could have taken it. A witness that cannot be reached at all, or does not
-answer within ``WAIT``, says nothing (it is gone, or as good as): the round lands as it would have
-before. What this costs: a member drops its copy (it catches up to its region's state) whenever a
-witness it trusts is busy for ``WAIT``; free ids are never asked, so none can make it.
+group of 17 holding the peer it trusted), and none of three runs since. So an asker keeps asking a
+witness that answers "busy" until ``WAIT``, and one that is still busy then makes it drop its copy, as a
+"took" would: the witness is alive and on the step, and could have taken it. A witness that cannot be
+reached at all, or does not answer within ``WAIT``, says nothing (it is gone, or as good as): the round
+lands as it would have before. What this costs: a member drops its copy (it catches up to its region's
+state) whenever a witness it trusts is busy for ``WAIT``; free ids are never asked, so none can make it.
 """
 
 from __future__ import annotations
