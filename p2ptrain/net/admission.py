@@ -99,11 +99,14 @@ class Slot:
 
 @dataclass(frozen=True)
 class Admission:
-    """``verdict``: "accept", "evict" (accept, after closing ``victim``), "probation" or "refuse"."""
+    """``verdict``: "accept", "evict" (accept, after closing ``victim``), "probation" or "refuse";
+    ``lent``: the slot is the expected member's alone, a stranger from the address would not have had it
+    (``Inbound`` closes it after a handshake that shows another peer)."""
 
     verdict: str
     victim: Slot | None = None
     reason: str = ""
+    lent: bool = False
 
 
 def _victim(candidates: Sequence[Slot], by_subnet: Counter[str], now: float, limits: Limits) -> Slot | None:
@@ -145,7 +148,8 @@ def admit(
             slots, by_subnet, now, dataclasses.replace(limits, idle_after=0.0) if expected else limits
         )
         if victim is not None:
-            return Admission("evict", victim, f"over {limits.total} inbound connections")
+            lent = expected and _victim(slots, by_subnet, now, limits) is None
+            return Admission("evict", victim, f"over {limits.total} inbound connections", lent)
         if reserve and len(slots) < limits.total + limits.reserve:
             return Admission("probation", reason="only peers this node trained with may use the reserve")
         return Admission("refuse", reason="too many connections; try later")

@@ -241,10 +241,6 @@ class Inbound:
             return
         expected = self.expects(remote_host)
         verdict = self._admit(remote_host, known, expected)
-        # Lent as a member's only where a stranger would have been refused: the address is a joiner's
-        # claim in a manifest, and any other peer there is served as before (a liar naming another
-        # peer's address must not have that peer's connections closed after their handshakes).
-        lent = expected and verdict.verdict == "evict" and self._admit(remote_host, known).verdict != "evict"
         if verdict.verdict == "refuse":
             _say(
                 self._tally.note(remote_host, self._clock()),
@@ -264,7 +260,10 @@ class Inbound:
             trio.current_time(),
             probation=verdict.verdict == "probation",
             expected=expected,
-            lent=lent,
+            # Lent as a member's only where a stranger would have been refused: the address is a
+            # joiner's claim in a manifest, and any other peer there is served as before (a liar naming
+            # another peer's address must not have that peer's connections closed after their handshakes).
+            lent=verdict.lent,
         )
         self._hold(entry)
         try:
