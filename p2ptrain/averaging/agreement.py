@@ -24,7 +24,7 @@ bits. Members that lose the coordinator ask each other for the decision (see ``d
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from .protocol import Decision
@@ -110,13 +110,17 @@ class Coordinator:
         )
 
 
-def excluded_reasons(decision: Decision, n: int, names: Sequence[str]) -> dict[int, str]:
+def excluded_reasons(
+    decision: Decision, n: int, names: Sequence[str], signed_out: Collection[int] = ()
+) -> dict[int, str]:
     """Why each member that is not a contributor was left out, in words."""
     out = {}
     for i in range(n):
         if i in decision.contributors:
             continue
-        if i in decision.failed:
+        if i in signed_out:
+            out[i] = f"{names[i]} was signed out by the leader: the others cannot meet its quorum"
+        elif i in decision.failed:
             out[i] = f"{names[i]} reduced a partition but did not report (failed or too slow)"
         else:
             out[i] = f"{names[i]} did not deliver every slice in time (or sent inconsistent weights)"

@@ -456,7 +456,9 @@ class AllReduceRound:
             group_size=m.n,
             reduced=m.sizes[m.me],
             shares=dict(zip(self.peers, m.sizes, strict=True)),
-            excluded={self.peers[i]: why for i, why in excluded_reasons(decision, m.n, names).items()},
+            excluded={
+                self.peers[i]: why for i, why in excluded_reasons(decision, m.n, names, m.signed_out).items()
+            },
             verified=self._verified(decision),
             round_seconds=trio.current_time() - m.at.start,
             phases=self.phases,

@@ -536,7 +536,9 @@ class Averager:
         started = self._round_started.pop(signed.digest, None)
         if started is not None:
             started.set()  # calls already waiting for it get the answer now
-        if self._nursery is not None:
+        m = signed.manifest
+        out = {m.peers()[i] for i in m.out}
+        if self._nursery is not None and self.host.identity.peer_id not in out:  # (signed out: none waits)
             self._nursery.start_soon(self._say_left, signed)
         log.info("left the group formed for %s before its round started", signed.manifest.group_key)
 

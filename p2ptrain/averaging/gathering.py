@@ -228,7 +228,7 @@ class Gatherer:
         """The members that may still relay partition ``p``, which ``holder`` reduced: every other one
         that still serves the round, could be reached at the last try, and did not say it cannot."""
         m = self.m
-        out = self.over | m.out_of_reach | self.lacking.get(p, set())
+        out = self.over | m.out_of_reach | m.signed_out | self.lacking.get(p, set())
         return [i for i, a in enumerate(self.addrs) if a and i not in (m.me, holder) and i not in out]
 
     async def _connect(self, i: int) -> Connection:

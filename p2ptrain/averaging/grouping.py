@@ -659,10 +659,11 @@ class GroupForming:
             looking.refusal = entries
             looking.formed.set()
             return None
-        needs, counts = entries
+        needs, counts, out = entries
         bandwidths = partition_bandwidths([m.bandwidth for m in members])
         total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
-        shares = partition_sizes(total, bandwidths, [bool(m.addr) for m in members], align)
+        reduces = [bool(m.addr) and i not in out for i, m in enumerate(members)]  # (``Manifest.reduces``)
+        shares = partition_sizes(total, bandwidths, reduces, align)
         manifest = Manifest(
             round_id=os.urandom(ROUND_ID_BYTES),
             group_key=looking.group_key,
@@ -673,6 +674,7 @@ class GroupForming:
             origins=gathering.origins(members),
             needs=needs,
             counts=tuple(mask_bytes(c) for c in counts),
+            out=out,
             schema=schema,
             compression=mode.value,
             timeout=timeout,
@@ -781,6 +783,8 @@ class GroupForming:
             return None, why, False
         quorum = looking.quorum
         why = "" if quorum is None else holds_me(signed.manifest, me.peer, quorum)
+        if signed.manifest.peers().index(me.peer) in signed.manifest.out:
+            why = f"its leader signed this peer out of the round: {why or 'its quorum cannot be met'}"
         if why:  # its leader's word on the majority is not ours: refuse now, never discard its round later
             self.decline(signed)
             log.info("declined the group of %s: %s", leader.peer.short(), why)

@@ -135,6 +135,12 @@ class Manifest(Message):
     # decision, from signed facts alone. () : no quorum (averaging outside a training run).
     needs: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
     counts: tuple[bytes, ...] = bounded((), max_len=MAX_GROUP)
+    # Members the leader signs out of the round (sorted indices, never the leader): the members taking
+    # part cannot meet their quorums (``matchmaking.Gathering.entries``), so they decline it on receipt.
+    # Signed out, such a member holds no partition, no entry (need 0 of none), counts in no other entry,
+    # and no member waits for its slices nor serves it a result: its decline costs the round nothing.
+    # (Signed in as a reducer, each of its declines lost its partition's slices of every member.)
+    out: tuple[int, ...] = bounded((), max_len=MAX_GROUP)
 
     @property
     def total(self) -> int:
@@ -147,6 +153,11 @@ class Manifest(Message):
 
     def peers(self) -> list[PeerID]:
         return [PeerID(m.peer) for m in self.members]
+
+    def reduces(self) -> list[bool]:
+        """Which members may hold a partition: the dialable ones that take part (not signed ``out``)."""
+        out = set(self.out)
+        return [bool(m.addr) and i not in out for i, m in enumerate(self.members)]
 
     def short_of_quorum(self, contributors: tuple[int, ...], binding: Iterable[int] | None = None) -> str:
         """Why a decision with these ``contributors`` (member indices) must not be applied ('' if it may):
@@ -209,6 +220,16 @@ class Manifest(Message):
                     raise RemoteProtocolError("a member's quorum counts members outside the group, or itself")
                 if not 0 <= need <= mask.bit_count():
                     raise RemoteProtocolError("a member's quorum needs more members than it counts")
+        if self.out:
+            if not self.needs:
+                raise RemoteProtocolError("only a manifest that holds members to quorums signs members out")
+            if list(self.out) != sorted(set(self.out)) or not all(0 < i < n for i in self.out):
+                raise RemoteProtocolError("the members signed out must be sorted, distinct, not the leader")
+            held = sum(1 << i for i in self.out)
+            if any(self.needs[i] or self.masks[i] or self.sizes[i] for i in self.out):
+                raise RemoteProtocolError("a member signed out holds no quorum entry, no partition")
+            if any(mask & held for mask in self.masks):
+                raise RemoteProtocolError("a member's quorum counts a member signed out of the round")
         try:
             settings = self.settings  # (also checks that the compression goes with the rule and the audit)
         except ValueError as e:

@@ -134,7 +134,10 @@ class RoundMachine:
         self.scatter_open = True
         self.failed_senders: dict[int, set[int]] = {}  # partition -> senders whose stream broke
         self.unreachable: set[int] = set()  # reducers my slices could not reach
-        self.gone: set[int] = set()  # members whose connections closed for good during the round
+        # Members whose connections closed for good during the round; from the start, those the leader
+        # signed out (``Manifest.out``): they send no slices and fetch no results
+        self.signed_out = frozenset(manifest.out)
+        self.gone: set[int] = set(self.signed_out)
         # Members this member could not connect to at its last try after the decision (the gather's:
         # ``gathering``): they serve it nothing, and this member relays none of their partitions it lacks
         self.out_of_reach: set[int] = set()
@@ -209,7 +212,7 @@ class RoundMachine:
     def slices_settled(self, delivered: Collection[int]) -> bool:
         """As a reducer: every sender of our partition delivered or failed (no need to wait longer)."""
         failed = self.failed_senders.get(self.me, set())
-        return all(i in delivered or i in failed for i in range(self.n))
+        return all(i in delivered or i in failed or i in self.signed_out for i in range(self.n))
 
     def close_scatter(self) -> None:
         self.scatter_open = False
@@ -357,7 +360,7 @@ class RoundMachine:
     def finalized(self, p: int) -> None:
         """We computed partition ``p``: every other member will fetch it from us."""
         self.held.add(p)
-        self.owed.update((p, i) for i in range(self.n) if i != self.me)
+        self.owed.update((p, i) for i in range(self.n) if i != self.me and i not in self.signed_out)
 
     def fetched(self, p: int, now: float) -> None:
         self.progress[p] = now

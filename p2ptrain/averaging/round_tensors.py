@@ -92,6 +92,7 @@ class RoundTensors:
         self.audit = manifest.audit
         self.n = len(manifest.members)
         self.peers = manifest.peers()
+        self.signed_out = frozenset(manifest.out)
         self.sizes = list(manifest.sizes)
         self.offsets = offsets(self.sizes)
         self.pool = pool  # where ``flat`` and the accumulators go back once nothing reads them
@@ -266,7 +267,7 @@ class RoundTensors:
             red.claimed[self.me] = (self.own_scales[p], weight)
             red.add_local(self.me, own, weight, kept=self.saved[p] if in_place else None)
         if expect:
-            red.expect(range(self.n))
+            red.expect([i for i in range(self.n) if i not in self.signed_out])  # (signed out: sends none)
         self.reducers[p] = red
         return red
 

@@ -12,8 +12,10 @@ of its own run and call) and refuses anything that differs, with the reason:
   timeout must be exactly the member's own;
 - the member must be listed with the address it offered (an honest leader never changes it);
 - the partitions must be the ones the leader's rule gives for the listed bandwidths
-  (``partition_bandwidths`` then ``partition_sizes``): so no member holds more than its bandwidth's share,
-  and no listed bandwidth is above ``MAX_SPREAD`` times the group's lower median;
+  (``partition_bandwidths`` then ``partition_sizes``, over the dialable members not signed out: see
+  ``Manifest.out``): so no member holds more than its bandwidth's share, and no listed bandwidth is
+  above ``MAX_SPREAD`` times the group's lower median (a leader that signs members out gains nothing it
+  could not have by admitting fewer joiners: a member signed out declines the round);
 - no member is listed with more bandwidth than it announced itself (a signed DHT announcement the
   member saw; the rule only ever lowers an announced bandwidth, or fills in a typical one for a member
   that has not measured its own);
@@ -85,7 +87,7 @@ def check_manifest(
         raise RemoteProtocolError(f"the listed bandwidths {listed} do not follow the partition rule")
     try:
         align = sparse.BLOCK if m.settings.mode.sparse else 1  # (top-k partitions start on whole blocks)
-        sizes = partition_sizes(m.total, listed, [bool(mm.addr) for mm in m.members], align)
+        sizes = partition_sizes(m.total, listed, m.reduces(), align)
     except ValueError as e:
         raise RemoteProtocolError(f"the manifest's partitions: {e}") from None
     if list(m.sizes) != sizes:

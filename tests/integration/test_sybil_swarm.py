@@ -168,7 +168,8 @@ def test_a_round_that_lost_the_peers_it_needed_to_fresh_keys_is_not_applied() ->
     gathering.offer(Joiner(ids[2], "a", 1.0, need=2, counts=frozenset({ids[2], ids[1]})), b"s")
     members = gathering.form()
     assert not isinstance(members, str)
-    needs, counts = gathering.entries(members)
+    needs, counts, out = gathering.entries(members)
+    assert out == ()
     manifest = Manifest(
         round_id=bytes(16),
         group_key="sync-1",

@@ -48,6 +48,7 @@ from p2ptrain.averaging.protocol import (
     mask_bytes,
 )
 from p2ptrain.averaging.round_machine import Deadlines, RoundMachine
+from p2ptrain.averaging.rules import RoundRules, check_manifest
 from p2ptrain.errors import RemoteProtocolError
 from p2ptrain.identity import Identity, PeerID
 from p2ptrain.training.optimizer.progress import SwarmView
@@ -58,16 +59,19 @@ IDS = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(16)]
 DIGEST = bytes(16)
 
 
-def manifest_of(members: list[Joiner], needs: tuple[int, ...], counts: tuple[int, ...]) -> Manifest:
+def manifest_of(
+    members: list[Joiner], needs: tuple[int, ...], counts: tuple[int, ...], out: tuple[int, ...] = ()
+) -> Manifest:
     n = len(members)
     m = Manifest(
         round_id=bytes(16),
         group_key="sync-3",
         members=tuple(MemberMsg(j.peer.digest, "addr", 1.0) for j in members),
-        sizes=(1,) * n,
-        schema=(TensorSpec((n,), "float32"),),
+        sizes=tuple(0 if i in out else 1 for i in range(n)),  # (the members signed out reduce nothing)
+        schema=(TensorSpec((n - len(out),), "float32"),),
         needs=needs,
         counts=tuple(mask_bytes(c) for c in counts),
+        out=out,
     )
     m.check()
     return m
@@ -113,23 +117,30 @@ def trial(rng: random.Random) -> dict[str, bool | str]:
     entries = gathering.entries(members)
     if isinstance(entries, str):  # the members that take part cannot meet the leader's own quorum
         return {"formed": False}
-    needs, counts = entries
+    needs, counts, out = entries
     # a group that forms can meet every entry it signs: if every member that accepts its entry takes
-    # part, no entry falls short (before, entries counted members bound to decline)
-    signed = manifest_of(members, needs, counts)
+    # part, no entry falls short (before, entries counted members bound to decline); the members bound to
+    # decline are signed out, and hold no partition (the manifest's own check says so: ``manifest_of``)
+    signed = manifest_of(members, needs, counts, out)
+    assert all(holds_me(signed, members[i].peer, views[members[i].peer]) for i in out)  # (each declines)
     taking = tuple(i for i, m in enumerate(members) if i == 0 or not holds_me(signed, m.peer, views[m.peer]))
     assert not signed.short_of_quorum(taking), (needs, counts, taking)
     hostile_leader = rng.random() < 0.2
-    if hostile_leader:  # weakens some member's entry: a need lowered, or peers it does not count added
-        i = rng.randrange(1, len(members)) if len(members) > 1 else 0
+    inside = [k for k in range(1, len(members)) if k not in out]
+    if hostile_leader and inside:  # weakens an entry: a need lowered, or peers it does not count added
+        i = rng.choice(inside)
         needs = tuple(rng.randint(0, v) if k == i else v for k, v in enumerate(needs))
-        extra = sum(1 << j for j in range(len(members)) if j != i and rng.random() < 0.5)
+        extra = sum(1 << j for j in range(len(members)) if j != i and j not in out and rng.random() < 0.5)
         counts = tuple(c | extra if k == i else c for k, c in enumerate(counts))
         needs = tuple(min(v, c.bit_count()) for v, c in zip(needs, counts, strict=True))
-    manifest = manifest_of(members, needs, counts)
-    # each member checks its entry before it takes part; some drop out at formation (a state that moved
-    # on, a crash); of those that run the round, some fail to deliver every slice in time
-    accepted = [i for i, m in enumerate(members) if i == 0 or not holds_me(manifest, m.peer, views[m.peer])]
+    manifest = manifest_of(members, needs, counts, out)
+    # each member checks its entry before it takes part (one signed out declines); some drop out at
+    # formation (a state that moved on, a crash); of those that run the round, some fail to deliver
+    accepted = [
+        i
+        for i, m in enumerate(members)
+        if i == 0 or (i not in out and not holds_me(manifest, m.peer, views[m.peer]))
+    ]
     running = [i for i in accepted if i == 0 or rng.random() > 0.2]
     delivered = [i for i in running if rng.random() > 0.15]
     coordinator = Coordinator(DIGEST, manifest.sizes)
@@ -220,7 +231,8 @@ def test_a_member_refuses_an_entry_weaker_than_its_own_quorum() -> None:
         gathering.offer(joiner(p, Quorum(everyone, 3)), b"s")
     members = gathering.form()
     assert not isinstance(members, str)
-    needs, counts = gathering.entries(members)
+    needs, counts, out = gathering.entries(members)
+    assert out == ()
     assert holds_me(manifest_of(members, needs, counts), a, Quorum(everyone, 3)) == ""
     i = [m.peer for m in members].index(a)
     weaker = tuple(v - 1 if k == i else v for k, v in enumerate(needs))
@@ -249,10 +261,10 @@ def test_a_joiner_whose_quorum_the_group_cannot_meet_gets_no_entry_and_declines(
     members = gathering.form()
     assert not isinstance(members, str)
     assert members[0].peer == leader and len(members) == 3
-    needs, counts = gathering.entries(members)
+    needs, counts, out = gathering.entries(members)
     at = [m.peer for m in members].index(stranger)
-    assert (needs[at], counts[at]) == (0, 0)
-    assert holds_me(manifest_of(members, needs, counts), stranger, own) != ""  # it declines the group
+    assert (needs[at], counts[at], out) == (0, 0, (at,))  # signed out: it declines, and reduces nothing
+    assert holds_me(manifest_of(members, needs, counts, out), stranger, own) != ""
 
 
 @pytest.mark.parametrize(
@@ -270,6 +282,46 @@ def test_a_manifest_with_malformed_quorums_is_refused(
     members = [Joiner(p, "addr", 1.0) for p in IDS[:3]]
     with pytest.raises(RemoteProtocolError, match=why):
         manifest_of(members, needs, counts)
+
+
+@pytest.mark.parametrize(
+    ("needs", "counts", "out", "why"),
+    [
+        ((1, 1, 0), (0b010, 0b001, 0), (0,), "not the leader"),
+        ((1, 1, 0, 0), (0b010, 0b001, 0, 0), (3, 2), "sorted, distinct"),
+        ((1, 1, 1), (0b010, 0b001, 0b001), (2,), "holds no quorum entry"),
+        ((1, 1, 0), (0b110, 0b001, 0), (2,), "counts a member signed out"),
+        ((), (), (1,), "holds members to quorums"),
+    ],
+)
+def test_a_manifest_that_signs_members_out_wrongly_is_refused(
+    needs: tuple[int, ...], counts: tuple[int, ...], out: tuple[int, ...], why: str
+) -> None:
+    """A member signed out holds no partition, no entry, and counts in nobody's: a manifest that says
+    otherwise (or signs its own leader out) is refused, whatever its signature."""
+    members = [Joiner(p, "addr", 1.0) for p in IDS[: max(len(needs), 3)]]
+    with pytest.raises(RemoteProtocolError, match=why):
+        manifest_of(members, needs, counts, out)
+
+
+def test_a_member_signed_out_holds_no_partition_and_nobody_waits_for_it() -> None:
+    """The member whose quorum the group cannot meet is signed out: the partition rule gives it
+    nothing, a reducer's scatter settles without its slice, and nobody owes it a result."""
+    leader, a, stranger = IDS[:3]
+    members = [Joiner(p, "addr", 1.0) for p in (leader, a, stranger)]
+    m = manifest_of(members, (1, 1, 0), (0b010, 0b001, 0), (2,))
+    assert m.reduces() == [True, True, False]
+    m3 = dataclasses.replace(m, schema=(TensorSpec((3,), "float32"),), sizes=(2, 1, 0))
+    m3.check()
+    rules = RoundRules("sync-3", m3.schema, "none", "mean", False, 60.0)
+    check_manifest(m3, rules, a, "addr", {})  # (the shares of the two members taking part)
+    with pytest.raises(RemoteProtocolError, match="bandwidths' shares"):  # signed in, it is owed one
+        check_manifest(dataclasses.replace(m3, out=()), rules, a, "addr", {})
+    machine = RoundMachine(m, DIGEST, 1, 1.0, Deadlines.of(0.0, 60.0))
+    assert machine.slices_settled({0, 1})  # (not waiting for member 2's slice)
+    assert not machine.slices_settled({1})
+    machine.finalized(1)
+    assert machine.owed == {(1, 0)}
 
 
 def test_a_join_request_carries_the_quorum_and_old_requests_still_parse() -> None:
@@ -374,6 +426,8 @@ def test_entries_never_count_members_bound_to_decline() -> None:
     peers = [m.peer for m in members]
     taking = tuple(i for i, p in enumerate(peers) if i == 0 or not holds_me(manifest, p, views[p]))
     assert peers.index(c) not in taking  # c declines (and a with it: its entry may not count c)
+    assert set(manifest.out) == set(range(len(peers))) - set(taking)  # signed out: exactly those
+    assert [manifest.sizes[i] for i in manifest.out] == [0, 0]  # (and reducing nothing)
     assert not manifest.short_of_quorum(taking)  # those that take part meet every entry
 
 
