@@ -223,6 +223,7 @@ class GroupForming:
         # there only follows (see ``form``)
         self._led_short: str | None = None
         self._nursery: trio.Nursery | None = None
+        self.signed_out = 0  # members the groups this peer led signed out (``Manifest.out``), all told
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the tasks that close announcements after a ``form`` call returned."""
@@ -660,6 +661,7 @@ class GroupForming:
             looking.formed.set()
             return None
         needs, counts, out = entries
+        self.signed_out += len(out)
         bandwidths = partition_bandwidths([m.bandwidth for m in members])
         total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
         reduces = [bool(m.addr) and i not in out for i, m in enumerate(members)]  # (``Manifest.reduces``)

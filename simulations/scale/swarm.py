@@ -729,6 +729,8 @@ def measure(
         # landing members' asks of the peers they trust, and copies not applied because one stayed busy
         "landing_asks": sum(p.opt.rounds.taken.asked for p in sim.peers),
         "landing_busy_drops": sum(p.opt.rounds.taken.busy for p in sim.peers),
+        # members that leaders signed out of their groups' rounds: their quorums could not be met
+        "signed_out_members": sum(p.node.averager.groups.signed_out for p in sim.peers),
     }
 
 
