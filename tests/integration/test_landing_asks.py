@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from p2ptrain.averaging.allreduce import RoundResult
+from p2ptrain.averaging.protocol import MemberMsg
 from p2ptrain.errors import ConnectionClosed, HandshakeRefused
 from p2ptrain.identity import PeerID
 from p2ptrain.net.address import PeerAddress
@@ -126,14 +127,20 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
         assert seen == {"took", "busy", "none"}
 
 
+@pytest.mark.parametrize("listed", [False, True])
 async def test_a_member_drops_its_copy_of_a_round_whose_step_a_trusted_peer_took_unread(
-    autojump_clock: object,
+    autojump_clock: object, listed: bool
 ) -> None:
     """Training peers of a split swarm: as a member's round lands, a peer it trusts, of its region and
     outside its group, whose record it read on the step (no round landed yet), is asked. Where that peer
     took the step by a round of its own, the member's copy is not applied (its parameters stay as they
     were, the abort says why); where it did not, the round is applied; the swarm goes on with one state
-    per region and step. (On the code before, the record read was all it went by: applied each time.)"""
+    per region and step. (On the code before, the record read was all it went by: applied each time.)
+
+    ``listed``: that peer is also listed in the landing round's manifest, signed out (it declined the
+    group, and took the step in another): outside the group all the same, as it contributed nothing to
+    this round. (On the code before, every peer the manifest listed counted as the group's, so such a
+    peer was never asked, and the copy was applied: a fork at 128 simulated peers with 48 slots.)"""
     config = run_config("sync").replace("progress", buckets=4, regions=2)
     regions = Regions.of(4, 2)
     async with swarm(config) as s:
@@ -154,6 +161,20 @@ async def test_a_member_drops_its_copy_of_a_round_whose_step_a_trusted_peer_took
             w.opt.rounds.taken.dropped(flight.epoch)
             if elsewhere:
                 w.opt.rounds.taken.committed(flight.epoch)
+            if listed:  # (the manifest lists it, signed out: as a leader signs one that declines)
+                signed = flight.manifest
+                m = signed.manifest
+                out = len(m.members)
+                m = dataclasses.replace(
+                    m,
+                    members=(*m.members, MemberMsg(w.node.peer_id.digest, "", 1.0)),
+                    sizes=(*m.sizes, 0),
+                    needs=(*m.needs, 0),
+                    counts=(*m.counts, b""),
+                    out=(*m.out, out),
+                )
+                m.check()
+                flight = dataclasses.replace(flight, manifest=dataclasses.replace(signed, manifest=m))
             before, kept = me.params_hash(), board.records
             board.records = [*kept, _stale(w, flight.epoch)]
             trusted: frozenset[PeerID] = (real_trusted() or frozenset()) | {w.node.peer_id}

@@ -855,8 +855,13 @@ class RoundRunner:
         elif isinstance(outcome, RoundResult) and flight.manifest is not None:
             # another group of the region took the step first, by a peer this one trusts (or such a
             # peer stayed busy): not applied here (this member alone; it catches up to the region's
-            # state), nor is the leader suspected
-            short = await self.taken.elsewhere(flight.epoch, frozenset(flight.manifest.manifest.peers()))
+            # state), nor is the leader suspected. The group is the round's contributors, not its
+            # manifest: a member that declined it (signed out, or its state moved on) may have taken the
+            # step in another group (128 simulated peers, 48 slots: a member signed out of a group of 26
+            # ran a group of 11 of the region that landed 6 s before the 26's, and a member of the 26
+            # that trusted it applied its copy: a fork)
+            took_part = frozenset(outcome.contributors) | {self.node.peer_id}
+            short = await self.taken.elsewhere(flight.epoch, took_part)
             if short:
                 self.note_abort(RoundAborted(short))
         if short:

@@ -109,11 +109,12 @@ class TakenSteps:
         return TakenResp(took=self.took(req.epoch))
 
     async def elsewhere(self, epoch: int, group: frozenset[PeerID]) -> str:
-        """Why this peer must not apply its copy of a committed round of ``epoch`` (``group``'s), or ""
-        where nothing it could know of says so: a peer it trusts, of its region at ``epoch`` and outside
-        ``group``, took the step by another round, by the records read last
-        (``ProgressBoard.taken_elsewhere``), else by its own answer now; or such a peer stayed "busy"
-        until ``WAIT`` (see the module's docstring)."""
+        """Why this peer must not apply its copy of a committed round of ``epoch`` (``group``'s: the
+        round's contributors, never the manifest's members, some of which may have declined it and taken
+        the step in another group), or "" where nothing it could know of says so: a peer it trusts, of
+        its region at ``epoch`` and outside ``group``, took the step by another round, by the records
+        read last (``ProgressBoard.taken_elsewhere``), else by its own answer now; or such a peer stayed
+        "busy" until ``WAIT`` (see the module's docstring)."""
         taken = self.board.taken_elsewhere(epoch, group)
         if taken is not None:
             return _took(taken, epoch)
