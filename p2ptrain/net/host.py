@@ -70,7 +70,7 @@ class HostConfig:
     max_inbound: int = 512
     max_inbound_per_ip: int = 32
     max_inbound_per_subnet: int = 64  # per IPv4 /24 or IPv6 /64 (see ``admission``)
-    reserved_inbound: int = 32  # beyond max_inbound: only for peers this node trained with (``protect``)
+    reserved_inbound: int = 32  # beyond max_inbound: for peers it trained with (``protect``) or trains with
     inbound_rate: float = 1.0  # new connections a second per address (4x per subnet; bursts: 2x the caps)
     refused_hold: float = 120.0  # seconds a refused connection is held open before it is closed (``linger``)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)

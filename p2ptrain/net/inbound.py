@@ -323,9 +323,10 @@ class Inbound:
         assert hs.result is not None
         remote = hs.result.remote_peer
         why = ""
-        if entry.probation and remote not in self._protected:
-            why = "slots are full and it never trained with us"
-        elif entry.lent and self._expected_peers.get(remote, -1.0) < trio.current_time():
+        member = self._expected_peers.get(remote, -1.0) >= trio.current_time()
+        if entry.probation and remote not in self._protected and not (entry.expected and member):
+            why = "slots are full and it neither trained with us nor is a member of a round here"
+        elif entry.lent and not member:
             why = "admitted as a round member's, and it is none"
         if why:
             log.warning("closing %s from %s: %s", remote.short(), host, why)

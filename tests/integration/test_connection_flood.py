@@ -152,6 +152,38 @@ async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, a
             await late.host.connect(server.address)
 
 
+async def test_a_round_member_uses_the_reserve_where_every_slot_is_protected_or_in_use(
+    mem_cluster, autojump_clock, kit
+):
+    """A node whose slots all hold peers it trained with or connections with a call in flight has no
+    slot a round member may take: the member is admitted to the reserve, on probation, and keeps it as
+    its handshake shows a member; a stranger, and a peer dialling from a member's address that is not
+    the member, are not kept. On the code before, the member heard "busy" (at 128 simulated peers with
+    48 slots a node, 68 of the 86 slices that never reached their reducer)."""
+    with trio.fail_after(120):
+        server = await mem_cluster.start(config=HostConfig(max_inbound=2, reserved_inbound=2))
+        friends = [await mem_cluster.start(f"198.18.{1 + k}.1") for k in range(2)]
+        for p in friends:
+            conn = await p.host.connect(server.address)
+            assert (await conn.call(kit.ECHO, kit.Text("trained"))).text == "trained"
+            server.host.protect(p.peer_id)
+        stranger = await mem_cluster.start("198.18.8.1")
+        with pytest.raises(HandshakeRefused) as info:
+            await stranger.host.connect(server.address)
+        assert info.value.code == "busy"
+        member = await mem_cluster.start("198.18.9.7")
+        impostor = await mem_cluster.start("198.18.9.8")
+        until = trio.current_time() + 30.0
+        server.host.expect([member.peer_id], [str(member.address), str(impostor.address)], until)
+        with pytest.raises(P2PError):  # (from a member's address, but not the member: closed)
+            conn = await impostor.host.connect(server.address)
+            await conn.call(kit.ECHO, kit.Text("in"))
+        conn = await member.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("slice"))).text == "slice"
+        await trio.sleep(1.0)
+        assert not conn.closed and not any(c.closed for c in [await server.wait_conn_to(p) for p in friends])
+
+
 async def test_an_expected_address_lends_its_slot_to_the_member_alone(mem_cluster, autojump_clock, kit):
     """A peer that dials from a round member's address but is not the member is admitted (admission
     comes before any cryptography), then closed once its handshake shows who it is."""

@@ -201,8 +201,10 @@ def test_an_inbound_table_admits_from_its_counts_as_admit_does_from_every_slot()
 def test_an_expected_round_member_takes_an_idle_slot_and_never_a_protected_or_busy_one(seed: int) -> None:
     """The invariant of ``expected`` (a member of a round this node takes part in): over the total, it is
     admitted whenever some slot is in its handshake or is an idle (not busy) connection that is not
-    protected, however recently it was used; the victim is always such a slot. A newcomer not expected
-    gets what it got before: only connections idle for ``idle_after`` may give way to it."""
+    protected, however recently it was used; the victim is always such a slot. Where none is, it may use
+    the reserve, on probation, as a peer this node trained with may; the reserve full, it is refused. A
+    newcomer not expected gets what it got before: only connections idle for ``idle_after`` may give way
+    to it."""
     rng = random.Random(seed)
     limits = Limits(total=8, per_ip=8, per_subnet=8, reserve=2, idle_after=30.0)
     slots = []
@@ -223,8 +225,10 @@ def test_an_expected_round_member_takes_an_idle_slot_and_never_a_protected_or_bu
     got = admit(slots, ip, NOW, limits, expected=True)
     if yielding:
         assert got.verdict == "evict" and got.victim in yielding, got
-    else:
-        assert got.verdict == "refuse", got
+    else:  # nothing may give way: the reserve, on probation (kept only if its handshake shows a member)
+        assert got.verdict == "probation", got
+        reserve = [slot(100 + k, f"198.18.5.{k + 1}", NOW, protected=True) for k in range(limits.reserve)]
+        assert admit(slots + reserve, ip, NOW, limits, expected=True).verdict == "refuse"
     before = admit(slots, ip, NOW, limits)
     if before.victim is not None:
         assert not before.victim.protected
