@@ -30,9 +30,9 @@ them (the members that dialled a reducer they had no connection with heard "busy
 peers with 48 slots, a round of 18 committed with 5). An idle connection costs its peer one reconnect at its
 next call; a round member refused costs the round its contribution. Where no slot may be taken (every
 one protected, or in use now), a round member may use the reserve: the peers this node trains with now
-are worth what the peers it trained with are. (At 128 simulated peers with 48 slots, with the members
-that left their rounds signed out, 68 of the 86 slices that never reached their reducer heard "busy"
-from one whose slots were all protected or in use.)
+are worth what the peers it trained with are. (A member the node does not expect yet, because it does
+not hold the round's manifest yet, still hears "busy", and dials again: ``allreduce``. At 128
+simulated peers with 48 slots, that was every "busy" a member heard from its reducer.)
 
 Before any of that, :class:`Arrivals` bounds how fast an address and a subnet may open new connections
 (a token bucket each). Admission's bookkeeping looks at every slot; a flood that reconnects as fast as
