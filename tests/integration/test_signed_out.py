@@ -38,7 +38,7 @@ async def test_a_member_signed_out_holds_no_partition_and_the_round_commits_with
         ids = [node.peer_id for node in nodes]
         bound = set(rng.sample(range(n), rng.randint(1, n - 3)))
         honest = frozenset(ids[i] for i in range(n) if i not in bound)
-        phantom = Identity.from_seed(bytes([200 + seed]) * 32).peer_id  # publishes, never joins
+        phantom = Identity.from_seed(bytes([200 + seed]) * 32).peer_id  # (nobody knows it; it never joins)
         got: dict[int, SignedManifest | Exception] = {}
         inputs = [[torch.full((4096,), float(i))] for i in range(n)]
 
