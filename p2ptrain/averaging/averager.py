@@ -536,9 +536,8 @@ class Averager:
         started = self._round_started.pop(signed.digest, None)
         if started is not None:
             started.set()  # calls already waiting for it get the answer now
-        m = signed.manifest
-        out = {m.peers()[i] for i in m.out}
-        if self._nursery is not None and self.host.identity.peer_id not in out:  # (signed out: none waits)
+        signed_out = signed.manifest.signs_out(self.host.identity.peer_id)
+        if self._nursery is not None and not signed_out:  # (signed out: nobody waits for it)
             self._nursery.start_soon(self._say_left, signed)
         log.info("left the group formed for %s before its round started", signed.manifest.group_key)
 

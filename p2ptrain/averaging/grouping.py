@@ -102,6 +102,7 @@ from .protocol import (
     TensorSpec,
     manifest_digest,
     mask_bytes,
+    reducers,
 )
 from .rules import RoundRules, check_manifest, listed_subnet
 from .settings import AveragerConfig, RoundPolicy
@@ -664,8 +665,7 @@ class GroupForming:
         self.signed_out += len(out)
         bandwidths = partition_bandwidths([m.bandwidth for m in members])
         total, align = sum(s.numel for s in schema), sparse.BLOCK if mode.sparse else 1
-        reduces = [bool(m.addr) and i not in out for i, m in enumerate(members)]  # (``Manifest.reduces``)
-        shares = partition_sizes(total, bandwidths, reduces, align)
+        shares = partition_sizes(total, bandwidths, reducers([m.addr for m in members], out), align)
         manifest = Manifest(
             round_id=os.urandom(ROUND_ID_BYTES),
             group_key=looking.group_key,
@@ -785,7 +785,7 @@ class GroupForming:
             return None, why, False
         quorum = looking.quorum
         why = "" if quorum is None else holds_me(signed.manifest, me.peer, quorum)
-        if signed.manifest.peers().index(me.peer) in signed.manifest.out:
+        if signed.manifest.signs_out(me.peer):
             why = f"its leader signed this peer out of the round: {why or 'its quorum cannot be met'}"
         if why:  # its leader's word on the majority is not ours: refuse now, never discard its round later
             self.decline(signed)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import RemoteProtocolError
@@ -155,9 +155,12 @@ class Manifest(Message):
         return [PeerID(m.peer) for m in self.members]
 
     def reduces(self) -> list[bool]:
-        """Which members may hold a partition: the dialable ones that take part (not signed ``out``)."""
-        out = set(self.out)
-        return [bool(m.addr) and i not in out for i, m in enumerate(self.members)]
+        """Which members may hold a partition (:func:`reducers`)."""
+        return reducers([m.addr for m in self.members], self.out)
+
+    def signs_out(self, peer: PeerID) -> bool:
+        """Whether the leader signed ``peer`` out of the round (``out``)."""
+        return any(self.members[i].peer == peer.digest for i in self.out)
 
     def short_of_quorum(self, contributors: tuple[int, ...], binding: Iterable[int] | None = None) -> str:
         """Why a decision with these ``contributors`` (member indices) must not be applied ('' if it may):
@@ -237,6 +240,14 @@ class Manifest(Message):
         starts = zip(_starts(self.sizes), self.sizes, strict=True)
         if settings.mode.sparse and any(o % sparse.BLOCK for o, s in starts if s):
             raise RemoteProtocolError("a top-k round's partitions must start on whole blocks")
+
+
+def reducers(addrs: Sequence[str], out: Collection[int]) -> list[bool]:
+    """Which members of a group may hold a partition: the dialable ones (an address) that take part
+    (not signed out). The leader sizes the partitions by it and every member checks them by it
+    (``rules.check_manifest``): one rule, or honest manifests are refused."""
+    signed_out = set(out)
+    return [bool(a) and i not in signed_out for i, a in enumerate(addrs)]
 
 
 @dataclass(frozen=True)
