@@ -35,9 +35,15 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from ..errors import HandshakeRefused, P2PError, RemoteCallError, RoundAborted, RoundTimedOut
+from ..errors import (
+    ConnectionClosed,
+    HandshakeRefused,
+    P2PError,
+    RemoteCallError,
+    RoundAborted,
+    RoundTimedOut,
+)
 from ..identity import PeerID
-from ..net.connection import Connection
 from ..net.host import Host
 from .agreement import excluded_reasons
 from .audit import Attestation, hash_pieces, seal_attestation
@@ -48,7 +54,7 @@ from .compression import Compression, all_finite
 from .deciding import DecisionExchange
 from .gathering import Gatherer, time_left
 from .offload import run_pass
-from .protocol import LEFT_ROUND, PART, Decision, PartReq, SignedManifest
+from .protocol import LEFT_ROUND, PART, Ack, Decision, PartReq, SignedManifest
 from .reducer import PartitionReducer
 from .round_machine import GONE_AFTER, SCATTER, Deadlines, RoundMachine
 from .round_tensors import RoundTensors
@@ -63,7 +69,7 @@ log = logging.getLogger(__name__)
 __all__ = ["GONE_AFTER", "SCATTER", "AllReduceRound", "FaultHook", "RoundEvidence", "RoundResult"]
 
 WATCH_EVERY = 0.1  # seconds between looks at the members' connections
-BUSY_RETRY = 0.25  # seconds between the dials of a reducer that answered "busy" (see ``_send_slice``)
+RETRY = 0.25  # seconds between a slice's tries, where its reducer failed it for a moment (``_deliver``)
 
 
 @dataclass
@@ -314,21 +320,9 @@ class AllReduceRound:
         m, t = self.machine, self.tensors
         addr = self.manifest.members[to].addr
         own = await trio.to_thread.run_sync(t.own, p) if t.needs_read_back(p) else None
-        pieces, commit = t.pieces(p, own)
         try:
             with trio.fail_after(max(0.0, (deadline or m.at.scatter) - trio.current_time())):
-                conn = await self._dial_reducer(addr)
-                async with conn.open_stream(
-                    PART,
-                    PartReq(self.digest, p, m.weight, commit, t.own_table()[0]),
-                    timeout=time_left(m.at.end),
-                ) as stream:
-                    for index, piece in enumerate(pieces):
-                        await stream.send(piece)
-                        if index == 0:
-                            await self._point("mid_send")
-                    await stream.send_eof()
-                    ack = await stream.response()
+                ack = await self._deliver(p, to, addr, own)
             if ack.ok:
                 self.meter.flow_done("upload")
             else:
@@ -341,22 +335,53 @@ class AllReduceRound:
                 log.info("%s", gone)
             self.signals.changed.fire()
 
-    async def _dial_reducer(self, addr: str) -> Connection:
-        """A connection to a reducer of this round, dialled again every ``BUSY_RETRY`` seconds while it
-        answers "busy" (until the caller's deadline): a member listed in the round is alive when it
-        says so, and its slots admit this round's members once it holds the manifest (``Host.expect``),
-        which a large group's members get a moment apart (relayed: ``grouping``). Busy was taken for
-        gone: at 128 simulated peers with 48 inbound slots a node, 61 of the 65 slices that never
-        reached their reducer were refused so, none by a reducer that expected the sender yet (one
-        traced ran the round 0.16 s after its first refusal), and rounds of the swarm's second step
-        committed without half their members, which then applied nothing."""
+    async def _deliver(self, p: int, to: int, addr: str, own: torch.Tensor | None) -> Ack:
+        """Stream my slice of ``p`` to reducer ``to`` at ``addr`` and return its answer; tried again every
+        ``RETRY`` seconds (until the caller's deadline, or until ``to`` counts as gone) while the
+        failure is one a live reducer gives, that its own next moment undoes:
+
+        - it answers the dial "busy": its slots admit this round's members once it holds the manifest
+          (``Host.expect``), which a large group's members get a moment apart (relayed: ``grouping``).
+          At 128 simulated peers with 48 inbound slots a node, 61 of the 65 slices that never reached
+          their reducer were refused so, none by a reducer that expected the sender yet, and rounds of
+          the swarm's second step committed without half their members.
+        - the connection closes under the slice (``ConnectionClosed``): a node over its inbound slots
+          closes an idle connection when a round member arrives, and one idle a moment ago may be the
+          one a sender just began to use (the request still on its way). In the same runs, after the
+          first fix, each of 10 members of a round of 32 lost its slice so to a reducer that started
+          the round 0.1 s later, gave it up with 12 s of the scatter left, and the round committed
+          short of its members' quorums: all 32 aborted it and formed another, 18 s later.
+        - the call is answered "busy" (too many calls on the connection, or from this peer).
+
+        Any other refusal, a dial that finds nobody, and a deadline are final, as before. A slice a
+        reducer took in part before the connection closed is not taken twice: it answers the second
+        "duplicate" (``RoundServer.on_part``), and counts the sender as failed, as it did."""
+        m, t = self.machine, self.tensors
         while True:
             try:
-                return await self.host.connect(addr)
-            except HandshakeRefused as e:
-                if e.code != "busy":
+                conn = await self.host.connect(addr)
+                pieces, commit = t.pieces(p, own)
+                async with conn.open_stream(
+                    PART,
+                    PartReq(self.digest, p, m.weight, commit, t.own_table()[0]),
+                    timeout=time_left(m.at.end),
+                ) as stream:
+                    for index, piece in enumerate(pieces):
+                        await stream.send(piece)
+                        if index == 0:
+                            await self._point("mid_send")
+                    await stream.send_eof()
+                    return await stream.response()
+            except (HandshakeRefused, RemoteCallError) as e:
+                if e.code != "busy" or to in m.gone:
                     raise
-            await trio.sleep(BUSY_RETRY)
+                why = str(e)
+            except ConnectionClosed as e:
+                if to in m.gone:
+                    raise
+                why = str(e)
+            log.debug("partition %d to %s: %s; again in %g s", p, m.name(to), why, RETRY)
+            await trio.sleep(RETRY)
 
     async def _await_slices(self) -> None:
         """As a reducer: until every sender of our partition delivered or failed, or the scatter ends."""

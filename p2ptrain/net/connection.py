@@ -174,6 +174,8 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._closed = trio.Event()
         self.close_reason = ""
+        # ``aclose`` began (it tells the remote first): no new call starts on it (``close_soon``)
+        self.closing = False
         self.opened_at = trio.current_time()
         self._last_received = self.opened_at
         self._last_busy = self.opened_at
@@ -238,10 +240,17 @@ class Connection:
             with trio.CancelScope(shield=True):
                 await self.channel.aclose()
 
+    def close_soon(self, nursery: trio.Nursery, reason: str) -> None:
+        """Close in ``nursery`` (``aclose``), and start no call on it from now: a node evicting an idle
+        connection tells the remote first, and a call of its own begun on it meanwhile was lost."""
+        self.closing = True
+        nursery.start_soon(self.aclose, reason)
+
     async def aclose(self, reason: str = "closed locally") -> None:
         """Close gracefully: tell the remote why (best effort, 1 s), then close."""
         if self.closed:
             return
+        self.closing = True
         # Best effort: a remote that is gone already needs no explanation.
         with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(ConnectionClosed):
             await self._send(GoAway(reason=reason[:256]))
@@ -297,6 +306,8 @@ class Connection:
     def _new_call(self, method: Method[Any, Any], streaming: bool) -> tuple[int, _OutCall]:
         if self.closed:
             raise ConnectionClosed(f"connection to {self.peer.short()} is closed: {self.close_reason}")
+        if self.closing:
+            raise ConnectionClosed(f"connection to {self.peer.short()} is closing")
         call_id = next(self._ids)
         call = _OutCall(method)
         if streaming:

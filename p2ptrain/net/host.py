@@ -314,9 +314,10 @@ class Host:
         return [c for conns in self._conns.values() for c in conns if not c.closed]
 
     def connection(self, peer: PeerID) -> Connection | None:
-        """The newest live connection to ``peer``, if any."""
+        """The newest live connection to ``peer``, if any; not one that is closing (a node evicting an
+        idle connection tells the remote first, and a call of its own begun on it meanwhile was lost)."""
         for c in reversed(self._conns.get(peer, ())):
-            if not c.closed:
+            if not c.closed and not c.closing:
                 return c
         return None
 

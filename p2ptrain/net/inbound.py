@@ -213,7 +213,7 @@ class Inbound:
         _say(self._tally.note(victim.ip, self._clock()), "evicting %s from %s: %s", who, victim.ip, reason)
         nursery = self._nursery()
         if victim.conn is not None and nursery is not None:
-            nursery.start_soon(victim.conn.aclose, f"evicted: {reason}")
+            victim.conn.close_soon(nursery, f"evicted: {reason}")
         else:
             victim.scope.cancel()
 

@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2ptrain.errors import PeerUnavailable
+from p2ptrain.errors import ConnectionClosed, PeerUnavailable
 from p2ptrain.net import ConnectionConfig, HostConfig, PeerAddress
 
 CONN_LOG = "p2ptrain.net.connection"
@@ -141,6 +141,28 @@ async def test_busy_connection_is_not_idle(mem_cluster, autojump_clock, kit):
         assert not conn.closed
         await server.service.until(lambda: server.service.cancelled["sleep"] == 1)  # our give-up arrived
         assert (await conn.call(kit.ECHO, kit.Text("still"))).text == "still"
+
+
+async def test_a_connection_being_closed_starts_no_new_call(mem_cluster, autojump_clock, kit):
+    """A node evicting an idle connection (``Inbound``) tells the remote why before it closes it; a call
+    of its own begun on it meanwhile was lost (at 128 simulated peers, a round's slices). From the
+    moment it is closing, ``Host.connection`` no longer hands it out and a call on it fails at once; a
+    new connection carries the call."""
+    with trio.fail_after(100):
+        server, client = await mem_cluster.start(), await mem_cluster.start()
+        await client.host.connect(server.address)
+        held = await server.wait_conn_to(client)
+        nursery = server.host.nursery
+        assert nursery is not None
+        held.close_soon(nursery, "evicted: over 1 inbound connections")
+        assert server.host.connection(client.peer_id) is not held
+        with pytest.raises(ConnectionClosed):
+            await held.call(kit.ECHO, kit.Text("on the evicted one"))
+        conn = await server.host.connect(client.address)
+        assert conn is not held
+        assert (await conn.call(kit.ECHO, kit.Text("on a new one"))).text == "on a new one"
+        await held.wait_closed()
+        assert held.close_reason.startswith("evicted")
 
 
 async def test_keep_open_connection_outlives_the_idle_timeout(mem_cluster, autojump_clock, kit):
