@@ -123,3 +123,15 @@ class SchemaMismatch(GroupFormationFailed):
 
 class RoundTimedOut(RoundAborted):
     """An averaging round reached its deadline before every partition arrived; nothing was applied."""
+
+
+def passing(e: BaseException) -> bool:
+    """Whether ``e`` is a failure a live peer gives that its own next moment may undo, so that a caller
+    with time left tries again instead of taking the peer for gone: "busy" (a handshake refused so, as a
+    node whose inbound slots are full answers; or a call answered so, over a connection's or a peer's
+    call limits), or the connection closed under the call (a node over its slots closes an idle
+    connection as a round's member arrives, and the call may have been on its way). Anything else (a
+    dial that finds nobody, a deadline, another refusal) is not."""
+    if isinstance(e, (HandshakeRefused, RemoteCallError)):
+        return e.code == "busy"
+    return isinstance(e, ConnectionClosed)

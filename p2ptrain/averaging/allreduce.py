@@ -35,14 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from ..errors import (
-    ConnectionClosed,
-    HandshakeRefused,
-    P2PError,
-    RemoteCallError,
-    RoundAborted,
-    RoundTimedOut,
-)
+from ..errors import P2PError, RemoteCallError, RoundAborted, RoundTimedOut, passing
 from ..identity import PeerID
 from ..net.host import Host
 from .agreement import excluded_reasons
@@ -338,7 +331,7 @@ class AllReduceRound:
     async def _deliver(self, p: int, to: int, addr: str, own: torch.Tensor | None) -> Ack:
         """Stream my slice of ``p`` to reducer ``to`` at ``addr`` and return its answer; tried again every
         ``RETRY`` seconds (until the caller's deadline, or until ``to`` counts as gone) while the
-        failure is one a live reducer gives, that its own next moment undoes:
+        failure is one a live reducer gives, that its own next moment may undo (``errors.passing``):
 
         - it answers the dial "busy": its slots admit this round's members once it holds the manifest
           (``Host.expect``), which a large group's members get a moment apart (relayed: ``grouping``).
@@ -372,15 +365,10 @@ class AllReduceRound:
                             await self._point("mid_send")
                     await stream.send_eof()
                     return await stream.response()
-            except (HandshakeRefused, RemoteCallError) as e:
-                if e.code != "busy" or to in m.gone:
+            except P2PError as e:
+                if not passing(e) or to in m.gone:
                     raise
-                why = str(e)
-            except ConnectionClosed as e:
-                if to in m.gone:
-                    raise
-                why = str(e)
-            log.debug("partition %d to %s: %s; again in %g s", p, m.name(to), why, RETRY)
+                log.debug("partition %d to %s: %s; again in %g s", p, m.name(to), e, RETRY)
             await trio.sleep(RETRY)
 
     async def _await_slices(self) -> None:

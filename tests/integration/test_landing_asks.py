@@ -17,7 +17,7 @@ import trio
 
 from p2ptrain.averaging.allreduce import RoundResult
 from p2ptrain.averaging.protocol import MemberMsg
-from p2ptrain.errors import ConnectionClosed, HandshakeRefused
+from p2ptrain.errors import ConnectionClosed, HandshakeRefused, PeerUnavailable
 from p2ptrain.identity import PeerID
 from p2ptrain.net.address import PeerAddress
 from p2ptrain.training.optimizer.buckets import Regions
@@ -44,9 +44,11 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
     applied or still landing; some took only other steps), is trusted by the asker or not, in its region
     at the step or not, in the landing round's group or not, and the asker read its record on the step,
     the one before, another, or not at all, none saying the step was taken; and each answers, or its
-    slots are full ("busy", as a node's inbound admission says to a newcomer), or it is gone. The asker
+    slots are full ("busy", as a node's inbound admission says to a newcomer), or it is gone, or its
+    connection closes under the ask 1 to 3 times (evicted as the ask left; then it answers). The asker
     asks the peers it trusts, of its region, outside the group, read on the step or the one before (the
-    witnesses). It finds the step taken, naming one, when a witness that answers took it; else it drops
+    witnesses). It finds the step taken, naming one, when a witness that answers took it (on the code
+    before, a connection closed under the ask was taken for silence); else it drops
     its copy, naming one, when a witness stayed busy (alive on the step: it could have taken it, and on
     the code before "busy" was a "no"); else it finds nothing. It never asks more than ``ASKED`` nor
     waits past ``WAIT``; peers it does not trust, that took the step or not, change nothing."""
@@ -59,14 +61,23 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
         others = [first] + [await s.start(train=False) for _ in range(OTHERS - 1)]
         board, taken = me.opt.board, me.opt.rounds.taken
         host, real_connect = me.node.host, me.node.host.connect
-        state: dict[PeerID, str] = {}  # "busy" or "gone" (else it answers)
+        state: dict[PeerID, str] = {}  # "busy", "gone" or "closes" (else it answers)
+        closes: dict[PeerID, int] = {}  # "closes": the tries whose connection closes under the ask
 
         async def connect(address, **kw):  # type: ignore[no-untyped-def]
-            how = state.get(address.peer_id) if isinstance(address, PeerAddress) else None
+            pid = address.peer_id if isinstance(address, PeerAddress) else None
+            how = state.get(pid) if pid is not None else None
             if how == "busy":
                 raise HandshakeRefused("busy", "too many connections; try later", by_remote=True)
             if how == "gone":
-                raise ConnectionClosed("the peer is gone")
+                raise PeerUnavailable("cannot reach it: the peer is gone")
+            if (
+                how == "closes" and closes[pid] > 0
+            ):  # (as a node over its slots evicts it, the ask on its way)
+                closes[pid] -= 1
+                raise ConnectionClosed(
+                    "connection closed: remote closed: evicted: over 48 inbound connections"
+                )
             return await real_connect(address, **kw)
 
         host.connect = connect  # type: ignore[method-assign]
@@ -86,9 +97,10 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
                 for other in rng.sample(range(6), 2):  # (rounds of other steps say nothing of this one)
                     if other != epoch:
                         p.opt.rounds.taken.committed(other)
-                how = rng.choice(["answers", "answers", "answers", "busy", "gone"])
+                how = rng.choice(["answers", "answers", "answers", "busy", "gone", "closes"])
                 if how != "answers":
                     state[pid] = how
+                    closes[pid] = rng.randint(1, 3)
                 read = rng.choice([epoch, epoch, max(0, epoch - 1), epoch + 2, None])
                 if read is not None:
                     records.append(_stale(p, read))
@@ -106,7 +118,7 @@ async def test_a_landing_member_hears_of_a_step_a_trusted_peer_of_its_region_too
             found = await taken.elsewhere(epoch, frozenset(group))
             assert trio.current_time() - began <= WAIT + 0.01
             assert taken.asked - asked_before <= ASKED
-            answered = {w for w in witnesses & took if w not in state}
+            answered = {w for w in witnesses & took if state.get(w, "closes") == "closes"}
             busy = {w for w in witnesses if state.get(w) == "busy"}
             if answered:
                 assert any(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ...errors import HandshakeRefused, P2PError
+from ...errors import ConnectionClosed, P2PError, passing
 from ...identity import PeerID
 from ...net.address import PeerAddress
 from ...net.rpc import CallContext, Method
@@ -132,14 +132,16 @@ class TakenSteps:
                     if conn.peer != peer:
                         return
                     resp = await conn.call(TAKEN, TakenReq(epoch), timeout=WAIT)
-                except HandshakeRefused as e:
-                    if e.code != "busy":
+                except P2PError as e:
+                    if not passing(e):
                         log.debug("could not ask %s whether it took step %d: %s", peer.short(), epoch, e)
+                        busy.pop(peer, None)
                         return
-                    busy[peer] = None
+                    if not isinstance(e, ConnectionClosed):  # (closed under the ask: not proof it is busy)
+                        busy[peer] = None
                     await trio.sleep(RETRY)
                     continue
-                except (P2PError, ValueError) as e:
+                except ValueError as e:
                     log.debug("could not ask %s whether it took step %d: %s", peer.short(), epoch, e)
                     busy.pop(peer, None)
                     return
