@@ -20,9 +20,14 @@ directly, one round trip, before it applies:
 So of two members of different groups of one step that trust each other, at least one hears of the
 other's round, whatever the order: each noted its own before it asked. The one that hears drops its
 copy (both may: the step is then taken by the others of their groups, or taken again, never twice by
-one pair of peers that trust each other). A member asks only peers it trusts, whose records put them
-on the step or the one before (at most ``ASKED``, newest records first); free ids are never asked, so
-none can make it drop a round. A trusted peer that lies can, as its record could make it skip one.
+one pair of peers that trust each other). A member asks every peer it trusts of its region at the step
+(which a peer's id gives) and outside its group, whatever its record says or whether one was read
+(``ProgressBoard.landing_witnesses``: those on the step or past it first; at most ``ASKED``); asking
+only those whose records put them on the step or the one before missed a peer that had taken the step
+and moved on (its new record is under its next step's keys), and a group of 2 applied its round 5 s
+after a group of 14 holding the one peer of its region a member trusted (128 simulated peers, 48 slots
+a node). Free ids are never asked, so none can make it drop a round. A trusted peer that lies can, as
+its record could make it skip one.
 
 Silence from a witness that is alive is not a "no". A node whose inbound slots are all in use answers a
 newcomer "busy" (``net.admission``), and a landing member is often a newcomer to the peers it trusts (a
@@ -55,7 +60,7 @@ from .board import ProgressBoard
 
 log = logging.getLogger("p2ptrain.training.collaborative")
 
-ASKED = 8  # trusted peers of the region a landing member asks, at most
+ASKED = 16  # trusted peers of the region a landing member asks, at most
 WAIT = 2.0  # seconds a landing member waits for their answers, at most
 RETRY = 0.25  # seconds between the asks of a witness that answered "busy"
 KEPT = 16  # steps whose committed rounds a peer remembers (answers about older ones say no)
@@ -125,10 +130,16 @@ class TakenSteps:
         said: list[PeerID] = []
         busy: dict[PeerID, None] = {}  # witnesses whose last answer was "busy"
 
-        async def ask(peer: PeerID, addr: PeerAddress) -> None:
+        async def ask(peer: PeerID, addr: PeerAddress | None) -> None:
             while True:
                 try:
-                    conn = await self.node.host.connect(addr)
+                    if addr is not None:
+                        conn = await self.node.host.connect(addr)
+                    else:  # (no record names its address: a connection held with it, if any)
+                        held = self.node.host.connection(peer)
+                        if held is None:
+                            return
+                        conn = held
                     if conn.peer != peer:
                         return
                     resp = await conn.call(TAKEN, TakenReq(epoch), timeout=WAIT)
