@@ -64,7 +64,7 @@ import trio
 from ..dht.records import Entry, owned_subkey
 from ..dht.service import DHT
 from ..dht.spread import SpreadKey
-from ..errors import GroupFormationFailed, GroupTooSmall, P2PError, SchemaMismatch
+from ..errors import GroupFormationFailed, GroupTooSmall, P2PError, SchemaMismatch, passing
 from ..identity import PEER_ID_BYTES, PeerID
 from ..net.address import PeerAddress
 from ..net.admission import subnet_of
@@ -115,6 +115,7 @@ EXPIRY_STEP = 0.01  # seconds between the expiries of successive announcements u
 BAD_MANIFEST = "a manifest that breaks the run's rules"
 RETRY_JOIN = 0.05  # seconds before asking again a leader that was between states
 RETRY_FOR = 2.0  # seconds a leader may keep answering "ask again" in one matchmaking; then it is passed over
+RETRY_BUSY = 0.2  # seconds more before dialling again a leader that answered "busy" (``errors.passing``)
 DIAL_LIMIT = 3.0  # seconds a leader's address may take to connect (one announcing a dead address costs that)
 LATE = 1.0  # seconds before a leader's deadline (our clock) from which an answer without a manifest is late
 MAX_FOLLOWED = 16  # manifests of groups this peer followed, remembered for ``round_failed``
@@ -385,6 +386,8 @@ class GroupForming:
             give_up = me.deadline + JOIN_GRACE
             while self.clock() < give_up:
                 seen = await self.announcements(spread, looking.me.group, reading)
+                if me.can_lead:  # (``expect`` runs on trio's clock, the deadlines on ``self.clock``)
+                    self._expect_followers(seen, me.peer, trio.current_time() + give_up - self.clock())
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
                 looking.latest.update((a.peer, a) for a in seen)
                 looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
@@ -638,6 +641,8 @@ class GroupForming:
             # (an honest leader answers by its closing, however slow the DHT: see the module docstring)
             with trio.move_on_after(max(0.0, gathering.closes_at(me.deadline) - self.clock())):
                 seen = await self.announcements(spread, looking.me.group, self.read_keys(looking.group_key))
+            until = gathering.closes_at(me.deadline) + JOIN_GRACE  # (a joiner's grace past the closing)
+            self._expect_followers(seen, me.peer, trio.current_time() + until - self.clock())
             self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
             # (Not once the group may form. Full but short of its quorum, or held by one origin, it
@@ -694,6 +699,19 @@ class GroupForming:
         log.info("formed a group of %d for %s", len(members), looking.group_key)
         return looking.manifest
 
+    def _expect_followers(self, seen: Iterable[Announcement], me: PeerID, until: float) -> None:
+        """As a peer that may lead: the others announced under its group key may dial it to join, until
+        ``until`` (trio's clock; ``Host.expect``): over its inbound cap they may take an idle
+        connection's slot, as a round's members do. Its slots full of the DHT's connections answered
+        them "busy" (128 simulated peers with 48 slots a node: 15 of a run's left-out peers formed no
+        group, a leader "unreachable", busy, among their refusals). What k ids gain: announced under
+        the key, each may take an idle, unprotected slot of the leaders that read it, until their
+        matchmaking ends, within the per-address cap. Client-only peers (no address) are not known by
+        address."""
+        others = [a for a in seen if a.peer != me and a.addr]
+        if others:
+            self.host.expect([a.peer for a in others], [a.addr for a in others], until)
+
     async def _follow(
         self, leader: Announcement, looking: _Looking, declined: set[Announcement]
     ) -> tuple[SignedManifest | None, str, bool]:
@@ -729,6 +747,12 @@ class GroupForming:
             )
         except P2PError as e:
             body = await self._recall(leader, looking.group_key) if sent else None
+            if body is None and not sent and passing(e):
+                # it is there (its slots full before it read our announcement, see
+                # ``_expect_followers``; or the connection closed under the dial): asked again shortly,
+                # as a leader between states is (for ``RETRY_FOR``), not as often (``RETRY_BUSY``)
+                await trio.sleep(RETRY_BUSY)
+                return None, f"unreachable for now ({e})", True
             if body is None:
                 why = f"unreachable ({e})"
                 if self._late(leader, looking, asked, why):
