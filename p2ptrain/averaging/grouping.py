@@ -702,12 +702,12 @@ class GroupForming:
     def _expect_followers(self, seen: Iterable[Announcement], me: PeerID, until: float) -> None:
         """As a peer that may lead: the others announced under its group key may dial it to join, until
         ``until`` (trio's clock; ``Host.expect``): over its inbound cap they may take an idle
-        connection's slot, as a round's members do. Its slots full of the DHT's connections answered
-        them "busy" (128 simulated peers with 48 slots a node: 15 of a run's left-out peers formed no
-        group, a leader "unreachable", busy, among their refusals). What k ids gain: announced under
-        the key, each may take an idle, unprotected slot of the leaders that read it, until their
-        matchmaking ends, within the per-address cap. Client-only peers (no address) are not known by
-        address."""
+        connection's slot, as a round's members do. Its slots full of the DHT's connections refused
+        them (128 simulated peers with 48 slots a node: 18 of a run's left-out peers formed no group, a
+        leader "unreachable" among their refusals, its handshake refused or the connection closed).
+        What k ids gain: announced under the key, each may take an idle, unprotected slot of the
+        leaders that read it, until their matchmaking ends, within the per-address cap. Client-only
+        peers (no address) are not known by address."""
         others = [a for a in seen if a.peer != me and a.addr]
         if others:
             self.host.expect([a.peer for a in others], [a.addr for a in others], until)

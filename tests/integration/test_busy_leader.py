@@ -1,12 +1,13 @@
 """A group's leader is reached through inbound slots full of the DHT's connections (``grouping``).
 
-At 128 simulated peers with 48 inbound slots a node, 15 of a run's left-out peers formed no group: the
-leader they followed answered their dial "busy" (its slots held the DHT's connections, used within
-``idle_after``), and they passed it over at once. Two rules, each tested here: a peer that may lead
-expects the peers announced under its group key while it looks (``Host.expect``: over the cap they may
-take an idle slot, as a round's members do, shown in ``test_connection_flood``); and a follower whose
-leader answers "busy", or whose connection closes under the dial, dials it again shortly, for as long
-as a leader between states is asked again (``RETRY_FOR``), before it passes it over.
+At 128 simulated peers with 48 inbound slots a node, 18 of a run's left-out peers formed no group: the
+leader they followed refused their dial (its slots held the DHT's connections, used within
+``idle_after``), or the connection closed under it, and they passed it over at once. Two rules, each
+tested here: a peer that may lead expects the peers announced under its group key while it looks
+(``Host.expect``: over the cap they may take an idle slot, as a round's members do, shown in
+``test_connection_flood``); and a follower whose leader answers "busy", or whose connection closes
+under the dial, dials it again shortly, for as long as a leader between states is asked again
+(``RETRY_FOR``), before it passes it over.
 """
 
 from __future__ import annotations
