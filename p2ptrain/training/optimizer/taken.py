@@ -62,7 +62,7 @@ log = logging.getLogger("p2ptrain.training.collaborative")
 
 ASKED = 16  # trusted peers of the region a landing member asks, at most
 WAIT = 2.0  # seconds a landing member waits for their answers, at most
-RETRY = 0.25  # seconds between the asks of a witness that answered "busy"
+RETRY = 0.25  # seconds between the asks of a witness that said "busy" or whose connection closed
 KEPT = 16  # steps whose committed rounds a peer remembers (answers about older ones say no)
 
 
