@@ -149,6 +149,11 @@ class _Looking:
     relays: dict[PeerID, str] = field(default_factory=dict)
 
 
+def _counted(looking: _Looking) -> frozenset[PeerID]:
+    """The peers the quorum of a group led here counts (none without a quorum)."""
+    return looking.quorum.peers if looking.quorum is not None else frozenset()
+
+
 def announced_subnet(addr: str) -> str:
     """The subnet of the host in an announced address ("" for a circuit, nonsense or nothing): where
     this peer would reach that leader, so a subnet's blame applies before dialing."""
@@ -387,7 +392,8 @@ class GroupForming:
             while self.clock() < give_up:
                 seen = await self.announcements(spread, looking.me.group, reading)
                 if me.can_lead:  # (``expect`` runs on trio's clock, the deadlines on ``self.clock``)
-                    self._expect_followers(seen, me.peer, trio.current_time() + give_up - self.clock())
+                    until = trio.current_time() + give_up - self.clock()
+                    self._expect_followers(seen, me, _counted(looking), sizes[0], until)
                 looking.announced.update((a.peer, a.bandwidth) for a in seen)
                 looking.latest.update((a.peer, a) for a in seen)
                 looking.compatible.update(a.peer for a in seen if a.schema == me.schema)
@@ -642,7 +648,9 @@ class GroupForming:
             with trio.move_on_after(max(0.0, gathering.closes_at(me.deadline) - self.clock())):
                 seen = await self.announcements(spread, looking.me.group, self.read_keys(looking.group_key))
             until = gathering.closes_at(me.deadline) + JOIN_GRACE  # (a joiner's grace past the closing)
-            self._expect_followers(seen, me.peer, trio.current_time() + until - self.clock())
+            self._expect_followers(
+                seen, me, _counted(looking), sizes[0], trio.current_time() + until - self.clock()
+            )
             self._away(looking, gathering, seen, declined)
             smaller = self._choose(looking, seen, declined)
             # (Not once the group may form. Full but short of its quorum, or held by one origin, it
@@ -699,16 +707,31 @@ class GroupForming:
         log.info("formed a group of %d for %s", len(members), looking.group_key)
         return looking.manifest
 
-    def _expect_followers(self, seen: Iterable[Announcement], me: PeerID, until: float) -> None:
-        """As a peer that may lead: the others announced under its group key may dial it to join, until
-        ``until`` (trio's clock; ``Host.expect``): over its inbound cap they may take an idle
-        connection's slot, as a round's members do. Its slots full of the DHT's connections refused
+    def _expect_followers(
+        self,
+        seen: Iterable[Announcement],
+        me: Announcement,
+        counted: frozenset[PeerID],
+        target: int,
+        until: float,
+    ) -> None:
+        """As a peer that may lead: the others announced under its group key with its schema may dial it
+        to join, until ``until`` (trio's clock; ``Host.expect``): over its inbound cap they may take an
+        idle connection's slot, as a round's members do. Its slots full of the DHT's connections refused
         them (128 simulated peers with 48 slots a node: 18 of a run's left-out peers formed no group, a
         leader "unreachable" among their refusals, its handshake refused or the connection closed).
-        What k ids gain: announced under the key, each may take an idle, unprotected slot of the
-        leaders that read it, until their matchmaking ends, within the per-address cap. Client-only
-        peers (no address) are not known by address."""
-        others = [a for a in seen if a.peer != me and a.addr]
+
+        At most the group's room (``target`` - 1), the peers its quorum counts (``counted``) first:
+        announcements are free, and a hundred ids announced under the key must not push the members of
+        the rounds this node takes part in out of its table of expected peers (``Inbound.expect`` keeps
+        the most recent few hundred). What k ids gain: each of at most that many may take an idle,
+        unprotected slot of the leaders that read it, until their matchmaking ends, within the
+        per-address cap (the address is its own claim: it can only name a host whose connection may
+        then take such a slot).
+        Client-only peers (no address) are not known by address."""
+        others = [a for a in seen if a.peer != me.peer and a.addr and a.schema == me.schema]
+        others.sort(key=lambda a: a.peer not in counted)  # (stable: the read's order otherwise)
+        others = others[: max(0, target - 1)]
         if others:
             self.host.expect([a.peer for a in others], [a.addr for a in others], until)
 

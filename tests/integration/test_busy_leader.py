@@ -62,30 +62,41 @@ async def test_a_follower_whose_leader_is_busy_for_a_while_joins_it(autojump_clo
     assert_one_group_of_all(found)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 async def test_a_peer_that_may_lead_expects_the_peers_announced_under_its_key(autojump_clock, seed):
-    """Randomized announcements read under a key (some client-only, without an address; this peer's
-    own): a peer that may lead expects each other announced peer with an address until the given time,
-    and no longer; nobody else is expected."""
+    """Randomized announcements read under a key (some client-only, without an address; some with
+    another schema; this peer's own; some of peers its quorum counts), more than its group has room
+    for or not: a peer that may lead expects the other announced peers with an address and its schema,
+    those its quorum counts first, at most its group's room, until the given time and no longer;
+    nobody else is expected (a hundred ids announced must not flood its table of expected peers)."""
     rng = random.Random(seed)
     cfg = AveragerConfig(target_size=4, min_size=2, matchmaking_time=3.0)
     async with swarm(2, cfg) as nodes:
         node = nodes[0]
-        me = node.peer_id
-        seen = [Announcement(me, str(node.addresses[0]), 0.0, 1.0, b"s")]
-        hosts: dict[str, bool] = {}
-        for k in range(rng.randint(2, 8)):
+        me = Announcement(node.peer_id, str(node.addresses[0]), 0.0, 1.0, b"s")
+        seen = [me]
+        target = rng.randint(2, 6)
+        counted: set = set()
+        eligible: list[tuple[bool, str]] = []  # (counted, host) of those it may expect, read order
+        hosts: list[str] = []
+        for k in range(rng.randint(2, 12)):
             peer = identity(f"announced-{seed}-{k}").peer_id
-            kind = rng.choice(["addressed", "addressed", "client-only"])
+            kind = rng.choice(["addressed", "addressed", "addressed", "client-only", "other schema"])
             host = f"198.18.{seed}.{k + 1}"
-            addr = str(PeerAddress("ip4", host, 4000, peer)) if kind == "addressed" else ""
-            seen.append(Announcement(peer, addr, 0.0, 1.0, b"s"))
-            hosts[host] = kind == "addressed"
+            addr = str(PeerAddress("ip4", host, 4000, peer)) if kind != "client-only" else ""
+            seen.append(Announcement(peer, addr, 0.0, 1.0, b"t" if kind == "other schema" else b"s"))
+            hosts.append(host)
+            if rng.random() < 0.4:
+                counted.add(peer)
+            if kind == "addressed":
+                eligible.append((peer in counted, host))
+        first = [h for c, h in eligible if c] + [h for c, h in eligible if not c]
+        room = first[: target - 1]
         until = trio.current_time() + rng.uniform(1.0, 5.0)
-        node.averager.groups._expect_followers(seen, me, until)
+        node.averager.groups._expect_followers(seen, me, frozenset(counted), target, until)
         inbound = node.host.inbound
-        for host, addressed in hosts.items():
-            assert inbound.expects(host) is addressed, host
+        for host in hosts:
+            assert inbound.expects(host) is (host in room), host
         assert not inbound.expects(node.addresses[0].host)  # (never itself)
         await trio.sleep_until(until + 0.01)
         assert not any(inbound.expects(host) for host in hosts)
