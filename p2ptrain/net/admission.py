@@ -34,6 +34,17 @@ are worth what the peers it trained with are. (A member the node does not expect
 not hold the round's manifest yet, still hears "busy", and dials again: ``allreduce``. At 128
 simulated peers with 48 slots, that was every "busy" a member heard from its reducer.)
 
+A full table never turns newcomers away for good. Where nothing above may be evicted and the reserve
+is not theirs, a newcomer may still take the slot of the unprotected connection with no call in flight
+that was used least recently, once it has been idle ``turnover_idle`` seconds, at most ``rate`` such
+slots a second (``Turnover``, a token bucket of the node's). The invariant: a dialer refused by a table
+full of connections that are merely *recently* used is admitted within about a second, while the peers
+a node trains with, the members of its rounds and the connections with a call in flight never give way,
+and a flood from any number of addresses costs the node's other peers at most ``rate`` reconnects a
+second. Without it, a large swarm's DHT traffic kept every connection younger than ``idle_after``, and
+newcomers heard "busy" from every join peer until they gave up (128 simulated peers with 48 slots a
+node: 11 of the last 30 joiners never joined in the minute they were given).
+
 Before any of that, :class:`Arrivals` bounds how fast an address and a subnet may open new connections
 (a token bucket each). Admission's bookkeeping looks at every slot; a flood that reconnects as fast as
 it is evicted would make each honest node pay that for every attempt (one process holding 600 sockets,
@@ -80,6 +91,7 @@ class Limits:
     per_subnet: int = 64
     reserve: int = 32  # slots beyond ``total`` for connections on probation (see the module docstring)
     idle_after: float = 30.0  # seconds without a call before an authenticated connection may be evicted
+    turnover_idle: float = 1.0  # the same, for a slot turned over to a newcomer (``Turnover``)
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ class Admission:
     victim: Slot | None = None
     reason: str = ""
     lent: bool = False
+    turnover: bool = False  # the victim was only ``turnover_idle`` idle: a token of ``Turnover`` is spent
 
 
 def _victim(candidates: Sequence[Slot], by_subnet: Counter[str], now: float, limits: Limits) -> Slot | None:
@@ -130,11 +143,14 @@ def admit(
     *,
     reserve: bool = False,
     expected: bool = False,
+    turnover: bool = False,
 ) -> Admission:
     """What to do with a new inbound connection from ``ip`` at ``now``, given the ``slots`` in use;
     ``reserve``: a protected peer was seen at ``ip`` (it may use the reserved slots); ``expected``: a
     member of a round this node takes part in is at ``ip`` (over the total, it may take the slot of any
-    idle connection that is not protected, see the module docstring)."""
+    idle connection that is not protected, see the module docstring); ``turnover``: the node's
+    ``Turnover`` holds a token (over the total, where nothing else may give way, the least recently used
+    connection idle ``turnover_idle`` that is not protected does)."""
     subnet = subnet_of(ip)
     by_subnet = Counter(s.subnet for s in slots)
     same_ip = [s for s in slots if s.ip == ip]
@@ -157,8 +173,40 @@ def admit(
             return Admission("evict", victim, f"over {limits.total} inbound connections", lent)
         if (reserve or expected) and len(slots) < limits.total + limits.reserve:
             return Admission("probation", reason="only peers it trains or trained with may use the reserve")
+        if turnover:
+            briefly = dataclasses.replace(limits, idle_after=limits.turnover_idle)
+            victim = _victim(slots, by_subnet, now, briefly)
+            if victim is not None:
+                why = f"over {limits.total} inbound connections, the least recently used turned over"
+                return Admission("evict", victim, why, turnover=True)
         return Admission("refuse", reason="too many connections; try later")
     return Admission("accept")
+
+
+@dataclass
+class Turnover:
+    """How fast a node's full table may turn slots over to newcomers (see the module docstring): a token
+    bucket of ``rate`` a second, bursts of ``burst``; a rate of 0 turns none over."""
+
+    rate: float = 1.0
+    burst: float = 4.0
+    _tokens: float = -1.0  # (full at the first look)
+    _when: float = 0.0
+
+    def ready(self, now: float) -> bool:
+        """Whether a slot may be turned over at ``now`` (seconds)."""
+        if self.rate <= 0.0:
+            return False
+        if self._tokens < 0.0:
+            self._tokens, self._when = self.burst, now
+        self._tokens = min(self.burst, self._tokens + max(0.0, now - self._when) * self.rate)
+        self._when = now
+        return self._tokens >= 1.0
+
+    def spend(self, now: float) -> None:
+        """A slot was turned over at ``now``."""
+        if self.ready(now):
+            self._tokens -= 1.0
 
 
 @dataclass

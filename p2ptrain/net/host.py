@@ -73,6 +73,7 @@ class HostConfig:
     reserved_inbound: int = 32  # beyond max_inbound: for peers it trained with (``protect``) or trains with
     inbound_rate: float = 1.0  # new connections a second per address (4x per subnet; bursts: 2x the caps)
     refused_hold: float = 120.0  # seconds a refused connection is held open before it is closed (``linger``)
+    turnover_rate: float = 1.0  # slots a second a full table turns over to newcomers (``admission``; 0: none)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     protocol_version: int = PROTOCOL_VERSION
     announce_host: str | None = None  # host to advertise instead of the listener's (NAT, containers)
@@ -149,7 +150,9 @@ class Host:
             cfg.max_inbound, cfg.max_inbound_per_ip, cfg.max_inbound_per_subnet, cfg.reserved_inbound
         )
         self.inbound = Inbound(
-            InboundLimits(limits, cfg.inbound_rate, cfg.refused_hold, cfg.handshake_timeout),
+            InboundLimits(
+                limits, cfg.inbound_rate, cfg.refused_hold, cfg.handshake_timeout, cfg.turnover_rate
+            ),
             responder=self._responder,
             make_connection=lambda framed, result, host, port: self._make_connection(
                 framed, result, False, host, port

@@ -24,7 +24,7 @@ import trio
 
 from ..errors import ConnectionClosed, HandshakeRefused, RemoteProtocolError
 from ..identity import PeerID
-from .admission import Admission, Arrivals, Limits, Slot, Tally, admit, subnet_of
+from .admission import Admission, Arrivals, Limits, Slot, Tally, Turnover, admit, subnet_of
 from .channel import FramedStream, framed_stream
 from .connection import Connection
 from .handshake import MAX_HANDSHAKE_FRAME, HandshakeResult, ResponderHandshake, reject_frame
@@ -62,6 +62,7 @@ class InboundLimits:
     inbound_rate: float  # new connections a second per address (4x per subnet; bursts: 2x the caps)
     refused_hold: float  # seconds a refused connection is held open before it is closed
     handshake_timeout: float
+    turnover_rate: float = 1.0  # slots a second a full table may turn over to newcomers (``Turnover``)
 
 
 class Inbound:
@@ -108,6 +109,7 @@ class Inbound:
             limits.inbound_rate, 2 * caps.per_ip, 4 * limits.inbound_rate, 2 * caps.per_subnet
         )
         self._lingering = Lingering(limits.refused_hold)  # refused connections, held open a while
+        self._turnover = Turnover(limits.turnover_rate, max(1.0, 4.0 * limits.turnover_rate))
         self._relayed_inbound = 0
 
     async def accept_relayed(self, stream: trio.abc.Stream, relay_host: str, seen_at: str = "") -> None:
@@ -200,9 +202,19 @@ class Inbound:
         )
         if below:
             return Admission("accept")
-        return admit(
-            self._slot_views(), remote_host, trio.current_time(), caps, reserve=reserve, expected=expected
+        now = trio.current_time()
+        verdict = admit(
+            self._slot_views(),
+            remote_host,
+            now,
+            caps,
+            reserve=reserve,
+            expected=expected,
+            turnover=self._turnover.ready(now),
         )
+        if verdict.turnover:
+            self._turnover.spend(now)
+        return verdict
 
     def _evict(self, key: int, reason: str) -> None:
         victim = self._slots[key]

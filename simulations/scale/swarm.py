@@ -118,6 +118,7 @@ class SimPeer:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     joined: float = 0.0
     gone: float | None = None
+    bootstrapped: float | None = None  # when its DHT joined the swarm (a join peer answered it)
     steps: list[tuple[int, int, bytes, str, int, float]] = field(default_factory=list)
     # what it noted of each step, whether or not it took one: (epoch, outcome, reason)
     notes: list[tuple[int, str, str]] = field(default_factory=list)
@@ -320,12 +321,17 @@ class Simulation:
             with peer.scope:
                 async with trio.open_nursery() as inner_nursery:
                     await inner_nursery.start(node.run)
+                    inner_nursery.start_soon(self._note_bootstrap, peer)
                     await inner_nursery.start(opt.run)
                     task_status.started()
                     await self._train(peer)
 
         await self.nursery.start(run)
         return peer
+
+    async def _note_bootstrap(self, peer: SimPeer) -> None:
+        await peer.node.dht.bootstrapped.wait()
+        peer.bootstrapped = trio.current_time()
 
     async def _train(self, peer: SimPeer) -> None:
         g = torch.Generator().manual_seed(100 + peer.index)
@@ -664,9 +670,18 @@ def measure(
         for h, q in p.node.dht.reader.recent_lookups:
             hops.append(h)
             queries.append(q)
+    # from a peer's start to its DHT's join (a join peer answered), every peer that started; a live peer
+    # never joined trains alone on a swarm of one (at 128 peers with 48 slots, 11 heard "busy" from every
+    # join peer for a minute)
+    joins = [p.bootstrapped - p.joined for p in sim.peers if p.bootstrapped is not None]
     return {
         "peers": sim.spec.peers,
         "live_at_end": len(sim.live()),
+        "join_s": {
+            "median": round(pct(joins, 0.5), 2) if joins else None,
+            "max": round(max(joins), 2) if joins else None,
+            "never": sum(p.bootstrapped is None for p in sim.live()),
+        },
         "parameters": 6 * sim.spec.hidden + 1,  # (the model's: 4 -> hidden -> 1)
         "virtual_s": round(window, 1),
         "global_steps": steps,

@@ -116,9 +116,11 @@ async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, a
     connection used least recently that is neither a peer it trained with nor another member of the
     round; a stranger is still told "busy", and so is an address whose round is over. On the code
     before, the member was refused like the stranger, and its slices never reached the reducer (1,024
-    simulated peers: rounds committed without up to half their members)."""
+    simulated peers: rounds committed without up to half their members). (No slot is turned over to a
+    stranger here, ``turnover_rate=0``: that is the next test's.)"""
     with trio.fail_after(120):
-        server = await mem_cluster.start(config=HostConfig(max_inbound=3, reserved_inbound=0))
+        config = HostConfig(max_inbound=3, reserved_inbound=0, turnover_rate=0.0)
+        server = await mem_cluster.start(config=config)
         friend = await mem_cluster.start("198.18.1.1")
         lookups = [await mem_cluster.start(f"198.18.{2 + k}.1") for k in range(2)]
         for p in [friend, *lookups]:
@@ -150,6 +152,58 @@ async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, a
         server.host.expect([late.peer_id], [str(late.address)], until=trio.current_time() - 1.0)
         with pytest.raises(HandshakeRefused):
             await late.host.connect(server.address)
+
+
+async def test_a_table_full_of_connections_used_a_moment_ago_turns_one_over_to_a_newcomer(
+    mem_cluster, autojump_clock, kit
+):
+    """A node whose slots all hold connections used within ``idle_after`` (a large swarm's DHT lookups)
+    still admits a newcomer that is no round member, in place of the connection used least recently that
+    is not a peer it trained with and has no call in flight; a flood of newcomers from as many subnets
+    turns over at most the burst at once and then one slot a second (``HostConfig.turnover_rate``), and
+    the peer it trained with keeps its connection throughout. On the code before, every newcomer heard
+    "busy" (128 simulated peers with 48 slots a node: 11 joiners never joined)."""
+    with trio.fail_after(120):
+        config = HostConfig(max_inbound=3, reserved_inbound=0, turnover_rate=1.0)
+        server = await mem_cluster.start(config=config)
+        friend = await mem_cluster.start("198.18.1.1")
+        lookups = [await mem_cluster.start(f"198.18.{2 + k}.1") for k in range(2)]
+        for p in [friend, *lookups]:
+            conn = await p.host.connect(server.address)
+            assert (await conn.call(kit.ECHO, kit.Text("lookup"))).text == "lookup"
+        held = [await server.wait_conn_to(p) for p in [friend, *lookups]]
+        server.host.protect(friend.peer_id)
+        await trio.sleep(5.0)
+        assert (await lookups[1].conn_to(server).call(kit.ECHO, kit.Text("later"))).text == "later"
+        await trio.sleep(2.0)
+        newcomer = await mem_cluster.start("198.18.8.1")
+        conn = await newcomer.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("hello"))).text == "hello"
+        await held[1].wait_closed()  # used 7 s ago: the least recently used that is not the friend's
+        assert held[1].close_reason.startswith("evicted") and not held[2].closed
+        flood = [await mem_cluster.start(f"198.18.{20 + k}.1") for k in range(12)]
+        admitted = []
+
+        async def dial(peer) -> None:
+            try:
+                c = await peer.host.connect(server.address)
+                await c.call(kit.ECHO, kit.Text("in"))
+            except P2PError:
+                return
+            admitted.append(trio.current_time())
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for k, peer in enumerate(flood):
+                nursery.start_soon(dial, peer)
+                await trio.sleep(0.25 if k >= 6 else 0.0)  # six at once, then four a second
+        assert admitted, "no newcomer of the flood was admitted"
+        # the burst (4, one spent on the first newcomer) at once, then one a second at most
+        for i, t in enumerate(sorted(admitted)):
+            assert i + 1 <= 3 + (t - start) * 1.0 + 1e-6, (i, t - start)
+        assert len(admitted) < len(flood)  # (the rate, not the flood, set the pace)
+        assert not held[0].closed  # the friend's connection never gave way
+        assert any(c.peer == friend.peer_id and not c.closed for c in server.host.connections())
 
 
 async def test_a_round_member_uses_the_reserve_where_every_slot_is_protected_or_in_use(
