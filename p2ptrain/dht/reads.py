@@ -30,10 +30,9 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..errors import P2PError
+from ..errors import P2PError, passing
 from ..identity import PeerID
 from ..net.address import PeerAddress
-from ..net.slots import busy
 from .client import Client
 from .config import DHTConfig
 from .contacts import Contacts
@@ -194,7 +193,9 @@ class Reader:
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("lookup query to %s failed: %s", contact.peer_id.short(), e)
                 search.on_failure(contact.peer_id)
-                if known is not None and not busy(e):  # (busy: alive, this origin's share spent)
+                # (a passing failure, busy or the connection closed under the call, is a live node's:
+                # a full table's answer, this origin's share spent; it fails nothing in the table)
+                if known is not None and not passing(e):
                     self._contacts.failed(contact.peer_id)
             else:
                 # The query may have reused a connection dialed elsewhere: record the address the
@@ -295,8 +296,10 @@ class Reader:
         # key since the replicas were looked up, see ``replicas``)
         nearest_from = replicas[0] if self._replicas.ask_nearest(kid) else None
         heard: list[Contact] = []  # peers it named as closer than the replicas, to ask ourselves
+        passed, lasting = 0, False  # replicas that failed passingly (``errors.passing``), or otherwise
 
         async def ask(contact: Contact, known: list[Entry], done: trio.CancelScope) -> None:
+            nonlocal passed, lasting
             tags = b"".join(tag(e) for e in known)
             nearest = contact is nearest_from
             try:
@@ -305,7 +308,14 @@ class Reader:
                 )
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("read of a known replica %s failed: %s", contact.peer_id.short(), e)
-                if not busy(e):  # (busy: it is there, with no reply for this origin now: ask another)
+                # Busy, or the connection closed under the read (a full table turned it over, see
+                # ``net.admission``): it is there, and holds what it held; another is asked. A lookup
+                # for it finds the same replicas (at 128 simulated peers with 48 slots a node, taken
+                # for failures, such reads were most of the node lookups).
+                if passing(e):
+                    passed += 1
+                else:
+                    lasting = True
                     self._replicas.drop(kid)  # the next read and store look the replicas up again
                 return
             if nearest:
@@ -349,7 +359,8 @@ class Reader:
                 first = False
                 start(quorum - len(holders) - running)
         if len(holders) < quorum:
-            self._replicas.drop(kid)  # look them up again: the next store too
+            if lasting or len(holders) + passed < quorum:
+                self._replicas.drop(kid)  # look them up again: the next store too
             return None
         if heard:  # (in the background: this read does not wait for them)
             try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..errors import P2PError
+from ..errors import P2PError, passing
 from ..identity import Identity, PeerID
 from ..net.address import PeerAddress
 from .client import Client
@@ -39,6 +39,11 @@ from .replicas import Replicas
 from .routing import Contact
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
+
+
+class _Passing(Exception):
+    """A store failed passingly (``errors.passing``): the replica is live; nothing counts against it."""
+
 
 PUSH_BATCH = 256  # entries per store call when records are pushed to new replicas
 
@@ -135,17 +140,22 @@ class Writer:
                     continue
                 accepted += 1
 
+        passed = 0  # replicas that failed passingly: live, holding their slots (``errors.passing``)
+
         async def push(contact: Contact) -> None:
-            nonlocal accepted
-            if await self.push(contact, entries):
-                accepted += 1
-                if took is not None:
-                    took.add(contact.peer_id)
+            nonlocal accepted, passed
+            try:
+                if await self._push(contact, entries):
+                    accepted += 1
+                    if took is not None:
+                        took.add(contact.peer_id)
+            except _Passing:
+                passed += 1
 
         async with trio.open_nursery() as nursery:
             for contact in targets:
                 nursery.start_soon(push, contact)
-        if accepted < len(targets):
+        if accepted + passed < len(targets):
             self._replicas.drop(kid)  # a replica failed or refused: look them up again next time
         return accepted
 
@@ -162,11 +172,22 @@ class Writer:
         return mine < int.from_bytes(targets[-1].peer_id.digest, "big") ^ t
 
     async def push(self, contact: Contact, entries: list[Entry]) -> bool:
-        """Store ``entries`` on ``contact``; whether it took any (a failure counts against it)."""
+        """Store ``entries`` on ``contact``; whether it took any (a failure counts against it, unless
+        it is passing: busy, or the connection closed under the store, as a live node's full table
+        answers)."""
+        try:
+            return await self._push(contact, entries)
+        except _Passing:
+            return False
+
+    async def _push(self, contact: Contact, entries: list[Entry]) -> bool:
+        """``push``, raising ``_Passing`` for a passing failure."""
         try:
             resp = await self._client.store(contact, entries)
         except (P2PError, trio.TooSlowError) as e:
             log.debug("store on %s failed: %s", contact.peer_id.short(), e)
+            if passing(e):
+                raise _Passing from e
             self._contacts.failed(contact.peer_id)
             self._replicas.forget(contact.peer_id)
             return False
