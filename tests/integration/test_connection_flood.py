@@ -110,6 +110,22 @@ async def test_a_dialer_over_the_rate_is_told_busy_at_once(mem_cluster, autojump
         assert trio.current_time() - start < 1.0  # told, not left to its handshake timeout
 
 
+async def _full_of_lookups(mem_cluster, kit, config: HostConfig):  # type: ignore[no-untyped-def]
+    """A node of 3 slots holding a friend's connection (a peer it trained with) and two lookups', the
+    second used 5 s after the first: (server, friend, lookups, the server's three connections)."""
+    server = await mem_cluster.start(config=config)
+    friend = await mem_cluster.start("198.18.1.1")
+    lookups = [await mem_cluster.start(f"198.18.{2 + k}.1") for k in range(2)]
+    for p in [friend, *lookups]:
+        conn = await p.host.connect(server.address)
+        assert (await conn.call(kit.ECHO, kit.Text("lookup"))).text == "lookup"
+    held = [await server.wait_conn_to(p) for p in [friend, *lookups]]
+    server.host.protect(friend.peer_id)
+    await trio.sleep(5.0)
+    assert (await lookups[1].conn_to(server).call(kit.ECHO, kit.Text("later"))).text == "later"
+    return server, friend, lookups, held
+
+
 async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, autojump_clock, kit):
     """A node whose slots all hold connections used within ``idle_after`` (a large swarm's DHT lookups)
     admits the members of a round it takes part in (``Host.expect``), each in place of the idle
@@ -120,16 +136,7 @@ async def test_round_members_take_slots_the_dht_used_a_moment_ago(mem_cluster, a
     stranger here, ``turnover_rate=0``: that is the next test's.)"""
     with trio.fail_after(120):
         config = HostConfig(max_inbound=3, reserved_inbound=0, turnover_rate=0.0)
-        server = await mem_cluster.start(config=config)
-        friend = await mem_cluster.start("198.18.1.1")
-        lookups = [await mem_cluster.start(f"198.18.{2 + k}.1") for k in range(2)]
-        for p in [friend, *lookups]:
-            conn = await p.host.connect(server.address)
-            assert (await conn.call(kit.ECHO, kit.Text("lookup"))).text == "lookup"
-        held = [await server.wait_conn_to(p) for p in [friend, *lookups]]
-        server.host.protect(friend.peer_id)
-        await trio.sleep(5.0)
-        assert (await lookups[1].conn_to(server).call(kit.ECHO, kit.Text("later"))).text == "later"
+        server, _friend, lookups, held = await _full_of_lookups(mem_cluster, kit, config)
         stranger = await mem_cluster.start("198.18.8.1")
         with pytest.raises(HandshakeRefused) as info:
             await stranger.host.connect(server.address)
@@ -165,16 +172,7 @@ async def test_a_table_full_of_connections_used_a_moment_ago_turns_one_over_to_a
     "busy" (128 simulated peers with 48 slots a node: 11 joiners never joined)."""
     with trio.fail_after(120):
         config = HostConfig(max_inbound=3, reserved_inbound=0, turnover_rate=1.0)
-        server = await mem_cluster.start(config=config)
-        friend = await mem_cluster.start("198.18.1.1")
-        lookups = [await mem_cluster.start(f"198.18.{2 + k}.1") for k in range(2)]
-        for p in [friend, *lookups]:
-            conn = await p.host.connect(server.address)
-            assert (await conn.call(kit.ECHO, kit.Text("lookup"))).text == "lookup"
-        held = [await server.wait_conn_to(p) for p in [friend, *lookups]]
-        server.host.protect(friend.peer_id)
-        await trio.sleep(5.0)
-        assert (await lookups[1].conn_to(server).call(kit.ECHO, kit.Text("later"))).text == "later"
+        server, friend, _lookups, held = await _full_of_lookups(mem_cluster, kit, config)
         await trio.sleep(2.0)
         newcomer = await mem_cluster.start("198.18.8.1")
         conn = await newcomer.host.connect(server.address)
