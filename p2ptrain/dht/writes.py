@@ -41,10 +41,6 @@ from .routing import Contact
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
 
 
-class _Passing(Exception):
-    """A store failed passingly (``errors.passing``): the replica is live; nothing counts against it."""
-
-
 PUSH_BATCH = 256  # entries per store call when records are pushed to new replicas
 
 
@@ -144,13 +140,13 @@ class Writer:
 
         async def push(contact: Contact) -> None:
             nonlocal accepted, passed
-            try:
-                if await self._push(contact, entries):
-                    accepted += 1
-                    if took is not None:
-                        took.add(contact.peer_id)
-            except _Passing:
+            took_any = await self.push(contact, entries)
+            if took_any is None:
                 passed += 1
+            elif took_any:
+                accepted += 1
+                if took is not None:
+                    took.add(contact.peer_id)
 
         async with trio.open_nursery() as nursery:
             for contact in targets:
@@ -171,23 +167,16 @@ class Writer:
         mine = int.from_bytes(self._identity.peer_id.digest, "big") ^ t
         return mine < int.from_bytes(targets[-1].peer_id.digest, "big") ^ t
 
-    async def push(self, contact: Contact, entries: list[Entry]) -> bool:
-        """Store ``entries`` on ``contact``; whether it took any (a failure counts against it, unless
-        it is passing: busy, or the connection closed under the store, as a live node's full table
-        answers)."""
-        try:
-            return await self._push(contact, entries)
-        except _Passing:
-            return False
-
-    async def _push(self, contact: Contact, entries: list[Entry]) -> bool:
-        """``push``, raising ``_Passing`` for a passing failure."""
+    async def push(self, contact: Contact, entries: list[Entry]) -> bool | None:
+        """Store ``entries`` on ``contact``; whether it took any. A failure counts against it, unless it
+        is passing (busy, or the connection closed under the store, as a live node's full table
+        answers: ``errors.passing``): then None, and nothing counts against it."""
         try:
             resp = await self._client.store(contact, entries)
         except (P2PError, trio.TooSlowError) as e:
             log.debug("store on %s failed: %s", contact.peer_id.short(), e)
             if passing(e):
-                raise _Passing from e
+                return None
             self._contacts.failed(contact.peer_id)
             self._replicas.forget(contact.peer_id)
             return False

@@ -190,16 +190,18 @@ class Turnover:
 
     rate: float = 1.0
     burst: float = 4.0
-    _tokens: float = -1.0  # (full at the first look)
-    _when: float = 0.0
+    _tokens: float = field(init=False)
+    _when: float | None = field(default=None, init=False)  # (None: never looked at; full then)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.burst
 
     def ready(self, now: float) -> bool:
         """Whether a slot may be turned over at ``now`` (seconds)."""
         if self.rate <= 0.0:
             return False
-        if self._tokens < 0.0:
-            self._tokens, self._when = self.burst, now
-        self._tokens = min(self.burst, self._tokens + max(0.0, now - self._when) * self.rate)
+        if self._when is not None:
+            self._tokens = min(self.burst, self._tokens + max(0.0, now - self._when) * self.rate)
         self._when = now
         return self._tokens >= 1.0
 
