@@ -5,7 +5,12 @@ an earlier run): it pings them, asks them to dial it back where it finds out its
 :mod:`~p2ptrain.dht.reachability`), and looks up its own id, which fills its routing table and puts it
 in the tables of the peers near it. Join peers that do not answer are tried again with capped backoff,
 for as long as it takes: a node whose join peers are down still starts, and :attr:`Upkeep.bootstrapped`
-is set once it has joined.
+is set once it has joined. Where a join peer answered "busy" (its inbound slots full: a passing
+refusal, ``errors.passing``), they are tried again every ``BUSY_RETRY`` seconds at most, not on the
+backoff for peers that are down, which grows to 30 s: a full node turns an idle connection over for a
+newcomer about once a second (``net.admission``), and at 128 simulated peers with 48 slots a node the
+late joiners waited out the long backoff (the slowest joined 32 and 66 s after they started, one never
+in 80 s). A refused try costs the refusing node a lingering socket of bounded count (``net.linger``).
 
 Maintenance every ``maintenance_interval``: remember the contacts known (to bootstrap again from when
 the table runs empty, as it does when every peer left or the link went down), ask for a dial-back again
@@ -24,7 +29,7 @@ from collections.abc import Callable
 
 import trio
 
-from ..errors import P2PError
+from ..errors import P2PError, passing
 from ..net.address import PeerAddress
 from .client import Client
 from .config import DHTConfig
@@ -36,6 +41,8 @@ from .routing import Contact
 from .writes import Writer
 
 log = logging.getLogger("p2ptrain.dht.service")  # (one logger for the DHT service: its lines as before)
+
+BUSY_RETRY = 2.0  # the longest wait between joins refused only "busy" (see the module docstring)
 
 
 class Upkeep:
@@ -86,7 +93,7 @@ class Upkeep:
         delay, attempt = 0.5, 0
         while attempts is None or attempt < attempts:
             attempt += 1
-            seeds = await self._contact_seeds(addresses)
+            seeds, busy = await self._contact_seeds(addresses)
             if seeds:
                 if self._me.finds_out:
                     await self._me.check(seeds)
@@ -99,22 +106,28 @@ class Upkeep:
                 )
                 self.bootstrapped.set()
                 return len(self._table)
-            log.info("DHT: no join address answered yet; retrying in %.1f s", delay)
-            await trio.sleep(delay * self._rng.uniform(0.8, 1.2))
+            wait = min(delay, BUSY_RETRY) if busy else delay
+            said = " (busy)" if busy else ""
+            log.info("DHT: no join address answered yet%s; retrying in %.1f s", said, wait)
+            await trio.sleep(wait * self._rng.uniform(0.8, 1.2))
             delay = min(delay * 2, 30.0)
         level = logging.INFO if attempts == 1 else logging.WARNING  # (a retry in maintenance: said quietly)
         log.log(level, "DHT bootstrap failed: none of %d address(es) answered", len(addresses))
         return len(self._table)
 
-    async def _contact_seeds(self, addresses: list[PeerAddress]) -> list[Contact]:
-        """The join addresses that answer a ping, as contacts (added to the routing table)."""
+    async def _contact_seeds(self, addresses: list[PeerAddress]) -> tuple[list[Contact], bool]:
+        """The join addresses that answer a ping, as contacts (added to the routing table), and whether
+        one answered with a passing refusal ("busy": ``errors.passing``), alive and soon to admit us."""
         seeds: list[Contact] = []
+        busy: list[PeerAddress] = []
 
         async def one(addr: PeerAddress) -> None:
             try:
                 contact, observed_host = await self._client.hello(addr)
             except (P2PError, trio.TooSlowError) as e:
                 log.debug("join address %s did not answer: %s", addr, e)
+                if passing(e):
+                    busy.append(addr)
                 return
             self._me.seen_at(observed_host)
             seeds.append(contact)
@@ -123,7 +136,7 @@ class Upkeep:
         async with trio.open_nursery() as nursery:
             for addr in addresses:
                 nursery.start_soon(one, addr)
-        return seeds
+        return seeds, bool(busy)
 
     async def _maintain(self) -> None:
         last_refresh = last_replicate = self._clock()
