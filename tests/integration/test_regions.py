@@ -452,6 +452,73 @@ async def test_a_newcomer_leads_its_region_by_every_record_only_at_its_trusted_p
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_an_anchored_peer_leads_its_region_by_every_record_at_its_trusted_peers_pace(
+    autojump_clock: object, seed: int
+) -> None:
+    """An anchored peer whose trusted peers are elsewhere (the regions are drawn anew each step) leads
+    its region's group by what every record says (``ProgressBoard.leads_by_heard``) exactly where half
+    or more of its trusted peers on the step or past it say their views reached the target or are past
+    it (``paced``); its own view, capped by trust, may never reach the target there. Records of free ids
+    in its region, whatever samples, rates, readiness and anchoring they claim, change nothing of it.
+    Before, such a peer only followed, and a region of them formed no group until their capped views
+    crept to the target (128 simulated peers with 48 slots: a region of 39, 31 anchored, led by nobody
+    for 8 s). Its record says ``ready`` only where its own view reached the target, or it leads so and
+    every record read did. Every outcome is drawn."""
+    rng = random.Random(seed)
+    config = run_config("sync").replace("progress", buckets=4, regions=2)
+    regions = Regions.of(4, 2)
+    async with swarm(config) as s:
+        first, me = await _newcomer(s, regions)
+        partners = [
+            p
+            for p in (Identity.generate().peer_id for _ in range(40))
+            if not regions.together(p, me.node.peer_id, 0)
+        ][:3]
+        me.node.averager.remember_partners(partners)
+        board = me.opt.board
+        assert board.anchored and board.trusted() == {first.node.peer_id, *partners}
+        me.opt.tally.samples = 3
+        mine = me.opt.record()
+        strangers = _ids_of_region(regions, me.node.peer_id, 12)
+        outcomes: set[tuple[bool, bool]] = set()
+        said: set[bool] = set()
+        for _ in range(60):
+            trusted = []
+            for pid in [first.node.peer_id, *rng.sample(partners, rng.randint(0, len(partners)))]:
+                epoch = rng.choice([0, 0, 1])
+                ready = epoch == 0 and rng.random() < 0.5
+                trusted.append(PeerProgress(pid, dataclasses.replace(mine, epoch=epoch, ready=ready)))
+            on = [r.record for r in trusted]
+            done = sum(r.epoch > 0 or r.ready for r in on)
+            paced = done > 0 and 2 * done >= len(on)
+            forged = [
+                PeerProgress(
+                    pid,
+                    dataclasses.replace(
+                        mine,
+                        epoch=rng.choice([0, 0, 0, 1]),
+                        samples=rng.choice([0, 10, 2**40]),
+                        rate=rng.choice([0.0, 1.0, 1e6]),
+                        ready=rng.random() < 0.5,
+                        anchored=rng.random() < 0.5,
+                        averaged=rng.random() < 0.15,
+                    ),
+                )
+                for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
+            ]
+            board.records = [*trusted, *forged]
+            view = board.update_view()
+            leads = board.leads_by_heard(view)
+            assert leads == paced, (leads, paced, on, forged)
+            ready = me.opt.record().ready
+            assert ready == (view.ready or (leads and view.heard >= view.target)), (ready, view)
+            assert not (ready and not paced and not view.ready), (on, forged)
+            outcomes.add((paced, view.ready))
+            said.add(ready)
+        assert {(True, False), (False, False)} <= outcomes and said == {False, True}, (outcomes, said)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_a_regions_target_does_not_move_with_the_step_the_other_regions_are_on(
     autojump_clock: object, seed: int
 ) -> None:

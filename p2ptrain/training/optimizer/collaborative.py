@@ -371,8 +371,8 @@ class CollaborativeOptimizer:
         rate = tally.rate.rate
         batch = min(samples / rate, self.config.averaging.matchmaking_time) if rate > 0 else 0.0
         lead = max(self.board.lead, batch)
-        # (a newcomer of a region only newcomers may lead goes by every record once its trusted peers'
-        # views are done with the step: ``ProgressBoard.leads_by_heard``)
+        # (an anchored peer, or a newcomer of a region only newcomers may lead, goes by every record once
+        # its trusted peers' views are done with the step: ``ProgressBoard.leads_by_heard``)
         near = view.near(lead) or (view.heard_near(lead) and self.board.leads_by_heard(view))
         if near and rounds.follows:
             rounds.promote()  # (its own view reached what its look followed by: it may lead now)
