@@ -103,6 +103,26 @@ def _ids_of_region(regions: Regions, peer: PeerID, n: int) -> list[PeerID]:
     return out
 
 
+def _forged(rng: random.Random, mine: Any, strangers: list[PeerID], *, anchored: float) -> list[PeerProgress]:
+    """Records of some of ``strangers`` (free ids of a peer's region), each claiming drawn samples, rate,
+    readiness, anchoring (with probability ``anchored``) and a taken step, on ``mine``'s run."""
+    return [
+        PeerProgress(
+            pid,
+            dataclasses.replace(
+                mine,
+                epoch=rng.choice([0, 0, 0, 1]),
+                samples=rng.choice([0, 10, 2**40]),
+                rate=rng.choice([0.0, 1.0, 1e6]),
+                ready=rng.random() < 0.5,
+                anchored=rng.random() < anchored,
+                averaged=rng.random() < 0.15,
+            ),
+        )
+        for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
+    ]
+
+
 async def _split(seed: int) -> None:
     rng = random.Random(seed)
     config = run_config("sync").replace("progress", buckets=4, regions=2)
@@ -420,21 +440,7 @@ async def test_a_newcomer_leads_its_region_by_every_record_only_at_its_trusted_p
             joined = rng.choice([0, 0, 1])
             done = joined > 0 or rng.random() < 0.5
             theirs = dataclasses.replace(first.opt.record(), epoch=joined, ready=joined == 0 and done)
-            forged = [
-                PeerProgress(
-                    pid,
-                    dataclasses.replace(
-                        mine,
-                        epoch=rng.choice([0, 0, 0, 1]),
-                        samples=rng.choice([0, 10, 2**40]),
-                        rate=rng.choice([0.0, 1.0, 1e6]),
-                        ready=rng.random() < 0.5,
-                        anchored=rng.random() < 0.15,
-                        averaged=rng.random() < 0.15,
-                    ),
-                )
-                for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
-            ]
+            forged = _forged(rng, mine, strangers, anchored=0.15)
             board.records = [PeerProgress(first.node.peer_id, theirs), *forged]
             view = board.update_view()
             here = [r.record for r in forged]
@@ -491,21 +497,7 @@ async def test_an_anchored_peer_leads_its_region_by_every_record_at_its_trusted_
             on = [r.record for r in trusted]
             done = sum(r.epoch > 0 or r.ready for r in on)
             paced = done > 0 and 2 * done >= len(on)
-            forged = [
-                PeerProgress(
-                    pid,
-                    dataclasses.replace(
-                        mine,
-                        epoch=rng.choice([0, 0, 0, 1]),
-                        samples=rng.choice([0, 10, 2**40]),
-                        rate=rng.choice([0.0, 1.0, 1e6]),
-                        ready=rng.random() < 0.5,
-                        anchored=rng.random() < 0.5,
-                        averaged=rng.random() < 0.15,
-                    ),
-                )
-                for pid in rng.sample(strangers, rng.randint(0, len(strangers)))
-            ]
+            forged = _forged(rng, mine, strangers, anchored=0.5)
             board.records = [*trusted, *forged]
             view = board.update_view()
             leads = board.leads_by_heard(view)
