@@ -901,11 +901,13 @@ class ProgressBoard:
         A newcomer's own view counts the untrusted records for at most as much as itself, so in a region
         of newcomers it never reached the target, and every look there only followed: at 128 simulated
         peers over 8 regions, the first step's largest regions (16 to 23 newcomers) formed no group.
-        What every record says is what free ids can inflate; the pace is not: its trusted peers' own
-        views (each capped by their trust) say when a step's samples are done, and a region's share of
-        the target follows its share of the swarm's rate (``_view``). So records of any number of free
-        ids that claim the target reached make it lead no sooner than its trusted peers' views reached
-        theirs, and those that claim nothing only leave the target to the honest peers' samples."""
+        What every record says is what free ids can inflate; the pace is not: its trusted peers' records
+        say when a step's samples are done (``ready``: their own views, each capped by their trust,
+        reached the target, or they were paced in turn; a chain of paced peers begins at a peer whose
+        own view did), and a region's share of the target follows its share of the swarm's rate
+        (``_view``). So records of any number of free ids that claim the target reached make it lead no
+        sooner than its trusted peers say theirs was, and those that claim nothing only leave the target
+        to the honest peers' samples."""
         return (
             self.regions.split
             and view.epoch == self.tally.epoch

@@ -527,7 +527,7 @@ class RoundRunner:
             )
             # (its window opens when every record read expects the target; so for an anchored peer that
             # leads by it, ``ProgressBoard.leads_by_heard``)
-            by_heard = follows or (anchored and board.regions.split and board.leads_by_heard(view))
+            by_heard = follows or (anchored and board.leads_by_heard(view))
             if follows:  # (until its own view reaches the target: see ``start_matchmaking``)
                 quorum = dataclasses.replace(quorum, leads=False)
             elif board.regions.split and not anchored and view.vouched_here <= 1 and not absent:
