@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from p2ptrain.training.site import bounded
 from p2ptrain.training.site.group import BACKEND_MARKS
-from p2ptrain.training.site.launch import free_port
+from p2ptrain.training.site.launch import host_store
 from p2ptrain.training.site.layout import Run, WireLayout, rows_of
 from p2ptrain.training.site.pieces import PieceChannel
 from p2ptrain.training.site.state import ShardedState
@@ -122,11 +122,10 @@ def run_op(op: str, rank: int, world: int, parts: list[torch.Tensor], folder: Pa
 
 
 def rank_main(rank: int, port: int, folder: str, seed: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT)
-    )
+    wait = datetime.timedelta(seconds=GROUP_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=wait)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=wait)
     where = Path(folder)
     rng = random.Random(seed)
     ops = [rng.choice(OPS) for _ in range(LENGTH)] + ["broadcast"]
@@ -174,7 +173,8 @@ def rank_main(rank: int, port: int, folder: str, seed: int) -> None:
 def test_a_rank_that_hangs_anywhere_holds_rank_0_no_longer_than_its_deadline(
     tmp_path: Path, seed: int
 ) -> None:
-    mp.spawn(rank_main, args=(free_port(), str(tmp_path), seed), nprocs=2, join=True)  # type: ignore[attr-defined,no-untyped-call]
+    store = host_store(2, GROUP_TIMEOUT)
+    mp.spawn(rank_main, args=(store.port, str(tmp_path), seed), nprocs=2, join=True)  # type: ignore[attr-defined,no-untyped-call]
     result = json.loads((tmp_path / "result.json").read_text())
     plan = json.loads((tmp_path / "plan.json").read_text())
     ops, first, second = result["ops"], result["first"], result["second"]

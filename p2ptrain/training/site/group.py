@@ -40,7 +40,6 @@ from torch._C._distributed_c10d import (
 )  # torch.distributed's, where mypy sees their types
 
 from .commands import Commands
-from .launch import free_port
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,6 +71,7 @@ def _worker(
 ) -> None:
     wait = datetime.timedelta(seconds=timeout)
     store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=_rendezvous(timeout))
+    store.set(f"up/{rank}", "")  # (rank 0 joins the group once every rank is here: ``SiteGroup.start``)
     dist.init_process_group(
         backend, store=PrefixStore("pg/", store), rank=rank, world_size=world, timeout=wait
     )
@@ -127,16 +127,16 @@ class SiteGroup:
 
     def start(self) -> None:
         """Spawn the other ranks and join the group with them (rank 0)."""
-        port = free_port()
         wait = datetime.timedelta(seconds=self.timeout)
-        self._store = TCPStore(
+        self._store = TCPStore(  # (on a port the kernel picks and the store holds: see launch.host_store)
             "127.0.0.1",
-            port,
+            0,
             self.world,
             is_master=True,
             timeout=_rendezvous(self.timeout),
             wait_for_workers=False,
         )
+        port = self._store.port
         self.commands = Commands(0, store=self._store)
         ctx = mp.get_context("spawn")
         self.generation += 1
@@ -157,10 +157,27 @@ class SiteGroup:
             )
             p.start()
             self._procs.append(p)
+        self._await_ranks()
         dist.init_process_group(
             self.backend, store=PrefixStore("pg/", self._store), rank=0, world_size=self.world, timeout=wait
         )
         self.up = True
+
+    def _await_ranks(self) -> None:
+        """Wait until every rank's process reached the store (up to :data:`START_WAIT`): gloo's join
+        waits for the other ranks only as long as the group's timeout, and a rank spawned on a busy host
+        took longer than that to import torch (a test's 15 s group failed to start: "wait timeout after
+        15000ms"). A rank whose process ended meanwhile fails the start at once."""
+        assert self._store is not None
+        keys = [f"up/{rank}" for rank in range(1, self.world)]
+        end = time.monotonic() + START_WAIT
+        while not self._store.check(keys):
+            gone = self.dead()
+            if gone is not None:
+                raise RuntimeError(f"the site's group did not start: {gone}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"the site's ranks did not start within {START_WAIT:g} s")
+            time.sleep(0.05)
 
     def call(self, action: Callable[[], T]) -> T:
         """``action()`` (collectives of the site); :class:`GroupRestarted` if the group broke meanwhile."""

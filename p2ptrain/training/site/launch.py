@@ -14,7 +14,6 @@ import datetime
 import faulthandler
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -52,11 +51,20 @@ def backend_for(device: str | None = None) -> str:
     return "nccl" if kind.startswith("cuda") else "gloo"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def host_store(world: int, timeout: float) -> TCPStore:
+    """The site's rendezvous store, hosted by the launcher on a port the kernel picks and the store holds
+    from then on; ranks join it as clients (``store.port``). A port found free and let go before a rank
+    bound it could be taken in between (an outgoing connection's ephemeral port, another test's
+    listener): a spawned site's rank 0 then failed with EADDRINUSE (one CI run). The caller keeps the
+    store until its ranks are done."""
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
 
 
 def init_from_env(timeout: float = 600.0, device: str | None = None) -> tuple[int, int]:
@@ -109,6 +117,8 @@ def _entry(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
+        # (the launcher hosts the store, as torchrun's agent does: every rank joins it as a client)
+        TORCHELASTIC_USE_AGENT_STORE=str(True),
     )
     faulthandler.enable()  # a rank that crashes in C++ prints where its Python was
     init_from_env(timeout, device)
@@ -152,4 +162,5 @@ def spawn(
     "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)."""
     if world < 1:
         raise ValueError("a site has at least one rank")
-    mp.spawn(_entry, args=(fn, world, free_port(), timeout, device, args), nprocs=world, join=True)  # type: ignore[attr-defined,no-untyped-call]
+    store = host_store(world, timeout)  # (held here until every rank is done)
+    mp.spawn(_entry, args=(fn, world, store.port, timeout, device, args), nprocs=world, join=True)  # type: ignore[attr-defined,no-untyped-call]
