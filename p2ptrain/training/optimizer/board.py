@@ -163,7 +163,7 @@ class ProgressBoard:
         self._published: ProgressRecord | None = None  # the last record that went out
         self._publishing = 0  # overdue records being sent in the background (see ``_send``)
         self._records_read = trio.Event()
-        self._asked_at = -math.inf  # when the replicas were last read (see _ask_replicas)
+        self._asked_at = -math.inf  # when the replicas were last read (see asks_replicas)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -341,7 +341,7 @@ class ProgressBoard:
             # Woken by a record that arrived (stored here as a replica, or offered): it is held already,
             # and the reads that may ask the replicas keep their own pace.
             due = now or trio.current_time() >= next_read
-            network = due and self._ask_replicas()
+            network = due and self.asks_replicas()
             if due and not network:  # (a read of the replicas pulls first itself)
                 await self._pull(self._pull_from())
             await self.refresh(network=network)
@@ -399,7 +399,7 @@ class ProgressBoard:
             return interval
         return min(max(interval, (view.eta - self.lead) / 4), self._heartbeat)
 
-    def _ask_replicas(self) -> bool:
+    def asks_replicas(self) -> bool:
         """Whether the next read asks the DHT's replicas, or reads what this peer holds: its last read,
         and the records its partners offered it since (each peer sends its new records to the peers
         it trains with, see ``_offer_to``). The replicas are asked once a record's life (``ttl``: a
@@ -573,7 +573,7 @@ class ProgressBoard:
 
     async def refresh(self, *, network: bool = True) -> None:
         """Read the swarm's progress records, every bucket's (signatures checked by the DHT; malformed
-        ones skipped); ``network=False``: those this peer holds (see ``_ask_replicas``), asking nobody."""
+        ones skipped); ``network=False``: those this peer holds (see ``asks_replicas``), asking nobody."""
         if network:
             # first the newer records a partner holds, then the replicas (what is left)
             read = await self._read_keys()
