@@ -58,7 +58,6 @@ def rank0(folder: str, world: int, late: list[float], exit_code: int) -> None:
         group.start()
     except Exception as e:
         out.write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "s": time.monotonic() - began}))
-        group._teardown()
         os._exit(0)
     t = torch.tensor([0.0])
     group.call(lambda: dist.all_reduce(t))

@@ -157,7 +157,11 @@ class SiteGroup:
             )
             p.start()
             self._procs.append(p)
-        self._await_ranks()
+        try:
+            self._await_ranks()
+        except BaseException:
+            self._teardown()  # (the ranks that did start are not left running)
+            raise
         dist.init_process_group(
             self.backend, store=PrefixStore("pg/", self._store), rank=0, world_size=self.world, timeout=wait
         )
